@@ -1,0 +1,5 @@
+import sys
+
+from prefixroute.cli import main
+
+sys.exit(main())

@@ -1,0 +1,113 @@
+"""Settings of the routing core (request parsing, hashing, prefix index, scheduler)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from prefixroute.settings import Settings, setting
+
+POLICIES: tuple[str, ...] = ("prefix", "consistent-hash", "least-load", "round-robin", "random")
+"""Policy names accepted by `RoutingSettings.policy` (see routing/scheduling/policies.py)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSettings(Settings):
+    """How requests are understood, hashed and assigned to endpoints. Immutable; validated on construction."""
+
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_"
+    TITLE: ClassVar[str] = "Routing"
+
+    policy: str = setting(
+        "prefix",
+        "Scheduling policy: prefix (prefix affinity + load, default), consistent-hash (rendezvous hash of the "
+        "prompt prefix only, no load), least-load, round-robin, random. The last four exist for comparison.")
+    block_chars: int = setting(
+        64,
+        "Characters of canonical prompt text per router block. 64 = 16 tokens x ~4 characters per token, the "
+        "size of a vLLM KV block, so one router block approximates one cached KV block.")
+    max_blocks: int = setting(
+        256,
+        "Most blocks hashed per request (the prompt beyond max_blocks x block_chars = 16 KiB by default is "
+        "ignored). Bounds per-request work: a 1 MB prompt costs about what a 16 KB one does beyond JSON "
+        "parsing, while 16 KiB (~4k tokens) still tells long shared system prompts apart.")
+    chars_per_token: float = setting(
+        4.0,
+        "Average characters per token, used to convert an endpoint's scraped KV capacity (tokens) into router "
+        "blocks for its prefix-index LRU. ~4 for English text with Llama-style tokenizers.")
+    prefix_weight: float = setting(
+        3.0,
+        "Weight of the prefix scorer (matched leading blocks / blocks hashed). Larger than each load weight so "
+        "a full prefix match beats an idle endpoint until the concurrency threshold spills it (GIE uses 3).")
+    load_weight: float = setting(
+        2.0,
+        "Weight of the in-flight scorer (1 - in_flight / concurrency_threshold): the router's own counts, "
+        "exact and up to date, unlike scraped metrics.")
+    queue_weight: float = setting(
+        2.0,
+        "Weight of the queue scorer (1 - waiting / queue_scale, scraped num_requests_waiting); GIE uses 2.")
+    kv_weight: float = setting(
+        1.0,
+        "Weight of the KV-cache scorer (1 - kv_cache_usage_ratio, scraped). Lower than the others: high KV "
+        "usage is normal for a server with a warm prefix cache.")
+    queue_scale: int = setting(
+        16,
+        "Waiting requests at which the queue scorer reaches 0. 16 waiting requests on a vLLM server means "
+        "seconds of queueing delay: such an endpoint should look as bad as possible on this signal.")
+    concurrency_threshold: int = setting(
+        32,
+        "In-flight requests (counted by this router) at or above which an endpoint is not chosen for prefix "
+        "affinity or cold placement while another eligible endpoint is under it (like SageMaker's "
+        "ConcurrencyThreshold). 32 is about where vLLM batches on one GPU stop gaining throughput for 8B-70B "
+        "models; the hot prefix then spills to a second endpoint, which the prefix index then also records.")
+    cold_key_blocks: int = setting(
+        4,
+        "A prefix seen nowhere is placed by rendezvous hashing on the chained hash of its first "
+        "cold_key_blocks blocks (256 characters by default): requests sharing a system prompt of at least "
+        "that length converge on one endpoint, while prompts that differ within it spread out.")
+    num_fallbacks: int = setting(
+        2,
+        "Fallback endpoints listed after the primary (Envoy tries them in order when the primary refuses the "
+        "connection). 2 survives one dead endpoint plus one more without a client-visible error.")
+    tenant_header: str = setting(
+        "x-prefixroute-tenant",
+        "Request header (lower case) naming the tenant. Its value salts the block hashes so tenants never "
+        "share routing state; the body field prompt_cache_key salts them further. Empty = header ignored.")
+    max_body_bytes: int = setting(
+        8 * 1024 * 1024,
+        "Largest request body accepted; larger ones get 413. 8 MiB holds a 128k-token prompt (~0.5 MB) many "
+        "times over plus a few base64 images, while bounding what the router buffers per request.")
+    default_index_capacity_blocks: int = setting(
+        31250,
+        "Prefix-index LRU capacity (router blocks) per endpoint until its KV capacity is scraped from "
+        "vllm:cache_config_info: 31,250 blocks x 16 tokens = 500k tokens, the KV cache of an 80 GB-class GPU "
+        "serving an 8B model (the figure GIE uses).")
+    rng_seed: int | None = setting(
+        None,
+        "Seed of the random generator used for tie breaks and the random policy; unset = from the OS. Set it "
+        "to replay a benchmark exactly.")
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        for name in ("block_chars", "max_blocks", "concurrency_threshold", "cold_key_blocks", "queue_scale",
+                     "max_body_bytes", "default_index_capacity_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.num_fallbacks < 0:
+            raise ValueError(f"num_fallbacks must be >= 0; got {self.num_fallbacks}")
+        if self.chars_per_token <= 0:
+            raise ValueError(f"chars_per_token must be > 0; got {self.chars_per_token}")
+        for name in ("prefix_weight", "load_weight", "queue_weight", "kv_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters of canonical text that can contribute to the hashes (max_blocks x block_chars)."""
+        return self.max_blocks * self.block_chars
+
+    @property
+    def tokens_per_block(self) -> float:
+        """Tokens one router block stands for (block_chars / chars_per_token)."""
+        return self.block_chars / self.chars_per_token
