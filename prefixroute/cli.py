@@ -25,6 +25,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("prefixroute.extproc.gateway", "Run Envoy + the ext_proc service in front of given endpoints."),
     "overhead-bench": ("prefixroute.extproc.overhead_bench", "Measure Envoy with vs without ext_proc."),
     "telemetry": ("prefixroute.telemetry.cli", "OTLP receiver + request store (`telemetry dump` prints records)."),
+    "dashboard": ("prefixroute.dashboard.cli", "Serve the live Streamlit dashboard of hit rates, TTFT and load."),
+    "up": ("prefixroute.stack.cli", "Run the whole local stack: Envoy, ext_proc, model servers, telemetry, dashboard."),
+    "traffic": ("prefixroute.stack.traffic", "Send a steady demo load through the gateway until stopped."),
     "bench": ("prefixroute.bench.cli", "Benchmark routers and policies on workloads or traces."),
 }
 

@@ -34,19 +34,16 @@ def hash_blocks(text: str, seed: BlockHash, block_chars: int, max_blocks: int) -
     if block_chars < 1:
         raise ValueError("block_chars must be >= 1")
     n = min(len(text) // block_chars, max_blocks)
-    out: list[BlockHash] = []
     if n <= 0:
-        return out
+        return []
     h = seed
-    if text.isascii():
-        # One encode of the bounded prefix, then byte slices: same bytes as per-block encoding, fewer calls.
-        data = text[: n * block_chars].encode("ascii")
-        for start in range(0, n * block_chars, block_chars):
-            h = _xxh3(data[start:start + block_chars], h)
-            out.append(h)
-        return out
-    for start in range(0, n * block_chars, block_chars):
-        # surrogatepass: JSON may carry lone surrogates ("\ud800"); they must hash, not raise.
-        h = _xxh3(text[start:start + block_chars].encode("utf-8", "surrogatepass"), h)
-        out.append(h)
-    return out
+    end = n * block_chars
+    prefix = text[:end]  # never read (or copy) beyond the hashed part
+    if prefix.isascii():
+        # One encode, then byte slices: the same bytes as per-block encoding, fewer calls.
+        # h := carries the chain from block to block.
+        data = prefix.encode("ascii")
+        return [h := _xxh3(data[i:i + block_chars], h) for i in range(0, end, block_chars)]
+    # surrogatepass: a lone surrogate in the text must hash, not raise.
+    return [h := _xxh3(prefix[i:i + block_chars].encode("utf-8", "surrogatepass"), h)
+            for i in range(0, end, block_chars)]

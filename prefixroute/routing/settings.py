@@ -65,6 +65,12 @@ class RoutingSettings(Settings):
         "A prefix seen nowhere is placed by rendezvous hashing on the chained hash of its first "
         "cold_key_blocks blocks (256 characters by default): requests sharing a system prompt of at least "
         "that length converge on one endpoint, while prompts that differ within it spread out.")
+    max_scored_endpoints: int = setting(
+        32,
+        "Most endpoints scored per decision: every endpoint holding part of the prompt's prefix, plus a random "
+        "sample of the others up to this many (power-of-d choices). Keeps decision time flat as the pool grows "
+        "to hundreds of endpoints while the least-loaded of 32 random endpoints is nearly as good as the "
+        "least-loaded of all. 0 = score every endpoint.")
     num_fallbacks: int = setting(
         2,
         "Fallback endpoints listed after the primary (Envoy tries them in order when the primary refuses the "
@@ -94,6 +100,8 @@ class RoutingSettings(Settings):
                      "max_body_bytes", "default_index_capacity_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.max_scored_endpoints < 0:
+            raise ValueError(f"max_scored_endpoints must be >= 0; got {self.max_scored_endpoints}")
         if self.num_fallbacks < 0:
             raise ValueError(f"num_fallbacks must be >= 0; got {self.num_fallbacks}")
         if self.chars_per_token <= 0:

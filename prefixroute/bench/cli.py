@@ -1,0 +1,131 @@
+"""`prefixroute bench`: compare routers and policies on a workload or a trace; write results and plots.
+
+Examples::
+
+    prefixroute bench --workload shared-prompts --routers prefixroute:random,prefixroute:prefix --servers 4 \\
+        --out bench-out
+    prefixroute bench --trace trace.jsonl --trace-stop 300 --trace-time-scale 0.5 --max-output-tokens 64 --out out
+    prefixroute bench --virtual --trace trace.jsonl --servers 64 --out out-virtual
+
+Output: DIR/results.json, DIR/report.md, DIR/ttft_cdf.png, DIR/hit_ratio.png, DIR/endpoint_share.png and
+DIR/logs/ (one log per process). Exit code 0 when every requested router ran, 1 when one was skipped or
+every request of a run failed, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from prefixroute import settings as settings_mod
+from prefixroute.bench import report, workloads
+from prefixroute.bench.settings import BenchSettings
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    settings_mod.add_arguments(parser, BenchSettings)
+
+
+def build_workload(s: BenchSettings) -> workloads.Workload:
+    """The workload the settings describe, arrivals applied. Raises ValueError / TraceFormatError / OSError."""
+    if s.trace:
+        if s.trace_block_tokens < 1:
+            raise ValueError("--trace-block-tokens must be >= 1")
+        recs = workloads.load_trace(s.trace, s.trace_block_tokens)
+        slice_params = {"trace_start": s.trace_start, "trace_stop": s.trace_stop or None,
+                        "trace_start_s": s.trace_start_s or None, "trace_end_s": s.trace_end_s or None}
+        recs = workloads.slice_trace(recs, start=s.trace_start, stop=s.trace_stop or None,
+                                     start_s=s.trace_start_s or None, end_s=s.trace_end_s or None)
+        if not recs:
+            raise ValueError("the trace slice is empty (check --trace-start/--trace-stop/--trace-*-s)")
+        wl = workloads.trace_workload(recs, seed=s.seed, time_scale=s.trace_time_scale,
+                                      max_output_tokens=s.max_output_tokens or None, source=Path(s.trace).name,
+                                      block_tokens=s.trace_block_tokens, slice_params=slice_params)
+    else:
+        wl = workloads.make_workload(s.workload, num_requests=s.num_requests, seed=s.seed,
+                                     output_tokens=s.output_tokens, prefix_tokens=s.prefix_tokens,
+                                     num_groups=s.num_groups, question_tokens=s.question_tokens,
+                                     num_sessions=s.num_sessions, num_turns=s.num_turns,
+                                     document_tokens=s.document_tokens, num_documents=s.num_documents)
+    arrival = s.arrival if s.arrival != "auto" else ("trace" if s.trace else "poisson")
+    if arrival not in ("trace", "poisson", "closed"):
+        raise ValueError(f"--arrival must be auto, trace, poisson or closed; got {s.arrival!r}")
+    wl = workloads.apply_arrivals(wl, arrival, rate_rps=s.rate_rps, seed=s.seed)  # type: ignore[arg-type]
+    if arrival == "closed":
+        wl = workloads.Workload(wl.name, {**wl.params, "concurrency": s.concurrency}, wl.requests)
+    elif arrival == "trace":
+        wl = workloads.Workload(wl.name, {**wl.params, "arrival": "trace"}, wl.requests)
+    return wl
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        s = settings_mod.from_namespace(BenchSettings, args)
+        from prefixroute.bench.runner import parse_router
+
+        for r in s.routers:
+            parse_router(r)
+        if s.servers < 1:
+            raise ValueError("--servers must be >= 1")
+        wl = build_workload(s)
+    except (ValueError, OSError) as exc:
+        _log(f"prefixroute bench: error: {exc}")
+        return 2
+    from prefixroute.bench.upper_bound import upper_bound
+
+    bound = upper_bound(wl)
+    _log(f"workload {wl.name}: {len(wl.requests)} requests, upper bound hit ratio {bound.hit_ratio:.3f}")
+    out = Path(s.out)
+    command = "prefixroute bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
+    if s.virtual:
+        from prefixroute.bench import virtual
+
+        try:
+            doc, ttfts = virtual.run_virtual(wl, bound.hit_ratio, s.routers, num_servers=s.servers,
+                                             profile=s.profile, seed=s.seed, concurrency=s.concurrency,
+                                             server_args=s.server_args, log=_log)
+        except virtual.VirtualFleetUnavailable as exc:
+            _log(f"prefixroute bench: --virtual is not available: {exc}")
+            return 1
+    else:
+        from prefixroute.bench.runner import FleetConfig, run_bench
+
+        fleet = FleetConfig(s.servers, s.profile, s.server_args, s.startup_timeout_s)
+        doc, ttfts = run_bench(wl, bound.hit_ratio, s.routers, fleet, out, log=_log, seed=s.seed,
+                               concurrency=s.concurrency, max_connections=s.max_connections,
+                               request_timeout_s=s.request_timeout_s, max_duration_s=s.max_duration_s,
+                               gateway_args=s.gateway_args, progress=s.progress)
+    files = report.write_outputs(out, doc, ttfts, command=command)
+    print(report.render_markdown(doc, command).split("Plots:")[0].rstrip())
+    _log("wrote " + ", ".join(str(p) for p in files.values()))
+    if s.overhead:
+        overhead_ok = run_overhead(out / "overhead.txt")
+    else:
+        overhead_ok = True
+    failed = [r["router"] for r in doc["runs"] if r["requests"] and r["errors"] == r["requests"]]
+    if failed:
+        _log(f"every request failed for: {', '.join(failed)} (see {out / 'logs'})")
+    # A peer router skipped by --virtual is expected; one that is missing or failed in a real run is not.
+    return 1 if (doc.get("skipped") and not s.virtual) or failed or not doc["runs"] or not overhead_ok else 0
+
+
+def run_overhead(path: Path) -> bool:
+    """Run `prefixroute overhead-bench` (the extproc component's measurement) with its defaults; its output,
+    figures and ratios, goes to `path` and to stdout. True if it succeeded."""
+    import subprocess
+
+    from prefixroute.bench.processes import prefixroute_argv
+
+    _log("measuring router overhead (prefixroute overhead-bench) ...")
+    proc = subprocess.run(prefixroute_argv("overhead-bench"), capture_output=True, text=True)
+    path.write_text(proc.stdout + (f"\n[stderr]\n{proc.stderr}" if proc.returncode else ""))
+    print(proc.stdout)
+    if proc.returncode:
+        _log(f"overhead-bench failed with code {proc.returncode}: {proc.stderr[-500:]}")
+    return proc.returncode == 0

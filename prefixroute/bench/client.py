@@ -1,0 +1,237 @@
+"""Asynchronous streaming OpenAI client that replays a workload and measures every request.
+
+Per request: TTFT (send -> first non-empty content chunk), inter-token latencies (gaps between content
+chunks: a chunk carrying several tokens counts as one gap, as vLLM's benchmark does), end-to-end
+latency, prompt/completion/cached tokens from the final ``usage`` chunk (``stream_options.include_usage``),
+the serving endpoint (``x-gateway-destination-endpoint-served`` if the gateway set it, else the
+server's ``x-prefixroute-server-id``) and the HTTP status / error.
+
+Sending: one aiohttp session with keep-alive and a connection limit. Open loop (requests with
+``arrival_s``): each request is sent at its arrival time, never earlier than the end of its
+``after_index`` request. Closed loop (no arrival times): `concurrency` workers take requests in order.
+Bounds: `max_requests` (first N of the sequence) and `max_duration_s` (no request starts after it;
+requests still in flight then are cancelled and recorded as errors ``deadline``).
+
+Latencies are measured with ``time.perf_counter`` in the event loop, so they include the client's own
+scheduling delay; keep the client on an otherwise idle loop (the runner does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
+
+import orjson
+
+from prefixroute.bench.workloads import RequestSpec
+
+if TYPE_CHECKING:  # aiohttp is imported when a run starts: results/virtual mode work without it
+    import aiohttp
+
+SERVED_HEADER = "x-gateway-destination-endpoint-served"
+SERVER_ID_HEADER = "x-prefixroute-server-id"
+
+
+@dataclasses.dataclass(slots=True)
+class RequestResult:
+    """What one request measured. Times in ms; `start_s` is seconds from the run start."""
+
+    index: int
+    group_id: str = ""
+    start_s: float = 0.0
+    status: int = 0  # HTTP status; 0 = no response (connect error, timeout, deadline)
+    error: str | None = None
+    ttft_ms: float | None = None
+    itl_ms: list[float] = dataclasses.field(default_factory=list)
+    e2e_ms: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None  # None = the server did not report prompt_tokens_details
+    endpoint: str | None = None
+    send_lag_ms: float | None = None  # open loop, no dependency: actual send - scheduled arrival (client lag)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200
+
+
+class Progress:
+    """A plain-text progress bar on a stream (stderr): redrawn in place on a TTY, a line every 5 s else."""
+
+    def __init__(self, total: int, label: str = "", stream: TextIO | None = None, enabled: bool = True) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.done = 0
+        self.errors = 0
+        self.t0 = time.perf_counter()
+        self._last = 0.0
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def update(self, ok: bool) -> None:
+        self.done += 1
+        self.errors += 0 if ok else 1
+        now = time.perf_counter()
+        if self.enabled and (now - self._last >= (0.2 if self._tty else 5.0) or self.done == self.total):
+            self._last = now
+            self.draw()
+
+    def line(self) -> str:
+        width = 30
+        filled = int(width * self.done / self.total)
+        elapsed = time.perf_counter() - self.t0
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        return (f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                f"err {self.errors} {rate:.1f} req/s {elapsed:.0f}s")
+
+    def draw(self) -> None:
+        self.stream.write(("\r" if self._tty else "") + self.line() + ("" if self._tty else "\n"))
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            if self.done != self.total:  # update() already drew the final state otherwise
+                self.draw()
+            if self._tty:
+                self.stream.write("\n")
+            self.stream.flush()
+
+
+async def send_one(session: "aiohttp.ClientSession", base_url: str, spec: RequestSpec, model: str,
+                   t_run0: float, timeout_s: float) -> RequestResult:
+    """Send one streaming request and measure it. Never raises (except CancelledError)."""
+    import aiohttp
+
+    res = RequestResult(index=spec.index, group_id=spec.group_id)
+    body = orjson.dumps(spec.body(model))
+    t0 = time.perf_counter()
+    res.start_s = t0 - t_run0
+    last = None
+    try:
+        async with session.post(base_url + spec.path, data=body, headers={"content-type": "application/json"},
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            res.status = resp.status
+            res.endpoint = resp.headers.get(SERVED_HEADER) or resp.headers.get(SERVER_ID_HEADER)
+            if resp.status != 200:
+                text = await resp.text()
+                res.error = f"http {resp.status}: {text[:200]}"
+                return res
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = orjson.loads(data)
+                if "error" in chunk:
+                    res.error = f"stream error: {str(chunk['error'])[:200]}"
+                    break
+                for choice in chunk.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                    if piece:
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft_ms = (now - t0) * 1000.0
+                        else:
+                            res.itl_ms.append((now - last) * 1000.0)
+                        last = now
+                usage = chunk.get("usage")
+                if usage:
+                    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    res.completion_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        res.cached_tokens = int(details["cached_tokens"])
+            res.e2e_ms = (time.perf_counter() - t0) * 1000.0
+            if res.error is None and res.ttft_ms is None:
+                res.error = "no content in stream"
+    except asyncio.TimeoutError:
+        res.error = f"timeout after {timeout_s:g}s"
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        res.error = f"{exc.__class__.__name__}: {exc}"[:300]
+    return res
+
+
+async def run_workload(base_url: str, requests: Sequence[RequestSpec], *, model: str, concurrency: int = 16,
+                       max_connections: int = 1024, timeout_s: float = 600.0, max_duration_s: float = 3600.0,
+                       progress: Progress | None = None) -> list[RequestResult]:
+    """Replay `requests` against `base_url` (``http://host:port``); results in request order.
+
+    Requests that never started (duration bound hit) are absent from the result; those cancelled in
+    flight at the deadline are present with error ``deadline``. Dependencies (`after_index`) outside
+    `requests` are ignored.
+    """
+    import aiohttp
+
+    if concurrency < 1 or max_connections < 1:
+        raise ValueError("concurrency and max_connections must be >= 1")
+    done_events = {r.index: asyncio.Event() for r in requests}
+    results: dict[int, RequestResult] = {}
+    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=max_connections, keepalive_timeout=60)
+    t_run0 = time.perf_counter()
+    deadline = t_run0 + max_duration_s
+
+    async def one(spec: RequestSpec) -> None:
+        dep = spec.after_index
+        if dep is not None and dep in done_events:
+            await done_events[dep].wait()
+        if time.perf_counter() >= deadline:
+            done_events[spec.index].set()
+            return
+        start_s = time.perf_counter() - t_run0
+        try:
+            res = await send_one(session, base_url, spec, model, t_run0, timeout_s)
+        except asyncio.CancelledError:
+            results[spec.index] = RequestResult(index=spec.index, group_id=spec.group_id, start_s=start_s,
+                                                error="deadline")
+            raise
+        if spec.arrival_s is not None and spec.after_index is None:
+            res.send_lag_ms = (res.start_s - spec.arrival_s) * 1000.0
+        results[spec.index] = res
+        done_events[spec.index].set()
+        if progress:
+            progress.update(res.ok)
+
+    async def open_loop() -> None:
+        tasks = []
+        for spec in sorted(requests, key=lambda r: (r.arrival_s or 0.0, r.index)):
+            delay = t_run0 + (spec.arrival_s or 0.0) - time.perf_counter()
+            if t_run0 + (spec.arrival_s or 0.0) >= deadline:
+                break
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(spec)))
+        if tasks:
+            await asyncio.gather(*tasks)
+
+    async def closed_loop() -> None:
+        it = iter(sorted(requests, key=lambda r: r.index))
+
+        async def worker() -> None:
+            for spec in it:  # shared iterator: each request is taken by exactly one worker
+                if time.perf_counter() >= deadline:
+                    return
+                await one(spec)
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)) or 1)))
+
+    timed = any(r.arrival_s is not None for r in requests)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        main = asyncio.create_task(open_loop() if timed else closed_loop())
+        try:
+            await asyncio.wait_for(asyncio.shield(main), timeout=max(0.0, deadline - time.perf_counter()))
+        except asyncio.TimeoutError:
+            main.cancel()
+            try:
+                await main
+            except asyncio.CancelledError:
+                pass
+    if progress:
+        progress.close()
+    return [results[i] for i in sorted(results)]

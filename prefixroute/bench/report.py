@@ -1,0 +1,211 @@
+"""Write a bench run's outputs: results.json, report.md (table + ratios vs random) and PNG plots.
+
+Plots use matplotlib's Agg backend (no display): ``ttft_cdf.png`` (TTFT CDF per router),
+``hit_ratio.png`` (hit ratio per router with the upper bound as a line) and ``endpoint_share.png``
+(share of requests per endpoint per router, with the fair share as a line). The per-request TTFTs for
+the CDF come from the caller (results.json keeps only percentiles).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+PLOT_FILES = ("ttft_cdf.png", "hit_ratio.png", "endpoint_share.png")
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def baseline_run(runs: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The run to compare against: our gateway's random policy, else any router named ``*random``."""
+    for name in ("prefixroute:random",):
+        for r in runs:
+            if r["router"] == name:
+                return r
+    return next((r for r in runs if r["router"].endswith("random")), None)
+
+
+def target_checks(doc: Mapping[str, Any], ours: str = "prefixroute:prefix") -> list[tuple[str, str, bool]]:
+    """Issue 7's targets for `ours`, as (target, measured, met). Only the targets this document can judge:
+    vs random (P50 TTFT at least 80% lower, hit ratio above 90% of the upper bound, no endpoint above 1.5x its
+    fair share) and vs sglang-router (hit ratio and P90 TTFT at least as good)."""
+    runs = {r["router"]: r for r in doc["runs"]}
+    me = runs.get(ours)
+    if me is None:
+        return []
+    out: list[tuple[str, str, bool]] = []
+    base = baseline_run(doc["runs"])
+    if base is not None and base is not me and me["ttft_ms"]["p50"] is not None and base["ttft_ms"]["p50"]:
+        r = me["ttft_ms"]["p50"] / base["ttft_ms"]["p50"]
+        out.append(("P50 TTFT at least 80% below random", f"{(r - 1):+.0%} ({r:.2f}x)", r <= 0.2))
+    ub = doc.get("upper_bound_hit_ratio")
+    if ub and me["hit_ratio"] is not None:
+        out.append(("hit ratio above 90% of the upper bound", f"{me['hit_ratio'] / ub:.0%}",
+                    me["hit_ratio"] >= 0.9 * ub))
+    share = (me.get("extra") or {}).get("max_share_over_fair")
+    if share is not None:
+        out.append(("no endpoint above 1.5x its fair share", f"{share:.2f}x", share <= 1.5))
+    peer = runs.get("sglang-router")
+    if peer is not None:
+        if me["hit_ratio"] is not None and peer["hit_ratio"] is not None:
+            out.append(("hit ratio at least sglang-router's", f"{me['hit_ratio']:.3f} vs {peer['hit_ratio']:.3f}",
+                        me["hit_ratio"] >= peer["hit_ratio"]))
+        if me["ttft_ms"]["p90"] is not None and peer["ttft_ms"]["p90"] is not None:
+            out.append(("P90 TTFT at most sglang-router's",
+                        f"{me['ttft_ms']['p90']:.1f} vs {peer['ttft_ms']['p90']:.1f} ms",
+                        me["ttft_ms"]["p90"] <= peer["ttft_ms"]["p90"]))
+    return out
+
+
+def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
+    """report.md: workload, upper bound, one table row per run, ratios vs random where present."""
+    wl = doc["workload"]
+    ub = doc.get("upper_bound_hit_ratio")
+    runs = doc["runs"]
+    base = baseline_run(runs)
+    lines = ["# Benchmark report", ""]
+    if command:
+        lines += ["Command:", "", "```", command, "```", ""]
+    params = ", ".join(f"{k}={v}" for k, v in wl.items() if not isinstance(v, (dict, list)))
+    lines += [f"Workload: {params}", "",
+              f"Upper bound (one infinite cache): hit ratio {_fmt(ub, 3)}", ""]
+    lines.append("| router | requests | errors | hit ratio | of upper bound | TTFT p50 ms | p90 | p99 | "
+                 "ITL p50 ms | p99 | E2E p50 ms | p99 | req/s | max share / fair | TTFT p50 vs random | "
+                 "TTFT p90 vs random |")
+    lines.append("| --- " * 16 + "|")
+    for r in runs:
+        t, i, e = r["ttft_ms"], r["itl_ms"], r["e2e_ms"]
+        hr = r["hit_ratio"]
+        of_ub = f"{hr / ub:.0%}" if hr is not None and ub else "-"
+        max_share = (r.get("extra") or {}).get("max_share_over_fair")
+        vs50 = _ratio(t["p50"], base["ttft_ms"]["p50"]) if base is not None else "-"
+        vs90 = _ratio(t["p90"], base["ttft_ms"]["p90"]) if base is not None else "-"
+        lines.append(f"| {r['router']} | {r['requests']} | {r['errors']} | {_fmt(hr, 3)} | {of_ub} | "
+                     f"{_fmt(t['p50'])} | {_fmt(t['p90'])} | {_fmt(t['p99'])} | {_fmt(i['p50'], 2)} | "
+                     f"{_fmt(i['p99'], 2)} | {_fmt(e['p50'])} | {_fmt(e['p99'])} | {_fmt(r['throughput_rps'], 2)} | "
+                     f"{_fmt(max_share, 2)} | {vs50} | {vs90} |")
+    lines += ["", "hit ratio = server-reported cached prompt tokens / prompt tokens; max share / fair = the "
+              "busiest endpoint's share of requests over 1/num_endpoints; ratios < 1 are better than random.", ""]
+    checks = target_checks(doc)
+    if checks:
+        lines += ["Issue 7 targets for prefixroute:prefix (the 80%-below-random target applies at a load where "
+                  "random routing queues):", "", "| target | measured | met |", "| --- | --- | --- |"]
+        lines += [f"| {t} | {m} | {'yes' if ok else 'NO'} |" for t, m, ok in checks] + [""]
+    skipped = doc.get("skipped") or {}
+    if skipped:
+        lines += ["Skipped routers:", ""] + [f"- {k}: {v}" for k, v in skipped.items()] + [""]
+    lines += ["Plots: " + ", ".join(f"![{p}]({p})" for p in PLOT_FILES), ""]
+    return "\n".join(lines)
+
+
+def plot(out_dir: Path, doc: Mapping[str, Any], ttfts_ms: Mapping[str, Sequence[float]]) -> list[Path]:
+    """Write the three PNGs; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = doc["runs"]
+    names = [r["router"] for r in runs]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        vals = np.sort(np.asarray(ttfts_ms.get(name, ()), dtype=float))
+        if len(vals):
+            ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=name)
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF per router")
+    if any(len(v) for v in ttfts_ms.values()):
+        ax.set_xscale("log")
+        ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    paths.append(out_dir / PLOT_FILES[0])
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ratios = [(r["hit_ratio"] or 0.0) * 100 for r in runs]
+    ax.bar(range(len(names)), ratios, color="tab:blue")
+    ub = doc.get("upper_bound_hit_ratio")
+    if ub is not None:
+        ax.axhline(ub * 100, color="tab:red", linestyle="--", label=f"upper bound {ub * 100:.1f}%")
+        ax.legend(fontsize=8)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("prefix-cache hit ratio (% of prompt tokens)")
+    ax.set_ylim(0, 100)
+    ax.set_title("KV-cache hit ratio per router")
+    paths.append(out_dir / PLOT_FILES[1])
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    endpoints = sorted({e for r in runs for e in r["endpoint_share"]})
+    if len(endpoints) > 16:
+        # Too many bars to read: per router, the shares sorted from busiest to idlest endpoint.
+        for r in runs:
+            shares = sorted(r["endpoint_share"].values(), reverse=True)
+            ax.plot(range(1, len(shares) + 1), [v * 100 for v in shares], label=r["router"])
+        ax.axhline(100 / len(endpoints), color="black", linestyle=":", label="fair share")
+        ax.set_xlabel("endpoint rank (busiest first)")
+        ax.set_ylabel("share of requests (%)")
+        ax.set_title("Requests per endpoint")
+        ax.legend(fontsize=8)
+        paths.append(out_dir / PLOT_FILES[2])
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+        return paths
+    width = 0.8 / max(1, len(endpoints))
+    for k, e in enumerate(endpoints):
+        ax.bar([i + k * width for i in range(len(names))], [r["endpoint_share"].get(e, 0.0) * 100 for r in runs],
+               width=width, label=e)
+    if endpoints:
+        ax.axhline(100 / len(endpoints), color="black", linestyle=":", label="fair share")
+        if len(endpoints) <= 16:
+            ax.legend(fontsize=7, ncol=2)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("share of requests (%)")
+    ax.set_title("Requests per endpoint")
+    paths.append(out_dir / PLOT_FILES[2])
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_outputs(out_dir: str | Path, doc: Mapping[str, Any], ttfts_ms: Mapping[str, Sequence[float]],
+                  command: str = "") -> dict[str, Path]:
+    """Write results.json, report.md and the plots into out_dir (created if missing)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"results": out / "results.json", "report": out / "report.md"}
+    files["results"].write_text(json.dumps(doc, indent=2) + "\n")
+    files["report"].write_text(render_markdown(doc, command))
+    try:
+        paths = plot(out, doc, ttfts_ms)
+    except ImportError as exc:  # matplotlib comes with the [bench] extra; the numbers do not need it
+        print(f"no plots: {exc} (pip install 'prefixroute[bench]')", file=sys.stderr)
+        paths = []
+    for p in paths:
+        files[p.stem] = p
+    return files

@@ -1,0 +1,132 @@
+"""Metrics arithmetic: per-request results -> one run's summary, and the results.json document.
+
+Definitions (pure functions, no I/O):
+- ``hit_ratio`` = sum of server-reported ``cached_tokens`` / sum of ``prompt_tokens`` over successful
+  requests; None when no successful request reported cached_tokens (the server lacks prompt details).
+- percentiles: numpy's linear interpolation between closest ranks (``np.percentile`` default) over
+  successful requests; ITL percentiles pool every gap of every successful request. None when empty.
+- ``throughput_rps`` = successful requests / (last successful finish - first start of any request).
+- ``endpoint_share`` = successful requests served by an endpoint / successful requests with a known
+  endpoint; every configured endpoint is listed (0.0 if it served nothing), unknown ones are added.
+- ``errors`` counts every recorded failure (HTTP status != 200, stream error, timeout, deadline).
+
+The run dict has exactly the keys of issue 7 plus ``extra`` (additional figures: token totals, duration,
+max share over fair share, error kinds), so consumers of the issue's shape are unaffected.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from prefixroute.bench.client import RequestResult
+
+RUN_KEYS = ("router", "requests", "errors", "hit_ratio", "ttft_ms", "itl_ms", "e2e_ms", "throughput_rps",
+            "endpoint_share")
+
+
+def percentiles(values: Sequence[float], qs: Iterable[int]) -> dict[str, float | None]:
+    """{"p50": x, ...} with linear interpolation; values None when `values` is empty."""
+    qs = tuple(qs)
+    if len(values) == 0:
+        return {f"p{q}": None for q in qs}
+    arr = np.asarray(values, dtype=np.float64)
+    return {f"p{q}": round(float(v), 3) for q, v in zip(qs, np.percentile(arr, qs))}
+
+
+def hit_ratio(results: Sequence[RequestResult]) -> float | None:
+    ok = [r for r in results if r.ok and r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    if not ok or prompt == 0:
+        return None
+    return round(sum(r.cached_tokens or 0 for r in ok) / prompt, 6)
+
+
+def throughput_rps(results: Sequence[RequestResult]) -> float:
+    ok = [r for r in results if r.ok and r.e2e_ms is not None]
+    if not ok:
+        return 0.0
+    first = min(r.start_s for r in results)
+    last = max(r.start_s + r.e2e_ms / 1000.0 for r in ok)
+    return round(len(ok) / (last - first), 3) if last > first else 0.0
+
+
+def endpoint_share(results: Sequence[RequestResult], endpoints: Sequence[str] = ()) -> dict[str, float]:
+    counts: collections.Counter[str] = collections.Counter(r.endpoint for r in results if r.ok and r.endpoint)
+    total = sum(counts.values())
+    names = list(endpoints) + sorted(e for e in counts if e not in set(endpoints))
+    return {e: round(counts.get(e, 0) / total, 6) if total else 0.0 for e in names}
+
+
+def summarize_run(router: str, results: Sequence[RequestResult], endpoints: Sequence[str] = (),
+                  extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One entry of results.json ``runs`` (see module doc for every definition)."""
+    ok = [r for r in results if r.ok]
+    share = endpoint_share(results, endpoints)
+    fair = 1.0 / len(share) if share else 0.0
+    error_kinds = collections.Counter((r.error or f"http {r.status}").split(":")[0] for r in results if not r.ok)
+    finishes = [r.start_s + r.e2e_ms / 1000.0 for r in ok if r.e2e_ms is not None]
+    return {
+        "router": router,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "hit_ratio": hit_ratio(results),
+        "ttft_ms": percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None], (50, 90, 99)),
+        "itl_ms": percentiles([g for r in ok for g in r.itl_ms], (50, 99)),
+        "e2e_ms": percentiles([r.e2e_ms for r in ok if r.e2e_ms is not None], (50, 90, 99)),
+        "throughput_rps": throughput_rps(results),
+        "endpoint_share": share,
+        "extra": {
+            "prompt_tokens": sum(r.prompt_tokens for r in ok),
+            "cached_tokens": sum(r.cached_tokens or 0 for r in ok),
+            "completion_tokens": sum(r.completion_tokens for r in ok),
+            "duration_s": round(max(finishes) - min(r.start_s for r in results), 3) if finishes else 0.0,
+            "max_share_over_fair": round(max(share.values()) / fair, 3) if share and fair else None,
+            "error_kinds": dict(error_kinds),
+            # How late the client sent open-loop requests (large = the client, not the router, was the limit).
+            "send_lag_ms": percentiles([r.send_lag_ms for r in results if r.send_lag_ms is not None], (50, 99)),
+            **(extra or {}),
+        },
+    }
+
+
+def results_document(workload: Mapping[str, Any], upper_bound_hit_ratio: float | None,
+                     runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The whole results.json: ``{"workload", "upper_bound_hit_ratio", "runs"}``."""
+    return {"workload": dict(workload),
+            "upper_bound_hit_ratio": None if upper_bound_hit_ratio is None else round(upper_bound_hit_ratio, 6),
+            "runs": [dict(r) for r in runs]}
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of results.json (package data ``results.schema.json``), for consumers and tests."""
+    import json
+    from importlib import resources
+
+    return json.loads(resources.files("prefixroute.bench").joinpath("results.schema.json").read_text())
+
+
+def validate_document(doc: Mapping[str, Any]) -> list[str]:
+    """Problems with a results.json document's shape (empty list = valid). Used by tests and `--check`."""
+    problems = []
+    for key in ("workload", "upper_bound_hit_ratio", "runs"):
+        if key not in doc:
+            problems.append(f"missing top-level key {key!r}")
+    for i, run in enumerate(doc.get("runs", [])):
+        for key in RUN_KEYS:
+            if key not in run:
+                problems.append(f"runs[{i}]: missing {key!r}")
+        for key, qs in (("ttft_ms", ("p50", "p90", "p99")), ("itl_ms", ("p50", "p99")),
+                        ("e2e_ms", ("p50", "p90", "p99"))):
+            if set(run.get(key, {})) != set(qs):
+                problems.append(f"runs[{i}].{key}: keys {sorted(run.get(key, {}))} != {list(qs)}")
+        hr = run.get("hit_ratio")
+        if hr is not None and not 0.0 <= hr <= 1.0:
+            problems.append(f"runs[{i}].hit_ratio {hr} outside [0, 1]")
+        share = run.get("endpoint_share", {})
+        if share and sum(share.values()) > 0 and abs(sum(share.values()) - 1.0) > 1e-3:
+            problems.append(f"runs[{i}].endpoint_share sums to {sum(share.values())}")
+    return problems

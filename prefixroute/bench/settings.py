@@ -1,0 +1,84 @@
+"""Settings of `prefixroute bench` (flag > env PREFIXROUTE_BENCH_* > default)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from prefixroute.settings import Settings, setting
+
+DEFAULT_ROUTERS = ("prefixroute:random", "prefixroute:round-robin", "prefixroute:least-load",
+                   "prefixroute:consistent-hash", "prefixroute:prefix", "sglang-router", "vllm-router")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings(Settings):
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_BENCH_"
+    TITLE: ClassVar[str] = "Benchmark (workload, routers, fleet, output)"
+
+    # --- what to send
+    workload: str = setting("shared-prompts", "Synthetic workload: shared-prompts, multi-turn, documents or mix "
+                            "(ignored with --trace). shared-prompts is the issue's headline workload.")
+    trace: str = setting("", "Mooncake-format JSONL trace to replay instead of a synthetic workload "
+                         "(timestamp ms, input_length, output_length, hash_ids per 512-token block).")
+    trace_block_tokens: int = setting(512, "Tokens per hash id in the trace (Mooncake: 512; other traces of "
+                                      "the same shape may use another block size).")
+    trace_start: int = setting(0, "First trace record to replay (index, inclusive).")
+    trace_stop: int = setting(0, "Stop before this trace record index; 0 = to the end.")
+    trace_start_s: float = setting(0.0, "Keep trace records at or after this time (s from trace start).")
+    trace_end_s: float = setting(0.0, "Keep trace records before this time (s); 0 = no limit.")
+    trace_time_scale: float = setting(1.0, "Multiply trace inter-arrival times by this (0.5 = twice the rate). "
+                                      "Not the model servers' --time-scale (GPU speed): pass that in --server-args.")
+    max_output_tokens: int = setting(0, "Cap each trace request's output tokens (0 = trace's own). Real-fleet "
+                                     "trace slices on 2 CPU cores often want ~64 to finish in minutes.")
+    num_requests: int = setting(300, "Requests of a synthetic workload (a trace is cut with --trace-start/"
+                                "--trace-stop/--trace-*-s instead). 300 at 8 req/s is ~40 s per router and gives "
+                                "stable p50/p90.")
+    seed: int = setting(0, "Seed of every random choice (workload text, groups, arrivals, random policy).")
+    num_groups: int = setting(32, "shared-prompts: number of distinct system prompts. 32 groups on 4 servers: "
+                              "random routing computes each prefix on every server (~40% of prompt tokens "
+                              "missed), prefix routing once.")
+    prefix_tokens: int = setting(8000, "shared-prompts: tokens per shared system prompt (mix too): 8,000 as in "
+                                 "the published anchor (SageMaker, Llama 3.1 70B); a miss then costs ~0.6 s of "
+                                 "prefill on the 70B profile.")
+    question_tokens: int = setting(64, "Tokens of each unique question (multi-turn: of each user turn).")
+    output_tokens: int = setting(32, "Generated tokens per synthetic request: short, so TTFT (what routing "
+                                 "changes) dominates the run time.")
+    num_sessions: int = setting(16, "multi-turn: number of chat sessions (requests = sessions x turns; "
+                                "--num-requests does not apply). 16 x 6 = 96 requests, 8 sessions interleaved.")
+    num_turns: int = setting(6, "multi-turn: turns per session.")
+    num_documents: int = setting(32, "documents: number of documents (Zipf popularity, s=1.1).")
+    document_tokens: int = setting(4096, "documents: tokens per document.")
+    arrival: str = setting("auto", "Arrival process: trace (trace timestamps), poisson (at --rate-rps), closed "
+                           "(--concurrency requests in flight) or auto (trace for --trace, else poisson).")
+    rate_rps: float = setting(8.0, "Poisson rate in requests/s. 8 req/s of the default shared-prompts on 4 "
+                              "servers of the 70B profile: random routing queues (simulated p50 TTFT ~0.6 s) "
+                              "while prefix routing does not, and 2 CPU cores keep up.")
+    concurrency: int = setting(16, "Closed-loop concurrency (requests in flight).")
+
+    # --- who serves it
+    routers: tuple[str, ...] = setting(DEFAULT_ROUTERS, "Routers to compare, comma-separated: prefixroute:POLICY "
+                                       "(random, round-robin, least-load, consistent-hash, prefix), sglang-router"
+                                       "[:POLICY], vllm-router[:POLICY] (peer default: cache_aware).")
+    servers: int = setting(4, "Simulated model servers in the fleet. 4 keeps a real run on 2 CPU cores; "
+                          "--virtual takes 8-256.")
+    profile: str = setting("llama-3.1-70b-h200-tp4", "Model-server profile (--profile of `prefixroute "
+                           "model-server`; empty = its default): Llama 3.1 70B on TP4 H200s, the anchor's model.")
+    server_args: tuple[str, ...] = setting((), "Extra flags for every model server, comma-separated, "
+                                           "e.g. '--time-scale=0.1'.")
+    gateway_args: tuple[str, ...] = setting((), "Extra flags for `prefixroute gateway`, comma-separated.")
+    startup_timeout_s: float = setting(60.0, "Max wait for a server or router to become ready.")
+
+    # --- bounds and output
+    max_duration_s: float = setting(600.0, "Per-router wall-time bound: no request starts after it.")
+    request_timeout_s: float = setting(300.0, "Per-request timeout.")
+    max_connections: int = setting(1024, "Client connection limit (keep-alive pool); above any sane concurrency "
+                                   "so open-loop arrivals are not throttled by the client.")
+    out: str = setting("bench-out", "Output folder: results.json, report.md, *.png, logs/.")
+    progress: bool = setting(True, "Progress bar on stderr.")
+    overhead: bool = setting(False, "Afterwards, also measure the router's own overhead (`prefixroute "
+                             "overhead-bench`: Envoy with vs without ext_proc) into DIR/overhead.txt.")
+
+    # --- fleet simulation
+    virtual: bool = setting(False, "Simulate the fleet in virtual time (routing core + model-server engines) "
+                            "instead of real processes: 8-256 servers and whole traces in seconds.")

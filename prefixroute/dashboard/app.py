@@ -1,0 +1,401 @@
+"""The Streamlit app (run by `prefixroute dashboard`; settings from PREFIXROUTE_DASHBOARD_* variables).
+
+Pages (sidebar): Live (hit rates, latency, traffic, endpoints, routing; refreshed every refresh_s by
+an `st.fragment(run_every=...)`, so only that part re-renders: no full-page reload, no flicker),
+Requests (newest requests, drill-down to one request's trace attributes), Benchmarks (results.json
+files of `prefixroute bench`).
+
+Every number comes from one SQL query of the store per panel (data.py only reshapes rows); one
+`now` is taken per refresh and passed to every query so all panels describe the same window.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+
+import streamlit as st
+
+from prefixroute import settings
+from prefixroute.dashboard import charts as C
+from prefixroute.dashboard import data as D
+from prefixroute.dashboard.cli import DashboardSettings
+from prefixroute.dashboard.source import DataSource, SourceError
+from prefixroute.telemetry.store import StoreMissing
+
+st.set_page_config(page_title="prefixroute dashboard", page_icon="🔀", layout="wide")
+
+cfg = settings.from_namespace(DashboardSettings, None)
+
+# Live parts re-render in place: keep them fully opaque while a refresh runs (Streamlit fades "stale"
+# elements during a rerun, which at a 2 s refresh reads as constant flicker).
+st.html("<style>[data-stale='true'] { opacity: 1 !important; transition: none !important; }</style>")
+
+
+@st.cache_resource(show_spinner=False)
+def get_source(db: str | None, url: str | None, scrape: bool, scrape_timeout_s: float) -> DataSource:
+    return DataSource(db=db, url=url, scrape_endpoints=scrape, scrape_timeout_s=scrape_timeout_s)
+
+
+_kw = cfg.source_kwargs()
+source = get_source(_kw.get("db"), _kw.get("url"), cfg.scrape_endpoints, cfg.scrape_timeout_s)
+
+# --- sidebar --------------------------------------------------------------------------------------------
+st.sidebar.title("prefixroute")
+page = st.sidebar.radio("Page", ["Live", "Requests", "Benchmarks"], key="page")
+_window_labels = list(D.WINDOWS)
+_default_label = min(_window_labels, key=lambda k: abs(D.WINDOWS[k] - cfg.window_s))
+window_label = st.sidebar.selectbox("Window", _window_labels, index=_window_labels.index(_default_label),
+                                    key="window", help="Time range of every chart and figure.")
+window_s = float(D.WINDOWS[window_label])
+st.sidebar.caption(f"Reading {source.description}  \nRefresh every {cfg.refresh_s:g} s")
+
+
+def _clock(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%H:%M:%S UTC")
+
+
+def show_source_error(exc: Exception) -> None:
+    """Store missing / receiver down: say so, say how to fix it; the next refresh retries."""
+    if isinstance(exc, StoreMissing) and source.db:
+        st.warning(f"**Telemetry store not available.** {exc}.  \n"
+                   f"Start the receiver that writes it, and this page recovers by itself "
+                   f"(retrying every {cfg.refresh_s:g} s):", icon="⏳")
+        st.code(f"prefixroute telemetry --db {source.db}", language="bash")
+    elif isinstance(exc, StoreMissing):
+        st.warning(f"**The receiver at {source.url} has no store yet.** {exc}. Retrying every {cfg.refresh_s:g} s.",
+                   icon="⏳")
+    else:
+        st.error(f"**Telemetry receiver not reachable.** {exc}  \nRetrying every {cfg.refresh_s:g} s; "
+                 f"check that `prefixroute telemetry` is running and serves its HTTP API there.", icon="🔌")
+
+
+def show_no_traffic() -> None:
+    st.info("**No traffic yet.** The store is ready but holds no routed request. Send some through the gateway "
+            "and the charts appear within a second or two:", icon="📭")
+    st.code("prefixroute up --traffic shared-prompts        # whole stack with a steady demo load\n"
+            "# or, with a gateway already on :8080:\n"
+            "curl -s http://127.0.0.1:8080/v1/chat/completions -H 'content-type: application/json' \\\n"
+            "  -d '{\"model\": \"meta-llama/Llama-3.1-8B-Instruct\", "
+            "\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'",
+            language="bash")
+
+
+def _colors(names: list[str]) -> dict[str, str]:
+    # Remember every endpoint seen in this session, so an endpoint idle in this window keeps its colour.
+    known = st.session_state.setdefault("known_endpoints", set())
+    known.update(n for n in names if n)
+    return D.endpoint_colors(known)
+
+
+def _chart(chart, key: str, height: int = C.HEIGHT) -> None:
+    # An explicit element height: the whole chart (axes and legend included) is fitted into it.
+    # The keyed container gives the chart a stable CSS class (st-key-chart-KEY) for browser tests.
+    with st.container(key=f"chart-{key}"):
+        st.altair_chart(chart, key=key, width="stretch", height=height)
+
+
+def _empty_note(text: str) -> None:
+    st.caption(f"_{text}_")
+
+
+# --- Live page ------------------------------------------------------------------------------------------
+def live_panels(window_s: float) -> None:
+    now = time.time()
+    try:
+        summary = source.call("summary", window_s, now=now)
+        total = source.call("num_requests")
+    except SourceError as exc:
+        show_source_error(exc)
+        return
+    state = D.traffic_state(summary, total)
+    if state.kind == "empty":
+        show_no_traffic()
+        return
+    if state.kind == "idle":
+        st.info(f"**No requests in the last {window_label}.** The store holds {state.num_requests_total:,} "
+                f"requests; pick a longer window in the sidebar, or send traffic.", icon="💤")
+        return
+    span_s = D.effective_span_s(window_s, summary.get("first_start_time"), now)
+    bucket_s = D.bucket_for_window(span_s)
+    try:
+        ts = source.call("timeseries", span_s, bucket_s, now=now)
+        ts_ep = source.call("timeseries", span_s, bucket_s, by_endpoint=True, now=now)
+        ep_rows = source.call("endpoints", window_s, now=now)
+        reason_rows = source.call("reasons", window_s, now=now)
+        reason_ts = source.call("reasons", span_s, bucket_s, now=now)
+        ttft_hist = source.call("histogram", window_s, "ttft_ms", now=now)
+        decision_hist = source.call("histogram", window_s, "decision_us", now=now)
+        in_flight = source.mean_in_flight(span_s, now=now)
+    except SourceError as exc:
+        show_source_error(exc)
+        return
+    names = [r.get("endpoint") or D.UNKNOWN_ENDPOINT for r in ep_rows]
+    colors = _colors(names)
+    live = source.endpoint_live([r["endpoint"] for r in ep_rows if r.get("endpoint")])
+    balance = D.served_balance(ep_rows)
+
+    st.caption(f"Window {window_label} ending {_clock(now)} · {summary['num_requests']:,} requests · charts over "
+               f"the last {span_s:,.0f} s that hold data, in {bucket_s:g} s buckets")
+    k = st.columns(7)
+    k[0].metric("Hit rate (actual)", D.format_ratio(summary["actual_hit_ratio"]),
+                help="Server-reported cached prompt tokens / prompt tokens, over the window.")
+    k[1].metric("Hit rate (predicted)", D.format_ratio(summary["predicted_hit_ratio"]),
+                help="The router's estimate (prefix index), weighted by prompt tokens like the actual rate.")
+    k[2].metric("TTFT p50", D.format_ms(summary["ttft_ms_p50"]), help="Time to first token at the gateway.")
+    k[3].metric("TTFT p99", D.format_ms(summary["ttft_ms_p99"]))
+    k[4].metric("Requests / s", f"{summary['num_requests'] / span_s:.2f}",
+                help="Requests in the window / the part of the window that holds data (the charted span).")
+    k[5].metric("Errors", D.format_ratio(summary["error_ratio"]), delta=f"{summary['num_errors']:,} requests",
+                delta_color="off", delta_arrow="off", help="5xx, resets and router-recorded failures; a 4xx is the client's and not counted.")
+    k[6].metric("Balance", "–" if balance is None else f"{balance:.2f}×",
+                help="Max endpoint share / fair share (1/N). 1.00× is perfectly even; N× is all on one endpoint.")
+
+    st.subheader("Prefix-cache hit rate")
+    c1, c2 = st.columns(2)
+    with c1:
+        st.markdown("**Fleet: actual vs predicted**")
+        frame = D.fleet_hit_frame(ts)
+        if len(frame):
+            _chart(C.fleet_hit(frame), "hit_fleet")
+        else:
+            _empty_note("no request reported token usage")
+    with c2:
+        st.markdown("**Per endpoint** (solid: actual, dashed: predicted)")
+        frame = D.endpoint_hit_frame(ts_ep)
+        if len(frame):
+            _chart(C.endpoint_hit(frame, colors), "hit_endpoint")
+        else:
+            _empty_note("no request reported token usage")
+
+    st.subheader("Latency")
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        st.markdown("**Time to first token**")
+        _chart(C.percentiles(D.percentile_frame(ts, "ttft_ms"), "TTFT (ms)"), "ttft_pct")
+    with c2:
+        st.markdown("**TTFT distribution**")
+        frame = D.histogram_frame(ttft_hist)
+        if len(frame):
+            _chart(C.histogram(frame, "TTFT (ms)"), "ttft_hist")
+        else:
+            _empty_note("no TTFT recorded")
+    with c3:
+        st.markdown("**End-to-end latency**")
+        _chart(C.percentiles(D.percentile_frame(ts, "latency_ms"), "latency (ms)"), "latency_pct")
+
+    st.subheader("Traffic")
+    c1, c2 = st.columns([2, 1])
+    with c1:
+        st.markdown("**Request rate by endpoint**")
+        _chart(C.request_rate(D.rate_frame(ts_ep), colors), "rate")
+    with c2:
+        st.markdown("**Errors**")
+        frame = D.error_frame(ts, bucket_s)
+        if len(frame):
+            _chart(C.errors(frame), "errors")
+        else:
+            st.success("No errors in this window.", icon="✅")
+
+    st.subheader("Endpoints")
+    c1, c2 = st.columns([1, 3])
+    ep_frame = D.endpoint_frame(ep_rows, mean_in_flight=in_flight, live=live)
+    with c1:
+        st.markdown(f"**Share of requests** · balance {'–' if balance is None else f'{balance:.2f}×'} "
+                    f"({D.balance_verdict(balance)})")
+        _chart(C.endpoint_share(ep_frame, colors), "share", C.bar_height(len(ep_frame)))
+    with c2:
+        # Columns with no value at all (e.g. KV usage when no endpoint could be scraped) are left out
+        # rather than shown as a column of blanks; the note below says why.
+        order = [c for c in ep_frame.columns if c in ("endpoint", "num_requests", "num_errors")
+                 or ep_frame[c].notna().any()]
+        st.dataframe(ep_frame.style.apply(
+            lambda col: [f"border-left: 6px solid {colors.get(v, '#ccc')}" for v in col], subset=["endpoint"]),
+            key="endpoint_table", hide_index=True, column_config=_endpoint_columns(), column_order=order)
+        notes = []
+        if in_flight is None:
+            notes.append("mean in-flight needs the SQLite store (--db); the receiver API has no such query")
+        if not live:
+            notes.append("KV usage / running / waiting unavailable: " +
+                         ("endpoint scraping is off (--scrape-endpoints)" if not cfg.scrape_endpoints else
+                          "no endpoint answered http://ENDPOINT/metrics"))
+        st.caption("Mean in-flight: time-averaged requests in flight over the charted span (from the stored start/end "
+                   "times). Running, waiting, KV usage: live, scraped from each endpoint's /metrics."
+                   + ("  \n" + "; ".join(notes).capitalize() + "." if notes else ""))
+
+    st.subheader("Routing")
+    dec = summary
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        st.markdown("**Decisions by reason**")
+        _chart(C.reasons(D.reasons_frame(reason_rows)), "reasons", C.bar_height(len(reason_rows)))
+    with c2:
+        st.markdown("**Reasons over time**")
+        _chart(C.reasons_over_time(D.reasons_time_frame(reason_ts)), "reasons_time")
+    with c3:
+        st.markdown(f"**Decision time** · p50 {D.format_us(dec['decision_us_p50'])} · "
+                    f"p99 {D.format_us(dec['decision_us_p99'])}")
+        frame = D.histogram_frame(decision_hist)
+        if len(frame):
+            _chart(C.histogram(frame, "decision time (µs)", "#b07aa1"), "decision_hist")
+        else:
+            _empty_note("no decision times recorded")
+
+
+def _endpoint_columns() -> dict:
+    def pct(label: str, format: str) -> st.column_config.NumberColumn:  # noqa: A002
+        return st.column_config.NumberColumn(label, format=format, width="small")
+
+    return {
+        "endpoint": st.column_config.TextColumn("endpoint", width="medium"),
+        "num_requests": st.column_config.NumberColumn("requests", format="%d"),
+        "share_ratio": pct("share", format="percent"),
+        "requests_per_s": st.column_config.NumberColumn("req/s", format="%.2f"),
+        "mean_in_flight": st.column_config.NumberColumn("mean in-flight", format="%.2f"),
+        "running": st.column_config.NumberColumn("running", format="%d"),
+        "waiting": st.column_config.NumberColumn("waiting", format="%d"),
+        "kv_cache_usage_ratio": st.column_config.ProgressColumn("KV usage", format="percent", min_value=0,
+                                                                max_value=1),
+        "actual_hit_ratio": pct("hit (actual)", format="percent"),
+        "predicted_hit_ratio": pct("hit (predicted)", format="percent"),
+        "ttft_ms_p50": st.column_config.NumberColumn("TTFT p50 (ms)", format="%.1f"),
+        "ttft_ms_p99": st.column_config.NumberColumn("TTFT p99 (ms)", format="%.1f"),
+        "num_errors": st.column_config.NumberColumn("errors", format="%d"),
+    }
+
+
+# --- Requests page ------------------------------------------------------------------------------------
+RECENT_LIMIT = 100
+
+
+def requests_table() -> None:
+    try:
+        rows = source.call("recent_requests", RECENT_LIMIT)
+    except SourceError as exc:
+        show_source_error(exc)
+        return
+    if not rows:
+        show_no_traffic()
+        return
+    frame = D.recent_frame(rows)
+    shown_before = st.session_state.get("recent_shown", [])
+    version = st.session_state.setdefault("recent_table_version", 0)
+    key = f"recent_table_{version}"
+    event = st.dataframe(frame, key=key, hide_index=True, on_select="rerun", selection_mode="single-row",
+                         height=420, column_config={
+                             "time": st.column_config.DatetimeColumn("time (UTC)", format="HH:mm:ss.SSS"),
+                             "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.1f"),
+                             "latency_ms": st.column_config.NumberColumn("latency (ms)", format="%.1f"),
+                             "hit_ratio": st.column_config.NumberColumn("hit (actual)", format="percent"),
+                             "predicted_hit_ratio": st.column_config.NumberColumn("hit (predicted)",
+                                                                                  format="percent"),
+                             "decision_us": st.column_config.NumberColumn("decision (µs)", format="%.0f"),
+                         })
+    selected = list(getattr(getattr(event, "selection", None), "rows", []) or [])
+    if selected:
+        # The click refers to the rows the user saw (the previous refresh), not the ones just queried.
+        idx = selected[0]
+        seen = shown_before if idx < len(shown_before) else list(frame["trace_id"])
+        st.session_state["pending_trace_id"] = seen[idx]  # applied before the text input is drawn
+        st.session_state["recent_table_version"] = version + 1  # a fresh table: no stale selection
+        st.session_state["recent_shown"] = list(frame["trace_id"])
+        st.rerun()
+    st.session_state["recent_shown"] = list(frame["trace_id"])
+    st.caption(f"The {len(frame)} newest requests as of {_clock(time.time())}. Select a row for its trace.")
+
+
+def request_detail() -> None:
+    if "pending_trace_id" in st.session_state:
+        st.session_state["trace_id"] = st.session_state.pop("pending_trace_id")
+    trace_id = st.text_input("Trace id", key="trace_id", placeholder="32 hex characters, or select a row above")
+    if not trace_id:
+        return
+    try:
+        req = source.call("request", trace_id.strip().lower())
+    except SourceError as exc:
+        show_source_error(exc)
+        return
+    if req is None:
+        st.warning(f"No request with trace id `{trace_id}` in the store (retention may have removed it).")
+        return
+    c = st.columns(6)
+    c[0].metric("Endpoint", req.get("endpoint") or "–")
+    c[1].metric("Reason", req.get("reason") or "–")
+    c[2].metric("Status", str(req.get("status")))
+    c[3].metric("TTFT", D.format_ms(req.get("ttft_ms")))
+    c[4].metric("Latency", D.format_ms(req.get("latency_ms")))
+    prompt, cached = req.get("prompt_tokens"), req.get("cached_tokens")
+    c[5].metric("Cached / prompt tokens", f"{cached if cached is not None else '–'} / "
+                                          f"{prompt if prompt is not None else '–'}")
+    left, right = st.columns(2)
+    with left:
+        st.markdown("**Request record**")
+        st.json({k: v for k, v in req.items() if k != "attrs"}, expanded=True)
+    with right:
+        st.markdown("**Trace attributes** (span + resource)")
+        st.json(req.get("attrs") or {}, expanded=True)
+
+
+# --- Benchmarks page ----------------------------------------------------------------------------------
+@st.cache_data(show_spinner=False, max_entries=64)
+def _load_bench(path: str, mtime_s: float) -> D.BenchResult:  # mtime in the key: a rewritten file reloads
+    return D.load_bench_result(path)
+
+
+def benchmarks_page() -> None:
+    st.title("Benchmarks")
+    paths = D.find_bench_results(cfg.bench_dir)
+    if not paths:
+        st.info(f"**No benchmark results in `{cfg.bench_dir}`.** Run one (it writes `results.json` there), then "
+                f"press Reload:", icon="📊")
+        st.code(f"prefixroute bench --workload shared-prompts --routers prefixroute:random,prefixroute:prefix "
+                f"--out {cfg.bench_dir}/shared-prompts", language="bash")
+        st.button("Reload", key="bench_reload")
+        return
+    results = []
+    for p in paths:
+        try:
+            results.append(_load_bench(p, os.path.getmtime(p)))
+        except (OSError, ValueError) as exc:
+            st.warning(f"Skipped {p}: {exc}")
+    if not results:
+        return
+    labels = [r.label for r in results]
+    choice = st.selectbox("Results", range(len(results)), format_func=lambda i: labels[i], key="bench_choice")
+    res = results[choice]
+    st.caption(f"{res.path} · written {_clock(res.mtime_s)} · workload "
+               + ", ".join(f"{k}={v}" for k, v in res.workload.items() if not isinstance(v, (dict, list))))
+    frame = D.bench_frame(res)
+    c1, c2 = st.columns(2)
+    with c1:
+        st.markdown("**Hit rate by router** (server-reported cached / prompt tokens)")
+        _chart(C.bench_hit(frame, res.upper_bound_hit_ratio), "bench_hit", C.bar_height(len(frame)))
+    with c2:
+        st.markdown("**TTFT by router**")
+        _chart(C.bench_ttft(D.bench_ttft_long(frame)), "bench_ttft", C.bar_height(len(frame), 54))
+    st.dataframe(frame, key="bench_table", hide_index=True, column_config={
+        "hit_ratio": st.column_config.NumberColumn("hit rate", format="percent"),
+        "ttft_ms_p50": st.column_config.NumberColumn("TTFT p50 (ms)", format="%.1f"),
+        "ttft_ms_p90": st.column_config.NumberColumn("TTFT p90 (ms)", format="%.1f"),
+        "ttft_ms_p99": st.column_config.NumberColumn("TTFT p99 (ms)", format="%.1f"),
+        "e2e_ms_p50": st.column_config.NumberColumn("e2e p50 (ms)", format="%.0f"),
+        "throughput_rps": st.column_config.NumberColumn("req/s", format="%.2f"),
+        "balance_ratio": st.column_config.NumberColumn("balance (max/fair)", format="%.2f×"),
+    })
+    st.button("Reload", key="bench_reload")
+
+
+# --- dispatch -----------------------------------------------------------------------------------------
+if page == "Live":
+    st.title("Prefix-aware routing: live")
+    st.fragment(live_panels, run_every=cfg.refresh_s)(window_s)
+elif page == "Requests":
+    st.title("Recent requests")
+    live_table = st.toggle("Live updates", value=True, key="recent_live",
+                           help="Turn off to hold the table still while reading it.")
+    st.fragment(requests_table, run_every=cfg.refresh_s if live_table else None)()
+    st.subheader("Request trace")
+    request_detail()
+else:
+    benchmarks_page()

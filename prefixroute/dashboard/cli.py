@@ -1,0 +1,152 @@
+"""`prefixroute dashboard`: serve the live Streamlit dashboard (app.py) as a child process.
+
+    prefixroute dashboard --db prefixroute-telemetry.db            # read the SQLite store directly
+    prefixroute dashboard --telemetry http://127.0.0.1:4320        # or the receiver's HTTP API
+    prefixroute dashboard --port 8501 --host 127.0.0.1 --bench-dir bench-results
+
+The child is ``python -m streamlit run app.py`` with a fixed port, headless (no browser is opened),
+no usage statistics, no file watcher. The resolved settings reach the app through the
+``PREFIXROUTE_DASHBOARD_*`` environment variables (the app reads them with the same settings class),
+so the app also runs under `streamlit run` or AppTest with those variables set. SIGINT/SIGTERM stop
+the child (SIGTERM, then SIGKILL after a grace period) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import ClassVar
+
+from prefixroute import settings
+from prefixroute.settings import Settings, setting
+
+APP_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
+STOP_GRACE_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DashboardSettings(Settings):
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_DASHBOARD_"
+    TITLE: ClassVar[str] = "Dashboard"
+
+    db: str = setting("", "SQLite telemetry store to read (the receiver's --db); default: the receiver's default "
+                          "file prefixroute-telemetry.db when --telemetry is not given either.")
+    telemetry: str = setting("", "Receiver HTTP API base URL to read instead of a file, e.g. "
+                                 "http://127.0.0.1:4320 (for a receiver on another host or container).")
+    host: str = setting("127.0.0.1", "Address the dashboard listens on (loopback: nothing is exposed unless asked).")
+    port: int = setting(8501, "Dashboard HTTP port (Streamlit's usual port).")
+    bench_dir: str = setting("bench-results", "Directory searched (3 levels deep) for `prefixroute bench` "
+                                             "results.json files for the Benchmarks page.")
+    refresh_s: float = setting(2.0, "Seconds between live refreshes (2 s: live to the eye, and each refresh "
+                                    "costs a few milliseconds of SQL even at thousands of requests per minute).")
+    window_s: float = setting(300.0, "Initial time window in seconds (5 min: enough requests for stable p99s, "
+                                     "short enough to show a change within a minute); selectable in the app.")
+    scrape_endpoints: bool = setting(True, "Scrape each endpoint's http://ENDPOINT/metrics (vLLM/SGLang "
+                                           "Prometheus names) for live KV-cache usage and running/waiting "
+                                           "requests; the store does not carry them.")
+    scrape_timeout_s: float = setting(0.5, "Per-scrape timeout: an endpoint slower than this shows "
+                                           "'unavailable' instead of delaying the refresh.")
+
+    def source_kwargs(self) -> dict:
+        if self.telemetry:
+            return {"url": self.telemetry}
+        return {"db": self.db or "prefixroute-telemetry.db"}
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    settings.add_arguments(parser, DashboardSettings)
+
+
+def settings_env(cfg: DashboardSettings) -> dict[str, str]:
+    """The PREFIXROUTE_DASHBOARD_* variables that carry `cfg` to the app process (paths made absolute,
+    since Streamlit may change directory)."""
+    env = {}
+    for f, _tp in settings.fields(DashboardSettings):
+        v = getattr(cfg, f.name)
+        if f.name == "db" and v:
+            v = os.path.abspath(v)
+        if f.name == "bench_dir" and v:
+            v = os.path.abspath(v)
+        env[settings.env_name(DashboardSettings, f)] = ("true" if v else "false") if isinstance(v, bool) else str(v)
+    return env
+
+
+def streamlit_command(cfg: DashboardSettings) -> list[str]:
+    return [sys.executable, "-m", "streamlit", "run", APP_PATH,
+            "--server.headless", "true",
+            "--server.address", cfg.host,
+            "--server.port", str(cfg.port),
+            "--server.fileWatcherType", "none",
+            "--server.runOnSave", "false",
+            "--browser.gatherUsageStats", "false",
+            "--global.developmentMode", "false",
+            "--client.toolbarMode", "minimal",
+            "--runner.magicEnabled", "false",
+            "--theme.base", "light"]
+
+
+def validate(cfg: DashboardSettings) -> None:
+    if cfg.db and cfg.telemetry:
+        raise ValueError("give either --db or --telemetry, not both")
+    if not 0 < cfg.port < 65536:
+        raise ValueError(f"--port must be 1-65535, got {cfg.port}")
+    if not cfg.refresh_s >= 0.5:
+        raise ValueError("--refresh-s must be >= 0.5")
+    if not cfg.window_s > 0:
+        raise ValueError("--window-s must be > 0")
+    if cfg.telemetry and not cfg.telemetry.startswith(("http://", "https://")):
+        raise ValueError(f"--telemetry must be an http(s):// URL, got {cfg.telemetry!r}")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = settings.from_namespace(DashboardSettings, args)
+        validate(cfg)
+    except ValueError as exc:
+        print(f"prefixroute dashboard: {exc}", file=sys.stderr)
+        return 2
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXROUTE_DASHBOARD_")}
+    env.update(settings_env(cfg))
+    env["STREAMLIT_BROWSER_GATHER_USAGE_STATS"] = "false"
+    source = cfg.telemetry or os.path.abspath(cfg.source_kwargs()["db"])
+    print(f"prefixroute dashboard: http://{cfg.host}:{cfg.port} (reading {source})", flush=True)
+    child = subprocess.Popen(streamlit_command(cfg), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.is_set():
+            if child.poll() is not None:
+                print(f"prefixroute dashboard: streamlit exited with {child.returncode}", file=sys.stderr)
+                return child.returncode or 1
+            stop.wait(0.2)
+        return 0
+    finally:
+        _stop_child(child)
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _stop_child(child: subprocess.Popen) -> None:
+    if child.poll() is not None:
+        return
+    try:
+        os.killpg(child.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        child.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.wait(5)

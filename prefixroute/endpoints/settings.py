@@ -1,0 +1,75 @@
+"""Settings of the endpoint pool (membership, health probes, metrics scraping)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from prefixroute.settings import Settings, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSettings(Settings):
+    """Where the endpoints are and how the pool watches them."""
+
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_"
+    TITLE: ClassVar[str] = "Endpoint pool"
+
+    endpoints: tuple[str, ...] = setting(
+        (),
+        "Model-server endpoints as host:port, comma-separated (e.g. 127.0.0.1:8001,127.0.0.1:8002). Combined "
+        "with --endpoints-file; at least one of the two is needed.")
+    endpoints_file: str | None = setting(
+        None,
+        "File listing endpoints: one host:port per line ('#' comments allowed), or a YAML/JSON list of them.")
+    probe_interval_s: float = setting(
+        1.0,
+        "Seconds between active health probes (GET /health) of each endpoint. 1 s finds a dead endpoint within "
+        "~2 s (with unhealthy_after_failures=2) for ~1 request/s of probe load; passive failures act at once.")
+    probe_timeout_s: float = setting(
+        0.5,
+        "Timeout of one health probe; a model server answers /health in milliseconds unless it is stuck.")
+    unhealthy_after_failures: int = setting(
+        2,
+        "Consecutive failed probes that mark an endpoint down (one success marks it up again). 2 rides out "
+        "one lost probe without flapping.")
+    failure_probe_delay_s: float = setting(
+        0.25,
+        "After a passive failure (connection refused/reset reported by the gateway) the endpoint is marked down "
+        "at once and probed again after this delay, so a transient error costs about this long.")
+    models_interval_s: float = setting(
+        5.0,
+        "Seconds between refreshes of each endpoint's GET /v1/models (served models and LoRA adapters); also "
+        "fetched whenever an endpoint comes up. Adapters load rarely: 5 s keeps the list fresh cheaply.")
+    scrape_interval_s: float = setting(
+        0.1,
+        "Seconds between Prometheus scrapes of each endpoint's /metrics (load signals: queue, running, KV "
+        "usage). 100 ms tracks queue changes at the timescale of a prefill (tens of ms to ~1 s).")
+    scrape_timeout_s: float = setting(
+        0.5,
+        "Timeout of one /metrics scrape; a slow endpoint's scrape never delays the others (one task each).")
+    max_scrapes_per_s: float = setting(
+        200.0,
+        "Most /metrics scrapes per second over the whole pool. A scrape costs ~0.2 ms of CPU in the router's "
+        "event loop (HTTP + parsing), so 200/s is ~4% of a core. Beyond max_scrapes_per_s x scrape_interval_s "
+        "endpoints (20 at the defaults) each endpoint is scraped less often, and the staleness limit stretches "
+        "in step; the router's own in-flight counts, the main load signal, stay exact at any pool size.")
+    metrics_stale_after_s: float = setting(
+        1.0,
+        "Scraped figures older than this are treated as unknown (None -> neutral scores): 10 missed scrapes at "
+        "the default interval means the endpoint or its metrics are in trouble. Stretched to 10 scrape "
+        "intervals when max_scrapes_per_s lengthens the interval.")
+    max_connections_per_endpoint: int = setting(
+        3,
+        "Keep-alive HTTP connections the pool may hold per endpoint: one each for the probe, scrape and model "
+        "list loops, reused so a scrape costs no TCP handshake and one loop never waits for another.")
+
+    def __post_init__(self) -> None:
+        for name in ("probe_interval_s", "probe_timeout_s", "scrape_interval_s", "scrape_timeout_s",
+                     "metrics_stale_after_s", "models_interval_s", "failure_probe_delay_s", "max_scrapes_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+        if self.unhealthy_after_failures < 1:
+            raise ValueError("unhealthy_after_failures must be >= 1")
+        if self.max_connections_per_endpoint < 1:
+            raise ValueError("max_connections_per_endpoint must be >= 1")

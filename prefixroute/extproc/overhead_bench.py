@@ -1,0 +1,148 @@
+"""`prefixroute overhead-bench`: what routing through the ext_proc service adds to every request.
+
+In one run, against the same minimal upstream (fast_upstream.py: answers a small JSON at once):
+
+- baseline: Envoy with no ext_proc filter, routing straight to the upstream;
+- routed:   the real gateway (Envoy + `prefixroute extproc` with the real router and endpoint pool).
+
+For each prompt size it prints the latency p50/p99 on one keep-alive connection (baseline and routed runs
+interleaved over several rounds, so machine noise hits both alike), the added latency, and the most
+requests per second over many connections, with ratios. The machine is shared and noisy: compare ratios,
+and rerun when the load average is high (it is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import orjson
+
+from prefixroute import settings
+from prefixroute.endpoints.settings import PoolSettings
+from prefixroute.extproc.envoy_config import EnvoySettings, render
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, _free_port, _port_open, _stop, envoy_binary
+from prefixroute.extproc.http_load import build_request, latency_ms, max_rate
+from prefixroute.routing.settings import RoutingSettings
+from prefixroute.settings import Settings, setting
+
+MODEL = "bench-model"  # what fast_upstream lists in /v1/models
+
+
+@dataclasses.dataclass(frozen=True)
+class OverheadBenchSettings(Settings):
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_OVERHEAD_BENCH_"
+    TITLE: ClassVar[str] = "Overhead benchmark"
+
+    prompt_kb: tuple[str, ...] = setting(("4", "64"), "Prompt sizes in KiB (4: a typical chat turn with a system "
+                                         "prompt; 64: a long RAG/agent context).")
+    num_requests: int = setting(1500, "Sequential requests per round and configuration for the latency figures "
+                                "(1500 x rounds gives a stable p99).")
+    num_rounds: int = setting(3, "Rounds alternating baseline and routed runs (spreads machine noise over both).")
+    num_connections: int = setting(32, "Concurrent connections for the requests-per-second figure (enough to "
+                                   "saturate 2 cores).")
+    rate_duration_s: float = setting(3.0, "Seconds of load per requests-per-second measurement.")
+    policy: str = setting("prefix", "Routing policy of the routed configuration.")
+    report_served: bool = setting(True, "Routed configuration sends response headers to ext_proc (the gateway "
+                                  "default); --no-report-served measures without that message.")
+
+
+def _body(num_bytes: int) -> bytes:
+    words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+    text = " ".join(words[i % len(words)] + str(i) for i in range(num_bytes // 7))[:num_bytes]
+    return orjson.dumps({"model": MODEL, "max_tokens": 16, "messages": [
+        {"role": "system", "content": text}, {"role": "user", "content": "Summarise the above."}]})
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run(s: OverheadBenchSettings) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="prefixroute-overhead-"))
+    up_port = _free_port()
+    upstream = subprocess.Popen([sys.executable, "-m", "prefixroute.extproc.fast_upstream", str(up_port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    baseline: subprocess.Popen[bytes] | None = None
+    endpoint = f"127.0.0.1:{up_port}"
+    try:
+        deadline = time.monotonic() + 10
+        while not _port_open(up_port):
+            if time.monotonic() > deadline or upstream.poll() is not None:
+                raise RuntimeError("fast upstream did not start")
+            time.sleep(0.05)
+        base_port = _free_port()
+        base_cfg = tmp / "baseline.yaml"
+        base_cfg.write_text(render(EnvoySettings(gateway_port=base_port, listen_address="127.0.0.1",
+                                                 admin_port=_free_port(), endpoints=(endpoint,),
+                                                 extproc_enabled=False)))
+        baseline = subprocess.Popen([envoy_binary(), "-c", str(base_cfg), "--disable-hot-restart",
+                                     "--concurrency", "1", "-l", "warning"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        gw = GatewayProcesses(GatewaySettings(port=_free_port(), listen_address="127.0.0.1"),
+                              RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
+                              log_dir=tmp, envoy_overrides={"report_served": s.report_served})
+        with gw:
+            while not _port_open(base_port):
+                if baseline.poll() is not None:
+                    raise RuntimeError("baseline Envoy exited")
+                time.sleep(0.05)
+            routed_port = gw.gateway.port
+            load = os.getloadavg()[0]
+            print(f"overhead-bench: Envoy 1 worker each, policy {s.policy}, report_served {s.report_served}, "
+                  f"{s.num_rounds} rounds x {s.num_requests} requests, load average {load:.2f}")
+            print(f"{'prompt':>7} {'config':>9} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+            for kb in s.prompt_kb:
+                req = build_request("/v1/chat/completions", _body(int(kb) * 1024))
+                lat: dict[str, list[float]] = {"baseline": [], "routed": []}
+                cpu_s = 0.0
+                for _ in range(s.num_rounds):
+                    for name, port in (("baseline", base_port), ("routed", routed_port)):
+                        c0 = _cpu_s(gw.extproc.pid) if gw.extproc else 0.0
+                        lat[name] += latency_ms(port, req, s.num_requests, num_warmup=0)
+                        if name == "routed" and gw.extproc:
+                            cpu_s += _cpu_s(gw.extproc.pid) - c0
+                rates = {name: max_rate(port, req, s.num_connections, s.rate_duration_s)
+                         for name, port in (("baseline", base_port), ("routed", routed_port))}
+                fig = {name: (_pct(v, 0.5), _pct(v, 0.99), rates[name][0]) for name, v in lat.items()}
+                for name in ("baseline", "routed"):
+                    p50, p99, rps = fig[name]
+                    errors = rates[name][1]
+                    print(f"{kb + ' KB':>7} {name:>9} {p50:8.3f} {p99:8.3f} {rps:8.0f}"
+                          + (f"  ({errors} non-200)" if errors else ""))
+                (b50, b99, brps), (r50, r99, rrps) = fig["baseline"], fig["routed"]
+                print(f"{kb + ' KB':>7} {'added':>9} {r50 - b50:8.3f} {r99 - b99:8.3f}   "
+                      f"ratio p50 x{r50 / b50:.1f}, p99 x{r99 / b99:.1f}, req/s x{rrps / brps:.2f}; "
+                      f"mean routed {statistics.fmean(lat['routed']):.3f} ms; "
+                      f"ext_proc CPU {cpu_s / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request")
+            print(f"load average after: {os.getloadavg()[0]:.2f}")
+    finally:
+        _stop(baseline)
+        _stop(upstream)
+    return 0
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    settings.add_arguments(parser, OverheadBenchSettings)
+
+
+def main(args: argparse.Namespace) -> int:
+    return run(settings.from_namespace(OverheadBenchSettings, args))

@@ -1,0 +1,415 @@
+"""Time-agnostic engine core shared by the HTTP (real-time) and virtual-time runners.
+
+The core is vLLM's v1 scheduler in miniature; it never reads a clock and never sleeps. A runner drives it::
+
+    plan = core.plan_step()            # schedule a batch, allocate KV blocks, register block hashes
+    ... wait plan.duration_s (real sleep or virtual time) ...
+    emitted = core.finish_step(plan, now_s)   # advance requests; those that sampled a token are returned
+
+Scheduling rules (vLLM v1 semantics):
+- running requests first, in admission order, then the FIFO waiting queue; at most `max_num_seqs`
+  running; each step computes at most `max_num_batched_tokens` tokens (chunked prefill: a long prompt
+  takes several steps);
+- a request is admitted with the longest chain of cached prompt blocks, capped so that at least the last
+  prompt token is computed (``cached_tokens <= prompt_len - 1``, rounded down to whole blocks);
+- when a running request needs a KV block and none is free, the most recently admitted running request
+  is preempted (recompute: its blocks are released, it goes back to the head of the waiting queue with no
+  computed tokens); admission of waiting requests stops for that step;
+- full prompt blocks are hashed into the prefix cache when scheduled (as vLLM does); generated tokens
+  occupy blocks but are not hashed (a simplification: the simulated output text does not re-tokenize to
+  the same ids anyway);
+- a request samples a token when all its known tokens (prompt + outputs) are computed; it finishes after
+  exactly `max_tokens` tokens (the simulated model never emits EOS).
+
+Step time: `CostModel.step_time_s` of the batch sums (see cost_model.py) times `time_scale`.
+Not thread-safe: one runner owns a core.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from prefixroute.model_servers.cost_model import CostModel
+from prefixroute.model_servers.kv_cache import KVCache, hash_blocks
+
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+"""vLLM's buckets for vllm:time_to_first_token_seconds."""
+
+WAITING, RUNNING, FINISHED, ABORTED = 0, 1, 2, 3
+
+
+class EngineRequest:
+    """One request inside an engine. Runners read the public fields; only the core mutates them."""
+
+    __slots__ = ("request_id", "prompt_ids", "block_hashes", "num_prompt_tokens", "max_tokens", "arrival_s",
+                 "num_computed", "num_output", "blocks", "num_registered", "num_cached_tokens", "first_token_s",
+                 "finished_s", "status", "num_preemptions", "sink", "first_scheduled", "num_tokens")
+
+    def __init__(self, request_id: str, prompt_ids: np.ndarray, max_tokens: int, *, block_size: int,
+                 root: int, arrival_s: float = 0.0, sink: Any = None) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.num_prompt_tokens = len(prompt_ids)
+        self.block_hashes = hash_blocks(prompt_ids, block_size, root)
+        self.max_tokens = max_tokens
+        self.arrival_s = arrival_s
+        self.num_computed = 0
+        self.num_output = 0
+        self.num_tokens = self.num_prompt_tokens  # known tokens: prompt + outputs so far
+        self.blocks: list[int] = []
+        self.num_registered = 0
+        self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission (reported in usage)
+        self.first_scheduled = False
+        self.first_token_s: float | None = None
+        self.finished_s: float | None = None
+        self.status = WAITING
+        self.num_preemptions = 0
+        self.sink = sink  # the runner's handle (stream writer / result record)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+
+@dataclasses.dataclass(slots=True)
+class StepPlan:
+    """One scheduled step: (request, tokens computed) pairs and the step's modelled duration."""
+
+    scheduled: list[tuple[EngineRequest, int]]
+    duration_s: float
+    num_new_tokens: int
+
+
+@dataclasses.dataclass(slots=True)
+class DecodeRun:
+    """`num_steps` consecutive pure-decode steps of an unchanged batch (virtual time only).
+
+    Step j (0-based) lasts ``first_s + j * slope_s``: the batch is fixed, each step adds one token of context
+    per sequence, and step time is linear in the context sums.
+    """
+
+    num_steps: int
+    first_s: float
+    slope_s: float
+    start_s: float = 0.0
+
+    def end_s(self, num_steps: int) -> float:
+        """Time at which the first `num_steps` steps have ended."""
+        j = num_steps
+        return self.start_s + j * self.first_s + self.slope_s * j * (j - 1) * 0.5
+
+    def steps_started_by(self, t: float) -> int:
+        """Index (1-based) of the step in progress at `t` (a step spans [end(j-1), end(j)))."""
+        lo, hi = 1, self.num_steps
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.end_s(mid) > t:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+@dataclasses.dataclass(slots=True)
+class EngineStats:
+    """Cumulative counters (the /metrics counters) of one engine."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission (vllm:prefix_cache_queries)
+    prefix_cache_hits: int = 0  # of which served from cache (vllm:prefix_cache_hits)
+    prompt_tokens: int = 0  # prompt tokens of finished+running requests at first admission
+    generation_tokens: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    busy_s: float = 0.0  # sum of modelled step durations
+    ttft_bucket_counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(TTFT_BUCKETS_S) + 1))
+    ttft_sum_s: float = 0.0
+    ttft_count: int = 0
+
+    def observe_ttft(self, ttft_s: float) -> None:
+        i = 0
+        for i, b in enumerate(TTFT_BUCKETS_S):  # noqa: B007
+            if ttft_s <= b:
+                break
+        else:
+            i = len(TTFT_BUCKETS_S)
+        self.ttft_bucket_counts[i] += 1
+        self.ttft_sum_s += ttft_s
+        self.ttft_count += 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_gpu_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    time_scale: float = 1.0
+
+
+class EngineCore:
+    """Scheduler + KV cache + cost model of one simulated GPU engine (see module docstring)."""
+
+    def __init__(self, config: EngineConfig, cost: CostModel) -> None:
+        self.config = config
+        self.cost = cost
+        self.cache = KVCache(config.num_gpu_blocks, config.block_size)
+        self.block_size = config.block_size
+        self.waiting: collections.deque[EngineRequest] = collections.deque()
+        self.running: list[EngineRequest] = []
+        self.stats = EngineStats()
+        self._step_cost = cost.step_time_s
+        self._time_scale = config.time_scale
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request (FIFO). Its prompt + max_tokens must fit in the KV cache (checked by the caller)."""
+        req.status = WAITING
+        self.waiting.append(req)
+
+    def abort_request(self, req: EngineRequest) -> None:
+        """Drop a request (client went away); releases its blocks. Idempotent."""
+        if req.status == WAITING:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        elif req.status == RUNNING:
+            self.running.remove(req)
+            self.cache.release(req.blocks)
+            req.blocks = []
+        else:
+            return
+        req.status = ABORTED
+        self.stats.num_aborted += 1
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- scheduling -------------------------------------------------------------------------------
+    def _grow(self, req: EngineRequest, num_tokens: int) -> bool:
+        """Make req hold enough blocks for num_computed + num_tokens tokens; False if the pool is short."""
+        need = -(-(req.num_computed + num_tokens) // self.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        got = self.cache.allocate(need)
+        if got is None:
+            return False
+        req.blocks.extend(got)
+        return True
+
+    def _register(self, req: EngineRequest, num_tokens: int) -> None:
+        full = min((req.num_computed + num_tokens) // self.block_size, len(req.block_hashes))
+        if full > req.num_registered:
+            k = req.num_registered
+            self.cache.register_many(req.blocks[k:full], req.block_hashes[k:full])
+            req.num_registered = full
+
+    def _preempt(self, req: EngineRequest) -> None:
+        self.cache.release(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.num_registered = 0
+        req.status = WAITING
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def plan_step(self) -> StepPlan | None:
+        """Schedule the next step; None when there is nothing to run. Mutates queues and the KV cache."""
+        budget = self.config.max_num_batched_tokens
+        bs = self.block_size
+        scheduled: list[tuple[EngineRequest, int]] = []
+        n_sum = 0
+        attn = 0.0
+        kv = 0
+        running = self.running
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            c = req.num_computed
+            n = req.num_tokens - c
+            if n > budget:
+                n = budget
+            if c + n > len(req.blocks) * bs:
+                while not self._grow(req, n):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.status != RUNNING:
+                    break  # req itself was preempted: it was the last running request
+            scheduled.append((req, n))
+            if req.num_registered < len(req.block_hashes):
+                self._register(req, n)
+            n_sum += n
+            attn += n * (c + n * 0.5)
+            kv += c
+            budget -= n
+            i += 1
+        if not preempted:
+            waiting = self.waiting
+            max_seqs = self.config.max_num_seqs
+            cache = self.cache
+            while waiting and budget > 0 and len(running) < max_seqs:
+                req = waiting[0]
+                known = req.num_tokens
+                if not req.blocks:
+                    max_hit = min((known - 1) // bs, len(req.block_hashes))
+                    hit = cache.take_prefix(req.block_hashes[:max_hit]) if max_hit else []
+                    req.blocks = hit
+                    req.num_computed = len(hit) * bs
+                    req.num_registered = len(hit)
+                n = known - req.num_computed
+                if n > budget:
+                    n = budget
+                if not self._grow(req, n):
+                    cache.release(req.blocks)
+                    req.blocks = []
+                    req.num_computed = 0
+                    req.num_registered = 0
+                    break
+                waiting.popleft()
+                req.status = RUNNING
+                running.append(req)
+                st = self.stats
+                st.prefix_cache_queries += known
+                st.prefix_cache_hits += req.num_computed
+                if not req.first_scheduled:
+                    req.first_scheduled = True
+                    req.num_cached_tokens = req.num_computed
+                    st.prompt_tokens += req.num_prompt_tokens
+                c = req.num_computed
+                self._register(req, n)
+                scheduled.append((req, n))
+                n_sum += n
+                attn += n * (c + n * 0.5)
+                kv += c
+                budget -= n
+        if not scheduled:
+            return None
+        duration = self._step_cost(n_sum, attn, kv, len(scheduled)) * self._time_scale
+        self.stats.num_steps += 1
+        self.stats.busy_s += duration
+        return StepPlan(scheduled, duration, n_sum)
+
+    def plan_decode_run(self, max_steps: int = 1 << 30) -> DecodeRun | None:
+        """Plan several identical pure-decode steps at once (virtual-time fast path), or None.
+
+        Only when nothing waits, every running request is decoding, at least two steps remain before any
+        request finishes, and the free blocks cover the run's growth (so no preemption can happen in it).
+        Nothing is allocated here: `finish_decode_run` allocates in the exact order single steps would, so
+        the cache ends in the same state as after the same number of `plan_step`/`finish_step` calls.
+        """
+        running = self.running
+        if self.waiting or not running or len(running) > self.config.max_num_batched_tokens:
+            return None
+        k = max_steps
+        ctx = 0
+        for r in running:
+            c = r.num_computed
+            if c != r.num_tokens - 1:
+                return None
+            rem = r.max_tokens - r.num_output
+            if rem < k:
+                k = rem
+            ctx += c
+        if k < 2:
+            return None
+        bs = self.block_size
+        need = 0
+        for r in running:
+            need += -(-(r.num_computed + k) // bs) - len(r.blocks)
+        if need > self.cache.num_free_blocks:
+            return None
+        b = len(running)
+        d0 = self._step_cost(b, ctx + 0.5 * b, ctx, b) * self._time_scale
+        d1 = self._step_cost(b, ctx + 1.5 * b, ctx + b, b) * self._time_scale
+        return DecodeRun(k, d0, d1 - d0)
+
+    def finish_decode_run(self, run: DecodeRun, num_steps: int, now_s: float) -> list[EngineRequest]:
+        """Apply the first `num_steps` steps of `run`; returns the requests that finished."""
+        running = self.running
+        bs = self.block_size
+        # blocks in the order single steps would take them: by step, then by batch order
+        needs = []
+        for idx, r in enumerate(running):
+            have = len(r.blocks) * bs
+            last = r.num_computed + num_steps
+            while have < last:
+                # the step whose computed token is token number `have + 1` needs a new block
+                needs.append((have + 1 - r.num_computed, idx))
+                have += bs
+        if needs:
+            needs.sort()
+            got = self.cache.allocate(len(needs))
+            assert got is not None  # checked in plan_decode_run
+            for (_, idx), blk in zip(needs, got):
+                running[idx].blocks.append(blk)
+        st = self.stats
+        st.num_steps += num_steps
+        st.busy_s += num_steps * run.first_s + run.slope_s * num_steps * (num_steps - 1) * 0.5
+        st.generation_tokens += num_steps * len(running)
+        done = []
+        for r in running:
+            r.num_computed += num_steps
+            r.num_output += num_steps
+            r.num_tokens += num_steps
+            if r.num_output >= r.max_tokens:
+                r.status = FINISHED
+                r.finished_s = now_s
+                self.cache.release(r.blocks)
+                r.blocks = []
+                st.num_finished += 1
+                done.append(r)
+        if done:
+            self.running = [r for r in running if r.status == RUNNING]
+        return done
+
+    def finish_step(self, plan: StepPlan, now_s: float) -> list[EngineRequest]:
+        """Apply a planned step ending at `now_s`; returns the requests that sampled a token, in batch order.
+
+        A returned request with ``finished`` set has produced its last token and released its blocks.
+        """
+        out = []
+        finished_any = False
+        for req, n in plan.scheduled:
+            if req.status != RUNNING:
+                continue  # aborted or preempted after planning
+            c = req.num_computed + n
+            req.num_computed = c
+            if c == req.num_tokens:
+                k = req.num_output + 1
+                req.num_output = k
+                req.num_tokens = c + 1
+                if k == 1:
+                    req.first_token_s = now_s
+                    self.stats.observe_ttft(now_s - req.arrival_s)
+                if k >= req.max_tokens:
+                    req.status = FINISHED
+                    req.finished_s = now_s
+                    self.cache.release(req.blocks)
+                    req.blocks = []
+                    self.stats.num_finished += 1
+                    finished_any = True
+                out.append(req)
+        self.stats.generation_tokens += len(out)
+        if finished_any:
+            self.running = [r for r in self.running if r.status == RUNNING]
+        return out

@@ -1,0 +1,73 @@
+"""Prometheus text exposition of one engine with vLLM's metric names (rendered on scrape; pure).
+
+Every sample carries ``model_name`` (the served model name) and ``engine="0"`` labels, like vLLM v1.
+Counters are exposed with the ``_total`` suffix and a ``# TYPE <name> counter`` family line, so
+``prometheus_client.parser.text_string_to_metric_families`` reads them as counters named without
+``_total``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixroute.model_servers.engine import TTFT_BUCKETS_S, EngineCore
+
+
+def _fmt(v: float) -> str:
+    return repr(float(v))
+
+
+def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_requests_failed: int = 0,
+           runner: Any = None) -> str:
+    """The /metrics page. `runner` (an AsyncEngine) adds real-time step-lag counters."""
+    lbl = f'engine="0",model_name="{model_name}"'
+    st = core.stats
+    out: list[str] = []
+
+    def gauge(name: str, help_: str, value: float) -> None:
+        out.append(f"# HELP {name} {help_}\n# TYPE {name} gauge\n{name}{{{lbl}}} {_fmt(value)}")
+
+    def counter(name: str, help_: str, value: float, extra: str = "") -> None:
+        out.append(f"# HELP {name} {help_}\n# TYPE {name} counter\n{name}_total{{{lbl}{extra}}} {_fmt(value)}")
+
+    gauge("vllm:num_requests_running", "Number of requests in model execution batches.", core.num_running)
+    gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", core.num_waiting)
+    gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", core.cache.usage_ratio)
+    counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+            st.prefix_cache_queries)
+    counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+            st.prefix_cache_hits)
+    counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.num_preemptions)
+    counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
+    counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
+    out.append("# HELP vllm:request_success Count of successfully processed requests.\n"
+               "# TYPE vllm:request_success counter\n"
+               f'vllm:request_success_total{{{lbl},finished_reason="length"}} {_fmt(st.num_finished)}')
+    counter("prefixroute:requests_aborted", "Requests dropped before finishing (client disconnect).",
+            st.num_aborted)
+    counter("prefixroute:requests_failed", "Requests answered with an error (including injected faults).",
+            num_http_requests_failed)
+    counter("prefixroute:kv_block_evictions", "Cached KV blocks evicted to make room.", core.cache.num_evictions)
+    counter("prefixroute:engine_busy_seconds", "Sum of modelled step durations.", st.busy_s)
+    if runner is not None:
+        counter("prefixroute:engine_steps", "Engine steps run in real time.", runner.num_steps)
+        counter("prefixroute:engine_step_lag_seconds", "Sum of how late steps ended versus their modelled end "
+                "(the process keeping up shows as ~0).", runner.lag_sum_s)
+        counter("prefixroute:engine_late_steps", "Steps that ended more than 5 ms late.", runner.num_late_steps)
+        gauge("prefixroute:engine_step_lag_max_seconds", "Largest step lag so far.", runner.lag_max_s)
+    cfg = core.config
+    out.append("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+               "# TYPE vllm:cache_config_info gauge\n"
+               f'vllm:cache_config_info{{block_size="{cfg.block_size}",enable_prefix_caching="True",'
+               f'engine="0",num_gpu_blocks="{cfg.num_gpu_blocks}"}} 1.0')
+    name = "vllm:time_to_first_token_seconds"
+    lines = [f"# HELP {name} Histogram of time to first token in seconds.", f"# TYPE {name} histogram"]
+    cum = 0
+    for b, c in zip(TTFT_BUCKETS_S, st.ttft_bucket_counts):
+        cum += c
+        lines.append(f'{name}_bucket{{{lbl},le="{b}"}} {_fmt(cum)}')
+    lines.append(f'{name}_bucket{{{lbl},le="+Inf"}} {_fmt(st.ttft_count)}')
+    lines.append(f"{name}_count{{{lbl}}} {_fmt(st.ttft_count)}")
+    lines.append(f"{name}_sum{{{lbl}}} {_fmt(st.ttft_sum_s)}")
+    out.append("\n".join(lines))
+    return "\n".join(out) + "\n"

@@ -1,0 +1,199 @@
+"""OpenAI request parsing and response encoding for the simulated server (pure, no I/O).
+
+`parse_generate` validates a /v1/chat/completions or /v1/completions body the way vLLM does and returns
+a `GenerateRequest` or raises `OpenAIError` (400 malformed, 404 unknown model). `StreamEncoder`
+pre-encodes the SSE chunk templates of one request so each streamed token costs one bytes join.
+
+Chosen behaviours where vLLM's would depend on a real model:
+- ``model`` may be omitted (vLLM serves the default model then); an unknown name is a 404;
+- ``max_tokens``/``max_completion_tokens`` default to `default_max_tokens` (the simulated model never
+  emits EOS, so exactly that many tokens are generated, like ``ignore_eos``);
+- ``n`` other than 1 and ``prompt`` batches of more than one prompt are 400s;
+- ``prompt`` may be a string, a list of token ids, or a one-element list of either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import orjson
+
+from prefixroute.model_servers import tokenizer
+from prefixroute.openai_errors import OpenAIError
+
+
+@dataclasses.dataclass(slots=True)
+class GenerateRequest:
+    chat: bool
+    model: str
+    prompt_ids: np.ndarray
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+
+
+def _bad(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
+
+
+def load_json_object(body: bytes) -> dict:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"Invalid JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise _bad("The request body must be a JSON object.")
+    return data
+
+
+def _opt_int(data: dict, key: str, minimum: int) -> int | None:
+    v = data.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"'{key}' must be an integer, got {type(v).__name__}", key)
+    if v < minimum:
+        raise _bad(f"'{key}' must be at least {minimum}, got {v}", key)
+    return v
+
+
+def _opt_type(data: dict, key: str, types: tuple[type, ...], what: str) -> Any:
+    v = data.get(key)
+    if v is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
+        raise _bad(f"'{key}' must be {what}, got {type(v).__name__}", key)
+    return v
+
+
+def resolve_model(data: dict, served: str, models: frozenset[str]) -> str:
+    model = data.get("model")
+    if model is None:
+        return served
+    if not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    if model not in models:
+        raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", type_="NotFoundError")
+    return model
+
+
+def prompt_ids_of(data: dict, chat: bool) -> np.ndarray:
+    """Token ids of the prompt of a chat (`messages`) or completion (`prompt`) body; raises 400s."""
+    if chat:
+        if "messages" not in data:
+            raise _bad("Field required: 'messages'", "messages")
+        try:
+            text = tokenizer.render_chat(data["messages"], tools=data.get("tools"),
+                                         add_generation_prompt=data.get("add_generation_prompt", True) is not False)
+        except tokenizer.ChatTemplateError as exc:
+            raise _bad(str(exc), exc.param) from None
+        return tokenizer.encode(text)
+    if "prompt" not in data:
+        raise _bad("Field required: 'prompt'", "prompt")
+    prompt = data["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("The prompt cannot be empty.", "prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = np.asarray(prompt, dtype=np.int64)
+        if ids.min() < 0 or ids.max() >= tokenizer.VOCAB_SIZE:
+            raise _bad(f"Token ids must be in [0, {tokenizer.VOCAB_SIZE}).", "prompt")
+        return ids
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise _bad("Batched prompts are not supported by this server; send one prompt per request.", "prompt")
+    raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+
+
+def parse_generate(data: dict, *, chat: bool, served: str, models: frozenset[str], max_model_len: int,
+                   default_max_tokens: int) -> GenerateRequest:
+    """Validate a generation body (see module docstring for the chosen behaviours)."""
+    model = resolve_model(data, served, models)
+    stream = _opt_type(data, "stream", (bool,), "a boolean") or False
+    so = _opt_type(data, "stream_options", (dict,), "an object")
+    include_usage = False
+    if so is not None:
+        iu = so.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise _bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+        include_usage = bool(iu)
+        if not stream:
+            raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
+    n = _opt_int(data, "n", 1)
+    if n is not None and n != 1:
+        raise _bad("Only n=1 is supported by this server.", "n")
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        _opt_type(data, key, (int, float), "a number")
+    max_tokens = _opt_int(data, "max_completion_tokens", 1) if chat else None
+    if max_tokens is None:
+        max_tokens = _opt_int(data, "max_tokens", 1)
+    cache_salt = _opt_type(data, "cache_salt", (str,), "a string")
+    ids = prompt_ids_of(data, chat)
+    num_prompt = len(ids)
+    if max_tokens is None:
+        max_tokens = max(1, min(default_max_tokens, max_model_len - num_prompt))
+    if num_prompt + max_tokens > max_model_len:
+        raise _bad(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                   f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
+                   f"completion). Please reduce the length of the messages or completion.",
+                   "messages" if chat else "prompt")
+    return GenerateRequest(chat, model, ids, max_tokens, stream, include_usage, cache_salt)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class StreamEncoder:
+    """Pre-encoded SSE chunks of one streamed response, in vLLM's format. Word texts must be JSON-safe."""
+
+    __slots__ = ("head", "mid", "last", "chat", "usage_head", "first")
+
+    def __init__(self, *, chat: bool, request_id: str, created: int, model: str) -> None:
+        m = orjson.dumps(model).decode()
+        self.chat = chat
+        if chat:
+            head = (f'data: {{"id":"{request_id}","object":"chat.completion.chunk","created":{created},'
+                    f'"model":{m},"choices":[{{"index":0,"delta":{{"content":"')
+            self.mid = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
+            self.last = b'"},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+            self.first = (f'data: {{"id":"{request_id}","object":"chat.completion.chunk","created":{created},'
+                          f'"model":{m},"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
+                          f'"logprobs":null,"finish_reason":null}}]}}\n\n').encode()
+        else:
+            head = (f'data: {{"id":"{request_id}","object":"text_completion","created":{created},'
+                    f'"model":{m},"choices":[{{"index":0,"text":"')
+            self.mid = b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+            self.last = b'","logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+            self.first = b""
+        self.head = head.encode()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self.usage_head = (f'data: {{"id":"{request_id}","object":"{kind}","created":{created},'
+                           f'"model":{m},"choices":[],"usage":').encode()
+
+    def token(self, word: bytes, last: bool) -> bytes:
+        return self.head + word + (self.last if last else self.mid)
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
+        return self.usage_head + orjson.dumps(usage(prompt_tokens, completion_tokens, cached_tokens)) + b"}\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def full_response(*, chat: bool, request_id: str, created: int, model: str, text: str, prompt_tokens: int,
+                  completion_tokens: int, cached_tokens: int) -> bytes:
+    """A non-streamed response body in vLLM's shape."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                  "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        obj = "text_completion"
+    return orjson.dumps({"id": request_id, "object": obj, "created": created, "model": model,
+                         "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})

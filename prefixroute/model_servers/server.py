@@ -1,0 +1,488 @@
+"""OpenAI-compatible HTTP server around one real-time engine (raw asyncio Protocol + httptools).
+
+Why not a framework: the per-request overhead budget is 0.5 ms of CPU for a 4k-token streamed request
+with 64 tokens, so the request path is a hand-written HTTP/1.1 keep-alive protocol: httptools parses,
+orjson decodes, each streamed token is one pre-encoded SSE chunk (`protocol.StreamEncoder`) written in
+one `transport.write` (chunked transfer encoding).
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (stream and not), GET /v1/models, GET /health,
+POST /tokenize, GET /metrics, GET /version, SGLang-style probes (GET /server_info, /get_server_info,
+/model_info, /get_model_info, /readiness), and GET|POST /admin/faults (runtime fault injection).
+Every response carries ``x-prefixroute-server-id``; a request's W3C ``traceparent`` is echoed in
+``x-prefixroute-traceparent``.
+
+Failure behaviours (chosen, tested):
+- malformed HTTP: 400 and close; body over `max_body_bytes`: 413 and close; unknown path 404; wrong
+  method 405 (OpenAI error bodies);
+- bad JSON / fields: 400; unknown model: 404; prompt + max_tokens over max_model_len: 400;
+- `fail_ratio`: that fraction of generation requests gets a 500 ``InternalServerError`` before the engine;
+- `extra_latency_ms`: added before the request enters the engine (shows in TTFT);
+- refusing connections (flag, SIGUSR1 toggle, or POST /admin/faults): the listening socket is closed
+  (connects get ECONNREFUSED) and idle keep-alive connections are closed; in-flight requests finish;
+- client disconnect: the request is aborted in the engine (KV blocks released);
+- SIGTERM: stop listening, let in-flight requests finish for up to `shutdown_grace_s`, then close the rest
+  and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import random
+import signal
+import time
+from typing import ClassVar
+
+import httptools
+import orjson
+
+from prefixroute.model_servers import metrics, protocol, tokenizer
+from prefixroute.model_servers.engine import EngineConfig, EngineCore, EngineRequest
+from prefixroute.model_servers.kv_cache import root_hash
+from prefixroute.model_servers.profiles import DEFAULT_PROFILE, PROFILES, get_profile
+from prefixroute.model_servers.runtime import AsyncEngine
+from prefixroute.openai_errors import OpenAIError, error_body
+from prefixroute.settings import Settings, setting
+
+log = logging.getLogger("prefixroute.model_server")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings(Settings):
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_MODEL_SERVER_"
+    TITLE: ClassVar[str] = "Simulated model server"
+
+    host: str = setting("127.0.0.1", "Address to listen on (loopback: the simulation never needs more).")
+    port: int = setting(8000, "TCP port to listen on (vLLM's default port).")
+    id: str = setting("", "Server id returned in x-prefixroute-server-id (default: host:port).")
+    profile: str = setting(DEFAULT_PROFILE, f"Model/GPU profile: {', '.join(PROFILES)}. Sets the cost model, "
+                                            "KV capacity and served model name.")
+    served_model_name: str = setting("", "Model name served (default: the profile's Hugging Face name).")
+    lora_modules: tuple[str, ...] = setting((), "LoRA adapter names also served (comma-separated); the adapter "
+                                                "name is part of the block hash, like vLLM.")
+    num_gpu_blocks: int | None = setting(None, "KV cache capacity in blocks (default: from the profile's GPU "
+                                              "memory after weights, e.g. 52,852 for the 8B profile).")
+    block_size: int = setting(16, "Tokens per KV block (vLLM's default on CUDA).")
+    max_num_seqs: int = setting(256, "Most requests running at once (vLLM's default).")
+    max_num_batched_tokens: int = setting(8192, "Token budget per engine step, chunked prefill above it "
+                                                "(vLLM's default for online serving on an H100/H200).")
+    max_model_len: int | None = setting(None, "Context window in tokens (default: the profile's 131,072, "
+                                              "capped at the KV capacity).")
+    default_max_tokens: int = setting(16, "Tokens generated when a request sets no max_tokens (the simulated "
+                                          "model never stops early; 16 is OpenAI's completions default).")
+    time_scale: float = setting(1.0, "Multiplier on modelled step times (1.0 = calibrated H200 time; 0.1 makes "
+                                     "the simulated GPU 10x faster for quick tests; 0 = no GPU time).")
+    fail_ratio: float = setting(0.0, "Fraction of generation requests answered with a 500 (fault injection).")
+    extra_latency_ms: float = setting(0.0, "Latency added before each generation request enters the engine.")
+    refuse_connections: bool = setting(False, "Start with the listening socket closed (toggle with SIGUSR1 or "
+                                              "POST /admin/faults).")
+    shutdown_grace_s: float = setting(2.0, "On SIGTERM, how long in-flight requests may finish before their "
+                                           "connections are closed (short: tests restart servers often).")
+    max_body_bytes: int = setting(16 * 1024 * 1024, "Largest request body accepted; larger ones get a 413 and "
+                                                     "the connection is closed (16 MiB: 30x a full 131k-token "
+                                                     "prompt as JSON).")
+    seed: int = setting(0, "Seed of the fault-injection random generator (reproducible runs).")
+    log_level: str = setting("WARNING", "Python log level (per-request logs are DEBUG).")
+
+
+_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
+            413: b"Payload Too Large", 500: b"Internal Server Error", 503: b"Service Unavailable"}
+_WORDS = tuple(w.encode() for w in tokenizer.OUTPUT_WORDS)
+_NUM_WORDS = len(_WORDS)
+
+
+def _word(seed: int, index: int) -> bytes:
+    return _WORDS[(seed * 31 + index * 7) % _NUM_WORDS]
+
+
+class ModelServer:
+    """One simulated vLLM server: engine + HTTP listener. Lives on one event loop."""
+
+    def __init__(self, s: ServerSettings) -> None:
+        self.settings = s
+        self.profile = get_profile(s.profile)
+        num_blocks = s.num_gpu_blocks or self.profile.num_gpu_blocks(s.block_size)
+        self.core = EngineCore(EngineConfig(num_blocks, s.block_size, s.max_num_seqs, s.max_num_batched_tokens,
+                                            s.time_scale), self.profile.cost_model())
+        self.engine = AsyncEngine(self.core)
+        self.served = s.served_model_name or self.profile.served_model_name
+        self.loras = tuple(s.lora_modules)
+        self.models = frozenset((self.served, *self.loras))
+        self.max_model_len = min(s.max_model_len or self.profile.max_model_len, num_blocks * s.block_size)
+        self.server_id = s.id or f"{s.host}:{s.port}"
+        self.fail_ratio = s.fail_ratio
+        self.extra_latency_s = s.extra_latency_ms / 1000.0
+        self.refusing = s.refuse_connections
+        self.rng = random.Random(s.seed)
+        self.num_failed = 0
+        self.connections: set[HttpConnection] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._roots: dict[tuple[str, str | None], int] = {}
+        self._ids = itertools.count(1)
+        self._created = int(time.time())
+        self.port = s.port
+        self.closing = False
+        sid = self.server_id.encode()
+        self.common_headers = b"x-prefixroute-server-id: " + sid + b"\r\n"
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.engine.start()
+        if not self.refusing:
+            await self._listen()
+
+    async def _listen(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: HttpConnection(self), self.settings.host, self.port,
+                                                reuse_address=True, backlog=1024)
+        self.port = self._server.sockets[0].getsockname()[1]
+        if not self.settings.id:
+            self.server_id = f"{self.settings.host}:{self.port}"
+            self.common_headers = b"x-prefixroute-server-id: " + self.server_id.encode() + b"\r\n"
+
+    async def set_refusing(self, refusing: bool) -> None:
+        if refusing == self.refusing:
+            return
+        self.refusing = refusing
+        if refusing:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+            for c in list(self.connections):
+                if c.active is None:
+                    c.transport.close()
+        else:
+            await self._listen()
+
+    async def shutdown(self) -> None:
+        """Stop listening, let in-flight requests finish within the grace period, close everything."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        deadline = time.monotonic() + self.settings.shutdown_grace_s
+        while any(c.active is not None for c in self.connections) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for c in list(self.connections):
+            c.transport.close()
+        await self.engine.stop()
+
+    def root_for(self, model: str, cache_salt: str | None) -> int:
+        key = (model, cache_salt)
+        r = self._roots.get(key)
+        if r is None:
+            r = self._roots[key] = root_hash((model, cache_salt))
+        return r
+
+    # -- request handling ---------------------------------------------------------------------------
+    def dispatch(self, conn: HttpConnection, method: bytes, path: bytes, body: bytes) -> None:
+        path = path.split(b"?", 1)[0]
+        try:
+            if path in _GENERATE:
+                if method != b"POST":
+                    raise OpenAIError(405, "Method Not Allowed")
+                self.generate(conn, path == b"/v1/chat/completions", body)
+                return
+            route = _ROUTES.get(path)
+            if route is None:
+                raise OpenAIError(404, f"Not Found: {path.decode(errors='replace')}")
+            allowed, handler = route
+            if method not in allowed:
+                raise OpenAIError(405, "Method Not Allowed")
+            handler(self, conn, body)
+        except OpenAIError as exc:
+            self.num_failed += exc.status >= 500
+            conn.respond(exc.status, exc.body())
+
+    def generate(self, conn: HttpConnection, chat: bool, body: bytes) -> None:
+        data = protocol.load_json_object(body)
+        g = protocol.parse_generate(data, chat=chat, served=self.served, models=self.models,
+                                    max_model_len=self.max_model_len,
+                                    default_max_tokens=self.settings.default_max_tokens)
+        if self.fail_ratio and self.rng.random() < self.fail_ratio:
+            raise OpenAIError(500, "Simulated failure (fault injection: --fail-ratio).")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids):x}"
+        req = EngineRequest(rid, g.prompt_ids, g.max_tokens, block_size=self.core.block_size,
+                            root=self.root_for(g.model, g.cache_salt))
+        req.sink = (StreamSink if g.stream else FullSink)(self, conn, g, rid, req)
+        conn.active = req
+        if self.extra_latency_s > 0:
+            asyncio.get_running_loop().call_later(self.extra_latency_s, self._submit_if_open, conn, req)
+        else:
+            self.engine.submit(req)
+
+    def _submit_if_open(self, conn: HttpConnection, req: EngineRequest) -> None:
+        if conn.active is req:
+            self.engine.submit(req)
+
+    # simple endpoints
+    def h_health(self, conn: HttpConnection, body: bytes) -> None:
+        conn.respond(200, b"")
+
+    def h_models(self, conn: HttpConnection, body: bytes) -> None:
+        data = [{"id": self.served, "object": "model", "created": self._created, "owned_by": "vllm",
+                 "root": self.served, "parent": None, "max_model_len": self.max_model_len, "permission": []}]
+        data += [{"id": name, "object": "model", "created": self._created, "owned_by": "vllm", "root": name,
+                  "parent": self.served, "max_model_len": self.max_model_len, "permission": []}
+                 for name in self.loras]
+        conn.respond(200, orjson.dumps({"object": "list", "data": data}))
+
+    def h_metrics(self, conn: HttpConnection, body: bytes) -> None:
+        text = metrics.render(self.core, model_name=self.served, server_id=self.server_id,
+                              num_http_requests_failed=self.num_failed, runner=self.engine)
+        conn.respond(200, text.encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
+
+    def h_tokenize(self, conn: HttpConnection, body: bytes) -> None:
+        data = protocol.load_json_object(body)
+        protocol.resolve_model(data, self.served, self.models)
+        ids = protocol.prompt_ids_of(data, "messages" in data)
+        conn.respond(200, orjson.dumps({"count": len(ids), "max_model_len": self.max_model_len,
+                                        "tokens": ids.tolist(), "token_strs": None}))
+
+    def h_version(self, conn: HttpConnection, body: bytes) -> None:
+        conn.respond(200, b'{"version":"0.0.0+prefixroute.sim"}')
+
+    def h_server_info(self, conn: HttpConnection, body: bytes) -> None:
+        c = self.core.config
+        conn.respond(200, orjson.dumps({
+            "model_path": self.served, "served_model_name": self.served, "server_id": self.server_id,
+            "profile": self.profile.name, "tp_size": self.profile.tp_degree, "page_size": c.block_size,
+            "max_total_num_tokens": c.num_gpu_blocks * c.block_size, "max_running_requests": c.max_num_seqs,
+            "chunked_prefill_size": c.max_num_batched_tokens, "context_length": self.max_model_len}))
+
+    def h_model_info(self, conn: HttpConnection, body: bytes) -> None:
+        conn.respond(200, orjson.dumps({"model_path": self.served, "tokenizer_path": self.served,
+                                        "is_generation": True, "max_model_len": self.max_model_len}))
+
+    def h_faults(self, conn: HttpConnection, body: bytes) -> None:
+        if body:
+            data = protocol.load_json_object(body)
+            fr = data.get("fail_ratio")
+            if fr is not None:
+                if isinstance(fr, bool) or not isinstance(fr, (int, float)) or not 0 <= fr <= 1:
+                    raise OpenAIError(400, "'fail_ratio' must be a number in [0, 1]", param="fail_ratio")
+                self.fail_ratio = float(fr)
+            lat = data.get("extra_latency_ms")
+            if lat is not None:
+                if isinstance(lat, bool) or not isinstance(lat, (int, float)) or lat < 0:
+                    raise OpenAIError(400, "'extra_latency_ms' must be a number >= 0", param="extra_latency_ms")
+                self.extra_latency_s = lat / 1000.0
+            refuse = data.get("refuse_connections")
+            if refuse is not None and not isinstance(refuse, bool):
+                raise OpenAIError(400, "'refuse_connections' must be a boolean", param="refuse_connections")
+            if refuse:
+                # answer first, then stop listening (this connection is then closed as idle)
+                conn.respond(200, self._faults_json(refusing=True))
+                asyncio.get_running_loop().create_task(self.set_refusing(True))
+                return
+        conn.respond(200, self._faults_json(refusing=self.refusing))
+
+    def _faults_json(self, *, refusing: bool) -> bytes:
+        return orjson.dumps({"fail_ratio": self.fail_ratio, "extra_latency_ms": self.extra_latency_s * 1000,
+                             "refuse_connections": refusing})
+
+
+_GENERATE = {b"/v1/chat/completions", b"/v1/completions"}
+_GET, _POST, _BOTH = (b"GET",), (b"POST",), (b"GET", b"POST")
+_ROUTES = {
+    b"/health": (_GET, ModelServer.h_health),
+    b"/ping": (_BOTH, ModelServer.h_health),
+    b"/readiness": (_GET, ModelServer.h_health),
+    b"/v1/models": (_GET, ModelServer.h_models),
+    b"/metrics": (_GET, ModelServer.h_metrics),
+    b"/tokenize": (_POST, ModelServer.h_tokenize),
+    b"/version": (_GET, ModelServer.h_version),
+    b"/server_info": (_GET, ModelServer.h_server_info),
+    b"/get_server_info": (_GET, ModelServer.h_server_info),
+    b"/model_info": (_GET, ModelServer.h_model_info),
+    b"/get_model_info": (_GET, ModelServer.h_model_info),
+    b"/admin/faults": (_BOTH, ModelServer.h_faults),
+}
+
+
+class StreamSink:
+    """Writes one streamed response: SSE chunks as the engine samples tokens."""
+
+    __slots__ = ("conn", "enc", "include_usage", "started", "seed")
+
+    def __init__(self, app: ModelServer, conn: HttpConnection, g: protocol.GenerateRequest, rid: str,
+                 req: EngineRequest) -> None:
+        self.conn = conn
+        self.enc = protocol.StreamEncoder(chat=g.chat, request_id=rid, created=int(time.time()), model=g.model)
+        self.include_usage = g.include_usage
+        self.started = False
+        self.seed = req.num_prompt_tokens * 31
+
+    def on_token(self, req: EngineRequest) -> None:
+        conn = self.conn
+        if conn.closed:
+            raise ConnectionError("client gone")
+        enc = self.enc
+        finished = req.status == 2  # FINISHED; attribute compare is cheaper than the property
+        chunk = enc.head + _WORDS[(self.seed + (req.num_output - 1) * 7) % _NUM_WORDS] + (
+            enc.last if finished else enc.mid)
+        if not self.started:
+            self.started = True
+            conn.start_stream()
+            if enc.first:
+                chunk = enc.first + chunk
+        if finished:
+            if self.include_usage:
+                chunk += enc.usage_chunk(req.num_prompt_tokens, req.num_output, req.num_cached_tokens)
+            chunk += protocol.DONE
+            conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(chunk), chunk))
+            conn.finish_response()
+        else:
+            conn.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+
+
+class FullSink:
+    """Collects a non-streamed response and writes it when the request finishes."""
+
+    __slots__ = ("conn", "g", "rid")
+
+    def __init__(self, app: ModelServer, conn: HttpConnection, g: protocol.GenerateRequest, rid: str,
+                 req: EngineRequest) -> None:
+        self.conn, self.g, self.rid = conn, g, rid
+
+    def on_token(self, req: EngineRequest) -> None:
+        if not req.finished:
+            return
+        text = b"".join(_word(req.num_prompt_tokens, i) for i in range(req.num_output)).decode()
+        self.conn.respond(200, protocol.full_response(
+            chat=self.g.chat, request_id=self.rid, created=int(time.time()), model=self.g.model, text=text,
+            prompt_tokens=req.num_prompt_tokens, completion_tokens=req.num_output,
+            cached_tokens=req.num_cached_tokens))
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection: HTTP/1.1 keep-alive, one request at a time (pipelined ones queue)."""
+
+    def __init__(self, app: ModelServer) -> None:
+        self.app = app
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.url = b""
+        self.body: list[bytes] = []
+        self.traceparent: bytes | None = None
+        self.keep_alive = True
+        self.active: EngineRequest | None = None
+        self.busy = False
+        self.pending: list[tuple[bytes, bytes, bytes, bytes | None, bool]] = []
+        self.cur_traceparent: bytes | None = None
+        self.cur_keep_alive = True
+        self.closed = False
+        self.body_size = 0
+        self.too_large = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.app.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.app.connections.discard(self)
+        if self.active is not None:
+            self.app.engine.abort(self.active)
+            self.active = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.too_large:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.cur_keep_alive = False
+            self.busy = True
+            self.respond(400, error_body(400, f"Malformed HTTP request: {exc}"))
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.body = []
+        self.body_size = 0
+        self.traceparent = None
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) == 11 and name.lower() == b"traceparent":
+            self.traceparent = value
+
+    def on_body(self, body: bytes) -> None:
+        if self.too_large:
+            return
+        self.body.append(body)
+        self.body_size += len(body)
+        if self.body_size > self.app.settings.max_body_bytes:
+            self.too_large = True
+            self.cur_keep_alive = False
+            self.busy = True
+            self.pending.clear()
+            self.respond(413, error_body(413, f"Request body larger than {self.app.settings.max_body_bytes} bytes."))
+
+    def on_message_complete(self) -> None:
+        if self.too_large:
+            return
+        item = (self.parser.get_method(), self.url, b"".join(self.body), self.traceparent,
+                self.parser.should_keep_alive())
+        if self.busy:
+            self.pending.append(item)
+        else:
+            self._run(item)
+
+    def _run(self, item: tuple[bytes, bytes, bytes, bytes | None, bool]) -> None:
+        method, url, body, self.cur_traceparent, self.cur_keep_alive = item
+        self.busy = True
+        self.app.dispatch(self, method, url, body)
+
+    # responses
+    def _head(self, status: int, extra: bytes) -> bytes:
+        tp = self.cur_traceparent
+        return b"".join((b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b"Error")), extra,
+                         self.app.common_headers,
+                         b"x-prefixroute-traceparent: " + tp + b"\r\n" if tp else b"",
+                         b"" if self.cur_keep_alive else b"connection: close\r\n", b"\r\n"))
+
+    def respond(self, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
+        if self.transport.is_closing():
+            return
+        self.transport.write(self._head(status, b"content-type: %b\r\ncontent-length: %d\r\n"
+                                        % (content_type, len(body))) + body)
+        self.finish_response()
+
+    def start_stream(self) -> None:
+        self.transport.write(self._head(200, b"content-type: text/event-stream; charset=utf-8\r\n"
+                                             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n"))
+
+    def finish_response(self) -> None:
+        self.active = None
+        self.busy = False
+        if not self.cur_keep_alive or self.app.closing or self.app.refusing:
+            self.transport.close()
+            return
+        if self.pending:
+            self._run(self.pending.pop(0))
+
+
+async def serve(s: ServerSettings, ready: asyncio.Future | None = None) -> int:
+    """Run a server until SIGTERM/SIGINT; returns the exit code (0 on a clean shutdown)."""
+    app = ModelServer(s)
+    await app.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(app.set_refusing(not app.refusing)))
+    log.warning("model server %s listening on %s:%d profile=%s blocks=%d", app.server_id, s.host, app.port,
+                app.profile.name, app.core.config.num_gpu_blocks)
+    print(f"READY {s.host}:{app.port}", flush=True)
+    if ready is not None:
+        ready.set_result(app)
+    await stop.wait()
+    await app.shutdown()
+    return 0

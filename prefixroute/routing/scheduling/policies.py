@@ -1,0 +1,219 @@
+"""The selectable policies. Each turns a `PolicyInput` into a `Decision` (pure apart from the rng/counter).
+
+Contract for every policy: `Decision.endpoints` lists distinct *eligible* endpoints (healthy, serving the model),
+primary first, at most ``1 + num_fallbacks``; it is empty only when no endpoint is eligible.
+
+`prefix` (default), in order:
+1. No block hashed (prompt shorter than one block): no prefix to exploit -> best weighted score, which is then
+   load only (reason "load").
+2. Prefix seen nowhere among eligible endpoints -> rendezvous (HRW) placement keyed on the chained hash of the
+   first ``cold_key_blocks`` blocks, over the endpoints under the concurrency threshold (all of them if none
+   is): requests sharing a system prompt converge; each endpoint owns ~1/N of new prefixes (reason "cold").
+3. Otherwise -> weighted scorers (prefix, in-flight, queue, KV) over the endpoints under the threshold (all if
+   none is; in pools larger than ``max_scored_endpoints``, the endpoints holding part of the prefix plus a
+   random sample of the others), max score, ties by load then random. Reason "affinity" when the primary
+   holds the longest match; "spill" when an endpoint holding a longer match was excluded by the threshold;
+   "load" when load outweighed a partial match. Fallbacks: the next best, then endpoints over the threshold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from prefixroute.routing.hashing import seed_for
+from prefixroute.routing.request import InferenceRequest
+from prefixroute.routing.scheduling import filters, pickers
+from prefixroute.routing.scheduling.scorers import (InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer,
+                                                    Scorer, ScoringContext, weighted_scores)
+from prefixroute.routing.settings import RoutingSettings
+from prefixroute.routing.types import BlockHash, Decision, DecisionReason, EndpointId, EndpointState
+
+
+@dataclasses.dataclass(slots=True)
+class PolicyInput:
+    """One decision's inputs. `eligible` is non-empty, in the pool's order; `matches` (from the index) holds
+    eligible endpoints only, and `holders` is their states, in the pool's order."""
+
+    request: InferenceRequest
+    eligible: Sequence[EndpointState]
+    in_flight: Mapping[EndpointId, int]
+    matches: Mapping[EndpointId, int]
+    holders: Sequence[EndpointState] = ()
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, inp: PolicyInput) -> Decision: ...
+
+
+def _decision(order: Sequence[EndpointId], reason: DecisionReason, policy: str, inp: PolicyInput) -> Decision:
+    total = len(inp.request.block_hashes)
+    matched = inp.matches.get(order[0], 0) if order else 0
+    return Decision(endpoints=tuple(order), reason=reason, policy=policy, matched_blocks=matched,
+                    total_blocks=total, predicted_hit_ratio=matched / total if total else 0.0)
+
+
+def prefix_key(request: InferenceRequest, cold_key_blocks: int) -> BlockHash:
+    """The rendezvous key of a request: hash of its first `cold_key_blocks` blocks (fewer if it has fewer);
+    without blocks, the (model, tenant) seed."""
+    hashes = request.block_hashes
+    if hashes:
+        return hashes[min(cold_key_blocks, len(hashes)) - 1]
+    return seed_for(request.model, request.tenant)
+
+
+class RandomPolicy:
+    name = "random"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
+        self._k = 1 + settings.num_fallbacks
+        self._rng = rng
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        order = [s.endpoint for s in self._rng.sample(list(inp.eligible), min(self._k, len(inp.eligible)))]
+        return _decision(order, "policy", self.name, inp)
+
+
+class RoundRobinPolicy:
+    """Cycles through the eligible endpoints in the pool's order; fallbacks are the next ones."""
+
+    name = "round-robin"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
+        self._k = 1 + settings.num_fallbacks
+        self._counter = itertools.count()
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        n = len(inp.eligible)
+        start = next(self._counter) % n
+        order = [inp.eligible[(start + i) % n].endpoint for i in range(min(self._k, n))]
+        return _decision(order, "policy", self.name, inp)
+
+
+class LeastLoadPolicy:
+    """Fewest in-flight requests (router's own count), then fewest waiting (scraped), then random."""
+
+    name = "least-load"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
+        self._k = 1 + settings.num_fallbacks
+        self._rng = rng
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        order = pickers.least_load_order(inp.eligible, inp.in_flight, self._rng, self._k)
+        return _decision(order, "load", self.name, inp)
+
+
+class ConsistentHashPolicy:
+    """Rendezvous hashing on the prompt prefix only (no load, no threshold): the pure-affinity baseline."""
+
+    name = "consistent-hash"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
+        self._k = 1 + settings.num_fallbacks
+        self._cold_key_blocks = settings.cold_key_blocks
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        key = prefix_key(inp.request, self._cold_key_blocks)
+        return _decision(pickers.rendezvous_order(key, inp.eligible, self._k), "policy", self.name, inp)
+
+
+class PrefixPolicy:
+    """Prefix affinity with load awareness, overflow threshold and rendezvous cold placement (module doc)."""
+
+    name = "prefix"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
+        self._settings = settings
+        self._k = 1 + settings.num_fallbacks
+        self._rng = rng
+        self.scorers: list[tuple[Scorer, float]] = [
+            (PrefixScorer(), settings.prefix_weight),
+            (InFlightScorer(), settings.load_weight),
+            (QueueScorer(), settings.queue_weight),
+            (KvCacheScorer(), settings.kv_weight),
+        ]
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        st = self._settings
+        k = self._k
+        under, over = filters.split_threshold(inp.eligible, inp.in_flight, st.concurrency_threshold)
+        candidates = under or over
+        rest = over if under else []
+        hashes = inp.request.block_hashes
+        matches = inp.matches
+
+        if hashes and not matches:
+            key = prefix_key(inp.request, st.cold_key_blocks)
+            order = pickers.rendezvous_order(key, candidates, k)
+            if len(order) < k and rest:
+                order += pickers.rendezvous_order(key, rest, k - len(order))
+            return _decision(order, "cold", self.name, inp)
+
+        limit = st.max_scored_endpoints
+        if limit and len(candidates) > limit:
+            if rest:  # candidates are the endpoints under the threshold: so are the holders to score
+                t = st.concurrency_threshold
+                get = inp.in_flight.get
+                holders = [s for s in inp.holders if get(s.endpoint, 0) < t]
+            else:
+                holders = list(inp.holders)
+            candidates = self._sample(candidates, holders, limit)
+        ctx = ScoringContext(in_flight=inp.in_flight, matches=matches, total_blocks=len(hashes),
+                             concurrency_threshold=st.concurrency_threshold, queue_scale=st.queue_scale)
+        scores = weighted_scores(ctx, candidates, self.scorers)
+        order = pickers.max_score_order(candidates, scores, inp.in_flight, self._rng, k)
+        if len(order) < k and rest:
+            rest_scores = weighted_scores(ctx, rest, self.scorers)
+            order += pickers.max_score_order(rest, rest_scores, inp.in_flight, self._rng, k - len(order))
+
+        reason: DecisionReason
+        if not hashes:
+            reason = "load"
+        else:
+            # `matches` holds eligible endpoints only (the scheduler filters it) and is usually tiny.
+            primary_match = matches.get(order[0], 0)
+            over_names = {s.endpoint for s in rest}
+            best_candidate = max((n for ep, n in matches.items() if ep not in over_names), default=0)
+            best_over = max((n for ep, n in matches.items() if ep in over_names), default=0)
+            if best_over > primary_match and best_over > best_candidate:
+                reason = "spill"
+            elif primary_match > 0 and primary_match >= best_candidate:
+                reason = "affinity"
+            else:
+                reason = "load"
+        return _decision(order, reason, self.name, inp)
+
+    def _sample(self, candidates: Sequence[EndpointState], holders: Sequence[EndpointState],
+                limit: int) -> list[EndpointState]:
+        """`holders` (the candidates holding part of the prefix, all of them) + other candidates drawn
+        uniformly at random, `limit` in all (more when more than `limit` endpoints hold the prefix: none is
+        skipped). Independent draws, not a window of the pool: endpoints busy together are often neighbours
+        in the configured order (one host, one rack)."""
+        out = list(holders)
+        taken = {s.endpoint for s in holders}
+        n = len(candidates)
+        rand = self._rng.random
+        for _ in range(2 * limit):  # with replacement, duplicates skipped: O(limit), no O(n) shuffle
+            if len(out) >= limit:
+                break
+            s = candidates[int(rand() * n)]
+            if s.endpoint not in taken:
+                taken.add(s.endpoint)
+                out.append(s)
+        return out
+
+
+POLICY_CLASSES: dict[str, type] = {
+    p.name: p for p in (PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy, RoundRobinPolicy, RandomPolicy)
+}
+
+
+def make_policy(settings: RoutingSettings, rng: random.Random) -> Policy:
+    """The policy named by ``settings.policy`` (validated by RoutingSettings)."""
+    return POLICY_CLASSES[settings.policy](settings, rng)

@@ -1,0 +1,194 @@
+"""`prefixroute telemetry`: the OTLP receiver + request store, and `telemetry dump`.
+
+Run the receiver (OTLP/gRPC on --port, SQLite store at --db, JSON query API on --http-port)::
+
+    prefixroute telemetry --port 4317 --db telemetry.db --http-port 4320
+
+Point the router at it (standard OpenTelemetry variables, read by the ext_proc service, or its
+``--otlp-endpoint`` flag / PREFIXROUTE_EXTPROC_OTLP_ENDPOINT)::
+
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://127.0.0.1:4317 prefixroute gateway ...
+
+The router exports one span ``prefixroute.route`` (kind SERVER) per routed request. It joins the
+client's W3C ``traceparent`` when there is one and passes ``traceparent`` on to the model server with
+its own span as the parent. Attributes: ``gen_ai.request.model``, ``gen_ai.operation.name``,
+``gen_ai.usage.input_tokens`` / ``output_tokens`` / ``cache_read.input_tokens``, ``server.address`` /
+``server.port`` (served endpoint), ``http.response.status_code``, ``url.path``, ``error.type``, and
+``prefixroute.{request_id, tenant_hash, policy, reason, endpoint, endpoints, fallback_endpoints,
+matched_blocks, total_blocks, predicted_hit_ratio, decision_us, ttft_ms, latency_ms, cached_tokens,
+stream, status}``. Its Prometheus metrics are on ``--metrics-port`` (default 9464, ``/metrics``).
+
+Print the routed requests of the last minute, one JSON object per line (from the file or the API)::
+
+    prefixroute telemetry dump --since 60 --db telemetry.db
+    prefixroute telemetry dump --since 60 --url http://127.0.0.1:4320
+
+Each line has: trace_id, span_id, parent_span_id, request_id, start_time (unix s), model, tenant_hash,
+policy, reason, endpoint (served), endpoints (decision: primary, then fallbacks), matched_blocks,
+total_blocks, predicted_hit_ratio, decision_us, ttft_ms, latency_ms, prompt_tokens, completion_tokens,
+cached_tokens, stream, status, error, path, end_time.
+
+Sending the same traces to Jaeger, Tempo or an OpenTelemetry Collector
+-----------------------------------------------------------------------
+The router exports plain OTLP/gRPC, so any OTLP backend works; only the endpoint changes:
+
+- Jaeger (v1.35+ / v2 accept OTLP natively)::
+
+      OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://jaeger:4317
+
+- Grafana Tempo (OTLP receiver enabled in its distributor)::
+
+      OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://tempo:4317
+
+- Other useful variables: OTEL_SERVICE_NAME (default ``prefixroute-router``), OTEL_RESOURCE_ATTRIBUTES,
+  OTEL_EXPORTER_OTLP_HEADERS (e.g. an auth token), OTEL_EXPORTER_OTLP_CERTIFICATE / an ``https://``
+  endpoint for TLS, OTEL_EXPORTER_OTLP_COMPRESSION=gzip, OTEL_BSP_MAX_QUEUE_SIZE / _MAX_EXPORT_BATCH_SIZE /
+  _SCHEDULE_DELAY / _EXPORT_TIMEOUT, OTEL_SDK_DISABLED=true (or OTEL_TRACES_EXPORTER=none) to turn tracing off.
+
+To keep the prefixroute dashboard *and* a tracing backend, point the router at an OpenTelemetry
+Collector that fans the stream out to both (this receiver speaks OTLP like any backend)::
+
+    receivers:
+      otlp:
+        protocols:
+          grpc:
+            endpoint: 0.0.0.0:4317
+    processors:
+      batch: {}
+    exporters:
+      otlp/prefixroute:            # prefixroute telemetry --port 14317 --db telemetry.db
+        endpoint: 127.0.0.1:14317
+        tls:
+          insecure: true
+      otlp/jaeger:
+        endpoint: jaeger:4317
+        tls:
+          insecure: true
+    service:
+      pipelines:
+        traces:
+          receivers: [otlp]
+          processors: [batch]
+          exporters: [otlp/prefixroute, otlp/jaeger]
+
+The receiver stores only the router's request spans (named ``prefixroute.route``); spans from other
+services in the same stream are counted and ignored, and OTLP metrics and logs are accepted and
+discarded, so a Collector may send it everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+from typing import ClassVar
+
+import orjson
+
+from prefixroute import settings
+from prefixroute.settings import Settings, setting
+
+log = logging.getLogger("prefixroute.telemetry")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiverSettings(Settings):
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_TELEMETRY_"
+    TITLE: ClassVar[str] = "Telemetry receiver"
+
+    host: str = setting("127.0.0.1", "Address to bind the OTLP/gRPC and HTTP API servers (loopback: nothing "
+                                     "is exposed unless asked; use 0.0.0.0 to accept remote senders).")
+    port: int = setting(4317, "OTLP/gRPC port (4317 is the OTLP standard port, so SDK defaults reach it).")
+    db: str = setting("prefixroute-telemetry.db", "SQLite file of the request store (created if absent; WAL files "
+                                                  "sit beside it).")
+    http_port: int = setting(4320, "Port of the HTTP JSON query API for the dashboard and `dump --url` "
+                                   "(next to OTLP's 4317/4318); -1 disables it, 0 picks a free port.")
+    max_age_s: float = setting(86400.0, "Retention: rows older than this are deleted (a day covers a benchmark "
+                                        "session and a day of dashboards); <= 0 keeps all.")
+    max_rows: int = setting(500_000, "Retention: at most this many rows, oldest deleted first (~250 MB of SQLite; "
+                                     "about an hour at 140 requests/s); <= 0 means no limit.")
+    retention_interval_s: float = setting(10.0, "How often retention runs (a DELETE per 10 s costs nothing "
+                                                "visible; per insert it would).")
+    max_pending_batches: int = setting(1024, "OTLP export requests queued for the store writer before new ones "
+                                             "are rejected (bounds memory to ~1024 x the sender's batch).")
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    settings.add_arguments(parser, ReceiverSettings)
+    parser.add_argument("--log-level", default="INFO", help="Python logging level [default INFO].")
+    sub = parser.add_subparsers(dest="telemetry_command", metavar="{dump}")
+    dump = sub.add_parser("dump", help="Print stored requests, one JSON object per line, oldest first.",
+                          description="Print stored requests, one JSON object per line, oldest first.")
+    dump.add_argument("--since", dest="since_s", type=float, required=True, metavar="SECONDS",
+                      help="Requests that started in the last SECONDS.")
+    src = dump.add_mutually_exclusive_group()
+    src.add_argument("--db", dest="dump_db", metavar="PATH",
+                     help="Read this SQLite store [default: $PREFIXROUTE_TELEMETRY_DB or the receiver default].")
+    src.add_argument("--url", dest="dump_url", metavar="URL",
+                     help="Read from a receiver's HTTP API instead, e.g. http://127.0.0.1:4320.")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "telemetry_command", None) == "dump":
+        return dump(args)
+    try:
+        cfg = settings.from_namespace(ReceiverSettings, args)
+    except ValueError as exc:
+        print(f"prefixroute telemetry: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(cfg))
+
+
+def dump(args: argparse.Namespace) -> int:
+    from prefixroute.telemetry.client import HttpStoreClient, TelemetryUnavailable
+    from prefixroute.telemetry.store import StoreMissing, StoreReader
+
+    if not args.since_s > 0:
+        print("prefixroute telemetry dump: --since must be > 0", file=sys.stderr)
+        return 2
+    try:
+        if args.dump_url:
+            reader = HttpStoreClient(args.dump_url)
+        else:
+            db = args.dump_db or settings.from_namespace(ReceiverSettings, args).db
+            reader = StoreReader(db)
+        out = sys.stdout.buffer
+        with reader:
+            for row in reader.iter_requests(args.since_s):
+                out.write(orjson.dumps(row) + b"\n")
+        out.flush()
+    except (StoreMissing, TelemetryUnavailable) as exc:
+        print(f"prefixroute telemetry dump: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `dump | head` is fine
+        return 0
+    return 0
+
+
+async def _serve(cfg: ReceiverSettings) -> int:
+    from prefixroute.telemetry.receiver import Receiver
+
+    receiver = Receiver(cfg.db, host=cfg.host, port=cfg.port, http_port=None if cfg.http_port < 0 else cfg.http_port,
+                        max_age_s=cfg.max_age_s, max_rows=cfg.max_rows,
+                        retention_interval_s=cfg.retention_interval_s, max_pending_batches=cfg.max_pending_batches)
+    try:
+        await receiver.start()
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    http = f", HTTP API on http://{cfg.host}:{receiver.http_port}" if receiver.http_port is not None else ""
+    # One parseable line so scripts and tests can find the bound ports (0 = pick a free port).
+    print(f"prefixroute telemetry: OTLP/gRPC on {cfg.host}:{receiver.port}{http}, store {cfg.db}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await receiver.stop()
+    log.info("stopped: %s", receiver.stats.as_dict())
+    return 0

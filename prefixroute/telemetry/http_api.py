@@ -1,0 +1,153 @@
+"""HTTP JSON query API over the store, served by the receiver (stdlib server, one thread per request).
+
+Routes (GET; every parameter optional unless marked; times in seconds; bad input -> 400 in the
+OpenAI error format, a missing store -> 503, an unknown route -> 404):
+
+    /api/summary?window_s=300                          -> StoreReader.summary
+    /api/timeseries?window_s=300&bucket_s=5&by_endpoint=0|1 -> StoreReader.timeseries
+    /api/breakdown?window_s=300&by=endpoint            -> StoreReader.breakdown
+    /api/endpoints?window_s=300                        -> StoreReader.endpoints
+    /api/reasons?window_s=300[&bucket_s=5]             -> StoreReader.reasons
+    /api/histogram?window_s=300&column=ttft_ms[&bin_width=10&num_bins=30] -> StoreReader.histogram
+    /api/requests?since_s=60                           -> StoreReader.iter_requests (oldest first), JSON array
+    /api/recent?limit=100[&endpoint=host:port]         -> StoreReader.recent_requests (newest first)
+    /api/request?trace_id=HEX(required)[&span_id=HEX]  -> StoreReader.request (404 when absent)
+    /api/stats                                         -> receiver counters + num_requests in the store
+    /healthz                                           -> {"status": "ok"}
+
+Every query route accepts ``now=`` (unix s) to query a fixed instant, like the reader methods.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from prefixroute.openai_errors import error_body
+from prefixroute.telemetry.store import StoreMissing, StoreReader
+
+log = logging.getLogger(__name__)
+
+
+class _BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _num(q: dict[str, list[str]], name: str, default: float | None, *, kind: type = float) -> Any:
+    raw = q.get(name)
+    if not raw:
+        return default
+    try:
+        v = kind(raw[-1])
+    except ValueError:
+        raise _BadRequest(f"{name} must be a number, got {raw[-1]!r}", name) from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise _BadRequest(f"{name} must be finite", name)
+    return v
+
+
+def _flag(q: dict[str, list[str]], name: str) -> bool:
+    raw = (q.get(name) or ["0"])[-1].lower()
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw in ("0", "false", "no", ""):
+        return False
+    raise _BadRequest(f"{name} must be 0 or 1", name)
+
+
+def query(reader: StoreReader, path: str, q: dict[str, list[str]]) -> Any:
+    """Run one API route against a reader; raises _BadRequest / KeyError (unknown route) / LookupError."""
+    now = _num(q, "now", None)
+    window_s = _num(q, "window_s", 300.0)
+    if path == "/api/summary":
+        return reader.summary(window_s, now=now)
+    if path == "/api/timeseries":
+        return reader.timeseries(window_s, _num(q, "bucket_s", 5.0), by_endpoint=_flag(q, "by_endpoint"), now=now)
+    if path == "/api/breakdown":
+        return reader.breakdown(window_s, (q.get("by") or ["endpoint"])[-1], now=now)
+    if path == "/api/endpoints":
+        return reader.endpoints(window_s, now=now)
+    if path == "/api/reasons":
+        return reader.reasons(window_s, _num(q, "bucket_s", None), now=now)
+    if path == "/api/histogram":
+        return reader.histogram(window_s, (q.get("column") or ["ttft_ms"])[-1], bin_width=_num(q, "bin_width", None),
+                                num_bins=_num(q, "num_bins", 30, kind=int), now=now)
+    if path == "/api/requests":
+        return list(reader.iter_requests(_num(q, "since_s", 60.0), now=now))
+    if path == "/api/recent":
+        limit = _num(q, "limit", 100, kind=int)
+        if limit < 1 or limit > 10000:
+            raise _BadRequest("limit must be in 1..10000", "limit")
+        return reader.recent_requests(limit, endpoint=(q.get("endpoint") or [None])[-1])
+    if path == "/api/request":
+        trace_id = (q.get("trace_id") or [None])[-1]
+        if not trace_id:
+            raise _BadRequest("trace_id is required", "trace_id")
+        found = reader.request(trace_id, (q.get("span_id") or [None])[-1])
+        if found is None:
+            raise LookupError(f"no request with trace_id {trace_id}")
+        return found
+    raise KeyError(path)
+
+
+def make_handler(db_path: str, stats: Any | None) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:  # the default writes every hit to stderr
+            log.debug("http api: " + fmt, *args)
+
+        def _send(self, status: int, payload: Any) -> None:
+            self._send_bytes(status, json.dumps(payload, default=str).encode())
+
+        def _send_bytes(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _error(self, status: int, message: str, param: str | None = None) -> None:
+            self._send_bytes(status, error_body(status, message, param=param))
+
+        def do_GET(self) -> None:  # noqa: N802
+            parts = urlsplit(self.path)
+            q = parse_qs(parts.query, keep_blank_values=True)
+            if parts.path == "/healthz":
+                return self._send(200, {"status": "ok"})
+            try:
+                reader = StoreReader(db_path)
+            except StoreMissing as exc:
+                return self._error(503, str(exc))
+            try:
+                if parts.path == "/api/stats":
+                    return self._send(200, {**(stats.as_dict() if stats else {}),
+                                            "num_requests": reader.num_requests()})
+                return self._send(200, query(reader, parts.path, q))
+            except _BadRequest as exc:
+                return self._error(400, str(exc), exc.param)
+            except ValueError as exc:  # the reader's own argument checks
+                return self._error(400, str(exc))
+            except KeyError:
+                return self._error(404, f"no route {parts.path}")
+            except LookupError as exc:
+                return self._error(404, str(exc))
+            finally:
+                reader.close()
+
+    return Handler
+
+
+def start_http_api(db_path: str, host: str, port: int, *, stats: Any | None = None) -> ThreadingHTTPServer:
+    """Serve the API on a daemon thread; returns the server (server_address has the bound port;
+    call shutdown() then server_close() to stop)."""
+    server = ThreadingHTTPServer((host, port), make_handler(db_path, stats))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="prefixroute-telemetry-http", daemon=True).start()
+    return server

@@ -1,0 +1,80 @@
+"""`RequestRecord`: everything the router knows about one routed request, built at response end.
+
+Contract with the ext_proc servicer (the only producer):
+- One record per routed request, created when the request headers arrive (`start_time`, ids) and
+  filled as the decision and the response arrive; it is handed to `TelemetryRecorder.record` once,
+  at response end, and never touched by the servicer afterwards (the recorder keeps a reference).
+- Ids are lower-case hex: `trace_id` 32 chars, `span_id`/`parent_span_id` 16 chars (W3C form, see
+  tracecontext.py). `span_id` is the router's own span, i.e. the parent the model server sees.
+- Times: `start_time` is unix seconds (time.time()) at request-header arrival; durations are in the
+  unit their name says and measured on a monotonic clock. ``None`` means "not observed" (e.g. no
+  first body byte because the request failed, or usage missing from the response).
+- `status` is the HTTP status sent to the client (0 when the stream was reset before headers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import xxhash
+
+# The dump/store columns, in output order (the store's `requests` table has these plus end_time, attrs).
+RECORD_FIELDS: tuple[str, ...] = (
+    "trace_id", "span_id", "parent_span_id", "request_id", "start_time", "model", "tenant_hash", "policy",
+    "reason", "endpoint", "endpoints", "matched_blocks", "total_blocks", "predicted_hit_ratio", "decision_us",
+    "ttft_ms", "latency_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "stream", "status", "error",
+    "path",
+)
+
+
+def tenant_hash(tenant: str | bytes) -> str:
+    """The value for `RequestRecord.tenant_hash`: 16 hex chars of xxh3-64 of the tenant key (an API key,
+    a user id...), so telemetry can group by tenant without storing the key. Not a secret-grade hash:
+    enough to keep keys out of traces and dashboards, not to resist guessing a low-entropy id."""
+    return xxhash.xxh3_64_hexdigest(tenant.encode() if isinstance(tenant, str) else tenant)
+
+
+@dataclasses.dataclass(slots=True)
+class RequestRecord:
+    """One routed request as the router saw it (see the module docstring for the contract)."""
+
+    trace_id: str
+    span_id: str
+    start_time: float
+    parent_span_id: str | None = None  # the incoming traceparent's span, None when the router started the trace
+    request_id: str = ""  # x-request-id (Envoy sets one when the client did not)
+    model: str | None = None  # "model" of the request body
+    tenant_hash: str | None = None  # hashed tenant key (never the raw key)
+    policy: str = ""
+    reason: str = ""  # routing.types.DecisionReason
+    endpoint: str | None = None  # endpoint that served the request (x-gateway-destination-endpoint-served)
+    endpoints: tuple[str, ...] = ()  # the decision: primary first, then fallbacks
+    matched_blocks: int = 0
+    total_blocks: int = 0
+    predicted_hit_ratio: float = 0.0  # 0-1
+    decision_us: float = 0.0  # time the router spent deciding
+    ttft_ms: float | None = None  # request-header arrival to the first response body byte sent on
+    latency_ms: float | None = None  # request-header arrival to the end of the response
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens reported by the model server
+    stream: bool = False
+    status: int = 0
+    error: str | None = None  # short failure description (upstream reset, 5xx body message, ...)
+    path: str = ""  # request path, e.g. /v1/chat/completions
+
+    @property
+    def end_time(self) -> float:
+        """Unix seconds at response end (start_time when the latency is unknown)."""
+        return self.start_time + (self.latency_ms or 0.0) / 1000.0
+
+    @property
+    def is_error(self) -> bool:
+        """True for a 5xx, a reset (status 0) or a recorded error; a 4xx is the client's fault, not an error here."""
+        return self.error is not None or self.status == 0 or self.status >= 500
+
+    def to_dict(self) -> dict:
+        """The dump form: JSON-able, `endpoints` as a list."""
+        d = {f: getattr(self, f) for f in RECORD_FIELDS}
+        d["endpoints"] = list(self.endpoints)
+        return d

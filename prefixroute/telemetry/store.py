@@ -1,0 +1,442 @@
+"""The request store: one SQLite row per routed request, written by the receiver, read by the dashboard.
+
+Concurrency: SQLite in WAL mode, exactly one writer (`TelemetryStore`, owned by the receiver's writer
+thread) and any number of readers in other processes (`StoreReader`, opened read-only). Readers never
+block the writer and see committed batches only.
+
+Schema (table ``requests``; the record fields are those of `records.RequestRecord`)::
+
+    id                  INTEGER PRIMARY KEY   -- insertion order
+    trace_id            TEXT NOT NULL         -- 32 lower-case hex
+    span_id             TEXT NOT NULL         -- 16 lower-case hex, the router's span
+    parent_span_id      TEXT                  -- incoming traceparent's span, NULL when the router began the trace
+    request_id          TEXT
+    start_time          REAL NOT NULL         -- unix seconds, request arrival at the gateway
+    end_time            REAL                  -- unix seconds, response end
+    model, tenant_hash, policy, reason, endpoint  TEXT   -- endpoint = the endpoint that served the request
+    endpoints           TEXT                  -- JSON array: the decision, primary first then fallbacks
+    matched_blocks, total_blocks  INTEGER
+    predicted_hit_ratio REAL                  -- 0-1, the router's estimate
+    decision_us, ttft_ms, latency_ms  REAL
+    prompt_tokens, completion_tokens, cached_tokens  INTEGER   -- NULL when the response carried no usage
+    stream              INTEGER               -- 0/1
+    status              INTEGER               -- HTTP status sent to the client, 0 = reset before headers
+    error               TEXT
+    path                TEXT
+    service_name        TEXT                  -- resource service.name of the sender
+    attrs               TEXT NOT NULL         -- JSON object: every span + resource attribute (drill-down)
+    UNIQUE (trace_id, span_id)                -- an OTLP retry re-sending a batch replaces, never duplicates
+
+    indexes: requests_start_time (start_time), requests_endpoint_start (endpoint, start_time)
+
+A request is an *error* when ``error IS NOT NULL OR status = 0 OR status >= 500`` (a 4xx is the
+client's fault and is not counted). Hit ratios are token-weighted over rows that carry usage:
+``actual_hit_ratio = SUM(cached_tokens) / SUM(prompt_tokens)`` and
+``predicted_hit_ratio = SUM(predicted_hit_ratio * prompt_tokens) / SUM(prompt_tokens)``, so the two
+are directly comparable. Percentiles are nearest-rank (the smallest value whose rank >= p * n), computed
+in SQL with window functions. Buckets are aligned to multiples of `bucket_s` in unix time
+(``bucket_start = floor(start_time / bucket_s) * bucket_s``) so they do not shift between refreshes;
+only non-empty buckets are returned. Every window is ``now - window_s <= start_time <= now``.
+
+Retention: `TelemetryStore.enforce_retention` deletes rows older than `max_age_s` and the oldest rows
+beyond `max_rows`; the receiver calls it periodically (not per insert).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from prefixroute.telemetry.records import RECORD_FIELDS, RequestRecord
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    id INTEGER PRIMARY KEY,
+    trace_id TEXT NOT NULL,
+    span_id TEXT NOT NULL,
+    parent_span_id TEXT,
+    request_id TEXT,
+    start_time REAL NOT NULL,
+    end_time REAL,
+    model TEXT,
+    tenant_hash TEXT,
+    policy TEXT,
+    reason TEXT,
+    endpoint TEXT,
+    endpoints TEXT,
+    matched_blocks INTEGER,
+    total_blocks INTEGER,
+    predicted_hit_ratio REAL,
+    decision_us REAL,
+    ttft_ms REAL,
+    latency_ms REAL,
+    prompt_tokens INTEGER,
+    completion_tokens INTEGER,
+    cached_tokens INTEGER,
+    stream INTEGER,
+    status INTEGER,
+    error TEXT,
+    path TEXT,
+    service_name TEXT,
+    attrs TEXT NOT NULL DEFAULT '{}',
+    UNIQUE (trace_id, span_id)
+);
+CREATE INDEX IF NOT EXISTS requests_start_time ON requests(start_time);
+CREATE INDEX IF NOT EXISTS requests_endpoint_start ON requests(endpoint, start_time);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+ROW_COLUMNS: tuple[str, ...] = RECORD_FIELDS + ("end_time", "service_name", "attrs")
+_INSERT = (f"INSERT OR REPLACE INTO requests ({', '.join(ROW_COLUMNS)}) "
+           f"VALUES ({', '.join(':' + c for c in ROW_COLUMNS)})")
+# Columns returned for one request (dump / recent requests): the record fields + end_time.
+_RECORD_SELECT = ", ".join(RECORD_FIELDS + ("end_time",))
+
+ERROR_SQL = "(CASE WHEN error IS NOT NULL OR status = 0 OR status >= 500 THEN 1 ELSE 0 END)"
+_USAGE_OK = "(prompt_tokens IS NOT NULL AND cached_tokens IS NOT NULL AND prompt_tokens > 0)"
+PERCENTILES: tuple[tuple[str, float], ...] = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
+_BREAKDOWN_COLUMNS = ("endpoint", "reason", "policy", "model", "path", "status", "service_name")
+
+
+class StoreMissing(FileNotFoundError):
+    """The database file does not exist (receiver not started yet, or the file was removed)."""
+
+
+def record_to_row(rec: RequestRecord, *, service_name: str | None = None,
+                  attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A store row for a record (used by the receiver's tests and by direct in-process sinks)."""
+    row: dict[str, Any] = {f: getattr(rec, f) for f in RECORD_FIELDS}
+    row["endpoints"] = json.dumps(list(rec.endpoints))
+    row["stream"] = int(rec.stream)
+    row["end_time"] = rec.end_time
+    row["service_name"] = service_name
+    row["attrs"] = json.dumps(dict(attrs or {}), default=str)
+    return row
+
+
+class TelemetryStore:
+    """The single writer. Not thread-safe: use from one thread (the receiver's writer thread).
+
+    `max_age_s` / `max_rows` bound the store (<= 0 disables that limit); enforced by `enforce_retention`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, max_age_s: float = 86400.0, max_rows: int = 500_000) -> None:
+        self.path = os.fspath(path)
+        self.max_age_s = max_age_s
+        self.max_rows = max_rows
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+        # Readers never block a WAL writer; the long busy timeout only rides out another writer (e.g. a backup).
+        self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL: a power loss may lose the last commits, never corrupt; telemetry can afford that.
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.executescript(_SCHEMA)
+        self._conn.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
+                           (str(SCHEMA_VERSION),))
+
+    def insert_rows(self, rows: Iterable[Mapping[str, Any]]) -> int:
+        """Insert (or replace, by trace_id+span_id) rows in one transaction; returns how many."""
+        rows = [_complete_row(r) for r in rows]
+        if not rows:
+            return 0
+        with _transaction(self._conn):
+            self._conn.executemany(_INSERT, rows)
+        return len(rows)
+
+    def insert_records(self, records: Iterable[RequestRecord]) -> int:
+        return self.insert_rows(record_to_row(r) for r in records)
+
+    def enforce_retention(self, now: float | None = None) -> int:
+        """Delete rows older than max_age_s, then the oldest beyond max_rows; returns rows deleted."""
+        now = time.time() if now is None else now
+        deleted = 0
+        with _transaction(self._conn):
+            if self.max_age_s > 0:
+                deleted += self._conn.execute("DELETE FROM requests WHERE start_time < ?",
+                                              (now - self.max_age_s,)).rowcount
+            if self.max_rows > 0:
+                # Ordered by the start_time index; ties at the cut are resolved by id (oldest inserted first).
+                deleted += self._conn.execute(
+                    "DELETE FROM requests WHERE id IN (SELECT id FROM requests ORDER BY start_time DESC, id DESC "
+                    "LIMIT -1 OFFSET ?)", (self.max_rows,)).rowcount
+        return deleted
+
+    def num_rows(self) -> int:
+        return self._conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+
+    def close(self) -> None:
+        try:
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            self._conn.close()
+
+
+class _transaction:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+
+def _complete_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    out = {c: row.get(c) for c in ROW_COLUMNS}
+    if out["attrs"] is None:
+        out["attrs"] = "{}"
+    return out
+
+
+def _pct_exprs(prefix: str) -> str:
+    # Nearest rank: the smallest value with rank >= p*n (the epsilon absorbs p*n landing a hair above an integer).
+    return ", ".join(f"MIN(CASE WHEN rn >= {p!r} * n - 1e-9 THEN v END) AS {prefix}_{name}"
+                     for name, p in PERCENTILES)
+
+
+def _aggregate_sql(group_cols: list[str], group_exprs: list[str], pct_columns: tuple[str, ...]) -> str:
+    """One statement: per-group counts, tokens, hit ratios and percentiles of `pct_columns`.
+
+    `base` is the windowed table with the group keys materialised as columns g_*.
+    """
+    g_select = ", ".join(f"{e} AS {c}" for c, e in zip(group_cols, group_exprs)) or "0 AS g_all"
+    keys = group_cols or ["g_all"]
+    k = ", ".join(keys)
+    parts = [f"base AS (SELECT {g_select}, * FROM requests WHERE start_time >= :t0 AND start_time <= :t1)",
+             f"""agg AS (SELECT {k}, COUNT(*) AS num_requests, SUM({ERROR_SQL}) AS num_errors,
+                 SUM(CASE WHEN {_USAGE_OK} THEN prompt_tokens END) AS prompt_tokens,
+                 SUM(CASE WHEN {_USAGE_OK} THEN cached_tokens END) AS cached_tokens,
+                 SUM(CASE WHEN {_USAGE_OK} THEN predicted_hit_ratio * prompt_tokens END) AS predicted_tokens,
+                 SUM(completion_tokens) AS completion_tokens
+               FROM base GROUP BY {k})"""]
+    joins = []
+    for col in pct_columns:
+        parts.append(f"""r_{col} AS (SELECT {k}, {col} AS v,
+                 ROW_NUMBER() OVER (PARTITION BY {k} ORDER BY {col}) AS rn,
+                 COUNT(*) OVER (PARTITION BY {k}) AS n FROM base WHERE {col} IS NOT NULL)""")
+        parts.append(f"p_{col} AS (SELECT {k}, {_pct_exprs(col)} FROM r_{col} GROUP BY {k})")
+        joins.append(f"LEFT JOIN p_{col} USING ({k})")
+    pct_select = ", ".join(f"{col}_{name}" for col in pct_columns for name, _ in PERCENTILES)
+    return (f"WITH {', '.join(parts)} SELECT agg.*, {pct_select} FROM agg {' '.join(joins)} "
+            f"ORDER BY {k}")
+
+
+def _finish_agg(row: dict[str, Any], span_s: float) -> dict[str, Any]:
+    prompt = row.get("prompt_tokens") or 0
+    row["num_errors"] = row.get("num_errors") or 0
+    row["error_ratio"] = row["num_errors"] / row["num_requests"] if row["num_requests"] else 0.0
+    row["requests_per_s"] = row["num_requests"] / span_s if span_s > 0 else 0.0
+    row["actual_hit_ratio"] = (row.get("cached_tokens") or 0) / prompt if prompt else None
+    predicted = row.pop("predicted_tokens", None)
+    row["predicted_hit_ratio"] = (predicted or 0.0) / prompt if prompt else None
+    row["prompt_tokens"] = row.get("prompt_tokens") or 0
+    row["cached_tokens"] = row.get("cached_tokens") or 0
+    row["completion_tokens"] = row.get("completion_tokens") or 0
+    row.pop("g_all", None)
+    return row
+
+
+def _record_row(row: sqlite3.Row) -> dict[str, Any]:
+    d = dict(row)
+    d["endpoints"] = json.loads(d["endpoints"]) if d.get("endpoints") else []
+    if d.get("stream") is not None:
+        d["stream"] = bool(d["stream"])
+    return d
+
+
+class StoreReader:
+    """Read-only queries for the dashboard and `telemetry dump`; every aggregate is computed in SQL.
+
+    Opening raises `StoreMissing` when the file does not exist. Each method is one short read
+    transaction; an instance is for one thread (open one per thread; opening is cheap).
+    `now` defaults to time.time() and exists so tests and replays can query a fixed instant.
+    All results are plain JSON-able dicts/lists (the HTTP API returns them verbatim).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise StoreMissing(f"no telemetry store at {self.path}")
+        self._conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
+        self._conn.row_factory = sqlite3.Row
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _rows(self, sql: str, params: Mapping[str, Any] | tuple = ()) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._conn.execute(sql, params)]
+
+    @staticmethod
+    def _window(window_s: float, now: float | None) -> dict[str, float]:
+        if not window_s > 0:
+            raise ValueError("window_s must be > 0")
+        now = time.time() if now is None else now
+        return {"t0": now - window_s, "t1": now}
+
+    def summary(self, window_s: float, *, now: float | None = None) -> dict[str, Any]:
+        """Fleet-wide figures over the window. Keys:
+
+        window_s, num_requests, num_errors, error_ratio, requests_per_s, prompt_tokens, cached_tokens,
+        completion_tokens, actual_hit_ratio, predicted_hit_ratio (None without usage), ttft_ms_p50/p90/p99,
+        latency_ms_p50/p90/p99, decision_us_p50/p90/p99 (None when no value), num_endpoints,
+        balance_ratio (max endpoint share / fair share 1/num_endpoints; 1.0 = perfectly even, None when
+        no request), first_start_time, last_start_time.
+        """
+        w = self._window(window_s, now)
+        rows = self._rows(_aggregate_sql([], [], ("ttft_ms", "latency_ms", "decision_us")), w)
+        if rows:
+            out = _finish_agg(rows[0], window_s)
+        else:
+            out = _finish_agg({"num_requests": 0}, window_s)
+            for col in ("ttft_ms", "latency_ms", "decision_us"):
+                for name, _ in PERCENTILES:
+                    out[f"{col}_{name}"] = None
+        extra = self._conn.execute(
+            """WITH e AS (SELECT endpoint, COUNT(*) AS n FROM requests WHERE start_time >= :t0 AND start_time <= :t1
+                          AND endpoint IS NOT NULL GROUP BY endpoint)
+               SELECT COUNT(*), MAX(n) * COUNT(*) * 1.0 / SUM(n),
+                      (SELECT MIN(start_time) FROM requests WHERE start_time >= :t0 AND start_time <= :t1),
+                      (SELECT MAX(start_time) FROM requests WHERE start_time >= :t0 AND start_time <= :t1) FROM e""",
+            w).fetchone()
+        out.update(window_s=window_s, num_endpoints=extra[0], balance_ratio=extra[1],
+                   first_start_time=extra[2], last_start_time=extra[3])
+        return out
+
+    def timeseries(self, window_s: float, bucket_s: float, *, by_endpoint: bool = False,
+                   now: float | None = None) -> list[dict[str, Any]]:
+        """Per time bucket (and per endpoint when `by_endpoint`), oldest first. Each row:
+
+        bucket_start (unix s), [endpoint], num_requests, num_errors, error_ratio, requests_per_s,
+        prompt_tokens, cached_tokens, completion_tokens, actual_hit_ratio, predicted_hit_ratio,
+        ttft_ms_p50/p90/p99, latency_ms_p50/p90/p99. Empty buckets are absent.
+        """
+        if not bucket_s > 0:
+            raise ValueError("bucket_s must be > 0")
+        w = self._window(window_s, now) | {"b": float(bucket_s)}
+        cols, exprs = ["bucket_start"], ["CAST(start_time / :b AS INTEGER) * :b"]
+        if by_endpoint:
+            cols.append("endpoint")
+            exprs.append("endpoint")
+        rows = self._rows(_aggregate_sql(cols, exprs, ("ttft_ms", "latency_ms")), w)
+        return [_finish_agg(r, bucket_s) for r in rows]
+
+    def breakdown(self, window_s: float, by: str = "endpoint", *, now: float | None = None) -> list[dict[str, Any]]:
+        """Per value of column `by` (endpoint, reason, policy, model, path, status, service_name),
+        most requests first. Each row: <by>, num_requests, share_ratio (of the window's requests),
+        num_errors, error_ratio, requests_per_s, prompt_tokens, cached_tokens, completion_tokens,
+        actual_hit_ratio, predicted_hit_ratio, ttft_ms_p50/p90/p99, latency_ms_p50/p90/p99,
+        decision_us_p50/p90/p99.
+        """
+        if by not in _BREAKDOWN_COLUMNS:
+            raise ValueError(f"by must be one of {', '.join(_BREAKDOWN_COLUMNS)}")
+        w = self._window(window_s, now)
+        rows = [_finish_agg(r, window_s)
+                for r in self._rows(_aggregate_sql([by], [by], ("ttft_ms", "latency_ms", "decision_us")), w)]
+        total = sum(r["num_requests"] for r in rows)  # a handful of groups: not a per-request loop
+        for r in rows:
+            r["share_ratio"] = r["num_requests"] / total if total else 0.0
+        rows.sort(key=lambda r: (-r["num_requests"], str(r[by])))
+        return rows
+
+    def endpoints(self, window_s: float, *, now: float | None = None) -> list[dict[str, Any]]:
+        """`breakdown(window_s, "endpoint")`: share, hit ratios, TTFT per endpoint."""
+        return self.breakdown(window_s, "endpoint", now=now)
+
+    def reasons(self, window_s: float, bucket_s: float | None = None, *,
+                now: float | None = None) -> list[dict[str, Any]]:
+        """Decisions by reason. Without `bucket_s`: rows {reason, num_requests, share_ratio}, most first.
+        With `bucket_s`: rows {bucket_start, reason, num_requests, share_ratio (within the bucket)},
+        oldest bucket first."""
+        w = self._window(window_s, now)
+        if bucket_s is None:
+            return self._rows(
+                """SELECT reason, COUNT(*) AS num_requests, COUNT(*) * 1.0 / SUM(COUNT(*)) OVER () AS share_ratio
+                   FROM requests WHERE start_time >= :t0 AND start_time <= :t1
+                   GROUP BY reason ORDER BY num_requests DESC, reason""", w)
+        if not bucket_s > 0:
+            raise ValueError("bucket_s must be > 0")
+        return self._rows(
+            """SELECT CAST(start_time / :b AS INTEGER) * :b AS bucket_start, reason, COUNT(*) AS num_requests,
+                      COUNT(*) * 1.0 / SUM(COUNT(*)) OVER (PARTITION BY CAST(start_time / :b AS INTEGER))
+                        AS share_ratio
+               FROM requests WHERE start_time >= :t0 AND start_time <= :t1
+               GROUP BY bucket_start, reason ORDER BY bucket_start, reason""", w | {"b": float(bucket_s)})
+
+    def histogram(self, window_s: float, column: str = "ttft_ms", *, bin_width: float | None = None,
+                  num_bins: int = 30, now: float | None = None) -> list[dict[str, Any]]:
+        """Distribution of `column` (ttft_ms, latency_ms or decision_us) over the window, counted in SQL.
+
+        Rows {bin_start, bin_end, num_requests} for non-empty bins, ascending. Without `bin_width`
+        the width is the window's max / num_bins rounded up to 1, 2 or 5 x 10^k.
+        """
+        if column not in ("ttft_ms", "latency_ms", "decision_us"):
+            raise ValueError("column must be ttft_ms, latency_ms or decision_us")
+        w = self._window(window_s, now)
+        if bin_width is None:
+            top = self._conn.execute(f"SELECT MAX({column}) FROM requests WHERE start_time >= :t0 "
+                                     f"AND start_time <= :t1", w).fetchone()[0]
+            if top is None:
+                return []
+            bin_width = _nice_width(max(top, 1e-9) / max(1, num_bins))
+        if not bin_width > 0:
+            raise ValueError("bin_width must be > 0")
+        return self._rows(
+            f"""SELECT CAST({column} / :bw AS INTEGER) * :bw AS bin_start,
+                       (CAST({column} / :bw AS INTEGER) + 1) * :bw AS bin_end, COUNT(*) AS num_requests
+                FROM requests WHERE start_time >= :t0 AND start_time <= :t1 AND {column} IS NOT NULL
+                GROUP BY bin_start ORDER BY bin_start""", w | {"bw": float(bin_width)})
+
+    def recent_requests(self, limit: int = 100, *, endpoint: str | None = None) -> list[dict[str, Any]]:
+        """The newest `limit` requests (record fields + end_time), newest first; `endpoints` as a list."""
+        where, params = ("WHERE endpoint = ?", (endpoint, limit)) if endpoint else ("", (limit,))
+        return [_record_row(r) for r in self._conn.execute(
+            f"SELECT {_RECORD_SELECT} FROM requests {where} ORDER BY start_time DESC, id DESC LIMIT ?", params)]
+
+    def iter_requests(self, since_s: float, *, now: float | None = None) -> Iterator[dict[str, Any]]:
+        """Requests that started in the last `since_s` seconds, oldest first (streamed, for `dump`)."""
+        w = self._window(since_s, now)
+        for r in self._conn.execute(f"SELECT {_RECORD_SELECT} FROM requests WHERE start_time >= :t0 "
+                                    f"AND start_time <= :t1 ORDER BY start_time, id", w):
+            yield _record_row(r)
+
+    def request(self, trace_id: str, span_id: str | None = None) -> dict[str, Any] | None:
+        """One request (by trace id, and span id when a trace has several) with every column and its
+        attributes parsed under "attrs"; None when absent."""
+        if span_id:
+            cur = self._conn.execute("SELECT * FROM requests WHERE trace_id = ? AND span_id = ?", (trace_id, span_id))
+        else:
+            cur = self._conn.execute("SELECT * FROM requests WHERE trace_id = ? ORDER BY start_time LIMIT 1",
+                                     (trace_id,))
+        row = cur.fetchone()
+        if row is None:
+            return None
+        d = _record_row(row)
+        d["attrs"] = json.loads(d["attrs"] or "{}")
+        return d
+
+    def num_requests(self) -> int:
+        """Rows in the store (all time)."""
+        return self._conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+
+
+def _nice_width(raw: float) -> float:
+    exp = math.floor(math.log10(raw))
+    for m in (1, 2, 5, 10):
+        if m * 10 ** exp >= raw:
+            return float(m * 10 ** exp)
+    return float(10 ** (exp + 1))

@@ -1,0 +1,87 @@
+"""Token usage from OpenAI-style responses, as the ext_proc servicer sees them (pure, no I/O).
+
+- Non-stream response: the JSON body's ``usage`` (`usage_from_body`).
+- Stream (SSE): only the final ``data: {...}`` event carries ``usage`` (when the request had
+  ``stream_options.include_usage``). `StreamUsageTail` keeps the last few KiB of the stream as
+  chunks pass (O(chunk) copy, no parsing per chunk, so the token stream is not slowed) and parses
+  usage once at end of stream.
+
+``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens`` (vLLM with
+``--enable-prompt-tokens-details``); None when absent, 0 when reported as 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import orjson
+
+# The final usage event is a few hundred bytes; 16 KiB also covers a last content chunk + [DONE].
+DEFAULT_TAIL_BYTES = 16 * 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def usage_from_json(obj: Any) -> Usage | None:
+    """Usage of a decoded response object (None when it has no usage object)."""
+    if not isinstance(obj, dict):
+        return None
+    u = obj.get("usage")
+    if not isinstance(u, dict):
+        return None
+    details = u.get("prompt_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(_int(u.get("prompt_tokens")), _int(u.get("completion_tokens")), cached)
+
+
+def usage_from_body(body: bytes) -> Usage | None:
+    """Usage of a non-stream JSON response body; None for invalid JSON or no usage."""
+    try:
+        return usage_from_json(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None
+
+
+class StreamUsageTail:
+    """Keeps the tail of an SSE response; `usage()` parses the last event that carries usage.
+
+    Not thread-safe (one instance per request, fed in order).
+    """
+
+    __slots__ = ("_buf", "_max")
+
+    def __init__(self, max_bytes: int = DEFAULT_TAIL_BYTES) -> None:
+        self._buf = bytearray()
+        self._max = max_bytes
+
+    def feed(self, chunk: bytes) -> None:
+        self._buf += chunk
+        if len(self._buf) > 2 * self._max:  # trim rarely: amortised O(1) per byte
+            del self._buf[: len(self._buf) - self._max]
+
+    def usage(self) -> Usage | None:
+        """Usage of the last ``data:`` event with a usage object, None when there is none."""
+        for line in reversed(bytes(self._buf).splitlines()):
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if not payload.startswith(b"{"):
+                continue  # [DONE], or the cut-off start of the tail
+            try:
+                found = usage_from_json(orjson.loads(payload))
+            except orjson.JSONDecodeError:
+                continue
+            if found is not None:
+                return found
+        return None

@@ -1,0 +1,134 @@
+"""The dashboard in headless Chromium, against a store filled by a real short run (see realrun.py).
+
+Checks what a user sees: the live page renders its charts with data, the hit rate it shows equals
+the one computed from `prefixroute telemetry dump` over the same window, every endpoint of the run
+appears, and new traffic shows up by the live refresh without a page reload. A full-page screenshot
+is saved under $PREFIXROUTE_ARTIFACTS_DIR or <repo>/artifacts/.
+
+Chromium missing: skipped, unless PREFIXROUTE_REQUIRE_BROWSER=1 (then it fails).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from tests.browser.realrun import RealFleet
+from tests.helpers.procs import free_port, prefixroute_cmd, start_process
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.timeout(150)]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+REPO = Path(__file__).resolve().parents[2]
+WINDOW_S = 300  # the dashboard's default window, and the `dump --since` compared with it
+LIVE_CHARTS = ("hit_fleet", "hit_endpoint", "ttft_pct", "ttft_hist", "latency_pct", "rate", "share", "reasons",
+               "reasons_time", "decision_hist")
+
+
+def _require_browser():
+    required = os.environ.get("PREFIXROUTE_REQUIRE_BROWSER") == "1"
+    problem = None
+    if not os.path.exists(CHROMIUM):
+        problem = f"Chromium not installed at {CHROMIUM} (Debian package `chromium`)"
+    else:
+        try:
+            from playwright.sync_api import sync_playwright  # noqa: F401
+        except ImportError:
+            problem = "the python `playwright` package is not installed"
+    if problem:
+        if required:
+            pytest.fail(f"{problem} and PREFIXROUTE_REQUIRE_BROWSER=1")
+        pytest.skip(problem)
+
+
+def artifacts_dir() -> Path:
+    d = Path(os.environ.get("PREFIXROUTE_ARTIFACTS_DIR") or REPO / "artifacts")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def dump_hit_ratio(db: Path) -> tuple[float, list[dict]]:
+    """Hit ratio computed from `prefixroute telemetry dump` (what a user would compare against)."""
+    out = subprocess.run(prefixroute_cmd("telemetry", "dump", "--since", str(WINDOW_S), "--db", str(db)),
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    used = [r for r in rows if r["prompt_tokens"] and r["cached_tokens"] is not None]
+    return sum(r["cached_tokens"] for r in used) / sum(r["prompt_tokens"] for r in used), rows
+
+
+def _metric(page, label: str) -> str:
+    return page.locator('[data-testid="stMetric"]', has_text=label).locator(
+        '[data-testid="stMetricValue"]').inner_text().strip()
+
+
+def _num_requests_shown(page) -> int:
+    m = re.search(r"· ([\d,]+) requests ·", page.inner_text('[data-testid="stMain"]'))
+    return int(m.group(1).replace(",", "")) if m else -1
+
+
+def test_dashboard_shows_a_real_run_in_chromium(tmp_path):
+    _require_browser()
+    from playwright.sync_api import sync_playwright
+
+    with ExitStack() as stack:
+        fleet = RealFleet(stack, tmp_path, num_servers=3)
+        fleet.send(num_groups=6, per_group=4, spread_s=6.0)
+        port = free_port()
+        stack.enter_context(start_process(
+            prefixroute_cmd("dashboard", "--db", str(fleet.db), "--port", str(port), "--refresh-s", "1"),
+            ready_url=f"http://127.0.0.1:{port}/_stcore/health", timeout_s=60, log_dir=tmp_path / "logs",
+            name="dashboard"))
+        expected_hit, rows = dump_hit_ratio(fleet.db)
+        assert len(rows) == fleet.num_sent
+        served = {r["endpoint"] for r in rows}
+        assert served <= set(fleet.endpoints) and len(served) >= 2
+
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                _check_page(browser, fleet, port, expected_hit, served)
+            finally:
+                browser.close()
+
+
+def _check_page(browser, fleet: RealFleet, port: int, expected_hit: float, served: set[str]) -> None:
+    page = browser.new_page(viewport={"width": 1500, "height": 2500})
+    page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
+    page.locator('[data-testid="stMetric"]', has_text="Hit rate (actual)").wait_for(timeout=60_000)
+    # Every live chart is drawn, with marks (not just axes).
+    for key in LIVE_CHARTS:
+        page.wait_for_function(
+            f"document.querySelectorAll('.st-key-chart-{key} svg .role-mark path, "
+            f".st-key-chart-{key} svg .role-mark line').length > 0", timeout=30_000)
+
+    shown = _metric(page, "Hit rate (actual)")
+    assert shown.endswith("%"), shown
+    assert float(shown.rstrip(" %")) == pytest.approx(expected_hit * 100, abs=0.051), (shown, expected_hit)
+    assert _num_requests_shown(page) == fleet.num_sent
+    body = page.inner_text("body")
+    for endpoint in served:  # legends, share chart and table name every endpoint that served requests
+        assert endpoint in body
+    assert re.search(r"TTFT p50\s+[\d.,]+ ms", body)
+
+    # Live: new traffic appears through the fragment refresh, the page itself is not reloaded.
+    page.evaluate("window.__prefixroute_marker = 42")
+    before = fleet.num_sent
+    fleet.send(num_groups=6, per_group=1, first_question=100)
+    page.wait_for_function(
+        f"(document.querySelector('[data-testid=\"stMain\"]').innerText.match(/· ([\\d,]+) requests ·/)"
+        f" || [0, '0'])[1].replace(',', '') == '{fleet.num_sent}'", timeout=20_000)
+    assert fleet.num_sent > before
+    assert page.evaluate("window.__prefixroute_marker") == 42
+    time.sleep(1.0)  # let the refreshed charts settle before the picture
+    shot = artifacts_dir() / "dashboard-live.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 20_000

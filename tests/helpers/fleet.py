@@ -1,0 +1,82 @@
+"""Fleets of simulated model servers and gateways for integration tests (always cleaned up via an ExitStack)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefixroute.endpoints.settings import PoolSettings
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
+from prefixroute.routing.settings import RoutingSettings
+from tests.helpers.procs import ManagedProcess, free_port, prefixroute_cmd, start_process
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulated server's default served model
+MAX_BODY_BYTES = 256 * 1024  # small, so the 413 test sends little
+
+
+@dataclass
+class Fleet:
+    servers: dict[str, ManagedProcess] = field(default_factory=dict)  # "127.0.0.1:port" -> process
+
+    @property
+    def endpoints(self) -> list[str]:
+        return list(self.servers)
+
+
+def start_fleet(stack: ExitStack, n: int, log_dir: Path, prefix: str = "s") -> Fleet:
+    fleet = Fleet()
+    for i in range(n):
+        port = free_port()
+        proc = stack.enter_context(start_process(
+            prefixroute_cmd("model-server", "--port", str(port), "--id", f"{prefix}{i}", "--time-scale", "0.02",
+                            "--shutdown-grace-s", "0.2"),
+            ready_url=f"http://127.0.0.1:{port}/health", log_dir=log_dir, name=f"{prefix}{i}"))
+        fleet.servers[f"127.0.0.1:{port}"] = proc
+    return fleet
+
+
+def start_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, *, failure_mode: str = "open",
+                  extra_extproc_args: list[str] | None = None, pool_overrides: dict | None = None
+                  ) -> GatewayProcesses:
+    gw = GatewayProcesses(
+        GatewaySettings(port=free_port(), listen_address="127.0.0.1", failure_mode=failure_mode,
+                        envoy_log_level="info"),
+        RoutingSettings(max_body_bytes=MAX_BODY_BYTES),
+        PoolSettings(endpoints=tuple(endpoints), **(pool_overrides or {})),
+        log_dir=log_dir, extra_extproc_args=extra_extproc_args)
+    stack.enter_context(gw)
+    return gw
+
+
+
+class SpyListener:
+    """A TCP listener on 127.0.0.1 that records every connection it accepts (it must see none)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.num_connections = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.num_connections += 1
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-spy: yes\r\n\r\nSPIED")
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=2)
+        self.sock.close()

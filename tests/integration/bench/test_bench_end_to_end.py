@@ -1,0 +1,82 @@
+"""`prefixroute bench` end to end: real model servers, the real gateway (Envoy + ext_proc), real files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+
+from prefixroute.bench import report, results, runner, workloads
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["--workload", "shared-prompts", "--num-requests", "16", "--num-groups", "2", "--prefix-tokens", "256",
+         "--question-tokens", "16", "--output-tokens", "4", "--rate-rps", "10", "--servers", "2",
+         "--profile", "llama-3.1-8b-h200", "--server-args=--time-scale=0.2", "--no-progress"]
+
+
+@pytest.mark.timeout(90)
+def test_bench_two_policies_through_the_gateway(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "prefixroute", "bench", *SMALL,
+                           "--routers", "prefixroute:random,prefixroute:prefix", "--out", str(out)],
+                          capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    assert results.validate_document(doc) == []
+    jsonschema.Draft202012Validator(results.schema()).validate(doc)
+    assert [r["router"] for r in doc["runs"]] == ["prefixroute:random", "prefixroute:prefix"]
+    ub = doc["upper_bound_hit_ratio"]
+    assert 0.5 < ub < 1.0
+    by_router = {r["router"]: r for r in doc["runs"]}
+    for run in doc["runs"]:
+        assert run["requests"] == 16 and run["errors"] == 0
+        assert 0.0 <= run["hit_ratio"] <= ub + 1e-6  # no router beats one infinite cache
+        assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p90"] <= run["ttft_ms"]["p99"]
+        assert run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"]
+        assert run["throughput_rps"] > 0
+        assert 0 <= run["extra"]["send_lag_ms"]["p99"] < 500  # the client kept to the Poisson schedule
+        # Endpoints come from the gateway's response headers and are the fleet's host:port ids.
+        assert len(run["endpoint_share"]) == 2 and sum(run["endpoint_share"].values()) == pytest.approx(1.0)
+        assert all(k.startswith("127.0.0.1:") for k in run["endpoint_share"])
+        # The servers' own counters agree with what the client measured.
+        assert run["extra"]["server_hit_ratio"] == pytest.approx(run["hit_ratio"], abs=1e-6)
+    # Both runs used the same server ports (fresh processes), so endpoint shares compare.
+    shares = [set(r["endpoint_share"]) for r in doc["runs"]]
+    assert shares[0] == shares[1]
+    assert by_router["prefixroute:prefix"]["hit_ratio"] >= 0.9 * ub
+    assert by_router["prefixroute:prefix"]["hit_ratio"] >= by_router["prefixroute:random"]["hit_ratio"]
+    md = (out / "report.md").read_text()
+    assert "| prefixroute:random |" in md and "| prefixroute:prefix |" in md and "1.00x" in md
+    for name in report.PLOT_FILES:
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert (out / "logs").is_dir()
+
+
+def test_bad_arguments_exit_2_with_a_message(tmp_path):
+    for extra, fragment in ((["--routers", "nginx"], "unknown router"),
+                            (["--routers", "prefixroute:fastest"], "policy must be one of"),
+                            (["--trace", str(tmp_path / "missing.jsonl")], "No such file"),
+                            (["--arrival", "sometimes"], "--arrival")):
+        proc = subprocess.run([sys.executable, "-m", "prefixroute", "bench", *SMALL, *extra, "--out",
+                               str(tmp_path / "o")], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and fragment in proc.stderr, (extra, proc.stderr)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router not installed "
+                    "(optional extra [peers])")
+@pytest.mark.timeout(60)
+def test_sglang_router_in_front_of_the_same_fleet(tmp_path):
+    wl = workloads.apply_arrivals(workloads.shared_prompts(num_requests=8, num_groups=2, prefix_tokens=128,
+                                                           question_tokens=8, output_tokens=4), "closed")
+    fleet = runner.FleetConfig(2, "llama-3.1-8b-h200", ("--time-scale", "0.2"), startup_timeout_s=30)
+    out = runner.run_router(runner.parse_router("sglang-router"), wl.requests, fleet, tmp_path, seed=0,
+                            concurrency=4, max_connections=16, request_timeout_s=20, max_duration_s=30,
+                            progress=False)
+    assert out.summary["requests"] == 8 and out.summary["errors"] == 0
+    assert out.summary["hit_ratio"] > 0
+    assert sum(out.summary["endpoint_share"].values()) == pytest.approx(1.0)

@@ -1,0 +1,310 @@
+"""EndpointPool against real HTTP servers on loopback (aiohttp apps serving /health, /v1/models, /metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from aiohttp import web
+
+from prefixroute.endpoints.pool import EndpointPool
+from prefixroute.endpoints.settings import PoolSettings
+from prefixroute.routing.types import EndpointId, EndpointState
+
+pytestmark = pytest.mark.integration
+
+FAST = PoolSettings(probe_interval_s=0.05, probe_timeout_s=0.3, unhealthy_after_failures=2, scrape_interval_s=0.02,
+                    scrape_timeout_s=0.3, metrics_stale_after_s=0.3, models_interval_s=0.1,
+                    failure_probe_delay_s=0.3)
+VLLM_METRICS = (b"# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
+                b'vllm:num_requests_running{model_name="m"} 4.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
+                b'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+                b'vllm:cache_config_info{block_size="16",num_gpu_blocks="2000"} 1.0\n')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeEndpoint:
+    """A real HTTP server whose answers the test changes while the pool watches it."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.health_status = 200
+        self.models = ["m"]
+        self.metrics = VLLM_METRICS
+        self.metrics_delay_s = 0.0
+        self.metrics_status = 200
+        self.num_scrapes = 0
+        self.num_probes = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def endpoint(self) -> EndpointId:
+        return EndpointId(f"127.0.0.1:{self.port}")
+
+    async def _health(self, _: web.Request) -> web.Response:
+        self.num_probes += 1
+        return web.Response(status=self.health_status, text="")
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        self.num_scrapes += 1
+        if self.metrics_delay_s:
+            await asyncio.sleep(self.metrics_delay_s)
+        return web.Response(status=self.metrics_status, body=self.metrics, content_type="text/plain")
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[Callable[[int], Awaitable[list[FakeEndpoint]]]]:
+    started: list[FakeEndpoint] = []
+
+    async def make(n: int) -> list[FakeEndpoint]:
+        out = [FakeEndpoint() for _ in range(n)]
+        for s in out:
+            await s.start()
+        started.extend(out)
+        return out
+
+    yield make
+    for s in started:
+        await s.stop()
+
+
+@pytest.fixture
+async def pools() -> AsyncIterator[Callable[..., Awaitable[EndpointPool]]]:
+    made: list[EndpointPool] = []
+
+    async def make(endpoints: list[str], settings: PoolSettings = FAST) -> EndpointPool:
+        pool = EndpointPool(settings, endpoints)
+        made.append(pool)
+        await pool.start()
+        return pool
+
+    yield make
+    for p in made:
+        await p.close()
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> float:
+    """Wait for `cond`; return the seconds it took (fail the test on timeout)."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def state(pool: EndpointPool, ep: str) -> EndpointState:
+    return next(s for s in pool.snapshot() if s.endpoint == ep)
+
+
+async def test_ready_with_models_and_vllm_metrics(servers, pools):
+    a, b = await servers(2)
+    b.models = ["m", "lora-sql"]
+    pool = await pools([a.endpoint, b.endpoint])
+    assert not any(s.healthy for s in pool.snapshot())  # nothing is up before its first probe
+    assert await pool.wait_ready(5)
+    await until(lambda: all(s.scraped_at_s is not None for s in pool.snapshot()))
+    sa, sb = state(pool, a.endpoint), state(pool, b.endpoint)
+    assert sb.models == frozenset({"m", "lora-sql"}) and sa.models == frozenset({"m"})
+    assert (sa.num_requests_running, sa.num_requests_waiting, sa.kv_cache_usage_ratio) == (4, 1, 0.5)
+    assert (sa.num_gpu_blocks, sa.block_size) == (2000, 16)
+    assert [s.endpoint for s in pool.snapshot()] == [a.endpoint, b.endpoint]  # configured order
+
+
+async def test_sglang_metric_names(servers, pools):
+    (a,) = await servers(1)
+    a.metrics = b"sglang:num_running_reqs 2\nsglang:num_queue_reqs 9\nsglang:token_usage 0.8\n"
+    pool = await pools([a.endpoint])
+    await until(lambda: state(pool, a.endpoint).num_requests_waiting == 9)
+    s = state(pool, a.endpoint)
+    assert (s.num_requests_running, s.kv_cache_usage_ratio) == (2, 0.8)
+
+
+async def test_health_down_after_consecutive_failures_and_up_after_one_success(servers, pools):
+    a, b = await servers(2)
+    pool = await pools([a.endpoint, b.endpoint])
+    assert await pool.wait_ready(5)
+    a.health_status = 503
+    await until(lambda: not state(pool, a.endpoint).healthy)
+    assert a.num_probes >= 2 and state(pool, b.endpoint).healthy
+    a.health_status = 200
+    await until(lambda: state(pool, a.endpoint).healthy)
+
+
+async def test_one_failed_probe_does_not_mark_down(servers, pools):
+    (a,) = await servers(1)
+    pool = await pools([a.endpoint], dataclasses.replace(FAST, probe_interval_s=0.2, unhealthy_after_failures=3))
+    assert await pool.wait_ready(5)
+    probes = a.num_probes
+    a.health_status = 500
+    await until(lambda: a.num_probes >= probes + 1)
+    a.health_status = 200
+    await asyncio.sleep(0.5)
+    assert state(pool, a.endpoint).healthy
+
+
+async def test_killed_server_goes_down_and_comes_back(servers, pools):
+    (a,) = await servers(1)
+    pool = await pools([a.endpoint])
+    assert await pool.wait_ready(5)
+    await a.stop()  # connections refused from now on
+    await until(lambda: not state(pool, a.endpoint).healthy)
+    await a.start()
+    await until(lambda: state(pool, a.endpoint).healthy)
+
+
+async def test_metrics_become_stale_when_scrapes_stop_landing(servers, pools):
+    (a,) = await servers(1)
+    pool = await pools([a.endpoint])
+    await until(lambda: state(pool, a.endpoint).num_requests_running == 4)
+    a.metrics_status = 500  # /metrics broken, /health fine
+    waited = await until(lambda: state(pool, a.endpoint).num_requests_running is None)
+    s = state(pool, a.endpoint)
+    assert s.healthy and s.kv_cache_usage_ratio is None and s.num_requests_waiting is None
+    assert s.num_gpu_blocks == 2000  # capacity is configuration, not load: kept
+    assert waited >= FAST.metrics_stale_after_s * 0.5
+    a.metrics_status = 200
+    await until(lambda: state(pool, a.endpoint).num_requests_running == 4)
+
+
+async def test_a_hung_endpoint_does_not_stall_the_others(servers, pools):
+    slow, fast = await servers(2)
+    pool = await pools([slow.endpoint, fast.endpoint])
+    assert await pool.wait_ready(5)
+    slow.metrics_delay_s = 10.0  # every scrape of `slow` hangs until its timeout
+    await asyncio.sleep(0.1)
+    before = fast.num_scrapes
+    await asyncio.sleep(0.6)
+    # 0.6 s at one scrape per 20 ms: expect ~30; demand a third of that on a loaded machine
+    assert fast.num_scrapes - before >= 10
+    assert state(pool, fast.endpoint).scraped_at_s is not None
+    await until(lambda: state(pool, slow.endpoint).num_requests_running is None)  # slow's figures expire
+
+
+async def test_model_list_refresh_picks_up_new_adapters(servers, pools):
+    (a,) = await servers(1)
+    pool = await pools([a.endpoint])
+    assert await pool.wait_ready(5)
+    a.models = ["m", "lora-new"]
+    await until(lambda: "lora-new" in state(pool, a.endpoint).models)
+
+
+async def test_endpoint_without_model_list_serves_any_model(pools):
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        pool = await pools([f"127.0.0.1:{port}"])
+        assert await pool.wait_ready(5)
+        s = pool.snapshot()[0]
+        assert s.healthy and s.models == frozenset() and s.num_requests_running is None
+    finally:
+        await runner.cleanup()
+
+
+async def test_passive_failure_marks_down_at_once_and_a_probe_restores(servers, pools):
+    (a,) = await servers(1)
+    pool = await pools([a.endpoint], dataclasses.replace(FAST, probe_interval_s=30.0))
+    assert await pool.wait_ready(5)
+    changes: list[bool] = []
+    pool.add_listener(lambda snap: changes.append(snap[0].healthy))
+    pool.report_failure(a.endpoint)
+    assert not state(pool, a.endpoint).healthy  # synchronously
+    # the regular probe is 30 s away: only the sooner re-probe can bring it back this fast
+    took = await until(lambda: state(pool, a.endpoint).healthy, timeout_s=5)
+    assert took >= FAST.failure_probe_delay_s * 0.8
+    assert changes[:3] == [True, False, True]
+
+
+async def test_wait_ready_times_out_when_an_endpoint_is_dead(servers, pools):
+    (a,) = await servers(1)
+    pool = await pools([a.endpoint, f"127.0.0.1:{free_port()}"])
+    assert not await pool.wait_ready(0.5)
+    assert await pool.wait_ready(2, num_healthy=1)
+
+
+async def test_in_flight_counts(servers, pools):
+    a, b = await servers(2)
+    pool = await pools([a.endpoint, b.endpoint])
+    pool.acquire(a.endpoint)
+    pool.acquire(a.endpoint)
+    pool.acquire(b.endpoint)
+    assert dict(pool.in_flight) == {a.endpoint: 2, b.endpoint: 1}
+    pool.release(a.endpoint)
+    pool.release(b.endpoint)
+    pool.release(b.endpoint)  # an extra release (e.g. a duplicate end-of-stream) never goes negative
+    assert dict(pool.in_flight) == {a.endpoint: 1, b.endpoint: 0}
+
+
+async def test_removed_endpoint_leaves_the_snapshot_and_listeners_hear_of_it(servers, pools):
+    a, b = await servers(2)
+    pool = await pools([a.endpoint, b.endpoint])
+    assert await pool.wait_ready(5)
+    seen: list[tuple[str, ...]] = []
+    pool.add_listener(lambda snap: seen.append(tuple(s.endpoint for s in snap)))
+    pool.acquire(b.endpoint)
+    pool.set_endpoints([a.endpoint])
+    assert seen[-1] == (a.endpoint,) and [s.endpoint for s in pool.snapshot()] == [a.endpoint]
+    assert pool.in_flight[b.endpoint] == 1  # its request still runs; the count falls when it ends
+    pool.release(b.endpoint)
+    assert b.endpoint not in pool.in_flight
+    probes = b.num_probes
+    await asyncio.sleep(0.3)
+    assert b.num_probes == probes  # no longer watched
+    c = (await servers(1))[0]
+    pool.set_endpoints([a.endpoint, c.endpoint])
+    await until(lambda: state(pool, c.endpoint).healthy)
+
+
+async def test_router_core_follows_the_pool(servers, pools):
+    """The pool's listener hook sizes the prefix index from scraped KV capacity and drops removed endpoints."""
+    from prefixroute.routing.request import parse_request
+    from prefixroute.routing.router import RouterCore
+    from prefixroute.routing.settings import RoutingSettings
+
+    a, b = await servers(2)
+    b.metrics = b""
+    pool = await pools([a.endpoint, b.endpoint])
+    core = RouterCore(RoutingSettings(rng_seed=0))
+    pool.add_listener(core.sync_endpoints)
+    assert await pool.wait_ready(5)
+    await until(lambda: core.index.capacity(a.endpoint) == 2000)  # 2000 x 16 tokens / 16 tokens per block
+    assert core.index.capacity(b.endpoint) == core.settings.default_index_capacity_blocks
+    body = b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 640 + b'"}]}'
+    req = parse_request("POST", "/v1/chat/completions", {}, body, core.settings)
+    primary = core.route(req, pool.snapshot(), pool.in_flight).endpoints[0]
+    assert core.index.num_entries(primary) == 10
+    pool.set_endpoints([ep for ep in (a.endpoint, b.endpoint) if ep != primary])
+    assert core.index.num_entries() == 0

@@ -1,0 +1,87 @@
+"""The `prefixroute extproc` and `prefixroute gateway` commands as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_port, http_get, prefixroute_cmd, start_process
+from tests.helpers.fleet import MODEL, start_fleet
+
+pytestmark = pytest.mark.integration
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
+def test_extproc_prints_ready_line_and_stops_cleanly_on_sigterm(stack: ExitStack, log_dir: Path) -> None:
+    fleet = start_fleet(stack, 1, log_dir, prefix="x")
+    port = free_port()
+    proc = stack.enter_context(start_process(
+        prefixroute_cmd("extproc", "--port", str(port), "--listen-address", "127.0.0.1",
+                        "--endpoints", fleet.endpoints[0]), ready_port=port, log_dir=log_dir, name="extproc"))
+    deadline = time.monotonic() + 5
+    while "ready on" not in proc.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"prefixroute extproc ready on 127.0.0.1:{port} (policy prefix, 1/1 endpoints healthy)" in proc.log_tail()
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.popen.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "no endpoints configured"),
+    (["--endpoints", "nohost"], "nohost"),
+    (["--endpoints", "127.0.0.1:1", "--policy", "fastest"], "policy"),
+])
+def test_extproc_rejects_bad_configuration_with_exit_2(args: list[str], message: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXROUTE_")}
+    r = subprocess.run(prefixroute_cmd("extproc", "--port", "0", *args), capture_output=True, text=True,
+                       timeout=30, env=env)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+
+
+def test_gateway_command_serves_and_stops_both_children_on_sigterm(stack: ExitStack, log_dir: Path) -> None:
+    fleet = start_fleet(stack, 2, log_dir, prefix="g")
+    port = free_port()
+    proc = stack.enter_context(start_process(
+        prefixroute_cmd("gateway", "--port", str(port), "--endpoints", ",".join(fleet.endpoints)),
+        ready_url=f"http://127.0.0.1:{port}/v1/models", log_dir=log_dir, name="gateway", timeout_s=30))
+    status, body = http_get(f"http://127.0.0.1:{port}/v1/models")
+    assert status == 200 and MODEL.encode() in body
+    ready_line = f"prefixroute gateway ready: http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10  # Envoy may answer a moment before the launcher prints its line
+    while ready_line not in proc.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready_line in proc.log_tail()
+    children = _children(proc.pid)
+    assert len(children) == 2, children  # Envoy and the ext_proc service
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.popen.wait(timeout=15) == 0
+    deadline = time.monotonic() + 5
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(c) for c in children)

@@ -1,0 +1,131 @@
+"""`prefixroute up` as a user runs it: readiness, a request through the gateway, the dashboard answering,
+Ctrl-C stopping everything with no process or port left; and a clear error for a busy port."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_ports
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def _pids_mentioning(marker: str) -> list[int]:
+    """Processes whose command line contains `marker` (our unique temp dir), this test excluded."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _up_cmd(tmp_path: Path, ports: list[int], *extra: str) -> list[str]:
+    gw, tel, tel_http, dash, ms = ports
+    return [sys.executable, "-m", "prefixroute", "up", "--servers", "2", "--port", str(gw),
+            "--telemetry-port", str(tel), "--telemetry-http-port", str(tel_http),
+            "--dashboard-port", str(dash), "--model-server-base-port", str(ms),
+            "--log-dir", str(tmp_path / "logs"), "--db", str(tmp_path / "telemetry.db"),
+            "--model-server-time-scale", "0.2", *extra]
+
+
+def _contiguous_free_pair() -> int:
+    for _ in range(50):
+        (base,) = free_ports(1)
+        if not _listening(base + 1):
+            return base
+    raise RuntimeError("no two adjacent free ports")
+
+
+def test_up_serves_and_stops_clean(tmp_path):
+    gw, tel, tel_http, dash = free_ports(4)
+    ms = _contiguous_free_pair()
+    ports = [gw, tel, tel_http, dash, ms]
+    proc = subprocess.Popen(_up_cmd(tmp_path, ports), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    out_lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out_lines.append(line)
+            if line.startswith("Ctrl-C stops everything"):
+                break
+        summary = "".join(out_lines)
+        assert "prefixroute is up" in summary, summary + _logs(tmp_path)
+        assert f"http://127.0.0.1:{gw}" in summary and f"http://127.0.0.1:{dash}" in summary
+
+        body = json.dumps({"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{gw}/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+            served = r.headers.get("x-gateway-destination-endpoint-served")
+            reply = json.loads(r.read())
+        assert served in {f"127.0.0.1:{ms}", f"127.0.0.1:{ms + 1}"}
+        assert reply["usage"]["completion_tokens"] == 4
+        with urllib.request.urlopen(f"http://127.0.0.1:{dash}/_stcore/health", timeout=10) as r:
+            assert r.status == 200
+
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        stop_s = time.monotonic() - t0
+        assert proc.returncode == 0, "".join(out_lines) + proc.stdout.read()
+        assert stop_s < 10.0
+        time.sleep(0.5)
+        assert _pids_mentioning(str(tmp_path)) == []
+        still = [p for p in ports + [ms + 1] if _listening(p)]
+        assert still == [], f"ports still bound after stop: {still}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _pids_mentioning(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_busy_port_is_named(tmp_path):
+    gw, tel, tel_http, dash = free_ports(4)
+    ms = _contiguous_free_pair()
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", gw))
+        blocker.listen()
+        proc = subprocess.run(_up_cmd(tmp_path, [gw, tel, tel_http, dash, ms]), capture_output=True, text=True,
+                              timeout=60)
+    assert proc.returncode == 1
+    assert f"gateway: port {gw} is already in use" in proc.stderr
+    assert _pids_mentioning(str(tmp_path)) == []
+
+
+def _logs(tmp_path: Path) -> str:
+    out = []
+    for f in sorted((tmp_path / "logs").glob("*.log")):
+        out.append(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-20:]))
+    return "\n".join(out)

@@ -1,0 +1,185 @@
+"""The Streamlit app under AppTest against real SQLite stores in tmp_path: the figures it shows, the
+empty / idle / missing / unreachable states and recovery, drill-down, and the benchmarks page."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from prefixroute.dashboard import app as _app_module  # noqa: F401 - import errors fail here, clearly
+from prefixroute.telemetry.records import RequestRecord
+from prefixroute.telemetry.store import TelemetryStore
+
+APP = str(Path(_app_module.__file__))
+ENDPOINTS = ("10.0.0.2:8000", "10.0.0.10:8000", "10.0.0.3:8000")
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path):
+    for var in ("DB", "TELEMETRY", "BENCH_DIR", "SCRAPE_ENDPOINTS", "WINDOW_S", "REFRESH_S"):
+        monkeypatch.delenv(f"PREFIXROUTE_DASHBOARD_{var}", raising=False)
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_SCRAPE_ENDPOINTS", "false")  # 10.0.0.x is not reachable
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_BENCH_DIR", str(tmp_path / "bench"))
+
+
+def make_records(n: int, *, age_s: tuple[float, float] = (1, 200), seed: int = 0) -> list[RequestRecord]:
+    rnd = random.Random(seed)
+    now = time.time()
+    out = []
+    for i in range(n):
+        ep = rnd.choices(ENDPOINTS, weights=(6, 3, 1))[0]
+        prompt = rnd.randint(16, 4000)
+        out.append(RequestRecord(
+            trace_id=f"{rnd.getrandbits(128):032x}", span_id=f"{rnd.getrandbits(64):016x}",
+            start_time=now - rnd.uniform(*age_s), request_id=f"r{i}", model="m", policy="prefix",
+            reason=rnd.choice(("affinity", "cold", "spill")), endpoint=ep, endpoints=(ep,),
+            predicted_hit_ratio=rnd.random(), decision_us=rnd.uniform(20, 400), ttft_ms=rnd.uniform(2, 900),
+            latency_ms=rnd.uniform(900, 3000), prompt_tokens=prompt, completion_tokens=20,
+            cached_tokens=rnd.randint(0, prompt), stream=True, status=rnd.choice((200, 200, 200, 503)),
+            path="/v1/chat/completions"))
+    return out
+
+
+def write(db: Path, records: list[RequestRecord]) -> None:
+    store = TelemetryStore(db)
+    store.insert_records(records)
+    store.close()
+
+
+def run_app(**env_overrides: str) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=60)
+    return at.run()
+
+
+def metric(at: AppTest, label: str) -> str:
+    for m in at.metric:
+        if m.label == label:
+            return m.value
+    raise AssertionError(f"no metric {label!r}: {[m.label for m in at.metric]}")
+
+
+def texts(at: AppTest) -> str:
+    parts = [e.value for kind in (at.info, at.warning, at.error, at.success) for e in kind]
+    parts += [c.value for c in at.code] + [c.value for c in at.caption] + [m.value for m in at.markdown]
+    return "\n".join(str(p) for p in parts)
+
+
+def test_live_page_shows_the_store_figures(tmp_path, monkeypatch):
+    db = tmp_path / "t.db"
+    records = make_records(400)
+    write(db, records)
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    at = run_app()
+    assert not at.exception
+    # Independent figures from the records themselves.
+    hit = sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records)
+    pred = sum(r.predicted_hit_ratio * r.prompt_tokens for r in records) / sum(r.prompt_tokens for r in records)
+    assert metric(at, "Hit rate (actual)") == f"{hit * 100:.1f} %"
+    assert metric(at, "Hit rate (predicted)") == f"{pred * 100:.1f} %"
+    errors = sum(r.status >= 500 for r in records)
+    assert metric(at, "Errors") == f"{errors / len(records) * 100:.1f} %"
+    counts = {ep: sum(r.endpoint == ep for r in records) for ep in ENDPOINTS}
+    assert metric(at, "Balance") == f"{max(counts.values()) / len(records) * 3:.2f}×"
+    assert f"{len(records):,} requests" in texts(at)
+    # Ten charts, one endpoint table.
+    assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) >= 10
+    table = at.dataframe[0].value
+    assert list(table["endpoint"]) == ["10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.10:8000"]  # natural order
+    assert list(table["num_requests"]) == [counts["10.0.0.2:8000"], counts["10.0.0.3:8000"],
+                                           counts["10.0.0.10:8000"]]
+
+
+def test_empty_store_says_no_traffic_and_how_to_send_some(tmp_path, monkeypatch):
+    db = tmp_path / "t.db"
+    TelemetryStore(db).close()
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    at = run_app()
+    assert not at.exception
+    assert "No traffic yet" in texts(at)
+    assert "prefixroute up --traffic" in texts(at) and "curl" in texts(at)
+    assert not at.metric
+
+
+def test_idle_window_says_so_with_the_store_total(tmp_path, monkeypatch):
+    db = tmp_path / "t.db"
+    write(db, make_records(7, age_s=(2000, 3000)))  # older than the 5 min window
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    at = run_app()
+    assert "No requests in the last 5 min" in texts(at) and "7 requests" in texts(at)
+    at.sidebar.selectbox(key="window").set_value("1 h").run()
+    assert metric(at, "Hit rate (actual)").endswith("%")
+
+
+def test_missing_store_is_explained_and_recovers(tmp_path, monkeypatch):
+    db = tmp_path / "later.db"
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    at = run_app()
+    assert not at.exception
+    assert "Telemetry store not available" in texts(at)
+    assert f"prefixroute telemetry --db {db}" in texts(at)
+    write(db, make_records(20))
+    at.run()  # what the next live refresh does
+    assert "Telemetry store not available" not in texts(at)
+    assert metric(at, "Hit rate (actual)").endswith("%")
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{db}{suffix}").unlink(missing_ok=True)
+    at.run()
+    assert "Telemetry store not available" in texts(at)
+
+
+def test_unreachable_receiver_url_is_explained(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_TELEMETRY", f"http://127.0.0.1:{port}")
+    at = run_app()
+    assert not at.exception
+    assert "Telemetry receiver not reachable" in texts(at)
+
+
+def test_requests_page_drills_down_to_a_trace(tmp_path, monkeypatch):
+    db = tmp_path / "t.db"
+    records = make_records(30)
+    write(db, records)
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    at = run_app()
+    at.sidebar.radio(key="page").set_value("Requests").run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    newest = max(records, key=lambda r: r.start_time)
+    assert table["trace_id"].iloc[0] == newest.trace_id and len(table) == 30
+    at.text_input(key="trace_id").set_value(newest.trace_id).run()
+    assert metric(at, "Endpoint") == newest.endpoint
+    assert metric(at, "Cached / prompt tokens") == f"{newest.cached_tokens} / {newest.prompt_tokens}"
+    assert len(at.json) == 2
+    at.text_input(key="trace_id").set_value("f" * 32).run()
+    assert "No request with trace id" in texts(at)
+
+
+def test_benchmarks_page_with_and_without_results(tmp_path, monkeypatch):
+    db = tmp_path / "t.db"
+    TelemetryStore(db).close()
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    at = run_app()
+    at.sidebar.radio(key="page").set_value("Benchmarks").run()
+    assert "No benchmark results" in texts(at) and "prefixroute bench" in texts(at)
+    out = tmp_path / "bench" / "run1"
+    out.mkdir(parents=True)
+    (out / "results.json").write_text(json.dumps({
+        "workload": {"name": "shared-prompts"}, "upper_bound_hit_ratio": 0.92,
+        "runs": [{"router": "prefixroute:random", "hit_ratio": 0.31, "ttft_ms": {"p50": 900, "p90": 1500, "p99": 2100}},
+                 {"router": "prefixroute:prefix", "hit_ratio": 0.88, "ttft_ms": {"p50": 120, "p90": 300, "p99": 700}},
+                 {"router": "sglang-router:cache_aware", "hit_ratio": 0.8,
+                  "ttft_ms": {"p50": 150, "p90": 420, "p99": 900}}]}))
+    at.run()
+    assert not at.exception
+    frame = at.dataframe[0].value
+    assert list(frame["router"]) == ["prefixroute:random", "prefixroute:prefix", "sglang-router:cache_aware"]
+    assert list(frame["hit_ratio"]) == [0.31, 0.88, 0.8]
+    assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) == 2

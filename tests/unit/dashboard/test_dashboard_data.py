@@ -1,0 +1,220 @@
+"""Pure data logic of the dashboard (no Streamlit): reshaping, colours, balance, states, bench files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pandas as pd
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixroute.dashboard import data as D
+
+
+@pytest.mark.parametrize("window_s, expected", [
+    (60, 2.0), (300, 10.0), (900, 30.0), (3600, 120.0), (21600, 600.0), (86400, 3600.0), (10, 1.0), (1, 1.0),
+])
+def test_bucket_for_window(window_s, expected):
+    assert D.bucket_for_window(window_s) == expected
+
+
+@given(st.floats(min_value=1.0, max_value=7 * 86400))
+def test_bucket_for_window_bounds_the_number_of_buckets(window_s):
+    b = D.bucket_for_window(window_s)
+    assert b >= 1
+    # At most the target, except past the largest nice width.
+    assert window_s / b <= 40 or b == 3600
+
+
+@pytest.mark.parametrize("window_s, first, now, expected", [
+    (300, None, 1000.0, 300), (300, 990.0, 1000.0, 30), (300, 900.0, 1000.0, 100), (300, 100.0, 1000.0, 300),
+])
+def test_effective_span(window_s, first, now, expected):
+    assert D.effective_span_s(window_s, first, now) == expected
+
+
+@pytest.mark.parametrize("names, expected", [
+    (["b:1", "a:1"], ["a:1", "b:1"]),
+    (["10.0.0.10:8000", "10.0.0.9:8000", "10.0.0.2:8000"], ["10.0.0.2:8000", "10.0.0.9:8000", "10.0.0.10:8000"]),
+    (["h:80", None, "h:80", ""], ["h:80", D.UNKNOWN_ENDPOINT]),
+    ([], []),
+])
+def test_sort_endpoints_naturally(names, expected):
+    assert D.sort_endpoints(names) == expected
+
+
+@given(st.lists(st.from_regex(r"[a-z]{1,6}:[0-9]{2,5}", fullmatch=True), min_size=1, max_size=20, unique=True))
+def test_colours_depend_only_on_the_set_of_names(names):
+    a = D.endpoint_colors(names)
+    b = D.endpoint_colors(list(reversed(names)) + names[:1])
+    assert a == b
+    assert set(a) == set(names)
+    # Distinct while the palette lasts.
+    assert len(set(a.values())) == min(len(names), len(D.PALETTE))
+
+
+@pytest.mark.parametrize("shares, expected", [
+    ({"a": 10, "b": 10}, 1.0),
+    ({"a": 30, "b": 10}, 1.5),
+    ({"a": 40, "b": 0, "c": 0, "d": 0}, 4.0),
+    ([0.5, 0.25, 0.25], 1.5),
+    ({"a": 0, "b": 0}, None),
+    ({}, None),
+])
+def test_balance_ratio(shares, expected):
+    got = D.balance_ratio(shares)
+    assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+@pytest.mark.parametrize("ratio, verdict", [(None, "no data"), (1.0, "even"), (1.2, "even"), (1.4, "uneven"),
+                                            (1.5, "uneven"), (1.51, "skewed"), (4.0, "skewed")])
+def test_balance_verdict(ratio, verdict):
+    assert D.balance_verdict(ratio) == verdict
+
+
+@pytest.mark.parametrize("summary, total, kind", [
+    ({"num_requests": 0}, 0, "empty"),
+    (None, 0, "empty"),
+    ({"num_requests": 0}, 12, "idle"),
+    ({"num_requests": 5}, 12, "live"),
+    ({"num_requests": 5}, 0, "live"),  # a store API without a total still shows the window's data
+])
+def test_traffic_state(summary, total, kind):
+    assert D.traffic_state(summary, total).kind == kind
+
+
+TS = [
+    {"bucket_start": 100.0, "num_requests": 4, "num_errors": 1, "requests_per_s": 0.4, "actual_hit_ratio": 0.5,
+     "predicted_hit_ratio": 0.6, "ttft_ms_p50": 10.0, "ttft_ms_p90": 20.0, "ttft_ms_p99": 30.0,
+     "latency_ms_p50": 100.0, "latency_ms_p90": None, "latency_ms_p99": None},
+    {"bucket_start": 110.0, "num_requests": 2, "num_errors": 0, "requests_per_s": 0.2, "actual_hit_ratio": None,
+     "predicted_hit_ratio": None, "ttft_ms_p50": None, "ttft_ms_p90": None, "ttft_ms_p99": None,
+     "latency_ms_p50": 50.0, "latency_ms_p90": 60.0, "latency_ms_p99": 70.0},
+]
+
+
+def test_fleet_hit_frame_is_long_and_drops_buckets_without_usage():
+    f = D.fleet_hit_frame(TS)
+    assert list(f["kind"]) == ["actual", "predicted"]
+    assert list(f["hit_ratio"]) == [0.5, 0.6]
+    assert f["time"].iloc[0] == pd.Timestamp(100, unit="s", tz="UTC")
+
+
+def test_percentile_frame_skips_missing_values():
+    f = D.percentile_frame(TS, "latency_ms")
+    assert list(zip(f["bucket_start"], f["percentile"], f["value_ms"])) == [
+        (100.0, "p50", 100.0), (110.0, "p50", 50.0), (110.0, "p90", 60.0), (110.0, "p99", 70.0)]
+
+
+def test_rate_and_error_frames():
+    rows = [dict(TS[0], endpoint="a:1"), dict(TS[1], endpoint=None)]
+    f = D.rate_frame(rows)
+    assert list(f["endpoint"]) == ["a:1", D.UNKNOWN_ENDPOINT]
+    assert list(f["errors_per_s"]) == [pytest.approx(0.1), 0.0]
+    e = D.error_frame(TS, bucket_s=10.0)
+    assert list(e["errors_per_s"]) == [0.1]
+
+
+def test_empty_inputs_give_empty_frames_with_columns():
+    for frame in (D.fleet_hit_frame([]), D.endpoint_hit_frame([]), D.percentile_frame([]), D.rate_frame([]),
+                  D.histogram_frame([]), D.reasons_frame([]), D.recent_frame([])):
+        assert len(frame) == 0 and len(frame.columns) > 0
+
+
+def test_endpoint_frame_merges_live_figures_and_sorts():
+    rows = [{"endpoint": "h:10", "num_requests": 3, "share_ratio": 0.75, "actual_hit_ratio": 0.5},
+            {"endpoint": "h:9", "num_requests": 1, "share_ratio": 0.25, "actual_hit_ratio": None}]
+    f = D.endpoint_frame(rows, mean_in_flight={"h:9": 0.5},
+                         live={"h:10": D.EndpointLive(kv_cache_usage_ratio=0.3, num_requests_running=2)})
+    assert list(f["endpoint"]) == ["h:9", "h:10"]
+    assert f["mean_in_flight"].iloc[0] == 0.5 and math.isnan(f["mean_in_flight"].iloc[1])
+    assert f["kv_cache_usage_ratio"].iloc[1] == 0.3 and math.isnan(f["kv_cache_usage_ratio"].iloc[0])
+    assert f["running"].iloc[1] == 2
+    assert f["actual_hit_ratio"].dtype == "float64"
+
+
+def test_served_balance_ignores_requests_without_endpoint():
+    rows = [{"endpoint": "a", "num_requests": 6}, {"endpoint": "b", "num_requests": 2},
+            {"endpoint": None, "num_requests": 100}]
+    assert D.served_balance(rows) == pytest.approx(6 / 8 * 2)
+
+
+def test_recent_frame_computes_each_request_hit_ratio():
+    rows = [{"trace_id": "t1", "start_time": 5.0, "endpoint": "a", "prompt_tokens": 200, "cached_tokens": 150},
+            {"trace_id": "t2", "start_time": 4.0, "endpoint": None, "prompt_tokens": None, "cached_tokens": None}]
+    f = D.recent_frame(rows)
+    assert f["hit_ratio"].iloc[0] == 0.75 and pd.isna(f["hit_ratio"].iloc[1])
+    assert list(f["endpoint"]) == ["a", D.UNKNOWN_ENDPOINT]
+
+
+@pytest.mark.parametrize("fn, value, text", [
+    (D.format_ratio, None, "–"), (D.format_ratio, 0.8234, "82.3 %"), (D.format_ratio, 1.0, "100.0 %"),
+    (D.format_ms, 3.14159, "3.1 ms"), (D.format_ms, 1234.5, "1,234 ms"), (D.format_ms, None, "–"),
+    (D.format_us, 250.0, "250 µs"), (D.format_us, 2500.0, "2.50 ms"), (D.format_us, None, "–"),
+])
+def test_formatting(fn, value, text):
+    assert fn(value) == text
+
+
+def test_parse_endpoint_metrics_from_real_prometheus_text():
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    Gauge("vllm:kv_cache_usage_perc", "usage", ["model_name"], registry=reg).labels("m").set(0.42)
+    Gauge("vllm:num_requests_running", "running", ["model_name"], registry=reg).labels("m").set(3)
+    w = Gauge("vllm:num_requests_waiting", "waiting", ["model_name"], registry=reg)
+    w.labels("m").set(1)
+    w.labels("m-lora").set(2)
+    live = D.parse_endpoint_metrics(generate_latest(reg).decode())
+    assert live == D.EndpointLive(kv_cache_usage_ratio=0.42, num_requests_running=3.0, num_requests_waiting=3.0)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", D.EndpointLive()),
+    ("garbage line\n# HELP x y\nsglang:token_usage 0.25\nsglang:num_queue_reqs 4\n",
+     D.EndpointLive(kv_cache_usage_ratio=0.25, num_requests_waiting=4.0)),
+    ("vllm:kv_cache_usage_perc NaN\n", D.EndpointLive()),
+])
+def test_parse_endpoint_metrics_edge_cases(text, expected):
+    assert D.parse_endpoint_metrics(text) == expected
+
+
+BENCH = {"workload": {"name": "shared-prompts", "num_requests": 300}, "upper_bound_hit_ratio": 0.9,
+         "runs": [{"router": "prefixroute:random", "requests": 300, "errors": 0, "hit_ratio": 0.3,
+                   "ttft_ms": {"p50": 800.0, "p90": 1500.0, "p99": 2000.0}, "e2e_ms": {"p50": 900.0},
+                   "throughput_rps": 7.5, "endpoint_share": {"a": 0.25, "b": 0.25, "c": 0.25, "d": 0.25}},
+                  {"router": "prefixroute:prefix", "requests": 300, "errors": 1, "hit_ratio": 0.85,
+                   "ttft_ms": {"p50": 100.0, "p90": 300.0, "p99": 600.0}, "e2e_ms": {"p50": 200.0},
+                   "throughput_rps": 7.9, "endpoint_share": {"a": 0.4, "b": 0.2, "c": 0.2, "d": 0.2}}]}
+
+
+def test_bench_results_found_newest_first_and_parsed(tmp_path):
+    old = tmp_path / "run-old" / "results.json"
+    new = tmp_path / "deep" / "run-new" / "results.json"
+    too_deep = tmp_path / "a" / "b" / "c" / "d" / "results.json"
+    for i, p in enumerate((old, new, too_deep)):
+        p.parent.mkdir(parents=True)
+        p.write_text(json.dumps(BENCH))
+        os.utime(p, (1000 + i, 1000 + i))
+    assert D.find_bench_results(tmp_path) == [str(new), str(old)]
+    assert D.find_bench_results(tmp_path / "missing") == []
+    res = D.load_bench_result(str(new))
+    assert res.upper_bound_hit_ratio == 0.9 and res.label == "run-new · shared-prompts"
+    f = D.bench_frame(res)
+    assert list(f["router"]) == ["prefixroute:random", "prefixroute:prefix"]
+    assert list(f["ttft_ms_p50"]) == [800.0, 100.0]
+    assert f["balance_ratio"].tolist() == [pytest.approx(1.0), pytest.approx(1.6)]
+    long = D.bench_ttft_long(f)
+    assert len(long) == 6 and set(long["percentile"]) == {"p50", "p90", "p99"}
+
+
+@pytest.mark.parametrize("content, message", [("{not json", "not JSON"), ('{"runs": 3}', "no \"runs\" list"),
+                                              ("[]", "no \"runs\" list")])
+def test_bad_bench_files_are_rejected_with_a_reason(tmp_path, content, message):
+    p = tmp_path / "results.json"
+    p.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        D.load_bench_result(str(p))

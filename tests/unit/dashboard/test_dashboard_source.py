@@ -1,0 +1,142 @@
+"""DataSource: the store going away and coming back, the mean in-flight SQL, endpoint scraping, the
+receiver URL being down. Real SQLite stores in tmp_path, real loopback HTTP servers."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import random
+import threading
+
+import pytest
+
+from prefixroute.dashboard.source import DataSource
+from prefixroute.telemetry.client import TelemetryUnavailable
+from prefixroute.telemetry.records import RequestRecord
+from prefixroute.telemetry.store import StoreMissing, TelemetryStore
+
+NOW = 1_800_000_000.0
+
+
+def rec(i: int, start: float, latency_ms: float, endpoint: str = "h:1", prompt: int = 100,
+        cached: int = 50) -> RequestRecord:
+    return RequestRecord(trace_id=f"{i:032x}", span_id=f"{i:016x}", start_time=start, endpoint=endpoint,
+                         reason="affinity", policy="prefix", ttft_ms=latency_ms / 2, latency_ms=latency_ms,
+                         prompt_tokens=prompt, cached_tokens=cached, status=200)
+
+
+def write(path, records) -> None:
+    store = TelemetryStore(path)
+    store.insert_records(records)
+    store.close()
+
+
+def test_missing_store_then_created_then_deleted_then_recreated(tmp_path):
+    db = tmp_path / "t.db"
+    src = DataSource(db=str(db))
+    with pytest.raises(StoreMissing):
+        src.call("num_requests")
+    write(db, [rec(1, NOW - 5, 100)])
+    assert src.call("num_requests") == 1
+    # Deleted: the open connection would still read the unlinked file; the source must notice.
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(f"{db}{suffix}"):
+            os.remove(f"{db}{suffix}")
+    with pytest.raises(StoreMissing):
+        src.call("num_requests")
+    write(db, [rec(i, NOW - 5, 100) for i in range(2, 5)])
+    assert src.call("num_requests") == 3
+    src.close()
+
+
+def test_replaced_file_is_reopened(tmp_path):
+    db = tmp_path / "t.db"
+    write(db, [rec(1, NOW - 5, 100)])
+    src = DataSource(db=str(db))
+    assert src.call("num_requests") == 1
+    other = tmp_path / "other.db"
+    write(other, [rec(i, NOW - 5, 100) for i in range(2, 9)])
+    os.replace(other, db)  # a new inode at the same path
+    assert src.call("num_requests") == 7
+
+
+def test_not_a_database_reads_as_missing_not_a_crash(tmp_path):
+    db = tmp_path / "t.db"
+    db.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StoreMissing, match="not readable"):
+        DataSource(db=str(db)).call("summary", 60.0, now=NOW)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_mean_in_flight_matches_an_independent_integral(tmp_path, seed):
+    rnd = random.Random(seed)
+    window_s = 60.0
+    records = [rec(i, NOW - rnd.uniform(0, 120), rnd.uniform(10, 30_000), endpoint=rnd.choice(["a:1", "b:1"]))
+               for i in range(300)]
+    write(tmp_path / "t.db", records)
+    got = DataSource(db=str(tmp_path / "t.db")).mean_in_flight(window_s, now=NOW)
+    # Independent: sample the number in flight at many instants of the window (Riemann sum).
+    steps = 6000
+    for ep in ("a:1", "b:1"):
+        spans = [(r.start_time, r.end_time) for r in records if r.endpoint == ep]
+        samples = [sum(1 for s, e in spans if s <= t < e)
+                   for t in (NOW - window_s + (k + 0.5) * window_s / steps for k in range(steps))]
+        assert got[ep] == pytest.approx(sum(samples) / steps, abs=0.02)
+
+
+def test_mean_in_flight_is_none_for_a_url_source():
+    assert DataSource(url="http://127.0.0.1:9").mean_in_flight(60.0) is None
+
+
+def test_url_source_down_raises_unavailable():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    src = DataSource(url=f"http://127.0.0.1:{port}", http_timeout_s=1.0)
+    with pytest.raises(TelemetryUnavailable):
+        src.call("summary", 60.0)
+
+
+class _MetricsHandler(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self):  # noqa: N802
+        if self.path != "/metrics":
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("content-type", "text/plain; version=0.0.4")
+        self.send_header("content-length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_endpoint_scrape_reads_live_figures_and_skips_dead_endpoints():
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    Gauge("vllm:kv_cache_usage_perc", "u", registry=reg).set(0.7)
+    Gauge("vllm:num_requests_running", "r", registry=reg).set(5)
+    handler = type("H", (_MetricsHandler,), {"body": generate_latest(reg)})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        live_ep = f"127.0.0.1:{server.server_address[1]}"
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead_ep = f"127.0.0.1:{s.getsockname()[1]}"
+        src = DataSource(db="unused.db", scrape_endpoints=True, scrape_timeout_s=1.0)
+        got = src.endpoint_live([live_ep, dead_ep, "(none)"])
+        assert set(got) == {live_ep}
+        assert got[live_ep].kv_cache_usage_ratio == 0.7 and got[live_ep].num_requests_running == 5
+        assert DataSource(db="unused.db", scrape_endpoints=False).endpoint_live([live_ep]) == {}
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,77 @@
+"""docker-compose.yml: valid against the Compose Specification, and every container runs a real,
+parseable `prefixroute` command (there is no Docker engine here, so each part is checked directly)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from prefixroute import cli
+
+ROOT = Path(__file__).resolve().parents[3]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+
+
+def _prefixroute_argv(service: dict) -> list[str]:
+    """The prefixroute arguments a service runs (entrypoint `prefixroute`, or a `sh -c` line)."""
+    command = service["command"]
+    if service.get("entrypoint") == ["sh", "-c"]:
+        first = command[0].split("&&")[0]
+        argv = shlex.split(first)
+        assert argv[0] == "prefixroute", first
+        return argv[1:]
+    return list(command)
+
+
+def test_valid_against_compose_spec():
+    schema = json.loads((ROOT / "tests" / "data" / "compose-spec.json").read_text())
+    jsonschema.Draft201909Validator(schema).validate(COMPOSE)
+
+
+def test_services_present():
+    names = set(SERVICES)
+    assert {"envoy", "extproc", "telemetry", "dashboard", "traffic"} <= names
+    assert sum(n.startswith("model-server-") for n in names) >= 2
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_dependencies_wait_for_health(name):
+    for dep, cond in (SERVICES[name].get("depends_on") or {}).items():
+        assert dep in SERVICES, f"{name} depends on unknown service {dep}"
+        assert cond == {"condition": "service_healthy"}
+        assert "healthcheck" in SERVICES[dep], f"{dep} has no healthcheck but {name} waits for it"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_command_parses_with_the_real_cli(name):
+    argv = _prefixroute_argv(SERVICES[name])
+    assert argv[0] in cli.COMMANDS, f"{name} runs unknown command {argv[0]}"
+    parser = cli.build_parser(argv[0])
+    args = parser.parse_args(argv)  # exits (fails the test) on an unknown flag
+    assert args.command == argv[0]
+
+
+def test_published_ports():
+    assert "8080:8080" in SERVICES["envoy"]["ports"]
+    assert "8501:8501" in SERVICES["dashboard"]["ports"]
+
+
+def test_envoy_service_config_is_accepted_by_envoy(tmp_path):
+    """Render the envoy service's configuration with its own flags and let real Envoy validate it."""
+    argv = _prefixroute_argv(SERVICES["envoy"])
+    out = tmp_path / "envoy.yaml"
+    argv[argv.index("--out") + 1] = str(out)
+    subprocess.run([sys.executable, "-m", "prefixroute", *argv], check=True, timeout=60)
+    from prefixroute.extproc.gateway import envoy_binary
+
+    proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

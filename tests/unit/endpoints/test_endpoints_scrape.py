@@ -1,0 +1,98 @@
+"""Pure parsing for the endpoint pool: Prometheus text, /v1/models, endpoint specs (endpoints/scrape.py)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+from prefixroute.endpoints.scrape import (ScrapedMetrics, parse_endpoint, parse_endpoint_list, parse_metrics,
+                                          parse_models, read_endpoints_file)
+
+
+def vllm_exposition(running=3, waiting=2, kv=0.25, blocks=1000, block_size=16, engines=("0",)) -> bytes:
+    """Real Prometheus text from prometheus_client, shaped like vLLM's (labels, histograms, HELP/TYPE lines)."""
+    reg = CollectorRegistry()
+    r = Gauge("vllm:num_requests_running", "running", ["model_name", "engine"], registry=reg)
+    w = Gauge("vllm:num_requests_waiting", "waiting", ["model_name", "engine"], registry=reg)
+    k = Gauge("vllm:kv_cache_usage_perc", "kv", ["model_name", "engine"], registry=reg)
+    c = Gauge("vllm:cache_config_info", "cache config", ["block_size", "num_gpu_blocks", "engine"], registry=reg)
+    h = Histogram("vllm:time_to_first_token_seconds", "ttft", ["model_name"], registry=reg,
+                  buckets=[0.001 * 2**i for i in range(20)])
+    for e in engines:
+        r.labels("m", e).set(running)
+        w.labels("m", e).set(waiting)
+        k.labels("m", e).set(kv)
+        c.labels(str(block_size), str(blocks), e).set(1)
+    for i in range(50):
+        h.labels("m").observe(0.01 * i)
+    # a look-alike name that must not be mistaken for the gauge
+    Gauge("vllm:num_requests_running_total_fake", "decoy", registry=reg).set(99)
+    return generate_latest(reg)
+
+
+@pytest.mark.parametrize("data,expected", [
+    (vllm_exposition(), ScrapedMetrics(3, 2, 0.25, 1000, 16)),
+    (vllm_exposition(engines=("0", "1")), ScrapedMetrics(6, 4, 0.25, 2000, 16)),  # data parallel: counts add
+    (b"sglang:num_running_reqs 5\nsglang:num_queue_reqs 7\nsglang:token_usage 0.5\n", ScrapedMetrics(5, 7, 0.5)),
+    (b'sglang:num_running_reqs{model_name="m"} 5.0\nsglang:num_queue_reqs{model_name="m"} 0.0\n',
+     ScrapedMetrics(5, 0, None)),
+    (b"vllm:gpu_cache_usage_perc 0.75\n", ScrapedMetrics(kv_cache_usage_ratio=0.75)),  # older vLLM name
+    (b"vllm:num_requests_waiting NaN\n", ScrapedMetrics()),
+    (b"vllm:kv_cache_usage_perc 1.7\n", ScrapedMetrics(kv_cache_usage_ratio=1.0)),
+    (b"# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n", ScrapedMetrics()),
+    (b"garbage\n\x00\xff{{{ 1 2 3\nvllm:num_requests_running{ broken\n", ScrapedMetrics()),
+    (b'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1\n', ScrapedMetrics()),
+    (b"", ScrapedMetrics()),
+])
+def test_parse_metrics(data, expected):
+    assert parse_metrics(data) == expected
+
+
+@pytest.mark.parametrize("body,expected", [
+    (b'{"object":"list","data":[{"id":"m","object":"model"},{"id":"lora-a","parent":"m"}]}',
+     frozenset({"m", "lora-a"})),
+    (b'{"data":[]}', frozenset()),
+    (b'{"data":[{"id":5},"x",{"id":"ok"}]}', frozenset({"ok"})),
+])
+def test_parse_models(body, expected):
+    assert parse_models(body) == expected
+
+
+@pytest.mark.parametrize("body", [b"nope", b"[]", b'{"data": 3}'])
+def test_parse_models_rejects_bad_bodies(body):
+    with pytest.raises(ValueError):
+        parse_models(body)
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("127.0.0.1:8000", "127.0.0.1:8000"), (" localhost:80 ", "localhost:80"), ("[::1]:9000", "[::1]:9000"),
+    ("gpu-3.cluster.local:08000", "gpu-3.cluster.local:8000"),
+])
+def test_parse_endpoint(spec, expected):
+    assert parse_endpoint(spec) == expected
+
+
+@pytest.mark.parametrize("spec,fragment", [
+    ("127.0.0.1", "not host:port"), ("http://a:80", "scheme"), ("a:0", "port"), ("a:70000", "port"),
+    ("a:x", "port"), (":80", "not host:port"), ("a b:80", "not a valid host"), ("a:80/v1", "scheme or path"),
+])
+def test_parse_endpoint_errors(spec, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        parse_endpoint(spec)
+
+
+def test_duplicates_are_an_error():
+    with pytest.raises(ValueError, match="twice"):
+        parse_endpoint_list(["a:1", "b:1", "a:01"])
+
+
+@pytest.mark.parametrize("text", [
+    "a:1\nb:2\n", "# fleet\na:1  # first\n\nb:2", '["a:1", "b:2"]', "- a:1\n- 'b:2'\n", "[a:1, b:2]",
+])
+def test_endpoints_file_formats(text):
+    assert parse_endpoint_list(read_endpoints_file(text)) == ("a:1", "b:2")
+
+
+def test_endpoints_file_rejects_non_strings():
+    with pytest.raises(ValueError):
+        read_endpoints_file("[1, 2]")

@@ -1,0 +1,165 @@
+"""The ext_proc servicer's translation, over real gRPC (grpc.aio server + client in-process, upb messages).
+
+The router behind it is a small recording implementation of the `RouterService` protocol: what is under
+test is the translation (ProcessingRequest -> router calls -> ProcessingResponse), not routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from prefixroute.extproc.envoy_config import DESTINATION_HEADER, MAX_FALLBACKS, SERVED_HEADER, fallback_header
+from prefixroute.extproc.server import ExtprocSettings, start_server
+from prefixroute.openai_errors import OpenAIError
+
+
+class _Pick:
+    def __init__(self, endpoints: tuple[str, ...]) -> None:
+        self.endpoints = endpoints
+
+
+class RecordingRouter:
+    """Routes to a fixed list, refuses bodies containing "refuse", records every call."""
+
+    def __init__(self, endpoints: tuple[str, ...]) -> None:
+        self.endpoints = endpoints
+        self.routed: list[tuple[str, str, dict[str, str], bytes]] = []
+        self.served_calls: list[str | None] = []
+        self.released: list[_Pick] = []
+
+    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> _Pick:
+        self.routed.append((method, path, dict(headers), body))
+        if b"refuse-503" in body:
+            raise OpenAIError(503, "no healthy endpoint", retry_after_s=2)
+        if b"refuse-400" in body:
+            raise OpenAIError(400, "bad", param="messages")
+        return _Pick(self.endpoints)
+
+    def served(self, pick: _Pick, served_endpoint: str | None) -> None:
+        self.served_calls.append(served_endpoint)
+
+    def release(self, pick: _Pick) -> None:
+        self.released.append(pick)
+
+
+def _headers(pairs: dict[str, str], end_of_stream: bool) -> pb.ProcessingRequest:
+    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm, end_of_stream=end_of_stream))
+
+
+def _body(data: bytes) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
+
+
+def _response_headers(pairs: dict[str, str]) -> pb.ProcessingRequest:
+    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm, end_of_stream=False))
+
+
+def _set_headers(common: pb.CommonResponse) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+POST = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
+GET = {":method": "GET", ":path": "/v1/models"}
+EPS = ("10.0.0.1:8000", "10.0.0.2:8000")
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[RecordingRouter, pb_grpc.ExternalProcessorStub]]:
+    router = RecordingRouter(EPS)
+    server, port = await start_server(router, ExtprocSettings(port=0, listen_address="127.0.0.1"))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield router, pb_grpc.ExternalProcessorStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+async def _exchange(stub: pb_grpc.ExternalProcessorStub, msgs: list[pb.ProcessingRequest]
+                    ) -> list[pb.ProcessingResponse]:
+    call = stub.Process()
+    out = []
+    for m in msgs:
+        await call.write(m)
+        out.append(await call.read())
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    return out
+
+
+async def _until(cond, timeout_s: float = 2.0) -> None:  # noqa: ANN001
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_body_request_continues_at_headers_then_routes_on_the_body(served) -> None:  # noqa: ANN001
+    router, stub = served
+    body = orjson.dumps({"model": "m", "messages": []})
+    r_headers, r_body, r_resp = await _exchange(stub, [
+        _headers(POST, end_of_stream=False), _body(body), _response_headers({SERVED_HEADER: EPS[0]})])
+    assert r_headers.WhichOneof("response") == "request_headers"
+    assert not r_headers.request_headers.response.header_mutation.set_headers  # CONTINUE, no decision yet
+    assert r_body.WhichOneof("response") == "request_body"
+    common = r_body.request_body.response
+    assert common.clear_route_cache
+    # Padded with the last endpoint: every possible attempt has its header.
+    assert _set_headers(common) == {DESTINATION_HEADER: EPS[0], **{fallback_header(k): EPS[1]
+                                                                   for k in range(1, MAX_FALLBACKS + 1)}}
+    md = r_body.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value
+    assert md == EPS[0]  # same value as the header (GIE: header and metadata must not disagree)
+    assert r_resp.WhichOneof("response") == "response_headers"
+    assert router.routed == [("POST", "/v1/chat/completions", POST, body)]
+    assert router.served_calls == [EPS[0]]
+    await _until(lambda: len(router.released) == 1)
+
+
+async def test_request_without_body_is_decided_at_headers(served) -> None:  # noqa: ANN001
+    router, stub = served
+    (r,) = await _exchange(stub, [_headers(GET, end_of_stream=True)])
+    assert r.WhichOneof("response") == "request_headers"
+    assert _set_headers(r.request_headers.response)[DESTINATION_HEADER] == EPS[0]
+    assert r.request_headers.response.clear_route_cache
+    assert router.routed[0][:2] == ("GET", "/v1/models") and router.routed[0][3] == b""
+    await _until(lambda: len(router.released) == 1)
+
+
+@pytest.mark.parametrize(("marker", "status", "retry_after"), [(b"refuse-503", 503, "2"), (b"refuse-400", 400, None)])
+async def test_refusal_becomes_an_immediate_openai_error(served, marker: bytes, status: int,  # noqa: ANN001
+                                                         retry_after: str | None) -> None:
+    router, stub = served
+    _, r = await _exchange(stub, [_headers(POST, end_of_stream=False), _body(b'{"x":"' + marker + b'"}')])
+    assert r.WhichOneof("response") == "immediate_response"
+    imm = r.immediate_response
+    assert imm.status.code == status
+    hdrs = {h.header.key: h.header.raw_value.decode() for h in imm.headers.set_headers}
+    assert hdrs["content-type"] == "application/json"
+    assert hdrs.get("retry-after") == retry_after
+    assert orjson.loads(imm.body)["error"]["code"] == status
+    await asyncio.sleep(0.1)
+    assert router.released == []  # nothing was picked, so nothing is released
+
+
+async def test_release_happens_once_when_envoy_resets_the_stream(served) -> None:  # noqa: ANN001
+    router, stub = served
+    call = stub.Process()
+    await call.write(_headers(POST, end_of_stream=False))
+    await call.read()
+    await call.write(_body(b"{}"))
+    await call.read()
+    assert router.released == []  # still in flight: the response has not ended
+    call.cancel()  # what Envoy does when the client goes away
+    await _until(lambda: len(router.released) == 1)
+    await asyncio.sleep(0.1)
+    assert len(router.released) == 1

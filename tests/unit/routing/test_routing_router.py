@@ -1,0 +1,103 @@
+"""RouterCore: model check, errors, index bookkeeping (routing/router.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixroute.openai_errors import OpenAIError
+from prefixroute.routing.request import parse_request
+from prefixroute.routing.router import RouterCore
+from prefixroute.routing.settings import RoutingSettings
+from prefixroute.routing.types import EndpointId, EndpointState
+
+import orjson
+
+S = RoutingSettings(rng_seed=3)
+A, B, C = EndpointId("127.0.0.1:8001"), EndpointId("127.0.0.1:8002"), EndpointId("127.0.0.1:8003")
+PROMPT = "shared system prompt " * 50
+
+
+def chat(model: str | None = "m", content: str = PROMPT):
+    body = {"messages": [{"role": "system", "content": content}, {"role": "user", "content": "q"}]}
+    if model is not None:
+        body["model"] = model
+    return parse_request("POST", "/v1/chat/completions", {}, orjson.dumps(body), S)
+
+
+@pytest.mark.parametrize("states,model,status", [
+    ([], "m", 503),
+    ([EndpointState(A, models=frozenset({"x"})), EndpointState(B, models=frozenset({"y"}))], "m", 404),
+    ([EndpointState(A, models=frozenset({"x"}), healthy=False)], "m", 404),
+    ([EndpointState(A, models=frozenset({"m"}), healthy=False), EndpointState(B, models=frozenset({"y"}))], "m",
+     503),
+    ([EndpointState(A, healthy=False)], "m", 503),  # models unknown and down: might serve it -> 503
+    ([EndpointState(A, healthy=False)], None, 503),
+])
+def test_errors(states, model, status):
+    with pytest.raises(OpenAIError) as info:
+        RouterCore(S).route(chat(model), states, {})
+    assert info.value.status == status
+    if status == 503:
+        assert info.value.retry_after_s and info.value.retry_after_s >= 1
+    else:
+        assert info.value.param == "model" and "`m`" in info.value.message
+
+
+@pytest.mark.parametrize("states,model,expected", [
+    ([EndpointState(A, models=frozenset({"x"})), EndpointState(B, models=frozenset({"m", "lora"}))], "lora", B),
+    ([EndpointState(A, models=frozenset({"x"})), EndpointState(B)], "m", B),  # unknown models: eligible
+])
+def test_model_restricts_the_choice(states, model, expected):
+    d = RouterCore(S).route(chat(model), states, {})
+    assert d.endpoints == (expected,)
+
+
+def test_route_records_the_pick_and_the_next_request_has_affinity():
+    core = RouterCore(S)
+    states = [EndpointState(A), EndpointState(B), EndpointState(C)]
+    first = core.route(chat(), states, {})
+    assert first.reason == "cold" and core.index.num_entries(first.endpoints[0]) == first.total_blocks
+    again = core.route(chat(), states, {})
+    assert (again.reason, again.endpoints[0], again.predicted_hit_ratio) == ("affinity", first.endpoints[0], 1.0)
+
+
+def test_other_requests_go_to_the_least_loaded_healthy_endpoint_without_indexing():
+    core = RouterCore(S)
+    req = parse_request("GET", "/v1/models", {}, b"", S)
+    states = [EndpointState(A), EndpointState(B, healthy=False), EndpointState(C, models=frozenset({"z"}))]
+    d = core.route(req, states, {A: 5, C: 1})
+    assert d.endpoints == (C, A) and core.index.num_entries() == 0
+    with pytest.raises(OpenAIError) as info:
+        core.route(req, [EndpointState(A, healthy=False)], {})
+    assert info.value.status == 503
+
+
+def test_sync_endpoints_sizes_the_index_and_drops_removed_endpoints():
+    core = RouterCore(S)
+    states = [EndpointState(A, num_gpu_blocks=1000, block_size=16), EndpointState(B)]
+    core.sync_endpoints(states)
+    assert core.index.capacity(A) == 1000 * 16 // 16  # 64-char blocks = 16 tokens each
+    assert core.index.capacity(B) == S.default_index_capacity_blocks
+    d = core.route(chat(), states, {})
+    assert core.index.num_entries(d.endpoints[0]) > 0
+    remaining = [s for s in states if s.endpoint != d.endpoints[0]]
+    core.sync_endpoints(remaining)
+    assert core.index.num_entries() == 0
+    assert core.route(chat(), remaining, {}).reason == "cold"
+
+
+def test_capacity_from_scrape_follows_chars_per_token():
+    core = RouterCore(RoutingSettings(chars_per_token=2.0))  # 64 chars = 32 tokens per router block
+    assert core.capacity_blocks(EndpointState(A, num_gpu_blocks=100, block_size=16)) == 50
+
+
+def test_record_failover_teaches_the_index_where_the_cache_is():
+    core = RouterCore(S)
+    states = [EndpointState(A), EndpointState(B)]
+    r = chat()
+    d = core.route(r, states, {})
+    other = B if d.endpoints[0] == A else A
+    core.record_failover(r, other)
+    core.on_endpoint_removed(d.endpoints[0])
+    d2 = core.route(r, [EndpointState(other)], {})
+    assert (d2.reason, d2.endpoints) == ("affinity", (other,))

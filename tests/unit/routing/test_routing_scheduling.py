@@ -1,0 +1,349 @@
+"""Scorers, pickers and policies (routing/scheduling/)."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+
+from prefixroute.routing.prefix_index import PrefixIndex
+from prefixroute.routing.request import InferenceRequest
+from prefixroute.routing.scheduling import filters, pickers
+from prefixroute.routing.scheduling.policies import prefix_key
+from prefixroute.routing.scheduling.scheduler import Scheduler
+from prefixroute.routing.scheduling.scorers import (InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer,
+                                                    ScoringContext, weighted_scores)
+from prefixroute.routing.settings import RoutingSettings
+from prefixroute.routing.types import BlockHash, EndpointId, EndpointState
+
+
+def eps(n: int, **kw) -> list[EndpointState]:
+    return [EndpointState(EndpointId(f"10.0.0.{i}:8000"), **kw) for i in range(n)]
+
+
+def req(*blocks: int, model: str | None = None) -> InferenceRequest:
+    return InferenceRequest(kind="chat", path="/v1/chat/completions", model=model,
+                            block_hashes=[BlockHash(b) for b in blocks])
+
+
+def chain(key: int, n: int = 8) -> InferenceRequest:
+    """A request whose n blocks are unique to `key` (what distinct prompts hash to)."""
+    return req(*[key * 1000 + i for i in range(n)])
+
+
+E = eps(3)
+A, B, C = (s.endpoint for s in E)
+
+
+# --- filters ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("state,model,expected", [
+    (EndpointState(A), "m", True),  # models unknown: eligible
+    (EndpointState(A, models=frozenset({"m", "lora-x"})), "lora-x", True),
+    (EndpointState(A, models=frozenset({"m"})), "other", False),
+    (EndpointState(A, models=frozenset({"m"})), None, True),
+])
+def test_serves_model(state, model, expected):
+    assert filters.serves_model(state, model) is expected
+    assert (filters.eligible([state], model) == [state]) is expected
+
+
+def test_eligible_drops_unhealthy_and_keeps_order():
+    states = [EndpointState(A), EndpointState(B, healthy=False), EndpointState(C, models=frozenset({"x"}))]
+    assert [s.endpoint for s in filters.eligible(states, "x")] == [A, C]
+    assert [s.endpoint for s in filters.eligible(states, "y")] == [A]
+
+
+# --- scorers ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scorer,states,in_flight,matches,total,expected", [
+    (PrefixScorer(), E, {}, {A: 4, B: 2}, 8, [0.5, 0.25, 0.0]),
+    (PrefixScorer(), E, {}, {A: 8}, 8, [1.0, 0.0, 0.0]),
+    (PrefixScorer(), E, {}, {}, 0, [0.0, 0.0, 0.0]),
+    (InFlightScorer(), E, {A: 0, B: 16, C: 40}, {}, 0, [1.0, 0.5, 0.0]),
+    (InFlightScorer(), E, {}, {}, 0, [1.0, 1.0, 1.0]),
+    (QueueScorer(), [EndpointState(A, num_requests_waiting=0), EndpointState(B, num_requests_waiting=4),
+                     EndpointState(C)], {}, {}, 0, [1.0, 0.75, 0.5]),
+    (QueueScorer(), [EndpointState(A, num_requests_waiting=100)], {}, {}, 0, [0.0]),
+    (KvCacheScorer(), [EndpointState(A, kv_cache_usage_ratio=0.0), EndpointState(B, kv_cache_usage_ratio=0.9),
+                       EndpointState(C)], {}, {}, 0, [1.0, 0.1, 0.5]),
+    (KvCacheScorer(), [EndpointState(A, kv_cache_usage_ratio=1.5)], {}, {}, 0, [0.0]),
+])
+def test_scorer(scorer, states, in_flight, matches, total, expected):
+    ctx = ScoringContext(in_flight=in_flight, matches=matches, total_blocks=total, concurrency_threshold=32,
+                         queue_scale=16)
+    got = scorer.score(ctx, states)
+    assert got == pytest.approx(expected)
+    assert all(0.0 <= v <= 1.0 for v in got)
+
+
+def test_weighted_scores_sum_and_skip_zero_weights():
+    ctx = ScoringContext(in_flight={A: 16}, matches={A: 8}, total_blocks=8)
+    got = weighted_scores(ctx, E[:2], [(PrefixScorer(), 3.0), (InFlightScorer(), 2.0), (QueueScorer(), 0.0)])
+    assert got == pytest.approx([3.0 + 1.0, 0.0 + 2.0])
+
+
+# --- pickers ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scores,in_flight,expected_first", [
+    ([1.0, 2.0, 0.5], {}, B),
+    ([2.0, 2.0, 0.5], {A: 3, B: 1}, B),  # tie on score -> fewer in flight
+    ([2.0, 2.0 + 1e-12, 0.5], {A: 0, B: 1}, A),  # float noise is a tie
+    ([2.0, 2.0, 2.0], {A: 1, B: 1, C: 0}, C),
+])
+def test_max_score_order(scores, in_flight, expected_first):
+    order = pickers.max_score_order(E, scores, in_flight, random.Random(0), 3)
+    assert order[0] == expected_first
+    assert sorted(order) == sorted([A, B, C])
+
+
+def test_full_ties_are_broken_randomly_not_by_position():
+    rng = random.Random(7)
+    firsts = collections.Counter(pickers.max_score_order(E, [1.0, 1.0, 1.0], {}, rng, 1)[0] for _ in range(3000))
+    assert set(firsts) == {A, B, C}
+    assert min(firsts.values()) > 800
+
+
+def test_rendezvous_moves_only_the_share_of_a_changed_endpoint():
+    pool = eps(10)
+    keys = list(range(5000))
+    before = {k: pickers.rendezvous_order(k, pool, 1)[0] for k in keys}
+    removed = pool[3].endpoint
+    after_remove = {k: pickers.rendezvous_order(k, pool[:3] + pool[4:], 1)[0] for k in keys}
+    moved = [k for k in keys if before[k] != after_remove[k]]
+    assert all(before[k] == removed for k in moved)  # only the removed endpoint's keys move
+    assert set(moved) == {k for k in keys if before[k] == removed}
+    added = pool + eps(11)[10:]
+    after_add = {k: pickers.rendezvous_order(k, added, 1)[0] for k in keys}
+    moved_add = [k for k in keys if before[k] != after_add[k]]
+    assert all(after_add[k] == added[10].endpoint for k in moved_add)
+    assert 0.5 / 11 < len(moved_add) / len(keys) < 1.5 / 11  # about 1/N moves
+
+
+def test_rendezvous_is_deterministic_and_top_k_is_a_prefix_of_the_order():
+    pool = eps(20)
+    full = pickers.rendezvous_order(12345, pool)
+    assert pickers.rendezvous_order(12345, list(reversed(pool)), 3) == full[:3]
+
+
+# --- policies --------------------------------------------------------------------------------------------------
+def sched(policy: str = "prefix", **kw) -> Scheduler:
+    return Scheduler(RoutingSettings(policy=policy, rng_seed=1, **kw))
+
+
+def test_cold_prefix_is_placed_by_rendezvous_and_then_has_affinity():
+    s, idx = sched(), PrefixIndex(1000)
+    r = chain(42)
+    d = s.schedule(r, E, {}, idx)
+    key = prefix_key(r, s.settings.cold_key_blocks)
+    assert d.reason == "cold"
+    assert list(d.endpoints) == pickers.rendezvous_order(key, E)[:3]
+    idx.record(r.block_hashes, d.endpoints[0])
+    d2 = s.schedule(r, E, {d.endpoints[0]: 5}, idx)
+    assert (d2.reason, d2.endpoints[0], d2.matched_blocks, d2.predicted_hit_ratio) == ("affinity", d.endpoints[0], 8,
+                                                                                       1.0)
+
+
+def test_requests_sharing_a_system_prompt_converge_cold():
+    s, idx = sched(), PrefixIndex(1000)
+    # same first cold_key_blocks blocks, different tails: every one is cold (nothing recorded) yet lands together
+    firsts = {s.schedule(req(1, 2, 3, 4, 100 + i, 200 + i), E, {}, idx).endpoints[0] for i in range(20)}
+    assert len(firsts) == 1
+
+
+def test_cold_placement_skips_endpoints_over_threshold():
+    s, idx = sched(concurrency_threshold=4), PrefixIndex(1000)
+    r = chain(5)
+    first = s.schedule(r, E, {}, idx).endpoints[0]
+    d = s.schedule(r, E, {first: 4}, idx)
+    assert d.reason == "cold" and d.endpoints[0] != first and d.endpoints[-1] == first
+
+
+def test_spill_over_threshold_then_spread_over_two():
+    s, idx = sched(concurrency_threshold=4), PrefixIndex(1000)
+    r = chain(9)
+    idx.record(r.block_hashes, A)
+    d = s.schedule(r, E, {A: 4}, idx)
+    assert d.reason == "spill" and d.endpoints[0] != A and A in d.endpoints
+    idx.record(r.block_hashes, d.endpoints[0])  # the router records the spill target
+    second = d.endpoints[0]
+    d2 = s.schedule(r, E, {A: 4, second: 1}, idx)
+    assert (d2.reason, d2.endpoints[0]) == ("affinity", second)
+    d3 = s.schedule(r, E, {A: 2, second: 3}, idx)
+    assert (d3.reason, d3.endpoints[0]) == ("affinity", A)  # both hold it now: the less loaded wins
+
+
+def test_all_over_threshold_still_prefers_affinity():
+    s, idx = sched(concurrency_threshold=2), PrefixIndex(1000)
+    r = chain(3)
+    idx.record(r.block_hashes, B)
+    d = s.schedule(r, E, {A: 2, B: 3, C: 2}, idx)
+    assert (d.reason, d.endpoints[0]) == ("affinity", B)
+
+
+def test_affinity_beats_moderate_load_but_load_beats_a_small_partial_match():
+    s, idx = sched(), PrefixIndex(1000)
+    full = chain(1, 40)
+    idx.record(full.block_hashes, A)
+    assert s.schedule(full, E, {A: 20}, idx).endpoints[0] == A
+    partial = req(*(full.block_hashes[:2] + [7_000_000 + i for i in range(38)]))
+    d = s.schedule(partial, E, {A: 20}, idx)
+    assert (d.reason, d.matched_blocks) == ("load", 0) and d.endpoints[0] != A
+
+
+def test_prompt_without_blocks_goes_by_load():
+    d = sched().schedule(req(), E, {A: 3, B: 0, C: 1}, PrefixIndex(10))
+    assert (d.reason, d.endpoints) == ("load", (B, C, A))
+
+
+def test_balance_of_many_cold_prefixes():
+    """No endpoint gets much more than its share of distinct new prefixes (no hot spot at equal load)."""
+    s, idx = sched(), PrefixIndex(100_000)
+    pool = eps(8)
+    counts = collections.Counter()
+    for key in range(4000):
+        r = chain(key, 4)
+        d = s.schedule(r, pool, {}, idx)
+        idx.record(r.block_hashes, d.endpoints[0])
+        counts[d.endpoints[0]] += 1
+    assert len(counts) == 8
+    assert max(counts.values()) < 1.15 * 4000 / 8
+    assert min(counts.values()) > 0.85 * 4000 / 8
+
+
+def test_hot_prefix_spreads_under_concurrency():
+    """One prefix at 3x one endpoint's threshold of concurrency ends up on >= 3 endpoints."""
+    s, idx = sched(concurrency_threshold=8), PrefixIndex(1000)
+    pool = eps(6)
+    in_flight: collections.Counter = collections.Counter()
+    r = chain(77)
+    for _ in range(24):
+        d = s.schedule(r, pool, in_flight, idx)
+        idx.record(r.block_hashes, d.endpoints[0])
+        in_flight[d.endpoints[0]] += 1
+    assert max(in_flight.values()) <= 8
+    assert len(in_flight) >= 3
+
+
+def test_fallbacks_are_distinct_eligible_and_bounded():
+    pool = eps(6)
+    pool[2] = EndpointState(pool[2].endpoint, healthy=False)
+    for policy in ("prefix", "consistent-hash", "least-load", "round-robin", "random"):
+        for nf in (0, 2, 10):
+            s = sched(policy, num_fallbacks=nf)
+            d = s.schedule(chain(3), pool, {}, PrefixIndex(100))
+            assert len(d.endpoints) == min(1 + nf, 5)
+            assert len(set(d.endpoints)) == len(d.endpoints)
+            assert pool[2].endpoint not in d.endpoints
+
+
+def test_no_eligible_endpoint_gives_an_empty_decision():
+    d = sched().schedule(req(1, 2, model="x"), [EndpointState(A, models=frozenset({"y"}))], {}, PrefixIndex(10))
+    assert d.endpoints == ()
+
+
+def test_round_robin_cycles_in_pool_order():
+    s = sched("round-robin", num_fallbacks=1)
+    got = [s.schedule(chain(1), E, {}, PrefixIndex(10)).endpoints for _ in range(4)]
+    assert got == [(A, B), (B, C), (C, A), (A, B)]
+
+
+def test_random_policy_uses_every_endpoint():
+    s = sched("random", num_fallbacks=0)
+    seen = collections.Counter(s.schedule(chain(1), E, {}, PrefixIndex(10)).endpoints[0] for _ in range(600))
+    assert set(seen) == {A, B, C} and min(seen.values()) > 120
+
+
+def test_least_load_policy():
+    s = sched("least-load")
+    states = [EndpointState(A, num_requests_waiting=5), EndpointState(B, num_requests_waiting=0), EndpointState(C)]
+    d = s.schedule(chain(1), states, {A: 1, B: 1, C: 2}, PrefixIndex(10))
+    assert (d.reason, d.endpoints) == ("load", (B, A, C))
+
+
+def test_consistent_hash_ignores_load_and_threshold():
+    s, idx = sched("consistent-hash", concurrency_threshold=1), PrefixIndex(10)
+    r = chain(11)
+    first = s.schedule(r, E, {}, idx).endpoints[0]
+    assert s.schedule(r, E, {first: 100}, idx).endpoints[0] == first
+
+
+def test_scheduler_ignores_index_entries_of_ineligible_endpoints():
+    s, idx = sched(), PrefixIndex(100)
+    r = chain(4)
+    idx.record(r.block_hashes, A)
+    states = [EndpointState(A, healthy=False), EndpointState(B), EndpointState(C)]
+    d = s.schedule(r, states, {}, idx)
+    assert d.reason == "cold" and A not in d.endpoints
+
+
+# --- large pools: scoring a sample ------------------------------------------------------------------------------
+def test_large_pool_keeps_affinity_and_spreads_new_load():
+    s, idx = sched(max_scored_endpoints=8), PrefixIndex(1000)
+    pool = eps(100)
+    r = chain(21)
+    holder = pool[57].endpoint
+    idx.record(r.block_hashes, holder)
+    for _ in range(50):  # the holder is always among the scored endpoints
+        assert s.schedule(r, pool, {holder: 3}, idx).endpoints[0] == holder
+    # prompts without blocks go by load among a random window: over many picks every endpoint is used
+    picks = collections.Counter(s.schedule(req(), pool, {}, idx).endpoints[0] for _ in range(3000))
+    assert len(picks) == 100 and max(picks.values()) < 4 * 3000 / 100
+
+
+def test_large_pool_avoids_loaded_endpoints():
+    s, idx = sched(max_scored_endpoints=16), PrefixIndex(1000)
+    pool = eps(200)
+    busy = {e.endpoint: 20 for e in pool[:190]}  # only 10 idle endpoints
+    firsts = [s.schedule(req(), pool, busy, idx).endpoints[0] for _ in range(300)]
+    # a window of 16 contains an idle endpoint about half the time; with none, the least loaded of the window
+    idle_ratio = sum(ep not in busy for ep in firsts) / len(firsts)
+    assert idle_ratio > 0.3
+
+
+def test_more_holders_than_the_sample_limit_are_all_scored():
+    s, idx = sched(max_scored_endpoints=4), PrefixIndex(1000)
+    pool = eps(40)
+    r = chain(8, 10)
+    for e in pool[:10]:
+        idx.record(r.block_hashes[:5], e.endpoint)
+    best = pool[33].endpoint
+    idx.record(r.block_hashes, best)
+    d = s.schedule(r, pool, {}, idx)
+    assert (d.endpoints[0], d.reason, d.matched_blocks) == (best, "affinity", 10)
+
+
+def test_spill_in_a_large_pool_skips_the_over_threshold_holder():
+    s, idx = sched(max_scored_endpoints=4, concurrency_threshold=2), PrefixIndex(1000)
+    pool = eps(30)
+    r = chain(2)
+    holder = pool[5].endpoint
+    idx.record(r.block_hashes, holder)
+    d = s.schedule(r, pool, {holder: 2}, idx)
+    assert d.reason == "spill" and d.endpoints[0] != holder
+
+
+def test_prefix_policy_breaks_ties_by_load_then_randomly():
+    s, idx = sched(queue_weight=0.0, kv_weight=0.0, load_weight=0.0), PrefixIndex(1000)
+    r = chain(6)
+    idx.record(r.block_hashes, A)
+    idx.record(r.block_hashes, B)  # A and B hold the whole prompt: equal prefix scores, load not weighted
+    assert s.schedule(r, E, {A: 3, B: 1}, idx).endpoints[:2] == (B, A)
+    firsts = collections.Counter(s.schedule(r, E, {A: 2, B: 2}, idx).endpoints[0] for _ in range(400))
+    assert set(firsts) == {A, B} and min(firsts.values()) > 120
+
+
+@pytest.mark.parametrize("change", ["remove", "add"])
+def test_cold_placement_moves_only_the_changed_endpoints_share(change):
+    s = sched()
+    pool = eps(10)
+    after_pool = pool[:9] if change == "remove" else eps(11)
+    changed = pool[9].endpoint if change == "remove" else after_pool[10].endpoint
+    moved = 0
+    for key in range(3000):
+        r = chain(key, 5)
+        before = s.schedule(r, pool, {}, PrefixIndex(10)).endpoints[0]
+        after = s.schedule(r, after_pool, {}, PrefixIndex(10)).endpoints[0]
+        if before != after:
+            moved += 1
+            assert changed in (before, after)  # only prefixes of the changed endpoint move
+    share = 1 / (10 if change == "remove" else 11)
+    assert 0.6 * share < moved / 3000 < 1.4 * share

@@ -1,0 +1,34 @@
+"""RoutingSettings: validation and flag/env plumbing."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from prefixroute import settings as settings_mod
+from prefixroute.routing.settings import RoutingSettings
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"policy": "fastest"}, {"block_chars": 0}, {"max_blocks": 0}, {"num_fallbacks": -1},
+    {"concurrency_threshold": 0}, {"prefix_weight": -1.0}, {"chars_per_token": 0.0}, {"max_body_bytes": 0},
+])
+def test_invalid_settings_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        RoutingSettings(**kwargs)
+
+
+def test_flag_beats_env_beats_default():
+    parser = argparse.ArgumentParser()
+    settings_mod.add_arguments(parser, RoutingSettings)
+    ns = parser.parse_args(["--policy", "least-load"])
+    env = {"PREFIXROUTE_POLICY": "random", "PREFIXROUTE_MAX_BLOCKS": "32", "PREFIXROUTE_RNG_SEED": "7"}
+    s = settings_mod.from_namespace(RoutingSettings, ns, environ=env)
+    assert (s.policy, s.max_blocks, s.rng_seed, s.block_chars) == ("least-load", 32, 7, 64)
+    assert s.max_prompt_chars == 32 * 64
+
+
+def test_every_field_is_documented():
+    for f, _ in settings_mod.fields(RoutingSettings):
+        assert len(f.metadata.get("help", "")) > 40, f.name
