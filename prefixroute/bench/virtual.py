@@ -9,14 +9,19 @@ What the router sees: a fresh `EndpointState` snapshot per request (a perfect, z
 in-flight counts equal to each server's running + waiting requests (the router's own count, exact here
 because nothing is lost). The live gateway's scrape interval and staleness are therefore not modelled.
 
+Arrivals, as the live client (`bench/client.py`) sends them:
+- open loop (trace or Poisson times): a request arrives at its time, but never before its ``after_index``
+  request (the previous turn of its session) has finished: it is then sent the moment that turn ends;
+- closed loop (no times): ``concurrency`` clients each take the next request in index order, wait for its
+  ``after_index`` request if that is still running, send it, and take the next one when it finishes.
+Both use the fleet's ``on_finish`` callback; a request refused before the fleet (router 4xx, prompt over the
+context window) counts as finished at once for its dependents.
+
 Limits (reported in results.json ``extra``):
-- open-loop only: closed-loop arrivals need per-request completion callbacks, which the fleet API does
-  not give; a closed-loop workload is refused with a message;
-- ``after_index`` dependencies (multi-turn) are not enforced: a turn is sent at its arrival time even if
-  the previous turn is still running (with Poisson gaps longer than a turn's latency this changes nothing);
 - ITL is each request's mean inter-token time ((finish - first token) / (tokens - 1)), one sample per
   generated token, because the fleet reports no per-token times;
-- peer routers (sglang-router, vllm-router) are separate programs and are skipped.
+- peer routers (sglang-router, vllm-router) are separate programs and are skipped; ``sim:sglang-cache-aware``
+  runs our model of sglang-router's cache_aware policy (`prefixroute/bench/sim_routers.py`) in their place.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import orjson
 
 from prefixroute.bench import results as bench_results
 from prefixroute.bench.client import RequestResult
-from prefixroute.bench.runner import parse_router
+from prefixroute.bench.runner import RouterSpec, parse_router
 from prefixroute.bench.workloads import Workload
 
 
@@ -69,57 +74,128 @@ def _fleet_kwargs(server_args: Sequence[str]) -> dict[str, Any]:
 
 
 def build_sim_requests(workload: Workload, model: str, routing_settings: Any) -> list[Any]:
-    """`SimRequest`s in arrival order, each carrying its parsed router request (`meta`). Independent of the
+    """`SimRequest`s in arrival order (index order under closed loop), each carrying its parsed router request (`meta`). Independent of the
     policy, so one list serves every policy of a run (rendering + tokenizing is the expensive part).
     A request the router refuses (e.g. 413 body too large) keeps ``meta`` = the `OpenAIError`."""
     SimRequest, _, parse_request, _, _ = _imports()
     from prefixroute.openai_errors import OpenAIError
 
-    if any(r.arrival_s is None for r in workload.requests):
-        raise VirtualFleetUnavailable("--virtual needs arrival times (trace or poisson), not closed-loop arrivals")
     sims = []
-    for spec in sorted(workload.requests, key=lambda r: (r.arrival_s, r.index)):
+    for spec in sorted(workload.requests, key=lambda r: (r.arrival_s or 0.0, r.index)):
         try:
             parsed = parse_request("POST", spec.path, {}, orjson.dumps(spec.body(model)), routing_settings)
         except OpenAIError as exc:
             parsed = exc
         if spec.messages is not None:
-            sim = SimRequest.from_messages(str(spec.index), spec.arrival_s, [dict(m) for m in spec.messages],
+            sim = SimRequest.from_messages(str(spec.index), spec.arrival_s or 0.0, [dict(m) for m in spec.messages],
                                            spec.max_tokens, meta=parsed)
         else:
-            sim = SimRequest.from_text(str(spec.index), spec.arrival_s, spec.prompt or "", spec.max_tokens,
+            sim = SimRequest.from_text(str(spec.index), spec.arrival_s or 0.0, spec.prompt or "", spec.max_tokens,
                                        meta=parsed)
         sims.append(sim)
     return sims
 
 
+class _Arrivals:
+    """Releases a workload's `SimRequest`s to the fleet as the live client would send them (module doc).
+
+    `initial()` is the iterable for ``fleet.run``; `on_finish` is its callback. Requests are copied, so the
+    prepared list can serve the next policy unchanged. Skipped requests (refused, too long) are finished at
+    once for their dependents and, in closed loop, cost their client no time.
+    """
+
+    def __init__(self, workload: Workload, sims: Sequence[Any], skipped: set[str], concurrency: int) -> None:
+        import dataclasses
+
+        self.closed = any(r.arrival_s is None for r in workload.requests)
+        self.concurrency = max(1, concurrency)
+        deps = {str(r.index): str(r.after_index) for r in workload.requests if r.after_index is not None}
+        ids = {s.request_id for s in sims}
+        self.skipped = skipped
+        # a dependency outside the workload (or refused) never blocks: the live client ignores/finishes it
+        self.after = {k: v for k, v in deps.items() if v in ids and v not in skipped}
+        self.sims = [dataclasses.replace(s) for s in sims]
+        self.finished: set[str] = set()
+        self.parked: dict[str, list[Any]] = {}  # unfinished request id -> requests waiting for it
+        self._queue = iter(sorted((s for s in self.sims if s.request_id not in skipped), key=lambda s: int(
+            s.request_id))) if self.closed else None
+
+    def initial(self) -> list[Any]:
+        if self.closed:
+            out: list[Any] = []
+            for _ in range(self.concurrency):
+                out += self._next_for_client(0.0)
+            return out
+        out = []
+        for s in self.sims:  # sorted by arrival
+            if s.request_id in self.skipped:
+                continue
+            dep = self.after.get(s.request_id)
+            if dep is None:
+                out.append(s)
+            else:
+                self.parked.setdefault(dep, []).append(s)
+        return out
+
+    def _next_for_client(self, now_s: float) -> list[Any]:
+        """Closed loop: a client takes the next request; it waits (parked) if its previous turn still runs."""
+        for s in self._queue:  # type: ignore[union-attr]
+            s.arrival_s = now_s
+            dep = self.after.get(s.request_id)
+            if dep is not None and dep not in self.finished:
+                self.parked.setdefault(dep, []).append(s)
+                return []
+            return [s]
+        return []
+
+    def on_finish(self, result: Any, fleet: Any) -> list[Any]:
+        rid = result.request_id
+        self.finished.add(rid)
+        # Open loop: a waiting turn goes now or at its own time (the fleet moves earlier times to now).
+        # Closed loop: its client was blocked on this request, so it is sent now.
+        out = self.parked.pop(rid, [])
+        if self.closed:
+            for s in out:
+                s.arrival_s = fleet.now_s
+            out = out + self._next_for_client(fleet.now_s)
+        return out
+
+
 def simulate_policy(workload: Workload, policy: str, *, num_servers: int, profile: str = "", seed: int = 0,
-                    fleet_kwargs: dict[str, Any] | None = None,
-                    sims: list[Any] | None = None) -> tuple[list[RequestResult], list[str], float]:
-    """Route `workload` with one of our policies on a fresh virtual fleet.
+                    fleet_kwargs: dict[str, Any] | None = None, sims: list[Any] | None = None,
+                    concurrency: int = 16) -> tuple[list[RequestResult], list[str], float]:
+    """Route `workload` with one of our policies (or a ``sim:`` model of another router, see
+    `sim_routers.SIM_ROUTERS`) on a fresh virtual fleet.
 
     Returns (per-request results in request order, endpoint ids, CPU seconds the simulation took).
     `sims` (from `build_sim_requests` with default routing settings) may be passed to reuse them.
+    `concurrency` is the number of clients of a closed-loop workload (no arrival times).
     """
     _, VirtualFleet, _, RouterCore, RoutingSettings = _imports()
     fleet = VirtualFleet(profile or "llama-3.1-8b-h200", num_servers, **(fleet_kwargs or {}))
-    router = RouterCore(RoutingSettings(policy=policy, rng_seed=seed))
-    router.sync_endpoints(fleet.endpoint_states())
     if sims is None:
-        sims = build_sim_requests(workload, fleet.served, router.settings)
+        sims = build_sim_requests(workload, fleet.served, RoutingSettings())
+    if policy.startswith("sim:"):
+        from prefixroute.bench.sim_routers import make_sim_router
 
-    def route(req: Any, fl: Any) -> str:
-        states = fl.endpoint_states()
-        in_flight = {s.endpoint: (s.num_requests_running or 0) + (s.num_requests_waiting or 0) for s in states}
-        return router.route(req.meta, states, in_flight).endpoints[0]
+        route = make_sim_router(policy, fleet, seed)
+    else:
+        router = RouterCore(RoutingSettings(policy=policy, rng_seed=seed))
+        router.sync_endpoints(fleet.endpoint_states())
+
+        def route(req: Any, fl: Any) -> str:
+            states = fl.endpoint_states()
+            in_flight = {s.endpoint: (s.num_requests_running or 0) + (s.num_requests_waiting or 0) for s in states}
+            return router.route(req.meta, states, in_flight).endpoints[0]
 
     # A prompt the model cannot hold is a 400 on a real server, a body the router refuses its 4xx: record
     # them as such instead of simulating them.
     refused = {s.request_id: s.meta for s in sims if isinstance(s.meta, Exception)}
     too_long = {s.request_id for s in sims if len(s.prompt_ids) + s.max_tokens > fleet.max_model_len}
     too_long |= set(refused)
+    arrivals = _Arrivals(workload, sims, too_long, concurrency)
     t0 = time.process_time()
-    sim_results = fleet.run([s for s in sims if s.request_id not in too_long], route)
+    sim_results = fleet.run(arrivals.initial(), route, on_finish=arrivals.on_finish)
     cpu_s = time.process_time() - t0
     by_id = {r.request_id: r for r in sim_results}
     out = []
@@ -141,6 +217,10 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, profil
                                      error="not finished in simulation"))
             continue
         n = r.completion_tokens
+        if r.first_token_s is None:  # engine quirk (a prefill left at exactly 1 token): no first-token time
+            out.append(RequestResult(index=spec.index, group_id=spec.group_id, start_s=r.arrival_s,
+                                     error="simulation recorded no first-token time"))
+            continue
         mean_gap_ms = (r.finished_s - r.first_token_s) * 1000.0 / (n - 1) if n > 1 else None
         out.append(RequestResult(index=spec.index, group_id=spec.group_id, start_s=r.arrival_s, status=200,
                                  ttft_ms=r.ttft_s * 1000.0, itl_ms=[mean_gap_ms] * (n - 1) if mean_gap_ms else [],
@@ -152,22 +232,30 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, profil
 def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers: Sequence[str], *,
                 num_servers: int, profile: str = "", seed: int = 0, concurrency: int = 0,
                 server_args: Sequence[str] = (), log: Callable[[str], None] = print) -> tuple[dict, dict]:
-    """Every `prefixroute:*` router of `routers` on a fresh virtual fleet; same document as a real run."""
-    del concurrency  # closed loop is refused in simulate_policy
+    """Every `prefixroute:*` router (and ``sim:*`` model) of `routers` on a fresh virtual fleet; same document
+    as a real run. `concurrency` = clients of a closed-loop workload."""
     _, VirtualFleet, _, _, RoutingSettings = _imports()
     kwargs = _fleet_kwargs(server_args)
     model = VirtualFleet(profile or "llama-3.1-8b-h200", 1, **kwargs).served
     sims = build_sim_requests(workload, model, RoutingSettings())
     runs, ttfts, skipped = [], {}, {}
     for name in routers:
-        spec = parse_router(name)
-        if spec.kind != "prefixroute":
+        if name.startswith("sim:"):
+            from prefixroute.bench.sim_routers import SIM_ROUTERS
+
+            if name not in SIM_ROUTERS:
+                raise ValueError(f"unknown simulated router {name!r}; choose one of {', '.join(SIM_ROUTERS)}")
+            spec = RouterSpec(name, "sim", name)
+        else:
+            spec = parse_router(name)
+        if spec.kind not in ("prefixroute", "sim"):
             skipped[spec.name] = "an external program: not simulated in --virtual (run without --virtual)"
             log(f"skipping {spec.name}: {skipped[spec.name]}")
             continue
         t0 = time.perf_counter()
         res, endpoints, cpu_s = simulate_policy(workload, spec.policy, num_servers=num_servers, profile=profile,
-                                                seed=seed, fleet_kwargs=kwargs, sims=sims)
+                                                seed=seed, fleet_kwargs=kwargs, sims=sims,
+                                                concurrency=concurrency or 16)
         wall_s = time.perf_counter() - t0
         log(f"{spec.name}: simulated {len(res)} requests on {num_servers} servers in {wall_s:.1f}s")
         runs.append(bench_results.summarize_run(spec.name, res, endpoints, extra={

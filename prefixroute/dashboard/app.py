@@ -24,7 +24,7 @@ from prefixroute.dashboard.cli import DashboardSettings
 from prefixroute.dashboard.source import DataSource, SourceError
 from prefixroute.telemetry.store import StoreMissing
 
-st.set_page_config(page_title="prefixroute dashboard", page_icon="🔀", layout="wide")
+st.set_page_config(page_title="prefixroute dashboard", page_icon=":material/alt_route:", layout="wide")
 
 cfg = settings.from_namespace(DashboardSettings, None)
 
@@ -49,7 +49,9 @@ _default_label = min(_window_labels, key=lambda k: abs(D.WINDOWS[k] - cfg.window
 window_label = st.sidebar.selectbox("Window", _window_labels, index=_window_labels.index(_default_label),
                                     key="window", help="Time range of every chart and figure.")
 window_s = float(D.WINDOWS[window_label])
-st.sidebar.caption(f"Reading {source.description}  \nRefresh every {cfg.refresh_s:g} s")
+refresh_s = D.refresh_for_window(cfg.refresh_s, window_s)
+st.sidebar.caption(f"Reading {'store `' + os.path.basename(source.db) + '`' if source.db else source.url}  \n"
+                   f"Refresh every {refresh_s:g} s", help=source.description)
 
 
 def _clock(ts: float) -> str:
@@ -61,24 +63,26 @@ def show_source_error(exc: Exception) -> None:
     if isinstance(exc, StoreMissing) and source.db:
         st.warning(f"**Telemetry store not available.** {exc}.  \n"
                    f"Start the receiver that writes it, and this page recovers by itself "
-                   f"(retrying every {cfg.refresh_s:g} s):", icon="⏳")
+                   f"(retrying every {refresh_s:g} s):", icon=":material/hourglass_empty:")
         st.code(f"prefixroute telemetry --db {source.db}", language="bash")
     elif isinstance(exc, StoreMissing):
-        st.warning(f"**The receiver at {source.url} has no store yet.** {exc}. Retrying every {cfg.refresh_s:g} s.",
-                   icon="⏳")
+        st.warning(f"**The receiver at {source.url} has no store yet.** {exc}. Retrying every {refresh_s:g} s.",
+                   icon=":material/hourglass_empty:")
     else:
-        st.error(f"**Telemetry receiver not reachable.** {exc}  \nRetrying every {cfg.refresh_s:g} s; "
-                 f"check that `prefixroute telemetry` is running and serves its HTTP API there.", icon="🔌")
+        st.error(f"**Telemetry receiver not reachable.** {exc}  \nRetrying every {refresh_s:g} s; "
+                 f"check that `prefixroute telemetry` is running and serves its HTTP API there.",
+                 icon=":material/power_off:")
 
 
 def show_no_traffic() -> None:
     st.info("**No traffic yet.** The store is ready but holds no routed request. Send some through the gateway "
-            "and the charts appear within a second or two:", icon="📭")
+            "and the charts appear within a second or two:", icon=":material/inbox:")
     st.code("prefixroute up --traffic shared-prompts        # whole stack with a steady demo load\n"
             "# or, with a gateway already on :8080:\n"
-            "curl -s http://127.0.0.1:8080/v1/chat/completions -H 'content-type: application/json' \\\n"
-            "  -d '{\"model\": \"meta-llama/Llama-3.1-8B-Instruct\", "
-            "\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16}'",
+            "curl -s http://127.0.0.1:8080/v1/chat/completions \\\n"
+            "  -H 'content-type: application/json' \\\n"
+            "  -d '{\"model\": \"meta-llama/Llama-3.1-8B-Instruct\", \"max_tokens\": 16,\n"
+            "       \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'",
             language="bash")
 
 
@@ -96,41 +100,41 @@ def _chart(chart, key: str, height: int = C.HEIGHT) -> None:
         st.altair_chart(chart, key=key, width="stretch", height=height)
 
 
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + "."
+
+
 def _empty_note(text: str) -> None:
     st.caption(f"_{text}_")
 
 
 # --- Live page ------------------------------------------------------------------------------------------
+@st.cache_data(ttl=60, max_entries=16, show_spinner=False)
+def live_snapshot(_source: DataSource, source_key: str, window_s: float, tick: int) -> dict:
+    """Every query of one live refresh, shared by all viewers of the same window within one refresh
+    period (`tick`), so ten open browsers cost the database what one does. Errors are not cached."""
+    return _source.live_snapshot(window_s)
+
+
 def live_panels(window_s: float) -> None:
-    now = time.time()
     try:
-        summary = source.call("summary", window_s, now=now)
-        total = source.call("num_requests")
+        snap = live_snapshot(source, source.description, window_s, int(time.time() // refresh_s))
     except SourceError as exc:
         show_source_error(exc)
         return
-    state = D.traffic_state(summary, total)
+    now, summary = snap["now"], snap["summary"]
+    state = D.traffic_state(summary, snap["total"])
     if state.kind == "empty":
         show_no_traffic()
         return
     if state.kind == "idle":
         st.info(f"**No requests in the last {window_label}.** The store holds {state.num_requests_total:,} "
-                f"requests; pick a longer window in the sidebar, or send traffic.", icon="💤")
+                f"requests; pick a longer window in the sidebar, or send traffic.", icon=":material/bedtime:")
         return
-    span_s = D.effective_span_s(window_s, summary.get("first_start_time"), now)
-    bucket_s = D.bucket_for_window(span_s)
-    try:
-        ts = source.call("timeseries", span_s, bucket_s, now=now)
-        ts_ep = source.call("timeseries", span_s, bucket_s, by_endpoint=True, now=now)
-        ep_rows = source.call("endpoints", window_s, now=now)
-        reason_rows = source.call("reasons", window_s, now=now)
-        reason_ts = source.call("reasons", span_s, bucket_s, now=now)
-        ttft_hist = source.call("histogram", window_s, "ttft_ms", now=now)
-        decision_hist = source.call("histogram", window_s, "decision_us", now=now)
-        in_flight = source.mean_in_flight(span_s, now=now)
-    except SourceError as exc:
-        show_source_error(exc)
-        return
+    span_s, bucket_s = snap["span_s"], snap["bucket_s"]
+    ts, ts_ep, ep_rows = snap["ts"], snap["ts_ep"], snap["ep_rows"]
+    reason_rows, reason_ts = snap["reason_rows"], snap["reason_ts"]
+    ttft_hist, decision_hist, in_flight = snap["ttft_hist"], snap["decision_hist"], snap["in_flight"]
     names = [r.get("endpoint") or D.UNKNOWN_ENDPOINT for r in ep_rows]
     colors = _colors(names)
     live = source.endpoint_live([r["endpoint"] for r in ep_rows if r.get("endpoint")])
@@ -148,7 +152,8 @@ def live_panels(window_s: float) -> None:
     k[4].metric("Requests / s", f"{summary['num_requests'] / span_s:.2f}",
                 help="Requests in the window / the part of the window that holds data (the charted span).")
     k[5].metric("Errors", D.format_ratio(summary["error_ratio"]), delta=f"{summary['num_errors']:,} requests",
-                delta_color="off", delta_arrow="off", help="5xx, resets and router-recorded failures; a 4xx is the client's and not counted.")
+                delta_color="off", delta_arrow="off",
+                help="5xx, resets and router-recorded failures; a 4xx is the client's and not counted.")
     k[6].metric("Balance", "–" if balance is None else f"{balance:.2f}×",
                 help="Max endpoint share / fair share (1/N). 1.00× is perfectly even; N× is all on one endpoint.")
 
@@ -196,33 +201,36 @@ def live_panels(window_s: float) -> None:
         if len(frame):
             _chart(C.errors(frame), "errors")
         else:
-            st.success("No errors in this window.", icon="✅")
+            st.success("No errors in this window.", icon=":material/check_circle:")
 
     st.subheader("Endpoints")
-    c1, c2 = st.columns([1, 3])
     ep_frame = D.endpoint_frame(ep_rows, mean_in_flight=in_flight, live=live)
+    c1, c2 = st.columns(2)
     with c1:
         st.markdown(f"**Share of requests** · balance {'–' if balance is None else f'{balance:.2f}×'} "
                     f"({D.balance_verdict(balance)})")
         _chart(C.endpoint_share(ep_frame, colors), "share", C.bar_height(len(ep_frame)))
     with c2:
-        # Columns with no value at all (e.g. KV usage when no endpoint could be scraped) are left out
-        # rather than shown as a column of blanks; the note below says why.
-        order = [c for c in ep_frame.columns if c in ("endpoint", "num_requests", "num_errors")
-                 or ep_frame[c].notna().any()]
-        st.dataframe(ep_frame.style.apply(
-            lambda col: [f"border-left: 6px solid {colors.get(v, '#ccc')}" for v in col], subset=["endpoint"]),
-            key="endpoint_table", hide_index=True, column_config=_endpoint_columns(), column_order=order)
-        notes = []
-        if in_flight is None:
-            notes.append("mean in-flight needs the SQLite store (--db); the receiver API has no such query")
-        if not live:
-            notes.append("KV usage / running / waiting unavailable: " +
-                         ("endpoint scraping is off (--scrape-endpoints)" if not cfg.scrape_endpoints else
-                          "no endpoint answered http://ENDPOINT/metrics"))
-        st.caption("Mean in-flight: time-averaged requests in flight over the charted span (from the stored start/end "
-                   "times). Running, waiting, KV usage: live, scraped from each endpoint's /metrics."
-                   + ("  \n" + "; ".join(notes).capitalize() + "." if notes else ""))
+        st.markdown("**Hit rate per endpoint** (filled: actual, outlined: predicted)")
+        _chart(C.endpoint_hit_bars(ep_frame, colors), "hit_bars", C.bar_height(len(ep_frame), 44))
+    # Columns with no value at all (e.g. KV usage when no endpoint could be scraped) are left out
+    # rather than shown as a column of blanks; the note below says why.
+    order = [c for c in ep_frame.columns if c in ("endpoint", "num_requests", "num_errors")
+             or ep_frame[c].notna().any()]
+    st.dataframe(ep_frame.style.apply(
+        lambda col: [f"border-left: 6px solid {colors.get(v, '#ccc')}" for v in col], subset=["endpoint"]),
+        key="endpoint_table", hide_index=True, column_config=_endpoint_columns(), column_order=order)
+    notes = []
+    if in_flight is None:
+        notes.append("mean in-flight needs the SQLite store (--db); the receiver API has no such query")
+    if not live:
+        notes.append("KV usage / running / waiting unavailable: " +
+                     ("endpoint scraping is off (--scrape-endpoints)" if not cfg.scrape_endpoints else
+                      "no endpoint answered http://ENDPOINT/metrics"))
+    st.caption("Hit: actual (server-reported cached / prompt tokens); predicted: the router's estimate. "
+               "In-flight: time-averaged requests in flight over the charted span (from the stored start/end "
+               "times). Running, waiting, KV usage: live, scraped from each endpoint's /metrics."
+               + ("  \n" + _sentence("; ".join(notes)) if notes else ""))
 
     st.subheader("Routing")
     dec = summary
@@ -244,24 +252,24 @@ def live_panels(window_s: float) -> None:
 
 
 def _endpoint_columns() -> dict:
-    def pct(label: str, format: str) -> st.column_config.NumberColumn:  # noqa: A002
-        return st.column_config.NumberColumn(label, format=format, width="small")
+    def num(label: str, fmt: str, width: str = "small") -> st.column_config.NumberColumn:
+        return st.column_config.NumberColumn(label, format=fmt, width=width)
 
     return {
         "endpoint": st.column_config.TextColumn("endpoint", width="medium"),
-        "num_requests": st.column_config.NumberColumn("requests", format="%d"),
-        "share_ratio": pct("share", format="percent"),
-        "requests_per_s": st.column_config.NumberColumn("req/s", format="%.2f"),
-        "mean_in_flight": st.column_config.NumberColumn("mean in-flight", format="%.2f"),
-        "running": st.column_config.NumberColumn("running", format="%d"),
-        "waiting": st.column_config.NumberColumn("waiting", format="%d"),
+        "num_requests": num("requests", "%d"),
+        "share_ratio": num("share", "percent"),
+        "actual_hit_ratio": num("hit", "percent"),
+        "predicted_hit_ratio": num("predicted", "percent"),
+        "mean_in_flight": num("in-flight", "%.2f"),
+        "running": num("running", "%d"),
+        "waiting": num("waiting", "%d"),
         "kv_cache_usage_ratio": st.column_config.ProgressColumn("KV usage", format="percent", min_value=0,
-                                                                max_value=1),
-        "actual_hit_ratio": pct("hit (actual)", format="percent"),
-        "predicted_hit_ratio": pct("hit (predicted)", format="percent"),
-        "ttft_ms_p50": st.column_config.NumberColumn("TTFT p50 (ms)", format="%.1f"),
-        "ttft_ms_p99": st.column_config.NumberColumn("TTFT p99 (ms)", format="%.1f"),
-        "num_errors": st.column_config.NumberColumn("errors", format="%d"),
+                                                                max_value=1, width="small"),
+        "ttft_ms_p50": num("TTFT p50 ms", "%.1f"),
+        "ttft_ms_p99": num("TTFT p99 ms", "%.1f"),
+        "requests_per_s": num("req/s", "%.2f"),
+        "num_errors": num("errors", "%d"),
     }
 
 
@@ -291,6 +299,8 @@ def requests_table() -> None:
                              "predicted_hit_ratio": st.column_config.NumberColumn("hit (predicted)",
                                                                                   format="percent"),
                              "decision_us": st.column_config.NumberColumn("decision (µs)", format="%.0f"),
+                             "prompt_tokens": st.column_config.NumberColumn("prompt tokens", format="%d"),
+                             "cached_tokens": st.column_config.NumberColumn("cached tokens", format="%d"),
                          })
     selected = list(getattr(getattr(event, "selection", None), "rows", []) or [])
     if selected:
@@ -319,7 +329,7 @@ def request_detail() -> None:
     if req is None:
         st.warning(f"No request with trace id `{trace_id}` in the store (retention may have removed it).")
         return
-    c = st.columns(6)
+    c = st.columns(3) + st.columns(3)  # two rows: endpoint names and token counts fit without truncation
     c[0].metric("Endpoint", req.get("endpoint") or "–")
     c[1].metric("Reason", req.get("reason") or "–")
     c[2].metric("Status", str(req.get("status")))
@@ -331,7 +341,9 @@ def request_detail() -> None:
     left, right = st.columns(2)
     with left:
         st.markdown("**Request record**")
-        st.json({k: v for k, v in req.items() if k != "attrs"}, expanded=True)
+        record = {k: v for k, v in req.items() if k != "attrs"}
+        record["start_time_utc"] = dt.datetime.fromtimestamp(req["start_time"], dt.timezone.utc).isoformat()
+        st.json(record, expanded=True)
     with right:
         st.markdown("**Trace attributes** (span + resource)")
         st.json(req.get("attrs") or {}, expanded=True)
@@ -348,7 +360,7 @@ def benchmarks_page() -> None:
     paths = D.find_bench_results(cfg.bench_dir)
     if not paths:
         st.info(f"**No benchmark results in `{cfg.bench_dir}`.** Run one (it writes `results.json` there), then "
-                f"press Reload:", icon="📊")
+                f"press Reload:", icon=":material/bar_chart:")
         st.code(f"prefixroute bench --workload shared-prompts --routers prefixroute:random,prefixroute:prefix "
                 f"--out {cfg.bench_dir}/shared-prompts", language="bash")
         st.button("Reload", key="bench_reload")
@@ -389,7 +401,7 @@ def benchmarks_page() -> None:
 # --- dispatch -----------------------------------------------------------------------------------------
 if page == "Live":
     st.title("Prefix-aware routing: live")
-    st.fragment(live_panels, run_every=cfg.refresh_s)(window_s)
+    st.fragment(live_panels, run_every=refresh_s)(window_s)
 elif page == "Requests":
     st.title("Recent requests")
     live_table = st.toggle("Live updates", value=True, key="recent_live",

@@ -47,7 +47,7 @@ def _pct_axis(title: str) -> alt.Axis:
 
 def fleet_hit(frame: pd.DataFrame) -> alt.Chart:
     """Actual (solid) vs predicted (dashed) fleet hit ratio per bucket."""
-    return (alt.Chart(frame, height=HEIGHT).mark_line(point=alt.OverlayMarkDef(size=18), interpolate="monotone")
+    return (alt.Chart(frame, height=HEIGHT).mark_line(point=alt.OverlayMarkDef(size=18), interpolate="linear")
             .encode(x=_x_time(),
                     y=alt.Y("hit_ratio:Q", axis=_pct_axis("hit rate"),
                             scale=alt.Scale(domain=[0, 1])),
@@ -63,7 +63,7 @@ def fleet_hit(frame: pd.DataFrame) -> alt.Chart:
 
 def endpoint_hit(frame: pd.DataFrame, colors: Mapping[str, str]) -> alt.Chart:
     """Per-endpoint actual (solid) and predicted (dashed) hit ratio, endpoint colours."""
-    return (alt.Chart(frame, height=HEIGHT).mark_line(interpolate="monotone", point=alt.OverlayMarkDef(size=14))
+    return (alt.Chart(frame, height=HEIGHT).mark_line(interpolate="linear", point=alt.OverlayMarkDef(size=14))
             .encode(x=_x_time(),
                     y=alt.Y("hit_ratio:Q", axis=_pct_axis("hit rate"),
                             scale=alt.Scale(domain=[0, 1])),
@@ -133,6 +133,23 @@ def endpoint_share(frame: pd.DataFrame, colors: Mapping[str, str]) -> alt.LayerC
     return alt.layer(bars, rule, text)
 
 
+def endpoint_hit_bars(frame: pd.DataFrame, colors: Mapping[str, str]) -> alt.Chart:
+    """Per endpoint over the window: actual hit rate (solid bar) and predicted (outlined bar) side by side."""
+    long = frame.melt(id_vars=["endpoint"], value_vars=["actual_hit_ratio", "predicted_hit_ratio"],
+                      var_name="kind", value_name="hit_ratio").dropna(subset=["hit_ratio"])
+    long["kind"] = long["kind"].str.replace("_hit_ratio", "", regex=False)
+    return (alt.Chart(long).mark_bar(strokeWidth=1.5)
+            .encode(y=alt.Y("endpoint:N", title=None, sort=list(colors), axis=alt.Axis(labelLimit=220)),
+                    yOffset=alt.YOffset("kind:N", sort=["actual", "predicted"]),
+                    x=alt.X("hit_ratio:Q", axis=_pct_axis("hit rate"), scale=alt.Scale(domain=[0, 1])),
+                    color=alt.Color("endpoint:N", scale=endpoint_scale(colors), legend=None),
+                    fillOpacity=alt.FillOpacity("kind:N", scale=alt.Scale(domain=["actual", "predicted"],
+                                                                          range=[0.9, 0.15]),
+                                                legend=alt.Legend(orient="top", title=None)),
+                    stroke=alt.Color("endpoint:N", scale=endpoint_scale(colors), legend=None),
+                    tooltip=["endpoint:N", "kind:N", alt.Tooltip("hit_ratio:Q", format=".1%")]))
+
+
 def reasons(frame: pd.DataFrame) -> alt.Chart:
     return (alt.Chart(frame).mark_bar(color="#4e79a7")
             .encode(y=alt.Y("reason:N", title=None, sort="-x"),
@@ -162,8 +179,9 @@ def bench_hit(frame: pd.DataFrame, upper_bound: float | None) -> alt.LayerChart:
                     x=alt.X("hit_ratio:Q", axis=_pct_axis("hit rate"),
                             scale=alt.Scale(domain=[0, 1])),
                     tooltip=["router:N", alt.Tooltip("hit_ratio:Q", format=".1%")]))
-    layers: list[alt.Chart] = [bars, bars.mark_text(align="left", dx=3).encode(
-        text=alt.Text("hit_ratio:Q", format=".1%"), color=alt.value("#333"))]
+    # Value labels inside the bar ends, so they never collide with the upper-bound rule.
+    layers: list[alt.Chart] = [bars, bars.mark_text(align="right", dx=-4, fontWeight="bold").encode(
+        text=alt.Text("hit_ratio:Q", format=".1%"), color=alt.value("white"))]
     if upper_bound is not None:
         ub = pd.DataFrame({"ub": [upper_bound], "label": [f"upper bound {upper_bound * 100:.1f} %"]})
         layers.append(alt.Chart(ub).mark_rule(color="#333", strokeDash=[4, 3]).encode(x="ub:Q"))

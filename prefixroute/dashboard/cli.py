@@ -110,6 +110,11 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"prefixroute dashboard: {exc}", file=sys.stderr)
         return 2
+    import importlib.util
+
+    if importlib.util.find_spec("streamlit") is None:
+        print("prefixroute dashboard: Streamlit is not installed (pip install 'streamlit>=1.67,<2')", file=sys.stderr)
+        return 1
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXROUTE_DASHBOARD_")}
     env.update(settings_env(cfg))
     env["STREAMLIT_BROWSER_GATHER_USAGE_STATS"] = "false"

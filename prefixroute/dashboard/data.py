@@ -48,6 +48,15 @@ def bucket_for_window(window_s: float, target_buckets: int = 40) -> float:
     return float(_NICE_BUCKETS_S[-1])
 
 
+def refresh_for_window(refresh_s: float, window_s: float) -> float:
+    """Seconds between live refreshes for a window: `refresh_s`, slowed to window/300 for long windows.
+
+    A refresh re-aggregates the whole window (percentiles sort it), so its cost grows with the window;
+    a 24 h chart gains nothing from redrawing every 2 s, while a 5 min one should feel live.
+    """
+    return max(refresh_s, window_s / 300.0)
+
+
 def effective_span_s(window_s: float, first_start_time: float | None, now: float, min_span_s: float = 30.0) -> float:
     """The part of the window that holds data: from the oldest request in the window (at least
     `min_span_s` back) to now, capped at the window. Charts bucket over this span, so a run that began
@@ -327,8 +336,9 @@ class BenchResult:
 
     @property
     def label(self) -> str:
-        name = self.workload.get("name") or self.workload.get("workload") or self.workload.get("trace") or "?"
-        return f"{os.path.basename(os.path.dirname(self.path)) or self.path} · {name}"
+        name = str(self.workload.get("name") or self.workload.get("workload") or self.workload.get("trace") or "?")
+        run_dir = os.path.basename(os.path.dirname(self.path)) or self.path
+        return run_dir if run_dir == name else f"{run_dir} · {name}"
 
 
 def find_bench_results(bench_dir: str | os.PathLike, max_depth: int = 3) -> list[str]:

@@ -14,8 +14,9 @@ st.cache_resource; a `StoreReader` is single-thread, so calls are serialised wit
 takes milliseconds; the lock is never held across a network call for the URL source, which has no
 shared connection).
 
-The one query the telemetry store lacks, `mean_in_flight`, is SQL over the documented schema on the
-same read-only connection (file source only).
+Two queries are SQL of this package over the documented schema, on the same read-only connection
+(file source only): `mean_in_flight` (the store has no such query) and `endpoint_series` (a cheaper
+`timeseries(by_endpoint=True)` without percentiles).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prefixroute.dashboard.data import EndpointLive, parse_endpoint_metrics
+from prefixroute.dashboard.data import (EndpointLive, bucket_for_window, effective_span_s, has_traffic,
+                                        parse_endpoint_metrics)
 from prefixroute.telemetry.client import HttpStoreClient, TelemetryUnavailable
 from prefixroute.telemetry.store import StoreMissing, StoreReader
 
@@ -48,6 +50,22 @@ GROUP BY endpoint
 """Time-averaged requests in flight per endpoint over [t0, t1] (Little's law, exact for the stored rows):
 the summed overlap of each request's [start_time, end_time] with the window, divided by its length.
 Rows are written at response end, so requests still running at t1 are not counted yet."""
+
+
+ENDPOINT_SERIES_SQL = """
+SELECT CAST(start_time / :b AS INTEGER) * :b AS bucket_start, endpoint, COUNT(*) AS num_requests,
+       SUM(CASE WHEN error IS NOT NULL OR status = 0 OR status >= 500 THEN 1 ELSE 0 END) AS num_errors,
+       SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL THEN prompt_tokens END) AS prompt_tokens,
+       SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL THEN cached_tokens END) AS cached_tokens,
+       SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL
+                THEN predicted_hit_ratio * prompt_tokens END) AS predicted_tokens
+FROM requests WHERE start_time >= :t0 AND start_time <= :t1
+GROUP BY bucket_start, endpoint ORDER BY bucket_start, endpoint
+"""
+"""Per bucket and endpoint: counts and token sums only (no percentiles), with the store's definitions
+of an error and of the token-weighted hit ratios (store.py docstring). `StoreReader.timeseries(
+by_endpoint=True)` gives the same plus per-endpoint percentiles, which the dashboard does not chart
+and which cost ~5x more (a window-function sort per group)."""
 
 
 class DataSource:
@@ -122,6 +140,52 @@ class DataSource:
             reader = self._file_reader()
             rows = reader._conn.execute(MEAN_IN_FLIGHT_SQL, params).fetchall()  # noqa: SLF001 - same read-only conn
         return {r[0]: float(r[1] or 0.0) for r in rows}
+
+    def endpoint_series(self, window_s: float, bucket_s: float, *,
+                        now: float | None = None) -> list[dict[str, Any]]:
+        """Rows like `timeseries(by_endpoint=True)` without the percentile columns: bucket_start,
+        endpoint, num_requests, num_errors, requests_per_s, prompt_tokens, cached_tokens,
+        actual_hit_ratio, predicted_hit_ratio (None without usage). A URL source uses the API's
+        timeseries (same keys, plus percentiles)."""
+        if self._http is not None:
+            return self._http.timeseries(window_s, bucket_s, by_endpoint=True, now=now)
+        now = time.time() if now is None else now
+        params = {"t0": now - window_s, "t1": now, "b": float(bucket_s)}
+        with self._lock:
+            reader = self._file_reader()
+            cur = reader._conn.execute(ENDPOINT_SERIES_SQL, params)  # noqa: SLF001 - same read-only conn
+            rows = [dict(r) for r in cur]
+        for r in rows:  # one row per bucket x endpoint (tens to hundreds), not per request
+            prompt = r["prompt_tokens"] or 0
+            predicted = r.pop("predicted_tokens")
+            r["requests_per_s"] = r["num_requests"] / bucket_s
+            r["actual_hit_ratio"] = (r["cached_tokens"] or 0) / prompt if prompt else None
+            r["predicted_hit_ratio"] = (predicted or 0.0) / prompt if prompt else None
+        return rows
+
+    def live_snapshot(self, window_s: float, *, now: float | None = None) -> dict[str, Any]:
+        """Every query of one live refresh at one instant `now`, as a dict: now, summary, total
+        (store rows), and, when the window has traffic, span_s / bucket_s (charts cover the part of the
+        window holding data, see data.effective_span_s), ts (fleet timeseries), ts_ep (endpoint_series),
+        ep_rows (endpoints), reason_rows, reason_ts, ttft_hist, decision_hist, in_flight."""
+        now = time.time() if now is None else now
+        summary = self.call("summary", window_s, now=now)
+        snap: dict[str, Any] = {"now": now, "summary": summary, "total": self.call("num_requests")}
+        if not has_traffic(summary):
+            return snap
+        span_s = effective_span_s(window_s, summary.get("first_start_time"), now)
+        bucket_s = bucket_for_window(span_s)
+        snap.update(
+            span_s=span_s, bucket_s=bucket_s,
+            ts=self.call("timeseries", span_s, bucket_s, now=now),
+            ts_ep=self.endpoint_series(span_s, bucket_s, now=now),
+            ep_rows=self.call("endpoints", window_s, now=now),
+            reason_rows=self.call("reasons", window_s, now=now),
+            reason_ts=self.call("reasons", span_s, bucket_s, now=now),
+            ttft_hist=self.call("histogram", window_s, "ttft_ms", now=now),
+            decision_hist=self.call("histogram", window_s, "decision_us", now=now),
+            in_flight=self.mean_in_flight(span_s, now=now))
+        return snap
 
     def endpoint_live(self, endpoints: Iterable[str],
                       fetch: Callable[[str, float], str] | None = None) -> dict[str, EndpointLive]:

@@ -17,13 +17,21 @@ Endpoint selection and failover (Gateway API Inference Extension endpoint-picker
   route cache is cleared by the picker, so this is re-evaluated after the mutation). It targets an
   `envoy.clusters.composite` cluster whose sub-cluster k is an ORIGINAL_DST cluster keyed on the k-th
   header: attempt 1 goes to the primary, retry 1 to fallback 1, and so on. The route retries on
-  connect-failure / refused-stream / reset-before-request only: a request that reached an endpoint and
-  started is never replayed (generation is not idempotent in cost).
+  connect-failure / refused-stream / reset-before-request, and (retry_on_reset, default on) on a reset
+  or close before any response byte: a killed server's pooled connections otherwise fail requests that
+  Envoy dispatched before it saw the close (measured: 1-3 lost requests per kill under load). Such a
+  retried request may run twice (one extra prefill); a response that started streaming is never retried.
 - Envoy adds `x-gateway-destination-endpoint-served: %UPSTREAM_HOST%` to every routed response; the
   picker sees it (response headers SEND) and reports the primary as failed when another endpoint served.
 - SECURITY: a client can never choose the address: early header mutation removes the routing headers
   before any filter runs, the picker only writes addresses from its endpoint pool, and the ORIGINAL_DST
   route is reachable only with the picker's header.
+
+Processing modes (measured with `prefixroute overhead-bench`): request headers SEND (answered at once,
+or decided there when the request has no body), request body BUFFERED (FULL_DUPLEX_STREAMED saves the
+CONTINUE round trip but makes the picker hand the body back: slower here), response headers SEND only
+for the served header (report_served; costs ~0.1-0.15 ms p50 and ~20% of the picker's throughput; turn it
+off and health probes alone find dead endpoints), response body NONE so streams flow unbuffered.
 
 When the ext_proc service is down (or times out): `failure_mode = "open"` (default) lets the request
 continue without the header, and it matches the fallback route: plain round-robin over the configured
@@ -102,6 +110,11 @@ class EnvoySettings(Settings):
     num_fallbacks: int = setting(2, "Fallback endpoints tried, in order, when the previous one refuses the "
                                  "connection, 0-4 (2: survives two endpoints down at once without long tails; "
                                  "the routing core's num_fallbacks should match).")
+    retry_on_reset: bool = setting(True, "Also move to the next endpoint when one resets or closes the connection "
+                                   "before any response byte (a crashed or killed server, or a pooled connection it "
+                                   "closed just as Envoy reused it). Such a request may have started there, so it can "
+                                   "run twice (one extra prefill); without it, those requests fail with 503. Streamed "
+                                   "responses that started are never retried.")
     report_served: bool = setting(True, "Send response headers to ext_proc so it learns which endpoint served "
                                   "(passive failure detection; costs one more small gRPC message per request).")
     extproc_enabled: bool = setting(True, "Insert the ext_proc filter (false = plain round-robin, used by the "
@@ -145,10 +158,10 @@ def _local_reply_config() -> dict[str, Any]:
 
     return {"mappers": [
         mapper(413, "Request body too large."),
-        mapper(503, "No endpoint could serve the request (%RESPONSE_FLAGS%).", ["UH", "UF", "URX", "NR", "UO", "NC"],
-               {"retry-after": "1"}),
+        mapper(503, "No endpoint could serve the request (%RESPONSE_FLAGS%).",
+               ["UH", "UF", "UC", "UR", "LR", "URX", "NR", "UO", "NC"], {"retry-after": "1"}),
         mapper(504, "The endpoint did not answer in time (%RESPONSE_FLAGS%).", ["UT"]),
-        mapper(502, "Bad response from the endpoint (%RESPONSE_FLAGS%).", ["UC", "UR", "UMSDR"]),
+        mapper(502, "Bad response from the endpoint (%RESPONSE_FLAGS%).", ["UPE", "UMSDR"]),
     ]}
 
 
@@ -176,6 +189,11 @@ def _original_dst_cluster(name: str, header: str, connect_timeout_s: float) -> d
     }
 
 
+def _retry_on(s: EnvoySettings) -> str:
+    # Envoy retries only while no response byte has gone to the client, so a streamed answer is never replayed.
+    return "connect-failure,refused-stream,reset-before-request" + (",reset" if s.retry_on_reset else "")
+
+
 def route_headers(num_fallbacks: int) -> tuple[str, ...]:
     """Headers the picker must set, in attempt order: the primary then each fallback."""
     return (DESTINATION_HEADER, *(fallback_header(k) for k in range(1, num_fallbacks + 1)))
@@ -199,8 +217,7 @@ def build_config(s: EnvoySettings) -> dict[str, Any]:
             "cluster": PICKED_CLUSTER,
             "timeout": upstream_timeout,
             "retry_policy": {
-                # Only failures before the request reached an endpoint: never replay a started generation.
-                "retry_on": "connect-failure,refused-stream,reset-before-request",
+                "retry_on": _retry_on(s),
                 "num_retries": s.num_fallbacks,
                 "retry_back_off": {"base_interval": "0.002s", "max_interval": "0.01s"},
             },
@@ -215,7 +232,7 @@ def build_config(s: EnvoySettings) -> dict[str, Any]:
                 "cluster": POOL_CLUSTER,
                 "timeout": upstream_timeout,
                 "retry_policy": {
-                    "retry_on": "connect-failure,refused-stream,reset-before-request",
+                    "retry_on": _retry_on(s),
                     "num_retries": max(1, len(s.endpoints) - 1),
                     "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3."

@@ -34,7 +34,13 @@ async def start_server(router: RouterService, s: ExtprocSettings) -> tuple[grpc.
     server = grpc.aio.server(options=[
         # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
         ("grpc.max_concurrent_streams", 100000),
+        # Bodies arrive whole (BUFFERED): gRPC's default 4 MiB cap would fail bodies Envoy already accepted
+        # (its own limit, max_request_body_bytes, is the one that answers 413).
+        ("grpc.max_receive_message_length", -1),
         ("grpc.so_reuseport", 0),
+        # Request bodies arrive as one message: a stream window above the largest body avoids flow-control
+        # round trips (the 64 KiB default stalls every 64 KB prompt), and makes BDP probing pointless.
+        ("grpc.http2.lookahead_bytes", 16 * 1024 * 1024),
         ("grpc.http2.bdp_probe", 0),
         ("grpc.optimization_target", "latency"),
     ])

@@ -8,8 +8,9 @@ One gRPC stream = one HTTP request. Message flow (processing mode set in envoy_c
 2. request body (BUFFERED, whole body): `RouterService.route` -> header mutation setting
    ``x-gateway-destination-endpoint`` (primary) and the fallback headers, dynamic metadata
    ``envoy.lb/x-gateway-destination-endpoint`` with the same value as the header, and
-   ``clear_route_cache: true`` so the route is chosen again with the header. An `OpenAIError` becomes an ImmediateResponse with its status,
-   JSON body, ``content-type: application/json`` and ``retry-after`` when it carries one.
+   ``clear_route_cache: true`` so the route is chosen again with the header. An `OpenAIError` becomes an
+   ImmediateResponse with its status, JSON body, ``content-type: application/json`` and ``retry-after``
+   when it carries one.
 3. response headers: ``x-gateway-destination-endpoint-served`` tells which endpoint served; the router
    service reports the primary as failed when it differs.
 4. stream end: `RouterService.release` runs exactly once for a pick, in ``finally``. Envoy keeps the

@@ -36,20 +36,25 @@ class RoutingSettings(Settings):
         "Average characters per token, used to convert an endpoint's scraped KV capacity (tokens) into router "
         "blocks for its prefix-index LRU. ~4 for English text with Llama-style tokenizers.")
     prefix_weight: float = setting(
-        3.0,
-        "Weight of the prefix scorer (matched leading blocks / blocks hashed). Larger than each load weight so "
-        "a full prefix match beats an idle endpoint until the concurrency threshold spills it (GIE uses 3).")
-    load_weight: float = setting(
-        2.0,
-        "Weight of the in-flight scorer (1 - in_flight / concurrency_threshold): the router's own counts, "
-        "exact and up to date, unlike scraped metrics.")
-    queue_weight: float = setting(
-        2.0,
-        "Weight of the queue scorer (1 - waiting / queue_scale, scraped num_requests_waiting); GIE uses 2.")
-    kv_weight: float = setting(
         1.0,
-        "Weight of the KV-cache scorer (1 - kv_cache_usage_ratio, scraped). Lower than the others: high KV "
-        "usage is normal for a server with a warm prefix cache.")
+        "Value of one prompt token an endpoint already holds (prefix index) against the load costs below, which "
+        "are in prompt tokens too (cost model like NVIDIA Dynamo's: prefill the endpoint would have to compute + "
+        "its load). 1 = a cached token saves exactly one token of prefill.")
+    load_cost_tokens: float = setting(
+        384.0,
+        "Cost, in prompt tokens of prefill, of one in-flight request (router's own count) on an endpoint. A "
+        "running request slows every step of the batch and a waiting one delays the start of prefill; 384 "
+        "tokens (~10-40 ms of prefill on an H200) makes a one-request load difference outweigh a short shared "
+        "instruction or system prompt (so new sessions and documents spread), while a multi-thousand-token "
+        "match still wins against a dozen requests of load (the balance limit below caps that).")
+    queue_cost_tokens: float = setting(
+        1024.0,
+        "Extra cost, in prompt tokens, of each scraped waiting request (num_requests_waiting): a waiting "
+        "request still has its whole prefill ahead of ours, ~1k tokens for a typical chat prompt.")
+    kv_cost_tokens: float = setting(
+        256.0,
+        "Cost, in prompt tokens, of a full KV cache (scaled by the scraped kv_cache_usage_ratio). Small: high KV "
+        "usage is normal for a server with a warm prefix cache; it only breaks ties toward emptier caches.")
     queue_scale: int = setting(
         16,
         "Waiting requests at which the queue scorer reaches 0. 16 waiting requests on a vLLM server means "
@@ -58,8 +63,19 @@ class RoutingSettings(Settings):
         32,
         "In-flight requests (counted by this router) at or above which an endpoint is not chosen for prefix "
         "affinity or cold placement while another eligible endpoint is under it (like SageMaker's "
-        "ConcurrencyThreshold). 32 is about where vLLM batches on one GPU stop gaining throughput for 8B-70B "
+        "ConcurrencyThreshold), whatever the fleet's mean load (see balance_factor). 32 is about where vLLM batches on one GPU stop gaining throughput for 8B-70B "
         "models; the hot prefix then spills to a second endpoint, which the prefix index then also records.")
+    balance_factor: float = setting(
+        1.5,
+        "Adaptive overflow: an endpoint with more than balance_factor x the mean in-flight requests of the "
+        "eligible endpoints (+ balance_slack) is not chosen for prefix affinity or cold placement while another "
+        "is under that limit, so a hot prefix spills to a second endpoint (which the prefix index records) and "
+        "then spreads. 1.5 is the fair-share bound the benchmarks hold the router to.")
+    balance_slack: float = setting(
+        2.0,
+        "In-flight requests allowed above balance_factor x mean before the balance limit applies. At low load "
+        "the mean is below one request and a limit of 1.5 x mean would move every second request of a prefix "
+        "away from its cache for no latency gain; 2 keeps affinity there.")
     cold_key_blocks: int = setting(
         4,
         "A prefix seen nowhere is placed by rendezvous hashing on the chained hash of its first "
@@ -106,7 +122,9 @@ class RoutingSettings(Settings):
             raise ValueError(f"num_fallbacks must be >= 0; got {self.num_fallbacks}")
         if self.chars_per_token <= 0:
             raise ValueError(f"chars_per_token must be > 0; got {self.chars_per_token}")
-        for name in ("prefix_weight", "load_weight", "queue_weight", "kv_weight"):
+        if self.balance_factor < 1.0:
+            raise ValueError(f"balance_factor must be >= 1; got {self.balance_factor}")
+        for name in ("prefix_weight", "load_cost_tokens", "queue_cost_tokens", "kv_cost_tokens", "balance_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
 

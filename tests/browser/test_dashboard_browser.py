@@ -31,7 +31,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 REPO = Path(__file__).resolve().parents[2]
 WINDOW_S = 300  # the dashboard's default window, and the `dump --since` compared with it
 LIVE_CHARTS = ("hit_fleet", "hit_endpoint", "ttft_pct", "ttft_hist", "latency_pct", "rate", "share", "reasons",
-               "reasons_time", "decision_hist")
+               "reasons_time", "decision_hist", "hit_bars")
 
 
 def _require_browser():
@@ -132,3 +132,24 @@ def _check_page(browser, fleet: RealFleet, port: int, expected_hit: float, serve
     shot = artifacts_dir() / "dashboard-live.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 20_000
+
+    # Drill-down: open Requests, click the newest row, see that request's span attributes.
+    page.get_by_text("Requests", exact=True).click()
+    grid = page.locator('[data-testid="stDataFrame"]')
+    grid.wait_for(timeout=30_000)
+    page.wait_for_timeout(1000)
+    box = grid.bounding_box()
+    page.mouse.click(box["x"] + 15, box["y"] + 55)  # the first data row's selection cell (newest request)
+    page.get_by_text("Trace attributes").wait_for(timeout=20_000)
+    trace_id = page.get_by_label("Trace id").input_value()
+    assert trace_id == newest_trace_id(fleet)
+    attrs_text = page.locator('[data-testid="stJson"]').nth(1).inner_text()
+    assert "prefixroute.reason" in attrs_text and "gen_ai.request.model" in attrs_text
+    page.screenshot(path=str(artifacts_dir() / "dashboard-request.png"), full_page=True)
+
+
+def newest_trace_id(fleet: RealFleet) -> str:
+    from prefixroute.telemetry.store import StoreReader
+
+    with StoreReader(fleet.db) as reader:
+        return reader.recent_requests(1)[0]["trace_id"]

@@ -19,6 +19,8 @@ MAX_BODY_BYTES = 256 * 1024  # small, so the 413 test sends little
 
 @dataclass
 class Fleet:
+    """Simulated model servers, keyed by endpoint; server i of a fleet started with prefix P has id Pi."""
+
     servers: dict[str, ManagedProcess] = field(default_factory=dict)  # "127.0.0.1:port" -> process
 
     @property
@@ -26,13 +28,14 @@ class Fleet:
         return list(self.servers)
 
 
-def start_fleet(stack: ExitStack, n: int, log_dir: Path, prefix: str = "s") -> Fleet:
+def start_fleet(stack: ExitStack, n: int, log_dir: Path, prefix: str = "s", *extra_args: str) -> Fleet:
+    """Start `n` simulated servers (time_scale 0.02: fast tests) that `stack` kills on exit."""
     fleet = Fleet()
     for i in range(n):
         port = free_port()
         proc = stack.enter_context(start_process(
             prefixroute_cmd("model-server", "--port", str(port), "--id", f"{prefix}{i}", "--time-scale", "0.02",
-                            "--shutdown-grace-s", "0.2"),
+                            "--shutdown-grace-s", "0.2", *extra_args),
             ready_url=f"http://127.0.0.1:{port}/health", log_dir=log_dir, name=f"{prefix}{i}"))
         fleet.servers[f"127.0.0.1:{port}"] = proc
     return fleet
@@ -41,6 +44,7 @@ def start_fleet(stack: ExitStack, n: int, log_dir: Path, prefix: str = "s") -> F
 def start_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, *, failure_mode: str = "open",
                   extra_extproc_args: list[str] | None = None, pool_overrides: dict | None = None
                   ) -> GatewayProcesses:
+    """Start Envoy + ext_proc in front of `endpoints` (logs in `log_dir`/envoy.log, extproc.log)."""
     gw = GatewayProcesses(
         GatewaySettings(port=free_port(), listen_address="127.0.0.1", failure_mode=failure_mode,
                         envoy_log_level="info"),
@@ -49,7 +53,6 @@ def start_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, *, fail
         log_dir=log_dir, extra_extproc_args=extra_extproc_args)
     stack.enter_context(gw)
     return gw
-
 
 
 class SpyListener:

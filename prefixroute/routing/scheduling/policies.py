@@ -124,7 +124,7 @@ class ConsistentHashPolicy:
 
 
 class PrefixPolicy:
-    """Prefix affinity with load awareness, overflow threshold and rendezvous cold placement (module doc)."""
+    """Prefix affinity priced against load, an adaptive balance limit, rendezvous cold placement (module doc)."""
 
     name = "prefix"
 
@@ -132,17 +132,38 @@ class PrefixPolicy:
         self._settings = settings
         self._k = 1 + settings.num_fallbacks
         self._rng = rng
-        self.scorers: list[tuple[Scorer, float]] = [
-            (PrefixScorer(), settings.prefix_weight),
-            (InFlightScorer(), settings.load_weight),
-            (QueueScorer(), settings.queue_weight),
-            (KvCacheScorer(), settings.kv_weight),
+        self._prefix = PrefixScorer()
+        t = settings.concurrency_threshold
+        # Load scorers are 1 - x / scale: weight = cost per unit x scale gives "constant - cost x units" in
+        # prompt tokens, the currency of the prefix term (`_scorers`).
+        self._load_terms: list[tuple[Scorer, float]] = [
+            (InFlightScorer(), settings.load_cost_tokens * t),
+            (QueueScorer(), settings.queue_cost_tokens * settings.queue_scale),
+            (KvCacheScorer(), settings.kv_cost_tokens),
         ]
+        self._tokens_per_block = settings.tokens_per_block * settings.prefix_weight
+
+    def _scorers(self, total_blocks: int) -> list[tuple[Scorer, float]]:
+        """Weights in prompt tokens for one request: the prefix score (matched / total blocks) times the
+        tokens hashed is the prefill an endpoint saves; the load scorers turn into token costs."""
+        return [(self._prefix, total_blocks * self._tokens_per_block), *self._load_terms]
+
+    def balance_limit(self, inp: PolicyInput) -> int:
+        """In-flight count at or above which an endpoint is 'over' for this decision: the lower of the fixed
+        ``concurrency_threshold`` and ``balance_factor x mean in-flight + balance_slack`` (strictly above
+        that is over). The mean divides the in-flight counts given (the router's, every endpoint) by the
+        eligible endpoints: exact for one-model pools, an overestimate (less spilling) when endpoints of
+        other models carry load."""
+        st = self._settings
+        total = sum(inp.in_flight.values()) if inp.in_flight else 0
+        adaptive = int(st.balance_factor * total / len(inp.eligible) + st.balance_slack) + 1
+        return min(st.concurrency_threshold, adaptive)
 
     def decide(self, inp: PolicyInput) -> Decision:
         st = self._settings
         k = self._k
-        under, over = filters.split_threshold(inp.eligible, inp.in_flight, st.concurrency_threshold)
+        limit = self.balance_limit(inp)
+        under, over = filters.split_threshold(inp.eligible, inp.in_flight, limit)
         candidates = under or over
         rest = over if under else []
         hashes = inp.request.block_hashes
@@ -155,21 +176,21 @@ class PrefixPolicy:
                 order += pickers.rendezvous_order(key, rest, k - len(order))
             return _decision(order, "cold", self.name, inp)
 
-        limit = st.max_scored_endpoints
-        if limit and len(candidates) > limit:
-            if rest:  # candidates are the endpoints under the threshold: so are the holders to score
-                t = st.concurrency_threshold
+        limit_n = st.max_scored_endpoints
+        if limit_n and len(candidates) > limit_n:
+            if rest:  # candidates are the endpoints under the limit: so are the holders to score
                 get = inp.in_flight.get
-                holders = [s for s in inp.holders if get(s.endpoint, 0) < t]
+                holders = [s for s in inp.holders if get(s.endpoint, 0) < limit]
             else:
                 holders = list(inp.holders)
-            candidates = self._sample(candidates, holders, limit)
+            candidates = self._sample(candidates, holders, limit_n)
         ctx = ScoringContext(in_flight=inp.in_flight, matches=matches, total_blocks=len(hashes),
                              concurrency_threshold=st.concurrency_threshold, queue_scale=st.queue_scale)
-        scores = weighted_scores(ctx, candidates, self.scorers)
+        scorers = self._scorers(len(hashes))
+        scores = weighted_scores(ctx, candidates, scorers)
         order = pickers.max_score_order(candidates, scores, inp.in_flight, self._rng, k)
         if len(order) < k and rest:
-            rest_scores = weighted_scores(ctx, rest, self.scorers)
+            rest_scores = weighted_scores(ctx, rest, scorers)
             order += pickers.max_score_order(rest, rest_scores, inp.in_flight, self._rng, k - len(order))
 
         reason: DecisionReason

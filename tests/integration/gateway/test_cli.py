@@ -85,3 +85,17 @@ def test_gateway_command_serves_and_stops_both_children_on_sigterm(stack: ExitSt
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(c) for c in children)
+
+
+@pytest.mark.slow
+def test_overhead_bench_runs_and_prints_added_latency() -> None:
+    r = subprocess.run(prefixroute_cmd("overhead-bench", "--prompt-kb", "4", "--num-requests", "50", "--num-rounds", "1",
+                                       "--num-connections", "4", "--rate-duration-s", "0.3"),
+                       capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    # Rows: "4 KB <config> <p50> <p99> <req/s>..."; split() gives ["4", "KB", config, p50, p99, rps, ...].
+    rows = {line.split()[2]: line.split()[3:] for line in r.stdout.splitlines() if line.strip().startswith("4 KB")}
+    assert set(rows) == {"baseline", "routed", "added"}
+    base_p50, routed_p50 = float(rows["baseline"][0]), float(rows["routed"][0])
+    assert float(rows["added"][0]) == pytest.approx(routed_p50 - base_p50, abs=0.002)
+    assert float(rows["routed"][2]) > 0  # requests per second over the routed gateway

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 from collections import Counter
@@ -14,7 +15,6 @@ import pytest
 
 from prefixroute.extproc.envoy_config import DESTINATION_HEADER, SERVED_HEADER, fallback_header
 from prefixroute.extproc.gateway import GatewayProcesses
-from tests.helpers import free_ports
 
 from tests.helpers.fleet import MAX_BODY_BYTES, MODEL, Fleet, SpyListener, start_fleet, start_gateway
 
@@ -157,7 +157,11 @@ def test_unknown_model_gets_404(gateway: GatewayProcesses) -> None:
 
 
 def test_no_healthy_endpoint_gets_503_with_retry_after(stack: ExitStack, log_dir: Path) -> None:
-    dead = [f"127.0.0.1:{p}" for p in free_ports(2)]  # nothing listens there
+    # Ports held bound but not listening: connections are refused, and no other process can take them meanwhile.
+    held = [stack.enter_context(socket.socket()) for _ in range(2)]
+    for sock in held:
+        sock.bind(("127.0.0.1", 0))
+    dead = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in held]
     gw = start_gateway(stack, dead, log_dir, extra_extproc_args=["--ready-timeout-s", "0.2"])
     for body in (chat("Nobody home.", "hi"), None):
         status, headers, resp = request(gw, "POST" if body else "GET",

@@ -10,13 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
-from streamlit.testing.v1 import AppTest
 
-from prefixroute.dashboard import app as _app_module  # noqa: F401 - import errors fail here, clearly
+pytest.importorskip("streamlit", reason="the dashboard needs Streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+import prefixroute.dashboard
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.store import TelemetryStore
 
-APP = str(Path(_app_module.__file__))
+APP = str(Path(prefixroute.dashboard.__file__).parent / "app.py")  # a script: run by AppTest, never imported
 ENDPOINTS = ("10.0.0.2:8000", "10.0.0.10:8000", "10.0.0.3:8000")
 
 
@@ -52,7 +54,7 @@ def write(db: Path, records: list[RequestRecord]) -> None:
     store.close()
 
 
-def run_app(**env_overrides: str) -> AppTest:
+def run_app() -> AppTest:
     at = AppTest.from_file(APP, default_timeout=60)
     return at.run()
 
@@ -91,8 +93,11 @@ def test_live_page_shows_the_store_figures(tmp_path, monkeypatch):
     assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) >= 10
     table = at.dataframe[0].value
     assert list(table["endpoint"]) == ["10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.10:8000"]  # natural order
-    assert list(table["num_requests"]) == [counts["10.0.0.2:8000"], counts["10.0.0.3:8000"],
-                                           counts["10.0.0.10:8000"]]
+    order = ["10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.10:8000"]
+    assert list(table["num_requests"]) == [counts[ep] for ep in order]
+    for ep, shown_hit in zip(order, table["actual_hit_ratio"]):
+        mine = [r for r in records if r.endpoint == ep]
+        assert shown_hit == pytest.approx(sum(r.cached_tokens for r in mine) / sum(r.prompt_tokens for r in mine))
 
 
 def test_empty_store_says_no_traffic_and_how_to_send_some(tmp_path, monkeypatch):
@@ -119,16 +124,21 @@ def test_idle_window_says_so_with_the_store_total(tmp_path, monkeypatch):
 def test_missing_store_is_explained_and_recovers(tmp_path, monkeypatch):
     db = tmp_path / "later.db"
     monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    # Query results are shared for one refresh period; each rerun below comes a period later, like
+    # the live refresh does.
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_REFRESH_S", "0.5")
     at = run_app()
     assert not at.exception
     assert "Telemetry store not available" in texts(at)
     assert f"prefixroute telemetry --db {db}" in texts(at)
     write(db, make_records(20))
+    time.sleep(0.6)
     at.run()  # what the next live refresh does
     assert "Telemetry store not available" not in texts(at)
     assert metric(at, "Hit rate (actual)").endswith("%")
     for suffix in ("", "-wal", "-shm"):
         Path(f"{db}{suffix}").unlink(missing_ok=True)
+    time.sleep(0.6)
     at.run()
     assert "Telemetry store not available" in texts(at)
 
@@ -183,3 +193,24 @@ def test_benchmarks_page_with_and_without_results(tmp_path, monkeypatch):
     assert list(frame["router"]) == ["prefixroute:random", "prefixroute:prefix", "sglang-router:cache_aware"]
     assert list(frame["hit_ratio"]) == [0.31, 0.88, 0.8]
     assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) == 2
+
+
+@pytest.mark.integration
+def test_live_page_over_the_receiver_http_api(tmp_path, monkeypatch):
+    from contextlib import ExitStack
+
+    from tests.browser.realrun import start_receiver
+
+    db = tmp_path / "t.db"
+    records = make_records(120)
+    write(db, records)
+    with ExitStack() as stack:
+        _, http_port = start_receiver(stack, db, tmp_path / "logs")  # a real `prefixroute telemetry` process
+        monkeypatch.setenv("PREFIXROUTE_DASHBOARD_TELEMETRY", f"http://127.0.0.1:{http_port}")
+        at = run_app()
+        assert not at.exception
+        hit = sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records)
+        assert metric(at, "Hit rate (actual)") == f"{hit * 100:.1f} %"
+        table = at.dataframe[0].value
+        assert sorted(table["endpoint"]) == sorted(ENDPOINTS)
+        assert "Mean in-flight needs the SQLite store" in texts(at)

@@ -218,3 +218,10 @@ def test_bad_bench_files_are_rejected_with_a_reason(tmp_path, content, message):
     p.write_text(content)
     with pytest.raises(ValueError, match=message):
         D.load_bench_result(str(p))
+
+
+@pytest.mark.parametrize("refresh_s, window_s, expected", [
+    (2.0, 60, 2.0), (2.0, 300, 2.0), (2.0, 900, 3.0), (2.0, 3600, 12.0), (2.0, 86400, 288.0), (5.0, 900, 5.0),
+])
+def test_refresh_slows_for_long_windows(refresh_s, window_s, expected):
+    assert D.refresh_for_window(refresh_s, window_s) == expected

@@ -140,3 +140,29 @@ def test_endpoint_scrape_reads_live_figures_and_skips_dead_endpoints():
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("bucket_s", [1.0, 10.0, 60.0])
+def test_endpoint_series_agrees_with_the_store_timeseries(tmp_path, bucket_s):
+    from prefixroute.telemetry.store import StoreReader
+
+    rnd = random.Random(int(bucket_s))
+    records = []
+    for i in range(500):
+        prompt = rnd.choice([None, 0, rnd.randint(1, 4000)])
+        r = rec(i, NOW - rnd.uniform(0, 200), 100, endpoint=rnd.choice(["a:1", "b:1", None]),
+                prompt=prompt, cached=rnd.randint(0, prompt) if prompt else None)
+        r.predicted_hit_ratio = rnd.random()
+        r.status = rnd.choice([200, 200, 503, 0, 404])
+        records.append(r)
+    write(tmp_path / "t.db", records)
+    mine = DataSource(db=str(tmp_path / "t.db")).endpoint_series(120.0, bucket_s, now=NOW)
+    with StoreReader(tmp_path / "t.db") as reader:
+        theirs = reader.timeseries(120.0, bucket_s, by_endpoint=True, now=NOW)
+    key = lambda r: (r["bucket_start"], r["endpoint"] or "")  # noqa: E731
+    assert len(mine) == len(theirs) >= 6
+    for a, b in zip(sorted(mine, key=key), sorted(theirs, key=key)):
+        for k in ("bucket_start", "endpoint", "num_requests", "num_errors", "requests_per_s"):
+            assert a[k] == pytest.approx(b[k]), k
+        for k in ("actual_hit_ratio", "predicted_hit_ratio"):
+            assert (a[k] is None) == (b[k] is None) and (a[k] is None or a[k] == pytest.approx(b[k])), k

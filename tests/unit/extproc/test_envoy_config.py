@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixroute.extproc.envoy_config import (DESTINATION_HEADER, MAX_FALLBACKS, PICKED_CLUSTER, POOL_CLUSTER, SERVED_HEADER,
-                                              EnvoySettings, build_config, fallback_header, render, route_headers)
+from prefixroute.extproc.envoy_config import (DESTINATION_HEADER, MAX_FALLBACKS, PICKED_CLUSTER, POOL_CLUSTER,
+                                              SERVED_HEADER, EnvoySettings, build_config, fallback_header, render,
+                                              route_headers)
 from prefixroute.extproc.gateway import envoy_binary, settings_argv
 
 REPO = Path(__file__).resolve().parents[3]
@@ -60,8 +61,12 @@ def test_each_attempt_has_an_original_dst_sub_cluster_on_its_own_header(num_fall
         assert clusters[n]["type"] == "ORIGINAL_DST" and clusters[n]["lb_policy"] == "CLUSTER_PROVIDED"
     retry = _routes(cfg)[0]["route"]["retry_policy"]
     assert retry["num_retries"] == num_fallbacks
-    # Only failures before the endpoint saw the request are retried (a started generation is never replayed).
-    assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset-before-request"}
+    assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset-before-request",
+                                                 "reset"}
+    strict = build_config(EnvoySettings(num_fallbacks=num_fallbacks, retry_on_reset=False))
+    # Without retry_on_reset only failures before the endpoint saw the request are retried.
+    assert set(_routes(strict)[0]["route"]["retry_policy"]["retry_on"].split(",")) == {
+        "connect-failure", "refused-stream", "reset-before-request"}
 
 
 @pytest.mark.parametrize("failure_mode", ["open", "closed"])

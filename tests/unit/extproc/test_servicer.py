@@ -125,6 +125,14 @@ async def test_body_request_continues_at_headers_then_routes_on_the_body(served)
     await _until(lambda: len(router.released) == 1)
 
 
+async def test_body_larger_than_grpc_default_message_limit_is_routed(served) -> None:  # noqa: ANN001
+    router, stub = served
+    body = b'{"prompt": "' + b"x" * (6 * 1024 * 1024) + b'"}'  # over gRPC's default 4 MiB receive limit
+    _, r_body = await _exchange(stub, [_headers(POST, end_of_stream=False), _body(body)])
+    assert r_body.WhichOneof("response") == "request_body"
+    assert len(router.routed[0][3]) == len(body)
+
+
 async def test_request_without_body_is_decided_at_headers(served) -> None:  # noqa: ANN001
     router, stub = served
     (r,) = await _exchange(stub, [_headers(GET, end_of_stream=True)])

@@ -1,0 +1,84 @@
+"""`prefixroute dashboard`: settings, validation, the Streamlit command line, and a real launch that
+serves and stops cleanly on SIGTERM / SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from prefixroute import settings
+from prefixroute.cli import build_parser
+from prefixroute.dashboard.cli import DashboardSettings, main, settings_env, streamlit_command
+from tests.helpers.procs import free_port, prefixroute_cmd
+
+
+def parse(*argv: str):
+    return build_parser("dashboard").parse_args(["dashboard", *argv])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--db", "a.db", "--telemetry", "http://127.0.0.1:4320"], "either --db or --telemetry"),
+    (["--port", "0"], "--port must be"),
+    (["--refresh-s", "0.1"], "--refresh-s must be"),
+    (["--telemetry", "127.0.0.1:4320"], "must be an http"),
+    (["--window-s", "-5"], "--window-s must be"),
+])
+def test_bad_settings_exit_2_with_a_message(argv, message, capsys):
+    assert main(parse(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_settings_reach_the_app_through_env_with_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = settings.from_namespace(DashboardSettings, parse("--db", "x.db", "--no-scrape-endpoints",
+                                                           "--bench-dir", "b"), environ={})
+    env = settings_env(cfg)
+    assert env["PREFIXROUTE_DASHBOARD_DB"] == str(tmp_path / "x.db")
+    assert env["PREFIXROUTE_DASHBOARD_BENCH_DIR"] == str(tmp_path / "b")
+    assert env["PREFIXROUTE_DASHBOARD_SCRAPE_ENDPOINTS"] == "false"
+    # What the app reads back is what the CLI resolved.
+    back = settings.from_namespace(DashboardSettings, None, environ=env)
+    assert back.db == str(tmp_path / "x.db") and back.scrape_endpoints is False and back.port == cfg.port
+
+
+def test_streamlit_command_is_headless_private_and_pinned():
+    cmd = streamlit_command(DashboardSettings(port=9999, host="127.0.0.1"))
+    flags = dict(zip(cmd[5::2], cmd[6::2]))
+    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4].endswith("app.py") and os.path.exists(cmd[4])
+    assert flags["--server.headless"] == "true"
+    assert flags["--browser.gatherUsageStats"] == "false"
+    assert flags["--server.fileWatcherType"] == "none"
+    assert flags["--server.port"] == "9999" and flags["--server.address"] == "127.0.0.1"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_real_launch_serves_then_stops_cleanly(tmp_path, sig):
+    port = free_port()
+    proc = subprocess.Popen(prefixroute_cmd("dashboard", "--db", str(tmp_path / "t.db"), "--port", str(port)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
+                    assert r.read() == b"ok"
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read().decode()
+                assert time.monotonic() < deadline, "dashboard did not serve within 60 s"
+                time.sleep(0.2)
+        proc.send_signal(sig)
+        assert proc.wait(15) == 0
+        # The Streamlit child went with it: the port is closed.
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
