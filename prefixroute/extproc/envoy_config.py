@@ -117,6 +117,9 @@ class EnvoySettings(Settings):
                                    "responses that started are never retried.")
     report_served: bool = setting(True, "Send response headers to ext_proc so it learns which endpoint served "
                                   "(passive failure detection; costs one more small gRPC message per request).")
+    max_downstream_connections: int = setting(50000, "Client connections Envoy accepts at once; beyond it new "
+                                              "ones are refused (bounds memory; far above what one picker "
+                                              "process can route).")
     extproc_enabled: bool = setting(True, "Insert the ext_proc filter (false = plain round-robin, used by the "
                                     "overhead benchmark as the baseline).")
 
@@ -346,6 +349,12 @@ def build_config(s: EnvoySettings) -> dict[str, Any]:
 
     return {
         "admin": {"address": _socket_address(f"127.0.0.1:{s.admin_port}")},
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
+                         "DownstreamConnectionsConfig",
+                "max_active_downstream_connections": s.max_downstream_connections}}]},
         "static_resources": {
             "listeners": [{
                 "name": "gateway",

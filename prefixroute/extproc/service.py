@@ -6,8 +6,8 @@ Contract with the servicer (`servicer.RouterService`):
   `RoutePick` whose ``endpoints`` are *addresses* (``ip:port``, what Envoy's ORIGINAL_DST needs), primary
   first. Raises `OpenAIError` (400/404/405/413/503) to refuse.
 - `served(pick, served)`: Envoy's ``x-gateway-destination-endpoint-served``. When a different endpoint
-  served (the primary refused the connection and a fallback took it): the primary is reported failed
-  (passive health: marked down at once), the prefix is recorded on the endpoint that really holds it, and
+  served (the primary refused the connection and a fallback took it): the primary, and any fallback tried
+  before the one that served, are reported failed (passive health: marked down at once), the prefix is recorded on the endpoint that really holds it, and
   the in-flight count moves to that endpoint.
 - `release(pick)`: once per pick, when the HTTP request ends for any reason.
 
@@ -101,7 +101,11 @@ class PoolRouter:
         if served_id is None:
             return  # not an endpoint we know ("-" on a local reply, or a fail-open pool host)
         self.num_failovers += 1
-        self.pool.report_failure(pick.endpoint_ids[0])
+        # Envoy tried the list in order: every endpoint before the one that served refused or reset.
+        for addr, ep in zip(pick.endpoints, pick.endpoint_ids):
+            if addr == served:
+                break
+            self.pool.report_failure(ep)
         self.core.record_failover(pick.request, served_id)
         if not pick.released:
             self.pool.release(pick.counted)

@@ -32,7 +32,7 @@ from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.routing.settings import RoutingSettings
 from prefixroute.settings import Settings, setting
 from prefixroute.stack.supervisor import (
-    Component, ComponentFailed, PortBusy, Supervisor, http_ok, port_in_use, tcp_open,
+    Component, ComponentFailed, PortBusy, Supervisor, http_ok, port_in_use,
 )
 
 
@@ -61,7 +61,7 @@ class StackSettings(Settings):
     log_level: str = setting("INFO", "Log level of the Python components (DEBUG shows per-request logs).")
     stop_grace_s: float = setting(8.0, "On Ctrl-C, how long children may take to exit before SIGKILL (the "
                                   "whole stop stays within ~10 s).")
-    ready_timeout_s: float = setting(60.0, "How long to wait for each component to serve (Streamlit's first "
+    start_timeout_s: float = setting(60.0, "How long to wait for each component to serve (Streamlit's first "
                                      "start takes several seconds on a small machine).")
 
 
@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"prefixroute up: {exc}", file=sys.stderr)
         return 2
     log_dir = Path(st.log_dir).resolve()
-    sup = Supervisor(log_dir, ready_timeout_s=st.ready_timeout_s, grace_s=st.stop_grace_s)
+    sup = Supervisor(log_dir, ready_timeout_s=st.start_timeout_s, grace_s=st.stop_grace_s)
     gateway: GatewayProcesses | None = None
     stop: dict[str, int | None] = {"signal": None}
 
@@ -115,8 +115,7 @@ def main(args: argparse.Namespace) -> int:
             "telemetry", _cmd("telemetry", "--port", str(st.telemetry_port), "--http-port",
                               str(st.telemetry_http_port), "--db", st.db),
             ports=(st.telemetry_port, st.telemetry_http_port),
-            ready=lambda: http_ok(f"http://127.0.0.1:{st.telemetry_http_port}/health")
-            or tcp_open(st.telemetry_http_port)))
+            ready=lambda: http_ok(f"http://127.0.0.1:{st.telemetry_http_port}/healthz")))
         for i, port in enumerate(server_ports):
             sup.start(Component(
                 f"model-server-{i}",

@@ -39,6 +39,9 @@ class ComponentFailed(RuntimeError):
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     """True when something listens on host:port (or the port cannot be bound)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR as servers set it: a port whose old connections sit in TIME_WAIT is free to
+        # listen on; only a live listener makes it busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -19,6 +19,7 @@ primary first, at most ``1 + num_fallbacks``; it is empty only when no endpoint 
 from __future__ import annotations
 
 import dataclasses
+import os
 import itertools
 import random
 from collections.abc import Mapping, Sequence
@@ -123,6 +124,17 @@ class ConsistentHashPolicy:
         return _decision(pickers.rendezvous_order(key, inp.eligible, self._k), "policy", self.name, inp)
 
 
+SHARE_WINDOW_PER_ENDPOINT = 32
+"""The recent-share estimate of `PrefixPolicy` decays over about 32 picks per endpoint: long enough that a
+share of 1.5 x fair is not noise (a binomial share over 32 picks has a relative spread of ~17%), short enough
+to follow a workload that changes within a minute at a few requests per second per endpoint."""
+
+
+SHARE_WARMUP_PICKS = 4
+"""The share limit applies once the window holds this many picks per endpoint on average: before that a
+share is a handful of requests (the first pick alone is 100% of one endpoint)."""
+
+
 class PrefixPolicy:
     """Prefix affinity priced against load, an adaptive balance limit, rendezvous cold placement (module doc)."""
 
@@ -142,11 +154,44 @@ class PrefixPolicy:
             (KvCacheScorer(), settings.kv_cost_tokens),
         ]
         self._tokens_per_block = settings.tokens_per_block * settings.prefix_weight
+        # Recent picks per endpoint, exponentially decayed per decision (window ~ SHARE_WINDOW_PER_ENDPOINT x
+        # endpoints). Stored scaled by a growing unit `_unit` so a pick costs O(1) instead of decaying all.
+        self._picks: dict[EndpointId, float] = {}
+        self._picks_sum = 0.0
+        self._unit = 1.0
 
     def _scorers(self, total_blocks: int) -> list[tuple[Scorer, float]]:
         """Weights in prompt tokens for one request: the prefix score (matched / total blocks) times the
         tokens hashed is the prefill an endpoint saves; the load scorers turn into token costs."""
         return [(self._prefix, total_blocks * self._tokens_per_block), *self._load_terms]
+
+    def over_share(self, num_eligible: int) -> set[EndpointId]:
+        """Endpoints whose recent share of picks is above ``balance_factor`` x the fair share + ``balance_slack``
+        picks: in-flight counts cannot see an imbalance at low load (requests finish before the next one
+        arrives), while the share of requests each endpoint gets is what hot-spotting is measured by. Empty
+        until the window holds a few picks per endpoint. Cost: one max() over the endpoints picked recently
+        (C speed); the set is built only when one is over."""
+        picks = self._picks
+        if not picks:
+            return set()
+        mean = self._picks_sum / num_eligible
+        if mean < SHARE_WARMUP_PICKS * self._unit:
+            return set()
+        limit = self._settings.balance_factor * mean
+        if max(picks.values()) <= limit:
+            return set()
+        return {ep for ep, w in picks.items() if w > limit}
+
+    def _note_pick(self, endpoint: EndpointId, num_eligible: int) -> None:
+        unit = self._unit * (1.0 + 1.0 / (SHARE_WINDOW_PER_ENDPOINT * num_eligible))
+        if unit > 1e12:  # rescale before floats lose the small terms
+            inv = 1.0 / unit
+            self._picks = {ep: w * inv for ep, w in self._picks.items() if w * inv > 1e-6}
+            self._picks_sum *= inv
+            unit = 1.0
+        self._unit = unit
+        self._picks[endpoint] = self._picks.get(endpoint, 0.0) + unit
+        self._picks_sum += unit
 
     def balance_limit(self, inp: PolicyInput) -> int:
         """In-flight count at or above which an endpoint is 'over' for this decision: the lower of the fixed
@@ -160,10 +205,20 @@ class PrefixPolicy:
         return min(st.concurrency_threshold, adaptive)
 
     def decide(self, inp: PolicyInput) -> Decision:
+        d = self._decide(inp)
+        if d.endpoints:
+            self._note_pick(d.endpoints[0], len(inp.eligible))
+        return d
+
+    def _decide(self, inp: PolicyInput) -> Decision:
         st = self._settings
         k = self._k
         limit = self.balance_limit(inp)
         under, over = filters.split_threshold(inp.eligible, inp.in_flight, limit)
+        hot = self.over_share(len(inp.eligible))
+        if hot and len(hot) < len(inp.eligible):
+            over = [s for s in inp.eligible if s.endpoint in hot or inp.in_flight.get(s.endpoint, 0) >= limit]
+            under = [s for s in under if s.endpoint not in hot]
         candidates = under or over
         rest = over if under else []
         hashes = inp.request.block_hashes
@@ -171,6 +226,19 @@ class PrefixPolicy:
 
         if hashes and not matches:
             key = prefix_key(inp.request, st.cold_key_blocks)
+            cf = float(os.environ.get("COLD_F", "0"))
+            if cf > 0 and inp.in_flight:
+                get = inp.in_flight.get
+                bound = cf * sum(inp.in_flight.values()) / len(inp.eligible) + float(os.environ.get("COLD_S", "1"))
+                light = [s for s in candidates if get(s.endpoint, 0) <= bound]
+                if light and len(light) < len(candidates):
+                    names = {s.endpoint for s in light}
+                    order = pickers.rendezvous_order(key, light, k)
+                    if len(order) < k:
+                        order += pickers.rendezvous_order(key, [s for s in candidates if s.endpoint not in names], k - len(order))
+                    if len(order) < k and rest:
+                        order += pickers.rendezvous_order(key, rest, k - len(order))
+                    return _decision(order, "cold", self.name, inp)
             order = pickers.rendezvous_order(key, candidates, k)
             if len(order) < k and rest:
                 order += pickers.rendezvous_order(key, rest, k - len(order))
@@ -178,9 +246,9 @@ class PrefixPolicy:
 
         limit_n = st.max_scored_endpoints
         if limit_n and len(candidates) > limit_n:
-            if rest:  # candidates are the endpoints under the limit: so are the holders to score
-                get = inp.in_flight.get
-                holders = [s for s in inp.holders if get(s.endpoint, 0) < limit]
+            if rest:  # candidates are the endpoints under the limits: so are the holders to score
+                rest_names = {s.endpoint for s in rest}
+                holders = [s for s in inp.holders if s.endpoint not in rest_names]
             else:
                 holders = list(inp.holders)
             candidates = self._sample(candidates, holders, limit_n)

@@ -37,6 +37,7 @@ def _pids_mentioning(marker: str) -> list[int]:
 
 def _listening(port: int) -> bool:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are not listeners
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -94,6 +94,23 @@ async def test_served_elsewhere_marks_primary_down_and_moves_in_flight(router: P
     router.release(again)
 
 
+async def test_every_endpoint_tried_before_the_one_that_served_is_marked_down(router: PoolRouter) -> None:
+    pick = router.route(*POST, {}, _chat("double failover " * 100))
+    router.served(pick, pick.endpoints[2])
+    health = {s.endpoint: s.healthy for s in router.pool.snapshot()}
+    assert [health[ep] for ep in pick.endpoint_ids] == [False, False, True]
+    assert router.pool.in_flight[pick.endpoint_ids[2]] == 1
+    router.release(pick)
+
+
+async def test_unknown_served_address_changes_nothing(router: PoolRouter) -> None:
+    pick = router.route(*POST, {}, _chat("unknown served " * 100))
+    router.served(pick, "-")  # what Envoy reports on its own local replies
+    router.served(pick, "192.0.2.1:9")  # not a pool endpoint
+    assert router.num_failovers == 0 and all(s.healthy for s in router.pool.snapshot())
+    router.release(pick)
+
+
 @pytest.mark.parametrize(("method", "path", "body", "status"), [
     ("POST", "/v1/chat/completions", b"{bad", 400),
     ("POST", "/v1/chat/completions", _chat("x", model="other-model"), 404),
