@@ -70,6 +70,13 @@ def main(args: argparse.Namespace) -> int:
         from prefixroute.bench.runner import parse_router
 
         for r in s.routers:
+            if r.startswith("sim:"):
+                from prefixroute.bench.virtual import SIM_ROUTERS
+
+                if not s.virtual or r not in SIM_ROUTERS:
+                    raise ValueError(f"router {r!r}: sim: models run only with --virtual; known: "
+                                     f"{', '.join(SIM_ROUTERS)}")
+                continue
             parse_router(r)
         if s.servers < 1:
             raise ValueError("--servers must be >= 1")

@@ -21,7 +21,7 @@ Limits (reported in results.json ``extra``):
 - ITL is each request's mean inter-token time ((finish - first token) / (tokens - 1)), one sample per
   generated token, because the fleet reports no per-token times;
 - peer routers (sglang-router, vllm-router) are separate programs and are skipped; ``sim:sglang-cache-aware``
-  runs our model of sglang-router's cache_aware policy (`prefixroute/bench/sim_routers.py`) in their place.
+  runs `SglangCacheAwareModel`, our model of sglang-router's cache_aware policy, so a comparison takes seconds.
 """
 
 from __future__ import annotations
@@ -96,6 +96,71 @@ def build_sim_requests(workload: Workload, model: str, routing_settings: Any) ->
     return sims
 
 
+class SglangCacheAwareModel:
+    """OUR MODEL of sglang-router's ``cache_aware`` policy (field notes section 3), written from its public
+    description, not their code, for side-by-side comparisons in virtual time:
+
+    - each endpoint has a tree of the request texts sent to it (characters; here approximated by chained
+      hashes of `block_chars`-character blocks, so matches are counted in whole blocks);
+    - load = requests in flight on the endpoint; if ``max - min > balance_abs_threshold`` (64) and
+      ``max > balance_rel_threshold x min`` (1.5), the least-loaded endpoint is chosen;
+    - else, if the longest prefix match / text length > ``cache_threshold`` (0.3), the endpoint with the
+      longest match; else the endpoint with the smallest tree (fewest characters stored);
+    - the chosen endpoint's tree then gets the text. Ties go to the first endpoint in fleet order (the
+      behaviour field notes section 5 reports at zero load). Trees are not evicted (theirs evict by size
+      well beyond these runs' text volume).
+
+    Text routed on: the completion prompt, or the chat messages' contents joined by newlines (an
+    assumption about their text extraction).
+    """
+
+    def __init__(self, endpoint_ids: Sequence[str], *, block_chars: int = 16, cache_threshold: float = 0.3,
+                 balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5) -> None:
+        from prefixroute.routing.prefix_index import PrefixIndex
+
+        self.endpoint_ids = list(endpoint_ids)
+        self.block_chars = block_chars
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.trees = PrefixIndex(1 << 40)  # one chained-hash set per endpoint: the tree, as prefix paths
+
+    @staticmethod
+    def request_text(req: Any) -> str:
+        if req.text is not None:
+            return req.text
+        return "\n".join(str(m.get("content", "")) for m in req.messages or ())
+
+    def choose(self, text: str, in_flight: Sequence[int]) -> int:
+        from prefixroute.routing.hashing import hash_blocks, seed_for
+
+        hashes = hash_blocks(text, seed_for(None, None), self.block_chars, 1 << 30)
+        lo, hi = min(in_flight), max(in_flight)
+        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
+            i = in_flight.index(lo)
+        else:
+            matches = self.trees.match(hashes) if hashes else {}
+            best = max(matches.values(), default=0)
+            if text and best * self.block_chars / len(text) > self.cache_threshold:
+                i = next(j for j, ep in enumerate(self.endpoint_ids) if matches.get(ep) == best)
+            else:
+                sizes = [self.trees.num_entries(ep) for ep in self.endpoint_ids]
+                i = sizes.index(min(sizes))
+        if hashes:
+            self.trees.record(hashes, self.endpoint_ids[i])
+        return i
+
+    def route(self, req: Any, fleet: Any) -> int:
+        in_flight = [len(e.running) + len(e.waiting) for e in fleet.engines]
+        return self.choose(self.request_text(req), in_flight)
+
+
+SIM_ROUTERS: dict[str, Callable[[Sequence[str]], Any]] = {
+    "sim:sglang-cache-aware": SglangCacheAwareModel,
+}
+"""Models of other routers that --virtual can run by name (``sim:NAME``)."""
+
+
 class _Arrivals:
     """Releases a workload's `SimRequest`s to the fleet as the live client would send them (module doc).
 
@@ -164,8 +229,8 @@ class _Arrivals:
 def simulate_policy(workload: Workload, policy: str, *, num_servers: int, profile: str = "", seed: int = 0,
                     fleet_kwargs: dict[str, Any] | None = None, sims: list[Any] | None = None,
                     concurrency: int = 16) -> tuple[list[RequestResult], list[str], float]:
-    """Route `workload` with one of our policies (or a ``sim:`` model of another router, see
-    `sim_routers.SIM_ROUTERS`) on a fresh virtual fleet.
+    """Route `workload` with one of our policies (or a ``sim:`` model of another router, see `SIM_ROUTERS`)
+    on a fresh virtual fleet.
 
     Returns (per-request results in request order, endpoint ids, CPU seconds the simulation took).
     `sims` (from `build_sim_requests` with default routing settings) may be passed to reuse them.
@@ -176,9 +241,9 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, profil
     if sims is None:
         sims = build_sim_requests(workload, fleet.served, RoutingSettings())
     if policy.startswith("sim:"):
-        from prefixroute.bench.sim_routers import make_sim_router
-
-        route = make_sim_router(policy, fleet, seed)
+        if policy not in SIM_ROUTERS:
+            raise ValueError(f"unknown simulated router {policy!r}; choose one of {', '.join(SIM_ROUTERS)}")
+        route = SIM_ROUTERS[policy](fleet.endpoint_ids).route
     else:
         router = RouterCore(RoutingSettings(policy=policy, rng_seed=seed))
         router.sync_endpoints(fleet.endpoint_states())
@@ -241,8 +306,6 @@ def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers
     runs, ttfts, skipped = [], {}, {}
     for name in routers:
         if name.startswith("sim:"):
-            from prefixroute.bench.sim_routers import SIM_ROUTERS
-
             if name not in SIM_ROUTERS:
                 raise ValueError(f"unknown simulated router {name!r}; choose one of {', '.join(SIM_ROUTERS)}")
             spec = RouterSpec(name, "sim", name)

@@ -5,7 +5,14 @@ so it cannot drift). Request path through Envoy:
 
     listener -> HCM early header mutation: strip every routing header a client may have sent
              -> ext_proc filter (our picker): headers SEND, request body BUFFERED, response headers SEND
+             -> ext_proc filter in observability mode (telemetry; observe_responses): request headers,
+                response headers and response body STREAMED, sent without waiting for answers
              -> router: route on the header the picker set, else the ext_proc-down route
+
+Telemetry (prefixroute/extproc/tracking.py): the picker also sets ``traceparent`` (its own span, a child
+of the client's) on the request; the observing filter sees it in its request headers, which correlates
+its stream with the picker's, then reports the response's first body chunk (gateway TTFT), its end
+(latency) and its usage. Observability mode means Envoy forwards every chunk to the client at once.
 
 Endpoint selection and failover (Gateway API Inference Extension endpoint-picker protocol):
 - The picker sets `x-gateway-destination-endpoint: ip:port` (primary; also dynamic metadata
@@ -22,7 +29,8 @@ Endpoint selection and failover (Gateway API Inference Extension endpoint-picker
   Envoy dispatched before it saw the close (measured: 1-3 lost requests per kill under load). Such a
   retried request may run twice (one extra prefill); a response that started streaming is never retried.
 - Envoy adds `x-gateway-destination-endpoint-served: %UPSTREAM_HOST%` to every routed response; the
-  picker sees it (response headers SEND) and reports the primary as failed when another endpoint served.
+  picker sees it (through the observing filter, or response headers SEND on the picker's filter when
+  that one is off) and reports the primary as failed when another endpoint served.
 - SECURITY: a client can never choose the address: early header mutation removes the routing headers
   before any filter runs, the picker only writes addresses from its endpoint pool, and the ORIGINAL_DST
   route is reachable only with the picker's header.
@@ -66,6 +74,7 @@ EXTPROC_CLUSTER = "prefixroute_extproc"
 PICKED_CLUSTER = "picked_endpoint"
 POOL_CLUSTER = "endpoint_pool_round_robin"
 DIRECT_CLUSTER = "direct_upstream"
+OBSERVE_FILTER = "prefixroute.observe_responses"
 
 
 MAX_FALLBACKS = 4
@@ -116,12 +125,17 @@ class EnvoySettings(Settings):
                                    "run twice (one extra prefill); without it, those requests fail with 503. Streamed "
                                    "responses that started are never retried.")
     report_served: bool = setting(True, "Send response headers to ext_proc so it learns which endpoint served "
-                                  "(passive failure detection; costs one more small gRPC message per request).")
+                                  "(passive failure detection; costs one more small gRPC message per request). With "
+                                  "observe_responses the observing filter carries them, without blocking.")
     max_downstream_connections: int = setting(50000, "Client connections Envoy accepts at once; beyond it new "
                                               "ones are refused (bounds memory; far above what one picker "
                                               "process can route).")
     extproc_enabled: bool = setting(True, "Insert the ext_proc filter (false = plain round-robin, used by the "
                                     "overhead benchmark as the baseline).")
+    observe_responses: bool = setting(True, "Insert the observing ext_proc filter (observability mode: Envoy never "
+                                      "waits for it) that streams response headers and body chunks to the ext_proc "
+                                      "service for gateway TTFT, latency and token usage per request; false omits "
+                                      "it (records then lack TTFT and usage).")
 
 
 def _duration(seconds: float) -> str:
@@ -272,7 +286,9 @@ def build_config(s: EnvoySettings) -> dict[str, Any]:
                 "processing_mode": {
                     # Headers must be sent (and answered at once) for the body to reach us before routing.
                     "request_header_mode": "SEND",
-                    "response_header_mode": "SEND" if s.report_served else "SKIP",
+                    # The served header is needed once: the observing filter, when present, sees it without making
+                    # Envoy wait, so this filter's blocking response-headers round trip is skipped then.
+                    "response_header_mode": "SEND" if s.report_served and not s.observe_responses else "SKIP",
                     # BUFFERED, measured faster here than FULL_DUPLEX_STREAMED (which saves the CONTINUE round
                     # trip but makes the picker hand the whole body back). send_body_without_waiting_for_
                     # header_response has no effect with BUFFERED in Envoy 1.40 (checked): not set.
@@ -283,6 +299,31 @@ def build_config(s: EnvoySettings) -> dict[str, Any]:
                     "response_trailer_mode": "SKIP",
                 },
                 "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+            },
+        })
+    if s.extproc_enabled and s.observe_responses:
+        http_filters.append({
+            "name": OBSERVE_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                # Send-and-go: Envoy never waits for an answer, so the token stream is not slowed; a telemetry
+                # failure never fails a request.
+                "observability_mode": True,
+                "failure_mode_allow": True,
+                # After the HTTP stream ends Envoy keeps the side stream this long so queued messages (the
+                # last body chunk) still reach the service; the service itself stops waiting after 2 s.
+                "deferred_close_timeout": "2s",
+                "stat_prefix": "observe",
+                "processing_mode": {
+                    # Request headers as the routing filter left them: its traceparent is the correlation key.
+                    "request_header_mode": "SEND",
+                    "response_header_mode": "SEND",
+                    "request_body_mode": "NONE",
+                    "response_body_mode": "STREAMED",
+                    "request_trailer_mode": "SKIP",
+                    "response_trailer_mode": "SKIP",
+                },
             },
         })
     http_filters.append({"name": "envoy.filters.http.router", "typed_config": {
@@ -373,7 +414,10 @@ HEADER = """Envoy configuration of the prefixroute gateway. GENERATED: do not ed
 Rendered by `prefixroute envoy-config --out envoy/envoy.yaml` with default settings; a test asserts
 this file equals the rendering. See prefixroute/extproc/envoy_config.py for the design:
 - early header mutation strips client-supplied routing headers (a client never picks an address);
-- ext_proc (our endpoint picker) sets x-gateway-destination-endpoint + ordered fallback headers;
+- ext_proc (our endpoint picker) sets x-gateway-destination-endpoint + ordered fallback headers, and
+  traceparent (its span) for the model server;
+- a second ext_proc filter in observability mode (never waited on) streams the response to the picker
+  for per-request telemetry: gateway TTFT, latency, token usage, served endpoint;
 - route `picked_endpoint` (only when that header is present) -> composite cluster: attempt k goes to
   the ORIGINAL_DST sub-cluster keyed on the k-th header; retries only on connect failure / refused stream;
 - ext_proc down: fail-open to round-robin over the configured endpoints (failure_mode=open),

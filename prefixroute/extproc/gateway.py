@@ -5,6 +5,9 @@ extproc``), renders the Envoy configuration (envoy_config.py) into a private tem
 (``--disable-hot-restart``: several Envoys on one host must not share the hot-restart shared memory),
 waits until both serve, and on exit stops both (SIGTERM to each child's process group, SIGKILL after a
 grace period) and removes the temp dir. Later commands (``prefixroute up``) build on it.
+
+The ext_proc child inherits this process's environment, so the standard ``OTEL_*`` variables (e.g.
+``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``) configure its span export.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ class GatewaySettings(Settings):
     envoy_concurrency: int = setting(1, "Envoy worker threads (1 on a 2-core machine leaves a core for the "
                                      "Python ext_proc service, which is the bottleneck).")
     envoy_log_level: str = setting("warning", "Envoy log level (warning: quiet unless something is wrong).")
+    metrics_port: int = setting(0, "Port of the ext_proc service's Prometheus /metrics on 127.0.0.1 (0 = any free "
+                                "port, printed at start; -1 disables it).")
+    telemetry: bool = setting(True, "Per-request telemetry: the observing Envoy filter (gateway TTFT, latency, "
+                              "usage) and OTLP span export (per the OTEL_* variables, inherited by the ext_proc "
+                              "child); false omits both (metrics of decisions remain).")
     ready_timeout_s: float = setting(30.0, "How long to wait for both processes to serve before giving up "
                                      "(Envoy starts in ~1 s; endpoints get their first probe within ~1 s).")
 
@@ -109,7 +117,8 @@ def _port_open(port: int, host: str = "127.0.0.1") -> bool:
 class GatewayProcesses:
     """Envoy + ext_proc as children. Use as a context manager; see the module docstring.
 
-    Attributes after `start()`: `url` (gateway base URL), `extproc_port`, `admin_port`, `extproc` and
+    Attributes after `start()`: `url` (gateway base URL), `extproc_port`, `admin_port`, `metrics_port`
+    (the ext_proc service's /metrics, -1 when disabled), `extproc` and
     `envoy` (the `subprocess.Popen` objects), `config_path`.
     """
 
@@ -129,6 +138,7 @@ class GatewayProcesses:
         self._logs: list[IO[bytes]] = []
         self.extproc_port = gateway.extproc_port
         self.admin_port = gateway.admin_port
+        self.metrics_port = gateway.metrics_port
         self.config_path: Path | None = None
 
     @property
@@ -153,13 +163,15 @@ class GatewayProcesses:
             endpoints=tuple(self.endpoints), failure_mode=self.gateway.failure_mode,
             max_request_body_bytes=self.routing.max_body_bytes,
             num_fallbacks=min(self.routing.num_fallbacks, MAX_FALLBACKS),
-            **{"report_served": self.gateway.report_served, **self.envoy_overrides})
+            **{"report_served": self.gateway.report_served, "observe_responses": self.gateway.telemetry,
+               **self.envoy_overrides})
 
     def start_extproc(self) -> None:
         """Start (or restart, after `stop_extproc`) the ext_proc child and wait until it serves."""
         cmd = [sys.executable, "-m", "prefixroute", "extproc", "--port", str(self.extproc_port),
-               "--listen-address", "127.0.0.1", *settings_argv(self.routing), *settings_argv(self.pool),
-               *self.extra_extproc_args]
+               "--listen-address", "127.0.0.1", "--metrics-port", str(self.metrics_port),
+               *([] if self.gateway.telemetry else ["--no-traces"]),
+               *settings_argv(self.routing), *settings_argv(self.pool), *self.extra_extproc_args]
         self.extproc = self._spawn("extproc", cmd)
         self._wait(lambda: _port_open(self.extproc_port), self.extproc, "ext_proc service")
 
@@ -172,6 +184,8 @@ class GatewayProcesses:
                 self.extproc_port = _free_port()
             if not self.admin_port:
                 self.admin_port = _free_port()
+            if not self.metrics_port:
+                self.metrics_port = _free_port()
             self._tmp = Path(tempfile.mkdtemp(prefix="prefixroute-gateway-"))
             self.config_path = self._tmp / "envoy.yaml"
             self.config_path.write_text(render(self.envoy_settings()))
@@ -268,7 +282,9 @@ def main(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"prefixroute gateway ready: {procs.url} -> {len(procs.endpoints)} endpoints "
-              f"(ext_proc 127.0.0.1:{procs.extproc_port}, Envoy admin http://127.0.0.1:{procs.admin_port})",
+              f"(ext_proc 127.0.0.1:{procs.extproc_port}, Envoy admin http://127.0.0.1:{procs.admin_port}, "
+              f"metrics " + (f"http://127.0.0.1:{procs.metrics_port}/metrics" if procs.metrics_port >= 0 else "off")
+              + ")",
               flush=True)
         while stop["signal"] is None:
             for name, p in (("Envoy", procs.envoy), ("ext_proc service", procs.extproc)):

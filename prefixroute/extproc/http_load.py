@@ -102,3 +102,30 @@ def max_rate(port: int, request: bytes, num_connections: int = 32, duration_s: f
         return loop.run_until_complete(_rate(port, request, num_connections, duration_s))
     finally:
         loop.close()
+
+
+def stream_token_times(port: int, request: bytes) -> tuple[int, list[float]]:
+    """Send one streamed (SSE, chunked) request on a new connection; returns (status, arrival time in
+    perf_counter seconds of each ``data:`` event). Events arriving in one read share its time."""
+    times: list[float] = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(request)
+        buf = bytearray()
+        status = 0
+        while True:
+            chunk = sock.recv(65536)
+            now = time.perf_counter()
+            if not chunk:
+                break
+            if not status:
+                buf += chunk
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    continue
+                status = int(buf[9:12])
+                chunk = bytes(buf[end + 4:])
+            times.extend([now] * chunk.count(b"data: "))
+            if b"[DONE]" in chunk or chunk.endswith(b"0\r\n\r\n"):
+                break
+    return status, times

@@ -9,6 +9,11 @@ For each prompt size it prints the latency p50/p99 on one keep-alive connection 
 interleaved over several rounds, so machine noise hits both alike), the added latency, and the most
 requests per second over many connections, with ratios. The machine is shared and noisy: compare ratios,
 and rerun when the load average is high (it is printed).
+
+Inter-token latency (``--mode itl`` or ``all``): streamed responses (the upstream sends a token event every
+``itl_ms``) through two real gateways on the same upstream, telemetry on (the observing ext_proc filter
+sees every body chunk, spans exported) and telemetry off (no observing filter, no export), interleaved;
+prints ITL p50/p99 per configuration and the on/off ratios. Telemetry must leave ITL unchanged within noise.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from prefixroute import settings
 from prefixroute.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, _free_port, _port_open, _stop, envoy_binary
-from prefixroute.extproc.http_load import build_request, latency_ms, max_rate
+from prefixroute.extproc.http_load import build_request, latency_ms, max_rate, stream_token_times
 from prefixroute.routing.settings import RoutingSettings
 from prefixroute.settings import Settings, setting
 
@@ -53,6 +58,15 @@ class OverheadBenchSettings(Settings):
     policy: str = setting("prefix", "Routing policy of the routed configuration.")
     report_served: bool = setting(True, "Routed configuration sends response headers to ext_proc (the gateway "
                                   "default); --no-report-served measures without that message.")
+    telemetry: bool = setting(True, "Routed configuration with per-request telemetry (the gateway default: "
+                              "observing filter + span export); --no-telemetry measures routing alone.")
+    mode: str = setting("all", "'latency' (added latency and req/s), 'itl' (inter-token latency with telemetry "
+                        "on vs off) or 'all'.")
+    itl_streams: int = setting(20, "Streamed requests per round and configuration in the ITL mode (x tokens x "
+                               "rounds gives ~2000 gaps per configuration).")
+    itl_tokens: int = setting(40, "Token events per streamed response in the ITL mode.")
+    itl_ms: float = setting(5.0, "Upstream inter-token interval in ms (5: a fast decode step, so gateway "
+                            "jitter stands out rather than hides in a long interval).")
 
 
 def _body(num_bytes: int) -> bytes:
@@ -76,10 +90,58 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def _span_sink_args() -> list[str]:
+    """Where the routed gateways export spans: the user's OTEL_EXPORTER_OTLP_ENDPOINT if set, else a closed
+    local port (export fails fast and spans are dropped, the per-request work is unchanged), never a
+    receiver someone else runs on the default port 4317."""
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return []
+    return ["--otlp-endpoint", f"http://127.0.0.1:{_free_port()}"]
+
+
+def _itl(s: OverheadBenchSettings, endpoint: str, tmp: Path) -> None:
+    """Inter-token latency through the gateway, telemetry on vs off (see module docstring)."""
+    body = orjson.dumps({"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+                         "max_tokens": s.itl_tokens, "messages": [{"role": "user", "content": "Count."}]})
+    req = build_request("/v1/chat/completions", body)
+    gws = {on: GatewayProcesses(GatewaySettings(port=_free_port(), listen_address="127.0.0.1", telemetry=on),
+                                RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
+                                log_dir=tmp / ("itl-on" if on else "itl-off"), extra_extproc_args=_span_sink_args())
+           for on in (True, False)}
+    gaps: dict[bool, list[float]] = {True: [], False: []}
+    ttft: dict[bool, list[float]] = {True: [], False: []}
+    with gws[True], gws[False]:
+        for on in (True, False):  # warm-up
+            stream_token_times(gws[on].gateway.port, req)
+        for _ in range(s.num_rounds):
+            for _ in range(s.itl_streams):
+                for on in (True, False):
+                    t0 = time.perf_counter()
+                    status, times = stream_token_times(gws[on].gateway.port, req)
+                    if status != 200 or len(times) < s.itl_tokens:
+                        raise RuntimeError(f"streamed request: status {status}, {len(times)} events")
+                    ttft[on].append((times[0] - t0) * 1000.0)
+                    # Content events only (the last two are usage and [DONE], sent together).
+                    tok = times[:s.itl_tokens]
+                    gaps[on] += [(b - a) * 1000.0 for a, b in zip(tok, tok[1:])]
+    print(f"\ninter-token latency: upstream every {s.itl_ms:g} ms, {s.num_rounds} rounds x {s.itl_streams} "
+          f"streams x {s.itl_tokens} tokens per configuration, load average {os.getloadavg()[0]:.2f}")
+    print(f"{'telemetry':>9} {'ITL p50':>8} {'ITL p99':>8} {'TTFT p50':>9}  (ms)")
+    fig = {}
+    for on in (True, False):
+        fig[on] = (_pct(gaps[on], 0.5), _pct(gaps[on], 0.99), _pct(ttft[on], 0.5))
+        print(f"{'on' if on else 'off':>9} {fig[on][0]:8.3f} {fig[on][1]:8.3f} {fig[on][2]:9.3f}")
+    print(f"{'on/off':>9} {'x%.3f' % (fig[True][0] / fig[False][0]):>8} {'x%.3f' % (fig[True][1] / fig[False][1]):>8} "
+          f"{'x%.3f' % (fig[True][2] / fig[False][2]):>9}")
+
+
 def run(s: OverheadBenchSettings) -> int:
+    if s.mode not in ("latency", "itl", "all"):
+        raise ValueError(f"mode must be 'latency', 'itl' or 'all', got {s.mode!r}")
     tmp = Path(tempfile.mkdtemp(prefix="prefixroute-overhead-"))
     up_port = _free_port()
-    upstream = subprocess.Popen([sys.executable, "-m", "prefixroute.extproc.fast_upstream", str(up_port)],
+    upstream = subprocess.Popen([sys.executable, "-m", "prefixroute.extproc.fast_upstream", str(up_port),
+                                 str(s.itl_ms)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     baseline: subprocess.Popen[bytes] | None = None
     endpoint = f"127.0.0.1:{up_port}"
@@ -89,6 +151,9 @@ def run(s: OverheadBenchSettings) -> int:
             if time.monotonic() > deadline or upstream.poll() is not None:
                 raise RuntimeError("fast upstream did not start")
             time.sleep(0.05)
+        if s.mode == "itl":
+            _itl(s, endpoint, tmp)
+            return 0
         base_port = _free_port()
         base_cfg = tmp / "baseline.yaml"
         base_cfg.write_text(render(EnvoySettings(gateway_port=base_port, listen_address="127.0.0.1",
@@ -97,9 +162,10 @@ def run(s: OverheadBenchSettings) -> int:
         baseline = subprocess.Popen([envoy_binary(), "-c", str(base_cfg), "--disable-hot-restart",
                                      "--concurrency", "1", "-l", "warning"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-        gw = GatewayProcesses(GatewaySettings(port=_free_port(), listen_address="127.0.0.1"),
+        gw = GatewayProcesses(GatewaySettings(port=_free_port(), listen_address="127.0.0.1", telemetry=s.telemetry),
                               RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
-                              log_dir=tmp, envoy_overrides={"report_served": s.report_served})
+                              log_dir=tmp, envoy_overrides={"report_served": s.report_served},
+                              extra_extproc_args=_span_sink_args())
         with gw:
             while not _port_open(base_port):
                 if baseline.poll() is not None:
@@ -108,6 +174,7 @@ def run(s: OverheadBenchSettings) -> int:
             routed_port = gw.gateway.port
             load = os.getloadavg()[0]
             print(f"overhead-bench: Envoy 1 worker each, policy {s.policy}, report_served {s.report_served}, "
+                  f"telemetry {s.telemetry}, "
                   f"{s.num_rounds} rounds x {s.num_requests} requests, load average {load:.2f}")
             print(f"{'prompt':>7} {'config':>9} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
             for kb in s.prompt_kb:
@@ -134,6 +201,8 @@ def run(s: OverheadBenchSettings) -> int:
                       f"mean routed {statistics.fmean(lat['routed']):.3f} ms; "
                       f"ext_proc CPU {cpu_s / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request")
             print(f"load average after: {os.getloadavg()[0]:.2f}")
+        if s.mode == "all":
+            _itl(s, endpoint, tmp)
     finally:
         _stop(baseline)
         _stop(upstream)
@@ -145,4 +214,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return run(settings.from_namespace(OverheadBenchSettings, args))
+    try:
+        return run(settings.from_namespace(OverheadBenchSettings, args))
+    except ValueError as exc:
+        print(f"prefixroute overhead-bench: {exc}", file=sys.stderr)
+        return 2

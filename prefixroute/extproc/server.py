@@ -9,6 +9,7 @@ from typing import ClassVar
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.servicer import ExtProcServicer, RouterService
 from prefixroute.settings import Settings, setting
 
@@ -29,7 +30,8 @@ class ExtprocSettings(Settings):
                            "grpc.aio; see overhead-bench).")
 
 
-async def start_server(router: RouterService, s: ExtprocSettings) -> tuple[grpc.aio.Server, int]:
+async def start_server(router: RouterService, s: ExtprocSettings, tracker: RequestTracker | None = None
+                       ) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the started server (call `stop(grace)` on it) and its port (port 0 = any)."""
     server = grpc.aio.server(options=[
         # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
@@ -44,7 +46,7 @@ async def start_server(router: RouterService, s: ExtprocSettings) -> tuple[grpc.
         ("grpc.http2.bdp_probe", 0),
         ("grpc.optimization_target", "latency"),
     ])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(router), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(router, tracker), server)
     bound = server.add_insecure_port(f"{s.listen_address}:{s.port}")
     if bound == 0:
         raise OSError(f"cannot listen on {s.listen_address}:{s.port}")

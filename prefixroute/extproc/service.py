@@ -7,8 +7,11 @@ Contract with the servicer (`servicer.RouterService`):
   first. Raises `OpenAIError` (400/404/405/413/503) to refuse.
 - `served(pick, served)`: Envoy's ``x-gateway-destination-endpoint-served``. When a different endpoint
   served (the primary refused the connection and a fallback took it): the primary, and any fallback tried
-  before the one that served, are reported failed (passive health: marked down at once), the prefix is recorded on the endpoint that really holds it, and
-  the in-flight count moves to that endpoint.
+  before the one that served, are reported failed (passive health: marked down at once), the prefix is
+  recorded on the endpoint that really holds it, and the in-flight count moves to that endpoint.
+- `endpoint_of(address)`: the endpoint id behind an address it handed out (telemetry maps Envoy's served
+  address back to the endpoint). A pick also carries its `Decision`, `decision_us` (parse + schedule) and
+  the parsed request, for telemetry.
 - `release(pick)`: once per pick, when the HTTP request ends for any reason.
 
 Endpoint ids are ``host:port`` as configured; hosts that are names (compose services) are resolved once to
@@ -20,25 +23,28 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 from collections.abc import Mapping
 
 from prefixroute.endpoints.pool import EndpointPool
 from prefixroute.routing.request import InferenceRequest, parse_request
 from prefixroute.routing.router import RouterCore
 from prefixroute.routing.settings import RoutingSettings
-from prefixroute.routing.types import EndpointId
+from prefixroute.routing.types import Decision, EndpointId
 
 
 class RoutePick:
     """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
 
-    __slots__ = ("endpoints", "endpoint_ids", "request", "counted", "released")
+    __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
-                 request: InferenceRequest) -> None:
+                 request: InferenceRequest, decision: Decision, decision_us: float) -> None:
         self.endpoints = endpoints
         self.endpoint_ids = endpoint_ids
         self.request = request
+        self.decision = decision
+        self.decision_us = decision_us  # parse + schedule, microseconds
         self.counted: EndpointId = endpoint_ids[0]
         self.released = False
 
@@ -85,12 +91,18 @@ class PoolRouter:
             addrs = self._addrs_cache[ids] = tuple(out)
         return addrs
 
+    def endpoint_of(self, address: str) -> EndpointId | None:
+        """The endpoint id behind an ``ip:port`` this router handed to Envoy (None if it never did)."""
+        return self._id_of_addr.get(address)
+
     def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> RoutePick:
+        t0 = time.perf_counter()
         request = parse_request(method, path, headers, body, self.settings)
         pool = self.pool
         decision = self.core.route(request, pool.snapshot(), pool.in_flight)
+        decision_us = (time.perf_counter() - t0) * 1e6
         ids = decision.endpoints
-        pick = RoutePick(self._addresses(ids), ids, request)
+        pick = RoutePick(self._addresses(ids), ids, request, decision, decision_us)
         pool.acquire(ids[0])
         return pick
 

@@ -1,7 +1,8 @@
 """The ext_proc gRPC servicer: a thin translation between Envoy's ProcessingRequest stream and a
 `RouterService` (which knows nothing of gRPC).
 
-One gRPC stream = one HTTP request. Message flow (processing mode set in envoy_config.py):
+One routing gRPC stream per HTTP request (plus one observing stream when telemetry is on, below). Routing
+stream message flow (processing mode set in envoy_config.py):
 
 1. request headers: if the request has no body (end_of_stream, e.g. ``GET /v1/models``) decide now and
    answer with the routing headers; otherwise answer CONTINUE at once (Envoy then sends the body).
@@ -12,7 +13,8 @@ One gRPC stream = one HTTP request. Message flow (processing mode set in envoy_c
    ImmediateResponse with its status, JSON body, ``content-type: application/json`` and ``retry-after``
    when it carries one.
 3. response headers: ``x-gateway-destination-endpoint-served`` tells which endpoint served; the router
-   service reports the primary as failed when it differs.
+   service reports the primary as failed when it differs. With the observing filter (below) these come
+   on the observing stream instead (Envoy does not wait), and the routing filter skips them.
 4. stream end: `RouterService.release` runs exactly once for a pick, in ``finally``. Envoy keeps the
    gRPC stream open until the HTTP stream is destroyed (response complete, reset, or client gone), even
    when no further messages are expected: checked with Envoy 1.40, a 1 s SSE response released its pick
@@ -21,13 +23,19 @@ One gRPC stream = one HTTP request. Message flow (processing mode set in envoy_c
 Hot path: responses are pre-built protobuf messages, cached per endpoint list (few distinct lists exist:
 at most N x (N-1) x ... for N endpoints); nothing is logged per request.
 
+Telemetry (optional `RequestTracker`, tracking.py): the routing stream starts each request's record and
+adds ``traceparent`` (the router's span) to the routing header mutation; a second stream, from Envoy's
+observing ext_proc filter (``observability_mode``: every message has ``observability_mode`` set, nothing
+is answered), reports response headers and body chunks for TTFT, latency and usage. Both streams are
+served by `Process`; the first message's ``observability_mode`` flag tells them apart.
+
 Async safety: all calls happen on the event loop thread; the RouterService needs no locks.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -38,6 +46,7 @@ from google.protobuf import struct_pb2
 
 from prefixroute.extproc.envoy_config import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS, SERVED_HEADER,
                                               fallback_header)
+from prefixroute.extproc.tracking import TRACEPARENT_HEADER, RequestTracker, Tracked
 from prefixroute.openai_errors import OpenAIError
 
 
@@ -45,6 +54,11 @@ class Pick(Protocol):
     """A routing decision held until its HTTP request ends."""
 
     endpoints: tuple[str, ...]  # primary first, then fallbacks; never empty
+    # For telemetry (read only with a RequestTracker): the routing.types.Decision, the time spent deciding
+    # (parse + schedule, microseconds) and the parsed routing.request.InferenceRequest.
+    decision: Any
+    decision_us: float
+    request: Any
 
 
 class RouterService(Protocol):
@@ -107,6 +121,15 @@ class ResponseCache:
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
 
 
+def with_traceparent(cached: pb.ProcessingResponse, at_headers: bool, traceparent: str) -> pb.ProcessingResponse:
+    """A copy of a cached routing response that also sets ``traceparent`` (the router span) upstream."""
+    resp = pb.ProcessingResponse()
+    resp.CopyFrom(cached)
+    common = resp.request_headers.response if at_headers else resp.request_body.response
+    common.header_mutation.set_headers.append(_header(TRACEPARENT_HEADER, traceparent))
+    return resp
+
+
 def immediate_response(err: OpenAIError) -> pb.ProcessingResponse:
     """An OpenAIError as an ext_proc ImmediateResponse (status, JSON body, content-type, retry-after)."""
     headers = [_header("content-type", "application/json")]
@@ -127,17 +150,26 @@ def _headers_dict(http_headers: pb.HttpHeaders) -> dict[str, str]:
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """Envoy ext_proc `Process` stream -> RouterService calls. See module docstring for the flow."""
 
-    def __init__(self, router: RouterService) -> None:
+    def __init__(self, router: RouterService, tracker: RequestTracker | None = None) -> None:
         self.router = router
+        self.tracker = tracker
         self.responses = ResponseCache()
 
     def _decide(self, method: str, path: str, headers: Mapping[str, str], body: bytes,
-                at_headers: bool) -> tuple[pb.ProcessingResponse, Pick | None]:
+                at_headers: bool, st: Tracked | None, traceparent: str | None
+                ) -> tuple[pb.ProcessingResponse, Pick | None]:
         try:
             pick = self.router.route(method, path, headers, body)
         except OpenAIError as err:
+            if st is not None:
+                self.tracker.refused(st, err.status, err.message)  # type: ignore[union-attr]
             return immediate_response(err), None
-        return self.responses.routing_response(pick.endpoints, at_headers), pick
+        resp = self.responses.routing_response(pick.endpoints, at_headers)
+        if traceparent is not None:
+            resp = with_traceparent(resp, at_headers, traceparent)
+            if st is not None:
+                self.tracker.decided(st, pick)  # type: ignore[union-attr]
+        return resp, pick
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> None:
@@ -145,6 +177,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         pick: Pick | None = None
         headers: dict[str, str] = {}
         router = self.router
+        tracker = self.tracker
+        st: Tracked | None = None
+        traceparent: str | None = None
         read = context.read
         write = context.write
         eof = grpc.aio.EOF
@@ -159,25 +194,37 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         await write(_CONTINUE_REQUEST_BODY)
                         continue
                     resp, pick = self._decide(headers.get(":method", "POST"), headers.get(":path", "/"),
-                                              headers, req.request_body.body, False)
+                                              headers, req.request_body.body, False, st, traceparent)
                     await write(resp)
                 elif which == "request_headers":
+                    if req.observability_mode:
+                        await self._observe(req, read, eof)
+                        return
                     rh = req.request_headers
                     headers = _headers_dict(rh)
+                    if tracker is not None:
+                        st, traceparent = tracker.begin(headers)
                     if rh.end_of_stream:
                         resp, pick = self._decide(headers.get(":method", "GET"), headers.get(":path", "/"),
-                                                  headers, b"", True)
+                                                  headers, b"", True, st, traceparent)
                         await write(resp)
                     else:
                         await write(_CONTINUE_REQUEST_HEADERS)
                 elif which == "response_headers":
                     if pick is not None:
+                        hs = req.response_headers.headers.headers
                         served = None
-                        for h in req.response_headers.headers.headers:
+                        for h in hs:
                             if h.key == SERVED_HEADER:
                                 served = h.raw_value.decode("latin-1") if h.raw_value else h.value
                                 break
-                        router.served(pick, served)
+                        if st is None:
+                            router.served(pick, served)
+                        elif not st.served_reported:
+                            st.served_reported = True
+                            router.served(pick, served)
+                            tracker.routing_response_headers(  # type: ignore[union-attr]
+                                st, _find(hs, ":status"), served)
                     await write(_CONTINUE_RESPONSE_HEADERS)
                 elif which == "request_trailers":
                     await write(_CONTINUE_REQUEST_TRAILERS)
@@ -188,3 +235,39 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         finally:
             if pick is not None:
                 router.release(pick)
+            if st is not None:
+                tracker.routing_closed(st)  # type: ignore[union-attr]
+
+    async def _observe(self, first: pb.ProcessingRequest, read: Any, eof: Any) -> None:
+        """An observing stream (observability mode): read everything, answer nothing."""
+        tracker = self.tracker
+        st = tracker.attach(first.request_headers.headers.headers) if tracker is not None else None
+        try:
+            while True:
+                req = await read()
+                if req is eof:
+                    return
+                if st is None:
+                    continue  # untracked (telemetry off, or the routing filter failed open): just drain
+                which = req.WhichOneof("request")
+                if which == "response_body":
+                    rb = req.response_body
+                    tracker.obs_body(st, rb.body, rb.end_of_stream)  # type: ignore[union-attr]
+                elif which == "response_headers":
+                    rh = req.response_headers
+                    tracker.obs_response_headers(  # type: ignore[union-attr]
+                        st, rh.headers.headers, rh.end_of_stream, SERVED_HEADER)
+                    if st.pick is not None and not st.served_reported:
+                        # Passive failure detection from here when the routing filter skips response headers.
+                        st.served_reported = True
+                        self.router.served(st.pick, st.served_addr)
+        finally:
+            if st is not None:
+                tracker.obs_closed(st)  # type: ignore[union-attr]
+
+
+def _find(headers: Any, name: str) -> str | None:
+    for h in headers:
+        if h.key == name:
+            return h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return None

@@ -324,7 +324,9 @@ class EngineCore:
         ctx = 0
         for r in running:
             c = r.num_computed
-            if c != r.num_tokens - 1:
+            # A request whose chunked prefill left exactly its last prompt token is still prefilling
+            # (num_output == 0): its first-token step must go through plan_step to set the TTFT.
+            if c != r.num_tokens - 1 or r.num_output == 0:
                 return None
             rem = r.max_tokens - r.num_output
             if rem < k:

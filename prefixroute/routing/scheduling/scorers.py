@@ -3,6 +3,10 @@
 Contract: ``score(ctx, endpoints)`` returns one float in [0, 1] per endpoint, in the same order, depending only
 on the context (pure). A signal that is unknown (never scraped, or stale: the pool sets it to None) scores the
 neutral 0.5, so a missing metric neither attracts nor repels traffic.
+
+The prefix policy weights them in prompt tokens (policies.py): prefix x tokens hashed = prefill saved;
+in-flight x (load_cost_tokens x concurrency_threshold) = a constant minus load_cost_tokens per request; so a
+weighted sum is a constant minus the Dynamo-like cost, and the max score is the least cost.
 """
 
 from __future__ import annotations

@@ -39,14 +39,18 @@ def _alive(pid: int) -> bool:
 
 def test_extproc_prints_ready_line_and_stops_cleanly_on_sigterm(stack: ExitStack, log_dir: Path) -> None:
     fleet = start_fleet(stack, 1, log_dir, prefix="x")
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     proc = stack.enter_context(start_process(
         prefixroute_cmd("extproc", "--port", str(port), "--listen-address", "127.0.0.1",
-                        "--endpoints", fleet.endpoints[0]), ready_port=port, log_dir=log_dir, name="extproc"))
+                        "--endpoints", fleet.endpoints[0], "--metrics-port", str(metrics_port), "--no-traces"),
+        ready_port=port, log_dir=log_dir, name="extproc"))
     deadline = time.monotonic() + 5
     while "ready on" not in proc.log_tail() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert f"prefixroute extproc ready on 127.0.0.1:{port} (policy prefix, 1/1 endpoints healthy)" in proc.log_tail()
+    assert (f"prefixroute extproc ready on 127.0.0.1:{port} (policy prefix, 1/1 endpoints healthy, "
+            f"metrics http://127.0.0.1:{metrics_port}/metrics, traces off)") in proc.log_tail()
+    status, body = http_get(f"http://127.0.0.1:{metrics_port}/metrics")
+    assert status == 200 and b"prefixroute_decision_duration_seconds" in body
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.popen.wait(timeout=10) == 0
 
@@ -77,6 +81,10 @@ def test_gateway_command_serves_and_stops_both_children_on_sigterm(stack: ExitSt
     while ready_line not in proc.log_tail() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ready_line in proc.log_tail()
+    line = next(x for x in proc.log_tail().splitlines() if x.startswith(ready_line))
+    metrics_url = line.rsplit("metrics ", 1)[1].rstrip(")")
+    status, body = http_get(metrics_url)  # the launcher picked a free port for the router's /metrics
+    assert status == 200 and b"prefixroute_decisions_total" in body
     children = _children(proc.pid)
     assert len(children) == 2, children  # Envoy and the ext_proc service
     proc.popen.send_signal(signal.SIGTERM)
@@ -89,7 +97,8 @@ def test_gateway_command_serves_and_stops_both_children_on_sigterm(stack: ExitSt
 
 @pytest.mark.slow
 def test_overhead_bench_runs_and_prints_added_latency() -> None:
-    r = subprocess.run(prefixroute_cmd("overhead-bench", "--prompt-kb", "4", "--num-requests", "50", "--num-rounds", "1",
+    r = subprocess.run(prefixroute_cmd("overhead-bench", "--mode", "latency", "--prompt-kb", "4",
+                                       "--num-requests", "50", "--num-rounds", "1",
                                        "--num-connections", "4", "--rate-duration-s", "0.3"),
                        capture_output=True, text=True, timeout=90)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -99,3 +108,19 @@ def test_overhead_bench_runs_and_prints_added_latency() -> None:
     base_p50, routed_p50 = float(rows["baseline"][0]), float(rows["routed"][0])
     assert float(rows["added"][0]) == pytest.approx(routed_p50 - base_p50, abs=0.002)
     assert float(rows["routed"][2]) > 0  # requests per second over the routed gateway
+
+
+@pytest.mark.slow
+def test_overhead_bench_itl_mode_prints_itl_with_telemetry_on_and_off() -> None:
+    r = subprocess.run(prefixroute_cmd("overhead-bench", "--mode", "itl", "--num-rounds", "1", "--itl-streams", "3",
+                                       "--itl-tokens", "10", "--itl-ms", "4"),
+                       capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()
+            if line.strip().split(" ", 1)[0] in ("on", "off", "on/off")}
+    assert set(rows) == {"on", "off", "on/off"}
+    for name in ("on", "off"):
+        p50, p99 = float(rows[name][0]), float(rows[name][1])
+        assert 3.0 < p50 <= p99  # the upstream's 4 ms spacing comes through (gaps are never shorter on average)
+    assert float(rows["on/off"][0].lstrip("x")) == pytest.approx(float(rows["on"][0]) / float(rows["off"][0]),
+                                                                 abs=0.002)

@@ -53,10 +53,47 @@ def test_same_seed_same_results_and_policies_share_prepared_requests():
                                                                      for r in b]
 
 
-def test_closed_loop_is_refused_with_a_reason():
-    wl = workloads.apply_arrivals(_wl(num_requests=4), "closed")
-    with pytest.raises(virtual.VirtualFleetUnavailable, match="closed-loop"):
-        virtual.simulate_policy(wl, "prefix", num_servers=2)
+def _max_overlap(res) -> int:
+    """Most requests in flight at once, from (start, end) intervals."""
+    events = sorted([(r.start_s, 1) for r in res] + [(r.start_s + r.e2e_ms / 1000.0, -1) for r in res])
+    most = cur = 0
+    for _, d in events:
+        cur += d
+        most = max(most, cur)
+    return most
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_closed_loop_keeps_the_concurrency(concurrency):
+    wl = workloads.apply_arrivals(_wl(num_requests=12), "closed")
+    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=2, concurrency=concurrency)
+    assert len(res) == 12 and all(r.ok for r in res)
+    assert _max_overlap(res) == concurrency
+    # each client sends its next request the moment the previous one finishes: no idle gap in the run
+    span_s = max(r.start_s + r.e2e_ms / 1000.0 for r in res)
+    busy_s = sum(r.e2e_ms for r in res) / 1000.0
+    assert busy_s == pytest.approx(span_s * concurrency, rel=0.25 if concurrency > 1 else 1e-9)
+
+
+@pytest.mark.parametrize("arrival", ["poisson", "closed"])
+def test_a_turn_is_sent_only_after_the_previous_turn_finished(arrival):
+    # 2 sessions x 4 turns at 50 req/s: Poisson gaps (~20 ms) are shorter than a turn (~100+ ms of decode)
+    wl = workloads.multi_turn(num_sessions=2, num_turns=4, system_tokens=64, user_tokens=32, output_tokens=64,
+                              seed=2)
+    wl = workloads.apply_arrivals(wl, arrival, rate_rps=50.0, seed=2)
+    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=2, concurrency=8)
+    by_index = {r.index: r for r in res}
+    assert all(r.ok for r in res)
+    deps = [(spec, by_index[spec.after_index]) for spec in wl.requests if spec.after_index is not None]
+    assert deps
+    for spec, prev in deps:
+        me = by_index[spec.index]
+        assert me.start_s >= prev.start_s + prev.e2e_ms / 1000.0 - 1e-9
+        if spec.arrival_s is not None:
+            assert me.start_s >= spec.arrival_s - 1e-9
+    # with 8 clients and 2 sessions, only the session order limits concurrency: 2 at a time at most
+    if arrival == "closed":
+        assert _max_overlap(res) == 2
 
 
 def test_prompt_longer_than_the_context_window_is_a_400_not_a_crash():
@@ -90,3 +127,43 @@ def test_cli_virtual_trace_writes_outputs(tmp_path):
     assert doc["workload"]["virtual"] is True
     assert [r["requests"] for r in doc["runs"]] == [20, 20]
     assert (out / "report.md").exists() and (out / "ttft_cdf.png").exists()
+
+
+# --- our model of sglang-router's cache_aware policy --------------------------------------------------------------
+def _sglang(sent: dict[int, list[str]]) -> virtual.SglangCacheAwareModel:
+    m = virtual.SglangCacheAwareModel(["a:1", "b:1", "c:1"], block_chars=4)
+    for i, texts in sent.items():
+        for t in texts:
+            m.trees.record(_hashes(t), m.endpoint_ids[i])
+    return m
+
+
+def _hashes(text: str):
+    from prefixroute.routing.hashing import hash_blocks, seed_for
+
+    return hash_blocks(text, seed_for(None, None), 4, 1 << 30)
+
+
+@pytest.mark.parametrize("sent,text,in_flight,expected", [
+    ({1: ["abcdefghijkl"]}, "abcdefgh-xyz", [0, 0, 0], 1),  # 8 of 12 chars match (> 0.3): longest match
+    ({1: ["abcdefghijkl"]}, "abcd-other-text-here", [0, 0, 0], 0),  # 4 of 20 (<= 0.3): smallest tree, first
+    ({0: ["zzzzzzzz"], 1: ["abcdefghijkl"]}, "qqqq-other-text-here", [0, 0, 0], 2),  # smallest tree is c
+    ({1: ["abcdefghijkl"]}, "abcdefgh-xyz", [10, 100, 10], 0),  # 90 > 64 and 100 > 1.5 x 10: least loaded
+    ({1: ["abcdefghijkl"]}, "abcdefgh-xyz", [60, 100, 30], 2),  # imbalanced: the least loaded
+    ({1: ["abcdefghijkl"]}, "abcdefgh-xyz", [60, 100, 60], 1),  # max - min = 40 <= 64: the cache wins
+    ({1: ["abcdefghijkl"]}, "abcdefgh-xyz", [150, 220, 150], 1),  # 70 > 64 but 220 <= 1.5 x 150: cache wins
+])
+def test_sglang_model_follows_its_three_rules(sent, text, in_flight, expected):
+    m = _sglang(sent)
+    assert m.choose(text, in_flight) == expected
+    assert m.trees.match(_hashes(text)).get(m.endpoint_ids[expected], 0) == len(_hashes(text))  # text recorded
+
+
+def test_sglang_model_runs_by_name_in_a_virtual_bench():
+    wl = _wl(num_requests=40)
+    doc, _ = virtual.run_virtual(wl, upper_bound.upper_bound(wl).hit_ratio,
+                                 ["prefixroute:prefix", "sim:sglang-cache-aware"], num_servers=2, log=lambda _m: None)
+    assert [r["router"] for r in doc["runs"]] == ["prefixroute:prefix", "sim:sglang-cache-aware"]
+    assert all(r["requests"] == 40 and r["errors"] == 0 and r["hit_ratio"] > 0 for r in doc["runs"])
+    with pytest.raises(ValueError, match="unknown simulated router"):
+        virtual.run_virtual(wl, None, ["sim:nope"], num_servers=2, log=lambda _m: None)

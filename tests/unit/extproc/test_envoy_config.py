@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixroute.extproc.envoy_config import (DESTINATION_HEADER, MAX_FALLBACKS, PICKED_CLUSTER, POOL_CLUSTER,
-                                              SERVED_HEADER, EnvoySettings, build_config, fallback_header, render,
-                                              route_headers)
+from prefixroute.extproc.envoy_config import (DESTINATION_HEADER, MAX_FALLBACKS, OBSERVE_FILTER, PICKED_CLUSTER,
+                                              POOL_CLUSTER, SERVED_HEADER, EnvoySettings, build_config,
+                                              fallback_header, render, route_headers)
 from prefixroute.extproc.gateway import envoy_binary, settings_argv
 
 REPO = Path(__file__).resolve().parents[3]
@@ -39,7 +39,8 @@ def test_committed_envoy_yaml_is_the_default_rendering() -> None:
     {"num_fallbacks": 4, "report_served": False},
     {"extproc_enabled": False},
     {"endpoints": ()},
-], ids=["default", "fail-closed", "no-fallback", "four-fallbacks", "no-extproc", "no-endpoints"])
+    {"observe_responses": False},
+], ids=["default", "fail-closed", "no-fallback", "four-fallbacks", "no-extproc", "no-endpoints", "no-observe"])
 def test_real_envoy_accepts_the_rendering(tmp_path: Path, overrides: dict) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(render(EnvoySettings(**overrides)))
@@ -121,3 +122,23 @@ def test_fallback_header_names_are_distinct_and_ordered() -> None:
 ])
 def test_settings_argv_reproduces_non_default_fields(settings: EnvoySettings, argv: list[str]) -> None:
     assert settings_argv(settings) == argv
+
+
+def _filters(cfg: dict) -> list[dict]:
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm["http_filters"]
+
+
+@pytest.mark.parametrize(("overrides", "observed"), [
+    ({}, True), ({"observe_responses": False}, False), ({"extproc_enabled": False}, False)])
+def test_observing_filter_follows_the_routing_filter_in_observability_mode(overrides: dict, observed: bool) -> None:
+    names = [f["name"] for f in _filters(build_config(EnvoySettings(**overrides)))]
+    assert (OBSERVE_FILTER in names) is observed
+    if observed:
+        # After the picker (so it sees the picker's traceparent), before the router.
+        assert names.index("envoy.filters.http.ext_proc") < names.index(OBSERVE_FILTER) < len(names) - 1
+        obs = _filters(build_config(EnvoySettings(**overrides)))[names.index(OBSERVE_FILTER)]["typed_config"]
+        assert obs["observability_mode"] is True and obs["failure_mode_allow"] is True
+        mode = obs["processing_mode"]
+        assert (mode["request_header_mode"], mode["response_header_mode"], mode["response_body_mode"],
+                mode["request_body_mode"]) == ("SEND", "SEND", "STREAMED", "NONE")

@@ -18,7 +18,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from prefixroute.extproc.envoy_config import DESTINATION_HEADER, MAX_FALLBACKS, SERVED_HEADER, fallback_header
 from prefixroute.extproc.server import ExtprocSettings, start_server
+from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.openai_errors import OpenAIError
+from prefixroute.routing.request import InferenceRequest
+from prefixroute.routing.types import Decision
+from prefixroute.telemetry.tracecontext import parse_traceparent
 
 
 class _Pick:
@@ -171,3 +175,55 @@ async def test_release_happens_once_when_envoy_resets_the_stream(served) -> None
     await _until(lambda: len(router.released) == 1)
     await asyncio.sleep(0.1)
     assert len(router.released) == 1
+
+
+class _TrackedPick(_Pick):
+    def __init__(self, endpoints: tuple[str, ...]) -> None:
+        super().__init__(endpoints)
+        self.decision = Decision(endpoints=("a:1", "b:2"), reason="cold", policy="prefix")
+        self.decision_us = 10.0
+        self.request = InferenceRequest(kind="chat", path="/v1/chat/completions", model="m", stream=True)
+
+
+class TrackedRouter(RecordingRouter):
+    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> _Pick:
+        pick = super().route(method, path, headers, body)
+        return _TrackedPick(pick.endpoints)
+
+
+async def test_routing_sets_traceparent_and_the_observing_stream_completes_the_record() -> None:
+    router = TrackedRouter(EPS)
+    records: list = []
+    tracker = RequestTracker(lambda d, us: None, records.append, {EPS[0]: "a:1", EPS[1]: "b:2"}.get)
+    server, port = await start_server(router, ExtprocSettings(port=0, listen_address="127.0.0.1"), tracker)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        routing = stub.Process()
+        await routing.write(_headers(POST, end_of_stream=False))
+        await routing.read()
+        await routing.write(_body(b'{"model": "m"}'))
+        tp = _set_headers((await routing.read()).request_body.response)["traceparent"]
+        assert parse_traceparent(tp) is not None
+        # The observing stream (observability mode): Envoy sends, the service never answers.
+        obs = stub.Process()
+        hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="traceparent", raw_value=tp.encode())])
+        await obs.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm), observability_mode=True))
+        rh = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in {
+            ":status": "200", "content-type": "text/event-stream", SERVED_HEADER: EPS[1]}.items()])
+        await obs.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=rh), observability_mode=True))
+        usage = b'data: {"usage": {"prompt_tokens": 9, "completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+        await obs.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=usage, end_of_stream=True),
+                                             observability_mode=True))
+        await obs.done_writing()
+        assert await obs.read() is grpc.aio.EOF  # nothing answered
+        await routing.done_writing()
+        assert await routing.read() is grpc.aio.EOF
+        await _until(lambda: len(records) == 1)
+        rec = records[0]
+        assert rec.span_id == parse_traceparent(tp).span_id
+        assert (rec.status, rec.endpoint, rec.reason, rec.prompt_tokens) == (200, "b:2", "failover", 9)
+        assert router.routed and len(router.released) == 1
+    finally:
+        await channel.close()
+        await server.stop(None)

@@ -131,21 +131,22 @@ def sched(policy: str = "prefix", **kw) -> Scheduler:
 
 def test_cold_prefix_is_placed_by_rendezvous_and_then_has_affinity():
     s, idx = sched(), PrefixIndex(1000)
-    r = chain(42)
+    r = chain(42, 40)
     d = s.schedule(r, E, {}, idx)
     key = prefix_key(r, s.settings.cold_key_blocks)
     assert d.reason == "cold"
     assert list(d.endpoints) == pickers.rendezvous_order(key, E)[:3]
     idx.record(r.block_hashes, d.endpoints[0])
-    d2 = s.schedule(r, E, {d.endpoints[0]: 5}, idx)
-    assert (d2.reason, d2.endpoints[0], d2.matched_blocks, d2.predicted_hit_ratio) == ("affinity", d.endpoints[0], 8,
+    d2 = s.schedule(r, E, {d.endpoints[0]: 2}, idx)  # under the balance limit (1.5 x mean 0.67 + 2 slack)
+    assert (d2.reason, d2.endpoints[0], d2.matched_blocks, d2.predicted_hit_ratio) == ("affinity", d.endpoints[0], 40,
                                                                                        1.0)
 
 
 def test_requests_sharing_a_system_prompt_converge_cold():
-    s, idx = sched(), PrefixIndex(1000)
-    # same first cold_key_blocks blocks, different tails: every one is cold (nothing recorded) yet lands together
-    firsts = {s.schedule(req(1, 2, 3, 4, 100 + i, 200 + i), E, {}, idx).endpoints[0] for i in range(20)}
+    # same first cold_key_blocks blocks, different tails, each seen by a fresh router (replicas, or a restart):
+    # every one is cold yet lands together
+    firsts = {sched().schedule(req(1, 2, 3, 4, 100 + i, 200 + i), E, {}, PrefixIndex(10)).endpoints[0]
+              for i in range(20)}
     assert len(firsts) == 1
 
 
@@ -159,7 +160,7 @@ def test_cold_placement_skips_endpoints_over_threshold():
 
 def test_spill_over_threshold_then_spread_over_two():
     s, idx = sched(concurrency_threshold=4), PrefixIndex(1000)
-    r = chain(9)
+    r = chain(9, 40)  # 640 tokens: worth more than a load difference of one request (64 tokens)
     idx.record(r.block_hashes, A)
     d = s.schedule(r, E, {A: 4}, idx)
     assert d.reason == "spill" and d.endpoints[0] != A and A in d.endpoints
@@ -179,14 +180,26 @@ def test_all_over_threshold_still_prefers_affinity():
     assert (d.reason, d.endpoints[0]) == ("affinity", B)
 
 
-def test_affinity_beats_moderate_load_but_load_beats_a_small_partial_match():
+# Cost model: an endpoint saves 16 tokens (64 chars / 4) per matched block and costs 64 tokens per in-flight
+# request (defaults). Rows: blocks held by A, blocks in the prompt, in-flight on A, B, C -> expected primary.
+@pytest.mark.parametrize("held,total,a,b,c,expected", [
+    (40, 40, 3, 0, 0, A),  # 640 tokens saved > 3 x 64 of extra load
+    (40, 40, 5, 0, 0, B),  # 5 in flight vs idle: over the balance limit (1.5 x 1.67 + 2 = 4.5) -> spill
+    (40, 40, 9, 6, 6, A),  # loaded fleet: 9 <= 1.5 x 7 + 2, and 640 > 3 x 64
+    (40, 40, 10, 2, 2, B),  # 10 > 1.5 x 4.67 + 2: over the adaptive limit (far under 32) though 640 > 8 x 64
+    (8, 40, 0, 0, 0, A),  # a short shared part still wins at equal load (tokens saved, nothing lost)
+    (8, 40, 3, 0, 0, B),  # ... but not against 3 requests of load: 128 tokens saved < 192
+    (2, 40, 1, 0, 0, B),  # 32 tokens saved < one request of load
+])
+def test_affinity_is_priced_against_load(held, total, a, b, c, expected):
     s, idx = sched(), PrefixIndex(1000)
-    full = chain(1, 40)
-    idx.record(full.block_hashes, A)
-    assert s.schedule(full, E, {A: 20}, idx).endpoints[0] == A
-    partial = req(*(full.block_hashes[:2] + [7_000_000 + i for i in range(38)]))
-    d = s.schedule(partial, E, {A: 20}, idx)
-    assert (d.reason, d.matched_blocks) == ("load", 0) and d.endpoints[0] != A
+    r = chain(1, total)
+    idx.record(r.block_hashes[:held], A)
+    d = s.schedule(r, E, {A: a, B: b, C: c}, idx)
+    if expected == A:
+        assert (d.endpoints[0], d.reason, d.matched_blocks) == (A, "affinity", held)
+    else:  # B and C are equivalent: not A, and the cheaper of them (tie -> random)
+        assert d.endpoints[0] != A and d.reason in ("spill", "load")
 
 
 def test_prompt_without_blocks_goes_by_load():
@@ -279,11 +292,11 @@ def test_scheduler_ignores_index_entries_of_ineligible_endpoints():
 def test_large_pool_keeps_affinity_and_spreads_new_load():
     s, idx = sched(max_scored_endpoints=8), PrefixIndex(1000)
     pool = eps(100)
-    r = chain(21)
+    r = chain(21, 40)
     holder = pool[57].endpoint
     idx.record(r.block_hashes, holder)
     for _ in range(50):  # the holder is always among the scored endpoints
-        assert s.schedule(r, pool, {holder: 3}, idx).endpoints[0] == holder
+        assert s.schedule(r, pool, {holder: 2}, idx).endpoints[0] == holder
     # prompts without blocks go by load among a random window: over many picks every endpoint is used
     picks = collections.Counter(s.schedule(req(), pool, {}, idx).endpoints[0] for _ in range(3000))
     assert len(picks) == 100 and max(picks.values()) < 4 * 3000 / 100
@@ -322,7 +335,7 @@ def test_spill_in_a_large_pool_skips_the_over_threshold_holder():
 
 
 def test_prefix_policy_breaks_ties_by_load_then_randomly():
-    s, idx = sched(queue_weight=0.0, kv_weight=0.0, load_weight=0.0), PrefixIndex(1000)
+    s, idx = sched(queue_cost_tokens=0.0, kv_cost_tokens=0.0, load_cost_tokens=0.0), PrefixIndex(1000)
     r = chain(6)
     idx.record(r.block_hashes, A)
     idx.record(r.block_hashes, B)  # A and B hold the whole prompt: equal prefix scores, load not weighted
@@ -333,17 +346,102 @@ def test_prefix_policy_breaks_ties_by_load_then_randomly():
 
 @pytest.mark.parametrize("change", ["remove", "add"])
 def test_cold_placement_moves_only_the_changed_endpoints_share(change):
-    s = sched()
+    # a fresh router per decision: no load and no share history, so placement is rendezvous alone
     pool = eps(10)
     after_pool = pool[:9] if change == "remove" else eps(11)
     changed = pool[9].endpoint if change == "remove" else after_pool[10].endpoint
     moved = 0
     for key in range(3000):
         r = chain(key, 5)
-        before = s.schedule(r, pool, {}, PrefixIndex(10)).endpoints[0]
-        after = s.schedule(r, after_pool, {}, PrefixIndex(10)).endpoints[0]
+        before = sched().schedule(r, pool, {}, PrefixIndex(10)).endpoints[0]
+        after = sched().schedule(r, after_pool, {}, PrefixIndex(10)).endpoints[0]
         if before != after:
             moved += 1
             assert changed in (before, after)  # only prefixes of the changed endpoint move
     share = 1 / (10 if change == "remove" else 11)
     assert 0.6 * share < moved / 3000 < 1.4 * share
+
+
+# --- balance: adaptive limit, share limit, bounded-load cold placement ------------------------------------------
+@pytest.mark.parametrize("in_flight,num_eligible,threshold,expected", [
+    ({}, 4, 32, 3),  # idle fleet: the slack alone (over = more than 2 in flight)
+    ({A: 4}, 4, 32, 4),  # mean 1: 1.5 + 2 = 3.5 -> 4 or more is over
+    ({A: 10, B: 10, C: 10}, 3, 32, 18),  # mean 10: 17 allowed
+    ({A: 40, B: 40, C: 40}, 3, 32, 32),  # the fixed threshold caps the adaptive limit
+])
+def test_balance_limit(in_flight, num_eligible, threshold, expected):
+    from prefixroute.routing.scheduling.policies import PolicyInput
+
+    policy = sched(concurrency_threshold=threshold).policy
+    inp = PolicyInput(request=chain(1), eligible=eps(num_eligible), in_flight=in_flight, matches={})
+    assert policy.balance_limit(inp) == expected
+
+
+def _drive(s: Scheduler, prompts, pool, lifetime: int) -> tuple[collections.Counter, float]:
+    """Route `prompts` in order, recording each pick; a request stays in flight for `lifetime` later picks.
+    Returns (picks per endpoint, share of prompt blocks the primary held)."""
+    idx = PrefixIndex(100_000)
+    in_flight: collections.Counter = collections.Counter()
+    live: collections.deque = collections.deque()
+    counts: collections.Counter = collections.Counter()
+    held = total = 0
+    for r in prompts:
+        d = s.schedule(r, pool, in_flight, idx)
+        idx.record(r.block_hashes, d.endpoints[0])
+        counts[d.endpoints[0]] += 1
+        held += d.matched_blocks
+        total += d.total_blocks
+        in_flight[d.endpoints[0]] += 1
+        live.append(d.endpoints[0])
+        while len(live) > lifetime:
+            in_flight[live.popleft()] -= 1
+    return counts, held / total
+
+
+@pytest.mark.parametrize("lifetime", [0, 6, 24])
+def test_hot_prefix_spills_and_balance_stays_within_1_5x_fair(lifetime):
+    """Half the traffic is one long prefix, the rest 15 others: the old fixed threshold (32 in flight) kept the
+    hot one on one endpoint (2x fair on 4); the share and in-flight limits spread it, affinity stays high."""
+    rng = random.Random(3)
+    pool = eps(4)
+    prompts = [chain(0 if rng.random() < 0.5 else rng.randrange(1, 16), 40) for _ in range(2000)]
+    counts, held_ratio = _drive(sched(), prompts, pool, lifetime)
+    assert max(counts.values()) <= 1.5 * 2000 / 4
+    assert held_ratio > 0.9  # only spills recompute: a few per endpoint, not per request
+
+
+@pytest.mark.parametrize("lifetime", [0, 6])
+def test_short_shared_prefix_does_not_pull_new_sessions_to_one_endpoint(lifetime):
+    """Every session starts with the same 16-block system prompt, then 24 blocks of its own: the endpoint
+    holding the system prompt saves 256 tokens per new session, which must not attract all of them."""
+    system = [BlockHash(9_000_000 + i) for i in range(16)]
+    prompts = [req(*system, *[key * 1000 + i for i in range(24)]) for key in range(1, 201)]
+    counts, _ = _drive(sched(), prompts, eps(4), lifetime)
+    # (at zero load an endpoint may stay unused: three holders of the system prompt at <= 1.5x fair each save
+    # its 256 tokens, and nothing is queued anywhere)
+    assert len(counts) >= 3 and max(counts.values()) <= 1.5 * 200 / 4
+
+
+def test_share_limit_moves_a_prefix_off_an_endpoint_with_no_load():
+    """At zero in-flight (requests finish before the next arrives), the recent share of picks still spills."""
+    s, idx = sched(), PrefixIndex(1000)
+    r = chain(5, 40)
+    firsts = []
+    for _ in range(40):
+        d = s.schedule(r, E, {}, idx)
+        idx.record(r.block_hashes, d.endpoints[0])
+        firsts.append(d.endpoints[0])
+    assert len(set(firsts[:6])) == 1  # warm-up: affinity
+    assert len(set(firsts)) > 1 and max(collections.Counter(firsts).values()) <= 1.5 * 40 / 3 + 1
+
+
+def test_cold_placement_skips_a_loaded_rendezvous_winner_for_one_at_or_under_the_mean():
+    s = sched()
+    r = chain(77)
+    order = pickers.rendezvous_order(prefix_key(r, s.settings.cold_key_blocks), E)
+    # the HRW winner has 2 in flight, the mean is 1: the next in HRW order that is at or under the mean wins
+    d = s.schedule(r, E, {order[0]: 2, order[1]: 1, order[2]: 0}, PrefixIndex(10))
+    assert (d.reason, d.endpoints) == ("cold", (order[1], order[2], order[0]))
+    # at equal load it is plain rendezvous
+    d = sched().schedule(r, E, {A: 1, B: 1, C: 1}, PrefixIndex(10))
+    assert list(d.endpoints) == order

@@ -13,6 +13,7 @@ from prefixroute.routing.settings import RoutingSettings
 @pytest.mark.parametrize("kwargs", [
     {"policy": "fastest"}, {"block_chars": 0}, {"max_blocks": 0}, {"num_fallbacks": -1},
     {"concurrency_threshold": 0}, {"prefix_weight": -1.0}, {"chars_per_token": 0.0}, {"max_body_bytes": 0},
+    {"load_cost_tokens": -1.0}, {"balance_factor": 0.9}, {"balance_slack": -1.0}, {"cold_balance_factor": 0.5},
 ])
 def test_invalid_settings_are_rejected(kwargs):
     with pytest.raises(ValueError):

@@ -1,0 +1,276 @@
+"""Gateway telemetry end to end: real Envoy (routing + observing ext_proc filters), real `prefixroute extproc`,
+real simulated model servers and a real `prefixroute telemetry` receiver process.
+
+Requests carry a client `traceparent` with a fresh trace id, so each stored record is matched to the request
+that produced it by trace id (and the test checks the router joined the client's trace).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from prefixroute.extproc.gateway import GatewayProcesses
+from prefixroute.telemetry.tracecontext import format_traceparent, new_span_id, new_trace_id, parse_traceparent
+from tests.helpers.fleet import MAX_BODY_BYTES, MODEL, start_fleet, start_gateway
+from tests.helpers.procs import free_port
+from tests.integration.telemetry.conftest import ReceiverProc, start_receiver
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Sent:
+    trace_id: str
+    client_span_id: str
+    status: int
+    ttft_ms: float
+    latency_ms: float
+    headers: dict[str, str]
+    body: bytes
+    stream: bool
+
+
+def send(gw: GatewayProcesses, prompt: str, *, stream: bool = False, include_usage: bool = True,
+         max_tokens: int = 12, model: str = MODEL, raw_body: bytes | None = None,
+         conn: http.client.HTTPConnection | None = None) -> Sent:
+    """One request; TTFT = request sent to the first response body bytes received (what a client sees)."""
+    trace_id, span_id = new_trace_id(), new_span_id()
+    body: dict = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                  "stream": stream}
+    if stream and include_usage:
+        body["stream_options"] = {"include_usage": True}
+    c = conn or http.client.HTTPConnection(gw.url.split("//", 1)[1], timeout=30)
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/chat/completions", raw_body if raw_body is not None else json.dumps(body),
+              {"content-type": "application/json", "traceparent": format_traceparent(trace_id, span_id)})
+    r = c.getresponse()
+    first = r.read1(1 << 20)
+    ttft_ms = (time.perf_counter() - t0) * 1000
+    rest = r.read()
+    latency_ms = (time.perf_counter() - t0) * 1000
+    if conn is None:
+        c.close()
+    return Sent(trace_id, span_id, r.status, ttft_ms, latency_ms, {k.lower(): v for k, v in r.getheaders()},
+                first + rest, stream)
+
+
+def client_usage(s: Sent) -> dict:
+    if not s.stream:
+        return json.loads(s.body)["usage"]
+    events = [line[5:].strip() for line in s.body.split(b"\n") if line.startswith(b"data:")]
+    return next(json.loads(e)["usage"] for e in reversed(events) if e.startswith(b"{") and b'"usage"' in e)
+
+
+def dump(db: Path, since_s: float = 60) -> dict[str, dict]:
+    out = subprocess.run([sys.executable, "-m", "prefixroute", "telemetry", "dump", "--since", str(since_s),
+                          "--db", str(db)], capture_output=True, text=True, timeout=30, check=True).stdout
+    return {r["trace_id"]: r for r in map(json.loads, out.splitlines())}
+
+
+def wait_records(rcv: ReceiverProc, trace_ids: list[str], timeout_s: float = 15.0) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = dump(rcv.db)
+        if all(t in got for t in trace_ids) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.3)
+
+
+def span_attrs(db: Path, trace_id: str) -> dict:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        (attrs,) = conn.execute("SELECT attrs FROM requests WHERE trace_id = ?", (trace_id,)).fetchone()
+    return json.loads(attrs)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ReceiverProc, GatewayProcesses, list[str]]]:
+    """Receiver + 3 servers + gateway whose ext_proc child finds the receiver through OTEL_* variables."""
+    tmp = tmp_path_factory.mktemp("gateway-telemetry")
+    with ExitStack() as stack:
+        rcv = start_receiver(tmp / "telemetry.db")
+        stack.callback(rcv.stop)
+        fleet = start_fleet(stack, 3, tmp)
+        saved = {k: os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_BSP_SCHEDULE_DELAY")}
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = rcv.otlp_url  # inherited by the ext_proc child
+        os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
+        try:
+            gw = start_gateway(stack, fleet.endpoints, tmp)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        yield rcv, gw, fleet.endpoints
+
+
+def test_user_check_50_requests_give_50_records_matching_the_clients(env) -> None:
+    rcv, gw, endpoints = env
+    sent: list[Sent] = []
+    conn = http.client.HTTPConnection(gw.url.split("//", 1)[1], timeout=30)
+    for i in range(50):
+        # Five shared prefixes, so later requests hit the cache and cached_tokens vary.
+        prompt = f"conversation {i % 5}: " + "the quick brown fox jumps over the lazy dog " * 30 + f"turn {i}"
+        sent.append(send(gw, prompt, stream=i % 2 == 0, conn=conn))
+    conn.close()
+    assert all(s.status == 200 for s in sent)
+    got = wait_records(rcv, [s.trace_id for s in sent])
+    mine = [got.get(s.trace_id) for s in sent]
+    assert sum(r is not None for r in mine) == 50
+    for s, r in zip(sent, mine):
+        u = client_usage(s)
+        assert r["cached_tokens"] == u["prompt_tokens_details"]["cached_tokens"]
+        assert (r["prompt_tokens"], r["completion_tokens"]) == (u["prompt_tokens"], u["completion_tokens"])
+        assert r["status"] == 200 and r["stream"] is s.stream and r["endpoint"] in endpoints
+        assert r["parent_span_id"] == s.client_span_id  # joined the client's trace
+        assert r["ttft_ms"] <= r["latency_ms"] + 1e-6
+    assert any(r["cached_tokens"] > 0 for r in mine) and any(r["reason"] == "affinity" for r in mine)
+    gateway_ttft = statistics.median(r["ttft_ms"] for r in mine)
+    client_ttft = statistics.median(s.ttft_ms for s in sent)
+    assert abs(gateway_ttft - client_ttft) < 5.0, (gateway_ttft, client_ttft)
+    assert statistics.median(abs(r["ttft_ms"] - s.ttft_ms) for s, r in zip(sent, mine)) < 5.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_span_attributes_and_context_propagation_to_the_model_server(env, stream: bool) -> None:
+    rcv, gw, endpoints = env
+    s = send(gw, f"attributes {stream} " + "lorem ipsum dolor sit amet " * 40, stream=stream, max_tokens=8)
+    assert s.status == 200
+    rec = wait_records(rcv, [s.trace_id])[s.trace_id]
+    # The model server echoes the traceparent it received: same trace, parent = the router's span.
+    echoed = parse_traceparent(s.headers["x-prefixroute-traceparent"])
+    assert echoed is not None and echoed.trace_id == s.trace_id == rec["trace_id"]
+    assert echoed.span_id == rec["span_id"] != s.client_span_id
+    attrs = span_attrs(rcv.db, s.trace_id)
+    assert attrs["gen_ai.request.model"] == MODEL
+    assert attrs["gen_ai.usage.input_tokens"] == client_usage(s)["prompt_tokens"]
+    assert attrs["gen_ai.usage.output_tokens"] == client_usage(s)["completion_tokens"] == 8
+    assert attrs["prefixroute.policy"] == rec["policy"] == gw.routing.policy
+    assert attrs["prefixroute.reason"] in ("affinity", "spill", "cold", "load")
+    assert attrs["prefixroute.endpoint"] == rec["endpoint"] == rec["endpoints"][0]
+    assert rec["endpoints"][1:] and set(rec["endpoints"]) <= set(endpoints)
+    assert rec["total_blocks"] > 0 and 0 <= rec["matched_blocks"] <= rec["total_blocks"]
+    assert 0.0 <= rec["predicted_hit_ratio"] <= 1.0 and rec["decision_us"] > 0
+    assert attrs["http.response.status_code"] == 200 and attrs["prefixroute.stream"] is stream
+    assert rec["request_id"]  # Envoy's x-request-id
+
+
+@pytest.mark.parametrize(("case", "status"), [("bad_json", 400), ("unknown_model", 404), ("too_large", 413)])
+def test_errors_answered_by_the_router_are_recorded_without_an_endpoint(env, case: str, status: int) -> None:
+    rcv, gw, _ = env
+    raw = {"bad_json": b"{not json", "too_large": b'{"model": "x", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'}
+    s = send(gw, "error case", model="no-such-model" if case == "unknown_model" else MODEL, raw_body=raw.get(case))
+    assert s.status == status
+    rec = wait_records(rcv, [s.trace_id]).get(s.trace_id)
+    assert rec is not None, "no record for a router-answered error"
+    assert rec["status"] == status and rec["endpoint"] is None and rec["ttft_ms"] is None
+    if case != "too_large":  # the router read the body and said why; Envoy answers 413 before the body is read
+        assert rec["error"] and json.loads(s.body)["error"]["message"] == rec["error"]
+
+
+def test_metrics_endpoint(env) -> None:
+    rcv, gw, _ = env
+    send(gw, "metrics " + "alpha beta gamma " * 50, stream=True)
+    with urllib.request.urlopen(f"http://127.0.0.1:{gw.metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+
+    def total(prefix: str) -> float:
+        return sum(v for k, v in samples.items() if k.startswith(prefix))
+
+    assert total("prefixroute_decisions_total{") >= 1
+    assert any(f'policy="{gw.routing.policy}"' in k for k in samples if k.startswith("prefixroute_decisions"))
+    assert samples["prefixroute_decision_duration_seconds_count"] >= 1
+    assert total("prefixroute_ttft_seconds_count") >= 1 and total("prefixroute_request_duration_seconds_count") >= 1
+    assert total("prefixroute_prompt_tokens_total") > 0 and total("prefixroute_actual_hit_tokens_total") >= 0
+    assert "prefixroute_endpoint_in_flight{" in text and samples["prefixroute_prefix_index_blocks"] > 0
+
+
+def test_failover_is_recorded_with_the_served_fallback(tmp_path: Path, receiver: ReceiverProc) -> None:
+    with ExitStack() as stack:
+        fleet = start_fleet(stack, 2, tmp_path)
+        # Probes every 60 s: the router learns of the dead endpoint only through the failover itself.
+        gw = start_gateway(stack, fleet.endpoints, tmp_path, pool_overrides={"probe_interval_s": 60.0},
+                           extra_extproc_args=["--otlp-endpoint", receiver.otlp_url])
+        dead = fleet.endpoints[0]
+        fleet.servers[dead].stop()
+        sent = [send(gw, f"failover {i} " + "a long shared prompt " * 20) for i in range(12)]
+        assert all(s.status == 200 for s in sent)
+        got = wait_records(receiver, [s.trace_id for s in sent])
+        recs = [got[s.trace_id] for s in sent]
+        failed_over = [r for r in recs if r["endpoints"][0] == dead]
+        assert failed_over, "no request had the dead endpoint as primary (chance 1/4096)"
+        for r in failed_over:
+            assert r["reason"] == "failover" and r["endpoint"] == fleet.endpoints[1] and r["status"] == 200
+        assert all(r["reason"] != "failover" for r in recs if r["endpoints"][0] != dead)
+
+
+class _BlackHole:
+    """Accepts TCP connections and never answers (a hung collector)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self._stop = False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._stop:
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:
+                continue
+
+    def close(self) -> None:
+        self._stop = True
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("exporter", ["down", "hung"])
+def test_exporter_down_or_hung_never_delays_or_fails_requests(env, tmp_path: Path, exporter: str) -> None:
+    _, up_gw, endpoints = env
+    with ExitStack() as stack:
+        if exporter == "down":
+            otlp = f"http://127.0.0.1:{free_port()}"  # nothing listens
+        else:
+            hole = _BlackHole()
+            stack.callback(hole.close)
+            otlp = f"http://127.0.0.1:{hole.port}"
+        down_gw = start_gateway(stack, endpoints, tmp_path, extra_extproc_args=["--otlp-endpoint", otlp])
+        lat: dict[str, list[float]] = {"up": [], "down": []}
+        for i in range(25):
+            for name, gw in (("up", up_gw), ("down", down_gw)):
+                s = send(gw, f"exporter {exporter} {i} " + "words " * 60, stream=i % 2 == 0, max_tokens=6)
+                assert s.status == 200
+                lat[name].append(s.latency_ms)
+        up, down = statistics.median(lat["up"]), statistics.median(lat["down"])
+        assert down < up * 1.5 + 5.0, (up, down)
+        with urllib.request.urlopen(f"http://127.0.0.1:{down_gw.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert "prefixroute_telemetry_spans_exported_total 0.0" in text

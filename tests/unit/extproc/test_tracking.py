@@ -1,0 +1,152 @@
+"""`RequestTracker`: one record per request from the routing and observing streams, emitted exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+
+from prefixroute.extproc.envoy_config import SERVED_HEADER
+from prefixroute.extproc.tracking import RequestTracker
+from prefixroute.routing.request import InferenceRequest
+from prefixroute.routing.types import Decision
+from prefixroute.telemetry.records import RequestRecord, tenant_hash
+from prefixroute.telemetry.tracecontext import parse_traceparent
+
+ADDR = {"10.0.0.1:80": "a:80", "10.0.0.2:80": "b:80"}
+USAGE = {"prompt_tokens": 100, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 64}}
+
+
+class Pick:
+    def __init__(self) -> None:
+        self.decision = Decision(endpoints=("a:80", "b:80"), reason="affinity", policy="prefix", matched_blocks=4,
+                                 total_blocks=5, predicted_hit_ratio=0.8)
+        self.decision_us = 42.0
+        self.request = InferenceRequest(kind="chat", path="/v1/chat/completions", model="m", tenant="t1",
+                                        stream=True, request_id="rid-1")
+
+
+def _hv(pairs: dict[str, str]) -> list:
+    return [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+
+
+@pytest.fixture
+def sink() -> tuple[RequestTracker, list[RequestRecord], list]:
+    out: list[RequestRecord] = []
+    decisions: list = []
+    t = RequestTracker(lambda d, us: decisions.append((d, us)), out.append, ADDR.get, max_body_bytes=1000,
+                       obs_grace_s=0.05)
+    return t, out, decisions
+
+
+def _start(t: RequestTracker, headers: dict[str, str] | None = None):  # noqa: ANN202
+    st, tp = t.begin({":path": "/v1/chat/completions?x=1", "x-request-id": "env-id", **(headers or {})})
+    t.decided(st, Pick())
+    obs = t.attach(_hv({"traceparent": tp}))
+    return st, tp, obs
+
+
+def _sse(*events: dict) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("routing_first", [True, False])
+async def test_stream_record_is_emitted_once_when_both_streams_are_done(sink, routing_first: bool) -> None:
+    t, out, decisions = sink
+    st, tp, obs = _start(t, {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"})
+    assert obs is st and parse_traceparent(tp).trace_id == "ab" * 16
+    t.obs_response_headers(obs, _hv({":status": "200", "content-type": "text/event-stream",
+                                     SERVED_HEADER: "10.0.0.1:80"}), False, SERVED_HEADER)
+    t.obs_body(obs, _sse({"choices": [{"delta": {"content": "hi"}}]}), False)
+    if routing_first:
+        t.routing_closed(st)
+        assert out == []  # waits for the observing stream's end
+    t.obs_body(obs, _sse({"choices": [], "usage": USAGE}), True)
+    if not routing_first:
+        assert out == []  # waits for the routing stream's end
+        t.routing_closed(st)
+    t.obs_closed(obs)
+    await asyncio.sleep(0.1)  # no late duplicate from a timer
+    assert len(out) == 1 and t.pending == {} and len(decisions) == 1
+    rec = out[0]
+    assert (rec.trace_id, rec.parent_span_id, rec.span_id) == ("ab" * 16, "cd" * 8, parse_traceparent(tp).span_id)
+    assert (rec.status, rec.endpoint, rec.reason, rec.endpoints) == (200, "a:80", "affinity", ("a:80", "b:80"))
+    assert (rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens) == (100, 7, 64)
+    assert (rec.model, rec.tenant_hash, rec.request_id, rec.path) == ("m", tenant_hash("t1"), "rid-1",
+                                                                     "/v1/chat/completions")
+    assert (rec.matched_blocks, rec.total_blocks, rec.predicted_hit_ratio, rec.decision_us) == (4, 5, 0.8, 42.0)
+    assert 0 <= rec.ttft_ms <= rec.latency_ms and rec.error is None
+
+
+async def test_non_stream_body_usage_and_failover_reason(sink) -> None:
+    t, out, _ = sink
+    st, _, obs = _start(t)
+    t.routing_response_headers(st, "200", "10.0.0.2:80")
+    t.obs_response_headers(obs, _hv({":status": "200", "content-type": "application/json"}), False, SERVED_HEADER)
+    body = orjson.dumps({"choices": [], "usage": USAGE})
+    t.obs_body(obs, body[:10], False)
+    t.obs_body(obs, body[10:], True)
+    t.routing_closed(st)
+    assert len(out) == 1
+    assert (out[0].reason, out[0].endpoint, out[0].cached_tokens) == ("failover", "b:80", 64)
+
+
+async def test_router_refusal_is_emitted_at_routing_close_without_endpoint(sink) -> None:
+    t, out, decisions = sink
+    st, _ = t.begin({":path": "/v1/chat/completions"})
+    t.refused(st, 404, "The model `x` does not exist.")
+    t.routing_closed(st)
+    assert len(out) == 1 and decisions == []
+    assert (out[0].status, out[0].endpoint, out[0].error, out[0].ttft_ms) == (
+        404, None, "The model `x` does not exist.", None)
+
+
+@pytest.mark.parametrize(("content_length", "status", "error"), [
+    ("5000", 413, "request body too large (answered by Envoy)"),
+    ("10", 0, "request ended before the routing decision"),
+])
+async def test_ended_before_decision(sink, content_length: str, status: int, error: str) -> None:
+    t, out, _ = sink
+    st, _ = t.begin({":path": "/v1/chat/completions", "content-length": content_length})
+    t.routing_closed(st)
+    assert [(r.status, r.error) for r in out] == [(status, error)]
+
+
+async def test_unfinished_observation_is_emitted_after_the_grace_period(sink) -> None:
+    t, out, _ = sink
+    st, _, obs = _start(t)
+    t.obs_response_headers(obs, _hv({":status": "200", "content-type": "text/event-stream"}), False, SERVED_HEADER)
+    t.obs_body(obs, b"data: {}\n\n", False)
+    t.routing_closed(st)  # client went away mid-stream; Envoy defers closing the observing stream
+    assert out == []
+    await asyncio.sleep(0.15)
+    assert len(out) == 1 and out[0].ttft_ms is not None and out[0].latency_ms is None
+    t.obs_closed(obs)  # the late close does not emit again
+    assert len(out) == 1
+
+
+async def test_observing_stream_cut_short_records_an_error(sink) -> None:
+    t, out, _ = sink
+    st, _, obs = _start(t)
+    t.obs_response_headers(obs, _hv({":status": "200", "content-type": "text/event-stream"}), False, SERVED_HEADER)
+    t.obs_closed(obs)
+    t.routing_closed(st)
+    assert [(r.status, r.error) for r in out] == [(200, "response incomplete")]
+
+
+@pytest.mark.parametrize("headers", [{}, {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"},
+                                     {"traceparent": "garbage"}])
+async def test_unknown_or_missing_key_is_not_tracked(sink, headers: dict) -> None:
+    t, _, _ = sink
+    assert t.attach(_hv(headers)) is None
+
+
+async def test_no_observing_stream_emits_at_routing_close_with_latency(sink) -> None:
+    t, out, _ = sink
+    st, _ = t.begin({":path": "/v1/models"})
+    t.decided(st, Pick())
+    t.routing_response_headers(st, "200", "10.0.0.1:80")
+    t.routing_closed(st)
+    assert len(out) == 1 and out[0].status == 200 and out[0].latency_ms is not None and out[0].ttft_ms is None
