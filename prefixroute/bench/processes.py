@@ -8,37 +8,14 @@ Only loopback addresses are used.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
-    """(status, body) of a GET; (0, b"") when no response came."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - loopback only
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read() if exc.fp else b""
-    except (OSError, ValueError):
-        return 0, b""
+from prefixroute.procs import LOOPBACK as HOST, free_port, http_get, stop_group  # noqa: F401
 
 
 class ManagedProcess:
@@ -63,19 +40,7 @@ class ManagedProcess:
             return ""
 
     def stop(self, grace_s: float = 5.0) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        else:
-            # The leader exited; make sure no child of its group lingers.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_group(self.proc, grace_s)
         if not self._log.closed:
             self._log.close()
 

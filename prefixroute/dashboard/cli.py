@@ -23,6 +23,7 @@ import threading
 from typing import ClassVar
 
 from prefixroute import settings
+from prefixroute.procs import stop_group
 from prefixroute.settings import Settings, setting
 
 APP_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
@@ -141,17 +142,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _stop_child(child: subprocess.Popen) -> None:
-    if child.poll() is not None:
-        return
-    try:
-        os.killpg(child.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        child.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        child.wait(5)
+    stop_group(child, STOP_GRACE_S)

@@ -18,14 +18,13 @@ import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
+
+from prefixroute.procs import free_port, http_ok, port_in_use, tcp_open  # noqa: F401 - re-exported for launchers
 
 
 class PortBusy(RuntimeError):
@@ -34,41 +33,6 @@ class PortBusy(RuntimeError):
 
 class ComponentFailed(RuntimeError):
     """A component exited or did not become ready."""
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """True when something listens on host:port (or the port cannot be bound)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # SO_REUSEADDR as servers set it: a port whose old connections sit in TIME_WAIT is free to
-        # listen on; only a live listener makes it busy.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http_ok(url: str, timeout_s: float = 0.5) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return 200 <= r.status < 300
-    except (OSError, urllib.error.URLError, ValueError):
-        return False
-
-
-def tcp_open(port: int, host: str = "127.0.0.1") -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.3):
-            return True
-    except OSError:
-        return False
 
 
 @dataclasses.dataclass
