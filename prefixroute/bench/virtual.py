@@ -8,6 +8,9 @@ and whole traces run in seconds to minutes of CPU, with the same results.json as
 What the router sees: a fresh `EndpointState` snapshot per request (a perfect, zero-delay scraper) and
 in-flight counts equal to each server's running + waiting requests (the router's own count, exact here
 because nothing is lost). The live gateway's scrape interval and staleness are therefore not modelled.
+Each request is released (`RouterCore.on_release`, router built with ``track_prefill=True``) when it
+finishes, where the gateway releases its in-flight count, so the prefix policy's outstanding-prefill
+estimate (cold placement) is in use here; the live gateway uses it once it makes the same call.
 
 Arrivals, as the live client (`bench/client.py`) sends them:
 - open loop (trace or Poisson times): a request arrives at its time, but never before its ``after_index``
@@ -244,14 +247,18 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, profil
         if policy not in SIM_ROUTERS:
             raise ValueError(f"unknown simulated router {policy!r}; choose one of {', '.join(SIM_ROUTERS)}")
         route = SIM_ROUTERS[policy](fleet.endpoint_ids).route
+        router = None
     else:
-        router = RouterCore(RoutingSettings(policy=policy, rng_seed=seed))
+        router = RouterCore(RoutingSettings(policy=policy, rng_seed=seed), track_prefill=True)
         router.sync_endpoints(fleet.endpoint_states())
+        routed: dict[str, Any] = {}  # request id -> (parsed request, decision) until it finishes
 
         def route(req: Any, fl: Any) -> str:
             states = fl.endpoint_states()
             in_flight = {s.endpoint: (s.num_requests_running or 0) + (s.num_requests_waiting or 0) for s in states}
-            return router.route(req.meta, states, in_flight).endpoints[0]
+            decision = router.route(req.meta, states, in_flight)
+            routed[req.request_id] = (req.meta, decision)
+            return decision.endpoints[0]
 
     # A prompt the model cannot hold is a 400 on a real server, a body the router refuses its 4xx: record
     # them as such instead of simulating them.
@@ -259,8 +266,16 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, profil
     too_long = {s.request_id for s in sims if len(s.prompt_ids) + s.max_tokens > fleet.max_model_len}
     too_long |= set(refused)
     arrivals = _Arrivals(workload, sims, too_long, concurrency)
+    on_finish = arrivals.on_finish
+    if router is not None:
+        def on_finish(result: Any, fl: Any) -> list[Any]:
+            # as the gateway releases its in-flight count when the response ends
+            got = routed.pop(result.request_id, None)
+            if got is not None:
+                router.on_release(*got)
+            return arrivals.on_finish(result, fl)
     t0 = time.process_time()
-    sim_results = fleet.run(arrivals.initial(), route, on_finish=arrivals.on_finish)
+    sim_results = fleet.run(arrivals.initial(), route, on_finish=on_finish)
     cpu_s = time.process_time() - t0
     by_id = {r.request_id: r for r in sim_results}
     out = []

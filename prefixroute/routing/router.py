@@ -31,10 +31,16 @@ class RouterCore:
     """
 
     def __init__(self, settings: RoutingSettings, *, rng: random.Random | None = None,
-                 index: PrefixIndex | None = None, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> None:
+                 index: PrefixIndex | None = None, retry_after_s: int = DEFAULT_RETRY_AFTER_S,
+                 track_prefill: bool = False) -> None:
+        """`track_prefill`: the caller will call `on_release` for every routed request (finished, failed or
+        cancelled), so the prefix policy may count the prefill tokens outstanding per endpoint. Off by
+        default: without releases the counts would only grow."""
         self.settings = settings
         self.index = index if index is not None else PrefixIndex(settings.default_index_capacity_blocks)
         self.scheduler = Scheduler(settings, rng)
+        if track_prefill and hasattr(self.scheduler.policy, "track_prefill"):
+            self.scheduler.policy.track_prefill = True  # type: ignore[attr-defined]
         self.rng = self.scheduler.rng
         self.retry_after_s = retry_after_s
         self._known: set[EndpointId] = set()
@@ -67,6 +73,14 @@ class RouterCore:
             self.index.record(request.block_hashes, decision.endpoints[0])
         return decision
 
+    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
+        """`request`, routed by `decision` (what `route` returned), finished, failed or was cancelled: call
+        once per routed request, when its response ends (where the gateway releases its in-flight count).
+        A no-op unless constructed with ``track_prefill=True`` or for a policy without prefill tracking."""
+        release = getattr(self.scheduler.policy, "note_release", None)
+        if release is not None:
+            release(request, decision)
+
     def record_failover(self, request: InferenceRequest, served_by: EndpointId) -> None:
         """The request was served by a fallback (Envoy's ``x-gateway-destination-endpoint-served``): record it
         there too, so the next request of this prefix can find the cache where it really is."""
@@ -85,8 +99,11 @@ class RouterCore:
         self.index.set_capacity(endpoint, num_blocks)
 
     def on_endpoint_removed(self, endpoint: EndpointId) -> None:
-        """An endpoint left the pool: its index entries go with it."""
+        """An endpoint left the pool: its index entries (and outstanding prefill estimate) go with it."""
         self.index.remove_endpoint(endpoint)
+        forget = getattr(self.scheduler.policy, "forget_endpoint", None)
+        if forget is not None:
+            forget(endpoint)
         self._known.discard(endpoint)
         self._capacity_from.pop(endpoint, None)
 

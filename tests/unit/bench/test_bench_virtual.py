@@ -167,3 +167,29 @@ def test_sglang_model_runs_by_name_in_a_virtual_bench():
     assert all(r["requests"] == 40 and r["errors"] == 0 and r["hit_ratio"] > 0 for r in doc["runs"])
     with pytest.raises(ValueError, match="unknown simulated router"):
         virtual.run_virtual(wl, None, ["sim:nope"], num_servers=2, log=lambda _m: None)
+
+
+@pytest.mark.parametrize("arrival", ["poisson", "closed"])
+def test_every_routed_request_is_released_when_it_finishes(monkeypatch, arrival):
+    # The virtual runner calls RouterCore.on_release at each finish, as the gateway does at response end:
+    # the prefix policy's outstanding prefill is positive while requests run and back to nothing at the end.
+    from prefixroute.routing import router as router_mod
+
+    cores, peaks = [], []
+
+    class Recording(router_mod.RouterCore):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            cores.append(self)
+
+        def route(self, request, endpoints, in_flight):
+            d = super().route(request, endpoints, in_flight)
+            peaks.append(sum(self.scheduler.policy.outstanding_prefill_tokens().values()))
+            return d
+
+    monkeypatch.setattr(router_mod, "RouterCore", Recording)
+    wl = workloads.apply_arrivals(_wl(num_requests=30), arrival, rate_rps=20.0, seed=1)
+    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=2, concurrency=4)
+    assert len(cores) == 1 and all(r.ok for r in res)
+    assert max(peaks) > 512  # at least one uncached 512-token system prompt was outstanding
+    assert cores[0].scheduler.policy.outstanding_prefill_tokens() == {}

@@ -101,3 +101,41 @@ def test_record_failover_teaches_the_index_where_the_cache_is():
     core.on_endpoint_removed(d.endpoints[0])
     d2 = core.route(r, [EndpointState(other)], {})
     assert (d2.reason, d2.endpoints) == ("affinity", (other,))
+
+
+@pytest.mark.parametrize("track_prefill", [True, False])
+def test_on_release_returns_outstanding_prefill_to_zero(track_prefill):
+    core = RouterCore(S, track_prefill=track_prefill)
+    states = [EndpointState(A), EndpointState(B), EndpointState(C)]
+    routed = [(r, core.route(r, states, {})) for r in (chat(), chat(content="another prompt " * 80), chat())]
+    outstanding = core.scheduler.policy.outstanding_prefill_tokens()
+    if track_prefill:
+        # first request: its whole prompt; second: another prompt; third: the first one's cached blocks saved
+        first, _ = routed[0]
+        assert sum(outstanding.values()) > first.num_prompt_chars / S.chars_per_token
+    else:
+        assert outstanding == {}
+    for r, d in routed:
+        core.on_release(r, d)
+    assert core.scheduler.policy.outstanding_prefill_tokens() == {}
+
+
+def test_on_release_is_a_no_op_for_policies_without_tracking():
+    core = RouterCore(RoutingSettings(policy="least-load"), track_prefill=True)
+    r = chat()
+    core.on_release(r, core.route(r, [EndpointState(A)], {}))  # must not raise
+
+
+def test_removed_endpoint_drops_its_outstanding_prefill():
+    core = RouterCore(S, track_prefill=True)
+    states = [EndpointState(A), EndpointState(B)]
+    r = chat()
+    d = core.route(r, states, {})
+    core.route(chat(content="another prompt " * 80), states, {})
+    gone = d.endpoints[0]
+    assert gone in core.scheduler.policy.outstanding_prefill_tokens()
+    core.sync_endpoints(states)
+    core.sync_endpoints([s for s in states if s.endpoint != gone])
+    assert gone not in core.scheduler.policy.outstanding_prefill_tokens()
+    core.on_release(r, d)  # a late release for the removed endpoint is absorbed
+    assert gone not in core.scheduler.policy.outstanding_prefill_tokens()

@@ -137,7 +137,7 @@ def test_cold_prefix_is_placed_by_rendezvous_and_then_has_affinity():
     assert d.reason == "cold"
     assert list(d.endpoints) == pickers.rendezvous_order(key, E)[:3]
     idx.record(r.block_hashes, d.endpoints[0])
-    d2 = s.schedule(r, E, {d.endpoints[0]: 2}, idx)  # under the balance limit (1.5 x mean 0.67 + 2 slack)
+    d2 = s.schedule(r, E, {d.endpoints[0]: 2}, idx)  # under the balance limit (1.5 x mean 0.67 + 4 slack)
     assert (d2.reason, d2.endpoints[0], d2.matched_blocks, d2.predicted_hit_ratio) == ("affinity", d.endpoints[0], 40,
                                                                                        1.0)
 
@@ -184,9 +184,10 @@ def test_all_over_threshold_still_prefers_affinity():
 # request (defaults). Rows: blocks held by A, blocks in the prompt, in-flight on A, B, C -> expected primary.
 @pytest.mark.parametrize("held,total,a,b,c,expected", [
     (40, 40, 3, 0, 0, A),  # 640 tokens saved > 3 x 64 of extra load
-    (40, 40, 5, 0, 0, B),  # 5 in flight vs idle: over the balance limit (1.5 x 1.67 + 2 = 4.5) -> spill
-    (40, 40, 9, 6, 6, A),  # loaded fleet: 9 <= 1.5 x 7 + 2, and 640 > 3 x 64
-    (40, 40, 10, 2, 2, B),  # 10 > 1.5 x 4.67 + 2: over the adaptive limit (far under 32) though 640 > 8 x 64
+    (40, 40, 7, 0, 0, A),  # 7 <= 1.5 x 2.33 + 4 (balance_slack) = 7.5 and 640 > 7 x 64: stays on its cache
+    (40, 40, 9, 0, 0, B),  # 9 > 1.5 x 3 + 4 = 8.5: over the adaptive limit (far under 32) though 640 > 9 x 64
+    (40, 40, 9, 6, 6, A),  # loaded fleet: 9 <= 1.5 x 7 + 4, and 640 > 3 x 64
+    (40, 40, 13, 2, 2, B),  # 13 > 1.5 x 5.67 + 4 = 12.5: over the adaptive limit
     (8, 40, 0, 0, 0, A),  # a short shared part still wins at equal load (tokens saved, nothing lost)
     (8, 40, 3, 0, 0, B),  # ... but not against 3 requests of load: 128 tokens saved < 192
     (2, 40, 1, 0, 0, B),  # 32 tokens saved < one request of load
@@ -363,16 +364,20 @@ def test_cold_placement_moves_only_the_changed_endpoints_share(change):
 
 
 # --- balance: adaptive limit, share limit, bounded-load cold placement ------------------------------------------
-@pytest.mark.parametrize("in_flight,num_eligible,threshold,expected", [
-    ({}, 4, 32, 3),  # idle fleet: the slack alone (over = more than 2 in flight)
-    ({A: 4}, 4, 32, 4),  # mean 1: 1.5 + 2 = 3.5 -> 4 or more is over
-    ({A: 10, B: 10, C: 10}, 3, 32, 18),  # mean 10: 17 allowed
-    ({A: 40, B: 40, C: 40}, 3, 32, 32),  # the fixed threshold caps the adaptive limit
+@pytest.mark.parametrize("in_flight,num_eligible,threshold,slack,expected", [
+    ({}, 4, 32, None, 5),  # idle fleet, default slack 4: the slack alone (over = more than 4 in flight)
+    ({A: 4}, 4, 32, None, 6),  # mean 1: 1.5 + 4 = 5.5 -> 6 or more is over
+    ({A: 10, B: 10, C: 10}, 3, 32, None, 20),  # mean 10: 19 allowed
+    ({}, 4, 32, 2.0, 3),  # slack 2: over = more than 2 in flight
+    ({A: 4}, 4, 32, 2.0, 4),  # mean 1: 1.5 + 2 = 3.5 -> 4 or more is over
+    ({A: 10, B: 10, C: 10}, 3, 32, 2.0, 18),  # mean 10: 17 allowed
+    ({A: 40, B: 40, C: 40}, 3, 32, None, 32),  # the fixed threshold caps the adaptive limit
 ])
-def test_balance_limit(in_flight, num_eligible, threshold, expected):
+def test_balance_limit(in_flight, num_eligible, threshold, slack, expected):
     from prefixroute.routing.scheduling.policies import PolicyInput
 
-    policy = sched(concurrency_threshold=threshold).policy
+    extra = {} if slack is None else {"balance_slack": slack}
+    policy = sched(concurrency_threshold=threshold, **extra).policy
     inp = PolicyInput(request=chain(1), eligible=eps(num_eligible), in_flight=in_flight, matches={})
     assert policy.balance_limit(inp) == expected
 
@@ -445,3 +450,65 @@ def test_cold_placement_skips_a_loaded_rendezvous_winner_for_one_at_or_under_the
     # at equal load it is plain rendezvous
     d = sched().schedule(r, E, {A: 1, B: 1, C: 1}, PrefixIndex(10))
     assert list(d.endpoints) == order
+
+
+# --- outstanding prefill tokens (track_prefill) -----------------------------------------------------------------
+# Defaults: 4 characters per token, 16 tokens per block.
+@pytest.mark.parametrize("prompt_chars,matched,expected_tokens", [
+    (4000, 0, 1000.0),  # nothing cached: the whole prompt
+    (4000, 10, 840.0),  # 10 blocks x 16 tokens cached
+    (4000, 256, 0.0),  # a match longer than the prompt estimate never goes negative
+    (0, 0, 0.0),
+])
+def test_prefill_tokens_are_added_at_pick_and_removed_at_release(prompt_chars, matched, expected_tokens):
+    s, idx = sched(), PrefixIndex(1000)
+    s.policy.track_prefill = True
+    r = chain(7, 256)
+    r = InferenceRequest(kind="chat", path="/v1/chat/completions", block_hashes=r.block_hashes,
+                         num_prompt_chars=prompt_chars)
+    idx.record(r.block_hashes[:matched], A)
+    d = s.schedule(r, E, {}, idx)
+    assert d.matched_blocks == matched and (d.endpoints[0] == A or not matched)
+    other = InferenceRequest(kind="chat", path="/v1/chat/completions", block_hashes=chain(8).block_hashes,
+                             num_prompt_chars=400)
+    d_other = s.schedule(other, E, {}, idx)
+    before = s.policy.outstanding_prefill_tokens()
+    expected = collections.Counter({d.endpoints[0]: expected_tokens})
+    expected[d_other.endpoints[0]] += 100.0
+    assert before == {ep: t for ep, t in expected.items() if t > 0}
+    s.policy.note_release(r, d)
+    s.policy.note_release(other, d_other)
+    assert s.policy.outstanding_prefill_tokens() == {}
+    s.policy.note_release(other, d_other)  # a release without a pick leaves nothing negative
+    assert s.policy.outstanding_prefill_tokens() == {}
+
+
+def test_prefill_is_not_counted_without_track_prefill():
+    s = sched()
+    r = InferenceRequest(kind="chat", path="/v1/chat/completions", block_hashes=chain(1).block_hashes,
+                         num_prompt_chars=4000)
+    d = s.schedule(r, E, {}, PrefixIndex(1000))
+    s.policy.note_release(r, d)
+    assert s.policy.outstanding_prefill_tokens() == {}
+
+
+@pytest.mark.parametrize("track,first_prefill,expected_first", [
+    (False, 100_000.0, True),  # requests alone: equal in-flight -> plain rendezvous
+    (True, 100_000.0, False),  # its outstanding prefill is over the mean: the next light endpoint in HRW order
+    (True, 0.0, True),  # nothing outstanding there: rendezvous
+])
+def test_cold_placement_bounds_outstanding_prefill_tokens(track, first_prefill, expected_first):
+    pool = eps(4)
+    r = chain(42)
+    hrw = pickers.rendezvous_order(prefix_key(r, 4), pool)
+    s = sched()
+    s.policy.track_prefill = track
+    # earlier picks left prefill outstanding: a long prompt on the rendezvous-first endpoint (or none), a
+    # short one elsewhere, all at one request in flight each
+    if track:
+        s.policy._prefill.update({hrw[0]: first_prefill, hrw[1]: 500.0, hrw[2]: 500.0, hrw[3]: 500.0})
+    d = s.schedule(r, pool, {ep: 1 for ep in hrw}, PrefixIndex(1000))
+    assert d.reason == "cold"
+    assert (d.endpoints[0] == hrw[0]) is expected_first
+    if not expected_first:
+        assert d.endpoints[0] == hrw[1]
