@@ -75,6 +75,7 @@ PICKED_CLUSTER = "picked_endpoint"
 POOL_CLUSTER = "endpoint_pool_round_robin"
 DIRECT_CLUSTER = "direct_upstream"
 OBSERVE_FILTER = "prefixroute.observe_responses"
+OBSERVED_METADATA = "x-prefixroute-observed"  # same as tracking.OBSERVED_METADATA (no import: config stays leaf)
 
 
 MAX_FALLBACKS = 4
@@ -279,8 +280,10 @@ def build_config(s: EnvoySettings) -> dict[str, Any]:
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 # No grpc_service timeout: one stream lives as long as its HTTP request (long streams);
-                # message_timeout bounds each answer instead.
-                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                # message_timeout bounds each answer instead. The initial metadata tells the service that an
+                # observing filter follows (so it waits for that stream's report before emitting a record).
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, **(
+                    {"initial_metadata": [{"key": OBSERVED_METADATA, "value": "1"}]} if s.observe_responses else {})},
                 "failure_mode_allow": s.failure_mode == "open",
                 "message_timeout": _duration(s.extproc_message_timeout_ms / 1000),
                 "processing_mode": {
@@ -373,6 +376,9 @@ def build_config(s: EnvoySettings) -> dict[str, Any]:
             "type": "STRICT_DNS",
             "connect_timeout": "0.25s",
             "typed_extension_protocol_options": _http2_options(),
+            # Every in-flight HTTP request holds one gRPC stream (two with the observing filter): Envoy's
+            # default of 1024 concurrent requests per cluster would fail requests open beyond that.
+            "circuit_breakers": _circuit_breakers(),
             "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [
                 {"lb_endpoints": [{"endpoint": {"address": _socket_address(s.extproc_address)}}]}]},
         })

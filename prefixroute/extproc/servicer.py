@@ -46,7 +46,7 @@ from google.protobuf import struct_pb2
 
 from prefixroute.extproc.envoy_config import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS, SERVED_HEADER,
                                               fallback_header)
-from prefixroute.extproc.tracking import TRACEPARENT_HEADER, RequestTracker, Tracked
+from prefixroute.extproc.tracking import OBSERVED_METADATA, TRACEPARENT_HEADER, RequestTracker, Tracked
 from prefixroute.openai_errors import OpenAIError
 
 
@@ -203,7 +203,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     rh = req.request_headers
                     headers = _headers_dict(rh)
                     if tracker is not None:
-                        st, traceparent = tracker.begin(headers)
+                        md = context.invocation_metadata() or ()
+                        st, traceparent = tracker.begin(headers, any(k == OBSERVED_METADATA for k, _ in md))
                     if rh.end_of_stream:
                         resp, pick = self._decide(headers.get(":method", "GET"), headers.get(":path", "/"),
                                                   headers, b"", True, st, traceparent)
@@ -241,18 +242,23 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     async def _observe(self, first: pb.ProcessingRequest, read: Any, eof: Any) -> None:
         """An observing stream (observability mode): read everything, answer nothing."""
         tracker = self.tracker
-        st = tracker.attach(first.request_headers.headers.headers) if tracker is not None else None
+        if tracker is None:
+            return  # telemetry off in this service: nothing to measure
+        hs = first.request_headers.headers.headers
+        st = tracker.attach(hs) or tracker.attach_unrouted(hs)
+        # Returning ends the RPC at once. Envoy would otherwise keep the stream open for deferred_close_timeout
+        # after the HTTP stream ends, and streams held that long pile up against the cluster's limits.
         try:
             while True:
                 req = await read()
                 if req is eof:
                     return
-                if st is None:
-                    continue  # untracked (telemetry off, or the routing filter failed open): just drain
                 which = req.WhichOneof("request")
                 if which == "response_body":
                     rb = req.response_body
                     tracker.obs_body(st, rb.body, rb.end_of_stream)  # type: ignore[union-attr]
+                    if rb.end_of_stream:
+                        return
                 elif which == "response_headers":
                     rh = req.response_headers
                     tracker.obs_response_headers(  # type: ignore[union-attr]
@@ -261,6 +267,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         # Passive failure detection from here when the routing filter skips response headers.
                         st.served_reported = True
                         self.router.served(st.pick, st.served_addr)
+                    if rh.end_of_stream:
+                        return
         finally:
             if st is not None:
                 tracker.obs_closed(st)  # type: ignore[union-attr]

@@ -11,7 +11,12 @@ Envoy runs two ext_proc filters per request, both talking to this process (envoy
 
 Correlation: the observing stream's request headers carry the router's own ``traceparent``; its span id
 is the key of the pending record (the routing filter always overwrites a client's traceparent, so a client
-cannot pick a key; an unknown key, e.g. when routing failed open, is ignored).
+cannot pick a key). An unknown key means the routing filter did not route the request (Envoy answered it
+itself, e.g. 413 for a body over its buffer, or the routing service failed open): the observing stream
+then records it alone (`attach_unrouted`, reason ``unrouted``, no decision), and the routing stream drops
+its own undecided record so the request is counted once. Best effort for Envoy's own 413: Envoy resets
+both ext_proc streams at once, usually before this service has read either, so such a request is often
+not recorded at all (Envoy's stats count it).
 
 What the observing stream measures (monotonic clock, origin = the routing stream's first message):
 ``ttft_ms`` at the first response body chunk, ``latency_ms`` at end of stream, status and served endpoint
@@ -20,10 +25,12 @@ a non-stream response (`usage_from_body`, bodies kept up to MAX_BODY_BYTES).
 
 Emission, exactly once per record (`_emit` guards it), never blocking (recorder.record is O(1)):
 - routing stream closed and the observing stream saw end of stream (or closed): emit;
-- routing stream closed and no observing stream attached (router answered an error itself, the
-  observing filter is not configured, or it failed): emit at once;
-- routing stream closed, observing stream attached but not finished (client reset mid-stream): emit
-  after `obs_grace_s` with what was seen (the observing stream's close may lag, Envoy defers it).
+- routing stream closed and no observing stream can come (router answered an error itself, or the
+  Envoy config has no observing filter: the routing filter's gRPC initial metadata lacks
+  OBSERVED_METADATA): emit at once;
+- routing stream closed, observing stream not attached yet or not finished (under load the service may
+  read the observing stream after the routing stream's close; or the client reset mid-stream): emit when
+  it finishes, or after `obs_grace_s` with what was seen.
 When the served endpoint differs from the primary, the reason becomes ``failover``.
 
 Single event loop, not thread-safe (like the servicer).
@@ -41,6 +48,8 @@ from prefixroute.telemetry.tracecontext import child_context, parse_traceparent
 from prefixroute.telemetry.usage import StreamUsageTail, usage_from_body
 
 TRACEPARENT_HEADER = "traceparent"
+OBSERVED_METADATA = "x-prefixroute-observed"
+"""gRPC initial metadata key the routing filter sends when the Envoy config also has the observing filter."""
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest non-stream response body kept to read its usage (a completion JSON is KBs; bigger ones, e.g.
 embeddings of large batches, are not worth holding: usage stays unknown)."""
@@ -52,7 +61,8 @@ class Tracked:
     """One request's state between its two streams (see module docstring)."""
 
     __slots__ = ("rec", "t0", "key", "content_length", "decided", "routing_done", "obs_attached", "obs_done",
-                 "emitted", "tail", "body", "body_bytes", "served_addr", "timer", "pick", "served_reported")
+                 "emitted", "tail", "body", "body_bytes", "served_addr", "timer", "pick", "served_reported",
+                 "expect_obs")
 
     def __init__(self, rec: RequestRecord, t0: float) -> None:
         self.rec = rec
@@ -71,6 +81,7 @@ class Tracked:
         self.timer: asyncio.TimerHandle | None = None
         self.pick: Any = None  # the router's pick, for reporting the served endpoint from the observing stream
         self.served_reported = False
+        self.expect_obs = False  # Envoy announced an observing filter for this request (gRPC initial metadata)
 
 
 def _header(headers: Any, name: str) -> str | None:
@@ -101,8 +112,10 @@ class RequestTracker:
         self.num_untracked = 0
 
     # --- routing stream -------------------------------------------------------------------------------
-    def begin(self, headers: Mapping[str, str]) -> tuple[Tracked | None, str]:
-        """At the routing stream's request headers: (state, traceparent value for the model server)."""
+    def begin(self, headers: Mapping[str, str], expect_obs: bool = False) -> tuple[Tracked | None, str]:
+        """At the routing stream's request headers: (state, traceparent value for the model server).
+        `expect_obs`: the Envoy config has the observing filter (it says so in the routing stream's gRPC
+        initial metadata, OBSERVED_METADATA), so a routed request's observation is worth waiting for."""
         t0 = time.perf_counter()
         ctx = child_context(headers.get(TRACEPARENT_HEADER))
         if len(self.pending) >= MAX_PENDING:
@@ -113,6 +126,7 @@ class RequestTracker:
                             start_time=time.time(), request_id=headers.get("x-request-id", ""),
                             path=path.split("?", 1)[0])
         st = Tracked(rec, t0)
+        st.expect_obs = expect_obs
         cl = headers.get("content-length")
         if cl and cl.isdigit():
             st.content_length = int(cl)
@@ -157,6 +171,12 @@ class RequestTracker:
     def routing_closed(self, st: Tracked) -> None:
         st.routing_done = True
         rec = st.rec
+        if not st.decided and rec.status == 0 and rec.error is None and st.expect_obs:
+            # Ended before any decision (Envoy answered, e.g. 413, or the client left): the observing filter
+            # saw whatever reply went out and reports it as an unrouted request (`attach_unrouted`).
+            st.emitted = True
+            self.pending.pop(st.key, None)
+            return
         if not st.decided and rec.status == 0 and rec.error is None:
             # Ended before any decision. Envoy answers 413 itself when the body outgrows its buffer (sized to
             # max_body_bytes by the gateway), before the router sees the body: its local reply reaches
@@ -167,9 +187,12 @@ class RequestTracker:
             else:
                 rec.error = "request ended before the routing decision"
         if not st.obs_attached and st.rec.latency_ms is None:
-            # No observing filter: the routing stream closes when the HTTP stream ends, the best end we have.
+            # The routing stream closes when the HTTP stream ends: the best end known without an observation
+            # (replaced if the observing stream still reports).
             st.rec.latency_ms = (time.perf_counter() - st.t0) * 1000.0
-        if st.obs_done or not st.obs_attached:
+        # A routed request's observing stream may still be on its way (under load the service reads the new
+        # stream after the routing stream's close): wait for it when Envoy has an observing filter.
+        if st.obs_done or (not st.obs_attached and not (st.decided and st.expect_obs)):
             self._emit(st)
         elif st.timer is None:
             st.timer = asyncio.get_running_loop().call_later(self.obs_grace_s, self._emit, st)
@@ -184,6 +207,18 @@ class RequestTracker:
         if st is None or st.obs_attached:
             return None
         st.obs_attached = True
+        return st
+
+    def attach_unrouted(self, request_headers: Any) -> Tracked:
+        """An observing stream of a request the routing filter did not route (Envoy answered it, e.g. 413, or
+        the routing service failed open): a record of its own, measured from this stream's start."""
+        hs = {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in request_headers}
+        ctx = child_context(hs.get(TRACEPARENT_HEADER))
+        rec = RequestRecord(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_span_id=ctx.parent_span_id,
+                            start_time=time.time(), request_id=hs.get("x-request-id", ""),
+                            path=hs.get(":path", "").split("?", 1)[0], reason="unrouted")
+        st = Tracked(rec, time.perf_counter())
+        st.routing_done = st.obs_attached = True
         return st
 
     def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> None:
@@ -256,12 +291,14 @@ class RequestTracker:
         self.pending.pop(st.key, None)
         st.pick = None
         rec = st.rec
-        if st.served_addr and rec.endpoints:
+        if st.served_addr:
             served = self.endpoint_of(st.served_addr)
             if served is not None:
                 rec.endpoint = served
-                if served != rec.endpoints[0]:
+                if rec.endpoints and served != rec.endpoints[0]:
                     rec.reason = "failover"
+        if not st.decided and rec.status >= 400 and rec.error is None:
+            rec.error = f"HTTP {rec.status} answered by Envoy"
         if rec.status >= 500 and rec.error is None:
             rec.error = f"HTTP {rec.status}"
         self.num_emitted += 1

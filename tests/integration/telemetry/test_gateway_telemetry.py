@@ -27,7 +27,7 @@ import pytest
 
 from prefixroute.extproc.gateway import GatewayProcesses
 from prefixroute.telemetry.tracecontext import format_traceparent, new_span_id, new_trace_id, parse_traceparent
-from tests.helpers.fleet import MAX_BODY_BYTES, MODEL, start_fleet, start_gateway
+from tests.helpers.fleet import MODEL, start_fleet, start_gateway
 from tests.helpers.procs import free_port
 from tests.integration.telemetry.conftest import ReceiverProc, start_receiver
 
@@ -47,7 +47,7 @@ class Sent:
 
 
 def send(gw: GatewayProcesses, prompt: str, *, stream: bool = False, include_usage: bool = True,
-         max_tokens: int = 12, model: str = MODEL, raw_body: bytes | None = None,
+         max_tokens: int = 12, model: str = MODEL, raw_body: bytes | None = None, method: str = "POST",
          conn: http.client.HTTPConnection | None = None) -> Sent:
     """One request; TTFT = request sent to the first response body bytes received (what a client sees)."""
     trace_id, span_id = new_trace_id(), new_span_id()
@@ -57,7 +57,7 @@ def send(gw: GatewayProcesses, prompt: str, *, stream: bool = False, include_usa
         body["stream_options"] = {"include_usage": True}
     c = conn or http.client.HTTPConnection(gw.url.split("//", 1)[1], timeout=30)
     t0 = time.perf_counter()
-    c.request("POST", "/v1/chat/completions", raw_body if raw_body is not None else json.dumps(body),
+    c.request(method, "/v1/chat/completions", raw_body if raw_body is not None else json.dumps(body),
               {"content-type": "application/json", "traceparent": format_traceparent(trace_id, span_id)})
     r = c.getresponse()
     first = r.read1(1 << 20)
@@ -171,17 +171,19 @@ def test_span_attributes_and_context_propagation_to_the_model_server(env, stream
     assert rec["request_id"]  # Envoy's x-request-id
 
 
-@pytest.mark.parametrize(("case", "status"), [("bad_json", 400), ("unknown_model", 404), ("too_large", 413)])
+# Not here: a body over Envoy's buffer limit. Envoy answers that 413 itself and resets both ext_proc streams,
+# usually before the service has read them, so it is recorded only when the service wins that race.
+@pytest.mark.parametrize(("case", "status"), [("bad_json", 400), ("unknown_model", 404), ("wrong_method", 405)])
 def test_errors_answered_by_the_router_are_recorded_without_an_endpoint(env, case: str, status: int) -> None:
     rcv, gw, _ = env
-    raw = {"bad_json": b"{not json", "too_large": b'{"model": "x", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'}
-    s = send(gw, "error case", model="no-such-model" if case == "unknown_model" else MODEL, raw_body=raw.get(case))
+    s = send(gw, "error case", model="no-such-model" if case == "unknown_model" else MODEL,
+             raw_body=b"{not json" if case == "bad_json" else None, method="PUT" if case == "wrong_method" else "POST")
     assert s.status == status
     rec = wait_records(rcv, [s.trace_id]).get(s.trace_id)
     assert rec is not None, "no record for a router-answered error"
-    assert rec["status"] == status and rec["endpoint"] is None and rec["ttft_ms"] is None
-    if case != "too_large":  # the router read the body and said why; Envoy answers 413 before the body is read
-        assert rec["error"] and json.loads(s.body)["error"]["message"] == rec["error"]
+    assert rec["status"] == status and rec["endpoint"] is None and rec["endpoints"] == []
+    assert rec["error"] and json.loads(s.body)["error"]["message"] == rec["error"]  # the router's own words
+    assert rec["ttft_ms"] is None  # the router's reply never reaches the observing filter
 
 
 def test_metrics_endpoint(env) -> None:

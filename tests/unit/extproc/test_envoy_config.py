@@ -134,6 +134,10 @@ def _filters(cfg: dict) -> list[dict]:
 def test_observing_filter_follows_the_routing_filter_in_observability_mode(overrides: dict, observed: bool) -> None:
     names = [f["name"] for f in _filters(build_config(EnvoySettings(**overrides)))]
     assert (OBSERVE_FILTER in names) is observed
+    if overrides.get("extproc_enabled", True):
+        # The routing filter tells the service whether an observation will follow.
+        routing = _filters(build_config(EnvoySettings(**overrides)))[0]["typed_config"]["grpc_service"]
+        assert ("initial_metadata" in routing) is observed
     if observed:
         # After the picker (so it sees the picker's traceparent), before the router.
         assert names.index("envoy.filters.http.ext_proc") < names.index(OBSERVE_FILTER) < len(names) - 1

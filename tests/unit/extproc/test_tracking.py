@@ -150,3 +150,32 @@ async def test_no_observing_stream_emits_at_routing_close_with_latency(sink) -> 
     t.routing_response_headers(st, "200", "10.0.0.1:80")
     t.routing_closed(st)
     assert len(out) == 1 and out[0].status == 200 and out[0].latency_ms is not None and out[0].ttft_ms is None
+
+
+async def test_late_observing_stream_is_awaited_when_envoy_announced_it(sink) -> None:
+    t, out, _ = sink
+    st, tp = t.begin({":path": "/v1/chat/completions"}, expect_obs=True)
+    t.decided(st, Pick())
+    t.routing_closed(st)  # under load the observing stream is read after the routing stream's close
+    assert out == []
+    obs = t.attach(_hv({"traceparent": tp}))
+    assert obs is st
+    t.obs_response_headers(obs, _hv({":status": "200", "content-type": "application/json",
+                                     SERVED_HEADER: "10.0.0.1:80"}), False, SERVED_HEADER)
+    t.obs_body(obs, orjson.dumps({"usage": USAGE}), True)
+    assert [(r.status, r.endpoint, r.cached_tokens) for r in out] == [(200, "a:80", 64)]
+
+
+async def test_unrouted_request_is_recorded_once_by_the_observing_stream(sink) -> None:
+    t, out, _ = sink
+    st, _ = t.begin({":path": "/v1/chat/completions", "content-length": "5000"}, expect_obs=True)
+    t.routing_closed(st)  # Envoy answered before any decision: left to the observing stream
+    assert out == [] and t.pending == {}
+    client_tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    hv = _hv({"traceparent": client_tp, ":path": "/v1/chat/completions"})
+    assert t.attach(hv) is None
+    obs = t.attach_unrouted(hv)
+    t.obs_response_headers(obs, _hv({":status": "413", "content-type": "application/json"}), False, SERVED_HEADER)
+    t.obs_body(obs, b'{"error": {}}', True)
+    assert [(r.status, r.reason, r.error, r.endpoint, r.trace_id) for r in out] == [
+        (413, "unrouted", "HTTP 413 answered by Envoy", None, "ab" * 16)]
