@@ -42,7 +42,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                 stop: asyncio.Event, tele: RouterTelemetrySettings | None = None) -> None:
     """Run until `stop` is set."""
     pool = EndpointPool(pool_settings)
-    core = RouterCore(routing)
+    # track_prefill: PoolRouter.release calls core.on_release once per routed request.
+    core = RouterCore(routing, track_prefill=True)
     router = PoolRouter(core, pool, routing)
     telemetry = RouterTelemetry.from_settings(tele or RouterTelemetrySettings(metrics_port=-1),
                                               in_flight=lambda: pool.in_flight,

@@ -18,7 +18,6 @@ import dataclasses
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from prefixroute import settings
+from prefixroute.procs import free_port, stop_group, tcp_open
 from prefixroute.endpoints.pool import endpoints_from_settings
 from prefixroute.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import MAX_FALLBACKS, EnvoySettings, render
@@ -100,18 +100,8 @@ def settings_argv(obj: Settings) -> list[str]:
     return argv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def _port_open(port: int, host: str = "127.0.0.1") -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 class GatewayProcesses:
@@ -173,19 +163,19 @@ class GatewayProcesses:
                *([] if self.gateway.telemetry else ["--no-traces"]),
                *settings_argv(self.routing), *settings_argv(self.pool), *self.extra_extproc_args]
         self.extproc = self._spawn("extproc", cmd)
-        self._wait(lambda: _port_open(self.extproc_port), self.extproc, "ext_proc service")
+        self._wait(lambda: tcp_open(self.extproc_port), self.extproc, "ext_proc service")
 
     def stop_extproc(self) -> None:
-        _stop(self.extproc)
+        stop_group(self.extproc)
 
     def start(self) -> GatewayProcesses:
         try:
             if not self.extproc_port:
-                self.extproc_port = _free_port()
+                self.extproc_port = free_port()
             if not self.admin_port:
-                self.admin_port = _free_port()
+                self.admin_port = free_port()
             if not self.metrics_port:
-                self.metrics_port = _free_port()
+                self.metrics_port = free_port()
             self._tmp = Path(tempfile.mkdtemp(prefix="prefixroute-gateway-"))
             self.config_path = self._tmp / "envoy.yaml"
             self.config_path.write_text(render(self.envoy_settings()))
@@ -207,7 +197,7 @@ class GatewayProcesses:
         except OSError:
             return False
         host = "127.0.0.1" if self.gateway.listen_address in ("0.0.0.0", "::") else self.gateway.listen_address
-        return _port_open(self.gateway.port, host)
+        return tcp_open(self.gateway.port, host)
 
     def _wait(self, ready: Any, proc: subprocess.Popen[bytes] | None, what: str) -> None:
         deadline = time.monotonic() + self.gateway.ready_timeout_s
@@ -221,8 +211,8 @@ class GatewayProcesses:
 
     def stop(self) -> None:
         """Stop Envoy first (no new requests), then the ext_proc service. Idempotent."""
-        _stop(self.envoy)
-        _stop(self.extproc)
+        stop_group(self.envoy)
+        stop_group(self.extproc)
         for f in self._logs:
             f.close()
         self._logs.clear()
@@ -237,20 +227,6 @@ class GatewayProcesses:
         self.stop()
 
 
-def _stop(proc: subprocess.Popen[bytes] | None, grace_s: float = 5.0) -> None:
-    if proc is None:
-        return
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

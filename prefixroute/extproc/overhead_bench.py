@@ -34,7 +34,8 @@ import orjson
 from prefixroute import settings
 from prefixroute.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
-from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, _free_port, _port_open, _stop, envoy_binary
+from prefixroute.procs import free_port, stop_group, tcp_open
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, envoy_binary
 from prefixroute.extproc.http_load import build_request, latency_ms, max_rate, stream_token_times
 from prefixroute.routing.settings import RoutingSettings
 from prefixroute.settings import Settings, setting
@@ -96,7 +97,7 @@ def _span_sink_args() -> list[str]:
     receiver someone else runs on the default port 4317."""
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         return []
-    return ["--otlp-endpoint", f"http://127.0.0.1:{_free_port()}"]
+    return ["--otlp-endpoint", f"http://127.0.0.1:{free_port()}"]
 
 
 def _itl(s: OverheadBenchSettings, endpoint: str, tmp: Path) -> None:
@@ -104,7 +105,7 @@ def _itl(s: OverheadBenchSettings, endpoint: str, tmp: Path) -> None:
     body = orjson.dumps({"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
                          "max_tokens": s.itl_tokens, "messages": [{"role": "user", "content": "Count."}]})
     req = build_request("/v1/chat/completions", body)
-    gws = {on: GatewayProcesses(GatewaySettings(port=_free_port(), listen_address="127.0.0.1", telemetry=on),
+    gws = {on: GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=on),
                                 RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
                                 log_dir=tmp / ("itl-on" if on else "itl-off"), extra_extproc_args=_span_sink_args())
            for on in (True, False)}
@@ -139,7 +140,7 @@ def run(s: OverheadBenchSettings) -> int:
     if s.mode not in ("latency", "itl", "all"):
         raise ValueError(f"mode must be 'latency', 'itl' or 'all', got {s.mode!r}")
     tmp = Path(tempfile.mkdtemp(prefix="prefixroute-overhead-"))
-    up_port = _free_port()
+    up_port = free_port()
     upstream = subprocess.Popen([sys.executable, "-m", "prefixroute.extproc.fast_upstream", str(up_port),
                                  str(s.itl_ms)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
@@ -147,27 +148,27 @@ def run(s: OverheadBenchSettings) -> int:
     endpoint = f"127.0.0.1:{up_port}"
     try:
         deadline = time.monotonic() + 10
-        while not _port_open(up_port):
+        while not tcp_open(up_port):
             if time.monotonic() > deadline or upstream.poll() is not None:
                 raise RuntimeError("fast upstream did not start")
             time.sleep(0.05)
         if s.mode == "itl":
             _itl(s, endpoint, tmp)
             return 0
-        base_port = _free_port()
+        base_port = free_port()
         base_cfg = tmp / "baseline.yaml"
         base_cfg.write_text(render(EnvoySettings(gateway_port=base_port, listen_address="127.0.0.1",
-                                                 admin_port=_free_port(), endpoints=(endpoint,),
+                                                 admin_port=free_port(), endpoints=(endpoint,),
                                                  extproc_enabled=False)))
         baseline = subprocess.Popen([envoy_binary(), "-c", str(base_cfg), "--disable-hot-restart",
                                      "--concurrency", "1", "-l", "warning"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-        gw = GatewayProcesses(GatewaySettings(port=_free_port(), listen_address="127.0.0.1", telemetry=s.telemetry),
+        gw = GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=s.telemetry),
                               RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
                               log_dir=tmp, envoy_overrides={"report_served": s.report_served},
                               extra_extproc_args=_span_sink_args())
         with gw:
-            while not _port_open(base_port):
+            while not tcp_open(base_port):
                 if baseline.poll() is not None:
                     raise RuntimeError("baseline Envoy exited")
                 time.sleep(0.05)
@@ -204,8 +205,8 @@ def run(s: OverheadBenchSettings) -> int:
         if s.mode == "all":
             _itl(s, endpoint, tmp)
     finally:
-        _stop(baseline)
-        _stop(upstream)
+        stop_group(baseline)
+        stop_group(upstream)
     return 0
 
 

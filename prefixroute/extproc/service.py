@@ -128,3 +128,5 @@ class PoolRouter:
         if not pick.released:
             pick.released = True
             self.pool.release(pick.counted)
+            # Outstanding-prefill tracking (cold placement prefers endpoints with less prefill queued).
+            self.core.on_release(pick.request, pick.decision)

@@ -179,7 +179,8 @@ def _summary(st: StackSettings, gateway: GatewayProcesses, pool: PoolSettings, s
         "prefixroute is up",
         f"  gateway     {gateway.url}   (OpenAI API: POST {gateway.url}/v1/chat/completions)",
         f"  endpoints   {eps}" + (f"   ({st.servers} simulated {st.profile})" if simulated else ""),
-        f"  policy      {gateway.routing.policy}",
+        f"  policy      {gateway.routing.policy}   (router metrics: "
+        f"{'http://127.0.0.1:%d/metrics' % gateway.metrics_port if gateway.metrics_port and gateway.metrics_port > 0 else 'off'})",
         f"  dashboard   http://127.0.0.1:{st.dashboard_port}" if st.dashboard else "  dashboard   (off)",
         f"  telemetry   OTLP grpc://127.0.0.1:{st.telemetry_port}, store {st.db}, "
         f"`prefixroute telemetry dump --db {st.db} --since 60`",

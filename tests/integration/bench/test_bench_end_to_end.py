@@ -14,7 +14,7 @@ from prefixroute.bench import report, results, runner, workloads
 
 pytestmark = pytest.mark.integration
 
-SMALL = ["--workload", "shared-prompts", "--num-requests", "16", "--num-groups", "2", "--prefix-tokens", "256",
+SMALL = ["--workload", "shared-prompts", "--num-requests", "16", "--num-groups", "2", "--prefix-tokens", "2048",
          "--question-tokens", "16", "--output-tokens", "4", "--rate-rps", "10", "--servers", "2",
          "--profile", "llama-3.1-8b-h200", "--server-args=--time-scale=0.2", "--no-progress"]
 

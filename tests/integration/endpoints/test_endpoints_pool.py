@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -245,7 +246,9 @@ async def test_passive_failure_marks_down_at_once_and_a_probe_restores(servers, 
     # the regular probe is 30 s away: only the sooner re-probe can bring it back this fast
     took = await until(lambda: state(pool, a.endpoint).healthy, timeout_s=5)
     assert took >= FAST.failure_probe_delay_s * 0.8
-    assert changes[:3] == [True, False, True]
+    # Other structural updates (a models refresh) may notify while it is down: compare health transitions.
+    transitions = [healthy for healthy, _ in itertools.groupby(changes)]
+    assert transitions[:3] == [True, False, True]
 
 
 async def test_wait_ready_times_out_when_an_endpoint_is_dead(servers, pools):

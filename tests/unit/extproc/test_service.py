@@ -138,3 +138,14 @@ async def test_non_inference_path_routes_without_a_body(router: PoolRouter) -> N
 ])
 def test_endpoint_ids_resolve_to_addresses_for_original_dst(endpoint: str, address: str) -> None:
     assert resolve_address(endpoint) in (address, "[::1]:8001" if endpoint.startswith("localhost") else address)
+
+
+async def test_release_returns_outstanding_prefill_to_zero(router: PoolRouter) -> None:
+    tracked = PoolRouter(RouterCore(router.settings, track_prefill=True), router.pool, router.settings)
+    policy = tracked.core.scheduler.policy
+    picks = [tracked.route(*POST, {}, _chat(f"cold prompt {i} " * 200)) for i in range(3)]
+    assert sum(policy.outstanding_prefill_tokens().values()) > 0
+    for pick in picks:
+        tracked.release(pick)
+        tracked.release(pick)  # idempotent: the second release must not subtract again
+    assert sum(policy.outstanding_prefill_tokens().values()) == 0
