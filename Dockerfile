@@ -6,7 +6,9 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY prefixroute ./prefixroute
 COPY envoy ./envoy
-RUN pip install '.[dashboard]'
+# xds-protos ships old OpenTelemetry protos that may overwrite opentelemetry-proto's: put those back.
+RUN pip install '.[dashboard]' \
+ && pip install --force-reinstall --no-deps "opentelemetry-proto==$(python -c "import importlib.metadata as m; print(m.version('opentelemetry-proto'))")"
 RUN useradd --create-home --uid 10001 prefixroute && mkdir -p /data && chown prefixroute /data
 USER prefixroute
 EXPOSE 8080 8501 4317 4320
