@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import re
 import subprocess
 import time
@@ -25,7 +26,8 @@ from tests.helpers.procs import free_port, prefixroute_cmd, start_process
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.timeout(150)]
 
-CHROMIUM = "/usr/bin/chromium"
+# Debian's chromium package (installed by .ci/run); PREFIXROUTE_CHROMIUM points at another build.
+CHROMIUM = os.environ.get("PREFIXROUTE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 REPO = Path(__file__).resolve().parents[2]

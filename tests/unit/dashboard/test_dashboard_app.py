@@ -127,18 +127,22 @@ def test_missing_store_is_explained_and_recovers(tmp_path, monkeypatch):
     # Query results are shared for one refresh period; each rerun below comes a period later, like
     # the live refresh does.
     monkeypatch.setenv("PREFIXROUTE_DASHBOARD_REFRESH_S", "0.5")
+    # The live period is the refresh slowed for the window (window / 300 s): wait a whole one per rerun.
+    from prefixroute.dashboard.data import refresh_for_window
+
+    period_s = refresh_for_window(0.5, 300.0) + 0.1
     at = run_app()
     assert not at.exception
     assert "Telemetry store not available" in texts(at)
     assert f"prefixroute telemetry --db {db}" in texts(at)
     write(db, make_records(20))
-    time.sleep(0.6)
+    time.sleep(period_s)
     at.run()  # what the next live refresh does
     assert "Telemetry store not available" not in texts(at)
     assert metric(at, "Hit rate (actual)").endswith("%")
     for suffix in ("", "-wal", "-shm"):
         Path(f"{db}{suffix}").unlink(missing_ok=True)
-    time.sleep(0.6)
+    time.sleep(period_s)
     at.run()
     assert "Telemetry store not available" in texts(at)
 
