@@ -1,7 +1,8 @@
 """A tiny deterministic YAML emitter for the rendered Envoy configuration.
 
-Why not PyYAML: it is not a runtime dependency, and the committed `envoy/envoy.yaml` must be
-byte-identical to the rendering, so the output must be stable across library versions. The input is
+Why not PyYAML's dumper: the committed `envoy/envoy.yaml` must be byte-identical to the rendering, so
+the output must not change with the library's version or its quoting heuristics (PyYAML only checks
+the output, in the tests). The input is
 plain data (dict/list/str/int/float/bool/None) built by `envoy_config`; dict order is preserved.
 Strings are always double-quoted JSON strings (valid YAML), so no value can be misread as another type.
 """

@@ -25,14 +25,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+from prefixroute.procs import LOOPBACK, free_port  # noqa: F401 - re-exported for tests
+from prefixroute.procs import tcp_open as port_open  # noqa: F401
 
 
 def free_ports(n: int) -> list[int]:
@@ -52,14 +46,6 @@ def free_ports(n: int) -> list[int]:
 def prefixroute_cmd(*args: str) -> list[str]:
     """The command line that runs `prefixroute ARGS...` with this interpreter (no PATH lookup)."""
     return [sys.executable, "-m", "prefixroute", *args]
-
-
-def port_open(port: int, host: str = LOOPBACK, timeout_s: float = 0.2) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
