@@ -57,7 +57,7 @@ class RouterCore:
             raise OpenAIError(503, "no endpoint is configured", retry_after_s=self.retry_after_s)
         k = 1 + self.settings.num_fallbacks
         if request.kind == "other":
-            healthy = filters.filter_healthy(endpoints)
+            healthy = self.scheduler.eligible_cache.view(endpoints, None).endpoints  # healthy, any model
             if not healthy:
                 raise OpenAIError(503, "no healthy endpoint", retry_after_s=self.retry_after_s)
             order = pickers.least_load_order(healthy, in_flight, self.rng, k)

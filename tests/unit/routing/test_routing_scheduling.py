@@ -10,7 +10,7 @@ import pytest
 from prefixroute.routing.prefix_index import PrefixIndex
 from prefixroute.routing.request import InferenceRequest
 from prefixroute.routing.scheduling import filters, pickers
-from prefixroute.routing.scheduling.policies import prefix_key
+from prefixroute.routing.scheduling.policies import POLICY_CLASSES, PolicyInput, PrefixPolicy, prefix_key
 from prefixroute.routing.scheduling.scheduler import Scheduler
 from prefixroute.routing.scheduling.scorers import (InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer,
                                                     ScoringContext, weighted_scores)
@@ -512,3 +512,111 @@ def test_cold_placement_bounds_outstanding_prefill_tokens(track, first_prefill, 
     assert (d.endpoints[0] == hrw[0]) is expected_first
     if not expected_first:
         assert d.endpoints[0] == hrw[1]
+
+
+# --- per-snapshot memo and vectorised rendezvous ----------------------------------------------------------------
+@pytest.mark.parametrize("num_endpoints", [1, 5, pickers.RendezvousTable.SMALL + 1, 200])  # Python / numpy
+def test_rendezvous_table_weights_equal_the_scalar_weight(num_endpoints):
+    pool = [EndpointState(EndpointId(f"10.2.{i // 200}.{i % 200}:8000")) for i in range(num_endpoints)]
+    table = pickers.RendezvousTable(pool)
+    rnd = random.Random(3)
+    for key in [0, 1, 2**64 - 1] + [rnd.getrandbits(64) for _ in range(50)]:
+        assert table.weights(key).tolist() == [pickers.hrw_weight(key, s.endpoint) for s in pool]
+        by_weight = sorted(pool, key=lambda s: pickers.hrw_weight(key, s.endpoint), reverse=True)
+        assert [s.endpoint for s in table.ranked(key)] == [s.endpoint for s in by_weight]
+
+
+def test_eligible_memo_is_kept_per_snapshot_object_and_rebuilt_when_it_changes():
+    cache = filters.EligibleCache()
+    snap = tuple(eps(4)) + (EndpointState(EndpointId("10.0.0.9:8000"), healthy=False),)
+    v = cache.view(snap, "m")
+    assert cache.view(snap, "m") is v and cache.view(snap, None) is not v
+    assert v.endpoints == tuple(filters.eligible(snap, "m")) and len(v.endpoints) == 4
+    equal_copy = snap[:2] + snap[2:]  # same content, new object: what the pool publishes after a scrape
+    assert cache.view(equal_copy, "m") is not v
+    changed = snap[:1] + (EndpointState(snap[1].endpoint, healthy=False),) + snap[2:]
+    assert [s.endpoint for s in cache.view(changed, "m").endpoints] == [A, C, EndpointId("10.0.0.3:8000")]
+    as_list = list(snap)  # a list may be changed in place: never memoised
+    assert cache.view(as_list, "m") is not cache.view(as_list, "m")
+
+
+class _ReferencePrefixPolicy(PrefixPolicy):
+    """The prefix policy with the cold placement as it was before the table: one full rendezvous sort per group."""
+
+    def _cold_order(self, inp, candidates, rest, mean_in_flight):
+        k = self._k
+        key = prefix_key(inp.request, self._settings.cold_key_blocks)
+        if inp.in_flight:
+            get = inp.in_flight.get
+            bound = self._settings.cold_balance_factor * mean_in_flight
+            light = [s for s in candidates if get(s.endpoint, 0) <= bound]
+            if self._prefill and len(light) > 1:
+                pbound = self._settings.cold_balance_factor * sum(self._prefill.values()) / len(inp.eligible)
+                light = [s for s in light if self._prefill.get(s.endpoint, 0.0) <= pbound] or light
+            if light and len(light) < len(candidates):
+                order = pickers.rendezvous_order(key, light, k)
+                if len(order) < k:
+                    heavy = [s for s in candidates if get(s.endpoint, 0) > bound]
+                    order += pickers.rendezvous_order(key, heavy, k - len(order))
+                if len(order) < k and rest:
+                    order += pickers.rendezvous_order(key, rest, k - len(order))
+                return order
+        order = pickers.rendezvous_order(key, candidates, k)
+        if len(order) < k and rest:
+            order += pickers.rendezvous_order(key, rest, k - len(order))
+        return order
+
+
+def _reference_schedule(policy, request, endpoints, in_flight, index):
+    """Scheduler.schedule as it was before the memo: filters per request, no view."""
+    eligible = filters.eligible(list(endpoints), request.model)
+    if not eligible:
+        return None
+    matches = index.match(request.block_hashes) if request.block_hashes else {}
+    holders = [s for s in eligible if s.endpoint in matches]
+    matches = {s.endpoint: matches[s.endpoint] for s in holders}
+    return policy.decide(PolicyInput(request=request, eligible=eligible, in_flight=in_flight, matches=matches,
+                                     holders=holders))
+
+
+@pytest.mark.parametrize("seed,num_endpoints,policy,track", [
+    (1, 4, "prefix", False), (2, 40, "prefix", False), (3, 300, "prefix", False), (4, 40, "prefix", True),
+    (5, 40, "consistent-hash", False), (6, 40, "round-robin", False), (7, 40, "least-load", False),
+])
+def test_memoised_decisions_equal_the_per_request_path_on_random_snapshots(seed, num_endpoints, policy, track):
+    rnd = random.Random(seed)
+    settings = RoutingSettings(policy=policy, rng_seed=seed, max_scored_endpoints=16)
+    fast = Scheduler(settings)
+    ref_policy = (_ReferencePrefixPolicy if policy == "prefix" else POLICY_CLASSES[policy])(
+        settings, random.Random(seed))
+    fast.policy.track_prefill = ref_policy.track_prefill = track
+    fast_index, ref_index = PrefixIndex(200), PrefixIndex(200)
+    names = [EndpointId(f"10.1.{i // 200}.{i % 200}:8000") for i in range(num_endpoints)]
+    snap: tuple[EndpointState, ...] = ()
+    for step in range(600):
+        if step % 25 == 0:  # a scrape lands: a new snapshot object (health and models change too)
+            snap = tuple(EndpointState(n, healthy=rnd.random() > 0.15,
+                                       models=rnd.choice([frozenset(), frozenset({"m"}), frozenset({"x"})]),
+                                       num_requests_waiting=rnd.choice([None, 0, 3, 20]),
+                                       kv_cache_usage_ratio=rnd.choice([None, 0.1, 0.9]))
+                         for n in names if rnd.random() > 0.05)
+        r = chain(rnd.randrange(40), rnd.choice([0, 1, 6]))
+        r.model = rnd.choice([None, "m", "m", "x", "y"])
+        if rnd.random() < 0.3:  # loads 0, 2, 4 over the eligible endpoints: some exactly at the mean (bounds)
+            el = filters.eligible(snap, r.model)
+            cut = len(el) - len(el) % 3
+            in_flight = {s.endpoint: (2 * (i % 3) if i < cut else 2) for i, s in enumerate(el)}
+        else:
+            in_flight = {n: rnd.choice([0, 0, 1, 2, 5, 40]) for n in names if rnd.random() > 0.3}
+        got = fast.schedule(r, snap, in_flight, fast_index)
+        want = _reference_schedule(ref_policy, r, snap, in_flight, ref_index)
+        if want is None:
+            assert got.endpoints == ()
+            continue
+        assert got == want, step
+        if got.endpoints and r.block_hashes:
+            fast_index.record(r.block_hashes, got.endpoints[0])
+            ref_index.record(r.block_hashes, want.endpoints[0])
+        if track and rnd.random() < 0.5:
+            fast.policy.note_release(r, got)
+            ref_policy.note_release(r, want)
