@@ -362,6 +362,12 @@ class PrefixPolicy:
         limit = self.balance_limit(inp, mean)
         under, over = filters.split_threshold(inp.eligible, inp.in_flight, limit)
         hot = self.over_share(len(inp.eligible))
+        if hot:
+            # An idle endpoint (nothing in flight) cannot make this request wait, so its recent share alone
+            # does not move a request away from its cache: sequential traffic sharing one system prompt
+            # keeps its affinity; the limit acts once the hot endpoint is busy.
+            in_flight = inp.in_flight
+            hot = {ep for ep in hot if in_flight.get(ep, 0) > 0}
         if hot and len(hot) < len(inp.eligible):
             view = inp.view
             if not over and under is inp.eligible and view is not None and view.endpoints is under:
