@@ -57,6 +57,18 @@ def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
+def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> int:
+    """SIGTERM the process itself (its own clean-shutdown path), SIGKILL after `grace_s`; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(5)
+    return proc.returncode
+
+
 @dataclass
 class ManagedProcess:
     """A started child process (own process group) and its log file."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
+
+from tests.helpers.procs import terminate
 
 
 class ServerProc:
@@ -17,14 +18,7 @@ class ServerProc:
         self.url = f"http://{host}:{port}"
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                return self.proc.wait(5)
-        return self.proc.returncode
+        return terminate(self.proc)
 
 
 def start_server(*args: str, timeout_s: float = 30.0, env: dict[str, str] | None = None) -> ServerProc:

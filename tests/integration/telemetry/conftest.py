@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.procs import terminate
 
 PREFIXROUTE = [sys.executable, "-m", "prefixroute"]
 _BANNER = re.compile(r"OTLP/gRPC on [\d.]+:(\d+), HTTP API on http://[\d.]+:(\d+)")
@@ -52,14 +53,7 @@ class ReceiverProc:
         raise AssertionError(f"store has {stats.get('num_requests')} rows, expected {n}: {stats}")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
+        return terminate(self.proc)
 
 
 def start_receiver(db: Path, *extra: str, port: int = 0) -> ReceiverProc:
