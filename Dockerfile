@@ -4,7 +4,13 @@ FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY prefixroute ./prefixroute
+COPY common ./common
+COPY extproc ./extproc
+COPY model_servers ./model_servers
+COPY telemetry ./telemetry
+COPY dashboard ./dashboard
+COPY bench ./bench
+COPY stack ./stack
 COPY envoy ./envoy
 # xds-protos ships old OpenTelemetry protos that may overwrite opentelemetry-proto's: put those back.
 RUN pip install '.[dashboard]' \

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.realrun import RealFleet
-from tests.helpers.procs import free_port, prefixroute_cmd, start_process
+from helpers.realrun import RealFleet
+from helpers.procs import free_port, prefixroute_cmd, start_process
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.timeout(150)]
 

@@ -4,7 +4,7 @@ Every process started here runs in its own process group and is killed (group-wi
 context manager exits, even when the test fails, so no test leaves a server behind.
 """
 
-from tests.helpers.procs import (
+from helpers.procs import (
     ManagedProcess,
     free_port,
     free_ports,

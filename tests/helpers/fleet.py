@@ -8,10 +8,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefixroute.endpoints.settings import PoolSettings
+from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
-from prefixroute.routing.settings import RoutingSettings
-from tests.helpers.procs import ManagedProcess, free_port, prefixroute_cmd, start_process
+from prefixroute.extproc.routing.settings import RoutingSettings
+from helpers.procs import ManagedProcess, free_port, prefixroute_cmd, start_process
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulated server's default served model
 MAX_BODY_BYTES = 256 * 1024  # small, so the 413 test sends little

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import free_ports
+from helpers import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from aiohttp import web
 
-from prefixroute.endpoints.pool import EndpointPool
-from prefixroute.endpoints.settings import PoolSettings
-from prefixroute.routing.types import EndpointId, EndpointState
+from prefixroute.extproc.endpoints.pool import EndpointPool
+from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.routing.types import EndpointId, EndpointState
 
 pytestmark = pytest.mark.integration
 
@@ -293,9 +293,9 @@ async def test_removed_endpoint_leaves_the_snapshot_and_listeners_hear_of_it(ser
 
 async def test_router_core_follows_the_pool(servers, pools):
     """The pool's listener hook sizes the prefix index from scraped KV capacity and drops removed endpoints."""
-    from prefixroute.routing.request import parse_request
-    from prefixroute.routing.router import RouterCore
-    from prefixroute.routing.settings import RoutingSettings
+    from prefixroute.extproc.routing.request import parse_request
+    from prefixroute.extproc.routing.router import RouterCore
+    from prefixroute.extproc.routing.settings import RoutingSettings
 
     a, b = await servers(2)
     b.metrics = b""

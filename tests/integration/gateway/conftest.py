@@ -6,21 +6,13 @@ Tests that kill or stop something start their own (function-scoped) gateway.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
 
 import pytest
 
-# tests/helpers is shared by several test folders; make the repo root importable however pytest is started.
-_ROOT = str(Path(__file__).resolve().parents[3])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from tests.helpers.fleet import Fleet, SpyListener, start_fleet, start_gateway  # noqa: E402
-
-from prefixroute.extproc.gateway import GatewayProcesses  # noqa: E402
+from helpers.fleet import Fleet, SpyListener, start_fleet, start_gateway
+from prefixroute.extproc.gateway import GatewayProcesses
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, http_get, prefixroute_cmd, start_process
-from tests.helpers.fleet import MODEL, start_fleet
+from helpers import free_port, http_get, prefixroute_cmd, start_process
+from helpers.fleet import MODEL, start_fleet
 
 pytestmark = pytest.mark.integration
 

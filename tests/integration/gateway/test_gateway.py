@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from prefixroute.extproc.envoy_config import DESTINATION_HEADER, SERVED_HEADER, fallback_header
+from prefixroute.extproc.headers import DESTINATION_HEADER, SERVED_HEADER, fallback_header
 from prefixroute.extproc.gateway import GatewayProcesses
 
-from tests.helpers.fleet import MAX_BODY_BYTES, MODEL, Fleet, SpyListener, start_fleet, start_gateway
+from helpers.fleet import MAX_BODY_BYTES, MODEL, Fleet, SpyListener, start_fleet, start_gateway
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from tests.helpers.procs import terminate
+from helpers.procs import terminate
 
 
 class ServerProc:

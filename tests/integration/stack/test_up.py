@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_ports
+from helpers import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -2,73 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
-import time
-import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
 
-from tests.helpers.procs import terminate
-
-PREFIXROUTE = [sys.executable, "-m", "prefixroute"]
-_BANNER = re.compile(r"OTLP/gRPC on [\d.]+:(\d+), HTTP API on http://[\d.]+:(\d+)")
-
-
-@dataclass
-class ReceiverProc:
-    proc: subprocess.Popen
-    db: Path
-    otlp_port: int
-    http_port: int
-
-    @property
-    def otlp_url(self) -> str:
-        return f"http://127.0.0.1:{self.otlp_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def api(self, route: str) -> tuple[int, object]:
-        try:
-            with urllib.request.urlopen(self.http_url + route, timeout=5) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    def wait_rows(self, n: int, timeout_s: float = 20.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        stats: dict = {}
-        while time.monotonic() < deadline:
-            _, stats = self.api("/api/stats")
-            if stats["num_requests"] >= n:
-                return stats
-            time.sleep(0.05)
-        raise AssertionError(f"store has {stats.get('num_requests')} rows, expected {n}: {stats}")
-
-    def stop(self) -> int:
-        return terminate(self.proc)
-
-
-def start_receiver(db: Path, *extra: str, port: int = 0) -> ReceiverProc:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PREFIXROUTE_"))}
-    cmd = [*PREFIXROUTE, "telemetry", "--port", str(port), "--http-port", "0", "--db", str(db), *extra]
-    log_path = db.with_suffix(".log")
-    with open(log_path, "w") as log:  # a file, not a pipe nobody reads (a full pipe would block the receiver)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    line = proc.stdout.readline()  # the banner, printed once both servers are bound
-    m = _BANNER.search(line)
-    if not m:
-        proc.kill()
-        proc.wait(5)
-        raise AssertionError(f"receiver did not start: {line!r} {log_path.read_text()}")
-    return ReceiverProc(proc, db, int(m.group(1)), int(m.group(2)))
+from helpers.receiver import ReceiverProc, start_receiver
 
 
 @pytest.fixture

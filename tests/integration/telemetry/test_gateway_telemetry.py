@@ -27,9 +27,9 @@ import pytest
 
 from prefixroute.extproc.gateway import GatewayProcesses
 from prefixroute.telemetry.tracecontext import format_traceparent, new_span_id, new_trace_id, parse_traceparent
-from tests.helpers.fleet import MODEL, start_fleet, start_gateway
-from tests.helpers.procs import free_port
-from tests.integration.telemetry.conftest import ReceiverProc, start_receiver
+from helpers.fleet import MODEL, start_fleet, start_gateway
+from helpers.procs import free_port
+from helpers.receiver import ReceiverProc, start_receiver
 
 pytestmark = pytest.mark.integration
 

@@ -203,7 +203,7 @@ def test_benchmarks_page_with_and_without_results(tmp_path, monkeypatch):
 def test_live_page_over_the_receiver_http_api(tmp_path, monkeypatch):
     from contextlib import ExitStack
 
-    from tests.browser.realrun import start_receiver
+    from helpers.realrun import start_receiver
 
     db = tmp_path / "t.db"
     records = make_records(120)

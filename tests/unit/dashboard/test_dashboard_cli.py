@@ -14,7 +14,7 @@ import pytest
 from prefixroute import settings
 from prefixroute.cli import build_parser
 from prefixroute.dashboard.cli import DashboardSettings, main, settings_env, streamlit_command
-from tests.helpers.procs import free_port, prefixroute_cmd
+from helpers.procs import free_port, prefixroute_cmd
 
 
 def parse(*argv: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from prefixroute.endpoints.scrape import (ScrapedMetrics, parse_endpoint, parse_endpoint_list, parse_metrics,
+from prefixroute.extproc.endpoints.scrape import (ScrapedMetrics, parse_endpoint, parse_endpoint_list, parse_metrics,
                                           parse_models, read_endpoints_file)
 
 

@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from prefixroute import settings as settings_mod
-from prefixroute.endpoints.pool import EndpointPool, endpoints_from_settings
-from prefixroute.endpoints.settings import PoolSettings
+from prefixroute.extproc.endpoints.pool import EndpointPool, endpoints_from_settings
+from prefixroute.extproc.endpoints.settings import PoolSettings
 
 
 def from_cli(argv: list[str], env: dict[str, str] | None = None) -> PoolSettings:

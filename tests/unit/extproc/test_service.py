@@ -9,12 +9,12 @@ import orjson
 import pytest
 from aiohttp import web
 
-from prefixroute.endpoints.pool import EndpointPool
-from prefixroute.endpoints.settings import PoolSettings
+from prefixroute.extproc.endpoints.pool import EndpointPool
+from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.service import PoolRouter, resolve_address
 from prefixroute.openai_errors import OpenAIError
-from prefixroute.routing.router import RouterCore
-from prefixroute.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.settings import RoutingSettings
 
 MODEL = "m"
 

@@ -16,12 +16,12 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from prefixroute.extproc.envoy_config import DESTINATION_HEADER, MAX_FALLBACKS, SERVED_HEADER, fallback_header
+from prefixroute.extproc.headers import DESTINATION_HEADER, MAX_FALLBACKS, SERVED_HEADER, fallback_header
 from prefixroute.extproc.server import ExtprocSettings, start_server
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.openai_errors import OpenAIError
-from prefixroute.routing.request import InferenceRequest
-from prefixroute.routing.types import Decision
+from prefixroute.extproc.routing.request import InferenceRequest
+from prefixroute.extproc.routing.types import Decision
 from prefixroute.telemetry.tracecontext import parse_traceparent
 
 

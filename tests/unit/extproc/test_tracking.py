@@ -8,10 +8,10 @@ import orjson
 import pytest
 from envoy.config.core.v3 import base_pb2
 
-from prefixroute.extproc.envoy_config import SERVED_HEADER
+from prefixroute.extproc.headers import SERVED_HEADER
 from prefixroute.extproc.tracking import RequestTracker
-from prefixroute.routing.request import InferenceRequest
-from prefixroute.routing.types import Decision
+from prefixroute.extproc.routing.request import InferenceRequest
+from prefixroute.extproc.routing.types import Decision
 from prefixroute.telemetry.records import RequestRecord, tenant_hash
 from prefixroute.telemetry.tracecontext import parse_traceparent
 

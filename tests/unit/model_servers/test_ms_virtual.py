@@ -7,7 +7,7 @@ import random
 import pytest
 
 from prefixroute.model_servers.virtual import SimRequest, VirtualFleet
-from prefixroute.routing.types import EndpointState
+from prefixroute.extproc.routing.types import EndpointState
 
 
 def workload(n=300, rate=40.0, seed=0):

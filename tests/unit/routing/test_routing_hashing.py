@@ -9,7 +9,7 @@ import pytest
 import xxhash
 from hypothesis import given, settings as hsettings, strategies as st
 
-from prefixroute.routing.hashing import hash_blocks, seed_for
+from prefixroute.extproc.routing.hashing import hash_blocks, seed_for
 
 SEED = seed_for("m", None)
 
@@ -56,7 +56,7 @@ def test_seeds_differ(a, b):
 
 
 def test_deterministic_across_processes():
-    code = ("from prefixroute.routing.hashing import hash_blocks, seed_for;"
+    code = ("from prefixroute.extproc.routing.hashing import hash_blocks, seed_for;"
             "print(hash_blocks('x' * 200 + 'é' * 70, seed_for('llama', 'acme'), 64, 256))")
     out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={"PYTHONHASHSEED": str(i)}).stdout for i in (1, 2)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from prefixroute.routing.prefix_index import PrefixIndex
-from prefixroute.routing.types import BlockHash, EndpointId
+from prefixroute.extproc.routing.prefix_index import PrefixIndex
+from prefixroute.extproc.routing.types import BlockHash, EndpointId
 
 A, B, C = EndpointId("a:1"), EndpointId("b:1"), EndpointId("c:1")
 
@@ -80,9 +80,9 @@ def test_remove_endpoint_takes_its_entries():
     idx.record(hs(1, 2), B)
     idx.remove_endpoint(A)
     assert idx.match(hs(1, 2, 3)) == {B: 2}
-    assert (idx.num_entries(), idx.num_entries(A), idx.num_blocks, idx.capacity(A)) == (2, 0, 2, 100)
+    assert (idx.num_entries(), idx.num_entries(A), idx.num_entries_by_endpoint(), idx.capacity(A)) == (2, 0, {B: 2}, 100)
     idx.remove_endpoint(B)
-    assert (idx.num_entries(), idx.num_blocks) == (0, 0)
+    assert (idx.num_entries(), idx.num_entries_by_endpoint()) == (0, {})
     idx.remove_endpoint(C)  # unknown: no-op
 
 
@@ -138,4 +138,4 @@ def test_matches_a_reference_model(ops, query):
         if n:
             expected[ep] = n
     assert idx.match(q) == expected
-    assert idx.num_blocks == len({h for lru in ref.values() for h in lru})
+    assert idx.num_entries_by_endpoint() == {ep: len(lru) for ep, lru in ref.items() if lru}

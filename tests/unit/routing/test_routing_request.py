@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from prefixroute.openai_errors import OpenAIError
-from prefixroute.routing.hashing import hash_blocks, seed_for
-from prefixroute.routing.request import canonical_text, parse_request
-from prefixroute.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.hashing import hash_blocks, seed_for
+from prefixroute.extproc.routing.request import canonical_text, parse_request
+from prefixroute.extproc.routing.settings import RoutingSettings
 
 S = RoutingSettings()
 CHAT = "/v1/chat/completions"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from prefixroute.openai_errors import OpenAIError
-from prefixroute.routing.request import parse_request
-from prefixroute.routing.router import RouterCore
-from prefixroute.routing.settings import RoutingSettings
-from prefixroute.routing.types import EndpointId, EndpointState
+from prefixroute.extproc.routing.request import parse_request
+from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.types import EndpointId, EndpointState
 
 import orjson
 

@@ -7,15 +7,15 @@ import random
 
 import pytest
 
-from prefixroute.routing.prefix_index import PrefixIndex
-from prefixroute.routing.request import InferenceRequest
-from prefixroute.routing.scheduling import filters, pickers
-from prefixroute.routing.scheduling.policies import POLICY_CLASSES, PolicyInput, PrefixPolicy, prefix_key
-from prefixroute.routing.scheduling.scheduler import Scheduler
-from prefixroute.routing.scheduling.scorers import (InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer,
+from prefixroute.extproc.routing.prefix_index import PrefixIndex
+from prefixroute.extproc.routing.request import InferenceRequest
+from prefixroute.extproc.routing.scheduling import filters, pickers
+from prefixroute.extproc.routing.scheduling.policies import POLICY_CLASSES, PolicyInput, PrefixPolicy, prefix_key
+from prefixroute.extproc.routing.scheduling.scheduler import Scheduler
+from prefixroute.extproc.routing.scheduling.scorers import (InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer,
                                                     ScoringContext, weighted_scores)
-from prefixroute.routing.settings import RoutingSettings
-from prefixroute.routing.types import BlockHash, EndpointId, EndpointState
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.types import BlockHash, EndpointId, EndpointState
 
 
 def eps(n: int, **kw) -> list[EndpointState]:
@@ -374,7 +374,7 @@ def test_cold_placement_moves_only_the_changed_endpoints_share(change):
     ({A: 40, B: 40, C: 40}, 3, 32, None, 32),  # the fixed threshold caps the adaptive limit
 ])
 def test_balance_limit(in_flight, num_eligible, threshold, slack, expected):
-    from prefixroute.routing.scheduling.policies import PolicyInput
+    from prefixroute.extproc.routing.scheduling.policies import PolicyInput
 
     extra = {} if slack is None else {"balance_slack": slack}
     policy = sched(concurrency_threshold=threshold, **extra).policy

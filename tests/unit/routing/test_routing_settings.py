@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from prefixroute import settings as settings_mod
-from prefixroute.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.settings import RoutingSettings
 
 
 @pytest.mark.parametrize("kwargs", [

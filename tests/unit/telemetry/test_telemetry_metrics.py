@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixroute.routing.types import Decision
+from prefixroute.extproc.routing.types import Decision
 from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
 from prefixroute.telemetry.records import RequestRecord
 

@@ -54,7 +54,7 @@ def test_span_carries_record_ids_times_and_attributes():
     assert a["gen_ai.usage.input_tokens"] == 512 and a["gen_ai.usage.output_tokens"] == 32
     assert a["gen_ai.usage.cache_read.input_tokens"] == 384 == a["prefixroute.cached_tokens"]
     assert a["server.address"] == "10.0.0.2" and a["server.port"] == 8000
-    assert a["prefixroute.endpoints"] == ("10.0.0.2:8000", "10.0.0.1:8000")
+    assert a["prefixroute.extproc.endpoints"] == ("10.0.0.2:8000", "10.0.0.1:8000")
     assert a["prefixroute.fallback_endpoints"] == ("10.0.0.1:8000",)
     assert (a["prefixroute.policy"], a["prefixroute.reason"], a["prefixroute.tenant_hash"]) == ("prefix", "affinity",
                                                                                                  "t9")

@@ -1,0 +1,222 @@
+"""`prefixroute overhead-bench`: what routing through the ext_proc service adds to every request.
+
+In one run, against the same minimal upstream (fast_upstream.py: answers a small JSON at once):
+
+- baseline: Envoy with no ext_proc filter, routing straight to the upstream;
+- routed:   the real gateway (Envoy + `prefixroute extproc` with the real router and endpoint pool).
+
+For each prompt size it prints the latency p50/p99 on one keep-alive connection (baseline and routed runs
+interleaved over several rounds, so machine noise hits both alike), the added latency, and the most
+requests per second over many connections, with ratios. The machine is shared and noisy: compare ratios,
+and rerun when the load average is high (it is printed).
+
+Inter-token latency (``--mode itl`` or ``all``): streamed responses (the upstream sends a token event every
+``itl_ms``) through two real gateways on the same upstream, telemetry on (the observing ext_proc filter
+sees every body chunk, spans exported) and telemetry off (no observing filter, no export), interleaved;
+prints ITL p50/p99 per configuration and the on/off ratios. Telemetry must leave ITL unchanged within noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import orjson
+
+from prefixroute import settings
+from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.envoy_config import EnvoySettings, render
+from prefixroute.procs import free_port, stop_group, tcp_open
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, envoy_binary
+from prefixroute.bench.http_load import build_request, latency_ms, max_rate, stream_token_times
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.settings import Settings, setting
+
+MODEL = "bench-model"  # what fast_upstream lists in /v1/models
+
+
+@dataclasses.dataclass(frozen=True)
+class OverheadBenchSettings(Settings):
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_OVERHEAD_BENCH_"
+    TITLE: ClassVar[str] = "Overhead benchmark"
+
+    prompt_kb: tuple[str, ...] = setting(("4", "64"), "Prompt sizes in KiB (4: a typical chat turn with a system "
+                                         "prompt; 64: a long RAG/agent context).")
+    num_requests: int = setting(1500, "Sequential requests per round and configuration for the latency figures "
+                                "(1500 x rounds gives a stable p99).")
+    num_rounds: int = setting(3, "Rounds alternating baseline and routed runs (spreads machine noise over both).")
+    num_connections: int = setting(32, "Concurrent connections for the requests-per-second figure (enough to "
+                                   "saturate 2 cores).")
+    rate_duration_s: float = setting(3.0, "Seconds of load per requests-per-second measurement.")
+    policy: str = setting("prefix", "Routing policy of the routed configuration.")
+    report_served: bool = setting(True, "Routed configuration sends response headers to ext_proc (the gateway "
+                                  "default); --no-report-served measures without that message.")
+    telemetry: bool = setting(True, "Routed configuration with per-request telemetry (the gateway default: "
+                              "observing filter + span export); --no-telemetry measures routing alone.")
+    mode: str = setting("all", "'latency' (added latency and req/s), 'itl' (inter-token latency with telemetry "
+                        "on vs off) or 'all'.")
+    itl_streams: int = setting(20, "Streamed requests per round and configuration in the ITL mode (x tokens x "
+                               "rounds gives ~2000 gaps per configuration).")
+    itl_tokens: int = setting(40, "Token events per streamed response in the ITL mode.")
+    itl_ms: float = setting(5.0, "Upstream inter-token interval in ms (5: a fast decode step, so gateway "
+                            "jitter stands out rather than hides in a long interval).")
+
+
+def _body(num_bytes: int) -> bytes:
+    words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+    text = " ".join(words[i % len(words)] + str(i) for i in range(num_bytes // 7))[:num_bytes]
+    return orjson.dumps({"model": MODEL, "max_tokens": 16, "messages": [
+        {"role": "system", "content": text}, {"role": "user", "content": "Summarise the above."}]})
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _span_sink_args() -> list[str]:
+    """Where the routed gateways export spans: the user's OTEL_EXPORTER_OTLP_ENDPOINT if set, else a closed
+    local port (export fails fast and spans are dropped, the per-request work is unchanged), never a
+    receiver someone else runs on the default port 4317."""
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return []
+    return ["--otlp-endpoint", f"http://127.0.0.1:{free_port()}"]
+
+
+def _itl(s: OverheadBenchSettings, endpoint: str, tmp: Path) -> None:
+    """Inter-token latency through the gateway, telemetry on vs off (see module docstring)."""
+    body = orjson.dumps({"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+                         "max_tokens": s.itl_tokens, "messages": [{"role": "user", "content": "Count."}]})
+    req = build_request("/v1/chat/completions", body)
+    gws = {on: GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=on),
+                                RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
+                                log_dir=tmp / ("itl-on" if on else "itl-off"), extra_extproc_args=_span_sink_args())
+           for on in (True, False)}
+    gaps: dict[bool, list[float]] = {True: [], False: []}
+    ttft: dict[bool, list[float]] = {True: [], False: []}
+    with gws[True], gws[False]:
+        for on in (True, False):  # warm-up
+            stream_token_times(gws[on].gateway.port, req)
+        for _ in range(s.num_rounds):
+            for _ in range(s.itl_streams):
+                for on in (True, False):
+                    t0 = time.perf_counter()
+                    status, times = stream_token_times(gws[on].gateway.port, req)
+                    if status != 200 or len(times) < s.itl_tokens:
+                        raise RuntimeError(f"streamed request: status {status}, {len(times)} events")
+                    ttft[on].append((times[0] - t0) * 1000.0)
+                    # Content events only (the last two are usage and [DONE], sent together).
+                    tok = times[:s.itl_tokens]
+                    gaps[on] += [(b - a) * 1000.0 for a, b in zip(tok, tok[1:])]
+    print(f"\ninter-token latency: upstream every {s.itl_ms:g} ms, {s.num_rounds} rounds x {s.itl_streams} "
+          f"streams x {s.itl_tokens} tokens per configuration, load average {os.getloadavg()[0]:.2f}")
+    print(f"{'telemetry':>9} {'ITL p50':>8} {'ITL p99':>8} {'TTFT p50':>9}  (ms)")
+    fig = {}
+    for on in (True, False):
+        fig[on] = (_pct(gaps[on], 0.5), _pct(gaps[on], 0.99), _pct(ttft[on], 0.5))
+        print(f"{'on' if on else 'off':>9} {fig[on][0]:8.3f} {fig[on][1]:8.3f} {fig[on][2]:9.3f}")
+    print(f"{'on/off':>9} {'x%.3f' % (fig[True][0] / fig[False][0]):>8} {'x%.3f' % (fig[True][1] / fig[False][1]):>8} "
+          f"{'x%.3f' % (fig[True][2] / fig[False][2]):>9}")
+
+
+def run(s: OverheadBenchSettings) -> int:
+    if s.mode not in ("latency", "itl", "all"):
+        raise ValueError(f"mode must be 'latency', 'itl' or 'all', got {s.mode!r}")
+    tmp = Path(tempfile.mkdtemp(prefix="prefixroute-overhead-"))
+    up_port = free_port()
+    upstream = subprocess.Popen([sys.executable, "-m", "prefixroute.bench.fast_upstream", str(up_port),
+                                 str(s.itl_ms)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    baseline: subprocess.Popen[bytes] | None = None
+    endpoint = f"127.0.0.1:{up_port}"
+    try:
+        deadline = time.monotonic() + 10
+        while not tcp_open(up_port):
+            if time.monotonic() > deadline or upstream.poll() is not None:
+                raise RuntimeError("fast upstream did not start")
+            time.sleep(0.05)
+        if s.mode == "itl":
+            _itl(s, endpoint, tmp)
+            return 0
+        base_port = free_port()
+        base_cfg = tmp / "baseline.yaml"
+        base_cfg.write_text(render(EnvoySettings(gateway_port=base_port, listen_address="127.0.0.1",
+                                                 admin_port=free_port(), endpoints=(endpoint,),
+                                                 extproc_enabled=False)))
+        baseline = subprocess.Popen([envoy_binary(), "-c", str(base_cfg), "--disable-hot-restart",
+                                     "--concurrency", "1", "-l", "warning"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        gw = GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=s.telemetry),
+                              RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
+                              log_dir=tmp, envoy_overrides={"report_served": s.report_served},
+                              extra_extproc_args=_span_sink_args())
+        with gw:
+            while not tcp_open(base_port):
+                if baseline.poll() is not None:
+                    raise RuntimeError("baseline Envoy exited")
+                time.sleep(0.05)
+            routed_port = gw.gateway.port
+            load = os.getloadavg()[0]
+            print(f"overhead-bench: Envoy 1 worker each, policy {s.policy}, report_served {s.report_served}, "
+                  f"telemetry {s.telemetry}, "
+                  f"{s.num_rounds} rounds x {s.num_requests} requests, load average {load:.2f}")
+            print(f"{'prompt':>7} {'config':>9} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+            for kb in s.prompt_kb:
+                req = build_request("/v1/chat/completions", _body(int(kb) * 1024))
+                lat: dict[str, list[float]] = {"baseline": [], "routed": []}
+                cpu_s = 0.0
+                for _ in range(s.num_rounds):
+                    for name, port in (("baseline", base_port), ("routed", routed_port)):
+                        c0 = _cpu_s(gw.extproc.pid) if gw.extproc else 0.0
+                        lat[name] += latency_ms(port, req, s.num_requests, num_warmup=0)
+                        if name == "routed" and gw.extproc:
+                            cpu_s += _cpu_s(gw.extproc.pid) - c0
+                rates = {name: max_rate(port, req, s.num_connections, s.rate_duration_s)
+                         for name, port in (("baseline", base_port), ("routed", routed_port))}
+                fig = {name: (_pct(v, 0.5), _pct(v, 0.99), rates[name][0]) for name, v in lat.items()}
+                for name in ("baseline", "routed"):
+                    p50, p99, rps = fig[name]
+                    errors = rates[name][1]
+                    print(f"{kb + ' KB':>7} {name:>9} {p50:8.3f} {p99:8.3f} {rps:8.0f}"
+                          + (f"  ({errors} non-200)" if errors else ""))
+                (b50, b99, brps), (r50, r99, rrps) = fig["baseline"], fig["routed"]
+                print(f"{kb + ' KB':>7} {'added':>9} {r50 - b50:8.3f} {r99 - b99:8.3f}   "
+                      f"ratio p50 x{r50 / b50:.1f}, p99 x{r99 / b99:.1f}, req/s x{rrps / brps:.2f}; "
+                      f"mean routed {statistics.fmean(lat['routed']):.3f} ms; "
+                      f"ext_proc CPU {cpu_s / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request")
+            print(f"load average after: {os.getloadavg()[0]:.2f}")
+        if s.mode == "all":
+            _itl(s, endpoint, tmp)
+    finally:
+        stop_group(baseline)
+        stop_group(upstream)
+    return 0
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    settings.add_arguments(parser, OverheadBenchSettings)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return run(settings.from_namespace(OverheadBenchSettings, args))
+    except ValueError as exc:
+        print(f"prefixroute overhead-bench: {exc}", file=sys.stderr)
+        return 2

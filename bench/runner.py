@@ -1,0 +1,305 @@
+"""Runs a benchmark: one workload, several routers, the same simulated fleet, fresh caches per run.
+
+For every router, in order:
+1. start ``--servers`` fresh model servers (``prefixroute model-server --port P --id 127.0.0.1:P``), so every
+   run begins with empty KV caches and the same configuration;
+2. start the router in front of them (our gateway with one policy, or a peer router);
+3. replay the *same* request sequence with the streaming client and summarise it;
+4. scrape each server's ``/metrics`` (requests served, prefix-cache hits) as a cross-check, stop everything.
+
+Peer routers (`sglang-router`, `vllm-router`) come from the optional ``[peers]`` extra; one that is not
+installed is skipped with a message in the report. Every process is stopped on any failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from prefixroute.bench import client as bench_client
+from prefixroute.bench import results as bench_results
+from prefixroute.bench.processes import (HOST, ManagedProcess, ProcessGroup, StartupError, free_port, http_get,
+                                         prefixroute_argv, wait_ready)
+from prefixroute.bench.workloads import RequestSpec, Workload
+
+SETTLE_S = 1.5
+"""Wait after a router first answers, so its health probes have reached every endpoint (probe interval 1 s)."""
+
+OUR_POLICIES = ("random", "round-robin", "least-load", "consistent-hash", "prefix")
+PEER_POLICIES = {"sglang-router": ("cache_aware", "round_robin", "random", "power_of_two"),
+                 "vllm-router": ("cache_aware", "round_robin", "random", "power_of_two", "consistent_hash")}
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSpec:
+    """A router to benchmark: ``kind`` prefixroute / sglang-router / vllm-router, and its policy."""
+
+    name: str
+    kind: str
+    policy: str
+
+
+def parse_router(name: str) -> RouterSpec:
+    """``prefixroute:POLICY``, ``sglang-router[:POLICY]``, ``vllm-router[:POLICY]``; ValueError otherwise."""
+    kind, _, policy = name.strip().partition(":")
+    if kind == "prefixroute":
+        if policy not in OUR_POLICIES:
+            raise ValueError(f"router {name!r}: policy must be one of {', '.join(OUR_POLICIES)}")
+        return RouterSpec(name, kind, policy)
+    if kind in PEER_POLICIES:
+        policy = policy or "cache_aware"
+        if policy not in PEER_POLICIES[kind]:
+            raise ValueError(f"router {name!r}: policy must be one of {', '.join(PEER_POLICIES[kind])}")
+        return RouterSpec(name if ":" in name else kind, kind, policy)
+    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY, sglang-router[:POLICY] or "
+                     f"vllm-router[:POLICY]")
+
+
+def _venv_script(name: str) -> str | None:
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else shutil.which(name)
+
+
+def unavailable_reason(spec: RouterSpec) -> str | None:
+    """Why `spec` cannot run here (peer router not installed), None if it can."""
+    if spec.kind == "sglang-router" and importlib.util.find_spec("sglang_router") is None:
+        return "not installed: pip install 'prefixroute[peers]' (sglang-router==0.3.2)"
+    if spec.kind == "vllm-router" and _venv_script("vllm-router") is None:
+        return "not installed: pip install 'prefixroute[peers]' (vllm-router==0.1.17)"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ fleet
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetConfig:
+    """The simulated fleet of a bench run. `ports` (optional) pins the servers' ports so every run of a bench
+    has the same endpoint ids (comparable endpoint shares); empty = fresh free ports per start."""
+
+    num_servers: int
+    profile: str = ""
+    server_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 60.0
+    ports: tuple[int, ...] = ()
+
+
+def distinct_free_ports(n: int) -> tuple[int, ...]:
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return tuple(ports)
+
+
+def start_fleet(group: ProcessGroup, cfg: FleetConfig) -> list[str]:
+    """Start the model servers and wait for /health on each; returns their ``host:port`` ids."""
+    if cfg.ports and len(cfg.ports) != cfg.num_servers:
+        raise ValueError("FleetConfig.ports must give one port per server")
+    endpoints = []
+    procs: list[tuple[ManagedProcess, str]] = []
+    for k in range(cfg.num_servers):
+        port = cfg.ports[k] if cfg.ports else free_port()
+        ep = f"{HOST}:{port}"
+        argv = prefixroute_argv("model-server", "--host", HOST, "--port", str(port), "--id", ep)
+        if cfg.profile:
+            argv += ["--profile", cfg.profile]
+        argv += list(cfg.server_args)
+        procs.append((group.start(f"server-{k}", argv), ep))
+        endpoints.append(ep)
+    for proc, ep in procs:
+        wait_ready(proc, lambda ep=ep: http_get(f"http://{ep}/health")[0] == 200, cfg.startup_timeout_s,
+                   f"model server {ep}")
+    return endpoints
+
+
+def served_model(endpoint: str) -> str:
+    """The model id the fleet serves (from GET /v1/models), so requests never 404."""
+    import json
+
+    status, body = http_get(f"http://{endpoint}/v1/models")
+    if status != 200:
+        raise StartupError(f"GET /v1/models on {endpoint} returned {status}")
+    return json.loads(body)["data"][0]["id"]
+
+
+_METRIC_RE = re.compile(r'^(vllm:request_success_total|vllm:prefix_cache_hits_total|vllm:prefix_cache_queries_total)'
+                        r'(?:\{[^}]*\})?\s+([0-9.eE+-]+)$', re.M)
+
+
+def scrape_server_counters(endpoints: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Per endpoint: requests served and prefix-cache hit/query tokens from its /metrics (fresh servers, so
+    the totals are this run's). Missing figures are absent."""
+    out: dict[str, dict[str, float]] = {}
+    for ep in endpoints:
+        status, body = http_get(f"http://{ep}/metrics")
+        vals: dict[str, float] = {}
+        if status == 200:
+            for m in _METRIC_RE.finditer(body.decode(errors="replace")):
+                key = m.group(1).removeprefix("vllm:").removesuffix("_total")
+                vals[key] = vals.get(key, 0.0) + float(m.group(2))
+        out[ep] = vals
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- routers
+
+
+def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Sequence[str], port: int, *,
+                   seed: int, gateway_args: Sequence[str], log_dir: Path) -> None:
+    """Our gateway (Envoy + ext_proc) through its Python API; `gateway_args` are `prefixroute gateway` flags."""
+    import argparse
+
+    from prefixroute import settings as settings_mod
+    from prefixroute.extproc.endpoints.settings import PoolSettings
+    from prefixroute.extproc import gateway
+    from prefixroute.extproc.routing.settings import RoutingSettings
+
+    parser = argparse.ArgumentParser(prog="prefixroute gateway", add_help=False)
+    gateway.configure_parser(parser)
+    try:
+        ns = parser.parse_args(["--port", str(port), "--endpoints", ",".join(endpoints), "--policy", spec.policy,
+                                *gateway_args])
+    except SystemExit:
+        raise StartupError(f"bad --gateway-args {list(gateway_args)}") from None
+    procs = gateway.GatewayProcesses(
+        settings_mod.from_namespace(gateway.GatewaySettings, ns),
+        # A fixed seed makes the random policy and tie breaks replayable (unless --gateway-args sets one).
+        settings_mod.from_namespace(RoutingSettings, ns, **({} if ns.rng_seed is not None else {"rng_seed": seed})),
+        settings_mod.from_namespace(PoolSettings, ns), log_dir=log_dir)
+    try:
+        procs.start()
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        raise StartupError(f"gateway for {spec.name}: {exc}") from exc
+    stack.callback(procs.stop)
+
+
+def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Sequence[str], *,
+                 seed: int, gateway_args: Sequence[str] = (), startup_timeout_s: float = 60.0) -> str:
+    """Start `spec` in front of `endpoints`; returns its base URL once it routes to the fleet.
+
+    Ready means the router answers ``GET /v1/models`` with 200 (it has a healthy endpoint); sglang-router
+    additionally lists every worker healthy on ``/readiness``.
+    """
+    port = free_port()
+    base = f"http://{HOST}:{port}"
+    urls = [f"http://{e}" for e in endpoints]
+    proc: ManagedProcess | None = None
+    name = f"router-{spec.name.replace(':', '-')}"
+    if spec.kind == "prefixroute":
+        _start_gateway(stack, spec, endpoints, port, seed=seed, gateway_args=gateway_args,
+                       log_dir=group.log_dir / name)
+
+        def ready() -> bool:
+            return http_get(f"{base}/v1/models")[0] == 200
+    elif spec.kind == "sglang-router":
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
+                "--worker-urls", *urls, "--policy", spec.policy, "--prometheus-host", HOST,
+                "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        proc = group.start(name, argv)
+
+        def ready() -> bool:
+            return http_get(f"{base}/readiness")[0] == 200 and http_get(f"{base}/v1/models")[0] == 200
+    else:
+        argv = [_venv_script("vllm-router") or "vllm-router", "--host", HOST, "--port", str(port),
+                "--worker-urls", *urls, "--policy", spec.policy]
+        proc = group.start(name, argv)
+
+        def ready() -> bool:
+            return http_get(f"{base}/v1/models")[0] == 200
+    wait_ready(proc, ready, startup_timeout_s, f"router {spec.name}")
+    if spec.kind != "sglang-router":
+        # Answering means one endpoint is healthy; every endpoint gets its first health probe within ~1 s of
+        # start (gateway and vllm-router alike). Settle so the run starts with the whole fleet eligible.
+        time.sleep(SETTLE_S)
+    return base
+
+
+# ------------------------------------------------------------------------------------------------- runs
+
+
+@dataclasses.dataclass
+class RunOutput:
+    summary: dict[str, Any]
+    ttfts_ms: list[float]
+
+
+def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetConfig, log_dir: Path, *,
+               seed: int, concurrency: int, max_connections: int, request_timeout_s: float, max_duration_s: float,
+               gateway_args: Sequence[str] = (), progress: bool = True) -> RunOutput:
+    """One router on a fresh fleet; every process stopped before returning (or raising)."""
+    # Exit order: the router (stack) first, then the servers (group).
+    with ProcessGroup(log_dir / spec.name.replace(":", "-")) as group, contextlib.ExitStack() as stack:
+        endpoints = start_fleet(group, fleet)
+        model = served_model(endpoints[0])
+        base = start_router(group, stack, spec, endpoints, seed=seed, gateway_args=gateway_args,
+                            startup_timeout_s=fleet.startup_timeout_s)
+        bar = bench_client.Progress(len(requests), label=f"{spec.name:<28}", enabled=progress)
+        t0 = time.perf_counter()
+        res = asyncio.run(bench_client.run_workload(
+            base, requests, model=model, concurrency=concurrency, max_connections=max_connections,
+            timeout_s=request_timeout_s, max_duration_s=max_duration_s, progress=bar))
+        wall_s = time.perf_counter() - t0
+        counters = scrape_server_counters(endpoints)
+    # Attribute requests to endpoints from the response headers; peers that drop them fall back to the
+    # servers' own request counters.
+    if not any(r.endpoint for r in res):
+        served = {ep: c.get("request_success", 0.0) for ep, c in counters.items()}
+        total = sum(served.values())
+        share = {ep: round(v / total, 6) if total else 0.0 for ep, v in served.items()}
+        share_source = "server metrics"
+    else:
+        share = None
+        share_source = "response headers"
+    hits = sum(c.get("prefix_cache_hits", 0.0) for c in counters.values())
+    queries = sum(c.get("prefix_cache_queries", 0.0) for c in counters.values())
+    summary = bench_results.summarize_run(spec.name, res, endpoints, extra={
+        "policy": spec.policy, "wall_s": round(wall_s, 3), "not_started": len(requests) - len(res),
+        "endpoint_share_source": share_source,
+        "server_hit_ratio": round(hits / queries, 6) if queries else None,
+        "server_requests": {ep: c.get("request_success") for ep, c in counters.items()},
+    })
+    if share is not None:
+        summary["endpoint_share"] = share
+        fair = 1.0 / len(share) if share else 0.0
+        summary["extra"]["max_share_over_fair"] = round(max(share.values()) / fair, 3) if share and fair else None
+    return RunOutput(summary, [r.ttft_ms for r in res if r.ok and r.ttft_ms is not None])
+
+
+def run_bench(workload: Workload, upper_bound_hit_ratio: float | None, routers: Sequence[str], fleet: FleetConfig,
+              out_dir: Path, *, log: Callable[[str], None] = print, **run_kw: Any) -> tuple[dict, dict]:
+    """Run every router on the same request sequence; returns (results document, TTFTs per router)."""
+    specs = [parse_router(r) for r in routers]
+    if not fleet.ports:
+        # Same ports for every run: endpoint ids (and so endpoint shares) compare across routers.
+        fleet = dataclasses.replace(fleet, ports=distinct_free_ports(fleet.num_servers))
+    runs, ttfts, skipped = [], {}, {}
+    for spec in specs:
+        reason = unavailable_reason(spec)
+        if reason:
+            log(f"skipping {spec.name}: {reason}")
+            skipped[spec.name] = reason
+            continue
+        try:
+            out = run_router(spec, workload.requests, fleet, out_dir / "logs", **run_kw)
+        except StartupError as exc:
+            log(f"skipping {spec.name}: failed to start: {exc}")
+            skipped[spec.name] = f"failed to start: {str(exc).splitlines()[0]}"
+            continue
+        runs.append(out.summary)
+        ttfts[spec.name] = out.ttfts_ms
+    doc = bench_results.results_document(workload.describe(), upper_bound_hit_ratio, runs)
+    doc["workload"]["num_servers"] = fleet.num_servers
+    if skipped:
+        doc["skipped"] = skipped
+    return doc, ttfts

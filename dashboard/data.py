@@ -1,0 +1,395 @@
+"""Pure data logic of the dashboard: query results -> pandas frames, colours, balance, states.
+
+Nothing here imports Streamlit or touches the store; every function takes the plain JSON-able rows
+that `StoreReader` / `HttpStoreClient` return (see telemetry/store.py) and is unit-tested
+on its own. Aggregation stays in SQL: these functions only reshape a handful of rows per bucket or
+per endpoint (O(buckets x endpoints)), never per request.
+
+Contracts:
+- Ratios stay 0-1 in frames (charts format them as percent); times become timezone-aware UTC
+  ``pandas.Timestamp`` in a ``time`` column; milliseconds stay in ``*_ms`` columns.
+- Endpoint colours: `endpoint_colors` maps the *naturally sorted* endpoint names to a fixed palette
+  in order, so the same set of endpoints always gets the same colours on every chart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+# Tableau 10 without red (red is kept for errors): distinguishable, colour-blind friendlier order.
+PALETTE: tuple[str, ...] = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f",
+                            "#ff9da7", "#bab0ac", "#17becf", "#bcbd22", "#7f7f7f")
+ERROR_COLOR = "#e15759"
+PERCENTILE_COLORS: dict[str, str] = {"p50": "#4e79a7", "p90": "#f28e2b", "p99": "#e15759"}
+HIT_KIND_DASH: dict[str, list[int]] = {"actual": [1, 0], "predicted": [6, 3]}
+
+# Window choices (label -> seconds) and the bucket widths a chart may use; ~40-80 buckets per chart.
+WINDOWS: dict[str, float] = {"1 min": 60, "5 min": 300, "15 min": 900, "1 h": 3600, "6 h": 21600, "24 h": 86400}
+_NICE_BUCKETS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
+UNKNOWN_ENDPOINT = "(none)"  # requests that never reached an endpoint (no decision, reset)
+
+
+def bucket_for_window(window_s: float, target_buckets: int = 40) -> float:
+    """Smallest 'nice' bucket width giving at most `target_buckets` buckets over the window (>= 1 s)."""
+    if not window_s > 0:
+        raise ValueError("window_s must be > 0")
+    raw = window_s / max(1, target_buckets)
+    for b in _NICE_BUCKETS_S:
+        if b >= raw:
+            return float(b)
+    return float(_NICE_BUCKETS_S[-1])
+
+
+def refresh_for_window(refresh_s: float, window_s: float) -> float:
+    """Seconds between live refreshes for a window: `refresh_s`, slowed to window/300 for long windows.
+
+    A refresh re-aggregates the whole window (percentiles sort it), so its cost grows with the window;
+    a 24 h chart gains nothing from redrawing every 2 s, while a 5 min one should feel live.
+    """
+    return max(refresh_s, window_s / 300.0)
+
+
+def effective_span_s(window_s: float, first_start_time: float | None, now: float, min_span_s: float = 30.0) -> float:
+    """The part of the window that holds data: from the oldest request in the window (at least
+    `min_span_s` back) to now, capped at the window. Charts bucket over this span, so a run that began
+    a minute ago fills the chart instead of sitting in one bucket at the right edge."""
+    if first_start_time is None:
+        return window_s
+    return min(window_s, max(min_span_s, now - first_start_time))
+
+
+def _natural_key(name: str) -> list[Any]:
+    # "10.0.0.2:8000" < "10.0.0.10:8000": numbers compare as numbers.
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def sort_endpoints(names: Iterable[str | None]) -> list[str]:
+    """Distinct endpoint names, naturally sorted; None becomes UNKNOWN_ENDPOINT (sorted last)."""
+    names = list(names)
+    out = sorted({n for n in names if n and n != UNKNOWN_ENDPOINT}, key=_natural_key)
+    if any(not n or n == UNKNOWN_ENDPOINT for n in names):
+        out.append(UNKNOWN_ENDPOINT)
+    return out
+
+
+def endpoint_colors(names: Iterable[str | None]) -> dict[str, str]:
+    """Endpoint -> colour: the palette in order over the naturally sorted names (cycles past 12)."""
+    names = list(names)
+    return {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(sort_endpoints(names))}
+
+
+def has_traffic(summary: Mapping[str, Any] | None) -> bool:
+    """True when the window holds at least one request."""
+    return bool(summary) and int(summary.get("num_requests") or 0) > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrafficState:
+    """What the dashboard should say about the amount of data: one of
+    ``"empty"`` (the store has never had a request), ``"idle"`` (requests exist, none in the window),
+    ``"live"`` (the window has requests)."""
+
+    kind: str
+    num_requests_total: int
+    num_requests_window: int
+
+
+def traffic_state(summary: Mapping[str, Any] | None, num_requests_total: int) -> TrafficState:
+    window = int((summary or {}).get("num_requests") or 0)
+    if num_requests_total <= 0 and window == 0:
+        kind = "empty"
+    elif window == 0:
+        kind = "idle"
+    else:
+        kind = "live"
+    return TrafficState(kind, max(num_requests_total, window), window)
+
+
+def balance_ratio(shares: Mapping[str, float] | Sequence[float]) -> float | None:
+    """Max share / fair share (1 / number of endpoints): 1.0 = perfectly even, N = all on one of N.
+
+    `shares` may be request counts or ratios (only proportions matter). None when nothing was served.
+    """
+    values = [float(v or 0.0) for v in (shares.values() if isinstance(shares, Mapping) else shares)]
+    total = sum(v for v in values if v > 0)
+    if total <= 0:
+        return None
+    # Endpoints with a zero share still count towards the fair share: idling one is imbalance.
+    return max(values) / total * len(values)
+
+
+def balance_verdict(ratio: float | None) -> str:
+    """A short reading of `balance_ratio` (thresholds from the bench issue's 1.5x fair-share target)."""
+    if ratio is None:
+        return "no data"
+    if ratio <= 1.2:
+        return "even"
+    if ratio <= 1.5:
+        return "uneven"
+    return "skewed"
+
+
+def _to_time(frame: pd.DataFrame, column: str = "bucket_start") -> pd.DataFrame:
+    frame["time"] = pd.to_datetime(frame[column], unit="s", utc=True)
+    return frame
+
+
+def fleet_hit_frame(timeseries: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Long frame time, kind (actual|predicted), hit_ratio from fleet-wide `timeseries` rows
+    (buckets without usage are dropped: no tokens, no ratio)."""
+    rows = [{"bucket_start": r["bucket_start"], "kind": kind, "hit_ratio": r[f"{kind}_hit_ratio"]}
+            for r in timeseries for kind in ("actual", "predicted") if r.get(f"{kind}_hit_ratio") is not None]
+    frame = pd.DataFrame(rows, columns=["bucket_start", "kind", "hit_ratio"])
+    return _to_time(frame)
+
+
+def endpoint_hit_frame(timeseries_by_endpoint: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Long frame time, endpoint, kind, hit_ratio from `timeseries(by_endpoint=True)` rows."""
+    rows = [{"bucket_start": r["bucket_start"], "endpoint": r.get("endpoint") or UNKNOWN_ENDPOINT, "kind": kind,
+             "hit_ratio": r[f"{kind}_hit_ratio"]}
+            for r in timeseries_by_endpoint for kind in ("actual", "predicted")
+            if r.get(f"{kind}_hit_ratio") is not None]
+    frame = pd.DataFrame(rows, columns=["bucket_start", "endpoint", "kind", "hit_ratio"])
+    return _to_time(frame)
+
+
+def percentile_frame(timeseries: Sequence[Mapping[str, Any]], column: str = "ttft_ms") -> pd.DataFrame:
+    """Long frame time, percentile (p50|p90|p99), value_ms for `column` (ttft_ms or latency_ms)."""
+    rows = [{"bucket_start": r["bucket_start"], "percentile": p, "value_ms": r[f"{column}_{p}"]}
+            for r in timeseries for p in ("p50", "p90", "p99") if r.get(f"{column}_{p}") is not None]
+    frame = pd.DataFrame(rows, columns=["bucket_start", "percentile", "value_ms"])
+    return _to_time(frame)
+
+
+def rate_frame(timeseries_by_endpoint: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Frame time, endpoint, requests_per_s, errors_per_s per bucket and endpoint."""
+    rows = [{"bucket_start": r["bucket_start"], "endpoint": r.get("endpoint") or UNKNOWN_ENDPOINT,
+             "requests_per_s": r["requests_per_s"],
+             "errors_per_s": r["requests_per_s"] * r["num_errors"] / r["num_requests"] if r["num_requests"] else 0.0}
+            for r in timeseries_by_endpoint]
+    frame = pd.DataFrame(rows, columns=["bucket_start", "endpoint", "requests_per_s", "errors_per_s"])
+    return _to_time(frame)
+
+
+def error_frame(timeseries: Sequence[Mapping[str, Any]], bucket_s: float) -> pd.DataFrame:
+    """Frame time, errors_per_s (fleet-wide) for buckets that had errors."""
+    rows = [{"bucket_start": r["bucket_start"], "errors_per_s": r["num_errors"] / bucket_s}
+            for r in timeseries if r.get("num_errors")]
+    return _to_time(pd.DataFrame(rows, columns=["bucket_start", "errors_per_s"]))
+
+
+def histogram_frame(bins: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Frame bin_start, bin_end, num_requests from `histogram` rows."""
+    return pd.DataFrame(list(bins), columns=["bin_start", "bin_end", "num_requests"])
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointLive:
+    """Live figures scraped from an endpoint's Prometheus /metrics (None = not exported/unreachable)."""
+
+    kv_cache_usage_ratio: float | None = None
+    num_requests_running: float | None = None
+    num_requests_waiting: float | None = None
+
+
+def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping[str, float] | None = None,
+                   live: Mapping[str, EndpointLive] | None = None) -> pd.DataFrame:
+    """One row per endpoint (naturally sorted) from `endpoints()` rows, plus optional figures.
+
+    Columns (most telling first): endpoint, num_requests, share_ratio, actual_hit_ratio, predicted_hit_ratio,
+    mean_in_flight, running, waiting, kv_cache_usage_ratio, ttft_ms_p50, ttft_ms_p99, requests_per_s, num_errors.
+    """
+    mean_in_flight = mean_in_flight or {}
+    live = live or {}
+    by_name = {(r.get("endpoint") or UNKNOWN_ENDPOINT): r for r in rows}
+    out = []
+    for name in sort_endpoints(by_name):
+        r = by_name[name]
+        lv = live.get(name, EndpointLive())
+        out.append({"endpoint": name, "num_requests": r["num_requests"], "share_ratio": r.get("share_ratio", 0.0),
+                    "requests_per_s": r.get("requests_per_s"), "mean_in_flight": mean_in_flight.get(name),
+                    "running": lv.num_requests_running, "waiting": lv.num_requests_waiting,
+                    "kv_cache_usage_ratio": lv.kv_cache_usage_ratio,
+                    "actual_hit_ratio": r.get("actual_hit_ratio"), "predicted_hit_ratio": r.get("predicted_hit_ratio"),
+                    "ttft_ms_p50": r.get("ttft_ms_p50"), "ttft_ms_p99": r.get("ttft_ms_p99"),
+                    "num_errors": r.get("num_errors", 0)})
+    cols = ["endpoint", "num_requests", "share_ratio", "actual_hit_ratio", "predicted_hit_ratio", "mean_in_flight",
+            "running", "waiting", "kv_cache_usage_ratio", "ttft_ms_p50", "ttft_ms_p99", "requests_per_s",
+            "num_errors"]
+    frame = pd.DataFrame(out, columns=cols)
+    # Unknown figures as NaN (rendered blank), not None objects (rendered "None").
+    return frame.astype({c: "float64" for c in cols if c not in ("endpoint", "num_requests", "num_errors")})
+
+
+def served_balance(rows: Sequence[Mapping[str, Any]]) -> float | None:
+    """`balance_ratio` over the endpoints that served requests (rows without an endpoint excluded)."""
+    return balance_ratio({r["endpoint"]: r["num_requests"] for r in rows if r.get("endpoint")})
+
+
+def reasons_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """Frame reason, num_requests, share_ratio (most first), None reason shown as '(none)'."""
+    frame = pd.DataFrame([{"reason": r.get("reason") or "(none)", "num_requests": r["num_requests"],
+                           "share_ratio": r["share_ratio"]} for r in rows],
+                         columns=["reason", "num_requests", "share_ratio"])
+    return frame
+
+
+def reasons_time_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    frame = pd.DataFrame([{"bucket_start": r["bucket_start"], "reason": r.get("reason") or "(none)",
+                           "num_requests": r["num_requests"], "share_ratio": r["share_ratio"]} for r in rows],
+                         columns=["bucket_start", "reason", "num_requests", "share_ratio"])
+    return _to_time(frame)
+
+
+RECENT_COLUMNS = ("time", "endpoint", "reason", "status", "ttft_ms", "latency_ms", "prompt_tokens",
+                  "cached_tokens", "hit_ratio", "predicted_hit_ratio", "decision_us", "policy", "model", "trace_id")
+
+
+def recent_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """The recent-requests table: one row per request, newest first, with its own hit ratio."""
+    out = []
+    for r in rows:  # at most the table's limit (100) rows: a display loop, not an aggregate
+        prompt, cached = r.get("prompt_tokens"), r.get("cached_tokens")
+        out.append({"time": r["start_time"], "endpoint": r.get("endpoint") or UNKNOWN_ENDPOINT,
+                    "reason": r.get("reason") or "", "status": r.get("status"), "ttft_ms": r.get("ttft_ms"),
+                    "latency_ms": r.get("latency_ms"), "prompt_tokens": prompt, "cached_tokens": cached,
+                    "hit_ratio": cached / prompt if prompt and cached is not None else None,
+                    "predicted_hit_ratio": r.get("predicted_hit_ratio"), "decision_us": r.get("decision_us"),
+                    "policy": r.get("policy") or "", "model": r.get("model") or "", "trace_id": r["trace_id"]})
+    frame = pd.DataFrame(out, columns=list(RECENT_COLUMNS))
+    frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+    return frame
+
+
+def format_ratio(v: float | None, digits: int = 1) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 100:.{digits}f} %"
+
+
+def format_ms(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return f"{v:,.0f} ms" if v >= 100 else f"{v:.1f} ms"
+
+
+def format_us(v: float | None) -> str:
+    return "–" if v is None else (f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.0f} µs")
+
+
+# --- Prometheus text (live KV usage / running / waiting scraped from endpoints) -------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LIVE_METRICS = {  # vLLM names first, SGLang's equivalents second
+    "kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
+    "num_requests_running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
+    "num_requests_waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
+}
+
+
+def parse_endpoint_metrics(text: str) -> EndpointLive:
+    """KV-cache usage (0-1), running and waiting requests from a model server's Prometheus text.
+
+    Several samples of one family (per-model labels) are summed; usage ratios are averaged.
+    Unknown or malformed lines are ignored.
+    """
+    sums: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        if math.isnan(value):
+            continue
+        sums.setdefault(m.group(1), []).append(value)
+    found: dict[str, float | None] = {}
+    for field, names in _LIVE_METRICS.items():
+        found[field] = None
+        for name in names:
+            if name in sums:
+                vals = sums[name]
+                found[field] = sum(vals) / len(vals) if field == "kv_cache_usage_ratio" else sum(vals)
+                break
+    return EndpointLive(**found)
+
+
+# --- Benchmark results (`prefixroute bench --out DIR` writes DIR/results.json) ---------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    path: str
+    mtime_s: float
+    workload: Mapping[str, Any]
+    upper_bound_hit_ratio: float | None
+    runs: list[Mapping[str, Any]]
+
+    @property
+    def label(self) -> str:
+        name = str(self.workload.get("name") or self.workload.get("workload") or self.workload.get("trace") or "?")
+        run_dir = os.path.basename(os.path.dirname(self.path)) or self.path
+        return run_dir if run_dir == name else f"{run_dir} · {name}"
+
+
+def find_bench_results(bench_dir: str | os.PathLike, max_depth: int = 3) -> list[str]:
+    """`results.json` files under `bench_dir` (itself included, at most `max_depth` levels down),
+    newest first. A missing directory gives []."""
+    root = os.fspath(bench_dir)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    base_depth = root.rstrip(os.sep).count(os.sep)
+    for dirpath, dirnames, filenames in os.walk(root):
+        if dirpath.rstrip(os.sep).count(os.sep) - base_depth >= max_depth:
+            dirnames[:] = []
+        if "results.json" in filenames:
+            found.append(os.path.join(dirpath, "results.json"))
+    return sorted(found, key=lambda p: (-os.path.getmtime(p), p))
+
+
+def load_bench_result(path: str) -> BenchResult:
+    """Parse one results.json; raises ValueError with the reason when it is not the bench format."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+        raise ValueError(f"{path}: no \"runs\" list (not a `prefixroute bench` results.json)")
+    runs = [r for r in doc["runs"] if isinstance(r, dict) and r.get("router")]
+    workload = doc.get("workload") if isinstance(doc.get("workload"), dict) else {}
+    return BenchResult(path, os.path.getmtime(path), workload, doc.get("upper_bound_hit_ratio"), runs)
+
+
+def bench_frame(result: BenchResult) -> pd.DataFrame:
+    """One row per run: router, requests, errors, hit_ratio, ttft_ms_p50/p90/p99, e2e_ms_p50,
+    throughput_rps, balance_ratio (from endpoint_share)."""
+    out = []
+    for r in result.runs:
+        ttft = r.get("ttft_ms") or {}
+        e2e = r.get("e2e_ms") or {}
+        share = r.get("endpoint_share") or {}
+        out.append({"router": r["router"], "requests": r.get("requests"), "errors": r.get("errors"),
+                    "hit_ratio": r.get("hit_ratio"), "ttft_ms_p50": ttft.get("p50"), "ttft_ms_p90": ttft.get("p90"),
+                    "ttft_ms_p99": ttft.get("p99"), "e2e_ms_p50": e2e.get("p50"),
+                    "throughput_rps": r.get("throughput_rps"),
+                    "balance_ratio": balance_ratio(share) if share else None})
+    return pd.DataFrame(out, columns=["router", "requests", "errors", "hit_ratio", "ttft_ms_p50", "ttft_ms_p90",
+                                      "ttft_ms_p99", "e2e_ms_p50", "throughput_rps", "balance_ratio"])
+
+
+def bench_ttft_long(frame: pd.DataFrame) -> pd.DataFrame:
+    """Long frame router, percentile, value_ms for grouped TTFT bars."""
+    rows = [{"router": r.router, "percentile": p, "value_ms": getattr(r, f"ttft_ms_{p}")}
+            for r in frame.itertuples() for p in ("p50", "p90", "p99") if getattr(r, f"ttft_ms_{p}") is not None]
+    return pd.DataFrame(rows, columns=["router", "percentile", "value_ms"])

@@ -1,0 +1,171 @@
+"""Pure parsing for the pool: Prometheus text of vLLM/SGLang, /v1/models bodies, endpoint specs.
+
+`parse_metrics` does not tokenise the whole exposition (a vLLM /metrics payload is tens of KB of histograms):
+it searches the payload (bytes.find, C speed) for the few metric names it needs at a line start and parses
+only those lines. Several samples of one gauge (data-parallel engines, several models) are summed for counts
+and averaged for ratios.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+
+import orjson
+
+from prefixroute.extproc.routing.types import EndpointId
+
+RUNNING_NAMES = (b"vllm:num_requests_running", b"sglang:num_running_reqs")
+WAITING_NAMES = (b"vllm:num_requests_waiting", b"sglang:num_queue_reqs")
+KV_USAGE_NAMES = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc", b"sglang:token_usage")
+CACHE_CONFIG_NAME = b"vllm:cache_config_info"
+
+_LABEL_RE = re.compile(rb'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScrapedMetrics:
+    """What one scrape told us; None = the payload did not carry that signal."""
+
+    num_requests_running: int | None = None
+    num_requests_waiting: int | None = None
+    kv_cache_usage_ratio: float | None = None
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+
+
+def _samples(data: bytes, name: bytes) -> list[bytes]:
+    """The lines of `data` whose metric name is exactly `name` (labels allowed), without the newline."""
+    out: list[bytes] = []
+    needle = b"\n" + name
+    pos = 0 if data.startswith(name) else data.find(needle)
+    if pos > 0:
+        pos += 1
+    while pos >= 0:
+        end = data.find(b"\n", pos)
+        if end < 0:
+            end = len(data)
+        nxt = data[pos + len(name):pos + len(name) + 1]
+        if nxt in (b"{", b" ", b"\t"):
+            out.append(data[pos:end])
+        found = data.find(needle, end - 1 if end > 0 else 0)
+        pos = found + 1 if found >= 0 else -1
+    return out
+
+
+def _value(line: bytes) -> float | None:
+    rb = line.rfind(b"}")
+    rest = line[rb + 1:] if rb >= 0 else line.split(None, 1)[1] if b" " in line else b""
+    parts = rest.split()
+    if not parts:
+        return None
+    try:
+        v = float(parts[0])
+    except ValueError:
+        return None
+    return v if v == v else None  # NaN = no value
+
+
+def _gauge(data: bytes, names: Iterable[bytes]) -> list[float]:
+    for name in names:
+        vals = [v for v in map(_value, _samples(data, name)) if v is not None]
+        if vals:
+            return vals
+    return []
+
+
+def parse_metrics(data: bytes) -> ScrapedMetrics:
+    """Parse the needed vLLM or SGLang gauges out of a Prometheus text exposition (never raises on bad text)."""
+    running = _gauge(data, RUNNING_NAMES)
+    waiting = _gauge(data, WAITING_NAMES)
+    kv = _gauge(data, KV_USAGE_NAMES)
+    num_gpu_blocks = block_size = None
+    for line in _samples(data, CACHE_CONFIG_NAME):
+        labels = {k: v for k, v in _LABEL_RE.findall(line)}
+        try:
+            nb = int(float(labels[b"num_gpu_blocks"]))
+            bs = int(float(labels[b"block_size"]))
+        except (KeyError, ValueError):
+            continue
+        if nb > 0 and bs > 0:
+            num_gpu_blocks = (num_gpu_blocks or 0) + nb  # several engines: capacities add up
+            block_size = bs
+    return ScrapedMetrics(
+        num_requests_running=max(0, round(sum(running))) if running else None,
+        num_requests_waiting=max(0, round(sum(waiting))) if waiting else None,
+        kv_cache_usage_ratio=min(1.0, max(0.0, sum(kv) / len(kv))) if kv else None,
+        num_gpu_blocks=num_gpu_blocks,
+        block_size=block_size,
+    )
+
+
+def parse_models(body: bytes) -> frozenset[str]:
+    """Model ids in an OpenAI ``GET /v1/models`` body (``{"data": [{"id": ...}, ...]}``); raises ValueError."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"/v1/models body is not JSON: {exc}") from None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("/v1/models body has no 'data' list")
+    return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+
+
+_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                          r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_IPV6_RE = re.compile(r"^\[[0-9A-Fa-f:.]+\]$")
+
+
+def parse_endpoint(spec: str) -> EndpointId:
+    """Validate one ``host:port`` (IPv6 as ``[::1]:port``); raises ValueError with a clear message."""
+    s = spec.strip()
+    host, sep, port = s.rpartition(":")
+    if not sep or not host or not port:
+        raise ValueError(f"endpoint {spec!r} is not host:port")
+    if "://" in s or "/" in s:
+        raise ValueError(f"endpoint {spec!r} must be host:port without scheme or path")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"endpoint {spec!r}: port must be a number in 1-65535")
+    if not (_HOSTNAME_RE.match(host) or _IPV6_RE.match(host)):
+        raise ValueError(f"endpoint {spec!r}: {host!r} is not a valid host name or address")
+    return EndpointId(f"{host}:{int(port)}")
+
+
+def parse_endpoint_list(specs: Iterable[str]) -> tuple[EndpointId, ...]:
+    """Validate several endpoints, keeping order; duplicates are an error (they would skew balance)."""
+    out: list[EndpointId] = []
+    for spec in specs:
+        if not spec.strip():
+            continue
+        ep = parse_endpoint(spec)
+        if ep in out:
+            raise ValueError(f"endpoint {ep} is listed twice")
+        out.append(ep)
+    return tuple(out)
+
+
+def read_endpoints_file(text: str) -> list[str]:
+    """Endpoint specs from a file's text. Accepted: a JSON list (``["h:1", "h:2"]``), a YAML block list
+    (``- h:1`` lines) or flow list (``[h:1, h:2]``), or one ``host:port`` per line; ``#`` starts a comment.
+    (No YAML library: these list forms are all an endpoints file needs.)"""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            doc = orjson.loads(stripped)
+        except orjson.JSONDecodeError:
+            if not stripped.endswith("]"):
+                raise ValueError("endpoints file: unterminated list") from None
+            doc = [x.strip().strip("\"'") for x in stripped[1:-1].split(",")]
+        if not isinstance(doc, list) or not all(isinstance(x, str) for x in doc):
+            raise ValueError("endpoints file: the list must hold host:port strings")
+        return [x for x in doc if x.strip()]
+    out: list[str] = []
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line.startswith("-"):
+            line = line[1:].strip()
+        line = line.strip("\"'")
+        if line:
+            out.append(line)
+    return out

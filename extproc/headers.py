@@ -1,0 +1,34 @@
+"""Names shared by the Envoy configuration (envoy_config.py) and the ext_proc hot path (servicer.py,
+tracking.py): headers, metadata keys and the fallback limit. A leaf module: importing it costs nothing, so
+the routing process never loads the typed Envoy configuration classes.
+
+Protocol facts (Gateway API Inference Extension endpoint picker): the picker names the endpoint in
+`DESTINATION_HEADER` and in dynamic metadata `LB_METADATA_NAMESPACE` / `DESTINATION_HEADER`, with the same
+value; the proxy reports the endpoint that served in `SERVED_HEADER`.
+"""
+
+from __future__ import annotations
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SERVED_HEADER = "x-gateway-destination-endpoint-served"
+LB_METADATA_NAMESPACE = "envoy.lb"
+FALLBACK_HEADER_PREFIX = "x-prefixroute-fallback-endpoint-"
+TRACEPARENT_HEADER = "traceparent"
+OBSERVED_METADATA = "x-prefixroute-observed"
+"""gRPC initial metadata of the routing filter's stream when an observing filter follows it (so the service
+waits for that stream's report before emitting a record)."""
+
+MAX_FALLBACKS = 4
+"""Most fallback attempts the Envoy config may have. The picker always sets this many fallback headers, so
+an Envoy rendered with any num_fallbacks <= MAX_FALLBACKS never meets an attempt without its header, whatever
+num_fallbacks the picker itself was started with."""
+
+
+def fallback_header(k: int) -> str:
+    """Header carrying the k-th fallback endpoint (k >= 1)."""
+    return f"{FALLBACK_HEADER_PREFIX}{k}"
+
+
+def route_headers(num_fallbacks: int) -> tuple[str, ...]:
+    """Headers the picker sets, in attempt order: the primary, then each fallback (0 <= num_fallbacks)."""
+    return (DESTINATION_HEADER, *(fallback_header(k) for k in range(1, num_fallbacks + 1)))

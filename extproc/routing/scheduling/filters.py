@@ -1,0 +1,93 @@
+"""Filters: which endpoints may take a request. Each keeps the input order (the pool's configured order)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from prefixroute.extproc.routing.scheduling.pickers import RendezvousTable
+from prefixroute.extproc.routing.types import EndpointId, EndpointState
+
+
+def serves_model(state: EndpointState, model: str | None) -> bool:
+    """True when `state` may serve `model`: no model asked, models unknown (empty), or listed."""
+    return model is None or not state.models or model in state.models
+
+
+def filter_model(endpoints: Sequence[EndpointState], model: str | None) -> list[EndpointState]:
+    """Endpoints that serve `model` (healthy or not): decides 404 vs 503 in the router."""
+    if model is None:
+        return list(endpoints)
+    return [s for s in endpoints if not s.models or model in s.models]
+
+
+def eligible(endpoints: Sequence[EndpointState], model: str | None) -> list[EndpointState]:
+    """Healthy endpoints that serve `model`: the candidates every policy chooses from."""
+    if model is None:
+        return [s for s in endpoints if s.healthy]
+    return [s for s in endpoints if s.healthy and (not s.models or model in s.models)]
+
+
+class EligibleView:
+    """What a pool snapshot offers one model: the eligible endpoints (a tuple, pool order), their positions,
+    and, built on first use, their rendezvous table. Immutable once built; derived from an immutable snapshot
+    (a tuple of frozen `EndpointState`), so it is valid for as long as that snapshot object is the pool's."""
+
+    __slots__ = ("_table", "endpoints", "position")
+
+    def __init__(self, endpoints: Sequence[EndpointState]) -> None:
+        self.endpoints: tuple[EndpointState, ...] = tuple(endpoints)
+        self.position: dict[EndpointId, int] = {s.endpoint: i for i, s in enumerate(self.endpoints)}
+        self._table: RendezvousTable | None = None
+
+    @property
+    def rendezvous(self) -> RendezvousTable:
+        if self._table is None:
+            self._table = RendezvousTable(self.endpoints)
+        return self._table
+
+    def in_pool_order(self, names: object) -> list[EndpointState]:
+        """The eligible endpoints named in `names` (an iterable of ids; others ignored), in pool order:
+        O(len(names)), not O(eligible)."""
+        pos = self.position
+        eps = self.endpoints
+        return [eps[i] for i in sorted(pos[n] for n in names if n in pos)]  # type: ignore[attr-defined]
+
+
+class EligibleCache:
+    """Memo of `EligibleView` per (snapshot, model) for the snapshot seen last. The pool replaces its snapshot
+    tuple whole when a probe or scrape lands and returns the same object until then, so the key is the
+    snapshot's identity; the cache holds the snapshot, so that identity cannot be reused while cached. Only
+    tuples are memoised (a list could be changed in place): other sequences get a fresh view per call. At most
+    `max_models` views per snapshot (model names come from requests). Not thread-safe; one event loop."""
+
+    def __init__(self, max_models: int = 256) -> None:
+        self._snapshot: Sequence[EndpointState] | None = None
+        self._views: dict[str | None, EligibleView] = {}
+        self._max_models = max_models
+
+    def view(self, endpoints: Sequence[EndpointState], model: str | None) -> EligibleView:
+        """The view of `endpoints` for `model`: ``view.endpoints == tuple(eligible(endpoints, model))``."""
+        if type(endpoints) is not tuple:
+            return EligibleView(eligible(endpoints, model))
+        if endpoints is not self._snapshot:
+            self._snapshot = endpoints
+            self._views = {}
+        v = self._views.get(model)
+        if v is None:
+            if len(self._views) >= self._max_models:
+                self._views.clear()
+            v = self._views[model] = EligibleView(eligible(endpoints, model))
+        return v
+
+
+def split_threshold(endpoints: Sequence[EndpointState], in_flight: Mapping[EndpointId, int],
+                    threshold: int) -> tuple[Sequence[EndpointState], list[EndpointState]]:
+    """(under, at_or_over) the concurrency threshold of in-flight requests, order kept. When none is at the
+    threshold, `under` is `endpoints` itself (not a copy: callers must not mutate it)."""
+    if not in_flight or max(in_flight.values()) < threshold:  # the common case, checked at C speed
+        return endpoints, []
+    get = in_flight.get
+    under = [s for s in endpoints if get(s.endpoint, 0) < threshold]
+    if len(under) == len(endpoints):  # the common case: nobody is at the threshold
+        return endpoints, []
+    return under, [s for s in endpoints if get(s.endpoint, 0) >= threshold]

@@ -1,0 +1,453 @@
+"""The selectable policies. Each turns a `PolicyInput` into a `Decision` (pure: no I/O, no clock; state is the
+injected rng, the round-robin counter and the prefix policy's recent-share counts and outstanding prefill).
+
+Contract for every policy: `Decision.endpoints` lists distinct *eligible* endpoints (healthy, serving the model),
+primary first, at most ``1 + num_fallbacks``; it is empty only when no endpoint is eligible.
+
+`prefix` (default). First the balance limits split the eligible endpoints into *under* and *over*: over = more
+in flight than ``balance_factor`` x the mean in-flight + ``balance_slack`` (or at ``concurrency_threshold``),
+or a recent share of picks above ``balance_factor`` x fair. Only when every endpoint is over do the over ones
+compete. Then, in order:
+1. No block hashed (prompt shorter than one block): least cost on load alone (reason "load").
+2. Prefix seen nowhere among eligible endpoints -> rendezvous (HRW) keyed on the chained hash of the first
+   ``cold_key_blocks`` blocks, with bounded loads: the first endpoint in HRW order at or under
+   ``cold_balance_factor`` x the mean in-flight (reason "cold"), and, when the caller reports releases
+   (`PrefixPolicy.track_prefill`, `RouterCore.on_release`), at or under that factor x the mean outstanding
+   prefill tokens. At equal load this is plain rendezvous: requests sharing a system prompt converge and
+   each endpoint owns ~1/N of new prefixes.
+3. Otherwise -> the least *cost* in prompt tokens (Dynamo-like): prefill the endpoint would have to compute
+   (hashed tokens not held there) + ``load_cost_tokens`` x in-flight + ``queue_cost_tokens`` x waiting +
+   ``kv_cost_tokens`` x KV usage, computed as weighted [0, 1] scorers whose weights are token amounts
+   (scorers.py); in pools larger than ``max_scored_endpoints``, over the holders plus a random sample.
+   Ties by load then random. Reason "affinity" when the primary holds the longest match; "spill" when an
+   endpoint holding a longer match was over a limit; "load" when load outweighed a partial match.
+   Fallbacks: the next cheapest, then endpoints over the limits.
+
+Why (virtual benchmarks, bench/virtual.py): the earlier version scored prefix match as a fraction of the prompt
+against load scores scaled to a fixed threshold of 32 in flight, so a short shared instruction or system prompt
+pulled every new document or session to one endpoint (2x fair share on 4) and nothing spilled before 32. A
+cost in tokens lets a 256-token shared prefix lose against a few requests of load while an 8,000-token one
+wins; the limits relative to the fleet's mean make a hot prefix spill and then spread (its second endpoint is
+recorded in the index); and bounded-load cold placement sends new prefixes away from busy endpoints, which cut
+the Mooncake trace's P90 TTFT by ~20%; bounding outstanding prefill tokens as well (when releases are
+reported) cut it by another ~5% (1.40 s -> 1.32 s, P50 31 -> 29 ms), as requests differ 100x in length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from prefixroute.extproc.routing.hashing import seed_for
+from prefixroute.extproc.routing.request import InferenceRequest
+from prefixroute.extproc.routing.scheduling import filters, pickers
+from prefixroute.extproc.routing.scheduling.scorers import (InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer,
+                                                    Scorer, ScoringContext, weighted_scores)
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.types import BlockHash, Decision, DecisionReason, EndpointId, EndpointState
+
+
+@dataclasses.dataclass(slots=True)
+class PolicyInput:
+    """One decision's inputs. `eligible` is non-empty, in the pool's order; `matches` (from the index) holds
+    eligible endpoints only, and `holders` is their states, in the pool's order. `view`, when given, is the
+    memoised view whose ``endpoints`` is `eligible` (the same object): per-snapshot positions and rendezvous
+    table; None -> policies build what they need from `eligible`."""
+
+    request: InferenceRequest
+    eligible: Sequence[EndpointState]
+    in_flight: Mapping[EndpointId, int]
+    matches: Mapping[EndpointId, int]
+    holders: Sequence[EndpointState] = ()
+    view: filters.EligibleView | None = None
+
+    def rendezvous(self) -> pickers.RendezvousTable:
+        """The rendezvous table of `eligible` (memoised per snapshot when `view` is given)."""
+        if self.view is not None and self.view.endpoints is self.eligible:
+            return self.view.rendezvous
+        return pickers.RendezvousTable(self.eligible)
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, inp: PolicyInput) -> Decision: ...
+
+
+def _decision(order: Sequence[EndpointId], reason: DecisionReason, policy: str, inp: PolicyInput) -> Decision:
+    total = len(inp.request.block_hashes)
+    matched = inp.matches.get(order[0], 0) if order else 0
+    return Decision(endpoints=tuple(order), reason=reason, policy=policy, matched_blocks=matched,
+                    total_blocks=total, predicted_hit_ratio=matched / total if total else 0.0)
+
+
+def prefix_key(request: InferenceRequest, cold_key_blocks: int) -> BlockHash:
+    """The rendezvous key of a request: hash of its first `cold_key_blocks` blocks (fewer if it has fewer);
+    without blocks, the (model, tenant) seed."""
+    hashes = request.block_hashes
+    if hashes:
+        return hashes[min(cold_key_blocks, len(hashes)) - 1]
+    return seed_for(request.model, request.tenant)
+
+
+class RandomPolicy:
+    name = "random"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
+        self._k = 1 + settings.num_fallbacks
+        self._rng = rng
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        order = [s.endpoint for s in self._rng.sample(list(inp.eligible), min(self._k, len(inp.eligible)))]
+        return _decision(order, "policy", self.name, inp)
+
+
+class RoundRobinPolicy:
+    """Cycles through the eligible endpoints in the pool's order; fallbacks are the next ones."""
+
+    name = "round-robin"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
+        self._k = 1 + settings.num_fallbacks
+        self._counter = itertools.count()
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        n = len(inp.eligible)
+        start = next(self._counter) % n
+        order = [inp.eligible[(start + i) % n].endpoint for i in range(min(self._k, n))]
+        return _decision(order, "policy", self.name, inp)
+
+
+class LeastLoadPolicy:
+    """Fewest in-flight requests (router's own count), then fewest waiting (scraped), then random."""
+
+    name = "least-load"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
+        self._k = 1 + settings.num_fallbacks
+        self._rng = rng
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        order = pickers.least_load_order(inp.eligible, inp.in_flight, self._rng, self._k)
+        return _decision(order, "load", self.name, inp)
+
+
+class ConsistentHashPolicy:
+    """Rendezvous hashing on the prompt prefix only (no load, no threshold): the pure-affinity baseline."""
+
+    name = "consistent-hash"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
+        self._k = 1 + settings.num_fallbacks
+        self._cold_key_blocks = settings.cold_key_blocks
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        key = prefix_key(inp.request, self._cold_key_blocks)
+        ranked = inp.rendezvous().ranked(key)
+        return _decision([s.endpoint for s in ranked[:self._k]], "policy", self.name, inp)
+
+
+SHARE_WINDOW_PER_ENDPOINT = 32
+"""The recent-share estimate of `PrefixPolicy` decays over about 32 picks per endpoint: long enough that a
+share of 1.5 x fair is not noise (a binomial share over 32 picks has a relative spread of ~17%), short enough
+to follow a workload that changes within a minute at a few requests per second per endpoint."""
+
+
+SHARE_WARMUP_PICKS = 4
+"""The share limit applies once the window holds this many picks per endpoint on average: before that a
+share is a handful of requests (the first pick alone is 100% of one endpoint)."""
+
+
+class PrefixPolicy:
+    """Prefix affinity priced against load, an adaptive balance limit, rendezvous cold placement (module doc)."""
+
+    name = "prefix"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
+        self._settings = settings
+        self._k = 1 + settings.num_fallbacks
+        self._rng = rng
+        self._prefix = PrefixScorer()
+        t = settings.concurrency_threshold
+        # Load scorers are 1 - x / scale: weight = cost per unit x scale gives "constant - cost x units" in
+        # prompt tokens, the currency of the prefix term (`_scorers`).
+        self._load_terms: list[tuple[Scorer, float]] = [
+            (InFlightScorer(), settings.load_cost_tokens * t),
+            (QueueScorer(), settings.queue_cost_tokens * settings.queue_scale),
+            (KvCacheScorer(), settings.kv_cost_tokens),
+        ]
+        self._tokens_per_block = settings.tokens_per_block * settings.prefix_weight
+        # Estimated uncached prefill tokens sent to each endpoint and not yet released (`note_release`);
+        # kept only when the caller reports releases (`track_prefill`), see `_cold_order`.
+        self.track_prefill = False
+        self._prefill: dict[EndpointId, float] = {}
+        self._tokens_per_char = 1.0 / settings.chars_per_token
+        # Recent picks per endpoint, exponentially decayed per decision (window ~ SHARE_WINDOW_PER_ENDPOINT x
+        # endpoints). Stored scaled by a growing unit `_unit` so a pick costs O(1) instead of decaying all.
+        self._picks: dict[EndpointId, float] = {}
+        self._picks_sum = 0.0
+        self._unit = 1.0
+
+    def _scorers(self, total_blocks: int) -> list[tuple[Scorer, float]]:
+        """Weights in prompt tokens for one request: the prefix score (matched / total blocks) times the
+        tokens hashed is the prefill an endpoint saves; the load scorers turn into token costs."""
+        return [(self._prefix, total_blocks * self._tokens_per_block), *self._load_terms]
+
+    def over_share(self, num_eligible: int) -> set[EndpointId]:
+        """Endpoints whose recent share of picks is above ``balance_factor`` x the fair share (1 / eligible
+        endpoints): in-flight counts cannot see an imbalance at low load (requests finish before the next
+        one arrives), while the share of requests each endpoint gets is what hot-spotting is measured by.
+        Empty until the window holds SHARE_WARMUP_PICKS picks per endpoint. Picks are counted over every
+        decision of this policy, so in a pool serving several models the fair share is approximate; an
+        endpoint that leaves decays out of the window. Cost: one max() over the endpoints picked recently
+        (C speed); the set is built only when one is over."""
+        picks = self._picks
+        if not picks:
+            return set()
+        mean = self._picks_sum / num_eligible
+        if mean < SHARE_WARMUP_PICKS * self._unit:
+            return set()
+        limit = self._settings.balance_factor * mean
+        if max(picks.values()) <= limit:
+            return set()
+        return {ep for ep, w in picks.items() if w > limit}
+
+    def _note_pick(self, endpoint: EndpointId, num_eligible: int) -> None:
+        unit = self._unit * (1.0 + 1.0 / (SHARE_WINDOW_PER_ENDPOINT * num_eligible))
+        if unit > 1e12:  # rescale before floats lose the small terms
+            inv = 1.0 / unit
+            self._picks = {ep: w * inv for ep, w in self._picks.items() if w * inv > 1e-6}
+            self._picks_sum *= inv
+            unit = 1.0
+        self._unit = unit
+        self._picks[endpoint] = self._picks.get(endpoint, 0.0) + unit
+        self._picks_sum += unit
+
+    def _cold_order(self, inp: PolicyInput, candidates: Sequence[EndpointState],
+                    rest: Sequence[EndpointState], mean_in_flight: float) -> list[EndpointId]:
+        """Rendezvous order on the prefix key with bounded loads (Mirrokni et al.'s consistent hashing with
+        bounded loads, on HRW): endpoints at or under ``cold_balance_factor`` x the mean in-flight come first
+        (there is always one: the least loaded is at or under the mean), then the other candidates, then
+        those over the limits, each group in rendezvous order. At equal load (idle fleet, or a test) this is
+        plain rendezvous: adding or removing an endpoint moves only its share of new prefixes.
+
+        With `track_prefill`, "light" also requires outstanding prefill tokens at or under
+        ``cold_balance_factor`` x their mean (when that leaves any endpoint): a count of requests cannot
+        tell a 30k-token prompt from a 300-token one; on the simulated Mooncake trace this cut P90 TTFT
+        from ~1.39 s to ~1.30 s and P50 by ~7% at the same hit ratio."""
+        k = self._k
+        key = prefix_key(inp.request, self._settings.cold_key_blocks)
+        # HRW order of every eligible endpoint once (numpy); the rendezvous order of any subset below is that
+        # order filtered to the subset, so the groups are walked from the top and the walk stops at k.
+        ranked = inp.rendezvous().ranked(key)
+        # `_decide` makes candidates the eligible endpoints less `rest` (disjoint, one or the other may be
+        # empty): skipping the few in `rest` while walking avoids building the candidates' order (O(N)).
+        if not rest and len(candidates) == len(inp.eligible):
+            skip: set[EndpointId] | frozenset[EndpointId] = frozenset()
+        elif len(candidates) + len(rest) == len(inp.eligible):
+            skip = {s.endpoint for s in rest}
+        else:  # not that split (a caller of its own): membership by name
+            names = {s.endpoint for s in candidates}
+            skip = {s.endpoint for s in ranked if s.endpoint not in names}
+        in_flight = inp.in_flight
+        order: list[EndpointId] = []
+        if in_flight:
+            get = in_flight.get
+            bound = self._settings.cold_balance_factor * mean_in_flight
+            prefill = self._prefill
+            if prefill:
+                ranked_c = [s for s in ranked if s.endpoint not in skip] if skip else ranked
+                # Exact earlier form (only with track_prefill): the prefill test needs every light endpoint.
+                light = [s for s in candidates if get(s.endpoint, 0) <= bound]
+                if len(light) > 1:
+                    # Requests differ by 100x in prompt length: among the endpoints light on requests, keep
+                    # those also at or under the bound on outstanding prefill tokens (none -> the request
+                    # bound alone).
+                    pget = prefill.get
+                    pbound = self._settings.cold_balance_factor * sum(prefill.values()) / len(inp.eligible)
+                    light = [s for s in light if pget(s.endpoint, 0.0) <= pbound] or light
+                if light and len(light) < len(candidates):
+                    order = pickers.first_in_order(ranked_c, light, k)
+                    if len(order) < k:
+                        heavy = [s for s in candidates if get(s.endpoint, 0) > bound]
+                        order += pickers.first_in_order(ranked_c, heavy, k - len(order))
+                else:
+                    order = [s.endpoint for s in ranked_c[:k]]
+            else:
+                # Light (at or under the bound) first, then heavy, each in HRW order. When all or none are
+                # light this is plain HRW order, as the earlier two-branch form had it.
+                heavy_first: list[EndpointId] = []
+                for s in ranked:
+                    ep = s.endpoint
+                    if ep in skip:
+                        continue
+                    if get(ep, 0) <= bound:
+                        order.append(ep)
+                        if len(order) == k:
+                            return order
+                    elif len(heavy_first) < k:
+                        heavy_first.append(ep)
+                order += heavy_first[:k - len(order)]
+        else:
+            order = list(itertools.islice((s.endpoint for s in ranked if s.endpoint not in skip), k))
+        if len(order) < k and rest:
+            order += pickers.first_in_order(ranked, rest, k - len(order))
+        return order
+
+    @staticmethod
+    def mean_in_flight(inp: PolicyInput) -> float:
+        """Mean in-flight requests per eligible endpoint: the in-flight counts given (the router's, every
+        endpoint) over the eligible endpoints. Exact for one-model pools; an overestimate (less spilling)
+        when endpoints of other models carry load."""
+        return sum(inp.in_flight.values()) / len(inp.eligible) if inp.in_flight else 0.0
+
+    def balance_limit(self, inp: PolicyInput, mean_in_flight: float | None = None) -> int:
+        """In-flight count at or above which an endpoint is 'over' for this decision: the lower of the fixed
+        ``concurrency_threshold`` and ``balance_factor x mean in-flight + balance_slack`` (strictly above
+        that is over; see `mean_in_flight`)."""
+        st = self._settings
+        if mean_in_flight is None:
+            mean_in_flight = self.mean_in_flight(inp)
+        adaptive = int(st.balance_factor * mean_in_flight + st.balance_slack) + 1
+        return min(st.concurrency_threshold, adaptive)
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        d = self._decide(inp)
+        if d.endpoints:
+            self._note_pick(d.endpoints[0], len(inp.eligible))
+            if self.track_prefill:
+                tokens = self.prefill_tokens(inp.request, d)
+                if tokens > 0:
+                    ep = d.endpoints[0]
+                    self._prefill[ep] = self._prefill.get(ep, 0.0) + tokens
+        return d
+
+    def prefill_tokens(self, request: InferenceRequest, decision: Decision) -> float:
+        """Estimated prompt tokens the primary of `decision` has to compute for `request`: its prompt
+        (characters / ``chars_per_token``, the whole prompt, hashed or not) less the matched blocks. >= 0;
+        the same figure at pick and at release, so an endpoint's sum returns to 0 once all its picks are
+        released."""
+        return max(0.0, request.num_prompt_chars * self._tokens_per_char
+                   - decision.matched_blocks * self._settings.tokens_per_block)
+
+    def note_release(self, request: InferenceRequest, decision: Decision) -> None:
+        """`request`, routed by `decision` of this policy, finished (or failed): its estimated prefill leaves
+        the primary's outstanding sum. A no-op unless `track_prefill`; the sum never goes negative (a
+        release without its pick is absorbed). A lost release leaves the endpoint looking busier for cold
+        placement only, until it leaves the pool (`forget_endpoint`)."""
+        if not self.track_prefill or not decision.endpoints:
+            return
+        ep = decision.endpoints[0]
+        left = self._prefill.get(ep, 0.0) - self.prefill_tokens(request, decision)
+        if left > 0.5:  # under half a token is float residue of the additions
+            self._prefill[ep] = left
+        else:
+            self._prefill.pop(ep, None)
+
+    def forget_endpoint(self, endpoint: EndpointId) -> None:
+        """`endpoint` left the pool: its outstanding prefill goes (late releases for it are absorbed)."""
+        self._prefill.pop(endpoint, None)
+
+    def outstanding_prefill_tokens(self) -> dict[EndpointId, float]:
+        """Estimated uncached prefill tokens picked and not yet released, per endpoint (copy; absent = 0)."""
+        return dict(self._prefill)
+
+    def _decide(self, inp: PolicyInput) -> Decision:
+        st = self._settings
+        k = self._k
+        mean = self.mean_in_flight(inp)
+        limit = self.balance_limit(inp, mean)
+        under, over = filters.split_threshold(inp.eligible, inp.in_flight, limit)
+        hot = self.over_share(len(inp.eligible))
+        if hot:
+            # An idle endpoint (nothing in flight) cannot make this request wait, so its recent share alone
+            # does not move a request away from its cache: sequential traffic sharing one system prompt
+            # keeps its affinity; the limit acts once the hot endpoint is busy.
+            in_flight = inp.in_flight
+            hot = {ep for ep in hot if in_flight.get(ep, 0) > 0}
+        if hot and len(hot) < len(inp.eligible):
+            view = inp.view
+            if not over and under is inp.eligible and view is not None and view.endpoints is under:
+                # Nobody at the limit: over = the hot endpoints, under = the others, both in pool order,
+                # found by position in O(hot) (the general form below walks every endpoint twice).
+                over = view.in_pool_order(hot)
+                under = list(under)
+                for s in reversed(over):
+                    del under[view.position[s.endpoint]]
+            else:
+                over = [s for s in inp.eligible
+                        if s.endpoint in hot or inp.in_flight.get(s.endpoint, 0) >= limit]
+                under = [s for s in under if s.endpoint not in hot]
+        candidates = under or over
+        rest = over if under else []
+        hashes = inp.request.block_hashes
+        matches = inp.matches
+
+        if hashes and not matches:
+            return _decision(self._cold_order(inp, candidates, rest, mean), "cold", self.name, inp)
+
+        limit_n = st.max_scored_endpoints
+        if limit_n and len(candidates) > limit_n:
+            if rest:  # candidates are the endpoints under the limits: so are the holders to score
+                rest_names = {s.endpoint for s in rest}
+                holders = [s for s in inp.holders if s.endpoint not in rest_names]
+            else:
+                holders = list(inp.holders)
+            candidates = self._sample(candidates, holders, limit_n)
+        ctx = ScoringContext(in_flight=inp.in_flight, matches=matches, total_blocks=len(hashes),
+                             concurrency_threshold=st.concurrency_threshold, queue_scale=st.queue_scale)
+        scorers = self._scorers(len(hashes))
+        scores = weighted_scores(ctx, candidates, scorers)
+        order = pickers.max_score_order(candidates, scores, inp.in_flight, self._rng, k)
+        if len(order) < k and rest:
+            rest_scores = weighted_scores(ctx, rest, scorers)
+            order += pickers.max_score_order(rest, rest_scores, inp.in_flight, self._rng, k - len(order))
+
+        reason: DecisionReason
+        if not hashes:
+            reason = "load"
+        else:
+            # `matches` holds eligible endpoints only (the scheduler filters it) and is usually tiny.
+            primary_match = matches.get(order[0], 0)
+            over_names = {s.endpoint for s in rest}
+            best_candidate = max((n for ep, n in matches.items() if ep not in over_names), default=0)
+            best_over = max((n for ep, n in matches.items() if ep in over_names), default=0)
+            if best_over > primary_match and best_over > best_candidate:
+                reason = "spill"
+            elif primary_match > 0 and primary_match >= best_candidate:
+                reason = "affinity"
+            else:
+                reason = "load"
+        return _decision(order, reason, self.name, inp)
+
+    def _sample(self, candidates: Sequence[EndpointState], holders: Sequence[EndpointState],
+                limit: int) -> list[EndpointState]:
+        """`holders` (the candidates holding part of the prefix, all of them) + other candidates drawn
+        uniformly at random, `limit` in all (more when more than `limit` endpoints hold the prefix: none is
+        skipped). Independent draws, not a window of the pool: endpoints busy together are often neighbours
+        in the configured order (one host, one rack)."""
+        out = list(holders)
+        taken = {s.endpoint for s in holders}
+        n = len(candidates)
+        rand = self._rng.random
+        for _ in range(2 * limit):  # with replacement, duplicates skipped: O(limit), no O(n) shuffle
+            if len(out) >= limit:
+                break
+            s = candidates[int(rand() * n)]
+            if s.endpoint not in taken:
+                taken.add(s.endpoint)
+                out.append(s)
+        return out
+
+
+POLICY_CLASSES: dict[str, type] = {
+    p.name: p for p in (PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy, RoundRobinPolicy, RandomPolicy)
+}
+
+
+def make_policy(settings: RoutingSettings, rng: random.Random) -> Policy:
+    """The policy named by ``settings.policy`` (validated by RoutingSettings)."""
+    return POLICY_CLASSES[settings.policy](settings, rng)

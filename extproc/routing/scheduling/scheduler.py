@@ -1,0 +1,50 @@
+"""`Scheduler`: eligible endpoints + prefix-index lookup + the configured policy -> `Decision`."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+from prefixroute.extproc.routing.prefix_index import PrefixIndex
+from prefixroute.extproc.routing.request import InferenceRequest
+from prefixroute.extproc.routing.scheduling import filters
+from prefixroute.extproc.routing.scheduling.policies import Policy, PolicyInput, make_policy
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.types import Decision, EndpointId, EndpointState
+
+
+class Scheduler:
+    """Chooses endpoints for one request. Pure apart from the injected rng and the round-robin counter.
+
+    ``schedule`` does not modify the index (the caller records the pick: `RouterCore` does). Not thread-safe;
+    one event loop. Cost: O(matched blocks) + the policy's; the eligible endpoints are memoised per pool snapshot
+    (`filters.EligibleCache`) and the blocks are bounded by ``max_blocks``.
+    """
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random | None = None) -> None:
+        self.settings = settings
+        self.rng = rng if rng is not None else random.Random(settings.rng_seed)
+        self.policy: Policy = make_policy(settings, self.rng)
+        self.eligible_cache = filters.EligibleCache()
+
+    def schedule(self, request: InferenceRequest, endpoints: Sequence[EndpointState],
+                 in_flight: Mapping[EndpointId, int], index: PrefixIndex) -> Decision:
+        """Endpoints for `request`: primary first, then up to ``num_fallbacks`` distinct fallbacks.
+
+        Only healthy endpoints serving ``request.model`` are returned; an empty tuple means none is eligible
+        (the caller decides between 404 and 503, see `RouterCore`). ``matched_blocks`` is the primary's
+        consecutive leading blocks in the index, reported for every policy.
+        """
+        view = self.eligible_cache.view(endpoints, request.model)
+        eligible = view.endpoints
+        if not eligible:
+            return Decision(endpoints=(), reason="load", policy=self.policy.name,
+                            total_blocks=len(request.block_hashes))
+        matches = index.match(request.block_hashes) if request.block_hashes else {}
+        holders: list[EndpointState] = []
+        if matches:
+            holders = view.in_pool_order(matches)
+            if len(holders) != len(matches):  # the index remembers endpoints that are now down or gone
+                matches = {s.endpoint: matches[s.endpoint] for s in holders}
+        return self.policy.decide(PolicyInput(request=request, eligible=eligible, in_flight=in_flight,
+                                              matches=matches, holders=holders, view=view))

@@ -1,0 +1,60 @@
+"""Shared value types of the routing layer (the contract between router, pool and simulations).
+
+Invariants:
+- An `EndpointId` is always ``"host:port"`` as configured in the endpoint pool; the router only ever
+  emits ids that came from the pool, never from a request.
+- `EndpointState` objects are immutable snapshots: the pool replaces them whole, the scheduler never
+  mutates them. A snapshot is a tuple of `EndpointState`, in a stable order (the pool's configured order).
+- Ratios are in [0, 1]; counts are >= 0; ``None`` means "not known" (never scraped, or stale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NewType
+
+BlockHash = NewType("BlockHash", int)
+"""A chained xxh3-64 of one fixed-size block of canonical prompt text (see hashing.py)."""
+
+EndpointId = NewType("EndpointId", str)
+"""``host:port`` of one model-server endpoint."""
+
+RequestKind = Literal["chat", "completion", "other"]
+
+DecisionReason = Literal["affinity", "spill", "cold", "load", "failover", "policy"]
+"""Why the primary endpoint was chosen:
+affinity = it holds the longest cached prefix; spill = the affinity endpoint was over its threshold so a
+less-loaded one was chosen; cold = the prefix was seen nowhere (rendezvous placement); load = chosen on
+load alone (least-load policy or a request with no prompt); failover = primary was unavailable;
+policy = a policy that ignores prefix and load (random, round-robin)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EndpointState:
+    """One endpoint as the scheduler sees it at decision time (replaced whole on every update)."""
+
+    endpoint: EndpointId
+    healthy: bool = True
+    models: frozenset[str] = frozenset()  # served model names incl. adapters; empty = unknown (serves any)
+    num_requests_running: int | None = None  # scraped (vllm:num_requests_running / sglang:num_running_reqs)
+    num_requests_waiting: int | None = None  # scraped (vllm:num_requests_waiting / sglang:num_queue_reqs)
+    kv_cache_usage_ratio: float | None = None  # scraped (vllm:kv_cache_usage_perc / sglang:token_usage), 0-1
+    num_gpu_blocks: int | None = None  # scraped from vllm:cache_config_info, sizes the prefix-index LRU
+    block_size: int | None = None  # tokens per KV block, from vllm:cache_config_info
+    scraped_at_s: float | None = None  # time.monotonic() of the scrape these figures came from
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """The scheduler's answer for one request.
+
+    `endpoints` is ordered: the primary first, then fallbacks to try on connect failure. It is empty
+    only when no endpoint is eligible (the caller answers 503).
+    """
+
+    endpoints: tuple[EndpointId, ...]
+    reason: DecisionReason
+    policy: str
+    matched_blocks: int = 0  # consecutive leading blocks the primary is believed to hold
+    total_blocks: int = 0  # blocks hashed for this request (capped)
+    predicted_hit_ratio: float = 0.0  # matched_blocks / total_blocks, 0 when total is 0

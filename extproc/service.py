@@ -1,0 +1,132 @@
+"""`PoolRouter`: the router service behind the ext_proc servicer (RouterCore + EndpointPool), no gRPC.
+
+Contract with the servicer (`servicer.RouterService`):
+- `route(method, path, headers, body)` parses the request (`parse_request`), asks `RouterCore.route` for a
+  `Decision` over the pool's snapshot and in-flight counts, counts the primary as in flight, and returns a
+  `RoutePick` whose ``endpoints`` are *addresses* (``ip:port``, what Envoy's ORIGINAL_DST needs), primary
+  first. Raises `OpenAIError` (400/404/405/413/503) to refuse.
+- `served(pick, served)`: Envoy's ``x-gateway-destination-endpoint-served``. When a different endpoint
+  served (the primary refused the connection and a fallback took it): the primary, and any fallback tried
+  before the one that served, are reported failed (passive health: marked down at once), the prefix is
+  recorded on the endpoint that really holds it, and the in-flight count moves to that endpoint.
+- `endpoint_of(address)`: the endpoint id behind an address it handed out (telemetry maps Envoy's served
+  address back to the endpoint). A pick also carries its `Decision`, `decision_us` (parse + schedule) and
+  the parsed request, for telemetry.
+- `release(pick)`: once per pick, when the HTTP request ends for any reason.
+
+Endpoint ids are ``host:port`` as configured; hosts that are names (compose services) are resolved once to
+an IPv4/IPv6 address for the header and cached (ORIGINAL_DST takes addresses only).
+Single event loop; not thread-safe (like RouterCore and EndpointPool).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import time
+from collections.abc import Mapping
+
+from prefixroute.extproc.endpoints.pool import EndpointPool
+from prefixroute.extproc.routing.request import InferenceRequest, parse_request
+from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.types import Decision, EndpointId
+
+
+class RoutePick:
+    """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
+
+    __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released")
+
+    def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
+                 request: InferenceRequest, decision: Decision, decision_us: float) -> None:
+        self.endpoints = endpoints
+        self.endpoint_ids = endpoint_ids
+        self.request = request
+        self.decision = decision
+        self.decision_us = decision_us  # parse + schedule, microseconds
+        self.counted: EndpointId = endpoint_ids[0]
+        self.released = False
+
+
+def resolve_address(endpoint: str) -> str:
+    """``host:port`` -> ``ip:port`` (unchanged when host is already an IP literal)."""
+    host, _, port = endpoint.rpartition(":")
+    bare = host.strip("[]")
+    try:
+        ipaddress.ip_address(bare)
+        return endpoint
+    except ValueError:
+        pass
+    info = socket.getaddrinfo(bare, int(port), type=socket.SOCK_STREAM)
+    family, _, _, _, sockaddr = info[0]
+    return f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}"
+
+
+class PoolRouter:
+    """RouterCore + EndpointPool behind the servicer's `RouterService` interface (see module docstring)."""
+
+    def __init__(self, core: RouterCore, pool: EndpointPool, settings: RoutingSettings) -> None:
+        self.core = core
+        self.pool = pool
+        self.settings = settings
+        self._addr: dict[EndpointId, str] = {}
+        self._id_of_addr: dict[str, EndpointId] = {}
+        self._addrs_cache: dict[tuple[EndpointId, ...], tuple[str, ...]] = {}
+        self.num_failovers = 0
+        pool.add_listener(core.sync_endpoints)
+
+    def _addresses(self, ids: tuple[EndpointId, ...]) -> tuple[str, ...]:
+        addrs = self._addrs_cache.get(ids)
+        if addrs is None:
+            out = []
+            for ep in ids:
+                a = self._addr.get(ep)
+                if a is None:
+                    a = self._addr[ep] = resolve_address(ep)
+                    self._id_of_addr[a] = ep
+                out.append(a)
+            if len(self._addrs_cache) > 4096:
+                self._addrs_cache.clear()
+            addrs = self._addrs_cache[ids] = tuple(out)
+        return addrs
+
+    def endpoint_of(self, address: str) -> EndpointId | None:
+        """The endpoint id behind an ``ip:port`` this router handed to Envoy (None if it never did)."""
+        return self._id_of_addr.get(address)
+
+    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> RoutePick:
+        t0 = time.perf_counter()
+        request = parse_request(method, path, headers, body, self.settings)
+        pool = self.pool
+        decision = self.core.route(request, pool.snapshot(), pool.in_flight)
+        decision_us = (time.perf_counter() - t0) * 1e6
+        ids = decision.endpoints
+        pick = RoutePick(self._addresses(ids), ids, request, decision, decision_us)
+        pool.acquire(ids[0])
+        return pick
+
+    def served(self, pick: RoutePick, served: str | None) -> None:
+        if not served or served == pick.endpoints[0]:
+            return
+        served_id = self._id_of_addr.get(served)
+        if served_id is None:
+            return  # not an endpoint we know ("-" on a local reply, or a fail-open pool host)
+        self.num_failovers += 1
+        # Envoy tried the list in order: every endpoint before the one that served refused or reset.
+        for addr, ep in zip(pick.endpoints, pick.endpoint_ids):
+            if addr == served:
+                break
+            self.pool.report_failure(ep)
+        self.core.record_failover(pick.request, served_id)
+        if not pick.released:
+            self.pool.release(pick.counted)
+            self.pool.acquire(served_id)
+            pick.counted = served_id
+
+    def release(self, pick: RoutePick) -> None:
+        if not pick.released:
+            pick.released = True
+            self.pool.release(pick.counted)
+            # Outstanding-prefill tracking (cold placement prefers endpoints with less prefill queued).
+            self.core.on_release(pick.request, pick.decision)

@@ -1,0 +1,303 @@
+"""`RequestTracker`: one `RequestRecord` per routed request, built from the gateway's two ext_proc streams.
+
+Envoy runs two ext_proc filters per request, both talking to this process (envoy_config.py):
+
+1. the *routing* filter (ext_proc, blocking): its stream starts the record at request headers (arrival
+   time, trace context), the routing decision fills it, and it sets ``traceparent: 00-<trace>-<router
+   span>-<flags>`` on the request to the model server (router span = child of any incoming traceparent);
+2. the *observing* filter (ext_proc with ``observability_mode: true``: Envoy sends and never waits, so the
+   token stream is not slowed): it sees the request headers *after* the routing filter's mutation, the
+   response headers and every response body chunk.
+
+Correlation: the observing stream's request headers carry the router's own ``traceparent``; its span id
+is the key of the pending record (the routing filter always overwrites a client's traceparent, so a client
+cannot pick a key). An unknown key means the routing filter did not route the request (Envoy answered it
+itself, e.g. 413 for a body over its buffer, or the routing service failed open): the observing stream
+then records it alone (`attach_unrouted`, reason ``unrouted``, no decision), and the routing stream drops
+its own undecided record so the request is counted once. Best effort for Envoy's own 413: Envoy resets
+both ext_proc streams at once, usually before this service has read either, so such a request is often
+not recorded at all (Envoy's stats count it).
+
+What the observing stream measures (monotonic clock, origin = the routing stream's first message):
+``ttft_ms`` at the first response body chunk, ``latency_ms`` at end of stream, status and served endpoint
+from the response headers, usage from the final SSE usage event (`StreamUsageTail`) or the JSON body of
+a non-stream response (`usage_from_body`, bodies kept up to MAX_BODY_BYTES).
+
+Emission, exactly once per record (`_emit` guards it), never blocking (recorder.record is O(1)):
+- routing stream closed and the observing stream saw end of stream (or closed): emit;
+- routing stream closed and no observing stream can come (router answered an error itself, or the
+  Envoy config has no observing filter: the routing filter's gRPC initial metadata lacks
+  OBSERVED_METADATA): emit at once;
+- routing stream closed, observing stream not attached yet or not finished (under load the service may
+  read the observing stream after the routing stream's close; or the client reset mid-stream): emit when
+  it finishes, or after `obs_grace_s` with what was seen.
+When the served endpoint differs from the primary, the reason becomes ``failover``.
+
+Single event loop, not thread-safe (like the servicer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from prefixroute.extproc.headers import OBSERVED_METADATA, TRACEPARENT_HEADER
+from prefixroute.telemetry.records import RequestRecord, tenant_hash
+from prefixroute.telemetry.tracecontext import child_context, parse_traceparent
+from prefixroute.telemetry.usage import StreamUsageTail, usage_from_body
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Largest non-stream response body kept to read its usage (a completion JSON is KBs; bigger ones, e.g.
+embeddings of large batches, are not worth holding: usage stays unknown)."""
+MAX_PENDING = 100_000
+"""Records awaiting their streams; beyond it new requests are not tracked (bounds memory if streams leak)."""
+
+
+class Tracked:
+    """One request's state between its two streams (see module docstring)."""
+
+    __slots__ = ("rec", "t0", "key", "content_length", "decided", "routing_done", "obs_attached", "obs_done",
+                 "emitted", "tail", "body", "body_bytes", "served_addr", "timer", "pick", "served_reported",
+                 "expect_obs")
+
+    def __init__(self, rec: RequestRecord, t0: float) -> None:
+        self.rec = rec
+        self.t0 = t0  # time.perf_counter() at the routing stream's first message
+        self.key = rec.span_id
+        self.content_length = 0
+        self.decided = False
+        self.routing_done = False
+        self.obs_attached = False
+        self.obs_done = False
+        self.emitted = False
+        self.tail: StreamUsageTail | None = None
+        self.body: list[bytes] | None = None
+        self.body_bytes = 0
+        self.served_addr: str | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.pick: Any = None  # the router's pick, for reporting the served endpoint from the observing stream
+        self.served_reported = False
+        self.expect_obs = False  # Envoy announced an observing filter for this request (gRPC initial metadata)
+
+
+def _header(headers: Any, name: str) -> str | None:
+    for h in headers:
+        if h.key == name:
+            return h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return None
+
+
+class RequestTracker:
+    """Builds and emits `RequestRecord`s (see module docstring).
+
+    `on_decision(decision, decision_us)` and `on_response(record)` are `RouterTelemetry`'s calls (must not
+    raise, must not block); `endpoint_of(address)` maps an ``ip:port`` Envoy reports back to the
+    endpoint id (None if unknown).
+    """
+
+    def __init__(self, on_decision: Callable[[Any, float], None], on_response: Callable[[RequestRecord], None],
+                 endpoint_of: Callable[[str], str | None], *, max_body_bytes: int | None = None,
+                 obs_grace_s: float = 2.0) -> None:
+        self.max_body_bytes = max_body_bytes
+        self.on_decision = on_decision
+        self.on_response = on_response
+        self.endpoint_of = endpoint_of
+        self.obs_grace_s = obs_grace_s
+        self.pending: dict[str, Tracked] = {}
+        self.num_emitted = 0
+        self.num_untracked = 0
+
+    # --- routing stream -------------------------------------------------------------------------------
+    def begin(self, headers: Mapping[str, str], expect_obs: bool = False) -> tuple[Tracked | None, str]:
+        """At the routing stream's request headers: (state, traceparent value for the model server).
+        `expect_obs`: the Envoy config has the observing filter (it says so in the routing stream's gRPC
+        initial metadata, OBSERVED_METADATA), so a routed request's observation is worth waiting for."""
+        t0 = time.perf_counter()
+        ctx = child_context(headers.get(TRACEPARENT_HEADER))
+        if len(self.pending) >= MAX_PENDING:
+            self.num_untracked += 1
+            return None, ctx.traceparent
+        path = headers.get(":path", "")
+        rec = RequestRecord(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_span_id=ctx.parent_span_id,
+                            start_time=time.time(), request_id=headers.get("x-request-id", ""),
+                            path=path.split("?", 1)[0])
+        st = Tracked(rec, t0)
+        st.expect_obs = expect_obs
+        cl = headers.get("content-length")
+        if cl and cl.isdigit():
+            st.content_length = int(cl)
+        self.pending[st.key] = st
+        return st, ctx.traceparent
+
+    def decided(self, st: Tracked, pick: Any) -> None:
+        """The router picked: copy the decision into the record and count it in the metrics."""
+        st.decided = True
+        st.pick = pick
+        rec = st.rec
+        d = pick.decision
+        rec.policy = d.policy
+        rec.reason = d.reason
+        rec.endpoints = tuple(d.endpoints)
+        rec.matched_blocks = d.matched_blocks
+        rec.total_blocks = d.total_blocks
+        rec.predicted_hit_ratio = d.predicted_hit_ratio
+        rec.decision_us = pick.decision_us
+        req = pick.request
+        rec.model = req.model
+        rec.stream = req.stream
+        if req.tenant:
+            rec.tenant_hash = tenant_hash(req.tenant)
+        if req.request_id:
+            rec.request_id = req.request_id
+        self.on_decision(d, pick.decision_us)
+
+    def refused(self, st: Tracked, status: int, message: str) -> None:
+        """The router answered the request itself (4xx/503): no endpoint, the error is the outcome."""
+        rec = st.rec
+        rec.status = status
+        rec.error = message
+        rec.latency_ms = (time.perf_counter() - st.t0) * 1000.0
+
+    def routing_response_headers(self, st: Tracked, status: str | None, served: str | None) -> None:
+        if status and not st.rec.status:
+            st.rec.status = int(status)
+        if served and st.served_addr is None:
+            st.served_addr = served
+
+    def routing_closed(self, st: Tracked) -> None:
+        st.routing_done = True
+        rec = st.rec
+        if not st.decided and rec.status == 0 and rec.error is None and st.expect_obs:
+            # Ended before any decision (Envoy answered, e.g. 413, or the client left): the observing filter
+            # saw whatever reply went out and reports it as an unrouted request (`attach_unrouted`).
+            st.emitted = True
+            self.pending.pop(st.key, None)
+            return
+        if not st.decided and rec.status == 0 and rec.error is None:
+            # Ended before any decision. Envoy answers 413 itself when the body outgrows its buffer (sized to
+            # max_body_bytes by the gateway), before the router sees the body: its local reply reaches
+            # neither stream, so the declared content-length is the evidence.
+            if self.max_body_bytes is not None and st.content_length > self.max_body_bytes:
+                rec.status = 413
+                rec.error = "request body too large (answered by Envoy)"
+            else:
+                rec.error = "request ended before the routing decision"
+        if not st.obs_attached and st.rec.latency_ms is None:
+            # The routing stream closes when the HTTP stream ends: the best end known without an observation
+            # (replaced if the observing stream still reports).
+            st.rec.latency_ms = (time.perf_counter() - st.t0) * 1000.0
+        # A routed request's observing stream may still be on its way (under load the service reads the new
+        # stream after the routing stream's close): wait for it when Envoy has an observing filter.
+        if st.obs_done or (not st.obs_attached and not (st.decided and st.expect_obs)):
+            self._emit(st)
+        elif st.timer is None:
+            st.timer = asyncio.get_running_loop().call_later(self.obs_grace_s, self._emit, st)
+
+    # --- observing stream -----------------------------------------------------------------------------
+    def attach(self, request_headers: Any) -> Tracked | None:
+        """The observing stream's request headers (after the routing filter's mutation)."""
+        tp = parse_traceparent(_header(request_headers, TRACEPARENT_HEADER))
+        if tp is None:
+            return None
+        st = self.pending.get(tp.span_id)
+        if st is None or st.obs_attached:
+            return None
+        st.obs_attached = True
+        return st
+
+    def attach_unrouted(self, request_headers: Any) -> Tracked:
+        """An observing stream of a request the routing filter did not route (Envoy answered it, e.g. 413, or
+        the routing service failed open): a record of its own, measured from this stream's start."""
+        hs = {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in request_headers}
+        ctx = child_context(hs.get(TRACEPARENT_HEADER))
+        rec = RequestRecord(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_span_id=ctx.parent_span_id,
+                            start_time=time.time(), request_id=hs.get("x-request-id", ""),
+                            path=hs.get(":path", "").split("?", 1)[0], reason="unrouted")
+        st = Tracked(rec, time.perf_counter())
+        st.routing_done = st.obs_attached = True
+        return st
+
+    def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> None:
+        status = _header(headers, ":status")
+        if status:
+            st.rec.status = int(status)
+        served = _header(headers, served_header)
+        if served:
+            st.served_addr = served
+        ctype = _header(headers, "content-type") or ""
+        if ctype.startswith("text/event-stream"):
+            st.tail = StreamUsageTail()
+        else:
+            st.body = []
+        if end_of_stream:
+            self._obs_finished(st, time.perf_counter())
+
+    def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None:
+        now = time.perf_counter()
+        rec = st.rec
+        if rec.ttft_ms is None and chunk:
+            rec.ttft_ms = (now - st.t0) * 1000.0
+        if st.tail is not None:
+            st.tail.feed(chunk)
+        elif st.body is not None:
+            st.body_bytes += len(chunk)
+            if st.body_bytes <= MAX_BODY_BYTES:
+                st.body.append(chunk)
+            else:
+                st.body = None
+        if end_of_stream:
+            self._obs_finished(st, now)
+
+    def obs_closed(self, st: Tracked) -> None:
+        """The observing stream ended (EOF or cancel) without end of stream: the response was cut short."""
+        if not st.obs_done:
+            st.obs_done = True
+            if st.rec.error is None:
+                st.rec.error = "response incomplete"
+            if st.routing_done:
+                self._emit(st)
+
+    def _obs_finished(self, st: Tracked, now: float) -> None:
+        if st.obs_done:
+            return
+        st.obs_done = True
+        rec = st.rec
+        rec.latency_ms = (now - st.t0) * 1000.0
+        usage = None
+        if st.tail is not None:
+            usage = st.tail.usage()
+        elif st.body:
+            usage = usage_from_body(b"".join(st.body))
+        st.tail = st.body = None
+        if usage is not None:
+            rec.prompt_tokens = usage.prompt_tokens
+            rec.completion_tokens = usage.completion_tokens
+            rec.cached_tokens = usage.cached_tokens
+        if st.routing_done:
+            self._emit(st)
+
+    # --- emission -------------------------------------------------------------------------------------
+    def _emit(self, st: Tracked) -> None:
+        if st.emitted:
+            return
+        st.emitted = True
+        if st.timer is not None:
+            st.timer.cancel()
+            st.timer = None
+        self.pending.pop(st.key, None)
+        st.pick = None
+        rec = st.rec
+        if st.served_addr:
+            served = self.endpoint_of(st.served_addr)
+            if served is not None:
+                rec.endpoint = served
+                if rec.endpoints and served != rec.endpoints[0]:
+                    rec.reason = "failover"
+        if not st.decided and rec.status >= 400 and rec.error is None:
+            rec.error = f"HTTP {rec.status} answered by Envoy"
+        if rec.status >= 500 and rec.error is None:
+            rec.error = f"HTTP {rec.status}"
+        self.num_emitted += 1
+        self.on_response(rec)

@@ -1,0 +1,195 @@
+"""`prefixroute up`: the whole stack on loopback with one command.
+
+Starts, in order, and waits until each serves:
+1. the telemetry receiver (`prefixroute telemetry`: OTLP/gRPC + SQLite store + HTTP query API),
+2. N simulated model servers (`prefixroute model-server`), unless `--endpoints` names existing
+   OpenAI-compatible servers (real vLLM / SGLang),
+3. the gateway: the ext_proc routing service and Envoy (`prefixroute.extproc.gateway.GatewayProcesses`),
+   exporting its traces to the receiver (standard `OTEL_*` variables),
+4. the dashboard (`prefixroute dashboard`),
+5. with `--traffic WORKLOAD`, a steady demo load through the gateway (`prefixroute traffic`).
+
+Then prints one summary (gateway URL, dashboard URL, logs) and watches the children: if one exits, it
+says which (with the tail of its log) and stops the rest (exit 1). Ctrl-C or SIGTERM stops every child
+within ~10 s (SIGTERM to each process group, SIGKILL after `--stop-grace-s`), leaving no process or port.
+A port already in use is refused before anything starts, naming the component and the port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import dataclasses
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from prefixroute import settings
+from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.settings import Settings, setting
+from prefixroute.stack.supervisor import (
+    Component, ComponentFailed, PortBusy, Supervisor, http_ok, port_in_use,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSettings(Settings):
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_UP_"
+    TITLE: ClassVar[str] = "Local stack (`prefixroute up`)"
+
+    servers: int = setting(4, "Simulated model servers to start (ignored with --endpoints). 4 shows balance "
+                           "and affinity at once and fits a 2-core machine.")
+    profile: str = setting("llama-3.1-8b-h200", "Profile of the simulated servers (see `prefixroute "
+                           "model-server --help`).")
+    model_server_base_port: int = setting(8001, "First simulated server's port; server i listens on base + i.")
+    model_server_time_scale: float = setting(1.0, "Multiplier on the simulated GPU's step times (1.0 = the "
+                                             "calibrated H200).")
+    traffic: str = setting("", "Start a steady demo load of this workload (e.g. shared-prompts, multi-turn, "
+                           "documents, mix); empty = no traffic.")
+    traffic_rate_rps: float = setting(4.0, "Requests per second of the demo load (Poisson arrivals); 4/s keeps "
+                                      "4 simulated 8B servers busy but not saturated.")
+    telemetry_port: int = setting(4317, "OTLP/gRPC port of the telemetry receiver (the OTLP standard port).")
+    telemetry_http_port: int = setting(4320, "HTTP query API port of the telemetry receiver.")
+    db: str = setting("prefixroute-telemetry.db", "SQLite file of the request store.")
+    dashboard: bool = setting(True, "Start the Streamlit dashboard.")
+    dashboard_port: int = setting(8501, "Dashboard port (Streamlit's default).")
+    log_dir: str = setting("prefixroute-logs", "Folder for one log file per component.")
+    log_level: str = setting("INFO", "Log level of the Python components (DEBUG shows per-request logs).")
+    stop_grace_s: float = setting(8.0, "On Ctrl-C, how long children may take to exit before SIGKILL (the "
+                                  "whole stop stays within ~10 s).")
+    start_timeout_s: float = setting(60.0, "How long to wait for each component to serve (Streamlit's first "
+                                     "start takes several seconds on a small machine).")
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    settings.add_arguments(parser, StackSettings)
+    settings.add_arguments(parser, GatewaySettings)
+    settings.add_arguments(parser, RoutingSettings)
+    settings.add_arguments(parser, PoolSettings)
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "prefixroute", *args]
+
+
+class _Stopped(Exception):
+    pass
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        st = settings.from_namespace(StackSettings, args)
+        gw = settings.from_namespace(GatewaySettings, args)
+        routing = settings.from_namespace(RoutingSettings, args)
+        pool_args = settings.from_namespace(PoolSettings, args)
+    except ValueError as exc:
+        print(f"prefixroute up: {exc}", file=sys.stderr)
+        return 2
+    log_dir = Path(st.log_dir).resolve()
+    sup = Supervisor(log_dir, ready_timeout_s=st.start_timeout_s, grace_s=st.stop_grace_s)
+    gateway: GatewayProcesses | None = None
+    stop: dict[str, int | None] = {"signal": None}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+        raise _Stopped
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        simulated = not (pool_args.endpoints or pool_args.endpoints_file)
+        server_ports = [st.model_server_base_port + i for i in range(st.servers)] if simulated else []
+        for name, port in [("gateway", gw.port), ("telemetry receiver", st.telemetry_port),
+                           ("telemetry HTTP API", st.telemetry_http_port),
+                           *([("dashboard", st.dashboard_port)] if st.dashboard else []),
+                           *[(f"model-server-{i}", p) for i, p in enumerate(server_ports)]]:
+            if port_in_use(port):
+                raise PortBusy(f"{name}: port {port} is already in use (stop what holds it, e.g. "
+                               f"`ss -ltnp 'sport = :{port}'`, or choose another port)")
+        print(f"prefixroute up: starting (logs in {log_dir})", flush=True)
+        sup.start(Component(
+            "telemetry", _cmd("telemetry", "--port", str(st.telemetry_port), "--http-port",
+                              str(st.telemetry_http_port), "--db", st.db),
+            ports=(st.telemetry_port, st.telemetry_http_port),
+            ready=lambda: http_ok(f"http://127.0.0.1:{st.telemetry_http_port}/healthz")))
+        for i, port in enumerate(server_ports):
+            sup.start(Component(
+                f"model-server-{i}",
+                _cmd("model-server", "--port", str(port), "--id", f"server-{i}", "--profile", st.profile,
+                     "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level),
+                ports=(port,), ready=lambda p=port: http_ok(f"http://127.0.0.1:{p}/health")), wait=False)
+        for c in sup.components[1:]:
+            sup.wait_ready(c)
+        pool = dataclasses.replace(pool_args, endpoints=tuple(f"127.0.0.1:{p}" for p in server_ports)) \
+            if simulated else pool_args
+        # The ext_proc child inherits these: standard OTLP settings pointing at our receiver.
+        os.environ.setdefault("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{st.telemetry_port}")
+        os.environ.setdefault("OTEL_SERVICE_NAME", "prefixroute-router")
+        os.environ.setdefault("PREFIXROUTE_LOG_LEVEL", st.log_level)
+        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir).start()
+        if st.dashboard:
+            sup.start(Component(
+                "dashboard", _cmd("dashboard", "--db", st.db, "--port", str(st.dashboard_port)),
+                ports=(st.dashboard_port,),
+                ready=lambda: http_ok(f"http://127.0.0.1:{st.dashboard_port}/_stcore/health")))
+        if st.traffic:
+            sup.start(Component(
+                "traffic", _cmd("traffic", "--gateway", gateway.url, "--workload", st.traffic,
+                                "--rate-rps", str(st.traffic_rate_rps)),
+                ready=None))
+        _summary(st, gateway, pool, simulated, log_dir)
+        while True:
+            dead = sup.dead()
+            if dead is not None:
+                print(f"prefixroute up: {dead.name} exited with status {dead.proc.returncode}"  # type: ignore[union-attr]
+                      f"{sup.log_tail(dead)}\nstopping the stack", file=sys.stderr, flush=True)
+                return 1
+            for name, p in (("envoy", gateway.envoy), ("extproc", gateway.extproc)):
+                if p is not None and p.poll() is not None:
+                    print(f"prefixroute up: {name} exited with status {p.returncode} (log {log_dir / (name + '.log')})"
+                          "\nstopping the stack", file=sys.stderr, flush=True)
+                    return 1
+            time.sleep(0.25)
+    except _Stopped:
+        print("prefixroute up: stopping", flush=True)
+        return 0
+    except (PortBusy, ComponentFailed, TimeoutError, RuntimeError, FileNotFoundError) as exc:
+        print(f"prefixroute up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        t0 = time.monotonic()
+        if gateway is not None:
+            gateway.stop()
+        sup.stop_all()
+        if stop["signal"] is not None:
+            print(f"prefixroute up: stopped in {time.monotonic() - t0:.1f} s", flush=True)
+
+
+def _summary(st: StackSettings, gateway: GatewayProcesses, pool: PoolSettings, simulated: bool,
+             log_dir: Path) -> None:
+    eps = ", ".join(pool.endpoints) if pool.endpoints else pool.endpoints_file
+    lines = [
+        "",
+        "prefixroute is up",
+        f"  gateway     {gateway.url}   (OpenAI API: POST {gateway.url}/v1/chat/completions)",
+        f"  endpoints   {eps}" + (f"   ({st.servers} simulated {st.profile})" if simulated else ""),
+        f"  policy      {gateway.routing.policy}   (router metrics: "
+        f"{'http://127.0.0.1:%d/metrics' % gateway.metrics_port if gateway.metrics_port and gateway.metrics_port > 0 else 'off'})",
+        f"  dashboard   http://127.0.0.1:{st.dashboard_port}" if st.dashboard else "  dashboard   (off)",
+        f"  telemetry   OTLP grpc://127.0.0.1:{st.telemetry_port}, store {st.db}, "
+        f"`prefixroute telemetry dump --db {st.db} --since 60`",
+        f"  traffic     {st.traffic} at {st.traffic_rate_rps:g} req/s" if st.traffic else
+        f"  traffic     none; try: curl {gateway.url}/v1/chat/completions -H 'content-type: application/json' "
+        "-d '{\"model\": \"meta-llama/Llama-3.1-8B-Instruct\", \"messages\": [{\"role\": \"user\", "
+        "\"content\": \"hello\"}]}'",
+        f"  logs        {log_dir}/<component>.log",
+        "Ctrl-C stops everything.",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
