@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from ms_server_proc import ServerProc, start_server
+from helpers.model_server import ServerProc, start_server
 
 
 @pytest.fixture

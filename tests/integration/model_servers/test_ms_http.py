@@ -10,7 +10,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ms_server_proc import start_server
+from helpers.model_server import start_server
 
 pytestmark = pytest.mark.integration
 
