@@ -205,7 +205,7 @@ def test_metrics_endpoint(env) -> None:
     assert samples["prefixroute_decision_duration_seconds_count"] >= 1
     assert total("prefixroute_ttft_seconds_count") >= 1 and total("prefixroute_request_duration_seconds_count") >= 1
     assert total("prefixroute_prompt_tokens_total") > 0 and total("prefixroute_actual_hit_tokens_total") >= 0
-    assert "prefixroute_endpoint_in_flight{" in text and samples["prefixroute_prefix_index_blocks"] > 0
+    assert "prefixroute_endpoint_in_flight{" in text and total("prefixroute_prefix_index_blocks{") > 0
 
 
 def test_failover_is_recorded_with_the_served_fallback(tmp_path: Path, receiver: ReceiverProc) -> None:
