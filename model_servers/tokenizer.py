@@ -11,7 +11,7 @@ and machines, and:
                                                            or a ends with a special token
 
 i.e. a text prefix tokenizes to a prefix of the tokens except the last partial chunk. The work is a
-few numpy calls per segment (~10 us for 16 KB); no Python loop per token.
+few numpy calls per segment; no Python loop per token.
 
 Chat template (`render_chat`): Llama 3.1 layout::
 

@@ -19,8 +19,7 @@ Hit ratio over a window in PromQL: ``rate(prefixroute_actual_hit_tokens_total[1m
 rate(prefixroute_prompt_tokens_total[1m])``.
 
 Cost: labelled children are cached in dicts, so a request costs one dict lookup + inc/observe per
-metric (a few microseconds in all; `observe_decision` + `observe_response` measured in the tests'
-benchmark). Thread safety: prometheus_client's metrics are thread-safe; the child caches are
+metric. Thread safety: prometheus_client's metrics are thread-safe; the child caches are
 plain dicts (benign races: at worst a child looked up twice).
 """
 

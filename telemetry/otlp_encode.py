@@ -1,9 +1,9 @@
 """A direct protobuf encoder for the router's spans, and the OTLP exporter that sends its output.
 
-Why: the official encoder builds a Python protobuf object per attribute (~90 us per span here);
-run on the export thread it holds the GIL long enough to delay the asyncio loop that carries the
-token stream by milliseconds at ~1000 requests/s. Writing the wire format directly is several
-times cheaper, and the export thread yields the GIL between spans. The bytes are parsed once by
+Why: the official encoder builds a Python protobuf object per attribute; run on the export thread it
+holds the GIL long enough to delay the asyncio loop that carries the token stream at high request
+rates. Writing the wire format directly is much cheaper (figures: README, `python -m
+prefixroute.bench.recorder`), and the export thread yields the GIL between spans. The bytes are parsed once by
 upb (C) into an ``ExportTraceServiceRequest`` and sent by `RecordSpanExporter`, a subclass of the
 official OTLPSpanExporter, so endpoint/TLS/headers/compression/timeout/retry handling and every
 OTEL_EXPORTER_OTLP_* variable are the SDK's own.

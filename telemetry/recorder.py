@@ -1,7 +1,7 @@
 """`TelemetryRecorder`: hand a finished request's record to OpenTelemetry without slowing the request.
 
 Hot path (`record`, called on the ext_proc asyncio loop at response end): a length check and a
-``deque.append`` (~0.2 us). Everything else happens on one daemon export thread: it wakes every
+``deque.append``. Everything else happens on one daemon export thread: it wakes every
 schedule delay (or as soon as a full batch is queued), encodes each record as one SERVER span
 ``prefixroute.route`` (the record's own trace/span ids, explicit start/end times, so the span the
 model server sees as its parent is this one) and exports the batch with the official OTLP/gRPC
@@ -10,8 +10,8 @@ GIL every few spans, so the export thread does not stall the event loop that car
 stream; a custom `exporter` (any SDK SpanExporter) gets SDK ReadableSpans instead.
 
 Why not the SDK's tracer + BatchSpanProcessor on the hot path: creating, filling and ending an SDK
-span with ~25 attributes costs ~35 us per request on this machine, ~150x the cost of queueing the
-record (``python -m prefixroute.bench.recorder``).
+span with ~25 attributes costs two orders of magnitude more than queueing the record (figures: README,
+``python -m prefixroute.bench.recorder``).
 
 Failure behaviour (each tested):
 - Exporter slow, hung or down: `record` is unaffected; the queue fills to `max_queue_size` and
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SERVICE_NAME = "prefixroute-router"
 DEFAULT_SCHEDULE_DELAY_MS = 500
 _TRUE = ("1", "true", "yes", "on")
-_YIELD_EVERY = 4  # spans encoded between GIL hand-offs (~20 us of work each)
+_YIELD_EVERY = 4  # spans encoded between GIL hand-offs: short enough that the loop thread never waits long
 _FAST_EXPORT_CHUNK = 64  # spans per gRPC export request (~64 KB; parsed and serialized in C under the GIL)
 
 

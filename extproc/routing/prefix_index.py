@@ -23,9 +23,8 @@ Invariants:
   its descendants. `match` relies on it to binary-search (exact up to 64-bit hash collisions). It also
   relies on hashes being chained from a seed: a block's hash is a head (position 0) in every prompt or in none.
 
-Not thread-safe: use from one thread (the router's event loop). Memory is about 130 bytes per (block,
-endpoint) entry (measured with tracemalloc): 31,250 blocks x 4 endpoints ~ 16 MB; x 256 endpoints ~ 1 GB
-at worst (every LRU full).
+Not thread-safe: use from one thread (the router's event loop), except `num_entries_by_endpoint`. Memory
+grows with (block, endpoint) entries, bounded by each endpoint's capacity (README: per-entry cost).
 """
 
 from __future__ import annotations
