@@ -30,11 +30,11 @@ from prefixroute.bench import results as bench_results
 from prefixroute.bench.processes import (HOST, ManagedProcess, ProcessGroup, StartupError, free_port, http_get,
                                          prefixroute_argv, wait_ready)
 from prefixroute.bench.workloads import RequestSpec, Workload
+from prefixroute.extproc.routing.settings import POLICIES
 
 SETTLE_S = 1.5
 """Wait after a router first answers, so its health probes have reached every endpoint (probe interval 1 s)."""
 
-OUR_POLICIES = ("random", "round-robin", "least-load", "consistent-hash", "prefix")
 PEER_POLICIES = {"sglang-router": ("cache_aware", "round_robin", "random", "power_of_two"),
                  "vllm-router": ("cache_aware", "round_robin", "random", "power_of_two", "consistent_hash")}
 
@@ -52,8 +52,8 @@ def parse_router(name: str) -> RouterSpec:
     """``prefixroute:POLICY``, ``sglang-router[:POLICY]``, ``vllm-router[:POLICY]``; ValueError otherwise."""
     kind, _, policy = name.strip().partition(":")
     if kind == "prefixroute":
-        if policy not in OUR_POLICIES:
-            raise ValueError(f"router {name!r}: policy must be one of {', '.join(OUR_POLICIES)}")
+        if policy not in POLICIES:
+            raise ValueError(f"router {name!r}: policy must be one of {', '.join(POLICIES)}")
         return RouterSpec(name, kind, policy)
     if kind in PEER_POLICIES:
         policy = policy or "cache_aware"
