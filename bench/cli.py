@@ -127,7 +127,7 @@ def run_overhead(path: Path) -> bool:
     figures and ratios, goes to `path` and to stdout. True if it succeeded."""
     import subprocess
 
-    from prefixroute.bench.processes import prefixroute_argv
+    from prefixroute.procs import prefixroute_argv
 
     _log("measuring router overhead (prefixroute overhead-bench) ...")
     proc = subprocess.run(prefixroute_argv("overhead-bench"), capture_output=True, text=True)

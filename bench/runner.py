@@ -27,14 +27,14 @@ from typing import Any
 
 from prefixroute.bench import client as bench_client
 from prefixroute.bench import results as bench_results
-from prefixroute.bench.processes import (HOST, ManagedProcess, ProcessGroup, StartupError, free_port, http_get,
-                                         prefixroute_argv, wait_ready)
 from prefixroute.bench.workloads import RequestSpec, Workload
+from prefixroute.extproc.routing.settings import POLICIES
+from prefixroute.procs import LOOPBACK as HOST
+from prefixroute.procs import ManagedProcess, ProcessGroup, StartupError, free_port, http_get, prefixroute_argv
 
 SETTLE_S = 1.5
 """Wait after a router first answers, so its health probes have reached every endpoint (probe interval 1 s)."""
 
-OUR_POLICIES = ("random", "round-robin", "least-load", "consistent-hash", "prefix")
 PEER_POLICIES = {"sglang-router": ("cache_aware", "round_robin", "random", "power_of_two"),
                  "vllm-router": ("cache_aware", "round_robin", "random", "power_of_two", "consistent_hash")}
 
@@ -52,8 +52,8 @@ def parse_router(name: str) -> RouterSpec:
     """``prefixroute:POLICY``, ``sglang-router[:POLICY]``, ``vllm-router[:POLICY]``; ValueError otherwise."""
     kind, _, policy = name.strip().partition(":")
     if kind == "prefixroute":
-        if policy not in OUR_POLICIES:
-            raise ValueError(f"router {name!r}: policy must be one of {', '.join(OUR_POLICIES)}")
+        if policy not in POLICIES:
+            raise ValueError(f"router {name!r}: policy must be one of {', '.join(POLICIES)}")
         return RouterSpec(name, kind, policy)
     if kind in PEER_POLICIES:
         policy = policy or "cache_aware"
@@ -107,7 +107,7 @@ def start_fleet(group: ProcessGroup, cfg: FleetConfig) -> list[str]:
     if cfg.ports and len(cfg.ports) != cfg.num_servers:
         raise ValueError("FleetConfig.ports must give one port per server")
     endpoints = []
-    procs: list[tuple[ManagedProcess, str]] = []
+    procs: list[ManagedProcess] = []
     for k in range(cfg.num_servers):
         port = cfg.ports[k] if cfg.ports else free_port()
         ep = f"{HOST}:{port}"
@@ -115,11 +115,10 @@ def start_fleet(group: ProcessGroup, cfg: FleetConfig) -> list[str]:
         if cfg.profile:
             argv += ["--profile", cfg.profile]
         argv += list(cfg.server_args)
-        procs.append((group.start(f"server-{k}", argv), ep))
+        procs.append(group.start(f"server-{k}", argv, ports=(port,), wait=False,
+                                 ready=lambda ep=ep: http_get(f"http://{ep}/health")[0] == 200))
         endpoints.append(ep)
-    for proc, ep in procs:
-        wait_ready(proc, lambda ep=ep: http_get(f"http://{ep}/health")[0] == 200, cfg.startup_timeout_s,
-                   f"model server {ep}")
+    group.wait_ready(procs, timeout_s=cfg.startup_timeout_s)  # started in parallel, waited for in turn
     return endpoints
 
 
@@ -156,8 +155,9 @@ def scrape_server_counters(endpoints: Sequence[str]) -> dict[str, dict[str, floa
 
 
 def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Sequence[str], port: int, *,
-                   seed: int, gateway_args: Sequence[str], log_dir: Path) -> None:
-    """Our gateway (Envoy + ext_proc) through its Python API; `gateway_args` are `prefixroute gateway` flags."""
+                   seed: int, gateway_args: Sequence[str], log_dir: Path | None) -> ManagedProcess:
+    """Our gateway (Envoy + ext_proc) through its Python API; `gateway_args` are `prefixroute gateway` flags.
+    Returns its Envoy (the process clients talk to)."""
     import argparse
 
     from prefixroute import settings as settings_mod
@@ -179,9 +179,11 @@ def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Seq
         settings_mod.from_namespace(PoolSettings, ns), log_dir=log_dir)
     try:
         procs.start()
-    except (RuntimeError, TimeoutError, OSError) as exc:
+    except (RuntimeError, OSError) as exc:
         raise StartupError(f"gateway for {spec.name}: {exc}") from exc
     stack.callback(procs.stop)
+    assert procs.envoy is not None  # set by start()
+    return procs.envoy
 
 
 def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Sequence[str], *,
@@ -194,11 +196,10 @@ def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterS
     port = free_port()
     base = f"http://{HOST}:{port}"
     urls = [f"http://{e}" for e in endpoints]
-    proc: ManagedProcess | None = None
     name = f"router-{spec.name.replace(':', '-')}"
     if spec.kind == "prefixroute":
-        _start_gateway(stack, spec, endpoints, port, seed=seed, gateway_args=gateway_args,
-                       log_dir=group.log_dir / name)
+        proc = _start_gateway(stack, spec, endpoints, port, seed=seed, gateway_args=gateway_args,
+                              log_dir=group.log_dir / name if group.log_dir is not None else None)
 
         def ready() -> bool:
             return http_get(f"{base}/v1/models")[0] == 200
@@ -206,18 +207,18 @@ def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterS
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST, "--port", str(port),
                 "--worker-urls", *urls, "--policy", spec.policy, "--prometheus-host", HOST,
                 "--prometheus-port", str(free_port()), "--log-level", "warn"]
-        proc = group.start(name, argv)
+        proc = group.start(name, argv, wait=False)
 
         def ready() -> bool:
             return http_get(f"{base}/readiness")[0] == 200 and http_get(f"{base}/v1/models")[0] == 200
     else:
         argv = [_venv_script("vllm-router") or "vllm-router", "--host", HOST, "--port", str(port),
                 "--worker-urls", *urls, "--policy", spec.policy]
-        proc = group.start(name, argv)
+        proc = group.start(name, argv, wait=False)
 
         def ready() -> bool:
             return http_get(f"{base}/v1/models")[0] == 200
-    wait_ready(proc, ready, startup_timeout_s, f"router {spec.name}")
+    proc.wait_ready(startup_timeout_s, ready=ready)
     if spec.kind != "sglang-router":
         # Answering means one endpoint is healthy; every endpoint gets its first health probe within ~1 s of
         # start (gateway and vllm-router alike). Settle so the run starts with the whole fleet eligible.

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from prefixroute.extproc.routing.settings import POLICIES
 from prefixroute.settings import Settings, setting
 
-DEFAULT_ROUTERS = ("prefixroute:random", "prefixroute:round-robin", "prefixroute:least-load",
-                   "prefixroute:consistent-hash", "prefixroute:prefix", "sglang-router", "vllm-router")
+# Our policies from the least to the most informed (the report's rows in that order), then the peers.
+DEFAULT_ROUTERS = (*(f"prefixroute:{p}" for p in reversed(POLICIES)), "sglang-router", "vllm-router")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,7 @@ class BenchSettings(Settings):
 
     # --- who serves it
     routers: tuple[str, ...] = setting(DEFAULT_ROUTERS, "Routers to compare, comma-separated: prefixroute:POLICY "
-                                       "(random, round-robin, least-load, consistent-hash, prefix), sglang-router"
+                                       f"({', '.join(reversed(POLICIES))}), sglang-router"
                                        "[:POLICY], vllm-router[:POLICY] (peer default: cache_aware).")
     servers: int = setting(4, "Simulated model servers in the fleet. 4 keeps a real run on 2 CPU cores; "
                           "--virtual takes 8-256.")

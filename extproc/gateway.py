@@ -3,8 +3,8 @@
 Reusable API: `GatewayProcesses` is a context manager that starts the ext_proc service (``prefixroute
 extproc``), renders the Envoy configuration (envoy_config.py) into a private temp dir, starts Envoy
 (``--disable-hot-restart``: several Envoys on one host must not share the hot-restart shared memory),
-waits until both serve, and on exit stops both (SIGTERM to each child's process group, SIGKILL after a
-grace period) and removes the temp dir. Later commands (``prefixroute up``) build on it.
+waits until both serve, and on exit stops both (`prefixroute.procs`: SIGTERM to each child's process group,
+SIGKILL after a grace period) and removes the temp dir. Later commands (``prefixroute up``) build on it.
 
 The ext_proc child inherits this process's environment, so the standard ``OTEL_*`` variables (e.g.
 ``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``) configure its span export.
@@ -18,16 +18,16 @@ import dataclasses
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, ClassVar
+from typing import Any, ClassVar
 
 from prefixroute import settings
-from prefixroute.procs import free_port, stop_group, tcp_open
+from prefixroute.procs import (ManagedProcess, ProcessGroup, check_ports_free, free_port, http_get, prefixroute_argv,
+                               tcp_open)
 from prefixroute.extproc.endpoints.pool import endpoints_from_settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
@@ -101,21 +101,21 @@ def settings_argv(obj: Settings) -> list[str]:
     return argv
 
 
-
-
-
-
 class GatewayProcesses:
     """Envoy + ext_proc as children. Use as a context manager; see the module docstring.
 
+    `group`: the `ProcessGroup` the two children join: a launcher's (``prefixroute up`` watches and stops them
+    with its other children, in its order) or, by default, one of their own. `log_dir`: their logs,
+    ``extproc.log`` and ``envoy.log`` (None: they write to this process's stdout/stderr).
+
     Attributes after `start()`: `url` (gateway base URL), `extproc_port`, `admin_port`, `metrics_port`
-    (the ext_proc service's /metrics, -1 when disabled), `extproc` and
-    `envoy` (the `subprocess.Popen` objects), `config_path`.
+    (the ext_proc service's /metrics, -1 when disabled), `extproc` and `envoy` (`ManagedProcess`),
+    `config_path`.
     """
 
     def __init__(self, gateway: GatewaySettings, routing: RoutingSettings, pool: PoolSettings, *,
                  log_dir: Path | None = None, extra_extproc_args: list[str] | None = None,
-                 envoy_overrides: dict[str, Any] | None = None) -> None:
+                 envoy_overrides: dict[str, Any] | None = None, group: ProcessGroup | None = None) -> None:
         self.gateway = gateway
         self.routing = routing
         self.pool = pool
@@ -123,10 +123,10 @@ class GatewayProcesses:
         self.log_dir = log_dir
         self.extra_extproc_args = extra_extproc_args or []
         self.envoy_overrides = envoy_overrides or {}
-        self.extproc: subprocess.Popen[bytes] | None = None
-        self.envoy: subprocess.Popen[bytes] | None = None
+        self.group = group if group is not None else ProcessGroup(log_dir)
+        self.extproc: ManagedProcess | None = None
+        self.envoy: ManagedProcess | None = None
         self._tmp: Path | None = None
-        self._logs: list[IO[bytes]] = []
         self.extproc_port = gateway.extproc_port
         self.admin_port = gateway.admin_port
         self.metrics_port = gateway.metrics_port
@@ -134,18 +134,11 @@ class GatewayProcesses:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.gateway.listen_address in ("0.0.0.0", "::") else self.gateway.listen_address
-        return f"http://{host}:{self.gateway.port}"
+        return f"http://{self._client_host}:{self.gateway.port}"
 
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
-        out: Any = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            f = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
-            self._logs.append(f)
-            out = f
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.gateway.listen_address in ("0.0.0.0", "::") else self.gateway.listen_address
 
     def envoy_settings(self) -> EnvoySettings:
         return EnvoySettings(
@@ -157,19 +150,24 @@ class GatewayProcesses:
             **{"report_served": self.gateway.report_served, "observe_responses": self.gateway.telemetry,
                **self.envoy_overrides})
 
+    def _child(self, name: str, argv: list[str], ready: Callable[[], bool], ports: tuple[int, ...]) -> ManagedProcess:
+        log_path = self.log_dir / f"{name}.log" if self.log_dir is not None else None
+        return ManagedProcess(name, argv, log_path=log_path, ready=ready, ports=ports)
+
     def start_extproc(self) -> None:
         """Start (or restart, after `stop_extproc`) the ext_proc child and wait until it serves."""
-        cmd = [sys.executable, "-m", "prefixroute", "extproc", "--port", str(self.extproc_port),
-               "--listen-address", "127.0.0.1", "--metrics-port", str(self.metrics_port),
-               *([] if self.gateway.telemetry else ["--no-traces"]),
-               *settings_argv(self.routing), *settings_argv(self.pool), *self.extra_extproc_args]
-        self.extproc = self._spawn("extproc", cmd)
-        self._wait(lambda: tcp_open(self.extproc_port), self.extproc, "ext_proc service")
+        if self.extproc is None:
+            raise RuntimeError("start_extproc() restarts the ext_proc service of a started gateway: start() first")
+        self.group.add(self.extproc, wait=False)
+        self.extproc.wait_ready(self.gateway.ready_timeout_s)
 
     def stop_extproc(self) -> None:
-        stop_group(self.extproc)
+        if self.extproc is not None:
+            self.extproc.stop()
 
     def start(self) -> GatewayProcesses:
+        """Start ext_proc, then Envoy, each waited for; on any failure stop both and re-raise (`StartupError`,
+        `PortBusy` naming the child before anything starts, FileNotFoundError without an Envoy binary)."""
         try:
             if not self.extproc_port:
                 self.extproc_port = free_port()
@@ -177,46 +175,37 @@ class GatewayProcesses:
                 self.admin_port = free_port()
             if not self.metrics_port:
                 self.metrics_port = free_port()
+            self.extproc = self._child(
+                "extproc", prefixroute_argv(
+                    "extproc", "--port", str(self.extproc_port), "--listen-address", "127.0.0.1",
+                    "--metrics-port", str(self.metrics_port), *([] if self.gateway.telemetry else ["--no-traces"]),
+                    *settings_argv(self.routing), *settings_argv(self.pool), *self.extra_extproc_args),
+                ready=lambda: tcp_open(self.extproc_port), ports=(self.extproc_port, self.metrics_port))
             self._tmp = Path(tempfile.mkdtemp(prefix="prefixroute-gateway-"))
             self.config_path = self._tmp / "envoy.yaml"
             self.config_path.write_text(render(self.envoy_settings()))
+            self.envoy = self._child(
+                "envoy", [envoy_binary(), "-c", str(self.config_path), "--disable-hot-restart",
+                          "--concurrency", str(self.gateway.envoy_concurrency), "-l", self.gateway.envoy_log_level],
+                ready=self._envoy_ready, ports=(self.gateway.port, self.admin_port))
+            check_ports_free((p.name, port) for p in (self.extproc, self.envoy) for port in p.ports)
             self.start_extproc()
-            self.envoy = self._spawn("envoy", [
-                envoy_binary(), "-c", str(self.config_path), "--disable-hot-restart",
-                "--concurrency", str(self.gateway.envoy_concurrency), "-l", self.gateway.envoy_log_level])
-            self._wait(self._envoy_ready, self.envoy, "Envoy")
+            self.group.add(self.envoy, wait=False)
+            self.envoy.wait_ready(self.gateway.ready_timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
 
     def _envoy_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=0.5) as r:
-                if r.status != 200:
-                    return False
-        except OSError:
-            return False
-        host = "127.0.0.1" if self.gateway.listen_address in ("0.0.0.0", "::") else self.gateway.listen_address
-        return tcp_open(self.gateway.port, host)
-
-    def _wait(self, ready: Any, proc: subprocess.Popen[bytes] | None, what: str) -> None:
-        deadline = time.monotonic() + self.gateway.ready_timeout_s
-        while not ready():
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with status {proc.returncode} during start"
-                                   + (f" (log in {self.log_dir})" if self.log_dir else ""))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not ready after {self.gateway.ready_timeout_s} s")
-            time.sleep(0.05)
+        return (http_get(f"http://127.0.0.1:{self.admin_port}/ready", timeout_s=0.5)[0] == 200
+                and tcp_open(self.gateway.port, self._client_host))
 
     def stop(self) -> None:
-        """Stop Envoy first (no new requests), then the ext_proc service. Idempotent."""
-        stop_group(self.envoy)
-        stop_group(self.extproc)
-        for f in self._logs:
-            f.close()
-        self._logs.clear()
+        """Stop Envoy first (no new requests), then the ext_proc service; remove the temp dir. Idempotent."""
+        for proc in (self.envoy, self.extproc):
+            if proc is not None:
+                proc.stop()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -226,8 +215,6 @@ class GatewayProcesses:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -254,7 +241,7 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         procs.start()
-    except (RuntimeError, TimeoutError, FileNotFoundError, OSError) as exc:
+    except (RuntimeError, OSError) as exc:  # StartupError, PortBusy, no Envoy binary
         print(f"prefixroute gateway: {exc}", file=sys.stderr)
         return 1
     try:
@@ -264,10 +251,10 @@ def main(args: argparse.Namespace) -> int:
               + ")",
               flush=True)
         while stop["signal"] is None:
-            for name, p in (("Envoy", procs.envoy), ("ext_proc service", procs.extproc)):
-                if p is not None and p.poll() is not None:
-                    print(f"prefixroute gateway: {name} exited with status {p.returncode}", file=sys.stderr)
-                    return 1
+            dead = procs.group.first_exited()
+            if dead is not None:
+                print(f"prefixroute gateway: {dead.name} exited with status {dead.returncode}", file=sys.stderr)
+                return 1
             time.sleep(0.2)
     finally:
         procs.stop()

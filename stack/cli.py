@@ -11,8 +11,9 @@ Starts, in order, and waits until each serves:
 
 Then prints one summary (gateway URL, dashboard URL, logs) and watches the children: if one exits, it
 says which (with the tail of its log) and stops the rest (exit 1). Ctrl-C or SIGTERM stops every child
-within ~10 s (SIGTERM to each process group, SIGKILL after `--stop-grace-s`), leaving no process or port.
-A port already in use is refused before anything starts, naming the component and the port.
+within ~10 s, the last started first (`prefixroute.procs.ProcessGroup`: SIGTERM to each process group,
+SIGKILL once `--stop-grace-s` is spent), leaving no process or port. A port already in use is refused
+before anything starts, naming the component and the port.
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ from prefixroute import settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.procs import ProcessGroup, check_ports_free, http_ok, prefixroute_argv
 from prefixroute.settings import Settings, setting
-from prefixroute.stack.supervisor import (
-    Component, ComponentFailed, PortBusy, Supervisor, http_ok, port_in_use,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +71,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, PoolSettings)
 
 
-def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "prefixroute", *args]
-
-
 class _Stopped(Exception):
     pass
 
@@ -90,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"prefixroute up: {exc}", file=sys.stderr)
         return 2
     log_dir = Path(st.log_dir).resolve()
-    sup = Supervisor(log_dir, ready_timeout_s=st.start_timeout_s, grace_s=st.stop_grace_s)
+    group = ProcessGroup(log_dir, ready_timeout_s=st.start_timeout_s, grace_s=st.stop_grace_s)
     gateway: GatewayProcesses | None = None
     stop: dict[str, int | None] = {"signal": None}
 
@@ -103,70 +98,57 @@ def main(args: argparse.Namespace) -> int:
     try:
         simulated = not (pool_args.endpoints or pool_args.endpoints_file)
         server_ports = [st.model_server_base_port + i for i in range(st.servers)] if simulated else []
-        for name, port in [("gateway", gw.port), ("telemetry receiver", st.telemetry_port),
-                           ("telemetry HTTP API", st.telemetry_http_port),
-                           *([("dashboard", st.dashboard_port)] if st.dashboard else []),
-                           *[(f"model-server-{i}", p) for i, p in enumerate(server_ports)]]:
-            if port_in_use(port):
-                raise PortBusy(f"{name}: port {port} is already in use (stop what holds it, e.g. "
-                               f"`ss -ltnp 'sport = :{port}'`, or choose another port)")
+        check_ports_free([("gateway", gw.port), ("telemetry receiver", st.telemetry_port),
+                          ("telemetry HTTP API", st.telemetry_http_port),
+                          *([("dashboard", st.dashboard_port)] if st.dashboard else []),
+                          *[(f"model-server-{i}", p) for i, p in enumerate(server_ports)]])
         print(f"prefixroute up: starting (logs in {log_dir})", flush=True)
-        sup.start(Component(
-            "telemetry", _cmd("telemetry", "--port", str(st.telemetry_port), "--http-port",
-                              str(st.telemetry_http_port), "--db", st.db),
-            ports=(st.telemetry_port, st.telemetry_http_port),
-            ready=lambda: http_ok(f"http://127.0.0.1:{st.telemetry_http_port}/healthz")))
-        for i, port in enumerate(server_ports):
-            sup.start(Component(
-                f"model-server-{i}",
-                _cmd("model-server", "--port", str(port), "--id", f"server-{i}", "--profile", st.profile,
-                     "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level),
-                ports=(port,), ready=lambda p=port: http_ok(f"http://127.0.0.1:{p}/health")), wait=False)
-        for c in sup.components[1:]:
-            sup.wait_ready(c)
+        group.start("telemetry", prefixroute_argv("telemetry", "--port", str(st.telemetry_port), "--http-port",
+                                                  str(st.telemetry_http_port), "--db", st.db),
+                    ports=(st.telemetry_port, st.telemetry_http_port),
+                    ready=lambda: http_ok(f"http://127.0.0.1:{st.telemetry_http_port}/healthz"))
+        group.wait_ready([group.start(  # in parallel: each simulated server takes about a second to start
+            f"model-server-{i}",
+            prefixroute_argv("model-server", "--port", str(port), "--id", f"server-{i}", "--profile", st.profile,
+                             "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level),
+            ports=(port,), ready=lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"), wait=False)
+            for i, port in enumerate(server_ports)])
         pool = dataclasses.replace(pool_args, endpoints=tuple(f"127.0.0.1:{p}" for p in server_ports)) \
             if simulated else pool_args
         # The ext_proc child inherits these: standard OTLP settings pointing at our receiver.
         os.environ.setdefault("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{st.telemetry_port}")
         os.environ.setdefault("OTEL_SERVICE_NAME", "prefixroute-router")
         os.environ.setdefault("PREFIXROUTE_LOG_LEVEL", st.log_level)
-        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir).start()
+        # Envoy and ext_proc join the stack's group: watched like the others, stopped in start order reversed.
+        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group).start()
         if st.dashboard:
-            sup.start(Component(
-                "dashboard", _cmd("dashboard", "--db", st.db, "--port", str(st.dashboard_port)),
-                ports=(st.dashboard_port,),
-                ready=lambda: http_ok(f"http://127.0.0.1:{st.dashboard_port}/_stcore/health")))
+            group.start("dashboard", prefixroute_argv("dashboard", "--db", st.db, "--port", str(st.dashboard_port)),
+                        ports=(st.dashboard_port,),
+                        ready=lambda: http_ok(f"http://127.0.0.1:{st.dashboard_port}/_stcore/health"))
         if st.traffic:
-            sup.start(Component(
-                "traffic", _cmd("traffic", "--gateway", gateway.url, "--workload", st.traffic,
-                                "--rate-rps", str(st.traffic_rate_rps)),
-                ready=None))
+            group.start("traffic", prefixroute_argv("traffic", "--gateway", gateway.url, "--workload", st.traffic,
+                                                    "--rate-rps", str(st.traffic_rate_rps)))
         _summary(st, gateway, pool, simulated, log_dir)
         while True:
-            dead = sup.dead()
+            dead = group.first_exited()
             if dead is not None:
-                print(f"prefixroute up: {dead.name} exited with status {dead.proc.returncode}"  # type: ignore[union-attr]
-                      f"{sup.log_tail(dead)}\nstopping the stack", file=sys.stderr, flush=True)
+                print(f"prefixroute up: {dead.name} exited with status {dead.returncode}{dead.log_excerpt()}"
+                      "\nstopping the stack", file=sys.stderr, flush=True)
                 return 1
-            for name, p in (("envoy", gateway.envoy), ("extproc", gateway.extproc)):
-                if p is not None and p.poll() is not None:
-                    print(f"prefixroute up: {name} exited with status {p.returncode} (log {log_dir / (name + '.log')})"
-                          "\nstopping the stack", file=sys.stderr, flush=True)
-                    return 1
             time.sleep(0.25)
     except _Stopped:
         print("prefixroute up: stopping", flush=True)
         return 0
-    except (PortBusy, ComponentFailed, TimeoutError, RuntimeError, FileNotFoundError) as exc:
+    except (RuntimeError, OSError) as exc:  # StartupError, PortBusy, no Envoy binary, an unwritable log dir
         print(f"prefixroute up: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         t0 = time.monotonic()
+        group.stop_all()
         if gateway is not None:
-            gateway.stop()
-        sup.stop_all()
+            gateway.stop()  # its temp dir: its children stopped with the group
         if stop["signal"] is not None:
             print(f"prefixroute up: stopped in {time.monotonic() - t0:.1f} s", flush=True)
 

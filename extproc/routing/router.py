@@ -38,9 +38,7 @@ class RouterCore:
         default: without releases the counts would only grow."""
         self.settings = settings
         self.index = index if index is not None else PrefixIndex(settings.default_index_capacity_blocks)
-        self.scheduler = Scheduler(settings, rng)
-        if track_prefill and hasattr(self.scheduler.policy, "track_prefill"):
-            self.scheduler.policy.track_prefill = True  # type: ignore[attr-defined]
+        self.scheduler = Scheduler(settings, rng, track_prefill=track_prefill)
         self.rng = self.scheduler.rng
         self.retry_after_s = retry_after_s
         self._known: set[EndpointId] = set()
@@ -77,9 +75,7 @@ class RouterCore:
         """`request`, routed by `decision` (what `route` returned), finished, failed or was cancelled: call
         once per routed request, when its response ends (where the gateway releases its in-flight count).
         A no-op unless constructed with ``track_prefill=True`` or for a policy without prefill tracking."""
-        release = getattr(self.scheduler.policy, "note_release", None)
-        if release is not None:
-            release(request, decision)
+        self.scheduler.policy.on_release(request, decision)
 
     def record_failover(self, request: InferenceRequest, served_by: EndpointId) -> None:
         """The request was served by a fallback (Envoy's ``x-gateway-destination-endpoint-served``): record it
@@ -101,9 +97,7 @@ class RouterCore:
     def on_endpoint_removed(self, endpoint: EndpointId) -> None:
         """An endpoint left the pool: its index entries (and outstanding prefill estimate) go with it."""
         self.index.remove_endpoint(endpoint)
-        forget = getattr(self.scheduler.policy, "forget_endpoint", None)
-        if forget is not None:
-            forget(endpoint)
+        self.scheduler.policy.on_endpoint_removed(endpoint)
         self._known.discard(endpoint)
         self._capacity_from.pop(endpoint, None)
 

@@ -7,8 +7,24 @@ from typing import ClassVar
 
 from prefixroute.settings import Settings, setting
 
-POLICIES: tuple[str, ...] = ("prefix", "consistent-hash", "least-load", "round-robin", "random")
-"""Policy names accepted by `RoutingSettings.policy` (see routing/scheduling/policies.py)."""
+POLICIES: dict[str, str] = {
+    "prefix": "prefix affinity + load, default",
+    "consistent-hash": "rendezvous hash of the prompt prefix only, no load",
+    "least-load": "",
+    "round-robin": "",
+    "random": "",
+}
+"""The scheduling policies, name -> note for the help text (empty: the name says it): the default first, then
+the baselines from the most to the least informed. The one declaration of the names: `RoutingSettings.policy`
+accepts these, scheduling/policies.py has one class per name, and every list of policies (help texts, the
+bench's routers) derives from this."""
+
+DEFAULT_POLICY = next(iter(POLICIES))
+
+
+def _policy_help() -> str:
+    listed = ", ".join(f"{name} ({note})" if note else name for name, note in POLICIES.items())
+    return f"Scheduling policy: {listed}. The last four exist for comparison."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,10 +34,7 @@ class RoutingSettings(Settings):
     ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_"
     TITLE: ClassVar[str] = "Routing"
 
-    policy: str = setting(
-        "prefix",
-        "Scheduling policy: prefix (prefix affinity + load, default), consistent-hash (rendezvous hash of the "
-        "prompt prefix only, no load), least-load, round-robin, random. The last four exist for comparison.")
+    policy: str = setting(DEFAULT_POLICY, _policy_help())
     block_chars: int = setting(
         64,
         "Characters of canonical prompt text per router block. 64 = 16 tokens x ~4 characters per token, the "

@@ -1,6 +1,6 @@
-"""Shared helpers for integration tests: free ports, readiness waits, child processes.
+"""Shared helpers for integration tests: free ports, child processes (over `prefixroute.procs`).
 
-Every process started here runs in its own process group and is killed (group-wide) when its
+Every process started here runs in its own process group and is stopped (group-wide) when its
 context manager exits, even when the test fails, so no test leaves a server behind.
 """
 
@@ -11,8 +11,6 @@ from helpers.procs import (
     http_get,
     prefixroute_cmd,
     start_process,
-    wait_for_http,
-    wait_for_port,
 )
 
 __all__ = [
@@ -22,6 +20,4 @@ __all__ = [
     "http_get",
     "prefixroute_cmd",
     "start_process",
-    "wait_for_http",
-    "wait_for_port",
 ]

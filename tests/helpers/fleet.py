@@ -11,7 +11,7 @@ from pathlib import Path
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.extproc.routing.settings import RoutingSettings
-from helpers.procs import ManagedProcess, free_port, prefixroute_cmd, start_process
+from prefixroute.procs import ManagedProcess, ProcessGroup, free_port, http_ok, prefixroute_argv
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulated server's default served model
 MAX_BODY_BYTES = 256 * 1024  # small, so the 413 test sends little
@@ -29,15 +29,17 @@ class Fleet:
 
 
 def start_fleet(stack: ExitStack, n: int, log_dir: Path, prefix: str = "s", *extra_args: str) -> Fleet:
-    """Start `n` simulated servers (time_scale 0.02: fast tests) that `stack` kills on exit."""
+    """Start `n` simulated servers (time_scale 0.02: fast tests) in parallel, all ready on return; `stack`
+    stops them on exit. Server i logs to `log_dir`/`prefix`i.log."""
+    group = stack.enter_context(ProcessGroup(log_dir, ready_timeout_s=20.0))
     fleet = Fleet()
     for i in range(n):
         port = free_port()
-        proc = stack.enter_context(start_process(
-            prefixroute_cmd("model-server", "--port", str(port), "--id", f"{prefix}{i}", "--time-scale", "0.02",
-                            "--shutdown-grace-s", "0.2", *extra_args),
-            ready_url=f"http://127.0.0.1:{port}/health", log_dir=log_dir, name=f"{prefix}{i}"))
-        fleet.servers[f"127.0.0.1:{port}"] = proc
+        fleet.servers[f"127.0.0.1:{port}"] = group.start(
+            f"{prefix}{i}", prefixroute_argv("model-server", "--port", str(port), "--id", f"{prefix}{i}",
+                                             "--time-scale", "0.02", "--shutdown-grace-s", "0.2", *extra_args),
+            ready=lambda port=port: http_ok(f"http://127.0.0.1:{port}/health", timeout_s=1.0), wait=False)
+    group.wait_ready()
     return fleet
 
 

@@ -28,7 +28,7 @@ from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.types import EndpointId, EndpointState
 from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
-from helpers.procs import free_port, prefixroute_cmd, start_process
+from helpers.procs import free_port, prefixroute_cmd, start_process, stop_group
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 _BANNER = re.compile(r"OTLP/gRPC on [\d.]+:(\d+), HTTP API on http://[\d.]+:(\d+)")
@@ -40,17 +40,7 @@ def start_receiver(stack: ExitStack, db: Path, log_dir: Path) -> tuple[int, int]
     proc = subprocess.Popen(prefixroute_cmd("telemetry", "--port", "0", "--http-port", "0", "--db", str(db)),
                             stdout=subprocess.PIPE, stderr=open(log_dir / "telemetry.log", "wb"),  # noqa: SIM115
                             text=True, start_new_session=True)
-
-    def stop() -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-
-    stack.callback(stop)
+    stack.callback(stop_group, proc, 10.0)
     line = proc.stdout.readline()
     m = _BANNER.search(line)
     if not m:

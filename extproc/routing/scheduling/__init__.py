@@ -4,7 +4,7 @@
   concurrency threshold.
 - scorers.py: each scorer maps every candidate endpoint to a score in [0, 1] (higher = better).
 - pickers.py: max weighted score with ties broken by load then randomly; rendezvous (HRW) ordering.
-- policies.py: the selectable policies (`prefix`, `consistent-hash`, `least-load`, `round-robin`, `random`).
+- policies.py: the `Policy` base and the selectable policies (names: `routing.settings.POLICIES`).
 - scheduler.py: `Scheduler(settings).schedule(request, endpoints, in_flight, index) -> Decision`.
 
 No I/O and no clock: the only state is the injected `random.Random` and the round-robin counter.

@@ -1,8 +1,7 @@
-"""The selectable policies. Each turns a `PolicyInput` into a `Decision` (pure: no I/O, no clock; state is the
+"""The selectable policies, each a `Policy` subclass registered in `POLICY_CLASSES` under the name it declares in
+`settings.POLICIES`. Each turns a `PolicyInput` into a `Decision` (pure: no I/O, no clock; state is the
 injected rng, the round-robin counter and the prefix policy's recent-share counts and outstanding prefill).
-
-Contract for every policy: `Decision.endpoints` lists distinct *eligible* endpoints (healthy, serving the model),
-primary first, at most ``1 + num_fallbacks``; it is empty only when no endpoint is eligible.
+`Policy` states the contract of `decide` and of the lifecycle hooks the router calls.
 
 `prefix` (default). First the balance limits split the eligible endpoints into *under* and *over*: over = more
 in flight than ``balance_factor`` x the mean in-flight + ``balance_slack`` (or at ``concurrency_threshold``),
@@ -12,7 +11,7 @@ compete. Then, in order:
 2. Prefix seen nowhere among eligible endpoints -> rendezvous (HRW) keyed on the chained hash of the first
    ``cold_key_blocks`` blocks, with bounded loads: the first endpoint in HRW order at or under
    ``cold_balance_factor`` x the mean in-flight (reason "cold"), and, when the caller reports releases
-   (`PrefixPolicy.track_prefill`, `RouterCore.on_release`), at or under that factor x the mean outstanding
+   (``track_prefill``, `Policy.on_release`), at or under that factor x the mean outstanding
    prefill tokens. At equal load this is plain rendezvous: requests sharing a system prompt converge and
    each endpoint owns ~1/N of new prefixes.
 3. Otherwise -> the least *cost* in prompt tokens (Dynamo-like): prefill the endpoint would have to compute
@@ -28,9 +27,9 @@ against load scores scaled to a fixed threshold of 32 in flight, so a short shar
 pulled every new document or session to one endpoint (2x fair share on 4) and nothing spilled before 32. A
 cost in tokens lets a 256-token shared prefix lose against a few requests of load while an 8,000-token one
 wins; the limits relative to the fleet's mean make a hot prefix spill and then spread (its second endpoint is
-recorded in the index); and bounded-load cold placement sends new prefixes away from busy endpoints, which cut
-the Mooncake trace's P90 TTFT by ~20%; bounding outstanding prefill tokens as well (when releases are
-reported) cut it by another ~5% (1.40 s -> 1.32 s, P50 31 -> 29 ms), as requests differ 100x in length.
+recorded in the index); bounded-load cold placement sends new prefixes away from busy endpoints; and bounding
+outstanding prefill tokens as well (when releases are reported) tells a long prompt from a short one, as
+requests differ 100x in length.
 """
 
 from __future__ import annotations
@@ -39,14 +38,14 @@ import dataclasses
 import itertools
 import random
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import ClassVar
 
 from prefixroute.extproc.routing.hashing import seed_for
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters, pickers
 from prefixroute.extproc.routing.scheduling.scorers import (InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer,
                                                     Scorer, ScoringContext, weighted_scores)
-from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
 from prefixroute.extproc.routing.types import BlockHash, Decision, DecisionReason, EndpointId, EndpointState
 
 
@@ -71,10 +70,39 @@ class PolicyInput:
         return pickers.RendezvousTable(self.eligible)
 
 
-class Policy(Protocol):
-    name: str
+class Policy:
+    """Base of every policy: `decide` per request, and lifecycle hooks that are no-ops unless a policy keeps
+    per-endpoint or per-request state. Built once per router (`make_policy`); not thread-safe (one event loop).
 
-    def decide(self, inp: PolicyInput) -> Decision: ...
+    `track_prefill`: the caller calls `on_release` exactly once for every decision of this policy (as
+    `RouterCore(track_prefill=True)` promises), so a policy may keep per-request state that releases undo
+    (the prefix policy's outstanding prefill tokens). When False, `on_release` may never come: a policy then
+    keeps nothing that only a release would remove.
+    """
+
+    name: ClassVar[str]
+    """A key of `settings.POLICIES`: what `RoutingSettings.policy` selects and `Decision.policy` reports."""
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
+        self._settings = settings
+        self._k = 1 + settings.num_fallbacks
+        self._rng = rng
+        self.track_prefill = track_prefill
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        """Contract: `Decision.endpoints` lists distinct endpoints of `inp.eligible`, primary first, at most
+        ``1 + num_fallbacks``, and is never empty (`inp.eligible` is not). May update this policy's own state
+        (counters, recent shares), nothing else; the caller records the pick in the prefix index."""
+        raise NotImplementedError
+
+    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
+        """Contract: `request`, routed by `decision` (from this policy's `decide`), ended: finished, failed or
+        was cancelled. At most once per decision, exactly once when `track_prefill`; it may come after the
+        primary left the pool (`on_endpoint_removed`) and must then be absorbed. No-op by default."""
+
+    def on_endpoint_removed(self, endpoint: EndpointId) -> None:
+        """Contract: `endpoint` left the pool; what this policy keeps for it goes (an endpoint of that name
+        joining later starts from nothing), and late releases for it are absorbed. No-op by default."""
 
 
 def _decision(order: Sequence[EndpointId], reason: DecisionReason, policy: str, inp: PolicyInput) -> Decision:
@@ -93,25 +121,23 @@ def prefix_key(request: InferenceRequest, cold_key_blocks: int) -> BlockHash:
     return seed_for(request.model, request.tenant)
 
 
-class RandomPolicy:
-    name = "random"
+class RandomPolicy(Policy):
+    """Uniformly random distinct endpoints: the no-information baseline."""
 
-    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
-        self._k = 1 + settings.num_fallbacks
-        self._rng = rng
+    name = "random"
 
     def decide(self, inp: PolicyInput) -> Decision:
         order = [s.endpoint for s in self._rng.sample(list(inp.eligible), min(self._k, len(inp.eligible)))]
         return _decision(order, "policy", self.name, inp)
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(Policy):
     """Cycles through the eligible endpoints in the pool's order; fallbacks are the next ones."""
 
     name = "round-robin"
 
-    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
-        self._k = 1 + settings.num_fallbacks
+    def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
+        super().__init__(settings, rng, track_prefill=track_prefill)
         self._counter = itertools.count()
 
     def decide(self, inp: PolicyInput) -> Decision:
@@ -121,31 +147,23 @@ class RoundRobinPolicy:
         return _decision(order, "policy", self.name, inp)
 
 
-class LeastLoadPolicy:
+class LeastLoadPolicy(Policy):
     """Fewest in-flight requests (router's own count), then fewest waiting (scraped), then random."""
 
     name = "least-load"
-
-    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
-        self._k = 1 + settings.num_fallbacks
-        self._rng = rng
 
     def decide(self, inp: PolicyInput) -> Decision:
         order = pickers.least_load_order(inp.eligible, inp.in_flight, self._rng, self._k)
         return _decision(order, "load", self.name, inp)
 
 
-class ConsistentHashPolicy:
+class ConsistentHashPolicy(Policy):
     """Rendezvous hashing on the prompt prefix only (no load, no threshold): the pure-affinity baseline."""
 
     name = "consistent-hash"
 
-    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
-        self._k = 1 + settings.num_fallbacks
-        self._cold_key_blocks = settings.cold_key_blocks
-
     def decide(self, inp: PolicyInput) -> Decision:
-        key = prefix_key(inp.request, self._cold_key_blocks)
+        key = prefix_key(inp.request, self._settings.cold_key_blocks)
         ranked = inp.rendezvous().ranked(key)
         return _decision([s.endpoint for s in ranked[:self._k]], "policy", self.name, inp)
 
@@ -161,15 +179,13 @@ SHARE_WARMUP_PICKS = 4
 share is a handful of requests (the first pick alone is 100% of one endpoint)."""
 
 
-class PrefixPolicy:
+class PrefixPolicy(Policy):
     """Prefix affinity priced against load, an adaptive balance limit, rendezvous cold placement (module doc)."""
 
     name = "prefix"
 
-    def __init__(self, settings: RoutingSettings, rng: random.Random) -> None:
-        self._settings = settings
-        self._k = 1 + settings.num_fallbacks
-        self._rng = rng
+    def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
+        super().__init__(settings, rng, track_prefill=track_prefill)
         self._prefix = PrefixScorer()
         t = settings.concurrency_threshold
         # Load scorers are 1 - x / scale: weight = cost per unit x scale gives "constant - cost x units" in
@@ -180,9 +196,8 @@ class PrefixPolicy:
             (KvCacheScorer(), settings.kv_cost_tokens),
         ]
         self._tokens_per_block = settings.tokens_per_block * settings.prefix_weight
-        # Estimated uncached prefill tokens sent to each endpoint and not yet released (`note_release`);
+        # Estimated uncached prefill tokens sent to each endpoint and not yet released (`on_release`);
         # kept only when the caller reports releases (`track_prefill`), see `_cold_order`.
-        self.track_prefill = False
         self._prefill: dict[EndpointId, float] = {}
         self._tokens_per_char = 1.0 / settings.chars_per_token
         # Recent picks per endpoint, exponentially decayed per decision (window ~ SHARE_WINDOW_PER_ENDPOINT x
@@ -236,8 +251,7 @@ class PrefixPolicy:
 
         With `track_prefill`, "light" also requires outstanding prefill tokens at or under
         ``cold_balance_factor`` x their mean (when that leaves any endpoint): a count of requests cannot
-        tell a 30k-token prompt from a 300-token one; on the simulated Mooncake trace this cut P90 TTFT
-        from ~1.39 s to ~1.30 s and P50 by ~7% at the same hit ratio."""
+        tell a 30k-token prompt from a 300-token one."""
         k = self._k
         key = prefix_key(inp.request, self._settings.cold_key_blocks)
         # HRW order of every eligible endpoint once (numpy); the rendezvous order of any subset below is that
@@ -333,11 +347,10 @@ class PrefixPolicy:
         return max(0.0, request.num_prompt_chars * self._tokens_per_char
                    - decision.matched_blocks * self._settings.tokens_per_block)
 
-    def note_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """`request`, routed by `decision` of this policy, finished (or failed): its estimated prefill leaves
-        the primary's outstanding sum. A no-op unless `track_prefill`; the sum never goes negative (a
-        release without its pick is absorbed). A lost release leaves the endpoint looking busier for cold
-        placement only, until it leaves the pool (`forget_endpoint`)."""
+    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
+        """The request's estimated prefill leaves the primary's outstanding sum. A no-op unless
+        `track_prefill`; the sum never goes negative (a release without its pick is absorbed). A lost release
+        leaves the endpoint looking busier for cold placement only, until it leaves the pool."""
         if not self.track_prefill or not decision.endpoints:
             return
         ep = decision.endpoints[0]
@@ -347,8 +360,8 @@ class PrefixPolicy:
         else:
             self._prefill.pop(ep, None)
 
-    def forget_endpoint(self, endpoint: EndpointId) -> None:
-        """`endpoint` left the pool: its outstanding prefill goes (late releases for it are absorbed)."""
+    def on_endpoint_removed(self, endpoint: EndpointId) -> None:
+        """Its outstanding prefill goes (its recent share decays out of the window by itself)."""
         self._prefill.pop(endpoint, None)
 
     def outstanding_prefill_tokens(self) -> dict[EndpointId, float]:
@@ -443,11 +456,12 @@ class PrefixPolicy:
         return out
 
 
-POLICY_CLASSES: dict[str, type] = {
-    p.name: p for p in (PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy, RoundRobinPolicy, RandomPolicy)
-}
+_CLASSES_BY_NAME = {p.name: p for p in (PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy, RoundRobinPolicy,
+                                         RandomPolicy)}
+POLICY_CLASSES: dict[str, type[Policy]] = {name: _CLASSES_BY_NAME[name] for name in POLICIES}
+"""The class of every name in `settings.POLICIES`, in its order (a declared name without a class fails here)."""
 
 
-def make_policy(settings: RoutingSettings, rng: random.Random) -> Policy:
-    """The policy named by ``settings.policy`` (validated by RoutingSettings)."""
-    return POLICY_CLASSES[settings.policy](settings, rng)
+def make_policy(settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> Policy:
+    """The policy named by ``settings.policy`` (validated by RoutingSettings); `track_prefill`: see `Policy`."""
+    return POLICY_CLASSES[settings.policy](settings, rng, track_prefill=track_prefill)

@@ -21,10 +21,12 @@ class Scheduler:
     (`filters.EligibleCache`) and the blocks are bounded by ``max_blocks``.
     """
 
-    def __init__(self, settings: RoutingSettings, rng: random.Random | None = None) -> None:
+    def __init__(self, settings: RoutingSettings, rng: random.Random | None = None, *,
+                 track_prefill: bool = False) -> None:
+        """`track_prefill`: the caller reports every release to ``policy.on_release`` (see `Policy`)."""
         self.settings = settings
         self.rng = rng if rng is not None else random.Random(settings.rng_seed)
-        self.policy: Policy = make_policy(settings, self.rng)
+        self.policy: Policy = make_policy(settings, self.rng, track_prefill=track_prefill)
         self.eligible_cache = filters.EligibleCache()
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[EndpointState],

@@ -8,7 +8,7 @@ import io
 import pytest
 
 from prefixroute.bench import client, runner, upper_bound, workloads
-from prefixroute.bench.processes import ProcessGroup, free_port, http_get, prefixroute_argv, wait_ready
+from prefixroute.procs import ProcessGroup, free_port, http_get, prefixroute_argv
 
 pytestmark = pytest.mark.integration
 
@@ -45,8 +45,8 @@ def test_one_server_hits_exactly_the_upper_bound_and_reports_everything(group):
 
 def test_server_errors_are_recorded_with_status(group):
     port = free_port()
-    proc = group.start("failing", prefixroute_argv("model-server", "--port", str(port), "--fail-ratio", "1.0", *FAST))
-    wait_ready(proc, lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, 30, "server")
+    group.start("failing", prefixroute_argv("model-server", "--port", str(port), "--fail-ratio", "1.0", *FAST),
+                ready=lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200)
     wl = workloads.shared_prompts(num_requests=3, prefix_tokens=16, question_tokens=4, output_tokens=4)
     res = asyncio.run(client.run_workload(f"http://127.0.0.1:{port}", wl.requests,
                                           model=runner.served_model(f"127.0.0.1:{port}"), concurrency=4))

@@ -186,9 +186,7 @@ def test_errors_answered_by_the_router_are_recorded_without_an_endpoint(env, cas
     assert rec["ttft_ms"] is None  # the router's reply never reaches the observing filter
 
 
-def test_metrics_endpoint(env) -> None:
-    rcv, gw, _ = env
-    send(gw, "metrics " + "alpha beta gamma " * 50, stream=True)
+def metric_samples(gw: GatewayProcesses) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{gw.metrics_port}/metrics", timeout=5) as r:
         text = r.read().decode()
     samples = {}
@@ -196,16 +194,44 @@ def test_metrics_endpoint(env) -> None:
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             samples[name] = float(value)
+    return samples
 
-    def total(prefix: str) -> float:
-        return sum(v for k, v in samples.items() if k.startswith(prefix))
 
-    assert total("prefixroute_decisions_total{") >= 1
+def metric_total(samples: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in samples.items() if k.startswith(prefix))
+
+
+def test_metrics_endpoint(env) -> None:
+    rcv, gw, _ = env
+    before = metric_samples(gw)
+    # One prompt three times: the first computes its prefix, the next two find it cached where it went.
+    prompt = "metrics " + "alpha beta gamma " * 50
+    sent = [send(gw, prompt, stream=i % 2 == 0) for i in range(3)]
+    assert all(s.status == 200 for s in sent)
+    usage = [client_usage(s) for s in sent]
+    want_prompt = sum(u["prompt_tokens"] for u in usage)
+    want_cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+    assert want_cached > 0, usage
+
+    def added(samples: dict[str, float], prefix: str) -> float:
+        return metric_total(samples, prefix) - metric_total(before, prefix)
+
+    # The observing filter reports a response when it ends, which may be just after the client has read it.
+    deadline = time.monotonic() + 10
+    while True:
+        samples = metric_samples(gw)
+        if added(samples, "prefixroute_prompt_tokens_total{") >= want_prompt or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert added(samples, "prefixroute_prompt_tokens_total{") == want_prompt
+    assert added(samples, "prefixroute_actual_hit_tokens_total{") == want_cached
+    assert added(samples, "prefixroute_decisions_total{") == 3
     assert any(f'policy="{gw.routing.policy}"' in k for k in samples if k.startswith("prefixroute_decisions"))
-    assert samples["prefixroute_decision_duration_seconds_count"] >= 1
-    assert total("prefixroute_ttft_seconds_count") >= 1 and total("prefixroute_request_duration_seconds_count") >= 1
-    assert total("prefixroute_prompt_tokens_total") > 0 and total("prefixroute_actual_hit_tokens_total") >= 0
-    assert "prefixroute_endpoint_in_flight{" in text and total("prefixroute_prefix_index_blocks{") > 0
+    assert added(samples, "prefixroute_decision_duration_seconds_count") == 3
+    assert added(samples, "prefixroute_ttft_seconds_count") == 3
+    assert added(samples, "prefixroute_request_duration_seconds_count") == 3
+    assert any(k.startswith("prefixroute_endpoint_in_flight{") for k in samples)
+    assert metric_total(samples, "prefixroute_prefix_index_blocks{") > 0
 
 
 def test_failover_is_recorded_with_the_served_fallback(tmp_path: Path, receiver: ReceiverProc) -> None:

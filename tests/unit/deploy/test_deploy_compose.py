@@ -42,11 +42,28 @@ def test_services_present():
     assert sum(n.startswith("model-server-") for n in names) >= 2
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
-def test_dependencies_wait_for_health(name):
-    for dep, cond in (SERVICES[name].get("depends_on") or {}).items():
-        assert dep in SERVICES, f"{name} depends on unknown service {dep}"
-        assert cond == {"condition": "service_healthy"}
+MODEL_SERVERS = frozenset(n for n in SERVICES if n.startswith("model-server-"))
+DEPENDENCIES = {
+    **{n: frozenset() for n in MODEL_SERVERS},
+    "telemetry": frozenset(),
+    "extproc": MODEL_SERVERS | {"telemetry"},  # routes to the servers, exports its spans to the receiver
+    "envoy": frozenset({"extproc"}),  # asks the router for every request
+    "dashboard": frozenset({"telemetry"}),  # reads the receiver's store
+    "traffic": frozenset({"envoy"}),  # sends through the gateway
+}
+"""What each service must wait for (to be healthy) before it starts."""
+
+
+def test_every_service_has_its_dependencies_declared_here():
+    assert set(SERVICES) == set(DEPENDENCIES)  # a new service states what it waits for
+
+
+@pytest.mark.parametrize("name", sorted(DEPENDENCIES))
+def test_each_service_waits_for_its_dependencies_to_be_healthy(name):
+    depends_on = SERVICES[name].get("depends_on") or {}
+    assert set(depends_on) == DEPENDENCIES[name]
+    for dep, cond in depends_on.items():
+        assert cond == {"condition": "service_healthy"}, f"{name} starts before {dep} is healthy"
         assert "healthcheck" in SERVICES[dep], f"{dep} has no healthcheck but {name} waits for it"
 
 

@@ -120,10 +120,24 @@ def test_on_release_returns_outstanding_prefill_to_zero(track_prefill):
     assert core.scheduler.policy.outstanding_prefill_tokens() == {}
 
 
-def test_on_release_is_a_no_op_for_policies_without_tracking():
-    core = RouterCore(RoutingSettings(policy="least-load"), track_prefill=True)
-    r = chat()
-    core.on_release(r, core.route(r, [EndpointState(A)], {}))  # must not raise
+@pytest.mark.parametrize("policy", ["least-load", "round-robin", "random", "consistent-hash"])
+def test_releases_and_removals_do_not_change_policies_without_tracking(policy):
+    # The base hooks are no-ops: a core told of every release and of a removed endpoint decides exactly as
+    # its twin that is told nothing (same seed, same requests); the tie breaks draw on the shared rng, so a
+    # hook that drew from it or touched the policy's counters would make the two diverge.
+    settings = RoutingSettings(policy=policy, rng_seed=5)
+    told, twin = RouterCore(settings, track_prefill=True), RouterCore(settings, track_prefill=True)
+    states = [EndpointState(EndpointId(f"127.0.0.1:{9000 + i}")) for i in range(4)]
+    got, want = [], []
+    for i in range(40):
+        r = chat(content=f"prompt {i % 6} " * 40)
+        d = told.route(r, states, {})
+        told.on_release(r, d)
+        told.on_endpoint_removed(EndpointId("127.0.0.1:1"))  # never in the pool: nothing for the index either
+        got.append(d.endpoints)
+        want.append(twin.route(r, states, {}).endpoints)
+    assert got == want
+    assert len({d[0] for d in got}) > 1  # the sequence exercises the policy (not one endpoint throughout)
 
 
 def test_removed_endpoint_drops_its_outstanding_prefill():

@@ -10,11 +10,12 @@ import pytest
 from prefixroute.extproc.routing.prefix_index import PrefixIndex
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters, pickers
-from prefixroute.extproc.routing.scheduling.policies import POLICY_CLASSES, PolicyInput, PrefixPolicy, prefix_key
+from prefixroute.extproc.routing.scheduling import policies as policies_mod
+from prefixroute.extproc.routing.scheduling.policies import POLICY_CLASSES, Policy, PolicyInput, PrefixPolicy, prefix_key
 from prefixroute.extproc.routing.scheduling.scheduler import Scheduler
 from prefixroute.extproc.routing.scheduling.scorers import (InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer,
                                                     ScoringContext, weighted_scores)
-from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
 from prefixroute.extproc.routing.types import BlockHash, EndpointId, EndpointState
 
 
@@ -125,8 +126,8 @@ def test_rendezvous_is_deterministic_and_top_k_is_a_prefix_of_the_order():
 
 
 # --- policies --------------------------------------------------------------------------------------------------
-def sched(policy: str = "prefix", **kw) -> Scheduler:
-    return Scheduler(RoutingSettings(policy=policy, rng_seed=1, **kw))
+def sched(policy: str = "prefix", *, track_prefill: bool = False, **kw) -> Scheduler:
+    return Scheduler(RoutingSettings(policy=policy, rng_seed=1, **kw), track_prefill=track_prefill)
 
 
 def test_cold_prefix_is_placed_by_rendezvous_and_then_has_affinity():
@@ -475,8 +476,7 @@ def test_cold_placement_skips_a_loaded_rendezvous_winner_for_one_at_or_under_the
     (0, 0, 0.0),
 ])
 def test_prefill_tokens_are_added_at_pick_and_removed_at_release(prompt_chars, matched, expected_tokens):
-    s, idx = sched(), PrefixIndex(1000)
-    s.policy.track_prefill = True
+    s, idx = sched(track_prefill=True), PrefixIndex(1000)
     r = chain(7, 256)
     r = InferenceRequest(kind="chat", path="/v1/chat/completions", block_hashes=r.block_hashes,
                          num_prompt_chars=prompt_chars)
@@ -490,10 +490,10 @@ def test_prefill_tokens_are_added_at_pick_and_removed_at_release(prompt_chars, m
     expected = collections.Counter({d.endpoints[0]: expected_tokens})
     expected[d_other.endpoints[0]] += 100.0
     assert before == {ep: t for ep, t in expected.items() if t > 0}
-    s.policy.note_release(r, d)
-    s.policy.note_release(other, d_other)
+    s.policy.on_release(r, d)
+    s.policy.on_release(other, d_other)
     assert s.policy.outstanding_prefill_tokens() == {}
-    s.policy.note_release(other, d_other)  # a release without a pick leaves nothing negative
+    s.policy.on_release(other, d_other)  # a release without a pick leaves nothing negative
     assert s.policy.outstanding_prefill_tokens() == {}
 
 
@@ -502,7 +502,7 @@ def test_prefill_is_not_counted_without_track_prefill():
     r = InferenceRequest(kind="chat", path="/v1/chat/completions", block_hashes=chain(1).block_hashes,
                          num_prompt_chars=4000)
     d = s.schedule(r, E, {}, PrefixIndex(1000))
-    s.policy.note_release(r, d)
+    s.policy.on_release(r, d)
     assert s.policy.outstanding_prefill_tokens() == {}
 
 
@@ -515,8 +515,7 @@ def test_cold_placement_bounds_outstanding_prefill_tokens(track, first_prefill, 
     pool = eps(4)
     r = chain(42)
     hrw = pickers.rendezvous_order(prefix_key(r, 4), pool)
-    s = sched()
-    s.policy.track_prefill = track
+    s = sched(track_prefill=track)
     # earlier picks left prefill outstanding: a long prompt on the rendezvous-first endpoint (or none), a
     # short one elsewhere, all at one request in flight each
     if track:
@@ -600,10 +599,9 @@ def _reference_schedule(policy, request, endpoints, in_flight, index):
 def test_memoised_decisions_equal_the_per_request_path_on_random_snapshots(seed, num_endpoints, policy, track):
     rnd = random.Random(seed)
     settings = RoutingSettings(policy=policy, rng_seed=seed, max_scored_endpoints=16)
-    fast = Scheduler(settings)
+    fast = Scheduler(settings, track_prefill=track)
     ref_policy = (_ReferencePrefixPolicy if policy == "prefix" else POLICY_CLASSES[policy])(
-        settings, random.Random(seed))
-    fast.policy.track_prefill = ref_policy.track_prefill = track
+        settings, random.Random(seed), track_prefill=track)
     fast_index, ref_index = PrefixIndex(200), PrefixIndex(200)
     names = [EndpointId(f"10.1.{i // 200}.{i % 200}:8000") for i in range(num_endpoints)]
     snap: tuple[EndpointState, ...] = ()
@@ -632,5 +630,26 @@ def test_memoised_decisions_equal_the_per_request_path_on_random_snapshots(seed,
             fast_index.record(r.block_hashes, got.endpoints[0])
             ref_index.record(r.block_hashes, want.endpoints[0])
         if track and rnd.random() < 0.5:
-            fast.policy.note_release(r, got)
-            ref_policy.note_release(r, want)
+            fast.policy.on_release(r, got)
+            ref_policy.on_release(r, want)
+
+
+# --- the policy registry ---------------------------------------------------------------------------------------
+def test_every_declared_policy_has_one_class_and_every_policy_class_is_declared():
+    assert list(POLICY_CLASSES) == list(POLICIES)
+    for name, cls in POLICY_CLASSES.items():
+        assert issubclass(cls, Policy) and cls.name == name
+    defined = {obj for obj in vars(policies_mod).values()
+               if isinstance(obj, type) and issubclass(obj, Policy) and obj is not Policy}
+    assert defined == set(POLICY_CLASSES.values())
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_decides_within_the_contract(name):
+    s = sched(name, num_fallbacks=2)
+    pool = eps(5)
+    for key in range(20):
+        d = s.schedule(chain(key), pool, {pool[key % 5].endpoint: 3}, PrefixIndex(100))
+        assert d.policy == name
+        assert len(d.endpoints) == 3 == len(set(d.endpoints))
+        assert set(d.endpoints) <= {e.endpoint for e in pool}

@@ -33,3 +33,25 @@ def test_flag_beats_env_beats_default():
 def test_every_field_is_documented():
     for f, _ in settings_mod.fields(RoutingSettings):
         assert len(f.metadata.get("help", "")) > 40, f.name
+
+
+def test_every_declared_policy_is_accepted_and_listed_wherever_policies_are_listed():
+    import dataclasses
+
+    from prefixroute.bench.runner import parse_router
+    from prefixroute.bench.settings import DEFAULT_ROUTERS, BenchSettings
+    from prefixroute.extproc.routing.settings import POLICIES
+
+    def help_of(cls, name):
+        return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+    assert RoutingSettings().policy == next(iter(POLICIES)) == "prefix"
+    for name in POLICIES:
+        assert RoutingSettings(policy=name).policy == name
+        assert name in help_of(RoutingSettings, "policy") and name in help_of(BenchSettings, "routers")
+        assert parse_router(f"prefixroute:{name}").policy == name
+    # the bench compares every policy by default, the default one last (the report's reference row)
+    assert [r.removeprefix("prefixroute:") for r in DEFAULT_ROUTERS if r.startswith("prefixroute:")] == \
+        list(reversed(POLICIES))
+    with pytest.raises(ValueError, match="policy must be one of prefix, consistent-hash"):
+        RoutingSettings(policy="fastest")
