@@ -1,7 +1,17 @@
 """Render the Envoy configuration of the gateway from typed settings (`prefixroute envoy-config`).
 
-The committed `envoy/envoy.yaml` is this rendering with default settings (a test asserts equality,
-so it cannot drift). Request path through Envoy:
+`build_config` builds the bootstrap from envoy-data-plane's typed messages (every listener, filter and
+cluster as its own message, each `typed_config` a packed `Any` of the extension's message), so a misspelt
+field or a wrong type fails at build time, not when Envoy loads the file. `render` writes it as YAML (its
+proto3 JSON mapping: snake_case, default values omitted). The committed `envoy/envoy.yaml` is this
+rendering with default settings (a test asserts equality, so it cannot drift).
+
+Only what renders the configuration imports this module (this command, `prefixroute gateway`, the overhead
+bench): envoy-data-plane is slow to import and to build the first time (pydantic schemas), so the ext_proc
+service never loads it; the names it shares with the hot path live in `headers.py`
+(tests/unit/extproc/test_envoy_config_hot_path.py checks it).
+
+Request path through Envoy:
 
     listener -> HCM early header mutation: strip every routing header a client may have sent
              -> ext_proc filter (our picker): headers SEND, request body BUFFERED, response headers SEND
@@ -26,8 +36,8 @@ Endpoint selection and failover (Gateway API Inference Extension endpoint-picker
   header: attempt 1 goes to the primary, retry 1 to fallback 1, and so on. The route retries on
   connect-failure / refused-stream / reset-before-request, and (retry_on_reset, default on) on a reset
   or close before any response byte: a killed server's pooled connections otherwise fail requests that
-  Envoy dispatched before it saw the close (measured: 1-3 lost requests per kill under load). Such a
-  retried request may run twice (one extra prefill); a response that started streaming is never retried.
+  Envoy dispatched before it saw the close. Such a retried request may run twice (one extra prefill); a
+  response that started streaming is never retried.
 - Envoy adds `x-gateway-destination-endpoint-served: %UPSTREAM_HOST%` to every routed response; the
   picker sees it (through the observing filter, or response headers SEND on the picker's filter when
   that one is off) and reports the primary as failed when another endpoint served.
@@ -38,8 +48,9 @@ Endpoint selection and failover (Gateway API Inference Extension endpoint-picker
 Processing modes (measured with `prefixroute overhead-bench`): request headers SEND (answered at once,
 or decided there when the request has no body), request body BUFFERED (FULL_DUPLEX_STREAMED saves the
 CONTINUE round trip but makes the picker hand the body back: slower here), response headers SEND only
-for the served header (report_served; costs ~0.1-0.15 ms p50 and ~20% of the picker's throughput; turn it
-off and health probes alone find dead endpoints), response body NONE so streams flow unbuffered.
+for the served header when no observing filter carries it (report_served; a blocking round trip per
+request: turn it off and health probes alone find dead endpoints), response body NONE so streams flow
+unbuffered.
 
 When the ext_proc service is down (or times out): `failure_mode = "open"` (default) lets the request
 continue without the header, and it matches the fallback route: plain round-robin over the configured
@@ -56,15 +67,52 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
+import betterproto2
 import orjson
+import yaml
+from envoy_data_plane.envoy.config.accesslog.v3 import (AccessLogFilter, AndFilter, ComparisonFilter,
+                                                        ComparisonFilterOp, ResponseFlagFilter, StatusCodeFilter)
+from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapStaticResources
+from envoy_data_plane.envoy.config.cluster.v3 import (CircuitBreakers, CircuitBreakersThresholds, Cluster,
+                                                      ClusterCustomClusterType, ClusterDiscoveryType, ClusterLbPolicy,
+                                                      ClusterOriginalDstLbConfig)
+from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
+from envoy_data_plane.envoy.config.core.v3 import (Address, DataSource, GrpcService, GrpcServiceEnvoyGrpc,
+                                                   HeaderValue, HeaderValueOption, HeaderValueOptionHeaderAppendAction,
+                                                   Http2ProtocolOptions, RoutingPriority, RuntimeUInt32, SocketAddress,
+                                                   SubstitutionFormatString, TypedExtensionConfig)
+from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
+from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
+from envoy_data_plane.envoy.config.route.v3 import (DirectResponseAction, HeaderMatcher, RetryPolicy,
+                                                    RetryPolicyRetryBackOff, RetryPolicyRetryHostPredicate, Route,
+                                                    RouteAction, RouteConfiguration, RouteMatch, VirtualHost)
+from envoy_data_plane.envoy.extensions.clusters.composite.v3 import ClusterConfig as CompositeClusterConfig
+from envoy_data_plane.envoy.extensions.clusters.composite.v3 import ClusterConfigClusterEntry
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (ExternalProcessor, MetadataOptions,
+                                                                        MetadataOptionsMetadataNamespaces,
+                                                                        ProcessingMode)
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeBodySendMode as BodySendMode
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeHeaderSendMode as HeaderSendMode
+from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
+from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+    HttpConnectionManager, HttpConnectionManagerCodecType, HttpFilter, LocalReplyConfig, ResponseMapper)
+from envoy_data_plane.envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
+    HeaderMutation as EarlyHeaderMutation)
+from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import DownstreamConnectionsConfig
+from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import PreviousHostsPredicate
+from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (HttpProtocolOptions,
+                                                                 HttpProtocolOptionsExplicitHttpConfig)
+from envoy_data_plane.google.protobuf import Any as ProtoAny
 
 from prefixroute import settings
 from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS,  # noqa: F401
                                          OBSERVED_METADATA, SERVED_HEADER, fallback_header, route_headers)
-from prefixroute.extproc.yaml_emit import dump
 from prefixroute.openai_errors import ERROR_TYPES
 from prefixroute.settings import Settings, setting
 
@@ -125,15 +173,20 @@ class EnvoySettings(Settings):
                                       "it (records then lack TTFT and usage).")
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds:g}s"
+def _duration(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
 
 
-def _socket_address(hostport: str) -> dict[str, Any]:
+def _address(hostport: str) -> Address:
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"expected host:port, got {hostport!r}")
-    return {"socket_address": {"address": host, "port_value": int(port)}}
+    return Address(socket_address=SocketAddress(address=host, port_value=int(port)))
+
+
+def _set_header(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(header=HeaderValue(key=key, value=value),
+                             append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
 def _error_json(status: int, message: str) -> str:
@@ -142,259 +195,225 @@ def _error_json(status: int, message: str) -> str:
                                    "code": status}}).decode()
 
 
-def _local_reply_config() -> dict[str, Any]:
+def _local_reply_config() -> LocalReplyConfig:
     def mapper(status: int, message: str, flags: list[str] | None = None,
-               headers: dict[str, str] | None = None) -> dict[str, Any]:
-        status_filter = {"status_code_filter": {"comparison": {"op": "EQ", "value": {
-            "default_value": status, "runtime_key": f"prefixroute.local_reply.{status}"}}}}
+               headers: dict[str, str] | None = None) -> ResponseMapper:
+        status_filter = AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+            op=ComparisonFilterOp.EQ,
+            value=RuntimeUInt32(default_value=status, runtime_key=f"prefixroute.local_reply.{status}"))))
+        filt = status_filter
         if flags:
             # Only Envoy's own upstream failures: an ext_proc ImmediateResponse carries its own body.
-            filt = {"and_filter": {"filters": [status_filter, {"response_flag_filter": {"flags": flags}}]}}
-        else:
-            filt = status_filter
-        m: dict[str, Any] = {"filter": filt, "body_format_override": {
-            "text_format_source": {"inline_string": _error_json(status, message)},
-            "content_type": "application/json"}}
-        if headers:
-            m["headers_to_add"] = [{"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
-                                   for k, v in headers.items()]
-        return m
+            filt = AccessLogFilter(and_filter=AndFilter(filters=[
+                status_filter, AccessLogFilter(response_flag_filter=ResponseFlagFilter(flags=flags))]))
+        return ResponseMapper(
+            filter=filt,
+            body_format_override=SubstitutionFormatString(
+                text_format_source=DataSource(inline_string=_error_json(status, message)),
+                content_type="application/json"),
+            headers_to_add=[_set_header(k, v) for k, v in (headers or {}).items()])
 
-    return {"mappers": [
+    return LocalReplyConfig(mappers=[
         mapper(413, "Request body too large."),
         mapper(503, "No endpoint could serve the request (%RESPONSE_FLAGS%).",
                ["UH", "UF", "UC", "UR", "LR", "URX", "NR", "UO", "NC"], {"retry-after": "1"}),
         mapper(504, "The endpoint did not answer in time (%RESPONSE_FLAGS%).", ["UT"]),
         mapper(502, "Bad response from the endpoint (%RESPONSE_FLAGS%).", ["UPE", "UMSDR"]),
-    ]}
+    ])
 
 
-def _http2_options() -> dict[str, Any]:
-    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-        "explicit_http_config": {"http2_protocol_options": {}}}}
-
-
-def _circuit_breakers() -> dict[str, Any]:
+def _circuit_breakers() -> CircuitBreakers:
     # Envoy's default max_retries (3 concurrent) would silently drop failover retries under load.
-    return {"thresholds": [{"priority": "DEFAULT", "max_connections": 100000, "max_pending_requests": 100000,
-                            "max_requests": 100000, "max_retries": 100000}]}
+    return CircuitBreakers(thresholds=[CircuitBreakersThresholds(
+        priority=RoutingPriority.DEFAULT, max_connections=100000, max_pending_requests=100000,
+        max_requests=100000, max_retries=100000)])
 
 
-def _original_dst_cluster(name: str, header: str, connect_timeout_s: float) -> dict[str, Any]:
-    return {
-        "name": name,
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": _duration(connect_timeout_s),
-        "cleanup_interval": "60s",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": header},
-        "circuit_breakers": _circuit_breakers(),
-    }
+def _original_dst_cluster(name: str, header: str, connect_timeout_s: float) -> Cluster:
+    return Cluster(
+        name=name,
+        type=ClusterDiscoveryType.ORIGINAL_DST,
+        lb_policy=ClusterLbPolicy.CLUSTER_PROVIDED,
+        connect_timeout=_duration(connect_timeout_s),
+        cleanup_interval=_duration(60),
+        original_dst_lb_config=ClusterOriginalDstLbConfig(use_http_header=True, http_header_name=header),
+        circuit_breakers=_circuit_breakers(),
+    )
 
 
-def _retry_on(s: EnvoySettings) -> str:
+def _strict_dns_cluster(name: str, hostports: Sequence[str], connect_timeout_s: float, **fields: Any) -> Cluster:
+    # STRICT_DNS: accepts IPs, and also compose service names (the ext_proc container, model servers).
+    return Cluster(
+        name=name,
+        type=ClusterDiscoveryType.STRICT_DNS,
+        connect_timeout=_duration(connect_timeout_s),
+        circuit_breakers=_circuit_breakers(),
+        load_assignment=ClusterLoadAssignment(cluster_name=name, endpoints=[LocalityLbEndpoints(
+            lb_endpoints=[LbEndpoint(endpoint=Endpoint(address=_address(h))) for h in hostports])]),
+        **fields,
+    )
+
+
+def _retry_policy(s: EnvoySettings, num_retries: int, **fields: Any) -> RetryPolicy:
     # Envoy retries only while no response byte has gone to the client, so a streamed answer is never replayed.
-    return "connect-failure,refused-stream,reset-before-request" + (",reset" if s.retry_on_reset else "")
+    retry_on = "connect-failure,refused-stream,reset-before-request" + (",reset" if s.retry_on_reset else "")
+    return RetryPolicy(retry_on=retry_on, num_retries=num_retries, **fields,
+                       retry_back_off=RetryPolicyRetryBackOff(base_interval=_duration(0.002),
+                                                              max_interval=_duration(0.01)))
 
 
-def build_config(s: EnvoySettings) -> dict[str, Any]:
-    """The Envoy bootstrap as plain data."""
+def build_config(s: EnvoySettings) -> Bootstrap:
+    """The Envoy bootstrap as a typed message (envoy-data-plane). Raises ValueError on invalid settings,
+    and pydantic's ValidationError (a ValueError) when a message gets a field its API version lacks or a value
+    of the wrong type: nothing is dropped silently. Each call builds new messages (no shared state)."""
     if s.failure_mode not in ("open", "closed"):
         raise ValueError(f"failure_mode must be 'open' or 'closed', got {s.failure_mode!r}")
     if not 0 <= s.num_fallbacks <= MAX_FALLBACKS:
         raise ValueError(f"num_fallbacks must be in 0..{MAX_FALLBACKS}, got {s.num_fallbacks}")
     stripped = [*route_headers(MAX_FALLBACKS), SERVED_HEADER, "x-envoy-original-dst-host"]
-    served_header = [{"header": {"key": SERVED_HEADER, "value": "%UPSTREAM_HOST%"},
-                      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    served_header = [_set_header(SERVED_HEADER, "%UPSTREAM_HOST%")]
     upstream_timeout = _duration(s.upstream_timeout_s)
+    catch_all = RouteMatch(prefix="/")
 
-    picked_route = {
-        "name": "picked_endpoint",
-        "match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
-        "route": {
-            "cluster": PICKED_CLUSTER,
-            "timeout": upstream_timeout,
-            "retry_policy": {
-                "retry_on": _retry_on(s),
-                "num_retries": s.num_fallbacks,
-                "retry_back_off": {"base_interval": "0.002s", "max_interval": "0.01s"},
-            },
-        },
-        "response_headers_to_add": served_header,
-    }
+    picked_route = Route(
+        name="picked_endpoint",
+        match=RouteMatch(prefix="/", headers=[HeaderMatcher(name=DESTINATION_HEADER, present_match=True)]),
+        route=RouteAction(cluster=PICKED_CLUSTER, timeout=upstream_timeout,
+                          retry_policy=_retry_policy(s, s.num_fallbacks)),
+        response_headers_to_add=served_header,
+    )
     if s.failure_mode == "open" and s.endpoints:
-        unpicked_route = {
-            "name": "extproc_unavailable_round_robin",
-            "match": {"prefix": "/"},
-            "route": {
-                "cluster": POOL_CLUSTER,
-                "timeout": upstream_timeout,
-                "retry_policy": {
-                    "retry_on": _retry_on(s),
-                    "num_retries": max(1, len(s.endpoints) - 1),
-                    "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3."
-                                 "PreviousHostsPredicate"}}],
-                    "host_selection_retry_max_attempts": 5,
-                    "retry_back_off": {"base_interval": "0.002s", "max_interval": "0.01s"},
-                },
-            },
-            "response_headers_to_add": served_header,
-        }
+        unpicked_route = Route(
+            name="extproc_unavailable_round_robin",
+            match=catch_all,
+            route=RouteAction(cluster=POOL_CLUSTER, timeout=upstream_timeout, retry_policy=_retry_policy(
+                s, max(1, len(s.endpoints) - 1),
+                retry_host_predicate=[RetryPolicyRetryHostPredicate(
+                    name="envoy.retry_host_predicates.previous_hosts",
+                    typed_config=ProtoAny.pack(PreviousHostsPredicate()))],
+                host_selection_retry_max_attempts=5)),
+            response_headers_to_add=served_header,
+        )
     else:
-        unpicked_route = {
-            "name": "extproc_unavailable_fail_closed",
-            "match": {"prefix": "/"},
-            "direct_response": {"status": 503, "body": {"inline_string": _error_json(
-                503, "The routing service is unavailable; retry shortly.")}},
-            "response_headers_to_add": [
-                {"header": {"key": "content-type", "value": "application/json"},
-                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
-                {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
-        }
+        unpicked_route = Route(
+            name="extproc_unavailable_fail_closed",
+            match=catch_all,
+            direct_response=DirectResponseAction(status=503, body=DataSource(inline_string=_error_json(
+                503, "The routing service is unavailable; retry shortly."))),
+            response_headers_to_add=[_set_header("content-type", "application/json"), _set_header("retry-after", "1")],
+        )
 
-    http_filters: list[dict[str, Any]] = []
+    http_filters: list[HttpFilter] = []
     if s.extproc_enabled:
-        http_filters.append({
-            "name": "envoy.filters.http.ext_proc",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                # No grpc_service timeout: one stream lives as long as its HTTP request (long streams);
-                # message_timeout bounds each answer instead. The initial metadata tells the service that an
-                # observing filter follows (so it waits for that stream's report before emitting a record).
-                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, **(
-                    {"initial_metadata": [{"key": OBSERVED_METADATA, "value": "1"}]} if s.observe_responses else {})},
-                "failure_mode_allow": s.failure_mode == "open",
-                "message_timeout": _duration(s.extproc_message_timeout_ms / 1000),
-                "processing_mode": {
-                    # Headers must be sent (and answered at once) for the body to reach us before routing.
-                    "request_header_mode": "SEND",
-                    # The served header is needed once: the observing filter, when present, sees it without making
-                    # Envoy wait, so this filter's blocking response-headers round trip is skipped then.
-                    "response_header_mode": "SEND" if s.report_served and not s.observe_responses else "SKIP",
-                    # BUFFERED, measured faster here than FULL_DUPLEX_STREAMED (which saves the CONTINUE round
-                    # trip but makes the picker hand the whole body back). send_body_without_waiting_for_
-                    # header_response has no effect with BUFFERED in Envoy 1.40 (checked): not set.
-                    "request_body_mode": "BUFFERED",
-                    # Responses (incl. SSE streams) flow through unbuffered and unseen.
-                    "response_body_mode": "NONE",
-                    "request_trailer_mode": "SKIP",
-                    "response_trailer_mode": "SKIP",
-                },
-                "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
-            },
-        })
+        http_filters.append(HttpFilter(name="envoy.filters.http.ext_proc", typed_config=ProtoAny.pack(ExternalProcessor(
+            # No grpc_service timeout: one stream lives as long as its HTTP request (long streams);
+            # message_timeout bounds each answer instead. The initial metadata tells the service that an
+            # observing filter follows (so it waits for that stream's report before emitting a record).
+            grpc_service=GrpcService(
+                envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+                initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value="1")] if s.observe_responses else []),
+            failure_mode_allow=s.failure_mode == "open",
+            message_timeout=_duration(s.extproc_message_timeout_ms / 1000),
+            processing_mode=ProcessingMode(
+                # Headers must be sent (and answered at once) for the body to reach us before routing.
+                request_header_mode=HeaderSendMode.SEND,
+                # The served header is needed once: the observing filter, when present, sees it without making
+                # Envoy wait, so this filter's blocking response-headers round trip is skipped then.
+                response_header_mode=HeaderSendMode.SEND if s.report_served and not s.observe_responses
+                else HeaderSendMode.SKIP,
+                # BUFFERED, measured faster here than FULL_DUPLEX_STREAMED (which saves the CONTINUE round
+                # trip but makes the picker hand the whole body back). send_body_without_waiting_for_
+                # header_response has no effect with BUFFERED in Envoy 1.40 (checked): not set.
+                request_body_mode=BodySendMode.BUFFERED,
+                # Responses (incl. SSE streams) flow through unbuffered and unseen.
+                response_body_mode=BodySendMode.NONE,
+                request_trailer_mode=HeaderSendMode.SKIP,
+                response_trailer_mode=HeaderSendMode.SKIP,
+            ),
+            metadata_options=MetadataOptions(
+                receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[LB_METADATA_NAMESPACE])),
+        ))))
     if s.extproc_enabled and s.observe_responses:
-        http_filters.append({
-            "name": OBSERVE_FILTER,
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
-                # Send-and-go: Envoy never waits for an answer, so the token stream is not slowed; a telemetry
-                # failure never fails a request.
-                "observability_mode": True,
-                "failure_mode_allow": True,
-                # After the HTTP stream ends Envoy keeps the side stream this long so queued messages (the
-                # last body chunk) still reach the service; the service itself stops waiting after 2 s.
-                "deferred_close_timeout": "2s",
-                "stat_prefix": "observe",
-                "processing_mode": {
-                    # Request headers as the routing filter left them: its traceparent is the correlation key.
-                    "request_header_mode": "SEND",
-                    "response_header_mode": "SEND",
-                    "request_body_mode": "NONE",
-                    "response_body_mode": "STREAMED",
-                    "request_trailer_mode": "SKIP",
-                    "response_trailer_mode": "SKIP",
-                },
-            },
-        })
-    http_filters.append({"name": "envoy.filters.http.router", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+        http_filters.append(HttpFilter(name=OBSERVE_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
+            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+            # Send-and-go: Envoy never waits for an answer, so the token stream is not slowed; a telemetry
+            # failure never fails a request.
+            observability_mode=True,
+            failure_mode_allow=True,
+            # After the HTTP stream ends Envoy keeps the side stream this long so queued messages (the
+            # last body chunk) still reach the service; the service itself stops waiting after 2 s.
+            deferred_close_timeout=_duration(2),
+            stat_prefix="observe",
+            processing_mode=ProcessingMode(
+                # Request headers as the routing filter left them: its traceparent is the correlation key.
+                request_header_mode=HeaderSendMode.SEND,
+                response_header_mode=HeaderSendMode.SEND,
+                request_body_mode=BodySendMode.NONE,
+                response_body_mode=BodySendMode.STREAMED,
+                request_trailer_mode=HeaderSendMode.SKIP,
+                response_trailer_mode=HeaderSendMode.SKIP,
+            ),
+        ))))
+    http_filters.append(HttpFilter(name="envoy.filters.http.router", typed_config=ProtoAny.pack(Router())))
 
-    routes = [picked_route, unpicked_route] if s.extproc_enabled else [{
-        "name": "direct", "match": {"prefix": "/"},
-        "route": {"cluster": POOL_CLUSTER, "timeout": upstream_timeout},
-        "response_headers_to_add": served_header}]
+    routes = [picked_route, unpicked_route] if s.extproc_enabled else [Route(
+        name="direct", match=catch_all, route=RouteAction(cluster=POOL_CLUSTER, timeout=upstream_timeout),
+        response_headers_to_add=served_header)]
 
-    hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
-                 "HttpConnectionManager",
-        "stat_prefix": "gateway",
-        "codec_type": "AUTO",
-        "early_header_mutation_extensions": [{
-            "name": "envoy.http.early_header_mutation.header_mutation",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3."
-                         "HeaderMutation",
-                "mutations": [{"remove": h} for h in stripped],
-            },
-        }],
-        "route_config": {"name": "gateway", "virtual_hosts": [
-            {"name": "inference", "domains": ["*"], "routes": routes}]},
-        "http_filters": http_filters,
-        "local_reply_config": _local_reply_config(),
-    }
+    hcm = HttpConnectionManager(
+        stat_prefix="gateway",
+        codec_type=HttpConnectionManagerCodecType.AUTO,
+        early_header_mutation_extensions=[TypedExtensionConfig(
+            name="envoy.http.early_header_mutation.header_mutation",
+            typed_config=ProtoAny.pack(EarlyHeaderMutation(mutations=[HeaderMutation(remove=h) for h in stripped])))],
+        route_config=RouteConfiguration(name="gateway", virtual_hosts=[
+            VirtualHost(name="inference", domains=["*"], routes=routes)]),
+        http_filters=http_filters,
+        local_reply_config=_local_reply_config(),
+    )
 
-    clusters: list[dict[str, Any]] = []
+    clusters: list[Cluster] = []
     if s.extproc_enabled:
         sub = [_original_dst_cluster(f"{PICKED_CLUSTER}_{i}", h, s.connect_timeout_s)
                for i, h in enumerate(route_headers(s.num_fallbacks))]
-        clusters.append({
-            "name": PICKED_CLUSTER,
-            "connect_timeout": _duration(s.connect_timeout_s),
-            "lb_policy": "CLUSTER_PROVIDED",
-            "cluster_type": {"name": "envoy.clusters.composite", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.clusters.composite.v3.ClusterConfig",
-                "clusters": [{"name": c["name"]} for c in sub]}},
-            "circuit_breakers": _circuit_breakers(),
-        })
+        clusters.append(Cluster(
+            name=PICKED_CLUSTER,
+            connect_timeout=_duration(s.connect_timeout_s),
+            lb_policy=ClusterLbPolicy.CLUSTER_PROVIDED,
+            cluster_type=ClusterCustomClusterType(name="envoy.clusters.composite", typed_config=ProtoAny.pack(
+                CompositeClusterConfig(clusters=[ClusterConfigClusterEntry(name=c.name) for c in sub]))),
+            circuit_breakers=_circuit_breakers(),
+        ))
         clusters.extend(sub)
-        clusters.append({
-            "name": EXTPROC_CLUSTER,
-            # STRICT_DNS: accepts an IP, and also a compose service name for the ext_proc container.
-            "type": "STRICT_DNS",
-            "connect_timeout": "0.25s",
-            "typed_extension_protocol_options": _http2_options(),
-            # Every in-flight HTTP request holds one gRPC stream (two with the observing filter): Envoy's
-            # default of 1024 concurrent requests per cluster would fail requests open beyond that.
-            "circuit_breakers": _circuit_breakers(),
-            "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": _socket_address(s.extproc_address)}}]}]},
-        })
+        # Every in-flight HTTP request holds one gRPC stream (two with the observing filter): Envoy's default
+        # of 1024 concurrent requests per cluster would fail requests open beyond that (hence the breakers).
+        clusters.append(_strict_dns_cluster(
+            EXTPROC_CLUSTER, [s.extproc_address], 0.25,
+            typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": ProtoAny.pack(
+                HttpProtocolOptions(explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
+                    http2_protocol_options=Http2ProtocolOptions())))}))
     if s.endpoints and (s.failure_mode == "open" or not s.extproc_enabled):
-        clusters.append({
-            "name": POOL_CLUSTER,
-            # STRICT_DNS accepts IPs and also compose service names.
-            "type": "STRICT_DNS",
-            "lb_policy": "ROUND_ROBIN",
-            "connect_timeout": _duration(s.connect_timeout_s),
-            "circuit_breakers": _circuit_breakers(),
-            "load_assignment": {"cluster_name": POOL_CLUSTER, "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": _socket_address(e)}} for e in s.endpoints]}]},
-        })
+        clusters.append(_strict_dns_cluster(POOL_CLUSTER, s.endpoints, s.connect_timeout_s,
+                                            lb_policy=ClusterLbPolicy.ROUND_ROBIN))
 
-    return {
-        "admin": {"address": _socket_address(f"127.0.0.1:{s.admin_port}")},
-        "overload_manager": {"resource_monitors": [{
-            "name": "envoy.resource_monitors.global_downstream_max_connections",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
-                         "DownstreamConnectionsConfig",
-                "max_active_downstream_connections": s.max_downstream_connections}}]},
-        "static_resources": {
-            "listeners": [{
-                "name": "gateway",
-                "address": _socket_address(f"{s.listen_address}:{s.gateway_port}"),
+    return Bootstrap(
+        admin=Admin(address=_address(f"127.0.0.1:{s.admin_port}")),
+        overload_manager=OverloadManager(resource_monitors=[ResourceMonitor(
+            name="envoy.resource_monitors.global_downstream_max_connections",
+            typed_config=ProtoAny.pack(DownstreamConnectionsConfig(
+                max_active_downstream_connections=s.max_downstream_connections)))]),
+        static_resources=BootstrapStaticResources(
+            listeners=[Listener(
+                name="gateway",
+                address=_address(f"{s.listen_address}:{s.gateway_port}"),
                 # Also the request buffer limit of the BUFFERED ext_proc body: above it Envoy answers 413.
-                "per_connection_buffer_limit_bytes": s.max_request_body_bytes,
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
-            }],
-            "clusters": clusters,
-        },
-    }
+                per_connection_buffer_limit_bytes=s.max_request_body_bytes,
+                filter_chains=[FilterChain(filters=[Filter(
+                    name="envoy.filters.network.http_connection_manager", typed_config=ProtoAny.pack(hcm))])],
+            )],
+            clusters=clusters,
+        ),
+    )
 
 
 HEADER = """Envoy configuration of the prefixroute gateway. GENERATED: do not edit by hand.
@@ -406,15 +425,20 @@ this file equals the rendering. See extproc/envoy_config.py for the design:
 - a second ext_proc filter in observability mode (never waited on) streams the response to the picker
   for per-request telemetry: gateway TTFT, latency, token usage, served endpoint;
 - route `picked_endpoint` (only when that header is present) -> composite cluster: attempt k goes to
-  the ORIGINAL_DST sub-cluster keyed on the k-th header; retries only on connect failure / refused stream;
+  the ORIGINAL_DST sub-cluster keyed on the k-th header; retried only before any response byte;
 - ext_proc down: fail-open to round-robin over the configured endpoints (failure_mode=open),
   or an OpenAI-format 503 (failure_mode=closed);
 - bodies over the buffer limit get 413; Envoy's own error replies use the OpenAI JSON error format."""
 
 
 def render(s: EnvoySettings | None = None) -> str:
-    """The configuration as YAML text (deterministic)."""
-    return dump(build_config(s or EnvoySettings()), header=HEADER)
+    """The configuration as YAML text, `HEADER` as leading comment lines. Deterministic: keys in the order of
+    the messages' field declarations, never sorted; values in the proto3 JSON mapping (snake_case, default values
+    omitted, durations as "1.500s", 64-bit integers as strings)."""
+    data = build_config(s or EnvoySettings()).to_dict(casing=betterproto2.Casing.SNAKE)
+    # No line width: a folded scalar (an error-body template) would be valid YAML but unreadable.
+    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=sys.maxsize)
+    return "".join(f"# {line}".rstrip() + "\n" for line in HEADER.splitlines()) + body
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -2,29 +2,65 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import urllib.request
 from pathlib import Path
 
+import betterproto2
 import pytest
+from envoy_data_plane.envoy.config.bootstrap.v3 import Bootstrap
+from envoy_data_plane.envoy.config.cluster.v3 import Cluster, ClusterDiscoveryType, ClusterLbPolicy
+from envoy_data_plane.envoy.config.route.v3 import HeaderMatcher, Route
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ExternalProcessor
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeBodySendMode as BodySendMode
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeHeaderSendMode as HeaderSendMode
+from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (HttpConnectionManager,
+                                                                                          HttpFilter)
 
 from prefixroute.extproc.envoy_config import (DESTINATION_HEADER, MAX_FALLBACKS, OBSERVE_FILTER, PICKED_CLUSTER,
                                               POOL_CLUSTER, SERVED_HEADER, EnvoySettings, build_config,
                                               fallback_header, render, route_headers)
 from prefixroute.extproc.gateway import envoy_binary, settings_argv
 
+from helpers.procs import free_ports, start_process
+
 REPO = Path(__file__).resolve().parents[3]
 
+# Settings combinations the real Envoy must accept, and read back as built.
+COMBINATIONS = {
+    "default": {},
+    "fail-closed": {"failure_mode": "closed"},
+    "no-fallback": {"num_fallbacks": 0},
+    "four-fallbacks": {"num_fallbacks": 4, "report_served": False},
+    "no-report-served": {"report_served": False},
+    "no-extproc": {"extproc_enabled": False},
+    "fail-closed-no-extproc": {"failure_mode": "closed", "extproc_enabled": False},
+    "no-endpoints": {"endpoints": ()},
+    "no-observe": {"observe_responses": False},
+    "no-observe-no-report-served": {"observe_responses": False, "report_served": False},
+    "no-retry-on-reset-no-timeout": {"retry_on_reset": False, "upstream_timeout_s": 0.0, "connect_timeout_s": 0.25},
+}
 
-def _hcm(cfg: dict) -> dict:
-    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+def _hcm(cfg) -> HttpConnectionManager:
+    return cfg.static_resources.listeners[0].filter_chains[0].filters[0].typed_config.unpack()
 
 
-def _routes(cfg: dict) -> list[dict]:
-    return _hcm(cfg)["route_config"]["virtual_hosts"][0]["routes"]
+def _routes(cfg) -> list[Route]:
+    return _hcm(cfg).route_config.virtual_hosts[0].routes
 
 
-def _clusters(cfg: dict) -> dict[str, dict]:
-    return {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+def _filters(cfg) -> list[HttpFilter]:
+    return _hcm(cfg).http_filters
+
+
+def _ext_proc(f: HttpFilter) -> ExternalProcessor:
+    return f.typed_config.unpack()
+
+
+def _clusters(cfg) -> dict[str, Cluster]:
+    return {c.name: c for c in cfg.static_resources.clusters}
 
 
 def test_committed_envoy_yaml_is_the_default_rendering() -> None:
@@ -32,15 +68,13 @@ def test_committed_envoy_yaml_is_the_default_rendering() -> None:
         "envoy/envoy.yaml is stale: run `prefixroute envoy-config --out envoy/envoy.yaml`")
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"failure_mode": "closed"},
-    {"num_fallbacks": 0},
-    {"num_fallbacks": 4, "report_served": False},
-    {"extproc_enabled": False},
-    {"endpoints": ()},
-    {"observe_responses": False},
-], ids=["default", "fail-closed", "no-fallback", "four-fallbacks", "no-extproc", "no-endpoints", "no-observe"])
+def test_rendering_starts_with_the_header_comment_and_is_deterministic() -> None:
+    text = render(EnvoySettings(failure_mode="closed"))
+    assert text.startswith("# Envoy configuration of the prefixroute gateway. GENERATED")
+    assert text == render(EnvoySettings(failure_mode="closed"))
+
+
+@pytest.mark.parametrize("overrides", list(COMBINATIONS.values()), ids=list(COMBINATIONS))
 def test_real_envoy_accepts_the_rendering(tmp_path: Path, overrides: dict) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(render(EnvoySettings(**overrides)))
@@ -49,55 +83,81 @@ def test_real_envoy_accepts_the_rendering(tmp_path: Path, overrides: dict) -> No
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("name", ["default", "fail-closed", "four-fallbacks", "no-extproc",
+                                  "no-observe-no-report-served", "no-retry-on-reset-no-timeout"])
+def test_real_envoy_runs_exactly_the_built_bootstrap(tmp_path: Path, name: str) -> None:
+    # What proves the serialisation (PyYAML's quoting, Envoy's YAML typing, the proto3 JSON mapping) changes
+    # nothing: the running Envoy's own dump of its bootstrap, parsed back into the typed message, equals it.
+    admin_port, gateway_port = free_ports(2)
+    settings = EnvoySettings(**{**COMBINATIONS[name], "admin_port": admin_port, "gateway_port": gateway_port,
+                                "listen_address": "127.0.0.1"})
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render(settings))
+    admin = f"http://127.0.0.1:{admin_port}"
+    with start_process([envoy_binary(), "-c", str(path), "--disable-hot-restart", "--base-id", str(admin_port),
+                        "--concurrency", "1", "-l", "warning"], ready_url=f"{admin}/ready", log_dir=tmp_path,
+                       name="envoy"):
+        with urllib.request.urlopen(f"{admin}/config_dump", timeout=10) as r:  # noqa: S310 - loopback
+            dumps = json.load(r)["configs"]
+    running = Bootstrap.from_dict(next(d for d in dumps if d["@type"].endswith(".BootstrapConfigDump"))["bootstrap"])
+    built = build_config(settings)
+
+    def parts(b: Bootstrap) -> dict:
+        return {f: getattr(b, f).to_dict(casing=betterproto2.Casing.SNAKE)
+                for f in ("admin", "overload_manager", "static_resources")}
+
+    assert parts(running) == parts(built)
+
+
 @pytest.mark.parametrize("num_fallbacks", [0, 1, 2, 4])
 def test_each_attempt_has_an_original_dst_sub_cluster_on_its_own_header(num_fallbacks: int) -> None:
     cfg = build_config(EnvoySettings(num_fallbacks=num_fallbacks))
     clusters = _clusters(cfg)
-    subs = [e["name"] for e in clusters[PICKED_CLUSTER]["cluster_type"]["typed_config"]["clusters"]]
+    subs = [e.name for e in clusters[PICKED_CLUSTER].cluster_type.typed_config.unpack().clusters]
     assert len(subs) == 1 + num_fallbacks
-    headers = [clusters[n]["original_dst_lb_config"]["http_header_name"] for n in subs]
+    headers = [clusters[n].original_dst_lb_config.http_header_name for n in subs]
     assert headers == list(route_headers(num_fallbacks))
     assert headers[0] == DESTINATION_HEADER
     for n in subs:
-        assert clusters[n]["type"] == "ORIGINAL_DST" and clusters[n]["lb_policy"] == "CLUSTER_PROVIDED"
-    retry = _routes(cfg)[0]["route"]["retry_policy"]
-    assert retry["num_retries"] == num_fallbacks
-    assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset-before-request",
-                                                 "reset"}
+        assert clusters[n].type == ClusterDiscoveryType.ORIGINAL_DST
+        assert clusters[n].lb_policy == ClusterLbPolicy.CLUSTER_PROVIDED
+        assert clusters[n].original_dst_lb_config.use_http_header is True
+    retry = _routes(cfg)[0].route.retry_policy
+    assert retry.num_retries == num_fallbacks
+    assert set(retry.retry_on.split(",")) == {"connect-failure", "refused-stream", "reset-before-request", "reset"}
     strict = build_config(EnvoySettings(num_fallbacks=num_fallbacks, retry_on_reset=False))
     # Without retry_on_reset only failures before the endpoint saw the request are retried.
-    assert set(_routes(strict)[0]["route"]["retry_policy"]["retry_on"].split(",")) == {
+    assert set(_routes(strict)[0].route.retry_policy.retry_on.split(",")) == {
         "connect-failure", "refused-stream", "reset-before-request"}
 
 
 @pytest.mark.parametrize("failure_mode", ["open", "closed"])
 def test_client_cannot_choose_an_address(failure_mode: str) -> None:
     cfg = build_config(EnvoySettings(failure_mode=failure_mode, num_fallbacks=3))
-    removed = {m["remove"] for m in _hcm(cfg)["early_header_mutation_extensions"][0]["typed_config"]["mutations"]}
+    mutation = _hcm(cfg).early_header_mutation_extensions[0].typed_config.unpack()
+    removed = {m.remove for m in mutation.mutations}
     assert set(route_headers(MAX_FALLBACKS)) | {SERVED_HEADER} <= removed
     routes = _routes(cfg)
     # The ORIGINAL_DST route needs the picker's header; the other route never reaches an ORIGINAL_DST cluster.
-    assert routes[0]["match"]["headers"] == [{"name": DESTINATION_HEADER, "present_match": True}]
+    assert routes[0].match.headers == [HeaderMatcher(name=DESTINATION_HEADER, present_match=True)]
     clusters = _clusters(cfg)
     for r in routes[1:]:
-        target = r.get("route", {}).get("cluster")
-        assert target is None or clusters[target]["type"] != "ORIGINAL_DST"
+        assert r.route is None or clusters[r.route.cluster].type != ClusterDiscoveryType.ORIGINAL_DST
 
 
 def test_failure_mode_open_round_robins_over_configured_endpoints_and_closed_answers_503() -> None:
     eps = ("10.0.0.1:8000", "10.0.0.2:8000")
     open_cfg = build_config(EnvoySettings(failure_mode="open", endpoints=eps))
-    assert _routes(open_cfg)[1]["route"]["cluster"] == POOL_CLUSTER
+    assert _routes(open_cfg)[1].route.cluster == POOL_CLUSTER
     pool = _clusters(open_cfg)[POOL_CLUSTER]
-    addrs = [(e["endpoint"]["address"]["socket_address"]["address"],
-              e["endpoint"]["address"]["socket_address"]["port_value"])
-             for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert pool.lb_policy == ClusterLbPolicy.ROUND_ROBIN
+    addrs = [(e.endpoint.address.socket_address.address, e.endpoint.address.socket_address.port_value)
+             for e in pool.load_assignment.endpoints[0].lb_endpoints]
     assert addrs == [("10.0.0.1", 8000), ("10.0.0.2", 8000)]
-    ext = _hcm(open_cfg)["http_filters"][0]["typed_config"]
-    assert ext["failure_mode_allow"] is True
+    assert _ext_proc(_filters(open_cfg)[0]).failure_mode_allow is True
     closed_cfg = build_config(EnvoySettings(failure_mode="closed", endpoints=eps))
-    assert _routes(closed_cfg)[1]["direct_response"]["status"] == 503
-    assert _hcm(closed_cfg)["http_filters"][0]["typed_config"]["failure_mode_allow"] is False
+    assert _routes(closed_cfg)[1].direct_response.status == 503
+    assert _ext_proc(_filters(closed_cfg)[0]).failure_mode_allow is False
     assert POOL_CLUSTER not in _clusters(closed_cfg)
 
 
@@ -124,25 +184,31 @@ def test_settings_argv_reproduces_non_default_fields(settings: EnvoySettings, ar
     assert settings_argv(settings) == argv
 
 
-def _filters(cfg: dict) -> list[dict]:
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm["http_filters"]
+@pytest.mark.parametrize(("overrides", "served_on_routing_filter"), [
+    ({}, False), ({"observe_responses": False}, True), ({"observe_responses": False, "report_served": False}, False)])
+def test_routing_filter_blocks_on_response_headers_only_when_nothing_else_reports_the_served_endpoint(
+        overrides: dict, served_on_routing_filter: bool) -> None:
+    mode = _ext_proc(_filters(build_config(EnvoySettings(**overrides)))[0]).processing_mode
+    assert mode.response_header_mode == (HeaderSendMode.SEND if served_on_routing_filter else HeaderSendMode.SKIP)
+    assert (mode.request_header_mode, mode.request_body_mode, mode.response_body_mode) == (
+        HeaderSendMode.SEND, BodySendMode.BUFFERED, BodySendMode.NONE)
 
 
 @pytest.mark.parametrize(("overrides", "observed"), [
     ({}, True), ({"observe_responses": False}, False), ({"extproc_enabled": False}, False)])
 def test_observing_filter_follows_the_routing_filter_in_observability_mode(overrides: dict, observed: bool) -> None:
-    names = [f["name"] for f in _filters(build_config(EnvoySettings(**overrides)))]
+    filters = _filters(build_config(EnvoySettings(**overrides)))
+    names = [f.name for f in filters]
     assert (OBSERVE_FILTER in names) is observed
     if overrides.get("extproc_enabled", True):
         # The routing filter tells the service whether an observation will follow.
-        routing = _filters(build_config(EnvoySettings(**overrides)))[0]["typed_config"]["grpc_service"]
-        assert ("initial_metadata" in routing) is observed
+        assert bool(_ext_proc(filters[0]).grpc_service.initial_metadata) is observed
     if observed:
         # After the picker (so it sees the picker's traceparent), before the router.
         assert names.index("envoy.filters.http.ext_proc") < names.index(OBSERVE_FILTER) < len(names) - 1
-        obs = _filters(build_config(EnvoySettings(**overrides)))[names.index(OBSERVE_FILTER)]["typed_config"]
-        assert obs["observability_mode"] is True and obs["failure_mode_allow"] is True
-        mode = obs["processing_mode"]
-        assert (mode["request_header_mode"], mode["response_header_mode"], mode["response_body_mode"],
-                mode["request_body_mode"]) == ("SEND", "SEND", "STREAMED", "NONE")
+        obs = _ext_proc(filters[names.index(OBSERVE_FILTER)])
+        assert obs.observability_mode is True and obs.failure_mode_allow is True
+        mode = obs.processing_mode
+        assert (mode.request_header_mode, mode.response_header_mode, mode.response_body_mode,
+                mode.request_body_mode) == (HeaderSendMode.SEND, HeaderSendMode.SEND, BodySendMode.STREAMED,
+                                            BodySendMode.NONE)
