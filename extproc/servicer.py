@@ -139,20 +139,6 @@ def immediate_response(err: OpenAIError) -> Any:
         headers=wire.HeaderMutation(set_headers=headers), body=err.body(), details=f"prefixroute_{err.status}"))
 
 
-def _headers_dict(http_headers: Any) -> dict[str, str]:
-    out = {}
-    for h in http_headers.headers.headers:
-        out[h.key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return out
-
-
-def _find(headers: Any, name: str) -> str | None:
-    for h in headers:
-        if h.key == name:
-            return h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return None
-
-
 class _RoutingStream:
     """One routing stream's state; each handler answers one ProcessingRequest kind (module docstring)."""
 
@@ -170,7 +156,7 @@ class _RoutingStream:
 
     def request_headers(self, req: Any) -> Any:
         rh = req.request_headers
-        self.headers = headers = _headers_dict(rh)
+        self.headers = headers = wire.header_dict(rh.headers.headers)
         self.st, self.traceparent = self.tracker.begin(headers, self.grpc_metadata)
         if rh.end_of_stream:
             return self._decide(headers.get(":method", "GET"), headers.get(":path", "/"), b"", True)
@@ -186,7 +172,7 @@ class _RoutingStream:
         pick = self.pick
         if pick is not None:
             hs = req.response_headers.headers.headers
-            served = _find(hs, SERVED_HEADER)
+            served = wire.header_value(hs, SERVED_HEADER)
             if self.tracker.routing_response_headers(self.st, hs, served):
                 self.router.served(pick, served)
         return _CONTINUE_RESPONSE_HEADERS
@@ -203,11 +189,6 @@ class _RoutingStream:
             resp = with_traceparent(resp, at_headers, self.traceparent)
         self.tracker.decided(self.st, pick)
         return resp
-
-    def close(self) -> None:
-        if self.pick is not None:
-            self.router.release(self.pick)
-        self.tracker.routing_closed(self.st)
 
 
 _ROUTING_HANDLERS: dict[str | None, Callable[[_RoutingStream, Any], Any]] = {
@@ -272,7 +253,9 @@ class ExtProcServicer:
                     await write(handler(stream, req))
                 req = await read()
         finally:
-            stream.close()
+            if stream.pick is not None:
+                self.router.release(stream.pick)
+            self.tracker.routing_closed(stream.st)
 
     async def _observe(self, first: Any, read: Any, eof: Any) -> None:
         """An observing stream (observability mode): read everything, answer nothing."""

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from prefixroute.extproc.headers import OBSERVED_METADATA, TRACEPARENT_HEADER
+from prefixroute.extproc.wire import header_dict, header_value
 from prefixroute.telemetry.records import RequestRecord, tenant_hash
 from prefixroute.telemetry.tracecontext import child_context, parse_traceparent
 from prefixroute.telemetry.usage import StreamUsageTail, usage_from_body
@@ -115,12 +116,15 @@ class Tracker(Protocol):
     def obs_closed(self, st: Tracked) -> None: ...
 
 
+_NOTHING_BEGUN = (UNTRACKED, None)
+
+
 class NullTracker:
     """Telemetry off: no record, no traceparent; routing streams report the served endpoint themselves and
     observing streams end at once (nothing to observe)."""
 
     def begin(self, headers: Mapping[str, str], grpc_metadata: GrpcMetadata = tuple) -> tuple[Tracked, None]:
-        return UNTRACKED, None
+        return _NOTHING_BEGUN
 
     def decided(self, st: Tracked, pick: Any) -> None:
         pass
@@ -149,13 +153,6 @@ class NullTracker:
 
 
 NULL_TRACKER = NullTracker()
-
-
-def _header(headers: Any, name: str) -> str | None:
-    for h in headers:
-        if h.key == name:
-            return h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return None
 
 
 class RequestTracker:
@@ -234,7 +231,7 @@ class RequestTracker:
         """The routing stream's response headers (`served`: SERVED_HEADER's value). True when the servicer
         should report the served endpoint to the router: once per request, from whichever stream sees the
         response headers first."""
-        status = _header(headers, ":status")
+        status = header_value(headers, ":status")
         if status and not st.rec.status:
             st.rec.status = int(status)
         if served and st.served_addr is None:
@@ -282,7 +279,7 @@ class RequestTracker:
 
     def attach(self, request_headers: Any) -> Tracked | None:
         """The observing stream's request headers (after the routing filter's mutation)."""
-        tp = parse_traceparent(_header(request_headers, TRACEPARENT_HEADER))
+        tp = parse_traceparent(header_value(request_headers, TRACEPARENT_HEADER))
         if tp is None:
             return None
         st = self.pending.get(tp.span_id)
@@ -294,7 +291,7 @@ class RequestTracker:
     def attach_unrouted(self, request_headers: Any) -> Tracked:
         """An observing stream of a request the routing filter did not route (Envoy answered it, e.g. 413, or
         the routing service failed open): a record of its own, measured from this stream's start."""
-        hs = {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in request_headers}
+        hs = header_dict(request_headers)
         ctx = child_context(hs.get(TRACEPARENT_HEADER))
         rec = RequestRecord(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_span_id=ctx.parent_span_id,
                             start_time=time.time(), request_id=hs.get("x-request-id", ""),
@@ -310,13 +307,13 @@ class RequestTracker:
         report = None if st.served_reported else st.pick
         if report is not None:
             st.served_reported = True
-        status = _header(headers, ":status")
+        status = header_value(headers, ":status")
         if status:
             st.rec.status = int(status)
-        served = _header(headers, served_header)
+        served = header_value(headers, served_header)
         if served:
             st.served_addr = served
-        ctype = _header(headers, "content-type") or ""
+        ctype = header_value(headers, "content-type") or ""
         if ctype.startswith("text/event-stream"):
             st.tail = StreamUsageTail()
         else:

@@ -16,7 +16,7 @@ for `SERVICE_NAME`/`PROCESS_METHOD`, `process_call` is the client side (tests, t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,25 @@ _SERVICE = POOL.FindServiceByName(f"{_EXT_PROC}.ExternalProcessor")
 SERVICE_NAME: str = _SERVICE.full_name
 PROCESS_METHOD: str = _SERVICE.methods_by_name["Process"].name
 PROCESS_PATH = f"/{SERVICE_NAME}/{PROCESS_METHOD}"
+
+
+def header_value(headers: Iterable[Any], name: str) -> str | None:
+    """The value of the first HeaderValue called `name` in `headers` (None when absent). Envoy sends
+    `raw_value` (bytes, read as latin-1 like HTTP/1 octets); older senders `value`."""
+    for h in headers:
+        if h.key == name:
+            raw = h.raw_value
+            return raw.decode("latin-1") if raw else h.value
+    return None
+
+
+def header_dict(headers: Iterable[Any]) -> dict[str, str]:
+    """HeaderValues as a dict (values read as `header_value` does; the last of a repeated name wins)."""
+    out = {}
+    for h in headers:
+        raw = h.raw_value  # read once: each read of a upb field builds a new object
+        out[h.key] = raw.decode("latin-1") if raw else h.value
+    return out
 
 
 def add_to_server(server: grpc.aio.Server, process: Callable[..., Any]) -> None:

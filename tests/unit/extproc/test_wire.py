@@ -300,3 +300,11 @@ def _core_header_map():  # noqa: ANN202
 def test_a_source_checkout_without_a_build_fails_with_an_install_hint(tmp_path: Path):
     with pytest.raises(ImportError, match=r"Install the package \(`pip install \.`"):
         wire._load_pool(tmp_path / "wire.binpb")
+
+
+def test_header_values_read_raw_value_as_latin1_else_value():
+    headers = [wire.HeaderValue(key="a", raw_value="é".encode("latin-1")), wire.HeaderValue(key="b", value="old"),
+               wire.HeaderValue(key="a", raw_value=b"second")]
+    assert wire.header_dict(headers) == {"a": "second", "b": "old"}
+    assert (wire.header_value(headers, "a"), wire.header_value(headers, "b"), wire.header_value(headers, "c")) == (
+        "é", "old", None)
