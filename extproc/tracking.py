@@ -94,8 +94,8 @@ def _untracked() -> Tracked:
 
 
 UNTRACKED = _untracked()
-"""Shared state of requests without a record (`NullTracker`; a routing stream before its request headers).
-Only `RequestTracker.routing_closed` sees it, and returns at once; nothing writes to it."""
+"""Shared state of requests without a record: `NullTracker`'s, and a routing stream's before its request
+headers (RequestTracker then meets it only in `routing_closed`, which returns at once). Never written to."""
 
 GrpcMetadata = Callable[[], Iterable[tuple[str, Any]] | None]
 """A routing stream's gRPC initial metadata, read only when needed (``context.invocation_metadata``)."""
