@@ -3,7 +3,7 @@
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY common ./common
 COPY extproc ./extproc
 COPY model_servers ./model_servers
@@ -12,9 +12,7 @@ COPY dashboard ./dashboard
 COPY bench ./bench
 COPY stack ./stack
 COPY envoy ./envoy
-# xds-protos ships old OpenTelemetry protos that may overwrite opentelemetry-proto's: put those back.
-RUN pip install '.[dashboard]' \
- && pip install --force-reinstall --no-deps "opentelemetry-proto==$(python -c "import importlib.metadata as m; print(m.version('opentelemetry-proto'))")"
+RUN pip install '.[dashboard]'
 RUN useradd --create-home --uid 10001 prefixroute && mkdir -p /data && chown prefixroute /data
 USER prefixroute
 EXPOSE 8080 8501 4317 4320

@@ -1,8 +1,9 @@
 """The gateway: Envoy in front, our ext_proc endpoint picker beside it.
 
 Modules:
-- `servicer`: the gRPC `ExternalProcessor.Process` servicer (upb protobuf classes from xds-protos); a thin
-  translation to a `RouterService` (flow, processing modes and when in-flight is released: its docstring).
+- `servicer`: the gRPC `ExternalProcessor.Process` servicer; a thin translation to a `RouterService` (flow,
+  processing modes and when in-flight is released: its docstring).
+- `wire`: the ext_proc protobuf classes (upb), built from extproc/proto/ into a private descriptor pool.
 - `service`: `PoolRouter`, the RouterService over `routing.RouterCore` + `endpoints.EndpointPool`.
 - `server`, `cli`: the grpc.aio server and `prefixroute extproc`.
 - `envoy_config`: renders the Envoy bootstrap (`prefixroute envoy-config`; committed as `envoy/envoy.yaml`);

@@ -7,10 +7,10 @@ import dataclasses
 from typing import ClassVar
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from prefixroute.extproc.tracking import RequestTracker
+from prefixroute.extproc import wire
 from prefixroute.extproc.servicer import ExtProcServicer, RouterService
+from prefixroute.extproc.tracking import NULL_TRACKER, Tracker
 from prefixroute.settings import Settings, setting
 
 
@@ -30,9 +30,10 @@ class ExtprocSettings(Settings):
                            "grpc.aio; see overhead-bench).")
 
 
-async def start_server(router: RouterService, s: ExtprocSettings, tracker: RequestTracker | None = None
+async def start_server(router: RouterService, s: ExtprocSettings, tracker: Tracker = NULL_TRACKER
                        ) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the started server (call `stop(grace)` on it) and its port (port 0 = any)."""
+    """Start serving; returns the started server (call `stop(grace)` on it) and its port (port 0 = any).
+    Telemetry: a `RequestTracker`, or the default `NULL_TRACKER` for none."""
     server = grpc.aio.server(options=[
         # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
         ("grpc.max_concurrent_streams", 100000),
@@ -46,7 +47,7 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Reque
         ("grpc.http2.bdp_probe", 0),
         ("grpc.optimization_target", "latency"),
     ])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(router, tracker), server)
+    wire.add_to_server(server, ExtProcServicer(router, tracker).Process)
     bound = server.add_insecure_port(f"{s.listen_address}:{s.port}")
     if bound == 0:
         raise OSError(f"cannot listen on {s.listen_address}:{s.port}")

@@ -23,30 +23,29 @@ stream message flow (processing mode set in envoy_config.py):
 Hot path: responses are pre-built protobuf messages, cached per endpoint list (few distinct lists exist:
 at most N x (N-1) x ... for N endpoints); nothing is logged per request.
 
-Telemetry (optional `RequestTracker`, tracking.py): the routing stream starts each request's record and
-adds ``traceparent`` (the router's span) to the routing header mutation; a second stream, from Envoy's
-observing ext_proc filter (``observability_mode``: every message has ``observability_mode`` set, nothing
-is answered), reports response headers and body chunks for TTFT, latency and usage. Both streams are
-served by `Process`; the first message's ``observability_mode`` flag tells them apart.
+Telemetry (a `Tracker`, tracking.py: `RequestTracker`, or `NullTracker` when it is off): the routing
+stream starts each request's record and adds ``traceparent`` (the router's span) to the routing header
+mutation; a second stream, from Envoy's observing ext_proc filter (``observability_mode``: every message
+has ``observability_mode`` set, nothing is answered), reports response headers and body chunks for TTFT,
+latency and usage. Both streams are served by `Process`; the first message's ``observability_mode`` flag
+tells them apart. Each stream's messages are dispatched per kind (``WhichOneof("request")``) to a handler.
+
+Messages are prefixroute's own ext_proc classes (wire.py: upb protobuf, private descriptor pool).
 
 Async safety: all calls happen on the event loop thread; the RouterService needs no locks.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
-from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVED_METADATA,
-                                         SERVED_HEADER, TRACEPARENT_HEADER, fallback_header)
-from prefixroute.extproc.tracking import RequestTracker, Tracked
+from prefixroute.extproc import wire
+from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS, SERVED_HEADER,
+                                         TRACEPARENT_HEADER, fallback_header)
+from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
 
 
@@ -54,7 +53,7 @@ class Pick(Protocol):
     """A routing decision held until its HTTP request ends."""
 
     endpoints: tuple[str, ...]  # primary first, then fallbacks; never empty
-    # For telemetry (read only with a RequestTracker): the routing.types.Decision, the time spent deciding
+    # For telemetry (read only by a RequestTracker): the routing.types.Decision, the time spent deciding
     # (parse + schedule, microseconds) and the parsed routing.request.InferenceRequest.
     decision: Any
     decision_us: float
@@ -74,28 +73,28 @@ class RouterService(Protocol):
         """The request ended (success, error, reset); called exactly once per pick."""
 
 
-_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-_CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
-_CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-_CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+_CONTINUE_REQUEST_HEADERS = wire.ProcessingResponse(request_headers=wire.HeadersResponse())
+_CONTINUE_RESPONSE_HEADERS = wire.ProcessingResponse(response_headers=wire.HeadersResponse())
+_CONTINUE_REQUEST_BODY = wire.ProcessingResponse(request_body=wire.BodyResponse())
+_CONTINUE_REQUEST_TRAILERS = wire.ProcessingResponse(request_trailers=wire.TrailersResponse())
+_CONTINUE_RESPONSE_TRAILERS = wire.ProcessingResponse(response_trailers=wire.TrailersResponse())
+_CONTINUE_RESPONSE_BODY = wire.ProcessingResponse(response_body=wire.BodyResponse())
 
 _MAX_CACHED = 4096  # distinct endpoint lists kept pre-built; beyond it the cache is reset (cheap rebuild)
 
 
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+def _header(key: str, value: str) -> Any:
+    return wire.HeaderValueOption(header=wire.HeaderValue(key=key, raw_value=value.encode()),
+                                  append_action=wire.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
 class ResponseCache:
     """Pre-built routing responses, keyed by (endpoint list, phase). Phase: True = headers, False = body."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[tuple[str, ...], bool], pb.ProcessingResponse] = {}
+        self._cache: dict[tuple[tuple[str, ...], bool], Any] = {}
 
-    def routing_response(self, endpoints: tuple[str, ...], at_headers: bool) -> pb.ProcessingResponse:
+    def routing_response(self, endpoints: tuple[str, ...], at_headers: bool) -> Any:
         key = (endpoints, at_headers)
         resp = self._cache.get(key)
         if resp is None:
@@ -104,148 +103,166 @@ class ResponseCache:
             resp = self._cache[key] = self._build(endpoints, at_headers)
         return resp
 
-    def _build(self, endpoints: tuple[str, ...], at_headers: bool) -> pb.ProcessingResponse:
+    def _build(self, endpoints: tuple[str, ...], at_headers: bool) -> Any:
         primary = endpoints[0]
         headers = [_header(DESTINATION_HEADER, primary)]
         # Every fallback header is always set (padded with the last endpoint): an ORIGINAL_DST sub-cluster
         # without its header would connect to the listener's own address (Envoy itself).
         for k in range(1, MAX_FALLBACKS + 1):
             headers.append(_header(fallback_header(k), endpoints[min(k, len(endpoints) - 1)]))
-        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
-        md = struct_pb2.Struct()
+        common = wire.CommonResponse(header_mutation=wire.HeaderMutation(set_headers=headers), clear_route_cache=True)
+        md = wire.Struct()
         # GIE protocol: metadata envoy.lb / x-gateway-destination-endpoint with the same value as the header
         # (header and metadata must not disagree; the header holds one address because ORIGINAL_DST takes one).
         md.get_or_create_struct(LB_METADATA_NAMESPACE)[DESTINATION_HEADER] = primary
         if at_headers:
-            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)
+            return wire.ProcessingResponse(request_headers=wire.HeadersResponse(response=common), dynamic_metadata=md)
+        return wire.ProcessingResponse(request_body=wire.BodyResponse(response=common), dynamic_metadata=md)
 
 
-def with_traceparent(cached: pb.ProcessingResponse, at_headers: bool, traceparent: str) -> pb.ProcessingResponse:
+def with_traceparent(cached: Any, at_headers: bool, traceparent: str) -> Any:
     """A copy of a cached routing response that also sets ``traceparent`` (the router span) upstream."""
-    resp = pb.ProcessingResponse()
+    resp = wire.ProcessingResponse()
     resp.CopyFrom(cached)
     common = resp.request_headers.response if at_headers else resp.request_body.response
     common.header_mutation.set_headers.append(_header(TRACEPARENT_HEADER, traceparent))
     return resp
 
 
-def immediate_response(err: OpenAIError) -> pb.ProcessingResponse:
+def immediate_response(err: OpenAIError) -> Any:
     """An OpenAIError as an ext_proc ImmediateResponse (status, JSON body, content-type, retry-after)."""
     headers = [_header("content-type", "application/json")]
     if err.retry_after_s is not None:
         headers.append(_header("retry-after", str(err.retry_after_s)))
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=err.status),
-        headers=pb.HeaderMutation(set_headers=headers), body=err.body(), details=f"prefixroute_{err.status}"))
+    return wire.ProcessingResponse(immediate_response=wire.ImmediateResponse(
+        status=wire.HttpStatus(code=err.status),
+        headers=wire.HeaderMutation(set_headers=headers), body=err.body(), details=f"prefixroute_{err.status}"))
 
 
-def _headers_dict(http_headers: pb.HttpHeaders) -> dict[str, str]:
-    out = {}
-    for h in http_headers.headers.headers:
-        out[h.key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return out
+class _RoutingStream:
+    """One routing stream's state; each handler answers one ProcessingRequest kind (module docstring)."""
+
+    __slots__ = ("router", "tracker", "responses", "grpc_metadata", "headers", "pick", "st", "traceparent")
+
+    def __init__(self, servicer: ExtProcServicer, grpc_metadata: Callable[[], Any]) -> None:
+        self.router = servicer.router
+        self.tracker = servicer.tracker
+        self.responses = servicer.responses
+        self.grpc_metadata = grpc_metadata
+        self.headers: dict[str, str] = {}
+        self.pick: Pick | None = None
+        self.st: Tracked = UNTRACKED
+        self.traceparent: str | None = None
+
+    def request_headers(self, req: Any) -> Any:
+        rh = req.request_headers
+        self.headers = headers = wire.header_dict(rh.headers.headers)
+        self.st, self.traceparent = self.tracker.begin(headers, self.grpc_metadata)
+        if rh.end_of_stream:
+            return self._decide(headers.get(":method", "GET"), headers.get(":path", "/"), b"", True)
+        return _CONTINUE_REQUEST_HEADERS
+
+    def request_body(self, req: Any) -> Any:
+        if self.pick is not None:  # already decided (does not happen with BUFFERED)
+            return _CONTINUE_REQUEST_BODY
+        headers = self.headers
+        return self._decide(headers.get(":method", "POST"), headers.get(":path", "/"), req.request_body.body, False)
+
+    def response_headers(self, req: Any) -> Any:
+        pick = self.pick
+        if pick is not None:
+            hs = req.response_headers.headers.headers
+            served = wire.header_value(hs, SERVED_HEADER)
+            if self.tracker.routing_response_headers(self.st, hs, served):
+                self.router.served(pick, served)
+        return _CONTINUE_RESPONSE_HEADERS
+
+    def _decide(self, method: str, path: str, body: bytes, at_headers: bool) -> Any:
+        try:
+            pick = self.router.route(method, path, self.headers, body)
+        except OpenAIError as err:
+            self.tracker.refused(self.st, err.status, err.message)
+            return immediate_response(err)
+        self.pick = pick
+        resp = self.responses.routing_response(pick.endpoints, at_headers)
+        if self.traceparent is not None:
+            resp = with_traceparent(resp, at_headers, self.traceparent)
+        self.tracker.decided(self.st, pick)
+        return resp
 
 
-class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    """Envoy ext_proc `Process` stream -> RouterService calls. See module docstring for the flow."""
+_ROUTING_HANDLERS: dict[str | None, Callable[[_RoutingStream, Any], Any]] = {
+    "request_headers": _RoutingStream.request_headers,
+    "request_body": _RoutingStream.request_body,
+    "response_headers": _RoutingStream.response_headers,
+    "request_trailers": lambda stream, req: _CONTINUE_REQUEST_TRAILERS,
+    "response_trailers": lambda stream, req: _CONTINUE_RESPONSE_TRAILERS,
+    "response_body": lambda stream, req: _CONTINUE_RESPONSE_BODY,
+}
+"""Routing stream: message kind -> handler returning the answer. A kind not listed gets no answer."""
 
-    def __init__(self, router: RouterService, tracker: RequestTracker | None = None) -> None:
+
+def _observe_response_headers(servicer: ExtProcServicer, st: Tracked, req: Any) -> bool:
+    rh = req.response_headers
+    pick = servicer.tracker.obs_response_headers(st, rh.headers.headers, rh.end_of_stream, SERVED_HEADER)
+    if pick is not None:  # passive failure detection from here when the routing filter skips response headers
+        servicer.router.served(pick, st.served_addr)
+    return rh.end_of_stream
+
+
+def _observe_response_body(servicer: ExtProcServicer, st: Tracked, req: Any) -> bool:
+    rb = req.response_body
+    servicer.tracker.obs_body(st, rb.body, rb.end_of_stream)
+    return rb.end_of_stream
+
+
+_OBSERVING_HANDLERS: dict[str | None, Callable[[ExtProcServicer, Tracked, Any], bool]] = {
+    "response_headers": _observe_response_headers,
+    "response_body": _observe_response_body,
+}
+"""Observing stream: message kind -> handler, True once the response is complete. Nothing is answered."""
+
+
+class ExtProcServicer:
+    """Envoy ext_proc `Process` stream -> RouterService calls. See module docstring for the flow.
+    Serve it with `wire.add_to_server(server, servicer.Process)`."""
+
+    def __init__(self, router: RouterService, tracker: Tracker = NULL_TRACKER) -> None:
         self.router = router
         self.tracker = tracker
         self.responses = ResponseCache()
 
-    def _decide(self, method: str, path: str, headers: Mapping[str, str], body: bytes,
-                at_headers: bool, st: Tracked | None, traceparent: str | None
-                ) -> tuple[pb.ProcessingResponse, Pick | None]:
-        try:
-            pick = self.router.route(method, path, headers, body)
-        except OpenAIError as err:
-            if st is not None:
-                self.tracker.refused(st, err.status, err.message)  # type: ignore[union-attr]
-            return immediate_response(err), None
-        resp = self.responses.routing_response(pick.endpoints, at_headers)
-        if traceparent is not None:
-            resp = with_traceparent(resp, at_headers, traceparent)
-            if st is not None:
-                self.tracker.decided(st, pick)  # type: ignore[union-attr]
-        return resp, pick
-
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 - gRPC name
+    async def Process(self, request_iterator: AsyncIterator[Any],  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> None:
         # read()/write() instead of an async generator: fewer coroutine hops per message (measured faster).
-        pick: Pick | None = None
-        headers: dict[str, str] = {}
-        router = self.router
-        tracker = self.tracker
-        st: Tracked | None = None
-        traceparent: str | None = None
         read = context.read
         write = context.write
         eof = grpc.aio.EOF
+        req = await read()
+        if req is eof:
+            return
+        if req.observability_mode:
+            await self._observe(req, read, eof)
+            return
+        stream = _RoutingStream(self, context.invocation_metadata)
+        handlers = _ROUTING_HANDLERS
         try:
-            while True:
+            while req is not eof:
+                handler = handlers.get(req.WhichOneof("request"))
+                if handler is not None:
+                    await write(handler(stream, req))
                 req = await read()
-                if req is eof:
-                    return
-                which = req.WhichOneof("request")
-                if which == "request_body":
-                    if pick is not None:  # already decided (does not happen with BUFFERED)
-                        await write(_CONTINUE_REQUEST_BODY)
-                        continue
-                    resp, pick = self._decide(headers.get(":method", "POST"), headers.get(":path", "/"),
-                                              headers, req.request_body.body, False, st, traceparent)
-                    await write(resp)
-                elif which == "request_headers":
-                    if req.observability_mode:
-                        await self._observe(req, read, eof)
-                        return
-                    rh = req.request_headers
-                    headers = _headers_dict(rh)
-                    if tracker is not None:
-                        md = context.invocation_metadata() or ()
-                        st, traceparent = tracker.begin(headers, any(k == OBSERVED_METADATA for k, _ in md))
-                    if rh.end_of_stream:
-                        resp, pick = self._decide(headers.get(":method", "GET"), headers.get(":path", "/"),
-                                                  headers, b"", True, st, traceparent)
-                        await write(resp)
-                    else:
-                        await write(_CONTINUE_REQUEST_HEADERS)
-                elif which == "response_headers":
-                    if pick is not None:
-                        hs = req.response_headers.headers.headers
-                        served = None
-                        for h in hs:
-                            if h.key == SERVED_HEADER:
-                                served = h.raw_value.decode("latin-1") if h.raw_value else h.value
-                                break
-                        if st is None:
-                            router.served(pick, served)
-                        elif not st.served_reported:
-                            st.served_reported = True
-                            router.served(pick, served)
-                            tracker.routing_response_headers(  # type: ignore[union-attr]
-                                st, _find(hs, ":status"), served)
-                    await write(_CONTINUE_RESPONSE_HEADERS)
-                elif which == "request_trailers":
-                    await write(_CONTINUE_REQUEST_TRAILERS)
-                elif which == "response_trailers":
-                    await write(_CONTINUE_RESPONSE_TRAILERS)
-                elif which == "response_body":
-                    await write(_CONTINUE_RESPONSE_BODY)
         finally:
-            if pick is not None:
-                router.release(pick)
-            if st is not None:
-                tracker.routing_closed(st)  # type: ignore[union-attr]
+            if stream.pick is not None:
+                self.router.release(stream.pick)
+            self.tracker.routing_closed(stream.st)
 
-    async def _observe(self, first: pb.ProcessingRequest, read: Any, eof: Any) -> None:
+    async def _observe(self, first: Any, read: Any, eof: Any) -> None:
         """An observing stream (observability mode): read everything, answer nothing."""
-        tracker = self.tracker
-        if tracker is None:
-            return  # telemetry off in this service: nothing to measure
-        hs = first.request_headers.headers.headers
-        st = tracker.attach(hs) or tracker.attach_unrouted(hs)
+        st = self.tracker.observe(first.request_headers.headers.headers)
+        if st is None:
+            return  # telemetry off: nothing to measure
+        handlers = _OBSERVING_HANDLERS
         # Returning ends the RPC at once. Envoy would otherwise keep the stream open for deferred_close_timeout
         # after the HTTP stream ends, and streams held that long pile up against the cluster's limits.
         try:
@@ -253,29 +270,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 req = await read()
                 if req is eof:
                     return
-                which = req.WhichOneof("request")
-                if which == "response_body":
-                    rb = req.response_body
-                    tracker.obs_body(st, rb.body, rb.end_of_stream)  # type: ignore[union-attr]
-                    if rb.end_of_stream:
-                        return
-                elif which == "response_headers":
-                    rh = req.response_headers
-                    tracker.obs_response_headers(  # type: ignore[union-attr]
-                        st, rh.headers.headers, rh.end_of_stream, SERVED_HEADER)
-                    if st.pick is not None and not st.served_reported:
-                        # Passive failure detection from here when the routing filter skips response headers.
-                        st.served_reported = True
-                        self.router.served(st.pick, st.served_addr)
-                    if rh.end_of_stream:
-                        return
+                handler = handlers.get(req.WhichOneof("request"))
+                if handler is not None and handler(self, st, req):
+                    return
         finally:
-            if st is not None:
-                tracker.obs_closed(st)  # type: ignore[union-attr]
-
-
-def _find(headers: Any, name: str) -> str | None:
-    for h in headers:
-        if h.key == name:
-            return h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return None
+            self.tracker.obs_closed(st)

@@ -33,6 +33,9 @@ Emission, exactly once per record (`_emit` guards it), never blocking (recorder.
   it finishes, or after `obs_grace_s` with what was seen.
 When the served endpoint differs from the primary, the reason becomes ``failover``.
 
+The servicer calls a `Tracker`: this `RequestTracker`, or `NullTracker` when telemetry is off (its calls
+do nothing, so the servicer has no telemetry branches).
+
 Single event loop, not thread-safe (like the servicer).
 """
 
@@ -40,10 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 from prefixroute.extproc.headers import OBSERVED_METADATA, TRACEPARENT_HEADER
+from prefixroute.extproc.wire import header_dict, header_value
 from prefixroute.telemetry.records import RequestRecord, tenant_hash
 from prefixroute.telemetry.tracecontext import child_context, parse_traceparent
 from prefixroute.telemetry.usage import StreamUsageTail, usage_from_body
@@ -82,11 +86,73 @@ class Tracked:
         self.expect_obs = False  # Envoy announced an observing filter for this request (gRPC initial metadata)
 
 
-def _header(headers: Any, name: str) -> str | None:
-    for h in headers:
-        if h.key == name:
-            return h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return None
+def _untracked() -> Tracked:
+    """State for a request that has no record: every tracker call on it is a no-op (it counts as emitted)."""
+    st = Tracked(RequestRecord(trace_id="", span_id="", start_time=0.0), 0.0)
+    st.emitted = True
+    return st
+
+
+UNTRACKED = _untracked()
+"""Shared state of requests without a record: `NullTracker`'s, and a routing stream's before its request
+headers (RequestTracker then meets it only in `routing_closed`, which returns at once). Never written to."""
+
+GrpcMetadata = Callable[[], Iterable[tuple[str, Any]] | None]
+"""A routing stream's gRPC initial metadata, read only when needed (``context.invocation_metadata``)."""
+
+
+class Tracker(Protocol):
+    """What the servicer calls for telemetry: `RequestTracker` or `NullTracker` (docstrings: RequestTracker)."""
+
+    def begin(self, headers: Mapping[str, str], grpc_metadata: GrpcMetadata = tuple
+              ) -> tuple[Tracked, str | None]: ...
+    def decided(self, st: Tracked, pick: Any) -> None: ...
+    def refused(self, st: Tracked, status: int, message: str) -> None: ...
+    def routing_response_headers(self, st: Tracked, headers: Any, served: str | None) -> bool: ...
+    def routing_closed(self, st: Tracked) -> None: ...
+    def observe(self, request_headers: Any) -> Tracked | None: ...
+    def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> Any: ...
+    def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None: ...
+    def obs_closed(self, st: Tracked) -> None: ...
+
+
+_NOTHING_BEGUN = (UNTRACKED, None)
+
+
+class NullTracker:
+    """Telemetry off: no record, no traceparent; routing streams report the served endpoint themselves and
+    observing streams end at once (nothing to observe)."""
+
+    def begin(self, headers: Mapping[str, str], grpc_metadata: GrpcMetadata = tuple) -> tuple[Tracked, None]:
+        return _NOTHING_BEGUN
+
+    def decided(self, st: Tracked, pick: Any) -> None:
+        pass
+
+    def refused(self, st: Tracked, status: int, message: str) -> None:
+        pass
+
+    def routing_response_headers(self, st: Tracked, headers: Any, served: str | None) -> bool:
+        return True
+
+    def routing_closed(self, st: Tracked) -> None:
+        pass
+
+    def observe(self, request_headers: Any) -> None:
+        return None
+
+    # Never called: `observe` gives no state to call them with.
+    def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> None:
+        return None
+
+    def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None:
+        pass
+
+    def obs_closed(self, st: Tracked) -> None:
+        pass
+
+
+NULL_TRACKER = NullTracker()
 
 
 class RequestTracker:
@@ -110,21 +176,22 @@ class RequestTracker:
         self.num_untracked = 0
 
     # --- routing stream -------------------------------------------------------------------------------
-    def begin(self, headers: Mapping[str, str], expect_obs: bool = False) -> tuple[Tracked | None, str]:
+    def begin(self, headers: Mapping[str, str], grpc_metadata: GrpcMetadata = tuple) -> tuple[Tracked, str]:
         """At the routing stream's request headers: (state, traceparent value for the model server).
-        `expect_obs`: the Envoy config has the observing filter (it says so in the routing stream's gRPC
-        initial metadata, OBSERVED_METADATA), so a routed request's observation is worth waiting for."""
+        `grpc_metadata` holds OBSERVED_METADATA when the Envoy config has the observing filter, so a routed
+        request's observation is worth waiting for. Beyond MAX_PENDING records the state is untracked
+        (nothing is emitted for it) but the traceparent is still given."""
         t0 = time.perf_counter()
         ctx = child_context(headers.get(TRACEPARENT_HEADER))
         if len(self.pending) >= MAX_PENDING:
             self.num_untracked += 1
-            return None, ctx.traceparent
+            return _untracked(), ctx.traceparent
         path = headers.get(":path", "")
         rec = RequestRecord(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_span_id=ctx.parent_span_id,
                             start_time=time.time(), request_id=headers.get("x-request-id", ""),
                             path=path.split("?", 1)[0])
         st = Tracked(rec, t0)
-        st.expect_obs = expect_obs
+        st.expect_obs = any(k == OBSERVED_METADATA for k, _ in grpc_metadata() or ())
         cl = headers.get("content-length")
         if cl and cl.isdigit():
             st.content_length = int(cl)
@@ -160,13 +227,23 @@ class RequestTracker:
         rec.error = message
         rec.latency_ms = (time.perf_counter() - st.t0) * 1000.0
 
-    def routing_response_headers(self, st: Tracked, status: str | None, served: str | None) -> None:
+    def routing_response_headers(self, st: Tracked, headers: Any, served: str | None) -> bool:
+        """The routing stream's response headers (`served`: SERVED_HEADER's value). True when the servicer
+        should report the served endpoint to the router: once per request, from whichever stream sees the
+        response headers first."""
+        status = header_value(headers, ":status")
         if status and not st.rec.status:
             st.rec.status = int(status)
         if served and st.served_addr is None:
             st.served_addr = served
+        if st.served_reported:
+            return False
+        st.served_reported = True
+        return True
 
     def routing_closed(self, st: Tracked) -> None:
+        if st.emitted:  # untracked
+            return
         st.routing_done = True
         rec = st.rec
         if not st.decided and rec.status == 0 and rec.error is None and st.expect_obs:
@@ -196,9 +273,13 @@ class RequestTracker:
             st.timer = asyncio.get_running_loop().call_later(self.obs_grace_s, self._emit, st)
 
     # --- observing stream -----------------------------------------------------------------------------
+    def observe(self, request_headers: Any) -> Tracked:
+        """The observing stream's request headers: the routed request's state, or a record of its own."""
+        return self.attach(request_headers) or self.attach_unrouted(request_headers)
+
     def attach(self, request_headers: Any) -> Tracked | None:
         """The observing stream's request headers (after the routing filter's mutation)."""
-        tp = parse_traceparent(_header(request_headers, TRACEPARENT_HEADER))
+        tp = parse_traceparent(header_value(request_headers, TRACEPARENT_HEADER))
         if tp is None:
             return None
         st = self.pending.get(tp.span_id)
@@ -210,7 +291,7 @@ class RequestTracker:
     def attach_unrouted(self, request_headers: Any) -> Tracked:
         """An observing stream of a request the routing filter did not route (Envoy answered it, e.g. 413, or
         the routing service failed open): a record of its own, measured from this stream's start."""
-        hs = {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in request_headers}
+        hs = header_dict(request_headers)
         ctx = child_context(hs.get(TRACEPARENT_HEADER))
         rec = RequestRecord(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_span_id=ctx.parent_span_id,
                             start_time=time.time(), request_id=hs.get("x-request-id", ""),
@@ -219,20 +300,27 @@ class RequestTracker:
         st.routing_done = st.obs_attached = True
         return st
 
-    def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> None:
-        status = _header(headers, ":status")
+    def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> Any:
+        """The router's pick when the servicer should report `st.served_addr` to the router for it, else
+        None: the routing filter skips response headers when the observing filter is configured, so passive
+        failure detection relies on this stream."""
+        report = None if st.served_reported else st.pick
+        if report is not None:
+            st.served_reported = True
+        status = header_value(headers, ":status")
         if status:
             st.rec.status = int(status)
-        served = _header(headers, served_header)
+        served = header_value(headers, served_header)
         if served:
             st.served_addr = served
-        ctype = _header(headers, "content-type") or ""
+        ctype = header_value(headers, "content-type") or ""
         if ctype.startswith("text/event-stream"):
             st.tail = StreamUsageTail()
         else:
             st.body = []
         if end_of_stream:
             self._obs_finished(st, time.perf_counter())
+        return report
 
     def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None:
         now = time.perf_counter()

@@ -12,10 +12,8 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 import orjson
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from prefixroute.extproc import wire as pb
 from prefixroute.extproc.headers import DESTINATION_HEADER, MAX_FALLBACKS, SERVED_HEADER, fallback_header
 from prefixroute.extproc.server import ExtprocSettings, start_server
 from prefixroute.extproc.tracking import RequestTracker
@@ -54,21 +52,21 @@ class RecordingRouter:
         self.released.append(pick)
 
 
-def _headers(pairs: dict[str, str], end_of_stream: bool) -> pb.ProcessingRequest:
-    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
+def _headers(pairs: dict[str, str], end_of_stream: bool):  # noqa: ANN202 - wire classes are dynamic
+    hm = pb.HeaderMap(headers=[pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
     return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm, end_of_stream=end_of_stream))
 
 
-def _body(data: bytes) -> pb.ProcessingRequest:
+def _body(data: bytes):  # noqa: ANN202
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
 
 
-def _response_headers(pairs: dict[str, str]) -> pb.ProcessingRequest:
-    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
+def _response_headers(pairs: dict[str, str]):  # noqa: ANN202
+    hm = pb.HeaderMap(headers=[pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
     return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm, end_of_stream=False))
 
 
-def _set_headers(common: pb.CommonResponse) -> dict[str, str]:
+def _set_headers(common) -> dict[str, str]:  # noqa: ANN001
     return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
 
 
@@ -78,20 +76,19 @@ EPS = ("10.0.0.1:8000", "10.0.0.2:8000")
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[tuple[RecordingRouter, pb_grpc.ExternalProcessorStub]]:
+async def served() -> AsyncIterator[tuple[RecordingRouter, grpc.aio.StreamStreamMultiCallable]]:
     router = RecordingRouter(EPS)
     server, port = await start_server(router, ExtprocSettings(port=0, listen_address="127.0.0.1"))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield router, pb_grpc.ExternalProcessorStub(channel)
+        yield router, pb.process_call(channel)
     finally:
         await channel.close()
         await server.stop(None)
 
 
-async def _exchange(stub: pb_grpc.ExternalProcessorStub, msgs: list[pb.ProcessingRequest]
-                    ) -> list[pb.ProcessingResponse]:
-    call = stub.Process()
+async def _exchange(process: grpc.aio.StreamStreamMultiCallable, msgs: list) -> list:
+    call = process()
     out = []
     for m in msgs:
         await call.write(m)
@@ -109,9 +106,9 @@ async def _until(cond, timeout_s: float = 2.0) -> None:  # noqa: ANN001
 
 
 async def test_body_request_continues_at_headers_then_routes_on_the_body(served) -> None:  # noqa: ANN001
-    router, stub = served
+    router, process = served
     body = orjson.dumps({"model": "m", "messages": []})
-    r_headers, r_body, r_resp = await _exchange(stub, [
+    r_headers, r_body, r_resp = await _exchange(process, [
         _headers(POST, end_of_stream=False), _body(body), _response_headers({SERVED_HEADER: EPS[0]})])
     assert r_headers.WhichOneof("response") == "request_headers"
     assert not r_headers.request_headers.response.header_mutation.set_headers  # CONTINUE, no decision yet
@@ -130,16 +127,16 @@ async def test_body_request_continues_at_headers_then_routes_on_the_body(served)
 
 
 async def test_body_larger_than_grpc_default_message_limit_is_routed(served) -> None:  # noqa: ANN001
-    router, stub = served
+    router, process = served
     body = b'{"prompt": "' + b"x" * (6 * 1024 * 1024) + b'"}'  # over gRPC's default 4 MiB receive limit
-    _, r_body = await _exchange(stub, [_headers(POST, end_of_stream=False), _body(body)])
+    _, r_body = await _exchange(process, [_headers(POST, end_of_stream=False), _body(body)])
     assert r_body.WhichOneof("response") == "request_body"
     assert len(router.routed[0][3]) == len(body)
 
 
 async def test_request_without_body_is_decided_at_headers(served) -> None:  # noqa: ANN001
-    router, stub = served
-    (r,) = await _exchange(stub, [_headers(GET, end_of_stream=True)])
+    router, process = served
+    (r,) = await _exchange(process, [_headers(GET, end_of_stream=True)])
     assert r.WhichOneof("response") == "request_headers"
     assert _set_headers(r.request_headers.response)[DESTINATION_HEADER] == EPS[0]
     assert r.request_headers.response.clear_route_cache
@@ -150,8 +147,8 @@ async def test_request_without_body_is_decided_at_headers(served) -> None:  # no
 @pytest.mark.parametrize(("marker", "status", "retry_after"), [(b"refuse-503", 503, "2"), (b"refuse-400", 400, None)])
 async def test_refusal_becomes_an_immediate_openai_error(served, marker: bytes, status: int,  # noqa: ANN001
                                                          retry_after: str | None) -> None:
-    router, stub = served
-    _, r = await _exchange(stub, [_headers(POST, end_of_stream=False), _body(b'{"x":"' + marker + b'"}')])
+    router, process = served
+    _, r = await _exchange(process, [_headers(POST, end_of_stream=False), _body(b'{"x":"' + marker + b'"}')])
     assert r.WhichOneof("response") == "immediate_response"
     imm = r.immediate_response
     assert imm.status.code == status
@@ -164,8 +161,8 @@ async def test_refusal_becomes_an_immediate_openai_error(served, marker: bytes, 
 
 
 async def test_release_happens_once_when_envoy_resets_the_stream(served) -> None:  # noqa: ANN001
-    router, stub = served
-    call = stub.Process()
+    router, process = served
+    call = process()
     await call.write(_headers(POST, end_of_stream=False))
     await call.read()
     await call.write(_body(b"{}"))
@@ -198,18 +195,18 @@ async def test_routing_sets_traceparent_and_the_observing_stream_completes_the_r
     server, port = await start_server(router, ExtprocSettings(port=0, listen_address="127.0.0.1"), tracker)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        stub = pb_grpc.ExternalProcessorStub(channel)
-        routing = stub.Process()
+        process = pb.process_call(channel)
+        routing = process()
         await routing.write(_headers(POST, end_of_stream=False))
         await routing.read()
         await routing.write(_body(b'{"model": "m"}'))
         tp = _set_headers((await routing.read()).request_body.response)["traceparent"]
         assert parse_traceparent(tp) is not None
         # The observing stream (observability mode): Envoy sends, the service never answers.
-        obs = stub.Process()
-        hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="traceparent", raw_value=tp.encode())])
+        obs = process()
+        hm = pb.HeaderMap(headers=[pb.HeaderValue(key="traceparent", raw_value=tp.encode())])
         await obs.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm), observability_mode=True))
-        rh = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in {
+        rh = pb.HeaderMap(headers=[pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in {
             ":status": "200", "content-type": "text/event-stream", SERVED_HEADER: EPS[1]}.items()])
         await obs.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=rh), observability_mode=True))
         usage = b'data: {"usage": {"prompt_tokens": 9, "completion_tokens": 2}}\n\ndata: [DONE]\n\n'
@@ -224,6 +221,31 @@ async def test_routing_sets_traceparent_and_the_observing_stream_completes_the_r
         assert rec.span_id == parse_traceparent(tp).span_id
         assert (rec.status, rec.endpoint, rec.reason, rec.prompt_tokens) == (200, "b:2", "failover", 9)
         assert router.routed and len(router.released) == 1
+        # The routing filter saw no response headers: the observing stream reported the served endpoint.
+        assert router.served_calls == [EPS[1]]
     finally:
         await channel.close()
         await server.stop(None)
+
+
+async def test_without_telemetry_an_observing_stream_ends_at_once(served) -> None:  # noqa: ANN001
+    router, process = served
+    obs = process()
+    hm = pb.HeaderMap(headers=[pb.HeaderValue(key=":path", raw_value=b"/v1/models")])
+    await obs.write(pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm), observability_mode=True))
+    # Nothing to measure: the service ends the RPC without waiting for the client to finish writing.
+    assert await asyncio.wait_for(obs.read(), 2.0) is grpc.aio.EOF
+    assert await obs.code() == grpc.StatusCode.OK
+    assert router.routed == [] and router.served_calls == []
+
+
+async def test_trailers_and_response_body_are_answered_with_continue(served) -> None:  # noqa: ANN001
+    router, process = served
+    replies = await _exchange(process, [
+        _headers(GET, end_of_stream=True), pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x")),
+        pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+        pb.ProcessingRequest(response_trailers=pb.HttpTrailers())])
+    assert [r.WhichOneof("response") for r in replies] == [
+        "request_headers", "response_body", "request_trailers", "response_trailers"]
+    assert not replies[1].response_body.response.header_mutation.set_headers
+    await _until(lambda: len(router.released) == 1)

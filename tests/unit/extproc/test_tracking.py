@@ -6,9 +6,8 @@ import asyncio
 
 import orjson
 import pytest
-from envoy.config.core.v3 import base_pb2
-
-from prefixroute.extproc.headers import SERVED_HEADER
+from prefixroute.extproc import tracking, wire
+from prefixroute.extproc.headers import OBSERVED_METADATA, SERVED_HEADER
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.types import Decision
@@ -29,7 +28,7 @@ class Pick:
 
 
 def _hv(pairs: dict[str, str]) -> list:
-    return [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    return [wire.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
 
 
 @pytest.fixture
@@ -83,7 +82,7 @@ async def test_stream_record_is_emitted_once_when_both_streams_are_done(sink, ro
 async def test_non_stream_body_usage_and_failover_reason(sink) -> None:
     t, out, _ = sink
     st, _, obs = _start(t)
-    t.routing_response_headers(st, "200", "10.0.0.2:80")
+    assert t.routing_response_headers(st, _hv({":status": "200"}), "10.0.0.2:80")
     t.obs_response_headers(obs, _hv({":status": "200", "content-type": "application/json"}), False, SERVED_HEADER)
     body = orjson.dumps({"choices": [], "usage": USAGE})
     t.obs_body(obs, body[:10], False)
@@ -147,14 +146,14 @@ async def test_no_observing_stream_emits_at_routing_close_with_latency(sink) -> 
     t, out, _ = sink
     st, _ = t.begin({":path": "/v1/models"})
     t.decided(st, Pick())
-    t.routing_response_headers(st, "200", "10.0.0.1:80")
+    assert t.routing_response_headers(st, _hv({":status": "200"}), "10.0.0.1:80")
     t.routing_closed(st)
     assert len(out) == 1 and out[0].status == 200 and out[0].latency_ms is not None and out[0].ttft_ms is None
 
 
 async def test_late_observing_stream_is_awaited_when_envoy_announced_it(sink) -> None:
     t, out, _ = sink
-    st, tp = t.begin({":path": "/v1/chat/completions"}, expect_obs=True)
+    st, tp = t.begin({":path": "/v1/chat/completions"}, lambda: [(OBSERVED_METADATA, "1")])
     t.decided(st, Pick())
     t.routing_closed(st)  # under load the observing stream is read after the routing stream's close
     assert out == []
@@ -168,7 +167,7 @@ async def test_late_observing_stream_is_awaited_when_envoy_announced_it(sink) ->
 
 async def test_unrouted_request_is_recorded_once_by_the_observing_stream(sink) -> None:
     t, out, _ = sink
-    st, _ = t.begin({":path": "/v1/chat/completions", "content-length": "5000"}, expect_obs=True)
+    st, _ = t.begin({":path": "/v1/chat/completions", "content-length": "5000"}, lambda: [(OBSERVED_METADATA, "1")])
     t.routing_closed(st)  # Envoy answered before any decision: left to the observing stream
     assert out == [] and t.pending == {}
     client_tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
@@ -179,3 +178,30 @@ async def test_unrouted_request_is_recorded_once_by_the_observing_stream(sink) -
     t.obs_body(obs, b'{"error": {}}', True)
     assert [(r.status, r.reason, r.error, r.endpoint, r.trace_id) for r in out] == [
         (413, "unrouted", "HTTP 413 answered by Envoy", None, "ab" * 16)]
+
+
+async def test_served_endpoint_is_reported_once_by_whichever_stream_sees_it_first(sink) -> None:
+    t, _, _ = sink
+    st, _, obs = _start(t)
+    headers = _hv({":status": "200", "content-type": "application/json", SERVED_HEADER: "10.0.0.1:80"})
+    assert t.routing_response_headers(st, headers, "10.0.0.1:80")
+    assert t.obs_response_headers(obs, headers, False, SERVED_HEADER) is None
+    st2, _, obs2 = _start(t)
+    pick = st2.pick
+    # Headers-only response, routing stream already closed: the pick is still handed over for reporting.
+    t.routing_closed(st2)
+    assert t.obs_response_headers(obs2, headers, True, SERVED_HEADER) is pick
+    assert not t.routing_response_headers(st2, headers, "10.0.0.1:80")
+
+
+async def test_beyond_max_pending_requests_are_routed_untracked(sink, monkeypatch) -> None:  # noqa: ANN001
+    t, out, _ = sink
+    monkeypatch.setattr(tracking, "MAX_PENDING", 0)
+    st, tp = t.begin({":path": "/v1/models"})
+    assert parse_traceparent(tp) is not None and t.pending == {} and t.num_untracked == 1
+    t.decided(st, Pick())
+    assert t.routing_response_headers(st, _hv({":status": "200"}), "10.0.0.1:80")  # the router still hears it
+    t.routing_closed(st)
+    await asyncio.sleep(0.1)
+    assert out == []
+
