@@ -64,7 +64,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         metrics = f"http://{ms.server_address[0]}:{ms.server_address[1]}/metrics" if ms is not None else "off"
         print(f"{READY_PREFIX}{ext.listen_address}:{port} (policy {routing.policy}, "
               f"{healthy}/{len(pool.endpoints)} endpoints healthy{'' if all_up else ', still probing'}, "
-              f"metrics {metrics}, traces {'on' if telemetry.recorder.enabled else 'off'})", flush=True)
+              f"metrics {metrics}, traces {'on' if telemetry.recorder.enabled else 'off'}"
+              f"{': ' + telemetry.recorder.disabled_reason if telemetry.recorder.disabled_reason else ''})", flush=True)
         await stop.wait()
         await server.stop(grace=1.0)
     finally:

@@ -41,8 +41,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefixroute.telemetry import attributes as A
-from prefixroute.telemetry.otlp_encode import EncodedBatch, RecordSpanExporter, encode_request, encode_span
 from prefixroute.telemetry.records import RequestRecord
+
+try:
+    from prefixroute.telemetry.otlp_encode import EncodedBatch, RecordSpanExporter, encode_request, encode_span
+except ImportError as exc:
+    # The OTLP exporter's protobuf modules can be broken by another package of the environment (xds-protos,
+    # installed after opentelemetry-proto, overwrites its files). Routing must not depend on tracing: the
+    # recorder then starts disabled and says why (`disabled_reason`).
+    RecordSpanExporter = None  # type: ignore[assignment,misc]
+    OTLP_IMPORT_ERROR: str | None = f"the OTLP exporter cannot be imported: {exc}"
+else:
+    OTLP_IMPORT_ERROR = None
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +156,12 @@ class TelemetryRecorder:
         if enabled is None:
             enabled = (env.get("OTEL_SDK_DISABLED", "").strip().lower() not in _TRUE
                        and env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() != "none")
+        self.disabled_reason: str | None = None
+        if enabled and exporter is None and OTLP_IMPORT_ERROR is not None:
+            enabled = False
+            self.disabled_reason = OTLP_IMPORT_ERROR
+            log.error("traces are off: %s (reinstall opentelemetry-proto, or remove xds-protos from this "
+                      "environment)", OTLP_IMPORT_ERROR)
         self.enabled = enabled
         self.max_queue_size = max_queue_size or _env_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048)
         self.max_export_batch_size = min(max_export_batch_size or _env_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
@@ -207,7 +223,7 @@ class TelemetryRecorder:
         return batch
 
     def _export_batch(self, batch: Sequence[RequestRecord]) -> None:
-        if isinstance(self._exporter, RecordSpanExporter):
+        if RecordSpanExporter is not None and isinstance(self._exporter, RecordSpanExporter):
             # Several small gRPC requests rather than one big one: the protobuf parse/serialize of a
             # request runs in C holding the GIL, so its size bounds how long the event loop can wait.
             for i in range(0, len(batch), _FAST_EXPORT_CHUNK):

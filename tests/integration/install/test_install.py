@@ -204,3 +204,9 @@ def test_xds_protos_beside_prefixroute_in_either_install_order(dist: tuple[Path,
     r = subprocess.run([venv.python, "-c", "from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope"],
                        capture_output=True, text=True, timeout=60, env=_env())
     assert r.returncode != 0 and "InstrumentationScope" in r.stderr, r.stderr
+    # Even then the router starts and routes: tracing turns itself off and says why (telemetry/recorder.py).
+    after = tmp_path / "after"
+    status, served, endpoints = _chat_through_gateway(venv, after)
+    assert status == 200 and served in endpoints, (status, served, endpoints)
+    logs = "".join(f.read_text(errors="replace") for f in after.glob("*.log"))
+    assert "traces off: the OTLP exporter cannot be imported" in logs, logs[-3000:]
