@@ -69,6 +69,14 @@ def literal_address(endpoint: EndpointId) -> str | None:
     return format_address(str(ip), int(port))
 
 
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    """Until `event` is set or `timeout_s` passed. Not ``asyncio.wait_for``: on Python 3.11 it swallows a
+    cancellation that lands as the event is set, and `close()` then waits forever for the loop it cancelled."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+
+
 async def resolve_host(host: str, port: int) -> list[str]:
     """The default `Resolver`: the event loop's ``getaddrinfo`` (runs in its executor, never blocks the loop)."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -347,9 +355,7 @@ class EndpointPool:
                         f"; keeping {w.address}" if w.address else "; not routed to until it does")
             if ips:
                 self._set_address(w, [format_address(ip, w.port) for ip in ips])
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(w.resolve_wake.wait(),
-                                       st.resolve_interval_s if w.address else st.probe_interval_s)
+            await _wait(w.resolve_wake, st.resolve_interval_s if w.address else st.probe_interval_s)
 
     def _set_address(self, w: _Watch, addresses: Sequence[str]) -> None:
         if w.address in addresses:
@@ -392,8 +398,7 @@ class EndpointPool:
                     w.healthy = False
                     log.warning("endpoint %s is down after %d failed probes", w.endpoint, w.num_failures)
                     self._publish(w, structural=True)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(w.wake.wait(), st.probe_interval_s)
+            await _wait(w.wake, st.probe_interval_s)
 
     async def _models_loop(self, w: _Watch) -> None:
         st = self.settings
@@ -401,8 +406,7 @@ class EndpointPool:
             if w.healthy:
                 # Refresh periodically, or at once when the endpoint comes back up (it may have restarted
                 # with other adapters).
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(w.came_up.wait(), st.models_interval_s)
+                await _wait(w.came_up, st.models_interval_s)
             else:
                 await w.came_up.wait()
             w.came_up.clear()

@@ -35,7 +35,7 @@ async def _endpoint(host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunn
 
     app = web.Application()
     app.add_routes([web.get("/health", health), web.get("/v1/models", models), web.get("/metrics", metrics)])
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)  # a test server stops at once
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
