@@ -72,7 +72,8 @@ class PoolSettings(Settings):
 
     def __post_init__(self) -> None:
         for name in ("resolve_interval_s", "probe_interval_s", "probe_timeout_s", "scrape_interval_s",
-                     "scrape_timeout_s", "metrics_stale_after_s", "models_interval_s", "failure_probe_delay_s", "max_scrapes_per_s"):
+                     "scrape_timeout_s", "metrics_stale_after_s", "models_interval_s", "failure_probe_delay_s",
+                     "max_scrapes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
         if self.unhealthy_after_failures < 1:
