@@ -124,14 +124,36 @@ class SglangCacheAwareModel:
 
     def __init__(self, endpoint_ids: Sequence[str], *, block_chars: int = 16, cache_threshold: float = 0.3,
                  balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5) -> None:
-        from prefixroute.extproc.routing.prefix_index import PrefixIndex
-
         self.endpoint_ids = list(endpoint_ids)
         self.block_chars = block_chars
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self.trees = PrefixIndex(1 << 40)  # one chained-hash set per endpoint: the tree, as prefix paths
+        # Per endpoint, the chained block hashes of every text sent there: the tree, as its prefix paths. A set,
+        # not an LRU: nothing is evicted, and a text's hashes then go in as one C-level update.
+        self.trees: dict[str, set[int]] = {ep: set() for ep in self.endpoint_ids}
+
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """Per endpoint (fleet order), how many leading blocks of `hashes` its tree holds. The trees are closed
+        under prefixes (a chained hash names its whole prefix, recorded with it), so a binary search finds it."""
+        n = len(hashes)
+        out = []
+        for ep in self.endpoint_ids:
+            tree = self.trees[ep]
+            if not n or hashes[0] not in tree:
+                out.append(0)
+            elif hashes[-1] in tree:
+                out.append(n)
+            else:
+                lo, hi = 1, n - 1  # holds block lo-1; the answer is the largest count in [lo, hi]
+                while lo < hi:
+                    mid = (lo + hi + 1) >> 1
+                    if hashes[mid - 1] in tree:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                out.append(lo)
+        return out
 
     @staticmethod
     def request_text(body: bytes) -> str:
@@ -149,15 +171,14 @@ class SglangCacheAwareModel:
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
             i = in_flight.index(lo)
         else:
-            matches = self.trees.match(hashes) if hashes else {}
-            best = max(matches.values(), default=0)
+            matches = self.match(hashes)
+            best = max(matches)
             if text and best * self.block_chars / len(text) > self.cache_threshold:
-                i = next(j for j, ep in enumerate(self.endpoint_ids) if matches.get(ep) == best)
+                i = matches.index(best)
             else:
-                sizes = [self.trees.num_entries(ep) for ep in self.endpoint_ids]
+                sizes = [len(self.trees[ep]) for ep in self.endpoint_ids]
                 i = sizes.index(min(sizes))
-        if hashes:
-            self.trees.record(hashes, self.endpoint_ids[i])
+        self.trees[self.endpoint_ids[i]].update(hashes)
         return i
 
 

@@ -174,7 +174,7 @@ def _sglang(sent: dict[int, list[str]]) -> virtual.SglangCacheAwareModel:
     m = virtual.SglangCacheAwareModel(["a:1", "b:1", "c:1"], block_chars=4)
     for i, texts in sent.items():
         for t in texts:
-            m.trees.record(_hashes(t), m.endpoint_ids[i])
+            m.trees[m.endpoint_ids[i]].update(_hashes(t))
     return m
 
 
@@ -196,7 +196,7 @@ def _hashes(text: str):
 def test_sglang_model_follows_its_three_rules(sent, text, in_flight, expected):
     m = _sglang(sent)
     assert m.choose(text, in_flight) == expected
-    assert m.trees.match(_hashes(text)).get(m.endpoint_ids[expected], 0) == len(_hashes(text))  # text recorded
+    assert m.match(_hashes(text))[expected] == len(_hashes(text))  # text recorded
 
 
 def test_sglang_model_runs_by_name_in_a_virtual_bench():
