@@ -3,8 +3,7 @@
 Modules:
 - `servicer`: the gRPC `ExternalProcessor.Process` servicer (upb protobuf classes from xds-protos); a thin
   translation to a `RouterService` (flow, processing modes and when in-flight is released: its docstring).
-- `service`: `PoolRouter`, the RouterService over `routing.RouterCore` + an `endpoints.Pool` (the live
-  `EndpointPool`, or the benchmarks' virtual-time `SimulatedPool`).
+- `service`: `PoolRouter`, the RouterService over `routing.RouterCore` + `endpoints.EndpointPool`.
 - `server`, `cli`: the grpc.aio server and `prefixroute extproc`.
 - `envoy_config`: renders the Envoy bootstrap (`prefixroute envoy-config`; committed as `envoy/envoy.yaml`);
   failover (composite cluster of ORIGINAL_DST sub-clusters), spoof protection and the ext_proc-down
