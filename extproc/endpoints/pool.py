@@ -116,8 +116,9 @@ class _Watch:
         self.resolved = asyncio.Event()  # set once an address is known
         self.resolve_wake = asyncio.Event()  # set to look the name up now (after a passive failure)
         self.num_lookup_failures = 0
-        self.base_url = f"http://{self.address}"
+        self.base_url = ""  # http://ADDRESS once the address is known (probes wait for it)
         if self.address is not None:
+            self.base_url = f"http://{self.address}"
             self.resolved.set()
         self.healthy = False
         self.num_failures = 0
@@ -367,9 +368,8 @@ class EndpointPool:
             w.resolved.set()
         else:
             log.warning("endpoint %s moved from %s to %s", w.endpoint, old, w.address)
-        if w.healthy:
-            w.healthy = False  # not routed to until the new address answers a probe
-            w.wake.set()
+        w.healthy = False  # not routed to until the new address answers a probe: probe it now
+        w.wake.set()
         self._publish(w, structural=True)
 
     async def _probe_loop(self, w: _Watch) -> None:
