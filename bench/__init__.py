@@ -11,7 +11,8 @@ Modules (pure logic separate from I/O):
 - `report`: report.md and the PNG plots.
 - `processes`, `runner`: fresh model servers + one router per run (our gateway per policy, sglang-router,
   vllm-router), same request sequence for every router.
-- `virtual`: our routing core against the model servers' virtual-time fleet (`--virtual`).
+- `virtual`, `sim_pool`: the live router service (`PoolRouter` over a `SimulatedPool`) against the model
+  servers' virtual-time fleet (`--virtual`).
 - `cli`: ``prefixroute bench``.
 
 Reproduce the README tables (real processes; ~1 min per router for the first, ~4 min per router for the

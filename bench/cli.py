@@ -80,6 +80,11 @@ def main(args: argparse.Namespace) -> int:
             parse_router(r)
         if s.servers < 1:
             raise ValueError("--servers must be >= 1")
+        if s.virtual:
+            from prefixroute.bench import virtual
+
+            # The model server's own settings parser: an unknown or unsimulated flag is an error here.
+            spec = virtual.engine_spec(s.profile, s.server_args)
         wl = build_workload(s)
     except (ValueError, OSError) as exc:
         _log(f"prefixroute bench: error: {exc}")
@@ -91,15 +96,9 @@ def main(args: argparse.Namespace) -> int:
     out = Path(s.out)
     command = "prefixroute bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     if s.virtual:
-        from prefixroute.bench import virtual
-
-        try:
-            doc, ttfts = virtual.run_virtual(wl, bound.hit_ratio, s.routers, num_servers=s.servers,
-                                             profile=s.profile, seed=s.seed, concurrency=s.concurrency,
-                                             server_args=s.server_args, log=_log)
-        except virtual.VirtualFleetUnavailable as exc:
-            _log(f"prefixroute bench: --virtual is not available: {exc}")
-            return 1
+        doc, ttfts = virtual.run_virtual(wl, bound.hit_ratio, s.routers, num_servers=s.servers, spec=spec,
+                                         seed=s.seed, concurrency=s.concurrency, server_args=s.server_args,
+                                         log=_log)
     else:
         from prefixroute.bench.runner import FleetConfig, run_bench
 

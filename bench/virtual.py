@@ -1,102 +1,106 @@
-"""`prefixroute bench --virtual`: our policies' scheduling code against a virtual-time fleet.
+"""`prefixroute bench --virtual`: the live router on a virtual-time fleet of simulated servers.
 
-The live router's pure parts (`parse_request` + `RouterCore`: the same Scheduler, scorers and prefix index
-as the ext_proc service) route each request at its arrival time; the model servers' `VirtualFleet` (same
-engine core, KV cache and cost model as the HTTP servers) serves it on a simulated clock. 8-256 servers
-and whole traces run in seconds to minutes of CPU, with the same results.json as a real run.
+One code path with the live gateway, minus the network:
+- the router is the ext_proc service's own `PoolRouter` (`parse_request` + `RouterCore` + in-flight
+  accounting), over `SimulatedPool` (the live pool's interface over the fleet, bench/sim_pool.py), with one
+  `RoutingSettings` (policy, and --seed as the routing seed, as the real bench gives the gateway) and the
+  default `PoolSettings`, both read with their ``PREFIXROUTE_*`` environment variables as the gateway reads
+  them. It sees what a live router sees: load figures scraped every scrape interval (up to one interval old),
+  its own in-flight counts (acquired at the pick, released when the response ends, where the gateway
+  releases), the request headers a live client sends;
+- every request is the body a live client sends (`RequestSpec.body`, `CLIENT_HEADERS`): the router parses
+  those bytes, and the simulated server builds its engine request from the same bytes with the HTTP server's
+  parser (`SimRequest.from_body`), so tokenization, chat template, model/LoRA, ``cache_salt``, the
+  ``max_tokens`` default and 400s (prompt over the context window) are the server's;
+- the servers are `VirtualFleet` engines built from the `EngineSpec` of ``prefixroute model-server --profile
+  P <--server-args>`` (`engine_spec`: the server's own settings parser), on a simulated clock. 8-256 servers
+  and whole traces run in seconds to minutes of CPU, with the same results.json as a real run.
 
-What the router sees: a fresh `EndpointState` snapshot per request (a perfect, zero-delay scraper) and
-in-flight counts equal to each server's running + waiting requests (the router's own count, exact here
-because nothing is lost). The live gateway's scrape interval and staleness are therefore not modelled.
-Each request is released (`RouterCore.on_release`, router built with ``track_prefill=True``) when it
-finishes, where the gateway releases its in-flight count, so the prefix policy's outstanding-prefill
-estimate (cold placement) is in use here; the live gateway uses it once it makes the same call.
+Not modelled: network and router latency (a decision takes no virtual time), failures (simulated servers
+never fail, so no failover), health probes (every server is up from the start, as after a live pool's
+`wait_ready`).
 
 Arrivals, as the live client (`bench/client.py`) sends them:
 - open loop (trace or Poisson times): a request arrives at its time, but never before its ``after_index``
   request (the previous turn of its session) has finished: it is then sent the moment that turn ends;
 - closed loop (no times): ``concurrency`` clients each take the next request in index order, wait for its
   ``after_index`` request if that is still running, send it, and take the next one when it finishes.
-Both use the fleet's ``on_finish`` callback; a request refused before the fleet (router 4xx, prompt over the
-context window) counts as finished at once for its dependents.
+Both use the fleet's ``on_finish`` callback; a refused request (router or server 4xx) finishes at once.
 
 Limits (reported in results.json ``extra``):
 - ITL is each request's mean inter-token time ((finish - first token) / (tokens - 1)), one sample per
   generated token, because the fleet reports no per-token times;
 - peer routers (sglang-router, vllm-router) are separate programs and are skipped; ``sim:sglang-cache-aware``
-  runs `SglangCacheAwareModel`, our model of sglang-router's cache_aware policy, so a comparison takes seconds.
+  runs `SglangCacheAwareModel`, our model of sglang-router's cache_aware policy, on the same requests, so a
+  comparison takes seconds.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
 
+from prefixroute import settings as settings_mod
 from prefixroute.bench import results as bench_results
 from prefixroute.bench.client import RequestResult
 from prefixroute.bench.runner import RouterSpec, parse_router
-from prefixroute.bench.workloads import Workload
+from prefixroute.bench.sim_pool import SimulatedPool
+from prefixroute.bench.workloads import RequestSpec, Workload
+from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.service import PoolRouter
+from prefixroute.model_servers.profiles import EngineSpec
+from prefixroute.model_servers.server import ServerSettings
+from prefixroute.model_servers.virtual import SimRequest, SimResult, VirtualFleet
+
+CLIENT_HEADERS: Mapping[str, str] = {"content-type": "application/json"}
+"""The headers the live bench client sends with every request (lower case, as Envoy hands them to ext_proc)."""
+
+UNSIMULATED_SERVER_SETTINGS = ("fail_ratio", "extra_latency_ms", "refuse_connections", "max_body_bytes")
+"""Model-server behaviours the virtual fleet does not reproduce: --server-args may not change them. (The
+other non-engine flags, such as --port or --log-level, have no effect on a simulated run.)"""
 
 
-class VirtualFleetUnavailable(RuntimeError):
-    """The virtual fleet or the routing core cannot be imported, or the workload cannot be simulated."""
+class _ArgsError(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
 
 
-def _imports() -> tuple[Any, ...]:
+def engine_spec(profile: str = "", server_args: Sequence[str] = ()) -> EngineSpec:
+    """The spec of ``prefixroute model-server [--profile PROFILE] SERVER_ARGS`` (as the real bench starts its
+    servers), parsed with the model server's own settings parser and environment variables. ValueError, with
+    the flag named, for an unknown flag, a bad value or a behaviour the fleet does not simulate."""
+    parser = _ArgsError(prog="prefixroute model-server", add_help=False)
+    settings_mod.add_arguments(parser, ServerSettings)
+    args = [*(("--profile", profile) if profile else ()), *server_args]
     try:
-        from prefixroute.model_servers.virtual import SimRequest, VirtualFleet
-        from prefixroute.extproc.routing.request import parse_request
-        from prefixroute.extproc.routing.router import RouterCore
-        from prefixroute.extproc.routing.settings import RoutingSettings
-    except ImportError as exc:  # pragma: no cover - only when a component is missing
-        raise VirtualFleetUnavailable(f"cannot import the virtual fleet or routing core: {exc}") from exc
-    return SimRequest, VirtualFleet, parse_request, RouterCore, RoutingSettings
+        ns, unknown = parser.parse_known_args(args)
+        if unknown:
+            raise ValueError(f"unknown model-server flag(s): {' '.join(unknown)}")
+        s = settings_mod.from_namespace(ServerSettings, ns)
+        defaults = ServerSettings()
+        for name in UNSIMULATED_SERVER_SETTINGS:
+            if getattr(s, name) != getattr(defaults, name):
+                raise ValueError(f"--{name.replace('_', '-')} is not simulated by --virtual (run without "
+                                 f"--virtual to use it)")
+        return EngineSpec.from_settings(s)
+    except ValueError as exc:
+        raise ValueError(f"--server-args {' '.join(server_args)!r}: {exc}") from None
 
 
-def _fleet_kwargs(server_args: Sequence[str]) -> dict[str, Any]:
-    """Map the model-server flags that the virtual fleet also takes (``--time-scale=X`` or ``--time-scale X``)."""
-    known = {"--time-scale": ("time_scale", float), "--num-gpu-blocks": ("num_gpu_blocks", int),
-             "--max-num-seqs": ("max_num_seqs", int), "--max-num-batched-tokens": ("max_num_batched_tokens", int),
-             "--block-size": ("block_size", int)}
-    out: dict[str, Any] = {}
-    args = list(server_args)
-    i = 0
-    while i < len(args):
-        flag, _, val = args[i].partition("=")
-        if flag in known and not val and i + 1 < len(args):
-            i += 1
-            val = args[i]
-        if flag in known:
-            name, tp = known[flag]
-            out[name] = tp(val)
-        i += 1
-    return out
-
-
-def build_sim_requests(workload: Workload, model: str, routing_settings: Any) -> list[Any]:
-    """`SimRequest`s in arrival order (index order under closed loop), each carrying its parsed router request (`meta`). Independent of the
-    policy, so one list serves every policy of a run (rendering + tokenizing is the expensive part).
-    A request the router refuses (e.g. 413 body too large) keeps ``meta`` = the `OpenAIError`."""
-    SimRequest, _, parse_request, _, _ = _imports()
-    from prefixroute.openai_errors import OpenAIError
-
-    sims = []
-    for spec in sorted(workload.requests, key=lambda r: (r.arrival_s or 0.0, r.index)):
-        try:
-            parsed = parse_request("POST", spec.path, {}, orjson.dumps(spec.body(model)), routing_settings)
-        except OpenAIError as exc:
-            parsed = exc
-        if spec.messages is not None:
-            sim = SimRequest.from_messages(str(spec.index), spec.arrival_s or 0.0, [dict(m) for m in spec.messages],
-                                           spec.max_tokens, meta=parsed)
-        else:
-            sim = SimRequest.from_text(str(spec.index), spec.arrival_s or 0.0, spec.prompt or "", spec.max_tokens,
-                                       meta=parsed)
-        sims.append(sim)
-    return sims
+def build_sim_requests(workload: Workload, spec: EngineSpec) -> list[SimRequest]:
+    """The workload's requests as the live client sends them (body bytes, headers), parsed by the server side
+    of `spec`; in arrival order (index order under closed loop). Independent of the router, so one list serves
+    every router of a run (tokenizing is the expensive part)."""
+    return [SimRequest.from_body(str(r.index), r.arrival_s or 0.0, r.path,
+                                 orjson.dumps(r.body(spec.served_model_name)), spec, CLIENT_HEADERS)
+            for r in sorted(workload.requests, key=lambda r: (r.arrival_s or 0.0, r.index))]
 
 
 class SglangCacheAwareModel:
@@ -105,34 +109,59 @@ class SglangCacheAwareModel:
 
     - each endpoint has a tree of the request texts sent to it (characters; here approximated by chained
       hashes of `block_chars`-character blocks, so matches are counted in whole blocks);
-    - load = requests in flight on the endpoint; if ``max - min > balance_abs_threshold`` (64) and
-      ``max > balance_rel_threshold x min`` (1.5), the least-loaded endpoint is chosen;
+    - load = requests in flight on the endpoint (the router's own count); if ``max - min >
+      balance_abs_threshold`` (64) and ``max > balance_rel_threshold x min`` (1.5), the least-loaded endpoint is
+      chosen;
     - else, if the longest prefix match / text length > ``cache_threshold`` (0.3), the endpoint with the
       longest match; else the endpoint with the smallest tree (fewest characters stored);
     - the chosen endpoint's tree then gets the text. Ties go to the first endpoint in fleet order (the
       behaviour field notes section 5 reports at zero load). Trees are not evicted (theirs evict by size
       well beyond these runs' text volume).
 
-    Text routed on: the completion prompt, or the chat messages' contents joined by newlines (an
-    assumption about their text extraction).
+    Text routed on (from the request body): the completion prompt, or the chat messages' contents joined by
+    newlines (an assumption about their text extraction).
     """
 
     def __init__(self, endpoint_ids: Sequence[str], *, block_chars: int = 16, cache_threshold: float = 0.3,
                  balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5) -> None:
-        from prefixroute.extproc.routing.prefix_index import PrefixIndex
-
         self.endpoint_ids = list(endpoint_ids)
         self.block_chars = block_chars
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self.trees = PrefixIndex(1 << 40)  # one chained-hash set per endpoint: the tree, as prefix paths
+        # Per endpoint, the chained block hashes of every text sent there: the tree, as its prefix paths. A set,
+        # not an LRU: nothing is evicted, and a text's hashes then go in as one C-level update.
+        self.trees: dict[str, set[int]] = {ep: set() for ep in self.endpoint_ids}
+
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """Per endpoint (fleet order), how many leading blocks of `hashes` its tree holds. The trees are closed
+        under prefixes (a chained hash names its whole prefix, recorded with it), so a binary search finds it."""
+        n = len(hashes)
+        out = []
+        for ep in self.endpoint_ids:
+            tree = self.trees[ep]
+            if not n or hashes[0] not in tree:
+                out.append(0)
+            elif hashes[-1] in tree:
+                out.append(n)
+            else:
+                lo, hi = 1, n - 1  # holds block lo-1; the answer is the largest count in [lo, hi]
+                while lo < hi:
+                    mid = (lo + hi + 1) >> 1
+                    if hashes[mid - 1] in tree:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                out.append(lo)
+        return out
 
     @staticmethod
-    def request_text(req: Any) -> str:
-        if req.text is not None:
-            return req.text
-        return "\n".join(str(m.get("content", "")) for m in req.messages or ())
+    def request_text(body: bytes) -> str:
+        data = orjson.loads(body)
+        prompt = data.get("prompt")
+        if isinstance(prompt, str):
+            return prompt
+        return "\n".join(str(m.get("content", "")) for m in data.get("messages") or ())
 
     def choose(self, text: str, in_flight: Sequence[int]) -> int:
         from prefixroute.extproc.routing.hashing import hash_blocks, seed_for
@@ -142,20 +171,15 @@ class SglangCacheAwareModel:
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
             i = in_flight.index(lo)
         else:
-            matches = self.trees.match(hashes) if hashes else {}
-            best = max(matches.values(), default=0)
+            matches = self.match(hashes)
+            best = max(matches)
             if text and best * self.block_chars / len(text) > self.cache_threshold:
-                i = next(j for j, ep in enumerate(self.endpoint_ids) if matches.get(ep) == best)
+                i = matches.index(best)
             else:
-                sizes = [self.trees.num_entries(ep) for ep in self.endpoint_ids]
+                sizes = [len(self.trees[ep]) for ep in self.endpoint_ids]
                 i = sizes.index(min(sizes))
-        if hashes:
-            self.trees.record(hashes, self.endpoint_ids[i])
+        self.trees[self.endpoint_ids[i]].update(hashes)
         return i
-
-    def route(self, req: Any, fleet: Any) -> int:
-        in_flight = [len(e.running) + len(e.waiting) for e in fleet.engines]
-        return self.choose(self.request_text(req), in_flight)
 
 
 SIM_ROUTERS: dict[str, Callable[[Sequence[str]], Any]] = {
@@ -168,36 +192,28 @@ class _Arrivals:
     """Releases a workload's `SimRequest`s to the fleet as the live client would send them (module doc).
 
     `initial()` is the iterable for ``fleet.run``; `on_finish` is its callback. Requests are copied, so the
-    prepared list can serve the next policy unchanged. Skipped requests (refused, too long) are finished at
-    once for their dependents and, in closed loop, cost their client no time.
+    prepared list can serve the next router unchanged.
     """
 
-    def __init__(self, workload: Workload, sims: Sequence[Any], skipped: set[str], concurrency: int) -> None:
-        import dataclasses
-
+    def __init__(self, workload: Workload, sims: Sequence[SimRequest], concurrency: int) -> None:
         self.closed = any(r.arrival_s is None for r in workload.requests)
         self.concurrency = max(1, concurrency)
         deps = {str(r.index): str(r.after_index) for r in workload.requests if r.after_index is not None}
         ids = {s.request_id for s in sims}
-        self.skipped = skipped
-        # a dependency outside the workload (or refused) never blocks: the live client ignores/finishes it
-        self.after = {k: v for k, v in deps.items() if v in ids and v not in skipped}
+        self.after = {k: v for k, v in deps.items() if v in ids}  # one outside the workload never blocks
         self.sims = [dataclasses.replace(s) for s in sims]
         self.finished: set[str] = set()
-        self.parked: dict[str, list[Any]] = {}  # unfinished request id -> requests waiting for it
-        self._queue = iter(sorted((s for s in self.sims if s.request_id not in skipped), key=lambda s: int(
-            s.request_id))) if self.closed else None
+        self.parked: dict[str, list[SimRequest]] = {}  # unfinished request id -> requests waiting for it
+        self._queue = iter(sorted(self.sims, key=lambda s: int(s.request_id))) if self.closed else None
 
-    def initial(self) -> list[Any]:
+    def initial(self) -> list[SimRequest]:
         if self.closed:
-            out: list[Any] = []
+            out: list[SimRequest] = []
             for _ in range(self.concurrency):
                 out += self._next_for_client(0.0)
             return out
         out = []
         for s in self.sims:  # sorted by arrival
-            if s.request_id in self.skipped:
-                continue
             dep = self.after.get(s.request_id)
             if dep is None:
                 out.append(s)
@@ -205,7 +221,7 @@ class _Arrivals:
                 self.parked.setdefault(dep, []).append(s)
         return out
 
-    def _next_for_client(self, now_s: float) -> list[Any]:
+    def _next_for_client(self, now_s: float) -> list[SimRequest]:
         """Closed loop: a client takes the next request; it waits (parked) if its previous turn still runs."""
         for s in self._queue:  # type: ignore[union-attr]
             s.arrival_s = now_s
@@ -216,7 +232,7 @@ class _Arrivals:
             return [s]
         return []
 
-    def on_finish(self, result: Any, fleet: Any) -> list[Any]:
+    def on_finish(self, result: SimResult, fleet: VirtualFleet) -> list[SimRequest]:
         rid = result.request_id
         self.finished.add(rid)
         # Open loop: a waiting turn goes now or at its own time (the fleet moves earlier times to now).
@@ -229,119 +245,125 @@ class _Arrivals:
         return out
 
 
-def simulate_policy(workload: Workload, policy: str, *, num_servers: int, profile: str = "", seed: int = 0,
-                    fleet_kwargs: dict[str, Any] | None = None, sims: list[Any] | None = None,
-                    concurrency: int = 16) -> tuple[list[RequestResult], list[str], float]:
-    """Route `workload` with one of our policies (or a ``sim:`` model of another router, see `SIM_ROUTERS`)
-    on a fresh virtual fleet.
+def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: EngineSpec | None = None,
+                    seed: int = 0, sims: list[SimRequest] | None = None, concurrency: int = 16,
+                    routing: RoutingSettings | None = None, pool_settings: PoolSettings | None = None,
+                    endpoint_ids: Sequence[str] | None = None) -> tuple[list[RequestResult], list[str], float]:
+    """Route `workload` with one of our policies through `PoolRouter` (or with a ``sim:`` model of another
+    router, see `SIM_ROUTERS`) on a fresh virtual fleet of `spec` (default: `engine_spec()`).
 
     Returns (per-request results in request order, endpoint ids, CPU seconds the simulation took).
-    `sims` (from `build_sim_requests` with default routing settings) may be passed to reuse them.
-    `concurrency` is the number of clients of a closed-loop workload (no arrival times).
+    `sims` (from `build_sim_requests` with the same spec) may be passed to reuse them. `concurrency` is the
+    number of clients of a closed-loop workload (no arrival times). `routing` defaults to `policy` with `seed`
+    (and the environment); `pool_settings` to the defaults (and the environment), as the gateway reads them.
+    `endpoint_ids` names the servers (default ``sim-I:8000``): a real run's ids give the same rendezvous
+    placement, so endpoint shares compare too.
     """
-    _, VirtualFleet, _, RouterCore, RoutingSettings = _imports()
-    fleet = VirtualFleet(profile or "llama-3.1-8b-h200", num_servers, **(fleet_kwargs or {}))
+    spec = spec or engine_spec()
+    fleet = VirtualFleet(spec, num_servers, endpoint_ids=endpoint_ids)
     if sims is None:
-        sims = build_sim_requests(workload, fleet.served, RoutingSettings())
+        sims = build_sim_requests(workload, spec)
+    pool = SimulatedPool(fleet, pool_settings or settings_mod.from_namespace(PoolSettings), seed=seed)
     if policy.startswith("sim:"):
         if policy not in SIM_ROUTERS:
             raise ValueError(f"unknown simulated router {policy!r}; choose one of {', '.join(SIM_ROUTERS)}")
-        route = SIM_ROUTERS[policy](fleet.endpoint_ids).route
-        router = None
+        model = SIM_ROUTERS[policy](fleet.endpoint_ids)
+        ids = fleet.endpoint_ids
+        in_flight = pool.in_flight
+
+        def route(req: SimRequest, fl: VirtualFleet) -> int:
+            i = model.choose(model.request_text(req.body), [in_flight[e] for e in ids])
+            pool.acquire(ids[i])
+            return i
+
+        def release(result: SimResult) -> None:
+            if result.endpoint is not None:
+                pool.release(result.endpoint)
     else:
-        router = RouterCore(RoutingSettings(policy=policy, rng_seed=seed), track_prefill=True)
-        router.sync_endpoints(fleet.endpoint_states())
-        routed: dict[str, Any] = {}  # request id -> (parsed request, decision) until it finishes
+        routing = routing or settings_mod.from_namespace(RoutingSettings, policy=policy, rng_seed=seed)
+        # track_prefill: every pick is released (below), as the gateway releases each one.
+        router = PoolRouter(RouterCore(routing, track_prefill=True), pool)
+        picks: dict[str, Any] = {}  # request id -> its pick, until the response ends
 
-        def route(req: Any, fl: Any) -> str:
-            states = fl.endpoint_states()
-            in_flight = {s.endpoint: (s.num_requests_running or 0) + (s.num_requests_waiting or 0) for s in states}
-            decision = router.route(req.meta, states, in_flight)
-            routed[req.request_id] = (req.meta, decision)
-            return decision.endpoints[0]
+        def route(req: SimRequest, fl: VirtualFleet) -> str:
+            pick = router.route("POST", req.path, req.headers, req.body)
+            picks[req.request_id] = pick
+            return pick.endpoint_ids[0]
 
-    # A prompt the model cannot hold is a 400 on a real server, a body the router refuses its 4xx: record
-    # them as such instead of simulating them.
-    refused = {s.request_id: s.meta for s in sims if isinstance(s.meta, Exception)}
-    too_long = {s.request_id for s in sims if len(s.prompt_ids) + s.max_tokens > fleet.max_model_len}
-    too_long |= set(refused)
-    arrivals = _Arrivals(workload, sims, too_long, concurrency)
-    on_finish = arrivals.on_finish
-    if router is not None:
-        def on_finish(result: Any, fl: Any) -> list[Any]:
-            # as the gateway releases its in-flight count when the response ends
-            got = routed.pop(result.request_id, None)
-            if got is not None:
-                router.on_release(*got)
-            return arrivals.on_finish(result, fl)
+        def release(result: SimResult) -> None:
+            pick = picks.pop(result.request_id, None)
+            if pick is not None:  # None: the router refused it (nothing was counted)
+                router.release(pick)
+
+    arrivals = _Arrivals(workload, sims, concurrency)
+
+    def on_finish(result: SimResult, fl: VirtualFleet) -> list[SimRequest]:
+        release(result)  # where the gateway releases its in-flight count: the response ended
+        return arrivals.on_finish(result, fl)
+
     t0 = time.process_time()
     sim_results = fleet.run(arrivals.initial(), route, on_finish=on_finish)
     cpu_s = time.process_time() - t0
     by_id = {r.request_id: r for r in sim_results}
-    out = []
-    for spec in workload.requests:
-        r = by_id.get(str(spec.index))
-        if str(spec.index) in refused:
-            err = refused[str(spec.index)]
-            out.append(RequestResult(index=spec.index, group_id=spec.group_id, start_s=spec.arrival_s or 0.0,
-                                     status=getattr(err, "status", 400), error=f"http {getattr(err, 'status', 400)}: "
-                                                                              f"router refused: {err}"))
-            continue
-        if str(spec.index) in too_long:
-            out.append(RequestResult(index=spec.index, group_id=spec.group_id, start_s=spec.arrival_s or 0.0,
-                                     status=400, error=f"http 400: prompt + max_tokens exceeds the context "
-                                                       f"window of {fleet.max_model_len} tokens"))
-            continue
-        if r is None:
-            out.append(RequestResult(index=spec.index, group_id=spec.group_id, start_s=spec.arrival_s or 0.0,
-                                     error="not finished in simulation"))
-            continue
-        n = r.completion_tokens
-        if r.first_token_s is None:  # engine quirk (a prefill left at exactly 1 token): no first-token time
-            out.append(RequestResult(index=spec.index, group_id=spec.group_id, start_s=r.arrival_s,
-                                     error="simulation recorded no first-token time"))
-            continue
-        mean_gap_ms = (r.finished_s - r.first_token_s) * 1000.0 / (n - 1) if n > 1 else None
-        out.append(RequestResult(index=spec.index, group_id=spec.group_id, start_s=r.arrival_s, status=200,
-                                 ttft_ms=r.ttft_s * 1000.0, itl_ms=[mean_gap_ms] * (n - 1) if mean_gap_ms else [],
-                                 e2e_ms=r.e2e_s * 1000.0, prompt_tokens=r.prompt_tokens,
-                                 completion_tokens=n, cached_tokens=r.cached_tokens, endpoint=r.endpoint))
+    out = [_request_result(req, by_id.get(str(req.index))) for req in workload.requests]
     return out, list(fleet.endpoint_ids), cpu_s
 
 
+def _request_result(req: RequestSpec, r: SimResult | None) -> RequestResult:
+    """What the live client would have measured (`bench.client.send_one`)."""
+    if r is None:
+        return RequestResult(index=req.index, group_id=req.group_id, start_s=req.arrival_s or 0.0,
+                             error="not finished in simulation")
+    base = {"index": req.index, "group_id": req.group_id, "start_s": r.arrival_s, "endpoint": r.endpoint}
+    if r.status != 200:
+        return RequestResult(**base, status=r.status, error=f"http {r.status}: {(r.error or '')[:200]}")
+    if r.first_token_s is None:  # engine quirk (a prefill left at exactly 1 token): no first-token time
+        return RequestResult(**base, error="simulation recorded no first-token time")
+    n = r.completion_tokens
+    mean_gap_ms = (r.finished_s - r.first_token_s) * 1000.0 / (n - 1) if n > 1 else None
+    return RequestResult(**base, status=200, ttft_ms=(r.first_token_s - r.arrival_s) * 1000.0,
+                         itl_ms=[mean_gap_ms] * (n - 1) if mean_gap_ms else [], e2e_ms=r.e2e_s * 1000.0,
+                         prompt_tokens=r.prompt_tokens, completion_tokens=n, cached_tokens=r.cached_tokens)
+
+
 def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers: Sequence[str], *,
-                num_servers: int, profile: str = "", seed: int = 0, concurrency: int = 0,
-                server_args: Sequence[str] = (), log: Callable[[str], None] = print) -> tuple[dict, dict]:
-    """Every `prefixroute:*` router (and ``sim:*`` model) of `routers` on a fresh virtual fleet; same document
-    as a real run. `concurrency` = clients of a closed-loop workload."""
-    _, VirtualFleet, _, _, RoutingSettings = _imports()
-    kwargs = _fleet_kwargs(server_args)
-    model = VirtualFleet(profile or "llama-3.1-8b-h200", 1, **kwargs).served
-    sims = build_sim_requests(workload, model, RoutingSettings())
+                num_servers: int, spec: EngineSpec | None = None, seed: int = 0, concurrency: int = 0,
+                server_args: Sequence[str] = (), endpoint_ids: Sequence[str] | None = None,
+                log: Callable[[str], None] = print) -> tuple[dict, dict]:
+    """Every `prefixroute:*` router (and ``sim:*`` model) of `routers` on a fresh virtual fleet of `spec`
+    (default: `engine_spec()`; `server_args` are recorded as the flags it came from); same document as a real
+    run. `concurrency` = clients of a closed-loop workload; `endpoint_ids` as in `simulate_policy`."""
+    spec = spec or engine_spec()
+    sims = build_sim_requests(workload, spec)
     runs, ttfts, skipped = [], {}, {}
     for name in routers:
         if name.startswith("sim:"):
             if name not in SIM_ROUTERS:
                 raise ValueError(f"unknown simulated router {name!r}; choose one of {', '.join(SIM_ROUTERS)}")
-            spec = RouterSpec(name, "sim", name)
+            router = RouterSpec(name, "sim", name)
         else:
-            spec = parse_router(name)
-        if spec.kind not in ("prefixroute", "sim"):
-            skipped[spec.name] = "an external program: not simulated in --virtual (run without --virtual)"
-            log(f"skipping {spec.name}: {skipped[spec.name]}")
+            router = parse_router(name)
+        if router.kind not in ("prefixroute", "sim"):
+            skipped[router.name] = "an external program: not simulated in --virtual (run without --virtual)"
+            log(f"skipping {router.name}: {skipped[router.name]}")
             continue
         t0 = time.perf_counter()
-        res, endpoints, cpu_s = simulate_policy(workload, spec.policy, num_servers=num_servers, profile=profile,
-                                                seed=seed, fleet_kwargs=kwargs, sims=sims,
-                                                concurrency=concurrency or 16)
+        res, endpoints, cpu_s = simulate_policy(workload, router.policy, num_servers=num_servers, spec=spec,
+                                                seed=seed, sims=sims, concurrency=concurrency or 16,
+                                                endpoint_ids=endpoint_ids)
         wall_s = time.perf_counter() - t0
-        log(f"{spec.name}: simulated {len(res)} requests on {num_servers} servers in {wall_s:.1f}s")
-        runs.append(bench_results.summarize_run(spec.name, res, endpoints, extra={
-            "policy": spec.policy, "virtual": True, "sim_cpu_s": round(cpu_s, 3), "wall_s": round(wall_s, 3),
+        log(f"{router.name}: simulated {len(res)} requests on {num_servers} servers in {wall_s:.1f}s")
+        runs.append(bench_results.summarize_run(router.name, res, endpoints, extra={
+            "policy": router.policy, "virtual": True, "sim_cpu_s": round(cpu_s, 3), "wall_s": round(wall_s, 3),
             "itl_definition": "per-request mean inter-token time"}))
-        ttfts[spec.name] = [r.ttft_ms for r in res if r.ok and r.ttft_ms is not None]
+        ttfts[router.name] = [r.ttft_ms for r in res if r.ok and r.ttft_ms is not None]
     doc = bench_results.results_document(workload.describe(), upper_bound_hit_ratio, runs)
-    doc["workload"].update(num_servers=num_servers, virtual=True, fleet=kwargs or {})
+    cfg = spec.config
+    doc["workload"].update(num_servers=num_servers, virtual=True, fleet={
+        "profile": spec.profile.name, "server_args": list(server_args), "num_gpu_blocks": cfg.num_gpu_blocks,
+        "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens, "time_scale": cfg.time_scale,
+        "max_model_len": spec.max_model_len})
     if skipped:
         doc["skipped"] = skipped
     return doc, ttfts

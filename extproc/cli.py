@@ -44,7 +44,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     pool = EndpointPool(pool_settings)
     # track_prefill: PoolRouter.release calls core.on_release once per routed request.
     core = RouterCore(routing, track_prefill=True)
-    router = PoolRouter(core, pool, routing)
+    router = PoolRouter(core, pool)
     telemetry = RouterTelemetry.from_settings(tele or RouterTelemetrySettings(metrics_port=-1),
                                               in_flight=lambda: pool.in_flight,
                                               index_size=core.index.num_entries_by_endpoint)

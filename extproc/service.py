@@ -1,4 +1,4 @@
-"""`PoolRouter`: the router service behind the ext_proc servicer (RouterCore + EndpointPool), no gRPC.
+"""`PoolRouter`: the router service behind the ext_proc servicer (RouterCore + a `Pool`), no gRPC.
 
 Contract with the servicer (`servicer.RouterService`):
 - `route(method, path, headers, body)` parses the request (`parse_request`), asks `RouterCore.route` for a
@@ -14,23 +14,25 @@ Contract with the servicer (`servicer.RouterService`):
   the parsed request, for telemetry.
 - `release(pick)`: once per pick, when the HTTP request ends for any reason.
 
-Endpoint ids are ``host:port`` as configured; hosts that are names (compose services) are resolved once to
-an IPv4/IPv6 address for the header and cached (ORIGINAL_DST takes addresses only).
-Single event loop; not thread-safe (like RouterCore and EndpointPool).
+Endpoint ids are ``host:port`` as configured; the addresses handed to Envoy (ORIGINAL_DST takes addresses
+only) are those the pool publishes in its snapshot (`EndpointState.address`: the pool resolves names off the
+event loop and follows moves), read in the pool's listener, so a decision does no lookup. After a move the old
+address still maps to its endpoint (`endpoint_of`, `served`) for the requests sent there before it.
+
+The pool is any `prefixroute.extproc.endpoints.Pool`: the live `EndpointPool`, or the virtual-time
+`bench.sim_pool.SimulatedPool` (the benchmarks' fleet simulation runs this same class).
+Single event loop; not thread-safe (like RouterCore and the pools).
 """
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from prefixroute.extproc.endpoints.pool import EndpointPool
+from prefixroute.extproc.endpoints import Pool
 from prefixroute.extproc.routing.request import InferenceRequest, parse_request
 from prefixroute.extproc.routing.router import RouterCore
-from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import Decision, EndpointId
+from prefixroute.extproc.routing.types import Decision, EndpointId, EndpointState
 
 
 class RoutePick:
@@ -49,46 +51,37 @@ class RoutePick:
         self.released = False
 
 
-def resolve_address(endpoint: str) -> str:
-    """``host:port`` -> ``ip:port`` (unchanged when host is already an IP literal)."""
-    host, _, port = endpoint.rpartition(":")
-    bare = host.strip("[]")
-    try:
-        ipaddress.ip_address(bare)
-        return endpoint
-    except ValueError:
-        pass
-    info = socket.getaddrinfo(bare, int(port), type=socket.SOCK_STREAM)
-    family, _, _, _, sockaddr = info[0]
-    return f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}"
-
-
 class PoolRouter:
-    """RouterCore + EndpointPool behind the servicer's `RouterService` interface (see module docstring)."""
+    """RouterCore + a `Pool` behind the servicer's `RouterService` interface (see module docstring). Requests
+    are parsed with the core's own settings (``core.settings``): one settings object parses and routes."""
 
-    def __init__(self, core: RouterCore, pool: EndpointPool, settings: RoutingSettings) -> None:
+    def __init__(self, core: RouterCore, pool: Pool) -> None:
         self.core = core
         self.pool = pool
-        self.settings = settings
+        self.settings = core.settings
         self._addr: dict[EndpointId, str] = {}
         self._id_of_addr: dict[str, EndpointId] = {}
         self._addrs_cache: dict[tuple[EndpointId, ...], tuple[str, ...]] = {}
         self.num_failovers = 0
-        pool.add_listener(core.sync_endpoints)
+        pool.add_listener(self._on_pool_change)
+
+    def _on_pool_change(self, snapshot: Sequence[EndpointState]) -> None:
+        """Structural pool change (the pool calls this on every address change, among others)."""
+        addr = {s.endpoint: s.address for s in snapshot if s.address is not None}
+        if addr != self._addr:
+            self._addr = addr
+            self._addrs_cache = {}
+            for ep, a in addr.items():
+                self._id_of_addr[a] = ep  # old addresses stay: requests sent there may still report back
+        self.core.sync_endpoints(snapshot)
 
     def _addresses(self, ids: tuple[EndpointId, ...]) -> tuple[str, ...]:
         addrs = self._addrs_cache.get(ids)
         if addrs is None:
-            out = []
-            for ep in ids:
-                a = self._addr.get(ep)
-                if a is None:
-                    a = self._addr[ep] = resolve_address(ep)
-                    self._id_of_addr[a] = ep
-                out.append(a)
+            addr = self._addr  # decisions name healthy endpoints only, and a healthy endpoint has an address
             if len(self._addrs_cache) > 4096:
                 self._addrs_cache.clear()
-            addrs = self._addrs_cache[ids] = tuple(out)
+            addrs = self._addrs_cache[ids] = tuple(addr[ep] for ep in ids)
         return addrs
 
     def endpoint_of(self, address: str) -> EndpointId | None:

@@ -9,13 +9,23 @@ KV capacity (blocks) = (GPU memory * gpu_memory_utilization - weights per GPU) /
   single-GPU 70B fit divided over TP 4 (see cost_model.TensorParallel).
 
 Activation/graph memory is ignored (vLLM reserves a few GB; the figures are within ~5%).
+
+`EngineSpec` is what one server runs, derived from its settings in one place: the HTTP server
+(`server.ModelServer`) and the virtual-time fleet (`virtual.VirtualFleet`) both build their engines and parse
+their requests from it, so a simulation cannot drift from the server it stands for.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
+from prefixroute.model_servers import protocol
 from prefixroute.model_servers.cost_model import CostModel, TensorParallel, fit
+from prefixroute.model_servers.engine import EngineConfig, EngineCore
+
+if TYPE_CHECKING:
+    from prefixroute.model_servers.server import ServerSettings
 
 H200_MEMORY_BYTES = 141e9
 GPU_MEMORY_UTILIZATION = 0.9
@@ -60,3 +70,46 @@ def get_profile(name: str) -> Profile:
         return PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """One simulated server's engine and API surface, from its settings (`from_settings`). Immutable; the cost
+    model is fitted once and shared by every engine built from the spec (it is immutable too)."""
+
+    profile: Profile
+    config: EngineConfig
+    cost_model: CostModel
+    served_model_name: str
+    lora_modules: tuple[str, ...]
+    max_model_len: int  # context window in tokens: the setting or the profile's, capped at the KV capacity
+    default_max_tokens: int
+
+    @classmethod
+    def from_settings(cls, s: ServerSettings) -> EngineSpec:
+        """The spec of a server started with settings `s` (ValueError for an unknown profile)."""
+        profile = get_profile(s.profile)
+        num_blocks = s.num_gpu_blocks or profile.num_gpu_blocks(s.block_size)
+        return cls(profile=profile,
+                   config=EngineConfig(num_blocks, s.block_size, s.max_num_seqs, s.max_num_batched_tokens,
+                                       s.time_scale),
+                   cost_model=profile.cost_model(),
+                   served_model_name=s.served_model_name or profile.served_model_name,
+                   lora_modules=tuple(s.lora_modules),
+                   max_model_len=min(s.max_model_len or profile.max_model_len, num_blocks * s.block_size),
+                   default_max_tokens=s.default_max_tokens)
+
+    @property
+    def models(self) -> frozenset[str]:
+        """Every model name the server answers to: the served model and its LoRA adapters."""
+        return frozenset((self.served_model_name, *self.lora_modules))
+
+    def new_engine(self) -> EngineCore:
+        """A fresh engine (empty KV cache, no requests)."""
+        return EngineCore(self.config, self.cost_model)
+
+    def parse_generate(self, data: dict, *, chat: bool) -> protocol.GenerateRequest:
+        """Validate a generation body as this server does (`protocol.parse_generate`; raises `OpenAIError`)."""
+        return protocol.parse_generate(data, chat=chat, served=self.served_model_name, models=self.models,
+                                       max_model_len=self.max_model_len,
+                                       default_max_tokens=self.default_max_tokens)

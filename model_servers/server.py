@@ -39,9 +39,9 @@ import httptools
 import orjson
 
 from prefixroute.model_servers import metrics, protocol, tokenizer
-from prefixroute.model_servers.engine import EngineConfig, EngineCore, EngineRequest
+from prefixroute.model_servers.engine import EngineRequest
 from prefixroute.model_servers.kv_cache import root_hash
-from prefixroute.model_servers.profiles import DEFAULT_PROFILE, PROFILES, get_profile
+from prefixroute.model_servers.profiles import DEFAULT_PROFILE, PROFILES, EngineSpec
 from prefixroute.model_servers.runtime import AsyncEngine
 from prefixroute.openai_errors import OpenAIError, error_body
 from prefixroute.settings import Settings, setting
@@ -102,15 +102,15 @@ class ModelServer:
 
     def __init__(self, s: ServerSettings) -> None:
         self.settings = s
-        self.profile = get_profile(s.profile)
-        num_blocks = s.num_gpu_blocks or self.profile.num_gpu_blocks(s.block_size)
-        self.core = EngineCore(EngineConfig(num_blocks, s.block_size, s.max_num_seqs, s.max_num_batched_tokens,
-                                            s.time_scale), self.profile.cost_model())
+        # One spec builds the engine and validates requests, here and in the virtual fleet.
+        self.spec = spec = EngineSpec.from_settings(s)
+        self.profile = spec.profile
+        self.core = spec.new_engine()
         self.engine = AsyncEngine(self.core)
-        self.served = s.served_model_name or self.profile.served_model_name
-        self.loras = tuple(s.lora_modules)
-        self.models = frozenset((self.served, *self.loras))
-        self.max_model_len = min(s.max_model_len or self.profile.max_model_len, num_blocks * s.block_size)
+        self.served = spec.served_model_name
+        self.loras = spec.lora_modules
+        self.models = spec.models
+        self.max_model_len = spec.max_model_len
         self.server_id = s.id or f"{s.host}:{s.port}"
         self.fail_ratio = s.fail_ratio
         self.extra_latency_s = s.extra_latency_ms / 1000.0
@@ -198,9 +198,7 @@ class ModelServer:
 
     def generate(self, conn: HttpConnection, chat: bool, body: bytes) -> None:
         data = protocol.load_json_object(body)
-        g = protocol.parse_generate(data, chat=chat, served=self.served, models=self.models,
-                                    max_model_len=self.max_model_len,
-                                    default_max_tokens=self.settings.default_max_tokens)
+        g = self.spec.parse_generate(data, chat=chat)
         if self.fail_ratio and self.rng.random() < self.fail_ratio:
             raise OpenAIError(500, "Simulated failure (fault injection: --fail-ratio).")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids):x}"

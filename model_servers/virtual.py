@@ -1,93 +1,121 @@
 """Virtual-time runner: a fleet of simulated engines in one discrete-event loop (no HTTP, no sleeping).
 
-The same `EngineCore` as the HTTP server (scheduler, KV cache, cost model); only the clock differs.
-API for benchmarks and routing simulations::
+The same `EngineCore` as the HTTP server (scheduler, KV cache, cost model), built from the same `EngineSpec`
+(`profiles.py`: what `prefixroute model-server` runs with given settings); only the clock differs. Requests are
+the bytes a client sends: `SimRequest.from_body` parses them with the HTTP server's own parser
+(`EngineSpec.parse_generate`: tokenizer, chat template, model/LoRA, ``cache_salt``, ``max_tokens`` default and
+the 400/404 refusals), so the engine sees what a server would. API for benchmarks and routing simulations::
 
+    from prefixroute.model_servers.profiles import EngineSpec
+    from prefixroute.model_servers.server import ServerSettings
     from prefixroute.model_servers.virtual import VirtualFleet, SimRequest
 
-    fleet = VirtualFleet("llama-3.1-8b-h200", num_servers=64)          # ids "sim-0:8000" ... "sim-63:8000"
-    reqs = [SimRequest.from_messages(f"r{i}", arrival_s=i * 0.01, messages=[...], max_tokens=64), ...]
+    spec = EngineSpec.from_settings(ServerSettings(profile="llama-3.1-8b-h200"))
+    fleet = VirtualFleet(spec, num_servers=64)                      # ids "sim-0:8000" ... "sim-63:8000"
+    reqs = [SimRequest.from_body(f"r{i}", i * 0.01, "/v1/chat/completions", body, spec), ...]
 
     def route(req: SimRequest, fleet: VirtualFleet) -> int:         # called at req.arrival_s
-        states = fleet.endpoint_states()                            # tuple[EndpointState], fleet order
-        return min(range(len(states)), key=lambda i: states[i].num_requests_running)
+        return min(range(fleet.num_servers), key=lambda i: fleet.engines[i].num_running)
 
     results = fleet.run(reqs, route)      # list[SimResult], in arrival order
     # closed loop / multi-turn: fleet.run(first_turns, route, on_finish=lambda res, fleet: [next_request])
-    results[0].ttft_s, .e2e_s, .prompt_tokens, .cached_tokens, .completion_tokens, .server, .endpoint
+    results[0].ttft_s, .e2e_s, .prompt_tokens, .cached_tokens, .completion_tokens, .server, .endpoint, .status
 
-`route` may also return an `EndpointId` string. `SimRequest.text` / `.messages` keep what a router hashes;
-`prompt_ids` is what the engine sees (rendered with the same chat template and tokenizer as the HTTP
-server). `fleet.cached_prefix_tokens(req)` gives each server's true prefix-cache hit for an oracle router.
-`run` can be called again to continue (the clock and caches persist); requests must arrive in order.
+`route` may also return an `EndpointId` string, or raise `OpenAIError` to refuse the request (a router's
+4xx/5xx: no server sees it). A request the server refuses (`SimRequest.error`) is routed, then answered with
+that error at once, as the HTTP server does. `fleet.call_at(t, fn)` runs a callback at a virtual time (a
+simulated router's periodic scrapes, bench/sim_pool.py). `fleet.cached_prefix_tokens(req)` gives each
+server's true prefix-cache hit for an oracle router. `run` can be called again to continue (the clock, caches
+and timers persist); requests must arrive in order.
 
 Semantics: arrivals join the engine's waiting queue at their arrival time; an idle engine starts a step at
-once; a busy one picks them up at its next step boundary (as vLLM does). Ties: a step ending at the same
-instant as an arrival is processed first. Not thread-safe.
+once; a busy one picks them up at its next step boundary (as vLLM does). Ties at one instant: timers first,
+then a step ending, then an arrival. Not thread-safe.
 
 Speed: while an engine only decodes an unchanged batch (nothing waiting), consecutive steps are simulated
 as one `DecodeRun` (closed-form step times) that an arrival to that engine cuts at the step in progress;
-results equal step-by-step simulation (``coalesce_decode=False``, tested). During a run,
-`endpoint_states` shows the KV usage of the run's start (decode blocks are allocated when it ends).
+results equal step-by-step simulation (``coalesce_decode=False``, tested). During a run, the engine's KV
+usage is that of the run's start (decode blocks are allocated when it ends).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from prefixroute.model_servers import tokenizer
-from prefixroute.model_servers.engine import DecodeRun, EngineConfig, EngineCore, EngineRequest, StepPlan
+from prefixroute.extproc.routing.types import EndpointId
+from prefixroute.model_servers import protocol
+from prefixroute.model_servers.engine import DecodeRun, EngineRequest, StepPlan
 from prefixroute.model_servers.kv_cache import root_hash
-from prefixroute.model_servers.profiles import DEFAULT_PROFILE, get_profile
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.model_servers.profiles import EngineSpec
+from prefixroute.openai_errors import OpenAIError
+
+GENERATE_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}
+"""The generation paths a simulated server serves (value: chat)."""
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
 @dataclasses.dataclass(slots=True)
 class SimRequest:
-    """One request of a simulated workload. `prompt_ids` is what the engine computes on."""
+    """One request: as the client sends it (`path`, `headers`, `body`: what a router parses) and as the server
+    parsed it (`prompt_ids`, `max_tokens`, `model`, `cache_salt`; or `error`, the server's refusal). Build it
+    with `from_body`."""
 
     request_id: str
     arrival_s: float
+    path: str
+    body: bytes
+    headers: Mapping[str, str]
     prompt_ids: np.ndarray
-    max_tokens: int = 16
-    model: str | None = None  # None = the fleet's served model; an adapter name changes the block hashes
+    max_tokens: int
+    model: str
     cache_salt: str | None = None
-    text: str | None = None  # completion prompt (for routers that hash text)
-    messages: list | None = None  # chat messages (for routers that hash messages)
-    session_id: str | None = None
-    meta: Any = None
+    error: OpenAIError | None = None
 
     @classmethod
-    def from_text(cls, request_id: str, arrival_s: float, text: str, max_tokens: int = 16, **kw: Any) -> SimRequest:
-        return cls(request_id, arrival_s, tokenizer.encode(text), max_tokens, text=text, **kw)
-
-    @classmethod
-    def from_messages(cls, request_id: str, arrival_s: float, messages: list, max_tokens: int = 16,
-                      tools: list | None = None, **kw: Any) -> SimRequest:
-        prompt = tokenizer.render_chat(messages, tools=tools)
-        return cls(request_id, arrival_s, tokenizer.encode(prompt), max_tokens, messages=messages, **kw)
+    def from_body(cls, request_id: str, arrival_s: float, path: str, body: bytes, spec: EngineSpec,
+                  headers: Mapping[str, str] | None = None) -> SimRequest:
+        """Parse `body` as a server built from `spec` does. `path` must be a generation path (ValueError
+        otherwise: the fleet simulates generation only); a body the server refuses gives a request with
+        `error` set (its status and message are the server's)."""
+        chat = GENERATE_PATHS.get(path.split("?", 1)[0])
+        if chat is None:
+            raise ValueError(f"request {request_id}: {path!r} is not a generation path "
+                             f"({', '.join(GENERATE_PATHS)})")
+        hdrs = headers if headers is not None else {}
+        try:
+            g = spec.parse_generate(protocol.load_json_object(body), chat=chat)
+        except OpenAIError as exc:
+            return cls(request_id, arrival_s, path, body, hdrs, _NO_TOKENS, 0, spec.served_model_name, error=exc)
+        return cls(request_id, arrival_s, path, body, hdrs, g.prompt_ids, g.max_tokens, g.model, g.cache_salt)
 
 
 @dataclasses.dataclass(slots=True)
 class SimResult:
+    """One finished request. A refused one (``status`` != 200) has no first token, zero tokens, ``finished_s``
+    = ``arrival_s`` and ``error`` = the response body; ``server`` is -1 (``endpoint`` None) when the router
+    refused it, else the server that answered the error."""
+
     request_id: str
     server: int
-    endpoint: EndpointId
+    endpoint: EndpointId | None
     arrival_s: float
-    first_token_s: float
+    first_token_s: float | None
     finished_s: float
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
     num_preemptions: int
+    status: int = 200
+    error: str | None = None
 
     @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.arrival_s
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
 
     @property
     def e2e_s(self) -> float:
@@ -95,21 +123,20 @@ class SimResult:
 
 
 class VirtualFleet:
-    """N engines of one profile on a shared virtual clock (see module docstring)."""
+    """N engines built from one `EngineSpec` on a shared virtual clock (see module docstring)."""
 
-    def __init__(self, profile: str = DEFAULT_PROFILE, num_servers: int = 8, *, num_gpu_blocks: int | None = None,
-                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 time_scale: float = 1.0, served_model_name: str | None = None,
-                 lora_modules: Sequence[str] = (), endpoint_ids: Sequence[str] | None = None,
-                 coalesce_decode: bool = True) -> None:
-        self.profile = get_profile(profile)
-        cost = self.profile.cost_model()
-        blocks = num_gpu_blocks or self.profile.num_gpu_blocks(block_size)
-        cfg = EngineConfig(blocks, block_size, max_num_seqs, max_num_batched_tokens, time_scale)
-        self.engines = [EngineCore(cfg, cost) for _ in range(num_servers)]
-        self.served = served_model_name or self.profile.served_model_name
-        self.models = frozenset((self.served, *lora_modules))
-        self.max_model_len = min(self.profile.max_model_len, blocks * block_size)
+    def __init__(self, spec: EngineSpec | None = None, num_servers: int = 8, *,
+                 endpoint_ids: Sequence[str] | None = None, coalesce_decode: bool = True) -> None:
+        """`spec` defaults to a server with default settings (`ServerSettings()`)."""
+        if spec is None:
+            from prefixroute.model_servers.server import ServerSettings
+
+            spec = EngineSpec.from_settings(ServerSettings())
+        self.spec = spec
+        self.engines = [spec.new_engine() for _ in range(num_servers)]
+        self.served = spec.served_model_name
+        self.models = spec.models
+        self.max_model_len = spec.max_model_len
         ids = endpoint_ids or [f"sim-{i}:8000" for i in range(num_servers)]
         if len(ids) != num_servers:
             raise ValueError("endpoint_ids must name every server")
@@ -121,8 +148,10 @@ class VirtualFleet:
         self.coalesce_decode = coalesce_decode
         self._heap: list[tuple[float, int, int]] = []
         self._seq = 0
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_seq = 0
         self._roots: dict[tuple[str, str | None], int] = {}
-        self.block_size = block_size
+        self.block_size = spec.config.block_size
         self._results: dict[int, SimResult] = {}
         self._order: list[str] = []
 
@@ -130,17 +159,15 @@ class VirtualFleet:
     def num_servers(self) -> int:
         return len(self.engines)
 
-    def endpoint_states(self) -> tuple[EndpointState, ...]:
-        """A fresh snapshot of every server, as a perfect scraper would see it now."""
-        now = self.now_s
-        return tuple(EndpointState(endpoint=eid, healthy=True, models=self.models,
-                                   num_requests_running=len(e.running), num_requests_waiting=len(e.waiting),
-                                   kv_cache_usage_ratio=e.cache.usage_ratio, num_gpu_blocks=e.config.num_gpu_blocks,
-                                   block_size=e.config.block_size, scraped_at_s=now)
-                     for eid, e in zip(self.endpoint_ids, self.engines))
+    def call_at(self, t: float, callback: Callable[[], None]) -> None:
+        """Run ``callback()`` at virtual time `t` (at ``now_s`` if earlier) during `run`, before a step end or an
+        arrival at the same instant. Timers do not keep a run going: `run` returns once only timers are left
+        (they stay scheduled for the next `run`). A callback may schedule timers, not requests."""
+        self._timer_seq += 1
+        heapq.heappush(self._timers, (max(t, self.now_s), self._timer_seq, callback))
 
     def _root(self, req: SimRequest) -> int:
-        key = (req.model or self.served, req.cache_salt)
+        key = (req.model, req.cache_salt)
         r = self._roots.get(key)
         if r is None:
             r = self._roots[key] = root_hash(key)
@@ -191,16 +218,19 @@ class VirtualFleet:
             ) -> list[SimResult]:
         """Simulate `requests` (sorted by arrival_s) routed by `route`; returns results in arrival order.
 
-        `on_finish(result, fleet)` is called when a request finishes (at ``fleet.now_s``) and may return
-        follow-up requests (closed-loop clients, next conversation turns); one arriving before now arrives
-        now. With drain=False, stops at the last arrival (unfinished requests get no result).
-        Raises ValueError for a request that can never fit (prompt + max_tokens > max_model_len) or one
-        that arrives before the fleet's clock.
+        `route(req, fleet)` is called at the arrival (``fleet.now_s``); it returns a server index or endpoint
+        id, or raises `OpenAIError` to refuse. `on_finish(result, fleet)` is called when a request finishes,
+        refused ones included (at ``fleet.now_s``), and may return follow-up requests (closed-loop clients,
+        next conversation turns); one arriving before now arrives now. With drain=False, stops at the last
+        arrival (unfinished requests get no result). Raises ValueError for a request that arrives before the
+        fleet's clock or that the engine cannot hold (prompt + max_tokens > max_model_len: `from_body` makes
+        such a request a 400 instead).
         """
         results = self._results
         order = self._order
         start = len(order)
         heap = self._heap
+        timers = self._timers
         plans = self._plans
         engines = self.engines
         ids = self.endpoint_ids
@@ -208,8 +238,17 @@ class VirtualFleet:
         injected: list[tuple[float, int, SimRequest]] = []
         inj_seq = 0
 
-        def step_end() -> None:
+        def finished(res: SimResult, k: int, t: float) -> None:
             nonlocal inj_seq
+            results[k] = res
+            if on_finish is not None:
+                for follow in on_finish(res, self) or ():
+                    if follow.arrival_s < t:
+                        follow.arrival_s = t
+                    inj_seq += 1
+                    heapq.heappush(injected, (follow.arrival_s, inj_seq, follow))
+
+        def step_end() -> None:
             t, seq, i = heapq.heappop(heap)
             if seq != self._event[i]:
                 return  # superseded (a decode run was cut short)
@@ -218,33 +257,39 @@ class VirtualFleet:
             plans[i] = None
             core = engines[i]
             if isinstance(plan, DecodeRun):
-                finished = core.finish_decode_run(plan, plan.num_steps, t)
+                done = core.finish_decode_run(plan, plan.num_steps, t)
             else:
-                finished = [r for r in core.finish_step(plan, t) if r.status == 2]  # type: ignore[arg-type]
+                done = [r for r in core.finish_step(plan, t) if r.status == 2]  # type: ignore[arg-type]
             self._start_step(i, t)
-            for r in finished:
+            for r in done:
                 k = r.sink
-                res = results[k] = SimResult(order[k], i, ids[i], r.arrival_s, r.first_token_s, t,
-                                             r.num_prompt_tokens, r.num_cached_tokens, r.num_output,
-                                             r.num_preemptions)
-                if on_finish is not None:
-                    for follow in on_finish(res, self) or ():
-                        if follow.arrival_s < t:
-                            follow.arrival_s = t
-                        inj_seq += 1
-                        heapq.heappush(injected, (follow.arrival_s, inj_seq, follow))
+                finished(SimResult(order[k], i, ids[i], r.arrival_s, r.first_token_s, t, r.num_prompt_tokens,
+                                   r.num_cached_tokens, r.num_output, r.num_preemptions), k, t)
+
+        def refuse(req: SimRequest, k: int, i: int, exc: OpenAIError) -> None:
+            t = req.arrival_s
+            finished(SimResult(req.request_id, i, ids[i] if i >= 0 else None, t, None, t, 0, 0, 0, 0,
+                               status=exc.status, error=exc.body().decode()), k, t)
 
         def admit(req: SimRequest) -> None:
             if req.arrival_s < self.now_s - 1e-12:
                 raise ValueError(f"request {req.request_id} arrives at {req.arrival_s} before now {self.now_s}")
             self.now_s = req.arrival_s
+            k = len(order)
+            order.append(req.request_id)
+            try:
+                target = route(req, self)
+            except OpenAIError as exc:
+                refuse(req, k, -1, exc)
+                return
+            i = self._index[target] if isinstance(target, str) else int(target)
+            if req.error is not None:
+                refuse(req, k, i, req.error)
+                return
             if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
                 raise ValueError(f"request {req.request_id}: prompt + max_tokens exceeds {self.max_model_len}")
-            target = route(req, self)
-            i = self._index[target] if isinstance(target, str) else int(target)
             er = EngineRequest(req.request_id, req.prompt_ids, req.max_tokens, block_size=bs,
-                               root=self._root(req), arrival_s=req.arrival_s, sink=len(order))
-            order.append(req.request_id)
+                               root=self._root(req), arrival_s=req.arrival_s, sink=k)
             engines[i].add_request(er)
             if plans[i] is None:
                 self._start_step(i, req.arrival_s)
@@ -259,14 +304,19 @@ class VirtualFleet:
             from_injected = bool(injected) and injected[0][0] < t_next
             if from_injected:
                 t_next = injected[0][0]
-            if heap and heap[0][0] <= t_next:
-                if t_next == inf and not drain:
-                    break
-                step_end()
-                continue
-            if t_next == inf:
+            step_next = heap[0][0] if heap else inf
+            if step_next <= t_next and t_next == inf and not drain:
                 break
-            if from_injected:
+            t_event = min(step_next, t_next)
+            if t_event == inf:
+                break
+            while timers and timers[0][0] <= t_event:
+                t, _, callback = heapq.heappop(timers)
+                self.now_s = t
+                callback()
+            if step_next <= t_next:
+                step_end()
+            elif from_injected:
                 admit(heapq.heappop(injected)[2])
             else:
                 admit(nxt)  # type: ignore[arg-type]

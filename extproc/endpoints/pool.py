@@ -1,8 +1,17 @@
 """`EndpointPool`: the live view of the model-server endpoints (health, models, load metrics, in-flight).
 
-Runs in the router's event loop (asyncio, single loop, not thread-safe). Per endpoint, three small loops share
-one keep-alive aiohttp session, so one slow or dead endpoint never delays another:
+Implements `prefixroute.extproc.endpoints.Pool`. Runs in the router's event loop (asyncio, single loop, not
+thread-safe). Per endpoint, small loops share one keep-alive aiohttp session, so one slow or dead endpoint never
+delays another:
 
+- resolve (host names only; an IP literal is its own address): the name is looked up with the loop's
+  executor-backed ``getaddrinfo`` (never blocking the loop) at start, every ``resolve_interval_s``, and at once
+  after a passive failure (a restarted container gets a new address). The address (``ip:port``, ``[v6]:port``)
+  is published in the snapshot (`EndpointState.address`) and is what probes, scrapes and Envoy connect to. A
+  name that has never resolved is not probed, so never healthy, and is looked up again every
+  ``probe_interval_s``. When a later lookup returns other addresses only, the endpoint moves to the first one
+  and is down until that address answers a probe; a lookup that fails keeps the last address (a DNS outage
+  must not take a working fleet down: probes still check it answers).
 - probe: ``GET /health`` every ``probe_interval_s``; ``unhealthy_after_failures`` consecutive failures -> down,
   one success -> up. Passive failures (`report_failure`) mark it down at once and probe it again sooner.
   An endpoint starts down and comes up on its first successful probe (so nothing is routed to an endpoint
@@ -14,22 +23,25 @@ one keep-alive aiohttp session, so one slow or dead endpoint never delays anothe
   when no scrape lands).
 
 Reading is O(1): `snapshot()` returns a tuple of immutable `EndpointState` that is replaced whole whenever a
-probe, model fetch or scrape changes something. Listeners (`add_listener`) are called with the new snapshot
-only on *structural* changes (membership, health, models, KV capacity), not on every scrape.
+lookup, probe, model fetch or scrape changes something. Listeners (`add_listener`) are called with the new
+snapshot only on *structural* changes (membership, health, models, KV capacity, address), not on every scrape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import random
+import socket
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
 
+from prefixroute.extproc.endpoints import Listener
 from prefixroute.extproc.endpoints.scrape import (ScrapedMetrics, parse_endpoint_list, parse_metrics, parse_models,
                                           read_endpoints_file)
 from prefixroute.extproc.endpoints.settings import PoolSettings
@@ -37,8 +49,38 @@ from prefixroute.extproc.routing.types import EndpointId, EndpointState
 
 log = logging.getLogger(__name__)
 
-Listener = Callable[[tuple[EndpointState, ...]], None]
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+"""``(host, port) -> IP address strings``, best first; raises OSError when the name does not resolve."""
 _FETCH_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+def format_address(ip: str, port: int) -> str:
+    """``ip:port``, with an IPv6 address in brackets (``[::1]:8000``): what ORIGINAL_DST parses."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def literal_address(endpoint: EndpointId) -> str | None:
+    """The address of an endpoint whose host is an IP literal (the endpoint itself, canonical), None for a name."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return format_address(str(ip), int(port))
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    """Until `event` is set or `timeout_s` passed. Not ``asyncio.wait_for``: on Python 3.11 it swallows a
+    cancellation that lands as the event is set, and `close()` then waits forever for the loop it cancelled."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """The default `Resolver`: the event loop's ``getaddrinfo`` (runs in its executor, never blocks the loop)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(sockaddr[0]) for _, _, _, _, sockaddr in infos]
 
 
 def endpoints_from_settings(settings: PoolSettings) -> tuple[EndpointId, ...]:
@@ -61,11 +103,23 @@ def endpoints_from_settings(settings: PoolSettings) -> tuple[EndpointId, ...]:
 class _Watch:
     """Mutable per-endpoint bookkeeping (private; the outside world sees `EndpointState` snapshots)."""
 
-    __slots__ = ("endpoint", "healthy", "num_failures", "models", "models_fetched", "metrics", "scraped_at_s",
-                 "fresh", "wake", "came_up", "tasks", "base_url")
+    __slots__ = ("endpoint", "host", "port", "address", "healthy", "num_failures", "models", "models_fetched",
+                 "metrics", "scraped_at_s", "fresh", "wake", "came_up", "resolved", "resolve_wake",
+                 "num_lookup_failures", "tasks", "base_url")
 
     def __init__(self, endpoint: EndpointId) -> None:
         self.endpoint = endpoint
+        host, _, port = endpoint.rpartition(":")
+        self.host = host
+        self.port = int(port)
+        self.address = literal_address(endpoint)  # None until the name resolves
+        self.resolved = asyncio.Event()  # set once an address is known
+        self.resolve_wake = asyncio.Event()  # set to look the name up now (after a passive failure)
+        self.num_lookup_failures = 0
+        self.base_url = ""  # http://ADDRESS once the address is known (probes wait for it)
+        if self.address is not None:
+            self.base_url = f"http://{self.address}"
+            self.resolved.set()
         self.healthy = False
         self.num_failures = 0
         self.models: frozenset[str] = frozenset()
@@ -76,20 +130,22 @@ class _Watch:
         self.wake = asyncio.Event()  # set to probe now (after a passive failure)
         self.came_up = asyncio.Event()  # set by the probe loop when the endpoint comes up
         self.tasks: list[asyncio.Task[None]] = []
-        self.base_url = f"http://{endpoint}"
 
 
 class EndpointPool:
     """Health, models, metrics and in-flight counts of a set of endpoints. See the module docstring."""
 
     def __init__(self, settings: PoolSettings, endpoints: Sequence[str] | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, resolver: Resolver = resolve_host) -> None:
+        """`resolver` looks host names up (default: the loop's getaddrinfo; tests inject their own)."""
         self.settings = settings
         self._clock = clock
+        self._resolver = resolver
         ids = parse_endpoint_list(endpoints) if endpoints is not None else endpoints_from_settings(settings)
         self._order: list[EndpointId] = list(ids)
         self._watches: dict[EndpointId, _Watch] = {}
-        self._states: list[EndpointState] = [EndpointState(ep, healthy=False) for ep in ids]
+        self._states: list[EndpointState] = [EndpointState(ep, healthy=False, address=literal_address(ep))
+                                             for ep in ids]
         self._pos: dict[EndpointId, int] = {ep: i for i, ep in enumerate(ids)}
         self._snapshot: tuple[EndpointState, ...] = tuple(self._states)
         self._in_flight: dict[EndpointId, int] = {ep: 0 for ep in ids}
@@ -134,10 +190,12 @@ class EndpointPool:
             self._in_flight.pop(endpoint, None)  # a removed endpoint whose last request just ended
 
     def report_failure(self, endpoint: EndpointId) -> None:
-        """Passive failure (connect refused/reset seen by the gateway): mark down now, probe again soon."""
+        """Passive failure (connect refused/reset seen by the gateway): mark down now, look its name up again
+        now (it may have moved) and probe it again soon."""
         w = self._watches.get(endpoint)
         if w is None:
             return
+        w.resolve_wake.set()
         w.num_failures = max(w.num_failures, self.settings.unhealthy_after_failures)
         if w.healthy:
             w.healthy = False
@@ -235,20 +293,23 @@ class EndpointPool:
         w.tasks = [asyncio.create_task(self._probe_loop(w), name=f"probe {ep}"),
                    asyncio.create_task(self._models_loop(w), name=f"models {ep}"),
                    asyncio.create_task(self._scrape_loop(w), name=f"scrape {ep}")]
+        if w.address is None:
+            w.tasks.append(asyncio.create_task(self._resolve_loop(w), name=f"resolve {ep}"))
 
     def _state(self, ep: EndpointId, now: float) -> EndpointState:
         w = self._watches.get(ep)
         if w is None:
-            return EndpointState(ep, healthy=False)
+            return EndpointState(ep, healthy=False, address=literal_address(ep))
         m = w.metrics
         fresh = w.scraped_at_s is not None and now - w.scraped_at_s <= self.metrics_stale_after_s
         w.fresh = fresh
         if not fresh:
             return EndpointState(ep, healthy=w.healthy, models=w.models, num_gpu_blocks=m.num_gpu_blocks,
-                                 block_size=m.block_size, scraped_at_s=w.scraped_at_s)
+                                 block_size=m.block_size, scraped_at_s=w.scraped_at_s, address=w.address)
         return EndpointState(ep, healthy=w.healthy, models=w.models, num_requests_running=m.num_requests_running,
                              num_requests_waiting=m.num_requests_waiting, kv_cache_usage_ratio=m.kv_cache_usage_ratio,
-                             num_gpu_blocks=m.num_gpu_blocks, block_size=m.block_size, scraped_at_s=w.scraped_at_s)
+                             num_gpu_blocks=m.num_gpu_blocks, block_size=m.block_size, scraped_at_s=w.scraped_at_s,
+                             address=w.address)
 
     def _publish(self, w: _Watch | None = None, *, structural: bool) -> None:
         """Replace the snapshot: rebuild `w`'s state only (a scrape landed: O(1) Python work plus a C-speed
@@ -279,15 +340,51 @@ class EndpointPool:
                                      allow_redirects=False) as resp:
             return resp.status, await resp.read()
 
-    async def _probe_loop(self, w: _Watch) -> None:
+    async def _resolve_loop(self, w: _Watch) -> None:
         st = self.settings
         while True:
+            w.resolve_wake.clear()  # before the lookup: a wake-up requested during it triggers another one
+            try:
+                ips = await self._resolver(w.host, w.port)
+                w.num_lookup_failures = 0
+            except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
+                ips = ()
+                w.num_lookup_failures += 1
+                # Warn once per outage: a name not resolving yet is normal while a stack starts.
+                log.log(logging.WARNING if w.num_lookup_failures == 1 else logging.DEBUG,
+                        "endpoint %s: %s does not resolve (%s)%s", w.endpoint, w.host, exc,
+                        f"; keeping {w.address}" if w.address else "; not routed to until it does")
+            if ips:
+                self._set_address(w, [format_address(ip, w.port) for ip in ips])
+            await _wait(w.resolve_wake, st.resolve_interval_s if w.address else st.probe_interval_s)
+
+    def _set_address(self, w: _Watch, addresses: Sequence[str]) -> None:
+        if w.address in addresses:
+            return  # still valid: stay on it (a name with several addresses must not flap between them)
+        old, w.address = w.address, addresses[0]
+        w.base_url = f"http://{w.address}"
+        if old is None:
+            log.info("endpoint %s resolved to %s", w.endpoint, w.address)
+            w.resolved.set()
+        else:
+            log.warning("endpoint %s moved from %s to %s", w.endpoint, old, w.address)
+        w.healthy = False  # not routed to until the new address answers a probe: probe it now
+        w.wake.set()
+        self._publish(w, structural=True)
+
+    async def _probe_loop(self, w: _Watch) -> None:
+        st = self.settings
+        await w.resolved.wait()  # nothing to probe before the name resolves: the endpoint stays down
+        while True:
             w.wake.clear()  # before probing: a wake-up requested during the probe then triggers another one
+            url = w.base_url
             try:
                 status, _ = await self._get(w, "/health", st.probe_timeout_s)
                 ok = status == 200
             except _FETCH_ERRORS:
                 ok = False
+            if url != w.base_url:
+                continue  # the endpoint moved during the probe: probe the new address
             if ok:
                 w.num_failures = 0
                 if not w.healthy:
@@ -301,8 +398,7 @@ class EndpointPool:
                     w.healthy = False
                     log.warning("endpoint %s is down after %d failed probes", w.endpoint, w.num_failures)
                     self._publish(w, structural=True)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(w.wake.wait(), st.probe_interval_s)
+            await _wait(w.wake, st.probe_interval_s)
 
     async def _models_loop(self, w: _Watch) -> None:
         st = self.settings
@@ -310,8 +406,7 @@ class EndpointPool:
             if w.healthy:
                 # Refresh periodically, or at once when the endpoint comes back up (it may have restarted
                 # with other adapters).
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(w.came_up.wait(), st.models_interval_s)
+                await _wait(w.came_up, st.models_interval_s)
             else:
                 await w.came_up.wait()
             w.came_up.clear()

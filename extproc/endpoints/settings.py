@@ -1,4 +1,4 @@
-"""Settings of the endpoint pool (membership, health probes, metrics scraping)."""
+"""Settings of the endpoint pool (membership, name resolution, health probes, metrics scraping)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ class PoolSettings(Settings):
     endpoints_file: str | None = setting(
         None,
         "File listing endpoints: one host:port per line ('#' comments allowed), or a YAML/JSON list of them.")
+    resolve_interval_s: float = setting(
+        5.0,
+        "Seconds between lookups of each endpoint's host name (off the event loop; IP literals are never looked "
+        "up). A restarted container gets a new address: 5 s is the TTL Kubernetes' CoreDNS gives service "
+        "records, so a move is seen about as soon as DNS shows it; a passive failure re-resolves at once, and a "
+        "name that has never resolved is retried every probe_interval_s.")
     probe_interval_s: float = setting(
         1.0,
         "Seconds between active health probes (GET /health) of each endpoint. 1 s finds a dead endpoint within "
@@ -65,8 +71,9 @@ class PoolSettings(Settings):
         "list loops, reused so a scrape costs no TCP handshake and one loop never waits for another.")
 
     def __post_init__(self) -> None:
-        for name in ("probe_interval_s", "probe_timeout_s", "scrape_interval_s", "scrape_timeout_s",
-                     "metrics_stale_after_s", "models_interval_s", "failure_probe_delay_s", "max_scrapes_per_s"):
+        for name in ("resolve_interval_s", "probe_interval_s", "probe_timeout_s", "scrape_interval_s",
+                     "scrape_timeout_s", "metrics_stale_after_s", "models_interval_s", "failure_probe_delay_s",
+                     "max_scrapes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
         if self.unhealthy_after_failures < 1:

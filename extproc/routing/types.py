@@ -42,6 +42,9 @@ class EndpointState:
     num_gpu_blocks: int | None = None  # scraped from vllm:cache_config_info, sizes the prefix-index LRU
     block_size: int | None = None  # tokens per KV block, from vllm:cache_config_info
     scraped_at_s: float | None = None  # time.monotonic() of the scrape these figures came from
+    # ``ip:port`` / ``[v6]:port`` the endpoint's host resolved to (what Envoy's ORIGINAL_DST connects to);
+    # None while a name has not resolved. A healthy endpoint always has one.
+    address: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ from prefixroute.extproc.routing.types import EndpointId, EndpointState
 
 pytestmark = pytest.mark.integration
 
-FAST = PoolSettings(probe_interval_s=0.05, probe_timeout_s=0.3, unhealthy_after_failures=2, scrape_interval_s=0.02,
-                    scrape_timeout_s=0.3, metrics_stale_after_s=0.3, models_interval_s=0.1,
+FAST = PoolSettings(resolve_interval_s=0.05, probe_interval_s=0.05, probe_timeout_s=0.3, unhealthy_after_failures=2,
+                    scrape_interval_s=0.02, scrape_timeout_s=0.3, metrics_stale_after_s=0.3, models_interval_s=0.1,
                     failure_probe_delay_s=0.3)
 VLLM_METRICS = (b"# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
                 b'vllm:num_requests_running{model_name="m"} 4.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
@@ -36,7 +36,8 @@ def free_port() -> int:
 class FakeEndpoint:
     """A real HTTP server whose answers the test changes while the pool watches it."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = port or free_port()
         self.health_status = 200
         self.models = ["m"]
@@ -49,7 +50,7 @@ class FakeEndpoint:
 
     @property
     def endpoint(self) -> EndpointId:
-        return EndpointId(f"127.0.0.1:{self.port}")
+        return EndpointId(f"{self.host}:{self.port}")
 
     async def _health(self, _: web.Request) -> web.Response:
         self.num_probes += 1
@@ -71,7 +72,7 @@ class FakeEndpoint:
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self._runner, self.host, self.port).start()
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -99,8 +100,8 @@ async def servers() -> AsyncIterator[Callable[[int], Awaitable[list[FakeEndpoint
 async def pools() -> AsyncIterator[Callable[..., Awaitable[EndpointPool]]]:
     made: list[EndpointPool] = []
 
-    async def make(endpoints: list[str], settings: PoolSettings = FAST) -> EndpointPool:
-        pool = EndpointPool(settings, endpoints)
+    async def make(endpoints: list[str], settings: PoolSettings = FAST, **kw: object) -> EndpointPool:
+        pool = EndpointPool(settings, endpoints, **kw)
         made.append(pool)
         await pool.start()
         return pool
@@ -311,3 +312,99 @@ async def test_router_core_follows_the_pool(servers, pools):
     assert core.index.num_entries(primary) == 10
     pool.set_endpoints([ep for ep in (a.endpoint, b.endpoint) if ep != primary])
     assert core.index.num_entries() == 0
+
+
+# --- name resolution --------------------------------------------------------------------------------------------
+class Resolver:
+    """An injected resolver: answers from `table` (host -> IPs), a missing host does not resolve."""
+
+    def __init__(self, table: dict[str, list[str]]) -> None:
+        self.table = table
+        self.lookups: list[float] = []
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        self.lookups.append(time.monotonic())
+        if host not in self.table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return list(self.table[host])
+
+
+async def test_ip_literals_are_their_own_address_and_never_looked_up(servers, pools):
+    (a,) = await servers(1)
+    resolver = Resolver({})
+    pool = await pools([a.endpoint, "[::1]:9", "[0:0::1]:10"], resolver=resolver)
+    assert [s.address for s in pool.snapshot()] == [a.endpoint, "[::1]:9", "[::1]:10"]  # canonical form
+    assert await pool.wait_ready(5, num_healthy=1)
+    assert resolver.lookups == []
+
+
+async def test_a_name_resolves_with_the_system_resolver_off_the_loop(pools):
+    info = await asyncio.get_running_loop().getaddrinfo("localhost", None, type=socket.SOCK_STREAM)
+    ip = info[0][4][0]  # the address the pool takes: getaddrinfo's first
+    server = FakeEndpoint(host=ip)
+    await server.start()
+    try:
+        pool = await pools([f"localhost:{server.port}"])
+        assert await pool.wait_ready(5)
+        s = pool.snapshot()[0]
+        assert s.endpoint == f"localhost:{server.port}" and s.healthy
+        assert s.address == (f"[{ip}]:{server.port}" if ":" in ip else f"{ip}:{server.port}")
+        assert server.num_probes >= 1
+    finally:
+        await server.stop()
+
+
+async def test_a_name_that_does_not_resolve_is_down_until_it_does(servers, pools):
+    (a,) = await servers(1)
+    resolver = Resolver({})
+    # Lookups of a never-resolved name are retried at the probe interval, not the (long) resolve interval.
+    pool = await pools([f"model-a:{a.port}"], dataclasses.replace(FAST, resolve_interval_s=30.0), resolver=resolver)
+    assert not await pool.wait_ready(0.4)
+    s = pool.snapshot()[0]
+    assert (s.healthy, s.address) == (False, None) and a.num_probes == 0
+    assert len(resolver.lookups) >= 3
+    resolver.table["model-a"] = ["127.0.0.1"]
+    assert await pool.wait_ready(5)
+    assert pool.snapshot()[0].address == a.endpoint and pool.snapshot()[0].healthy
+
+
+async def test_a_moved_endpoint_is_down_until_its_new_address_answers(servers, pools):
+    (old,) = await servers(1)
+    new = FakeEndpoint(port=old.port, host="127.0.0.2")  # the restarted container: new address, not up yet
+    resolver = Resolver({"model-a": ["127.0.0.1"]})
+    pool = await pools([f"model-a:{old.port}"], resolver=resolver)
+    assert await pool.wait_ready(5)
+    seen: list[tuple[str | None, bool]] = []
+    pool.add_listener(lambda snap: seen.append((snap[0].address, snap[0].healthy)))
+    resolver.table["model-a"] = ["127.0.0.2"]
+    await until(lambda: pool.snapshot()[0].address == new.endpoint)
+    await asyncio.sleep(0.3)
+    assert not pool.snapshot()[0].healthy  # the old address still answers, but it is not the endpoint any more
+    await new.start()
+    try:
+        await until(lambda: pool.snapshot()[0].healthy)
+        assert new.num_probes >= 1
+        assert [k for k, _ in itertools.groupby(seen)][:3] == [(old.endpoint, True), (new.endpoint, False),
+                                                              (new.endpoint, True)]
+        # A name with several addresses stays on the one it uses (no flapping between DNS answers).
+        resolver.table["model-a"] = ["127.0.0.1", "127.0.0.2"]
+        lookups = len(resolver.lookups)
+        await until(lambda: len(resolver.lookups) >= lookups + 2)
+        assert pool.snapshot()[0].address == new.endpoint and pool.snapshot()[0].healthy
+    finally:
+        await new.stop()
+
+
+async def test_a_failed_lookup_keeps_the_address_and_a_passive_failure_looks_up_at_once(servers, pools):
+    (a,) = await servers(1)
+    resolver = Resolver({"model-a": ["127.0.0.1"]})
+    pool = await pools([f"model-a:{a.port}"], dataclasses.replace(FAST, resolve_interval_s=30.0), resolver=resolver)
+    assert await pool.wait_ready(5)
+    del resolver.table["model-a"]  # DNS outage: the endpoint still answers at its address
+    lookups = len(resolver.lookups)
+    t0 = time.monotonic()
+    pool.report_failure(pool.endpoints[0])
+    await until(lambda: len(resolver.lookups) > lookups)
+    assert resolver.lookups[-1] - t0 < 1.0  # not the 30 s interval
+    await until(lambda: pool.snapshot()[0].healthy)  # probed again at the address it kept
+    assert pool.snapshot()[0].address == a.endpoint

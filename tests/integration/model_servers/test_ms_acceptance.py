@@ -13,6 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute.model_servers import tokenizer
+from prefixroute.model_servers.profiles import EngineSpec
+from prefixroute.model_servers.server import ServerSettings
 from prefixroute.model_servers.virtual import SimRequest, VirtualFleet
 
 pytestmark = pytest.mark.integration
@@ -118,8 +120,10 @@ async def test_virtual_and_http_engines_give_same_cache_hits(server_factory):
             async with s.post(srv.url + "/v1/chat/completions", json={"messages": mm, "max_tokens": 4}) as r:
                 assert r.status == 200
                 http_hits.append((await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
-    fleet = VirtualFleet(num_servers=1, num_gpu_blocks=blocks)
-    reqs = [SimRequest.from_messages(f"r{i}", i * 10.0, mm, max_tokens=4) for i, mm in enumerate(msgs)]
+    spec = EngineSpec.from_settings(ServerSettings(num_gpu_blocks=blocks))
+    fleet = VirtualFleet(spec, num_servers=1)
+    reqs = [SimRequest.from_body(f"r{i}", i * 10.0, "/v1/chat/completions",
+                                 orjson.dumps({"messages": mm, "max_tokens": 4}), spec) for i, mm in enumerate(msgs)]
     sim_hits = [r.cached_tokens for r in fleet.run(reqs, lambda req, f: 0)]
     assert sum(1 for h in http_hits if h > 0) >= 8  # the sequence really exercises the cache
     assert fleet.engines[0].cache.num_evictions > 0

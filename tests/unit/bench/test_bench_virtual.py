@@ -1,15 +1,19 @@
-"""--virtual: our policies' scheduling code on the model servers' virtual-time fleet (in process, no I/O)."""
+"""--virtual: the live router service (PoolRouter over a SimulatedPool) on the model servers' virtual-time fleet
+(in process, no I/O): same request bytes, headers, settings and in-flight accounting as the gateway."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import jsonschema
+import orjson
 import pytest
 
 from prefixroute.bench import results, upper_bound, virtual, workloads
+from prefixroute.model_servers.virtual import SimRequest
 
 
 def _wl(num_requests=60, rate=20.0, **kw):
@@ -97,21 +101,56 @@ def test_a_turn_is_sent_only_after_the_previous_turn_finished(arrival):
         assert _max_overlap(res) == 2
 
 
-def test_prompt_longer_than_the_context_window_is_a_400_not_a_crash():
-    recs = [workloads.TraceRecord(0, 600, 4, (1, 2)), workloads.TraceRecord(10, 600, 4, (1, 3))]
+def test_prompt_longer_than_the_context_window_is_the_servers_400_not_a_crash():
+    recs = [workloads.TraceRecord(0, 600, 4, (1, 2)), workloads.TraceRecord(10, 600, 4, (1, 3)),
+            workloads.TraceRecord(20, 100, 4, (1,))]
     wl = workloads.trace_workload(recs)
-    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=2, fleet_kwargs={"num_gpu_blocks": 36})
-    # 36 blocks x 16 tokens = 576-token window: a 600-token prompt does not fit.
-    assert [r.status for r in res] == [400, 400] and "context window" in res[0].error
+    spec = virtual.engine_spec(server_args=("--num-gpu-blocks", "36"))
+    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=2, spec=spec)
+    # 36 blocks x 16 tokens = 576-token window: a 600-token prompt does not fit; the server says so (routed first).
+    assert [r.status for r in res] == [400, 400, 200]
+    assert "maximum context length is 576 tokens" in res[0].error and res[0].endpoint is not None
 
 
 @pytest.mark.parametrize("args,expected", [
     (("--time-scale=0.5",), {"time_scale": 0.5}),
-    (("--time-scale", "2", "--num-gpu-blocks", "100"), {"time_scale": 2.0, "num_gpu_blocks": 100}),
-    (("--seed", "3"), {}),
+    (("--time-scale", "2", "--num-gpu-blocks", "100", "--max-num-seqs=3"),
+     {"time_scale": 2.0, "num_gpu_blocks": 100, "max_num_seqs": 3}),
+    (("--seed", "3", "--port", "9"), {}),  # no effect on a simulated engine
 ])
-def test_server_flags_map_to_the_fleet(args, expected):
-    assert virtual._fleet_kwargs(args) == expected
+def test_server_args_are_parsed_by_the_model_servers_parser(args, expected):
+    changed = dataclasses.asdict(virtual.engine_spec("llama-3.1-8b-h200", args).config)
+    default = dataclasses.asdict(virtual.engine_spec("llama-3.1-8b-h200").config)
+    assert {k: v for k, v in changed.items() if default[k] != v} == expected
+
+
+def test_server_args_set_the_window_models_and_default_max_tokens():
+    spec = virtual.engine_spec("", ("--max-model-len=4096", "--lora-modules=sql,chat", "--served-model-name=m",
+                                    "--default-max-tokens=5", "--profile=llama-3.1-70b-h200-tp4"))
+    assert (spec.max_model_len, spec.models, spec.profile.name) == (4096, {"m", "sql", "chat"},
+                                                                     "llama-3.1-70b-h200-tp4")
+    req = SimRequest.from_body("0", 0.0, "/v1/completions", b'{"prompt": "hi", "model": "sql"}', spec)
+    assert (req.model, req.max_tokens) == ("sql", 5)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--no-such-flag",), "unknown model-server flag"),
+    (("--time-scale", "fast"), "--time-scale"),
+    (("--fail-ratio=0.1",), "--fail-ratio is not simulated"),
+    (("--extra-latency-ms", "5"), "--extra-latency-ms is not simulated"),
+    (("--refuse-connections",), "--refuse-connections is not simulated"),
+    (("--profile", "gpt-9"), "unknown profile"),
+])
+def test_unknown_or_unsimulated_server_args_are_clear_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        virtual.engine_spec("", args)
+
+
+def test_cli_rejects_unsimulated_server_args_with_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "prefixroute", "bench", "--virtual", "--num-requests", "4",
+                           "--server-args=--fail-ratio=0.5", "--out", str(tmp_path / "o"), "--no-progress"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--fail-ratio is not simulated by --virtual" in proc.stderr, proc.stderr
 
 
 def test_cli_virtual_trace_writes_outputs(tmp_path):
@@ -135,7 +174,7 @@ def _sglang(sent: dict[int, list[str]]) -> virtual.SglangCacheAwareModel:
     m = virtual.SglangCacheAwareModel(["a:1", "b:1", "c:1"], block_chars=4)
     for i, texts in sent.items():
         for t in texts:
-            m.trees.record(_hashes(t), m.endpoint_ids[i])
+            m.trees[m.endpoint_ids[i]].update(_hashes(t))
     return m
 
 
@@ -157,7 +196,7 @@ def _hashes(text: str):
 def test_sglang_model_follows_its_three_rules(sent, text, in_flight, expected):
     m = _sglang(sent)
     assert m.choose(text, in_flight) == expected
-    assert m.trees.match(_hashes(text)).get(m.endpoint_ids[expected], 0) == len(_hashes(text))  # text recorded
+    assert m.match(_hashes(text))[expected] == len(_hashes(text))  # text recorded
 
 
 def test_sglang_model_runs_by_name_in_a_virtual_bench():
@@ -170,27 +209,70 @@ def test_sglang_model_runs_by_name_in_a_virtual_bench():
         virtual.run_virtual(wl, None, ["sim:nope"], num_servers=2, log=lambda _m: None)
 
 
+class _RecordingRouter(virtual.PoolRouter):
+    """The live PoolRouter, recording what it was asked and what its pool counted at each pick."""
+
+    made: list[_RecordingRouter] = []
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls, self.in_flight_at_pick, self.prefill_at_pick = [], [], []
+        _RecordingRouter.made.append(self)
+
+    def route(self, method, path, headers, body):
+        pick = super().route(method, path, headers, body)
+        self.calls.append((method, path, dict(headers), body, pick.request))
+        self.in_flight_at_pick.append(sum(self.pool.in_flight.values()))
+        self.prefill_at_pick.append(sum(self.core.scheduler.policy.outstanding_prefill_tokens().values()))
+        return pick
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    _RecordingRouter.made = []
+    monkeypatch.setattr(virtual, "PoolRouter", _RecordingRouter)
+    return _RecordingRouter.made
+
+
 @pytest.mark.parametrize("arrival", ["poisson", "closed"])
-def test_every_routed_request_is_released_when_it_finishes(monkeypatch, arrival):
-    # The virtual runner calls RouterCore.on_release at each finish, as the gateway does at response end:
-    # the prefix policy's outstanding prefill is positive while requests run and back to nothing at the end.
-    from prefixroute.extproc.routing import router as router_mod
-
-    cores, peaks = [], []
-
-    class Recording(router_mod.RouterCore):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            cores.append(self)
-
-        def route(self, request, endpoints, in_flight):
-            d = super().route(request, endpoints, in_flight)
-            peaks.append(sum(self.scheduler.policy.outstanding_prefill_tokens().values()))
-            return d
-
-    monkeypatch.setattr(router_mod, "RouterCore", Recording)
+def test_every_pick_is_counted_in_flight_and_released_when_it_finishes(recording, arrival):
+    # In-flight is the router's own count: picked at arrival, released at each finish as the gateway does at
+    # response end; the prefix policy's outstanding prefill is positive while requests run, nothing at the end.
     wl = workloads.apply_arrivals(_wl(num_requests=30), arrival, rate_rps=20.0, seed=1)
     res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=2, concurrency=4)
-    assert len(cores) == 1 and all(r.ok for r in res)
-    assert max(peaks) > 512  # at least one uncached 512-token system prompt was outstanding
-    assert cores[0].scheduler.policy.outstanding_prefill_tokens() == {}
+    (router,) = recording
+    assert all(r.ok for r in res) and len(router.calls) == 30
+    assert max(router.in_flight_at_pick) == (4 if arrival == "closed" else _max_overlap(res))
+    assert max(router.prefill_at_pick) > 512  # at least one uncached 512-token system prompt was outstanding
+    assert dict(router.pool.in_flight) == {"sim-0:8000": 0, "sim-1:8000": 0}
+    assert router.core.scheduler.policy.outstanding_prefill_tokens() == {}
+
+
+def test_the_router_parses_the_bytes_and_headers_a_live_client_sends(recording):
+    wl = _wl(num_requests=3)
+    spec = virtual.engine_spec()
+    virtual.simulate_policy(wl, "prefix", num_servers=2, spec=spec)
+    (router,) = recording
+    for (method, path, headers, body, request), req in zip(router.calls, wl.requests):
+        assert (method, path, headers) == ("POST", req.path, {"content-type": "application/json"})
+        assert body == orjson.dumps(req.body(spec.served_model_name))  # what bench/client.py sends
+        assert request.model == spec.served_model_name
+    assert router.settings is router.core.settings  # one settings object parses and routes
+
+
+def test_tenant_header_reaches_the_router_and_keeps_tenants_apart(recording):
+    # Two tenants send the same prompt: the tenant header salts the router's hashes (the server's cache is not
+    # salted by a header, as vLLM's is not), so the prefix index never matches one tenant's prefix for the other.
+    wl = workloads.apply_arrivals(workloads.shared_prompts(num_requests=40, num_groups=1, prefix_tokens=512,
+                                                           question_tokens=16, output_tokens=4, seed=3),
+                                  "poisson", rate_rps=5.0, seed=3)
+    spec = virtual.engine_spec()
+    sims = [SimRequest.from_body(s.request_id, s.arrival_s, s.path, s.body, spec,
+                                 {**s.headers, "x-prefixroute-tenant": f"t{int(s.request_id) % 2}"})
+            for s in virtual.build_sim_requests(wl, spec)]
+    virtual.simulate_policy(wl, "prefix", num_servers=4, spec=spec, sims=sims)
+    (router,) = recording
+    requests = [c[4] for c in router.calls]
+    assert {r.tenant for r in requests} == {"t0", "t1"}
+    first = {r.tenant: r.block_hashes[0] for r in requests}
+    assert first["t0"] != first["t1"]

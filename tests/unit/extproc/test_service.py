@@ -1,9 +1,12 @@
 """`PoolRouter` (RouterCore + a real EndpointPool probing real HTTP endpoints in-process): in-flight accounting,
-passive failure from the served header, errors, address resolution."""
+passive failure from the served header, errors, addresses from the pool's snapshot (names, moves)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
 
 import orjson
 import pytest
@@ -11,15 +14,16 @@ from aiohttp import web
 
 from prefixroute.extproc.endpoints.pool import EndpointPool
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.service import PoolRouter, resolve_address
+from prefixroute.extproc.service import PoolRouter
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
 
 MODEL = "m"
+FAST = PoolSettings(resolve_interval_s=0.05, probe_interval_s=0.05, failure_probe_delay_s=0.05)
 
 
-async def _endpoint() -> tuple[web.AppRunner, str]:
+async def _endpoint(host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, str]:
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="")
 
@@ -31,12 +35,19 @@ async def _endpoint() -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.add_routes([web.get("/health", health), web.get("/v1/models", models), web.get("/metrics", metrics)])
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)  # a test server stops at once
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, host, port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp exposes no public accessor
-    return runner, f"127.0.0.1:{port}"
+    return runner, f"{host}:{port}"
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -51,7 +62,7 @@ async def router() -> AsyncIterator[PoolRouter]:
     await pool.start()
     try:
         assert await pool.wait_ready(5.0)
-        yield PoolRouter(RouterCore(settings), pool, settings)
+        yield PoolRouter(RouterCore(settings), pool)
     finally:
         await pool.close()
         for r in runners:
@@ -131,17 +142,95 @@ async def test_non_inference_path_routes_without_a_body(router: PoolRouter) -> N
     router.release(pick)
 
 
-@pytest.mark.parametrize(("endpoint", "address"), [
-    ("127.0.0.1:8000", "127.0.0.1:8000"),
-    ("localhost:8001", "127.0.0.1:8001"),
-    ("[::1]:8002", "[::1]:8002"),
-])
-def test_endpoint_ids_resolve_to_addresses_for_original_dst(endpoint: str, address: str) -> None:
-    assert resolve_address(endpoint) in (address, "[::1]:8001" if endpoint.startswith("localhost") else address)
+async def test_a_name_is_routed_as_the_address_it_resolves_to() -> None:
+    # localhost's first address (what getaddrinfo, and so the pool, prefers): the endpoint listens there.
+    info = await asyncio.get_running_loop().getaddrinfo("localhost", None, type=socket.SOCK_STREAM)
+    ip = info[0][4][0]
+    runner, literal = await _endpoint(ip)
+    port = literal.rpartition(":")[2]
+    pool = EndpointPool(FAST, [f"localhost:{port}"])
+    await pool.start()
+    try:
+        assert await pool.wait_ready(5.0)
+        router = PoolRouter(RouterCore(RoutingSettings()), pool)
+        pick = router.route(*POST, {}, _chat("named " * 100))
+        address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        assert pick.endpoint_ids == (f"localhost:{port}",) and pick.endpoints == (address,)
+        assert router.endpoint_of(address) == f"localhost:{port}"
+        router.release(pick)
+    finally:
+        await pool.close()
+        await runner.cleanup()
+
+
+async def test_an_unresolved_name_is_never_routed_and_joins_once_it_resolves() -> None:
+    up_runner, up = await _endpoint()
+    late_runner, late_literal = await _endpoint()
+    late = f"model-late:{late_literal.rpartition(':')[2]}"
+    resolvable = asyncio.Event()
+
+    async def resolver(host: str, port: int) -> list[str]:
+        if host == "model-late" and resolvable.is_set():
+            return ["127.0.0.1"]
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    pool = EndpointPool(FAST, [up, late], resolver=resolver)
+    await pool.start()
+    try:
+        assert await pool.wait_ready(5.0, num_healthy=1)
+        router = PoolRouter(RouterCore(RoutingSettings(policy="round-robin")), pool)
+        await asyncio.sleep(0.3)  # several failed lookups and probe intervals
+        picks = [router.route(*POST, {}, _chat(f"spread {i} " * 50)) for i in range(6)]
+        assert {p.endpoint_ids[0] for p in picks} == {up}  # round-robin would alternate over two healthy ones
+        assert next(s for s in pool.snapshot() if s.endpoint == late).address is None
+        resolvable.set()
+        assert await pool.wait_ready(5.0)
+        picks += [router.route(*POST, {}, _chat(f"spread {i} " * 50)) for i in range(6)]
+        assert {p.endpoints[0] for p in picks[6:]} == {up, late_literal}
+        assert router.endpoint_of(late_literal) == late
+        for p in picks:
+            router.release(p)
+    finally:
+        await pool.close()
+        await up_runner.cleanup()
+        await late_runner.cleanup()
+
+
+async def test_after_a_move_the_old_address_still_maps_for_requests_in_flight() -> None:
+    old_runner, old = await _endpoint("127.0.0.1")
+    port = int(old.rpartition(":")[2])
+    new_runner, new = await _endpoint("127.0.0.2", port)  # the restarted container: same port, new address
+    current = ["127.0.0.1"]
+
+    async def resolver(host: str, p: int) -> list[str]:
+        return list(current)
+
+    name = f"model-a:{port}"
+    pool = EndpointPool(FAST, [name], resolver=resolver)
+    await pool.start()
+    try:
+        assert await pool.wait_ready(5.0)
+        router = PoolRouter(RouterCore(RoutingSettings(), track_prefill=True), pool)
+        before = router.route(*POST, {}, _chat("moving " * 100))
+        assert before.endpoints == (old,)
+        current[:] = ["127.0.0.2"]
+        await _until(lambda: pool.snapshot()[0].address == new and pool.snapshot()[0].healthy)
+        after = router.route(*POST, {}, _chat("moving " * 100))
+        assert after.endpoints == (new,)
+        assert router.endpoint_of(old) == name and router.endpoint_of(new) == name
+        router.served(before, old)  # the request sent before the move reports its address: no failover
+        assert router.num_failovers == 0 and pool.in_flight[name] == 2
+        router.release(before)
+        router.release(after)
+        assert pool.in_flight[name] == 0
+    finally:
+        await pool.close()
+        await old_runner.cleanup()
+        await new_runner.cleanup()
 
 
 async def test_release_returns_outstanding_prefill_to_zero(router: PoolRouter) -> None:
-    tracked = PoolRouter(RouterCore(router.settings, track_prefill=True), router.pool, router.settings)
+    tracked = PoolRouter(RouterCore(router.settings, track_prefill=True), router.pool)
     policy = tracked.core.scheduler.policy
     picks = [tracked.route(*POST, {}, _chat(f"cold prompt {i} " * 200)) for i in range(3)]
     assert sum(policy.outstanding_prefill_tokens().values()) > 0
