@@ -9,11 +9,15 @@ Modules (pure logic separate from I/O):
   cached tokens and the serving endpoint.
 - `results`: metrics arithmetic and the results.json document. Pure.
 - `report`: report.md and the PNG plots.
-- `processes`, `runner`: fresh model servers + one router per run (our gateway per policy, sglang-router,
+- `runner`: fresh model servers + one router per run (our gateway per policy, sglang-router,
   vllm-router), same request sequence for every router.
 - `virtual`, `sim_pool`: the live router service (`PoolRouter` over a `SimulatedPool`) against the model
   servers' virtual-time fleet (`--virtual`).
 - `cli`: ``prefixroute bench``.
+- `overhead` (+ `http_load`, `fast_upstream`): ``prefixroute overhead-bench``, Envoy with vs without ext_proc.
+- `decision`: ``python -m prefixroute.bench.decision``, parse + hash + schedule time per request.
+- `recorder`: ``python -m prefixroute.bench.recorder``, the telemetry recorder's cost on the event loop.
+- `model_server`: ``prefixroute model-server-bench``, the simulated server's own CPU cost.
 
 Reproduce the README tables (real processes; ~1 min per router for the first, ~4 min per router for the
 second)::

@@ -1,3 +1,8 @@
 """prefixroute: a prefix-aware router for LLM inference fleets (Envoy ext_proc)."""
 
-__version__ = "0.1.0"
+from importlib import metadata as _metadata
+
+try:
+    __version__ = _metadata.version("prefixroute")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"

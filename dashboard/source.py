@@ -65,7 +65,7 @@ GROUP BY bucket_start, endpoint ORDER BY bucket_start, endpoint
 """Per bucket and endpoint: counts and token sums only (no percentiles), with the store's definitions
 of an error and of the token-weighted hit ratios (store.py docstring). `StoreReader.timeseries(
 by_endpoint=True)` gives the same plus per-endpoint percentiles, which the dashboard does not chart
-and which cost ~5x more (a window-function sort per group)."""
+and which cost several times more (a window-function sort per group)."""
 
 
 class DataSource:

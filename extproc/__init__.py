@@ -4,11 +4,18 @@ Modules:
 - `servicer`: the gRPC `ExternalProcessor.Process` servicer; a thin translation to a `RouterService` (flow,
   processing modes and when in-flight is released: its docstring).
 - `wire`: the ext_proc protobuf classes (upb), built from extproc/proto/ into a private descriptor pool.
-- `service`: `PoolRouter`, the RouterService over `routing.RouterCore` + `endpoints.EndpointPool`.
+- `service`: `PoolRouter`, the RouterService over `routing.RouterCore` + an `endpoints.Pool` (the live
+  `EndpointPool`, or the benchmarks' virtual-time `SimulatedPool`: one code path for both).
+- `headers`: the protocol names (headers, metadata keys) shared by the hot path and the Envoy configuration.
+- `tracking`: per-request telemetry state joining the routing stream and the observing stream.
 - `server`, `cli`: the grpc.aio server and `prefixroute extproc`.
-- `envoy_config`: renders the Envoy bootstrap (`prefixroute envoy-config`; committed as `envoy/envoy.yaml`);
+- `envoy_config`: builds the Envoy bootstrap from envoy-data-plane's typed messages and renders it as YAML
+  (`prefixroute envoy-config`; committed as `envoy/envoy.yaml`); never imported by the ext_proc process;
   failover (composite cluster of ORIGINAL_DST sub-clusters), spoof protection and the ext_proc-down
   behaviour are described there.
 - `gateway`: `GatewayProcesses` (Envoy + ext_proc as children) and `prefixroute gateway`.
-- `overhead_bench`, `http_load`, `fast_upstream`: `prefixroute overhead-bench`.
+- `routing/`: the pure routing core; `endpoints/`: the live endpoint pool.
+
+Benchmarks of this layer (`prefixroute overhead-bench`, `python -m prefixroute.bench.decision`) live in
+`prefixroute.bench`.
 """

@@ -58,8 +58,8 @@ class RoutingSettings(Settings):
         "Cost, in prompt tokens of prefill, of one in-flight request (router's own count) on an endpoint. A "
         "running request mostly adds one sequence to each decode step, about what 64 prompt tokens add to a "
         "step, so a conversation of a few hundred tokens stays where its cache is at a small load difference "
-        "(the balance limits below, not this cost, spread hot prefixes); in the virtual benchmarks 128-384 "
-        "moved more sessions away from their cache and lowered the multi-turn hit ratio by 1-4 points.")
+        "(the balance limits below, not this cost, spread hot prefixes); in the virtual benchmarks larger "
+        "values moved sessions away from their cache and lowered the multi-turn hit ratio.")
     queue_cost_tokens: float = setting(
         1024.0,
         "Extra cost, in prompt tokens, of each scraped waiting request (num_requests_waiting): a waiting "
@@ -90,15 +90,14 @@ class RoutingSettings(Settings):
         "In-flight requests allowed above balance_factor x mean before the balance limit applies. At low load "
         "the mean is below one request and a limit of 1.5 x mean would move every second request of a prefix "
         "away from its cache for no latency gain. 4, not 2: a few extra requests queued behind a cached "
-        "8,000-token prefix cost less than prefilling it again elsewhere; in the virtual benchmarks (seeds 0-3) "
-        "2 spilled hot system prompts at 5-8 in flight and cost the shared-prompt workload 1-2 points of hit "
-        "ratio with no P90 gain, while 4 and 6 gave identical results and kept every endpoint under 1.4 x fair.")
+        "8,000-token prefix cost less than prefilling it again elsewhere; in the virtual benchmarks 2 spilled "
+        "hot system prompts early and lost hit ratio with no P90 gain, while 4 and 6 behaved alike.")
     cold_balance_factor: float = setting(
         1.0,
         "A prefix seen nowhere goes to the first endpoint in rendezvous order whose in-flight requests are at "
         "most cold_balance_factor x the mean (consistent hashing with bounded loads). Nothing is cached "
         "anywhere for it, so load is all that separates endpoints; 1.0 (at or under the mean: a set that is "
-        "never empty) cut the simulated Mooncake-trace P90 TTFT by ~20% against plain rendezvous. At equal "
+        "never empty) lowered the simulated Mooncake trace's P90 TTFT against plain rendezvous. At equal "
         "load this is plain rendezvous.")
     cold_key_blocks: int = setting(
         4,

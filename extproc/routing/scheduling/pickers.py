@@ -68,7 +68,8 @@ class RendezvousTable:
 
     SMALL = 12
     """Up to this many endpoints the weights are computed with Python ints: numpy's fixed cost per call
-    (~8 us) exceeds ~0.6 us per endpoint there. Same figures, same order."""
+    exceeds the per-endpoint cost of Python ints there (`python -m prefixroute.bench.decision`). Same figures,
+    same order."""
 
     def __init__(self, endpoints: Sequence[EndpointState]) -> None:
         self.endpoints = tuple(endpoints)

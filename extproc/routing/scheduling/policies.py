@@ -24,7 +24,7 @@ compete. Then, in order:
 
 Why (virtual benchmarks, bench/virtual.py): the earlier version scored prefix match as a fraction of the prompt
 against load scores scaled to a fixed threshold of 32 in flight, so a short shared instruction or system prompt
-pulled every new document or session to one endpoint (2x fair share on 4) and nothing spilled before 32. A
+pulled every new document or session to one endpoint and nothing spilled before 32. A
 cost in tokens lets a 256-token shared prefix lose against a few requests of load while an 8,000-token one
 wins; the limits relative to the fleet's mean make a hot prefix spill and then spread (its second endpoint is
 recorded in the index); bounded-load cold placement sends new prefixes away from busy endpoints; and bounding
