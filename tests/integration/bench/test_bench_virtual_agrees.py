@@ -15,17 +15,29 @@ SERVER_ARGS = ("--max-num-seqs=64",)  # passed to both fleets: the real servers'
 ROUTERS = ["prefixroute:prefix", "prefixroute:random"]
 
 HIT_RATIO_TOLERANCE = 0.02
-"""80 requests over 4 groups x 512-token prefixes on 2 servers at 10 req/s: load stays far below the balance
-limits, so both runs make the same placement decisions (prefix), or visit every (group, server) pair (random,
-whose draws differ: the real gateway also spends them on readiness probes), and the ratio is then fixed by the
-token counts. One decision placed differently (a load figure read a few ms apart) costs one 512-token prefix,
-~1.2 points of the ~43k prompt tokens; 2 points allows that one and fails on two, or on any systematic
-difference in tokenization, templates, cache accounting or routing."""
+"""80 requests over 4 groups x 2,048-token prefixes on 2 servers at 10 req/s. Prefix: both runs make the same
+placement decisions (below), so the ratio is fixed by the token counts. Random: its draws differ (the real
+gateway also spends some on readiness probes), but it visits every (group, server) pair within a few requests,
+so the ratio is nearly fixed too. One decision placed differently costs one 2,048-token prefix, ~1.2 points of
+the ~170k prompt tokens; 2 points allows that one and fails on two, or on any systematic difference in
+tokenization, templates, cache accounting or routing."""
+
+BALANCE_OFF = {"PREFIXROUTE_BALANCE_FACTOR": "100", "PREFIXROUTE_COLD_BALANCE_FACTOR": "100"}
+"""For both runs (the gateway and the simulation read the same environment variables). At this size a balance
+decision turns on a few milliseconds of timing (is a request still in flight when the next one arrives?), which
+a real and a virtual run cannot share: with endpoint ids drawn from free ports, rendezvous sometimes puts three of
+the four groups on one server, at the recent-share limit, and the runs then spilled 2-10 requests differently.
+With the limits out of reach, and prefixes long enough that one scraped waiting request (queue_cost_tokens)
+cannot outweigh a cached prefix, placement is affinity + plain rendezvous, the same request for request: what is
+compared is the data path (request bytes, tokenization, cache accounting, index updates, releases). The README's
+300-request comparison runs the default limits."""
 
 
 @pytest.mark.timeout(90)
-def test_virtual_and_real_runs_agree_on_hit_ratio(tmp_path):
-    wl = workloads.apply_arrivals(workloads.shared_prompts(num_requests=80, num_groups=4, prefix_tokens=512,
+def test_virtual_and_real_runs_agree_on_hit_ratio(tmp_path, monkeypatch):
+    for name, value in BALANCE_OFF.items():
+        monkeypatch.setenv(name, value)
+    wl = workloads.apply_arrivals(workloads.shared_prompts(num_requests=80, num_groups=4, prefix_tokens=2048,
                                                            question_tokens=16, output_tokens=4, seed=5),
                                   "poisson", rate_rps=10.0, seed=5)
     bound = upper_bound.upper_bound(wl).hit_ratio
@@ -45,9 +57,7 @@ def test_virtual_and_real_runs_agree_on_hit_ratio(tmp_path):
         assert r["extra"]["prompt_tokens"] == s["extra"]["prompt_tokens"], name  # same bytes, same tokenizer
         assert abs(r["hit_ratio"] - s["hit_ratio"]) <= HIT_RATIO_TOLERANCE, (name, r["hit_ratio"], s["hit_ratio"])
     # Prefix placement is the same request for request (same ids, same rendezvous): every endpoint's share within
-    # two requests (2/80) of the real one. This catches what the ratio alone may not (in-flight counts that drift
-    # from the gateway's move placements at a cost of ~1 point here). Random's draws differ between the runs, so
-    # its shares are not compared.
+    # two requests (2/80) of the real one. Random's draws differ between the runs, so its shares are not compared.
     real_share = real_runs["prefixroute:prefix"]["endpoint_share"]
     sim_share = sim_runs["prefixroute:prefix"]["endpoint_share"]
     assert real_share.keys() == sim_share.keys()
