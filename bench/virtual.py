@@ -52,6 +52,7 @@ from prefixroute.bench.runner import RouterSpec, parse_router
 from prefixroute.bench.sim_pool import SimulatedPool
 from prefixroute.bench.workloads import RequestSpec, Workload
 from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.routing.prefix_index import num_leading_held
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.service import PoolRouter
@@ -134,26 +135,9 @@ class SglangCacheAwareModel:
         self.trees: dict[str, set[int]] = {ep: set() for ep in self.endpoint_ids}
 
     def match(self, hashes: Sequence[int]) -> list[int]:
-        """Per endpoint (fleet order), how many leading blocks of `hashes` its tree holds. The trees are closed
-        under prefixes (a chained hash names its whole prefix, recorded with it), so a binary search finds it."""
-        n = len(hashes)
-        out = []
-        for ep in self.endpoint_ids:
-            tree = self.trees[ep]
-            if not n or hashes[0] not in tree:
-                out.append(0)
-            elif hashes[-1] in tree:
-                out.append(n)
-            else:
-                lo, hi = 1, n - 1  # holds block lo-1; the answer is the largest count in [lo, hi]
-                while lo < hi:
-                    mid = (lo + hi + 1) >> 1
-                    if hashes[mid - 1] in tree:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                out.append(lo)
-        return out
+        """Per endpoint (fleet order), how many leading blocks of `hashes` its tree holds (the trees are closed
+        under prefixes: a chained hash names its whole prefix, recorded with it)."""
+        return [num_leading_held(hashes, self.trees[ep]) for ep in self.endpoint_ids]
 
     @staticmethod
     def request_text(body: bytes) -> str:
