@@ -108,7 +108,8 @@ class ServerSettings(Settings):
                                            "nothing, or too little to drain the buffer) before its request is "
                                            "aborted and the connection reset. 30 s: far above any pause of a "
                                            "live client (GC, TCP retransmits), short enough that a dead one "
-                                           "frees its KV blocks before a slow generation fills the buffer.")
+                                           "frees its KV blocks before a slow generation fills the buffer. "
+                                           "0 = no stall limit (the buffer limit alone).")
     shutdown_grace_s: float = setting(2.0, "On SIGTERM, how long in-flight requests may finish before their "
                                            "connections are closed (short: tests restart servers often).")
     max_body_bytes: int = setting(16 * 1024 * 1024, "Largest request body accepted; larger ones get a 413 and "
@@ -467,7 +468,8 @@ class HttpConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.paused = True
-        self.transport.pause_reading()  # no new requests while their responses could not be written
+        if not self.transport.is_closing():
+            self.transport.pause_reading()  # no new requests while their responses could not be written
         if self._stall_timer is None and self.app.settings.stall_timeout_s > 0:
             self._stall_timer = asyncio.get_running_loop().call_later(self.app.settings.stall_timeout_s,
                                                                       self.give_up, "stalled")

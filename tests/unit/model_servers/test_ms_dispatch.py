@@ -105,7 +105,8 @@ def test_unexpected_handler_exception_is_an_openai_500(app, monkeypatch):
     failed = app.num_failed
     status, body = answer(app, b"/v1/completions", b'{"prompt": "x"}')
     assert status == 500 and app.num_failed == failed + 1
-    assert body["error"]["type"] == "InternalServerError" and "KeyError" in body["error"]["message"]  # type: ignore[index]
+    err = body["error"]  # type: ignore[index]
+    assert err["type"] == "InternalServerError" and "KeyError" in err["message"]
 
 
 def test_admin_paths_are_404_on_the_serving_port_and_served_on_the_admin_one(app):
