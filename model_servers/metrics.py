@@ -4,13 +4,24 @@ Every sample carries ``model_name`` (the served model name) and ``engine="0"`` l
 Counters are exposed with the ``_total`` suffix and a ``# TYPE <name> counter`` family line, so
 ``prometheus_client.parser.text_string_to_metric_families`` reads them as counters named without
 ``_total``.
+
+The page ends with prometheus_client's standard process collector (``process_start_time_seconds``,
+``process_resident_memory_bytes``, ``process_cpu_seconds_total`` ..., unlabelled), which real vLLM exposes
+through the same library: a changed ``process_start_time_seconds`` tells a scraper the endpoint restarted
+(its counters started again at 0 and its KV cache is empty).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+
 from prefixroute.model_servers.engine import TTFT_BUCKETS_S, EngineCore
+
+_PROCESS = CollectorRegistry(auto_describe=False)
+ProcessCollector(registry=_PROCESS)  # reads /proc/self on each scrape (~0.25 ms)
 
 
 def _fmt(v: float) -> str:
@@ -18,8 +29,10 @@ def _fmt(v: float) -> str:
 
 
 def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_requests_failed: int = 0,
-           runner: Any = None) -> str:
-    """The /metrics page. `runner` (an AsyncEngine) adds real-time step-lag counters."""
+           runner: Any = None, slow_client_aborts: Mapping[str, int] | None = None,
+           process: bool = True) -> str:
+    """The /metrics page. `runner` (an AsyncEngine) adds real-time step-lag counters; `slow_client_aborts`
+    (reason -> count) the backpressure aborts; `process` the process collector's gauges."""
     lbl = f'engine="0",model_name="{model_name}"'
     st = core.stats
     out: list[str] = []
@@ -43,8 +56,15 @@ def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_r
     out.append("# HELP vllm:request_success Count of successfully processed requests.\n"
                "# TYPE vllm:request_success counter\n"
                f'vllm:request_success_total{{{lbl},finished_reason="length"}} {_fmt(st.num_finished)}')
-    counter("prefixroute:requests_aborted", "Requests dropped before finishing (client disconnect).",
-            st.num_aborted)
+    counter("prefixroute:requests_aborted", "Requests dropped before finishing (client disconnect, or a client "
+            "that did not read: see prefixroute:slow_client_aborts).", st.num_aborted)
+    if slow_client_aborts is not None:
+        name = "prefixroute:slow_client_aborts"
+        out.append(f"# HELP {name} Connections reset because their client did not read (buffer_full: over "
+                   f"max_stream_buffer_bytes buffered; stalled: write-paused for stall_timeout_s).\n"
+                   f"# TYPE {name} counter\n" + "\n".join(
+                       f'{name}_total{{{lbl},reason="{reason}"}} {_fmt(n)}'
+                       for reason, n in slow_client_aborts.items()))
     counter("prefixroute:requests_failed", "Requests answered with an error (including injected faults).",
             num_http_requests_failed)
     counter("prefixroute:kv_block_evictions", "Cached KV blocks evicted to make room.", core.cache.num_evictions)
@@ -70,4 +90,7 @@ def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_r
     lines.append(f"{name}_count{{{lbl}}} {_fmt(st.ttft_count)}")
     lines.append(f"{name}_sum{{{lbl}}} {_fmt(st.ttft_sum_s)}")
     out.append("\n".join(lines))
-    return "\n".join(out) + "\n"
+    text = "\n".join(out) + "\n"
+    if process:
+        text += generate_latest(_PROCESS).decode()
+    return text

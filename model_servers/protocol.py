@@ -10,11 +10,21 @@ Chosen behaviours where vLLM's would depend on a real model:
   emits EOS, so exactly that many tokens are generated, like ``ignore_eos``);
 - ``n`` other than 1 and ``prompt`` batches of more than one prompt are 400s;
 - ``prompt`` may be a string, a list of token ids, or a one-element list of either.
+
+Validated like vLLM (its pydantic request models + ``SamplingParams._verify_args``), each error a 400 naming
+the field in ``param``: prompt token ids are ints in [0, vocab size); ``stop`` is a string or a list of
+non-empty strings; ``logprobs`` is a boolean for chat and an int in [0, MAX_LOGPROBS] for completions;
+``top_logprobs`` an int in [0, MAX_LOGPROBS] (and needs ``logprobs: true``); ``n`` >= 1 (only 1 served);
+``max_tokens`` >= 1; ``temperature`` in [0, 2]; ``top_p`` in (0, 1]; presence/frequency penalties in [-2, 2];
+``top_k`` -1, 0 or >= 1; ``min_p`` in [0, 1]; ``repetition_penalty`` > 0; ``seed`` an int. Unknown fields are
+ignored (vLLM warns and ignores them). Client values echoed in messages are cut to `ECHO_CHARS` characters,
+so a 1 MB field never becomes a 1 MB error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -33,6 +43,18 @@ class GenerateRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None
+
+
+MAX_LOGPROBS = 20
+"""vLLM's default ``--max-logprobs`` (and OpenAI's limit for ``top_logprobs``)."""
+ECHO_CHARS = 100
+"""Longest client value quoted back in an error message."""
+
+
+def clip(value: Any, limit: int = ECHO_CHARS) -> str:
+    """`value` (a str as is, anything else as its repr) cut to `limit` characters for an error message."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
 def _bad(message: str, param: str | None = None) -> OpenAIError:
@@ -56,7 +78,7 @@ def _opt_int(data: dict, key: str, minimum: int) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(f"'{key}' must be an integer, got {type(v).__name__}", key)
     if v < minimum:
-        raise _bad(f"'{key}' must be at least {minimum}, got {v}", key)
+        raise _bad(f"'{key}' must be at least {minimum}, got {clip(v)}", key)
     return v
 
 
@@ -74,7 +96,7 @@ def resolve_model(data: dict, served: str, models: frozenset[str]) -> str:
     if not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
     if model not in models:
-        raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", type_="NotFoundError")
+        raise OpenAIError(404, f"The model `{clip(model)}` does not exist.", param="model", type_="NotFoundError")
     return model
 
 
@@ -98,14 +120,59 @@ def prompt_ids_of(data: dict, chat: bool) -> np.ndarray:
         if not prompt:
             raise _bad("The prompt cannot be empty.", "prompt")
         return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = np.asarray(prompt, dtype=np.int64)
-        if ids.min() < 0 or ids.max() >= tokenizer.VOCAB_SIZE:
-            raise _bad(f"Token ids must be in [0, {tokenizer.VOCAB_SIZE}).", "prompt")
-        return ids
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        # range-check in Python before numpy: an id of 2**63 would overflow int64 (an OverflowError, not a 400)
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= tokenizer.VOCAB_SIZE:
+            bad = lo if lo < 0 else hi
+            raise _bad(f"Token id {clip(bad)} is out of vocabulary: prompt token ids must be integers in "
+                       f"[0, {tokenizer.VOCAB_SIZE}).", "prompt")
+        return np.asarray(prompt, dtype=np.int64)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
         raise _bad("Batched prompts are not supported by this server; send one prompt per request.", "prompt")
     raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+
+
+def _opt_number(data: dict, key: str, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    v = _opt_type(data, key, (int, float), "a number")
+    if v is None:
+        return
+    if not math.isfinite(v) or (v <= lo if lo_open else v < lo) or v > hi:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise _bad(f"'{key}' must be in {interval}, got {clip(v)}", key)
+
+
+def _check_sampling(data: dict, chat: bool) -> None:
+    """The sampling fields the simulated model ignores but vLLM validates (types and ranges, as vLLM)."""
+    _opt_number(data, "temperature", 0.0, 2.0)
+    _opt_number(data, "top_p", 0.0, 1.0, lo_open=True)
+    _opt_number(data, "min_p", 0.0, 1.0)
+    _opt_number(data, "presence_penalty", -2.0, 2.0)
+    _opt_number(data, "frequency_penalty", -2.0, 2.0)
+    _opt_number(data, "repetition_penalty", 0.0, math.inf, lo_open=True)
+    _opt_int(data, "top_k", -1)  # -1 (vLLM's legacy "disabled"), 0 (disabled) and >= 1 are all valid
+    _opt_int(data, "seed", -(1 << 63))
+    _opt_int(data, "min_tokens", 0)
+    stop = data.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        elif not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise _bad(f"'stop' must be a string or a list of strings, got {clip(stop)}", "stop")
+        if any(not x for x in stop):
+            raise _bad("'stop' cannot contain an empty string.", "stop")
+    if chat:
+        logprobs = _opt_type(data, "logprobs", (bool,), "a boolean")
+        top = _opt_int(data, "top_logprobs", 0)
+        if top is not None:
+            if top > MAX_LOGPROBS:
+                raise _bad(f"'top_logprobs' must be at most {MAX_LOGPROBS}, got {clip(top)}", "top_logprobs")
+            if top > 0 and not logprobs:
+                raise _bad("When using 'top_logprobs', 'logprobs' must be set to true.", "top_logprobs")
+    else:
+        lp = _opt_int(data, "logprobs", 0)
+        if lp is not None and lp > MAX_LOGPROBS:
+            raise _bad(f"'logprobs' must be at most {MAX_LOGPROBS}, got {clip(lp)}", "logprobs")
 
 
 def parse_generate(data: dict, *, chat: bool, served: str, models: frozenset[str], max_model_len: int,
@@ -125,8 +192,7 @@ def parse_generate(data: dict, *, chat: bool, served: str, models: frozenset[str
     n = _opt_int(data, "n", 1)
     if n is not None and n != 1:
         raise _bad("Only n=1 is supported by this server.", "n")
-    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        _opt_type(data, key, (int, float), "a number")
+    _check_sampling(data, chat)
     max_tokens = _opt_int(data, "max_completion_tokens", 1) if chat else None
     if max_tokens is None:
         max_tokens = _opt_int(data, "max_tokens", 1)

@@ -7,19 +7,31 @@ one `transport.write` (chunked transfer encoding).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (stream and not), GET /v1/models, GET /health,
 POST /tokenize, GET /metrics, GET /version, SGLang-style probes (GET /server_info, /get_server_info,
-/model_info, /get_model_info, /readiness), and GET|POST /admin/faults (runtime fault injection).
+/model_info, /get_model_info, /readiness). GET|POST /admin/faults (runtime fault injection) is served only on
+the separate admin listener (`admin_port`, off by default, loopback): the serving port answers every
+/admin/* path with a 404, so nothing a gateway forwards can change the server's faults.
 Every response carries ``x-prefixroute-server-id``; a request's W3C ``traceparent`` is echoed in
 ``x-prefixroute-traceparent``.
 
 Failure behaviours (chosen, tested):
 - malformed HTTP: 400 and close; body over `max_body_bytes`: 413 and close; unknown path 404; wrong
   method 405 (OpenAI error bodies);
-- bad JSON / fields: 400; unknown model: 404; prompt + max_tokens over max_model_len: 400;
+- a body with a Content-Encoding other than identity: 415;
+- bad JSON / fields: 400 (see protocol.py); unknown model: 404; prompt + max_tokens over max_model_len: 400;
+- any other exception in a handler: a 500 in OpenAI format (logged), never a parser error or a dropped
+  connection;
 - `fail_ratio`: that fraction of generation requests gets a 500 ``InternalServerError`` before the engine;
 - `extra_latency_ms`: added before the request enters the engine (shows in TTFT);
-- refusing connections (flag, SIGUSR1 toggle, or POST /admin/faults): the listening socket is closed
-  (connects get ECONNREFUSED) and idle keep-alive connections are closed; in-flight requests finish;
+- refusing connections (flag, SIGUSR1 toggle, or POST /admin/faults on the admin listener): the serving
+  socket is closed (connects get ECONNREFUSED) and idle keep-alive connections are closed; in-flight
+  requests finish; the admin listener stays up (so `{"refuse_connections": false}` reopens it);
 - client disconnect: the request is aborted in the engine (KV blocks released);
+- a client that does not read (backpressure): the transport's write buffer pauses the connection at
+  `WRITE_HIGH_WATER_BYTES`; while paused its response keeps at most `max_stream_buffer_bytes` in this
+  process; past that, or paused for `stall_timeout_s`, the request is aborted in the engine (KV blocks
+  released, like a disconnect), the connection is reset, and
+  ``prefixroute:slow_client_aborts_total{reason="buffer_full"|"stalled"}`` counts it. A paused connection
+  also stops reading, so pipelined requests cannot pile up responses behind it;
 - SIGTERM: stop listening, let in-flight requests finish for up to `shutdown_grace_s`, then close the rest
   and exit 0.
 """
@@ -76,8 +88,28 @@ class ServerSettings(Settings):
                                      "the simulated GPU 10x faster for quick tests; 0 = no GPU time).")
     fail_ratio: float = setting(0.0, "Fraction of generation requests answered with a 500 (fault injection).")
     extra_latency_ms: float = setting(0.0, "Latency added before each generation request enters the engine.")
-    refuse_connections: bool = setting(False, "Start with the listening socket closed (toggle with SIGUSR1 or "
-                                              "POST /admin/faults).")
+    refuse_connections: bool = setting(False, "Start with the serving socket closed (toggle with SIGUSR1 or "
+                                              "POST /admin/faults on the admin listener).")
+    admin_port: int = setting(-1, "Port of the separate admin listener that serves GET|POST /admin/faults "
+                                  "(runtime fault injection): -1 = no admin listener (the default: nothing "
+                                  "can change faults at runtime except SIGUSR1), 0 = a free port (printed as "
+                                  "`ADMIN host:port` before `READY`), N = that port. Never the serving port: "
+                                  "a gateway forwarding a client's /admin/faults must not reach it.")
+    admin_host: str = setting("127.0.0.1", "Address of the admin listener (loopback: only processes on this "
+                                           "host, such as tests and benches, can inject faults).")
+    max_stream_buffer_bytes: int = setting(256 * 1024, "Most bytes of one response held in this process for a "
+                                                       "client that does not read (beyond the kernel's socket "
+                                                       "buffers); past it the request is aborted and its KV "
+                                                       "blocks freed. 256 KiB is ~1,200 SSE token chunks (~6 s "
+                                                       "of an 8B decode at 200 tokens/s): a reading client "
+                                                       "never comes near it, and 1,000 stalled clients hold at "
+                                                       "most 256 MiB.")
+    stall_timeout_s: float = setting(30.0, "How long a connection may stay write-paused (its client reads "
+                                           "nothing, or too little to drain the buffer) before its request is "
+                                           "aborted and the connection reset. 30 s: far above any pause of a "
+                                           "live client (GC, TCP retransmits), short enough that a dead one "
+                                           "frees its KV blocks before a slow generation fills the buffer. "
+                                           "0 = no stall limit (the buffer limit alone).")
     shutdown_grace_s: float = setting(2.0, "On SIGTERM, how long in-flight requests may finish before their "
                                            "connections are closed (short: tests restart servers often).")
     max_body_bytes: int = setting(16 * 1024 * 1024, "Largest request body accepted; larger ones get a 413 and "
@@ -88,7 +120,12 @@ class ServerSettings(Settings):
 
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
-            413: b"Payload Too Large", 500: b"Internal Server Error", 503: b"Service Unavailable"}
+            413: b"Payload Too Large", 415: b"Unsupported Media Type", 500: b"Internal Server Error",
+            503: b"Service Unavailable"}
+WRITE_HIGH_WATER_BYTES = 64 * 1024
+"""Transport write-buffer level that pauses a connection (asyncio's default; the low mark is a quarter). It
+is capped at `max_stream_buffer_bytes`, so a small limit still pauses first."""
+SLOW_CLIENT_REASONS = ("buffer_full", "stalled")
 _WORDS = tuple(w.encode() for w in tokenizer.OUTPUT_WORDS)
 _NUM_WORDS = len(_WORDS)
 
@@ -117,8 +154,11 @@ class ModelServer:
         self.refusing = s.refuse_connections
         self.rng = random.Random(s.seed)
         self.num_failed = 0
+        self.slow_client_aborts = dict.fromkeys(SLOW_CLIENT_REASONS, 0)
         self.connections: set[HttpConnection] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._admin_server: asyncio.AbstractServer | None = None
+        self.admin_port: int | None = None
         self._roots: dict[tuple[str, str | None], int] = {}
         self._ids = itertools.count(1)
         self._created = int(time.time())
@@ -130,6 +170,12 @@ class ModelServer:
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
         self.engine.start()
+        if self.settings.admin_port >= 0:
+            loop = asyncio.get_running_loop()
+            self._admin_server = await loop.create_server(lambda: HttpConnection(self, admin=True),
+                                                          self.settings.admin_host, self.settings.admin_port,
+                                                          reuse_address=True)
+            self.admin_port = self._admin_server.sockets[0].getsockname()[1]
         if not self.refusing:
             await self._listen()
 
@@ -151,7 +197,7 @@ class ModelServer:
                 self._server.close()
                 self._server = None
             for c in list(self.connections):
-                if c.active is None:
+                if c.active is None and not c.admin:
                     c.transport.close()
         else:
             await self._listen()
@@ -159,9 +205,10 @@ class ModelServer:
     async def shutdown(self) -> None:
         """Stop listening, let in-flight requests finish within the grace period, close everything."""
         self.closing = True
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        for srv in (self._server, self._admin_server):
+            if srv is not None:
+                srv.close()
+        self._server = self._admin_server = None
         deadline = time.monotonic() + self.settings.shutdown_grace_s
         while any(c.active is not None for c in self.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -178,23 +225,35 @@ class ModelServer:
 
     # -- request handling ---------------------------------------------------------------------------
     def dispatch(self, conn: HttpConnection, method: bytes, path: bytes, body: bytes) -> None:
+        """Answer one request. Never raises: an `OpenAIError` becomes its status, anything else a logged 500
+        (an exception escaping here would surface as an httptools callback error, i.e. a bogus 400)."""
         path = path.split(b"?", 1)[0]
         try:
-            if path in _GENERATE:
+            if path in _GENERATE and not conn.admin:
                 if method != b"POST":
                     raise OpenAIError(405, "Method Not Allowed")
                 self.generate(conn, path == b"/v1/chat/completions", body)
                 return
-            route = _ROUTES.get(path)
+            route = (_ADMIN_ROUTES if conn.admin else _ROUTES).get(path)
             if route is None:
-                raise OpenAIError(404, f"Not Found: {path.decode(errors='replace')}")
+                raise OpenAIError(404, f"Not Found: {protocol.clip(path.decode(errors='replace'))}")
             allowed, handler = route
             if method not in allowed:
                 raise OpenAIError(405, "Method Not Allowed")
             handler(self, conn, body)
         except OpenAIError as exc:
             self.num_failed += exc.status >= 500
-            conn.respond(exc.status, exc.body())
+            self._error_reply(conn, exc.status, exc.body())
+        except Exception as exc:
+            log.exception("request %s %s failed", method.decode(errors="replace"), protocol.clip(path.decode(
+                errors="replace")))
+            self.num_failed += 1
+            self._error_reply(conn, 500, error_body(500, f"Internal server error ({type(exc).__name__})."))
+
+    def _error_reply(self, conn: HttpConnection, status: int, body: bytes) -> None:
+        if conn.active is not None:  # failed after the request was built: it must not stay in the engine
+            self.engine.abort(conn.active)
+        conn.respond(status, body)
 
     def generate(self, conn: HttpConnection, chat: bool, body: bytes) -> None:
         data = protocol.load_json_object(body)
@@ -229,7 +288,8 @@ class ModelServer:
 
     def h_metrics(self, conn: HttpConnection, body: bytes) -> None:
         text = metrics.render(self.core, model_name=self.served, server_id=self.server_id,
-                              num_http_requests_failed=self.num_failed, runner=self.engine)
+                              num_http_requests_failed=self.num_failed, runner=self.engine,
+                              slow_client_aborts=self.slow_client_aborts)
         conn.respond(200, text.encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
 
     def h_tokenize(self, conn: HttpConnection, body: bytes) -> None:
@@ -270,10 +330,10 @@ class ModelServer:
             refuse = data.get("refuse_connections")
             if refuse is not None and not isinstance(refuse, bool):
                 raise OpenAIError(400, "'refuse_connections' must be a boolean", param="refuse_connections")
-            if refuse:
-                # answer first, then stop listening (this connection is then closed as idle)
-                conn.respond(200, self._faults_json(refusing=True))
-                asyncio.get_running_loop().create_task(self.set_refusing(True))
+            if refuse is not None and refuse != self.refusing:
+                # answer first, then stop/start the serving listener (the admin listener stays up)
+                conn.respond(200, self._faults_json(refusing=refuse))
+                asyncio.get_running_loop().create_task(self.set_refusing(refuse))
                 return
         conn.respond(200, self._faults_json(refusing=self.refusing))
 
@@ -296,7 +356,10 @@ _ROUTES = {
     b"/get_server_info": (_GET, ModelServer.h_server_info),
     b"/model_info": (_GET, ModelServer.h_model_info),
     b"/get_model_info": (_GET, ModelServer.h_model_info),
+}
+_ADMIN_ROUTES = {
     b"/admin/faults": (_BOTH, ModelServer.h_faults),
+    b"/health": (_GET, ModelServer.h_health),
 }
 
 
@@ -317,6 +380,9 @@ class StreamSink:
         conn = self.conn
         if conn.closed:
             raise ConnectionError("client gone")
+        if conn.paused and conn.transport.get_write_buffer_size() > conn.app.settings.max_stream_buffer_bytes:
+            conn.give_up("buffer_full")  # aborts req in the engine: no more tokens come for it
+            return
         enc = self.enc
         finished = req.status == 2  # FINISHED; attribute compare is cheaper than the property
         chunk = enc.head + _WORDS[(self.seed + (req.num_output - 1) * 7) % _NUM_WORDS] + (
@@ -356,10 +422,20 @@ class FullSink:
 
 
 class HttpConnection(asyncio.Protocol):
-    """One client connection: HTTP/1.1 keep-alive, one request at a time (pipelined ones queue)."""
+    """One client connection: HTTP/1.1 keep-alive, one request at a time (pipelined ones queue).
 
-    def __init__(self, app: ModelServer) -> None:
+    Flow control: asyncio calls `pause_writing` when the transport's buffer passes its high mark and
+    `resume_writing` when it drains below the low mark. While paused the connection reads no more requests,
+    a stream may add at most `max_stream_buffer_bytes` to the buffer, and a timer gives up after
+    `stall_timeout_s` (`give_up`). On the admin listener (`admin`) only the admin routes exist.
+    """
+
+    def __init__(self, app: ModelServer, *, admin: bool = False) -> None:
         self.app = app
+        self.admin = admin
+        self.paused = False
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self.content_encoding: bytes | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.url = b""
@@ -368,7 +444,7 @@ class HttpConnection(asyncio.Protocol):
         self.keep_alive = True
         self.active: EngineRequest | None = None
         self.busy = False
-        self.pending: list[tuple[bytes, bytes, bytes, bytes | None, bool]] = []
+        self.pending: list[tuple[bytes, bytes, bytes, bytes | None, bool, bytes | None]] = []
         self.cur_traceparent: bytes | None = None
         self.cur_keep_alive = True
         self.closed = False
@@ -378,14 +454,54 @@ class HttpConnection(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        high = min(WRITE_HIGH_WATER_BYTES, self.app.settings.max_stream_buffer_bytes)
+        self.transport.set_write_buffer_limits(high=high, low=high // 4)
         self.app.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._cancel_stall_timer()
         self.app.connections.discard(self)
         if self.active is not None:
             self.app.engine.abort(self.active)
             self.active = None
+
+    def pause_writing(self) -> None:
+        self.paused = True
+        if not self.transport.is_closing():
+            self.transport.pause_reading()  # no new requests while their responses could not be written
+        if self._stall_timer is None and self.app.settings.stall_timeout_s > 0:
+            self._stall_timer = asyncio.get_running_loop().call_later(self.app.settings.stall_timeout_s,
+                                                                      self.give_up, "stalled")
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._cancel_stall_timer()
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _cancel_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def give_up(self, reason: str) -> None:
+        """The client does not read: abort its request in the engine (frees its KV blocks), count it under
+        `reason`, and reset the connection (`abort`, not `close`: close would wait for the buffer to drain,
+        which a stalled client never lets happen, so the buffer would stay allocated)."""
+        self._cancel_stall_timer()
+        if self.closed:
+            return
+        req = self.active
+        if req is not None:
+            self.app.engine.abort(req)
+            self.active = None
+        self.app.slow_client_aborts[reason] += 1
+        log.warning("slow client: %s after %d bytes buffered; request %s aborted, connection reset", reason,
+                    self.transport.get_write_buffer_size(), req.request_id if req is not None else "-")
+        self.closed = True
+        self.pending.clear()
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self.too_large:
@@ -403,6 +519,7 @@ class HttpConnection(asyncio.Protocol):
         self.body = []
         self.body_size = 0
         self.traceparent = None
+        self.content_encoding = None
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -410,6 +527,8 @@ class HttpConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) == 11 and name.lower() == b"traceparent":
             self.traceparent = value
+        elif len(name) == 16 and name.lower() == b"content-encoding":
+            self.content_encoding = value
 
     def on_body(self, body: bytes) -> None:
         if self.too_large:
@@ -427,15 +546,21 @@ class HttpConnection(asyncio.Protocol):
         if self.too_large:
             return
         item = (self.parser.get_method(), self.url, b"".join(self.body), self.traceparent,
-                self.parser.should_keep_alive())
+                self.parser.should_keep_alive(), self.content_encoding)
         if self.busy:
             self.pending.append(item)
         else:
             self._run(item)
 
-    def _run(self, item: tuple[bytes, bytes, bytes, bytes | None, bool]) -> None:
-        method, url, body, self.cur_traceparent, self.cur_keep_alive = item
+    def _run(self, item: tuple[bytes, bytes, bytes, bytes | None, bool, bytes | None]) -> None:
+        method, url, body, self.cur_traceparent, self.cur_keep_alive, encoding = item
         self.busy = True
+        if body and encoding is not None and encoding.strip().lower() not in (b"identity", b""):
+            # decoding it ourselves would be a decompression-bomb surface; vLLM does not decode either
+            self.respond(415, error_body(415, f"Unsupported Content-Encoding "
+                                              f"'{protocol.clip(encoding.decode(errors='replace'))}': send the "
+                                              "request body uncompressed (identity)."))
+            return
         self.app.dispatch(self, method, url, body)
 
     # responses
@@ -460,7 +585,7 @@ class HttpConnection(asyncio.Protocol):
     def finish_response(self) -> None:
         self.active = None
         self.busy = False
-        if not self.cur_keep_alive or self.app.closing or self.app.refusing:
+        if not self.cur_keep_alive or self.app.closing or (self.app.refusing and not self.admin):
             self.transport.close()
             return
         if self.pending:
@@ -478,6 +603,9 @@ async def serve(s: ServerSettings, ready: asyncio.Future | None = None) -> int:
     loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(app.set_refusing(not app.refusing)))
     log.warning("model server %s listening on %s:%d profile=%s blocks=%d", app.server_id, s.host, app.port,
                 app.profile.name, app.core.config.num_gpu_blocks)
+    if app.admin_port is not None:
+        log.warning("admin listener (POST /admin/faults) on %s:%d", s.admin_host, app.admin_port)
+        print(f"ADMIN {s.admin_host}:{app.admin_port}", flush=True)
     print(f"READY {s.host}:{app.port}", flush=True)
     if ready is not None:
         ready.set_result(app)

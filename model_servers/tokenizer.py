@@ -135,7 +135,7 @@ def _content_text(content: Any, param: str) -> str:
             elif kind in ("image_url", "input_image", "image", "audio_url", "input_audio", "video_url"):
                 out.append("<|image|>")
             else:
-                raise ChatTemplateError(f"unknown content part type {kind!r}", f"{param}[{j}].type")
+                raise ChatTemplateError(f"unknown content part type {kind!r:.100}", f"{param}[{j}].type")
         return "".join(out)
     raise ChatTemplateError("content must be a string, an array of content parts, or null", param)
 
@@ -177,7 +177,7 @@ def render_chat(messages: Sequence[Any], *, tools: Sequence[Any] | None = None,
             raise ChatTemplateError("each message must be an object", f"messages[{i}]")
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLE_NAMES:
-            raise ChatTemplateError(f"unknown or missing role {role!r}", f"messages[{i}].role")
+            raise ChatTemplateError(f"unknown or missing role {role!r:.100}", f"messages[{i}].role")
         text = _content_text(m.get("content"), f"messages[{i}].content")
         tool_calls = m.get("tool_calls")
         if tool_calls:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import aiohttp
 import orjson
@@ -146,6 +147,20 @@ ERRORS = [
     ("/v1/completions", orjson.dumps({"prompt": 12}), 400, "prompt"),
     ("/v1/completions", orjson.dumps({"prompt": "x", "n": 2}), 400, "n"),
     ("/v1/nothing", b"{}", 404, None),
+    # issue 11 finding 9: accepted (or a parser error for 2**63) before
+    ("/v1/completions", b'{"prompt": [9223372036854775808], "max_tokens": 1}', 400, "prompt"),
+    ("/tokenize", b'{"prompt": [1, 18446744073709551615]}', 400, "prompt"),
+    ("/v1/completions", orjson.dumps({"prompt": "x", "stop": 5}), 400, "stop"),
+    ("/v1/completions", orjson.dumps({"prompt": "x", "stop": [1, 2]}), 400, "stop"),
+    ("/v1/chat/completions", orjson.dumps({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}),
+     400, "logprobs"),
+    ("/v1/chat/completions", orjson.dumps({"messages": [{"role": "user", "content": "x"}], "top_logprobs": -5}),
+     400, "top_logprobs"),
+    ("/v1/completions", orjson.dumps({"prompt": "x", "logprobs": 99}), 400, "logprobs"),
+    ("/v1/completions", orjson.dumps({"prompt": "x", "temperature": 7}), 400, "temperature"),
+    # finding 1: the serving port has no admin paths
+    ("/admin/faults", orjson.dumps({"refuse_connections": True}), 404, None),
+    ("/admin/faults", orjson.dumps({"fail_ratio": 1}), 404, None),
 ]
 
 
@@ -171,14 +186,115 @@ async def test_errors_in_openai_format(small_server, path, body, status, param):
     assert err["message"]
 
 
+async def test_huge_model_name_and_path_are_not_echoed_whole(small_server):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(small_server.url + "/v1/completions", json={"model": "m" * 1_000_000, "prompt": "x"}) as r:
+            assert r.status == 404
+            raw = await r.read()
+        async with s.get(small_server.url + "/" + "p" * 8000) as r:
+            assert r.status == 404
+            raw_path = await r.read()
+    assert len(raw) < 1000 and len(raw_path) < 1000
+
+
+async def test_gzip_body_is_415_and_the_connection_stays_usable(small_server):
+    """Finding 9: a gzip body got "not valid UTF-8"; now an OpenAI 415, on a keep-alive connection."""
+    import gzip
+
+    body = gzip.compress(orjson.dumps({"prompt": "hello", "max_tokens": 1}))
+    reader, writer = await asyncio.open_connection(small_server.host, small_server.port)
+    for enc in (b"gzip", b"br", b"identity"):
+        payload = body if enc != b"identity" else orjson.dumps({"prompt": "hello", "max_tokens": 1})
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-encoding: %b\r\ncontent-length: %d\r\n\r\n%b" % (enc, len(payload), payload))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        reply = orjson.loads(await reader.readexactly(length))
+        if enc == b"identity":
+            assert head.startswith(b"HTTP/1.1 200") and reply["usage"]["completion_tokens"] == 1
+        else:
+            assert head.startswith(b"HTTP/1.1 415"), head
+            assert reply["error"]["code"] == 415 and reply["error"]["type"] == "UnsupportedMediaTypeError"
+            assert enc.decode() in reply["error"]["message"]
+    writer.close()
+
+
+async def test_token_id_2_pow_63_is_a_json_400_not_a_parser_error(small_server):
+    """Finding 9: the OverflowError escaped into httptools ("on_message_complete callback error")."""
+    reader, writer = await asyncio.open_connection(small_server.host, small_server.port)
+    body = b'{"prompt": [9223372036854775808], "max_tokens": 1}'
+    for _ in range(2):  # the connection survives (keep-alive)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        err = orjson.loads(await reader.readexactly(length))["error"]
+        assert head.startswith(b"HTTP/1.1 400") and b"connection: close" not in head.lower()
+        assert err["param"] == "prompt" and "callback" not in err["message"]
+    writer.close()
+
+
+async def test_admin_listener_is_off_by_default_and_separate(server_factory):
+    """Finding 1: POST /admin/faults on the serving port took the fleet offline; now it is a 404 there, and
+    the admin listener (loopback) exists only with --admin-port."""
+    plain = server_factory(*FAST)
+    assert plain.admin_url is None
+    srv = server_factory(*FAST, "--admin-port", "0")
+    assert srv.admin_url is not None and srv.admin_url.startswith("http://127.0.0.1:")
+    assert srv.admin_url != srv.url
+    async with aiohttp.ClientSession() as s:
+        for target in (plain, srv):
+            async with s.post(target.url + "/admin/faults", json={"refuse_connections": True}) as r:
+                assert r.status == 404 and (await r.json())["error"]["type"] == "NotFoundError"
+            async with s.get(target.url + "/health") as r:
+                assert r.status == 200  # still listening
+        async with s.get(srv.admin_url + "/v1/models") as r:
+            assert r.status == 404  # the admin listener serves nothing else
+        async with s.post(srv.admin_url + "/admin/faults", json={"refuse_connections": True}) as r:
+            assert (await r.json())["refuse_connections"] is True
+        await asyncio.sleep(0.2)
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with s.get(srv.url + "/health"):
+                pass
+        # the admin listener outlives the refusal and can lift it
+        async with s.post(srv.admin_url + "/admin/faults", json={"refuse_connections": False}) as r:
+            assert (await r.json())["refuse_connections"] is False
+        await asyncio.sleep(0.2)
+        async with s.get(srv.url + "/health") as r:
+            assert r.status == 200
+
+
+async def test_restart_shows_a_new_process_start_time_and_zeroed_counters(server_factory):
+    """Finding 10: a restart on the same port must be visible on /metrics (process_start_time_seconds, the
+    gauge real vLLM exposes through prometheus_client), and the counters start again at 0."""
+    first = server_factory(*FAST)
+    body = {"prompt": "restart me " * 50, "max_tokens": 3}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(first.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+        async with s.get(first.url + "/metrics") as r:
+            before = metric_samples(await r.text())
+    assert first.stop() == 0
+    second = server_factory(*FAST, "--port", str(first.port))
+    assert second.port == first.port
+    async with aiohttp.ClientSession() as s, s.get(second.url + "/metrics") as r:
+        after = metric_samples(await r.text())
+    assert before["vllm:request_success_total"] == 1 and before["vllm:prompt_tokens_total"] > 0
+    assert after["process_start_time_seconds"] > before["process_start_time_seconds"]
+    assert abs(after["process_start_time_seconds"] - time.time()) < 60
+    for name in ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_count", "prefixroute:requests_aborted_total"):
+        assert after[name] == 0, name
+
+
 async def test_fail_ratio_latency_refuse_and_sigterm(server_factory):
-    srv = server_factory(*FAST, "--fail-ratio", "1.0")
+    srv = server_factory(*FAST, "--fail-ratio", "1.0", "--admin-port", "0")
     body = {"prompt": "hello", "max_tokens": 2}
     async with aiohttp.ClientSession() as s:
         async with s.post(srv.url + "/v1/completions", json=body) as r:
             assert r.status == 500
             assert (await r.json())["error"]["type"] == "InternalServerError"
-        async with s.post(srv.url + "/admin/faults", json={"fail_ratio": 0, "extra_latency_ms": 300}) as r:
+        async with s.post(srv.admin_url + "/admin/faults", json={"fail_ratio": 0, "extra_latency_ms": 300}) as r:
             assert (await r.json())["extra_latency_ms"] == 300
         t0 = asyncio.get_running_loop().time()
         async with s.post(srv.url + "/v1/completions", json=body) as r:
@@ -187,7 +303,7 @@ async def test_fail_ratio_latency_refuse_and_sigterm(server_factory):
         async with s.get(srv.url + "/metrics") as r:
             m = metric_samples(await r.text())
         assert m["prefixroute:requests_failed_total"] == 1 and m["vllm:request_success_total"] == 1
-        async with s.post(srv.url + "/admin/faults", json={"refuse_connections": True}) as r:
+        async with s.post(srv.admin_url + "/admin/faults", json={"refuse_connections": True}) as r:
             assert (await r.json())["refuse_connections"] is True
     await asyncio.sleep(0.2)
     with pytest.raises(OSError):

@@ -42,11 +42,64 @@ MSG = [{"role": "user", "content": "hello"}]
     ({"prompt": [1, -2]}, False, 400, "prompt"),
     ({"prompt": "x" * 4000, "max_tokens": 10}, False, 400, "prompt"),
     ({"prompt": "x" * 3960, "max_tokens": 20}, False, 400, "prompt"),
+    # issue 11 finding 9: validation gaps (each accepted, or a 500/parser error, before)
+    ({"prompt": [2**63]}, False, 400, "prompt"),
+    ({"prompt": [1, 2**64 - 1]}, False, 400, "prompt"),
+    ({"prompt": [128256]}, False, 400, "prompt"),
+    ({"prompt": "x", "stop": 5}, False, 400, "stop"),
+    ({"prompt": "x", "stop": [1, 2]}, False, 400, "stop"),
+    ({"prompt": "x", "stop": ["a", ""]}, False, 400, "stop"),
+    ({"messages": MSG, "stop": {"a": 1}}, True, 400, "stop"),
+    ({"messages": MSG, "logprobs": "yes"}, True, 400, "logprobs"),
+    ({"messages": MSG, "logprobs": 1}, True, 400, "logprobs"),
+    ({"messages": MSG, "top_logprobs": -5}, True, 400, "top_logprobs"),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, True, 400, "top_logprobs"),
+    ({"messages": MSG, "top_logprobs": 3}, True, 400, "top_logprobs"),  # needs logprobs: true (vLLM)
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 2.5}, True, 400, "top_logprobs"),
+    ({"prompt": "x", "logprobs": True}, False, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, False, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, False, 400, "logprobs"),
+    ({"prompt": "x", "n": 0}, False, 400, "n"),
+    ({"prompt": "x", "temperature": -0.5}, False, 400, "temperature"),
+    ({"prompt": "x", "temperature": 2.5}, False, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, False, 400, "top_p"),
+    ({"prompt": "x", "top_p": 1.01}, False, 400, "top_p"),
+    ({"prompt": "x", "presence_penalty": 3}, False, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -2.5}, False, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, False, 400, "repetition_penalty"),
+    ({"prompt": "x", "top_k": -2}, False, 400, "top_k"),
+    ({"prompt": "x", "min_p": 1.5}, False, 400, "min_p"),
+    ({"prompt": "x", "seed": "1"}, False, 400, "seed"),
+    ({"prompt": "x", "max_tokens": 2**63}, False, 400, "prompt"),  # over the context window
 ])
 def test_invalid_requests(data, chat, status, param):
     with pytest.raises(OpenAIError) as ei:
         parse(data, chat)
     assert ei.value.status == status and ei.value.param == param
+    assert ei.value.message
+
+
+@pytest.mark.parametrize(("data", "chat"), [
+    ({"prompt": "x", "stop": "end", "logprobs": 5, "temperature": 0, "top_p": 1, "top_k": -1, "seed": -1,
+      "presence_penalty": -2, "frequency_penalty": 2, "min_p": 0, "repetition_penalty": 1.1}, False),
+    ({"prompt": "x", "stop": ["a", "b"], "logprobs": 0, "top_k": 0}, False),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 20, "stop": None, "temperature": 2}, True),
+    ({"messages": MSG, "logprobs": False, "top_logprobs": 0}, True),
+])
+def test_sampling_fields_vllm_accepts(data, chat):
+    assert parse(data, chat).max_tokens >= 1
+
+
+def test_echoed_values_are_truncated():
+    with pytest.raises(OpenAIError) as ei:
+        parse({"messages": MSG, "model": "m" * 1_000_000})
+    assert ei.value.status == 404 and len(ei.value.message) < 200
+    with pytest.raises(OpenAIError) as ei:
+        parse({"prompt": "x", "stop": ["s" * 100_000, 1]}, chat=False)
+    assert len(ei.value.message) < 300
+    with pytest.raises(OpenAIError) as ei:
+        parse({"messages": [{"role": "r" * 100_000, "content": "x"}]})
+    assert ei.value.param == "messages[0].role" and len(ei.value.message) < 200
 
 
 @pytest.mark.parametrize(("data", "chat", "max_tokens", "n_prompt"), [
