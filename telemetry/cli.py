@@ -18,6 +18,20 @@ its own span as the parent. Attributes: ``gen_ai.request.model``, ``gen_ai.opera
 matched_blocks, total_blocks, predicted_hit_ratio, decision_us, ttft_ms, latency_ms, cached_tokens,
 stream, status}``. Its Prometheus metrics are on ``--metrics-port`` (default 9464, ``/metrics``).
 
+Securing it (the port may be reachable by others: the store believes what it is sent)::
+
+    PREFIXROUTE_TELEMETRY_AUTH_TOKEN=$(cat token) prefixroute telemetry --host 0.0.0.0 \
+        --tls-cert-file server.crt --tls-key-file server.key --tls-client-ca-file ca.crt
+    # the router (standard OpenTelemetry variables):
+    OTEL_EXPORTER_OTLP_ENDPOINT=https://telemetry:4317 OTEL_EXPORTER_OTLP_CERTIFICATE=ca.crt \
+    OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE=client.crt OTEL_EXPORTER_OTLP_CLIENT_KEY=client.key \
+    OTEL_EXPORTER_OTLP_HEADERS="authorization=Bearer%20$(cat token)" prefixroute gateway ...
+    # the dashboard / dump over the HTTP API send the same token:
+    PREFIXROUTE_DASHBOARD_TELEMETRY_TOKEN=$(cat token) prefixroute dashboard --telemetry http://127.0.0.1:4320
+
+Without the client certificate the TLS handshake fails; without the token every OTLP call is answered
+UNAUTHENTICATED and every HTTP API route but /healthz 401. Either way nothing is stored.
+
 Print the routed requests of the last minute, one JSON object per line (from the file or the API)::
 
     prefixroute telemetry dump --since 60 --db telemetry.db
@@ -115,14 +129,14 @@ class ReceiverSettings(Settings):
     max_age_s: float = setting(86400.0, "Retention: rows older than this are deleted (a day covers a benchmark "
                                         "session and a day of dashboards); <= 0 keeps all.")
     max_rows: int = setting(500_000, "Retention: at most this many rows, oldest deleted first (about an hour at "
-                                     "140 requests/s; ~1.1 GB at the ~2.2 KB a typical row takes, so --max-bytes "
-                                     "binds first by default); <= 0 means no limit.")
+                                     "140 requests/s; 1.1 GB at the ~2.2 KB a typical row takes, measured, so "
+                                     "--max-bytes binds just before it by default); <= 0 means no limit.")
     max_bytes: int = setting(DEFAULT_MAX_BYTES, "Retention: the store's pages in use (rows, indexes, attributes) "
-                                                "stay under this many bytes, oldest rows deleted first (1 GiB: "
-                                                "~480,000 typical rows of ~2.2 KB, ~27,000 rows whose every "
-                                                "attribute is at its size cap); the file exceeds it by at most "
-                                                "one retention interval of inserts plus the WAL (<= 64 MiB); "
-                                                "<= 0 means no limit.")
+                                                "stay under this many bytes, oldest rows deleted first (1 GiB, "
+                                                "measured: ~485,000 typical rows of ~2.2 KB, ~30,000 rows of "
+                                                "~35 KB whose every attribute is at its size cap); the file "
+                                                "exceeds it by at most one retention interval of inserts plus the "
+                                                "WAL (<= 64 MiB after a checkpoint); <= 0 means no limit.")
     retention_interval_s: float = setting(10.0, "How often retention runs (a DELETE per 10 s costs nothing "
                                                 "visible; per insert it would).")
     max_pending_batches: int = setting(1024, "OTLP export requests queued for the store writer before new ones "

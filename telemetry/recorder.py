@@ -147,8 +147,9 @@ DEFAULT_RETRY_MAX_SPANS = 32_768
 """Spans held for re-export while the backend is unavailable: ~4 minutes of traffic at 140 requests/s
 (the store's sizing rate), so a receiver restart or a short outage loses nothing."""
 DEFAULT_RETRY_MAX_BYTES = 32 << 20
-"""Bytes of encoded spans held for re-export (32 MiB of router memory at most): ~40,000 realistic spans
-(~0.8 KB each), or ~1,300 spans whose every attribute is at its cap; the span bound usually binds first."""
+"""Bytes of encoded spans held for re-export (32 MiB of router memory at most): ~30,000 typical spans
+(~1.1 KB each, measured), or ~1,500 spans whose every attribute is at its cap (~22 KB); the two bounds
+meet at typical spans."""
 DEFAULT_MAX_EXPORT_BYTES = 4 << 20
 """Largest export request sent: requests over it are split in halves (recursively). 4 MiB is gRPC's
 default receive limit, which OpenTelemetry Collectors and most OTLP backends keep."""

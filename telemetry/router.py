@@ -51,7 +51,7 @@ class RouterTelemetrySettings(Settings):
                                         "backend is unavailable (retried with backoff; beyond it the oldest are "
                                         "dropped and counted): ~4 min at 140 requests/s.")
     otlp_retry_max_bytes: int = setting(DEFAULT_RETRY_MAX_BYTES, "Bytes of encoded spans held for re-export (32 MiB: "
-                                        "~40,000 typical spans, ~1,300 at every attribute's size cap).")
+                                        "~30,000 typical spans of ~1.1 KB, ~1,500 at every attribute's size cap).")
     otlp_max_export_bytes: int = setting(DEFAULT_MAX_EXPORT_BYTES, "Largest OTLP export request; bigger ones, and "
                                          "any the backend refuses as too large, are split in halves (4 MiB: gRPC's "
                                          "default receive limit, which Collectors keep).")
