@@ -34,12 +34,15 @@ st.html("<style>[data-stale='true'] { opacity: 1 !important; transition: none !i
 
 
 @st.cache_resource(show_spinner=False)
-def get_source(db: str | None, url: str | None, scrape: bool, scrape_timeout_s: float) -> DataSource:
-    return DataSource(db=db, url=url, scrape_endpoints=scrape, scrape_timeout_s=scrape_timeout_s)
+def get_source(db: str | None, url: str | None, token: str | None, router_metrics_url: str | None,
+               metrics_timeout_s: float) -> DataSource:
+    return DataSource(db=db, url=url, token=token, router_metrics_url=router_metrics_url,
+                      metrics_timeout_s=metrics_timeout_s)
 
 
 _kw = cfg.source_kwargs()
-source = get_source(_kw.get("db"), _kw.get("url"), cfg.scrape_endpoints, cfg.scrape_timeout_s)
+source = get_source(_kw.get("db"), _kw.get("url"), _kw.get("token"), cfg.router_metrics_url or None,
+                    cfg.metrics_timeout_s)
 
 # --- sidebar --------------------------------------------------------------------------------------------
 st.sidebar.title("prefixroute")
@@ -137,12 +140,12 @@ def live_panels(window_s: float) -> None:
     ttft_hist, decision_hist, in_flight = snap["ttft_hist"], snap["decision_hist"], snap["in_flight"]
     names = [r.get("endpoint") or D.UNKNOWN_ENDPOINT for r in ep_rows]
     colors = _colors(names)
-    live = source.endpoint_live([r["endpoint"] for r in ep_rows if r.get("endpoint")])
+    live = source.endpoint_live()  # the router's own /metrics only: never a URL named in span data
     balance = D.served_balance(ep_rows)
 
     st.caption(f"Window {window_label} ending {_clock(now)} · {summary['num_requests']:,} requests · charts over "
                f"the last {span_s:,.0f} s that hold data, in {bucket_s:g} s buckets")
-    k = st.columns(7)
+    k = st.columns(8)
     k[0].metric("Hit rate (actual)", D.format_ratio(summary["actual_hit_ratio"]),
                 help="Server-reported cached prompt tokens / prompt tokens, over the window.")
     k[1].metric("Hit rate (predicted)", D.format_ratio(summary["predicted_hit_ratio"]),
@@ -153,8 +156,12 @@ def live_panels(window_s: float) -> None:
                 help="Requests in the window / the part of the window that holds data (the charted span).")
     k[5].metric("Errors", D.format_ratio(summary["error_ratio"]), delta=f"{summary['num_errors']:,} requests",
                 delta_color="off", delta_arrow="off",
-                help="5xx, resets and router-recorded failures; a 4xx is the client's and not counted.")
-    k[6].metric("Balance", "–" if balance is None else f"{balance:.2f}×",
+                help="5xx, resets and failed requests (e.g. a stream cut short). Refusals are not errors.")
+    k[6].metric("Refused", D.format_ratio(summary.get("refused_ratio")),
+                delta=f"{summary.get('num_refused') or 0:,} requests", delta_color="off", delta_arrow="off",
+                help="Requests refused with a 4xx (invalid input, unknown model, too large, not allowed): the "
+                     "client's, counted apart from errors.")
+    k[7].metric("Balance", "–" if balance is None else f"{balance:.2f}×",
                 help="Max endpoint share / fair share (1/N). 1.00× is perfectly even; N× is all on one endpoint.")
 
     st.subheader("Prefix-cache hit rate")
@@ -215,7 +222,7 @@ def live_panels(window_s: float) -> None:
         _chart(C.endpoint_hit_bars(ep_frame, colors), "hit_bars", C.bar_height(len(ep_frame), 44))
     # Columns with no value at all (e.g. KV usage when no endpoint could be scraped) are left out
     # rather than shown as a column of blanks; the note below says why.
-    order = [c for c in ep_frame.columns if c in ("endpoint", "num_requests", "num_errors")
+    order = [c for c in ep_frame.columns if c in ("endpoint", "num_requests", "num_errors", "num_refused")
              or ep_frame[c].notna().any()]
     st.dataframe(ep_frame.style.apply(
         lambda col: [f"border-left: 6px solid {colors.get(v, '#ccc')}" for v in col], subset=["endpoint"]),
@@ -224,12 +231,13 @@ def live_panels(window_s: float) -> None:
     if in_flight is None:
         notes.append("mean in-flight needs the SQLite store (--db); the receiver API has no such query")
     if not live:
-        notes.append("KV usage / running / waiting unavailable: " +
-                     ("endpoint scraping is off (--scrape-endpoints)" if not cfg.scrape_endpoints else
-                      "no endpoint answered http://ENDPOINT/metrics"))
+        notes.append("healthy / running / waiting / KV usage unavailable: " +
+                     ("no --router-metrics-url configured" if not source.router_metrics_url else
+                      f"the router's metrics at {source.router_metrics_url} did not answer"))
     st.caption("Hit: actual (server-reported cached / prompt tokens); predicted: the router's estimate. "
                "In-flight: time-averaged requests in flight over the charted span (from the stored start/end "
-               "times). Running, waiting, KV usage: live, scraped from each endpoint's /metrics."
+               "times). Healthy, running, waiting, KV usage: live, from the router's endpoint pool (its "
+               "/metrics). Errors: 5xx and failed requests; refused: 4xx."
                + ("  \n" + _sentence("; ".join(notes)) if notes else ""))
 
     st.subheader("Routing")
@@ -262,6 +270,7 @@ def _endpoint_columns() -> dict:
         "actual_hit_ratio": num("hit", "percent"),
         "predicted_hit_ratio": num("predicted", "percent"),
         "mean_in_flight": num("in-flight", "%.2f"),
+        "healthy": num("healthy", "%d"),
         "running": num("running", "%d"),
         "waiting": num("waiting", "%d"),
         "kv_cache_usage_ratio": st.column_config.ProgressColumn("KV usage", format="percent", min_value=0,
@@ -270,6 +279,7 @@ def _endpoint_columns() -> dict:
         "ttft_ms_p99": num("TTFT p99 ms", "%.1f"),
         "requests_per_s": num("req/s", "%.2f"),
         "num_errors": num("errors", "%d"),
+        "num_refused": num("refused", "%d"),
     }
 
 

@@ -3,6 +3,8 @@
     prefixroute dashboard --db prefixroute-telemetry.db            # read the SQLite store directly
     prefixroute dashboard --telemetry http://127.0.0.1:4320        # or the receiver's HTTP API
     prefixroute dashboard --port 8501 --host 127.0.0.1 --bench-dir bench-results
+    prefixroute dashboard --db prefixroute-telemetry.db --router-metrics-url http://127.0.0.1:9464/metrics
+    PREFIXROUTE_DASHBOARD_TELEMETRY_TOKEN=... prefixroute dashboard --telemetry http://127.0.0.1:4320
 
 The child is ``python -m streamlit run app.py`` with a fixed port, headless (no browser is opened),
 no usage statistics, no file watcher. The resolved settings reach the app through the
@@ -47,15 +49,19 @@ class DashboardSettings(Settings):
                                     "costs a few milliseconds of SQL even at thousands of requests per minute).")
     window_s: float = setting(300.0, "Initial time window in seconds (5 min: enough requests for stable p99s, "
                                      "short enough to show a change within a minute); selectable in the app.")
-    scrape_endpoints: bool = setting(True, "Scrape each endpoint's http://ENDPOINT/metrics (vLLM/SGLang "
-                                           "Prometheus names) for live KV-cache usage and running/waiting "
-                                           "requests; the store does not carry them.")
-    scrape_timeout_s: float = setting(0.5, "Per-scrape timeout: an endpoint slower than this shows "
-                                           "'unavailable' instead of delaying the refresh.")
+    telemetry_token: str = setting("", "Bearer token of the receiver's HTTP API (its auth token), sent with "
+                                       "every --telemetry request; prefer the env var to the flag (a flag "
+                                       "shows in `ps`).")
+    router_metrics_url: str = setting("", "The router's Prometheus /metrics, e.g. http://127.0.0.1:9464/metrics: "
+                                          "the live per-endpoint columns (healthy, running, waiting, KV usage) "
+                                          "come from its endpoint pool. Empty: those columns are off. The "
+                                          "dashboard opens no other URL (never one named in span data).")
+    metrics_timeout_s: float = setting(0.5, "Timeout of one read of --router-metrics-url: a router slower than "
+                                            "this leaves the live columns out instead of delaying the refresh.")
 
     def source_kwargs(self) -> dict:
         if self.telemetry:
-            return {"url": self.telemetry}
+            return {"url": self.telemetry, "token": self.telemetry_token or None}
         return {"db": self.db or "prefixroute-telemetry.db"}
 
 
@@ -102,6 +108,10 @@ def validate(cfg: DashboardSettings) -> None:
         raise ValueError("--window-s must be > 0")
     if cfg.telemetry and not cfg.telemetry.startswith(("http://", "https://")):
         raise ValueError(f"--telemetry must be an http(s):// URL, got {cfg.telemetry!r}")
+    if cfg.router_metrics_url and not cfg.router_metrics_url.startswith(("http://", "https://")):
+        raise ValueError(f"--router-metrics-url must be an http(s):// URL, got {cfg.router_metrics_url!r}")
+    if not cfg.metrics_timeout_s > 0:
+        raise ValueError("--metrics-timeout-s must be > 0")
 
 
 def main(args: argparse.Namespace) -> int:

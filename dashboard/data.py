@@ -193,11 +193,12 @@ def histogram_frame(bins: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 
 @dataclasses.dataclass(frozen=True)
 class EndpointLive:
-    """Live figures scraped from an endpoint's Prometheus /metrics (None = not exported/unreachable)."""
+    """Live figures of one endpoint, as the router's pool last saw them (None = not known)."""
 
     kv_cache_usage_ratio: float | None = None
     num_requests_running: float | None = None
     num_requests_waiting: float | None = None
+    healthy: bool | None = None
 
 
 def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping[str, float] | None = None,
@@ -205,7 +206,8 @@ def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping
     """One row per endpoint (naturally sorted) from `endpoints()` rows, plus optional figures.
 
     Columns (most telling first): endpoint, num_requests, share_ratio, actual_hit_ratio, predicted_hit_ratio,
-    mean_in_flight, running, waiting, kv_cache_usage_ratio, ttft_ms_p50, ttft_ms_p99, requests_per_s, num_errors.
+    mean_in_flight, healthy (1/0), running, waiting, kv_cache_usage_ratio, ttft_ms_p50, ttft_ms_p99,
+    requests_per_s, num_errors, num_refused.
     """
     mean_in_flight = mean_in_flight or {}
     live = live or {}
@@ -216,17 +218,19 @@ def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping
         lv = live.get(name, EndpointLive())
         out.append({"endpoint": name, "num_requests": r["num_requests"], "share_ratio": r.get("share_ratio", 0.0),
                     "requests_per_s": r.get("requests_per_s"), "mean_in_flight": mean_in_flight.get(name),
+                    "healthy": None if lv.healthy is None else float(lv.healthy),
                     "running": lv.num_requests_running, "waiting": lv.num_requests_waiting,
                     "kv_cache_usage_ratio": lv.kv_cache_usage_ratio,
                     "actual_hit_ratio": r.get("actual_hit_ratio"), "predicted_hit_ratio": r.get("predicted_hit_ratio"),
                     "ttft_ms_p50": r.get("ttft_ms_p50"), "ttft_ms_p99": r.get("ttft_ms_p99"),
-                    "num_errors": r.get("num_errors", 0)})
+                    "num_errors": r.get("num_errors", 0), "num_refused": r.get("num_refused", 0)})
     cols = ["endpoint", "num_requests", "share_ratio", "actual_hit_ratio", "predicted_hit_ratio", "mean_in_flight",
-            "running", "waiting", "kv_cache_usage_ratio", "ttft_ms_p50", "ttft_ms_p99", "requests_per_s",
-            "num_errors"]
+            "healthy", "running", "waiting", "kv_cache_usage_ratio", "ttft_ms_p50", "ttft_ms_p99", "requests_per_s",
+            "num_errors", "num_refused"]
     frame = pd.DataFrame(out, columns=cols)
     # Unknown figures as NaN (rendered blank), not None objects (rendered "None").
-    return frame.astype({c: "float64" for c in cols if c not in ("endpoint", "num_requests", "num_errors")})
+    return frame.astype({c: "float64" for c in cols
+                         if c not in ("endpoint", "num_requests", "num_errors", "num_refused")})
 
 
 def served_balance(rows: Sequence[Mapping[str, Any]]) -> float | None:
@@ -283,45 +287,37 @@ def format_us(v: float | None) -> str:
     return "–" if v is None else (f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.0f} µs")
 
 
-# --- Prometheus text (live KV usage / running / waiting scraped from endpoints) -------------------------
+# --- The router's Prometheus text (live per-endpoint figures of its endpoint pool) ---------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LIVE_METRICS = {  # vLLM names first, SGLang's equivalents second
-    "kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
-    "num_requests_running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
-    "num_requests_waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
+_ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
+    "prefixroute_endpoint_kv_cache_usage_ratio": "kv_cache_usage_ratio",
+    "prefixroute_endpoint_requests_running": "num_requests_running",
+    "prefixroute_endpoint_requests_waiting": "num_requests_waiting",
+    "prefixroute_endpoint_healthy": "healthy",
 }
+MAX_LIVE_ENDPOINTS = 1024  # a fleet's worth; bounds what an odd metrics text can make the page draw
 
 
-def parse_endpoint_metrics(text: str) -> EndpointLive:
-    """KV-cache usage (0-1), running and waiting requests from a model server's Prometheus text.
+def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
+    """Endpoint -> live figures from the router's Prometheus text (its ``prefixroute_endpoint_*{endpoint}``
+    gauges, fed by the endpoint pool's snapshot). Other families are ignored; a malformed text gives
+    what was parsed before the bad line."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    Several samples of one family (per-model labels) are summed; usage ratios are averaged.
-    Unknown or malformed lines are ignored.
-    """
-    sums: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        if math.isnan(value):
-            continue
-        sums.setdefault(m.group(1), []).append(value)
-    found: dict[str, float | None] = {}
-    for field, names in _LIVE_METRICS.items():
-        found[field] = None
-        for name in names:
-            if name in sums:
-                vals = sums[name]
-                found[field] = sum(vals) / len(vals) if field == "kv_cache_usage_ratio" else sum(vals)
-                break
-    return EndpointLive(**found)
+    found: dict[str, dict[str, Any]] = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            field = _ROUTER_GAUGES.get(fam.name)
+            if field is None:
+                continue
+            for sample in fam.samples:
+                name = sample.labels.get("endpoint")
+                if not name or math.isnan(sample.value) or (name not in found and len(found) >= MAX_LIVE_ENDPOINTS):
+                    continue
+                found.setdefault(name, {})[field] = (sample.value >= 0.5) if field == "healthy" else sample.value
+    except ValueError:  # the parser's answer to a malformed line
+        pass
+    return {name: EndpointLive(**fields) for name, fields in found.items()}
 
 
 # --- Benchmark results (`prefixroute bench --out DIR` writes DIR/results.json) ---------------------------

@@ -1,5 +1,10 @@
 """Where the dashboard's numbers come from: the telemetry store (file or receiver URL) and, optionally,
-the endpoints' own Prometheus /metrics for live KV-cache usage.
+the router's own Prometheus /metrics (`router_metrics_url`) for the endpoints' live figures.
+
+The dashboard opens no URL taken from the store: span data is whatever a sender wrote (the receiver may
+accept spans from others), so an endpoint name in a row is a label to show, never an address to fetch
+(that was a server-side request forgery). The live columns come from one configured URL, the router's
+/metrics, whose ``prefixroute_endpoint_*{endpoint}`` gauges are the endpoint pool's own snapshot.
 
 `DataSource` wraps `prefixroute.telemetry.client.open_store` and survives the store going away:
 - SQLite file: every call first checks the file still exists and is the same file (device + inode);
@@ -21,18 +26,17 @@ Two queries are SQL of this package over the documented schema, on the same read
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from prefixroute.dashboard.data import (EndpointLive, bucket_for_window, effective_span_s, has_traffic,
-                                        parse_endpoint_metrics)
+                                        parse_router_metrics)
 from prefixroute.telemetry.client import HttpStoreClient, TelemetryUnavailable
-from prefixroute.telemetry.store import StoreMissing, StoreReader
+from prefixroute.telemetry.store import ERROR_SQL, REFUSED_SQL, StoreMissing, StoreReader
 
 SourceError = (StoreMissing, TelemetryUnavailable)
 
@@ -52,9 +56,9 @@ the summed overlap of each request's [start_time, end_time] with the window, div
 Rows are written at response end, so requests still running at t1 are not counted yet."""
 
 
-ENDPOINT_SERIES_SQL = """
+ENDPOINT_SERIES_SQL = f"""
 SELECT CAST(start_time / :b AS INTEGER) * :b AS bucket_start, endpoint, COUNT(*) AS num_requests,
-       SUM(CASE WHEN error IS NOT NULL OR status = 0 OR status >= 500 THEN 1 ELSE 0 END) AS num_errors,
+       SUM({ERROR_SQL}) AS num_errors, SUM({REFUSED_SQL}) AS num_refused,
        SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL THEN prompt_tokens END) AS prompt_tokens,
        SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL THEN cached_tokens END) AS cached_tokens,
        SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL
@@ -63,27 +67,30 @@ FROM requests WHERE start_time >= :t0 AND start_time <= :t1
 GROUP BY bucket_start, endpoint ORDER BY bucket_start, endpoint
 """
 """Per bucket and endpoint: counts and token sums only (no percentiles), with the store's definitions
-of an error and of the token-weighted hit ratios (store.py docstring). `StoreReader.timeseries(
+of an error, a refusal and of the token-weighted hit ratios (store.py docstring). `StoreReader.timeseries(
 by_endpoint=True)` gives the same plus per-endpoint percentiles, which the dashboard does not chart
 and which cost several times more (a window-function sort per group)."""
 
 
 class DataSource:
-    """The store (exactly one of `db` / `url`) plus optional endpoint scraping; see the module docstring."""
+    """The store (exactly one of `db` / `url`, with the receiver's bearer `token` if it wants one) plus
+    the router's /metrics at `router_metrics_url` (None: no live columns); see the module docstring."""
 
-    def __init__(self, *, db: str | None = None, url: str | None = None, scrape_endpoints: bool = False,
-                 scrape_timeout_s: float = 0.5, http_timeout_s: float = 3.0) -> None:
+    def __init__(self, *, db: str | None = None, url: str | None = None, token: str | None = None,
+                 router_metrics_url: str | None = None, metrics_timeout_s: float = 0.5,
+                 http_timeout_s: float = 3.0) -> None:
         if (db is None) == (url is None):
             raise ValueError("give exactly one of db or url")
+        if router_metrics_url and not router_metrics_url.startswith(("http://", "https://")):
+            raise ValueError(f"router_metrics_url must be an http(s):// URL, got {router_metrics_url!r}")
         self.db = os.path.abspath(db) if db is not None else None
         self.url = url
-        self.scrape_endpoints = scrape_endpoints
-        self.scrape_timeout_s = scrape_timeout_s
-        self._http = HttpStoreClient(url, timeout_s=http_timeout_s) if url else None
+        self.router_metrics_url = router_metrics_url or None
+        self.metrics_timeout_s = metrics_timeout_s
+        self._http = HttpStoreClient(url, timeout_s=http_timeout_s, token=token) if url else None
         self._reader: StoreReader | None = None
         self._identity: tuple[int, int] | None = None
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dashboard-scrape")
 
     @property
     def description(self) -> str:
@@ -187,30 +194,22 @@ class DataSource:
             in_flight=self.mean_in_flight(span_s, now=now))
         return snap
 
-    def endpoint_live(self, endpoints: Iterable[str],
-                      fetch: Callable[[str, float], str] | None = None) -> dict[str, EndpointLive]:
-        """Scrape http://ENDPOINT/metrics of each endpoint concurrently (bounded by scrape_timeout_s);
-        unreachable endpoints are absent from the result. Empty when scraping is off."""
-        if not self.scrape_endpoints:
+    def endpoint_live(self, fetch: Callable[[str, float], str] | None = None) -> dict[str, EndpointLive]:
+        """Endpoint -> live figures from the router's /metrics (the only URL this opens, and only the
+        configured one); empty when it is not configured or does not answer within metrics_timeout_s."""
+        if self.router_metrics_url is None:
             return {}
         fetch = fetch or _fetch_text
-        names = [e for e in endpoints if e and ":" in e]
-        futures = {e: self._pool.submit(fetch, f"http://{e}/metrics", self.scrape_timeout_s) for e in names}
-        out: dict[str, EndpointLive] = {}
-        deadline = time.monotonic() + self.scrape_timeout_s + 0.2
-        for name, fut in futures.items():
-            try:
-                out[name] = parse_endpoint_metrics(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-            except Exception:  # noqa: BLE001 - an endpoint that does not answer just shows "unavailable"
-                continue
-        return out
+        try:
+            return parse_router_metrics(fetch(self.router_metrics_url, self.metrics_timeout_s))
+        except Exception:  # noqa: BLE001 - a router that does not answer just leaves the live columns out
+            return {}
 
     def close(self) -> None:
         with self._lock:
             self._drop_reader()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _fetch_text(url: str, timeout_s: float) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - endpoint URLs from the store
-        return resp.read(4 << 20).decode("utf-8", "replace")
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - the configured router URL only
+        return resp.read(8 << 20).decode("utf-8", "replace")

@@ -47,7 +47,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     router = PoolRouter(core, pool)
     telemetry = RouterTelemetry.from_settings(tele or RouterTelemetrySettings(metrics_port=-1),
                                               in_flight=lambda: pool.in_flight,
-                                              index_size=core.index.num_entries_by_endpoint)
+                                              index_size=core.index.num_entries_by_endpoint,
+                                              endpoint_states=pool.snapshot)
     tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
                              max_body_bytes=routing.max_body_bytes)
     await pool.start()

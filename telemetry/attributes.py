@@ -55,3 +55,45 @@ def operation_name(path: str) -> str | None:
     if path.endswith("/embeddings"):
         return "embeddings"
     return None
+
+
+# --- Attribute limits -------------------------------------------------------------------------------
+# Applied by the recorder to every attribute it exports and again by the receiver to whatever any sender
+# sent, so one oversized value (a 1 MB model name from a client's body) costs at most this much in a
+# span, an export request and a store row.
+MAX_ATTRIBUTE_BYTES = 512
+"""Longest string attribute value, in UTF-8 bytes (cut at a character boundary, as OpenTelemetry's
+attribute value length limit truncates). 512 holds every legitimate value with room: a Hugging Face model
+id is at most 96 characters (an adapter name a few more), an endpoint a DNS name (<= 253) plus ``:port``,
+a path ``/v1/chat/completions``, a request id a UUID, an error a one-line description."""
+MAX_ATTRIBUTE_LIST = 16
+"""Longest list attribute (items beyond it are dropped): the decision's endpoints are the primary plus at
+most 4 fallbacks (extproc/headers.py MAX_FALLBACKS), so 16 never cuts a real decision."""
+MAX_ATTRIBUTES = 128
+"""Most attributes kept per span and per resource by the receiver (OpenTelemetry's default
+OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT); the router writes about 30."""
+
+
+def cap_str(s: str, max_bytes: int = MAX_ATTRIBUTE_BYTES) -> str:
+    """`s` cut to at most `max_bytes` UTF-8 bytes (whole characters only)."""
+    if len(s) * 4 <= max_bytes:  # cannot be over: no encoding needed (the common case)
+        return s
+    b = s.encode("utf-8", "replace")  # "replace": a lone surrogate becomes "?" instead of raising
+    if len(b) <= max_bytes:
+        return s
+    return b[:max_bytes].decode("utf-8", "ignore")
+
+
+def cap_value(v):  # noqa: ANN001, ANN201 - any attribute value
+    """An attribute value within the limits: strings capped, lists shortened (and their items capped);
+    numbers and booleans as they are; anything else (bytes, dicts from other senders) capped by type."""
+    t = type(v)
+    if t is str:
+        return cap_str(v)
+    if t is tuple or t is list:
+        return tuple(cap_value(x) for x in v[:MAX_ATTRIBUTE_LIST])
+    if t is bytes:
+        return v[:MAX_ATTRIBUTE_BYTES]
+    if t is dict:
+        return {cap_str(str(k)): cap_value(x) for k, x in list(v.items())[:MAX_ATTRIBUTE_LIST]}
+    return v

@@ -18,6 +18,20 @@ its own span as the parent. Attributes: ``gen_ai.request.model``, ``gen_ai.opera
 matched_blocks, total_blocks, predicted_hit_ratio, decision_us, ttft_ms, latency_ms, cached_tokens,
 stream, status}``. Its Prometheus metrics are on ``--metrics-port`` (default 9464, ``/metrics``).
 
+Securing it (the port may be reachable by others: the store believes what it is sent)::
+
+    PREFIXROUTE_TELEMETRY_AUTH_TOKEN=$(cat token) prefixroute telemetry --host 0.0.0.0 \
+        --tls-cert-file server.crt --tls-key-file server.key --tls-client-ca-file ca.crt
+    # the router (standard OpenTelemetry variables):
+    OTEL_EXPORTER_OTLP_ENDPOINT=https://telemetry:4317 OTEL_EXPORTER_OTLP_CERTIFICATE=ca.crt \
+    OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE=client.crt OTEL_EXPORTER_OTLP_CLIENT_KEY=client.key \
+    OTEL_EXPORTER_OTLP_HEADERS="authorization=Bearer%20$(cat token)" prefixroute gateway ...
+    # the dashboard / dump over the HTTP API send the same token:
+    PREFIXROUTE_DASHBOARD_TELEMETRY_TOKEN=$(cat token) prefixroute dashboard --telemetry http://127.0.0.1:4320
+
+Without the client certificate the TLS handshake fails; without the token every OTLP call is answered
+UNAUTHENTICATED and every HTTP API route but /healthz 401. Either way nothing is stored.
+
 Print the routed requests of the last minute, one JSON object per line (from the file or the API)::
 
     prefixroute telemetry dump --since 60 --db telemetry.db
@@ -82,6 +96,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from typing import ClassVar
@@ -90,6 +105,9 @@ import orjson
 
 from prefixroute import settings
 from prefixroute.settings import Settings, setting
+from prefixroute.telemetry.store import DEFAULT_MAX_BYTES
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # = receiver.DEFAULT_MAX_MESSAGE_BYTES (grpc not imported here)
 
 log = logging.getLogger("prefixroute.telemetry")
 
@@ -99,21 +117,78 @@ class ReceiverSettings(Settings):
     ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_TELEMETRY_"
     TITLE: ClassVar[str] = "Telemetry receiver"
 
-    host: str = setting("127.0.0.1", "Address to bind the OTLP/gRPC and HTTP API servers (loopback: nothing "
-                                     "is exposed unless asked; use 0.0.0.0 to accept remote senders).")
+    host: str = setting("127.0.0.1", "Address to bind the OTLP/gRPC server (loopback: nothing is exposed unless "
+                                     "asked; use 0.0.0.0 to accept remote senders, with TLS and a token).")
     port: int = setting(4317, "OTLP/gRPC port (4317 is the OTLP standard port, so SDK defaults reach it).")
+    http_host: str = setting("", "Address of the HTTP query API; empty: the same as --host (so a receiver on a "
+                                 "private container network serves its dashboard there).")
     db: str = setting("prefixroute-telemetry.db", "SQLite file of the request store (created if absent; WAL files "
                                                   "sit beside it).")
     http_port: int = setting(4320, "Port of the HTTP JSON query API for the dashboard and `dump --url` "
                                    "(next to OTLP's 4317/4318); -1 disables it, 0 picks a free port.")
     max_age_s: float = setting(86400.0, "Retention: rows older than this are deleted (a day covers a benchmark "
                                         "session and a day of dashboards); <= 0 keeps all.")
-    max_rows: int = setting(500_000, "Retention: at most this many rows, oldest deleted first (~250 MB of SQLite; "
-                                     "about an hour at 140 requests/s); <= 0 means no limit.")
+    max_rows: int = setting(500_000, "Retention: at most this many rows, oldest deleted first (about an hour at "
+                                     "140 requests/s; 1.1 GB at the ~2.2 KB a typical row takes, measured, so "
+                                     "--max-bytes binds just before it by default); <= 0 means no limit.")
+    max_bytes: int = setting(DEFAULT_MAX_BYTES, "Retention: the store's pages in use (rows, indexes, attributes) "
+                                                "stay under this many bytes, oldest rows deleted first (1 GiB, "
+                                                "measured: ~485,000 typical rows of ~2.2 KB, ~30,000 rows of "
+                                                "~35 KB whose every attribute is at its size cap); the file "
+                                                "exceeds it by at most one retention interval of inserts plus the "
+                                                "WAL (<= 64 MiB after a checkpoint); <= 0 means no limit.")
     retention_interval_s: float = setting(10.0, "How often retention runs (a DELETE per 10 s costs nothing "
                                                 "visible; per insert it would).")
     max_pending_batches: int = setting(1024, "OTLP export requests queued for the store writer before new ones "
-                                             "are rejected (bounds memory to ~1024 x the sender's batch).")
+                                             "are answered with partial success (rejected spans, counted).")
+    max_pending_bytes: int = setting(256 << 20, "Bytes (wire size) of queued OTLP requests before new ones are "
+                                                "rejected likewise: bounds the receiver's memory to a small "
+                                                "multiple of this (parsed messages take ~2-3x their wire size).")
+    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, "Largest OTLP request accepted (16 MiB: 4x the "
+                                                                "4 MiB OTLP exporters send by default); bigger "
+                                                                "ones get RESOURCE_EXHAUSTED, and the router "
+                                                                "splits them in halves.")
+    tls_cert_file: str = setting("", "PEM certificate (chain) of the OTLP server: serve TLS (senders use "
+                                     "https://HOST:PORT and trust its CA). Needs --tls-key-file.")
+    tls_key_file: str = setting("", "PEM private key of --tls-cert-file.")
+    tls_client_ca_file: str = setting("", "PEM CA bundle: require a client certificate signed by it (mutual TLS; "
+                                          "a sender without one fails the handshake). Needs --tls-cert-file.")
+    auth_token: str = setting("", "Bearer token required on every OTLP call (UNAUTHENTICATED otherwise) and on "
+                                  "the HTTP API's data routes (401); senders set OTEL_EXPORTER_OTLP_HEADERS="
+                                  "authorization=Bearer%20TOKEN. Prefer the env var or --auth-token-file to "
+                                  "the flag (a flag shows in `ps`).")
+    auth_token_file: str = setting("", "File holding the bearer token (surrounding whitespace ignored), instead "
+                                       "of --auth-token.")
+
+    def resolved_token(self) -> str | None:
+        """The bearer token (from auth_token or auth_token_file), None when none is configured; raises
+        ValueError for both at once or an empty / unreadable file."""
+        if self.auth_token and self.auth_token_file:
+            raise ValueError("give --auth-token or --auth-token-file, not both")
+        if self.auth_token_file:
+            try:
+                with open(self.auth_token_file, encoding="utf-8") as f:
+                    token = f.read().strip()
+            except OSError as exc:
+                raise ValueError(f"--auth-token-file: {exc}") from None
+            if not token:
+                raise ValueError(f"--auth-token-file {self.auth_token_file} is empty")
+            return token
+        return self.auth_token.strip() or None
+
+    def server_tls(self):  # noqa: ANN201 - receiver.ServerTls | None (imported lazily: grpc)
+        """The TLS configuration, None without --tls-cert-file; ValueError for an incomplete one."""
+        if not (self.tls_cert_file or self.tls_key_file or self.tls_client_ca_file):
+            return None
+        if not (self.tls_cert_file and self.tls_key_file):
+            raise ValueError("--tls-cert-file and --tls-key-file go together (--tls-client-ca-file needs both)")
+        for name, path in (("--tls-cert-file", self.tls_cert_file), ("--tls-key-file", self.tls_key_file),
+                           ("--tls-client-ca-file", self.tls_client_ca_file)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file {path}")
+        from prefixroute.telemetry.receiver import ServerTls
+
+        return ServerTls(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file or None)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -138,10 +213,12 @@ def main(args: argparse.Namespace) -> int:
         return dump(args)
     try:
         cfg = settings.from_namespace(ReceiverSettings, args)
+        token = cfg.resolved_token()
+        tls = cfg.server_tls()
     except ValueError as exc:
         print(f"prefixroute telemetry: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(cfg))
+    return asyncio.run(_serve(cfg, tls, token))
 
 
 def dump(args: argparse.Namespace) -> int:
@@ -153,7 +230,9 @@ def dump(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.dump_url:
-            reader = HttpStoreClient(args.dump_url)
+            # The receiver's own token setting (PREFIXROUTE_TELEMETRY_AUTH_TOKEN / _FILE) authenticates dump.
+            token = settings.from_namespace(ReceiverSettings, args).resolved_token()
+            reader = HttpStoreClient(args.dump_url, token=token)
         else:
             db = args.dump_db or settings.from_namespace(ReceiverSettings, args).db
             reader = StoreReader(db)
@@ -162,7 +241,7 @@ def dump(args: argparse.Namespace) -> int:
             for row in reader.iter_requests(args.since_s):
                 out.write(orjson.dumps(row) + b"\n")
         out.flush()
-    except (StoreMissing, TelemetryUnavailable) as exc:
+    except (StoreMissing, TelemetryUnavailable, ValueError) as exc:
         print(f"prefixroute telemetry dump: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `dump | head` is fine
@@ -170,20 +249,33 @@ def dump(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(cfg: ReceiverSettings) -> int:
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+async def _serve(cfg: ReceiverSettings, tls: object = None, token: str | None = None) -> int:
     from prefixroute.telemetry.receiver import Receiver
 
+    http_host = cfg.http_host or cfg.host
     receiver = Receiver(cfg.db, host=cfg.host, port=cfg.port, http_port=None if cfg.http_port < 0 else cfg.http_port,
-                        max_age_s=cfg.max_age_s, max_rows=cfg.max_rows,
-                        retention_interval_s=cfg.retention_interval_s, max_pending_batches=cfg.max_pending_batches)
+                        http_host=http_host, max_age_s=cfg.max_age_s, max_rows=cfg.max_rows, max_bytes=cfg.max_bytes,
+                        retention_interval_s=cfg.retention_interval_s, max_pending_batches=cfg.max_pending_batches,
+                        max_pending_bytes=cfg.max_pending_bytes, max_message_bytes=cfg.max_message_bytes,
+                        tls=tls, auth_token=token)  # type: ignore[arg-type]
     try:
         await receiver.start()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: grpc rejecting a malformed PEM file
         log.error("cannot start: %s", exc)
         return 1
-    http = f", HTTP API on http://{cfg.host}:{receiver.http_port}" if receiver.http_port is not None else ""
+    if not _is_loopback(cfg.host) and not (tls or token):
+        log.warning("OTLP on %s accepts spans from anyone who reaches it: set --tls-cert-file/--tls-client-ca-file "
+                    "and/or PREFIXROUTE_TELEMETRY_AUTH_TOKEN", cfg.host)
+    http = f", HTTP API on http://{http_host}:{receiver.http_port}" if receiver.http_port is not None else ""
+    security = ", ".join(x for x in ("mTLS" if tls and tls.client_ca_file else "TLS" if tls else "",
+                                     "bearer token" if token else "") if x) or "no TLS, no token"
     # One parseable line so scripts and tests can find the bound ports (0 = pick a free port).
-    print(f"prefixroute telemetry: OTLP/gRPC on {cfg.host}:{receiver.port}{http}, store {cfg.db}", flush=True)
+    print(f"prefixroute telemetry: OTLP/gRPC on {cfg.host}:{receiver.port}{http}, store {cfg.db} "
+          f"({security})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -24,15 +24,20 @@ class TelemetryUnavailable(OSError):
 
 
 class HttpStoreClient:
-    def __init__(self, url: str, *, timeout_s: float = 10.0) -> None:
+    """`token`: the receiver's bearer token (its --auth-token), sent as ``Authorization: Bearer``; a
+    receiver that wants one and gets none or a wrong one answers 401 (`TelemetryUnavailable`)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 10.0, token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self._headers = {"authorization": f"Bearer {token}"} if token else {}
 
     def _get(self, route: str, **params: Any) -> Any:
         qs = urllib.parse.urlencode({k: (int(v) if isinstance(v, bool) else v) for k, v in params.items()
                                      if v is not None})
+        req = urllib.request.Request(f"{self.url}{route}?{qs}", headers=self._headers)
         try:
-            with urllib.request.urlopen(f"{self.url}{route}?{qs}", timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             try:
@@ -93,8 +98,10 @@ class HttpStoreClient:
         self.close()
 
 
-def open_store(db: str | os.PathLike | None = None, url: str | None = None) -> StoreReader | HttpStoreClient:
-    """A reader for exactly one of `db` (SQLite file) or `url` (receiver HTTP API base URL)."""
+def open_store(db: str | os.PathLike | None = None, url: str | None = None, *,
+               token: str | None = None) -> StoreReader | HttpStoreClient:
+    """A reader for exactly one of `db` (SQLite file) or `url` (receiver HTTP API base URL, with its
+    bearer `token` if it wants one)."""
     if (db is None) == (url is None):
         raise ValueError("give exactly one of db or url")
-    return HttpStoreClient(url) if url is not None else StoreReader(db)
+    return HttpStoreClient(url, token=token) if url is not None else StoreReader(db)

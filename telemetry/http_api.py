@@ -16,6 +16,9 @@ OpenAI error format, a missing store -> 503, an unknown route -> 404):
     /healthz                                           -> {"status": "ok"}
 
 Every query route accepts ``now=`` (unix s) to query a fixed instant, like the reader methods.
+
+With an `auth_token`, every route but /healthz (which says nothing about the data, for health checks)
+requires ``Authorization: Bearer <token>``: 401 in the OpenAI error format otherwise.
 """
 
 from __future__ import annotations
@@ -96,7 +99,11 @@ def query(reader: StoreReader, path: str, q: dict[str, list[str]]) -> Any:
     raise KeyError(path)
 
 
-def make_handler(db_path: str, stats: Any | None) -> type[BaseHTTPRequestHandler]:
+def make_handler(db_path: str, stats: Any | None, auth_token: str | None = None) -> type[BaseHTTPRequestHandler]:
+    from prefixroute.telemetry.receiver import bearer_matches
+
+    token = auth_token.encode() if auth_token else None
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -108,6 +115,8 @@ def make_handler(db_path: str, stats: Any | None) -> type[BaseHTTPRequestHandler
 
         def _send_bytes(self, status: int, body: bytes) -> None:
             self.send_response(status)
+            if status == 401:
+                self.send_header("www-authenticate", 'Bearer realm="prefixroute telemetry"')
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(body)))
             self.end_headers()
@@ -121,6 +130,10 @@ def make_handler(db_path: str, stats: Any | None) -> type[BaseHTTPRequestHandler
             q = parse_qs(parts.query, keep_blank_values=True)
             if parts.path == "/healthz":
                 return self._send(200, {"status": "ok"})
+            if token is not None and not bearer_matches(self.headers.get("authorization"), token):
+                if stats is not None:
+                    stats.num_unauthenticated += 1
+                return self._error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
             try:
                 reader = StoreReader(db_path)
             except StoreMissing as exc:
@@ -144,10 +157,11 @@ def make_handler(db_path: str, stats: Any | None) -> type[BaseHTTPRequestHandler
     return Handler
 
 
-def start_http_api(db_path: str, host: str, port: int, *, stats: Any | None = None) -> ThreadingHTTPServer:
+def start_http_api(db_path: str, host: str, port: int, *, stats: Any | None = None,
+                   auth_token: str | None = None) -> ThreadingHTTPServer:
     """Serve the API on a daemon thread; returns the server (server_address has the bound port;
-    call shutdown() then server_close() to stop)."""
-    server = ThreadingHTTPServer((host, port), make_handler(db_path, stats))
+    call shutdown() then server_close() to stop). `auth_token`: required as a bearer token."""
+    server = ThreadingHTTPServer((host, port), make_handler(db_path, stats, auth_token))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="prefixroute-telemetry-http", daemon=True).start()
     return server

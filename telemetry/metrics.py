@@ -12,8 +12,18 @@ Metric families (``prefixroute_`` prefix; seconds and tokens in base units as Pr
     prefixroute_actual_hit_tokens_total{endpoint}             counter  server-reported cached tokens
     prefixroute_endpoint_in_flight{endpoint}                  gauge    (callback) requests picked, not finished
     prefixroute_prefix_index_blocks[{endpoint}]               gauge    (callback) prefix index size
-    prefixroute_telemetry_spans_dropped_total                 counter  (callback) recorder drops
+    prefixroute_endpoint_healthy{endpoint}                    gauge    (callback, pool snapshot) 1 routable, 0 down
+    prefixroute_endpoint_requests_running{endpoint}           gauge    (callback, pool snapshot) scraped running
+    prefixroute_endpoint_requests_waiting{endpoint}           gauge    (callback, pool snapshot) scraped waiting
+    prefixroute_endpoint_kv_cache_usage_ratio{endpoint}       gauge    (callback, pool snapshot) scraped KV usage 0-1
+    prefixroute_endpoint_scrape_age_seconds{endpoint}         gauge    (callback, pool snapshot) age of those figures
+    prefixroute_telemetry_spans_dropped_total{reason}         counter  (callback) every lost span, by reason
     prefixroute_telemetry_spans_exported_total                counter  (callback)
+    prefixroute_telemetry_spans_pending                       gauge    (callback) queued + held for retry
+    prefixroute_telemetry_retry_buffer_bytes                  gauge    (callback)
+
+Status classes: a 4xx is a refusal (the client's request was refused), counted apart from 5xx and
+"reset" (the errors) in prefixroute_requests_total{status_class}; nothing here lumps them together.
 
 Hit ratio over a window in PromQL: ``rate(prefixroute_actual_hit_tokens_total[1m]) /
 rate(prefixroute_prompt_tokens_total[1m])``.
@@ -25,7 +35,8 @@ plain dicts (benign races: at worst a child looked up twice).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -70,26 +81,74 @@ class _CallbackCollector:
                 g = GaugeMetricFamily("prefixroute_prefix_index_blocks", "Block hashes in the prefix index.",
                                       value=size)
             yield g
+        if m.endpoint_states is not None:
+            yield from _endpoint_families(m.endpoint_states())
         if m.recorder is not None:
-            yield CounterMetricFamily("prefixroute_telemetry_spans_dropped", "Request spans dropped by the "
-                                      "telemetry recorder (queue full or disabled).", value=m.recorder.num_dropped)
+            rec = m.recorder
+            dropped = CounterMetricFamily(
+                "prefixroute_telemetry_spans_dropped", "Request spans lost by the telemetry recorder, by reason: "
+                "queue_full, disabled, shutdown, retry_buffer_full (receiver down too long), rejected (e.g. "
+                "UNAUTHENTICATED), receiver_rejected (partial success), too_large, malformed, export_failed.",
+                labels=["reason"])
+            for reason, n in dict(getattr(rec, "dropped_by_reason", {})).items():
+                dropped.add_metric([reason], n)
+            yield dropped
             yield CounterMetricFamily("prefixroute_telemetry_spans_exported", "Request spans the OTLP exporter "
-                                      "acknowledged.", value=m.recorder.num_exported)
+                                      "acknowledged.", value=rec.num_exported)
+            if hasattr(rec, "num_pending"):
+                yield GaugeMetricFamily("prefixroute_telemetry_spans_pending", "Request spans recorded and not yet "
+                                        "exported (queue + retry buffer).", value=rec.num_pending)
+                yield GaugeMetricFamily("prefixroute_telemetry_retry_buffer_bytes", "Encoded spans held for "
+                                        "re-export while the OTLP backend is unavailable.", value=rec.retry_bytes)
+
+
+def _endpoint_families(states: Iterable[Any]) -> Iterator[GaugeMetricFamily]:
+    """The endpoint pool's current figures, one sample per configured endpoint (a figure the endpoint
+    does not export is absent). These are the dashboard's live columns: it reads them here, from the
+    router, and never opens a URL of its own choosing."""
+    healthy = GaugeMetricFamily("prefixroute_endpoint_healthy", "1 when the endpoint is routable (probes "
+                                "pass), else 0.", labels=["endpoint"])
+    running = GaugeMetricFamily("prefixroute_endpoint_requests_running", "Requests running on the endpoint "
+                                "(scraped: vllm:num_requests_running / sglang:num_running_reqs).", labels=["endpoint"])
+    waiting = GaugeMetricFamily("prefixroute_endpoint_requests_waiting", "Requests waiting on the endpoint "
+                                "(scraped: vllm:num_requests_waiting / sglang:num_queue_reqs).", labels=["endpoint"])
+    kv = GaugeMetricFamily("prefixroute_endpoint_kv_cache_usage_ratio", "KV-cache usage of the endpoint, 0-1 "
+                           "(scraped: vllm:kv_cache_usage_perc / sglang:token_usage).", labels=["endpoint"])
+    age = GaugeMetricFamily("prefixroute_endpoint_scrape_age_seconds", "Age of the endpoint's scraped figures.",
+                            labels=["endpoint"])
+    now = time.monotonic()
+    for st in states:
+        ep = [str(st.endpoint)]
+        healthy.add_metric(ep, 1.0 if st.healthy else 0.0)
+        if st.num_requests_running is not None:
+            running.add_metric(ep, st.num_requests_running)
+        if st.num_requests_waiting is not None:
+            waiting.add_metric(ep, st.num_requests_waiting)
+        if st.kv_cache_usage_ratio is not None:
+            kv.add_metric(ep, st.kv_cache_usage_ratio)
+        if getattr(st, "scraped_at_s", None) is not None:
+            age.add_metric(ep, max(0.0, now - st.scraped_at_s))
+    yield from (healthy, running, waiting, kv, age)
 
 
 class RouterMetrics:
     """The router's metrics in their own registry (so tests and several routers in one process do not clash).
 
     `in_flight`: callable -> Mapping[endpoint, int]; `index_size`: callable -> int or Mapping[endpoint, int];
-    `recorder`: a TelemetryRecorder whose drop/export counts are exposed. Callbacks run on scrape only.
+    `endpoint_states`: callable -> the endpoint pool's current snapshot (iterable of
+    `routing.types.EndpointState`; the pool's `snapshot` is an O(1) read of an immutable tuple, safe from
+    the metrics thread); `recorder`: a TelemetryRecorder whose drop/export counts are exposed. Callbacks
+    run on scrape only.
     """
 
     def __init__(self, *, registry: CollectorRegistry | None = None,
                  in_flight: Callable[[], Mapping[str, int]] | None = None,
                  index_size: Callable[[], int | Mapping[str, int]] | None = None,
+                 endpoint_states: Callable[[], Iterable[Any]] | None = None,
                  recorder: Any | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.in_flight, self.index_size, self.recorder = in_flight, index_size, recorder
+        self.endpoint_states = endpoint_states
         r = self.registry
         self.decisions = Counter("prefixroute_decisions", "Routing decisions by primary endpoint, policy, reason.",
                                  ["endpoint", "policy", "reason"], registry=r)

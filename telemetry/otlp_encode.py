@@ -5,8 +5,9 @@ holds the GIL long enough to delay the asyncio loop that carries the token strea
 rates. Writing the wire format directly is much cheaper (figures: README, `python -m
 prefixroute.bench.recorder`), and the export thread yields the GIL between spans. The bytes are parsed once by
 upb (C) into an ``ExportTraceServiceRequest`` and sent by `RecordSpanExporter`, a subclass of the
-official OTLPSpanExporter, so endpoint/TLS/headers/compression/timeout/retry handling and every
-OTEL_EXPORTER_OTLP_* variable are the SDK's own.
+official OTLPSpanExporter, so endpoint/TLS/headers/compression/timeout handling and every
+OTEL_EXPORTER_OTLP_* variable are the SDK's own; retries (with backoff, into a bounded buffer) and the
+splitting of oversized requests are the recorder's (recorder.py), which needs each attempt's status code.
 
 Contract: `encode_span(rec, attrs)` produces exactly the span the SDK would export for the same
 ReadableSpan (verified in tests by decoding both); only OTLP field numbers from
@@ -19,6 +20,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import grpc
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -141,10 +143,56 @@ class EncodedBatch:
         return self.num_spans
 
 
+# gRPC's reconnect backoff grows to 120 s by default: after a long receiver outage the channel would
+# stay failed (every export UNAVAILABLE at once) for up to two minutes after the receiver is back.
+# Capped at 5 s, spans flow again within seconds; a dead receiver costs one connect attempt per 5 s.
+RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5000))
+
+
+class ExportOutcome:
+    """One export attempt's answer: the gRPC status code (OK on success), spans the receiver rejected
+    in an OK answer (OTLP partial success; not to be retried), and the error or rejection message."""
+
+    __slots__ = ("code", "rejected_spans", "message")
+
+    def __init__(self, code: grpc.StatusCode, rejected_spans: int = 0, message: str = "") -> None:
+        self.code, self.rejected_spans, self.message = code, rejected_spans, message
+
+    def __repr__(self) -> str:
+        return f"ExportOutcome({self.code.name}, rejected_spans={self.rejected_spans}, {self.message!r})"
+
+
 class RecordSpanExporter(OTLPSpanExporter):
-    """OTLPSpanExporter (same constructor, same OTEL_* handling) that also takes an `EncodedBatch`."""
+    """OTLPSpanExporter (same constructor, same OTEL_* handling: endpoint, https:// / CERTIFICATE /
+    CLIENT_CERTIFICATE / CLIENT_KEY for TLS and mTLS, HEADERS e.g. a bearer token, TIMEOUT, COMPRESSION,
+    each also as OTEL_EXPORTER_OTLP_TRACES_*) that also takes an `EncodedBatch`, and `send`: one attempt
+    whose status code the caller sees (the recorder retries and splits itself; see recorder.py)."""
+
+    def __init__(self, *args: Any, channel_options: Sequence[tuple[str, Any]] | None = None, **kwargs: Any) -> None:
+        given = {name for name, _ in channel_options or ()}
+        options = tuple(channel_options or ()) + tuple(o for o in RECONNECT_OPTIONS if o[0] not in given)
+        super().__init__(*args, channel_options=options, **kwargs)
 
     def _translate_data(self, data: Any) -> ExportTraceServiceRequest:
         if isinstance(data, EncodedBatch):
             return data.request
         return super()._translate_data(data)
+
+    def send(self, request: ExportTraceServiceRequest | bytes) -> ExportOutcome:
+        """Export once (no retry), bounded by the exporter timeout; never raises."""
+        if self._shutdown or self._client is None:
+            return ExportOutcome(grpc.StatusCode.CANCELLED, 0, "exporter shut down")
+        if isinstance(request, bytes):
+            request = ExportTraceServiceRequest.FromString(request)
+        try:
+            resp = self._client.Export(request=request, metadata=self._headers, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+            details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+            return ExportOutcome(code or grpc.StatusCode.UNKNOWN, 0, details or "")
+        except Exception as exc:  # noqa: BLE001 - e.g. "Cannot invoke RPC on closed channel!" during shutdown
+            return ExportOutcome(grpc.StatusCode.CANCELLED, 0, str(exc))
+        ps = resp.partial_success
+        return ExportOutcome(grpc.StatusCode.OK, int(ps.rejected_spans), ps.error_message)

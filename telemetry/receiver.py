@@ -16,17 +16,27 @@ exports are answered with OTLP partial success (``rejected_spans``) instead of g
 
 An optional HTTP JSON API (`http_port`) serves the store queries to the dashboard and
 `telemetry dump --url` (routes in `http_api.py`).
+
+Security (the port may be reachable by others): `tls` serves OTLP over TLS, and with a client CA
+requires a client certificate signed by it (mutual TLS: the handshake fails without one, nothing is
+read); `auth_token` requires ``authorization: Bearer <token>`` on every OTLP call (UNAUTHENTICATED
+otherwise, before the request is parsed) and on the HTTP API's data routes (401). Whatever a sender
+sends, a row stays bounded: attribute values are capped as the router caps its own (attributes.py),
+at most MAX_ATTRIBUTES attributes, the attrs JSON at MAX_ATTRS_JSON_BYTES, a request at
+`max_message_bytes`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
 import json
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -35,29 +45,57 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from prefixroute.telemetry import attributes as A
-from prefixroute.telemetry.store import TelemetryStore
+from prefixroute.telemetry.store import DEFAULT_MAX_BYTES, TelemetryStore
 
 log = logging.getLogger(__name__)
 
 _STATUS_CODE_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 
 
-def any_value(v: Any) -> Any:
-    """An OTLP AnyValue as a plain Python value (arrays -> list, kvlists -> dict, bytes -> hex)."""
+def any_value(v: Any, depth: int = 0) -> Any:
+    """An OTLP AnyValue as a plain Python value (arrays -> list, kvlists -> dict, bytes -> hex), within
+    the attribute limits of attributes.py whatever the sender sent: strings capped at
+    MAX_ATTRIBUTE_BYTES, arrays and kvlists at MAX_ATTRIBUTE_LIST items, nesting at 4 levels."""
     kind = v.WhichOneof("value")
     if kind is None:
         return None
+    if kind == "string_value":
+        return A.cap_str(v.string_value)
+    if kind in ("array_value", "kvlist_value") and depth >= 4:
+        return None
     if kind == "array_value":
-        return [any_value(x) for x in v.array_value.values]
+        return [any_value(x, depth + 1) for x in v.array_value.values[:A.MAX_ATTRIBUTE_LIST]]
     if kind == "kvlist_value":
-        return {kv.key: any_value(kv.value) for kv in v.kvlist_value.values}
+        return {A.cap_str(kv.key): any_value(kv.value, depth + 1)
+                for kv in v.kvlist_value.values[:A.MAX_ATTRIBUTE_LIST]}
     if kind == "bytes_value":
-        return v.bytes_value.hex()
+        return v.bytes_value[:A.MAX_ATTRIBUTE_BYTES // 2].hex()
     return getattr(v, kind)
 
 
-def attributes_dict(kvs: Iterable[Any]) -> dict[str, Any]:
-    return {kv.key: any_value(kv.value) for kv in kvs}
+def attributes_dict(kvs: Any) -> dict[str, Any]:
+    """At most MAX_ATTRIBUTES attributes, keys and values capped (see `any_value`)."""
+    return {A.cap_str(kv.key): any_value(kv.value) for kv in kvs[:A.MAX_ATTRIBUTES]}
+
+
+MAX_ATTRS_JSON_BYTES = 32 * 1024
+"""Largest ``attrs`` JSON kept in a row; beyond it only the attributes the store's columns come from are
+kept (the router's own spans, at every attribute's cap, stay under it; a forged span with 128 capped
+lists would otherwise write ~1 MB)."""
+
+
+def _attrs_json(resource_attrs: Mapping[str, Any], attrs: Mapping[str, Any]) -> str:
+    doc = {**{f"resource.{k}": v for k, v in resource_attrs.items()}, **attrs}
+    out = json.dumps(doc, default=str)
+    if len(out) <= MAX_ATTRS_JSON_BYTES:
+        return out
+    known = set(A.FIELD_ATTRIBUTES.values())
+    kept = {k: v for k, v in attrs.items() if k in known}
+    kept["prefixroute.attrs_truncated"] = True
+    if "service.name" in resource_attrs:
+        kept["resource.service.name"] = resource_attrs["service.name"]
+    out = json.dumps(kept, default=str)
+    return out if len(out) <= MAX_ATTRS_JSON_BYTES else '{"prefixroute.attrs_truncated": true}'
 
 
 def _int(v: Any) -> int | None:
@@ -79,7 +117,7 @@ def _float(v: Any) -> float | None:
 
 
 def _str(v: Any) -> str | None:
-    return None if v is None else str(v)
+    return None if v is None else A.cap_str(str(v))
 
 
 def is_request_span(name: str, attrs: Mapping[str, Any]) -> bool:
@@ -107,13 +145,14 @@ def span_to_row(span: Any, resource_attrs: Mapping[str, Any]) -> dict[str, Any] 
     cached = attrs.get(F["cached_tokens"], attrs.get(A.CACHE_READ_INPUT_TOKENS))
     error = _str(attrs.get(F["error"]))
     if error is None and span.status.code == _STATUS_CODE_ERROR:
-        error = span.status.message or "error"
+        error = A.cap_str(span.status.message) or "error"
     status = _int(attrs.get(F["status"], attrs.get(A.STATUS)))
     stream = attrs.get(F["stream"])
     return {
-        "trace_id": span.trace_id.hex(),
-        "span_id": span.span_id.hex(),
-        "parent_span_id": span.parent_span_id.hex() or None,
+        # OTLP ids are 16 and 8 bytes; a sender's longer bytes are cut, not stored whole.
+        "trace_id": span.trace_id[:16].hex(),
+        "span_id": span.span_id[:8].hex(),
+        "parent_span_id": span.parent_span_id[:8].hex() or None,
         "request_id": _str(attrs.get(F["request_id"])),
         "start_time": start_time,
         "end_time": end_time,
@@ -122,7 +161,7 @@ def span_to_row(span: Any, resource_attrs: Mapping[str, Any]) -> dict[str, Any] 
         "policy": _str(attrs.get(F["policy"])),
         "reason": _str(attrs.get(F["reason"])),
         "endpoint": _str(attrs.get(F["endpoint"], attrs.get(A.SERVER_ADDRESS))),
-        "endpoints": json.dumps([str(e) for e in endpoints]),
+        "endpoints": json.dumps([A.cap_str(str(e)) for e in endpoints]),
         "matched_blocks": _int(attrs.get(F["matched_blocks"])),
         "total_blocks": _int(attrs.get(F["total_blocks"])),
         "predicted_hit_ratio": _float(attrs.get(F["predicted_hit_ratio"])),
@@ -137,7 +176,7 @@ def span_to_row(span: Any, resource_attrs: Mapping[str, Any]) -> dict[str, Any] 
         "error": error,
         "path": _str(attrs.get(F["path"])),
         "service_name": _str(resource_attrs.get("service.name")),
-        "attrs": json.dumps({**{f"resource.{k}": v for k, v in resource_attrs.items()}, **attrs}, default=str),
+        "attrs": _attrs_json(resource_attrs, attrs),
     }
 
 
@@ -164,6 +203,7 @@ class ReceiverStats:
         self.num_spans_received = 0
         self.num_spans_ignored = 0
         self.num_spans_rejected = 0  # refused because the writer was behind
+        self.num_unauthenticated = 0  # export calls refused: no or wrong bearer token (their spans unread)
         self.num_rows_written = 0
         self.num_rows_failed = 0  # batches that failed to insert (logged)
         self.num_rows_deleted = 0  # by retention
@@ -181,20 +221,30 @@ class StoreWriter:
     """The store's only writer: a thread draining decoded export requests into SQLite."""
 
     def __init__(self, store: TelemetryStore, stats: ReceiverStats, *, max_pending_batches: int = 1024,
-                 retention_interval_s: float = 10.0) -> None:
+                 max_pending_bytes: int = 256 << 20, retention_interval_s: float = 10.0) -> None:
         self.store = store
         self.stats = stats
         self.retention_interval_s = retention_interval_s
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0  # wire size of the queued requests (updated under _bytes_lock)
+        self._bytes_lock = threading.Lock()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending_batches)
         self._thread = threading.Thread(target=self._run, name="prefixroute-telemetry-writer", daemon=True)
         self._idle = threading.Event()
         self._thread.start()
 
-    def submit(self, req: Any) -> bool:
-        """Queue one ExportTraceServiceRequest; False (nothing queued) when the writer is behind."""
+    def submit(self, req: Any, num_bytes: int = 0) -> bool:
+        """Queue one ExportTraceServiceRequest (`num_bytes`: its wire size); False (nothing queued) when the
+        writer is behind by max_pending_batches requests or max_pending_bytes bytes."""
+        with self._bytes_lock:
+            if self._pending_bytes and self._pending_bytes + num_bytes > self.max_pending_bytes:
+                return False
+            self._pending_bytes += num_bytes
         try:
-            self._queue.put_nowait(req)
+            self._queue.put_nowait((req, num_bytes))
         except queue.Full:
+            with self._bytes_lock:
+                self._pending_bytes -= num_bytes
             return False
         self._idle.clear()
         return True
@@ -211,10 +261,13 @@ class StoreWriter:
             except queue.Empty:
                 pass
             rows: list[dict[str, Any]] = []
-            for r in reqs:
-                if r is _STOP:
+            for item in reqs:
+                if item is _STOP:
                     stopping = True
                     continue
+                r, num_bytes = item
+                with self._bytes_lock:
+                    self._pending_bytes -= num_bytes
                 try:
                     got, ignored = request_rows(r)
                 except Exception:  # one odd export must not stop the writer
@@ -258,7 +311,7 @@ class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         self.stats.num_trace_exports += 1
         self.stats.num_spans_received += n
         resp = trace_service_pb2.ExportTraceServiceResponse()
-        if not self.writer.submit(request):
+        if not self.writer.submit(request, request.ByteSize()):
             self.stats.num_spans_rejected += n
             resp.partial_success.rejected_spans = n
             resp.partial_success.error_message = "prefixroute telemetry receiver: store writer is behind"
@@ -291,44 +344,124 @@ class LogsService(logs_service_pb2_grpc.LogsServiceServicer):
         return logs_service_pb2.ExportLogsServiceResponse()
 
 
-# OTLP exporters send up to 4 MiB by default; a Collector's batches can be larger.
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+"""Largest OTLP export request accepted (gRPC answers RESOURCE_EXHAUSTED beyond it; the router then splits
+the request in halves). 16 MiB: four times the 4 MiB that OTLP exporters and Collectors send at most by
+default, and a bound on the memory one request can take."""
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
+    """Every call must carry ``authorization: Bearer <token>`` (compared in constant time); any other is
+    answered UNAUTHENTICATED before its request is even parsed."""
+
+    def __init__(self, token: str, stats: ReceiverStats | None = None) -> None:
+        if not token:
+            raise ValueError("empty bearer token")
+        self._token = token.encode()
+        self._stats = stats
+
+        async def deny(request: bytes, context: grpc.aio.ServicerContext) -> None:
+            if self._stats is not None:
+                self._stats.num_unauthenticated += 1
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        # No request deserializer: a refused request is never parsed.
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def allows(self, authorization: str | bytes | None) -> bool:
+        return bearer_matches(authorization, self._token)
+
+    async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization" and self.allows(value):
+                return await continuation(handler_call_details)
+        return self._deny
+
+
+def bearer_matches(authorization: str | bytes | None, token: bytes) -> bool:
+    """True when an Authorization value is ``Bearer <token>`` (scheme case-insensitive; constant-time
+    comparison of the token, so its bytes cannot be guessed one at a time from response times)."""
+    if not authorization:
+        return False
+    value = authorization.encode("latin-1", "replace") if isinstance(authorization, str) else authorization
+    scheme, _, given = value.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerTls:
+    """PEM files of the receiver's TLS: its certificate chain and key, and, for mutual TLS, the CA whose
+    client certificates are accepted (then required: a sender without one fails the handshake)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        client_ca = read(self.client_ca_file) if self.client_ca_file else None
+        return grpc.ssl_server_credentials([(read(self.key_file), read(self.cert_file))],
+                                           root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
 class Receiver:
-    """OTLP/gRPC server + store writer (+ optional HTTP query API). Start/stop from one asyncio loop."""
+    """OTLP/gRPC server + store writer (+ optional HTTP query API). Start/stop from one asyncio loop.
+
+    `tls`: serve OTLP over TLS (mutual TLS when it names a client CA); `auth_token`: require
+    ``authorization: Bearer <token>`` on every OTLP call and on the HTTP API's data routes."""
 
     def __init__(self, db_path: str, *, host: str = "127.0.0.1", port: int = 4317, http_port: int | None = None,
                  http_host: str | None = None, max_age_s: float = 86400.0, max_rows: int = 500_000,
-                 retention_interval_s: float = 10.0, max_pending_batches: int = 1024) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, retention_interval_s: float = 10.0,
+                 max_pending_batches: int = 1024, max_pending_bytes: int = 256 << 20,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ServerTls | None = None,
+                 auth_token: str | None = None) -> None:
         self.db_path = db_path
         self.host, self.port = host, port
         self.http_host, self.http_port = http_host or host, http_port
         self.stats = ReceiverStats()
-        self._store_args = {"max_age_s": max_age_s, "max_rows": max_rows}
-        self._writer_args = {"retention_interval_s": retention_interval_s, "max_pending_batches": max_pending_batches}
+        self.max_message_bytes = max_message_bytes
+        self.tls = tls
+        self.auth_token = auth_token or None
+        self._store_args = {"max_age_s": max_age_s, "max_rows": max_rows, "max_bytes": max_bytes}
+        self._writer_args = {"retention_interval_s": retention_interval_s, "max_pending_batches": max_pending_batches,
+                             "max_pending_bytes": max_pending_bytes}
         self.writer: StoreWriter | None = None
         self._server: grpc.aio.Server | None = None
         self._http: Any = None
 
     async def start(self) -> None:
         """Open the store, start the writer, bind and start the servers; sets the bound ports."""
+        creds = self.tls.grpc_credentials() if self.tls is not None else None  # unreadable files: fail first
         store = TelemetryStore(self.db_path, **self._store_args)
         self.writer = StoreWriter(store, self.stats, **self._writer_args)
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
+        interceptors = [BearerAuth(self.auth_token, self.stats)] if self.auth_token else []
+        server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", 1 << 20)])  # answers are tiny
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(self.writer, self.stats), server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(MetricsService(self.stats), server)
         logs_service_pb2_grpc.add_LogsServiceServicer_to_server(LogsService(self.stats), server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        address = f"{self.host}:{self.port}"
+        try:
+            self.port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc raises RuntimeError when it cannot bind
+            self.port = 0
+            log.debug("bind %s: %s", address, exc)
         if not self.port:
-            raise OSError(f"cannot bind OTLP port on {self.host}")
+            await self.stop(0)
+            raise OSError(f"cannot bind OTLP port {address}")
         await server.start()
         self._server = server
         if self.http_port is not None:
             from prefixroute.telemetry.http_api import start_http_api
 
             try:
-                self._http = start_http_api(self.db_path, self.http_host, self.http_port, stats=self.stats)
+                self._http = start_http_api(self.db_path, self.http_host, self.http_port, stats=self.stats,
+                                            auth_token=self.auth_token)
             except OSError:
                 await self.stop(0)  # do not leave the gRPC server and the writer running half-started
                 raise

@@ -60,7 +60,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens reported by the model server
     stream: bool = False
     status: int = 0
-    error: str | None = None  # short failure description (upstream reset, 5xx body message, ...)
+    error: str | None = None  # short failure or refusal description (upstream reset, 5xx or 4xx message, ...)
     path: str = ""  # request path, e.g. /v1/chat/completions
 
     @property
@@ -69,8 +69,17 @@ class RequestRecord:
         return self.start_time + (self.latency_ms or 0.0) / 1000.0
 
     @property
+    def is_refused(self) -> bool:
+        """True for a 4xx: the request was refused (bad input, unknown model, too large...), the client's
+        fault; `error` then holds the refusal message. A refusal is never an error."""
+        return 400 <= self.status < 500
+
+    @property
     def is_error(self) -> bool:
-        """True for a 5xx, a reset (status 0) or a recorded error; a 4xx is the client's fault, not an error here."""
+        """True for a 5xx, a reset (status 0), or a recorded failure of a request that was not refused
+        (e.g. a 200 whose stream was cut short). A 4xx is a refusal (`is_refused`), not an error."""
+        if self.is_refused:
+            return False
         return self.error is not None or self.status == 0 or self.status >= 500
 
     def to_dict(self) -> dict:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 from prefixroute.extproc.routing.types import Decision
 from prefixroute.settings import Settings, setting
 from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
-from prefixroute.telemetry.recorder import TelemetryRecorder
+from prefixroute.telemetry.recorder import (DEFAULT_MAX_EXPORT_BYTES, DEFAULT_RETRY_MAX_BYTES,
+                                             DEFAULT_RETRY_MAX_SPANS, TelemetryRecorder)
 from prefixroute.telemetry.records import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,18 @@ class RouterTelemetrySettings(Settings):
                                  "or OTEL_TRACES_EXPORTER=none).")
     otlp_endpoint: str | None = setting(None, "OTLP/gRPC endpoint for the spans, e.g. http://127.0.0.1:4317; "
                                               "unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT "
-                                              "/ http://localhost:4317, as every OpenTelemetry SDK does.")
+                                              "/ http://localhost:4317, as every OpenTelemetry SDK does. "
+                                              "https:// for TLS (OTEL_EXPORTER_OTLP_CERTIFICATE: the CA; "
+                                              "_CLIENT_CERTIFICATE / _CLIENT_KEY: mTLS; _HEADERS: "
+                                              "authorization=Bearer%20TOKEN).")
+    otlp_retry_max_spans: int = setting(DEFAULT_RETRY_MAX_SPANS, "Spans held for re-export while the OTLP "
+                                        "backend is unavailable (retried with backoff; beyond it the oldest are "
+                                        "dropped and counted): ~4 min at 140 requests/s.")
+    otlp_retry_max_bytes: int = setting(DEFAULT_RETRY_MAX_BYTES, "Bytes of encoded spans held for re-export (32 MiB: "
+                                        "~30,000 typical spans of ~1.1 KB, ~1,500 at every attribute's size cap).")
+    otlp_max_export_bytes: int = setting(DEFAULT_MAX_EXPORT_BYTES, "Largest OTLP export request; bigger ones, and "
+                                         "any the backend refuses as too large, are split in halves (4 MiB: gRPC's "
+                                         "default receive limit, which Collectors keep).")
 
 
 class RouterTelemetry:
@@ -54,16 +66,21 @@ class RouterTelemetry:
     @classmethod
     def from_settings(cls, cfg: RouterTelemetrySettings, *,
                       in_flight: Callable[[], Mapping[str, int]] | None = None,
-                      index_size: Callable[[], int | Mapping[str, int]] | None = None) -> RouterTelemetry:
+                      index_size: Callable[[], int | Mapping[str, int]] | None = None,
+                      endpoint_states: Callable[[], Iterable[Any]] | None = None) -> RouterTelemetry:
         """Build the recorder and metrics and start /metrics. Raises OSError only when the metrics port
         cannot be bound (a configuration error worth failing startup for); a broken OTLP configuration
         logs and disables tracing instead."""
         try:
-            recorder = TelemetryRecorder(enabled=None if cfg.traces else False, endpoint=cfg.otlp_endpoint)
+            recorder = TelemetryRecorder(enabled=None if cfg.traces else False, endpoint=cfg.otlp_endpoint,
+                                         retry_max_spans=cfg.otlp_retry_max_spans,
+                                         retry_max_bytes=cfg.otlp_retry_max_bytes,
+                                         max_export_bytes=cfg.otlp_max_export_bytes)
         except Exception:  # e.g. a bad OTEL_EXPORTER_OTLP_COMPRESSION value
             log.exception("tracing disabled: could not build the OTLP exporter")
             recorder = TelemetryRecorder(enabled=False)
-        metrics = RouterMetrics(in_flight=in_flight, index_size=index_size, recorder=recorder)
+        metrics = RouterMetrics(in_flight=in_flight, index_size=index_size, endpoint_states=endpoint_states,
+                                recorder=recorder)
         server = None
         if cfg.metrics_port >= 0:
             server = start_metrics_server(metrics, cfg.metrics_port, cfg.metrics_host)

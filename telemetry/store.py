@@ -29,8 +29,11 @@ Schema (table ``requests``; the record fields are those of `records.RequestRecor
 
     indexes: requests_start_time (start_time), requests_endpoint_start (endpoint, start_time)
 
-A request is an *error* when ``error IS NOT NULL OR status = 0 OR status >= 500`` (a 4xx is the
-client's fault and is not counted). Hit ratios are token-weighted over rows that carry usage:
+A request is *refused* when ``400 <= status < 500`` (the client's fault: bad input, unknown model,
+too large, not allowed; `error` then holds the refusal message) and an *error* when it was not refused
+and ``error IS NOT NULL OR status = 0 OR status >= 500`` (a 5xx, a reset, a response cut short). The
+two never overlap: aggregates report num_errors / error_ratio and num_refused / refused_ratio.
+Hit ratios are token-weighted over rows that carry usage:
 ``actual_hit_ratio = SUM(cached_tokens) / SUM(prompt_tokens)`` and
 ``predicted_hit_ratio = SUM(predicted_hit_ratio * prompt_tokens) / SUM(prompt_tokens)``, so the two
 are directly comparable. Percentiles are nearest-rank (the smallest value whose rank >= p * n), computed
@@ -38,8 +41,12 @@ in SQL with window functions. Buckets are aligned to multiples of `bucket_s` in 
 (``bucket_start = floor(start_time / bucket_s) * bucket_s``) so they do not shift between refreshes;
 only non-empty buckets are returned. Every window is ``now - window_s <= start_time <= now``.
 
-Retention: `TelemetryStore.enforce_retention` deletes rows older than `max_age_s` and the oldest rows
-beyond `max_rows`; the receiver calls it periodically (not per insert).
+Retention: `TelemetryStore.enforce_retention` deletes rows older than `max_age_s`, the oldest rows
+beyond `max_rows`, and the oldest rows while the pages in use (``(page_count - freelist_count) x
+page_size``: rows, indexes and attrs JSON together) exceed `max_bytes`; the receiver calls it
+periodically (not per insert). Deleted rows' pages go to SQLite's freelist and are reused by later
+inserts, so the file stays near max_bytes plus one retention interval of inserts (plus the WAL, whose
+size after a checkpoint is capped by ``journal_size_limit``) instead of growing.
 """
 
 from __future__ import annotations
@@ -99,7 +106,14 @@ _INSERT = (f"INSERT OR REPLACE INTO requests ({', '.join(ROW_COLUMNS)}) "
 # Columns returned for one request (dump / recent requests): the record fields + end_time.
 _RECORD_SELECT = ", ".join(RECORD_FIELDS + ("end_time",))
 
-ERROR_SQL = "(CASE WHEN error IS NOT NULL OR status = 0 OR status >= 500 THEN 1 ELSE 0 END)"
+REFUSED_SQL = "(CASE WHEN status >= 400 AND status < 500 THEN 1 ELSE 0 END)"
+ERROR_SQL = ("(CASE WHEN status >= 400 AND status < 500 THEN 0 "
+             "WHEN error IS NOT NULL OR status = 0 OR status >= 500 THEN 1 ELSE 0 END)")
+DEFAULT_MAX_BYTES = 1 << 30
+"""Default byte cap of the store (1 GiB): what the default row cap (500,000) really held at the ~2.2 KB a
+realistic row takes (measured: 1.1 GB); a store of rows at every attribute's cap (~35 KB each) now stops
+at ~30,000 rows instead of growing to 17 GB before the row cap."""
+WAL_SIZE_LIMIT_BYTES = 64 << 20
 _USAGE_OK = "(prompt_tokens IS NOT NULL AND cached_tokens IS NOT NULL AND prompt_tokens > 0)"
 PERCENTILES: tuple[tuple[str, float], ...] = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
 _BREAKDOWN_COLUMNS = ("endpoint", "reason", "policy", "model", "path", "status", "service_name")
@@ -124,13 +138,16 @@ def record_to_row(rec: RequestRecord, *, service_name: str | None = None,
 class TelemetryStore:
     """The single writer. Not thread-safe: use from one thread (the receiver's writer thread).
 
-    `max_age_s` / `max_rows` bound the store (<= 0 disables that limit); enforced by `enforce_retention`.
+    `max_age_s` / `max_rows` / `max_bytes` bound the store (<= 0 disables that limit); enforced by
+    `enforce_retention`.
     """
 
-    def __init__(self, path: str | os.PathLike, *, max_age_s: float = 86400.0, max_rows: int = 500_000) -> None:
+    def __init__(self, path: str | os.PathLike, *, max_age_s: float = 86400.0, max_rows: int = 500_000,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.path = os.fspath(path)
         self.max_age_s = max_age_s
         self.max_rows = max_rows
+        self.max_bytes = max_bytes
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)
         # Readers never block a WAL writer; the long busy timeout only rides out another writer (e.g. a backup).
@@ -138,6 +155,8 @@ class TelemetryStore:
         self._conn.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL: a power loss may lose the last commits, never corrupt; telemetry can afford that.
         self._conn.execute("PRAGMA synchronous=NORMAL")
+        # After a checkpoint the WAL is truncated to this, so it cannot keep the size of a past burst.
+        self._conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
         self._conn.executescript(_SCHEMA)
         self._conn.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
                            (str(SCHEMA_VERSION),))
@@ -154,8 +173,16 @@ class TelemetryStore:
     def insert_records(self, records: Iterable[RequestRecord]) -> int:
         return self.insert_rows(record_to_row(r) for r in records)
 
+    def used_bytes(self) -> int:
+        """Bytes of the database pages in use (tables + indexes; free pages excluded)."""
+        page_size = self._conn.execute("PRAGMA page_size").fetchone()[0]
+        pages = self._conn.execute("PRAGMA page_count").fetchone()[0]
+        free = self._conn.execute("PRAGMA freelist_count").fetchone()[0]
+        return (pages - free) * page_size
+
     def enforce_retention(self, now: float | None = None) -> int:
-        """Delete rows older than max_age_s, then the oldest beyond max_rows; returns rows deleted."""
+        """Delete rows older than max_age_s, then the oldest beyond max_rows, then the oldest while the
+        pages in use exceed max_bytes; returns rows deleted."""
         now = time.time() if now is None else now
         deleted = 0
         with _transaction(self._conn):
@@ -167,6 +194,27 @@ class TelemetryStore:
                 deleted += self._conn.execute(
                     "DELETE FROM requests WHERE id IN (SELECT id FROM requests ORDER BY start_time DESC, id DESC "
                     "LIMIT -1 OFFSET ?)", (self.max_rows,)).rowcount
+        if self.max_bytes > 0:
+            deleted += self._enforce_bytes()
+        return deleted
+
+    def _enforce_bytes(self) -> int:
+        # Rows vary in size (attrs JSON), so delete by the mean row size, a few rounds at most: each round
+        # aims 5 % under the cap, so a store at its cap is not trimmed again at every retention run.
+        deleted = 0
+        for _ in range(8):
+            used = self.used_bytes()
+            if used <= self.max_bytes:
+                break
+            n = self.num_rows()
+            if n == 0:
+                break
+            per_row = used / n
+            excess = min(n, max(1, math.ceil((used - 0.95 * self.max_bytes) / per_row)))
+            with _transaction(self._conn):
+                deleted += self._conn.execute(
+                    "DELETE FROM requests WHERE id IN (SELECT id FROM requests ORDER BY start_time, id LIMIT ?)",
+                    (excess,)).rowcount
         return deleted
 
     def num_rows(self) -> int:
@@ -213,6 +261,7 @@ def _aggregate_sql(group_cols: list[str], group_exprs: list[str], pct_columns: t
     k = ", ".join(keys)
     parts = [f"base AS (SELECT {g_select}, * FROM requests WHERE start_time >= :t0 AND start_time <= :t1)",
              f"""agg AS (SELECT {k}, COUNT(*) AS num_requests, SUM({ERROR_SQL}) AS num_errors,
+                 SUM({REFUSED_SQL}) AS num_refused,
                  SUM(CASE WHEN {_USAGE_OK} THEN prompt_tokens END) AS prompt_tokens,
                  SUM(CASE WHEN {_USAGE_OK} THEN cached_tokens END) AS cached_tokens,
                  SUM(CASE WHEN {_USAGE_OK} THEN predicted_hit_ratio * prompt_tokens END) AS predicted_tokens,
@@ -234,6 +283,8 @@ def _finish_agg(row: dict[str, Any], span_s: float) -> dict[str, Any]:
     prompt = row.get("prompt_tokens") or 0
     row["num_errors"] = row.get("num_errors") or 0
     row["error_ratio"] = row["num_errors"] / row["num_requests"] if row["num_requests"] else 0.0
+    row["num_refused"] = row.get("num_refused") or 0
+    row["refused_ratio"] = row["num_refused"] / row["num_requests"] if row["num_requests"] else 0.0
     row["requests_per_s"] = row["num_requests"] / span_s if span_s > 0 else 0.0
     row["actual_hit_ratio"] = (row.get("cached_tokens") or 0) / prompt if prompt else None
     predicted = row.pop("predicted_tokens", None)
@@ -291,7 +342,8 @@ class StoreReader:
     def summary(self, window_s: float, *, now: float | None = None) -> dict[str, Any]:
         """Fleet-wide figures over the window. Keys:
 
-        window_s, num_requests, num_errors, error_ratio, requests_per_s, prompt_tokens, cached_tokens,
+        window_s, num_requests, num_errors, error_ratio (5xx, resets, failures), num_refused, refused_ratio
+        (4xx), requests_per_s, prompt_tokens, cached_tokens,
         completion_tokens, actual_hit_ratio, predicted_hit_ratio (None without usage), ttft_ms_p50/p90/p99,
         latency_ms_p50/p90/p99, decision_us_p50/p90/p99 (None when no value), num_endpoints,
         balance_ratio (max endpoint share / fair share 1/num_endpoints; 1.0 = perfectly even, None when
@@ -321,7 +373,8 @@ class StoreReader:
                    now: float | None = None) -> list[dict[str, Any]]:
         """Per time bucket (and per endpoint when `by_endpoint`), oldest first. Each row:
 
-        bucket_start (unix s), [endpoint], num_requests, num_errors, error_ratio, requests_per_s,
+        bucket_start (unix s), [endpoint], num_requests, num_errors, error_ratio, num_refused, refused_ratio,
+        requests_per_s,
         prompt_tokens, cached_tokens, completion_tokens, actual_hit_ratio, predicted_hit_ratio,
         ttft_ms_p50/p90/p99, latency_ms_p50/p90/p99. Empty buckets are absent.
         """
@@ -338,8 +391,8 @@ class StoreReader:
     def breakdown(self, window_s: float, by: str = "endpoint", *, now: float | None = None) -> list[dict[str, Any]]:
         """Per value of column `by` (endpoint, reason, policy, model, path, status, service_name),
         most requests first. Each row: <by>, num_requests, share_ratio (of the window's requests),
-        num_errors, error_ratio, requests_per_s, prompt_tokens, cached_tokens, completion_tokens,
-        actual_hit_ratio, predicted_hit_ratio, ttft_ms_p50/p90/p99, latency_ms_p50/p90/p99,
+        num_errors, error_ratio, num_refused, refused_ratio, requests_per_s, prompt_tokens, cached_tokens,
+        completion_tokens, actual_hit_ratio, predicted_hit_ratio, ttft_ms_p50/p90/p99, latency_ms_p50/p90/p99,
         decision_us_p50/p90/p99.
         """
         if by not in _BREAKDOWN_COLUMNS:

@@ -22,9 +22,9 @@ ENDPOINTS = ("10.0.0.2:8000", "10.0.0.10:8000", "10.0.0.3:8000")
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch, tmp_path):
-    for var in ("DB", "TELEMETRY", "BENCH_DIR", "SCRAPE_ENDPOINTS", "WINDOW_S", "REFRESH_S"):
+    for var in ("DB", "TELEMETRY", "BENCH_DIR", "SCRAPE_ENDPOINTS", "WINDOW_S", "REFRESH_S", "ROUTER_METRICS_URL",
+                "TELEMETRY_TOKEN"):
         monkeypatch.delenv(f"PREFIXROUTE_DASHBOARD_{var}", raising=False)
-    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_SCRAPE_ENDPOINTS", "false")  # 10.0.0.x is not reachable
     monkeypatch.setenv("PREFIXROUTE_DASHBOARD_BENCH_DIR", str(tmp_path / "bench"))
 
 
@@ -216,3 +216,99 @@ def test_live_page_over_the_receiver_http_api(tmp_path, monkeypatch):
         table = at.dataframe[0].value
         assert sorted(table["endpoint"]) == sorted(ENDPOINTS)
         assert "Mean in-flight needs the SQLite store" in texts(at)
+
+
+class Canary:
+    """A loopback HTTP server that counts every request (the dashboard must send it none)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        hits = self.hits = []
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                hits.append(self.path)
+                body = b'vllm:kv_cache_usage_perc 0.99\n'
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_forged_rows_naming_a_canary_make_the_dashboard_fetch_nothing(tmp_path, monkeypatch):
+    """Finding 3 (SSRF): rows name endpoints (span data anyone able to reach the receiver can write); the
+    dashboard rendered them and then fetched http://ENDPOINT/metrics for each. Now it opens no URL from
+    span data, with its default settings and with a router metrics URL configured."""
+    canary = Canary()
+    try:
+        db = tmp_path / "t.db"
+        forged = make_records(200)
+        for i, r in enumerate(forged):
+            r.endpoint = canary.endpoint if i % 2 else f"127.0.0.1:{canary.server.server_address[1]}/x?"
+            r.endpoints = (canary.endpoint,)
+        write(db, forged)
+        monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+        at = run_app()
+        assert not at.exception
+        assert metric(at, "Hit rate (actual)") != "–"  # the page rendered the forged rows
+        assert canary.endpoint in list(at.dataframe[0].value["endpoint"])
+        at.run()  # a refresh
+        time.sleep(0.5)  # a background fetch would have arrived by now
+        assert canary.hits == []
+    finally:
+        canary.close()
+
+
+def test_live_columns_come_from_the_router_metrics(tmp_path, monkeypatch):
+    from prefixroute.extproc.routing.types import EndpointState
+    from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
+
+    states = tuple(EndpointState(ep, healthy=True, kv_cache_usage_ratio=0.25 * (i + 1), num_requests_running=i,
+                                 num_requests_waiting=0) for i, ep in enumerate(ENDPOINTS))
+    server = start_metrics_server(RouterMetrics(endpoint_states=lambda: states), 0)
+    try:
+        db = tmp_path / "t.db"
+        write(db, make_records(100))
+        monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+        monkeypatch.setenv("PREFIXROUTE_DASHBOARD_ROUTER_METRICS_URL",
+                           f"http://127.0.0.1:{server.server_address[1]}/metrics")
+        at = run_app()
+        assert not at.exception
+        table = at.dataframe[0].value.set_index("endpoint")
+        for i, ep in enumerate(ENDPOINTS):
+            assert table.loc[ep, "kv_cache_usage_ratio"] == pytest.approx(0.25 * (i + 1))
+            assert table.loc[ep, "running"] == i and table.loc[ep, "healthy"] == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_refusals_are_shown_apart_from_errors(tmp_path, monkeypatch):
+    """Finding 7: 24 % of requests refused with a 4xx (and their messages) showed as "Errors 24 %"."""
+    db = tmp_path / "t.db"
+    records = make_records(100)
+    for i, r in enumerate(records):
+        r.status = 200
+        if i < 24:
+            r.status, r.error = 404, "model 'x' does not exist"
+        elif i < 26:
+            r.status, r.error = 503, "HTTP 503"
+    write(db, records)
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    at = run_app()
+    assert not at.exception
+    assert metric(at, "Errors") == "2.0 %"
+    assert metric(at, "Refused") == "24.0 %"

@@ -27,6 +27,7 @@ def parse(*argv: str):
     (["--refresh-s", "0.1"], "--refresh-s must be"),
     (["--telemetry", "127.0.0.1:4320"], "must be an http"),
     (["--window-s", "-5"], "--window-s must be"),
+    (["--router-metrics-url", "127.0.0.1:9464"], "--router-metrics-url must be an http"),
 ])
 def test_bad_settings_exit_2_with_a_message(argv, message, capsys):
     assert main(parse(*argv)) == 2
@@ -35,15 +36,17 @@ def test_bad_settings_exit_2_with_a_message(argv, message, capsys):
 
 def test_settings_reach_the_app_through_env_with_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = settings.from_namespace(DashboardSettings, parse("--db", "x.db", "--no-scrape-endpoints",
-                                                           "--bench-dir", "b"), environ={})
+    cfg = settings.from_namespace(DashboardSettings, parse("--db", "x.db", "--router-metrics-url",
+                                                           "http://127.0.0.1:9464/metrics", "--bench-dir", "b"),
+                                  environ={})
     env = settings_env(cfg)
     assert env["PREFIXROUTE_DASHBOARD_DB"] == str(tmp_path / "x.db")
     assert env["PREFIXROUTE_DASHBOARD_BENCH_DIR"] == str(tmp_path / "b")
-    assert env["PREFIXROUTE_DASHBOARD_SCRAPE_ENDPOINTS"] == "false"
+    assert env["PREFIXROUTE_DASHBOARD_ROUTER_METRICS_URL"] == "http://127.0.0.1:9464/metrics"
     # What the app reads back is what the CLI resolved.
     back = settings.from_namespace(DashboardSettings, None, environ=env)
-    assert back.db == str(tmp_path / "x.db") and back.scrape_endpoints is False and back.port == cfg.port
+    assert back.db == str(tmp_path / "x.db") and back.port == cfg.port
+    assert back.router_metrics_url == "http://127.0.0.1:9464/metrics"
 
 
 def test_streamlit_command_is_headless_private_and_pinned():

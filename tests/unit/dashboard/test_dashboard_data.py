@@ -159,27 +159,34 @@ def test_formatting(fn, value, text):
     assert fn(value) == text
 
 
-def test_parse_endpoint_metrics_from_real_prometheus_text():
-    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+def test_parse_router_metrics_from_the_router_own_metrics():
+    """The live columns come from the router's /metrics (its pool snapshot gauges), rendered by the real
+    RouterMetrics; other families (e.g. the router's decisions, labelled by endpoint too) are ignored."""
+    from prometheus_client import generate_latest
 
-    reg = CollectorRegistry()
-    Gauge("vllm:kv_cache_usage_perc", "usage", ["model_name"], registry=reg).labels("m").set(0.42)
-    Gauge("vllm:num_requests_running", "running", ["model_name"], registry=reg).labels("m").set(3)
-    w = Gauge("vllm:num_requests_waiting", "waiting", ["model_name"], registry=reg)
-    w.labels("m").set(1)
-    w.labels("m-lora").set(2)
-    live = D.parse_endpoint_metrics(generate_latest(reg).decode())
-    assert live == D.EndpointLive(kv_cache_usage_ratio=0.42, num_requests_running=3.0, num_requests_waiting=3.0)
+    from prefixroute.extproc.routing.types import Decision, EndpointState
+    from prefixroute.telemetry.metrics import RouterMetrics
+
+    states = (EndpointState("10.0.0.1:8000", healthy=True, num_requests_running=3, num_requests_waiting=1,
+                            kv_cache_usage_ratio=0.42),
+              EndpointState('odd"name\\:1', healthy=False))
+    m = RouterMetrics(endpoint_states=lambda: states, in_flight=lambda: {"10.0.0.9:1": 5})
+    m.observe_decision(Decision(("10.0.0.7:1",), "cold", "prefix"), 10.0)
+    live = D.parse_router_metrics(generate_latest(m.registry).decode())
+    assert live == {"10.0.0.1:8000": D.EndpointLive(kv_cache_usage_ratio=0.42, num_requests_running=3.0,
+                                                    num_requests_waiting=1.0, healthy=True),
+                    'odd"name\\:1': D.EndpointLive(healthy=False)}
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("", D.EndpointLive()),
-    ("garbage line\n# HELP x y\nsglang:token_usage 0.25\nsglang:num_queue_reqs 4\n",
-     D.EndpointLive(kv_cache_usage_ratio=0.25, num_requests_waiting=4.0)),
-    ("vllm:kv_cache_usage_perc NaN\n", D.EndpointLive()),
+    ("", {}),
+    ("vllm:kv_cache_usage_perc 0.5\n", {}),  # a model server's names are not the router's
+    ('prefixroute_endpoint_kv_cache_usage_ratio{endpoint="a:1"} NaN\n', {}),
+    ('prefixroute_endpoint_healthy{endpoint="a:1"} 1\nthis is { not prometheus\n',
+     {"a:1": D.EndpointLive(healthy=True)}),
 ])
-def test_parse_endpoint_metrics_edge_cases(text, expected):
-    assert D.parse_endpoint_metrics(text) == expected
+def test_parse_router_metrics_edge_cases(text, expected):
+    assert D.parse_router_metrics(text) == expected
 
 
 BENCH = {"workload": {"name": "shared-prompts", "num_requests": 300}, "upper_bound_hit_ratio": 0.9,

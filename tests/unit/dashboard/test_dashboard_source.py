@@ -1,4 +1,4 @@
-"""DataSource: the store going away and coming back, the mean in-flight SQL, endpoint scraping, the
+"""DataSource: the store going away and coming back, the mean in-flight SQL, the router's metrics, the
 receiver URL being down. Real SQLite stores in tmp_path, real loopback HTTP servers."""
 
 from __future__ import annotations
@@ -101,8 +101,10 @@ def test_url_source_down_raises_unavailable():
 
 class _MetricsHandler(http.server.BaseHTTPRequestHandler):
     body = b""
+    hits: list = []
 
     def do_GET(self):  # noqa: N802
+        self.hits.append(self.path)
         if self.path != "/metrics":
             self.send_error(404)
             return
@@ -116,30 +118,40 @@ class _MetricsHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_endpoint_scrape_reads_live_figures_and_skips_dead_endpoints():
-    from prometheus_client import CollectorRegistry, Gauge, generate_latest
-
-    reg = CollectorRegistry()
-    Gauge("vllm:kv_cache_usage_perc", "u", registry=reg).set(0.7)
-    Gauge("vllm:num_requests_running", "r", registry=reg).set(5)
-    handler = type("H", (_MetricsHandler,), {"body": generate_latest(reg)})
+def serve(body: bytes):
+    handler = type("H", (_MetricsHandler,), {"body": body, "hits": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, handler
+
+
+def test_endpoint_live_reads_only_the_configured_router_metrics():
+    from prometheus_client import generate_latest
+
+    from prefixroute.extproc.routing.types import EndpointState
+    from prefixroute.telemetry.metrics import RouterMetrics
+
+    m = RouterMetrics(endpoint_states=lambda: (EndpointState("10.0.0.1:8000", kv_cache_usage_ratio=0.7,
+                                                             num_requests_running=5),))
+    server, handler = serve(generate_latest(m.registry))
     try:
-        live_ep = f"127.0.0.1:{server.server_address[1]}"
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        got = DataSource(db="unused.db", router_metrics_url=url, metrics_timeout_s=1.0).endpoint_live()
+        assert got["10.0.0.1:8000"].kv_cache_usage_ratio == 0.7 and got["10.0.0.1:8000"].num_requests_running == 5
+        assert got["10.0.0.1:8000"].healthy is True
+        assert DataSource(db="unused.db").endpoint_live() == {}  # not configured: no request at all
+        assert len(handler.hits) == 1
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            dead_ep = f"127.0.0.1:{s.getsockname()[1]}"
-        src = DataSource(db="unused.db", scrape_endpoints=True, scrape_timeout_s=1.0)
-        got = src.endpoint_live([live_ep, dead_ep, "(none)"])
-        assert set(got) == {live_ep}
-        assert got[live_ep].kv_cache_usage_ratio == 0.7 and got[live_ep].num_requests_running == 5
-        assert DataSource(db="unused.db", scrape_endpoints=False).endpoint_live([live_ep]) == {}
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+        assert DataSource(db="unused.db", router_metrics_url=dead).endpoint_live() == {}
     finally:
         server.shutdown()
         server.server_close()
+    with pytest.raises(ValueError):
+        DataSource(db="unused.db", router_metrics_url="file:///etc/passwd")
 
 
 @pytest.mark.parametrize("bucket_s", [1.0, 10.0, 60.0])

@@ -15,9 +15,11 @@ from prefixroute.telemetry.records import RequestRecord
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 
 
-class FakeRecorder:  # only the two counters the metrics read
-    num_dropped = 7
+class FakeRecorder:  # only the counters the metrics read
+    dropped_by_reason = {"queue_full": 4, "retry_buffer_full": 3, "rejected": 0}
     num_exported = 93
+    num_pending = 12
+    retry_bytes = 4096
 
 
 def scrape(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:
@@ -74,8 +76,35 @@ def test_metrics_values():
     assert s[("prefixroute_ttft_seconds_bucket", lab(endpoint=B, le="0.5"))] == 0
     assert s[("prefixroute_endpoint_in_flight", lab(endpoint=A))] == 3
     assert s[("prefixroute_prefix_index_blocks", ())] == 1234
-    assert s[("prefixroute_telemetry_spans_dropped_total", ())] == 7
+    assert s[("prefixroute_telemetry_spans_dropped_total", lab(reason="queue_full"))] == 4
+    assert s[("prefixroute_telemetry_spans_dropped_total", lab(reason="retry_buffer_full"))] == 3
+    assert s[("prefixroute_telemetry_spans_dropped_total", lab(reason="rejected"))] == 0
     assert s[("prefixroute_telemetry_spans_exported_total", ())] == 93
+    assert s[("prefixroute_telemetry_spans_pending", ())] == 12
+    assert s[("prefixroute_telemetry_retry_buffer_bytes", ())] == 4096
+    # 4xx refusals have their own class, never lumped with 5xx / reset (the errors).
+    assert not any(name == "prefixroute_requests_total" and dict(lb).get("status_class") == "4xx" for name, lb in s)
+
+
+def test_endpoint_pool_snapshot_becomes_per_endpoint_gauges():
+    """The dashboard's live columns come from here (the router's pool), not from URLs in span data."""
+    import time as _time
+
+    from prefixroute.extproc.routing.types import EndpointState
+
+    states = (EndpointState(A, healthy=True, num_requests_running=5, num_requests_waiting=2, kv_cache_usage_ratio=0.75,
+                            scraped_at_s=_time.monotonic() - 1.0),
+              EndpointState(B, healthy=False))  # down, never scraped: only its health is known
+    s = scrape(RouterMetrics(endpoint_states=lambda: states))
+    lab = lambda **kw: tuple(sorted(kw.items()))  # noqa: E731
+    assert s[("prefixroute_endpoint_healthy", lab(endpoint=A))] == 1
+    assert s[("prefixroute_endpoint_healthy", lab(endpoint=B))] == 0
+    assert s[("prefixroute_endpoint_requests_running", lab(endpoint=A))] == 5
+    assert s[("prefixroute_endpoint_requests_waiting", lab(endpoint=A))] == 2
+    assert s[("prefixroute_endpoint_kv_cache_usage_ratio", lab(endpoint=A))] == 0.75
+    assert 0.9 < s[("prefixroute_endpoint_scrape_age_seconds", lab(endpoint=A))] < 30
+    assert ("prefixroute_endpoint_requests_running", lab(endpoint=B)) not in s
+    assert ("prefixroute_endpoint_kv_cache_usage_ratio", lab(endpoint=B)) not in s
 
 
 def test_index_size_per_endpoint_and_no_callbacks():

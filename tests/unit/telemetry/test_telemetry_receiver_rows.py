@@ -72,3 +72,39 @@ def test_other_spans_are_ignored_and_tagged_spans_are_kept():
     assert (row["request_id"], row["endpoint"]) == ("x1", "e:1")
     assert row["prompt_tokens"] is None  # wrongly typed attribute -> NULL, not an exception
     assert row["latency_ms"] > 0  # from the span's own duration when the attribute is absent
+
+
+def test_any_sender_is_capped_at_the_receiver():
+    """Finding 7: a forged span's 1 MB attribute must not become a 1 MB row (the receiver caps what it stores
+    whatever the sender did; the router caps its own too)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+    from prefixroute.telemetry.attributes import MAX_ATTRIBUTE_BYTES, MAX_ATTRIBUTES
+    from prefixroute.telemetry.receiver import MAX_ATTRS_JSON_BYTES
+
+    huge = "x" * 1_000_000
+    span = Span(trace_id=b"\x01" * 40, span_id=b"\x02" * 20, name="prefixroute.route",
+                start_time_unix_nano=1, end_time_unix_nano=2)
+    span.attributes.append(KeyValue(key="gen_ai.request.model", value=AnyValue(string_value=huge)))
+    span.attributes.append(KeyValue(key="prefixroute.endpoint", value=AnyValue(string_value="e" * 5000)))
+    arr = AnyValue()
+    for i in range(10_000):
+        arr.array_value.values.append(AnyValue(string_value=f"10.0.0.{i}:80" * 50))
+    span.attributes.append(KeyValue(key="prefixroute.extproc.endpoints", value=arr))
+    for i in range(1000):
+        span.attributes.append(KeyValue(key=f"k{i}" * 100, value=AnyValue(string_value=huge[:2000])))
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    rs.resource.attributes.append(KeyValue(key="service.name", value=AnyValue(string_value=huge)))
+    rs.scope_spans.add().spans.append(span)
+    (row,), _ = request_rows(req)
+    assert len(row["model"].encode()) == MAX_ATTRIBUTE_BYTES and len(row["endpoint"]) == MAX_ATTRIBUTE_BYTES
+    assert len(row["service_name"]) == MAX_ATTRIBUTE_BYTES
+    assert len(json.loads(row["endpoints"])) <= 16
+    assert len(row["trace_id"]) == 32 and len(row["span_id"]) == 16
+    assert len(row["attrs"]) <= MAX_ATTRS_JSON_BYTES
+    assert len(json.loads(row["attrs"])) <= MAX_ATTRIBUTES + 1
+    total = sum(len(v) for v in row.values() if isinstance(v, str))
+    assert total < 64 * 1024, total

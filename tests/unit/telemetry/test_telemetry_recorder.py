@@ -72,6 +72,9 @@ def test_span_carries_record_ids_times_and_attributes():
     (dict(status=200, reason="failover", endpoint="10.0.0.1:8000"), None, ()),
     (dict(status=400, prompt_tokens=None, completion_tokens=None, cached_tokens=None, path="/v1/completions"),
      None, ("gen_ai.usage.input_tokens", "gen_ai.usage.cache_read.input_tokens")),
+    # A refusal the router answered itself carries its message, and is still not an error (issue 11).
+    (dict(status=404, error="model 'x' not found", endpoint=None, endpoints=()), None, ()),
+    (dict(status=429, error="too many requests"), None, ()),
 ])
 def test_errors_failovers_and_missing_values(kw, error, absent):
     exp = InMemorySpanExporter()
@@ -178,3 +181,168 @@ def test_record_hot_path_cost_is_microseconds():
     per_us = (time.perf_counter() - t0) / n * 1e6
     r.shutdown(0.1)
     assert per_us < 30, per_us
+
+
+def test_attribute_values_are_capped():
+    """A 1 MB model name (from a client's body) must not become a 1 MB span attribute (issue 11)."""
+    from prefixroute.telemetry.attributes import MAX_ATTRIBUTE_BYTES, MAX_ATTRIBUTE_LIST
+
+    huge = "m" * 1_000_000
+    many = tuple(f"10.0.{i // 256}.{i % 256}:8000" for i in range(100))
+    r = rec(model=huge, path="/v1/" + "p" * 5000, error="é" * 3000, status=503, request_id="r" * 10_000,
+            endpoint="h" * 2000 + ":8000", endpoints=many)
+    attrs = record_attributes(r)
+    for key, v in attrs.items():
+        if isinstance(v, str):
+            assert len(v.encode()) <= MAX_ATTRIBUTE_BYTES, key
+        if isinstance(v, tuple):
+            assert len(v) <= MAX_ATTRIBUTE_LIST, key
+    assert attrs["gen_ai.request.model"] == "m" * MAX_ATTRIBUTE_BYTES
+    assert attrs["error.type"] == "é" * (MAX_ATTRIBUTE_BYTES // 2)  # cut at a character boundary
+    assert attrs["prefixroute.extproc.endpoints"] == many[:MAX_ATTRIBUTE_LIST]
+    assert attrs["server.port"] == 8000
+    assert attrs["prefixroute.cached_tokens"] == 384  # numbers untouched
+    exp = InMemorySpanExporter()
+    rr = recorder(exp)
+    rr.record(r)
+    rr.shutdown()
+    (span,) = exp.get_finished_spans()
+    assert len(span.status.description.encode()) <= MAX_ATTRIBUTE_BYTES
+
+
+# --- the OTLP path's retry buffer and splitting, against a scripted exporter ---------------------------------
+
+import grpc  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
+
+from prefixroute.telemetry.otlp_encode import ExportOutcome, RecordSpanExporter  # noqa: E402
+
+
+class ScriptedExporter(RecordSpanExporter):
+    """The real exporter class (so the recorder takes its OTLP path) whose `send` answers from a script
+    instead of the network; `accepted` collects the request ids of the spans it took."""
+
+    def __init__(self, answer):
+        super().__init__(endpoint="http://127.0.0.1:9", timeout=1)  # never connected: send is replaced
+        self.answer = answer  # (request, num_spans) -> ExportOutcome
+        self.accepted: list[str] = []
+        self.num_calls = 0
+
+    def send(self, request):
+        req = ExportTraceServiceRequest.FromString(request) if isinstance(request, bytes) else request
+        spans = [sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans]
+        self.num_calls += 1
+        out = self.answer(request, len(spans))
+        if out.code == grpc.StatusCode.OK:
+            ids = [next(kv.value.string_value for kv in sp.attributes if kv.key == "prefixroute.request_id")
+                   for sp in spans]
+            self.accepted += ids[:len(ids) - out.rejected_spans]
+        return out
+
+
+def fast_recorder(exp, **kw) -> TelemetryRecorder:
+    kw.setdefault("schedule_delay_ms", 10)
+    return TelemetryRecorder(exporter=exp, environ={}, **kw)
+
+
+def ok(*_):
+    return ExportOutcome(grpc.StatusCode.OK)
+
+
+def test_unavailable_backend_keeps_spans_and_delivers_them_in_order_when_back(monkeypatch):
+    import prefixroute.telemetry.recorder as R
+
+    monkeypatch.setattr(R, "RETRY_INITIAL_BACKOFF_S", 0.02)
+    monkeypatch.setattr(R, "RETRY_MAX_BACKOFF_S", 0.05)
+    state = {"up": False}
+    exp = ScriptedExporter(lambda req, n: ok() if state["up"] else ExportOutcome(grpc.StatusCode.UNAVAILABLE))
+    r = fast_recorder(exp)
+    ids = [f"q{i}" for i in range(300)]
+    for i in ids:
+        r.record(rec(request_id=i))
+        if int(i[1:]) % 50 == 0:
+            time.sleep(0.03)  # batches fail while the backend is down
+    deadline = time.monotonic() + 5
+    while r.retry_length < len(ids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.retry_length == len(ids) and r.num_lost == 0 and r.num_exported == 0
+    calls_down = exp.num_calls
+    time.sleep(0.3)
+    # Down: one probe per backoff period, not one attempt per batch.
+    assert exp.num_calls - calls_down < 0.3 / 0.04 + 2
+    state["up"] = True
+    assert r.force_flush(5)
+    r.shutdown()
+    assert exp.accepted == ids  # nothing lost, nothing duplicated, order kept
+    assert r.num_exported == len(ids) and r.num_lost == 0
+
+
+def test_retry_buffer_is_bounded_and_every_dropped_span_is_counted():
+    exp = ScriptedExporter(lambda req, n: ExportOutcome(grpc.StatusCode.DEADLINE_EXCEEDED))
+    r = fast_recorder(exp, retry_max_spans=200, max_queue_size=5000)
+    n = 1000
+    for i in range(n):
+        r.record(rec(request_id=f"d{i}"))
+    deadline = time.monotonic() + 5
+    while r.queue_length and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert r.retry_length <= 200
+    assert r.dropped_by_reason["retry_buffer_full"] == n - r.num_pending  # exact: the oldest went
+    r.shutdown(0.2)
+    assert r.num_exported == 0
+    assert r.dropped_by_reason["retry_buffer_full"] + r.dropped_by_reason["shutdown"] == n == r.num_lost
+
+
+def test_retry_buffer_byte_bound():
+    exp = ScriptedExporter(lambda req, n: ExportOutcome(grpc.StatusCode.UNAVAILABLE))
+    r = fast_recorder(exp, retry_max_bytes=64 * 1024)
+    for i in range(2000):
+        r.record(rec(request_id=f"b{i}", model="x" * 400))
+    deadline = time.monotonic() + 5
+    while r.queue_length and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert r.retry_bytes <= 64 * 1024 and r.dropped_by_reason["retry_buffer_full"] > 0
+    r.shutdown(0.1)
+    assert r.num_lost + r.num_exported == 2000
+
+
+def test_oversized_requests_are_split_in_halves_not_dropped_whole():
+    limit = 20_000  # bytes the scripted receiver accepts per request (a 64-span request is ~60 KB here)
+    exp = ScriptedExporter(lambda req, n: ok() if len(req) <= limit else
+                           ExportOutcome(grpc.StatusCode.RESOURCE_EXHAUSTED, 0, "Received message larger than max"))
+    r = fast_recorder(exp, max_export_batch_size=512)
+    ids = [f"s{i}" for i in range(200)]
+    for i in ids:
+        r.record(rec(request_id=i, model="y" * 500))
+    assert r.force_flush(5)
+    r.shutdown()
+    assert exp.accepted == ids and r.num_lost == 0
+
+
+def test_max_export_bytes_splits_before_sending():
+    sizes = []
+    exp = ScriptedExporter(lambda req, n: sizes.append(len(req)) or ok())
+    r = fast_recorder(exp, max_export_bytes=8 * 1024)
+    for i in range(100):
+        r.record(rec(request_id=f"m{i}", model="z" * 300))
+    assert r.force_flush(5)
+    r.shutdown()
+    assert len(exp.accepted) == 100 and max(sizes) <= 8 * 1024
+
+
+@pytest.mark.parametrize(("outcome", "reason"), [
+    (ExportOutcome(grpc.StatusCode.UNAUTHENTICATED, 0, "missing or wrong bearer token"), "rejected"),
+    (ExportOutcome(grpc.StatusCode.OK, 3, "store writer is behind"), "receiver_rejected"),
+])
+def test_refused_exports_are_counted_not_retried(outcome, reason):
+    exp = ScriptedExporter(lambda req, n: outcome)
+    r = fast_recorder(exp)
+    for i in range(10):
+        r.record(rec(request_id=f"u{i}"))
+    r.force_flush(2)
+    r.shutdown()
+    expected = 10 if reason == "rejected" else 3
+    assert r.dropped_by_reason[reason] == expected and r.num_exported == 10 - expected
+    assert exp.num_calls == 1 and r.num_lost + r.num_exported == 10

@@ -28,7 +28,8 @@ def test_from_settings_serves_metrics_and_respects_traces_off(monkeypatch):
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'prefixroute_decisions_total{endpoint="a:1",policy="prefix",reason="cold"} 1.0' in text
         assert 'prefixroute_endpoint_in_flight{endpoint="a:1"} 4.0' in text
-        assert "prefixroute_telemetry_spans_dropped_total 1.0" in text  # traces off: the record counts as dropped
+        # traces off: the record counts as dropped, with its reason
+        assert 'prefixroute_telemetry_spans_dropped_total{reason="disabled"} 1.0' in text
     finally:
         t.close()
 
@@ -45,7 +46,8 @@ def test_on_response_survives_a_metrics_failure_and_still_records():
     assert len(exp.get_finished_spans()) == 1
 
 
-@pytest.mark.parametrize("flag", ["--metrics-port", "--otlp-endpoint", "--traces", "--no-traces"])
+@pytest.mark.parametrize("flag", ["--metrics-port", "--otlp-endpoint", "--traces", "--no-traces",
+                                  "--otlp-retry-max-spans", "--otlp-retry-max-bytes", "--otlp-max-export-bytes"])
 def test_settings_reachable_by_flag(flag):
     import argparse
 

@@ -24,7 +24,11 @@ def make_records(n: int, seed: int, span_s: float = 600.0) -> list[RequestRecord
     for i in range(n):
         ep = rnd.choices(ENDPOINTS, weights=(5, 3, 1))[0]
         prompt = rnd.randint(1, 4000) if rnd.random() > 0.1 else None  # some responses carry no usage
-        status = rnd.choices((200, 200, 200, 400, 503, 0), weights=(50, 30, 10, 3, 3, 2))[0]
+        status = rnd.choices((200, 200, 200, 400, 404, 503, 0), weights=(50, 30, 10, 3, 2, 3, 2))[0]
+        # As the tracker writes them: a reset and a refusal carry a message, a cut-short 200 too.
+        error = {0: "upstream reset", 400: "invalid 'messages'", 404: "model not found"}.get(status)
+        if status == 200 and rnd.random() < 0.02:
+            error = "response incomplete"
         out.append(RequestRecord(
             trace_id=f"{rnd.getrandbits(128):032x}", span_id=f"{rnd.getrandbits(64):016x}",
             start_time=NOW - rnd.uniform(0, span_s), request_id=f"req-{i}", model="m", policy="prefix",
@@ -33,7 +37,7 @@ def make_records(n: int, seed: int, span_s: float = 600.0) -> list[RequestRecord
             ttft_ms=rnd.uniform(1, 2000) if status == 200 else None, latency_ms=rnd.uniform(10, 5000),
             prompt_tokens=prompt, completion_tokens=rnd.randint(0, 300) if prompt else None,
             cached_tokens=rnd.randint(0, prompt) if prompt else None, stream=rnd.random() < 0.5,
-            status=status, error="upstream reset" if status == 0 else None, path="/v1/chat/completions"))
+            status=status, error=error, path="/v1/chat/completions"))
     return out
 
 
@@ -58,8 +62,12 @@ def nearest_rank(values, p):
     return float(np.percentile(np.array(values), p * 100, method="inverted_cdf")) if values else None
 
 
-def is_error(r):
-    return r.error is not None or r.status == 0 or r.status >= 500
+def is_refused(r):
+    return 400 <= r.status < 500
+
+
+def is_error(r):  # a 4xx refusal is never an error, whatever message it carries (issue 11)
+    return not is_refused(r) and (r.error is not None or r.status == 0 or r.status >= 500)
 
 
 def expected_aggregate(rs):
@@ -68,6 +76,9 @@ def expected_aggregate(rs):
     out = {
         "num_requests": len(rs),
         "num_errors": sum(map(is_error, rs)),
+        "num_refused": sum(map(is_refused, rs)),
+        "error_ratio": sum(map(is_error, rs)) / len(rs) if rs else 0.0,
+        "refused_ratio": sum(map(is_refused, rs)) / len(rs) if rs else 0.0,
         "prompt_tokens": prompt,
         "cached_tokens": sum(r.cached_tokens for r in used),
         "actual_hit_ratio": sum(r.cached_tokens for r in used) / prompt if prompt else None,
@@ -241,3 +252,58 @@ def test_reader_sees_writer_commits_while_open(tmp_path):
     assert reader.num_requests() == 10
     reader.close()
     store.close()
+
+
+def test_refusals_are_not_errors():
+    """Finding 7: 4xx refusals counted as errors showed "Errors 24%" with zero 5xx."""
+    recs = [RequestRecord(trace_id=f"{i:032x}", span_id=f"{i:016x}", start_time=NOW - 1 - i * 0.01, status=s,
+                          error=e, endpoint=None if s in (400, 404) else "a:1")
+            for i, (s, e) in enumerate([(404, "model 'x' not found")] * 24 + [(400, "invalid body")] * 6
+                                       + [(200, None)] * 68 + [(503, "HTTP 503")] + [(0, "upstream reset")])]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        store = TelemetryStore(f"{d}/r.db")
+        store.insert_records(recs)
+        store.close()
+        with StoreReader(f"{d}/r.db") as reader:
+            s = reader.summary(60, now=NOW)
+            by_status = {r["status"]: r for r in reader.breakdown(60, "status", now=NOW)}
+    assert (s["num_requests"], s["num_errors"], s["num_refused"]) == (100, 2, 30)
+    assert s["error_ratio"] == pytest.approx(0.02) and s["refused_ratio"] == pytest.approx(0.30)
+    assert by_status[404]["num_errors"] == 0 and by_status[404]["num_refused"] == 24
+    assert by_status[503]["num_errors"] == 1 and by_status[503]["num_refused"] == 0
+
+
+def big_records(n: int, seed: int, attr_bytes: int) -> list[dict]:
+    rows = []
+    for r in make_records(n, seed):
+        row = record_to_row(r, service_name="router", attrs={"gen_ai.request.model": "m" * attr_bytes,
+                                                              "pad": "p" * attr_bytes})
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("attr_bytes", [100, 4000])
+def test_max_bytes_bounds_the_pages_in_use_and_keeps_the_newest(tmp_path, attr_bytes):
+    cap = 512 * 1024
+    store = TelemetryStore(tmp_path / "b.db", max_age_s=0, max_rows=0, max_bytes=cap)
+    batch = 300
+    inserted = []
+    for seed in range(8):  # rounds of inserts, retention after each, as the receiver does
+        rows = big_records(batch, seed=100 + seed, attr_bytes=attr_bytes)
+        for r in rows:
+            r["start_time"] += seed * 1000  # each round newer than the last
+        inserted += rows
+        store.insert_rows(rows)
+        store.enforce_retention(now=NOW + 10_000)
+        assert store.used_bytes() <= cap
+    kept = store.num_rows()
+    assert 0 < kept < len(inserted)
+    store.close()
+    # The file does not grow past the cap by more than one round of inserts (freed pages are reused).
+    assert (tmp_path / "b.db").stat().st_size <= cap + batch * (2 * attr_bytes + 1500) * 1.5
+    with StoreReader(tmp_path / "b.db") as reader:
+        left = sorted(r["start_time"] for r in reader.iter_requests(1e9, now=NOW + 10_000))
+    newest = sorted(r["start_time"] for r in inserted)[-kept:]
+    assert left == pytest.approx(newest)  # exactly the newest rows were kept
