@@ -22,14 +22,42 @@ prompt costs about what a 16 KB one does. All messages are still type-checked, s
 accepted never depends on its length.
 
 Errors (all `OpenAIError`, the only exception `parse_request` raises):
-413 body over ``max_body_bytes`` (any path); 405 a method other than POST on a completion path; 400 body not
-JSON / not an object / a field missing or of the wrong type, with ``param`` naming it (``messages[2].content``).
+413 body over ``max_body_bytes`` (any path); 405 a method other than POST on a completion path; 415 a
+``content-encoding`` other than ``identity`` on a completion path (the body would be parsed as compressed
+bytes); 400 body not JSON / not an object / a field missing, of the wrong type or out of range, with
+``param`` naming it (``messages[2].content``, ``top_logprobs``). A value echoed in a message is clipped
+(`clip`), so a 1 MB model name never becomes a 1 MB error.
+
+Sampling fields checked (`_FIELD_CHECKS`; absent or null = unchecked, other fields pass through untouched).
+Where vLLM and OpenAI differ, vLLM's range wins (the endpoint is vLLM: the router must not refuse what it
+would serve), but JSON types are strict as in OpenAI (vLLM's pydantic lax mode would take ``"yes"`` for
+true); an integer may be written as an integral float (``16.0``), as pydantic accepts:
+
+| field | rule |
+| --- | --- |
+| ``stream`` | boolean |
+| ``stream_options`` | object of booleans ``include_usage``, ``continuous_usage_stats``; non-empty only with ``stream: true`` (vLLM) |
+| ``n`` | integer >= 1 |
+| ``max_tokens``, ``max_completion_tokens`` (chat) | integer >= 1 |
+| ``temperature`` | number >= 0 |
+| ``top_p`` | number in (0, 1] |
+| ``presence_penalty``, ``frequency_penalty`` | number in [-2, 2] |
+| ``top_k`` | integer, -1 or >= 0 (vLLM: 0 and -1 disable it) |
+| ``seed`` | integer in [-2**63, 2**63) (vLLM: a torch long) |
+| ``user`` | string |
+| ``stop`` | string, or array of strings (vLLM sets no count limit; OpenAI's 4 is not enforced) |
+| ``logprobs`` | chat: boolean; completions: integer in [0, 20] |
+| ``top_logprobs`` (chat) | integer, -1 or in [0, 20]; -1 or > 0 only with ``logprobs: true`` (vLLM's wording) |
+| ``echo`` (completions) | boolean |
+| ``prompt`` token ids | integers in [0, 2**31) (a token id is an int32 in every engine) |
+
+20 is vLLM's default ``--max-logprobs`` and OpenAI's cap.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -69,6 +97,23 @@ class InferenceRequest:
     request_id: str | None = None
 
 
+MAX_ECHO_CHARS = 100
+"""Most characters of a client's value quoted back in an error message (`clip`)."""
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest token id accepted (int32: vLLM's and every engine's token tensors)."""
+MAX_LOGPROBS = 20
+"""Largest ``logprobs`` (completions) / ``top_logprobs`` (chat): vLLM's default --max-logprobs, OpenAI's cap."""
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """`value` as text for an error message: at most `limit` characters, then a marker saying how many more."""
+    s = value if isinstance(value, str) else repr(value)
+    if len(s) <= limit:
+        return s
+    return f"{s[:limit]}...({len(s) - limit} more characters)"
+
+
 def _bad(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
@@ -105,7 +150,7 @@ def _canonical_json(value: Any, param: str) -> str:
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
     except TypeError as exc:  # orjson.JSONEncodeError: nesting deeper than orjson serialises
-        raise _bad(f"'{param}' cannot be serialised: {exc}", param) from None
+        raise _bad(f"'{param}' cannot be serialised: {clip(str(exc))}", param) from None
 
 
 def _render_content(content: Any, canon: _Canon, param: str) -> None:
@@ -187,6 +232,14 @@ def _is_token_ids(value: list[Any]) -> bool:
     return all(type(t) is int for t in value)  # noqa: E721 - bool is an int subclass and is not a token id
 
 
+def _check_token_range(ids: list[int], param: str) -> None:
+    """`ids` (all ints, non-empty) within [0, MAX_TOKEN_ID]; min/max run in C, the search only on failure."""
+    if min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
+        j, bad = next((j, t) for j, t in enumerate(ids) if not 0 <= t <= MAX_TOKEN_ID)
+        raise _bad(f"'{param}[{j}]' token id {clip(bad)} is out of range: token ids are integers in "
+                   f"[0, {MAX_TOKEN_ID}]", "prompt")
+
+
 def _render_completion(body: dict[str, Any], canon: _Canon) -> None:
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("'prompt' is required", "prompt")
@@ -207,19 +260,139 @@ def _render_completion(body: dict[str, Any], canon: _Canon) -> None:
         return
     if type(first) is int:  # noqa: E721
         ids = prompt
+        if not _is_token_ids(ids):
+            raise _bad("'prompt' token ids must all be integers", "prompt")
+        _check_token_range(ids, "prompt")
     elif isinstance(first, list):
         if not all(isinstance(p, list) and p and _is_token_ids(p) for p in prompt):
             raise _bad("'prompt' must be a list of non-empty lists of integer token ids", "prompt")
+        for i, p in enumerate(prompt):
+            _check_token_range(p, f"prompt[{i}]")
         ids = first
     else:
         raise _bad("'prompt' must be a string, a list of strings or token ids", "prompt")
-    if not _is_token_ids(ids):
-        raise _bad("'prompt' token ids must all be integers", "prompt")
     canon.num_chars += len(ids)
     canon.add("<|ids|>")
     # Each id renders to >= 2 characters ("7,"), so limit // 2 ids fill the hashed prefix; the trailing comma
     # keeps the prefix property (ids [1, 2] must not render as a prefix of [1, 23]).
     canon.add(",".join(map(str, ids[: canon.limit // 2])) + ",")
+
+
+# --- sampling fields (module docstring's table) ------------------------------------------------------------
+Check = Callable[[Any, str], None]
+"""A field check: `(value, field name)`, raises a 400 naming the field; never called with None."""
+
+
+def _as_int(value: Any, name: str) -> int:
+    t = type(value)
+    if t is int:
+        return value
+    if t is float and value.is_integer():  # 16.0: pydantic's int accepts it
+        return int(value)
+    raise _bad(f"'{name}' must be an integer", name)
+
+
+def _as_number(value: Any, name: str) -> float:
+    t = type(value)
+    if t is int or t is float:  # not bool (a subclass of int)
+        return value
+    raise _bad(f"'{name}' must be a number", name)
+
+
+def _check_bool(value: Any, name: str) -> None:
+    if value is not True and value is not False:
+        raise _bad(f"'{name}' must be a boolean", name)
+
+
+def _check_str(value: Any, name: str) -> None:
+    if not isinstance(value, str):
+        raise _bad(f"'{name}' must be a string", name)
+
+
+def _int_at_least(lo: int) -> Check:
+    def check(value: Any, name: str) -> None:
+        if _as_int(value, name) < lo:
+            raise _bad(f"'{name}' must be an integer >= {lo}", name)
+    return check
+
+
+def _int_in(lo: int, hi: int, *, also: int | None = None) -> Check:
+    def check(value: Any, name: str) -> None:
+        v = _as_int(value, name)
+        if not lo <= v <= hi and v != also:
+            alt = f" or {also}" if also is not None else ""
+            raise _bad(f"'{name}' must be an integer in [{lo}, {hi}]{alt}", name)
+    return check
+
+
+def _number_in(lo: float, hi: float | None, *, low_open: bool = False) -> Check:
+    def check(value: Any, name: str) -> None:
+        v = _as_number(value, name)
+        if (v <= lo if low_open else v < lo) or (hi is not None and v > hi):
+            interval = f"{'(' if low_open else '['}{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
+            raise _bad(f"'{name}' must be a number {'in ' if hi is not None else ''}{interval}", name)
+    return check
+
+
+def _check_top_k(value: Any, name: str) -> None:
+    if _as_int(value, name) < -1:
+        raise _bad(f"'{name}' must be -1, 0 (both disable it) or a positive integer", name)
+
+
+def _check_stop(value: Any, name: str) -> None:
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise _bad(f"'{name}' must be a string or an array of strings", name)
+
+
+def _check_stream_options(value: Any, name: str) -> None:
+    if not isinstance(value, dict):
+        raise _bad(f"'{name}' must be an object", name)
+    for key in ("include_usage", "continuous_usage_stats"):
+        v = value.get(key)
+        if v is not None:
+            _check_bool(v, f"{name}.{key}")
+
+
+_COMMON_CHECKS: dict[str, Check] = {
+    "stream": _check_bool,
+    "stream_options": _check_stream_options,
+    "n": _int_at_least(1),
+    "max_tokens": _int_at_least(1),
+    "temperature": _number_in(0.0, None),
+    "top_p": _number_in(0.0, 1.0, low_open=True),
+    "presence_penalty": _number_in(-2.0, 2.0),
+    "frequency_penalty": _number_in(-2.0, 2.0),
+    "top_k": _check_top_k,
+    "seed": _int_in(_INT64_MIN, _INT64_MAX),
+    "user": _check_str,
+    "stop": _check_stop,
+    "prompt_cache_key": _check_str,
+}
+_FIELD_CHECKS: dict[RequestKind, dict[str, Check]] = {
+    "chat": {**_COMMON_CHECKS, "max_completion_tokens": _int_at_least(1), "logprobs": _check_bool,
+             "top_logprobs": _int_in(0, MAX_LOGPROBS, also=-1)},
+    "completion": {**_COMMON_CHECKS, "logprobs": _int_in(0, MAX_LOGPROBS), "echo": _check_bool},
+}
+"""Per request kind: field -> check (the module docstring's table)."""
+
+
+def _check_fields(data: dict[str, Any], kind: RequestKind) -> None:
+    """Type and range of the sampling fields present (a loop over the body's keys: typically a handful), then
+    the rules between fields, with vLLM's wording."""
+    checks = _FIELD_CHECKS[kind]
+    get = checks.get
+    for key, value in data.items():
+        check = get(key)
+        if check is not None and value is not None:
+            check(value, key)
+    if data.get("stream_options") and data.get("stream") is not True:
+        raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
+    if kind == "chat":
+        top = data.get("top_logprobs")
+        if top is not None and top != 0 and data.get("logprobs") is not True:
+            raise _bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
 
 
 def parse_request(method: str, path: str, headers: Mapping[str, str], body: bytes,
@@ -238,25 +411,27 @@ def parse_request(method: str, path: str, headers: Mapping[str, str], body: byte
     if kind is None:
         return InferenceRequest(kind="other", path=path, request_id=request_id)
     if method.upper() != "POST":
-        raise OpenAIError(405, f"method {method} is not allowed on {path}; use POST")
+        raise OpenAIError(405, f"method {clip(method)} is not allowed on {clip(path)}; use POST")
+    encoding = headers.get("content-encoding")
+    if encoding and encoding.strip().lower() != "identity":
+        # The body would reach JSON parsing compressed (and fail as "not valid UTF-8"): say what is wrong.
+        raise OpenAIError(415, f"unsupported content-encoding {clip(encoding)!r}: send the request body "
+                               "uncompressed (identity)")
     if not body:
         raise _bad("request body is empty; expected a JSON object")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise _bad(f"request body is not valid JSON: {exc}") from None
+        raise _bad(f"request body is not valid JSON: {clip(str(exc))}") from None
     if not isinstance(data, dict):
         raise _bad("request body must be a JSON object")
 
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
+    _check_fields(data, kind)
     stream = data.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
     cache_key = data.get("prompt_cache_key")
-    if cache_key is not None and not isinstance(cache_key, str):
-        raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
     header_tenant = headers.get(settings.tenant_header) if settings.tenant_header else None
     if header_tenant and cache_key:
         tenant: str | None = f"{header_tenant}\x1f{cache_key}"

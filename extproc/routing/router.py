@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.prefix_index import PrefixIndex
-from prefixroute.extproc.routing.request import InferenceRequest
+from prefixroute.extproc.routing.request import InferenceRequest, clip
 from prefixroute.extproc.routing.scheduling import filters, pickers
 from prefixroute.extproc.routing.scheduling.scheduler import Scheduler
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -25,7 +25,7 @@ class RouterCore:
     """Applies the model check, schedules, and records each pick in the prefix index.
 
     Errors raised by `route` (`OpenAIError`):
-    - 404 ``The model `X` does not exist.`` (vLLM's wording) when every endpoint has a known model list and
+    - 404 ``The model `X` does not exist.`` (vLLM's wording, X clipped to `request.MAX_ECHO_CHARS`) when every endpoint has a known model list and
       none lists the model (unhealthy ones included: a model served only by down endpoints is 503, not 404);
     - 503 with ``retry_after_s`` when the pool is empty or no endpoint serving the model is healthy.
     """
@@ -63,9 +63,9 @@ class RouterCore:
         decision = self.scheduler.schedule(request, endpoints, in_flight, self.index)
         if not decision.endpoints:
             if not filters.filter_model(endpoints, request.model):
-                raise OpenAIError(404, f"The model `{request.model}` does not exist.", param="model",
+                raise OpenAIError(404, f"The model `{clip(request.model)}` does not exist.", param="model",
                                   type_="NotFoundError")
-            what = f"serving model `{request.model}`" if request.model else ""
+            what = f"serving model `{clip(request.model)}`" if request.model else ""
             raise OpenAIError(503, f"no healthy endpoint {what}".strip(), retry_after_s=self.retry_after_s)
         if request.block_hashes:
             self.index.record(request.block_hashes, decision.endpoints[0])
