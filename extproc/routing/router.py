@@ -43,6 +43,8 @@ class RouterCore:
         self.retry_after_s = retry_after_s
         self._known: set[EndpointId] = set()
         self._capacity_from: dict[EndpointId, tuple[int | None, int | None]] = {}
+        self._restart_epoch: dict[EndpointId, int] = {}
+        self.num_caches_cleared = 0
 
     def route(self, request: InferenceRequest, endpoints: Sequence[EndpointState],
               in_flight: Mapping[EndpointId, int]) -> Decision:
@@ -100,16 +102,34 @@ class RouterCore:
         self.scheduler.policy.on_endpoint_removed(endpoint)
         self._known.discard(endpoint)
         self._capacity_from.pop(endpoint, None)
+        self._restart_epoch.pop(endpoint, None)
+
+    def on_cache_cleared(self, endpoint: EndpointId) -> None:
+        """`endpoint`'s KV cache is known empty: forget its prefix-index entries (its capacity stays), so the next
+        request of a prefix it held is not predicted a hit there. Called by `sync_endpoints` when the pool's
+        ``restart_epoch`` for it changes; the seam for KV events' AllBlocksCleared (a later source of the same
+        fact)."""
+        self.index.clear_endpoint(endpoint)
+        self.scheduler.policy.on_cache_cleared(endpoint)
+        self.num_caches_cleared += 1
 
     def sync_endpoints(self, snapshot: Sequence[EndpointState]) -> None:
         """Bring the index in line with a pool snapshot: drop endpoints no longer present, size each endpoint's
-        LRU from its scraped KV capacity. Cheap when nothing changed; fit as the pool's ``on_change`` hook."""
+        LRU from its scraped KV capacity, and clear an endpoint whose ``restart_epoch`` changed since the last
+        snapshot (`on_cache_cleared`; the first sight of an endpoint only records its epoch). Cheap when nothing
+        changed; fit as the pool's ``on_change`` hook."""
         present = {s.endpoint for s in snapshot}
         for ep in self._known - present:
             self.on_endpoint_removed(ep)
+        epochs = self._restart_epoch
         for s in snapshot:
             src = (s.num_gpu_blocks, s.block_size)
             if self._capacity_from.get(s.endpoint) != src:
                 self._capacity_from[s.endpoint] = src
                 self.index.set_capacity(s.endpoint, self.capacity_blocks(s))
+            seen = epochs.get(s.endpoint)
+            if seen != s.restart_epoch:
+                epochs[s.endpoint] = s.restart_epoch
+                if seen is not None:
+                    self.on_cache_cleared(s.endpoint)
         self._known = present
