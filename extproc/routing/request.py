@@ -28,7 +28,7 @@ bytes); 400 body not JSON / not an object / a field missing, of the wrong type o
 ``param`` naming it (``messages[2].content``, ``top_logprobs``). A value echoed in a message is clipped
 (`clip`), so a 1 MB model name never becomes a 1 MB error.
 
-Sampling fields checked (`_FIELD_CHECKS`; absent or null = unchecked, other fields pass through untouched).
+Sampling fields checked (`_FIELD_RULES`; absent or null = unchecked, other fields pass through untouched).
 Where vLLM and OpenAI differ, vLLM's range wins (the endpoint is vLLM: the router must not refuse what it
 would serve), but JSON types are strict as in OpenAI (vLLM's pydantic lax mode would take ``"yes"`` for
 true); an integer may be written as an integral float (``16.0``), as pydantic accepts:
@@ -279,114 +279,98 @@ def _render_completion(body: dict[str, Any], canon: _Canon) -> None:
 
 
 # --- sampling fields (module docstring's table) ------------------------------------------------------------
+# A field's rule is (kind, low, high, extra): kind "int" (low <= v <= high, or v == extra), "num" (low <= v <=
+# high; extra True = the low end is open), "bool", "str", or a function (value, name) for the rest. The loop in
+# `_check_fields` tests the plain kinds inline: a function call per field would double its cost.
 Check = Callable[[Any, str], None]
-"""A field check: `(value, field name)`, raises a 400 naming the field; never called with None."""
-
-
-def _as_int(value: Any, name: str) -> int:
-    t = type(value)
-    if t is int:
-        return value
-    if t is float and value.is_integer():  # 16.0: pydantic's int accepts it
-        return int(value)
-    raise _bad(f"'{name}' must be an integer", name)
-
-
-def _as_number(value: Any, name: str) -> float:
-    t = type(value)
-    if t is int or t is float:  # not bool (a subclass of int)
-        return value
-    raise _bad(f"'{name}' must be a number", name)
-
-
-def _check_bool(value: Any, name: str) -> None:
-    if value is not True and value is not False:
-        raise _bad(f"'{name}' must be a boolean", name)
-
-
-def _check_str(value: Any, name: str) -> None:
-    if not isinstance(value, str):
-        raise _bad(f"'{name}' must be a string", name)
-
-
-def _int_at_least(lo: int) -> Check:
-    def check(value: Any, name: str) -> None:
-        if _as_int(value, name) < lo:
-            raise _bad(f"'{name}' must be an integer >= {lo}", name)
-    return check
-
-
-def _int_in(lo: int, hi: int, *, also: int | None = None) -> Check:
-    def check(value: Any, name: str) -> None:
-        v = _as_int(value, name)
-        if not lo <= v <= hi and v != also:
-            alt = f" or {also}" if also is not None else ""
-            raise _bad(f"'{name}' must be an integer in [{lo}, {hi}]{alt}", name)
-    return check
-
-
-def _number_in(lo: float, hi: float | None, *, low_open: bool = False) -> Check:
-    def check(value: Any, name: str) -> None:
-        v = _as_number(value, name)
-        if (v <= lo if low_open else v < lo) or (hi is not None and v > hi):
-            interval = f"{'(' if low_open else '['}{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
-            raise _bad(f"'{name}' must be a number {'in ' if hi is not None else ''}{interval}", name)
-    return check
-
-
-def _check_top_k(value: Any, name: str) -> None:
-    if _as_int(value, name) < -1:
-        raise _bad(f"'{name}' must be -1, 0 (both disable it) or a positive integer", name)
+Rule = tuple[Any, float | None, float | None, Any]
 
 
 def _check_stop(value: Any, name: str) -> None:
-    if isinstance(value, str):
+    t = type(value)
+    if t is str or (t is list and all(map(str.__instancecheck__, value))):
         return
-    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
-        raise _bad(f"'{name}' must be a string or an array of strings", name)
+    raise _bad(f"'{name}' must be a string or an array of strings", name)
 
 
 def _check_stream_options(value: Any, name: str) -> None:
-    if not isinstance(value, dict):
+    if type(value) is not dict:
         raise _bad(f"'{name}' must be an object", name)
     for key in ("include_usage", "continuous_usage_stats"):
         v = value.get(key)
-        if v is not None:
-            _check_bool(v, f"{name}.{key}")
+        if v is not None and v is not True and v is not False:
+            raise _bad(f"'{name}.{key}' must be a boolean", f"{name}.{key}")
 
 
-_COMMON_CHECKS: dict[str, Check] = {
-    "stream": _check_bool,
-    "stream_options": _check_stream_options,
-    "n": _int_at_least(1),
-    "max_tokens": _int_at_least(1),
-    "temperature": _number_in(0.0, None),
-    "top_p": _number_in(0.0, 1.0, low_open=True),
-    "presence_penalty": _number_in(-2.0, 2.0),
-    "frequency_penalty": _number_in(-2.0, 2.0),
-    "top_k": _check_top_k,
-    "seed": _int_in(_INT64_MIN, _INT64_MAX),
-    "user": _check_str,
-    "stop": _check_stop,
-    "prompt_cache_key": _check_str,
+def _int_message(name: str, low: float | None, high: float | None, extra: Any) -> str:
+    if high is None:
+        return f"'{name}' must be an integer >= {low}"
+    alt = f" or {extra}" if extra is not None else ""
+    return f"'{name}' must be an integer in [{low}, {high}]{alt}"
+
+
+def _num_message(name: str, low: float | None, high: float | None, low_open: bool) -> str:
+    if high is None:
+        return f"'{name}' must be a number >= {low:g}"
+    return f"'{name}' must be a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+
+_BOOL: Rule = ("bool", None, None, None)
+_STR: Rule = ("str", None, None, None)
+_AT_LEAST_1: Rule = ("int", 1, None, None)
+_PENALTY: Rule = ("num", -2.0, 2.0, False)
+_COMMON_RULES: dict[str, Rule] = {
+    "stream": _BOOL,
+    "stream_options": (_check_stream_options, None, None, None),
+    "n": _AT_LEAST_1,
+    "max_tokens": _AT_LEAST_1,
+    "temperature": ("num", 0.0, None, False),
+    "top_p": ("num", 0.0, 1.0, True),
+    "presence_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "top_k": ("int", -1, None, None),  # -1 and 0 disable it (vLLM)
+    "seed": ("int", _INT64_MIN, _INT64_MAX, None),
+    "user": _STR,
+    "stop": (_check_stop, None, None, None),
+    "prompt_cache_key": _STR,
 }
-_FIELD_CHECKS: dict[RequestKind, dict[str, Check]] = {
-    "chat": {**_COMMON_CHECKS, "max_completion_tokens": _int_at_least(1), "logprobs": _check_bool,
-             "top_logprobs": _int_in(0, MAX_LOGPROBS, also=-1)},
-    "completion": {**_COMMON_CHECKS, "logprobs": _int_in(0, MAX_LOGPROBS), "echo": _check_bool},
+_FIELD_RULES: dict[RequestKind, dict[str, Rule]] = {
+    "chat": {**_COMMON_RULES, "max_completion_tokens": _AT_LEAST_1, "logprobs": _BOOL,
+             "top_logprobs": ("int", 0, MAX_LOGPROBS, -1)},
+    "completion": {**_COMMON_RULES, "logprobs": ("int", 0, MAX_LOGPROBS, None), "echo": _BOOL},
 }
-"""Per request kind: field -> check (the module docstring's table)."""
+"""Per request kind: field -> rule (the module docstring's table)."""
 
 
 def _check_fields(data: dict[str, Any], kind: RequestKind) -> None:
     """Type and range of the sampling fields present (a loop over the body's keys: typically a handful), then
     the rules between fields, with vLLM's wording."""
-    checks = _FIELD_CHECKS[kind]
-    get = checks.get
+    get = _FIELD_RULES[kind].get
     for key, value in data.items():
-        check = get(key)
-        if check is not None and value is not None:
-            check(value, key)
+        rule = get(key)
+        if rule is None or value is None:
+            continue
+        what, low, high, extra = rule
+        t = type(value)
+        if what == "int":
+            if t is not int:
+                if t is not float or not value.is_integer():  # 16.0: pydantic's int accepts it
+                    raise _bad(f"'{key}' must be an integer", key)
+            if (value < low or (high is not None and value > high)) and value != extra:
+                raise _bad(_int_message(key, low, high, extra), key)
+        elif what == "num":
+            if t is not float and t is not int:  # not bool (a subclass of int)
+                raise _bad(f"'{key}' must be a number", key)
+            if (value <= low if extra else value < low) or (high is not None and value > high):
+                raise _bad(_num_message(key, low, high, extra), key)
+        elif what == "bool":
+            if t is not bool:
+                raise _bad(f"'{key}' must be a boolean", key)
+        elif what == "str":
+            if t is not str:
+                raise _bad(f"'{key}' must be a string", key)
+        else:
+            what(value, key)
     if data.get("stream_options") and data.get("stream") is not True:
         raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
     if kind == "chat":
