@@ -7,8 +7,17 @@ Contract with the servicer (`servicer.RouterService`):
   first. Raises `OpenAIError` (400/404/405/413/503) to refuse.
 - `served(pick, served)`: Envoy's ``x-gateway-destination-endpoint-served``. When a different endpoint
   served (the primary refused the connection and a fallback took it): the primary, and any fallback tried
-  before the one that served, are reported failed (passive health: marked down at once), the prefix is
-  recorded on the endpoint that really holds it, and the in-flight count moves to that endpoint.
+  before the one that served, are reported failed to the pool, the prefix is recorded on the endpoint that
+  really holds it, and the in-flight count moves to that endpoint.
+
+  Trust rule (issue 11: whoever reaches the ext_proc port can open streams, so a report may be forged):
+  a report counts only when it names one of *this pick's fallbacks* (Envoy's retries can produce nothing
+  else), and only the first report of a pick counts; any other address (an endpoint outside the pick, "-"
+  on Envoy's local replies, a fail-open host) is ignored and counted in `num_ignored_reports`. Even a
+  counted report marks nothing down by itself: the pool's `report_failure` is a suspicion that the pool
+  confirms with a probe of its own (endpoints/pool.py). So a forged report costs at most a probe, and no
+  stream, forged or real, can take down an endpoint that answers its health probe. (Observing streams reach
+  here only through a pick they correlate to by the router's unguessable span id: tracking.py.)
 - `endpoint_of(address)`: the endpoint id behind an address it handed out (telemetry maps Envoy's served
   address back to the endpoint). A pick also carries its `Decision`, `decision_us` (parse + schedule) and
   the parsed request, for telemetry.
@@ -38,7 +47,8 @@ from prefixroute.extproc.routing.types import Decision, EndpointId, EndpointStat
 class RoutePick:
     """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
 
-    __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released")
+    __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
+                 "failover_reported")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -49,6 +59,7 @@ class RoutePick:
         self.decision_us = decision_us  # parse + schedule, microseconds
         self.counted: EndpointId = endpoint_ids[0]
         self.released = False
+        self.failover_reported = False  # a served-elsewhere report was taken for this pick (only one counts)
 
 
 class PoolRouter:
@@ -63,6 +74,7 @@ class PoolRouter:
         self._id_of_addr: dict[str, EndpointId] = {}
         self._addrs_cache: dict[tuple[EndpointId, ...], tuple[str, ...]] = {}
         self.num_failovers = 0
+        self.num_ignored_reports = 0  # served reports naming no fallback of their pick, or repeated (docstring)
         pool.add_listener(self._on_pool_change)
 
     def _on_pool_change(self, snapshot: Sequence[EndpointState]) -> None:
@@ -100,16 +112,22 @@ class PoolRouter:
         return pick
 
     def served(self, pick: RoutePick, served: str | None) -> None:
+        """The served-endpoint report for `pick` (module docstring: the trust rule)."""
         if not served or served == pick.endpoints[0]:
             return
-        served_id = self._id_of_addr.get(served)
-        if served_id is None:
-            return  # not an endpoint we know ("-" on a local reply, or a fail-open pool host)
+        try:
+            k = pick.endpoints.index(served, 1)
+        except ValueError:
+            self.num_ignored_reports += 1  # not a fallback of this pick: "-" on a local reply, fail-open, forged
+            return
+        if pick.failover_reported:
+            self.num_ignored_reports += 1
+            return
+        pick.failover_reported = True
+        served_id = pick.endpoint_ids[k]
         self.num_failovers += 1
         # Envoy tried the list in order: every endpoint before the one that served refused or reset.
-        for addr, ep in zip(pick.endpoints, pick.endpoint_ids):
-            if addr == served:
-                break
+        for ep in pick.endpoint_ids[:k]:
             self.pool.report_failure(ep)
         self.core.record_failover(pick.request, served_id)
         if not pick.released:

@@ -12,9 +12,11 @@ stream message flow (processing mode set in envoy_config.py):
    ``clear_route_cache: true`` so the route is chosen again with the header. An `OpenAIError` becomes an
    ImmediateResponse with its status, JSON body, ``content-type: application/json`` and ``retry-after``
    when it carries one.
-3. response headers: ``x-gateway-destination-endpoint-served`` tells which endpoint served; the router
-   service reports the primary as failed when it differs. With the observing filter (below) these come
-   on the observing stream instead (Envoy does not wait), and the routing filter skips them.
+3. response headers: ``x-gateway-destination-endpoint-served`` tells which endpoint served; when it
+   differs from the primary the router service reports a failover (`PoolRouter.served`: counted only for
+   a fallback of this pick, once, and confirmed by the pool's own probe before anything is marked down:
+   a stream on this port may be forged). With the observing filter (below) these come on the observing
+   stream instead (Envoy does not wait), and the routing filter skips them.
 4. stream end: `RouterService.release` runs exactly once for a pick, in ``finally``. Envoy keeps the
    gRPC stream open until the HTTP stream is destroyed (response complete, reset, or client gone), even
    when no further messages are expected: checked with Envoy 1.40, a 1 s SSE response released its pick
@@ -27,7 +29,8 @@ Telemetry (a `Tracker`, tracking.py: `RequestTracker`, or `NullTracker` when it 
 stream starts each request's record and adds ``traceparent`` (the router's span) to the routing header
 mutation; a second stream, from Envoy's observing ext_proc filter (``observability_mode``: every message
 has ``observability_mode`` set, nothing is answered), reports response headers and body chunks for TTFT,
-latency and usage. Both streams are served by `Process`; the first message's ``observability_mode`` flag
+latency and usage. An observing stream reaches the router only through the pick whose unguessable span id
+its traceparent carries (tracking.py); any other is telemetry at most. Both streams are served by `Process`; the first message's ``observability_mode`` flag
 tells them apart. Each stream's messages are dispatched per kind (``WhichOneof("request")``) to a handler.
 
 Messages are prefixroute's own ext_proc classes (wire.py: upb protobuf, private descriptor pool).

@@ -11,7 +11,11 @@ Envoy runs two ext_proc filters per request, both talking to this process (envoy
 
 Correlation: the observing stream's request headers carry the router's own ``traceparent``; its span id
 is the key of the pending record (the routing filter always overwrites a client's traceparent, so a client
-cannot pick a key). An unknown key means the routing filter did not route the request (Envoy answered it
+cannot pick a key). The span id comes from the OS's CSPRNG (`SpanIds`, not a seeded Mersenne Twister whose
+next outputs anyone who has seen 624 of them can compute), so no one who merely reaches the ext_proc port
+can guess a live request's key: a forged observing stream attaches to nothing and can report nothing for
+routing (it becomes an ``unrouted`` record). Only an attached stream reports the served endpoint, at most
+once per request, and `PoolRouter.served` then applies its own trust rule (service.py). An unknown key means the routing filter did not route the request (Envoy answered it
 itself, e.g. 413 for a body over its buffer, or the routing service failed open): the observing stream
 then records it alone (`attach_unrouted`, reason ``unrouted``, no decision), and the routing stream drops
 its own undecided record so the request is counted once. Best effort for Envoy's own 413: Envoy resets
@@ -42,6 +46,7 @@ Single event loop, not thread-safe (like the servicer).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -49,7 +54,8 @@ from typing import Any, Protocol
 from prefixroute.extproc.headers import OBSERVED_METADATA, TRACEPARENT_HEADER
 from prefixroute.extproc.wire import header_dict, header_value
 from prefixroute.telemetry.records import RequestRecord, tenant_hash
-from prefixroute.telemetry.tracecontext import child_context, parse_traceparent
+from prefixroute.telemetry.tracecontext import (SAMPLED_FLAG, RouterSpanContext, child_context, format_traceparent,
+                                                new_trace_id, parse_traceparent)
 from prefixroute.telemetry.usage import StreamUsageTail, usage_from_body
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -57,6 +63,39 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 embeddings of large batches, are not worth holding: usage stays unknown)."""
 MAX_PENDING = 100_000
 """Records awaiting their streams; beyond it new requests are not tracked (bounds memory if streams leak)."""
+
+
+class SpanIds:
+    """Unguessable 64-bit span ids, 16 lower-case hex characters, never all zero: ``os.urandom`` read 4 KiB at a
+    time (one syscall per 256 ids; a fresh read per id costs ~0.8 us, a slice of the buffer ~0.1 us)."""
+
+    __slots__ = ("_hex", "_pos")
+
+    _CHUNK_BYTES = 4096
+
+    def __init__(self) -> None:
+        self._hex = ""
+        self._pos = 0
+
+    def __call__(self) -> str:
+        pos = self._pos
+        if pos >= len(self._hex):
+            self._hex = os.urandom(self._CHUNK_BYTES).hex()
+            pos = 0
+        self._pos = pos + 16
+        span_id = self._hex[pos:pos + 16]
+        return span_id if span_id != "0000000000000000" else self()
+
+
+def router_context(incoming: str | bytes | None, span_ids: Callable[[], str]) -> RouterSpanContext:
+    """`tracecontext.child_context` with the span id from `span_ids` (the correlation key must be unguessable)."""
+    parent = parse_traceparent(incoming)
+    span_id = span_ids()
+    if parent is None:
+        trace_id = new_trace_id()
+        return RouterSpanContext(trace_id, span_id, None, SAMPLED_FLAG, format_traceparent(trace_id, span_id))
+    return RouterSpanContext(parent.trace_id, span_id, parent.span_id, parent.flags,
+                             format_traceparent(parent.trace_id, span_id, parent.flags))
 
 
 class Tracked:
@@ -174,6 +213,8 @@ class RequestTracker:
         self.pending: dict[str, Tracked] = {}
         self.num_emitted = 0
         self.num_untracked = 0
+        self.num_unattached_observations = 0  # observing streams that named no pending request (unrouted/forged)
+        self._span_ids = SpanIds()
 
     # --- routing stream -------------------------------------------------------------------------------
     def begin(self, headers: Mapping[str, str], grpc_metadata: GrpcMetadata = tuple) -> tuple[Tracked, str]:
@@ -182,7 +223,7 @@ class RequestTracker:
         request's observation is worth waiting for. Beyond MAX_PENDING records the state is untracked
         (nothing is emitted for it) but the traceparent is still given."""
         t0 = time.perf_counter()
-        ctx = child_context(headers.get(TRACEPARENT_HEADER))
+        ctx = router_context(headers.get(TRACEPARENT_HEADER), self._span_ids)
         if len(self.pending) >= MAX_PENDING:
             self.num_untracked += 1
             return _untracked(), ctx.traceparent
@@ -274,8 +315,13 @@ class RequestTracker:
 
     # --- observing stream -----------------------------------------------------------------------------
     def observe(self, request_headers: Any) -> Tracked:
-        """The observing stream's request headers: the routed request's state, or a record of its own."""
-        return self.attach(request_headers) or self.attach_unrouted(request_headers)
+        """The observing stream's request headers: the routed request's state, or a record of its own (which
+        carries no pick, so nothing it reports reaches the router)."""
+        st = self.attach(request_headers)
+        if st is not None:
+            return st
+        self.num_unattached_observations += 1
+        return self.attach_unrouted(request_headers)
 
     def attach(self, request_headers: Any) -> Tracked | None:
         """The observing stream's request headers (after the routing filter's mutation)."""

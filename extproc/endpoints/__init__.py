@@ -29,6 +29,8 @@ class Pool(Protocol):
       health, models, KV capacity, address), never on a load-figure-only change.
     - `in_flight` counts the router's own picks: `acquire` at the pick, `release` when the response ends;
       never negative.
+    - ``EndpointState.restart_epoch`` goes up when the implementation detects that the endpoint restarted
+      (its KV cache is empty); that is a structural change. A pool that cannot tell leaves it at 0.
     """
 
     def snapshot(self) -> tuple[EndpointState, ...]:
@@ -52,4 +54,6 @@ class Pool(Protocol):
         """A request to `endpoint` ended (response done, failed or cancelled)."""
 
     def report_failure(self, endpoint: EndpointId) -> None:
-        """Passive failure seen by the gateway (connect refused/reset): mark the endpoint down now."""
+        """Passive failure reported by the gateway (connect refused/reset). The live pool treats it as a
+        suspicion and marks the endpoint down only when its own probe confirms (a report may be forged);
+        the simulated pool, whose reports only come from its own simulation, marks it down at once."""

@@ -13,18 +13,30 @@ delays another:
   and is down until that address answers a probe; a lookup that fails keeps the last address (a DNS outage
   must not take a working fleet down: probes still check it answers).
 - probe: ``GET /health`` every ``probe_interval_s``; ``unhealthy_after_failures`` consecutive failures -> down,
-  one success -> up. Passive failures (`report_failure`) mark it down at once and probe it again sooner.
-  An endpoint starts down and comes up on its first successful probe (so nothing is routed to an endpoint
-  never seen alive); call `wait_ready` before serving.
+  one success -> up. An endpoint starts down and comes up on its first successful probe (so nothing is routed
+  to an endpoint never seen alive); call `wait_ready` before serving.
+- passive failures (`report_failure`, from the gateway's served-endpoint reports) are a *suspicion*, never
+  trusted alone: anyone who reaches the ext_proc port can forge one. The report probes the endpoint at once
+  (a confirming probe); a failed confirming probe marks it down at once (no second failure needed) and
+  looks its name up again; a successful one leaves it up (counted in `num_unconfirmed_failures`), and further
+  reports for it are ignored for ``failure_probe_delay_s`` (so forged reports cost at most a few probes per
+  second). A real failure (connection refused: the process died) is confirmed within one probe round trip;
+  meanwhile Envoy's fallbacks serve the requests still sent there.
 - models: ``GET /v1/models`` when the endpoint comes up and every ``models_interval_s`` (LoRA adapters listed
   there become routable). A failed fetch keeps the previous list; never fetched = empty = unknown = any model.
 - scrape: ``GET /metrics`` every ``scrape_interval_s`` while up, parsed by `scrape.parse_metrics` (only the
   needed lines). Figures older than ``metrics_stale_after_s`` are published as None (a sweep expires them even
   when no scrape lands).
+- restarts: each scrape is compared with the endpoint's previous one (`scrape.restart_reason`: process start
+  time changed, or a cumulative counter went backwards). A restart increments the endpoint's
+  ``EndpointState.restart_epoch`` and is a structural change, so listeners learn of it (the router then drops
+  that endpoint's prefix-index entries: its KV cache is empty). The pool only reports; it keeps no routing
+  state.
 
 Reading is O(1): `snapshot()` returns a tuple of immutable `EndpointState` that is replaced whole whenever a
 lookup, probe, model fetch or scrape changes something. Listeners (`add_listener`) are called with the new
-snapshot only on *structural* changes (membership, health, models, KV capacity, address), not on every scrape.
+snapshot only on *structural* changes (membership, health, models, KV capacity, address, restart epoch), not on
+every scrape.
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ import aiohttp
 
 from prefixroute.extproc.endpoints import Listener
 from prefixroute.extproc.endpoints.scrape import (ScrapedMetrics, parse_endpoint_list, parse_metrics, parse_models,
-                                          read_endpoints_file)
+                                                  read_endpoints_file, restart_reason)
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.routing.types import EndpointId, EndpointState
 
@@ -105,7 +117,8 @@ class _Watch:
 
     __slots__ = ("endpoint", "host", "port", "address", "healthy", "num_failures", "models", "models_fetched",
                  "metrics", "scraped_at_s", "fresh", "wake", "came_up", "resolved", "resolve_wake",
-                 "num_lookup_failures", "tasks", "base_url")
+                 "num_lookup_failures", "tasks", "base_url", "suspect", "quiet_until_s", "restart_epoch",
+                 "ever_scraped")
 
     def __init__(self, endpoint: EndpointId) -> None:
         self.endpoint = endpoint
@@ -130,6 +143,10 @@ class _Watch:
         self.wake = asyncio.Event()  # set to probe now (after a passive failure)
         self.came_up = asyncio.Event()  # set by the probe loop when the endpoint comes up
         self.tasks: list[asyncio.Task[None]] = []
+        self.suspect = False  # a passive failure was reported: the next probe started confirms or clears it
+        self.quiet_until_s = 0.0  # reports before this (clock) are ignored: the last one was not confirmed
+        self.restart_epoch = 0  # restarts detected by the scrapes (published in EndpointState)
+        self.ever_scraped = False  # `metrics` holds a real scrape (the baseline for restart detection)
 
 
 class EndpointPool:
@@ -150,6 +167,9 @@ class EndpointPool:
         self._snapshot: tuple[EndpointState, ...] = tuple(self._states)
         self._in_flight: dict[EndpointId, int] = {ep: 0 for ep in ids}
         self._listeners: list[Listener] = []
+        self.num_unconfirmed_failures = 0  # passive failure reports whose confirming probe succeeded
+        self.num_ignored_failure_reports = 0  # reports dropped: endpoint already down, confirming, or quiet
+        self.num_restarts = 0  # restarts detected (all endpoints)
         self._session: aiohttp.ClientSession | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
@@ -190,19 +210,18 @@ class EndpointPool:
             self._in_flight.pop(endpoint, None)  # a removed endpoint whose last request just ended
 
     def report_failure(self, endpoint: EndpointId) -> None:
-        """Passive failure (connect refused/reset seen by the gateway): mark down now, look its name up again
-        now (it may have moved) and probe it again soon."""
+        """Passive failure reported (the gateway saw a connect refused/reset): a suspicion, not a verdict (module
+        docstring). Probe the endpoint now; the probe loop marks it down if that probe fails. Ignored (counted)
+        for an endpoint that is down, already being confirmed, or within ``failure_probe_delay_s`` of a report
+        its probe did not confirm. Returns at once; never changes the snapshot itself."""
         w = self._watches.get(endpoint)
-        if w is None:
+        if w is None or self._session is None or self._closed:  # probe loops run only between start and close
             return
-        w.resolve_wake.set()
-        w.num_failures = max(w.num_failures, self.settings.unhealthy_after_failures)
-        if w.healthy:
-            w.healthy = False
-            log.warning("endpoint %s marked down after a passive failure", endpoint)
-            self._publish(w, structural=True)
-        if self._session is not None and not self._closed:  # probe loops run only between start and close
-            asyncio.get_running_loop().call_later(self.settings.failure_probe_delay_s, w.wake.set)
+        if not w.healthy or w.suspect or self._clock() < w.quiet_until_s:
+            self.num_ignored_failure_reports += 1
+            return
+        w.suspect = True
+        w.wake.set()
 
     @property
     def scrape_interval_s(self) -> float:
@@ -305,11 +324,12 @@ class EndpointPool:
         w.fresh = fresh
         if not fresh:
             return EndpointState(ep, healthy=w.healthy, models=w.models, num_gpu_blocks=m.num_gpu_blocks,
-                                 block_size=m.block_size, scraped_at_s=w.scraped_at_s, address=w.address)
+                                 block_size=m.block_size, scraped_at_s=w.scraped_at_s, address=w.address,
+                                 restart_epoch=w.restart_epoch)
         return EndpointState(ep, healthy=w.healthy, models=w.models, num_requests_running=m.num_requests_running,
                              num_requests_waiting=m.num_requests_waiting, kv_cache_usage_ratio=m.kv_cache_usage_ratio,
                              num_gpu_blocks=m.num_gpu_blocks, block_size=m.block_size, scraped_at_s=w.scraped_at_s,
-                             address=w.address)
+                             address=w.address, restart_epoch=w.restart_epoch)
 
     def _publish(self, w: _Watch | None = None, *, structural: bool) -> None:
         """Replace the snapshot: rebuild `w`'s state only (a scrape landed: O(1) Python work plus a C-speed
@@ -378,6 +398,7 @@ class EndpointPool:
         while True:
             w.wake.clear()  # before probing: a wake-up requested during the probe then triggers another one
             url = w.base_url
+            confirming = w.suspect  # only a probe started after the report may confirm or clear it
             try:
                 status, _ = await self._get(w, "/health", st.probe_timeout_s)
                 ok = status == 200
@@ -385,8 +406,15 @@ class EndpointPool:
                 ok = False
             if url != w.base_url:
                 continue  # the endpoint moved during the probe: probe the new address
+            if confirming:
+                w.suspect = False
             if ok:
                 w.num_failures = 0
+                if confirming:
+                    # Alive: the report was wrong (forged, or a one-off reset). Reports are ignored for a while.
+                    self.num_unconfirmed_failures += 1
+                    w.quiet_until_s = self._clock() + st.failure_probe_delay_s
+                    log.info("endpoint %s answers its probe: passive failure report not confirmed", w.endpoint)
                 if not w.healthy:
                     w.healthy = True
                     log.info("endpoint %s is up", w.endpoint)
@@ -394,6 +422,16 @@ class EndpointPool:
                     w.came_up.set()
             else:
                 w.num_failures += 1
+                if confirming and w.healthy:
+                    # Confirmed: down now, look the name up again (it may have moved), re-probe soon.
+                    w.num_failures = max(w.num_failures, st.unhealthy_after_failures)
+                    w.healthy = False
+                    w.resolve_wake.set()
+                    log.warning("endpoint %s marked down after a passive failure (confirmed by a failed probe)",
+                                w.endpoint)
+                    self._publish(w, structural=True)
+                    await _wait(w.wake, st.failure_probe_delay_s)
+                    continue
                 if w.healthy and w.num_failures >= st.unhealthy_after_failures:
                     w.healthy = False
                     log.warning("endpoint %s is down after %d failed probes", w.endpoint, w.num_failures)
@@ -440,6 +478,13 @@ class EndpointPool:
                         m = parse_metrics(body)
                         structural = (m.num_gpu_blocks, m.block_size) != (w.metrics.num_gpu_blocks,
                                                                            w.metrics.block_size)
+                        why = restart_reason(w.metrics, m) if w.ever_scraped else None
+                        if why is not None:
+                            w.restart_epoch += 1
+                            self.num_restarts += 1
+                            structural = True
+                            log.warning("endpoint %s restarted (%s): its KV cache is empty", w.endpoint, why)
+                        w.ever_scraped = True
                         w.metrics = m
                         w.scraped_at_s = self._clock()
                         self._publish(w, structural=structural)

@@ -4,6 +4,14 @@
 it searches the payload (bytes.find, C speed) for the few metric names it needs at a line start and parses
 only those lines. Several samples of one gauge (data-parallel engines, several models) are summed for counts
 and averaged for ratios.
+
+Restart detection (`restart_reason`, pure; the pool compares each scrape with the endpoint's previous one,
+however long ago, so a restart while the endpoint was unreachable is caught at its first scrape back):
+the endpoint restarted when ``process_start_time_seconds`` (prometheus_client's process collector, which vLLM
+exposes) changed, or when a cumulative counter (`COUNTER_NAMES`, summed over its samples) went backwards.
+Either signal alone suffices: a server without the start time is still caught by its counters, as long as
+the new process has not yet counted past the old one's last scrape (the first scrape back, 100 ms after it
+answers, normally sees counters near 0).
 """
 
 from __future__ import annotations
@@ -20,6 +28,13 @@ RUNNING_NAMES = (b"vllm:num_requests_running", b"sglang:num_running_reqs")
 WAITING_NAMES = (b"vllm:num_requests_waiting", b"sglang:num_queue_reqs")
 KV_USAGE_NAMES = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc", b"sglang:token_usage")
 CACHE_CONFIG_NAME = b"vllm:cache_config_info"
+START_TIME_NAME = b"process_start_time_seconds"
+COUNTER_NAMES = (b"vllm:prompt_tokens_total", b"vllm:generation_tokens_total", b"vllm:request_success_total",
+                 b"vllm:prefix_cache_queries_total", b"sglang:prompt_tokens_total", b"sglang:generation_tokens_total")
+"""Cumulative counters compared between scrapes (restart detection); any that the payload carries."""
+START_TIME_TOLERANCE_S = 0.5
+"""Start times closer than this are the same process (the value is fixed per process; the slack absorbs a
+float printed with fewer digits)."""
 
 _LABEL_RE = re.compile(rb'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -33,6 +48,8 @@ class ScrapedMetrics:
     kv_cache_usage_ratio: float | None = None
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    process_start_time_s: float | None = None  # process_start_time_seconds (Unix time), restart detection
+    counter_totals: tuple[float | None, ...] = ()  # per COUNTER_NAMES (None: absent; () none), restart detection
 
 
 def _samples(data: bytes, name: bytes) -> list[bytes]:
@@ -91,13 +108,32 @@ def parse_metrics(data: bytes) -> ScrapedMetrics:
         if nb > 0 and bs > 0:
             num_gpu_blocks = (num_gpu_blocks or 0) + nb  # several engines: capacities add up
             block_size = bs
+    start = _gauge(data, (START_TIME_NAME,))
+    totals = []
+    for name in COUNTER_NAMES:
+        vals = _gauge(data, (name,))
+        totals.append(sum(vals) if vals else None)
     return ScrapedMetrics(
         num_requests_running=max(0, round(sum(running))) if running else None,
         num_requests_waiting=max(0, round(sum(waiting))) if waiting else None,
         kv_cache_usage_ratio=min(1.0, max(0.0, sum(kv) / len(kv))) if kv else None,
         num_gpu_blocks=num_gpu_blocks,
         block_size=block_size,
+        process_start_time_s=start[0] if start else None,
+        counter_totals=tuple(totals) if any(t is not None for t in totals) else (),
     )
+
+
+def restart_reason(prev: ScrapedMetrics, new: ScrapedMetrics) -> str | None:
+    """Why `new` (a scrape) comes from another process than `prev` (the same endpoint's previous scrape), or
+    None when nothing says so (module docstring). A signal missing from either scrape is no evidence."""
+    a, b = prev.process_start_time_s, new.process_start_time_s
+    if a is not None and b is not None and abs(a - b) > START_TIME_TOLERANCE_S:
+        return f"process_start_time_seconds changed from {a:.3f} to {b:.3f}"
+    for name, old, cur in zip(COUNTER_NAMES, prev.counter_totals, new.counter_totals):
+        if old is not None and cur is not None and cur < old:
+            return f"counter {name.decode()} went backwards from {old:g} to {cur:g}"
+    return None
 
 
 def parse_models(body: bytes) -> frozenset[str]:

@@ -41,8 +41,10 @@ class PoolSettings(Settings):
         "one lost probe without flapping.")
     failure_probe_delay_s: float = setting(
         0.25,
-        "After a passive failure (connection refused/reset reported by the gateway) the endpoint is marked down "
-        "at once and probed again after this delay, so a transient error costs about this long.")
+        "A passive failure (connection refused/reset reported by the gateway) probes the endpoint at once; a "
+        "failed probe marks it down and it is probed again after this delay, so a transient error costs about "
+        "this long. A report the probe does not confirm (the endpoint answers) mutes further reports for it "
+        "this long, so forged reports cost at most a few probes per second.")
     models_interval_s: float = setting(
         5.0,
         "Seconds between refreshes of each endpoint's GET /v1/models (served models and LoRA adapters); also "

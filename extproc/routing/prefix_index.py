@@ -147,6 +147,10 @@ class PrefixIndex:
     def remove_endpoint(self, endpoint: EndpointId) -> None:
         """Forget everything `endpoint` holds, and its capacity (an endpoint that leaves takes its entries)."""
         self._capacity.pop(endpoint, None)
+        self.clear_endpoint(endpoint)
+
+    def clear_endpoint(self, endpoint: EndpointId) -> None:
+        """Forget everything `endpoint` holds, keeping its capacity (its KV cache was emptied: a restart)."""
         lru = self._lru.pop(endpoint, None)
         if lru:
             self._drop_heads(endpoint, [h for h, is_head in lru.items() if is_head])

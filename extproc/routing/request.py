@@ -22,14 +22,42 @@ prompt costs about what a 16 KB one does. All messages are still type-checked, s
 accepted never depends on its length.
 
 Errors (all `OpenAIError`, the only exception `parse_request` raises):
-413 body over ``max_body_bytes`` (any path); 405 a method other than POST on a completion path; 400 body not
-JSON / not an object / a field missing or of the wrong type, with ``param`` naming it (``messages[2].content``).
+413 body over ``max_body_bytes`` (any path); 405 a method other than POST on a completion path; 415 a
+``content-encoding`` other than ``identity`` on a completion path (the body would be parsed as compressed
+bytes); 400 body not JSON / not an object / a field missing, of the wrong type or out of range, with
+``param`` naming it (``messages[2].content``, ``top_logprobs``). A value echoed in a message is clipped
+(`clip`), so a 1 MB model name never becomes a 1 MB error.
+
+Sampling fields checked (`_FIELD_RULES`; absent or null = unchecked, other fields pass through untouched).
+Where vLLM and OpenAI differ, vLLM's range wins (the endpoint is vLLM: the router must not refuse what it
+would serve), but JSON types are strict as in OpenAI (vLLM's pydantic lax mode would take ``"yes"`` for
+true); an integer may be written as an integral float (``16.0``), as pydantic accepts:
+
+| field | rule |
+| --- | --- |
+| ``stream`` | boolean |
+| ``stream_options`` | object of booleans ``include_usage``, ``continuous_usage_stats``; non-empty only with ``stream: true`` (vLLM) |
+| ``n`` | integer >= 1 |
+| ``max_tokens``, ``max_completion_tokens`` (chat) | integer >= 1 |
+| ``temperature`` | number >= 0 |
+| ``top_p`` | number in (0, 1] |
+| ``presence_penalty``, ``frequency_penalty`` | number in [-2, 2] |
+| ``top_k`` | integer, -1 or >= 0 (vLLM: 0 and -1 disable it) |
+| ``seed`` | integer in [-2**63, 2**63) (vLLM: a torch long) |
+| ``user`` | string |
+| ``stop`` | string, or array of strings (vLLM sets no count limit; OpenAI's 4 is not enforced) |
+| ``logprobs`` | chat: boolean; completions: integer in [0, 20] |
+| ``top_logprobs`` (chat) | integer, -1 or in [0, 20]; -1 or > 0 only with ``logprobs: true`` (vLLM's wording) |
+| ``echo`` (completions) | boolean |
+| ``prompt`` token ids | integers in [0, 2**31) (a token id is an int32 in every engine) |
+
+20 is vLLM's default ``--max-logprobs`` and OpenAI's cap.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -69,6 +97,23 @@ class InferenceRequest:
     request_id: str | None = None
 
 
+MAX_ECHO_CHARS = 100
+"""Most characters of a client's value quoted back in an error message (`clip`)."""
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest token id accepted (int32: vLLM's and every engine's token tensors)."""
+MAX_LOGPROBS = 20
+"""Largest ``logprobs`` (completions) / ``top_logprobs`` (chat): vLLM's default --max-logprobs, OpenAI's cap."""
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """`value` as text for an error message: at most `limit` characters, then a marker saying how many more."""
+    s = value if isinstance(value, str) else repr(value)
+    if len(s) <= limit:
+        return s
+    return f"{s[:limit]}...({len(s) - limit} more characters)"
+
+
 def _bad(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
@@ -105,7 +150,7 @@ def _canonical_json(value: Any, param: str) -> str:
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
     except TypeError as exc:  # orjson.JSONEncodeError: nesting deeper than orjson serialises
-        raise _bad(f"'{param}' cannot be serialised: {exc}", param) from None
+        raise _bad(f"'{param}' cannot be serialised: {clip(str(exc))}", param) from None
 
 
 def _render_content(content: Any, canon: _Canon, param: str) -> None:
@@ -187,6 +232,14 @@ def _is_token_ids(value: list[Any]) -> bool:
     return all(type(t) is int for t in value)  # noqa: E721 - bool is an int subclass and is not a token id
 
 
+def _check_token_range(ids: list[int], param: str) -> None:
+    """`ids` (all ints, non-empty) within [0, MAX_TOKEN_ID]; min/max run in C, the search only on failure."""
+    if min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
+        j, bad = next((j, t) for j, t in enumerate(ids) if not 0 <= t <= MAX_TOKEN_ID)
+        raise _bad(f"'{param}[{j}]' token id {clip(bad)} is out of range: token ids are integers in "
+                   f"[0, {MAX_TOKEN_ID}]", "prompt")
+
+
 def _render_completion(body: dict[str, Any], canon: _Canon) -> None:
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("'prompt' is required", "prompt")
@@ -207,19 +260,123 @@ def _render_completion(body: dict[str, Any], canon: _Canon) -> None:
         return
     if type(first) is int:  # noqa: E721
         ids = prompt
+        if not _is_token_ids(ids):
+            raise _bad("'prompt' token ids must all be integers", "prompt")
+        _check_token_range(ids, "prompt")
     elif isinstance(first, list):
         if not all(isinstance(p, list) and p and _is_token_ids(p) for p in prompt):
             raise _bad("'prompt' must be a list of non-empty lists of integer token ids", "prompt")
+        for i, p in enumerate(prompt):
+            _check_token_range(p, f"prompt[{i}]")
         ids = first
     else:
         raise _bad("'prompt' must be a string, a list of strings or token ids", "prompt")
-    if not _is_token_ids(ids):
-        raise _bad("'prompt' token ids must all be integers", "prompt")
     canon.num_chars += len(ids)
     canon.add("<|ids|>")
     # Each id renders to >= 2 characters ("7,"), so limit // 2 ids fill the hashed prefix; the trailing comma
     # keeps the prefix property (ids [1, 2] must not render as a prefix of [1, 23]).
     canon.add(",".join(map(str, ids[: canon.limit // 2])) + ",")
+
+
+# --- sampling fields (module docstring's table) ------------------------------------------------------------
+# A field's rule is (kind, low, high, extra): kind "int" (low <= v <= high, or v == extra), "num" (low <= v <=
+# high; extra True = the low end is open), "bool", "str", or a function (value, name) for the rest. The loop in
+# `_check_fields` tests the plain kinds inline: a function call per field would double its cost.
+Check = Callable[[Any, str], None]
+Rule = tuple[Any, float | None, float | None, Any]
+
+
+def _check_stop(value: Any, name: str) -> None:
+    t = type(value)
+    if t is str or (t is list and all(map(str.__instancecheck__, value))):
+        return
+    raise _bad(f"'{name}' must be a string or an array of strings", name)
+
+
+def _check_stream_options(value: Any, name: str) -> None:
+    if type(value) is not dict:
+        raise _bad(f"'{name}' must be an object", name)
+    for key in ("include_usage", "continuous_usage_stats"):
+        v = value.get(key)
+        if v is not None and v is not True and v is not False:
+            raise _bad(f"'{name}.{key}' must be a boolean", f"{name}.{key}")
+
+
+def _int_message(name: str, low: float | None, high: float | None, extra: Any) -> str:
+    if high is None:
+        return f"'{name}' must be an integer >= {low}"
+    alt = f" or {extra}" if extra is not None else ""
+    return f"'{name}' must be an integer in [{low}, {high}]{alt}"
+
+
+def _num_message(name: str, low: float | None, high: float | None, low_open: bool) -> str:
+    if high is None:
+        return f"'{name}' must be a number >= {low:g}"
+    return f"'{name}' must be a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+
+_BOOL: Rule = ("bool", None, None, None)
+_STR: Rule = ("str", None, None, None)
+_AT_LEAST_1: Rule = ("int", 1, None, None)
+_PENALTY: Rule = ("num", -2.0, 2.0, False)
+_COMMON_RULES: dict[str, Rule] = {
+    "stream": _BOOL,
+    "stream_options": (_check_stream_options, None, None, None),
+    "n": _AT_LEAST_1,
+    "max_tokens": _AT_LEAST_1,
+    "temperature": ("num", 0.0, None, False),
+    "top_p": ("num", 0.0, 1.0, True),
+    "presence_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "top_k": ("int", -1, None, None),  # -1 and 0 disable it (vLLM)
+    "seed": ("int", _INT64_MIN, _INT64_MAX, None),
+    "user": _STR,
+    "stop": (_check_stop, None, None, None),
+    "prompt_cache_key": _STR,
+}
+_FIELD_RULES: dict[RequestKind, dict[str, Rule]] = {
+    "chat": {**_COMMON_RULES, "max_completion_tokens": _AT_LEAST_1, "logprobs": _BOOL,
+             "top_logprobs": ("int", 0, MAX_LOGPROBS, -1)},
+    "completion": {**_COMMON_RULES, "logprobs": ("int", 0, MAX_LOGPROBS, None), "echo": _BOOL},
+}
+"""Per request kind: field -> rule (the module docstring's table)."""
+
+
+def _check_fields(data: dict[str, Any], kind: RequestKind) -> None:
+    """Type and range of the sampling fields present (a loop over the body's keys: typically a handful), then
+    the rules between fields, with vLLM's wording."""
+    get = _FIELD_RULES[kind].get
+    for key, value in data.items():
+        rule = get(key)
+        if rule is None or value is None:
+            continue
+        what, low, high, extra = rule
+        t = type(value)
+        if what == "int":
+            if t is not int:
+                if t is not float or not value.is_integer():  # 16.0: pydantic's int accepts it
+                    raise _bad(f"'{key}' must be an integer", key)
+            if (value < low or (high is not None and value > high)) and value != extra:
+                raise _bad(_int_message(key, low, high, extra), key)
+        elif what == "num":
+            if t is not float and t is not int:  # not bool (a subclass of int)
+                raise _bad(f"'{key}' must be a number", key)
+            if (value <= low if extra else value < low) or (high is not None and value > high):
+                raise _bad(_num_message(key, low, high, extra), key)
+        elif what == "bool":
+            if t is not bool:
+                raise _bad(f"'{key}' must be a boolean", key)
+        elif what == "str":
+            if t is not str:
+                raise _bad(f"'{key}' must be a string", key)
+        else:
+            what(value, key)
+    if data.get("stream_options") and data.get("stream") is not True:
+        raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
+    if kind == "chat":
+        top = data.get("top_logprobs")
+        if top is not None and top != 0 and data.get("logprobs") is not True:
+            raise _bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
 
 
 def parse_request(method: str, path: str, headers: Mapping[str, str], body: bytes,
@@ -238,25 +395,27 @@ def parse_request(method: str, path: str, headers: Mapping[str, str], body: byte
     if kind is None:
         return InferenceRequest(kind="other", path=path, request_id=request_id)
     if method.upper() != "POST":
-        raise OpenAIError(405, f"method {method} is not allowed on {path}; use POST")
+        raise OpenAIError(405, f"method {clip(method)} is not allowed on {clip(path)}; use POST")
+    encoding = headers.get("content-encoding")
+    if encoding and encoding.strip().lower() != "identity":
+        # The body would reach JSON parsing compressed (and fail as "not valid UTF-8"): say what is wrong.
+        raise OpenAIError(415, f"unsupported content-encoding {clip(encoding)!r}: send the request body "
+                               "uncompressed (identity)")
     if not body:
         raise _bad("request body is empty; expected a JSON object")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise _bad(f"request body is not valid JSON: {exc}") from None
+        raise _bad(f"request body is not valid JSON: {clip(str(exc))}") from None
     if not isinstance(data, dict):
         raise _bad("request body must be a JSON object")
 
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
+    _check_fields(data, kind)
     stream = data.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
     cache_key = data.get("prompt_cache_key")
-    if cache_key is not None and not isinstance(cache_key, str):
-        raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
     header_tenant = headers.get(settings.tenant_header) if settings.tenant_header else None
     if header_tenant and cache_key:
         tenant: str | None = f"{header_tenant}\x1f{cache_key}"

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.prefix_index import PrefixIndex
-from prefixroute.extproc.routing.request import InferenceRequest
+from prefixroute.extproc.routing.request import InferenceRequest, clip
 from prefixroute.extproc.routing.scheduling import filters, pickers
 from prefixroute.extproc.routing.scheduling.scheduler import Scheduler
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -25,7 +25,7 @@ class RouterCore:
     """Applies the model check, schedules, and records each pick in the prefix index.
 
     Errors raised by `route` (`OpenAIError`):
-    - 404 ``The model `X` does not exist.`` (vLLM's wording) when every endpoint has a known model list and
+    - 404 ``The model `X` does not exist.`` (vLLM's wording, X clipped to `request.MAX_ECHO_CHARS`) when every endpoint has a known model list and
       none lists the model (unhealthy ones included: a model served only by down endpoints is 503, not 404);
     - 503 with ``retry_after_s`` when the pool is empty or no endpoint serving the model is healthy.
     """
@@ -43,6 +43,8 @@ class RouterCore:
         self.retry_after_s = retry_after_s
         self._known: set[EndpointId] = set()
         self._capacity_from: dict[EndpointId, tuple[int | None, int | None]] = {}
+        self._restart_epoch: dict[EndpointId, int] = {}
+        self.num_caches_cleared = 0
 
     def route(self, request: InferenceRequest, endpoints: Sequence[EndpointState],
               in_flight: Mapping[EndpointId, int]) -> Decision:
@@ -63,9 +65,9 @@ class RouterCore:
         decision = self.scheduler.schedule(request, endpoints, in_flight, self.index)
         if not decision.endpoints:
             if not filters.filter_model(endpoints, request.model):
-                raise OpenAIError(404, f"The model `{request.model}` does not exist.", param="model",
+                raise OpenAIError(404, f"The model `{clip(request.model)}` does not exist.", param="model",
                                   type_="NotFoundError")
-            what = f"serving model `{request.model}`" if request.model else ""
+            what = f"serving model `{clip(request.model)}`" if request.model else ""
             raise OpenAIError(503, f"no healthy endpoint {what}".strip(), retry_after_s=self.retry_after_s)
         if request.block_hashes:
             self.index.record(request.block_hashes, decision.endpoints[0])
@@ -100,16 +102,34 @@ class RouterCore:
         self.scheduler.policy.on_endpoint_removed(endpoint)
         self._known.discard(endpoint)
         self._capacity_from.pop(endpoint, None)
+        self._restart_epoch.pop(endpoint, None)
+
+    def on_cache_cleared(self, endpoint: EndpointId) -> None:
+        """`endpoint`'s KV cache is known empty: forget its prefix-index entries (its capacity stays), so the next
+        request of a prefix it held is not predicted a hit there. Called by `sync_endpoints` when the pool's
+        ``restart_epoch`` for it changes; the seam for KV events' AllBlocksCleared (a later source of the same
+        fact)."""
+        self.index.clear_endpoint(endpoint)
+        self.scheduler.policy.on_cache_cleared(endpoint)
+        self.num_caches_cleared += 1
 
     def sync_endpoints(self, snapshot: Sequence[EndpointState]) -> None:
         """Bring the index in line with a pool snapshot: drop endpoints no longer present, size each endpoint's
-        LRU from its scraped KV capacity. Cheap when nothing changed; fit as the pool's ``on_change`` hook."""
+        LRU from its scraped KV capacity, and clear an endpoint whose ``restart_epoch`` changed since the last
+        snapshot (`on_cache_cleared`; the first sight of an endpoint only records its epoch). Cheap when nothing
+        changed; fit as the pool's ``on_change`` hook."""
         present = {s.endpoint for s in snapshot}
         for ep in self._known - present:
             self.on_endpoint_removed(ep)
+        epochs = self._restart_epoch
         for s in snapshot:
             src = (s.num_gpu_blocks, s.block_size)
             if self._capacity_from.get(s.endpoint) != src:
                 self._capacity_from[s.endpoint] = src
                 self.index.set_capacity(s.endpoint, self.capacity_blocks(s))
+            seen = epochs.get(s.endpoint)
+            if seen != s.restart_epoch:
+                epochs[s.endpoint] = s.restart_epoch
+                if seen is not None:
+                    self.on_cache_cleared(s.endpoint)
         self._known = present

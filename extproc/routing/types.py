@@ -45,6 +45,9 @@ class EndpointState:
     # ``ip:port`` / ``[v6]:port`` the endpoint's host resolved to (what Envoy's ORIGINAL_DST connects to);
     # None while a name has not resolved. A healthy endpoint always has one.
     address: str | None = None
+    # Restarts the pool detected (process start time changed, or a cumulative counter went backwards): when it
+    # changes, the endpoint's KV cache is empty and the router forgets what its prefix index believed there.
+    restart_epoch: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -104,6 +104,12 @@ class Policy:
         """Contract: `endpoint` left the pool; what this policy keeps for it goes (an endpoint of that name
         joining later starts from nothing), and late releases for it are absorbed. No-op by default."""
 
+    def on_cache_cleared(self, endpoint: EndpointId) -> None:
+        """Contract: `endpoint` stays in the pool but its KV cache is empty (a restart the pool detected; later
+        also KV events' AllBlocksCleared): what this policy believes cached there goes. Requests in flight
+        there still get their `on_release`. No-op by default (the prefix index is the router's, cleared by
+        `RouterCore.on_cache_cleared`)."""
+
 
 def _decision(order: Sequence[EndpointId], reason: DecisionReason, policy: str, inp: PolicyInput) -> Decision:
     total = len(inp.request.block_hashes)

@@ -236,20 +236,44 @@ async def test_endpoint_without_model_list_serves_any_model(pools):
         await runner.cleanup()
 
 
-async def test_passive_failure_marks_down_at_once_and_a_probe_restores(servers, pools):
+async def test_passive_failure_is_confirmed_by_a_probe_then_marks_down_at_once_and_a_probe_restores(servers,
+                                                                                                    pools):
     (a,) = await servers(1)
     pool = await pools([a.endpoint], dataclasses.replace(FAST, probe_interval_s=30.0))
     assert await pool.wait_ready(5)
     changes: list[bool] = []
     pool.add_listener(lambda snap: changes.append(snap[0].healthy))
+    a.health_status = 503  # the gateway's failure was real: the confirming probe fails too
+    t0 = time.monotonic()
     pool.report_failure(a.endpoint)
-    assert not state(pool, a.endpoint).healthy  # synchronously
-    # the regular probe is 30 s away: only the sooner re-probe can bring it back this fast
+    # the regular probe is 30 s away: only the report's own probe can take it down this fast
+    await until(lambda: not state(pool, a.endpoint).healthy, timeout_s=2)
+    assert time.monotonic() - t0 < 1.0
+    a.health_status = 200
     took = await until(lambda: state(pool, a.endpoint).healthy, timeout_s=5)
-    assert took >= FAST.failure_probe_delay_s * 0.8
+    assert took >= FAST.failure_probe_delay_s * 0.5  # re-probed after failure_probe_delay_s, not 30 s
     # Other structural updates (a models refresh) may notify while it is down: compare health transitions.
     transitions = [healthy for healthy, _ in itertools.groupby(changes)]
     assert transitions[:3] == [True, False, True]
+    assert pool.num_unconfirmed_failures == 0
+
+
+async def test_a_passive_failure_the_probe_does_not_confirm_leaves_the_endpoint_up(servers, pools):
+    """Forged reports (issue 11, finding 2): the endpoint answers its probe, so no report takes it down."""
+    (a,) = await servers(1)
+    pool = await pools([a.endpoint], dataclasses.replace(FAST, probe_interval_s=30.0))
+    assert await pool.wait_ready(5)
+    changes: list[bool] = []
+    pool.add_listener(lambda snap: changes.append(snap[0].healthy))
+    probes = a.num_probes
+    for _ in range(200):  # a flood of reports
+        pool.report_failure(a.endpoint)
+        await asyncio.sleep(0.005)
+    assert state(pool, a.endpoint).healthy and all(changes)
+    assert pool.num_unconfirmed_failures >= 1
+    # about one probe per failure_probe_delay_s (0.3 s) over ~1 s of flood, not one per report
+    assert a.num_probes - probes <= 1 + 1.5 / FAST.failure_probe_delay_s, a.num_probes - probes
+    assert pool.num_ignored_failure_reports >= 190
 
 
 async def test_wait_ready_times_out_when_an_endpoint_is_dead(servers, pools):
@@ -400,11 +424,60 @@ async def test_a_failed_lookup_keeps_the_address_and_a_passive_failure_looks_up_
     resolver = Resolver({"model-a": ["127.0.0.1"]})
     pool = await pools([f"model-a:{a.port}"], dataclasses.replace(FAST, resolve_interval_s=30.0), resolver=resolver)
     assert await pool.wait_ready(5)
-    del resolver.table["model-a"]  # DNS outage: the endpoint still answers at its address
+    del resolver.table["model-a"]  # DNS outage
     lookups = len(resolver.lookups)
+    a.health_status = 503  # the failure is real (confirmed by the report's probe)
     t0 = time.monotonic()
     pool.report_failure(pool.endpoints[0])
     await until(lambda: len(resolver.lookups) > lookups)
     assert resolver.lookups[-1] - t0 < 1.0  # not the 30 s interval
+    a.health_status = 200  # the endpoint still answers at its address
     await until(lambda: pool.snapshot()[0].healthy)  # probed again at the address it kept
     assert pool.snapshot()[0].address == a.endpoint
+
+
+# --- restart detection (issue 11, finding 10) -----------------------------------------------------------------
+def _metrics(start_time: float | None, prompt_tokens: float) -> bytes:
+    text = VLLM_METRICS + f'vllm:prompt_tokens_total{{model_name="m"}} {prompt_tokens}\n'.encode()
+    if start_time is not None:
+        text += f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {start_time}\n".encode()
+    return text
+
+
+@pytest.mark.parametrize("before,after", [
+    ((1_700_000_000.25, 500.0), (1_700_000_123.5, 900.0)),  # start time changed (counters even grew)
+    ((None, 500.0), (None, 3.0)),  # no start time exposed: the counter went backwards
+])
+async def test_a_restart_bumps_the_epoch_once_and_notifies_listeners(servers, pools, before, after):
+    (a,) = await servers(1)
+    a.metrics = _metrics(*before)
+    pool = await pools([a.endpoint])
+    assert await pool.wait_ready(5)
+    await until(lambda: a.num_scrapes >= 3)
+    assert state(pool, a.endpoint).restart_epoch == 0  # steady scrapes: no restart
+    epochs: list[int] = []
+    pool.add_listener(lambda snap: epochs.append(snap[0].restart_epoch))
+    a.metrics = _metrics(*after)
+    await until(lambda: state(pool, a.endpoint).restart_epoch == 1)
+    n = a.num_scrapes
+    await until(lambda: a.num_scrapes >= n + 3)
+    assert state(pool, a.endpoint).restart_epoch == 1 and pool.num_restarts == 1  # once, not per scrape
+    assert 1 in epochs  # a structural change: the router hears of it
+
+
+async def test_a_restart_while_unreachable_is_caught_at_the_first_scrape_back(servers, pools):
+    (a,) = await servers(1)
+    a.metrics = _metrics(1_700_000_000.0, 10_000.0)
+    pool = await pools([a.endpoint])
+    assert await pool.wait_ready(5)
+    await until(lambda: a.num_scrapes >= 2)
+    await a.stop()
+    await until(lambda: not state(pool, a.endpoint).healthy)
+    b = FakeEndpoint(port=a.port)  # the restarted process on the same port, already past the old counters
+    b.metrics = _metrics(1_700_000_050.0, 20_000.0)
+    await b.start()
+    try:
+        await until(lambda: state(pool, a.endpoint).healthy)
+        await until(lambda: state(pool, a.endpoint).restart_epoch == 1)
+    finally:
+        await b.stop()

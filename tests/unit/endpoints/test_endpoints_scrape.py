@@ -96,3 +96,62 @@ def test_endpoints_file_formats(text):
 def test_endpoints_file_rejects_non_strings():
     with pytest.raises(ValueError):
         read_endpoints_file("[1, 2]")
+
+
+# --- restart detection (issue 11, finding 10) -----------------------------------------------------------------
+from prometheus_client import Counter, ProcessCollector  # noqa: E402
+
+from prefixroute.extproc.endpoints.scrape import restart_reason  # noqa: E402
+
+
+def process_exposition(start_time: float | None, prompt_tokens: float | None, successes=(), engines=("0",)) -> bytes:
+    """prometheus_client text with vLLM's counters and the process collector's start time (vLLM exposes both)."""
+    reg = CollectorRegistry()
+    if prompt_tokens is not None:
+        c = Counter("vllm:prompt_tokens", "prompt tokens", ["model_name", "engine"], registry=reg)
+        for e in engines:
+            c.labels("m", e).inc(prompt_tokens)
+    if successes:
+        s = Counter("vllm:request_success", "finished", ["model_name", "finished_reason"], registry=reg)
+        for reason, n in successes:
+            s.labels("m", reason).inc(n)
+    if start_time is not None:
+        g = Gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
+                  registry=reg)
+        g.set(start_time)
+    return vllm_exposition() + generate_latest(reg)
+
+
+def test_the_process_collector_start_time_and_counters_are_read():
+    reg = CollectorRegistry()
+    ProcessCollector(registry=reg)  # the real collector vLLM's server registers (Linux /proc)
+    m = parse_metrics(generate_latest(reg) + process_exposition(None, 123.0, successes=[("stop", 2), ("length", 3)]))
+    assert m.process_start_time_s is not None and m.process_start_time_s > 1e9
+    assert m.counter_totals[0] == 123.0 and m.counter_totals[2] == 5.0  # summed over label sets
+    assert parse_metrics(vllm_exposition()).counter_totals == () and parse_metrics(b"").process_start_time_s is None
+
+
+T0 = 1_700_000_000.0
+
+
+@pytest.mark.parametrize("sequence,restarts", [
+    ([(T0, 10), (T0, 50), (T0, 50), (T0, 900)], []),  # one process: counters only grow
+    ([(T0, 10), (T0, 50), (T0 + 30, 60)], [2]),  # start time changed although the counter grew
+    ([(T0, 10), (T0 + 0.2, 50)], []),  # within the tolerance: the same process printed differently
+    ([(None, 500), (None, 900), (None, 4), (None, 30)], [2]),  # no start time: the counter went backwards
+    ([(T0, 500), (None, 3)], [1]),  # start time gone (another exporter): the counter still tells
+    ([(T0, 500), (T0 + 5, None), (T0 + 5, 2)], [1]),  # counters gone: the start time tells; then steady
+    ([(None, None), (None, None)], []),  # no signal at all: never a restart
+    ([(T0, 10), (T0 + 60, 0), (T0 + 120, 0), (T0 + 120, 5)], [1, 2]),  # two restarts, each seen once
+])
+def test_restart_reason_over_scrape_sequences(sequence, restarts):
+    scrapes = [parse_metrics(process_exposition(t, n)) for t, n in sequence]
+    seen = [i for i in range(1, len(scrapes)) if restart_reason(scrapes[i - 1], scrapes[i]) is not None]
+    assert seen == restarts
+
+
+def test_restart_reason_names_the_signal():
+    a = parse_metrics(process_exposition(T0, 100.0, engines=("0", "1")))
+    assert "process_start_time_seconds" in restart_reason(a, parse_metrics(process_exposition(T0 + 9, 100.0)))
+    # one engine of two restarted: the sum went backwards
+    assert "vllm:prompt_tokens_total" in restart_reason(a, parse_metrics(process_exposition(T0, 150.0)))

@@ -58,11 +58,13 @@ async def router() -> AsyncIterator[PoolRouter]:
         runners.append(r)
         eps.append(ep)
     settings = RoutingSettings(num_fallbacks=2)
-    pool = EndpointPool(PoolSettings(endpoints=tuple(eps)))
+    pool = EndpointPool(PoolSettings(endpoints=tuple(eps)))  # probes 1 s apart, 2 failures: >= 1 s to go down
     await pool.start()
     try:
         assert await pool.wait_ready(5.0)
-        yield PoolRouter(RouterCore(settings), pool)
+        router = PoolRouter(RouterCore(settings), pool)
+        router.test_runners = dict(zip(eps, runners))  # type: ignore[attr-defined] - tests stop endpoints
+        yield router
     finally:
         await pool.close()
         for r in runners:
@@ -89,14 +91,25 @@ async def test_pick_counts_in_flight_until_released_once(router: PoolRouter) -> 
     assert all(s.healthy for s in router.pool.snapshot())
 
 
-async def test_served_elsewhere_marks_primary_down_and_moves_in_flight(router: PoolRouter) -> None:
+async def _stop(router: PoolRouter, endpoint: str) -> None:
+    await router.test_runners[endpoint].cleanup()  # type: ignore[attr-defined]
+
+
+def _health(router: PoolRouter) -> dict[str, bool]:
+    return {s.endpoint: s.healthy for s in router.pool.snapshot()}
+
+
+async def test_served_elsewhere_marks_a_dead_primary_down_at_once_and_moves_in_flight(router: PoolRouter) -> None:
     pick = router.route(*POST, {}, _chat("failover " * 100))
     primary, fallback = pick.endpoint_ids[0], pick.endpoint_ids[1]
+    await _stop(router, primary)
+    t0 = time.monotonic()
     router.served(pick, pick.endpoints[1])
     assert router.num_failovers == 1
-    health = {s.endpoint: s.healthy for s in router.pool.snapshot()}
-    assert health[primary] is False and health[fallback] is True
     assert router.pool.in_flight[primary] == 0 and router.pool.in_flight[fallback] == 1
+    # The report's confirming probe finds it dead: down well before two regular probes (1 s apart) could.
+    await _until(lambda: not _health(router)[primary], timeout_s=0.8)
+    assert time.monotonic() - t0 < 0.8 and _health(router)[fallback]
     router.release(pick)
     assert router.pool.in_flight[fallback] == 0
     # The next request of that prefix avoids the endpoint now known down.
@@ -105,11 +118,28 @@ async def test_served_elsewhere_marks_primary_down_and_moves_in_flight(router: P
     router.release(again)
 
 
+async def test_a_report_against_a_live_endpoint_is_not_confirmed_and_marks_nothing_down(router: PoolRouter) -> None:
+    pick = router.route(*POST, {}, _chat("forged failover " * 100))
+    primary = pick.endpoint_ids[0]
+    router.served(pick, pick.endpoints[1])  # what a forged stream (or a one-off reset) reports
+    await _until(lambda: router.pool.num_unconfirmed_failures == 1)
+    assert _health(router)[primary]
+    # Within the quiet period further reports cost no probe.
+    again = router.route(*POST, {}, _chat("forged failover " * 100))
+    router.served(again, again.endpoints[1])
+    assert router.pool.num_ignored_failure_reports >= 1
+    await asyncio.sleep(0.1)
+    assert all(_health(router).values()) and router.pool.num_unconfirmed_failures == 1
+    router.release(pick)
+    router.release(again)
+
+
 async def test_every_endpoint_tried_before_the_one_that_served_is_marked_down(router: PoolRouter) -> None:
     pick = router.route(*POST, {}, _chat("double failover " * 100))
+    await _stop(router, pick.endpoint_ids[0])
+    await _stop(router, pick.endpoint_ids[1])
     router.served(pick, pick.endpoints[2])
-    health = {s.endpoint: s.healthy for s in router.pool.snapshot()}
-    assert [health[ep] for ep in pick.endpoint_ids] == [False, False, True]
+    await _until(lambda: [_health(router)[ep] for ep in pick.endpoint_ids] == [False, False, True], timeout_s=0.8)
     assert router.pool.in_flight[pick.endpoint_ids[2]] == 1
     router.release(pick)
 
@@ -119,7 +149,38 @@ async def test_unknown_served_address_changes_nothing(router: PoolRouter) -> Non
     router.served(pick, "-")  # what Envoy reports on its own local replies
     router.served(pick, "192.0.2.1:9")  # not a pool endpoint
     assert router.num_failovers == 0 and all(s.healthy for s in router.pool.snapshot())
+    assert router.num_ignored_reports == 2
     router.release(pick)
+
+
+async def test_only_a_fallback_of_the_pick_and_only_the_first_report_count() -> None:
+    runners, eps = [], []
+    for _ in range(3):
+        r, ep = await _endpoint()
+        runners.append(r)
+        eps.append(ep)
+    pool = EndpointPool(PoolSettings(endpoints=tuple(eps)))
+    await pool.start()
+    try:
+        assert await pool.wait_ready(5.0)
+        router = PoolRouter(RouterCore(RoutingSettings(num_fallbacks=1)), pool)
+        pick = router.route(*POST, {}, _chat("outsider " * 100))
+        outsider = next(ep for ep in eps if ep not in pick.endpoints)  # a pool endpoint, not a candidate
+        await runners[eps.index(pick.endpoint_ids[0])].cleanup()  # even a dead primary: the report is not Envoy's
+        router.served(pick, outsider)
+        assert router.num_failovers == 0 and router.num_ignored_reports == 1
+        assert pool.in_flight[pick.endpoint_ids[0]] == 1 and pool.in_flight[outsider] == 0
+        await asyncio.sleep(0.3)
+        assert all(s.healthy for s in pool.snapshot())  # no probe was asked for: the regular ones are 1 s apart
+        router.served(pick, pick.endpoints[1])
+        router.served(pick, pick.endpoints[1])  # a second report of the same pick is ignored
+        assert router.num_failovers == 1 and router.num_ignored_reports == 2
+        assert pool.in_flight[pick.endpoint_ids[1]] == 1
+        router.release(pick)
+    finally:
+        await pool.close()
+        for r in runners:
+            await r.cleanup()
 
 
 @pytest.mark.parametrize(("method", "path", "body", "status"), [

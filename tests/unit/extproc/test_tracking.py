@@ -205,3 +205,47 @@ async def test_beyond_max_pending_requests_are_routed_untracked(sink, monkeypatc
     await asyncio.sleep(0.1)
     assert out == []
 
+
+
+# --- the correlation key is unguessable (issue 11, finding 2) --------------------------------------------------
+async def test_span_ids_are_not_the_telemetry_mersenne_twister(sink, monkeypatch) -> None:  # noqa: ANN001
+    """The router's span id is the key an observing stream must present: it must not come from a seeded PRNG
+    whose next outputs follow from outputs an attacker has seen (its own routing streams' traceparents)."""
+    import random
+
+    from prefixroute.telemetry import tracecontext
+
+    t, _, _ = sink
+    monkeypatch.setattr(tracecontext, "_rand", random.Random(1234))
+    twin = random.Random(1234)
+    predicted = set()
+    for _ in range(50):  # whatever the order the module draws trace and span ids in
+        predicted.add(f"{twin.getrandbits(64) or 1:016x}")
+        predicted.add(f"{twin.getrandbits(128) or 1:032x}"[:16])
+    keys = {t.begin({":path": "/v1/chat/completions"})[0].key for _ in range(20)}
+    assert not keys & predicted
+    assert all(len(k) == 16 and int(k, 16) != 0 for k in keys) and len(keys) == 20
+
+
+def test_span_ids_cross_buffer_refills_and_stay_distinct() -> None:
+    ids = tracking.SpanIds()
+    seen = [ids() for _ in range(3 * 256 + 7)]
+    assert len(set(seen)) == len(seen)
+    assert all(len(s) == 16 and set(s) <= set("0123456789abcdef") for s in seen)
+
+
+async def test_a_forged_observing_stream_attaches_to_nothing(sink) -> None:  # noqa: ANN001
+    t, _, _ = sink
+    st, tp, _ = _start(t)  # a live request, already observed by Envoy's stream
+    other, other_tp = t.begin({":path": "/v1/chat/completions"})
+    t.decided(other, Pick())
+    tpo = parse_traceparent(other_tp)
+    # a guess: a valid traceparent with a wrong span id (one hex digit off the real key)
+    flipped = tpo.span_id[:-1] + ("0" if tpo.span_id[-1] != "0" else "1")
+    forged = t.observe(_hv({"traceparent": f"00-{tpo.trace_id}-{flipped}-01"}))
+    assert forged.pick is None and forged.rec.reason == "unrouted"
+    assert t.obs_response_headers(forged, _hv({":status": "200", SERVED_HEADER: "10.0.0.2:80"}), False,
+                                  SERVED_HEADER) is None  # nothing reaches the router
+    assert t.num_unattached_observations == 1
+    # the real observing stream of `other` still attaches, once
+    assert t.attach(_hv({"traceparent": other_tp})) is other and t.attach(_hv({"traceparent": other_tp})) is None

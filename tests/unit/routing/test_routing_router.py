@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from prefixroute.openai_errors import OpenAIError
@@ -153,3 +155,31 @@ def test_removed_endpoint_drops_its_outstanding_prefill():
     assert gone not in core.scheduler.policy.outstanding_prefill_tokens()
     core.on_release(r, d)  # a late release for the removed endpoint is absorbed
     assert gone not in core.scheduler.policy.outstanding_prefill_tokens()
+
+
+def test_a_restart_epoch_change_clears_that_endpoint_only_and_keeps_its_capacity():
+    core = RouterCore(S)
+    states = [EndpointState(A, num_gpu_blocks=100, block_size=16), EndpointState(B), EndpointState(C)]
+    core.sync_endpoints(states)
+    d = core.route(chat(), states, {})
+    held = d.endpoints[0]
+    other = core.route(chat(content="another prompt " * 60), states, {}).endpoints[0]
+    assert core.route(chat(), states, {}).reason == "affinity"
+    capacity = core.index.capacity(A)
+    core.sync_endpoints(states)  # same epochs: nothing happens
+    assert core.index.num_entries(held) > 0 and core.num_caches_cleared == 0
+    restarted = [dataclasses.replace(s, restart_epoch=1) if s.endpoint == held else s for s in states]
+    core.sync_endpoints(restarted)
+    assert core.index.num_entries(held) == 0 and core.num_caches_cleared == 1
+    assert other == held or core.index.num_entries(other) > 0  # the others keep theirs
+    assert core.index.capacity(A) == capacity
+    again = core.route(chat(), restarted, {})
+    assert again.reason != "affinity" and again.matched_blocks == 0 and again.predicted_hit_ratio == 0.0
+    core.sync_endpoints(restarted)
+    assert core.num_caches_cleared == 1  # one clear per epoch change
+
+
+def test_an_endpoint_first_seen_with_a_nonzero_epoch_is_not_cleared():
+    core = RouterCore(S)
+    core.sync_endpoints([EndpointState(A, restart_epoch=3)])
+    assert core.num_caches_cleared == 0
