@@ -220,6 +220,7 @@ class ManagedProcess:
         self.die_with_parent = die_with_parent
         self.popen: subprocess.Popen[bytes] | None = None
         self.num_spawns = 0
+        self.started_at: float | None = None  # time.monotonic() of the last spawn
         self.stopped_on_purpose = False
 
     @property
@@ -250,6 +251,7 @@ class ManagedProcess:
             if log is not None:
                 log.close()
         self.num_spawns += 1
+        self.started_at = time.monotonic()
         self.stopped_on_purpose = False
         return self
 
@@ -428,12 +430,11 @@ class Supervisor:
     and counts it up again only when its readiness check passes."""
 
     def __init__(self, group: ProcessGroup, policy: RestartPolicy = RestartPolicy(), *, label: str = "prefixroute",
-                 out: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 out: TextIO | None = None) -> None:
         self.group = group
         self.policy = policy
         self.label = label
         self.out = out
-        self.clock = clock
         self._watches: dict[int, _Watch] = {}
 
     def num_restarts(self, proc: ManagedProcess) -> int:
@@ -446,7 +447,7 @@ class Supervisor:
 
     def poll(self) -> None:
         """Check every member once: note crashes, start restarts that are due, promote ready restarts."""
-        now = self.clock()
+        now = time.monotonic()
         members = list(self.group.procs)
         live_ids = {id(p) for p in members}
         for key in [k for k in self._watches if k not in live_ids]:
@@ -455,8 +456,8 @@ class Supervisor:
             if proc.popen is None:
                 continue  # never started
             w = self._watches.get(id(proc))
-            if w is None:
-                w = self._watches[id(proc)] = _Watch("up", now)
+            if w is None:  # up since it was started (the launcher waited for it to be ready)
+                w = self._watches[id(proc)] = _Watch("up", min(now, proc.started_at or now))
             if proc.stopped_on_purpose:
                 w.state = "stopped"
                 continue
@@ -478,7 +479,7 @@ class Supervisor:
                     self._schedule(proc, w, now, f"exited with {describe_status(proc.returncode)} while "
                                                  "restarting")
                 elif proc.ready is None or proc.ready():
-                    w.state, w.since = "up", self.clock()
+                    w.state, w.since = "up", time.monotonic()
                     self._say(f"{proc.name} is back (restart {w.num_restarts}, pid {proc.pid}, ready "
                               f"{w.since - w.due:.1f} s after its restart)")
                 elif now - w.since > self.policy.ready_timeout_s:
