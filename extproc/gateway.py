@@ -228,6 +228,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """`prefixroute gateway`: start both children, then supervise them (`prefixroute.procs.Supervisor`: a
+    crashed one is restarted with backoff, said on stderr) until SIGINT, SIGTERM or SIGHUP; exit 0 then,
+    1 when they could not start, 2 for bad settings."""
     try:
         gw = settings.from_namespace(GatewaySettings, args)
         routing = settings.from_namespace(RoutingSettings, args)
