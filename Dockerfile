@@ -15,6 +15,7 @@ COPY envoy ./envoy
 RUN pip install .
 RUN useradd --create-home --uid 10001 prefixroute && mkdir -p /data && chown prefixroute /data
 USER prefixroute
-EXPOSE 8080 8501 4317 4320
+# What a user reaches (gateway, dashboard); the other services' ports stay on the private network.
+EXPOSE 8080 8501
 ENTRYPOINT ["prefixroute"]
 CMD ["--help"]

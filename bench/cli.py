@@ -9,19 +9,26 @@ Examples::
 
 Output: DIR/results.json, DIR/report.md, DIR/ttft_cdf.png, DIR/hit_ratio.png, DIR/endpoint_share.png and
 DIR/logs/ (one log per process). Exit code 0 when every requested router ran, 1 when one was skipped or
-every request of a run failed, 2 for bad arguments.
+every request of a run failed, 2 for bad arguments, 128 + N when stopped by signal N.
+
+SIGINT, SIGTERM and SIGHUP stop the run: every model server, router and Envoy it started is stopped before
+it exits (nothing is written); further signals are ignored meanwhile so the cleanup completes. Killed with
+SIGKILL, its children still go with it (their parent-death signal, `prefixroute.procs`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
+import signal
 import sys
 from pathlib import Path
 
 from prefixroute import settings as settings_mod
 from prefixroute.bench import report, workloads
 from prefixroute.bench.settings import BenchSettings
+from prefixroute.procs import Stopped, stop_on_signals
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +71,22 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def main(args: argparse.Namespace) -> int:
+    # The first stop signal raises `Stopped` wherever the run is (starting servers, replaying, scraping):
+    # the context managers that own the children then stop them on the way out.
+    with stop_on_signals(STOP_SIGNALS):
+        try:
+            return _main(args)
+        except Stopped as stopped:
+            _log(f"prefixroute bench: stopped by {signal.Signals(stopped.signum).name}; every process it "
+                 "started is stopped")
+            return 128 + stopped.signum
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         s = settings_mod.from_namespace(BenchSettings, args)
         from prefixroute.bench.runner import parse_router
@@ -126,12 +148,24 @@ def run_overhead(path: Path) -> bool:
     figures and ratios, goes to `path` and to stdout. True if it succeeded."""
     import subprocess
 
-    from prefixroute.procs import prefixroute_argv
+    from prefixroute.procs import parent_death_preexec, prefixroute_argv, stop_group
 
     _log("measuring router overhead (prefixroute overhead-bench) ...")
-    proc = subprocess.run(prefixroute_argv("overhead-bench"), capture_output=True, text=True)
-    path.write_text(proc.stdout + (f"\n[stderr]\n{proc.stderr}" if proc.returncode else ""))
-    print(proc.stdout)
-    if proc.returncode:
-        _log(f"overhead-bench failed with code {proc.returncode}: {proc.stderr[-500:]}")
-    return proc.returncode == 0
+    child = subprocess.Popen(prefixroute_argv("overhead-bench"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+                             preexec_fn=parent_death_preexec())
+    try:
+        stdout, stderr = child.communicate()
+    except BaseException:
+        # SIGINT first: overhead-bench stops what it started on KeyboardInterrupt (not on SIGTERM).
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=10.0)
+        stop_group(child, 0.0)
+        raise
+    path.write_text(stdout + (f"\n[stderr]\n{stderr}" if child.returncode else ""))
+    print(stdout)
+    if child.returncode:
+        _log(f"overhead-bench failed with code {child.returncode}: {stderr[-500:]}")
+    return child.returncode == 0

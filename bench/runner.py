@@ -8,7 +8,8 @@ For every router, in order:
 4. scrape each server's ``/metrics`` (requests served, prefix-cache hits) as a cross-check, stop everything.
 
 Peer routers (`sglang-router`, `vllm-router`) come from the optional ``[peers]`` extra; one that is not
-installed is skipped with a message in the report. Every process is stopped on any failure.
+installed is skipped with a message in the report. Every process is stopped on any failure, and on the
+`Stopped` that `prefixroute bench` raises for SIGINT/SIGTERM/SIGHUP (context managers own every child).
 """
 
 from __future__ import annotations
@@ -177,11 +178,12 @@ def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Seq
         # A fixed seed makes the random policy and tie breaks replayable (unless --gateway-args sets one).
         settings_mod.from_namespace(RoutingSettings, ns, **({} if ns.rng_seed is not None else {"rng_seed": seed})),
         settings_mod.from_namespace(PoolSettings, ns), log_dir=log_dir)
+    # Registered before start (stop is idempotent): a stop signal in between still stops both children.
+    stack.callback(procs.stop)
     try:
         procs.start()
     except (RuntimeError, OSError) as exc:
         raise StartupError(f"gateway for {spec.name}: {exc}") from exc
-    stack.callback(procs.stop)
     assert procs.envoy is not None  # set by start()
     return procs.envoy
 

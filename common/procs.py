@@ -8,10 +8,16 @@ dashboard launcher and the test helpers.
   group, SIGKILL after a grace period.
 - `ProcessGroup`: the children of one launcher, stopped together in reverse start order (a front end before
   what it sends to); a context manager.
-
-Seams for supervision, not implemented here: `ManagedProcess.spawn` may be called again once the child has
-exited (a restart policy with backoff would call it for what `ProcessGroup.first_exited` returns), and
-`ManagedProcess._popen_kwargs` is the one place where a parent-death signal (PR_SET_PDEATHSIG) would be set.
+- `Supervisor`: restarts the members of a group that crash, with exponential backoff (`RestartPolicy`:
+  0.2 s, doubling to 15 s, reset once a child has stayed up 30 s; it never gives up, like Kubernetes'
+  CrashLoopBackOff), waiting for each restarted child's readiness check before counting it up again, and
+  says so on stderr. No thread: the launcher's loop calls `Supervisor.poll` a few times a second. A child
+  stopped on purpose (`stop`, `kill`, `stop_all`) is never restarted.
+- Children die with their parent: on Linux every child gets PR_SET_PDEATHSIG = SIGKILL
+  (`parent_death_preexec`), so a launcher killed with SIGKILL leaves no process behind and no port busy.
+  The signal fires when the *thread* that forked the child exits: spawn from the main thread (every
+  launcher does). A child that starts its own children passes `parent_death_preexec()` to them too
+  (`prefixroute dashboard` does for Streamlit), so the kill cascades.
 
 Not thread-safe: a process or a group is driven from one thread. Only loopback addresses are probed.
 """
@@ -19,6 +25,8 @@ Not thread-safe: a process or a group is driven from one thread. Only loopback a
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import os
 import signal
 import socket
@@ -27,9 +35,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TextIO
 
 LOOPBACK = "127.0.0.1"
 
@@ -104,6 +112,56 @@ def http_ok(url: str, timeout_s: float = 0.5) -> bool:
     return 200 <= http_get(url, timeout_s)[0] < 300
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()  # resolved once here, so the forked child only makes the call
+
+
+def parent_death_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for `subprocess.Popen` that makes the child receive `sig` when this process (strictly:
+    the thread calling Popen) dies, or None where that is not available (not Linux).
+
+    SIGKILL by default: the signal only matters when the parent died without stopping its children (a
+    launcher that exits normally stops them first), so the child must go even if it is wedged. Closes the
+    race where the parent dies between fork and prctl: the child then kills itself at once. Works with
+    ``start_new_session`` (the death signal is per process, not per group, and survives exec)."""
+    if _PRCTL is None:
+        return None
+    prctl = _PRCTL
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+def describe_status(returncode: int | None) -> str:
+    """'status 3', 'signal SIGKILL' (a negative Popen returncode) or 'an unknown status'."""
+    if returncode is None:
+        return "an unknown status"
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-returncode).name}"
+        return f"signal {-returncode}"
+    return f"status {returncode}"
+
+
 def _leads_group(proc: subprocess.Popen) -> bool:
     try:
         return os.getpgid(proc.pid) == proc.pid
@@ -143,20 +201,27 @@ class ManagedProcess:
     `log_path`: its stdout and stderr, appended across restarts (None: inherited from this process). `env`:
     added to this process's environment (with PYTHONUNBUFFERED=1 unless set, so a log shows what a Python
     child printed before it died). `ready`: polled by `wait_ready` (None: ready once started). `ports`:
-    checked free before each spawn (0 = none, e.g. a child that picks its own).
+    checked free before each spawn (0 = none, e.g. a child that picks its own). `die_with_parent`: the child
+    gets SIGKILL when this process dies (`parent_death_preexec`; spawn from the main thread).
+
+    `stopped_on_purpose` is true from `stop` or `kill` until the next `spawn`: a supervisor leaves such a
+    child alone.
     """
 
     def __init__(self, name: str, argv: Sequence[str], *, log_path: Path | None = None,
                  env: Mapping[str, str] | None = None, ready: Callable[[], bool] | None = None,
-                 ports: Sequence[int] = ()) -> None:
+                 ports: Sequence[int] = (), die_with_parent: bool = True) -> None:
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_path = log_path
         self.env = dict(env or {})
         self.ready = ready
         self.ports = tuple(ports)
+        self.die_with_parent = die_with_parent
         self.popen: subprocess.Popen[bytes] | None = None
         self.num_spawns = 0
+        self.started_at: float | None = None  # time.monotonic() of the last spawn
+        self.stopped_on_purpose = False
 
     @property
     def pid(self) -> int | None:
@@ -186,6 +251,8 @@ class ManagedProcess:
             if log is not None:
                 log.close()
         self.num_spawns += 1
+        self.started_at = time.monotonic()
+        self.stopped_on_purpose = False
         return self
 
     def _popen_kwargs(self, log: IO[bytes] | None) -> dict[str, Any]:
@@ -193,6 +260,7 @@ class ManagedProcess:
         # on a terminal it shares with `prefixroute up`.
         return {"stdout": log, "stderr": subprocess.STDOUT if log is not None else None,
                 "stdin": subprocess.DEVNULL, "start_new_session": True,
+                "preexec_fn": parent_death_preexec() if self.die_with_parent else None,
                 "env": {"PYTHONUNBUFFERED": "1", **os.environ, **self.env}}
 
     def wait_ready(self, timeout_s: float, *, ready: Callable[[], bool] | None = None) -> None:
@@ -239,11 +307,15 @@ class ManagedProcess:
                 os.killpg(self.popen.pid, sig)
 
     def stop(self, grace_s: float = 5.0) -> int | None:
-        """SIGTERM the group, SIGKILL it after `grace_s`; the exit status (None if never started). Idempotent."""
+        """SIGTERM the group, SIGKILL it after `grace_s`; the exit status (None if never started). Idempotent.
+        A stop on purpose: a supervisor does not restart it."""
+        self.stopped_on_purpose = True
         return stop_group(self.popen, grace_s)
 
     def kill(self) -> int | None:
-        """SIGKILL the group now, no SIGTERM first (what a crash looks like to its peers); the exit status."""
+        """SIGKILL the group now, no SIGTERM first (what a crash looks like to its peers); the exit status.
+        Still a stop on purpose (a supervisor does not restart it); a crash is a signal from elsewhere."""
+        self.stopped_on_purpose = True
         self.signal(signal.SIGKILL)
         if self.popen is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -300,6 +372,8 @@ class ProcessGroup:
         SIGTERM); then SIGKILL for every group, grandchildren included. Takes at most about `grace_s` + 1 s.
         Idempotent; afterwards the group is empty and can be used again."""
         deadline = time.monotonic() + self.grace_s
+        for proc in self.procs:
+            proc.stopped_on_purpose = True
         for proc in reversed(self.procs):
             if proc.alive():
                 proc.signal(signal.SIGTERM)
@@ -314,3 +388,155 @@ class ProcessGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """How a `Supervisor` restarts a crashed child: after `initial_delay_s`, doubling with each failure in a
+    row (an exit, or a restart that exits or is not ready within `ready_timeout_s`) up to `max_delay_s`,
+    and back to `initial_delay_s` once the child has stayed up `reset_after_s`. It never gives up.
+
+    0.2 s: a one-off crash (the common case) costs well under a second of downtime; 15 s: a child that
+    crashes at once in a loop (bad config, a port taken by someone else) costs a few spawns a minute and one
+    line each; 30 s up counts as recovered (a child that crashes every minute still starts at 0.2 s)."""
+
+    initial_delay_s: float = 0.2
+    max_delay_s: float = 15.0
+    reset_after_s: float = 30.0
+    ready_timeout_s: float = 60.0
+
+    def delay_s(self, num_failures: int) -> float:
+        """The wait before the restart that follows `num_failures` (>= 1) failures in a row."""
+        return min(self.max_delay_s, self.initial_delay_s * 2.0 ** max(0, num_failures - 1))
+
+
+@dataclasses.dataclass
+class _Watch:
+    state: str  # "up" (ready), "waiting" (to restart at `due`), "starting" (spawned at `since`), "stopped"
+    since: float
+    due: float = 0.0
+    num_failures: int = 0  # in a row: sets the delay
+    num_restarts: int = 0  # in all
+
+
+class Supervisor:
+    """Restarts crashed members of `group` per `policy` and says so on `out` (default: stderr), each line
+    starting with `label`. Call `poll` from the launcher's loop (every 0.1-0.25 s) once the members have
+    started; it never blocks longer than one readiness check of a restarting child.
+
+    A member that was stopped on purpose (`ManagedProcess.stop`/`kill`, `ProcessGroup.stop_all`) is left
+    alone, and watched again once something spawns it. A restart kills what is left of the crashed child's
+    process group first (a grandchild could hold its port), keeps its argv, log and place in the stop order,
+    and counts it up again only when its readiness check passes."""
+
+    def __init__(self, group: ProcessGroup, policy: RestartPolicy = RestartPolicy(), *, label: str = "prefixroute",
+                 out: TextIO | None = None) -> None:
+        self.group = group
+        self.policy = policy
+        self.label = label
+        self.out = out
+        self._watches: dict[int, _Watch] = {}
+
+    def num_restarts(self, proc: ManagedProcess) -> int:
+        """Restarts of `proc` so far (spawns by this supervisor, successful or not)."""
+        w = self._watches.get(id(proc))
+        return w.num_restarts if w is not None else 0
+
+    def _say(self, msg: str) -> None:
+        print(f"{self.label}: {msg}", file=self.out if self.out is not None else sys.stderr, flush=True)
+
+    def poll(self) -> None:
+        """Check every member once: note crashes, start restarts that are due, promote ready restarts."""
+        now = time.monotonic()
+        members = list(self.group.procs)
+        live_ids = {id(p) for p in members}
+        for key in [k for k in self._watches if k not in live_ids]:
+            del self._watches[key]  # stop_all emptied the group: forget
+        for proc in members:
+            if proc.popen is None:
+                continue  # never started
+            w = self._watches.get(id(proc))
+            if w is None:  # up since it was started (the launcher waited for it to be ready)
+                w = self._watches[id(proc)] = _Watch("up", min(now, proc.started_at or now))
+            if proc.stopped_on_purpose:
+                w.state = "stopped"
+                continue
+            if w.state == "stopped":  # spawned again by its owner
+                w.state, w.since, w.num_failures = "up", now, 0
+                continue
+            if w.state == "up":
+                if not proc.alive():
+                    up_s = now - w.since
+                    if up_s >= self.policy.reset_after_s:
+                        w.num_failures = 0
+                    self._schedule(proc, w, now, f"exited with {describe_status(proc.returncode)} after "
+                                                 f"{up_s:.1f} s up")
+            elif w.state == "waiting":
+                if now >= w.due:
+                    self._restart(proc, w, now)
+            elif w.state == "starting":
+                if not proc.alive():
+                    self._schedule(proc, w, now, f"exited with {describe_status(proc.returncode)} while "
+                                                 "restarting")
+                elif proc.ready is None or proc.ready():
+                    w.state, w.since = "up", time.monotonic()
+                    self._say(f"{proc.name} is back (restart {w.num_restarts}, pid {proc.pid}, ready "
+                              f"{w.since - w.due:.1f} s after its restart)")
+                elif now - w.since > self.policy.ready_timeout_s:
+                    stop_group(proc.popen, 0.0)
+                    self._schedule(proc, w, now, f"not ready {self.policy.ready_timeout_s:g} s after its restart "
+                                                 "(killed)")
+
+    def _schedule(self, proc: ManagedProcess, w: _Watch, now: float, what: str) -> None:
+        w.num_failures += 1
+        delay = self.policy.delay_s(w.num_failures)
+        w.state, w.due = "waiting", now + delay
+        # The log's tail once per streak of failures: it explains the first; the rest repeat it.
+        detail = proc.log_excerpt() if w.num_failures == 1 else (f" (log {proc.log_path})" if proc.log_path else "")
+        self._say(f"{proc.name} {what}; restart {w.num_restarts + 1} in {delay:.3g} s"
+                  f"{' (crash loop: backing off)' if w.num_failures > 1 else ''}{detail}")
+
+    def _restart(self, proc: ManagedProcess, w: _Watch, now: float) -> None:
+        stop_group(proc.popen, 0.0)  # leftovers of its group; not proc.stop(): this is no stop on purpose
+        w.num_restarts += 1
+        try:
+            proc.spawn()
+        except (RuntimeError, OSError) as exc:  # PortBusy (someone took its port), an exec failure
+            self._schedule(proc, w, now, f"could not be restarted: {exc}")
+            return
+        w.state, w.since, w.due = "starting", now, now
+        self._say(f"{proc.name} restarted (restart {w.num_restarts}, pid {proc.pid}); waiting until it is ready")
+
+
+@contextlib.contextmanager
+def stop_on_signals(signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                    ) -> Iterator[dict[str, int | None]]:
+    """While inside, the first of `signals` raises `Stopped` in the main thread (so `finally` blocks and
+    context managers stop the children) and later ones are ignored (so nothing interrupts that cleanup).
+    Yields a dict whose "signal" is the number received (None while none was). Restores the previous
+    handlers on exit. Main thread only."""
+    got: dict[str, int | None] = {"signal": None}
+    sigs = tuple(signals)
+
+    def handler(signum: int, _frame: object) -> None:
+        if got["signal"] is None:
+            got["signal"] = signum
+            for s in sigs:
+                signal.signal(s, signal.SIG_IGN)
+            raise Stopped(signum)
+
+    previous = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield got
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class Stopped(BaseException):
+    """Raised by `stop_on_signals` for a stop signal: a BaseException, so `except Exception` does not swallow
+    it on the way out. `signum`: the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum

@@ -25,7 +25,7 @@ import threading
 from typing import ClassVar
 
 from prefixroute import settings
-from prefixroute.procs import stop_group
+from prefixroute.procs import parent_death_preexec, stop_group
 from prefixroute.settings import Settings, setting
 
 APP_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
@@ -131,7 +131,9 @@ def main(args: argparse.Namespace) -> int:
     env["STREAMLIT_BROWSER_GATHER_USAGE_STATS"] = "false"
     source = cfg.telemetry or os.path.abspath(cfg.source_kwargs()["db"])
     print(f"prefixroute dashboard: http://{cfg.host}:{cfg.port} (reading {source})", flush=True)
-    child = subprocess.Popen(streamlit_command(cfg), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    # Parent-death signal: Streamlit goes with us even if we are SIGKILLed (e.g. by `prefixroute up`'s own).
+    child = subprocess.Popen(streamlit_command(cfg), env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                             preexec_fn=parent_death_preexec())
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from prefixroute import settings
-from prefixroute.procs import (ManagedProcess, ProcessGroup, check_ports_free, free_port, http_get, prefixroute_argv,
-                               tcp_open)
+from prefixroute.procs import (ManagedProcess, ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free,
+                               free_port, http_get, prefixroute_argv, stop_on_signals, tcp_open)
 from prefixroute.extproc.endpoints.pool import endpoints_from_settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
@@ -217,6 +217,10 @@ class GatewayProcesses:
         self.stop()
 
 
+SUPERVISE_INTERVAL_S = 0.1
+"""How often `prefixroute gateway` checks its two children (a crash is noticed within 0.1 s)."""
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, GatewaySettings)
     settings.add_arguments(parser, RoutingSettings)
@@ -224,6 +228,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """`prefixroute gateway`: start both children, then supervise them (`prefixroute.procs.Supervisor`: a
+    crashed one is restarted with backoff, said on stderr) until SIGINT, SIGTERM or SIGHUP; exit 0 then,
+    1 when they could not start, 2 for bad settings."""
     try:
         gw = settings.from_namespace(GatewaySettings, args)
         routing = settings.from_namespace(RoutingSettings, args)
@@ -232,30 +239,29 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"prefixroute gateway: {exc}", file=sys.stderr)
         return 2
-    stop = {"signal": None}
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop["signal"] = signum
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        procs.start()
-    except (RuntimeError, OSError) as exc:  # StartupError, PortBusy, no Envoy binary
-        print(f"prefixroute gateway: {exc}", file=sys.stderr)
-        return 1
-    try:
-        print(f"prefixroute gateway ready: {procs.url} -> {len(procs.endpoints)} endpoints "
-              f"(ext_proc 127.0.0.1:{procs.extproc_port}, Envoy admin http://127.0.0.1:{procs.admin_port}, "
-              f"metrics " + (f"http://127.0.0.1:{procs.metrics_port}/metrics" if procs.metrics_port >= 0 else "off")
-              + ")",
-              flush=True)
-        while stop["signal"] is None:
-            dead = procs.group.first_exited()
-            if dead is not None:
-                print(f"prefixroute gateway: {dead.name} exited with status {dead.returncode}", file=sys.stderr)
+    # Stop signals raise `Stopped` (caught below) so `procs.stop()` always runs; SIGHUP too (a closed terminal).
+    with stop_on_signals((signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
+        try:
+            try:
+                procs.start()
+            except (RuntimeError, OSError) as exc:  # StartupError, PortBusy, no Envoy binary
+                print(f"prefixroute gateway: {exc}", file=sys.stderr)
                 return 1
-            time.sleep(0.2)
-    finally:
-        procs.stop()
-    return 0
+            print(f"prefixroute gateway ready: {procs.url} -> {len(procs.endpoints)} endpoints "
+                  f"(ext_proc 127.0.0.1:{procs.extproc_port}, Envoy admin http://127.0.0.1:{procs.admin_port}, "
+                  f"metrics " + (f"http://127.0.0.1:{procs.metrics_port}/metrics" if procs.metrics_port >= 0
+                                 else "off") + ")",
+                  flush=True)
+            # A crashed ext_proc leaves Envoy serving fail-open (or 503 with failure_mode closed) until it is
+            # back; a crashed Envoy is restarted on the same ports and configuration.
+            supervisor = Supervisor(procs.group, RestartPolicy(ready_timeout_s=gw.ready_timeout_s),
+                                    label="prefixroute gateway")
+            while True:
+                supervisor.poll()
+                time.sleep(SUPERVISE_INTERVAL_S)
+        except Stopped:
+            return 0
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            procs.stop()

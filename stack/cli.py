@@ -9,11 +9,19 @@ Starts, in order, and waits until each serves:
 4. the dashboard (`prefixroute dashboard`),
 5. with `--traffic WORKLOAD`, a steady demo load through the gateway (`prefixroute traffic`).
 
-Then prints one summary (gateway URL, dashboard URL, logs) and watches the children: if one exits, it
-says which (with the tail of its log) and stops the rest (exit 1). Ctrl-C or SIGTERM stops every child
-within ~10 s, the last started first (`prefixroute.procs.ProcessGroup`: SIGTERM to each process group,
-SIGKILL once `--stop-grace-s` is spent), leaving no process or port. A port already in use is refused
-before anything starts, naming the component and the port.
+Then prints one summary (gateway URL, dashboard URL, logs) and supervises the children
+(`prefixroute.procs.Supervisor`): one that exits is restarted after 0.2 s, then with doubling delays up to
+15 s while it keeps crashing, each time with a line on stderr (which child, its exit status, the restart
+number, the delay) and another once it is ready again. A crashed model server is one endpoint down meanwhile
+(the router's probes and Envoy's fallbacks serve from the others); a crashed ext_proc leaves Envoy routing
+round-robin (`--failure-mode open`) until it is back. A component that fails while the stack is starting
+still stops everything (exit 1): that is a configuration to fix, not a crash to retry.
+
+Ctrl-C, SIGTERM or SIGHUP stops every child within ~10 s, the last started first
+(`prefixroute.procs.ProcessGroup`: SIGTERM to each process group, SIGKILL once `--stop-grace-s` is spent),
+leaving no process or port. Killed with SIGKILL, `up` cannot clean up, but every child has a parent-death
+signal and goes with it. A port already in use is refused before anything starts, naming the component and
+the port.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from prefixroute import settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.procs import ProcessGroup, check_ports_free, http_ok, prefixroute_argv
+from prefixroute.procs import (ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free, http_ok,
+                               prefixroute_argv, stop_on_signals)
 from prefixroute.settings import Settings, setting
 
 
@@ -71,8 +80,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, PoolSettings)
 
 
-class _Stopped(Exception):
-    pass
+SUPERVISE_INTERVAL_S = 0.1
+"""How often the stack checks its children: a crash is noticed within 0.1 s (the first restart waits 0.2 s)."""
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -84,17 +95,15 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"prefixroute up: {exc}", file=sys.stderr)
         return 2
+    with stop_on_signals(STOP_SIGNALS) as stop:
+        return _run(st, gw, routing, pool_args, stop)
+
+
+def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_args: PoolSettings,
+         stop: dict[str, int | None]) -> int:
     log_dir = Path(st.log_dir).resolve()
     group = ProcessGroup(log_dir, ready_timeout_s=st.start_timeout_s, grace_s=st.stop_grace_s)
     gateway: GatewayProcesses | None = None
-    stop: dict[str, int | None] = {"signal": None}
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop["signal"] = signum
-        raise _Stopped
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     try:
         simulated = not (pool_args.endpoints or pool_args.endpoints_file)
         server_ports = [st.model_server_base_port + i for i in range(st.servers)] if simulated else []
@@ -129,22 +138,19 @@ def main(args: argparse.Namespace) -> int:
             group.start("traffic", prefixroute_argv("traffic", "--gateway", gateway.url, "--workload", st.traffic,
                                                     "--rate-rps", str(st.traffic_rate_rps)))
         _summary(st, gateway, pool, simulated, log_dir)
+        supervisor = Supervisor(group, RestartPolicy(ready_timeout_s=st.start_timeout_s), label="prefixroute up")
         while True:
-            dead = group.first_exited()
-            if dead is not None:
-                print(f"prefixroute up: {dead.name} exited with status {dead.returncode}{dead.log_excerpt()}"
-                      "\nstopping the stack", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.25)
-    except _Stopped:
+            supervisor.poll()
+            time.sleep(SUPERVISE_INTERVAL_S)
+    except Stopped:
         print("prefixroute up: stopping", flush=True)
         return 0
     except (RuntimeError, OSError) as exc:  # StartupError, PortBusy, no Envoy binary, an unwritable log dir
         print(f"prefixroute up: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in STOP_SIGNALS:  # nothing interrupts the cleanup (a signal already set these)
+            signal.signal(sig, signal.SIG_IGN)
         t0 = time.monotonic()
         group.stop_all()
         if gateway is not None:

@@ -1,8 +1,11 @@
 """The process manager (common/procs.py) with real child processes: process groups, logs, readiness that
-fails fast, busy ports, stop order and bounds, restarts."""
+fails fast, busy ports, stop order and bounds, restarts, supervision with backoff, parent-death signals, stop signals."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import os
 import signal
 import socket
@@ -13,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixroute.procs import ManagedProcess, PortBusy, ProcessGroup, StartupError, stop_group, tcp_open
+from prefixroute.procs import (ManagedProcess, PortBusy, ProcessGroup, RestartPolicy, StartupError, Stopped, Supervisor,
+                               parent_death_preexec, stop_group, stop_on_signals, tcp_open)
 
 
 def py(code: str) -> list[str]:
@@ -152,3 +156,145 @@ def test_stop_group_stops_a_child_outside_its_own_group_without_touching_ours():
     assert os.getpgid(proc.pid) == os.getpgid(0)
     assert stop_group(proc, grace_s=5.0) == -signal.SIGTERM
     assert stop_group(proc) == -signal.SIGTERM  # idempotent
+
+
+# ------------------------------------------------------------------------------------------- supervision
+
+FAST = RestartPolicy(initial_delay_s=0.05, max_delay_s=0.2, reset_after_s=60.0, ready_timeout_s=5.0)
+
+
+def supervise(group: ProcessGroup, policy: RestartPolicy, seconds: float, out: io.StringIO) -> Supervisor:
+    sup = Supervisor(group, policy, label="test", out=out)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sup.poll()
+        time.sleep(0.01)
+    return sup
+
+
+def test_a_crashing_child_is_restarted_with_doubling_delays_up_to_the_cap_and_never_given_up(tmp_path):
+    out = io.StringIO()
+    with ProcessGroup(tmp_path) as group:
+        crasher = group.start("crasher", py("print('bad config: y'); raise SystemExit(3)"), wait=False)
+        wait_for(lambda: not crasher.alive())
+        sup = supervise(group, FAST, 1.5, out)
+        lines = out.getvalue().splitlines()
+        scheduled = [ln for ln in lines if " in " in ln and "restart" in ln and "exited" in ln]
+        # 0.05, 0.1, 0.2, 0.2, ...: doubling, capped, and still retrying after many failures
+        assert scheduled[0].startswith("test: crasher exited with status 3 after ")
+        assert "restart 1 in 0.05 s; last lines of " in scheduled[0] and "bad config: y" in out.getvalue()
+        assert "restart 2 in 0.1 s (crash loop: backing off)" in scheduled[1]
+        assert all("in 0.2 s (crash loop" in ln for ln in scheduled[2:]), scheduled
+        assert sup.num_restarts(crasher) >= 5 and crasher.num_spawns == sup.num_restarts(crasher) + 1
+        assert "restarted (restart 1, pid " in out.getvalue()
+
+
+def test_the_delay_resets_once_a_child_stayed_up_long_enough(tmp_path):
+    out = io.StringIO()
+    policy = dataclasses.replace(FAST, reset_after_s=0.3)
+    # lives 0.5 s (longer than reset_after_s) then crashes: every restart is a first failure again
+    with ProcessGroup(tmp_path) as group:
+        group.start("flaky", py("import time; time.sleep(0.5); raise SystemExit(1)"), wait=False)
+        supervise(group, policy, 2.0, out)
+    delays = [ln.split(" in ")[-1].split(" s")[0] for ln in out.getvalue().splitlines() if "exited with" in ln]
+    assert len(delays) >= 2 and set(delays) == {"0.05"}, out.getvalue()
+
+
+def test_a_restart_counts_as_up_only_once_its_ready_check_passes(tmp_path):
+    flag = tmp_path / "ready"
+    out = io.StringIO()
+    with ProcessGroup(tmp_path) as group:
+        p = group.start("srv", py("import time; time.sleep(60)"), ready=flag.exists, wait=False)
+        flag.touch()
+        sup = Supervisor(group, FAST, label="test", out=out)
+        sup.poll()
+        os.kill(p.pid, signal.SIGKILL)  # a crash: from elsewhere, not ManagedProcess.kill
+        flag.unlink()
+        wait_for(lambda: (sup.poll(), sup.num_restarts(p) == 1 and p.alive())[1])
+        for _ in range(20):
+            sup.poll()
+            time.sleep(0.01)
+        assert "srv exited with signal SIGKILL" in out.getvalue()
+        assert "is back" not in out.getvalue()  # restarted, but not ready
+        flag.touch()
+        sup.poll()
+        assert "test: srv is back (restart 1, pid " in out.getvalue()
+
+
+def test_a_restart_that_never_gets_ready_is_killed_and_retried(tmp_path):
+    out = io.StringIO()
+    with ProcessGroup(tmp_path) as group:
+        p = group.start("stuck", py("import time; time.sleep(60)"), ready=lambda: False, wait=False)
+        sup = Supervisor(group, dataclasses.replace(FAST, ready_timeout_s=0.2), label="test", out=out)
+        sup.poll()
+        os.kill(p.pid, signal.SIGKILL)
+        wait_for(lambda: (sup.poll(), sup.num_restarts(p) >= 2)[1])
+    assert "stuck not ready 0.2 s after its restart (killed); restart 2 in 0.1 s" in out.getvalue()
+
+
+def test_a_child_stopped_on_purpose_is_never_restarted(tmp_path):
+    out = io.StringIO()
+    with ProcessGroup(tmp_path) as group:
+        a = group.start("a", py("import time; time.sleep(60)"))
+        b = group.start("b", py("import time; time.sleep(60)"))
+        sup = Supervisor(group, FAST, label="test", out=out)
+        sup.poll()
+        a.stop()
+        b.kill()
+        for _ in range(30):
+            sup.poll()
+            time.sleep(0.01)
+        assert not a.alive() and not b.alive() and a.num_spawns == b.num_spawns == 1
+        group.add(a)  # its owner starts it again: watched again from here
+        sup.poll()
+        os.kill(a.pid, signal.SIGKILL)
+        wait_for(lambda: (sup.poll(), a.num_spawns == 3)[1])
+    sup.poll()  # after stop_all: nothing to restart, nothing said
+    assert out.getvalue().count("exited with") == 1 and a.returncode is not None
+
+
+def test_children_die_with_their_parent_even_when_it_is_sigkilled(tmp_path):
+    # A launcher (a Python process using ManagedProcess) starts a child, then is SIGKILLed: no cleanup code
+    # runs, yet the child must go (PR_SET_PDEATHSIG).
+    launcher = ("import sys, time; from prefixroute.procs import ManagedProcess; "
+                "p = ManagedProcess('c', [sys.executable, '-c', 'import time; time.sleep(60)']).spawn(); "
+                "print(p.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen(py(launcher), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert pid_alive(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=5)
+        wait_for(lambda: not pid_alive(child), timeout_s=5)
+    finally:
+        with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_parent_death_signal_fires_even_if_the_parent_died_before_the_child_set_it():
+    # The race the preexec closes: a "parent pid" that is not ours stands for a parent already gone.
+    preexec = parent_death_preexec()
+    assert preexec is not None  # Linux
+    real_getpid = os.getpid
+    os.getpid = lambda: 1  # noqa: E731 - what the child compares os.getppid() with
+    try:
+        racy = parent_death_preexec()
+    finally:
+        os.getpid = real_getpid
+    proc = subprocess.Popen(py("import time; time.sleep(30)"), preexec_fn=racy)
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_stop_on_signals_raises_once_and_ignores_repeats_during_cleanup():
+    cleaned = []
+    with pytest.raises(Stopped) as info:
+        with stop_on_signals((signal.SIGTERM, signal.SIGHUP)) as got:
+            try:
+                os.kill(os.getpid(), signal.SIGHUP)
+                time.sleep(5)  # interrupted at once
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # ignored: the cleanup completes
+                time.sleep(0.05)
+                cleaned.append(True)
+    assert info.value.signum == signal.SIGHUP and got["signal"] == signal.SIGHUP and cleaned == [True]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored

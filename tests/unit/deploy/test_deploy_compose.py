@@ -76,9 +76,34 @@ def test_command_parses_with_the_real_cli(name):
     assert args.command == argv[0]
 
 
-def test_published_ports():
-    assert "8080:8080" in SERVICES["envoy"]["ports"]
-    assert "8501:8501" in SERVICES["dashboard"]["ports"]
+def test_only_the_gateway_and_the_dashboard_are_published_on_the_host():
+    published = {name: svc["ports"] for name, svc in SERVICES.items() if svc.get("ports")}
+    assert published == {"envoy": ["8080:8080"], "dashboard": ["8501:8501"]}
+    assert not any(svc.get("network_mode") == "host" for svc in SERVICES.values())
+
+
+LISTEN_FLAGS = {"model-server": "--host", "telemetry": "--host", "extproc": "--listen-address",
+                "dashboard": "--host", "envoy-config": "--listen-address"}
+"""The flag that sets where each command listens; its default is loopback, so compose must set it."""
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SERVICES if n != "traffic"))
+def test_every_listening_service_sets_its_listen_address_for_the_private_network(name):
+    argv = _prefixroute_argv(SERVICES[name])
+    flag = LISTEN_FLAGS[argv[0]]
+    assert flag in argv, f"{name} relies on the default listen address of `prefixroute {argv[0]}`"
+    assert argv[argv.index(flag) + 1] == "0.0.0.0"  # reachable from the other containers, not the host
+    if argv[0] == "extproc":  # its metrics stay inside the container: nothing in compose scrapes them
+        assert argv[argv.index("--metrics-host") + 1] == "127.0.0.1"
+
+
+def test_envoy_admin_stays_on_loopback_inside_its_container(tmp_path):
+    argv = _prefixroute_argv(SERVICES["envoy"])
+    out = tmp_path / "envoy.yaml"
+    argv[argv.index("--out") + 1] = str(out)
+    subprocess.run([sys.executable, "-m", "prefixroute", *argv], check=True, timeout=60)
+    admin = yaml.safe_load(out.read_text())["admin"]["address"]["socket_address"]
+    assert admin["address"] == "127.0.0.1" and admin["port_value"] == 9901
 
 
 def test_envoy_service_config_is_accepted_by_envoy(tmp_path):
