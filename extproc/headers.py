@@ -14,6 +14,9 @@ SERVED_HEADER = "x-gateway-destination-endpoint-served"
 LB_METADATA_NAMESPACE = "envoy.lb"
 FALLBACK_HEADER_PREFIX = "x-prefixroute-fallback-endpoint-"
 TRACEPARENT_HEADER = "traceparent"
+REFUSED_HEADER = "x-prefixroute-refused"
+"""Set on the router's own refusals (its ImmediateResponse): the observing filter's stream of such a request
+starts at these response headers, and the routing stream has already recorded it."""
 OBSERVED_METADATA = "x-prefixroute-observed"
 """gRPC initial metadata of the routing filter's stream when an observing filter follows it (so the service
 waits for that stream's report before emitting a record)."""

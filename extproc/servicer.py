@@ -46,8 +46,8 @@ from typing import Any, Protocol
 import grpc
 
 from prefixroute.extproc import wire
-from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS, SERVED_HEADER,
-                                         TRACEPARENT_HEADER, fallback_header)
+from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS, REFUSED_HEADER,
+                                         SERVED_HEADER, TRACEPARENT_HEADER, fallback_header)
 from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
 
@@ -134,7 +134,7 @@ def with_traceparent(cached: Any, at_headers: bool, traceparent: str) -> Any:
 
 def immediate_response(err: OpenAIError) -> Any:
     """An OpenAIError as an ext_proc ImmediateResponse (status, JSON body, content-type, retry-after)."""
-    headers = [_header("content-type", "application/json")]
+    headers = [_header("content-type", "application/json"), _header(REFUSED_HEADER, str(err.status))]
     if err.retry_after_s is not None:
         headers.append(_header("retry-after", str(err.retry_after_s)))
     return wire.ProcessingResponse(immediate_response=wire.ImmediateResponse(
@@ -261,8 +261,21 @@ class ExtProcServicer:
             self.tracker.routing_closed(stream.st)
 
     async def _observe(self, first: Any, read: Any, eof: Any) -> None:
-        """An observing stream (observability mode): read everything, answer nothing."""
-        st = self.tracker.observe(first.request_headers.headers.headers)
+        """An observing stream (observability mode): read everything, answer nothing.
+
+        A stream that starts at response headers belongs to a request a filter before the observer answered
+        (its decode path never reached it): the router's own refusal, marked with REFUSED_HEADER and already
+        recorded by its routing stream, is skipped; anything else (Envoy's own reply) is recorded as unrouted,
+        its first message included."""
+        kind = first.WhichOneof("request")
+        pending = None
+        if kind == "request_headers":
+            st = self.tracker.observe(first.request_headers.headers.headers)
+        else:
+            if kind == "response_headers" and wire.header_value(first.response_headers.headers.headers, REFUSED_HEADER):
+                return
+            st = self.tracker.observe(())
+            pending = first
         if st is None:
             return  # telemetry off: nothing to measure
         handlers = _OBSERVING_HANDLERS
@@ -270,7 +283,10 @@ class ExtProcServicer:
         # after the HTTP stream ends, and streams held that long pile up against the cluster's limits.
         try:
             while True:
-                req = await read()
+                if pending is not None:
+                    req, pending = pending, None
+                else:
+                    req = await read()
                 if req is eof:
                     return
                 handler = handlers.get(req.WhichOneof("request"))
