@@ -27,8 +27,9 @@ the port.
 from __future__ import annotations
 
 import argparse
-import os
 import dataclasses
+import os
+import secrets
 import signal
 import sys
 import time
@@ -112,8 +113,17 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
                           *([("dashboard", st.dashboard_port)] if st.dashboard else []),
                           *[(f"model-server-{i}", p) for i, p in enumerate(server_ports)]])
         print(f"prefixroute up: starting (logs in {log_dir})", flush=True)
+        # The receiver takes spans only with a token drawn for this run (anyone on the host can reach
+        # loopback): the router gets it in the standard OTLP headers variable, users in a 0600 file.
+        telemetry_token = secrets.token_urlsafe(24)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        token_path = log_dir / "telemetry.token"
+        token_path.touch(mode=0o600)
+        token_path.chmod(0o600)
+        token_path.write_text(telemetry_token + "\n")
         group.start("telemetry", prefixroute_argv("telemetry", "--port", str(st.telemetry_port), "--http-port",
                                                   str(st.telemetry_http_port), "--db", st.db),
+                    env={"PREFIXROUTE_TELEMETRY_AUTH_TOKEN": telemetry_token},
                     ports=(st.telemetry_port, st.telemetry_http_port),
                     ready=lambda: http_ok(f"http://127.0.0.1:{st.telemetry_http_port}/healthz"))
         group.wait_ready([group.start(  # in parallel: each simulated server takes about a second to start
@@ -125,13 +135,18 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
         pool = dataclasses.replace(pool_args, endpoints=tuple(f"127.0.0.1:{p}" for p in server_ports)) \
             if simulated else pool_args
         # The ext_proc child inherits these: standard OTLP settings pointing at our receiver.
-        os.environ.setdefault("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{st.telemetry_port}")
+        if "OTEL_EXPORTER_OTLP_ENDPOINT" not in os.environ:
+            os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{st.telemetry_port}"
+            os.environ["OTEL_EXPORTER_OTLP_HEADERS"] = f"authorization=Bearer%20{telemetry_token}"
         os.environ.setdefault("OTEL_SERVICE_NAME", "prefixroute-router")
         os.environ.setdefault("PREFIXROUTE_LOG_LEVEL", st.log_level)
         # Envoy and ext_proc join the stack's group: watched like the others, stopped in start order reversed.
         gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group).start()
         if st.dashboard:
-            group.start("dashboard", prefixroute_argv("dashboard", "--db", st.db, "--port", str(st.dashboard_port)),
+            router_metrics = (["--router-metrics-url", f"http://127.0.0.1:{gateway.metrics_port}/metrics"]
+                              if gateway.metrics_port and gateway.metrics_port > 0 else [])
+            group.start("dashboard", prefixroute_argv("dashboard", "--db", st.db, "--port", str(st.dashboard_port),
+                                                      *router_metrics),
                         ports=(st.dashboard_port,),
                         ready=lambda: http_ok(f"http://127.0.0.1:{st.dashboard_port}/_stcore/health"))
         if st.traffic:
@@ -170,7 +185,8 @@ def _summary(st: StackSettings, gateway: GatewayProcesses, pool: PoolSettings, s
         f"  policy      {gateway.routing.policy}   (router metrics: "
         f"{'http://127.0.0.1:%d/metrics' % gateway.metrics_port if gateway.metrics_port and gateway.metrics_port > 0 else 'off'})",
         f"  dashboard   http://127.0.0.1:{st.dashboard_port}" if st.dashboard else "  dashboard   (off)",
-        f"  telemetry   OTLP grpc://127.0.0.1:{st.telemetry_port}, store {st.db}, "
+        f"  telemetry   OTLP grpc://127.0.0.1:{st.telemetry_port} (bearer token in {log_dir}/telemetry.token), "
+        f"store {st.db}, "
         f"`prefixroute telemetry dump --db {st.db} --since 60`",
         f"  traffic     {st.traffic} at {st.traffic_rate_rps:g} req/s" if st.traffic else
         f"  traffic     none; try: curl {gateway.url}/v1/chat/completions -H 'content-type: application/json' "
