@@ -671,9 +671,21 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    text = render(settings.from_namespace(EnvoySettings, args))
+    try:
+        s = settings.from_namespace(EnvoySettings, args)
+        text = render(s)
+    except (ValueError, OSError) as exc:
+        print(f"prefixroute envoy-config: {exc}", file=sys.stderr)
+        return 2
     if args.out:
-        args.out.write_text(text)
+        if extproc_auth_token(s):
+            # The bearer token is in it: owner-only, whatever the umask (and tightened if the file existed).
+            fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        else:
+            args.out.write_text(text)
     else:
         sys.stdout.write(text)
     return 0
