@@ -3,9 +3,10 @@ looks enough like a model server for the ext_proc pool to route to it (``/health
 `MODEL`, empty ``/metrics``) and records every request that came through Envoy (Envoy adds
 ``x-forwarded-proto``; the pool's own probes do not), so a test can assert which paths the gateway forwarded.
 
-Every other request gets 200 with a small JSON body naming the path and the body size it received. A request
-with header ``x-canary-stream-bytes: N`` instead gets an SSE-like chunked response of N bytes, written as fast
-as the client side lets it (for backpressure tests). Contract: `Canary()` serves on return; `close()` stops it.
+Every other request gets 200 with a small JSON body naming the path and the body size it received. Request
+headers change that: ``x-canary-delay-s: S`` answers after S seconds; ``x-canary-garbage`` answers bytes that are
+not HTTP; ``x-canary-stream-bytes: N`` answers an SSE-like chunked response of N bytes, written as fast as the
+client side lets it (for backpressure tests; `stream_bytes_sent` counts what left). Contract: `Canary()` serves on return; `close()` stops it.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ class Canary:
                             break
                 if "x-forwarded-proto" in headers:
                     self.seen.append(Seen(method, target, headers, len(body)))
+                if "x-canary-delay-s" in headers:
+                    await asyncio.sleep(float(headers["x-canary-delay-s"]))
+                if "x-canary-garbage" in headers:
+                    writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+                    await writer.drain()
+                    return
                 if "x-canary-stream-bytes" in headers:
                     await self._stream(writer, int(headers["x-canary-stream-bytes"]))
                     return
