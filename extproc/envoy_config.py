@@ -57,9 +57,27 @@ continue without the header, and it matches the fallback route: plain round-robi
 endpoints (a STRICT_DNS cluster), because serving without affinity beats refusing users.
 `failure_mode = "closed"` answers an OpenAI-format 503 instead. Neither ever uses a client address.
 
-Body limit: the listener's buffer limit equals `max_request_body_bytes`, so BUFFERED ext_proc answers
-413 above it; `local_reply_config` rewrites Envoy's own 413/502/503/504 bodies into the OpenAI error
-format (`{"error": {...}}`, `content-type: application/json`).
+What the gateway serves (issue 11): only the allowlist (`allowed_paths` exact, `allowed_path_prefixes`):
+each allowlisted path has its picked route and its ext_proc-down route; every other path matches the last
+route, an OpenAI-format 404 answered by Envoy with both ext_proc filters disabled on it (the router never
+sees it). CONNECT matches only a connect_matcher route: one exists, so Envoy refuses CONNECT itself (403
+upgrade_failed) instead of handing a never-ending tunnel body to ext_proc. Paths are normalised before
+matching (RFC 3986 dot segments, merged slashes) and `%2F`/`%5C` are refused (400), so no spelling of
+a private path (`/v1/../admin`, `//admin`, `..%2F`, an absolute-URI target) reaches an endpoint.
+
+Errors: `local_reply_config` rewrites every reply Envoy composes itself (codec errors 400/501, 403, 404,
+408 timeouts, 413, 426 HTTP/1.0, 431, 502/503/504, any other status) into the OpenAI error format
+(`{"error": {...}}`, `content-type: application/json`). A CEL filter spares the router's own ImmediateResponse
+replies (details ``prefixroute_<status>``, already OpenAI JSON with precise messages) and direct responses.
+
+Bounds: per-connection buffers (`connection_buffer_bytes`, client and endpoint side) are small, so a client
+that stops reading costs Envoy ~2x that per stream; the BUFFERED ext_proc body may still grow to
+`max_request_body_bytes` (the virtual host's request_body_buffer_limit; 413 above). Timeouts: request
+headers (slowloris), whole request, stream idle, connection idle (see each setting's help for its size).
+
+ext_proc authentication: optional TLS to the ext_proc cluster (UpstreamTlsContext: Envoy verifies the
+service certificate and its SAN, and presents its own for mutual TLS) and a bearer token sent as
+``authorization: Bearer ...`` initial metadata by both ext_proc filters.
 """
 
 from __future__ import annotations
@@ -652,7 +670,9 @@ this file equals the rendering. See extproc/envoy_config.py for the design:
   the ORIGINAL_DST sub-cluster keyed on the k-th header; retried only before any response byte;
 - ext_proc down: fail-open to round-robin over the configured endpoints (failure_mode=open),
   or an OpenAI-format 503 (failure_mode=closed);
-- bodies over the buffer limit get 413; Envoy's own error replies use the OpenAI JSON error format."""
+- only allowlisted OpenAI paths are routed (normalised first); any other path gets a 404 from Envoy;
+- bodies over max_request_body_bytes get 413; Envoy's own error replies use the OpenAI JSON error format;
+- small per-connection buffers, request-headers/request/idle timeouts (slow clients cost little)."""
 
 
 def render(s: EnvoySettings | None = None) -> str:
