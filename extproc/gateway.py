@@ -159,17 +159,18 @@ class GatewayProcesses:
         return "127.0.0.1" if self.gateway.listen_address in ("0.0.0.0", "::") else self.gateway.listen_address
 
     def envoy_settings(self) -> EnvoySettings:
-        return EnvoySettings(
-            gateway_port=self.gateway.port, listen_address=self.gateway.listen_address,
-            admin_port=self.admin_port, extproc_address=f"127.0.0.1:{self.extproc_port}",
-            endpoints=tuple(self.endpoints), failure_mode=self.gateway.failure_mode,
-            max_request_body_bytes=self.routing.max_body_bytes,
-            num_fallbacks=min(self.routing.num_fallbacks, MAX_FALLBACKS),
-            extproc_auth_token=self.auth_token, extproc_tls_ca_file=self.gateway.extproc_tls_ca_file,
-            extproc_tls_cert_file=self.gateway.extproc_tls_client_cert_file,
-            extproc_tls_key_file=self.gateway.extproc_tls_client_key_file,
-            **{"report_served": self.gateway.report_served, "observe_responses": self.gateway.telemetry,
-               **self.envoy_overrides})
+        """Envoy's settings for this gateway; `envoy_overrides` win over every derived field."""
+        return EnvoySettings(**{
+            "gateway_port": self.gateway.port, "listen_address": self.gateway.listen_address,
+            "admin_port": self.admin_port, "extproc_address": f"127.0.0.1:{self.extproc_port}",
+            "endpoints": tuple(self.endpoints), "failure_mode": self.gateway.failure_mode,
+            "max_request_body_bytes": self.routing.max_body_bytes,
+            "num_fallbacks": min(self.routing.num_fallbacks, MAX_FALLBACKS),
+            "report_served": self.gateway.report_served, "observe_responses": self.gateway.telemetry,
+            "extproc_auth_token": self.auth_token, "extproc_tls_ca_file": self.gateway.extproc_tls_ca_file,
+            "extproc_tls_cert_file": self.gateway.extproc_tls_client_cert_file,
+            "extproc_tls_key_file": self.gateway.extproc_tls_client_key_file,
+            **self.envoy_overrides})
 
     def _extproc_tls_argv(self) -> list[str]:
         g = self.gateway

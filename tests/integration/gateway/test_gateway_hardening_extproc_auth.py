@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import os
+import secrets
 import stat
 import time
 from collections.abc import Iterator
@@ -17,9 +18,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from prefixroute.cli import main as cli_main
 from prefixroute.extproc import wire as pb
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, envoy_binary
 from prefixroute.extproc.headers import DESTINATION_HEADER, SERVED_HEADER
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.server import ExtprocSettings, start_server
@@ -27,6 +29,7 @@ from prefixroute.procs import free_port
 
 from helpers.canary import Canary
 from helpers.fleet import MODEL
+from helpers.procs import prefixroute_cmd, start_process
 from helpers.tls import Pki, make_pki
 
 pytestmark = pytest.mark.integration
@@ -244,3 +247,40 @@ def test_interceptor_cost_per_stream_is_small() -> None:
     print(f"ext_proc stream round trip: {without * 1e6:.0f} us without the token check, "
           f"{with_token * 1e6:.0f} us with it")
     assert with_token < without * 1.5 + 100e-6
+
+
+# --- the documented recipe: `prefixroute extproc` + `prefixroute envoy-config` + envoy, by their flags ---------
+
+
+def test_standalone_recipe_mtls_and_token_file(tmp_path: Path, canary: Canary) -> None:
+    pki = make_pki(tmp_path / "pki")
+    token_file = tmp_path / "pki" / "token"
+    token_file.write_text(secrets.token_urlsafe(32) + "\n")
+    token_file.chmod(0o600)
+    extproc_port, admin_port, gateway_port = free_port(), free_port(), free_port()
+    config = tmp_path / "envoy.yaml"
+    assert cli_main(["envoy-config", "--gateway-port", str(gateway_port), "--listen-address", "127.0.0.1",
+                     "--admin-port", str(admin_port), "--extproc-address", f"127.0.0.1:{extproc_port}",
+                     "--endpoints", canary.endpoint, "--failure-mode", "closed",
+                     "--extproc-tls-ca-file", str(pki.ca_cert), "--extproc-tls-cert-file", str(pki.client_cert),
+                     "--extproc-tls-key-file", str(pki.client_key), "--extproc-auth-token-file", str(token_file),
+                     "--out", str(config)]) == 0
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    extproc_argv = prefixroute_cmd("extproc", "--port", str(extproc_port), "--metrics-port", "-1", "--no-traces",
+                                   "--endpoints", canary.endpoint, "--tls-cert-file", str(pki.server_cert),
+                                   "--tls-key-file", str(pki.server_key), "--tls-client-ca-file", str(pki.ca_cert))
+    with start_process(extproc_argv, ready_port=extproc_port, log_dir=tmp_path, name="extproc",
+                       env={"PREFIXROUTE_EXTPROC_AUTH_TOKEN_FILE": str(token_file)}), \
+            start_process([envoy_binary(), "-c", str(config), "--disable-hot-restart", "--base-id", str(admin_port),
+                           "--concurrency", "1", "-l", "warning"], ready_url=f"http://127.0.0.1:{admin_port}/ready",
+                          log_dir=tmp_path, name="envoy"):
+        conn = http.client.HTTPConnection("127.0.0.1", gateway_port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", body=CHAT, headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        assert canary.seen[-1].headers.get(DESTINATION_HEADER) == canary.endpoint  # picked over mTLS + token
+        token = token_file.read_text().strip()
+        assert raw_stream(extproc_port, ca=pki.ca_cert, cert=(pki.client_cert, pki.client_key)) == \
+            grpc.StatusCode.UNAUTHENTICATED
+        assert raw_stream(extproc_port, token=token, ca=pki.ca_cert) == grpc.StatusCode.UNAVAILABLE
+
