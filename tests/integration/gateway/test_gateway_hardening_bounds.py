@@ -18,6 +18,9 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
+import h2.config
+import h2.connection
+import h2.events
 import pytest
 
 from prefixroute.extproc.endpoints.settings import PoolSettings
@@ -208,3 +211,47 @@ def test_clients_that_stop_reading_cost_envoy_little_memory(stack: ExitStack, ca
     finally:
         for s in socks:
             s.close()
+
+
+def _h2_post(port: int, path: str, body: bytes) -> tuple[int | None, bytes]:
+    """One POST over HTTP/2 prior knowledge, sending the body as the flow-control windows allow."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(conn.data_to_send())
+        conn.send_headers(1, [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", "g"),
+                              ("content-type", "application/json"), ("content-length", str(len(body)))])
+        sent, status, resp = 0, None, b""
+        while True:
+            while sent < len(body):
+                n = min(conn.local_flow_control_window(1), conn.max_outbound_frame_size, len(body) - sent)
+                if n <= 0:
+                    break
+                conn.send_data(1, body[sent:sent + n], end_stream=sent + n == len(body))
+                sent += n
+            s.sendall(conn.data_to_send())
+            data = s.recv(65536)
+            if not data:
+                return status, resp
+            for ev in conn.receive_data(data):
+                if isinstance(ev, h2.events.ResponseReceived):
+                    status = int(dict(ev.headers)[b":status"])
+                elif isinstance(ev, h2.events.DataReceived):
+                    resp += ev.data
+                    conn.acknowledge_received_data(ev.flow_controlled_length, 1)
+                elif isinstance(ev, (h2.events.StreamEnded, h2.events.StreamReset)):
+                    return status, resp
+            s.sendall(conn.data_to_send())
+
+
+def test_http2_clients_upload_large_bodies_through_the_small_stream_window(
+        stack: ExitStack, canary: Canary, tmp_path: Path) -> None:
+    # HTTP/2 streams get a 64 KiB window (what one stream may hold here), yet a body up to the limit arrives.
+    limit = RoutingSettings().max_body_bytes
+    gw = start_gateway(stack, (canary.endpoint,), tmp_path)
+    body = _padded_chat(4 * 1024 * 1024)
+    status, resp = _h2_post(gw.gateway.port, "/v1/chat/completions", body)
+    assert status == 200, resp[:300]
+    assert canary.seen[-1].body_bytes == len(body)
+    status, resp = _h2_post(gw.gateway.port, "/v1/chat/completions", _padded_chat(limit + 1))
+    assert status == 413 and json.loads(resp)["error"]["code"] == 413
