@@ -255,3 +255,26 @@ def test_http2_clients_upload_large_bodies_through_the_small_stream_window(
     assert canary.seen[-1].body_bytes == len(body)
     status, resp = _h2_post(gw.gateway.port, "/v1/chat/completions", _padded_chat(limit + 1))
     assert status == 413 and json.loads(resp)["error"]["code"] == 413
+
+
+def test_a_stalled_reader_is_cut_after_the_stream_idle_timeout(stack: ExitStack, canary: Canary,
+                                                                tmp_path: Path) -> None:
+    # Flow control pauses the endpoint for a client that stops reading; nothing moves, so the stream idle
+    # timeout ends it (the endpoint's request is then cancelled) instead of holding it for upstream_timeout_s.
+    gw = start_gateway(stack, (canary.endpoint,), tmp_path, stream_idle_timeout_s=1.5)
+    s = socket.create_connection(("127.0.0.1", gw.gateway.port))
+    with s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        s.sendall(request("POST", "/v1/chat/completions", CHAT, {"x-canary-stream-bytes": str(500 << 20)}))
+        time.sleep(4)
+        stalled_at = canary.stream_bytes_sent
+        s.settimeout(5)
+        received, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 10:
+            data = s.recv(1 << 20)
+            if not data:
+                break
+            received += len(data)
+        assert not data, "the stalled stream was still open"
+    assert received < 64 << 20, received  # only what was buffered when it was cut
+    assert canary.stream_bytes_sent < 64 << 20 and canary.stream_bytes_sent - stalled_at < 16 << 20
