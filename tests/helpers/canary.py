@@ -6,7 +6,8 @@ looks enough like a model server for the ext_proc pool to route to it (``/health
 Every other request gets 200 with a small JSON body naming the path and the body size it received. Request
 headers change that: ``x-canary-delay-s: S`` answers after S seconds; ``x-canary-garbage`` answers bytes that are
 not HTTP; ``x-canary-stream-bytes: N`` answers an SSE-like chunked response of N bytes, written as fast as the
-client side lets it (for backpressure tests; `stream_bytes_sent` counts what left). Contract: `Canary()` serves on return; `close()` stops it.
+client side lets it (for backpressure tests; `stream_bytes_sent` counts what left).
+Contract: `Canary()` serves on return; `close()` stops it.
 """
 
 from __future__ import annotations

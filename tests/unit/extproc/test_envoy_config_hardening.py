@@ -27,7 +27,8 @@ from helpers.tls import make_pki
 # The combinations test_envoy_config.py runs through real Envoy, plus the new knobs.
 COMBINATIONS = {
     "default": {}, "fail-closed": {"failure_mode": "closed"}, "no-fallback": {"num_fallbacks": 0},
-    "no-extproc": {"extproc_enabled": False}, "fail-closed-no-extproc": {"failure_mode": "closed", "extproc_enabled": False},
+    "no-extproc": {"extproc_enabled": False},
+    "fail-closed-no-extproc": {"failure_mode": "closed", "extproc_enabled": False},
     "no-endpoints": {"endpoints": ()}, "no-observe": {"observe_responses": False},
 }
 ALL = {**COMBINATIONS, "extra-paths": {"allowed_paths": ("/v1/audio/transcriptions",), "allowed_path_prefixes": ()},
@@ -148,7 +149,8 @@ def test_token_is_sent_by_every_ext_proc_filter(tmp_path: Path, observe: bool) -
     ("127.0.0.1:9002", "", SubjectAltNameMatcherSanType.IP_ADDRESS, ""),
     ("extproc:9002", "", SubjectAltNameMatcherSanType.DNS, "extproc"),
     ("10.0.0.7:9002", "router.internal", SubjectAltNameMatcherSanType.DNS, "router.internal")])
-def test_ext_proc_cluster_verifies_the_service_certificate(address: str, server_name: str, san_type, sni: str) -> None:  # noqa: ANN001
+def test_ext_proc_cluster_verifies_the_service_certificate(address: str, server_name: str,
+                                                           san_type: SubjectAltNameMatcherSanType, sni: str) -> None:
     cfg = build_config(EnvoySettings(extproc_address=address, extproc_tls_ca_file="/ca.pem",
                                      extproc_tls_cert_file="/c.pem", extproc_tls_key_file="/k.pem",
                                      extproc_tls_server_name=server_name))
@@ -168,7 +170,8 @@ def test_ext_proc_cluster_verifies_the_service_certificate(address: str, server_
 def test_real_envoy_accepts_the_tls_and_token_rendering(tmp_path: Path) -> None:
     pki = make_pki(tmp_path / "pki")
     path = tmp_path / "envoy.yaml"
-    path.write_text(render(EnvoySettings(extproc_tls_ca_file=str(pki.ca_cert), extproc_tls_cert_file=str(pki.client_cert),
+    path.write_text(render(EnvoySettings(extproc_tls_ca_file=str(pki.ca_cert),
+                                         extproc_tls_cert_file=str(pki.client_cert),
                                          extproc_tls_key_file=str(pki.client_key), extproc_auth_token="tok",
                                          allowed_paths=(*DEFAULT_ALLOWED_PATHS, "/v1/audio/transcriptions"))))
     proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
