@@ -21,7 +21,8 @@ import sys
 from prefixroute import settings
 from prefixroute.extproc.endpoints.pool import EndpointPool
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.server import ExtprocSettings, new_event_loop, start_server
+from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
+                                        start_server)
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.routing.router import RouterCore
@@ -82,9 +83,11 @@ def main(args: argparse.Namespace) -> int:
         routing = settings.from_namespace(RoutingSettings, args)
         pool_settings = settings.from_namespace(PoolSettings, args)
         tele = settings.from_namespace(RouterTelemetrySettings, args)
-        # Validate endpoints before starting anything (clear message, exit 2).
+        # Validate endpoints, TLS files and the token before starting anything (clear message, exit 2).
         EndpointPool(pool_settings)
-    except ValueError as exc:
+        server_credentials(ext)
+        resolved_auth_token(ext)
+    except (ValueError, OSError) as exc:
         print(f"prefixroute extproc: {exc}", file=sys.stderr)
         return 2
     loop = new_event_loop(ext.uvloop)

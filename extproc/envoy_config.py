@@ -57,15 +57,36 @@ continue without the header, and it matches the fallback route: plain round-robi
 endpoints (a STRICT_DNS cluster), because serving without affinity beats refusing users.
 `failure_mode = "closed"` answers an OpenAI-format 503 instead. Neither ever uses a client address.
 
-Body limit: the listener's buffer limit equals `max_request_body_bytes`, so BUFFERED ext_proc answers
-413 above it; `local_reply_config` rewrites Envoy's own 413/502/503/504 bodies into the OpenAI error
-format (`{"error": {...}}`, `content-type: application/json`).
+What the gateway serves (issue 11): only the allowlist (`allowed_paths` exact, `allowed_path_prefixes`):
+each allowlisted path has its picked route and its ext_proc-down route; every other path matches the last
+route, an OpenAI-format 404 answered by Envoy with both ext_proc filters disabled on it (the router never
+sees it). CONNECT matches only a connect_matcher route: one exists, so Envoy refuses CONNECT itself (403
+upgrade_failed) instead of handing a never-ending tunnel body to ext_proc. Paths are normalised before
+matching (RFC 3986 dot segments, merged slashes) and `%2F`/`%5C` are refused (400), so no spelling of
+a private path (`/v1/../admin`, `//admin`, `..%2F`, an absolute-URI target) reaches an endpoint.
+
+Errors: `local_reply_config` rewrites every reply Envoy composes itself (codec errors 400/501, 403, 404,
+408 timeouts, 413, 426 HTTP/1.0, 431, 502/503/504, any other status) into the OpenAI error format
+(`{"error": {...}}`, `content-type: application/json`). A CEL filter spares the router's own ImmediateResponse
+replies (details ``prefixroute_<status>``, already OpenAI JSON with precise messages) and direct responses.
+
+Bounds: per-connection buffers (`connection_buffer_bytes`, client and endpoint side) are small, so a client
+that stops reading costs Envoy ~2x that per stream; the BUFFERED ext_proc body may still grow to
+`max_request_body_bytes` (the virtual host's request_body_buffer_limit; 413 above). Timeouts: request
+headers (slowloris), whole request, stream idle, connection idle (see each setting's help for its size).
+
+ext_proc authentication: optional TLS to the ext_proc cluster (UpstreamTlsContext: Envoy verifies the
+service certificate and its SAN, and presents its own for mutual TLS) and a bearer token sent as
+``authorization: Bearer ...`` initial metadata by both ext_proc filters.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
+import os
+import re
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
@@ -76,7 +97,8 @@ import betterproto2
 import orjson
 import yaml
 from envoy_data_plane.envoy.config.accesslog.v3 import (AccessLogFilter, AndFilter, ComparisonFilter,
-                                                        ComparisonFilterOp, ResponseFlagFilter, StatusCodeFilter)
+                                                        ComparisonFilterOp, ExtensionFilter, StatusCodeFilter)
+from envoy_data_plane.envoy.extensions.access_loggers.filters.cel.v3 import ExpressionFilter
 from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapStaticResources
 from envoy_data_plane.envoy.config.cluster.v3 import (CircuitBreakers, CircuitBreakersThresholds, Cluster,
                                                       ClusterCustomClusterType, ClusterDiscoveryType, ClusterLbPolicy,
@@ -84,30 +106,40 @@ from envoy_data_plane.envoy.config.cluster.v3 import (CircuitBreakers, CircuitBr
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
 from envoy_data_plane.envoy.config.core.v3 import (Address, DataSource, GrpcService, GrpcServiceEnvoyGrpc,
                                                    HeaderValue, HeaderValueOption, HeaderValueOptionHeaderAppendAction,
-                                                   Http2ProtocolOptions, RoutingPriority, RuntimeUInt32, SocketAddress,
-                                                   SubstitutionFormatString, TypedExtensionConfig)
+                                                   Http1ProtocolOptions, Http2ProtocolOptions, HttpProtocolOptions as
+                                                   CoreHttpProtocolOptions, RoutingPriority, RuntimeUInt32,
+                                                   SocketAddress, SubstitutionFormatString, TransportSocket,
+                                                   TypedExtensionConfig)
 from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
 from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
 from envoy_data_plane.envoy.config.route.v3 import (DirectResponseAction, HeaderMatcher, RetryPolicy,
                                                     RetryPolicyRetryBackOff, RetryPolicyRetryHostPredicate, Route,
-                                                    RouteAction, RouteConfiguration, RouteMatch, VirtualHost)
+                                                    RouteAction, RouteConfiguration, RouteMatch,
+                                                    RouteMatchConnectMatcher, VirtualHost)
 from envoy_data_plane.envoy.extensions.clusters.composite.v3 import ClusterConfig as CompositeClusterConfig
 from envoy_data_plane.envoy.extensions.clusters.composite.v3 import ClusterConfigClusterEntry
-from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (ExternalProcessor, MetadataOptions,
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (ExternalProcessor, ExtProcPerRoute,
+                                                                        MetadataOptions,
                                                                         MetadataOptionsMetadataNamespaces,
                                                                         ProcessingMode)
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeBodySendMode as BodySendMode
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeHeaderSendMode as HeaderSendMode
 from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
-    HttpConnectionManager, HttpConnectionManagerCodecType, HttpFilter, LocalReplyConfig, ResponseMapper)
+    HttpConnectionManager, HttpConnectionManagerCodecType, HttpConnectionManagerPathWithEscapedSlashesAction,
+    HttpFilter, LocalReplyConfig, ResponseMapper)
 from envoy_data_plane.envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
     HeaderMutation as EarlyHeaderMutation)
 from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import DownstreamConnectionsConfig
 from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import PreviousHostsPredicate
+from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (CertificateValidationContext, CommonTlsContext,
+                                                                        SubjectAltNameMatcher,
+                                                                        SubjectAltNameMatcherSanType, TlsCertificate,
+                                                                        UpstreamTlsContext)
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (HttpProtocolOptions,
                                                                  HttpProtocolOptionsExplicitHttpConfig)
+from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
 from prefixroute import settings
@@ -121,6 +153,14 @@ PICKED_CLUSTER = "picked_endpoint"
 POOL_CLUSTER = "endpoint_pool_round_robin"
 DIRECT_CLUSTER = "direct_upstream"
 OBSERVE_FILTER = "prefixroute.observe_responses"
+ROUTING_FILTER = "envoy.filters.http.ext_proc"
+
+DEFAULT_ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models",
+                         "/tokenize", "/detokenize")
+DEFAULT_ALLOWED_PATH_PREFIXES = ("/v1/responses/", "/v1/models/")
+# Characters an allowlisted path may hold: RFC 3986 pchar without '%' (an escaped form never matches a
+# normalised path) and without ';' (a path parameter would be a second spelling of the same path).
+_PATH_RE = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,=:@/-]*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +211,64 @@ class EnvoySettings(Settings):
                                       "waits for it) that streams response headers and body chunks to the ext_proc "
                                       "service for gateway TTFT, latency and token usage per request; false omits "
                                       "it (records then lack TTFT and usage).")
+    allowed_paths: tuple[str, ...] = setting(
+        DEFAULT_ALLOWED_PATHS,
+        "Request paths (exact, case-sensitive, query string aside) the gateway routes to endpoints: the OpenAI "
+        "inference API and vLLM's /tokenize and /detokenize. Any other path gets an OpenAI-format 404 from Envoy "
+        "and never reaches an endpoint or the ext_proc service, so a model server's admin, metrics, profiling "
+        "or sleep paths stay private. Add a path here for an endpoint API you mean to expose.")
+    allowed_path_prefixes: tuple[str, ...] = setting(
+        DEFAULT_ALLOWED_PATH_PREFIXES,
+        "Path prefixes routed like allowed_paths (a prefix should end in '/'): the Responses API's "
+        "/v1/responses/{id}... and /v1/models/{model}. Paths are normalised first (RFC 3986 dot segments, "
+        "repeated slashes merged; %2F or %5C in a path is refused with 400), so '..' cannot climb out of them.")
+    request_headers_timeout_s: float = setting(
+        10.0, "Time a client has, from the first byte of a request, to send all of its headers; then Envoy closes "
+        "the connection (slowloris: a client trickling headers otherwise holds a connection forever). Real "
+        "clients send headers in one packet; 10 s leaves room for a lossy mobile link.")
+    request_timeout_s: float = setting(
+        120.0, "Time to receive a whole request, headers and body (Envoy answers 408 in OpenAI format after it). "
+        "The timer stops once the request has gone to the endpoint, so it never cuts a long response; 120 s "
+        "uploads a max_request_body_bytes body (8 MiB) at ~0.5 Mbit/s. 0 disables.")
+    stream_idle_timeout_s: float = setting(
+        300.0, "A request with no bytes moving in either direction for this long is reset (a stalled client or "
+        "endpoint). Sized for inference: near saturation a first token can take tens of seconds, and a "
+        "non-streamed completion sends nothing until its last token (a few thousand tokens at ~30 tokens/s: "
+        "minutes); 300 s is Envoy's default and stays under upstream_timeout_s. A client that stops reading "
+        "stalls its stream (flow control) and is cut after this long. 0 disables.")
+    idle_timeout_s: float = setting(
+        30.0, "A client connection with no request in flight for this long is closed (keep-alive connections, and "
+        "connections that never send a byte: request_headers_timeout_s starts at the first byte). Never "
+        "applies while a response streams. 30 s: far above SDK reuse gaps (the OpenAI SDK's httpx keeps idle "
+        "connections 5 s), short enough that idle sockets do not pile up. 0 disables.")
+    max_request_headers_kb: int = setting(
+        32, "Largest request header block in KiB; larger gets an OpenAI-format 431. OpenAI clients send under 2 KiB "
+        "(a long bearer JWT is ~1-8 KiB); 32 KiB (Envoy's default is 60) halves what a header flood holds per "
+        "request.")
+    connection_buffer_bytes: int = setting(
+        32 * 1024, "Per-connection buffer high-water mark, client side and endpoint side: how far Envoy reads "
+        "ahead of a slow peer before flow control pauses the other side. It bounds what a client that stops "
+        "reading costs Envoy (~2x this per stream instead of ~2x max_request_body_bytes). 32 KiB is Envoy's "
+        "edge-proxy recommendation: seconds of a token stream (~100 bytes per SSE event); request bodies are "
+        "buffered separately up to max_request_body_bytes.")
+    extproc_tls_ca_file: str = setting(
+        "", "PEM CA bundle that signs the ext_proc service's certificate; set = Envoy talks TLS to it and verifies "
+        "its certificate (the SAN must name extproc_tls_server_name). Empty = plaintext (loopback only).")
+    extproc_tls_cert_file: str = setting(
+        "", "PEM client certificate Envoy presents to the ext_proc service (mutual TLS; the service requires one "
+        "when it is given tls_client_ca_file). Needs extproc_tls_key_file and extproc_tls_ca_file.")
+    extproc_tls_key_file: str = setting("", "PEM private key of extproc_tls_cert_file.")
+    extproc_tls_server_name: str = setting(
+        "", "Name sent as SNI and required in the ext_proc certificate's subject alternative names (DNS name or "
+        "IP address); empty = the host of extproc_address.")
+    extproc_auth_token: str = setting(
+        "", "Bearer token Envoy sends to the ext_proc service (`authorization: Bearer ...` on every stream, both "
+        "filters); must equal the service's auth_token. Prefer the environment variable or "
+        "extproc_auth_token_file to a command-line flag (visible in ps). It is written into the rendered "
+        "configuration: keep that file private (envoy-config --out writes it mode 0600).")
+    extproc_auth_token_file: str = setting(
+        "", "File holding extproc_auth_token (surrounding whitespace ignored); used when extproc_auth_token is "
+        "empty.")
 
 
 def _duration(seconds: float) -> timedelta:
@@ -189,36 +287,130 @@ def _set_header(key: str, value: str) -> HeaderValueOption:
                              append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
+# Statuses only Envoy itself answers, named like openai_errors.ERROR_TYPES names the others.
+_ENVOY_ERROR_TYPES = {**ERROR_TYPES, 408: "RequestTimeoutError", 426: "UpgradeRequiredError",
+                      431: "RequestHeaderFieldsTooLargeError", 501: "NotImplementedError"}
+
+
 def _error_json(status: int, message: str) -> str:
     # Same shape as prefixroute.openai_errors.error_body; Envoy fills %...% operators at reply time.
-    return orjson.dumps({"error": {"message": message, "type": ERROR_TYPES[status], "param": None,
+    return orjson.dumps({"error": {"message": message, "type": _ENVOY_ERROR_TYPES[status], "param": None,
                                    "code": status}}).decode()
 
 
-def _local_reply_config() -> LocalReplyConfig:
-    def mapper(status: int, message: str, flags: list[str] | None = None,
-               headers: dict[str, str] | None = None) -> ResponseMapper:
-        status_filter = AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
-            op=ComparisonFilterOp.EQ,
-            value=RuntimeUInt32(default_value=status, runtime_key=f"prefixroute.local_reply.{status}"))))
-        filt = status_filter
-        if flags:
-            # Only Envoy's own upstream failures: an ext_proc ImmediateResponse carries its own body.
-            filt = AccessLogFilter(and_filter=AndFilter(filters=[
-                status_filter, AccessLogFilter(response_flag_filter=ResponseFlagFilter(flags=flags))]))
+def extproc_auth_token(s: EnvoySettings) -> str:
+    """The bearer token Envoy sends to the ext_proc service: `extproc_auth_token`, else the stripped content of
+    `extproc_auth_token_file`, else "" (none). OSError when the file cannot be read."""
+    if s.extproc_auth_token:
+        return s.extproc_auth_token
+    if s.extproc_auth_token_file:
+        return Path(s.extproc_auth_token_file).read_text().strip()
+    return ""
+
+
+def _allowed_path_matches(s: EnvoySettings) -> list[RouteMatch]:
+    """The allowlist as route matches: exact paths, then prefixes. ValueError for a path that is not in
+    normalised form (it could never match: Envoy matches the normalised path) or an empty allowlist."""
+    for p in (*s.allowed_paths, *s.allowed_path_prefixes):
+        if not _PATH_RE.match(p) or "//" in p or "/./" in p or "/../" in p or p.endswith(("/.", "/..")):
+            raise ValueError(f"allowed path {p!r} must be a normalised absolute path (no '%', ';', '?', '#', "
+                             "'//' or dot segments)")
+    if not s.allowed_paths and not s.allowed_path_prefixes:
+        raise ValueError("allowed_paths and allowed_path_prefixes are both empty: the gateway would route nothing")
+    return [*(RouteMatch(path=p) for p in dict.fromkeys(s.allowed_paths)),
+            *(RouteMatch(prefix=p) for p in dict.fromkeys(s.allowed_path_prefixes))]
+
+
+def _match_text(m: RouteMatch) -> str:
+    return m.path if m.path is not None else f"{m.prefix}*"
+
+
+def _not_found_route(name: str, match: RouteMatch, status: int, message: str, filters: Sequence[str]) -> Route:
+    # Answered by Envoy with neither ext_proc filter running: the router never spends a decision (or a
+    # telemetry record) on a path it does not serve.
+    return Route(
+        name=name, match=match,
+        direct_response=DirectResponseAction(status=status, body=DataSource(inline_string=_error_json(
+            status, message))),
+        response_headers_to_add=[_set_header("content-type", "application/json")],
+        typed_per_filter_config={f: ProtoAny.pack(ExtProcPerRoute(disabled=True)) for f in filters},
+    )
+
+
+def _extproc_transport_socket(s: EnvoySettings) -> TransportSocket | None:
+    if not (s.extproc_tls_ca_file or s.extproc_tls_cert_file or s.extproc_tls_key_file):
+        return None
+    if not s.extproc_tls_ca_file:
+        raise ValueError("extproc_tls_cert_file/extproc_tls_key_file need extproc_tls_ca_file (Envoy must verify "
+                         "the ext_proc service's certificate)")
+    if bool(s.extproc_tls_cert_file) != bool(s.extproc_tls_key_file):
+        raise ValueError("extproc_tls_cert_file and extproc_tls_key_file go together")
+    server_name = s.extproc_tls_server_name or s.extproc_address.rpartition(":")[0]
+    try:
+        ipaddress.ip_address(server_name)
+        san_type = SubjectAltNameMatcherSanType.IP_ADDRESS
+    except ValueError:
+        san_type = SubjectAltNameMatcherSanType.DNS
+    common = CommonTlsContext(
+        # gRPC servers negotiate HTTP/2 by ALPN.
+        alpn_protocols=["h2"],
+        tls_certificates=[TlsCertificate(certificate_chain=DataSource(filename=s.extproc_tls_cert_file),
+                                         private_key=DataSource(filename=s.extproc_tls_key_file))]
+        if s.extproc_tls_cert_file else [],
+        # A CA alone checks the chain, not whose certificate it is: the SAN must name the service too.
+        validation_context=CertificateValidationContext(
+            trusted_ca=DataSource(filename=s.extproc_tls_ca_file),
+            match_typed_subject_alt_names=[SubjectAltNameMatcher(
+                san_type=san_type, matcher=StringMatcher(exact=server_name))]),
+    )
+    tls = UpstreamTlsContext(common_tls_context=common,
+                             sni="" if san_type == SubjectAltNameMatcherSanType.IP_ADDRESS else server_name)
+    return TransportSocket(name="envoy.transport_sockets.tls", typed_config=ProtoAny.pack(tls))
+
+
+# Local replies that are Envoy's own: not the router's (an ext_proc ImmediateResponse, whose details the
+# servicer sets to "prefixroute_<status>", already carries its OpenAI body) and not a route's direct_response
+# (written in OpenAI format here). CEL runs only when Envoy composes a local reply, never on routed traffic.
+ENVOY_OWN_REPLY = ("!(response.code_details.startsWith('prefixroute_') || "
+                   "response.code_details == 'direct_response')")
+
+
+def _local_reply_config(s: EnvoySettings) -> LocalReplyConfig:
+    own = AccessLogFilter(extension_filter=ExtensionFilter(
+        name="envoy.access_loggers.extension_filters.cel",
+        typed_config=ProtoAny.pack(ExpressionFilter(expression=ENVOY_OWN_REPLY))))
+
+    def mapper(status: int | None, message: str, headers: dict[str, str] | None = None) -> ResponseMapper:
+        if status is None:  # any other status: the code is Envoy's, filled in at reply time
+            body = _error_json(500, message).replace('"type":"InternalServerError"', '"type":"Error"').replace(
+                '"code":500', '"code":%RESPONSE_CODE%')
+            filt = own
+        else:
+            body = _error_json(status, message)
+            filt = AccessLogFilter(and_filter=AndFilter(filters=[own, AccessLogFilter(
+                status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+                    op=ComparisonFilterOp.EQ,
+                    value=RuntimeUInt32(default_value=status, runtime_key=f"prefixroute.local_reply.{status}"))))]))
         return ResponseMapper(
             filter=filt,
-            body_format_override=SubstitutionFormatString(
-                text_format_source=DataSource(inline_string=_error_json(status, message)),
-                content_type="application/json"),
+            body_format_override=SubstitutionFormatString(text_format_source=DataSource(inline_string=body),
+                                                          content_type="application/json"),
             headers_to_add=[_set_header(k, v) for k, v in (headers or {}).items()])
 
+    # %RESPONSE_CODE_DETAILS% / %RESPONSE_FLAGS% are Envoy's short reason tokens (e.g. http1.codec_error, UF).
     return LocalReplyConfig(mappers=[
-        mapper(413, "Request body too large."),
-        mapper(503, "No endpoint could serve the request (%RESPONSE_FLAGS%).",
-               ["UH", "UF", "UC", "UR", "LR", "URX", "NR", "UO", "NC"], {"retry-after": "1"}),
-        mapper(504, "The endpoint did not answer in time (%RESPONSE_FLAGS%).", ["UT"]),
-        mapper(502, "Bad response from the endpoint (%RESPONSE_FLAGS%).", ["UPE", "UMSDR"]),
+        mapper(400, "Malformed HTTP request (%RESPONSE_CODE_DETAILS%)."),
+        mapper(403, "Refused (%RESPONSE_CODE_DETAILS%): CONNECT and protocol upgrades are not supported."),
+        mapper(404, "No such path on this gateway (%RESPONSE_CODE_DETAILS%)."),
+        mapper(408, "The request did not arrive in time (%RESPONSE_CODE_DETAILS%)."),
+        mapper(413, f"Request body too large: the limit is {s.max_request_body_bytes} bytes."),
+        mapper(426, "HTTP/1.0 is not supported: use HTTP/1.1 or HTTP/2."),
+        mapper(431, f"Request headers too large: the limit is {s.max_request_headers_kb} KiB."),
+        mapper(501, "Not implemented (%RESPONSE_CODE_DETAILS%)."),
+        mapper(502, "Bad response from the endpoint (%RESPONSE_FLAGS%)."),
+        mapper(503, "No endpoint could serve the request (%RESPONSE_FLAGS%).", {"retry-after": "1"}),
+        mapper(504, "The endpoint did not answer in time (%RESPONSE_FLAGS%)."),
+        mapper(None, "Gateway error (%RESPONSE_CODE_DETAILS%)."),
     ])
 
 
@@ -229,9 +421,10 @@ def _circuit_breakers() -> CircuitBreakers:
         max_requests=100000, max_retries=100000)])
 
 
-def _original_dst_cluster(name: str, header: str, connect_timeout_s: float) -> Cluster:
+def _original_dst_cluster(name: str, header: str, connect_timeout_s: float, buffer_bytes: int) -> Cluster:
     return Cluster(
         name=name,
+        per_connection_buffer_limit_bytes=buffer_bytes,
         type=ClusterDiscoveryType.ORIGINAL_DST,
         lb_policy=ClusterLbPolicy.CLUSTER_PROVIDED,
         connect_timeout=_duration(connect_timeout_s),
@@ -270,34 +463,44 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         raise ValueError(f"failure_mode must be 'open' or 'closed', got {s.failure_mode!r}")
     if not 0 <= s.num_fallbacks <= MAX_FALLBACKS:
         raise ValueError(f"num_fallbacks must be in 0..{MAX_FALLBACKS}, got {s.num_fallbacks}")
+    if s.connection_buffer_bytes < 16 * 1024:
+        raise ValueError(f"connection_buffer_bytes must be at least 16384 (Envoy's flow-control chunk), got "
+                         f"{s.connection_buffer_bytes}")
     stripped = [*route_headers(MAX_FALLBACKS), SERVED_HEADER, "x-envoy-original-dst-host"]
     served_header = [_set_header(SERVED_HEADER, "%UPSTREAM_HOST%")]
     upstream_timeout = _duration(s.upstream_timeout_s)
-    catch_all = RouteMatch(prefix="/")
+    allowed = _allowed_path_matches(s)
+    token = extproc_auth_token(s)
+    auth_metadata = [HeaderValue(key="authorization", value=f"Bearer {token}")] if token else []
 
-    picked_route = Route(
-        name="picked_endpoint",
-        match=RouteMatch(prefix="/", headers=[HeaderMatcher(name=DESTINATION_HEADER, present_match=True)]),
-        route=RouteAction(cluster=PICKED_CLUSTER, timeout=upstream_timeout,
-                          retry_policy=_retry_policy(s, s.num_fallbacks)),
-        response_headers_to_add=served_header,
-    )
-    if s.failure_mode == "open" and s.endpoints:
-        unpicked_route = Route(
-            name="extproc_unavailable_round_robin",
-            match=catch_all,
-            route=RouteAction(cluster=POOL_CLUSTER, timeout=upstream_timeout, retry_policy=_retry_policy(
-                s, max(1, len(s.endpoints) - 1),
-                retry_host_predicate=[RetryPolicyRetryHostPredicate(
-                    name="envoy.retry_host_predicates.previous_hosts",
-                    typed_config=ProtoAny.pack(PreviousHostsPredicate()))],
-                host_selection_retry_max_attempts=5)),
+    # Every route that reaches an endpoint matches one allowlisted path (exact or prefix, on the normalised
+    # path, query string aside), so only those are ever forwarded, whether or not ext_proc answered.
+    def picked_route(match: RouteMatch) -> Route:
+        return Route(
+            name=f"picked_endpoint {_match_text(match)}",
+            match=RouteMatch(path=match.path, prefix=match.prefix,
+                             headers=[HeaderMatcher(name=DESTINATION_HEADER, present_match=True)]),
+            route=RouteAction(cluster=PICKED_CLUSTER, timeout=upstream_timeout,
+                              retry_policy=_retry_policy(s, s.num_fallbacks)),
             response_headers_to_add=served_header,
         )
-    else:
-        unpicked_route = Route(
-            name="extproc_unavailable_fail_closed",
-            match=catch_all,
+
+    def unpicked_route(match: RouteMatch) -> Route:
+        if s.failure_mode == "open" and s.endpoints:
+            return Route(
+                name=f"extproc_unavailable_round_robin {_match_text(match)}",
+                match=match,
+                route=RouteAction(cluster=POOL_CLUSTER, timeout=upstream_timeout, retry_policy=_retry_policy(
+                    s, max(1, len(s.endpoints) - 1),
+                    retry_host_predicate=[RetryPolicyRetryHostPredicate(
+                        name="envoy.retry_host_predicates.previous_hosts",
+                        typed_config=ProtoAny.pack(PreviousHostsPredicate()))],
+                    host_selection_retry_max_attempts=5)),
+                response_headers_to_add=served_header,
+            )
+        return Route(
+            name=f"extproc_unavailable_fail_closed {_match_text(match)}",
+            match=match,
             direct_response=DirectResponseAction(status=503, body=DataSource(inline_string=_error_json(
                 503, "The routing service is unavailable; retry shortly."))),
             response_headers_to_add=[_set_header("content-type", "application/json"), _set_header("retry-after", "1")],
@@ -305,13 +508,14 @@ def build_config(s: EnvoySettings) -> Bootstrap:
 
     http_filters: list[HttpFilter] = []
     if s.extproc_enabled:
-        http_filters.append(HttpFilter(name="envoy.filters.http.ext_proc", typed_config=ProtoAny.pack(ExternalProcessor(
+        http_filters.append(HttpFilter(name=ROUTING_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
             # No grpc_service timeout: one stream lives as long as its HTTP request (long streams);
             # message_timeout bounds each answer instead. The initial metadata tells the service that an
             # observing filter follows (so it waits for that stream's report before emitting a record).
             grpc_service=GrpcService(
                 envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
-                initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value="1")] if s.observe_responses else []),
+                initial_metadata=[*auth_metadata, *([HeaderValue(key=OBSERVED_METADATA, value="1")]
+                                                    if s.observe_responses else [])]),
             failure_mode_allow=s.failure_mode == "open",
             message_timeout=_duration(s.extproc_message_timeout_ms / 1000),
             processing_mode=ProcessingMode(
@@ -335,7 +539,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         ))))
     if s.extproc_enabled and s.observe_responses:
         http_filters.append(HttpFilter(name=OBSERVE_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
-            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+                                     initial_metadata=auth_metadata),
             # Send-and-go: Envoy never waits for an answer, so the token stream is not slowed; a telemetry
             # failure never fails a request.
             observability_mode=True,
@@ -356,9 +561,22 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         ))))
     http_filters.append(HttpFilter(name="envoy.filters.http.router", typed_config=ProtoAny.pack(Router())))
 
-    routes = [picked_route, unpicked_route] if s.extproc_enabled else [Route(
-        name="direct", match=catch_all, route=RouteAction(cluster=POOL_CLUSTER, timeout=upstream_timeout),
-        response_headers_to_add=served_header)]
+    if s.extproc_enabled:
+        # The picked route first: it matches only once the picker has set its header.
+        routes = [r for m in allowed for r in (picked_route(m), unpicked_route(m))]
+    else:
+        routes = [Route(name=f"direct {_match_text(m)}", match=m,
+                        route=RouteAction(cluster=POOL_CLUSTER, timeout=upstream_timeout),
+                        response_headers_to_add=served_header) for m in allowed]
+    ext_proc_filters = [f.name for f in http_filters if f.name != "envoy.filters.http.router"]
+    routes += [
+        # CONNECT matches only routes with a connect_matcher; without this one an HTTP/1 CONNECT went to the
+        # ext_proc filter as a tunnel whose body never ends (no answer at all).
+        _not_found_route("connect_not_allowed", RouteMatch(connect_matcher=RouteMatchConnectMatcher()), 405,
+                         "CONNECT is not supported: this is an OpenAI API gateway.", ext_proc_filters),
+        _not_found_route("path_not_allowed", RouteMatch(prefix="/"), 404,
+                         "No such path on this gateway; it serves the OpenAI inference API.", ext_proc_filters),
+    ]
 
     hcm = HttpConnectionManager(
         stat_prefix="gateway",
@@ -366,15 +584,36 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         early_header_mutation_extensions=[TypedExtensionConfig(
             name="envoy.http.early_header_mutation.header_mutation",
             typed_config=ProtoAny.pack(EarlyHeaderMutation(mutations=[HeaderMutation(remove=h) for h in stripped])))],
-        route_config=RouteConfiguration(name="gateway", virtual_hosts=[
-            VirtualHost(name="inference", domains=["*"], routes=routes)]),
+        route_config=RouteConfiguration(name="gateway", virtual_hosts=[VirtualHost(
+            name="inference", domains=["*"], routes=routes,
+            # What a BUFFERED ext_proc body may grow to (413 above it), apart from the small per-connection
+            # buffers: a slow client then costs connection_buffer_bytes, not max_request_body_bytes.
+            request_body_buffer_limit=s.max_request_body_bytes)]),
         http_filters=http_filters,
-        local_reply_config=_local_reply_config(),
+        local_reply_config=_local_reply_config(s),
+        # Route on the path the endpoint will see: dot segments resolved, '//' merged, escaped slashes refused
+        # (400; no OpenAI path has one, and an endpoint that decoded %2F itself would see another path than the
+        # one matched). The path forwarded is the normalised one.
+        normalize_path=True,
+        merge_slashes=True,
+        path_with_escaped_slashes_action=HttpConnectionManagerPathWithEscapedSlashesAction.REJECT_REQUEST,
+        request_headers_timeout=_duration(s.request_headers_timeout_s),
+        request_timeout=_duration(s.request_timeout_s),
+        stream_idle_timeout=_duration(s.stream_idle_timeout_s),
+        common_http_protocol_options=CoreHttpProtocolOptions(idle_timeout=_duration(s.idle_timeout_s)),
+        max_request_headers_kb=s.max_request_headers_kb,
+        # HTTP/1.0 is refused with 426 (accept_http_10 off, Envoy's default): it has no chunked encoding, so
+        # a token stream could only be close-delimited; every OpenAI client speaks HTTP/1.1 or HTTP/2.
+        http_protocol_options=Http1ProtocolOptions(accept_http_10=False),
+        # HTTP/2 clients: per-stream window = what one stream may buffer here (Envoy's edge recommendation).
+        http2_protocol_options=Http2ProtocolOptions(
+            max_concurrent_streams=100, initial_stream_window_size=64 * 1024,
+            initial_connection_window_size=1024 * 1024),
     )
 
     clusters: list[Cluster] = []
     if s.extproc_enabled:
-        sub = [_original_dst_cluster(f"{PICKED_CLUSTER}_{i}", h, s.connect_timeout_s)
+        sub = [_original_dst_cluster(f"{PICKED_CLUSTER}_{i}", h, s.connect_timeout_s, s.connection_buffer_bytes)
                for i, h in enumerate(route_headers(s.num_fallbacks))]
         clusters.append(Cluster(
             name=PICKED_CLUSTER,
@@ -387,14 +626,17 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         clusters.extend(sub)
         # Every in-flight HTTP request holds one gRPC stream (two with the observing filter): Envoy's default
         # of 1024 concurrent requests per cluster would fail requests open beyond that (hence the breakers).
+        tls_socket = _extproc_transport_socket(s)
         clusters.append(_strict_dns_cluster(
             EXTPROC_CLUSTER, [s.extproc_address], 0.25,
+            **({"transport_socket": tls_socket} if tls_socket is not None else {}),
             typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": ProtoAny.pack(
                 HttpProtocolOptions(explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
                     http2_protocol_options=Http2ProtocolOptions())))}))
     if s.endpoints and (s.failure_mode == "open" or not s.extproc_enabled):
         clusters.append(_strict_dns_cluster(POOL_CLUSTER, s.endpoints, s.connect_timeout_s,
-                                            lb_policy=ClusterLbPolicy.ROUND_ROBIN))
+                                            lb_policy=ClusterLbPolicy.ROUND_ROBIN,
+                                            per_connection_buffer_limit_bytes=s.connection_buffer_bytes))
 
     return Bootstrap(
         admin=Admin(address=_address(f"127.0.0.1:{s.admin_port}")),
@@ -406,8 +648,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
             listeners=[Listener(
                 name="gateway",
                 address=_address(f"{s.listen_address}:{s.gateway_port}"),
-                # Also the request buffer limit of the BUFFERED ext_proc body: above it Envoy answers 413.
-                per_connection_buffer_limit_bytes=s.max_request_body_bytes,
+                # Read-ahead per client connection (the request body limit is the virtual host's).
+                per_connection_buffer_limit_bytes=s.connection_buffer_bytes,
                 filter_chains=[FilterChain(filters=[Filter(
                     name="envoy.filters.network.http_connection_manager", typed_config=ProtoAny.pack(hcm))])],
             )],
@@ -428,7 +670,9 @@ this file equals the rendering. See extproc/envoy_config.py for the design:
   the ORIGINAL_DST sub-cluster keyed on the k-th header; retried only before any response byte;
 - ext_proc down: fail-open to round-robin over the configured endpoints (failure_mode=open),
   or an OpenAI-format 503 (failure_mode=closed);
-- bodies over the buffer limit get 413; Envoy's own error replies use the OpenAI JSON error format."""
+- only allowlisted OpenAI paths are routed (normalised first); any other path gets a 404 from Envoy;
+- bodies over max_request_body_bytes get 413; Envoy's own error replies use the OpenAI JSON error format;
+- small per-connection buffers, request-headers/request/idle timeouts (slow clients cost little)."""
 
 
 def render(s: EnvoySettings | None = None) -> str:
@@ -447,9 +691,21 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    text = render(settings.from_namespace(EnvoySettings, args))
+    try:
+        s = settings.from_namespace(EnvoySettings, args)
+        text = render(s)
+    except (ValueError, OSError) as exc:
+        print(f"prefixroute envoy-config: {exc}", file=sys.stderr)
+        return 2
     if args.out:
-        args.out.write_text(text)
+        if extproc_auth_token(s):
+            # The bearer token is in it: owner-only, whatever the umask (and tightened if the file existed).
+            fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        else:
+            args.out.write_text(text)
     else:
         sys.stdout.write(text)
     return 0

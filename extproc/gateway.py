@@ -8,6 +8,12 @@ SIGKILL after a grace period) and removes the temp dir. Later commands (``prefix
 
 The ext_proc child inherits this process's environment, so the standard ``OTEL_*`` variables (e.g.
 ``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``) configure its span export.
+
+ext_proc authentication, secure by default: each `start()` draws a random bearer token
+(`extproc_auth`) and gives it to both children, to the ext_proc service by environment
+(``PREFIXROUTE_EXTPROC_AUTH_TOKEN``, never on its command line) and to Envoy in the rendered configuration
+(mode 0600 in the private 0700 temp dir), so nothing else on the host can open ext_proc streams. With the
+``extproc_tls_*`` files the two also speak mutual TLS (one CA signs both certificates).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -60,6 +67,16 @@ class GatewaySettings(Settings):
                               "child); false omits both (metrics of decisions remain).")
     ready_timeout_s: float = setting(30.0, "How long to wait for both processes to serve before giving up "
                                      "(Envoy starts in ~1 s; endpoints get their first probe within ~1 s).")
+    extproc_auth: bool = setting(True, "Draw a random bearer token per run that Envoy must present on every ext_proc "
+                                 "stream (other local processes then cannot route or report through the ext_proc "
+                                 "port); false only to measure the check's cost.")
+    extproc_tls_ca_file: str = setting("", "PEM CA that signed both extproc_tls_*_cert_file: set = Envoy and the "
+                                       "ext_proc service use mutual TLS, each verifying the other against it.")
+    extproc_tls_server_cert_file: str = setting("", "PEM certificate of the ext_proc service (its SAN must "
+                                                "include IP 127.0.0.1, where Envoy reaches it).")
+    extproc_tls_server_key_file: str = setting("", "PEM private key of extproc_tls_server_cert_file.")
+    extproc_tls_client_cert_file: str = setting("", "PEM client certificate Envoy presents to the ext_proc service.")
+    extproc_tls_client_key_file: str = setting("", "PEM private key of extproc_tls_client_cert_file.")
 
 
 def envoy_binary() -> str:
@@ -131,6 +148,7 @@ class GatewayProcesses:
         self.admin_port = gateway.admin_port
         self.metrics_port = gateway.metrics_port
         self.config_path: Path | None = None
+        self.auth_token = ""  # drawn by start() when gateway.extproc_auth
 
     @property
     def url(self) -> str:
@@ -141,18 +159,35 @@ class GatewayProcesses:
         return "127.0.0.1" if self.gateway.listen_address in ("0.0.0.0", "::") else self.gateway.listen_address
 
     def envoy_settings(self) -> EnvoySettings:
-        return EnvoySettings(
-            gateway_port=self.gateway.port, listen_address=self.gateway.listen_address,
-            admin_port=self.admin_port, extproc_address=f"127.0.0.1:{self.extproc_port}",
-            endpoints=tuple(self.endpoints), failure_mode=self.gateway.failure_mode,
-            max_request_body_bytes=self.routing.max_body_bytes,
-            num_fallbacks=min(self.routing.num_fallbacks, MAX_FALLBACKS),
-            **{"report_served": self.gateway.report_served, "observe_responses": self.gateway.telemetry,
-               **self.envoy_overrides})
+        """Envoy's settings for this gateway; `envoy_overrides` win over every derived field."""
+        return EnvoySettings(**{
+            "gateway_port": self.gateway.port, "listen_address": self.gateway.listen_address,
+            "admin_port": self.admin_port, "extproc_address": f"127.0.0.1:{self.extproc_port}",
+            "endpoints": tuple(self.endpoints), "failure_mode": self.gateway.failure_mode,
+            "max_request_body_bytes": self.routing.max_body_bytes,
+            "num_fallbacks": min(self.routing.num_fallbacks, MAX_FALLBACKS),
+            "report_served": self.gateway.report_served, "observe_responses": self.gateway.telemetry,
+            "extproc_auth_token": self.auth_token, "extproc_tls_ca_file": self.gateway.extproc_tls_ca_file,
+            "extproc_tls_cert_file": self.gateway.extproc_tls_client_cert_file,
+            "extproc_tls_key_file": self.gateway.extproc_tls_client_key_file,
+            **self.envoy_overrides})
 
-    def _child(self, name: str, argv: list[str], ready: Callable[[], bool], ports: tuple[int, ...]) -> ManagedProcess:
+    def _extproc_tls_argv(self) -> list[str]:
+        g = self.gateway
+        if not (g.extproc_tls_ca_file or g.extproc_tls_server_cert_file or g.extproc_tls_client_cert_file):
+            return []
+        files = (g.extproc_tls_ca_file, g.extproc_tls_server_cert_file, g.extproc_tls_server_key_file,
+                 g.extproc_tls_client_cert_file, g.extproc_tls_client_key_file)
+        if not all(files):
+            raise ValueError("ext_proc TLS needs all of extproc_tls_ca_file, extproc_tls_server_cert_file, "
+                             "extproc_tls_server_key_file, extproc_tls_client_cert_file, extproc_tls_client_key_file")
+        return ["--tls-cert-file", g.extproc_tls_server_cert_file, "--tls-key-file", g.extproc_tls_server_key_file,
+                "--tls-client-ca-file", g.extproc_tls_ca_file]
+
+    def _child(self, name: str, argv: list[str], ready: Callable[[], bool], ports: tuple[int, ...],
+               env: dict[str, str] | None = None) -> ManagedProcess:
         log_path = self.log_dir / f"{name}.log" if self.log_dir is not None else None
-        return ManagedProcess(name, argv, log_path=log_path, ready=ready, ports=ports)
+        return ManagedProcess(name, argv, log_path=log_path, ready=ready, ports=ports, env=env)
 
     def start_extproc(self) -> None:
         """Start (or restart, after `stop_extproc`) the ext_proc child and wait until it serves."""
@@ -175,15 +210,22 @@ class GatewayProcesses:
                 self.admin_port = free_port()
             if not self.metrics_port:
                 self.metrics_port = free_port()
+            # A fresh token per run, by environment: argv is world-readable in /proc.
+            self.auth_token = secrets.token_urlsafe(32) if self.gateway.extproc_auth else ""
             self.extproc = self._child(
                 "extproc", prefixroute_argv(
                     "extproc", "--port", str(self.extproc_port), "--listen-address", "127.0.0.1",
                     "--metrics-port", str(self.metrics_port), *([] if self.gateway.telemetry else ["--no-traces"]),
+                    *self._extproc_tls_argv(),
                     *settings_argv(self.routing), *settings_argv(self.pool), *self.extra_extproc_args),
-                ready=lambda: tcp_open(self.extproc_port), ports=(self.extproc_port, self.metrics_port))
+                ready=lambda: tcp_open(self.extproc_port), ports=(self.extproc_port, self.metrics_port),
+                env={"PREFIXROUTE_EXTPROC_AUTH_TOKEN": self.auth_token})
             self._tmp = Path(tempfile.mkdtemp(prefix="prefixroute-gateway-"))
             self.config_path = self._tmp / "envoy.yaml"
-            self.config_path.write_text(render(self.envoy_settings()))
+            # 0600: the configuration holds the token.
+            fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(render(self.envoy_settings()))
             self.envoy = self._child(
                 "envoy", [envoy_binary(), "-c", str(self.config_path), "--disable-hot-restart",
                           "--concurrency", str(self.gateway.envoy_concurrency), "-l", self.gateway.envoy_log_level],

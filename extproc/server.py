@@ -1,10 +1,23 @@
-"""The grpc.aio server hosting the ext_proc servicer, and its settings."""
+"""The grpc.aio server hosting the ext_proc servicer, and its settings.
+
+Authentication (both optional, independent, and invisible to the servicer):
+- TLS: `tls_cert_file` + `tls_key_file` serve TLS; with `tls_client_ca_file` every client must present a
+  certificate signed by that CA (mutual TLS: Envoy's ``extproc_tls_cert_file``), else the handshake fails.
+- Bearer token: with `auth_token` (or `auth_token_file`) set, every stream must carry gRPC metadata
+  ``authorization: Bearer <token>`` (Envoy's ``extproc_auth_token`` on both ext_proc filters); any other stream
+  is refused with UNAUTHENTICATED before it reaches the servicer, so it can neither route nor report. The check
+  is one metadata scan and a constant-time compare per stream, never per message.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import ClassVar
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, ClassVar
 
 import grpc
 
@@ -21,20 +34,93 @@ class ExtprocSettings(Settings):
 
     port: int = setting(9002, "gRPC port Envoy's ext_proc filter connects to (9002: the endpoint-picker "
                         "reference port).")
-    listen_address: str = setting("0.0.0.0", "Address to listen on (all interfaces so Envoy in another "
-                                  "container reaches it; 127.0.0.1 when Envoy runs on the same host).")
+    listen_address: str = setting("127.0.0.1", "Address to listen on (loopback: only a local Envoy reaches the "
+                                  "routing service; a deployment with Envoy in another container sets its private "
+                                  "network address or 0.0.0.0 explicitly, with auth_token and/or TLS).")
     ready_timeout_s: float = setting(10.0, "At start, wait up to this long for every endpoint to pass its first "
                                      "health probe before serving (requests before that would get 503); "
                                      "serving starts anyway when it expires.")
     uvloop: bool = setting(True, "Run on uvloop instead of asyncio's default loop (measured faster with "
                            "grpc.aio; see overhead-bench).")
+    tls_cert_file: str = setting("", "PEM certificate chain to serve TLS with (with tls_key_file); empty = "
+                                 "plaintext gRPC (fine on loopback).")
+    tls_key_file: str = setting("", "PEM private key of tls_cert_file.")
+    tls_client_ca_file: str = setting("", "PEM CA bundle; set = mutual TLS: a client (Envoy) without a certificate "
+                                      "signed by it fails the handshake. Needs tls_cert_file.")
+    auth_token: str = setting("", "Bearer token every ext_proc stream must present (gRPC metadata `authorization: "
+                              "Bearer <token>`; Envoy's extproc_auth_token); others get UNAUTHENTICATED. Give it "
+                              "by environment (PREFIXROUTE_EXTPROC_AUTH_TOKEN) or auth_token_file, not on the "
+                              "command line (visible in ps). Empty = no token check.")
+    auth_token_file: str = setting("", "File holding auth_token (surrounding whitespace ignored); used when "
+                                   "auth_token is empty.")
+
+
+log = logging.getLogger(__name__)
+
+
+def resolved_auth_token(s: ExtprocSettings) -> str:
+    """`auth_token`, else the stripped content of `auth_token_file`, else "" (no check). OSError when the file
+    cannot be read; ValueError when it is empty."""
+    if s.auth_token:
+        return s.auth_token
+    if s.auth_token_file:
+        token = Path(s.auth_token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"auth_token_file {s.auth_token_file} is empty")
+        return token
+    return ""
+
+
+def server_credentials(s: ExtprocSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials per the settings (None = plaintext). ValueError on an incomplete combination; OSError
+    when a file cannot be read."""
+    if not (s.tls_cert_file or s.tls_key_file or s.tls_client_ca_file):
+        return None
+    if not (s.tls_cert_file and s.tls_key_file):
+        raise ValueError("TLS needs both tls_cert_file and tls_key_file (tls_client_ca_file alone is not enough)")
+    ca = Path(s.tls_client_ca_file).read_bytes() if s.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(Path(s.tls_key_file).read_bytes(), Path(s.tls_cert_file).read_bytes())],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call whose metadata lacks ``authorization: Bearer <token>`` with UNAUTHENTICATED.
+    Runs once per call (stream), before the handler: the servicer never sees a refused stream."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("empty bearer token")
+        self._expected = f"Bearer {token}".encode()
+        self._refuse = grpc.stream_stream_rpc_method_handler(self._unauthenticated)
+        self.num_refused = 0
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                # Constant time: the comparison leaks nothing about how much of the token matched.
+                if hmac.compare_digest(got, self._expected):
+                    return await continuation(handler_call_details)
+                break
+        self.num_refused += 1
+        if self.num_refused in (1, 10, 100) or self.num_refused % 1000 == 0:
+            log.warning("refused %d ext_proc stream(s) without the right bearer token", self.num_refused)
+        return self._refuse
+
+    @staticmethod
+    async def _unauthenticated(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
 
 async def start_server(router: RouterService, s: ExtprocSettings, tracker: Tracker = NULL_TRACKER
                        ) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the started server (call `stop(grace)` on it) and its port (port 0 = any).
-    Telemetry: a `RequestTracker`, or the default `NULL_TRACKER` for none."""
-    server = grpc.aio.server(options=[
+    Telemetry: a `RequestTracker`, or the default `NULL_TRACKER` for none. TLS and the bearer token per `s`
+    (module doc); ValueError/OSError when their settings or files are wrong."""
+    token = resolved_auth_token(s)
+    credentials = server_credentials(s)
+    server = grpc.aio.server(interceptors=[BearerTokenInterceptor(token)] if token else None, options=[
         # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
         ("grpc.max_concurrent_streams", 100000),
         # Bodies arrive whole (BUFFERED): gRPC's default 4 MiB cap would fail bodies Envoy already accepted
@@ -48,7 +134,9 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
         ("grpc.optimization_target", "latency"),
     ])
     wire.add_to_server(server, ExtProcServicer(router, tracker).Process)
-    bound = server.add_insecure_port(f"{s.listen_address}:{s.port}")
+    address = f"{s.listen_address}:{s.port}"
+    bound = (server.add_secure_port(address, credentials) if credentials is not None
+             else server.add_insecure_port(address))
     if bound == 0:
         raise OSError(f"cannot listen on {s.listen_address}:{s.port}")
     await server.start()
