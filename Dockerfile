@@ -13,7 +13,9 @@ COPY bench ./bench
 COPY stack ./stack
 COPY envoy ./envoy
 RUN pip install .
-RUN useradd --create-home --uid 10001 prefixroute && mkdir -p /data && chown prefixroute /data
+# /data: the telemetry store; /secrets: the tokens compose draws (a named volume takes these owners).
+RUN useradd --create-home --uid 10001 prefixroute && mkdir -p /data /secrets && chown prefixroute /data /secrets \
+    && chmod 700 /secrets
 USER prefixroute
 # What a user reaches (gateway, dashboard); the other services' ports stay on the private network.
 EXPOSE 8080 8501

@@ -1,11 +1,15 @@
 """Each compose service's own command, run directly (no Docker engine here), passes its own healthcheck.
 
-Ports are remapped to free ones; host names of other containers cannot resolve here, so the services
+The secrets service's own line draws the tokens first (into a temp dir standing for its volume). Ports are
+remapped to free ones; host names of other containers cannot resolve here, so the services
 that only talk to their peers (extproc, envoy, traffic) are covered by the config and `prefixroute up`
 tests instead."""
 
 from __future__ import annotations
 
+import re
+import shlex
+import stat
 import subprocess
 import sys
 import time
@@ -32,18 +36,40 @@ def _remap(items: list[str], mapping: dict[int, int]) -> list[str]:
     return out
 
 
+def _shell_line(svc: dict, tmp_path: Path) -> str:
+    """The service's command as one shell line runnable here: compose's `$$` unescaped, the volumes moved
+    under tmp_path, peers' names resolved to loopback, `prefixroute`/`python` as this interpreter."""
+    line = svc["command"][0] if svc.get("entrypoint") == ["sh", "-c"] else shlex.join(["prefixroute", *svc["command"]])
+    line = line.replace("$$", "$").replace("/secrets/", f"{tmp_path}/secrets/")
+    line = line.replace("/data/telemetry.db", str(tmp_path / "t.db")).replace("http://telemetry:", "http://127.0.0.1:")
+    line = re.sub(r"(^|exec |&& )prefixroute ", rf"\g<1>{sys.executable} -m prefixroute ", line)
+    return re.sub(r"(^|\|\| )python ", rf"\g<1>{sys.executable} ", line)
+
+
+def _draw_secrets(tmp_path: Path) -> None:
+    """Run the secrets service's own line: both tokens drawn, private to their owner, kept on a rerun."""
+    (tmp_path / "secrets").mkdir()
+    line = _shell_line(SERVICES["secrets"], tmp_path)
+    subprocess.run(["sh", "-c", line], check=True, timeout=60)
+    tokens = {f.name: f.read_text() for f in (tmp_path / "secrets").iterdir()}
+    assert set(tokens) == {"extproc.token", "telemetry.token"} and len(set(tokens.values())) == 2
+    assert all(len(t.strip()) >= 32 for t in tokens.values())
+    for f in (tmp_path / "secrets").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    subprocess.run(["sh", "-c", line], check=True, timeout=60)
+    assert {f.name: f.read_text() for f in (tmp_path / "secrets").iterdir()} == tokens
+
+
 @pytest.mark.parametrize("name", sorted(PORTS))
 def test_service_command_passes_its_healthcheck(name, tmp_path):
     svc = SERVICES[name]
     mapping = dict(zip(PORTS[name], free_ports(len(PORTS[name]))))
-    argv = _remap(list(svc["command"]), mapping)
-    argv = [a.replace("/data/telemetry.db", str(tmp_path / "t.db")) for a in argv]
-    argv = [a.replace("http://telemetry:", "http://127.0.0.1:") for a in argv]
+    _draw_secrets(tmp_path)
+    line = _remap([_shell_line(svc, tmp_path)], mapping)[0]
     check = _remap(list(svc["healthcheck"]["test"]), mapping)
     assert check[0] == "CMD" and check[1] == "python"
     log = open(tmp_path / "log.txt", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "prefixroute", *argv], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(["sh", "-c", line], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
         while True:

@@ -20,15 +20,26 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 
 
+SHELL_ONLY = frozenset({"secrets"})
+"""Services that run no prefixroute command (the one-shot that draws the tokens)."""
+
+
 def _prefixroute_argv(service: dict) -> list[str]:
-    """The prefixroute arguments a service runs (entrypoint `prefixroute`, or a `sh -c` line)."""
+    """The prefixroute arguments a service runs (entrypoint `prefixroute`, or a `sh -c` line whose first
+    `prefixroute` or `exec prefixroute` segment is the command)."""
     command = service["command"]
     if service.get("entrypoint") == ["sh", "-c"]:
-        first = command[0].split("&&")[0]
-        argv = shlex.split(first)
-        assert argv[0] == "prefixroute", first
-        return argv[1:]
+        for part in command[0].replace("$$", "$").split("&&"):
+            argv = shlex.split(part)
+            if argv and argv[0] == "exec":
+                argv = argv[1:]
+            if argv and argv[0] == "prefixroute":
+                return argv[1:]
+        raise AssertionError(f"no prefixroute command in {command[0]!r}")
     return list(command)
+
+
+PRODUCT_SERVICES = sorted(n for n in SERVICES if n not in SHELL_ONLY)
 
 
 def test_valid_against_compose_spec():
@@ -44,11 +55,12 @@ def test_services_present():
 
 MODEL_SERVERS = frozenset(n for n in SERVICES if n.startswith("model-server-"))
 DEPENDENCIES = {
+    "secrets": frozenset(),
     **{n: frozenset() for n in MODEL_SERVERS},
-    "telemetry": frozenset(),
-    "extproc": MODEL_SERVERS | {"telemetry"},  # routes to the servers, exports its spans to the receiver
-    "envoy": frozenset({"extproc"}),  # asks the router for every request
-    "dashboard": frozenset({"telemetry"}),  # reads the receiver's store
+    "telemetry": frozenset({"secrets"}),  # its token
+    "extproc": MODEL_SERVERS | {"telemetry", "secrets"},  # routes to the servers, exports its spans to the receiver
+    "envoy": frozenset({"extproc", "secrets"}),  # asks the router for every request, with the token
+    "dashboard": frozenset({"telemetry", "extproc", "secrets"}),  # the receiver's store, the router's /metrics
     "traffic": frozenset({"envoy"}),  # sends through the gateway
 }
 """What each service must wait for (to be healthy) before it starts."""
@@ -63,11 +75,14 @@ def test_each_service_waits_for_its_dependencies_to_be_healthy(name):
     depends_on = SERVICES[name].get("depends_on") or {}
     assert set(depends_on) == DEPENDENCIES[name]
     for dep, cond in depends_on.items():
+        if dep in SHELL_ONLY:  # a one-shot: done, not healthy
+            assert cond == {"condition": "service_completed_successfully"}, f"{name} starts before {dep} is done"
+            continue
         assert cond == {"condition": "service_healthy"}, f"{name} starts before {dep} is healthy"
         assert "healthcheck" in SERVICES[dep], f"{dep} has no healthcheck but {name} waits for it"
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
+@pytest.mark.parametrize("name", PRODUCT_SERVICES)
 def test_command_parses_with_the_real_cli(name):
     argv = _prefixroute_argv(SERVICES[name])
     assert argv[0] in cli.COMMANDS, f"{name} runs unknown command {argv[0]}"
@@ -87,31 +102,59 @@ LISTEN_FLAGS = {"model-server": "--host", "telemetry": "--host", "extproc": "--l
 """The flag that sets where each command listens; its default is loopback, so compose must set it."""
 
 
-@pytest.mark.parametrize("name", sorted(n for n in SERVICES if n != "traffic"))
+@pytest.mark.parametrize("name", [n for n in PRODUCT_SERVICES if n != "traffic"])
 def test_every_listening_service_sets_its_listen_address_for_the_private_network(name):
     argv = _prefixroute_argv(SERVICES[name])
     flag = LISTEN_FLAGS[argv[0]]
     assert flag in argv, f"{name} relies on the default listen address of `prefixroute {argv[0]}`"
     assert argv[argv.index(flag) + 1] == "0.0.0.0"  # reachable from the other containers, not the host
-    if argv[0] == "extproc":  # its metrics stay inside the container: nothing in compose scrapes them
-        assert argv[argv.index("--metrics-host") + 1] == "127.0.0.1"
+    if argv[0] == "extproc":  # the dashboard reads its /metrics over the private network (not published)
+        assert argv[argv.index("--metrics-host") + 1] == "0.0.0.0"
+
+
+def test_internal_calls_carry_the_drawn_tokens():
+    """Envoy -> ext_proc and router/dashboard -> receiver authenticate with the tokens the secrets service
+    draws; each pair reads the same file."""
+    extproc = _prefixroute_argv(SERVICES["extproc"])
+    envoy = _prefixroute_argv(SERVICES["envoy"])
+    telemetry = _prefixroute_argv(SERVICES["telemetry"])
+    token_of = {"extproc": extproc[extproc.index("--auth-token-file") + 1],
+                "envoy": envoy[envoy.index("--extproc-auth-token-file") + 1],
+                "telemetry": telemetry[telemetry.index("--auth-token-file") + 1]}
+    assert token_of["extproc"] == token_of["envoy"] != token_of["telemetry"]
+    secrets_line = SERVICES["secrets"]["command"][0]
+    for path in token_of.values():
+        assert Path(path).stem in secrets_line and path.startswith("/secrets/")
+    for name in ("extproc", "dashboard"):  # the receiver's token, read from its file at start
+        assert f"$$(cat {token_of['telemetry']})" in SERVICES[name]["command"][0]
+    assert "OTEL_EXPORTER_OTLP_HEADERS" in SERVICES["extproc"]["command"][0]
+    assert "PREFIXROUTE_DASHBOARD_TELEMETRY_TOKEN" in SERVICES["dashboard"]["command"][0]
+    dash = _prefixroute_argv(SERVICES["dashboard"])
+    assert dash[dash.index("--router-metrics-url") + 1] == f"http://extproc:{extproc[extproc.index('--metrics-port') + 1]}/metrics"
+
+
+def _render_envoy_service_config(tmp_path: Path) -> Path:
+    """The envoy service's own envoy-config line, run here (its token file and output moved to tmp_path)."""
+    argv = _prefixroute_argv(SERVICES["envoy"])
+    out = tmp_path / "envoy.yaml"
+    token = tmp_path / "extproc.token"
+    token.write_text("compose-test-token\n")
+    argv[argv.index("--out") + 1] = str(out)
+    argv[argv.index("--extproc-auth-token-file") + 1] = str(token)
+    subprocess.run([sys.executable, "-m", "prefixroute", *argv], check=True, timeout=60)
+    return out
 
 
 def test_envoy_admin_stays_on_loopback_inside_its_container(tmp_path):
-    argv = _prefixroute_argv(SERVICES["envoy"])
-    out = tmp_path / "envoy.yaml"
-    argv[argv.index("--out") + 1] = str(out)
-    subprocess.run([sys.executable, "-m", "prefixroute", *argv], check=True, timeout=60)
+    out = _render_envoy_service_config(tmp_path)
     admin = yaml.safe_load(out.read_text())["admin"]["address"]["socket_address"]
     assert admin["address"] == "127.0.0.1" and admin["port_value"] == 9901
 
 
 def test_envoy_service_config_is_accepted_by_envoy(tmp_path):
     """Render the envoy service's configuration with its own flags and let real Envoy validate it."""
-    argv = _prefixroute_argv(SERVICES["envoy"])
-    out = tmp_path / "envoy.yaml"
-    argv[argv.index("--out") + 1] = str(out)
-    subprocess.run([sys.executable, "-m", "prefixroute", *argv], check=True, timeout=60)
+    out = _render_envoy_service_config(tmp_path)
+    assert "compose-test-token" in out.read_text()  # Envoy presents it to the ext_proc service
     from prefixroute.extproc.gateway import envoy_binary
 
     proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
