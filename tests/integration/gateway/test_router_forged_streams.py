@@ -13,6 +13,7 @@ now none of them marks a live endpoint down, and every victim is served where it
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
 import itertools
 import os
@@ -63,9 +64,12 @@ def _set_headers(resp: object) -> dict[str, str]:
 
 
 class Attacker:
-    """Forged streams against the ext_proc port until stopped (a thread with its own event loop)."""
+    """Forged streams against the ext_proc port until stopped (a thread with its own event loop). It holds the
+    gateway's bearer token: the worst case, someone who got past the port's authentication (without the token
+    every stream is refused: test_gateway_hardening_extproc_auth.py), so the trust rule itself is tested."""
 
-    def __init__(self, port: int, endpoints: list[str]) -> None:
+    def __init__(self, port: int, endpoints: list[str], token: str) -> None:
+        self.metadata = (("authorization", f"Bearer {token}"),)
         self.port = port
         self.endpoints = endpoints
         self.stop = threading.Event()
@@ -112,7 +116,7 @@ class Attacker:
 
     async def _run(self) -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{self.port}") as channel:
-            process = wire.process_call(channel)
+            process = functools.partial(wire.process_call(channel), metadata=self.metadata)
             for i in itertools.count():
                 if self.stop.is_set():
                     return
@@ -135,7 +139,7 @@ def test_forged_streams_mark_no_endpoint_down_and_victims_stay_on_their_endpoint
     assert status == 200, body
     home = headers[SERVER_ID]
 
-    attacker = Attacker(gw.extproc_port, fleet.endpoints)
+    attacker = Attacker(gw.extproc_port, fleet.endpoints, gw.auth_token)
     attacker.thread.start()
     results: list[tuple[int, str]] = []
     try:
