@@ -6,24 +6,23 @@ Authentication (both optional, independent, and invisible to the servicer):
 - Bearer token: with `auth_token` (or `auth_token_file`) set, every stream must carry gRPC metadata
   ``authorization: Bearer <token>`` (Envoy's ``extproc_auth_token`` on both ext_proc filters); any other stream
   is refused with UNAUTHENTICATED before it reaches the servicer, so it can neither route nor report. The check
-  is one metadata scan and a constant-time compare per stream, never per message.
+  is one metadata scan and a constant-time compare per stream, never per message (`prefixroute.grpc_auth`,
+shared with the OTLP receiver).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
-import logging
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import grpc
 
+from prefixroute import grpc_auth
 from prefixroute.extproc import wire
 from prefixroute.extproc.servicer import ExtProcServicer, RouterService
 from prefixroute.extproc.tracking import NULL_TRACKER, Tracker
+from prefixroute.grpc_auth import BearerTokenInterceptor, read_token
 from prefixroute.settings import Settings, setting
 
 
@@ -51,66 +50,20 @@ class ExtprocSettings(Settings):
                               "Bearer <token>`; Envoy's extproc_auth_token); others get UNAUTHENTICATED. Give it "
                               "by environment (PREFIXROUTE_EXTPROC_AUTH_TOKEN) or auth_token_file, not on the "
                               "command line (visible in ps). Empty = no token check.")
-    auth_token_file: str = setting("", "File holding auth_token (surrounding whitespace ignored); used when "
-                                   "auth_token is empty.")
+    auth_token_file: str = setting("", "File holding auth_token (surrounding whitespace ignored), instead of "
+                                   "auth_token (giving both is an error).")
 
 
-log = logging.getLogger(__name__)
 
-
-def resolved_auth_token(s: ExtprocSettings) -> str:
-    """`auth_token`, else the stripped content of `auth_token_file`, else "" (no check). OSError when the file
-    cannot be read; ValueError when it is empty."""
-    if s.auth_token:
-        return s.auth_token
-    if s.auth_token_file:
-        token = Path(s.auth_token_file).read_text().strip()
-        if not token:
-            raise ValueError(f"auth_token_file {s.auth_token_file} is empty")
-        return token
-    return ""
+def resolved_auth_token(s: ExtprocSettings) -> str | None:
+    """The bearer token streams must present (None: no check); ValueError on a bad combination or file."""
+    return read_token(s.auth_token, s.auth_token_file)
 
 
 def server_credentials(s: ExtprocSettings) -> grpc.ServerCredentials | None:
-    """TLS credentials per the settings (None = plaintext). ValueError on an incomplete combination; OSError
-    when a file cannot be read."""
-    if not (s.tls_cert_file or s.tls_key_file or s.tls_client_ca_file):
-        return None
-    if not (s.tls_cert_file and s.tls_key_file):
-        raise ValueError("TLS needs both tls_cert_file and tls_key_file (tls_client_ca_file alone is not enough)")
-    ca = Path(s.tls_client_ca_file).read_bytes() if s.tls_client_ca_file else None
-    return grpc.ssl_server_credentials([(Path(s.tls_key_file).read_bytes(), Path(s.tls_cert_file).read_bytes())],
-                                       root_certificates=ca, require_client_auth=ca is not None)
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call whose metadata lacks ``authorization: Bearer <token>`` with UNAUTHENTICATED.
-    Runs once per call (stream), before the handler: the servicer never sees a refused stream."""
-
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("empty bearer token")
-        self._expected = f"Bearer {token}".encode()
-        self._refuse = grpc.stream_stream_rpc_method_handler(self._unauthenticated)
-        self.num_refused = 0
-
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-                                handler_call_details: grpc.HandlerCallDetails) -> Any:
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else value
-                # Constant time: the comparison leaks nothing about how much of the token matched.
-                if hmac.compare_digest(got, self._expected):
-                    return await continuation(handler_call_details)
-                break
-        self.num_refused += 1
-        if self.num_refused in (1, 10, 100) or self.num_refused % 1000 == 0:
-            log.warning("refused %d ext_proc stream(s) without the right bearer token", self.num_refused)
-        return self._refuse
-
-    @staticmethod
-    async def _unauthenticated(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+    """TLS credentials per the settings (None = plaintext); ValueError on an incomplete combination or an
+    unreadable file."""
+    return grpc_auth.server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
 
 
 async def start_server(router: RouterService, s: ExtprocSettings, tracker: Tracker = NULL_TRACKER
@@ -120,7 +73,7 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     (module doc); ValueError/OSError when their settings or files are wrong."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
-    server = grpc.aio.server(interceptors=[BearerTokenInterceptor(token)] if token else None, options=[
+    server = grpc.aio.server(interceptors=[BearerTokenInterceptor(token, label="ext_proc")] if token else None, options=[
         # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
         ("grpc.max_concurrent_streams", 100000),
         # Bodies arrive whole (BUFFERED): gRPC's default 4 MiB cap would fail bodies Envoy already accepted

@@ -163,18 +163,9 @@ class ReceiverSettings(Settings):
     def resolved_token(self) -> str | None:
         """The bearer token (from auth_token or auth_token_file), None when none is configured; raises
         ValueError for both at once or an empty / unreadable file."""
-        if self.auth_token and self.auth_token_file:
-            raise ValueError("give --auth-token or --auth-token-file, not both")
-        if self.auth_token_file:
-            try:
-                with open(self.auth_token_file, encoding="utf-8") as f:
-                    token = f.read().strip()
-            except OSError as exc:
-                raise ValueError(f"--auth-token-file: {exc}") from None
-            if not token:
-                raise ValueError(f"--auth-token-file {self.auth_token_file} is empty")
-            return token
-        return self.auth_token.strip() or None
+        from prefixroute.grpc_auth import read_token  # lazily: `dump` needs no grpc
+
+        return read_token(self.auth_token, self.auth_token_file)
 
     def server_tls(self):  # noqa: ANN201 - receiver.ServerTls | None (imported lazily: grpc)
         """The TLS configuration, None without --tls-cert-file; ValueError for an incomplete one."""

@@ -100,7 +100,7 @@ def query(reader: StoreReader, path: str, q: dict[str, list[str]]) -> Any:
 
 
 def make_handler(db_path: str, stats: Any | None, auth_token: str | None = None) -> type[BaseHTTPRequestHandler]:
-    from prefixroute.telemetry.receiver import bearer_matches
+    from prefixroute.grpc_auth import bearer_matches
 
     token = auth_token.encode() if auth_token else None
 

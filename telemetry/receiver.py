@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import queue
@@ -44,6 +43,7 @@ from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from prefixroute.grpc_auth import BearerTokenInterceptor, server_credentials
 from prefixroute.telemetry import attributes as A
 from prefixroute.telemetry.store import DEFAULT_MAX_BYTES, TelemetryStore
 
@@ -210,6 +210,9 @@ class ReceiverStats:
         self.num_metric_points = 0
         self.num_log_records = 0
 
+    def count_unauthenticated(self) -> None:
+        self.num_unauthenticated += 1
+
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
 
@@ -350,44 +353,6 @@ the request in halves). 16 MiB: four times the 4 MiB that OTLP exporters and Col
 default, and a bound on the memory one request can take."""
 
 
-class BearerAuth(grpc.aio.ServerInterceptor):
-    """Every call must carry ``authorization: Bearer <token>`` (compared in constant time); any other is
-    answered UNAUTHENTICATED before its request is even parsed."""
-
-    def __init__(self, token: str, stats: ReceiverStats | None = None) -> None:
-        if not token:
-            raise ValueError("empty bearer token")
-        self._token = token.encode()
-        self._stats = stats
-
-        async def deny(request: bytes, context: grpc.aio.ServicerContext) -> None:
-            if self._stats is not None:
-                self._stats.num_unauthenticated += 1
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        # No request deserializer: a refused request is never parsed.
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def allows(self, authorization: str | bytes | None) -> bool:
-        return bearer_matches(authorization, self._token)
-
-    async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization" and self.allows(value):
-                return await continuation(handler_call_details)
-        return self._deny
-
-
-def bearer_matches(authorization: str | bytes | None, token: bytes) -> bool:
-    """True when an Authorization value is ``Bearer <token>`` (scheme case-insensitive; constant-time
-    comparison of the token, so its bytes cannot be guessed one at a time from response times)."""
-    if not authorization:
-        return False
-    value = authorization.encode("latin-1", "replace") if isinstance(authorization, str) else authorization
-    scheme, _, given = value.strip().partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token)
-
-
 @dataclasses.dataclass(frozen=True)
 class ServerTls:
     """PEM files of the receiver's TLS: its certificate chain and key, and, for mutual TLS, the CA whose
@@ -398,13 +363,8 @@ class ServerTls:
     client_ca_file: str | None = None
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
-        def read(path: str) -> bytes:
-            with open(path, "rb") as f:
-                return f.read()
-
-        client_ca = read(self.client_ca_file) if self.client_ca_file else None
-        return grpc.ssl_server_credentials([(read(self.key_file), read(self.cert_file))],
-                                           root_certificates=client_ca, require_client_auth=client_ca is not None)
+        """ValueError when a file cannot be read."""
+        return server_credentials(self.cert_file, self.key_file, self.client_ca_file or "")  # type: ignore[return-value]
 
 
 class Receiver:
@@ -438,7 +398,8 @@ class Receiver:
         creds = self.tls.grpc_credentials() if self.tls is not None else None  # unreadable files: fail first
         store = TelemetryStore(self.db_path, **self._store_args)
         self.writer = StoreWriter(store, self.stats, **self._writer_args)
-        interceptors = [BearerAuth(self.auth_token, self.stats)] if self.auth_token else []
+        interceptors = [BearerTokenInterceptor(self.auth_token, label="telemetry receiver",
+                                             on_refused=self.stats.count_unauthenticated)] if self.auth_token else []
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", 1 << 20)])  # answers are tiny

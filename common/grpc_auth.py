@@ -1,0 +1,111 @@
+"""Authentication of prefixroute's gRPC servers, the ext_proc service and the OTLP receiver: one implementation,
+so their rules cannot drift apart.
+
+- Bearer token: every call must carry ``authorization: Bearer <token>`` (scheme case-insensitive). The token is
+  compared in constant time (`bearer_matches`), so its bytes cannot be found one at a time from response
+  times. A refused call is answered UNAUTHENTICATED by `BearerTokenInterceptor` before its handler runs and
+  before its request is parsed: the service behind it never sees it.
+- TLS (`server_credentials`): a certificate chain and key; with a client CA, mutual TLS (a client without a
+  certificate signed by it fails the handshake).
+- Tokens are given inline (an environment variable) or in a file (`read_token`), never on the command line
+  in deployments: argv is world-readable in /proc.
+
+The interceptor keeps one counter and is used from one event loop (grpc.aio); the functions are pure.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+def read_token(token: str, token_file: str) -> str | None:
+    """The bearer token: `token` (stripped), or the stripped content of `token_file`; None when neither is set.
+    ValueError when both are set, or the file is unreadable or empty (a misconfiguration worth refusing to
+    start for, never a silent "no authentication")."""
+    if token and token_file:
+        raise ValueError("give the auth token or the auth token file, not both")
+    if token_file:
+        try:
+            value = Path(token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"auth token file: {exc}") from None
+        if not value:
+            raise ValueError(f"auth token file {token_file} is empty")
+        return value
+    return token.strip() or None
+
+
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "") -> grpc.ServerCredentials | None:
+    """TLS credentials (None = plaintext, when no file is given); mutual TLS when `client_ca_file` is set.
+    ValueError for an incomplete combination or an unreadable file."""
+    if not (cert_file or key_file or client_ca_file):
+        return None
+    if not (cert_file and key_file):
+        raise ValueError("TLS needs both a certificate file and a key file (a client CA alone is not enough)")
+
+    def read(path: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"TLS file: {exc}") from None
+
+    client_ca = read(client_ca_file) if client_ca_file else None
+    return grpc.ssl_server_credentials([(read(key_file), read(cert_file))], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def bearer_matches(authorization: str | bytes | None, token: bytes) -> bool:
+    """True when an Authorization value is ``Bearer <token>`` (constant-time comparison of the token)."""
+    if not authorization:
+        return False
+    value = authorization.encode("latin-1", "replace") if isinstance(authorization, str) else authorization
+    scheme, _, given = value.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token)
+
+
+async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+
+# No request deserializer: a refused request is never parsed. One per RPC shape, as gRPC requires.
+_DENY = {(False, False): grpc.unary_unary_rpc_method_handler(_deny),
+         (False, True): grpc.unary_stream_rpc_method_handler(_deny),
+         (True, False): grpc.stream_unary_rpc_method_handler(_deny),
+         (True, True): grpc.stream_stream_rpc_method_handler(_deny)}
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED, every call (a stream counts once) whose metadata lacks the bearer token.
+    `on_refused` is called once per refused call (a counter of the service's own); refusals are also logged at
+    1, 10, 100 and every 1,000th, so a flood does not flood the log. `label` names the service in the log."""
+
+    def __init__(self, token: str, *, label: str, on_refused: Callable[[], None] | None = None) -> None:
+        if not token:
+            raise ValueError("empty bearer token")
+        self._token = token.encode()
+        self._label = label
+        self._on_refused = on_refused
+        self.num_refused = 0
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                if bearer_matches(value, self._token):
+                    return await continuation(handler_call_details)
+                break
+        self.num_refused += 1
+        if self._on_refused is not None:
+            self._on_refused()
+        if self.num_refused in (1, 10, 100) or self.num_refused % 1000 == 0:
+            log.warning("%s: refused %d call(s) without the right bearer token", self._label, self.num_refused)
+        handler = await continuation(handler_call_details)  # only its shape: it never runs
+        return None if handler is None else _DENY[handler.request_streaming, handler.response_streaming]
