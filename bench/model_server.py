@@ -28,6 +28,7 @@ import time
 
 from prefixroute.model_servers import cost_model
 from prefixroute.model_servers.profiles import DEFAULT_PROFILE, get_profile
+from prefixroute.procs import parent_death_preexec
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +58,8 @@ def _cpu_s(pid: int, which: str = "both") -> float:
 
 def _start(*args: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-m", "prefixroute", "model-server", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=parent_death_preexec())
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("READY "):

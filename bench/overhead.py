@@ -34,7 +34,7 @@ import orjson
 from prefixroute import settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
-from prefixroute.procs import free_port, stop_group, tcp_open
+from prefixroute.procs import free_port, parent_death_preexec, stop_group, tcp_open
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, envoy_binary
 from prefixroute.bench.http_load import build_request, latency_ms, max_rate, stream_token_times
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -143,7 +143,8 @@ def run(s: OverheadBenchSettings) -> int:
     up_port = free_port()
     upstream = subprocess.Popen([sys.executable, "-m", "prefixroute.bench.fast_upstream", str(up_port),
                                  str(s.itl_ms)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=parent_death_preexec())
     baseline: subprocess.Popen[bytes] | None = None
     endpoint = f"127.0.0.1:{up_port}"
     try:
@@ -162,7 +163,8 @@ def run(s: OverheadBenchSettings) -> int:
                                                  extproc_enabled=False)))
         baseline = subprocess.Popen([envoy_binary(), "-c", str(base_cfg), "--disable-hot-restart",
                                      "--concurrency", "1", "-l", "warning"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=parent_death_preexec())
         gw = GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=s.telemetry),
                               RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
                               log_dir=tmp, envoy_overrides={"report_served": s.report_served},

@@ -25,6 +25,7 @@ import time
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from prefixroute.extproc.routing.types import Decision
+from prefixroute.procs import parent_death_preexec
 from prefixroute.telemetry.metrics import RouterMetrics
 from prefixroute.telemetry.recorder import TelemetryRecorder, record_attributes
 from prefixroute.telemetry.records import RequestRecord
@@ -122,7 +123,8 @@ async def loop_lag(rps: float, seconds: float) -> dict[str, float]:
         # The receiver runs in its own process, as deployed, so only the router side's cost is measured.
         receiver = subprocess.Popen([sys.executable, "-m", "prefixroute", "telemetry", "--port", "0",
                                      "--http-port", "-1", "--db", f"{d}/bench.db"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                    preexec_fn=parent_death_preexec())
         try:
             port = int(re.search(r"OTLP/gRPC on [\d.]+:(\d+)", receiver.stdout.readline()).group(1))
             base = await _loop_lag(seconds, rps, None)
