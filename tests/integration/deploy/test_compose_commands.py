@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from helpers import free_ports
+from helpers.procs import stop_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -80,9 +81,5 @@ def test_service_command_passes_its_healthcheck(name, tmp_path):
             assert time.monotonic() < deadline, "healthcheck never passed:\n" + (tmp_path / "log.txt").read_text()
             time.sleep(0.5)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_group(proc, grace_s=15)  # the whole session: the shell and the service it started
         log.close()
