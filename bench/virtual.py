@@ -166,10 +166,119 @@ class SglangCacheAwareModel:
         return i
 
 
+class OracleModel:
+    """A router no real one can be (issue 12's "limit"): it sees each simulated server's true state. For each
+    server: the true prefix-cache hit (`VirtualFleet.cached_prefix_tokens`) or the blocks it shares with a
+    request still prefilling there (it will be cached first), whichever is longer; the true prefill tokens left
+    of the requests there that have no first token yet; the decoding requests. It prices them with the
+    server's own cost model (steps of ``max_num_batched_tokens`` tokens; each decoding request adds one
+    sequence to each step) and picks the least score = true TTFT + `work_weight` x the request's own prefill
+    seconds (the work it adds for later requests: with 0 it is greedy least-TTFT, which replicates every
+    prefix under load). Ties: longest true hit, then the first server.
+
+    Greedy with true state, not a proven optimum: a better schedule might exist, so a policy may beat it at
+    some points (the sweep then shows a negative gap)."""
+
+    def __init__(self, fleet: VirtualFleet, *, work_weight: float = 0.5) -> None:
+        self.fleet = fleet
+        self.work_weight = work_weight
+        cfg = fleet.spec.config
+        self._chunk = cfg.max_num_batched_tokens
+        self._scale = cfg.time_scale
+        self._cost = fleet.engines[0].cost
+        self._full_step_s = self._cost.prefill_time_s(self._chunk) * self._scale
+        # Per server: block hash -> count of unfinished-prefill requests routed there carrying it.
+        self._prefilling: list[dict[int, int]] = [{} for _ in fleet.engines]
+        self._pending: dict[str, tuple[int, list[int]]] = {}
+        self._own: dict[str, int] = {}  # request id -> uncached prompt tokens at its pick (until it ends)
+
+    def _time_s(self, tokens: float, num_decoding: int) -> float:
+        full, rest = divmod(max(tokens, 1.0), self._chunk)
+        t = full * self._full_step_s + self._cost.prefill_time_s(int(rest) or 1) * self._scale
+        steps = full + 1
+        if num_decoding:  # each step also carries the decoding sequences: their marginal cost per step
+            t += steps * (self._cost.decode_time_s(num_decoding + 1, 1024)
+                          - self._cost.decode_time_s(1, 1024)) * self._scale
+        return t
+
+    def _settle(self) -> None:
+        """Requests past their first token stop counting as prefilling (their blocks are in the cache)."""
+        done = []
+        for rid, (i, hashes) in self._pending.items():
+            for r in self.fleet.engines[i].running:
+                if r.request_id == rid and r.first_token_s is not None:
+                    done.append(rid)
+                    break
+        for rid in done:
+            self.forget(rid)
+
+    def forget(self, request_id: str, *, ended: bool = False) -> None:
+        if ended:
+            self._own.pop(request_id, None)
+        item = self._pending.pop(request_id, None)
+        if item is None:
+            return
+        i, hashes = item
+        pre = self._prefilling[i]
+        for h in hashes:
+            c = pre.get(h, 0) - 1
+            if c > 0:
+                pre[h] = c
+            else:
+                pre.pop(h, None)
+
+    def choose(self, req: SimRequest) -> int:
+        self._settle()
+        fleet = self.fleet
+        bs = fleet.block_size
+        hits = fleet.cached_prefix_tokens(req)
+        hashes = fleet._hashes(req)
+        max_hit = (len(req.prompt_ids) - 1) // bs
+        n_prompt = len(req.prompt_ids)
+        best: tuple[float, int, int] | None = None
+        for i, core in enumerate(fleet.engines):
+            pre = self._prefilling[i]
+            shared = 0
+            if pre:
+                for h in hashes[:max_hit]:
+                    if h not in pre:
+                        break
+                    shared += 1
+            cached = max(hits[i], shared * bs)
+            own = n_prompt - cached
+            queued = 0
+            decoding = 0
+            for r in core.running:
+                if r.first_token_s is None:
+                    queued += r.num_prompt_tokens - r.num_computed
+                else:
+                    decoding += 1
+            own_of = self._own
+            for r in core.waiting:  # not admitted yet: its hit was known at its pick
+                queued += own_of.get(r.request_id, r.num_prompt_tokens)
+            ttft = self._time_s(queued + own, decoding)
+            score = ttft + self.work_weight * self._time_s(own, 0)
+            key = (score, -cached, i, own)
+            if best is None or key < best:
+                best = key
+        i = best[2]  # type: ignore[index]
+        kept = hashes[:max_hit]
+        pre = self._prefilling[i]
+        for h in kept:
+            pre[h] = pre.get(h, 0) + 1
+        self._pending[req.request_id] = (i, kept)
+        self._own[req.request_id] = best[3]  # type: ignore[index]
+        return i
+
+
 SIM_ROUTERS: dict[str, Callable[[Sequence[str]], Any]] = {
     "sim:sglang-cache-aware": SglangCacheAwareModel,
+    "sim:oracle": OracleModel,
 }
-"""Models of other routers that --virtual can run by name (``sim:NAME``)."""
+"""Models of other routers that --virtual can run by name (``sim:NAME``). ``sim:oracle`` is built on the fleet
+itself (`ORACLES`), the others on its endpoint ids."""
+
+ORACLES = frozenset({"sim:oracle"})
 
 
 class _Arrivals:
@@ -251,16 +360,26 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     if policy.startswith("sim:"):
         if policy not in SIM_ROUTERS:
             raise ValueError(f"unknown simulated router {policy!r}; choose one of {', '.join(SIM_ROUTERS)}")
-        model = SIM_ROUTERS[policy](fleet.endpoint_ids)
         ids = fleet.endpoint_ids
         in_flight = pool.in_flight
+        if policy in ORACLES:
+            oracle = OracleModel(fleet)
 
-        def route(req: SimRequest, fl: VirtualFleet) -> int:
-            i = model.choose(model.request_text(req.body), [in_flight[e] for e in ids])
-            pool.acquire(ids[i])
-            return i
+            def route(req: SimRequest, fl: VirtualFleet) -> int:
+                i = oracle.choose(req)
+                pool.acquire(ids[i])
+                return i
+        else:
+            model = SIM_ROUTERS[policy](fleet.endpoint_ids)
+
+            def route(req: SimRequest, fl: VirtualFleet) -> int:
+                i = model.choose(model.request_text(req.body), [in_flight[e] for e in ids])
+                pool.acquire(ids[i])
+                return i
 
         def release(result: SimResult) -> None:
+            if policy in ORACLES:
+                oracle.forget(result.request_id, ended=True)
             if result.endpoint is not None:
                 pool.release(result.endpoint)
     else:
@@ -268,15 +387,50 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         # track_prefill: every pick is released (below), as the gateway releases each one.
         router = PoolRouter(RouterCore(routing, track_prefill=True), pool)
         picks: dict[str, Any] = {}  # request id -> its pick, until the response ends
+        # First-token events: the fleet reports a request only when it ends, so the requests routed and not
+        # yet past their first token are checked at each decision (all a policy can act on) and at the end.
+        no_token: dict[str, Any] = {}  # request id -> pick, first token not yet delivered
+        engine_of = {ep: fleet.engines[i] for i, ep in enumerate(fleet.endpoint_ids)}
+        core = router.core
+
+        def first_token(rid: str, pick: Any, now_s: float, first_token_s: float, prompt_tokens: int,
+                        cached_tokens: int) -> None:
+            del no_token[rid]
+            core.on_first_token(pick.request, pick.decision, first_token_s - pick_time[rid], prompt_tokens,
+                                cached_tokens)
+
+        pick_time: dict[str, float] = {}
+
+        def deliver_first_tokens(now_s: float) -> None:
+            if not no_token:
+                return
+            waiting_on = {}
+            for rid, pick in no_token.items():
+                waiting_on.setdefault(pick.counted, {})[rid] = pick
+            for ep, rids in waiting_on.items():
+                for r in engine_of[ep].running:
+                    if r.first_token_s is not None and r.request_id in rids:
+                        first_token(r.request_id, rids[r.request_id], now_s, r.first_token_s,
+                                    r.num_prompt_tokens, r.num_cached_tokens)
 
         def route(req: SimRequest, fl: VirtualFleet) -> str:
+            deliver_first_tokens(fl.now_s)
             pick = router.route("POST", req.path, req.headers, req.body)
             picks[req.request_id] = pick
+            no_token[req.request_id] = pick
+            pick_time[req.request_id] = fl.now_s
             return pick.endpoint_ids[0]
 
         def release(result: SimResult) -> None:
             pick = picks.pop(result.request_id, None)
             if pick is not None:  # None: the router refused it (nothing was counted)
+                if result.request_id in no_token:
+                    if result.first_token_s is not None and result.status == 200:
+                        first_token(result.request_id, pick, result.finished_s, result.first_token_s,
+                                    result.prompt_tokens, result.cached_tokens)
+                    else:
+                        del no_token[result.request_id]
+                pick_time.pop(result.request_id, None)
                 router.release(pick)
 
     arrivals = _Arrivals(workload, sims, concurrency)

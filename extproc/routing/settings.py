@@ -13,6 +13,7 @@ POLICIES: dict[str, str] = {
     "least-load": "",
     "round-robin": "",
     "random": "",
+    "ttft": "opt-in: least predicted time-to-first-token, see ttft_* settings",
 }
 """The scheduling policies, name -> note for the help text (empty: the name says it): the default first, then
 the baselines from the most to the least informed. The one declaration of the names: `RoutingSettings.policy`
@@ -24,7 +25,8 @@ DEFAULT_POLICY = next(iter(POLICIES))
 
 def _policy_help() -> str:
     listed = ", ".join(f"{name} ({note})" if note else name for name, note in POLICIES.items())
-    return f"Scheduling policy: {listed}. The last four exist for comparison."
+    return (f"Scheduling policy: {listed}. consistent-hash, least-load, round-robin and random exist for "
+            "comparison.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +129,27 @@ class RoutingSettings(Settings):
         "Prefix-index LRU capacity (router blocks) per endpoint until its KV capacity is scraped from "
         "vllm:cache_config_info: 31,250 blocks x 16 tokens = 500k tokens, the KV cache of an 80 GB-class GPU "
         "serving an 8B model (the figure GIE uses).")
+    ttft_prior_tokens_per_s: float = setting(
+        12800.0,
+        "ttft policy: prefill tokens per second an endpoint is assumed to compute until its own responses teach "
+        "the router its rate (learned per endpoint from TTFT, prompt and cached tokens). 12,800 = the simulated "
+        "Llama 3.1 70B on TP4 H200s (model_servers/profiles.py, an 8,000-token prefill in 0.62 s); an 8B on "
+        "one H200 is ~35,000. A wrong prior only costs the first few dozen decisions per endpoint.")
+    ttft_prior_base_s: float = setting(
+        0.015,
+        "ttft policy: TTFT at zero queued work (one engine step plus scheduling) until learned: ~15 ms is one "
+        "small step of the simulated 70B and 8B profiles.")
+    ttft_rate_window: float = setting(
+        64.0,
+        "ttft policy: responses over which an endpoint's learned rate is averaged (exponential weights): 64 "
+        "follows a change of speed within about a minute at one request per second per endpoint while one odd "
+        "response moves the rate by under 2%.")
+    ttft_work_weight: float = setting(
+        0.5,
+        "ttft policy: the score is predicted TTFT + this x the seconds of prefill the request adds to the "
+        "endpoint. Added prefill delays the requests that arrive behind it (at 50% utilisation about one, "
+        "rho / (1 - rho)), which the request's own TTFT does not see; 0 = pure least predicted TTFT, which "
+        "leaves a prefix holder at a tie and replays the spill loop of issue 12.")
     rng_seed: int | None = setting(
         None,
         "Seed of the random generator used for tie breaks and the random policy; unset = from the OS. Set it "
@@ -149,7 +172,9 @@ class RoutingSettings(Settings):
             raise ValueError(f"cold_balance_factor must be >= 1; got {self.cold_balance_factor}")
         if self.balance_factor < 1.0:
             raise ValueError(f"balance_factor must be >= 1; got {self.balance_factor}")
-        for name in ("prefix_weight", "load_cost_tokens", "queue_cost_tokens", "kv_cost_tokens", "balance_slack"):
+        if self.ttft_prior_tokens_per_s <= 0 or self.ttft_rate_window < 1:
+            raise ValueError("ttft_prior_tokens_per_s must be > 0 and ttft_rate_window >= 1")
+        for name in ("ttft_prior_base_s", "ttft_work_weight", "prefix_weight", "load_cost_tokens", "queue_cost_tokens", "kv_cost_tokens", "balance_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
 

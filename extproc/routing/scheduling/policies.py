@@ -34,6 +34,7 @@ requests differ 100x in length.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import random
@@ -46,6 +47,7 @@ from prefixroute.extproc.routing.scheduling import filters, pickers
 from prefixroute.extproc.routing.scheduling.scorers import (InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer,
                                                     Scorer, ScoringContext, weighted_scores)
 from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
+from prefixroute.extproc.routing.timemodel import TimeModel
 from prefixroute.extproc.routing.types import BlockHash, Decision, DecisionReason, EndpointId, EndpointState
 
 
@@ -99,6 +101,13 @@ class Policy:
         """Contract: `request`, routed by `decision` (from this policy's `decide`), ended: finished, failed or
         was cancelled. At most once per decision, exactly once when `track_prefill`; it may come after the
         primary left the pool (`on_endpoint_removed`) and must then be absorbed. No-op by default."""
+
+    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float, prompt_tokens: int,
+                       cached_tokens: int) -> None:
+        """Contract: `request`, routed by `decision`, got its first token `ttft_s` after its pick; the serving
+        endpoint reported `prompt_tokens` and `cached_tokens` (usage). At most once per decision, before its
+        `on_release`; it may never come (a caller that cannot see first tokens, a failed request), so a policy
+        must also undo on `on_release` what this would have undone. No-op by default."""
 
     def on_endpoint_removed(self, endpoint: EndpointId) -> None:
         """Contract: `endpoint` left the pool; what this policy keeps for it goes (an endpoint of that name
@@ -462,7 +471,165 @@ class PrefixPolicy(Policy):
         return out
 
 
-_CLASSES_BY_NAME = {p.name: p for p in (PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy, RoundRobinPolicy,
+TTFT_TIE_S = 0.001
+"""Scores within 1 ms are a tie (then: the longest match, then rendezvous order): far below one prefill
+step, so it only groups endpoints that are equally idle, where placement should be stable (rendezvous)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _TtftPick:
+    endpoint: EndpointId
+    queued_tokens: float
+    num_decoding: int
+    predicted_s: float
+
+
+class TtftPolicy(Policy):
+    """Least predicted time-to-first-token (issue 12, opt-in), priced with `timemodel.TimeModel`.
+
+    For each candidate endpoint: its uncached prefill for this request (prompt tokens estimated from
+    characters / ``chars_per_token``, less the matched prefix: the prefix index or a pending prefix there,
+    the larger; a match of every hashed block when the prompt is longer than ``max_blocks`` counts the
+    unhashed rest as cached too, less one block), its pending prefill queue, its decoding requests (in flight
+    less pending) at ``load_cost_tokens`` each. Score = predicted TTFT + ``ttft_work_weight`` x the request's
+    own prefill seconds there (the work it adds for later requests). Lowest score wins; scores within
+    `TTFT_TIE_S` tie, broken by the longest match (the holder), then rendezvous order on the prefix key (cold
+    prefixes land where `ConsistentHashPolicy` would put them at equal load). Fallbacks: next lowest scores.
+    So a request leaves its prefix holder only when another endpoint, full prefill included, is predicted
+    faster; a hot prefix replicates when its holder's queue makes that true (the router records the replica
+    in the index with the pick), and a burst of a new prefix stays on one endpoint (the siblings match its
+    pending prefix; moving them would add a whole prefill for no earlier first token).
+
+    Candidates: every eligible endpoint up to ``max_scored_endpoints``; beyond, the holders, the first
+    1 + num_fallbacks in rendezvous order and a random sample (`PrefixPolicy._sample`).
+
+    State (only with `track_prefill`: pending entries need their release): the time model's per-endpoint
+    rates, learned from `on_first_token`, and pending requests (added at the pick, removed at first token or
+    release). Without `track_prefill` the model keeps its priors and sees no queue (pure prefix + rendezvous).
+    `predictions` keeps the last (predicted, actual) TTFT pairs of the primaries, for benchmarks."""
+
+    name = "ttft"
+
+    def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
+        super().__init__(settings, rng, track_prefill=track_prefill)
+        self.model = TimeModel(settings.ttft_prior_tokens_per_s, settings.ttft_prior_base_s,
+                               decode_cost_tokens=settings.load_cost_tokens, window=settings.ttft_rate_window)
+        self._tpc = 1.0 / settings.chars_per_token
+        self._tpb = settings.tokens_per_block
+        self._picks: dict[int, _TtftPick] = {}  # id(request) -> its pick, until first token or release
+        self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
+
+    def _uncached(self, prompt_tokens: float, matched: int, num_hashed: int) -> float:
+        if matched <= 0:
+            return prompt_tokens
+        if matched >= num_hashed and num_hashed >= self._settings.max_blocks:
+            return min(prompt_tokens, self._tpb)
+        return max(0.0, prompt_tokens - matched * self._tpb)
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        st = self._settings
+        k = self._k
+        req = inp.request
+        hashes = req.block_hashes
+        eligible = inp.eligible
+        matches = inp.matches
+        model = self.model
+        # Pending prefixes (usually the same endpoints the index names: it records each pick at once).
+        pend = model.pending_endpoints() if hashes else ()
+        if pend:
+            names = inp.view.position if inp.view is not None and inp.view.endpoints is eligible else {
+                s.endpoint for s in eligible}
+            merged = dict(matches)
+            for ep in pend:
+                if ep in names:
+                    m = model.pending_match(ep, hashes)
+                    if m > merged.get(ep, 0):
+                        merged[ep] = m
+            matches = merged
+        limit_n = st.max_scored_endpoints
+        ranked: list[EndpointState] | None = None
+        if limit_n and len(eligible) > limit_n:
+            ranked = inp.rendezvous().ranked(prefix_key(req, st.cold_key_blocks))
+            holders = inp.holders if len(matches) == len(inp.holders) else [
+                s for s in eligible if s.endpoint in matches]
+            first = [s for s in ranked[:k] if s.endpoint not in matches]
+            candidates = PrefixPolicy._sample(self, eligible, [*holders, *first], limit_n)  # type: ignore[arg-type]
+        else:
+            candidates = eligible
+        prompt_tokens = req.num_prompt_chars * self._tpc
+        n_hashed = len(hashes)
+        in_flight = inp.in_flight
+        w = st.ttft_work_weight
+        scored: list[tuple[float, float, EndpointState, float, int]] = []
+        for s in candidates:
+            ep = s.endpoint
+            own = self._uncached(prompt_tokens, matches.get(ep, 0), n_hashed)
+            decoding = in_flight.get(ep, 0) - model.num_pending(ep)
+            if decoding < 0:
+                decoding = 0
+            pred = model.predict(ep, own, decoding)
+            scored.append((pred + w * own / model.rate(ep), pred, s, own, decoding))
+        best = min(x[0] for x in scored)
+        tied = [x for x in scored if x[0] <= best + TTFT_TIE_S]
+        if len(tied) > 1:
+            top = max(matches.get(x[2].endpoint, 0) for x in tied)
+            tied = [x for x in tied if matches.get(x[2].endpoint, 0) == top]
+        if len(tied) > 1:
+            if ranked is None:
+                ranked = inp.rendezvous().ranked(prefix_key(req, st.cold_key_blocks))
+            primary_ep = pickers.first_in_order(ranked, [x[2] for x in tied], 1)[0]
+            primary = next(x for x in tied if x[2].endpoint == primary_ep)
+        else:
+            primary = tied[0]
+        rest = sorted((x for x in scored if x is not primary), key=lambda x: x[0])
+        order = [primary[2].endpoint, *(x[2].endpoint for x in rest[:k - 1])]
+        if self.track_prefill:
+            key = id(req)
+            queued = model.add_pending(key, order[0], primary[3], hashes)
+            self._picks[key] = _TtftPick(order[0], queued, primary[4], primary[1])
+        if not hashes:
+            reason: DecisionReason = "load"
+        elif not matches:
+            reason = "cold"
+        else:
+            best_match = max(matches.values())
+            m = matches.get(order[0], 0)
+            reason = "affinity" if m >= best_match else ("spill" if m == 0 else "load")
+        n_total = len(hashes)
+        matched = matches.get(order[0], 0)
+        return Decision(endpoints=tuple(order), reason=reason, policy=self.name, matched_blocks=matched,
+                        total_blocks=n_total, predicted_hit_ratio=matched / n_total if n_total else 0.0)
+
+    def predicted_ttft_s(self, request: InferenceRequest) -> float | None:
+        """The predicted TTFT of `request`'s primary at its pick (None once it left the pending set)."""
+        p = self._picks.get(id(request))
+        return p.predicted_s if p is not None else None
+
+    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float, prompt_tokens: int,
+                       cached_tokens: int) -> None:
+        """The request's prefill leaves its endpoint's queue, and the endpoint's rate learns from it."""
+        p = self._picks.pop(id(request), None)
+        if p is None:
+            return
+        self.model.remove_pending(id(request))
+        self.model.observe(p.endpoint, prompt_tokens, cached_tokens, ttft_s, p.queued_tokens, p.num_decoding)
+        self.predictions.append((p.predicted_s, ttft_s))
+
+    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
+        """A request that ended without a reported first token leaves the queue (nothing learned)."""
+        if self._picks.pop(id(request), None) is not None:
+            self.model.remove_pending(id(request))
+
+    def on_endpoint_removed(self, endpoint: EndpointId) -> None:
+        self.model.forget_endpoint(endpoint)
+        for key in [key for key, p in self._picks.items() if p.endpoint == endpoint]:
+            del self._picks[key]
+
+    def on_cache_cleared(self, endpoint: EndpointId) -> None:
+        self.model.clear_prefixes(endpoint)
+
+
+_CLASSES_BY_NAME = {p.name: p for p in (TtftPolicy, PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy, RoundRobinPolicy,
                                          RandomPolicy)}
 POLICY_CLASSES: dict[str, type[Policy]] = {name: _CLASSES_BY_NAME[name] for name in POLICIES}
 """The class of every name in `settings.POLICIES`, in its order (a declared name without a class fails here)."""

@@ -1,0 +1,266 @@
+"""A time model of each endpoint: predicted time-to-first-token (TTFT) of a request there (issue 12). Pure: no
+I/O, no clock; the caller says when a request was picked, got its first token or ended.
+
+For a request and a candidate endpoint::
+
+    predicted TTFT = base_s + (queued + decode_cost_tokens x decoding + own) / rate
+
+- ``queued``: uncached prefill tokens of the requests picked for the endpoint and not yet past their first
+  token (`add_pending` / `remove_pending`): the prefill work ahead of this request there (engines schedule
+  prefills first come, first served);
+- ``decoding``: requests in flight there past their first token; each adds about ``decode_cost_tokens`` of
+  work to every step the prefill shares with them;
+- ``own``: this request's uncached prefill there (the caller's estimate: prompt less the matched prefix);
+- ``rate`` (tokens/s) and ``base_s`` (seconds: one engine step, scheduling) are learned per endpoint by
+  `RateEstimate` from (work ahead at pick + own, observed TTFT) pairs, starting from a prior, so a fleet mixing
+  GPUs or models is priced per endpoint.
+
+Pending prefixes: the block hashes of pending requests are remembered per endpoint (`pending_match`), so a
+second request of a brand-new prefix, arriving while the first one is still prefilling, sees a match on the
+endpoint that will hold it (priced as cached: the first one's prefill populates it before ours runs).
+
+Invariants: every figure is >= 0; ``pending_tokens(ep)`` is the sum of the uncached tokens of its pending
+requests (0 when none); removing an unknown key is a no-op; a rate stays within [prior / MAX_RATE_RATIO,
+prior x MAX_RATE_RATIO]. Not thread-safe (one event loop, like the router).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import NewType
+
+from prefixroute.extproc.routing.types import BlockHash, EndpointId
+
+Seconds = NewType("Seconds", float)
+Tokens = NewType("Tokens", float)
+TokensPerSecond = NewType("TokensPerSecond", float)
+
+MAX_RATE_RATIO = 20.0
+"""A learned rate stays within 20x of the prior either way: GPUs and models in one fleet differ by up to ~10x
+(an 8B on an H200 prefills ~35k tokens/s, a 70B on TP4 ~13k, on one older GPU a few thousand), and a bound
+keeps a burst of odd observations (a stalled server, a clock step) from making an endpoint look free."""
+
+
+@dataclasses.dataclass(slots=True)
+class RateEstimate:
+    """Exponentially weighted least squares of ``ttft_s = base_s + work_tokens / rate`` over observations.
+
+    The prior enters as `prior_weight` pseudo-observations on the prior's line (at zero work and at
+    `prior_work_tokens`), so the first real observations move the estimate gradually and a single observation
+    never makes the slope undefined. Each observation multiplies the old weights by ``1 - 1 / window``, so the
+    estimate follows an endpoint whose speed changes within ~`window` responses. `rate` is clamped to
+    [prior / MAX_RATE_RATIO, prior x MAX_RATE_RATIO] and `base_s` to >= 0."""
+
+    prior_rate: float
+    prior_base_s: float
+    window: float = 64.0
+    prior_weight: float = 4.0
+    prior_work_tokens: float = 8192.0
+    _w: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+    num_observations: int = 0
+    _cache: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        half = self.prior_weight / 2.0
+        for x in (0.0, self.prior_work_tokens):
+            self._add(x, self.prior_base_s + x / self.prior_rate, half)
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        self._w += w
+        self._sx += w * x
+        self._sy += w * y
+        self._sxx += w * x * x
+        self._sxy += w * x * y
+
+    def observe(self, work_tokens: float, ttft_s: float) -> None:
+        """One response: `work_tokens` of prefill were ahead of and including it at its pick, and its first
+        token came `ttft_s` after. Negative or non-finite inputs are ignored."""
+        if not (work_tokens >= 0.0 and ttft_s >= 0.0) or work_tokens == float("inf") or ttft_s == float("inf"):
+            return
+        decay = 1.0 - 1.0 / self.window
+        self._w *= decay
+        self._sx *= decay
+        self._sy *= decay
+        self._sxx *= decay
+        self._sxy *= decay
+        self._add(work_tokens, ttft_s, 1.0)
+        # The prior keeps a floor of weight: after many observations it still anchors a degenerate window
+        # (every observation at one work size) instead of letting the slope go undefined.
+        self._add(0.0, self.prior_base_s, self.prior_weight * 0.5 / self.window)
+        self._add(self.prior_work_tokens, self.prior_base_s + self.prior_work_tokens / self.prior_rate,
+                  self.prior_weight * 0.5 / self.window)
+        self.num_observations += 1
+        self._cache = None
+
+    def _fit(self) -> tuple[float, float]:
+        if self._cache is not None:
+            return self._cache
+        w, sx, sy = self._w, self._sx, self._sy
+        mx, my = sx / w, sy / w
+        var = self._sxx / w - mx * mx
+        cov = self._sxy / w - mx * my
+        lo, hi = self.prior_rate / MAX_RATE_RATIO, self.prior_rate * MAX_RATE_RATIO
+        slope = cov / var if var > 1e-9 else 1.0 / self.prior_rate
+        slope = min(max(slope, 1.0 / hi), 1.0 / lo)
+        base = max(0.0, my - slope * mx)
+        self._cache = (1.0 / slope, base)
+        return self._cache
+
+    @property
+    def rate(self) -> TokensPerSecond:
+        """Learned prefill tokens per second (the inverse slope)."""
+        return TokensPerSecond(self._fit()[0])
+
+    @property
+    def base_s(self) -> Seconds:
+        """Learned TTFT at zero work (intercept), >= 0."""
+        return Seconds(self._fit()[1])
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    endpoint: EndpointId
+    tokens: float
+    hashes: tuple[BlockHash, ...]
+
+
+class TimeModel:
+    """Per-endpoint rates and pending prefill (module docstring). Keys of pending requests are any hashable
+    the caller chooses (the policy uses the request object's identity)."""
+
+    def __init__(self, prior_tokens_per_s: float, prior_base_s: float = 0.015, *, decode_cost_tokens: float = 64.0,
+                 window: float = 64.0, prior_weight: float = 4.0) -> None:
+        if prior_tokens_per_s <= 0:
+            raise ValueError("prior_tokens_per_s must be > 0")
+        self.prior_tokens_per_s = prior_tokens_per_s
+        self.prior_base_s = prior_base_s
+        self.decode_cost_tokens = decode_cost_tokens
+        self.window = window
+        self.prior_weight = prior_weight
+        self._rates: dict[EndpointId, RateEstimate] = {}
+        self._pending: dict[Hashable, _Pending] = {}
+        self._tokens: dict[EndpointId, float] = {}
+        self._count: dict[EndpointId, int] = {}
+        self._prefixes: dict[EndpointId, dict[BlockHash, int]] = {}
+
+    # --- rates ------------------------------------------------------------------------------------------------
+    def estimate(self, endpoint: EndpointId) -> RateEstimate:
+        """The endpoint's estimate (created from the prior on first use)."""
+        r = self._rates.get(endpoint)
+        if r is None:
+            r = self._rates[endpoint] = RateEstimate(self.prior_tokens_per_s, self.prior_base_s, self.window,
+                                                      self.prior_weight)
+        return r
+
+    def rate(self, endpoint: EndpointId) -> TokensPerSecond:
+        r = self._rates.get(endpoint)
+        return r.rate if r is not None else TokensPerSecond(self.prior_tokens_per_s)
+
+    def observe(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float, ttft_s: float,
+                queued_tokens_at_pick: float, decoding_at_pick: int = 0) -> None:
+        """A response from `endpoint`: its true prompt and cached tokens (usage), its TTFT, and the work the
+        model saw ahead of it at its pick (``queued`` tokens and ``decoding`` requests, as `predict` took them)."""
+        own = max(0.0, prompt_tokens - cached_tokens)
+        work = queued_tokens_at_pick + self.decode_cost_tokens * decoding_at_pick + own
+        self.estimate(endpoint).observe(work, ttft_s)
+
+    def predict(self, endpoint: EndpointId, own_uncached_tokens: float, num_decoding: int = 0,
+                extra_queued_tokens: float = 0.0) -> Seconds:
+        """Predicted TTFT of a request needing `own_uncached_tokens` of prefill on `endpoint`, now: its pending
+        prefill (+ `extra_queued_tokens`) and `num_decoding` requests ahead of it. >= 0."""
+        r = self._rates.get(endpoint)
+        if r is None:
+            rate, base = self.prior_tokens_per_s, self.prior_base_s
+        else:
+            rate, base = r._fit()
+        work = (self._tokens.get(endpoint, 0.0) + extra_queued_tokens + self.decode_cost_tokens * num_decoding
+                + own_uncached_tokens)
+        return Seconds(base + work / rate)
+
+    # --- pending requests -------------------------------------------------------------------------------------
+    def pending_tokens(self, endpoint: EndpointId) -> Tokens:
+        """Uncached prefill tokens of the requests pending on `endpoint` (picked, no first token yet)."""
+        return Tokens(self._tokens.get(endpoint, 0.0))
+
+    def num_pending(self, endpoint: EndpointId) -> int:
+        return self._count.get(endpoint, 0)
+
+    def add_pending(self, key: Hashable, endpoint: EndpointId, uncached_tokens: float,
+                    block_hashes: Sequence[BlockHash] = ()) -> Tokens:
+        """`key` was picked for `endpoint` with `uncached_tokens` to prefill; its blocks become a pending
+        prefix there. Returns the tokens queued ahead of it (what `observe` later wants). A key already pending
+        is moved (its old entry removed first)."""
+        self.remove_pending(key)
+        ahead = self._tokens.get(endpoint, 0.0)
+        tokens = max(0.0, uncached_tokens)
+        hashes = tuple(block_hashes)
+        self._pending[key] = _Pending(endpoint, tokens, hashes)
+        self._tokens[endpoint] = ahead + tokens
+        self._count[endpoint] = self._count.get(endpoint, 0) + 1
+        if hashes:
+            pre = self._prefixes.setdefault(endpoint, {})
+            for h in hashes:
+                pre[h] = pre.get(h, 0) + 1
+        return Tokens(ahead)
+
+    def remove_pending(self, key: Hashable) -> bool:
+        """`key`'s first token came (or it ended first): its prefill leaves its endpoint's queue. True if it was
+        pending."""
+        p = self._pending.pop(key, None)
+        if p is None:
+            return False
+        ep = p.endpoint
+        left = self._tokens.get(ep, 0.0) - p.tokens
+        n = self._count.get(ep, 1) - 1
+        if n <= 0:
+            self._tokens.pop(ep, None)
+            self._count.pop(ep, None)
+        else:
+            self._tokens[ep] = left if left > 0.5 else 0.0  # under half a token is float residue
+            self._count[ep] = n
+        pre = self._prefixes.get(ep)
+        if pre is not None:
+            for h in p.hashes:
+                c = pre.get(h, 0) - 1
+                if c > 0:
+                    pre[h] = c
+                else:
+                    pre.pop(h, None)
+            if not pre:
+                del self._prefixes[ep]
+        return True
+
+    def pending_match(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of `block_hashes` that a request pending on `endpoint` shares (chained hashes: a hash
+        names its whole prefix, so the first miss ends the match)."""
+        pre = self._prefixes.get(endpoint)
+        if not pre:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in pre:
+                break
+            n += 1
+        return n
+
+    def pending_endpoints(self) -> list[EndpointId]:
+        """Endpoints with pending prefixes (usually few)."""
+        return list(self._prefixes)
+
+    def forget_endpoint(self, endpoint: EndpointId) -> None:
+        """`endpoint` left the pool: its rate and pending requests go; late removals are absorbed."""
+        self._rates.pop(endpoint, None)
+        for key in [k for k, p in self._pending.items() if p.endpoint == endpoint]:
+            self.remove_pending(key)
+
+    def clear_prefixes(self, endpoint: EndpointId) -> None:
+        """`endpoint`'s cache was cleared: its pending prefixes no longer promise a hit (the queue stays)."""
+        self._prefixes.pop(endpoint, None)
+        for p in self._pending.values():
+            if p.endpoint == endpoint:
+                p.hashes = ()
