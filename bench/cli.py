@@ -107,10 +107,17 @@ def _main(args: argparse.Namespace) -> int:
 
             # The model server's own settings parser: an unknown or unsimulated flag is an error here.
             spec = virtual.engine_spec(s.profile, s.server_args)
+        sweep = parse_sweep_percents(s.sweep_load_percents)
+        if sweep and not s.virtual:
+            raise ValueError("--sweep-load-percents runs on the virtual fleet only: add --virtual")
+        if sweep and s.trace:
+            raise ValueError("--sweep-load-percents sets Poisson rates: it does not apply to --trace")
         wl = build_workload(s)
     except (ValueError, OSError) as exc:
         _log(f"prefixroute bench: error: {exc}")
         return 2
+    if sweep:
+        return _run_sweep(s, wl, spec, sweep)
     from prefixroute.bench.upper_bound import upper_bound
 
     bound = upper_bound(wl)
@@ -141,6 +148,39 @@ def _main(args: argparse.Namespace) -> int:
         _log(f"every request failed for: {', '.join(failed)} (see {out / 'logs'})")
     # A peer router skipped by --virtual is expected; one that is missing or failed in a real run is not.
     return 1 if (doc.get("skipped") and not s.virtual) or failed or not doc["runs"] or not overhead_ok else 0
+
+
+def parse_sweep_percents(values: tuple[str, ...]) -> list[float]:
+    """--sweep-load-percents as numbers (> 0). ValueError naming the bad entry."""
+    out = []
+    for v in values:
+        try:
+            x = float(v.rstrip("%"))
+        except ValueError:
+            raise ValueError(f"--sweep-load-percents: {v!r} is not a number") from None
+        if not x > 0:
+            raise ValueError(f"--sweep-load-percents: {v!r} must be > 0")
+        out.append(x)
+    return out
+
+
+def _run_sweep(s: BenchSettings, wl: workloads.Workload, spec: object, percents: list[float]) -> int:
+    import orjson
+
+    from prefixroute.bench import virtual
+    from prefixroute.bench.settings import DEFAULT_ROUTERS
+
+    routers = virtual.SWEEP_ROUTERS if tuple(s.routers) == DEFAULT_ROUTERS else tuple(s.routers)
+    doc = virtual.run_sweep(wl, routers, num_servers=s.servers, spec=spec, load_percents=percents,  # type: ignore[arg-type]
+                            seed=s.seed, log=_log)
+    out = Path(s.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    table = virtual.render_sweep(doc)
+    (out / "sweep.md").write_text(table + "\n")
+    print(table)
+    _log(f"wrote {out / 'sweep.json'}, {out / 'sweep.md'}")
+    return 0
 
 
 def run_overhead(path: Path) -> bool:
