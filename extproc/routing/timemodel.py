@@ -89,11 +89,12 @@ class RateEstimate:
         self._sxx *= decay
         self._sxy *= decay
         self._add(work_tokens, ttft_s, 1.0)
-        # The prior keeps a floor of weight: after many observations it still anchors a degenerate window
-        # (every observation at one work size) instead of letting the slope go undefined.
-        self._add(0.0, self.prior_base_s, self.prior_weight * 0.5 / self.window)
-        self._add(self.prior_work_tokens, self.prior_base_s + self.prior_work_tokens / self.prior_rate,
-                  self.prior_weight * 0.5 / self.window)
+        # The prior keeps a small floor of weight (in steady state ~prior_weight / window observations, ~0.06
+        # by default): after many observations it still anchors a degenerate window (every observation at one
+        # work size) instead of letting the slope go undefined, yet cannot bias a real spread of observations.
+        floor = self.prior_weight * 0.5 / (self.window * self.window)
+        self._add(0.0, self.prior_base_s, floor)
+        self._add(self.prior_work_tokens, self.prior_base_s + self.prior_work_tokens / self.prior_rate, floor)
         self.num_observations += 1
         self._cache = None
 

@@ -478,6 +478,7 @@ step, so it only groups endpoints that are equally idle, where placement should 
 
 @dataclasses.dataclass(slots=True)
 class _TtftPick:
+    request: InferenceRequest  # held so that its id() (the key) is not reused while it is pending
     endpoint: EndpointId
     queued_tokens: float
     num_decoding: int
@@ -586,7 +587,7 @@ class TtftPolicy(Policy):
         if self.track_prefill:
             key = id(req)
             queued = model.add_pending(key, order[0], primary[3], hashes)
-            self._picks[key] = _TtftPick(order[0], queued, primary[4], primary[1])
+            self._picks[key] = _TtftPick(req, order[0], queued, primary[4], primary[1])
         if not hashes:
             reason: DecisionReason = "load"
         elif not matches:

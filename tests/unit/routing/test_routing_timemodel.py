@@ -1,0 +1,263 @@
+"""The time model (routing/timemodel.py) and the opt-in `ttft` policy built on it (issue 12): unit tables for an
+idle vs busy holder, heterogeneous rates, a burst of a new prefix, hot-prefix replication, and the property
+that rate learning converges on synthetic observations."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from prefixroute.extproc.routing.prefix_index import PrefixIndex
+from prefixroute.extproc.routing.request import InferenceRequest
+from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.scheduling.policies import PolicyInput, TtftPolicy, make_policy
+from prefixroute.extproc.routing.settings import DEFAULT_POLICY, POLICIES, RoutingSettings
+from prefixroute.extproc.routing.timemodel import MAX_RATE_RATIO, RateEstimate, TimeModel
+from prefixroute.extproc.routing.types import BlockHash, EndpointId, EndpointState
+
+A, B, C = EndpointId("a:1"), EndpointId("b:1"), EndpointId("c:1")
+RATE = 10_000.0  # prior tokens/s in these tables
+TPB = 16.0  # tokens per router block (64 chars / 4)
+
+
+def _settings(**kw) -> RoutingSettings:
+    return RoutingSettings(policy="ttft", ttft_prior_tokens_per_s=RATE, ttft_prior_base_s=0.0, rng_seed=0, **kw)
+
+
+def _req(prefix: int, num_blocks: int = 100, tail: int = 0, tokens: int | None = None) -> InferenceRequest:
+    """A chat request whose first `num_blocks` blocks are prefix `prefix`'s, then `tail` unique blocks; its
+    prompt is `tokens` long (default: what the blocks cover; more = text beyond the hashed max_blocks)."""
+    hashes = [BlockHash(prefix * 1_000_003 + i) for i in range(num_blocks)]
+    hashes += [BlockHash(random.getrandbits(62)) for _ in range(tail)]
+    chars = 4 * tokens if tokens is not None else 64 * len(hashes)
+    return InferenceRequest(kind="chat", path="/v1/chat/completions", block_hashes=hashes, num_prompt_chars=chars)
+
+
+def _req8k(prefix: int) -> InferenceRequest:
+    """8,000 tokens: the first 256 blocks (the default max_blocks) hashed, the rest beyond."""
+    return _req(prefix, 256, tokens=8000)
+
+
+def _states(*eps: EndpointId) -> tuple[EndpointState, ...]:
+    return tuple(EndpointState(e, address=e) for e in eps)
+
+
+# --- the time model itself ---------------------------------------------------------------------------------
+
+def test_predict_is_queue_plus_decode_plus_own_work_over_rate():
+    m = TimeModel(RATE, 0.01, decode_cost_tokens=100.0)
+    assert m.predict(A, 1000) == pytest.approx(0.01 + 0.1)
+    m.add_pending("r1", A, 5000)
+    m.add_pending("r2", A, 2000)
+    assert m.pending_tokens(A) == 7000 and m.num_pending(A) == 2
+    assert m.predict(A, 1000, num_decoding=10) == pytest.approx(0.01 + (7000 + 1000 + 1000) / RATE)
+    assert m.predict(B, 1000) == pytest.approx(0.11)  # other endpoints see nothing of A's queue
+    assert m.remove_pending("r1") and not m.remove_pending("r1")  # twice: the second is a no-op
+    assert m.pending_tokens(A) == 2000
+    m.remove_pending("r2")
+    assert m.pending_tokens(A) == 0 and m.num_pending(A) == 0
+
+
+def test_add_pending_returns_the_tokens_queued_ahead():
+    m = TimeModel(RATE)
+    assert m.add_pending(1, A, 3000) == 0
+    assert m.add_pending(2, A, 500) == 3000
+    assert m.add_pending(3, B, 700) == 0
+
+
+def test_pending_prefix_matches_until_its_request_leaves():
+    m = TimeModel(RATE)
+    hashes = [BlockHash(i) for i in range(10)]
+    m.add_pending("first", A, 160, hashes)
+    assert m.pending_match(A, hashes[:6] + [BlockHash(99)]) == 6
+    assert m.pending_match(B, hashes) == 0
+    m.add_pending("second", A, 16, hashes)
+    m.remove_pending("first")
+    assert m.pending_match(A, hashes) == 10  # still held by the second one (counted, not a set)
+    m.remove_pending("second")
+    assert m.pending_match(A, hashes) == 0 and m.pending_endpoints() == []
+
+
+def test_heterogeneous_rates_are_learned_per_endpoint():
+    m = TimeModel(RATE, 0.0)
+    for i in range(300):
+        work = 500.0 + 97.0 * (i % 50)
+        m.observe(A, prompt_tokens=work, cached_tokens=0, ttft_s=0.02 + work / 4_000.0, queued_tokens_at_pick=0)
+        m.observe(B, prompt_tokens=work + 1000, cached_tokens=1000, ttft_s=0.01 + work / 40_000.0,
+                  queued_tokens_at_pick=0)
+    assert m.rate(A) == pytest.approx(4_000, rel=0.05)
+    assert m.rate(B) == pytest.approx(40_000, rel=0.05)
+    assert m.estimate(A).base_s == pytest.approx(0.02, abs=0.01)
+    assert m.predict(A, 4000) > 5 * m.predict(B, 4000)
+    assert m.rate(C) == RATE  # never observed: the prior
+
+
+def test_rate_stays_within_bounds_on_absurd_observations():
+    r = RateEstimate(RATE, 0.0)
+    for _ in range(500):
+        r.observe(10_000, 1e-6)  # "instant" responses (a clock step)
+    assert r.rate <= RATE * MAX_RATE_RATIO * (1 + 1e-9)
+    r2 = RateEstimate(RATE, 0.0)
+    for _ in range(500):
+        r2.observe(10, 100.0)  # a stalled server
+    assert r2.rate >= RATE / MAX_RATE_RATIO * (1 - 1e-9) and r2.base_s >= 0
+    r3 = RateEstimate(RATE, 0.0)
+    r3.observe(-1, 1.0), r3.observe(1000, float("inf")), r3.observe(float("nan"), 1.0)
+    assert r3.num_observations == 0 and r3.rate == pytest.approx(RATE)
+
+
+@hsettings(max_examples=40, deadline=None)
+@given(rate=st.floats(1_000, 100_000), base=st.floats(0.0, 0.05), seed=st.integers(0, 2**32 - 1))
+def test_rate_learning_converges_on_synthetic_observations(rate, base, seed):
+    rng = random.Random(seed)
+    est = RateEstimate(12_800.0, 0.015, window=64.0)
+    for _ in range(400):
+        work = rng.uniform(100, 30_000)
+        est.observe(work, (base + work / rate) * rng.uniform(0.95, 1.05))
+    assert est.rate == pytest.approx(rate, rel=0.1)
+    # the prediction of a typical request is what matters for the policy
+    assert base + est.base_s * 0 + 8000 / est.rate == pytest.approx(base + 8000 / rate, rel=0.1)
+
+
+# --- the ttft policy on small tables -----------------------------------------------------------------------
+
+def _decide(policy: TtftPolicy, request, eligible, matches=None, in_flight=None):
+    matches = matches or {}
+    holders = [s for s in eligible if s.endpoint in matches]
+    return policy.decide(PolicyInput(request=request, eligible=eligible, in_flight=in_flight or {},
+                                     matches=matches, holders=holders))
+
+
+def test_policy_is_opt_in_and_registered():
+    assert DEFAULT_POLICY == "prefix" and "ttft" in POLICIES
+    assert isinstance(make_policy(_settings(), random.Random(0)), TtftPolicy)
+
+
+def test_idle_holder_keeps_its_prefix_and_busy_holder_spills_only_when_it_pays():
+    eps = _states(A, B, C)
+    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    req = _req8k(1)  # every hashed block held by A
+    d = _decide(p, req, eps, {A: 256})
+    assert d.endpoints[0] == A and d.reason == "affinity"
+    p.on_release(req, d)
+    # A has one cold 8k prefill queued (0.8 s): moving costs a full 8k prefill (0.8 s + its work) elsewhere.
+    p.model.add_pending("other-1", A, 8000)
+    d = _decide(p, _req8k(1), eps, {A: 256})
+    assert d.endpoints[0] == A
+    # Three cold prefills queued on A (2.4 s): a full prefill elsewhere (0.8 s + 0.4 s work) is faster.
+    p.model.add_pending("other-2", A, 8000)
+    p.model.add_pending("other-3", A, 8000)
+    d = _decide(p, _req8k(1), eps, {A: 256})
+    assert d.endpoints[0] in (B, C) and d.reason == "spill"
+    assert d.endpoints[-1] == A or A in d.endpoints  # the holder is still a fallback
+
+
+def test_fallbacks_are_ordered_by_score():
+    eps = _states(A, B, C)
+    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    p.model.add_pending("x", B, 20_000)
+    p.model.add_pending("y", C, 5_000)
+    d = _decide(p, _req(7, 10), eps)
+    assert d.endpoints == (A, C, B) and d.reason == "cold"
+
+
+def test_heterogeneous_rates_send_a_cold_prompt_to_the_fast_endpoint():
+    eps = _states(A, B)
+    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    for i in range(200):
+        work = 1000.0 + 50 * (i % 40)
+        p.model.observe(A, work, 0, work / 2_000.0, 0)  # a slow GPU
+        p.model.observe(B, work, 0, work / 20_000.0, 0)
+    for prefix in range(20):  # whatever the rendezvous order says
+        r = _req(100 + prefix, 60)
+        d = _decide(p, r, eps)
+        p.on_release(r, d)
+        assert d.endpoints[0] == B
+
+
+def test_cold_prefixes_on_an_idle_fleet_follow_rendezvous_and_spread():
+    eps = _states(*(EndpointId(f"e{i}:1") for i in range(8)))
+    p = TtftPolicy(_settings(), random.Random(0))
+    firsts = [_decide(p, _req(prefix, 40), eps).endpoints[0] for prefix in range(400)]
+    again = [_decide(p, _req(prefix, 40), eps).endpoints[0] for prefix in range(400)]
+    assert firsts == again  # stable placement
+    counts = {e: firsts.count(e) for e in set(firsts)}
+    assert len(counts) == 8 and max(counts.values()) < 2 * 400 / 8
+
+
+def test_burst_of_a_new_prefix_stays_on_one_endpoint_without_the_index():
+    # No index match at all (matches={}): the pending prefix of the first request alone keeps its siblings.
+    eps = _states(A, B, C)
+    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    burst = [_req(42, 125, tail=2) for _ in range(4)]
+    picks = [_decide(p, r, eps).endpoints[0] for r in burst]
+    assert len(set(picks)) == 1
+    # siblings priced as cached: the first one's 127 blocks, then the two unique tail blocks of each sibling
+    assert p.model.pending_tokens(picks[0]) == pytest.approx(127 * TPB + 3 * 2 * TPB)
+
+
+def test_burst_and_hot_prefix_replication_through_the_router():
+    # RouterCore records every pick in the index (as live); first tokens never come in this table, so the
+    # holder's queue grows with each request of the hot prefix (3,200 shared tokens + 320 unique ones) until a
+    # full prefill elsewhere is cheaper: A after n siblings = (3520 + 320 n + 320) / rate against 1.5 x 3520 /
+    # rate elsewhere, so the first 6 stay and the 7th replicates.
+    core = RouterCore(_settings(), track_prefill=True)
+    eps = _states(A, B, C, EndpointId("d:1"))
+    in_flight: dict[EndpointId, int] = {s.endpoint: 0 for s in eps}
+    picks = []
+    for _ in range(40):
+        d = core.route(_req(5, 200, tail=20), eps, in_flight)
+        in_flight[d.endpoints[0]] += 1
+        picks.append(d.endpoints[0])
+    first = picks[0]
+    assert picks[:6] == [first] * 6 and picks[6] != first  # the burst stays with the first one (its prefill is ahead of them all)
+    holders = core.index.match(_req(5, 200).block_hashes)
+    assert len(holders) >= 2  # replicated, and each replica recorded in the index
+    shares = [picks.count(e) for e in set(picks)]
+    assert max(shares) <= 0.75 * len(picks)
+
+
+def test_first_token_empties_the_queue_and_teaches_the_rate():
+    eps = _states(A, B)
+    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    reqs = [_req8k(9) for _ in range(3)]
+    decs = [_decide(p, r, eps) for r in reqs]
+    ep = decs[0].endpoints[0]
+    assert p.model.num_pending(ep) == 3 and p.predicted_ttft_s(reqs[0]) is not None
+    for r, d in zip(reqs, decs):
+        p.on_first_token(r, d, 3.0, 8000, 0)  # much slower than the prior predicts
+        p.on_release(r, d)
+    assert p.model.num_pending(ep) == 0 and p.model.pending_match(ep, reqs[0].block_hashes) == 0
+    assert p.model.rate(ep) < RATE and len(p.predictions) == 3
+    # a release without a first token also leaves the queue; a late first token is absorbed
+    r = _req(10, 10)
+    d = _decide(p, r, eps)
+    p.on_release(r, d)
+    p.on_first_token(r, d, 1.0, 160, 0)
+    assert p.model.num_pending(d.endpoints[0]) == 0 and len(p.predictions) == 3
+
+
+def test_without_track_prefill_nothing_is_kept():
+    p = TtftPolicy(_settings(), random.Random(0), track_prefill=False)
+    _decide(p, _req(1, 20), _states(A, B))
+    assert p.model.pending_endpoints() == [] and p.predictions.maxlen and not p._picks
+
+
+def test_endpoint_removed_and_cache_cleared():
+    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    r = _req(3, 20)
+    d = _decide(p, r, _states(A))
+    p.on_cache_cleared(A)
+    assert p.model.pending_match(A, r.block_hashes) == 0 and p.model.num_pending(A) == 1
+    p.on_endpoint_removed(A)
+    assert p.model.num_pending(A) == 0
+    p.on_release(r, d)  # late release absorbed
+    p.on_first_token(r, d, 1.0, 320, 0)
+
+
+def test_index_default_holds_the_prefix_policy_unchanged():
+    # `prefix` stays the default and is not a TtftPolicy (its behaviour has its own tests).
+    core = RouterCore(RoutingSettings(rng_seed=0), index=PrefixIndex(1000))
+    assert core.scheduler.policy.name == "prefix"
