@@ -174,12 +174,13 @@ class OracleModel:
     server's own cost model (steps of ``max_num_batched_tokens`` tokens; each decoding request adds one
     sequence to each step) and picks the least score = true TTFT + `work_weight` x the request's own prefill
     seconds (the work it adds for later requests: with 0 it is greedy least-TTFT, which replicates every
-    prefix under load). Ties: longest true hit, then the first server.
+    prefix under load; 2 = the ``ttft`` policy's default ``ttft_work_weight``, so the gap measures what the
+    router does not know, not a different objective). Ties: longest true hit, then the first server.
 
     Greedy with true state, not a proven optimum: a better schedule might exist, so a policy may beat it at
     some points (the sweep then shows a negative gap)."""
 
-    def __init__(self, fleet: VirtualFleet, *, work_weight: float = 0.5) -> None:
+    def __init__(self, fleet: VirtualFleet, *, work_weight: float = 2.0) -> None:
         self.fleet = fleet
         self.work_weight = work_weight
         cfg = fleet.spec.config

@@ -145,11 +145,14 @@ class RoutingSettings(Settings):
         "follows a change of speed within about a minute at one request per second per endpoint while one odd "
         "response moves the rate by under 2%.")
     ttft_work_weight: float = setting(
-        0.5,
+        2.0,
         "ttft policy: the score is predicted TTFT + this x the seconds of prefill the request adds to the "
-        "endpoint. Added prefill delays the requests that arrive behind it (at 50% utilisation about one, "
-        "rho / (1 - rho)), which the request's own TTFT does not see; 0 = pure least predicted TTFT, which "
-        "leaves a prefix holder at a tie and replays the spill loop of issue 12.")
+        "endpoint. Added prefill delays the requests that arrive behind it there (about rho / (1 - rho) of them "
+        "at utilisation rho: 1 at 50%, 4 at 80%), which the request's own TTFT does not see; 0 = pure least "
+        "predicted TTFT, which leaves a prefix holder whenever it ties and replays the spill loop of issue 12. "
+        "2: in the virtual sweeps (4 x 70B; shared-prompts of 300 x 8k-token prompts, and mix) 0.5 spilled hot "
+        "prefixes (hit ratio -0.01 to -0.02) and lost 10-60% of P50 at 80-100% load; 2 to 8 were alike on "
+        "shared-prompts, and 4 traded P90/P99 for P50 on mix.")
     rng_seed: int | None = setting(
         None,
         "Seed of the random generator used for tie breaks and the random policy; unset = from the OS. Set it "
@@ -174,7 +177,8 @@ class RoutingSettings(Settings):
             raise ValueError(f"balance_factor must be >= 1; got {self.balance_factor}")
         if self.ttft_prior_tokens_per_s <= 0 or self.ttft_rate_window < 1:
             raise ValueError("ttft_prior_tokens_per_s must be > 0 and ttft_rate_window >= 1")
-        for name in ("ttft_prior_base_s", "ttft_work_weight", "prefix_weight", "load_cost_tokens", "queue_cost_tokens", "kv_cost_tokens", "balance_slack"):
+        for name in ("ttft_prior_base_s", "ttft_work_weight", "prefix_weight", "load_cost_tokens",
+                     "queue_cost_tokens", "kv_cost_tokens", "balance_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
 

@@ -23,7 +23,9 @@ TPB = 16.0  # tokens per router block (64 chars / 4)
 
 
 def _settings(**kw) -> RoutingSettings:
-    return RoutingSettings(policy="ttft", ttft_prior_tokens_per_s=RATE, ttft_prior_base_s=0.0, rng_seed=0, **kw)
+    """Work weight 0.5 (not the default 2) and a zero base: the tables' arithmetic in the comments below."""
+    return RoutingSettings(**{"policy": "ttft", "ttft_prior_tokens_per_s": RATE, "ttft_prior_base_s": 0.0, "rng_seed": 0,
+                              "ttft_work_weight": 0.5, **kw})
 
 
 def _req(prefix: int, num_blocks: int = 100, tail: int = 0, tokens: int | None = None) -> InferenceRequest:
