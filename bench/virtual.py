@@ -394,13 +394,11 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         # yet past their first token are checked at each decision (all a policy can act on) and at the end.
         no_token: dict[str, Any] = {}  # request id -> pick, first token not yet delivered
         engine_of = {ep: fleet.engines[i] for i, ep in enumerate(fleet.endpoint_ids)}
-        core = router.core
 
         def first_token(rid: str, pick: Any, now_s: float, first_token_s: float, prompt_tokens: int,
                         cached_tokens: int) -> None:
             del no_token[rid]
-            core.on_first_token(pick.request, pick.decision, first_token_s - pick_time[rid], prompt_tokens,
-                                cached_tokens)
+            router.first_token(pick, first_token_s - pick_time[rid], prompt_tokens, cached_tokens)
 
         pick_time: dict[str, float] = {}
 

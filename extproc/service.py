@@ -22,6 +22,12 @@ Contract with the servicer (`servicer.RouterService`):
   address back to the endpoint). A pick also carries its `Decision`, `decision_us` (parse + schedule) and
   the parsed request, for telemetry.
 - `release(pick)`: once per pick, when the HTTP request ends for any reason.
+- `first_token(pick, ttft_s, prompt_tokens, cached_tokens)`: the response's first token and usage, for policies
+  that learn from them (`ttft`); at most once per pick, before `release`. TODO(issue 12): nothing calls it
+  live yet: tracking.py knows ``ttft_ms`` at the first body chunk and the usage at the end of the stream
+  (`_obs_finished`), and would call it there (the ttft policy's queue then empties at the end of each
+  response, not at its first token: splitting the hook into a first-token time and a usage report is the
+  follow-up). Without it the ttft policy keeps its prior rates and empties its queue at `release`.
 
 Endpoint ids are ``host:port`` as configured; the addresses handed to Envoy (ORIGINAL_DST takes addresses
 only) are those the pool publishes in its snapshot (`EndpointState.address`: the pool resolves names off the
@@ -48,7 +54,7 @@ class RoutePick:
     """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
 
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
-                 "failover_reported")
+                 "failover_reported", "first_token_reported")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -60,6 +66,7 @@ class RoutePick:
         self.counted: EndpointId = endpoint_ids[0]
         self.released = False
         self.failover_reported = False  # a served-elsewhere report was taken for this pick (only one counts)
+        self.first_token_reported = False
 
 
 class PoolRouter:
@@ -134,6 +141,14 @@ class PoolRouter:
             self.pool.release(pick.counted)
             self.pool.acquire(served_id)
             pick.counted = served_id
+
+    def first_token(self, pick: RoutePick, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+        """`pick`'s response produced its first token `ttft_s` after the pick, with these usage figures (module
+        docstring). Ignored after `release` or a first report (at most one per pick)."""
+        if pick.released or pick.first_token_reported:
+            return
+        pick.first_token_reported = True
+        self.core.on_first_token(pick.request, pick.decision, ttft_s, prompt_tokens, cached_tokens)
 
     def release(self, pick: RoutePick) -> None:
         if not pick.released:

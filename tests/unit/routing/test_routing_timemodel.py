@@ -263,3 +263,26 @@ def test_index_default_holds_the_prefix_policy_unchanged():
     # `prefix` stays the default and is not a TtftPolicy (its behaviour has its own tests).
     core = RouterCore(RoutingSettings(rng_seed=0), index=PrefixIndex(1000))
     assert core.scheduler.policy.name == "prefix"
+
+
+def test_pool_router_first_token_reaches_the_policy_once_and_not_after_release():
+    import orjson
+
+    from prefixroute.bench.sim_pool import SimulatedPool
+    from prefixroute.extproc.service import PoolRouter
+    from prefixroute.model_servers.virtual import VirtualFleet
+
+    fleet = VirtualFleet(num_servers=2)
+    router = PoolRouter(RouterCore(_settings(), track_prefill=True), SimulatedPool(fleet))
+    policy = router.core.scheduler.policy
+    body = orjson.dumps({"model": fleet.served, "messages": [{"role": "user", "content": "hello " * 200}]})
+    pick = router.route("POST", "/v1/chat/completions", {"content-type": "application/json"}, body)
+    assert policy.model.num_pending(pick.endpoint_ids[0]) == 1
+    router.first_token(pick, 0.2, 300, 0)
+    router.first_token(pick, 9.0, 300, 0)  # a second report is ignored
+    assert policy.model.num_pending(pick.endpoint_ids[0]) == 0 and list(policy.predictions)[-1][1] == 0.2
+    router.release(pick)
+    pick2 = router.route("POST", "/v1/chat/completions", {"content-type": "application/json"}, body)
+    router.release(pick2)
+    router.first_token(pick2, 1.0, 300, 0)  # after release: ignored
+    assert len(policy.predictions) == 1 and policy.model.num_pending(pick2.endpoint_ids[0]) == 0
