@@ -148,6 +148,9 @@ class TimeModel:
         self._tokens: dict[EndpointId, float] = {}
         self._count: dict[EndpointId, int] = {}
         self._prefixes: dict[EndpointId, dict[BlockHash, int]] = {}
+        # first block hash -> endpoints with a pending request starting with it (count): `pending_matches`
+        # looks only at those, not at every endpoint with something pending.
+        self._first: dict[BlockHash, dict[EndpointId, int]] = {}
 
     # --- rates ------------------------------------------------------------------------------------------------
     def estimate(self, endpoint: EndpointId) -> RateEstimate:
@@ -207,6 +210,8 @@ class TimeModel:
             pre = self._prefixes.setdefault(endpoint, {})
             for h in hashes:
                 pre[h] = pre.get(h, 0) + 1
+            firsts = self._first.setdefault(hashes[0], {})
+            firsts[endpoint] = firsts.get(endpoint, 0) + 1
         return Tokens(ahead)
 
     def remove_pending(self, key: Hashable) -> bool:
@@ -224,6 +229,16 @@ class TimeModel:
         else:
             self._tokens[ep] = left if left > 0.5 else 0.0  # under half a token is float residue
             self._count[ep] = n
+        if p.hashes:
+            firsts = self._first.get(p.hashes[0])
+            if firsts is not None:
+                c = firsts.get(ep, 0) - 1
+                if c > 0:
+                    firsts[ep] = c
+                else:
+                    firsts.pop(ep, None)
+                    if not firsts:
+                        del self._first[p.hashes[0]]
         pre = self._prefixes.get(ep)
         if pre is not None:
             for h in p.hashes:
@@ -249,6 +264,23 @@ class TimeModel:
             n += 1
         return n
 
+    def pending_matches(self, block_hashes: Sequence[BlockHash]) -> dict[EndpointId, int]:
+        """`pending_match` for every endpoint where it is > 0: only endpoints with a pending request that starts
+        with the same block are looked at (cheap for a cold prefix: one dict lookup)."""
+        if not block_hashes:
+            return {}
+        firsts = self._first.get(block_hashes[0])
+        if not firsts:
+            return {}
+        return {ep: self.pending_match(ep, block_hashes) for ep in firsts}
+
+    def terms(self, endpoint: EndpointId) -> tuple[float, float, float, int]:
+        """(rate tokens/s, base s, pending tokens, pending requests) of `endpoint`: what `predict` combines, for
+        a caller scoring many endpoints in one loop."""
+        r = self._rates.get(endpoint)
+        rate, base = (self.prior_tokens_per_s, self.prior_base_s) if r is None else r._fit()
+        return rate, base, self._tokens.get(endpoint, 0.0), self._count.get(endpoint, 0)
+
     def pending_endpoints(self) -> list[EndpointId]:
         """Endpoints with pending prefixes (usually few)."""
         return list(self._prefixes)
@@ -263,5 +295,10 @@ class TimeModel:
         """`endpoint`'s cache was cleared: its pending prefixes no longer promise a hit (the queue stays)."""
         self._prefixes.pop(endpoint, None)
         for p in self._pending.values():
-            if p.endpoint == endpoint:
+            if p.endpoint == endpoint and p.hashes:
+                firsts = self._first.get(p.hashes[0])
+                if firsts is not None:
+                    firsts.pop(endpoint, None)
+                    if not firsts:
+                        del self._first[p.hashes[0]]
                 p.hashes = ()

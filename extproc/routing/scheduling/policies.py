@@ -36,10 +36,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import itertools
 import random
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
+
+import numpy as np
 
 from prefixroute.extproc.routing.hashing import seed_for
 from prefixroute.extproc.routing.request import InferenceRequest
@@ -539,24 +542,26 @@ class TtftPolicy(Policy):
         matches = inp.matches
         model = self.model
         # Pending prefixes (usually the same endpoints the index names: it records each pick at once).
-        pend = model.pending_endpoints() if hashes else ()
+        pend = model.pending_matches(hashes) if hashes else None
         if pend:
             names = inp.view.position if inp.view is not None and inp.view.endpoints is eligible else {
                 s.endpoint for s in eligible}
             merged = dict(matches)
-            for ep in pend:
-                if ep in names:
-                    m = model.pending_match(ep, hashes)
-                    if m > merged.get(ep, 0):
-                        merged[ep] = m
+            for ep, m in pend.items():
+                if m > merged.get(ep, 0) and ep in names:
+                    merged[ep] = m
             matches = merged
         limit_n = st.max_scored_endpoints
-        ranked: list[EndpointState] | None = None
+        weights = None  # HRW weights of the eligible endpoints for this prefix, computed when needed (numpy)
         if limit_n and len(eligible) > limit_n:
-            ranked = inp.rendezvous().ranked(prefix_key(req, st.cold_key_blocks))
+            table = inp.rendezvous()
+            weights = table.weights(prefix_key(req, st.cold_key_blocks))
             holders = inp.holders if len(matches) == len(inp.holders) else [
                 s for s in eligible if s.endpoint in matches]
-            first = [s for s in ranked[:k] if s.endpoint not in matches]
+            # The first 1 + num_fallbacks in rendezvous order are always scored: on an idle fleet a cold
+            # prefix goes where rendezvous puts it, whichever random sample is drawn.
+            top = np.argpartition(weights, -k)[-k:] if k < len(eligible) else range(len(eligible))
+            first = [table.endpoints[i] for i in top if table.endpoints[i].endpoint not in matches]
             candidates = PrefixPolicy._sample(self, eligible, [*holders, *first], limit_n)  # type: ignore[arg-type]
         else:
             candidates = eligible
@@ -564,29 +569,39 @@ class TtftPolicy(Policy):
         n_hashed = len(hashes)
         in_flight = inp.in_flight
         w = st.ttft_work_weight
+        decode_cost = model.decode_cost_tokens
+        terms = model.terms
+        get_match = matches.get
+        get_in_flight = in_flight.get
         scored: list[tuple[float, float, EndpointState, float, int]] = []
+        cold_own = prompt_tokens
         for s in candidates:
             ep = s.endpoint
-            own = self._uncached(prompt_tokens, matches.get(ep, 0), n_hashed)
-            decoding = in_flight.get(ep, 0) - model.num_pending(ep)
+            m = get_match(ep, 0)
+            own = self._uncached(prompt_tokens, m, n_hashed) if m else cold_own
+            rate, base, queued, n_pending = terms(ep)
+            decoding = get_in_flight(ep, 0) - n_pending
             if decoding < 0:
                 decoding = 0
-            pred = model.predict(ep, own, decoding)
-            scored.append((pred + w * own / model.rate(ep), pred, s, own, decoding))
+            pred = base + (queued + decode_cost * decoding + own) / rate  # = model.predict(ep, own, decoding)
+            scored.append((pred + w * own / rate, pred, s, own, decoding))
         best = min(x[0] for x in scored)
         tied = [x for x in scored if x[0] <= best * (1.0 + TTFT_TIE_RATIO) + TTFT_TIE_S]
         if len(tied) > 1:
             top = max(matches.get(x[2].endpoint, 0) for x in tied)
             tied = [x for x in tied if matches.get(x[2].endpoint, 0) == top]
         if len(tied) > 1:
-            if ranked is None:
-                ranked = inp.rendezvous().ranked(prefix_key(req, st.cold_key_blocks))
-            primary_ep = pickers.first_in_order(ranked, [x[2] for x in tied], 1)[0]
-            primary = next(x for x in tied if x[2].endpoint == primary_ep)
+            # The first of the tied in rendezvous order: the highest HRW weight (as `RendezvousTable.ranked`).
+            table = inp.rendezvous()
+            if weights is None:
+                weights = table.weights(prefix_key(req, st.cold_key_blocks))
+            pos = inp.view.position if inp.view is not None and inp.view.endpoints is table.endpoints else {
+                s.endpoint: i for i, s in enumerate(table.endpoints)}
+            primary = max(tied, key=lambda x: (int(weights[pos[x[2].endpoint]]), pos[x[2].endpoint]))
         else:
             primary = tied[0]
-        rest = sorted((x for x in scored if x is not primary), key=lambda x: x[0])
-        order = [primary[2].endpoint, *(x[2].endpoint for x in rest[:k - 1])]
+        rest = heapq.nsmallest(k - 1, (x for x in scored if x is not primary), key=lambda x: x[0])
+        order = [primary[2].endpoint, *(x[2].endpoint for x in rest)]
         if self.track_prefill:
             key = id(req)
             queued = model.add_pending(key, order[0], primary[3], hashes)

@@ -286,3 +286,17 @@ def test_pool_router_first_token_reaches_the_policy_once_and_not_after_release()
     router.release(pick2)
     router.first_token(pick2, 1.0, 300, 0)  # after release: ignored
     assert len(policy.predictions) == 1 and policy.model.num_pending(pick2.endpoint_ids[0]) == 0
+
+
+def test_pending_matches_finds_every_endpoint_sharing_the_first_block():
+    m = TimeModel(RATE)
+    h = [BlockHash(i) for i in range(8)]
+    m.add_pending(1, A, 100, h)
+    m.add_pending(2, B, 100, h[:3])
+    m.add_pending(3, C, 100, [BlockHash(50)] + h[1:])
+    assert m.pending_matches(h) == {A: 8, B: 3}
+    assert m.pending_matches([BlockHash(77)]) == {} and m.pending_matches([]) == {}
+    m.clear_prefixes(A)
+    assert m.pending_matches(h) == {B: 3}
+    m.remove_pending(2)
+    assert m.pending_matches(h) == {} and m.terms(C)[2:] == (100, 1)
