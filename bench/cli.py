@@ -171,8 +171,8 @@ def _run_sweep(s: BenchSettings, wl: workloads.Workload, spec: object, percents:
     from prefixroute.bench.settings import DEFAULT_ROUTERS
 
     routers = virtual.SWEEP_ROUTERS if tuple(s.routers) == DEFAULT_ROUTERS else tuple(s.routers)
-    doc = virtual.run_sweep(wl, routers, num_servers=s.servers, spec=spec, load_percents=percents,  # type: ignore[arg-type]
-                            seed=s.seed, log=_log)
+    doc = virtual.run_sweep(wl, routers, num_servers=s.servers, spec=spec,  # type: ignore[arg-type]
+                            load_percents=percents, seed=s.seed, log=_log)
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))

@@ -22,7 +22,12 @@ compete. Then, in order:
    endpoint holding a longer match was over a limit; "load" when load outweighed a partial match.
    Fallbacks: the next cheapest, then endpoints over the limits.
 
-Why (virtual benchmarks, bench/virtual.py): the earlier version scored prefix match as a fraction of the prompt
+`ttft` (opt-in, issue 12): the least predicted time-to-first-token, full prefill included, from a time model
+of each endpoint (routing/timemodel.py: pending prefill queue, decoding load, learned prefill rate) plus a
+charge for the prefill work a request adds; see `TtftPolicy`. It needs `on_first_token` to learn rates and
+to empty its queues at the first token (the virtual fleet calls it; the live gateway does not yet).
+
+Why `prefix` is as it is (virtual benchmarks, bench/virtual.py): the earlier version scored prefix match as a fraction of the prompt
 against load scores scaled to a fixed threshold of 32 in flight, so a short shared instruction or system prompt
 pulled every new document or session to one endpoint and nothing spilled before 32. A
 cost in tokens lets a 256-token shared prefix lose against a few requests of load while an 8,000-token one
@@ -501,7 +506,8 @@ class TtftPolicy(Policy):
     less pending) at ``load_cost_tokens`` each. Score = predicted TTFT + ``ttft_work_weight`` x the request's
     own prefill seconds there (the work it adds for later requests). Lowest score wins; scores within
     `TTFT_TIE_RATIO` + `TTFT_TIE_S` of it tie, broken by the longest match (the holder), then rendezvous order
-    on the prefix key (cold prefixes land where `ConsistentHashPolicy` would put them at equal load). Fallbacks: next lowest scores.
+    on the prefix key (cold prefixes land where `ConsistentHashPolicy` would put them at equal load).
+    Fallbacks: the next lowest scores.
     So a request leaves its prefix holder only when another endpoint, full prefill included, is predicted
     faster; a hot prefix replicates when its holder's queue makes that true (the router records the replica
     in the index with the pick), and a burst of a new prefix stays on one endpoint (the siblings match its
@@ -648,8 +654,8 @@ class TtftPolicy(Policy):
         self.model.clear_prefixes(endpoint)
 
 
-_CLASSES_BY_NAME = {p.name: p for p in (TtftPolicy, PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy, RoundRobinPolicy,
-                                         RandomPolicy)}
+_CLASSES_BY_NAME = {p.name: p for p in (TtftPolicy, PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy,
+                                         RoundRobinPolicy, RandomPolicy)}
 POLICY_CLASSES: dict[str, type[Policy]] = {name: _CLASSES_BY_NAME[name] for name in POLICIES}
 """The class of every name in `settings.POLICIES`, in its order (a declared name without a class fails here)."""
 

@@ -24,8 +24,8 @@ TPB = 16.0  # tokens per router block (64 chars / 4)
 
 def _settings(**kw) -> RoutingSettings:
     """Work weight 0.5 (not the default 2) and a zero base: the tables' arithmetic in the comments below."""
-    return RoutingSettings(**{"policy": "ttft", "ttft_prior_tokens_per_s": RATE, "ttft_prior_base_s": 0.0, "rng_seed": 0,
-                              "ttft_work_weight": 0.5, **kw})
+    return RoutingSettings(**{"policy": "ttft", "ttft_prior_tokens_per_s": RATE, "ttft_prior_base_s": 0.0,
+                              "rng_seed": 0, "ttft_work_weight": 0.5, **kw})
 
 
 def _req(prefix: int, num_blocks: int = 100, tail: int = 0, tokens: int | None = None) -> InferenceRequest:
@@ -214,7 +214,8 @@ def test_burst_and_hot_prefix_replication_through_the_router():
         in_flight[d.endpoints[0]] += 1
         picks.append(d.endpoints[0])
     first = picks[0]
-    assert picks[:6] == [first] * 6 and picks[6] != first  # the burst stays with the first one (its prefill is ahead of them all)
+    # the burst stays with the first one (its prefill is ahead of them all), the 7th replicates
+    assert picks[:6] == [first] * 6 and picks[6] != first
     holders = core.index.match(_req(5, 200).block_hashes)
     assert len(holders) >= 2  # replicated, and each replica recorded in the index
     shares = [picks.count(e) for e in set(picks)]
