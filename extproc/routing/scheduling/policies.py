@@ -637,7 +637,10 @@ class TtftPolicy(Policy):
         if p is None:
             return
         self.model.remove_pending(id(request))
-        self.model.observe(p.endpoint, prompt_tokens, cached_tokens, ttft_s, p.queued_tokens, p.num_decoding)
+        # In the router's units: its prompt estimate, with the uncached share the endpoint reported.
+        est = request.num_prompt_chars * self._tpc
+        share = (prompt_tokens - cached_tokens) / prompt_tokens if prompt_tokens > 0 else 1.0
+        self.model.observe(p.endpoint, est, est * (1.0 - share), ttft_s, p.queued_tokens, p.num_decoding)
         self.predictions.append((p.predicted_s, ttft_s))
 
     def on_release(self, request: InferenceRequest, decision: Decision) -> None:
