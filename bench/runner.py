@@ -31,7 +31,8 @@ from prefixroute.bench import results as bench_results
 from prefixroute.bench.workloads import RequestSpec, Workload
 from prefixroute.extproc.routing.settings import POLICIES
 from prefixroute.procs import LOOPBACK as HOST
-from prefixroute.procs import ManagedProcess, ProcessGroup, StartupError, free_port, http_get, prefixroute_argv
+from prefixroute.procs import (ManagedProcess, ProcessGroup, StartupError, free_port, free_ports, http_get,
+                               prefixroute_argv)
 
 SETTLE_S = 1.5
 """Wait after a router first answers, so its health probes have reached every endpoint (probe interval 1 s)."""
@@ -95,12 +96,7 @@ class FleetConfig:
 
 
 def distinct_free_ports(n: int) -> tuple[int, ...]:
-    ports: list[int] = []
-    while len(ports) < n:
-        p = free_port()
-        if p not in ports:
-            ports.append(p)
-    return tuple(ports)
+    return tuple(free_ports(n))
 
 
 def start_fleet(group: ProcessGroup, cfg: FleetConfig) -> list[str]:

@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -59,11 +60,48 @@ def prefixroute_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "prefixroute", *args]
 
 
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_handed_out: set[int] = set()
+_rng = random.Random()  # its own generator: a test seeding `random` must not make two runs pick alike
+
+
+def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """`n` distinct TCP ports free a moment ago, drawn at random OUTSIDE the kernel's ephemeral range and never
+    handed out twice by this process. Why: a port from bind(0) lies inside the ephemeral range, where any
+    outgoing connection (a health probe, a client) can take it as its local port between this call and the
+    server's bind (seen as a rare "port busy" under connection churn). Not reserved: another process may still
+    bind one first, which its user reports as `PortBusy`. Falls back to bind(0) when no drawn port is free."""
+    lo, hi = _ephemeral_port_range()
+    spans = [(a, b) for a, b in ((10000, lo - 1), (hi + 1, 65535)) if b - a > 100]
+    out: list[int] = []
+    for _ in range(50 * n):
+        if len(out) == n or not spans:
+            break
+        a, b = spans[0] if len(spans) == 1 else _rng.choices(spans, weights=[b - a for a, b in spans])[0]
+        port = _rng.randint(a, b)
+        if port in _handed_out or port in out or port_in_use(port, host):
+            continue
+        out.append(port)
+    while len(out) < n:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in out:
+            out.append(port)
+    _handed_out.update(out)
+    return out
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """One port of `free_ports`."""
+    return free_ports(1, host)[0]
 
 
 def port_in_use(port: int, host: str = LOOPBACK) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,21 +21,13 @@ from pathlib import Path
 
 from prefixroute.procs import (LOOPBACK, ManagedProcess, free_port, http_get, http_ok,  # noqa: F401 - re-exported
                                stop_group, tcp_open)
+from prefixroute.procs import free_ports as _free_ports
 from prefixroute.procs import prefixroute_argv as prefixroute_cmd  # noqa: F401 - the tests' name for it
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports (all sockets held open together so none repeats)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` distinct free ports, outside the ephemeral range (`prefixroute.procs.free_ports`)."""
+    return _free_ports(n)
 
 
 def terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:

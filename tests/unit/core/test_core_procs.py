@@ -298,3 +298,19 @@ def test_stop_on_signals_raises_once_and_ignores_repeats_during_cleanup():
                 cleaned.append(True)
     assert info.value.signum == signal.SIGHUP and got["signal"] == signal.SIGHUP and cleaned == [True]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+def test_free_ports_are_distinct_outside_the_ephemeral_range_and_bindable():
+    """Ports from bind(0) lie in the ephemeral range, where an outgoing connection can take one before the
+    server binds it (a flaky "port busy" seen in CI): free_ports draws outside it, never twice."""
+    import socket
+
+    from prefixroute.procs import _ephemeral_port_range, free_ports
+
+    lo, hi = _ephemeral_port_range()
+    first, second = free_ports(30), free_ports(30)
+    assert len(set(first + second)) == 60
+    assert all(p < lo or p > hi for p in first + second)
+    for p in first[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
