@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
+import urllib.error
+import urllib.request
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,3 +88,19 @@ class SpyListener:
         self._stop = True
         self._thread.join(timeout=2)
         self.sock.close()
+
+
+def chat_once(port: int, content: str, *, timeout_s: float = 10.0) -> tuple[int, str]:
+    """One short chat through the gateway on 127.0.0.1:`port`: (status, the endpoint that served it) for an
+    HTTP answer, (0, the error) when none came (connection refused, reset, timeout)."""
+    body = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            r.read()
+            return r.status, r.headers.get("x-gateway-destination-endpoint-served", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+    except OSError as exc:
+        return 0, repr(exc)

@@ -4,40 +4,26 @@ is restarted on the same port; SIGTERM then leaves no process."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from helpers import free_port, http_get, prefixroute_cmd
-from helpers.fleet import MODEL, start_fleet
+from helpers.fleet import chat_once, start_fleet
 from helpers.leftovers import find_pid, kill_marked, marked_env, new_marker, wait_none_left
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _chat(port: int, i: int) -> tuple[int, str]:
-    body = json.dumps({"model": MODEL, "max_tokens": 2,
-                       "messages": [{"role": "user", "content": f"question {i}"}]}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            r.read()
-            return r.status, r.headers.get("x-gateway-destination-endpoint-served", "")
-    except urllib.error.HTTPError as exc:
-        return exc.code, ""
-    except OSError as exc:
-        return 0, repr(exc)
+    return chat_once(port, f"question {i}")
 
 
 def _decisions(metrics_port: int) -> float:

@@ -5,25 +5,22 @@ Streamlit included, have a parent-death signal) and the next `up` on the same po
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from helpers import free_ports
+from helpers.fleet import chat_once
 from helpers.leftovers import find_pid, kill_marked, listening, marked_env, marked_pids, new_marker, wait_none_left
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 class Up:
@@ -74,18 +71,7 @@ def _ports(num_servers: int = 2) -> dict[str, int]:
 
 
 def _chat(gw: int, i: int) -> tuple[int, str]:
-    body = json.dumps({"model": MODEL, "max_tokens": 2,
-                       "messages": [{"role": "user", "content": f"request {i} " * 20}]}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{gw}/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            r.read()
-            return r.status, r.headers.get("x-gateway-destination-endpoint-served", "")
-    except urllib.error.HTTPError as exc:
-        return exc.code, ""
-    except OSError as exc:
-        return 0, repr(exc)
+    return chat_once(gw, f"request {i} " * 20)
 
 
 def test_up_restarts_a_crashed_model_server_and_receiver_while_serving_and_stops_on_sighup(tmp_path):
