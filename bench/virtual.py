@@ -174,7 +174,7 @@ class OracleModel:
     server's own cost model (steps of ``max_num_batched_tokens`` tokens; each decoding request adds one
     sequence to each step) and picks the least score = true TTFT + `work_weight` x the request's own prefill
     seconds (the work it adds for later requests: with 0 it is greedy least-TTFT, which replicates every
-    prefix under load; 2 = the ``ttft`` policy's default ``ttft_work_weight``, so the gap measures what the
+    prefix under load; 2 = the ``prefix`` policy's default ``ttft_work_weight``, so the gap measures what the
     router does not know, not a different objective). Ties: longest true hit, then the first server.
 
     Greedy with true state, not a proven optimum: a better schedule might exist, so a policy may beat it at
@@ -353,7 +353,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     (and the environment); `pool_settings` to the defaults (and the environment), as the gateway reads them.
     `endpoint_ids` names the servers (default ``sim-I:8000``): a real run's ids give the same rendezvous
     placement, so endpoint shares compare too. `predictions`, when given, receives the (predicted, actual) TTFT
-    pairs of a policy that keeps them (``ttft``), in first-token order.
+    pairs of a policy that keeps them (``prefix``), in first-token order.
     """
     spec = spec or engine_spec()
     fleet = VirtualFleet(spec, num_servers, endpoint_ids=endpoint_ids)
@@ -398,7 +398,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         def first_token(rid: str, pick: Any, now_s: float, first_token_s: float, prompt_tokens: int,
                         cached_tokens: int) -> None:
             del no_token[rid]
-            router.first_token(pick, first_token_s - pick_time[rid], prompt_tokens, cached_tokens)
+            router.first_token(pick, first_token_s - pick_time[rid])
+            router.usage(pick, prompt_tokens, cached_tokens)  # the fleet knows it already (live: at the end)
 
         pick_time: dict[str, float] = {}
 
@@ -512,10 +513,9 @@ def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers
 
 # --- load sweep (issue 12) -------------------------------------------------------------------------------------
 
-SWEEP_ROUTERS = ("prefixroute:random", "prefixroute:prefix", "prefixroute:ttft", "sim:sglang-cache-aware",
-                 "sim:oracle")
+SWEEP_ROUTERS = ("prefixroute:random", "prefixroute:prefix", "sim:sglang-cache-aware", "sim:oracle")
 """What a sweep runs when the routers are left at the bench's defaults: the no-information baseline, the default
-policy, the time-model policy, our model of sglang-router and the oracle (the last is the reference of the gaps)."""
+policy (the time model), our model of sglang-router and the oracle (the last is the reference of the gaps)."""
 
 DEFAULT_SWEEP_PERCENTS = (20.0, 40.0, 60.0, 80.0, 100.0, 120.0)
 

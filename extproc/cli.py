@@ -51,7 +51,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                                               index_size=core.index.num_entries_by_endpoint,
                                               endpoint_states=pool.snapshot)
     tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
-                             max_body_bytes=routing.max_body_bytes)
+                             max_body_bytes=routing.max_body_bytes, on_first_token=router.first_token,
+                             on_usage=router.usage)
     await pool.start()
     try:
         all_up = await pool.wait_ready(ext.ready_timeout_s)

@@ -22,12 +22,14 @@ Contract with the servicer (`servicer.RouterService`):
   address back to the endpoint). A pick also carries its `Decision`, `decision_us` (parse + schedule) and
   the parsed request, for telemetry.
 - `release(pick)`: once per pick, when the HTTP request ends for any reason.
-- `first_token(pick, ttft_s, prompt_tokens, cached_tokens)`: the response's first token and usage, for policies
-  that learn from them (`ttft`); at most once per pick, before `release`. TODO(issue 12): nothing calls it
-  live yet: tracking.py knows ``ttft_ms`` at the first body chunk and the usage at the end of the stream
-  (`_obs_finished`), and would call it there (the ttft policy's queue then empties at the end of each
-  response, not at its first token: splitting the hook into a first-token time and a usage report is the
-  follow-up). Without it the ttft policy keeps its prior rates and empties its queue at `release`.
+- `first_token(pick, ttft_s)`: the response's first token came `ttft_s` after the request arrived (streamed
+  responses only: a non-streamed body arrives whole, so its first chunk is no first token); at most once per
+  pick, before `release`. The prefix policy's queue of pending prefill empties there, not at the end of the
+  response (tracking.py calls it from the observing stream).
+- `usage(pick, prompt_tokens, cached_tokens)`: the response ended, with its usage figures (None when the
+  response carried none, e.g. a stream without ``stream_options.include_usage``); at most once per pick,
+  after `first_token`, before or after `release` (two streams, no order between them). The prefix policy
+  learns the endpoint's rate from it.
 
 Endpoint ids are ``host:port`` as configured; the addresses handed to Envoy (ORIGINAL_DST takes addresses
 only) are those the pool publishes in its snapshot (`EndpointState.address`: the pool resolves names off the
@@ -54,7 +56,7 @@ class RoutePick:
     """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
 
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
-                 "failover_reported", "first_token_reported")
+                 "failover_reported", "first_token_reported", "usage_reported")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -67,6 +69,7 @@ class RoutePick:
         self.released = False
         self.failover_reported = False  # a served-elsewhere report was taken for this pick (only one counts)
         self.first_token_reported = False
+        self.usage_reported = False
 
 
 class PoolRouter:
@@ -142,13 +145,21 @@ class PoolRouter:
             self.pool.acquire(served_id)
             pick.counted = served_id
 
-    def first_token(self, pick: RoutePick, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
-        """`pick`'s response produced its first token `ttft_s` after the pick, with these usage figures (module
-        docstring). Ignored after `release` or a first report (at most one per pick)."""
+    def first_token(self, pick: RoutePick, ttft_s: float) -> None:
+        """`pick`'s response produced its first token `ttft_s` after the request arrived (module docstring).
+        Ignored after `release` or a first report (at most one per pick)."""
         if pick.released or pick.first_token_reported:
             return
         pick.first_token_reported = True
-        self.core.on_first_token(pick.request, pick.decision, ttft_s, prompt_tokens, cached_tokens)
+        self.core.on_first_token(pick.request, pick.decision, ttft_s)
+
+    def usage(self, pick: RoutePick, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        """`pick`'s response ended with these usage figures (module docstring). Only after a `first_token`
+        report (a rate is learned from a TTFT), once."""
+        if not pick.first_token_reported or pick.usage_reported:
+            return
+        pick.usage_reported = True
+        self.core.on_usage(pick.request, pick.decision, prompt_tokens, cached_tokens)
 
     def release(self, pick: RoutePick) -> None:
         if not pick.released:

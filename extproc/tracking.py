@@ -204,8 +204,15 @@ class RequestTracker:
 
     def __init__(self, on_decision: Callable[[Any, float], None], on_response: Callable[[RequestRecord], None],
                  endpoint_of: Callable[[str], str | None], *, max_body_bytes: int | None = None,
-                 obs_grace_s: float = 2.0) -> None:
+                 obs_grace_s: float = 2.0, on_first_token: Callable[[Any, float], None] | None = None,
+                 on_usage: Callable[[Any, int | None, int | None], None] | None = None) -> None:
+        """`on_first_token(pick, ttft_s)` and `on_usage(pick, prompt_tokens, cached_tokens)`: the router's
+        `PoolRouter.first_token` / `usage` (its time model learns from them), called for attached streamed
+        responses only, from the observing stream: the first token at the first body chunk of an SSE
+        response, the usage when it ends (None figures when it carried none)."""
         self.max_body_bytes = max_body_bytes
+        self.on_first_token = on_first_token
+        self.on_usage = on_usage
         self.on_decision = on_decision
         self.on_response = on_response
         self.endpoint_of = endpoint_of
@@ -373,6 +380,8 @@ class RequestTracker:
         rec = st.rec
         if rec.ttft_ms is None and chunk:
             rec.ttft_ms = (now - st.t0) * 1000.0
+            if st.tail is not None and st.pick is not None and self.on_first_token is not None:
+                self.on_first_token(st.pick, now - st.t0)
         if st.tail is not None:
             st.tail.feed(chunk)
         elif st.body is not None:
@@ -404,11 +413,17 @@ class RequestTracker:
             usage = st.tail.usage()
         elif st.body:
             usage = usage_from_body(b"".join(st.body))
+        streamed = st.tail is not None
         st.tail = st.body = None
         if usage is not None:
             rec.prompt_tokens = usage.prompt_tokens
             rec.completion_tokens = usage.completion_tokens
             rec.cached_tokens = usage.cached_tokens
+        if streamed and st.pick is not None and self.on_usage is not None and rec.ttft_ms is not None:
+            if usage is not None:
+                self.on_usage(st.pick, usage.prompt_tokens, usage.cached_tokens)
+            else:
+                self.on_usage(st.pick, None, None)
         if st.routing_done:
             self._emit(st)
 

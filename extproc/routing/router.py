@@ -79,11 +79,18 @@ class RouterCore:
         A no-op unless constructed with ``track_prefill=True`` or for a policy without prefill tracking."""
         self.scheduler.policy.on_release(request, decision)
 
-    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float, prompt_tokens: int,
-                       cached_tokens: int) -> None:
-        """`request`'s first token came `ttft_s` after its pick, with the endpoint's usage figures: before its
-        `on_release`, at most once (see `Policy.on_first_token`)."""
+    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
+                       prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
+        """`request`'s first token came `ttft_s` after it arrived; usage figures when already known (a
+        simulation), else later by `on_usage`. Before its `on_release`, at most once (see
+        `Policy.on_first_token`)."""
         self.scheduler.policy.on_first_token(request, decision, ttft_s, prompt_tokens, cached_tokens)
+
+    def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
+                 cached_tokens: int | None) -> None:
+        """`request`'s response ended with these usage figures (None: none reported), after its
+        `on_first_token`, before or after its `on_release` (see `Policy.on_usage`)."""
+        self.scheduler.policy.on_usage(request, decision, prompt_tokens, cached_tokens)
 
     def record_failover(self, request: InferenceRequest, served_by: EndpointId) -> None:
         """The request was served by a fallback (Envoy's ``x-gateway-destination-endpoint-served``): record it

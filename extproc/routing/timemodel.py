@@ -281,6 +281,10 @@ class TimeModel:
         rate, base = (self.prior_tokens_per_s, self.prior_base_s) if r is None else r._fit()
         return rate, base, self._tokens.get(endpoint, 0.0), self._count.get(endpoint, 0)
 
+    def pending_queue_endpoints(self) -> list[EndpointId]:
+        """Endpoints with pending requests (a prefill queue > 0 tokens or not)."""
+        return list(self._count)
+
     def pending_endpoints(self) -> list[EndpointId]:
         """Endpoints with pending prefixes (usually few)."""
         return list(self._prefixes)

@@ -1,9 +1,8 @@
-"""Scheduling, pure: filters -> weighted scorers -> picker, composed by policies (GIE-like split).
+"""Scheduling, pure: filters -> a score per candidate -> picker, composed by policies (GIE-like split).
 
-- filters.py: which endpoints may take a request at all (healthy, serves the model) and which are under the
-  concurrency threshold.
-- scorers.py: each scorer maps every candidate endpoint to a score in [0, 1] (higher = better).
-- pickers.py: max weighted score with ties broken by load then randomly; rendezvous (HRW) ordering.
+- filters.py: which endpoints may take a request at all (healthy, serves the model).
+- the score of the default `prefix` policy is a predicted TTFT from routing/timemodel.py (seconds).
+- pickers.py: max score with ties broken by load then randomly; rendezvous (HRW) ordering; sampling.
 - policies.py: the `Policy` base and the selectable policies (names: `routing.settings.POLICIES`).
 - scheduler.py: `Scheduler(settings).schedule(request, endpoints, in_flight, index) -> Decision`.
 

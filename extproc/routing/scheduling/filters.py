@@ -78,16 +78,3 @@ class EligibleCache:
                 self._views.clear()
             v = self._views[model] = EligibleView(eligible(endpoints, model))
         return v
-
-
-def split_threshold(endpoints: Sequence[EndpointState], in_flight: Mapping[EndpointId, int],
-                    threshold: int) -> tuple[Sequence[EndpointState], list[EndpointState]]:
-    """(under, at_or_over) the concurrency threshold of in-flight requests, order kept. When none is at the
-    threshold, `under` is `endpoints` itself (not a copy: callers must not mutate it)."""
-    if not in_flight or max(in_flight.values()) < threshold:  # the common case, checked at C speed
-        return endpoints, []
-    get = in_flight.get
-    under = [s for s in endpoints if get(s.endpoint, 0) < threshold]
-    if len(under) == len(endpoints):  # the common case: nobody is at the threshold
-        return endpoints, []
-    return under, [s for s in endpoints if get(s.endpoint, 0) >= threshold]

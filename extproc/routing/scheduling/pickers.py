@@ -1,8 +1,9 @@
-"""Pickers: turn scores into an ordered endpoint list (primary first, then fallbacks).
+"""Pickers: ordered endpoint lists (primary first, then fallbacks).
 
-- `max_score_order`: highest weighted score; ties (equal within 1e-9) broken by fewer in-flight requests, then
-  randomly with the injected `random.Random`, so idle endpoints with equal scores share new work instead of
-  the first one in configuration order taking all of it (the hot spot seen with other routers).
+- `least_load_order`: fewest in flight, then fewest waiting, ties broken randomly with the injected
+  `random.Random`, so idle endpoints share new work instead of the first one in configuration order taking
+  all of it (the hot spot seen with other routers).
+- `sample_with`: a power-of-d sample of a large pool that always includes given endpoints (the holders).
 - `rendezvous_order`: highest-random-weight (HRW) hashing: weight(endpoint, key) = mix64(seed(endpoint) ^ key),
   seed = xxh3_64(endpoint id), mix64 = the splitmix64 finaliser (a bijection of 64-bit words). Deterministic
   across processes; removing an endpoint moves only the keys it ranked first, adding one takes about 1/N of
@@ -22,7 +23,6 @@ import xxhash
 from prefixroute.extproc.routing.types import EndpointId, EndpointState
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_TIE_EPS = 1e-9
 _encoded: dict[str, bytes] = {}
 
 
@@ -60,8 +60,7 @@ class RendezvousTable:
     """HRW over one fixed tuple of endpoints (built once per pool snapshot; immutable afterwards).
 
     `ranked(key)` is the tuple in decreasing weight order; `rendezvous_order` of any subset of the tuple is that
-    order filtered to the subset (what `first_in_order` does), so a policy can take the first few endpoints
-    passing a load test without looking at the others. Cost: O(N) numpy work (C speed) + O(N) to list the
+    order filtered to the subset. Cost: O(N) numpy work (C speed) + O(N) to list the
     order; weights equal to 64 bits are broken by position (probability ~N^2 / 2^64)."""
 
     __slots__ = ("_int_seeds", "_objects", "_seeds", "endpoints")
@@ -105,48 +104,10 @@ class RendezvousTable:
         return self._objects[idx].tolist()
 
 
-def first_in_order(ranked: Sequence[EndpointState], members: Sequence[EndpointState] | None,
-                   k: int | None) -> list[EndpointId]:
-    """The first `k` (all when None) endpoints of `ranked` that are in `members` (None: all): equal to
-    ``rendezvous_order(key, members, k)`` when `ranked` is a table's order for `key` and `members` a subset of
-    the table."""
-    if members is None:
-        out = [s.endpoint for s in ranked]
-    else:
-        names = {s.endpoint for s in members}
-        out = [s.endpoint for s in ranked if s.endpoint in names]
-    return out if k is None else out[:k]
-
-
 def rendezvous_order(key: int, endpoints: Sequence[EndpointState], k: int | None = None) -> list[EndpointId]:
     """Endpoints by decreasing HRW weight for `key` (the first `k` only when given)."""
     order = RendezvousTable(endpoints).ranked(key)
     return [s.endpoint for s in (order if k is None else order[:k])]
-
-
-def max_score_order(endpoints: Sequence[EndpointState], scores: Sequence[float],
-                    in_flight: Mapping[EndpointId, int], rng: random.Random, k: int) -> list[EndpointId]:
-    """The `k` best endpoints: score desc, then in-flight asc, then random (scores within 1e-9 tie)."""
-    n = len(endpoints)
-    if n == 0 or k <= 0:
-        return []
-    if k < n:
-        # Only endpoints scoring at least the k-th best (minus the tie tolerance) can be in the answer: the
-        # costly tie-break keys are built for that group only (usually a handful; all of them when all tie).
-        floor = heapq.nlargest(k, scores)[-1] - _TIE_EPS
-        idx = [i for i, sc in enumerate(scores) if sc >= floor]
-    else:
-        idx = list(range(n))
-    get = in_flight.get
-    rand = rng.random
-    top = max(scores[i] for i in idx)
-    # Quantise to the tie tolerance relative to the best score so near-equal floats compare equal.
-    keyed = [(round((top - scores[i]) / _TIE_EPS), get(endpoints[i].endpoint, 0), rand(), endpoints[i].endpoint)
-             for i in idx]
-    if k < len(keyed):
-        return [t[3] for t in heapq.nsmallest(k, keyed)]
-    keyed.sort()
-    return [t[3] for t in keyed]
 
 
 def least_load_order(endpoints: Sequence[EndpointState], in_flight: Mapping[EndpointId, int],
@@ -156,3 +117,23 @@ def least_load_order(endpoints: Sequence[EndpointState], in_flight: Mapping[Endp
     rand = rng.random
     keyed = [(get(s.endpoint, 0), s.num_requests_waiting or 0, rand(), s.endpoint) for s in endpoints]
     return [t[3] for t in heapq.nsmallest(k, keyed)]
+
+
+def sample_with(candidates: Sequence[EndpointState], included: Sequence[EndpointState], limit: int,
+                rng: random.Random) -> list[EndpointState]:
+    """`included` (all of them, first, in their order) + other candidates drawn uniformly at random, `limit` in
+    all (more when `included` alone has more). Independent draws, not a window of the pool: endpoints busy
+    together are often neighbours in the configured order (one host, one rack). O(limit): with replacement,
+    duplicates skipped, no O(n) shuffle."""
+    out = list(included)
+    taken = {s.endpoint for s in included}
+    n = len(candidates)
+    rand = rng.random
+    for _ in range(2 * limit):
+        if len(out) >= limit:
+            break
+        s = candidates[int(rand() * n)]
+        if s.endpoint not in taken:
+            taken.add(s.endpoint)
+            out.append(s)
+    return out

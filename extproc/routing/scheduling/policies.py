@@ -3,38 +3,17 @@
 injected rng, the round-robin counter and the prefix policy's recent-share counts and outstanding prefill).
 `Policy` states the contract of `decide` and of the lifecycle hooks the router calls.
 
-`prefix` (default). First the balance limits split the eligible endpoints into *under* and *over*: over = more
-in flight than ``balance_factor`` x the mean in-flight + ``balance_slack`` (or at ``concurrency_threshold``),
-or a recent share of picks above ``balance_factor`` x fair. Only when every endpoint is over do the over ones
-compete. Then, in order:
-1. No block hashed (prompt shorter than one block): least cost on load alone (reason "load").
-2. Prefix seen nowhere among eligible endpoints -> rendezvous (HRW) keyed on the chained hash of the first
-   ``cold_key_blocks`` blocks, with bounded loads: the first endpoint in HRW order at or under
-   ``cold_balance_factor`` x the mean in-flight (reason "cold"), and, when the caller reports releases
-   (``track_prefill``, `Policy.on_release`), at or under that factor x the mean outstanding
-   prefill tokens. At equal load this is plain rendezvous: requests sharing a system prompt converge and
-   each endpoint owns ~1/N of new prefixes.
-3. Otherwise -> the least *cost* in prompt tokens (Dynamo-like): prefill the endpoint would have to compute
-   (hashed tokens not held there) + ``load_cost_tokens`` x in-flight + ``queue_cost_tokens`` x waiting +
-   ``kv_cost_tokens`` x KV usage, computed as weighted [0, 1] scorers whose weights are token amounts
-   (scorers.py); in pools larger than ``max_scored_endpoints``, over the holders plus a random sample.
-   Ties by load then random. Reason "affinity" when the primary holds the longest match; "spill" when an
-   endpoint holding a longer match was over a limit; "load" when load outweighed a partial match.
-   Fallbacks: the next cheapest, then endpoints over the limits.
+`prefix` (default): the least predicted time-to-first-token, full prefill included, from a time model of
+each endpoint (routing/timemodel.py: its pending prefill queue, its decoding load, its learned prefill rate),
+plus a charge for the prefill work a request adds for the requests behind it; ties go to the longest match,
+then to rendezvous order on the prefix key. See `PrefixPolicy`.
 
-`ttft` (opt-in, issue 12): the least predicted time-to-first-token, full prefill included, from a time model
-of each endpoint (routing/timemodel.py: pending prefill queue, decoding load, learned prefill rate) plus a
-charge for the prefill work a request adds; see `TtftPolicy`. It needs `on_first_token` to learn rates and
-to empty its queues at the first token (the virtual fleet calls it; the live gateway does not yet).
-
-Why `prefix` is as it is (virtual benchmarks, bench/virtual.py): the earlier version scored prefix match as a fraction of the prompt
-against load scores scaled to a fixed threshold of 32 in flight, so a short shared instruction or system prompt
-pulled every new document or session to one endpoint and nothing spilled before 32. A
-cost in tokens lets a 256-token shared prefix lose against a few requests of load while an 8,000-token one
-wins; the limits relative to the fleet's mean make a hot prefix spill and then spread (its second endpoint is
-recorded in the index); bounded-load cold placement sends new prefixes away from busy endpoints; and bounding
-outstanding prefill tokens as well (when releases are reported) tells a long prompt from a short one, as
-requests differ 100x in length.
+Why the time model and not request counts (issue 12): the earlier `prefix` policy balanced on in-flight
+counts and recent shares of picks and priced load in prompt tokens. Near saturation a prefix holder looked
+"over", the request moved and prefilled 8k tokens from scratch elsewhere, which made that endpoint busy in
+turn: a feedback loop that lost 7.7x to sglang-router's P50 TTFT on many 8k-token system prompts. Priced in
+seconds, moving a request costs its whole prefill, so it moves only when that pays; balance is what the
+prices produce, not a rule that overrides them.
 """
 
 from __future__ import annotations
@@ -52,8 +31,6 @@ import numpy as np
 from prefixroute.extproc.routing.hashing import seed_for
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters, pickers
-from prefixroute.extproc.routing.scheduling.scorers import (InFlightScorer, KvCacheScorer, PrefixScorer, QueueScorer,
-                                                    Scorer, ScoringContext, weighted_scores)
 from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
 from prefixroute.extproc.routing.timemodel import TimeModel
 from prefixroute.extproc.routing.types import BlockHash, Decision, DecisionReason, EndpointId, EndpointState
@@ -110,12 +87,20 @@ class Policy:
         was cancelled. At most once per decision, exactly once when `track_prefill`; it may come after the
         primary left the pool (`on_endpoint_removed`) and must then be absorbed. No-op by default."""
 
-    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float, prompt_tokens: int,
-                       cached_tokens: int) -> None:
-        """Contract: `request`, routed by `decision`, got its first token `ttft_s` after its pick; the serving
-        endpoint reported `prompt_tokens` and `cached_tokens` (usage). At most once per decision, before its
-        `on_release`; it may never come (a caller that cannot see first tokens, a failed request), so a policy
-        must also undo on `on_release` what this would have undone. No-op by default."""
+    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
+                       prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
+        """Contract: `request`, routed by `decision`, got its first token `ttft_s` after its arrival. The usage
+        figures of the serving endpoint come with it when the caller already knows them (a simulation) and
+        otherwise later through `on_usage` (the live gateway learns them at the end of the response). At most
+        once per decision, before its `on_release`; it may never come (a caller that cannot see first
+        tokens, a non-streamed response, a failed request), so a policy must also undo on `on_release` what
+        this would have undone. No-op by default."""
+
+    def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
+                 cached_tokens: int | None) -> None:
+        """Contract: the response of `request` (which had its `on_first_token` without usage) ended, with the
+        serving endpoint's prompt and cached tokens (None: it reported none). At most once, before or after
+        its `on_release`; it may never come, so what waits for it must be bounded. No-op by default."""
 
     def on_endpoint_removed(self, endpoint: EndpointId) -> None:
         """Contract: `endpoint` left the pool; what this policy keeps for it goes (an endpoint of that name
@@ -191,300 +176,18 @@ class ConsistentHashPolicy(Policy):
         return _decision([s.endpoint for s in ranked[:self._k]], "policy", self.name, inp)
 
 
-SHARE_WINDOW_PER_ENDPOINT = 32
-"""The recent-share estimate of `PrefixPolicy` decays over about 32 picks per endpoint: long enough that a
-share of 1.5 x fair is not noise (a binomial share over 32 picks has a relative spread of ~17%), short enough
-to follow a workload that changes within a minute at a few requests per second per endpoint."""
-
-
-SHARE_WARMUP_PICKS = 4
-"""The share limit applies once the window holds this many picks per endpoint on average: before that a
-share is a handful of requests (the first pick alone is 100% of one endpoint)."""
-
-
-class PrefixPolicy(Policy):
-    """Prefix affinity priced against load, an adaptive balance limit, rendezvous cold placement (module doc)."""
-
-    name = "prefix"
-
-    def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
-        super().__init__(settings, rng, track_prefill=track_prefill)
-        self._prefix = PrefixScorer()
-        t = settings.concurrency_threshold
-        # Load scorers are 1 - x / scale: weight = cost per unit x scale gives "constant - cost x units" in
-        # prompt tokens, the currency of the prefix term (`_scorers`).
-        self._load_terms: list[tuple[Scorer, float]] = [
-            (InFlightScorer(), settings.load_cost_tokens * t),
-            (QueueScorer(), settings.queue_cost_tokens * settings.queue_scale),
-            (KvCacheScorer(), settings.kv_cost_tokens),
-        ]
-        self._tokens_per_block = settings.tokens_per_block * settings.prefix_weight
-        # Estimated uncached prefill tokens sent to each endpoint and not yet released (`on_release`);
-        # kept only when the caller reports releases (`track_prefill`), see `_cold_order`.
-        self._prefill: dict[EndpointId, float] = {}
-        self._tokens_per_char = 1.0 / settings.chars_per_token
-        # Recent picks per endpoint, exponentially decayed per decision (window ~ SHARE_WINDOW_PER_ENDPOINT x
-        # endpoints). Stored scaled by a growing unit `_unit` so a pick costs O(1) instead of decaying all.
-        self._picks: dict[EndpointId, float] = {}
-        self._picks_sum = 0.0
-        self._unit = 1.0
-
-    def _scorers(self, total_blocks: int) -> list[tuple[Scorer, float]]:
-        """Weights in prompt tokens for one request: the prefix score (matched / total blocks) times the
-        tokens hashed is the prefill an endpoint saves; the load scorers turn into token costs."""
-        return [(self._prefix, total_blocks * self._tokens_per_block), *self._load_terms]
-
-    def over_share(self, num_eligible: int) -> set[EndpointId]:
-        """Endpoints whose recent share of picks is above ``balance_factor`` x the fair share (1 / eligible
-        endpoints): in-flight counts cannot see an imbalance at low load (requests finish before the next
-        one arrives), while the share of requests each endpoint gets is what hot-spotting is measured by.
-        Empty until the window holds SHARE_WARMUP_PICKS picks per endpoint. Picks are counted over every
-        decision of this policy, so in a pool serving several models the fair share is approximate; an
-        endpoint that leaves decays out of the window. Cost: one max() over the endpoints picked recently
-        (C speed); the set is built only when one is over."""
-        picks = self._picks
-        if not picks:
-            return set()
-        mean = self._picks_sum / num_eligible
-        if mean < SHARE_WARMUP_PICKS * self._unit:
-            return set()
-        limit = self._settings.balance_factor * mean
-        if max(picks.values()) <= limit:
-            return set()
-        return {ep for ep, w in picks.items() if w > limit}
-
-    def _note_pick(self, endpoint: EndpointId, num_eligible: int) -> None:
-        unit = self._unit * (1.0 + 1.0 / (SHARE_WINDOW_PER_ENDPOINT * num_eligible))
-        if unit > 1e12:  # rescale before floats lose the small terms
-            inv = 1.0 / unit
-            self._picks = {ep: w * inv for ep, w in self._picks.items() if w * inv > 1e-6}
-            self._picks_sum *= inv
-            unit = 1.0
-        self._unit = unit
-        self._picks[endpoint] = self._picks.get(endpoint, 0.0) + unit
-        self._picks_sum += unit
-
-    def _cold_order(self, inp: PolicyInput, candidates: Sequence[EndpointState],
-                    rest: Sequence[EndpointState], mean_in_flight: float) -> list[EndpointId]:
-        """Rendezvous order on the prefix key with bounded loads (Mirrokni et al.'s consistent hashing with
-        bounded loads, on HRW): endpoints at or under ``cold_balance_factor`` x the mean in-flight come first
-        (there is always one: the least loaded is at or under the mean), then the other candidates, then
-        those over the limits, each group in rendezvous order. At equal load (idle fleet, or a test) this is
-        plain rendezvous: adding or removing an endpoint moves only its share of new prefixes.
-
-        With `track_prefill`, "light" also requires outstanding prefill tokens at or under
-        ``cold_balance_factor`` x their mean (when that leaves any endpoint): a count of requests cannot
-        tell a 30k-token prompt from a 300-token one."""
-        k = self._k
-        key = prefix_key(inp.request, self._settings.cold_key_blocks)
-        # HRW order of every eligible endpoint once (numpy); the rendezvous order of any subset below is that
-        # order filtered to the subset, so the groups are walked from the top and the walk stops at k.
-        ranked = inp.rendezvous().ranked(key)
-        # `_decide` makes candidates the eligible endpoints less `rest` (disjoint, one or the other may be
-        # empty): skipping the few in `rest` while walking avoids building the candidates' order (O(N)).
-        if not rest and len(candidates) == len(inp.eligible):
-            skip: set[EndpointId] | frozenset[EndpointId] = frozenset()
-        elif len(candidates) + len(rest) == len(inp.eligible):
-            skip = {s.endpoint for s in rest}
-        else:  # not that split (a caller of its own): membership by name
-            names = {s.endpoint for s in candidates}
-            skip = {s.endpoint for s in ranked if s.endpoint not in names}
-        in_flight = inp.in_flight
-        order: list[EndpointId] = []
-        if in_flight:
-            get = in_flight.get
-            bound = self._settings.cold_balance_factor * mean_in_flight
-            prefill = self._prefill
-            if prefill:
-                ranked_c = [s for s in ranked if s.endpoint not in skip] if skip else ranked
-                # Exact earlier form (only with track_prefill): the prefill test needs every light endpoint.
-                light = [s for s in candidates if get(s.endpoint, 0) <= bound]
-                if len(light) > 1:
-                    # Requests differ by 100x in prompt length: among the endpoints light on requests, keep
-                    # those also at or under the bound on outstanding prefill tokens (none -> the request
-                    # bound alone).
-                    pget = prefill.get
-                    pbound = self._settings.cold_balance_factor * sum(prefill.values()) / len(inp.eligible)
-                    light = [s for s in light if pget(s.endpoint, 0.0) <= pbound] or light
-                if light and len(light) < len(candidates):
-                    order = pickers.first_in_order(ranked_c, light, k)
-                    if len(order) < k:
-                        heavy = [s for s in candidates if get(s.endpoint, 0) > bound]
-                        order += pickers.first_in_order(ranked_c, heavy, k - len(order))
-                else:
-                    order = [s.endpoint for s in ranked_c[:k]]
-            else:
-                # Light (at or under the bound) first, then heavy, each in HRW order. When all or none are
-                # light this is plain HRW order, as the earlier two-branch form had it.
-                heavy_first: list[EndpointId] = []
-                for s in ranked:
-                    ep = s.endpoint
-                    if ep in skip:
-                        continue
-                    if get(ep, 0) <= bound:
-                        order.append(ep)
-                        if len(order) == k:
-                            return order
-                    elif len(heavy_first) < k:
-                        heavy_first.append(ep)
-                order += heavy_first[:k - len(order)]
-        else:
-            order = list(itertools.islice((s.endpoint for s in ranked if s.endpoint not in skip), k))
-        if len(order) < k and rest:
-            order += pickers.first_in_order(ranked, rest, k - len(order))
-        return order
-
-    @staticmethod
-    def mean_in_flight(inp: PolicyInput) -> float:
-        """Mean in-flight requests per eligible endpoint: the in-flight counts given (the router's, every
-        endpoint) over the eligible endpoints. Exact for one-model pools; an overestimate (less spilling)
-        when endpoints of other models carry load."""
-        return sum(inp.in_flight.values()) / len(inp.eligible) if inp.in_flight else 0.0
-
-    def balance_limit(self, inp: PolicyInput, mean_in_flight: float | None = None) -> int:
-        """In-flight count at or above which an endpoint is 'over' for this decision: the lower of the fixed
-        ``concurrency_threshold`` and ``balance_factor x mean in-flight + balance_slack`` (strictly above
-        that is over; see `mean_in_flight`)."""
-        st = self._settings
-        if mean_in_flight is None:
-            mean_in_flight = self.mean_in_flight(inp)
-        adaptive = int(st.balance_factor * mean_in_flight + st.balance_slack) + 1
-        return min(st.concurrency_threshold, adaptive)
-
-    def decide(self, inp: PolicyInput) -> Decision:
-        d = self._decide(inp)
-        if d.endpoints:
-            self._note_pick(d.endpoints[0], len(inp.eligible))
-            if self.track_prefill:
-                tokens = self.prefill_tokens(inp.request, d)
-                if tokens > 0:
-                    ep = d.endpoints[0]
-                    self._prefill[ep] = self._prefill.get(ep, 0.0) + tokens
-        return d
-
-    def prefill_tokens(self, request: InferenceRequest, decision: Decision) -> float:
-        """Estimated prompt tokens the primary of `decision` has to compute for `request`: its prompt
-        (characters / ``chars_per_token``, the whole prompt, hashed or not) less the matched blocks. >= 0;
-        the same figure at pick and at release, so an endpoint's sum returns to 0 once all its picks are
-        released."""
-        return max(0.0, request.num_prompt_chars * self._tokens_per_char
-                   - decision.matched_blocks * self._settings.tokens_per_block)
-
-    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """The request's estimated prefill leaves the primary's outstanding sum. A no-op unless
-        `track_prefill`; the sum never goes negative (a release without its pick is absorbed). A lost release
-        leaves the endpoint looking busier for cold placement only, until it leaves the pool."""
-        if not self.track_prefill or not decision.endpoints:
-            return
-        ep = decision.endpoints[0]
-        left = self._prefill.get(ep, 0.0) - self.prefill_tokens(request, decision)
-        if left > 0.5:  # under half a token is float residue of the additions
-            self._prefill[ep] = left
-        else:
-            self._prefill.pop(ep, None)
-
-    def on_endpoint_removed(self, endpoint: EndpointId) -> None:
-        """Its outstanding prefill goes (its recent share decays out of the window by itself)."""
-        self._prefill.pop(endpoint, None)
-
-    def outstanding_prefill_tokens(self) -> dict[EndpointId, float]:
-        """Estimated uncached prefill tokens picked and not yet released, per endpoint (copy; absent = 0)."""
-        return dict(self._prefill)
-
-    def _decide(self, inp: PolicyInput) -> Decision:
-        st = self._settings
-        k = self._k
-        mean = self.mean_in_flight(inp)
-        limit = self.balance_limit(inp, mean)
-        under, over = filters.split_threshold(inp.eligible, inp.in_flight, limit)
-        hot = self.over_share(len(inp.eligible))
-        if hot:
-            # An idle endpoint (nothing in flight) cannot make this request wait, so its recent share alone
-            # does not move a request away from its cache: sequential traffic sharing one system prompt
-            # keeps its affinity; the limit acts once the hot endpoint is busy.
-            in_flight = inp.in_flight
-            hot = {ep for ep in hot if in_flight.get(ep, 0) > 0}
-        if hot and len(hot) < len(inp.eligible):
-            view = inp.view
-            if not over and under is inp.eligible and view is not None and view.endpoints is under:
-                # Nobody at the limit: over = the hot endpoints, under = the others, both in pool order,
-                # found by position in O(hot) (the general form below walks every endpoint twice).
-                over = view.in_pool_order(hot)
-                under = list(under)
-                for s in reversed(over):
-                    del under[view.position[s.endpoint]]
-            else:
-                over = [s for s in inp.eligible
-                        if s.endpoint in hot or inp.in_flight.get(s.endpoint, 0) >= limit]
-                under = [s for s in under if s.endpoint not in hot]
-        candidates = under or over
-        rest = over if under else []
-        hashes = inp.request.block_hashes
-        matches = inp.matches
-
-        if hashes and not matches:
-            return _decision(self._cold_order(inp, candidates, rest, mean), "cold", self.name, inp)
-
-        limit_n = st.max_scored_endpoints
-        if limit_n and len(candidates) > limit_n:
-            if rest:  # candidates are the endpoints under the limits: so are the holders to score
-                rest_names = {s.endpoint for s in rest}
-                holders = [s for s in inp.holders if s.endpoint not in rest_names]
-            else:
-                holders = list(inp.holders)
-            candidates = self._sample(candidates, holders, limit_n)
-        ctx = ScoringContext(in_flight=inp.in_flight, matches=matches, total_blocks=len(hashes),
-                             concurrency_threshold=st.concurrency_threshold, queue_scale=st.queue_scale)
-        scorers = self._scorers(len(hashes))
-        scores = weighted_scores(ctx, candidates, scorers)
-        order = pickers.max_score_order(candidates, scores, inp.in_flight, self._rng, k)
-        if len(order) < k and rest:
-            rest_scores = weighted_scores(ctx, rest, scorers)
-            order += pickers.max_score_order(rest, rest_scores, inp.in_flight, self._rng, k - len(order))
-
-        reason: DecisionReason
-        if not hashes:
-            reason = "load"
-        else:
-            # `matches` holds eligible endpoints only (the scheduler filters it) and is usually tiny.
-            primary_match = matches.get(order[0], 0)
-            over_names = {s.endpoint for s in rest}
-            best_candidate = max((n for ep, n in matches.items() if ep not in over_names), default=0)
-            best_over = max((n for ep, n in matches.items() if ep in over_names), default=0)
-            if best_over > primary_match and best_over > best_candidate:
-                reason = "spill"
-            elif primary_match > 0 and primary_match >= best_candidate:
-                reason = "affinity"
-            else:
-                reason = "load"
-        return _decision(order, reason, self.name, inp)
-
-    def _sample(self, candidates: Sequence[EndpointState], holders: Sequence[EndpointState],
-                limit: int) -> list[EndpointState]:
-        """`holders` (the candidates holding part of the prefix, all of them) + other candidates drawn
-        uniformly at random, `limit` in all (more when more than `limit` endpoints hold the prefix: none is
-        skipped). Independent draws, not a window of the pool: endpoints busy together are often neighbours
-        in the configured order (one host, one rack)."""
-        out = list(holders)
-        taken = {s.endpoint for s in holders}
-        n = len(candidates)
-        rand = self._rng.random
-        for _ in range(2 * limit):  # with replacement, duplicates skipped: O(limit), no O(n) shuffle
-            if len(out) >= limit:
-                break
-            s = candidates[int(rand() * n)]
-            if s.endpoint not in taken:
-                taken.add(s.endpoint)
-                out.append(s)
-        return out
-
-
 TTFT_TIE_S = 0.001
 TTFT_TIE_RATIO = 0.05
 """Scores within 5% + 1 ms of the best are a tie (then: the longest match, then rendezvous order). Rates
 learned on identical GPUs differ by a few percent (noise of ~64 responses), and without a relative margin the
 endpoint that happens to look fastest took every cold prefix of an idle fleet (1.6x its fair share at 20% load
 in the shared-prompts sweep); within 5% placement stays rendezvous and affinity stays with the holder."""
+
+
+MAX_AWAITING_USAGE = 4096
+"""Picks kept between their first token and their usage report (the end of the response): more than a
+replica has in flight at once (Envoy's default of 1,024 connections per cluster), so only reports that never
+come (a cut stream) are dropped, oldest first."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -494,16 +197,17 @@ class _TtftPick:
     queued_tokens: float
     num_decoding: int
     predicted_s: float
+    own_tokens: float
 
 
-class TtftPolicy(Policy):
-    """Least predicted time-to-first-token (issue 12, opt-in), priced with `timemodel.TimeModel`.
+class PrefixPolicy(Policy):
+    """Least predicted time-to-first-token, priced with `timemodel.TimeModel` (module docstring).
 
     For each candidate endpoint: its uncached prefill for this request (prompt tokens estimated from
     characters / ``chars_per_token``, less the matched prefix: the prefix index or a pending prefix there,
     the larger; a match of every hashed block when the prompt is longer than ``max_blocks`` counts the
     unhashed rest as cached too, less one block), its pending prefill queue, its decoding requests (in flight
-    less pending) at ``load_cost_tokens`` each. Score = predicted TTFT + ``ttft_work_weight`` x the request's
+    less pending) at ``decode_cost_tokens`` each. Score = predicted TTFT + ``ttft_work_weight`` x the request's
     own prefill seconds there (the work it adds for later requests). Lowest score wins; scores within
     `TTFT_TIE_RATIO` + `TTFT_TIE_S` of it tie, broken by the longest match (the holder), then rendezvous order
     on the prefix key (cold prefixes land where `ConsistentHashPolicy` would put them at equal load).
@@ -514,22 +218,24 @@ class TtftPolicy(Policy):
     pending prefix; moving them would add a whole prefill for no earlier first token).
 
     Candidates: every eligible endpoint up to ``max_scored_endpoints``; beyond, the holders, the first
-    1 + num_fallbacks in rendezvous order and a random sample (`PrefixPolicy._sample`).
+    1 + num_fallbacks in rendezvous order and a random sample (`pickers.sample_with`).
 
     State (only with `track_prefill`: pending entries need their release): the time model's per-endpoint
     rates, learned from `on_first_token`, and pending requests (added at the pick, removed at first token or
     release). Without `track_prefill` the model keeps its priors and sees no queue (pure prefix + rendezvous).
     `predictions` keeps the last (predicted, actual) TTFT pairs of the primaries, for benchmarks."""
 
-    name = "ttft"
+    name = "prefix"
 
     def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
         super().__init__(settings, rng, track_prefill=track_prefill)
         self.model = TimeModel(settings.ttft_prior_tokens_per_s, settings.ttft_prior_base_s,
-                               decode_cost_tokens=settings.load_cost_tokens, window=settings.ttft_rate_window)
+                               decode_cost_tokens=settings.decode_cost_tokens, window=settings.ttft_rate_window)
         self._tpc = 1.0 / settings.chars_per_token
         self._tpb = settings.tokens_per_block
         self._picks: dict[int, _TtftPick] = {}  # id(request) -> its pick, until first token or release
+        # id(request) -> (pick, ttft_s) between a first token without usage and its usage report.
+        self._awaiting: collections.OrderedDict[int, tuple[_TtftPick, float]] = collections.OrderedDict()
         self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
 
     def _uncached(self, prompt_tokens: float, matched: int, num_hashed: int) -> float:
@@ -568,7 +274,7 @@ class TtftPolicy(Policy):
             # prefix goes where rendezvous puts it, whichever random sample is drawn.
             top = np.argpartition(weights, -k)[-k:] if k < len(eligible) else range(len(eligible))
             first = [table.endpoints[i] for i in top if table.endpoints[i].endpoint not in matches]
-            candidates = PrefixPolicy._sample(self, eligible, [*holders, *first], limit_n)  # type: ignore[arg-type]
+            candidates = pickers.sample_with(eligible, [*holders, *first], limit_n, self._rng)
         else:
             candidates = eligible
         prompt_tokens = req.num_prompt_chars * self._tpc
@@ -606,12 +312,14 @@ class TtftPolicy(Policy):
             primary = max(tied, key=lambda x: (int(weights[pos[x[2].endpoint]]), pos[x[2].endpoint]))
         else:
             primary = tied[0]
-        rest = heapq.nsmallest(k - 1, (x for x in scored if x is not primary), key=lambda x: x[0])
+        # One more than the fallbacks when there are none: the best alternative explains the decision.
+        others = heapq.nsmallest(max(k - 1, 1), (x for x in scored if x is not primary), key=lambda x: x[0])
+        rest = others[:k - 1]
         order = [primary[2].endpoint, *(x[2].endpoint for x in rest)]
         if self.track_prefill:
             key = id(req)
             queued = model.add_pending(key, order[0], primary[3], hashes)
-            self._picks[key] = _TtftPick(req, order[0], queued, primary[4], primary[1])
+            self._picks[key] = _TtftPick(req, order[0], queued, primary[4], primary[1], primary[3])
         if not hashes:
             reason: DecisionReason = "load"
         elif not matches:
@@ -622,29 +330,64 @@ class TtftPolicy(Policy):
             reason = "affinity" if m >= best_match else ("spill" if m == 0 else "load")
         n_total = len(hashes)
         matched = matches.get(order[0], 0)
+        alt = others[0] if others else None
         return Decision(endpoints=tuple(order), reason=reason, policy=self.name, matched_blocks=matched,
-                        total_blocks=n_total, predicted_hit_ratio=matched / n_total if n_total else 0.0)
+                        total_blocks=n_total, predicted_hit_ratio=matched / n_total if n_total else 0.0,
+                        predicted_ttft_ms=primary[1] * 1000.0,
+                        alternative_endpoint=alt[2].endpoint if alt is not None else None,
+                        alternative_ttft_ms=alt[1] * 1000.0 if alt is not None else None)
+
+    def outstanding_prefill_tokens(self) -> dict[EndpointId, float]:
+        """Estimated uncached prefill tokens picked and not yet past their first token (or released), per
+        endpoint (a copy; absent = 0): the time model's queues."""
+        m = self.model
+        return {ep: float(m.pending_tokens(ep)) for ep in m.pending_queue_endpoints()}
 
     def predicted_ttft_s(self, request: InferenceRequest) -> float | None:
         """The predicted TTFT of `request`'s primary at its pick (None once it left the pending set)."""
         p = self._picks.get(id(request))
         return p.predicted_s if p is not None else None
 
-    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float, prompt_tokens: int,
-                       cached_tokens: int) -> None:
-        """The request's prefill leaves its endpoint's queue, and the endpoint's rate learns from it."""
-        p = self._picks.pop(id(request), None)
+    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
+                       prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
+        """The request's prefill leaves its endpoint's queue; the endpoint's rate learns from it now (usage
+        given) or at `on_usage` (the pick waits there, at most MAX_AWAITING_USAGE of them)."""
+        key = id(request)
+        p = self._picks.pop(key, None)
         if p is None:
             return
-        self.model.remove_pending(id(request))
-        # In the router's units: its prompt estimate, with the uncached share the endpoint reported.
-        est = request.num_prompt_chars * self._tpc
-        share = (prompt_tokens - cached_tokens) / prompt_tokens if prompt_tokens > 0 else 1.0
-        self.model.observe(p.endpoint, est, est * (1.0 - share), ttft_s, p.queued_tokens, p.num_decoding)
+        self.model.remove_pending(key)
+        if prompt_tokens is not None:
+            self._learn(p, ttft_s, prompt_tokens, cached_tokens)
+            return
+        awaiting = self._awaiting
+        awaiting[key] = (p, ttft_s)
+        if len(awaiting) > MAX_AWAITING_USAGE:
+            awaiting.popitem(last=False)  # the oldest lost its usage report (stream cut, telemetry stalled)
+
+    def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
+                 cached_tokens: int | None) -> None:
+        """The rate learns from the TTFT `on_first_token` reported, with these usage figures."""
+        got = self._awaiting.pop(id(request), None)
+        if got is not None:
+            self._learn(got[0], got[1], prompt_tokens, cached_tokens)
+
+    def _learn(self, p: _TtftPick, ttft_s: float, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        # In the router's units: its prompt estimate, with the uncached share the endpoint reported (the
+        # router's own estimate of it when the response reported no cached tokens: vLLM reports them only
+        # with --enable-prompt-tokens-details, and a stream only with stream_options.include_usage).
+        est = p.request.num_prompt_chars * self._tpc
+        if prompt_tokens is not None and prompt_tokens > 0 and cached_tokens is not None:
+            share = max(0.0, min(1.0, (prompt_tokens - cached_tokens) / prompt_tokens))
+            cached = est * (1.0 - share)
+        else:
+            cached = est - p.own_tokens
+        self.model.observe(p.endpoint, est, cached, ttft_s, p.queued_tokens, p.num_decoding)
         self.predictions.append((p.predicted_s, ttft_s))
 
     def on_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """A request that ended without a reported first token leaves the queue (nothing learned)."""
+        """A request that ended without a reported first token leaves the queue (nothing learned). A pick
+        awaiting its usage report keeps waiting: the two streams report in no fixed order."""
         if self._picks.pop(id(request), None) is not None:
             self.model.remove_pending(id(request))
 
@@ -652,12 +395,14 @@ class TtftPolicy(Policy):
         self.model.forget_endpoint(endpoint)
         for key in [key for key, p in self._picks.items() if p.endpoint == endpoint]:
             del self._picks[key]
+        for key in [key for key, (p, _) in self._awaiting.items() if p.endpoint == endpoint]:
+            del self._awaiting[key]
 
     def on_cache_cleared(self, endpoint: EndpointId) -> None:
         self.model.clear_prefixes(endpoint)
 
 
-_CLASSES_BY_NAME = {p.name: p for p in (TtftPolicy, PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy,
+_CLASSES_BY_NAME = {p.name: p for p in (PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy,
                                          RoundRobinPolicy, RandomPolicy)}
 POLICY_CLASSES: dict[str, type[Policy]] = {name: _CLASSES_BY_NAME[name] for name in POLICIES}
 """The class of every name in `settings.POLICIES`, in its order (a declared name without a class fails here)."""

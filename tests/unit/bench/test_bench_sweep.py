@@ -30,7 +30,7 @@ def test_capacity_is_fleet_prefill_over_uncached_tokens_per_request():
 
 def test_sweep_structure_and_oracle_no_worse_than_random_when_saturated():
     wl = _wl()
-    routers = ("prefixroute:random", "prefixroute:ttft", "sim:sglang-cache-aware", "sim:oracle")
+    routers = ("prefixroute:random", "prefixroute:prefix", "sim:sglang-cache-aware", "sim:oracle")
     doc = virtual.run_sweep(wl, routers, num_servers=4, load_percents=(50, 300), log=lambda _m: None)
     assert doc["capacity_rps"] > 0 and 0 < doc["upper_bound_hit_ratio"] < 1
     assert [p["load_percent"] for p in doc["points"]] == [50, 300]
@@ -42,7 +42,7 @@ def test_sweep_structure_and_oracle_no_worse_than_random_when_saturated():
             assert 0 <= e["hit_ratio"] <= doc["upper_bound_hit_ratio"] + 1e-9
             assert set(e["gap_to_oracle"]) == {"p50", "p90", "p99"}
         assert p["runs"]["sim:oracle"]["gap_to_oracle"] == {"p50": 0.0, "p90": 0.0, "p99": 0.0}
-        assert "prediction_mape" in p["runs"]["prefixroute:ttft"]
+        assert "prediction_mape" in p["runs"]["prefixroute:prefix"]
     sat = doc["points"][1]["runs"]
     assert sat["sim:oracle"]["ttft_ms"]["p50"] <= sat["prefixroute:random"]["ttft_ms"]["p50"]
     assert sat["sim:oracle"]["hit_ratio"] >= sat["prefixroute:random"]["hit_ratio"]
@@ -54,8 +54,8 @@ def test_sweep_structure_and_oracle_no_worse_than_random_when_saturated():
 def test_virtual_fleet_delivers_first_tokens_to_the_ttft_policy():
     wl = workloads.apply_arrivals(_wl(num_requests=60), "poisson", rate_rps=40.0, seed=2)
     preds: list[tuple[float, float]] = []
-    res, _, _ = virtual.simulate_policy(wl, "ttft", num_servers=3, predictions=preds,
-                                        routing=RoutingSettings(policy="ttft", rng_seed=0))
+    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=3, predictions=preds,
+                                        routing=RoutingSettings(policy="prefix", rng_seed=0))
     ok = [r for r in res if r.ok]
     assert len(ok) == 60 and len(preds) == 60  # one first token per request
     by_actual = sorted(a for _, a in preds)
@@ -64,8 +64,8 @@ def test_virtual_fleet_delivers_first_tokens_to_the_ttft_policy():
 
 def test_oracle_runs_by_name_in_run_virtual():
     wl = workloads.apply_arrivals(_wl(num_requests=30), "poisson", rate_rps=20.0, seed=2)
-    doc, _ = virtual.run_virtual(wl, None, ["sim:oracle", "prefixroute:ttft"], num_servers=2, log=lambda _m: None)
-    assert [r["router"] for r in doc["runs"]] == ["sim:oracle", "prefixroute:ttft"]
+    doc, _ = virtual.run_virtual(wl, None, ["sim:oracle", "prefixroute:prefix"], num_servers=2, log=lambda _m: None)
+    assert [r["router"] for r in doc["runs"]] == ["sim:oracle", "prefixroute:prefix"]
     assert all(r["errors"] == 0 for r in doc["runs"])
 
 

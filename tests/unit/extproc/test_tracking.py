@@ -249,3 +249,34 @@ async def test_a_forged_observing_stream_attaches_to_nothing(sink) -> None:  # n
     assert t.num_unattached_observations == 1
     # the real observing stream of `other` still attaches, once
     assert t.attach(_hv({"traceparent": other_tp})) is other and t.attach(_hv({"traceparent": other_tp})) is None
+
+
+@pytest.mark.parametrize("usage,expected_usage", [(USAGE, (100, 64)), (None, (None, None))])
+async def test_a_streamed_response_reports_its_first_token_then_its_usage_to_the_router(usage, expected_usage):
+    calls: list = []
+    t = RequestTracker(lambda d, us: None, lambda rec: None, ADDR.get, obs_grace_s=0.05,
+                       on_first_token=lambda pick, ttft_s: calls.append(("first", pick, ttft_s)),
+                       on_usage=lambda pick, p, c: calls.append(("usage", pick, p, c)))
+    st, _tp, obs = _start(t)
+    pick = st.pick
+    t.obs_response_headers(obs, _hv({":status": "200", "content-type": "text/event-stream"}), False, SERVED_HEADER)
+    assert calls == []
+    t.obs_body(obs, _sse({"choices": [{"delta": {"content": "hi"}}]}), False)
+    t.obs_body(obs, b"data: more\n\n", False)  # later chunks: no second first token
+    assert [c[0] for c in calls] == ["first"] and calls[0][1] is pick and 0 <= calls[0][2] < 5
+    last = _sse({"choices": [], "usage": usage}) if usage else b"data: [DONE]\n\n"
+    t.obs_body(obs, last, True)
+    assert calls[1] == ("usage", pick, *expected_usage) and len(calls) == 2
+    t.routing_closed(st)
+
+
+async def test_a_non_streamed_response_reports_no_first_token():
+    # its body arrives whole after generation: its first chunk is no first token, and nothing is learned
+    calls: list = []
+    t = RequestTracker(lambda d, us: None, lambda rec: None, ADDR.get, obs_grace_s=0.05,
+                       on_first_token=lambda *a: calls.append(a), on_usage=lambda *a: calls.append(a))
+    st, _tp, obs = _start(t)
+    t.obs_response_headers(obs, _hv({":status": "200", "content-type": "application/json"}), False, SERVED_HEADER)
+    t.obs_body(obs, orjson.dumps({"choices": [], "usage": USAGE}), True)
+    t.routing_closed(st)
+    assert calls == []

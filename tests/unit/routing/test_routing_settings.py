@@ -12,8 +12,8 @@ from prefixroute.extproc.routing.settings import RoutingSettings
 
 @pytest.mark.parametrize("kwargs", [
     {"policy": "fastest"}, {"block_chars": 0}, {"max_blocks": 0}, {"num_fallbacks": -1},
-    {"concurrency_threshold": 0}, {"prefix_weight": -1.0}, {"chars_per_token": 0.0}, {"max_body_bytes": 0},
-    {"load_cost_tokens": -1.0}, {"balance_factor": 0.9}, {"balance_slack": -1.0}, {"cold_balance_factor": 0.5},
+    {"chars_per_token": 0.0}, {"max_body_bytes": 0}, {"decode_cost_tokens": -1.0}, {"ttft_work_weight": -1.0},
+    {"ttft_prior_tokens_per_s": 0.0}, {"ttft_rate_window": 0.5}, {"ttft_prior_base_s": -0.1},
 ])
 def test_invalid_settings_are_rejected(kwargs):
     with pytest.raises(ValueError):

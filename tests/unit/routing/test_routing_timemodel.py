@@ -1,4 +1,4 @@
-"""The time model (routing/timemodel.py) and the opt-in `ttft` policy built on it (issue 12): unit tables for an
+"""The time model (routing/timemodel.py) and the default `prefix` policy built on it (issue 12): unit tables for an
 idle vs busy holder, heterogeneous rates, a burst of a new prefix, hot-prefix replication, and the property
 that rate learning converges on synthetic observations."""
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings as hsettings, strategies as st
 from prefixroute.extproc.routing.prefix_index import PrefixIndex
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.router import RouterCore
-from prefixroute.extproc.routing.scheduling.policies import PolicyInput, TtftPolicy, make_policy
+from prefixroute.extproc.routing.scheduling.policies import PolicyInput, PrefixPolicy, make_policy
 from prefixroute.extproc.routing.settings import DEFAULT_POLICY, POLICIES, RoutingSettings
 from prefixroute.extproc.routing.timemodel import MAX_RATE_RATIO, RateEstimate, TimeModel
 from prefixroute.extproc.routing.types import BlockHash, EndpointId, EndpointState
@@ -24,7 +24,7 @@ TPB = 16.0  # tokens per router block (64 chars / 4)
 
 def _settings(**kw) -> RoutingSettings:
     """Work weight 0.5 (not the default 2) and a zero base: the tables' arithmetic in the comments below."""
-    return RoutingSettings(**{"policy": "ttft", "ttft_prior_tokens_per_s": RATE, "ttft_prior_base_s": 0.0,
+    return RoutingSettings(**{"policy": "prefix", "ttft_prior_tokens_per_s": RATE, "ttft_prior_base_s": 0.0,
                               "rng_seed": 0, "ttft_work_weight": 0.5, **kw})
 
 
@@ -125,21 +125,21 @@ def test_rate_learning_converges_on_synthetic_observations(rate, base, seed):
 
 # --- the ttft policy on small tables -----------------------------------------------------------------------
 
-def _decide(policy: TtftPolicy, request, eligible, matches=None, in_flight=None):
+def _decide(policy: PrefixPolicy, request, eligible, matches=None, in_flight=None):
     matches = matches or {}
     holders = [s for s in eligible if s.endpoint in matches]
     return policy.decide(PolicyInput(request=request, eligible=eligible, in_flight=in_flight or {},
                                      matches=matches, holders=holders))
 
 
-def test_policy_is_opt_in_and_registered():
-    assert DEFAULT_POLICY == "prefix" and "ttft" in POLICIES
-    assert isinstance(make_policy(_settings(), random.Random(0)), TtftPolicy)
+def test_policy_is_the_default_and_registered():
+    assert DEFAULT_POLICY == "prefix" and "prefix" in POLICIES and "ttft" not in POLICIES
+    assert isinstance(make_policy(RoutingSettings(), random.Random(0)), PrefixPolicy)
 
 
 def test_idle_holder_keeps_its_prefix_and_busy_holder_spills_only_when_it_pays():
     eps = _states(A, B, C)
-    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    p = PrefixPolicy(_settings(), random.Random(0), track_prefill=True)
     req = _req8k(1)  # every hashed block held by A
     d = _decide(p, req, eps, {A: 256})
     assert d.endpoints[0] == A and d.reason == "affinity"
@@ -158,7 +158,7 @@ def test_idle_holder_keeps_its_prefix_and_busy_holder_spills_only_when_it_pays()
 
 def test_fallbacks_are_ordered_by_score():
     eps = _states(A, B, C)
-    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    p = PrefixPolicy(_settings(), random.Random(0), track_prefill=True)
     p.model.add_pending("x", B, 20_000)
     p.model.add_pending("y", C, 5_000)
     d = _decide(p, _req(7, 10), eps)
@@ -167,7 +167,7 @@ def test_fallbacks_are_ordered_by_score():
 
 def test_heterogeneous_rates_send_a_cold_prompt_to_the_fast_endpoint():
     eps = _states(A, B)
-    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    p = PrefixPolicy(_settings(), random.Random(0), track_prefill=True)
     for i in range(200):
         work = 1000.0 + 50 * (i % 40)
         p.model.observe(A, work, 0, work / 2_000.0, 0)  # a slow GPU
@@ -181,7 +181,7 @@ def test_heterogeneous_rates_send_a_cold_prompt_to_the_fast_endpoint():
 
 def test_cold_prefixes_on_an_idle_fleet_follow_rendezvous_and_spread():
     eps = _states(*(EndpointId(f"e{i}:1") for i in range(8)))
-    p = TtftPolicy(_settings(), random.Random(0))
+    p = PrefixPolicy(_settings(), random.Random(0))
     firsts = [_decide(p, _req(prefix, 40), eps).endpoints[0] for prefix in range(400)]
     again = [_decide(p, _req(prefix, 40), eps).endpoints[0] for prefix in range(400)]
     assert firsts == again  # stable placement
@@ -192,7 +192,7 @@ def test_cold_prefixes_on_an_idle_fleet_follow_rendezvous_and_spread():
 def test_burst_of_a_new_prefix_stays_on_one_endpoint_without_the_index():
     # No index match at all (matches={}): the pending prefix of the first request alone keeps its siblings.
     eps = _states(A, B, C)
-    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    p = PrefixPolicy(_settings(), random.Random(0), track_prefill=True)
     burst = [_req(42, 125, tail=2) for _ in range(4)]
     picks = [_decide(p, r, eps).endpoints[0] for r in burst]
     assert len(set(picks)) == 1
@@ -224,7 +224,7 @@ def test_burst_and_hot_prefix_replication_through_the_router():
 
 def test_first_token_empties_the_queue_and_teaches_the_rate():
     eps = _states(A, B)
-    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    p = PrefixPolicy(_settings(), random.Random(0), track_prefill=True)
     reqs = [_req8k(9) for _ in range(3)]
     decs = [_decide(p, r, eps) for r in reqs]
     ep = decs[0].endpoints[0]
@@ -243,13 +243,13 @@ def test_first_token_empties_the_queue_and_teaches_the_rate():
 
 
 def test_without_track_prefill_nothing_is_kept():
-    p = TtftPolicy(_settings(), random.Random(0), track_prefill=False)
+    p = PrefixPolicy(_settings(), random.Random(0), track_prefill=False)
     _decide(p, _req(1, 20), _states(A, B))
     assert p.model.pending_endpoints() == [] and p.predictions.maxlen and not p._picks
 
 
 def test_endpoint_removed_and_cache_cleared():
-    p = TtftPolicy(_settings(), random.Random(0), track_prefill=True)
+    p = PrefixPolicy(_settings(), random.Random(0), track_prefill=True)
     r = _req(3, 20)
     d = _decide(p, r, _states(A))
     p.on_cache_cleared(A)
@@ -260,13 +260,7 @@ def test_endpoint_removed_and_cache_cleared():
     p.on_first_token(r, d, 1.0, 320, 0)
 
 
-def test_index_default_holds_the_prefix_policy_unchanged():
-    # `prefix` stays the default and is not a TtftPolicy (its behaviour has its own tests).
-    core = RouterCore(RoutingSettings(rng_seed=0), index=PrefixIndex(1000))
-    assert core.scheduler.policy.name == "prefix"
-
-
-def test_pool_router_first_token_reaches_the_policy_once_and_not_after_release():
+def test_pool_router_first_token_and_usage_reach_the_policy_once_and_not_after_release():
     import orjson
 
     from prefixroute.bench.sim_pool import SimulatedPool
@@ -278,15 +272,54 @@ def test_pool_router_first_token_reaches_the_policy_once_and_not_after_release()
     policy = router.core.scheduler.policy
     body = orjson.dumps({"model": fleet.served, "messages": [{"role": "user", "content": "hello " * 200}]})
     pick = router.route("POST", "/v1/chat/completions", {"content-type": "application/json"}, body)
-    assert policy.model.num_pending(pick.endpoint_ids[0]) == 1
-    router.first_token(pick, 0.2, 300, 0)
-    router.first_token(pick, 9.0, 300, 0)  # a second report is ignored
-    assert policy.model.num_pending(pick.endpoint_ids[0]) == 0 and list(policy.predictions)[-1][1] == 0.2
-    router.release(pick)
+    ep = pick.endpoint_ids[0]
+    assert policy.model.num_pending(ep) == 1
+    router.first_token(pick, 0.2)
+    router.first_token(pick, 9.0)  # a second report is ignored
+    assert policy.model.num_pending(ep) == 0 and not policy.predictions  # learning waits for the usage
+    router.release(pick)  # the routing stream may close before the observing stream reports the usage
+    router.usage(pick, 300, 0)
+    router.usage(pick, 300, 0)  # once
+    assert [x[1] for x in policy.predictions] == [0.2] and policy.model.estimate(ep).num_observations == 1
     pick2 = router.route("POST", "/v1/chat/completions", {"content-type": "application/json"}, body)
     router.release(pick2)
-    router.first_token(pick2, 1.0, 300, 0)  # after release: ignored
+    router.first_token(pick2, 1.0)  # after release: ignored
+    router.usage(pick2, 300, 0)  # without a first token: ignored
     assert len(policy.predictions) == 1 and policy.model.num_pending(pick2.endpoint_ids[0]) == 0
+
+
+@pytest.mark.parametrize("prompt,cached,expected_cached_est", [
+    (8000, 6000, 6000.0),  # the reported uncached share (25%) applied to the router's 8,000-token estimate
+    (4000, 3000, 6000.0),  # units: a tokenizer counting half as many tokens reports the same share
+    (8000, None, 8000.0 - 16.0),  # no cached figure (vLLM without prompt-token details): the router's estimate
+    (None, None, 8000.0 - 16.0),  # no usage at all (a stream without include_usage): the router's estimate
+])
+def test_learning_uses_the_reported_cached_share_or_the_routers_estimate(prompt, cached, expected_cached_est):
+    p = PrefixPolicy(_settings(), random.Random(0), track_prefill=True)
+    r = _req8k(4)
+    eps = _states(A, B)
+    _decide(p, r, eps, matches={A: 256})  # the whole hashed prefix held on A: estimated own prefill 16 tokens
+    seen = []
+    p.model.observe = lambda ep, est, cached_est, ttft, queued, decoding: seen.append((ep, est, cached_est, ttft))
+    d = _decide(p, _req(77, 1), eps)  # another request: its own pick is not the one reported below
+    p.on_first_token(r, d, 0.4)
+    p.on_usage(r, d, prompt, cached)
+    assert seen == [(A, 8000.0, pytest.approx(expected_cached_est), 0.4)]
+
+
+def test_picks_awaiting_usage_are_bounded():
+    from prefixroute.extproc.routing.scheduling import policies
+
+    p = PrefixPolicy(_settings(), random.Random(0), track_prefill=True)
+    reqs = [_req(i, 2) for i in range(policies.MAX_AWAITING_USAGE + 10)]
+    for r in reqs:
+        d = _decide(p, r, _states(A))
+        p.on_first_token(r, d, 0.1)
+        p.on_release(r, d)
+    assert len(p._awaiting) == policies.MAX_AWAITING_USAGE and not p._picks
+    p.on_usage(reqs[0], d, 32, 0)  # dropped as the oldest: nothing learned
+    p.on_usage(reqs[-1], d, 32, 0)
+    assert len(p.predictions) == 1
 
 
 def test_pending_matches_finds_every_endpoint_sharing_the_first_block():
