@@ -22,20 +22,18 @@ so the ratio is nearly fixed too. One decision placed differently costs one 2,04
 the ~170k prompt tokens; 2 points allows that one and fails on two, or on any systematic difference in
 tokenization, templates, cache accounting or routing."""
 
-BALANCE_OFF = {"PREFIXROUTE_BALANCE_FACTOR": "100", "PREFIXROUTE_COLD_BALANCE_FACTOR": "100"}
-"""For both runs (the gateway and the simulation read the same environment variables). At this size a balance
-decision turns on a few milliseconds of timing (is a request still in flight when the next one arrives?), which
-a real and a virtual run cannot share: with endpoint ids drawn from free ports, rendezvous sometimes puts three of
-the four groups on one server, at the recent-share limit, and the runs then spilled 2-10 requests differently.
-With the limits out of reach, and prefixes long enough that one scraped waiting request (queue_cost_tokens)
-cannot outweigh a cached prefix, placement is affinity + plain rendezvous, the same request for request: what is
-compared is the data path (request bytes, tokenization, cache accounting, index updates, releases). The README's
-300-request comparison runs the default limits."""
+PLACEMENT_ONLY = {"PREFIXROUTE_TTFT_WORK_WEIGHT": "100"}
+"""For both runs (the gateway and the simulation read the same environment variables). At this size a decision
+that weighs queues turns on a few milliseconds of timing (is a request's first token out when the next one
+arrives?), which a real and a virtual run cannot share. A work weight of 100 prices any extra prefill far above
+any queue here, and puts every endpoint within the policy's tie margin for a new prefix, so placement is affinity
++ plain rendezvous, the same request for request: what is compared is the data path (request bytes,
+tokenization, cache accounting, index updates, releases). The README's comparisons run the defaults."""
 
 
 @pytest.mark.timeout(90)
 def test_virtual_and_real_runs_agree_on_hit_ratio(tmp_path, monkeypatch):
-    for name, value in BALANCE_OFF.items():
+    for name, value in PLACEMENT_ONLY.items():
         monkeypatch.setenv(name, value)
     wl = workloads.apply_arrivals(workloads.shared_prompts(num_requests=80, num_groups=4, prefix_tokens=2048,
                                                            question_tokens=16, output_tokens=4, seed=5),
