@@ -27,7 +27,7 @@ prior x MAX_RATE_RATIO]. Not thread-safe (one event loop, like the router).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import NewType
 
 from prefixroute.extproc.routing.types import BlockHash, EndpointId
@@ -147,6 +147,12 @@ class TimeModel:
         self._pending: dict[Hashable, _Pending] = {}
         self._tokens: dict[EndpointId, float] = {}
         self._count: dict[EndpointId, int] = {}
+        # Read-only views for a caller scoring many endpoints in one loop (what `terms` returns, without a
+        # call per endpoint): (rate, base_s) of endpoints with a learned estimate (absent: the prior), pending
+        # tokens and pending requests (absent: 0).
+        self.fits: dict[EndpointId, tuple[float, float]] = {}
+        self.queued_tokens: Mapping[EndpointId, float] = self._tokens
+        self.queued_counts: Mapping[EndpointId, int] = self._count
         self._prefixes: dict[EndpointId, dict[BlockHash, int]] = {}
         # first block hash -> endpoints with a pending request starting with it (count): `pending_matches`
         # looks only at those, not at every endpoint with something pending.
@@ -171,7 +177,9 @@ class TimeModel:
         model saw ahead of it at its pick (``queued`` tokens and ``decoding`` requests, as `predict` took them)."""
         own = max(0.0, prompt_tokens - cached_tokens)
         work = queued_tokens_at_pick + self.decode_cost_tokens * decoding_at_pick + own
-        self.estimate(endpoint).observe(work, ttft_s)
+        est = self.estimate(endpoint)
+        est.observe(work, ttft_s)
+        self.fits[endpoint] = est._fit()
 
     def predict(self, endpoint: EndpointId, own_uncached_tokens: float, num_decoding: int = 0,
                 extra_queued_tokens: float = 0.0) -> Seconds:
@@ -292,6 +300,7 @@ class TimeModel:
     def forget_endpoint(self, endpoint: EndpointId) -> None:
         """`endpoint` left the pool: its rate and pending requests go; late removals are absorbed."""
         self._rates.pop(endpoint, None)
+        self.fits.pop(endpoint, None)
         for key in [k for k, p in self._pending.items() if p.endpoint == endpoint]:
             self.remove_pending(key)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from prefixroute.extproc.routing.scheduling.pickers import RendezvousTable
+import numpy as np
+
+from prefixroute.extproc.routing.scheduling.pickers import RendezvousTable, endpoint_seed
 from prefixroute.extproc.routing.types import EndpointId, EndpointState
 
 
@@ -32,18 +34,51 @@ class EligibleView:
     and, built on first use, their rendezvous table. Immutable once built; derived from an immutable snapshot
     (a tuple of frozen `EndpointState`), so it is valid for as long as that snapshot object is the pool's."""
 
-    __slots__ = ("_table", "endpoints", "position")
+    __slots__ = ("_scan", "_table", "_top", "endpoints", "position")
+
+    MAX_TOP_KEYS = 4096
+    """Prefix keys whose rendezvous top-k a view remembers (a view lives until the next scrape, ~1 s)."""
 
     def __init__(self, endpoints: Sequence[EndpointState]) -> None:
         self.endpoints: tuple[EndpointState, ...] = tuple(endpoints)
         self.position: dict[EndpointId, int] = {s.endpoint: i for i, s in enumerate(self.endpoints)}
         self._table: RendezvousTable | None = None
+        self._scan: tuple[EndpointState, ...] | None = None
+        self._top: dict[tuple[int, int], tuple[EndpointState, ...]] = {}
 
     @property
     def rendezvous(self) -> RendezvousTable:
         if self._table is None:
             self._table = RendezvousTable(self.endpoints)
         return self._table
+
+    @property
+    def scan_order(self) -> tuple[EndpointState, ...]:
+        """The eligible endpoints in a fixed pseudo-random order (by rendezvous seed), for sampling a large
+        pool in windows: neighbours in the configured order (one host, one rack, often busy together) are not
+        neighbours here, and a rotating window visits every endpoint in len / window decisions."""
+        if self._scan is None:
+            self._scan = tuple(sorted(self.endpoints, key=lambda s: endpoint_seed(s.endpoint)))
+        return self._scan
+
+    def rendezvous_top(self, key: int, k: int) -> tuple[EndpointState, ...]:
+        """The first `k` endpoints in rendezvous order for `key`, in that order (`RendezvousTable.ranked`'s),
+        memoised per key: requests of one prefix ask again and again."""
+        got = self._top.get((key, k))
+        if got is None:
+            if len(self._top) >= self.MAX_TOP_KEYS:
+                self._top.clear()
+            table = self.rendezvous
+            if k >= len(self.endpoints):
+                got = tuple(table.ranked(key))
+            else:
+                w = table.weights(key)
+                top = np.argpartition(w, -k)[-k:]
+                # decreasing weight, equal weights by the later position first (as `ranked`)
+                got = tuple(table.endpoints[i] for i in sorted(top.tolist(), key=lambda i: (int(w[i]), i),
+                                                               reverse=True))
+            self._top[(key, k)] = got
+        return got
 
     def in_pool_order(self, names: object) -> list[EndpointState]:
         """The eligible endpoints named in `names` (an iterable of ids; others ignored), in pool order:

@@ -3,7 +3,6 @@
 - `least_load_order`: fewest in flight, then fewest waiting, ties broken randomly with the injected
   `random.Random`, so idle endpoints share new work instead of the first one in configuration order taking
   all of it (the hot spot seen with other routers).
-- `sample_with`: a power-of-d sample of a large pool that always includes given endpoints (the holders).
 - `rendezvous_order`: highest-random-weight (HRW) hashing: weight(endpoint, key) = mix64(seed(endpoint) ^ key),
   seed = xxh3_64(endpoint id), mix64 = the splitmix64 finaliser (a bijection of 64-bit words). Deterministic
   across processes; removing an endpoint moves only the keys it ranked first, adding one takes about 1/N of
@@ -118,22 +117,3 @@ def least_load_order(endpoints: Sequence[EndpointState], in_flight: Mapping[Endp
     keyed = [(get(s.endpoint, 0), s.num_requests_waiting or 0, rand(), s.endpoint) for s in endpoints]
     return [t[3] for t in heapq.nsmallest(k, keyed)]
 
-
-def sample_with(candidates: Sequence[EndpointState], included: Sequence[EndpointState], limit: int,
-                rng: random.Random) -> list[EndpointState]:
-    """`included` (all of them, first, in their order) + other candidates drawn uniformly at random, `limit` in
-    all (more when `included` alone has more). Independent draws, not a window of the pool: endpoints busy
-    together are often neighbours in the configured order (one host, one rack). O(limit): with replacement,
-    duplicates skipped, no O(n) shuffle."""
-    out = list(included)
-    taken = {s.endpoint for s in included}
-    n = len(candidates)
-    rand = rng.random
-    for _ in range(2 * limit):
-        if len(out) >= limit:
-            break
-        s = candidates[int(rand() * n)]
-        if s.endpoint not in taken:
-            taken.add(s.endpoint)
-            out.append(s)
-    return out

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
 import itertools
+import operator
 import random
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
-
-import numpy as np
 
 from prefixroute.extproc.routing.hashing import seed_for
 from prefixroute.extproc.routing.request import InferenceRequest
@@ -190,6 +188,9 @@ replica has in flight at once (Envoy's default of 1,024 connections per cluster)
 come (a cut stream) are dropped, oldest first."""
 
 
+_score = operator.itemgetter(0)
+
+
 @dataclasses.dataclass(slots=True)
 class _TtftPick:
     request: InferenceRequest  # held so that its id() (the key) is not reused while it is pending
@@ -218,7 +219,8 @@ class PrefixPolicy(Policy):
     pending prefix; moving them would add a whole prefill for no earlier first token).
 
     Candidates: every eligible endpoint up to ``max_scored_endpoints``; beyond, the holders, the first
-    1 + num_fallbacks in rendezvous order and a random sample (`pickers.sample_with`).
+    1 + num_fallbacks in rendezvous order and a window of the pool (`EligibleView.scan_order`, rotating
+    per decision) up to ``max_scored_endpoints`` in all.
 
     State (only with `track_prefill`: pending entries need their release): the time model's per-endpoint
     rates, learned from `on_first_token`, and pending requests (added at the pick, removed at first token or
@@ -237,6 +239,7 @@ class PrefixPolicy(Policy):
         # id(request) -> (pick, ttft_s) between a first token without usage and its usage report.
         self._awaiting: collections.OrderedDict[int, tuple[_TtftPick, float]] = collections.OrderedDict()
         self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
+        self._scan_offset = 0  # where the next sampling window of a large pool starts (`decide`)
 
     def _uncached(self, prompt_tokens: float, matched: int, num_hashed: int) -> float:
         if matched <= 0:
@@ -264,17 +267,33 @@ class PrefixPolicy(Policy):
                     merged[ep] = m
             matches = merged
         limit_n = st.max_scored_endpoints
-        weights = None  # HRW weights of the eligible endpoints for this prefix, computed when needed (numpy)
-        if limit_n and len(eligible) > limit_n:
-            table = inp.rendezvous()
-            weights = table.weights(prefix_key(req, st.cold_key_blocks))
+        top = None  # the rendezvous top-k for this prefix, in order, when the pool is sampled
+        n_eligible = len(eligible)
+        if limit_n and n_eligible > limit_n:
+            view = inp.view if inp.view is not None and inp.view.endpoints is eligible else filters.EligibleView(
+                eligible)
             holders = inp.holders if len(matches) == len(inp.holders) else [
                 s for s in eligible if s.endpoint in matches]
             # The first 1 + num_fallbacks in rendezvous order are always scored: on an idle fleet a cold
-            # prefix goes where rendezvous puts it, whichever random sample is drawn.
-            top = np.argpartition(weights, -k)[-k:] if k < len(eligible) else range(len(eligible))
-            first = [table.endpoints[i] for i in top if table.endpoints[i].endpoint not in matches]
-            candidates = pickers.sample_with(eligible, [*holders, *first], limit_n, self._rng)
+            # prefix goes where rendezvous puts it, whichever sample is drawn.
+            top = view.rendezvous_top(prefix_key(req, st.cold_key_blocks), k)
+            candidates = [*holders, *(s for s in top if s.endpoint not in matches)]
+            # Then a window of the pool in scan order, rotating per decision (power-of-d choices).
+            taken = {s.endpoint for s in candidates}
+            scan = view.scan_order
+            want = limit_n - len(candidates)
+            if want > 0:
+                start = self._scan_offset % n_eligible
+                window = scan[start:start + want + len(taken)]
+                if len(window) < want + len(taken):
+                    window += scan[:want + len(taken) - len(window)]
+                self._scan_offset = start + want
+                for s in window:
+                    if s.endpoint not in taken:
+                        candidates.append(s)
+                        want -= 1
+                        if not want:
+                            break
         else:
             candidates = eligible
         prompt_tokens = req.num_prompt_chars * self._tpc
@@ -282,7 +301,10 @@ class PrefixPolicy(Policy):
         in_flight = inp.in_flight
         w = st.ttft_work_weight
         decode_cost = model.decode_cost_tokens
-        terms = model.terms
+        prior = (model.prior_tokens_per_s, model.prior_base_s)
+        get_fit = model.fits.get
+        get_queued = model.queued_tokens.get
+        get_pending = model.queued_counts.get
         get_match = matches.get
         get_in_flight = in_flight.get
         scored: list[tuple[float, float, EndpointState, float, int]] = []
@@ -291,29 +313,45 @@ class PrefixPolicy(Policy):
             ep = s.endpoint
             m = get_match(ep, 0)
             own = self._uncached(prompt_tokens, m, n_hashed) if m else cold_own
-            rate, base, queued, n_pending = terms(ep)
-            decoding = get_in_flight(ep, 0) - n_pending
+            rate, base = get_fit(ep, prior)
+            decoding = get_in_flight(ep, 0) - get_pending(ep, 0)
             if decoding < 0:
                 decoding = 0
-            pred = base + (queued + decode_cost * decoding + own) / rate  # = model.predict(ep, own, decoding)
+            # = model.predict(ep, own, decoding)
+            pred = base + (get_queued(ep, 0.0) + decode_cost * decoding + own) / rate
             scored.append((pred + w * own / rate, pred, s, own, decoding))
-        best = min(x[0] for x in scored)
-        tied = [x for x in scored if x[0] <= best * (1.0 + TTFT_TIE_RATIO) + TTFT_TIE_S]
+        scored.sort(key=_score)
+        best = scored[0][0]
+        bound = best * (1.0 + TTFT_TIE_RATIO) + TTFT_TIE_S
+        tied = [x for x in scored if x[0] <= bound]  # a prefix of the sorted list: usually one or few
+        if len(tied) > 1 and matches:
+            longest = max(get_match(x[2].endpoint, 0) for x in tied)
+            tied = [x for x in tied if get_match(x[2].endpoint, 0) == longest]
+        primary = tied[0]
         if len(tied) > 1:
-            top = max(matches.get(x[2].endpoint, 0) for x in tied)
-            tied = [x for x in tied if matches.get(x[2].endpoint, 0) == top]
-        if len(tied) > 1:
-            # The first of the tied in rendezvous order: the highest HRW weight (as `RendezvousTable.ranked`).
-            table = inp.rendezvous()
-            if weights is None:
+            # The first of the tied in rendezvous order (as `RendezvousTable.ranked`): in a sampled pool the
+            # rendezvous top-k was scored, and when one of them is tied it is the answer (no weights needed).
+            found = None
+            if top is not None:
+                tied_names = {x[2].endpoint: x for x in tied}
+                for s in top:
+                    found = tied_names.get(s.endpoint)
+                    if found is not None:
+                        break
+            if found is None:
+                table = inp.rendezvous()
                 weights = table.weights(prefix_key(req, st.cold_key_blocks))
-            pos = inp.view.position if inp.view is not None and inp.view.endpoints is table.endpoints else {
-                s.endpoint: i for i, s in enumerate(table.endpoints)}
-            primary = max(tied, key=lambda x: (int(weights[pos[x[2].endpoint]]), pos[x[2].endpoint]))
-        else:
-            primary = tied[0]
+                pos = inp.view.position if inp.view is not None and inp.view.endpoints is table.endpoints else {
+                    s.endpoint: i for i, s in enumerate(table.endpoints)}
+                found = max(tied, key=lambda x: (int(weights[pos[x[2].endpoint]]), pos[x[2].endpoint]))
+            primary = found
         # One more than the fallbacks when there are none: the best alternative explains the decision.
-        others = heapq.nsmallest(max(k - 1, 1), (x for x in scored if x is not primary), key=lambda x: x[0])
+        others = []
+        for x in scored:
+            if x is not primary:
+                others.append(x)
+                if len(others) >= k - 1 and others:
+                    break
         rest = others[:k - 1]
         order = [primary[2].endpoint, *(x[2].endpoint for x in rest)]
         if self.track_prefill:
