@@ -130,7 +130,8 @@ def test_a_wrongly_typed_prediction_from_another_sender_becomes_null():
         span = r._factory.span(rec())
     finally:
         r.shutdown(0.1)
-    span._attributes = {**span.attributes, "prefixroute.predicted_ttft_ms": "fast", "prefixroute.alternative_ttft_ms": True}
+    span._attributes = {**span.attributes, "prefixroute.predicted_ttft_ms": "fast",
+                        "prefixroute.alternative_ttft_ms": True}
     (row,), _ = request_rows(encode_spans([span]))
     assert row["predicted_ttft_ms"] is None and row["alternative_ttft_ms"] is None
 
@@ -151,7 +152,8 @@ def make_dataset(n: int, seed: int) -> list[RequestRecord]:
             trace_id=f"{rnd.getrandbits(128):032x}", span_id=f"{rnd.getrandbits(64):016x}",
             start_time=NOW - rnd.uniform(0, 600), policy="prefix", reason="affinity", endpoint=served,
             endpoints=(primary, other), status=status,
-            error={0: "reset", 503: "upstream", 429: "slow down"}.get(status, "cut short" if rnd.random() < 0.03 else None),
+            error={0: "reset", 503: "upstream", 429: "slow down"}.get(
+                status, "cut short" if rnd.random() < 0.03 else None),
             ttft_ms=rnd.uniform(0.2, 3000) if status == 200 and rnd.random() > 0.05 else None,
             predicted_ttft_ms=rnd.uniform(0.0, 2500) if has_pred else None,
             alternative_endpoint=other if has_alt else None,
