@@ -300,7 +300,7 @@ PREDICTION_TABLE_HEADERS = ("endpoint", "requests", "predicted p50", "actual p50
 def prediction_table(frame: pd.DataFrame) -> pd.DataFrame:
     """`prediction_frame` formatted for display (strings: ms, percent), headed PREDICTION_TABLE_HEADERS."""
     def signed(v: float) -> str:
-        return "–" if v is None or math.isnan(v) else f"{v * 100:+.1f} %"
+        return "–" if v is None or math.isnan(v) else f"{v * 100:+.1f}\u00a0%"  # no break inside a narrow column
 
     rows = [(r.endpoint, f"{r.num_requests:,}", format_ms(r.predicted_ttft_ms_p50), format_ms(r.actual_ttft_ms_p50),
              format_ratio(r.ape_ratio_p50), signed(r.error_ratio_p50), format_ms(r.alternative_ttft_ms_p50))

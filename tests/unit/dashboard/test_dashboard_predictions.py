@@ -102,8 +102,8 @@ def test_prediction_frame_long_and_table():
         ("h:10", "actual", 250.0), ("h:10", "predicted", 40.0), ("h:9", "actual", 80.0), ("h:9", "predicted", 100.0)]
     table = D.prediction_table(frame)
     assert list(table.index) == ["h:9", "h:10"]
-    assert table.loc["h:10"].tolist() == ["2", "40.0 ms", "250 ms", "84.0 %", "+525.0 %", "–"]
-    assert table.loc["h:9"].tolist() == ["1", "100 ms", "80.0 ms", "25.0 %", "-20.0 %", "610 ms"]
+    assert table.loc["h:10"].tolist() == ["2", "40.0 ms", "250 ms", "84.0 %", "+525.0\u00a0%", "–"]
+    assert table.loc["h:9"].tolist() == ["1", "100 ms", "80.0 ms", "25.0 %", "-20.0\u00a0%", "610 ms"]
     empty = D.prediction_frame({"num_predicted": 0, "fleet": None, "endpoints": []})
     assert len(empty) == 0 and len(D.prediction_long(empty)) == 0 and len(D.prediction_table(empty)) == 0
 
