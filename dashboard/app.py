@@ -240,6 +240,8 @@ def live_panels(window_s: float) -> None:
                "/metrics). Errors: 5xx and failed requests; refused: 4xx."
                + ("  \n" + _sentence("; ".join(notes)) if notes else ""))
 
+    prediction_panel(snap.get("ttft_pred"), colors)
+
     st.subheader("Routing")
     dec = summary
     c1, c2, c3 = st.columns(3)
@@ -257,6 +259,49 @@ def live_panels(window_s: float) -> None:
             _chart(C.histogram(frame, "decision time (µs)", "#b07aa1"), "decision_hist")
         else:
             _empty_note("no decision times recorded")
+
+
+def prediction_panel(result: dict | None, colors: dict[str, str]) -> None:
+    """Predicted vs actual TTFT per endpoint: does the time model behind the decisions match what happened?"""
+    st.subheader("Predicted vs actual TTFT per endpoint")
+    state = D.prediction_state(result)
+    with st.container(key="ttft-predictions"):  # a stable CSS class (st-key-ttft-predictions) for browser tests
+        if state.kind == "unavailable":
+            st.info(f"**TTFT predictions unavailable.** The receiver at {source.url} does not serve them (a version "
+                    "older than this dashboard); upgrade it to see this panel.", icon=":material/info:")
+            return
+        if state.kind == "none":
+            st.info(f"**No TTFT predictions in the last {window_label}.** No decision in this window carried a "
+                    "predicted TTFT: the routing policy has no time model, so there is nothing to compare with the "
+                    "measured TTFT.", icon=":material/info:")
+            return
+        if state.kind == "uncomparable":
+            st.info(f"**{state.num_predicted:,} decisions carried a predicted TTFT, none can be scored yet.** A "
+                    "prediction is compared only on a request that succeeded on the primary it was made for.",
+                    icon=":material/info:")
+            return
+        fleet = result["fleet"]
+        frame = D.prediction_frame(result)
+        k = st.columns(4)
+        k[0].metric("TTFT prediction error (median)", D.format_ratio(fleet.get("ape_ratio_p50")),
+                    help="Median absolute percentage error |actual - predicted| / actual over the requests scored.")
+        k[1].metric("Predicted TTFT p50", D.format_ms(fleet.get("predicted_ttft_ms_p50")))
+        k[2].metric("Actual TTFT p50 (same requests)", D.format_ms(fleet.get("actual_ttft_ms_p50")))
+        k[3].metric("Requests with a prediction", f"{state.num_compared:,}",
+                    delta=f"of {state.num_predicted:,} predicted", delta_color="off", delta_arrow="off",
+                    help="Scored: succeeded on the primary the prediction was for. The others failed, were "
+                         "refused or were served by a fallback.")
+        c1, c2 = st.columns(2)
+        with c1:
+            st.markdown("**Median TTFT per endpoint** (filled: actual, outlined: predicted)")
+            _chart(C.prediction_bars(D.prediction_long(frame), colors), "ttft_pred", C.bar_height(len(frame), 44))
+        with c2:
+            st.markdown("**Per endpoint**")
+            st.table(D.prediction_table(frame))
+        st.caption("Per endpoint: requests whose decision predicted a TTFT there and that it served successfully; "
+                   "median predicted and median actual TTFT of those requests; median absolute percentage error "
+                   "|actual - predicted| / actual; median bias (actual - predicted) / predicted (above 0: slower "
+                   "than predicted); median predicted TTFT at the best alternative the decision scored.")
 
 
 def _endpoint_columns() -> dict:
@@ -304,6 +349,11 @@ def requests_table() -> None:
                          height=420, column_config={
                              "time": st.column_config.DatetimeColumn("time (UTC)", format="HH:mm:ss.SSS"),
                              "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.1f"),
+                             "predicted_ttft_ms": st.column_config.NumberColumn("predicted TTFT (ms)",
+                                                                                format="%.1f"),
+                             "alternative_endpoint": st.column_config.TextColumn("alternative"),
+                             "alternative_ttft_ms": st.column_config.NumberColumn("alternative TTFT (ms)",
+                                                                                  format="%.1f"),
                              "latency_ms": st.column_config.NumberColumn("latency (ms)", format="%.1f"),
                              "hit_ratio": st.column_config.NumberColumn("hit (actual)", format="percent"),
                              "predicted_hit_ratio": st.column_config.NumberColumn("hit (predicted)",

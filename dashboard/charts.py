@@ -150,6 +150,21 @@ def endpoint_hit_bars(frame: pd.DataFrame, colors: Mapping[str, str]) -> alt.Cha
                     tooltip=["endpoint:N", "kind:N", alt.Tooltip("hit_ratio:Q", format=".1%")]))
 
 
+def prediction_bars(frame_long: pd.DataFrame, colors: Mapping[str, str]) -> alt.Chart:
+    """Per endpoint over the window: median actual TTFT (solid bar) and median predicted TTFT of the same
+    requests (outlined bar) side by side, as `endpoint_hit_bars` draws hit rates."""
+    return (alt.Chart(frame_long).mark_bar(strokeWidth=1.5)
+            .encode(y=alt.Y("endpoint:N", title=None, sort=list(colors), axis=alt.Axis(labelLimit=220)),
+                    yOffset=alt.YOffset("kind:N", sort=["actual", "predicted"]),
+                    x=alt.X("ttft_ms:Q", title="median TTFT (ms)"),
+                    color=alt.Color("endpoint:N", scale=endpoint_scale(colors), legend=None),
+                    fillOpacity=alt.FillOpacity("kind:N", scale=alt.Scale(domain=["actual", "predicted"],
+                                                                          range=[0.9, 0.15]),
+                                                legend=alt.Legend(orient="top", title=None)),
+                    stroke=alt.Color("endpoint:N", scale=endpoint_scale(colors), legend=None),
+                    tooltip=["endpoint:N", "kind:N", alt.Tooltip("ttft_ms:Q", format=",.1f", title="median ms")]))
+
+
 def reasons(frame: pd.DataFrame) -> alt.Chart:
     return (alt.Chart(frame).mark_bar(color="#4e79a7")
             .encode(y=alt.Y("reason:N", title=None, sort="-x"),

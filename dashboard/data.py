@@ -253,7 +253,71 @@ def reasons_time_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     return _to_time(frame)
 
 
-RECENT_COLUMNS = ("time", "endpoint", "reason", "status", "ttft_ms", "latency_ms", "prompt_tokens",
+@dataclasses.dataclass(frozen=True)
+class PredictionState:
+    """What the "Predicted vs actual TTFT" panel can show: kind is "unavailable" (the source has no such
+    query: a receiver older than this dashboard), "none" (no decision in the window carried a predicted
+    TTFT: the policy has no time model), "uncomparable" (predictions, but none on a request that succeeded
+    on its primary), or "ok"."""
+
+    kind: str
+    num_predicted: int
+    num_compared: int
+
+
+def prediction_state(result: Mapping[str, Any] | None) -> PredictionState:
+    if result is None:
+        return PredictionState("unavailable", 0, 0)
+    num_predicted = int(result.get("num_predicted") or 0)
+    num_compared = int((result.get("fleet") or {}).get("num_requests") or 0)
+    if num_predicted == 0:
+        return PredictionState("none", 0, 0)
+    return PredictionState("ok" if num_compared else "uncomparable", num_predicted, num_compared)
+
+
+PREDICTION_COLUMNS = ("endpoint", "num_requests", "predicted_ttft_ms_p50", "actual_ttft_ms_p50", "ape_ratio_p50",
+                      "error_ratio_p50", "alternative_ttft_ms_p50", "num_alternatives")
+
+
+def prediction_frame(result: Mapping[str, Any] | None) -> pd.DataFrame:
+    """One row per endpoint (naturally sorted) from `ttft_predictions` (columns PREDICTION_COLUMNS):
+    requests with a comparable prediction, median predicted and median actual TTFT of those requests,
+    median absolute percentage error (0-1), median signed error ratio, median predicted TTFT of the
+    best alternative and how many had one."""
+    rows = (result or {}).get("endpoints") or []
+    by_name = {(r.get("endpoint") or UNKNOWN_ENDPOINT): r for r in rows}
+    out = [{c: (name if c == "endpoint" else by_name[name].get(c)) for c in PREDICTION_COLUMNS}
+           for name in sort_endpoints(by_name)]
+    frame = pd.DataFrame(out, columns=list(PREDICTION_COLUMNS))
+    return frame.astype({c: "float64" for c in PREDICTION_COLUMNS
+                         if c not in ("endpoint", "num_requests", "num_alternatives")})
+
+
+PREDICTION_TABLE_HEADERS = ("endpoint", "requests", "predicted p50", "actual p50", "abs. error p50", "bias p50",
+                            "alternative p50")
+
+
+def prediction_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """`prediction_frame` formatted for display (strings: ms, percent), headed PREDICTION_TABLE_HEADERS."""
+    def signed(v: float) -> str:
+        return "–" if v is None or math.isnan(v) else f"{v * 100:+.1f}\u00a0%"  # no break inside a narrow column
+
+    rows = [(r.endpoint, f"{r.num_requests:,}", format_ms(r.predicted_ttft_ms_p50), format_ms(r.actual_ttft_ms_p50),
+             format_ratio(r.ape_ratio_p50), signed(r.error_ratio_p50), format_ms(r.alternative_ttft_ms_p50))
+            for r in frame.itertuples()]
+    return pd.DataFrame(rows, columns=list(PREDICTION_TABLE_HEADERS)).set_index("endpoint")
+
+
+def prediction_long(frame: pd.DataFrame) -> pd.DataFrame:
+    """Long frame endpoint, kind (actual|predicted), ttft_ms for the per-endpoint bars."""
+    long = frame.melt(id_vars=["endpoint"], value_vars=["actual_ttft_ms_p50", "predicted_ttft_ms_p50"],
+                      var_name="kind", value_name="ttft_ms").dropna(subset=["ttft_ms"])
+    long["kind"] = long["kind"].str.replace("_ttft_ms_p50", "", regex=False)
+    return long.reset_index(drop=True)
+
+
+RECENT_COLUMNS = ("time", "endpoint", "reason", "status", "ttft_ms", "predicted_ttft_ms", "alternative_endpoint",
+                  "alternative_ttft_ms", "latency_ms", "prompt_tokens",
                   "cached_tokens", "hit_ratio", "predicted_hit_ratio", "decision_us", "policy", "model", "trace_id")
 
 
@@ -264,6 +328,9 @@ def recent_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
         prompt, cached = r.get("prompt_tokens"), r.get("cached_tokens")
         out.append({"time": r["start_time"], "endpoint": r.get("endpoint") or UNKNOWN_ENDPOINT,
                     "reason": r.get("reason") or "", "status": r.get("status"), "ttft_ms": r.get("ttft_ms"),
+                    "predicted_ttft_ms": r.get("predicted_ttft_ms"),
+                    "alternative_endpoint": r.get("alternative_endpoint") or "",
+                    "alternative_ttft_ms": r.get("alternative_ttft_ms"),
                     "latency_ms": r.get("latency_ms"), "prompt_tokens": prompt, "cached_tokens": cached,
                     "hit_ratio": cached / prompt if prompt and cached is not None else None,
                     "predicted_hit_ratio": r.get("predicted_hit_ratio"), "decision_us": r.get("decision_us"),

@@ -170,11 +170,22 @@ class DataSource:
             r["predicted_hit_ratio"] = (predicted or 0.0) / prompt if prompt else None
         return rows
 
+    def ttft_predictions(self, window_s: float, *, now: float | None = None) -> dict[str, Any] | None:
+        """`StoreReader.ttft_predictions` from either source; None when a receiver older than this
+        dashboard has no such route (the panel says so; the rest of the page is unaffected)."""
+        try:
+            return self.call("ttft_predictions", window_s, now=now)
+        except TelemetryUnavailable as exc:
+            if "HTTP 404" in str(exc):
+                return None
+            raise
+
     def live_snapshot(self, window_s: float, *, now: float | None = None) -> dict[str, Any]:
         """Every query of one live refresh at one instant `now`, as a dict: now, summary, total
         (store rows), and, when the window has traffic, span_s / bucket_s (charts cover the part of the
         window holding data, see data.effective_span_s), ts (fleet timeseries), ts_ep (endpoint_series),
-        ep_rows (endpoints), reason_rows, reason_ts, ttft_hist, decision_hist, in_flight."""
+        ep_rows (endpoints), reason_rows, reason_ts, ttft_hist, decision_hist, in_flight, ttft_pred
+        (ttft_predictions over the window; None when the source has no such query)."""
         now = time.time() if now is None else now
         summary = self.call("summary", window_s, now=now)
         snap: dict[str, Any] = {"now": now, "summary": summary, "total": self.call("num_requests")}
@@ -191,7 +202,8 @@ class DataSource:
             reason_ts=self.call("reasons", span_s, bucket_s, now=now),
             ttft_hist=self.call("histogram", window_s, "ttft_ms", now=now),
             decision_hist=self.call("histogram", window_s, "decision_us", now=now),
-            in_flight=self.mean_in_flight(span_s, now=now))
+            in_flight=self.mean_in_flight(span_s, now=now),
+            ttft_pred=self.ttft_predictions(window_s, now=now))
         return snap
 
     def endpoint_live(self, fetch: Callable[[str, float], str] | None = None) -> dict[str, EndpointLive]:

@@ -258,6 +258,9 @@ class RequestTracker:
         rec.matched_blocks = d.matched_blocks
         rec.total_blocks = d.total_blocks
         rec.predicted_hit_ratio = d.predicted_hit_ratio
+        rec.predicted_ttft_ms = d.predicted_ttft_ms
+        rec.alternative_endpoint = d.alternative_endpoint
+        rec.alternative_ttft_ms = d.alternative_ttft_ms
         rec.decision_us = pick.decision_us
         req = pick.request
         rec.model = req.model

@@ -24,6 +24,10 @@ FIELD_ATTRIBUTES: dict[str, str] = {
     "matched_blocks": "prefixroute.matched_blocks",
     "total_blocks": "prefixroute.total_blocks",
     "predicted_hit_ratio": "prefixroute.predicted_hit_ratio",
+    # The time model's predictions (ms), omitted for policies without one (see records.py).
+    "predicted_ttft_ms": "prefixroute.predicted_ttft_ms",
+    "alternative_endpoint": "prefixroute.alternative_endpoint",
+    "alternative_ttft_ms": "prefixroute.alternative_ttft_ms",
     "decision_us": "prefixroute.decision_us",
     "ttft_ms": "prefixroute.ttft_ms",
     "latency_ms": "prefixroute.latency_ms",

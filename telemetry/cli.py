@@ -15,8 +15,10 @@ its own span as the parent. Attributes: ``gen_ai.request.model``, ``gen_ai.opera
 ``gen_ai.usage.input_tokens`` / ``output_tokens`` / ``cache_read.input_tokens``, ``server.address`` /
 ``server.port`` (served endpoint), ``http.response.status_code``, ``url.path``, ``error.type``, and
 ``prefixroute.{request_id, tenant_hash, policy, reason, endpoint, endpoints, fallback_endpoints,
-matched_blocks, total_blocks, predicted_hit_ratio, decision_us, ttft_ms, latency_ms, cached_tokens,
-stream, status}``. Its Prometheus metrics are on ``--metrics-port`` (default 9464, ``/metrics``).
+matched_blocks, total_blocks, predicted_hit_ratio, predicted_ttft_ms, alternative_endpoint,
+alternative_ttft_ms, decision_us, ttft_ms, latency_ms, cached_tokens, stream, status}``; the time
+model's predictions (``predicted_ttft_ms``, ``alternative_*``) are omitted when the routing policy has
+none. Its Prometheus metrics are on ``--metrics-port`` (default 9464, ``/metrics``).
 
 Securing it (the port may be reachable by others: the store believes what it is sent)::
 
@@ -39,8 +41,10 @@ Print the routed requests of the last minute, one JSON object per line (from the
 
 Each line has: trace_id, span_id, parent_span_id, request_id, start_time (unix s), model, tenant_hash,
 policy, reason, endpoint (served), endpoints (decision: primary, then fallbacks), matched_blocks,
-total_blocks, predicted_hit_ratio, decision_us, ttft_ms, latency_ms, prompt_tokens, completion_tokens,
-cached_tokens, stream, status, error, path, end_time.
+total_blocks, predicted_hit_ratio, predicted_ttft_ms (the time model's predicted TTFT at the primary, ms),
+alternative_endpoint and alternative_ttft_ms (the best other endpoint it scored and its predicted TTFT; all
+three null for a policy without a time model), decision_us, ttft_ms, latency_ms, prompt_tokens,
+completion_tokens, cached_tokens, stream, status, error, path, end_time.
 
 Sending the same traces to Jaeger, Tempo or an OpenTelemetry Collector
 -----------------------------------------------------------------------

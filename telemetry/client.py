@@ -76,6 +76,9 @@ class HttpStoreClient:
         return self._get("/api/histogram", window_s=window_s, column=column, bin_width=bin_width,
                          num_bins=num_bins, now=now)
 
+    def ttft_predictions(self, window_s: float, *, now: float | None = None) -> dict[str, Any]:
+        return self._get("/api/ttft_predictions", window_s=window_s, now=now)
+
     def recent_requests(self, limit: int = 100, *, endpoint: str | None = None) -> list[dict[str, Any]]:
         return self._get("/api/recent", limit=limit, endpoint=endpoint)
 

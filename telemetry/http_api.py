@@ -9,6 +9,7 @@ OpenAI error format, a missing store -> 503, an unknown route -> 404):
     /api/endpoints?window_s=300                        -> StoreReader.endpoints
     /api/reasons?window_s=300[&bucket_s=5]             -> StoreReader.reasons
     /api/histogram?window_s=300&column=ttft_ms[&bin_width=10&num_bins=30] -> StoreReader.histogram
+    /api/ttft_predictions?window_s=300                 -> StoreReader.ttft_predictions
     /api/requests?since_s=60                           -> StoreReader.iter_requests (oldest first), JSON array
     /api/recent?limit=100[&endpoint=host:port]         -> StoreReader.recent_requests (newest first)
     /api/request?trace_id=HEX(required)[&span_id=HEX]  -> StoreReader.request (404 when absent)
@@ -81,6 +82,8 @@ def query(reader: StoreReader, path: str, q: dict[str, list[str]]) -> Any:
     if path == "/api/histogram":
         return reader.histogram(window_s, (q.get("column") or ["ttft_ms"])[-1], bin_width=_num(q, "bin_width", None),
                                 num_bins=_num(q, "num_bins", 30, kind=int), now=now)
+    if path == "/api/ttft_predictions":
+        return reader.ttft_predictions(window_s, now=now)
     if path == "/api/requests":
         return list(reader.iter_requests(_num(q, "since_s", 60.0), now=now))
     if path == "/api/recent":

@@ -10,6 +10,9 @@ Metric families (``prefixroute_`` prefix; seconds and tokens in base units as Pr
     prefixroute_prompt_tokens_total{endpoint}                 counter  prompt tokens of requests with usage
     prefixroute_predicted_hit_tokens_total{endpoint}          counter  predicted_hit_ratio x prompt tokens
     prefixroute_actual_hit_tokens_total{endpoint}             counter  server-reported cached tokens
+    prefixroute_ttft_prediction_error_ratio{endpoint}         histogram  (actual - predicted) / predicted TTFT
+    prefixroute_predicted_ttft_seconds_total{endpoint}        counter  predicted TTFT of the same requests
+    prefixroute_compared_ttft_seconds_total{endpoint}         counter  actual TTFT of the same requests
     prefixroute_endpoint_in_flight{endpoint}                  gauge    (callback) requests picked, not finished
     prefixroute_prefix_index_blocks[{endpoint}]               gauge    (callback) prefix index size
     prefixroute_endpoint_healthy{endpoint}                    gauge    (callback, pool snapshot) 1 routable, 0 down
@@ -24,6 +27,22 @@ Metric families (``prefixroute_`` prefix; seconds and tokens in base units as Pr
 
 Status classes: a 4xx is a refusal (the client's request was refused), counted apart from 5xx and
 "reset" (the errors) in prefixroute_requests_total{status_class}; nothing here lumps them together.
+
+TTFT predictions (policies with a time model fill `Decision.predicted_ttft_ms`; others leave these empty):
+a request is scored when the record is `RequestRecord.is_comparable_prediction` (a prediction and a
+measured TTFT, not an error nor a refusal, served by the primary the prediction was for), under that
+endpoint. The error ratio is ``(actual - predicted) / predicted`` (predicted floored at 1 ms): 0 is exact,
++1 means twice as slow as predicted, -0.5 twice as fast; signed so that under-prediction (the dangerous
+side: the router believed an endpoint faster than it was) has the resolution. Alerts, e.g.::
+
+    # one request in ten at least twice as slow as predicted, over 10 minutes
+    histogram_quantile(0.9, sum by (le, endpoint) (rate(prefixroute_ttft_prediction_error_ratio_bucket[10m]))) > 1
+    # systematic bias: the time model's TTFT off by more than 50 % on average
+    rate(prefixroute_compared_ttft_seconds_total[10m]) / rate(prefixroute_predicted_ttft_seconds_total[10m]) > 1.5
+    # share of predictions within +-25 %: (bucket{le="0.25"} - bucket{le="-0.25"}) / count
+
+The histogram has no ``_sum`` (Prometheus exposes none for a histogram with negative buckets); the two
+counters give the mean: predicted rate(prefixroute_predicted_ttft_seconds_total) / rate(..._count).
 
 Hit ratio over a window in PromQL: ``rate(prefixroute_actual_hit_tokens_total[1m]) /
 rate(prefixroute_prompt_tokens_total[1m])``.
@@ -48,6 +67,8 @@ from prefixroute.telemetry.records import RequestRecord
 # Decisions take microseconds to a millisecond; requests' TTFT milliseconds to tens of seconds.
 DECISION_BUCKETS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3)
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Signed relative TTFT error: -1 (actual 0) .. +inf; finer near 0, where a good time model lives.
+PREDICTION_ERROR_BUCKETS = (-0.75, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 9.0)
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -167,10 +188,19 @@ class RouterMetrics:
                                             registry=r)
         self.actual_hit_tokens = Counter("prefixroute_actual_hit_tokens", "Prompt tokens the model server reported "
                                          "cached (usage cached_tokens).", ["endpoint"], registry=r)
+        self.prediction_error = Histogram(
+            "prefixroute_ttft_prediction_error_ratio", "TTFT prediction error of the primary, (actual - predicted) "
+            "/ predicted (predicted floored at 1 ms), for successful requests the primary served.", ["endpoint"],
+            buckets=PREDICTION_ERROR_BUCKETS, registry=r)
+        self.predicted_ttft = Counter("prefixroute_predicted_ttft_seconds", "Predicted TTFT summed over the requests "
+                                      "scored in prefixroute_ttft_prediction_error_ratio.", ["endpoint"], registry=r)
+        self.compared_ttft = Counter("prefixroute_compared_ttft_seconds", "Measured TTFT summed over the requests "
+                                     "scored in prefixroute_ttft_prediction_error_ratio.", ["endpoint"], registry=r)
         r.register(_CallbackCollector(self))
         self._decision_children: dict[tuple[str, str, str], Any] = {}
         self._endpoint_children: dict[str, tuple[Any, ...]] = {}
         self._request_children: dict[tuple[str, str], Any] = {}
+        self._prediction_children: dict[str, tuple[Any, Any, Any]] = {}
 
     def observe_decision(self, decision: Decision, decision_us: float) -> None:
         """Count one decision (call when the decision is made, so requests that never finish count too)."""
@@ -182,7 +212,8 @@ class RouterMetrics:
         self.decision_duration.observe(decision_us / 1e6)
 
     def observe_response(self, rec: RequestRecord) -> None:
-        """Account one finished request: status, TTFT, latency, prompt / predicted / actual hit tokens."""
+        """Account one finished request: status, TTFT, latency, prompt / predicted / actual hit tokens, and
+        the TTFT prediction's error when the record has a comparable one."""
         ep = rec.endpoint or "none"
         children = self._endpoint_children.get(ep)
         if children is None:
@@ -203,6 +234,20 @@ class RouterMetrics:
             prompt.inc(rec.prompt_tokens)
             predicted.inc(rec.predicted_hit_ratio * rec.prompt_tokens)
             actual.inc(rec.cached_tokens)
+        if rec.is_comparable_prediction:
+            self._observe_prediction(ep, rec.predicted_ttft_ms, rec.ttft_ms)
+
+    def _observe_prediction(self, ep: str, predicted_ms: float, actual_ms: float) -> None:
+        children = self._prediction_children.get(ep)
+        if children is None:
+            children = self._prediction_children[ep] = (
+                self.prediction_error.labels(ep), self.predicted_ttft.labels(ep), self.compared_ttft.labels(ep))
+        error, predicted, compared = children
+        error.observe((actual_ms - predicted_ms) / max(predicted_ms, 1.0))
+        if predicted_ms > 0:  # a counter never decreases: a negative prediction (a model bug) is not summed
+            predicted.inc(predicted_ms / 1000.0)
+        if actual_ms > 0:
+            compared.inc(actual_ms / 1000.0)
 
 
 def start_metrics_server(metrics: RouterMetrics, port: int, host: str = "127.0.0.1") -> Any:

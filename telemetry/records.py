@@ -10,6 +10,9 @@ Contract with the ext_proc servicer (the only producer):
   unit their name says and measured on a monotonic clock. ``None`` means "not observed" (e.g. no
   first body byte because the request failed, or usage missing from the response).
 - `status` is the HTTP status sent to the client (0 when the stream was reset before headers).
+- `predicted_ttft_ms` / `alternative_ttft_ms` are the decision's predictions (routing.types.Decision),
+  None for policies without a time model; a prediction is *comparable* with `ttft_ms` when the request
+  succeeded (`is_comparable_prediction`) on the primary it was made for.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import xxhash
 # The dump/store columns, in output order (the store's `requests` table has these plus end_time, attrs).
 RECORD_FIELDS: tuple[str, ...] = (
     "trace_id", "span_id", "parent_span_id", "request_id", "start_time", "model", "tenant_hash", "policy",
-    "reason", "endpoint", "endpoints", "matched_blocks", "total_blocks", "predicted_hit_ratio", "decision_us",
-    "ttft_ms", "latency_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "stream", "status", "error",
+    "reason", "endpoint", "endpoints", "matched_blocks", "total_blocks", "predicted_hit_ratio", "predicted_ttft_ms",
+    "alternative_endpoint", "alternative_ttft_ms", "decision_us", "ttft_ms", "latency_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "stream", "status", "error",
     "path",
 )
 
@@ -52,6 +55,12 @@ class RequestRecord:
     matched_blocks: int = 0
     total_blocks: int = 0
     predicted_hit_ratio: float = 0.0  # 0-1
+    # The time model's predicted TTFT (ms) at the primary (endpoints[0]) and at the best other endpoint it
+    # scored (`alternative_endpoint`): what explains the decision. None when the policy has no time model
+    # (or scored no other endpoint); compare with `ttft_ms` only when the primary served the request.
+    predicted_ttft_ms: float | None = None
+    alternative_endpoint: str | None = None
+    alternative_ttft_ms: float | None = None
     decision_us: float = 0.0  # time the router spent deciding
     ttft_ms: float | None = None  # request-header arrival to the first response body byte sent on
     latency_ms: float | None = None  # request-header arrival to the end of the response
@@ -81,6 +90,14 @@ class RequestRecord:
         if self.is_refused:
             return False
         return self.error is not None or self.status == 0 or self.status >= 500
+
+    @property
+    def is_comparable_prediction(self) -> bool:
+        """True when `predicted_ttft_ms` can be scored against `ttft_ms`: both known, the request neither
+        failed nor was refused, and the endpoint that served it is the primary the prediction was for
+        (a fallback's TTFT includes the failed attempt at the primary)."""
+        return (self.predicted_ttft_ms is not None and self.ttft_ms is not None and not self.is_error
+                and not self.is_refused and bool(self.endpoints) and self.endpoint == self.endpoints[0])
 
     def to_dict(self) -> dict:
         """The dump form: JSON-able, `endpoints` as a list."""

@@ -17,6 +17,9 @@ Schema (table ``requests``; the record fields are those of `records.RequestRecor
     endpoints           TEXT                  -- JSON array: the decision, primary first then fallbacks
     matched_blocks, total_blocks  INTEGER
     predicted_hit_ratio REAL                  -- 0-1, the router's estimate
+    predicted_ttft_ms   REAL                  -- the time model's TTFT prediction at the primary (NULL: none)
+    alternative_endpoint TEXT                 -- the best other endpoint it scored
+    alternative_ttft_ms REAL                  -- its predicted TTFT there
     decision_us, ttft_ms, latency_ms  REAL
     prompt_tokens, completion_tokens, cached_tokens  INTEGER   -- NULL when the response carried no usage
     stream              INTEGER               -- 0/1
@@ -29,6 +32,11 @@ Schema (table ``requests``; the record fields are those of `records.RequestRecor
 
     indexes: requests_start_time (start_time), requests_endpoint_start (endpoint, start_time)
 
+Schema versions (meta ``schema_version``): 2 added predicted_ttft_ms, alternative_endpoint and
+alternative_ttft_ms. Opening a version-1 file with `TelemetryStore` adds the missing columns in place
+(ALTER TABLE ADD COLUMN: old rows read NULL, nothing is rewritten); a `StoreReader` on a file no writer
+has upgraded yet reads those columns as NULL.
+
 A request is *refused* when ``400 <= status < 500`` (the client's fault: bad input, unknown model,
 too large, not allowed; `error` then holds the refusal message) and an *error* when it was not refused
 and ``error IS NOT NULL OR status = 0 OR status >= 500`` (a 5xx, a reset, a response cut short). The
@@ -36,7 +44,12 @@ two never overlap: aggregates report num_errors / error_ratio and num_refused / 
 Hit ratios are token-weighted over rows that carry usage:
 ``actual_hit_ratio = SUM(cached_tokens) / SUM(prompt_tokens)`` and
 ``predicted_hit_ratio = SUM(predicted_hit_ratio * prompt_tokens) / SUM(prompt_tokens)``, so the two
-are directly comparable. Percentiles are nearest-rank (the smallest value whose rank >= p * n), computed
+are directly comparable. A TTFT prediction is *comparable* (`ttft_predictions`) when the row has both
+predicted_ttft_ms and ttft_ms, is neither an error nor a refusal (``0 < status < 400``, no error) and was
+served by the primary the prediction was made for (``endpoint = endpoints[0]``); its absolute percentage
+error is ``|ttft_ms - predicted_ttft_ms| / ttft_ms`` and its signed error ratio
+``(ttft_ms - predicted_ttft_ms) / predicted_ttft_ms`` (>0: slower than predicted), denominators floored
+at 1 ms. Percentiles are nearest-rank (the smallest value whose rank >= p * n), computed
 in SQL with window functions. Buckets are aligned to multiples of `bucket_s` in unix time
 (``bucket_start = floor(start_time / bucket_s) * bucket_s``) so they do not shift between refreshes;
 only non-empty buckets are returned. Every window is ``now - window_s <= start_time <= now``.
@@ -61,7 +74,7 @@ from typing import Any
 
 from prefixroute.telemetry.records import RECORD_FIELDS, RequestRecord
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -81,6 +94,9 @@ CREATE TABLE IF NOT EXISTS requests (
     matched_blocks INTEGER,
     total_blocks INTEGER,
     predicted_hit_ratio REAL,
+    predicted_ttft_ms REAL,
+    alternative_endpoint TEXT,
+    alternative_ttft_ms REAL,
     decision_us REAL,
     ttft_ms REAL,
     latency_ms REAL,
@@ -100,11 +116,16 @@ CREATE INDEX IF NOT EXISTS requests_endpoint_start ON requests(endpoint, start_t
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
+# Columns added after schema version 1, in the order they were added (name, SQL type): `TelemetryStore`
+# adds the missing ones to an older file; `StoreReader` reads a missing one as NULL.
+ADDED_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("predicted_ttft_ms", "REAL"), ("alternative_endpoint", "TEXT"), ("alternative_ttft_ms", "REAL"))
+
 ROW_COLUMNS: tuple[str, ...] = RECORD_FIELDS + ("end_time", "service_name", "attrs")
 _INSERT = (f"INSERT OR REPLACE INTO requests ({', '.join(ROW_COLUMNS)}) "
            f"VALUES ({', '.join(':' + c for c in ROW_COLUMNS)})")
 # Columns returned for one request (dump / recent requests): the record fields + end_time.
-_RECORD_SELECT = ", ".join(RECORD_FIELDS + ("end_time",))
+_RECORD_COLUMNS = RECORD_FIELDS + ("end_time",)
 
 REFUSED_SQL = "(CASE WHEN status >= 400 AND status < 500 THEN 1 ELSE 0 END)"
 ERROR_SQL = ("(CASE WHEN status >= 400 AND status < 500 THEN 0 "
@@ -115,6 +136,10 @@ realistic row takes (measured: 1.1 GB); a store of rows at every attribute's cap
 at ~30,000 rows instead of growing to 17 GB before the row cap."""
 WAL_SIZE_LIMIT_BYTES = 64 << 20
 _USAGE_OK = "(prompt_tokens IS NOT NULL AND cached_tokens IS NOT NULL AND prompt_tokens > 0)"
+COMPARABLE_PREDICTION_SQL = (
+    "(predicted_ttft_ms IS NOT NULL AND ttft_ms IS NOT NULL AND status > 0 AND status < 400 AND error IS NULL "
+    "AND endpoint IS NOT NULL AND json_valid(endpoints) AND endpoint = json_extract(endpoints, '$[0]'))")
+"""A row whose TTFT prediction can be scored (see the module docstring); RequestRecord.is_comparable_prediction."""
 PERCENTILES: tuple[tuple[str, float], ...] = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
 _BREAKDOWN_COLUMNS = ("endpoint", "reason", "policy", "model", "path", "status", "service_name")
 
@@ -158,8 +183,18 @@ class TelemetryStore:
         # After a checkpoint the WAL is truncated to this, so it cannot keep the size of a past burst.
         self._conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
         self._conn.executescript(_SCHEMA)
-        self._conn.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
-                           (str(SCHEMA_VERSION),))
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring an older file to SCHEMA_VERSION: add the columns it lacks (one transaction; another
+        writer upgrading the same file at once finds them present and adds nothing)."""
+        with _transaction(self._conn):
+            have = {r[1] for r in self._conn.execute("PRAGMA table_info(requests)")}
+            for name, sql_type in ADDED_COLUMNS:
+                if name not in have:
+                    self._conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {sql_type}")
+            self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)",
+                               (str(SCHEMA_VERSION),))
 
     def insert_rows(self, rows: Iterable[Mapping[str, Any]]) -> int:
         """Insert (or replace, by trace_id+span_id) rows in one transaction; returns how many."""
@@ -279,6 +314,29 @@ def _aggregate_sql(group_cols: list[str], group_exprs: list[str], pct_columns: t
             f"ORDER BY {k}")
 
 
+_PREDICTION_PCT_COLUMNS = ("predicted_ttft_ms", "actual_ttft_ms", "ape_ratio", "error_ratio", "alternative_ttft_ms")
+
+
+def _prediction_sql(group_col: str | None) -> str:
+    """Comparable predictions of the window, per `group_col` value (or all together as one group g = 0):
+    counts and the percentiles of `_PREDICTION_PCT_COLUMNS` (nearest rank, as `_aggregate_sql`)."""
+    g = group_col or "0"
+    parts = [f"""base AS (SELECT {g} AS g, predicted_ttft_ms, ttft_ms AS actual_ttft_ms, alternative_ttft_ms,
+                 ABS(ttft_ms - predicted_ttft_ms) / MAX(ttft_ms, 1.0) AS ape_ratio,
+                 (ttft_ms - predicted_ttft_ms) / MAX(predicted_ttft_ms, 1.0) AS error_ratio
+               FROM requests WHERE start_time >= :t0 AND start_time <= :t1 AND {COMPARABLE_PREDICTION_SQL})""",
+             """agg AS (SELECT g, COUNT(*) AS num_requests, COUNT(alternative_ttft_ms) AS num_alternatives
+               FROM base GROUP BY g)"""]
+    joins = []
+    for col in _PREDICTION_PCT_COLUMNS:
+        parts.append(f"""r_{col} AS (SELECT g, {col} AS v, ROW_NUMBER() OVER (PARTITION BY g ORDER BY {col}) AS rn,
+                 COUNT(*) OVER (PARTITION BY g) AS n FROM base WHERE {col} IS NOT NULL)""")
+        parts.append(f"p_{col} AS (SELECT g, {_pct_exprs(col)} FROM r_{col} GROUP BY g)")
+        joins.append(f"LEFT JOIN p_{col} USING (g)")
+    pct_select = ", ".join(f"{col}_{name}" for col in _PREDICTION_PCT_COLUMNS for name, _ in PERCENTILES)
+    return f"WITH {', '.join(parts)} SELECT agg.*, {pct_select} FROM agg {' '.join(joins)} ORDER BY g"
+
+
 def _finish_agg(row: dict[str, Any], span_s: float) -> dict[str, Any]:
     prompt = row.get("prompt_tokens") or 0
     row["num_errors"] = row.get("num_errors") or 0
@@ -319,6 +377,21 @@ class StoreReader:
             raise StoreMissing(f"no telemetry store at {self.path}")
         self._conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
         self._conn.row_factory = sqlite3.Row
+        self._schema_cookie: int | None = None
+        self._columns: frozenset[str] = frozenset()
+
+    def columns(self) -> frozenset[str]:
+        """Columns of the ``requests`` table now (re-read when SQLite's schema cookie changes, e.g. when
+        the receiver upgraded an older file under this open reader)."""
+        cookie = self._conn.execute("PRAGMA schema_version").fetchone()[0]
+        if cookie != self._schema_cookie:
+            self._columns = frozenset(r[1] for r in self._conn.execute("PRAGMA table_info(requests)"))
+            self._schema_cookie = cookie
+        return self._columns
+
+    def _record_select(self) -> str:
+        have = self.columns()
+        return ", ".join(c if c in have else f"NULL AS {c}" for c in _RECORD_COLUMNS)
 
     def close(self) -> None:
         self._conn.close()
@@ -458,12 +531,12 @@ class StoreReader:
         """The newest `limit` requests (record fields + end_time), newest first; `endpoints` as a list."""
         where, params = ("WHERE endpoint = ?", (endpoint, limit)) if endpoint else ("", (limit,))
         return [_record_row(r) for r in self._conn.execute(
-            f"SELECT {_RECORD_SELECT} FROM requests {where} ORDER BY start_time DESC, id DESC LIMIT ?", params)]
+            f"SELECT {self._record_select()} FROM requests {where} ORDER BY start_time DESC, id DESC LIMIT ?", params)]
 
     def iter_requests(self, since_s: float, *, now: float | None = None) -> Iterator[dict[str, Any]]:
         """Requests that started in the last `since_s` seconds, oldest first (streamed, for `dump`)."""
         w = self._window(since_s, now)
-        for r in self._conn.execute(f"SELECT {_RECORD_SELECT} FROM requests WHERE start_time >= :t0 "
+        for r in self._conn.execute(f"SELECT {self._record_select()} FROM requests WHERE start_time >= :t0 "
                                     f"AND start_time <= :t1 ORDER BY start_time, id", w):
             yield _record_row(r)
 
@@ -479,8 +552,37 @@ class StoreReader:
         if row is None:
             return None
         d = _record_row(row)
+        for c in RECORD_FIELDS:  # a file no writer has upgraded yet lacks the newer columns
+            d.setdefault(c, None)
         d["attrs"] = json.loads(d["attrs"] or "{}")
         return d
+
+    def ttft_predictions(self, window_s: float, *, now: float | None = None) -> dict[str, Any]:
+        """The time model's TTFT predictions against the measured TTFT over the window. Keys:
+
+        num_predicted: requests in the window whose decision carried a predicted TTFT (any outcome; 0 means
+        the policy has no time model); fleet: one row over every comparable request (None when there is
+        none); endpoints: one row per endpoint, most compared requests first. A row: [endpoint],
+        num_requests (comparable requests: see the module docstring), num_alternatives (of them, those
+        with an alternative's prediction), predicted_ttft_ms_p50/p90/p99, actual_ttft_ms_p50/p90/p99 (of
+        the same requests), ape_ratio_p50/p90/p99 (absolute percentage error, 0-1+), error_ratio_p50/p90/p99
+        (signed, (actual - predicted) / predicted), alternative_ttft_ms_p50/p90/p99.
+        """
+        w = self._window(window_s, now)
+        if "predicted_ttft_ms" not in self.columns():  # a version-1 file: no prediction can be there
+            return {"window_s": window_s, "num_predicted": 0, "fleet": None, "endpoints": []}
+        num = self._conn.execute("SELECT COUNT(*) FROM requests WHERE start_time >= :t0 AND start_time <= :t1 "
+                                 "AND predicted_ttft_ms IS NOT NULL", w).fetchone()[0]
+        if not num:
+            return {"window_s": window_s, "num_predicted": 0, "fleet": None, "endpoints": []}
+        fleet = self._rows(_prediction_sql(None), w)
+        for r in fleet:
+            r.pop("g", None)
+        rows = self._rows(_prediction_sql("endpoint"), w)
+        for r in rows:
+            r["endpoint"] = r.pop("g")
+        rows.sort(key=lambda r: (-r["num_requests"], str(r["endpoint"])))
+        return {"window_s": window_s, "num_predicted": num, "fleet": fleet[0] if fleet else None, "endpoints": rows}
 
     def num_requests(self) -> int:
         """Rows in the store (all time)."""

@@ -126,6 +126,8 @@ class RealFleet:
             request_id=secrets.token_hex(8), model=MODEL, policy=decision.policy, reason=decision.reason,
             endpoint=primary, endpoints=tuple(decision.endpoints), matched_blocks=decision.matched_blocks,
             total_blocks=decision.total_blocks, predicted_hit_ratio=decision.predicted_hit_ratio,
+            predicted_ttft_ms=decision.predicted_ttft_ms, alternative_endpoint=decision.alternative_endpoint,
+            alternative_ttft_ms=decision.alternative_ttft_ms,
             decision_us=decision_us, ttft_ms=ttft_ms, latency_ms=latency_ms,
             prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
             cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),

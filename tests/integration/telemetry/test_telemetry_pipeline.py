@@ -27,12 +27,15 @@ DUMP_KEYS = {"trace_id", "request_id", "start_time", "endpoint", "policy", "reas
 def make_records(now: float) -> list[RequestRecord]:
     incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     specs = [
-        dict(traceparent=incoming, stream=True, status=200, ttft_ms=35.5, cached_tokens=768, reason="affinity"),
+        # The time model's predictions (a policy with one): set on three, none on the cold one (omitted).
+        dict(traceparent=incoming, stream=True, status=200, ttft_ms=35.5, cached_tokens=768, reason="affinity",
+             predicted_ttft_ms=40.0, alternative_endpoint="127.0.0.1:9002", alternative_ttft_ms=610.0),
         dict(stream=False, status=200, ttft_ms=410.0, cached_tokens=0, reason="cold"),
         dict(stream=True, status=503, ttft_ms=None, cached_tokens=None, prompt_tokens=None, completion_tokens=None,
-             error="upstream connect error", reason="spill"),
+             error="upstream connect error", reason="spill", predicted_ttft_ms=120.0),
         dict(stream=True, status=200, ttft_ms=50.0, cached_tokens=512, reason="failover",
-             endpoint="127.0.0.1:9002"),
+             endpoint="127.0.0.1:9002", predicted_ttft_ms=0.0, alternative_endpoint="127.0.0.1:9002",
+             alternative_ttft_ms=45.25),
     ]
     out = []
     for i, spec in enumerate(specs):
@@ -86,18 +89,31 @@ def test_records_reach_dump_with_matching_ids_and_fields(receiver, encoder):
     assert attrs["gen_ai.usage.cache_read.input_tokens"] == 512
     assert attrs["prefixroute.fallback_endpoints"] == ["127.0.0.1:9002"]
     assert attrs["resource.service.name"] == "prefixroute-router"
+    assert (attrs["prefixroute.predicted_ttft_ms"], attrs["prefixroute.alternative_endpoint"],
+            attrs["prefixroute.alternative_ttft_ms"]) == (0.0, "127.0.0.1:9002", 45.25)
+    cold = receiver.api(f"/api/request?trace_id={recs[1].trace_id}")[1]
+    assert not {k for k in cold["attrs"] if "predicted_ttft" in k or "alternative" in k}  # omitted when None
+    assert cold["predicted_ttft_ms"] is None
 
     # Dashboard queries agree whether read from the file or over HTTP.
     now = time.time()
     with StoreReader(receiver.db) as reader, HttpStoreClient(receiver.http_url) as client:
         for name, args in [("summary", (60,)), ("endpoints", (60,)), ("reasons", (60,)),
-                           ("timeseries", (60, 2.0))]:
+                           ("timeseries", (60, 2.0)), ("ttft_predictions", (60,))]:
             assert getattr(reader, name)(*args, now=now) == getattr(client, name)(*args, now=now), name
     summary = receiver.api(f"/api/summary?window_s=60&now={now}")[1]
     with_usage = [r for r in recs if r.cached_tokens is not None]
     assert summary["actual_hit_ratio"] == pytest.approx(sum(r.cached_tokens for r in with_usage)
                                                         / sum(r.prompt_tokens for r in with_usage))
     assert summary["num_errors"] == 1
+    # Predicted vs actual: three decisions carried a prediction; only the first is scored (the 503 failed,
+    # the last was served by its fallback, not the primary the prediction was for).
+    pred = receiver.api(f"/api/ttft_predictions?window_s=60&now={now}")[1]
+    assert pred["num_predicted"] == 3
+    (ep,) = pred["endpoints"]
+    assert (ep["endpoint"], ep["num_requests"], ep["predicted_ttft_ms_p50"], ep["actual_ttft_ms_p50"]) == \
+        ("127.0.0.1:9001", 1, 40.0, 35.5)
+    assert ep["ape_ratio_p50"] == pytest.approx(4.5 / 35.5) and ep["alternative_ttft_ms_p50"] == 610.0
 
 
 @pytest.mark.parametrize(("route", "status", "param"), [

@@ -24,7 +24,8 @@ records = st.builds(
     tenant_hash=st.none() | names, policy=names, reason=st.sampled_from(["affinity", "spill", "cold", "failover"]),
     endpoint=st.none() | st.sampled_from(["127.0.0.1:8001", "host-without-port", "[::1]:9000"]),
     endpoints=st.lists(names, max_size=4).map(tuple), matched_blocks=st.integers(0, 10**6),
-    total_blocks=st.integers(0, 10**6), predicted_hit_ratio=st.floats(0, 1), decision_us=st.floats(0, 1e6),
+    total_blocks=st.integers(0, 10**6), predicted_hit_ratio=st.floats(0, 1), predicted_ttft_ms=opt_float,
+    alternative_endpoint=st.none() | names, alternative_ttft_ms=opt_float, decision_us=st.floats(0, 1e6),
     ttft_ms=opt_float, latency_ms=opt_float, prompt_tokens=opt_int, completion_tokens=opt_int,
     cached_tokens=opt_int, stream=st.booleans(), status=st.sampled_from([0, 200, 400, 429, 500, 503]),
     error=st.none() | names, path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/health", ""]))
