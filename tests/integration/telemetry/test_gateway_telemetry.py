@@ -169,6 +169,10 @@ def test_span_attributes_and_context_propagation_to_the_model_server(env, stream
     assert 0.0 <= rec["predicted_hit_ratio"] <= 1.0 and rec["decision_us"] > 0
     assert attrs["http.response.status_code"] == 200 and attrs["prefixroute.stream"] is stream
     assert rec["request_id"]  # Envoy's x-request-id
+    # The default policy explains its decision: predicted TTFT there and at the best other endpoint.
+    assert rec["predicted_ttft_ms"] > 0 and attrs["prefixroute.predicted_ttft_ms"] == pytest.approx(rec["predicted_ttft_ms"])
+    assert attrs["prefixroute.alternative_endpoint"] == rec["alternative_endpoint"] == rec["endpoints"][1]
+    assert rec["alternative_ttft_ms"] >= 0
 
 
 # Not here: a body over Envoy's buffer limit. Envoy answers that 413 itself and resets both ext_proc streams,
