@@ -49,7 +49,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     telemetry = RouterTelemetry.from_settings(tele or RouterTelemetrySettings(metrics_port=-1),
                                               in_flight=lambda: pool.in_flight,
                                               index_size=core.index.num_entries_by_endpoint,
-                                              endpoint_states=pool.snapshot)
+                                              endpoint_states=pool.snapshot,
+                                              time_model=getattr(core.scheduler.policy, "time_model_figures", None))
     tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
                              max_body_bytes=routing.max_body_bytes, on_first_token=router.first_token,
                              on_usage=router.usage)

@@ -24,8 +24,9 @@ Contract with the servicer (`servicer.RouterService`):
 - `release(pick)`: once per pick, when the HTTP request ends for any reason.
 - `first_token(pick, ttft_s)`: the response's first token came `ttft_s` after the request arrived (streamed
   responses only: a non-streamed body arrives whole, so its first chunk is no first token); at most once per
-  pick, before `release`. The prefix policy's queue of pending prefill empties there, not at the end of the
-  response (tracking.py calls it from the observing stream).
+  pick, before or after `release` (the observing stream may lag the routing stream's end on a short
+  response). The prefix policy's queue of pending prefill empties there (or at `release`, whichever comes
+  first), not at the end of the response (tracking.py calls it from the observing stream).
 - `usage(pick, prompt_tokens, cached_tokens)`: the response ended, with its usage figures (None when the
   response carried none, e.g. a stream without ``stream_options.include_usage``); at most once per pick,
   after `first_token`, before or after `release` (two streams, no order between them). The prefix policy
@@ -147,8 +148,8 @@ class PoolRouter:
 
     def first_token(self, pick: RoutePick, ttft_s: float) -> None:
         """`pick`'s response produced its first token `ttft_s` after the request arrived (module docstring).
-        Ignored after `release` or a first report (at most one per pick)."""
-        if pick.released or pick.first_token_reported:
+        At most one report per pick counts; it may come after `release`."""
+        if pick.first_token_reported:
             return
         pick.first_token_reported = True
         self.core.on_first_token(pick.request, pick.decision, ttft_s)

@@ -20,6 +20,10 @@ Metric families (``prefixroute_`` prefix; seconds and tokens in base units as Pr
     prefixroute_endpoint_requests_waiting{endpoint}           gauge    (callback, pool snapshot) scraped waiting
     prefixroute_endpoint_kv_cache_usage_ratio{endpoint}       gauge    (callback, pool snapshot) scraped KV usage 0-1
     prefixroute_endpoint_scrape_age_seconds{endpoint}         gauge    (callback, pool snapshot) age of those figures
+    prefixroute_endpoint_prefill_tokens_per_second{endpoint}  gauge    (callback, time model) learned prefill rate
+    prefixroute_endpoint_base_ttft_seconds{endpoint}          gauge    (callback, time model) TTFT at zero work
+    prefixroute_endpoint_queued_prefill_tokens{endpoint}      gauge    (callback, time model) prefill picked, no token
+    prefixroute_endpoint_ttft_observations_total{endpoint}    counter  (callback, time model) responses learned from
     prefixroute_telemetry_spans_dropped_total{reason}         counter  (callback) every lost span, by reason
     prefixroute_telemetry_spans_exported_total                counter  (callback)
     prefixroute_telemetry_spans_pending                       gauge    (callback) queued + held for retry
@@ -104,6 +108,8 @@ class _CallbackCollector:
             yield g
         if m.endpoint_states is not None:
             yield from _endpoint_families(m.endpoint_states())
+        if m.time_model is not None:
+            yield from _time_model_families(m.time_model())
         if m.recorder is not None:
             rec = m.recorder
             dropped = CounterMetricFamily(
@@ -152,13 +158,35 @@ def _endpoint_families(states: Iterable[Any]) -> Iterator[GaugeMetricFamily]:
     yield from (healthy, running, waiting, kv, age)
 
 
+def _time_model_families(figures: Mapping[str, tuple[float, float, float, int]]) -> Iterator[Any]:
+    """The prefix policy's time model per endpoint (`PrefixPolicy.time_model_figures`): what its predicted
+    TTFTs are made of, so an operator can see an endpoint learned as slow or a queue that does not drain."""
+    rate = GaugeMetricFamily("prefixroute_endpoint_prefill_tokens_per_second", "Prefill rate the time model "
+                             "learned for the endpoint (the prior until responses taught it).", labels=["endpoint"])
+    base = GaugeMetricFamily("prefixroute_endpoint_base_ttft_seconds", "TTFT the time model predicts at zero "
+                             "queued work on the endpoint.", labels=["endpoint"])
+    queued = GaugeMetricFamily("prefixroute_endpoint_queued_prefill_tokens", "Uncached prefill tokens of requests "
+                               "picked for the endpoint and not yet past their first token (router's estimate).",
+                               labels=["endpoint"])
+    learned = CounterMetricFamily("prefixroute_endpoint_ttft_observations", "Responses (first token + usage) the "
+                                  "time model learned the endpoint's rate from.", labels=["endpoint"])
+    for ep, (r, b, q, n) in figures.items():
+        lab = [str(ep)]
+        rate.add_metric(lab, r)
+        base.add_metric(lab, b)
+        queued.add_metric(lab, q)
+        learned.add_metric(lab, n)
+    yield from (rate, base, queued, learned)
+
+
 class RouterMetrics:
     """The router's metrics in their own registry (so tests and several routers in one process do not clash).
 
     `in_flight`: callable -> Mapping[endpoint, int]; `index_size`: callable -> int or Mapping[endpoint, int];
     `endpoint_states`: callable -> the endpoint pool's current snapshot (iterable of
     `routing.types.EndpointState`; the pool's `snapshot` is an O(1) read of an immutable tuple, safe from
-    the metrics thread); `recorder`: a TelemetryRecorder whose drop/export counts are exposed. Callbacks
+    the metrics thread); `time_model`: callable -> {endpoint: (rate, base_s, queued tokens, observations)}
+    (`PrefixPolicy.time_model_figures`, thread-safe); `recorder`: a TelemetryRecorder whose drop/export counts are exposed. Callbacks
     run on scrape only.
     """
 
@@ -166,10 +194,12 @@ class RouterMetrics:
                  in_flight: Callable[[], Mapping[str, int]] | None = None,
                  index_size: Callable[[], int | Mapping[str, int]] | None = None,
                  endpoint_states: Callable[[], Iterable[Any]] | None = None,
-                 recorder: Any | None = None) -> None:
+                 recorder: Any | None = None,
+                 time_model: Callable[[], Mapping[str, tuple[float, float, float, int]]] | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.in_flight, self.index_size, self.recorder = in_flight, index_size, recorder
         self.endpoint_states = endpoint_states
+        self.time_model = time_model
         r = self.registry
         self.decisions = Counter("prefixroute_decisions", "Routing decisions by primary endpoint, policy, reason.",
                                  ["endpoint", "policy", "reason"], registry=r)

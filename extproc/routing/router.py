@@ -82,7 +82,7 @@ class RouterCore:
     def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
                        prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
         """`request`'s first token came `ttft_s` after it arrived; usage figures when already known (a
-        simulation), else later by `on_usage`. Before its `on_release`, at most once (see
+        simulation), else later by `on_usage`. At most once, before or after its `on_release` (see
         `Policy.on_first_token`)."""
         self.scheduler.policy.on_first_token(request, decision, ttft_s, prompt_tokens, cached_tokens)
 

@@ -90,9 +90,10 @@ class Policy:
         """Contract: `request`, routed by `decision`, got its first token `ttft_s` after its arrival. The usage
         figures of the serving endpoint come with it when the caller already knows them (a simulation) and
         otherwise later through `on_usage` (the live gateway learns them at the end of the response). At most
-        once per decision, before its `on_release`; it may never come (a caller that cannot see first
-        tokens, a non-streamed response, a failed request), so a policy must also undo on `on_release` what
-        this would have undone. No-op by default."""
+        once per decision, before or after its `on_release` (the gateway's two streams report in no fixed
+        order); it may never come (a caller that cannot see first tokens, a non-streamed response, a failed
+        request), so a policy must also undo on `on_release` what this would have undone, and bound what it
+        keeps for a late report. No-op by default."""
 
     def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
                  cached_tokens: int | None) -> None:
@@ -183,9 +184,10 @@ in the shared-prompts sweep); within 5% placement stays rendezvous and affinity 
 
 
 MAX_AWAITING_USAGE = 4096
-"""Picks kept between their first token and their usage report (the end of the response): more than a
-replica has in flight at once (Envoy's default of 1,024 connections per cluster), so only reports that never
-come (a cut stream) are dropped, oldest first."""
+"""Picks kept for a report still to come (between first token and usage; or released before the first
+token's report arrived, the observing stream lagging the routing stream's end): more than a replica has in
+flight at once (Envoy's default of 1,024 connections per cluster), so only reports that never come (a cut
+stream, a non-streamed response) are dropped, oldest first."""
 
 
 _score = operator.itemgetter(0)
@@ -238,6 +240,8 @@ class PrefixPolicy(Policy):
         self._picks: dict[int, _TtftPick] = {}  # id(request) -> its pick, until first token or release
         # id(request) -> (pick, ttft_s) between a first token without usage and its usage report.
         self._awaiting: collections.OrderedDict[int, tuple[_TtftPick, float]] = collections.OrderedDict()
+        # id(request) -> pick, released before any first-token report (which may still come).
+        self._released: collections.OrderedDict[int, _TtftPick] = collections.OrderedDict()
         self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
         self._scan_offset = 0  # where the next sampling window of a large pool starts (`decide`)
 
@@ -375,6 +379,17 @@ class PrefixPolicy(Policy):
                         alternative_endpoint=alt[2].endpoint if alt is not None else None,
                         alternative_ttft_ms=alt[1] * 1000.0 if alt is not None else None)
 
+    def time_model_figures(self) -> dict[EndpointId, tuple[float, float, float, int]]:
+        """Per endpoint the model knows (learned or with requests pending): (rate tokens/s, base s, pending
+        prefill tokens, responses learned from). Built from copies (``dict(d)`` is one C call under the GIL),
+        so the metrics thread may call it while the event loop routes."""
+        m = self.model
+        fits, tokens = dict(m.fits), dict(m.queued_tokens)
+        learned = {ep: r.num_observations for ep, r in list(m._rates.items())}
+        prior = (m.prior_tokens_per_s, m.prior_base_s)
+        return {ep: (*fits.get(ep, prior), tokens.get(ep, 0.0), learned.get(ep, 0))
+                for ep in {*fits, *tokens, *learned}}
+
     def outstanding_prefill_tokens(self) -> dict[EndpointId, float]:
         """Estimated uncached prefill tokens picked and not yet past their first token (or released), per
         endpoint (a copy; absent = 0): the time model's queues."""
@@ -393,7 +408,9 @@ class PrefixPolicy(Policy):
         key = id(request)
         p = self._picks.pop(key, None)
         if p is None:
-            return
+            p = self._released.pop(key, None)  # the routing stream closed first (a short response)
+            if p is None:
+                return
         self.model.remove_pending(key)
         if prompt_tokens is not None:
             self._learn(p, ttft_s, prompt_tokens, cached_tokens)
@@ -424,10 +441,17 @@ class PrefixPolicy(Policy):
         self.predictions.append((p.predicted_s, ttft_s))
 
     def on_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """A request that ended without a reported first token leaves the queue (nothing learned). A pick
-        awaiting its usage report keeps waiting: the two streams report in no fixed order."""
-        if self._picks.pop(id(request), None) is not None:
-            self.model.remove_pending(id(request))
+        """The request ended: if no first token was reported, it leaves the queue, and its pick waits (at most
+        MAX_AWAITING_USAGE of them) for a first token that may still come: the observing stream reports in
+        no fixed order with the routing stream's end. A pick awaiting its usage report keeps waiting too."""
+        key = id(request)
+        p = self._picks.pop(key, None)
+        if p is not None:
+            self.model.remove_pending(key)
+            released = self._released
+            released[key] = p
+            if len(released) > MAX_AWAITING_USAGE:
+                released.popitem(last=False)
 
     def on_endpoint_removed(self, endpoint: EndpointId) -> None:
         self.model.forget_endpoint(endpoint)
@@ -435,6 +459,8 @@ class PrefixPolicy(Policy):
             del self._picks[key]
         for key in [key for key, (p, _) in self._awaiting.items() if p.endpoint == endpoint]:
             del self._awaiting[key]
+        for key in [key for key, p in self._released.items() if p.endpoint == endpoint]:
+            del self._released[key]
 
     def on_cache_cleared(self, endpoint: EndpointId) -> None:
         self.model.clear_prefixes(endpoint)

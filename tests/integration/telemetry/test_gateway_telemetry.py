@@ -306,3 +306,28 @@ def test_exporter_down_or_hung_never_delays_or_fails_requests(env, tmp_path: Pat
         with urllib.request.urlopen(f"http://127.0.0.1:{down_gw.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
         assert "prefixroute_telemetry_spans_exported_total 0.0" in text
+
+
+def test_the_time_model_learns_from_streamed_responses_through_the_gateway(env) -> None:
+    """The observing stream reports each streamed response's first token and usage to the router: its time
+    model learns one observation per streamed response (a non-streamed one has no first token to learn from),
+    and its queue of pending prefill drains."""
+    rcv, gw, _ = env
+    before = metric_samples(gw)
+    sent = [send(gw, f"learn {i} " + "delta epsilon zeta " * 60, stream=i < 4, max_tokens=4) for i in range(6)]
+    assert all(s.status == 200 for s in sent)
+
+    def added(samples: dict[str, float]) -> float:
+        prefix = "prefixroute_endpoint_ttft_observations_total{"
+        return metric_total(samples, prefix) - metric_total(before, prefix)
+
+    deadline = time.monotonic() + 10
+    while True:
+        samples = metric_samples(gw)
+        if added(samples) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert added(samples) == 4  # the 4 streamed ones
+    assert metric_total(samples, "prefixroute_endpoint_queued_prefill_tokens{") == 0
+    rates = [v for k, v in samples.items() if k.startswith("prefixroute_endpoint_prefill_tokens_per_second{")]
+    assert rates and all(v > 0 for v in rates)

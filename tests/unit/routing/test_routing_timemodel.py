@@ -234,12 +234,14 @@ def test_first_token_empties_the_queue_and_teaches_the_rate():
         p.on_release(r, d)
     assert p.model.num_pending(ep) == 0 and p.model.pending_match(ep, reqs[0].block_hashes) == 0
     assert p.model.rate(ep) < RATE and len(p.predictions) == 3
-    # a release without a first token also leaves the queue; a late first token is absorbed
+    # a release without a first token also leaves the queue; a late first token is still learned, once
     r = _req(10, 10)
     d = _decide(p, r, eps)
     p.on_release(r, d)
+    assert p.model.num_pending(d.endpoints[0]) == 0
     p.on_first_token(r, d, 1.0, 160, 0)
-    assert p.model.num_pending(d.endpoints[0]) == 0 and len(p.predictions) == 3
+    p.on_first_token(r, d, 1.0, 160, 0)
+    assert p.model.num_pending(d.endpoints[0]) == 0 and len(p.predictions) == 4
 
 
 def test_without_track_prefill_nothing_is_kept():
@@ -258,9 +260,10 @@ def test_endpoint_removed_and_cache_cleared():
     assert p.model.num_pending(A) == 0
     p.on_release(r, d)  # late release absorbed
     p.on_first_token(r, d, 1.0, 320, 0)
+    assert not p.predictions and p.model.estimate(A).num_observations == 0  # nothing learned for a gone endpoint
 
 
-def test_pool_router_first_token_and_usage_reach_the_policy_once_and_not_after_release():
+def test_pool_router_first_token_and_usage_reach_the_policy_once_in_either_order_with_release():
     import orjson
 
     from prefixroute.bench.sim_pool import SimulatedPool
@@ -282,10 +285,12 @@ def test_pool_router_first_token_and_usage_reach_the_policy_once_and_not_after_r
     router.usage(pick, 300, 0)  # once
     assert [x[1] for x in policy.predictions] == [0.2] and policy.model.estimate(ep).num_observations == 1
     pick2 = router.route("POST", "/v1/chat/completions", {"content-type": "application/json"}, body)
-    router.release(pick2)
-    router.first_token(pick2, 1.0)  # after release: ignored
     router.usage(pick2, 300, 0)  # without a first token: ignored
-    assert len(policy.predictions) == 1 and policy.model.num_pending(pick2.endpoint_ids[0]) == 0
+    router.release(pick2)  # a short response: the routing stream closed before the first token's report
+    assert policy.model.num_pending(pick2.endpoint_ids[0]) == 0
+    router.first_token(pick2, 1.0)  # still learned from, once its usage comes
+    router.usage(pick2, 300, 0)
+    assert [x[1] for x in policy.predictions] == [0.2, 1.0] and policy.model.num_pending(pick2.endpoint_ids[0]) == 0
 
 
 @pytest.mark.parametrize("prompt,cached,expected_cached_est", [
