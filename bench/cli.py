@@ -6,9 +6,15 @@ Examples::
         --out bench-out
     prefixroute bench --trace trace.jsonl --trace-stop 300 --trace-time-scale 0.5 --max-output-tokens 64 --out out
     prefixroute bench --virtual --trace trace.jsonl --servers 64 --out out-virtual
+    prefixroute bench --virtual --workload shared-prompts --num-groups 300 --sweep-load-percents 20,40,60,80,100,120 \
+        --out sweep-virtual
+    prefixroute bench --workload shared-prompts --num-groups 100 --num-requests 400 --sweep-load-percents 40,80,110 \
+        --routers prefixroute:random,prefixroute:prefix,sglang-router --server-args=--time-scale=1.6 --out sweep-real
 
 Output: DIR/results.json, DIR/report.md, DIR/ttft_cdf.png, DIR/hit_ratio.png, DIR/endpoint_share.png and
-DIR/logs/ (one log per process). Exit code 0 when every requested router ran, 1 when one was skipped or
+DIR/logs/ (one log per process). A load sweep (`prefixroute.bench.sweep`) writes DIR/results.json (the sweep
+document), DIR/report.md, DIR/ttft_vs_load.png, DIR/hit_ratio_vs_load.png and, on real processes,
+DIR/points/PCT/ (each point's run document and logs). Exit code 0 when every requested router ran, 1 when one was skipped or
 every request of a run failed, 2 for bad arguments, 128 + N when stopped by signal N.
 
 SIGINT, SIGTERM and SIGHUP stop the run: every model server, router and Envoy it started is stopped before
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import shlex
 import signal
 import sys
@@ -102,16 +109,20 @@ def _main(args: argparse.Namespace) -> int:
             parse_router(r)
         if s.servers < 1:
             raise ValueError("--servers must be >= 1")
-        if s.virtual:
-            from prefixroute.bench import virtual
-
-            # The model server's own settings parser: an unknown or unsimulated flag is an error here.
-            spec = virtual.engine_spec(s.profile, s.server_args)
         sweep = parse_sweep_percents(s.sweep_load_percents)
-        if sweep and not s.virtual:
-            raise ValueError("--sweep-load-percents runs on the virtual fleet only: add --virtual")
         if sweep and s.trace:
             raise ValueError("--sweep-load-percents sets Poisson rates: it does not apply to --trace")
+        if sweep and s.arrival not in ("auto", "poisson"):
+            raise ValueError("--sweep-load-percents sets Poisson rates: it does not apply to --arrival "
+                             f"{s.arrival}")
+        if s.virtual or sweep:
+            from prefixroute.bench import virtual
+
+            # The model server's own settings parser: an unknown flag is an error here, and so is an
+            # unsimulated one on the virtual fleet (a real sweep's servers do run it; its capacity ignores it).
+            spec = virtual.engine_spec(s.profile, s.server_args, allow_unsimulated=not s.virtual)
+        if not s.num_requests:
+            s = dataclasses.replace(s, num_requests=resolve_num_requests(s.virtual, bool(sweep)))
         wl = build_workload(s)
     except (ValueError, OSError) as exc:
         _log(f"prefixroute bench: error: {exc}")
@@ -164,23 +175,40 @@ def parse_sweep_percents(values: tuple[str, ...]) -> list[float]:
     return out
 
 
-def _run_sweep(s: BenchSettings, wl: workloads.Workload, spec: object, percents: list[float]) -> int:
-    import orjson
+def resolve_num_requests(virtual: bool, sweep: bool) -> int:
+    """--num-requests 0 (the default): 1,500 per point for a virtual sweep (a P99 that means something), else
+    300."""
+    from prefixroute.bench.sweep import VIRTUAL_SWEEP_NUM_REQUESTS
 
-    from prefixroute.bench import virtual
+    return VIRTUAL_SWEEP_NUM_REQUESTS if virtual and sweep else 300
+
+
+def _run_sweep(s: BenchSettings, wl: workloads.Workload, spec: object, percents: list[float]) -> int:
+    from prefixroute.bench import sweep
     from prefixroute.bench.settings import DEFAULT_ROUTERS
 
-    routers = virtual.SWEEP_ROUTERS if tuple(s.routers) == DEFAULT_ROUTERS else tuple(s.routers)
-    doc = virtual.run_sweep(wl, routers, num_servers=s.servers, spec=spec,  # type: ignore[arg-type]
-                            load_percents=percents, seed=s.seed, log=_log)
+    routers = sweep.default_routers(s.virtual) if tuple(s.routers) == DEFAULT_ROUTERS else tuple(s.routers)
     out = Path(s.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
-    table = virtual.render_sweep(doc)
-    (out / "sweep.md").write_text(table + "\n")
-    print(table)
-    _log(f"wrote {out / 'sweep.json'}, {out / 'sweep.md'}")
-    return 0
+    command = "prefixroute bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
+    if s.virtual:
+        doc = sweep.run_virtual_sweep(wl, routers, num_servers=s.servers, spec=spec,  # type: ignore[arg-type]
+                                      load_percents=percents, seed=s.seed, server_args=s.server_args, log=_log)
+    else:
+        from prefixroute.bench.runner import FleetConfig
+
+        fleet = FleetConfig(s.servers, s.profile, s.server_args, s.startup_timeout_s)
+        doc = sweep.run_real_sweep(wl, routers, fleet, out, spec=spec, load_percents=percents,  # type: ignore[arg-type]
+                                   seed=s.seed, log=_log, concurrency=s.concurrency,
+                                   max_connections=s.max_connections, request_timeout_s=s.request_timeout_s,
+                                   max_duration_s=s.max_duration_s, gateway_args=s.gateway_args,
+                                   progress=s.progress)
+    files = sweep.write_sweep_outputs(out, doc, command)
+    print(sweep.render_report(doc, command).split("Plots:")[0].rstrip())
+    _log("wrote " + ", ".join(str(p) for p in files.values()))
+    ran = [r for p in doc["points"] for r in p["runs"].values()]
+    failed = [r for r in ran if r["requests"] and r["errors"] == r["requests"]]
+    # As a single run: a peer skipped by --virtual is expected; one missing or failed in a real sweep is not.
+    return 1 if (doc.get("skipped") and not s.virtual) or failed or not ran else 0
 
 
 def run_overhead(path: Path) -> bool:

@@ -227,6 +227,19 @@ def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterS
 # ------------------------------------------------------------------------------------------------- runs
 
 
+def host_cpu_times() -> tuple[float, float] | None:
+    """(busy, total) CPU time of the whole host, all cores, in clock ticks (/proc/stat; None where there is
+    none). Two readings give the host's busy share of its cores in between: client, Envoy, router, servers
+    and anything else running (on a shared 2-core machine a run that keeps it high measures its own client)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])  # guest time is already counted in user
+
+
 @dataclasses.dataclass
 class RunOutput:
     summary: dict[str, Any]
@@ -244,11 +257,13 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         base = start_router(group, stack, spec, endpoints, seed=seed, gateway_args=gateway_args,
                             startup_timeout_s=fleet.startup_timeout_s)
         bar = bench_client.Progress(len(requests), label=f"{spec.name:<28}", enabled=progress)
+        cpu0 = host_cpu_times()
         t0 = time.perf_counter()
         res = asyncio.run(bench_client.run_workload(
             base, requests, model=model, concurrency=concurrency, max_connections=max_connections,
             timeout_s=request_timeout_s, max_duration_s=max_duration_s, progress=bar))
         wall_s = time.perf_counter() - t0
+        cpu1 = host_cpu_times()
         counters = scrape_server_counters(endpoints)
     # Attribute requests to endpoints from the response headers; peers that drop them fall back to the
     # servers' own request counters.
@@ -267,6 +282,8 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         "endpoint_share_source": share_source,
         "server_hit_ratio": round(hits / queries, 6) if queries else None,
         "server_requests": {ep: c.get("request_success") for ep, c in counters.items()},
+        "host_cpu_busy_ratio": (round((cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]), 3)
+                                if cpu0 and cpu1 and cpu1[1] > cpu0[1] else None),
     })
     if share is not None:
         summary["endpoint_share"] = share

@@ -32,9 +32,10 @@ class BenchSettings(Settings):
                                       "Not the model servers' --time-scale (GPU speed): pass that in --server-args.")
     max_output_tokens: int = setting(0, "Cap each trace request's output tokens (0 = trace's own). Real-fleet "
                                      "trace slices on 2 CPU cores often want ~64 to finish in minutes.")
-    num_requests: int = setting(300, "Requests of a synthetic workload (a trace is cut with --trace-start/"
-                                "--trace-stop/--trace-*-s instead). 300 at 8 req/s is ~40 s per router and gives "
-                                "stable p50/p90.")
+    num_requests: int = setting(0, "Requests of a synthetic workload (a trace is cut with --trace-start/"
+                                "--trace-stop/--trace-*-s instead); 0 = 300 (at 8 req/s ~40 s per router, stable "
+                                "p50/p90), or 1,500 per point for a virtual sweep (a P99 over 15 requests, not one). "
+                                "A real sweep runs it at every point: see --sweep-load-percents for its sizing.")
     seed: int = setting(0, "Seed of every random choice (workload text, groups, arrivals, random policy).")
     num_groups: int = setting(32, "shared-prompts: number of distinct system prompts. 32 groups on 4 servers: "
                               "random routing computes each prefix on every server (~40% of prompt tokens "
@@ -84,9 +85,14 @@ class BenchSettings(Settings):
     virtual: bool = setting(False, "Simulate the fleet in virtual time (routing core + model-server engines) "
                             "instead of real processes: 8-256 servers and whole traces in seconds.")
     sweep_load_percents: tuple[str, ...] = setting(
-        (), "With --virtual: sweep Poisson arrivals over these percents of the fleet's capacity (e.g. "
-        "20,40,60,80,100,120) instead of one run at --rate-rps; capacity = servers x prefill tokens/s / uncached "
-        "prompt tokens per request at the upper-bound hit ratio, printed per workload. Writes DIR/sweep.json and "
-        "DIR/sweep.md. With the default --routers it runs prefixroute:random, prefix, ttft, "
-        "sim:sglang-cache-aware and sim:oracle (the reference of each router's gap). 1,000 requests x 6 points "
-        "x 5 routers of shared-prompts on 4 servers take about a minute of CPU.")
+        (), "Sweep Poisson arrivals over these percents of the fleet's capacity (e.g. 20,40,60,80,100,120 with "
+        "--virtual; 40,80,110 on real processes) instead of one run at --rate-rps, one request sequence per point "
+        "shared by every router. Capacity = the highest rate at which sim:oracle keeps the median queueing (TTFT "
+        "minus the request's own prefill on an idle endpoint) under one cold prefill of the workload's median "
+        "prompt, found on the virtual fleet of the same workload, --profile, --servers and --server-args (so "
+        "--server-args=--time-scale=N lowers it N-fold) in ~10 oracle runs, printed per workload. Writes "
+        "DIR/results.json, DIR/report.md, DIR/ttft_vs_load.png and DIR/hit_ratio_vs_load.png. Default --routers: "
+        "virtual, every prefixroute policy, sim:sglang-cache-aware and sim:oracle (each router's gap is to it); "
+        "real, prefixroute:random, the default policy and sglang-router. On 2 cores keep a real sweep's top rate "
+        "near 10 req/s of 8k-token prompts (slow the simulated GPUs with --time-scale), or the client, Envoy and "
+        "the servers, not the routing, set the TTFT.")

@@ -73,10 +73,12 @@ class _ArgsError(argparse.ArgumentParser):
         raise ValueError(message)
 
 
-def engine_spec(profile: str = "", server_args: Sequence[str] = ()) -> EngineSpec:
+def engine_spec(profile: str = "", server_args: Sequence[str] = (), *, allow_unsimulated: bool = False) -> EngineSpec:
     """The spec of ``prefixroute model-server [--profile PROFILE] SERVER_ARGS`` (as the real bench starts its
-    servers), parsed with the model server's own settings parser and environment variables. ValueError, with
-    the flag named, for an unknown flag, a bad value or a behaviour the fleet does not simulate."""
+    servers), parsed with the model server's own settings parser and environment variables; engine flags such
+    as ``--time-scale`` (slower simulated GPUs) apply. ValueError, with the flag named, for an unknown flag, a
+    bad value or, unless `allow_unsimulated` (a real sweep's capacity: the real servers do inject them), a
+    behaviour the fleet does not simulate (`UNSIMULATED_SERVER_SETTINGS`)."""
     parser = _ArgsError(prog="prefixroute model-server", add_help=False)
     settings_mod.add_arguments(parser, ServerSettings)
     args = [*(("--profile", profile) if profile else ()), *server_args]
@@ -86,7 +88,7 @@ def engine_spec(profile: str = "", server_args: Sequence[str] = ()) -> EngineSpe
             raise ValueError(f"unknown model-server flag(s): {' '.join(unknown)}")
         s = settings_mod.from_namespace(ServerSettings, ns)
         defaults = ServerSettings()
-        for name in UNSIMULATED_SERVER_SETTINGS:
+        for name in () if allow_unsimulated else UNSIMULATED_SERVER_SETTINGS:
             if getattr(s, name) != getattr(defaults, name):
                 raise ValueError(f"--{name.replace('_', '-')} is not simulated by --virtual (run without "
                                  f"--virtual to use it)")
@@ -342,7 +344,8 @@ class _Arrivals:
 def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: EngineSpec | None = None,
                     seed: int = 0, sims: list[SimRequest] | None = None, concurrency: int = 16,
                     routing: RoutingSettings | None = None, pool_settings: PoolSettings | None = None,
-                    endpoint_ids: Sequence[str] | None = None, predictions: list[tuple[float, float]] | None = None,
+                    endpoint_ids: Sequence[str] | None = None,
+                    predictions: list[tuple[str, float, float]] | None = None,
                     ) -> tuple[list[RequestResult], list[str], float]:
     """Route `workload` with one of our policies through `PoolRouter` (or with a ``sim:`` model of another
     router, see `SIM_ROUTERS`) on a fresh virtual fleet of `spec` (default: `engine_spec()`).
@@ -352,8 +355,10 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     number of clients of a closed-loop workload (no arrival times). `routing` defaults to `policy` with `seed`
     (and the environment); `pool_settings` to the defaults (and the environment), as the gateway reads them.
     `endpoint_ids` names the servers (default ``sim-I:8000``): a real run's ids give the same rendezvous
-    placement, so endpoint shares compare too. `predictions`, when given, receives the (predicted, actual) TTFT
-    pairs of a policy that keeps them (``prefix``), in first-token order.
+    placement, so endpoint shares compare too. `predictions`, when given, receives (primary endpoint,
+    predicted TTFT s, actual TTFT s) for each first token, in first-token order, from any policy object with a
+    ``predictions`` attribute (a sequence of (predicted_s, actual_s) it appends to at each first token); it
+    stays empty for the other policies and the ``sim:`` models.
     """
     spec = spec or engine_spec()
     fleet = VirtualFleet(spec, num_servers, endpoint_ids=endpoint_ids)
@@ -395,11 +400,20 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         no_token: dict[str, Any] = {}  # request id -> pick, first token not yet delivered
         engine_of = {ep: fleet.engines[i] for i, ep in enumerate(fleet.endpoint_ids)}
 
+        # A policy's own record of (predicted, actual) TTFT pairs, tagged here with the primary endpoint.
+        own_predictions = getattr(router.core.scheduler.policy, "predictions", None)
+        if predictions is None:
+            own_predictions = None
+
         def first_token(rid: str, pick: Any, now_s: float, first_token_s: float, prompt_tokens: int,
                         cached_tokens: int) -> None:
             del no_token[rid]
+            last = own_predictions[-1] if own_predictions else None
             router.first_token(pick, first_token_s - pick_time[rid])
             router.usage(pick, prompt_tokens, cached_tokens)  # the fleet knows it already (live: at the end)
+            if own_predictions and own_predictions[-1] is not last:  # identity: a bounded deque stays full
+                predicted_s, actual_s = own_predictions[-1]
+                predictions.append((pick.endpoint_ids[0], predicted_s, actual_s))  # type: ignore[union-attr]
 
         pick_time: dict[str, float] = {}
 
@@ -444,8 +458,6 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     t0 = time.process_time()
     sim_results = fleet.run(arrivals.initial(), route, on_finish=on_finish)
     cpu_s = time.process_time() - t0
-    if predictions is not None and not policy.startswith("sim:"):
-        predictions.extend(getattr(router.core.scheduler.policy, "predictions", ()))
     by_id = {r.request_id: r for r in sim_results}
     out = [_request_result(req, by_id.get(str(req.index))) for req in workload.requests]
     return out, list(fleet.endpoint_ids), cpu_s
@@ -509,128 +521,3 @@ def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers
     if skipped:
         doc["skipped"] = skipped
     return doc, ttfts
-
-
-# --- load sweep (issue 12) -------------------------------------------------------------------------------------
-
-SWEEP_ROUTERS = ("prefixroute:random", "prefixroute:prefix", "sim:sglang-cache-aware", "sim:oracle")
-"""What a sweep runs when the routers are left at the bench's defaults: the no-information baseline, the default
-policy (the time model), our model of sglang-router and the oracle (the last is the reference of the gaps)."""
-
-DEFAULT_SWEEP_PERCENTS = (20.0, 40.0, 60.0, 80.0, 100.0, 120.0)
-
-
-def prefill_capacity_tokens_per_s(spec: EngineSpec) -> float:
-    """One server's prefill throughput in tokens/s: a full chunk (``max_num_batched_tokens``) per step, with the
-    server's own cost model and time scale."""
-    chunk = spec.config.max_num_batched_tokens
-    engine = spec.new_engine()
-    return chunk / (engine.cost.prefill_time_s(chunk) * spec.config.time_scale)
-
-
-def fleet_capacity_rps(workload: Workload, bound_hit_ratio: float, spec: EngineSpec, num_servers: int) -> float:
-    """The sweep's 100%: requests/s at which the fleet's prefill throughput (`prefill_capacity_tokens_per_s` x
-    servers) equals the uncached prefill the workload needs at its upper-bound hit ratio (mean prompt tokens x
-    (1 - bound)). A router that reached the bound and spread perfectly would keep every GPU busy on prefill at
-    100%; decode work and misses come on top, so queues form before 100% (how much earlier is what the sweep
-    shows, and the oracle's curve is the reference)."""
-    from prefixroute.bench.upper_bound import upper_bound
-
-    ub = upper_bound(workload)
-    mean_prompt = ub.prompt_tokens / max(1, ub.num_requests)
-    uncached = max(1.0, mean_prompt * (1.0 - bound_hit_ratio))
-    return num_servers * prefill_capacity_tokens_per_s(spec) / uncached
-
-
-def _retimed(sims: Sequence[SimRequest], workload: Workload) -> list[SimRequest]:
-    """`sims` (parsed once: tokenizing is the expensive part) with `workload`'s arrival times, in arrival order."""
-    at = {str(r.index): r.arrival_s or 0.0 for r in workload.requests}
-    out = [dataclasses.replace(s, arrival_s=at[s.request_id]) for s in sims]
-    out.sort(key=lambda s: (s.arrival_s, int(s.request_id)))
-    return out
-
-
-def run_sweep(workload: Workload, routers: Sequence[str], *, num_servers: int, spec: EngineSpec | None = None,
-              load_percents: Sequence[float] = DEFAULT_SWEEP_PERCENTS, seed: int = 0,
-              endpoint_ids: Sequence[str] | None = None, log: Callable[[str], None] = print) -> dict:
-    """Poisson arrivals at each of `load_percents` of `fleet_capacity_rps`, every router of `routers` (ours and
-    ``sim:`` models) on the same request sequence per point; open loop (``after_index`` turns still wait for
-    their previous turn). Returns the sweep document: capacity and its definition, and per point and router the
-    TTFT p50/p90/p99 (ms), hit ratio, max endpoint share over fair and, when ``sim:oracle`` ran, each
-    percentile's gap to the oracle's ((router - oracle) / oracle; negative = better than the oracle); the
-    ``ttft`` policy's runs also report the median absolute percentage error of its predicted TTFT."""
-    from prefixroute.bench.upper_bound import upper_bound
-    from prefixroute.bench import workloads as wl_mod
-
-    spec = spec or engine_spec()
-    bound = upper_bound(workload).hit_ratio
-    capacity = fleet_capacity_rps(workload, bound, spec, num_servers)
-    base = wl_mod.apply_arrivals(workload, "poisson", rate_rps=capacity, seed=seed)
-    sims0 = build_sim_requests(base, spec)
-    points = []
-    for pct in load_percents:
-        rate = capacity * pct / 100.0
-        wl = wl_mod.apply_arrivals(workload, "poisson", rate_rps=rate, seed=seed)
-        sims = _retimed(sims0, wl)
-        runs: dict[str, dict] = {}
-        for name in routers:
-            if name.startswith("sim:"):
-                if name not in SIM_ROUTERS:
-                    raise ValueError(f"unknown simulated router {name!r}; choose one of {', '.join(SIM_ROUTERS)}")
-                policy = name
-            else:
-                r = parse_router(name)
-                if r.kind != "prefixroute":
-                    log(f"sweep: skipping {name}: an external program (not simulated)")
-                    continue
-                policy = r.policy
-            t0 = time.perf_counter()
-            predictions: list[tuple[float, float]] = []
-            res, endpoints, _ = simulate_policy(wl, policy, num_servers=num_servers, spec=spec, seed=seed,
-                                                sims=sims, endpoint_ids=endpoint_ids, predictions=predictions)
-            s = bench_results.summarize_run(name, res, endpoints)
-            entry = {"ttft_ms": s["ttft_ms"], "hit_ratio": s["hit_ratio"], "errors": s["errors"],
-                     "max_share_over_fair": s["extra"]["max_share_over_fair"],
-                     "wall_s": round(time.perf_counter() - t0, 2)}
-            if predictions:
-                tail = predictions[len(predictions) // 4:]  # after the rates settled
-                errs = sorted(abs(p - a) / a for p, a in tail if a > 0)
-                entry["prediction_mape"] = round(errs[len(errs) // 2], 3) if errs else None
-            runs[name] = entry
-        oracle = runs.get("sim:oracle")
-        if oracle:
-            for name, e in runs.items():
-                e["gap_to_oracle"] = {q: (round((v - oracle["ttft_ms"][q]) / oracle["ttft_ms"][q], 3)
-                                          if v is not None and oracle["ttft_ms"].get(q) else None)
-                                      for q, v in e["ttft_ms"].items()}
-        points.append({"load_percent": pct, "rate_rps": round(rate, 3), "runs": runs})
-        log(f"sweep: {pct:g}% of capacity ({rate:.2f} req/s) done")
-    return {"workload": workload.describe(), "num_servers": num_servers, "profile": spec.profile.name,
-            "upper_bound_hit_ratio": round(bound, 4), "capacity_rps": round(capacity, 3),
-            "capacity_definition": "servers x prefill tokens/s (full chunks, the profile's cost model) / "
-                                   "(mean prompt tokens x (1 - upper-bound hit ratio))",
-            "points": points}
-
-
-def render_sweep(doc: Mapping[str, Any]) -> str:
-    """The sweep as a Markdown table: one row per load point and router."""
-    lines = [f"Sweep: workload {doc['workload'].get('name')}, {doc['num_servers']} x {doc['profile']}, capacity "
-             f"{doc['capacity_rps']:.2f} req/s ({doc['capacity_definition']}), hit-ratio bound "
-             f"{doc['upper_bound_hit_ratio']:.3f}", "",
-             "| load | rate req/s | router | TTFT p50 s | p90 s | p99 s | hit ratio | max share/fair | gap p50 | "
-             "gap p90 | gap p99 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-
-    def sec(v: float | None) -> str:
-        return "-" if v is None else f"{v / 1000:.3f}"
-
-    def pct(v: float | None) -> str:
-        return "-" if v is None else f"{v:+.0%}"
-
-    for p in doc["points"]:
-        for name, e in p["runs"].items():
-            t, g = e["ttft_ms"], e.get("gap_to_oracle") or {}
-            lines.append(f"| {p['load_percent']:g}% | {p['rate_rps']:.2f} | {name} | {sec(t.get('p50'))} | "
-                         f"{sec(t.get('p90'))} | {sec(t.get('p99'))} | {e['hit_ratio']:.3f} | "
-                         f"{e['max_share_over_fair']} | {pct(g.get('p50'))} | {pct(g.get('p90'))} | "
-                         f"{pct(g.get('p99'))} |")
-    return "\n".join(lines)

@@ -1,14 +1,19 @@
-"""The virtual load sweep (issue 12): capacity per workload, every router per load point on one request
-sequence, gaps to the oracle, the CLI flag; and the first-token hook the virtual fleet drives."""
+"""Load sweeps (issue 12): the capacity (oracle-based search and the throughput figure), the virtual sweep's
+document, report and plots, the time model's prediction error, the CLI flags; and the first-token hook the
+virtual fleet drives."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from prefixroute.bench import cli, upper_bound, virtual, workloads
-from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.bench import cli, sweep, upper_bound, virtual, workloads
+from prefixroute.extproc.routing.settings import POLICIES
+from prefixroute.model_servers.virtual import SimRequest, VirtualFleet
+
+PROFILE = "llama-3.1-70b-h200-tp4"
 
 
 def _wl(num_requests=80, **kw):
@@ -16,77 +21,231 @@ def _wl(num_requests=80, **kw):
     return workloads.shared_prompts(num_requests=num_requests, **{**base, **kw})
 
 
-def test_capacity_is_fleet_prefill_over_uncached_tokens_per_request():
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def _predicting_policies() -> list[str]:
+    """Our policies whose object keeps `predictions` (the time model's), found by running them, not by name."""
+    wl = workloads.apply_arrivals(_wl(num_requests=20), "poisson", rate_rps=30.0, seed=2)
+    out = []
+    for p in POLICIES:
+        preds: list = []
+        virtual.simulate_policy(wl, p, num_servers=2, predictions=preds)
+        if preds:
+            out.append(p)
+    return out
+
+
+def test_throughput_figure_is_fleet_prefill_over_uncached_tokens_per_request():
     wl = _wl()
     spec = virtual.engine_spec()
     ub = upper_bound.upper_bound(wl)
-    per_server = virtual.prefill_capacity_tokens_per_s(spec)
+    per_server = sweep.prefill_capacity_tokens_per_s(spec)
     assert 5_000 < per_server < 200_000
-    cap = virtual.fleet_capacity_rps(wl, ub.hit_ratio, spec, 4)
+    cap = sweep.throughput_capacity_rps(wl, ub.hit_ratio, spec, 4)
     mean_uncached = ub.prompt_tokens / ub.num_requests * (1 - ub.hit_ratio)
     assert cap == pytest.approx(4 * per_server / mean_uncached)
-    assert virtual.fleet_capacity_rps(wl, ub.hit_ratio, spec, 8) == pytest.approx(2 * cap)
+    assert sweep.throughput_capacity_rps(wl, ub.hit_ratio, spec, 8) == pytest.approx(2 * cap)
 
 
-def test_sweep_structure_and_oracle_no_worse_than_random_when_saturated():
+def test_idle_prefill_is_what_a_lone_request_takes_on_the_fleet():
+    # The queueing definition subtracts idle_prefill_s: on an idle server a request's TTFT is exactly it, cold
+    # (several chunks) and on top of a cached prefix (the second request of a group, after the first ended).
+    spec = virtual.engine_spec(PROFILE)
+    wl = workloads.shared_prompts(num_requests=2, num_groups=1, prefix_tokens=9000, question_tokens=300,
+                                  output_tokens=2, seed=3)
+    wl = workloads.apply_arrivals(wl, "poisson", rate_rps=1.0, seed=0)
+    sims = virtual.build_sim_requests(wl, spec)
+    assert len(sims[0].prompt_ids) > spec.config.max_num_batched_tokens  # chunked
+    sims[1].arrival_s = 100.0  # long after the first finished: an idle server with its prefix cached
+    results = VirtualFleet(spec, 1).run(sims, lambda _r, _f: 0)
+    first, second = sorted(results, key=lambda r: r.arrival_s)
+    assert first.cached_tokens == 0 and second.cached_tokens > 8500
+    assert first.ttft_s == pytest.approx(sweep.idle_prefill_s(spec, first.prompt_tokens), rel=1e-6)
+    assert second.ttft_s == pytest.approx(
+        sweep.idle_prefill_s(spec, second.prompt_tokens - second.cached_tokens, second.cached_tokens), rel=1e-6)
+    assert sweep.idle_prefill_s(spec, second.prompt_tokens) > 3 * second.ttft_s
+
+
+def test_capacity_search_brackets_the_criterion_and_is_deterministic():
+    wl = _wl(num_requests=120)
+    spec = virtual.engine_spec(PROFILE)
+    cap = sweep.find_capacity(wl, spec, 3, seed=4)
+    sims = virtual.build_sim_requests(workloads.apply_arrivals(wl, "poisson", rate_rps=1.0), spec)
+    assert cap.typical_prompt_tokens == sweep.typical_prompt_tokens(sims)
+    assert cap.cold_prefill_s == pytest.approx(sweep.idle_prefill_s(spec, cap.typical_prompt_tokens))
+    p50, _ = sweep.oracle_queueing(wl, sims, spec, 3, cap.rps, seed=4)
+    assert p50 <= cap.cold_prefill_s  # the criterion holds at the capacity ...
+    p50_above, _ = sweep.oracle_queueing(wl, sims, spec, 3, 1.25 * cap.rps, seed=4)
+    assert p50_above > cap.cold_prefill_s  # ... and fails 25% above it
+    # Below the throughput figure (it ignores queueing), and the search says how it got there.
+    assert cap.rps < cap.throughput_rps
+    assert any(s["holds"] for s in cap.search) and not all(s["holds"] for s in cap.search)
+    sweep._CAPACITY_CACHE.clear()
+    again = sweep.find_capacity(wl, spec, 3, seed=4)
+    assert again.rps == cap.rps and again.search == cap.search
+
+
+def test_slower_gpus_lower_the_capacity_in_proportion():
+    # --server-args=--time-scale=2 (as a real sweep passes it) doubles every step: the same search, rates halved.
+    wl = _wl(num_requests=80)
+    fast = sweep.find_capacity(wl, virtual.engine_spec(PROFILE), 2)
+    slow_spec = virtual.engine_spec(PROFILE, ["--time-scale=2"])
+    assert slow_spec.config.time_scale == 2.0
+    slow = sweep.find_capacity(wl, slow_spec, 2)
+    assert slow.rps == pytest.approx(fast.rps / 2, rel=1e-6)
+    assert slow.cold_prefill_s == pytest.approx(2 * fast.cold_prefill_s)
+    # A real sweep's capacity tolerates failure injection the virtual fleet does not simulate.
+    with pytest.raises(ValueError, match="not simulated"):
+        virtual.engine_spec(PROFILE, ["--fail-ratio=0.1"])
+    assert virtual.engine_spec(PROFILE, ["--fail-ratio=0.1"], allow_unsimulated=True).config.time_scale == 1.0
+
+
+def test_prediction_error_counts_requests_after_the_warmup_per_endpoint():
+    warm = [("a", 10.0, 1.0)] * 3 + [("b", 10.0, 1.0)] * 3  # wild during each endpoint's warm-up
+    later = [("a", 1.1, 1.0), ("b", 0.8, 1.0), ("a", 1.05, 1.0)]
+    err, scope, n = sweep.prediction_error(warm + later, warmup=3)
+    assert (err, scope, n) == (pytest.approx(0.1), "after 3 per endpoint", 3)
+    # Too few per endpoint: everything counts, and the scope says so.
+    err, scope, n = sweep.prediction_error(warm, warmup=200)
+    assert (err, scope, n) == (pytest.approx(9.0), "all", 6)
+    assert sweep.prediction_error([])[0] is None
+
+
+def test_virtual_fleet_tags_each_prediction_with_the_primary_endpoint():
+    policies = _predicting_policies()
+    assert policies, "no policy keeps predictions (the time model's record)"
+    wl = workloads.apply_arrivals(_wl(num_requests=60), "poisson", rate_rps=40.0, seed=2)
+    preds: list[tuple[str, float, float]] = []
+    res, endpoints, _ = virtual.simulate_policy(wl, policies[0], num_servers=3, predictions=preds)
+    ok = [r for r in res if r.ok]
+    assert len(ok) == 60 and len(preds) == 60  # one first token per request
+    assert sorted(a for _, _, a in preds) == pytest.approx(sorted(r.ttft_ms / 1000 for r in ok))
+    # Tagged with the endpoint that served it: per endpoint, the same actual TTFTs.
+    for ep in endpoints:
+        assert sorted(a for e, _, a in preds if e == ep) == pytest.approx(
+            sorted(r.ttft_ms / 1000 for r in ok if r.endpoint == ep))
+    none: list = []
+    virtual.simulate_policy(wl, "random", num_servers=3, predictions=none)
+    assert none == []
+
+
+def test_virtual_sweep_document_report_and_plots(tmp_path):
+    predicting = _predicting_policies()[0]
+    routers = ("prefixroute:random", f"prefixroute:{predicting}", "sim:sglang-cache-aware", "sim:oracle",
+               "sglang-router")
     wl = _wl()
-    routers = ("prefixroute:random", "prefixroute:prefix", "sim:sglang-cache-aware", "sim:oracle")
-    doc = virtual.run_sweep(wl, routers, num_servers=4, load_percents=(50, 300), log=lambda _m: None)
-    assert doc["capacity_rps"] > 0 and 0 < doc["upper_bound_hit_ratio"] < 1
-    assert [p["load_percent"] for p in doc["points"]] == [50, 300]
-    assert doc["points"][1]["rate_rps"] == pytest.approx(6 * doc["points"][0]["rate_rps"], rel=1e-3)
+    spec = virtual.engine_spec(PROFILE)
+    doc = sweep.run_virtual_sweep(wl, routers, num_servers=4, spec=spec, load_percents=(50, 150), log=_quiet)
+    cap = sweep.find_capacity(wl, spec, 4)
+    assert doc["kind"] == "sweep" and doc["virtual"] is True
+    assert doc["capacity_rps"] == pytest.approx(cap.rps, rel=1e-3)
+    assert doc["capacity"]["definition"] == sweep.CAPACITY_DEFINITION
+    assert doc["capacity"]["throughput_rps"] > doc["capacity_rps"]
+    assert list(doc["skipped"]) == ["sglang-router"]
+    assert [p["load_percent"] for p in doc["points"]] == [50, 150]
+    assert [p["rate_rps"] for p in doc["points"]] == pytest.approx([cap.rps * 0.5, cap.rps * 1.5], rel=1e-3)
     for p in doc["points"]:
-        assert list(p["runs"]) == list(routers)
+        assert list(p["runs"]) == list(routers[:4])
         for name, e in p["runs"].items():
-            assert e["errors"] == 0 and set(e["ttft_ms"]) == {"p50", "p90", "p99"}
+            assert e["errors"] == 0 and e["requests"] == 80
+            assert e["ttft_ms"]["p50"] <= e["ttft_ms"]["p90"] <= e["ttft_ms"]["p99"]
             assert 0 <= e["hit_ratio"] <= doc["upper_bound_hit_ratio"] + 1e-9
             assert set(e["gap_to_oracle"]) == {"p50", "p90", "p99"}
         assert p["runs"]["sim:oracle"]["gap_to_oracle"] == {"p50": 0.0, "p90": 0.0, "p99": 0.0}
-        assert "prediction_mape" in p["runs"]["prefixroute:prefix"]
-    sat = doc["points"][1]["runs"]
-    assert sat["sim:oracle"]["ttft_ms"]["p50"] <= sat["prefixroute:random"]["ttft_ms"]["p50"]
-    assert sat["sim:oracle"]["hit_ratio"] >= sat["prefixroute:random"]["hit_ratio"]
-    json.dumps(doc)  # a JSON document
-    table = virtual.render_sweep(doc)
-    assert table.count("\n| ") == 2 + 2 * len(routers) and "sim:oracle" in table
+        pr = p["runs"][f"prefixroute:{predicting}"]
+        assert pr["prediction_scope"] == "all" and pr["prediction_requests"] == 80  # < 200 per endpoint
+        assert 0 <= pr["prediction_mape"] < 10
+        assert "prediction_mape" not in p["runs"]["prefixroute:random"]
+    hot, cold = doc["points"][1]["runs"], doc["points"][0]["runs"]
+    assert hot["sim:oracle"]["ttft_ms"]["p90"] > cold["sim:oracle"]["ttft_ms"]["p90"]  # load shows
+    assert hot["sim:oracle"]["ttft_ms"]["p50"] <= hot["prefixroute:random"]["ttft_ms"]["p50"]
+
+    files = sweep.write_sweep_outputs(tmp_path, doc, command="prefixroute bench --sweep-load-percents 50,150")
+    back = json.loads((tmp_path / "results.json").read_text())
+    assert back["points"][1]["runs"]["sim:oracle"]["ttft_ms"] == hot["sim:oracle"]["ttft_ms"]
+    assert back["command"].startswith("prefixroute bench")
+    md = (tmp_path / "report.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| 50% |") or line.startswith("| 150% |")]
+    assert len(rows) == 2 * 4
+    assert f"{doc['capacity_rps']:.3f} req/s" in md and "prediction MAPE" in md and "(all)" in md
+    assert "--sweep-load-percents 50,150" in md and "sglang-router" in md  # the command; the skipped peer
+    for name in sweep.PLOT_FILES:
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG" and (tmp_path / name) in files.values()
 
 
-def test_virtual_fleet_delivers_first_tokens_to_the_ttft_policy():
-    wl = workloads.apply_arrivals(_wl(num_requests=60), "poisson", rate_rps=40.0, seed=2)
-    preds: list[tuple[float, float]] = []
-    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=3, predictions=preds,
-                                        routing=RoutingSettings(policy="prefix", rng_seed=0))
-    ok = [r for r in res if r.ok]
-    assert len(ok) == 60 and len(preds) == 60  # one first token per request
-    by_actual = sorted(a for _, a in preds)
-    assert by_actual == pytest.approx(sorted(r.ttft_ms / 1000 for r in ok))
+def _run(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    cli.configure_parser(parser)
+    return cli._main(parser.parse_args(list(argv)))
 
 
-def test_oracle_runs_by_name_in_run_virtual():
-    wl = workloads.apply_arrivals(_wl(num_requests=30), "poisson", rate_rps=20.0, seed=2)
-    doc, _ = virtual.run_virtual(wl, None, ["sim:oracle", "prefixroute:prefix"], num_servers=2, log=lambda _m: None)
-    assert [r["router"] for r in doc["runs"]] == ["sim:oracle", "prefixroute:prefix"]
-    assert all(r["errors"] == 0 for r in doc["runs"])
-
-
-def test_cli_sweep_flags(tmp_path, capsys):
+def test_cli_sweep_arguments(tmp_path, capsys):
     assert cli.parse_sweep_percents(("20", "40%", "120")) == [20.0, 40.0, 120.0]
     for bad in (("x",), ("0",), ("-5",)):
         with pytest.raises(ValueError):
             cli.parse_sweep_percents(bad)
-    import argparse
-
-    def run(*argv: str) -> int:
-        parser = argparse.ArgumentParser()
-        cli.configure_parser(parser)
-        return cli._main(parser.parse_args(list(argv)))
-
-    assert run("--sweep-load-percents", "50") == 2  # needs --virtual
+    small = ["--num-requests", "30", "--num-groups", "4", "--prefix-tokens", "512", "--output-tokens", "4",
+             "--servers", "2", "--out", str(tmp_path / "bad")]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}\n')
+    assert _run("--sweep-load-percents", "50", "--trace", str(trace), *small) == 2
+    assert _run("--sweep-load-percents", "50", "--arrival", "closed", *small) == 2
+    assert _run("--sweep-load-percents", "50,x", "--virtual", *small) == 2
+    assert _run("--sweep-load-percents", "50", "--routers", "sim:oracle", *small) == 2  # sim: needs --virtual
+    assert _run("--sweep-load-percents", "50", "--server-args=--no-such-flag", *small) == 2
+    assert not (tmp_path / "bad").exists()
     out = tmp_path / "o"
-    assert run("--virtual", "--num-requests", "30", "--num-groups", "4", "--prefix-tokens", "512",
-               "--output-tokens", "4", "--routers", "prefixroute:random,sim:oracle", "--servers", "2",
-               "--sweep-load-percents", "50,200", "--out", str(out)) == 0
-    doc = json.loads((out / "sweep.json").read_text())
+    assert _run("--virtual", *small[:-2], "--routers", "prefixroute:random,sim:oracle",
+                "--sweep-load-percents", "50,200", "--out", str(out)) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["kind"] == "sweep" and doc["num_requests_per_point"] == 30
     assert [p["load_percent"] for p in doc["points"]] == [50, 200]
     assert list(doc["points"][0]["runs"]) == ["prefixroute:random", "sim:oracle"]
-    assert "| 200% |" in (out / "sweep.md").read_text()
+    assert "| 200% |" in (out / "report.md").read_text()
+    assert (out / "ttft_vs_load.png").exists() and (out / "hit_ratio_vs_load.png").exists()
+    assert "req/s" in capsys.readouterr().out
+
+
+def test_cli_sweep_defaults(tmp_path, monkeypatch):
+    # Without --num-requests a virtual sweep gets 1,000+ requests per point; --num-requests overrides; the
+    # default --routers become the sweep's (virtual: every policy + the sim models; real: issue 12's three).
+    seen = []
+
+    def fake(wl, routers, **kw):
+        seen.append((len(wl.requests), routers))
+        return {"points": [], "kind": "sweep"}
+
+    monkeypatch.setattr(sweep, "run_virtual_sweep", fake)
+    monkeypatch.setattr(sweep, "run_real_sweep", lambda wl, routers, fleet, out, **kw: fake(wl, routers))
+    monkeypatch.setattr(sweep, "write_sweep_outputs", lambda *a, **k: {})
+    monkeypatch.setattr(sweep, "render_report", lambda *a, **k: "")
+    _run("--virtual", "--sweep-load-percents", "50", "--out", str(tmp_path))
+    _run("--virtual", "--sweep-load-percents", "50", "--num-requests", "40", "--out", str(tmp_path))
+    _run("--sweep-load-percents", "50", "--out", str(tmp_path))
+    (n_default, r_virtual), (n_set, _), (n_real, r_real) = seen
+    assert n_default >= 1000 and n_set == 40 and n_real == 300
+    assert set(r_virtual) >= {f"prefixroute:{p}" for p in POLICIES} | {"sim:oracle", "sim:sglang-cache-aware"}
+    assert r_virtual[-1] == "sim:oracle"
+    assert len(r_real) == 3 and "sglang-router" in r_real and "prefixroute:random" in r_real
+    assert not any(r.startswith("sim:") for r in r_real)
+
+
+def test_oracle_runs_by_name_in_run_virtual():
+    wl = workloads.apply_arrivals(_wl(num_requests=30), "poisson", rate_rps=20.0, seed=2)
+    doc, _ = virtual.run_virtual(wl, None, ["sim:oracle", "prefixroute:random"], num_servers=2, log=_quiet)
+    assert [r["router"] for r in doc["runs"]] == ["sim:oracle", "prefixroute:random"]
+    assert all(r["errors"] == 0 for r in doc["runs"])
+
+
+def test_retimed_keeps_tokens_and_takes_the_new_arrivals():
+    wl = _wl(num_requests=10)
+    spec = virtual.engine_spec()
+    sims = virtual.build_sim_requests(workloads.apply_arrivals(wl, "poisson", rate_rps=1.0), spec)
+    later = workloads.apply_arrivals(wl, "poisson", rate_rps=4.0)
+    out = sweep.retimed(sims, later)
+    at = {str(r.index): r.arrival_s for r in later.requests}
+    assert [s.arrival_s for s in out] == sorted(at.values())
+    assert all(s.arrival_s == at[s.request_id] for s in out)
+    assert all(isinstance(s, SimRequest) for s in out) and sims[1].arrival_s != at[sims[1].request_id]
