@@ -393,7 +393,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     else:
         routing = routing or settings_mod.from_namespace(RoutingSettings, policy=policy, rng_seed=seed)
         # track_prefill: every pick is released (below), as the gateway releases each one.
-        router = PoolRouter(RouterCore(routing, track_prefill=True), pool)
+        router = PoolRouter(RouterCore(routing, track_prefill=True), pool, clock=lambda: fleet.now_s)
         picks: dict[str, Any] = {}  # request id -> its pick, until the response ends
         # First-token events: the fleet reports a request only when it ends, so the requests routed and not
         # yet past their first token are checked at each decision (all a policy can act on) and at the end.

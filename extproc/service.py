@@ -45,7 +45,7 @@ Single event loop; not thread-safe (like RouterCore and the pools).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prefixroute.extproc.endpoints import Pool
 from prefixroute.extproc.routing.request import InferenceRequest, parse_request
@@ -77,8 +77,10 @@ class PoolRouter:
     """RouterCore + a `Pool` behind the servicer's `RouterService` interface (see module docstring). Requests
     are parsed with the core's own settings (``core.settings``): one settings object parses and routes."""
 
-    def __init__(self, core: RouterCore, pool: Pool) -> None:
+    def __init__(self, core: RouterCore, pool: Pool, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: monotonic seconds for the time model (a simulation passes its virtual clock)."""
         self.core = core
+        self.clock = clock
         self.pool = pool
         self.settings = core.settings
         self._addr: dict[EndpointId, str] = {}
@@ -115,7 +117,7 @@ class PoolRouter:
         t0 = time.perf_counter()
         request = parse_request(method, path, headers, body, self.settings)
         pool = self.pool
-        decision = self.core.route(request, pool.snapshot(), pool.in_flight)
+        decision = self.core.route(request, pool.snapshot(), pool.in_flight, self.clock())
         decision_us = (time.perf_counter() - t0) * 1e6
         ids = decision.endpoints
         pick = RoutePick(self._addresses(ids), ids, request, decision, decision_us)

@@ -47,11 +47,12 @@ class RouterCore:
         self.num_caches_cleared = 0
 
     def route(self, request: InferenceRequest, endpoints: Sequence[EndpointState],
-              in_flight: Mapping[EndpointId, int]) -> Decision:
+              in_flight: Mapping[EndpointId, int], now_s: float | None = None) -> Decision:
         """The decision for `request` given a pool snapshot and the in-flight counts; records the pick.
 
         Kind "other" (``/v1/models``, ...): the least-loaded healthy endpoints (any model), index untouched.
-        The caller owns in-flight accounting (acquire the primary it actually uses).
+        The caller owns in-flight accounting (acquire the primary it actually uses). `now_s`: a monotonic clock
+        in seconds (the gateway's, or a simulation's virtual time), for the time model's draining queues.
         """
         if not endpoints:
             raise OpenAIError(503, "no endpoint is configured", retry_after_s=self.retry_after_s)
@@ -62,7 +63,7 @@ class RouterCore:
                 raise OpenAIError(503, "no healthy endpoint", retry_after_s=self.retry_after_s)
             order = pickers.least_load_order(healthy, in_flight, self.rng, k)
             return Decision(endpoints=tuple(order), reason="load", policy=self.scheduler.policy.name)
-        decision = self.scheduler.schedule(request, endpoints, in_flight, self.index)
+        decision = self.scheduler.schedule(request, endpoints, in_flight, self.index, now_s)
         if not decision.endpoints:
             if not filters.filter_model(endpoints, request.model):
                 raise OpenAIError(404, f"The model `{clip(request.model)}` does not exist.", param="model",

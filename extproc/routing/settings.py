@@ -50,12 +50,17 @@ class RoutingSettings(Settings):
         "Average characters per token, used to convert an endpoint's scraped KV capacity (tokens) into router "
         "blocks for its prefix-index LRU. ~4 for English text with Llama-style tokenizers.")
     decode_cost_tokens: float = setting(
-        64.0,
-        "Prefill tokens' worth of work one decoding request (in flight, past its first token) adds ahead of a "
-        "new request on its endpoint: an engine step batches every running sequence with the prefill chunk, "
-        "and one decode sequence costs about what 64 prompt tokens add to a step (the calibrated step costs of "
-        "the simulated 70B and 8B profiles). It makes a busy endpoint slower in the time model; the learned "
-        "rate absorbs a wrong figure only partly.")
+        2.0,
+        "Time model: prefill-token equivalents one decoding request (in flight, past its first token) adds to "
+        "each engine step on its endpoint, so to every step a new request's prefill waits through. In the H200 "
+        "step costs (../shared/calibration, model_servers/cost_model.py) one decode sequence adds ~0.1 ms to a "
+        "step: 1.3 tokens' worth of prefill for the 70B on TP4, 2.7 for the 8B. 64 (the round-1 figure, per "
+        "request rather than per step) priced a busy holder 20x too dear and scattered documents and sessions.")
+    ttft_step_tokens: float = setting(
+        8192.0,
+        "Time model: tokens an engine step computes at most (vLLM's max_num_batched_tokens: a prefill longer "
+        "than this takes several steps, and every step also carries the decoding requests). 8192: vLLM V1's "
+        "default for the OpenAI server, and the simulated servers'.")
     cold_key_blocks: int = setting(
         4,
         "A prefix seen nowhere is placed by rendezvous hashing on the chained hash of its first "
@@ -128,6 +133,8 @@ class RoutingSettings(Settings):
             raise ValueError(f"chars_per_token must be > 0; got {self.chars_per_token}")
         if self.ttft_prior_tokens_per_s <= 0 or self.ttft_rate_window < 1:
             raise ValueError("ttft_prior_tokens_per_s must be > 0 and ttft_rate_window >= 1")
+        if self.ttft_step_tokens < 1:
+            raise ValueError(f"ttft_step_tokens must be >= 1; got {self.ttft_step_tokens}")
         for name in ("ttft_prior_base_s", "ttft_work_weight", "decode_cost_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")

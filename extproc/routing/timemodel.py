@@ -3,17 +3,29 @@ I/O, no clock; the caller says when a request was picked, got its first token or
 
 For a request and a candidate endpoint::
 
-    predicted TTFT = base_s + (queued + decode_cost_tokens x decoding + own) / rate
+    predicted TTFT = base_s + work / rate
+    work = queued + own + decode_cost_tokens x decoding x steps,   steps = 1 + (queued + own) / step_tokens
 
 - ``queued``: uncached prefill tokens of the requests picked for the endpoint and not yet past their first
   token (`add_pending` / `remove_pending`): the prefill work ahead of this request there (engines schedule
   prefills first come, first served);
 - ``decoding``: requests in flight there past their first token; each adds about ``decode_cost_tokens`` of
-  work to every step the prefill shares with them;
+  work to every engine step the prefill shares with them, and the prefill ahead and ours take ``steps``
+  steps of at most ``step_tokens`` (the engine's token budget per step: chunked prefill);
 - ``own``: this request's uncached prefill there (the caller's estimate: prompt less the matched prefix);
 - ``rate`` (tokens/s) and ``base_s`` (seconds: one engine step, scheduling) are learned per endpoint by
   `RateEstimate` from (work ahead at pick + own, observed TTFT) pairs, starting from a prior, so a fleet mixing
-  GPUs or models is priced per endpoint.
+  GPUs or models is priced per endpoint. Rate classes: endpoints whose learned rate is within
+  `RATE_CLASS_RATIO` of the fleet's pooled estimate are priced at it (noise between identical endpoints is
+  not a reason to prefer one), and so are endpoints not learned yet (a new endpoint of a fleet whose prior
+  was wrong is priced as its peers, not at the prior).
+
+Draining queue: given times (``now_s``, any monotonic clock: the router's, or the simulation's virtual time),
+the prefill queued on an endpoint is a backlog that drains at its rate between events: at a pick, ``queued``
+= min(tokens of its pending requests, backlog at the last pick - rate x time since). A request half through
+its prefill is half a request of work ahead, not a whole one (counting it whole overstated the work of busy
+endpoints by ~30% at 40% load and taught the rate that much too fast). Without times ``queued`` is the
+pending tokens.
 
 Pending prefixes: the block hashes of pending requests are remembered per endpoint (`pending_match`), so a
 second request of a brand-new prefix, arriving while the first one is still prefilling, sees a match on the
@@ -35,6 +47,24 @@ from prefixroute.extproc.routing.types import BlockHash, EndpointId
 Seconds = NewType("Seconds", float)
 Tokens = NewType("Tokens", float)
 TokensPerSecond = NewType("TokensPerSecond", float)
+
+RATE_CLASS_RATIO = 0.5
+"""Learned rates within 50% of the fleet's pooled rate are one class (the same GPU and model) and are all
+priced at the pooled fit (one estimate over all their responses: ~N times the data of each endpoint's), as are
+endpoints not learned yet. Each endpoint's estimate carries the error of the queue it saw
+(each sees its own mix of hits, misses and bursts): in the virtual sweeps identical endpoints learned rates
+up to 37% apart, and priced as they were, the one that looked fastest took cold prefixes and ties (P99 TTFT
++45% over sglang-router's model on 300 x 8k-token prompts at 40% load; with one price, +3%; a 15% class
+bound still split off a 37% outlier). Fleets that mix GPUs or models differ by 2x and more (an 8B on an H200
+prefills ~35k tokens/s, a 70B on TP4 ~13k): those keep their own price."""
+
+POOL_WARMUP = 32
+"""An endpoint's responses feed the pooled estimate until it has this many of its own (before, its own fit is
+mostly the prior and says nothing of its class), then only while its fit is within RATE_CLASS_RATIO."""
+
+REPRICE_EVERY = 16
+"""The median is recomputed every 16 responses (O(endpoints log endpoints)); between, a response reprices only
+its own endpoint against the last median (O(1))."""
 
 MAX_RATE_RATIO = 20.0
 """A learned rate stays within 20x of the prior either way: GPUs and models in one fleet differ by up to ~10x
@@ -134,13 +164,14 @@ class TimeModel:
     """Per-endpoint rates and pending prefill (module docstring). Keys of pending requests are any hashable
     the caller chooses (the policy uses the request object's identity)."""
 
-    def __init__(self, prior_tokens_per_s: float, prior_base_s: float = 0.015, *, decode_cost_tokens: float = 64.0,
-                 window: float = 64.0, prior_weight: float = 4.0) -> None:
+    def __init__(self, prior_tokens_per_s: float, prior_base_s: float = 0.015, *, decode_cost_tokens: float = 2.0,
+                 step_tokens: float = 8192.0, window: float = 64.0, prior_weight: float = 4.0) -> None:
         if prior_tokens_per_s <= 0:
             raise ValueError("prior_tokens_per_s must be > 0")
         self.prior_tokens_per_s = prior_tokens_per_s
         self.prior_base_s = prior_base_s
         self.decode_cost_tokens = decode_cost_tokens
+        self.step_tokens = step_tokens
         self.window = window
         self.prior_weight = prior_weight
         self._rates: dict[EndpointId, RateEstimate] = {}
@@ -148,9 +179,16 @@ class TimeModel:
         self._tokens: dict[EndpointId, float] = {}
         self._count: dict[EndpointId, int] = {}
         # Read-only views for a caller scoring many endpoints in one loop (what `terms` returns, without a
-        # call per endpoint): (rate, base_s) of endpoints with a learned estimate (absent: the prior), pending
-        # tokens and pending requests (absent: 0).
+        # call per endpoint): the priced (rate, base_s) of endpoints with a learned estimate (absent:
+        # `default_fit`), pending tokens and pending requests (absent: 0). `fits` is replaced whole.
         self.fits: dict[EndpointId, tuple[float, float]] = {}
+        # endpoint -> (backlog tokens, time): the fluid estimate of its prefill queue (`queued_at`)
+        self._backlog: dict[EndpointId, tuple[float, float]] = {}
+        self.backlog: Mapping[EndpointId, tuple[float, float]] = self._backlog
+        self.default_fit: tuple[float, float] = (prior_tokens_per_s, prior_base_s)
+        # One estimate over every response of the main class's endpoints: the fleet's price (`RATE_CLASS_RATIO`).
+        self._pooled = RateEstimate(prior_tokens_per_s, prior_base_s, window, prior_weight)
+        self._num_observed = 0
         self.queued_tokens: Mapping[EndpointId, float] = self._tokens
         self.queued_counts: Mapping[EndpointId, int] = self._count
         self._prefixes: dict[EndpointId, dict[BlockHash, int]] = {}
@@ -168,31 +206,55 @@ class TimeModel:
         return r
 
     def rate(self, endpoint: EndpointId) -> TokensPerSecond:
-        r = self._rates.get(endpoint)
-        return r.rate if r is not None else TokensPerSecond(self.prior_tokens_per_s)
+        """The rate predictions use for `endpoint` (`priced`); its own learned one is `estimate(ep).rate`."""
+        return TokensPerSecond(self.priced(endpoint)[0])
 
     def observe(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float, ttft_s: float,
                 queued_tokens_at_pick: float, decoding_at_pick: int = 0) -> None:
         """A response from `endpoint`: its true prompt and cached tokens (usage), its TTFT, and the work the
         model saw ahead of it at its pick (``queued`` tokens and ``decoding`` requests, as `predict` took them)."""
         own = max(0.0, prompt_tokens - cached_tokens)
-        work = queued_tokens_at_pick + self.decode_cost_tokens * decoding_at_pick + own
+        work = self.work_tokens(queued_tokens_at_pick, own, decoding_at_pick)
         est = self.estimate(endpoint)
         est.observe(work, ttft_s)
-        self.fits[endpoint] = est._fit()
+        pooled = self._pooled
+        if est.num_observations < POOL_WARMUP or abs(est._fit()[0] / pooled._fit()[0] - 1.0) <= RATE_CLASS_RATIO:
+            pooled.window = self.window * max(1, len(self._rates))  # ~`window` responses of each endpoint
+            pooled.observe(work, ttft_s)
+        self._num_observed += 1
+        if endpoint not in self.fits or self._num_observed % REPRICE_EVERY == 0:
+            self._reprice()
+        else:
+            self.fits[endpoint] = self._class_fit(est._fit())
+
+    def _class_fit(self, fit: tuple[float, float]) -> tuple[float, float]:
+        med = self.default_fit
+        return med if abs(fit[0] / med[0] - 1.0) <= RATE_CLASS_RATIO else fit
+
+    def _reprice(self) -> None:
+        """The pooled fit of the main class (the price of its endpoints and of those not learned yet), and
+        every learned endpoint's price against it; `fits` is replaced whole (the metrics thread reads a copy)."""
+        self.default_fit = self._pooled._fit()
+        self.fits = {ep: self._class_fit(r._fit()) for ep, r in self._rates.items() if r.num_observations > 0}
+
+    def priced(self, endpoint: EndpointId) -> tuple[float, float]:
+        """(rate tokens/s, base s) predictions use for `endpoint` (module docstring: rate classes)."""
+        return self.fits.get(endpoint, self.default_fit)
 
     def predict(self, endpoint: EndpointId, own_uncached_tokens: float, num_decoding: int = 0,
                 extra_queued_tokens: float = 0.0) -> Seconds:
         """Predicted TTFT of a request needing `own_uncached_tokens` of prefill on `endpoint`, now: its pending
         prefill (+ `extra_queued_tokens`) and `num_decoding` requests ahead of it. >= 0."""
-        r = self._rates.get(endpoint)
-        if r is None:
-            rate, base = self.prior_tokens_per_s, self.prior_base_s
-        else:
-            rate, base = r._fit()
-        work = (self._tokens.get(endpoint, 0.0) + extra_queued_tokens + self.decode_cost_tokens * num_decoding
-                + own_uncached_tokens)
+        rate, base = self.priced(endpoint)
+        work = self.work_tokens(self._tokens.get(endpoint, 0.0) + extra_queued_tokens, own_uncached_tokens,
+                                num_decoding)
         return Seconds(base + work / rate)
+
+    def work_tokens(self, queued_tokens: float, own_tokens: float, num_decoding: int) -> float:
+        """Prefill-token equivalents until a request's first token (module docstring): the prefill ahead and
+        its own, plus each decoding request's share of every step they take. >= 0."""
+        prefill = queued_tokens + own_tokens
+        return prefill + self.decode_cost_tokens * num_decoding * (1.0 + prefill / self.step_tokens)
 
     # --- pending requests -------------------------------------------------------------------------------------
     def pending_tokens(self, endpoint: EndpointId) -> Tokens:
@@ -202,17 +264,31 @@ class TimeModel:
     def num_pending(self, endpoint: EndpointId) -> int:
         return self._count.get(endpoint, 0)
 
+    def queued_at(self, endpoint: EndpointId, now_s: float | None = None) -> Tokens:
+        """Prefill tokens still ahead on `endpoint` at `now_s` (module docstring: the backlog drains at the
+        endpoint's rate between events), never more than its pending requests' tokens; without a time, those."""
+        q = self._tokens.get(endpoint, 0.0)
+        if q and now_s is not None:
+            b = self._backlog.get(endpoint)
+            if b is not None:
+                left = b[0] - self.priced(endpoint)[0] * (now_s - b[1])
+                if left < q:
+                    q = left if left > 0.0 else 0.0
+        return Tokens(q)
+
     def add_pending(self, key: Hashable, endpoint: EndpointId, uncached_tokens: float,
-                    block_hashes: Sequence[BlockHash] = ()) -> Tokens:
-        """`key` was picked for `endpoint` with `uncached_tokens` to prefill; its blocks become a pending
-        prefix there. Returns the tokens queued ahead of it (what `observe` later wants). A key already pending
-        is moved (its old entry removed first)."""
+                    block_hashes: Sequence[BlockHash] = (), now_s: float | None = None) -> Tokens:
+        """`key` was picked for `endpoint` at `now_s` with `uncached_tokens` to prefill; its blocks become a
+        pending prefix there. Returns the tokens queued ahead of it (`queued_at`: what `observe` later wants).
+        A key already pending is moved (its old entry removed first)."""
         self.remove_pending(key)
-        ahead = self._tokens.get(endpoint, 0.0)
+        ahead = self.queued_at(endpoint, now_s)
         tokens = max(0.0, uncached_tokens)
+        if now_s is not None:
+            self._backlog[endpoint] = (ahead + tokens, now_s)
         hashes = tuple(block_hashes)
         self._pending[key] = _Pending(endpoint, tokens, hashes)
-        self._tokens[endpoint] = ahead + tokens
+        self._tokens[endpoint] = self._tokens.get(endpoint, 0.0) + tokens
         self._count[endpoint] = self._count.get(endpoint, 0) + 1
         if hashes:
             pre = self._prefixes.setdefault(endpoint, {})
@@ -234,9 +310,14 @@ class TimeModel:
         if n <= 0:
             self._tokens.pop(ep, None)
             self._count.pop(ep, None)
+            self._backlog.pop(ep, None)
         else:
-            self._tokens[ep] = left if left > 0.5 else 0.0  # under half a token is float residue
+            left = left if left > 0.5 else 0.0  # under half a token is float residue
+            self._tokens[ep] = left
             self._count[ep] = n
+            b = self._backlog.get(ep)
+            if b is not None and b[0] > left:
+                self._backlog[ep] = (left, b[1])
         if p.hashes:
             firsts = self._first.get(p.hashes[0])
             if firsts is not None:
@@ -285,8 +366,7 @@ class TimeModel:
     def terms(self, endpoint: EndpointId) -> tuple[float, float, float, int]:
         """(rate tokens/s, base s, pending tokens, pending requests) of `endpoint`: what `predict` combines, for
         a caller scoring many endpoints in one loop."""
-        r = self._rates.get(endpoint)
-        rate, base = (self.prior_tokens_per_s, self.prior_base_s) if r is None else r._fit()
+        rate, base = self.priced(endpoint)
         return rate, base, self._tokens.get(endpoint, 0.0), self._count.get(endpoint, 0)
 
     def pending_queue_endpoints(self) -> list[EndpointId]:
@@ -299,8 +379,8 @@ class TimeModel:
 
     def forget_endpoint(self, endpoint: EndpointId) -> None:
         """`endpoint` left the pool: its rate and pending requests go; late removals are absorbed."""
-        self._rates.pop(endpoint, None)
-        self.fits.pop(endpoint, None)
+        if self._rates.pop(endpoint, None) is not None:
+            self._reprice()
         for key in [k for k, p in self._pending.items() if p.endpoint == endpoint]:
             self.remove_pending(key)
 

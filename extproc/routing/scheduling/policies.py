@@ -47,6 +47,7 @@ class PolicyInput:
     matches: Mapping[EndpointId, int]
     holders: Sequence[EndpointState] = ()
     view: filters.EligibleView | None = None
+    now_s: float | None = None  # the caller's monotonic clock at the decision (live or virtual); None: no clock
 
     def rendezvous(self) -> pickers.RendezvousTable:
         """The rendezvous table of `eligible` (memoised per snapshot when `view` is given)."""
@@ -210,10 +211,12 @@ class PrefixPolicy(Policy):
     characters / ``chars_per_token``, less the matched prefix: the prefix index or a pending prefix there,
     the larger; a match of every hashed block when the prompt is longer than ``max_blocks`` counts the
     unhashed rest as cached too, less one block), its pending prefill queue, its decoding requests (in flight
-    less pending) at ``decode_cost_tokens`` each. Score = predicted TTFT + ``ttft_work_weight`` x the request's
+    less pending) at ``decode_cost_tokens`` per engine step each. Score = predicted TTFT + ``ttft_work_weight`` x the request's
     own prefill seconds there (the work it adds for later requests). Lowest score wins; scores within
     `TTFT_TIE_RATIO` + `TTFT_TIE_S` of it tie, broken by the longest match (the holder), then rendezvous order
-    on the prefix key (cold prefixes land where `ConsistentHashPolicy` would put them at equal load).
+    on the prefix key (cold prefixes land where `ConsistentHashPolicy` would put them at equal load); a
+    request without hashed blocks has no prefix to keep together: its ties go to the fewest in flight, then
+    at random.
     Fallbacks: the next lowest scores.
     So a request leaves its prefix holder only when another endpoint, full prefill included, is predicted
     faster; a hot prefix replicates when its holder's queue makes that true (the router records the replica
@@ -234,7 +237,8 @@ class PrefixPolicy(Policy):
     def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
         super().__init__(settings, rng, track_prefill=track_prefill)
         self.model = TimeModel(settings.ttft_prior_tokens_per_s, settings.ttft_prior_base_s,
-                               decode_cost_tokens=settings.decode_cost_tokens, window=settings.ttft_rate_window)
+                               decode_cost_tokens=settings.decode_cost_tokens,
+                               step_tokens=settings.ttft_step_tokens, window=settings.ttft_rate_window)
         self._tpc = 1.0 / settings.chars_per_token
         self._tpb = settings.tokens_per_block
         self._picks: dict[int, _TtftPick] = {}  # id(request) -> its pick, until first token or release
@@ -305,9 +309,12 @@ class PrefixPolicy(Policy):
         in_flight = inp.in_flight
         w = st.ttft_work_weight
         decode_cost = model.decode_cost_tokens
-        prior = (model.prior_tokens_per_s, model.prior_base_s)
+        per_step = 1.0 / model.step_tokens
+        prior = model.default_fit
         get_fit = model.fits.get
         get_queued = model.queued_tokens.get
+        get_backlog = model.backlog.get
+        now = inp.now_s
         get_pending = model.queued_counts.get
         get_match = matches.get
         get_in_flight = in_flight.get
@@ -321,8 +328,16 @@ class PrefixPolicy(Policy):
             decoding = get_in_flight(ep, 0) - get_pending(ep, 0)
             if decoding < 0:
                 decoding = 0
-            # = model.predict(ep, own, decoding)
-            pred = base + (get_queued(ep, 0.0) + decode_cost * decoding + own) / rate
+            # = model.predict(ep, own, decoding), inlined
+            queued = get_queued(ep, 0.0)
+            if queued and now is not None:  # = model.queued_at(ep, now)
+                b = get_backlog(ep)
+                if b is not None:
+                    left = b[0] - rate * (now - b[1])
+                    if left < queued:
+                        queued = left if left > 0.0 else 0.0
+            prefill = queued + own
+            pred = base + (prefill + decode_cost * decoding * (1.0 + prefill * per_step)) / rate
             scored.append((pred + w * own / rate, pred, s, own, decoding))
         scored.sort(key=_score)
         best = scored[0][0]
@@ -336,7 +351,11 @@ class PrefixPolicy(Policy):
             # The first of the tied in rendezvous order (as `RendezvousTable.ranked`): in a sampled pool the
             # rendezvous top-k was scored, and when one of them is tied it is the answer (no weights needed).
             found = None
-            if top is not None:
+            if not hashes:
+                # No prefix to keep together: the fewest in flight, then at random (as `least_load_order`).
+                rand = self._rng.random
+                found = min(tied, key=lambda x: (get_in_flight(x[2].endpoint, 0), rand()))
+            elif top is not None:
                 tied_names = {x[2].endpoint: x for x in tied}
                 for s in top:
                     found = tied_names.get(s.endpoint)
@@ -360,7 +379,7 @@ class PrefixPolicy(Policy):
         order = [primary[2].endpoint, *(x[2].endpoint for x in rest)]
         if self.track_prefill:
             key = id(req)
-            queued = model.add_pending(key, order[0], primary[3], hashes)
+            queued = model.add_pending(key, order[0], primary[3], hashes, now)
             self._picks[key] = _TtftPick(req, order[0], queued, primary[4], primary[1], primary[3])
         if not hashes:
             reason: DecisionReason = "load"
@@ -386,7 +405,7 @@ class PrefixPolicy(Policy):
         m = self.model
         fits, tokens = dict(m.fits), dict(m.queued_tokens)
         learned = {ep: r.num_observations for ep, r in list(m._rates.items())}
-        prior = (m.prior_tokens_per_s, m.prior_base_s)
+        prior = m.default_fit
         return {ep: (*fits.get(ep, prior), tokens.get(ep, 0.0), learned.get(ep, 0))
                 for ep in {*fits, *tokens, *learned}}
 

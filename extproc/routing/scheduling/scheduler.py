@@ -30,12 +30,13 @@ class Scheduler:
         self.eligible_cache = filters.EligibleCache()
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[EndpointState],
-                 in_flight: Mapping[EndpointId, int], index: PrefixIndex) -> Decision:
+                 in_flight: Mapping[EndpointId, int], index: PrefixIndex, now_s: float | None = None) -> Decision:
         """Endpoints for `request`: primary first, then up to ``num_fallbacks`` distinct fallbacks.
 
         Only healthy endpoints serving ``request.model`` are returned; an empty tuple means none is eligible
         (the caller decides between 404 and 503, see `RouterCore`). ``matched_blocks`` is the primary's
-        consecutive leading blocks in the index, reported for every policy.
+        consecutive leading blocks in the index, reported for every policy. `now_s`: the caller's monotonic
+        clock (seconds), for policies that model queues draining over time; None = no clock.
         """
         view = self.eligible_cache.view(endpoints, request.model)
         eligible = view.endpoints
@@ -49,4 +50,4 @@ class Scheduler:
             if len(holders) != len(matches):  # the index remembers endpoints that are now down or gone
                 matches = {s.endpoint: matches[s.endpoint] for s in holders}
         return self.policy.decide(PolicyInput(request=request, eligible=eligible, in_flight=in_flight,
-                                              matches=matches, holders=holders, view=view))
+                                              matches=matches, holders=holders, view=view, now_s=now_s))

@@ -235,7 +235,8 @@ def test_equal_holders_at_equal_load_split_by_rendezvous_and_the_less_loaded_win
     first = pickers.rendezvous_order(prefix_key(r, 4), [E[0], E[1]])[0]
     assert {s.schedule(r, E, {}, idx).endpoints[0] for _ in range(50)} == {first}
     other = B if first == A else A
-    assert s.schedule(r, E, {first: 6}, idx).endpoints[0] == other  # 6 x 64 tokens of decode work: > 5% + 1 ms
+    assert s.schedule(r, E, {first: 3}, idx).endpoints[0] == first  # 3 decoding: within the tie margin
+    assert s.schedule(r, E, {first: 40}, idx).endpoints[0] == other  # 40 x 2 tokens per step: > 5% + 1 ms
 
 
 @pytest.mark.parametrize("change", ["remove", "add"])

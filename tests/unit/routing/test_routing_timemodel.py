@@ -49,12 +49,13 @@ def _states(*eps: EndpointId) -> tuple[EndpointState, ...]:
 # --- the time model itself ---------------------------------------------------------------------------------
 
 def test_predict_is_queue_plus_decode_plus_own_work_over_rate():
-    m = TimeModel(RATE, 0.01, decode_cost_tokens=100.0)
+    m = TimeModel(RATE, 0.01, decode_cost_tokens=100.0, step_tokens=4000)
     assert m.predict(A, 1000) == pytest.approx(0.01 + 0.1)
     m.add_pending("r1", A, 5000)
     m.add_pending("r2", A, 2000)
     assert m.pending_tokens(A) == 7000 and m.num_pending(A) == 2
-    assert m.predict(A, 1000, num_decoding=10) == pytest.approx(0.01 + (7000 + 1000 + 1000) / RATE)
+    # 8,000 tokens of prefill = 1 + 2 steps of 4,000 tokens, each carrying the 10 decoding requests
+    assert m.predict(A, 1000, num_decoding=10) == pytest.approx(0.01 + (7000 + 1000 + 100 * 10 * 3) / RATE)
     assert m.predict(B, 1000) == pytest.approx(0.11)  # other endpoints see nothing of A's queue
     assert m.remove_pending("r1") and not m.remove_pending("r1")  # twice: the second is a no-op
     assert m.pending_tokens(A) == 2000
@@ -93,7 +94,30 @@ def test_heterogeneous_rates_are_learned_per_endpoint():
     assert m.rate(B) == pytest.approx(40_000, rel=0.05)
     assert m.estimate(A).base_s == pytest.approx(0.02, abs=0.01)
     assert m.predict(A, 4000) > 5 * m.predict(B, 4000)
-    assert m.rate(C) == RATE  # never observed: the prior
+    assert m.rate(C) == m.rate(A)  # never observed: the fleet's (lower) median, not the prior
+    assert TimeModel(RATE).rate(C) == RATE  # nothing learned anywhere: the prior
+
+
+def test_identical_endpoints_are_priced_alike_and_different_ones_apart():
+    """Rates learned within RATE_CLASS_RATIO of the median are one price (noise is no reason to prefer one
+    endpoint); a really different endpoint keeps its own."""
+    from prefixroute.extproc.routing.timemodel import RATE_CLASS_RATIO
+
+    m = TimeModel(RATE, 0.0)
+    eps = [EndpointId(f"e{i}:1") for i in range(5)]
+    true = [10_000.0, 12_000.0, 8_500.0, 10_200.0, 30_000.0]
+    for i in range(400):
+        work = 500.0 + 97.0 * (i % 50)
+        for ep, r in zip(eps, true):
+            m.observe(ep, prompt_tokens=work, cached_tokens=0, ttft_s=work / r, queued_tokens_at_pick=0)
+    learned = [m.estimate(ep).rate for ep in eps]
+    assert learned[1] / learned[2] > 1.3  # the estimates differ ...
+    priced = [m.rate(ep) for ep in eps]
+    assert len(set(priced[:4])) == 1 and priced[0] == pytest.approx(10_000, rel=RATE_CLASS_RATIO)  # ... not the prices
+    assert priced[4] == pytest.approx(30_000, rel=0.05)
+    assert m.predict(eps[4], 4000) < 0.5 * m.predict(eps[0], 4000)
+    m.forget_endpoint(eps[4])
+    assert m.rate(eps[4]) == m.rate(eps[0])  # gone: were it to come back, it starts at its peers' price
 
 
 def test_rate_stays_within_bounds_on_absurd_observations():
