@@ -66,6 +66,14 @@ REPRICE_EVERY = 16
 """The median is recomputed every 16 responses (O(endpoints log endpoints)); between, a response reprices only
 its own endpoint against the last median (O(1))."""
 
+MAX_BASE_RATIO = 4.0
+MIN_MAX_BASE_S = 0.05
+"""A learned base (TTFT at zero work: one engine step plus scheduling) stays within [0, max(4 x prior, 50 ms)]
+(60 ms with the default prior): a small step of a 70B on TP4 H200s takes ~18 ms, not seconds. Unbounded, a
+window of saturated observations (long queues only) moved the intercept to 1.2 s and predicted an idle
+endpoint 60x slow (virtual sweep, 300 x 8k-token prompts at 100% load: prediction error 300%; 0.1 s: 190%;
+60 ms: 107%, routing unchanged)."""
+
 MAX_RATE_RATIO = 20.0
 """A learned rate stays within 20x of the prior either way: GPUs and models in one fleet differ by up to ~10x
 (an 8B on an H200 prefills ~35k tokens/s, a 70B on TP4 ~13k, on one older GPU a few thousand), and a bound
@@ -138,7 +146,16 @@ class RateEstimate:
         lo, hi = self.prior_rate / MAX_RATE_RATIO, self.prior_rate * MAX_RATE_RATIO
         slope = cov / var if var > 1e-9 else 1.0 / self.prior_rate
         slope = min(max(slope, 1.0 / hi), 1.0 / lo)
-        base = max(0.0, my - slope * mx)
+        base = my - slope * mx
+        max_base = max(MAX_BASE_RATIO * self.prior_base_s, MIN_MAX_BASE_S)
+        if not 0.0 <= base <= max_base:
+            # The intercept is outside what one engine step can be (a saturated window, where every
+            # observation has a long queue, lets it absorb queueing): fix it at the bound and fit the slope
+            # through it, so the queue is priced by the rate and an idle endpoint is not predicted seconds.
+            base = min(max(base, 0.0), max_base)
+            sxx = self._sxx / w
+            if sxx > 1e-12:
+                slope = min(max((self._sxy / w - base * mx) / sxx, 1.0 / hi), 1.0 / lo)
         self._cache = (1.0 / slope, base)
         return self._cache
 
