@@ -366,15 +366,15 @@ def test_pending_matches_finds_every_endpoint_sharing_the_first_block():
 
 
 def test_a_saturated_window_cannot_make_an_idle_endpoint_look_slow():
-    """Every observation with a long queue, and the queue estimate 20% short of the truth: an unbounded
-    intercept absorbs the missing queue time and predicts seconds for an idle endpoint; the bound keeps it to
-    what an engine step can be, and the rate still prices the queue."""
+    """Every observation with a long queue, and the queue estimate 12,000 tokens short of the truth: an
+    unbounded intercept absorbs the missing queue time (1.2 s) and predicts seconds for an idle endpoint; the
+    bound keeps it to what an engine step can be, and the rate prices the queue instead."""
     from prefixroute.extproc.routing.timemodel import MAX_BASE_RATIO, MIN_MAX_BASE_S
 
     r = RateEstimate(RATE, 0.015)
     for i in range(400):
         true_queue = 60_000.0 + 1_000.0 * (i % 20)
-        r.observe(0.8 * true_queue + 100.0, 0.015 + (true_queue + 100.0) / RATE)
+        r.observe(true_queue - 12_000.0 + 100.0, 0.015 + (true_queue + 100.0) / RATE)
     bound = max(MAX_BASE_RATIO * 0.015, MIN_MAX_BASE_S)
     assert 0.0 <= r.base_s <= bound
     assert r.base_s + 100.0 / r.rate < 0.1  # an idle endpoint: a step, not seconds
