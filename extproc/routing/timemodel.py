@@ -222,6 +222,10 @@ class TimeModel:
                                                       self.prior_weight)
         return r
 
+    def num_observations_by_endpoint(self) -> dict[EndpointId, int]:
+        """Responses each endpoint's estimate learned from (a copy; safe from another thread)."""
+        return {ep: r.num_observations for ep, r in list(self._rates.items())}
+
     def rate(self, endpoint: EndpointId) -> TokensPerSecond:
         """The rate predictions use for `endpoint` (`priced`); its own learned one is `estimate(ep).rate`."""
         return TokensPerSecond(self.priced(endpoint)[0])

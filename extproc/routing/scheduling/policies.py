@@ -369,11 +369,12 @@ class PrefixPolicy(Policy):
                 found = max(tied, key=lambda x: (int(weights[pos[x[2].endpoint]]), pos[x[2].endpoint]))
             primary = found
         # One more than the fallbacks when there are none: the best alternative explains the decision.
-        others = []
+        others: list[tuple[float, float, EndpointState, float, int]] = []
+        need = max(k - 1, 1)
         for x in scored:
             if x is not primary:
                 others.append(x)
-                if len(others) >= k - 1 and others:
+                if len(others) == need:
                     break
         rest = others[:k - 1]
         order = [primary[2].endpoint, *(x[2].endpoint for x in rest)]
@@ -404,7 +405,7 @@ class PrefixPolicy(Policy):
         so the metrics thread may call it while the event loop routes."""
         m = self.model
         fits, tokens = dict(m.fits), dict(m.queued_tokens)
-        learned = {ep: r.num_observations for ep, r in list(m._rates.items())}
+        learned = m.num_observations_by_endpoint()
         prior = m.default_fit
         return {ep: (*fits.get(ep, prior), tokens.get(ep, 0.0), learned.get(ep, 0))
                 for ep in {*fits, *tokens, *learned}}
