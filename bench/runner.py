@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import importlib.util
 import re
 import shutil
@@ -246,11 +247,32 @@ class RunOutput:
     ttfts_ms: list[float]
 
 
+PRIOR_ENV = ("PREFIXROUTE_TTFT_PRIOR_TOKENS_PER_S", "PREFIXROUTE_TTFT_PRIOR_BASE_S")
+
+
+def prior_gateway_args(fleet: FleetConfig) -> tuple[str, ...]:
+    """Our gateway's time-model prior for the simulated fleet it fronts: the servers' own speed
+    (`EngineSpec.time_model_prior`, their profile and --time-scale), as an operator sets
+    ``--ttft-prior-tokens-per-s`` for their GPUs. Nothing when the environment sets a prior (the operator's
+    wins) or the server flags are not the fleet simulator's."""
+    if any(os.environ.get(name) for name in PRIOR_ENV):
+        return ()
+    from prefixroute.bench.virtual import engine_spec
+
+    try:
+        rate, base = engine_spec(fleet.profile, fleet.server_args, allow_unsimulated=True).time_model_prior()
+    except ValueError:
+        return ()
+    return (f"--ttft-prior-tokens-per-s={rate:.6g}", f"--ttft-prior-base-s={base:.6g}")
+
+
 def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetConfig, log_dir: Path, *,
                seed: int, concurrency: int, max_connections: int, request_timeout_s: float, max_duration_s: float,
                gateway_args: Sequence[str] = (), progress: bool = True) -> RunOutput:
     """One router on a fresh fleet; every process stopped before returning (or raising)."""
     # Exit order: the router (stack) first, then the servers (group).
+    if spec.kind == "prefixroute":
+        gateway_args = (*prior_gateway_args(fleet), *gateway_args)  # the user's flags come last and win
     with ProcessGroup(log_dir / spec.name.replace(":", "-")) as group, contextlib.ExitStack() as stack:
         endpoints = start_fleet(group, fleet)
         model = served_model(endpoints[0])

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,7 +49,7 @@ import orjson
 from prefixroute import settings as settings_mod
 from prefixroute.bench import results as bench_results
 from prefixroute.bench.client import RequestResult
-from prefixroute.bench.runner import RouterSpec, parse_router
+from prefixroute.bench.runner import PRIOR_ENV, RouterSpec, parse_router
 from prefixroute.bench.sim_pool import SimulatedPool
 from prefixroute.bench.workloads import RequestSpec, Workload
 from prefixroute.extproc.endpoints.settings import PoolSettings
@@ -391,7 +392,12 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
             if result.endpoint is not None:
                 pool.release(result.endpoint)
     else:
-        routing = routing or settings_mod.from_namespace(RoutingSettings, policy=policy, rng_seed=seed)
+        if routing is None:
+            # The servers' own speed as the time model's prior, as `runner.prior_gateway_args` gives the real
+            # gateway (unless the environment sets one).
+            prior = {} if any(os.environ.get(n) for n in PRIOR_ENV) else dict(zip(
+                ("ttft_prior_tokens_per_s", "ttft_prior_base_s"), spec.time_model_prior()))
+            routing = settings_mod.from_namespace(RoutingSettings, policy=policy, rng_seed=seed, **prior)
         # track_prefill: every pick is released (below), as the gateway releases each one.
         router = PoolRouter(RouterCore(routing, track_prefill=True), pool, clock=lambda: fleet.now_s)
         picks: dict[str, Any] = {}  # request id -> its pick, until the response ends

@@ -99,6 +99,17 @@ class EngineSpec:
                    max_model_len=min(s.max_model_len or profile.max_model_len, num_blocks * s.block_size),
                    default_max_tokens=s.default_max_tokens)
 
+    def time_model_prior(self) -> tuple[float, float]:
+        """(prefill tokens/s, TTFT s at zero work) of this server by its own cost model and time scale: one full
+        chunk of ``max_num_batched_tokens`` cold tokens, and one small cached step (64 new tokens on 4,096).
+        What a router's time model should start from in front of it (`prefixroute bench` passes it as
+        ``--ttft-prior-tokens-per-s`` / ``--ttft-prior-base-s``, the way an operator configures them for a GPU)."""
+        n = self.config.max_num_batched_tokens
+        cm, scale = self.cost_model, self.config.time_scale
+        chunk_s = cm.step_time_s(n, n * n * 0.5, 0, 1) * scale
+        small_s = cm.step_time_s(64, 64 * (4096 + 32), 4096, 1) * scale
+        return n / chunk_s, small_s
+
     @property
     def models(self) -> frozenset[str]:
         """Every model name the server answers to: the served model and its LoRA adapters."""

@@ -16,7 +16,7 @@ For a request and a candidate endpoint::
 - ``rate`` (tokens/s) and ``base_s`` (seconds: one engine step, scheduling) are learned per endpoint by
   `RateEstimate` from (work ahead at pick + own, observed TTFT) pairs, starting from a prior, so a fleet mixing
   GPUs or models is priced per endpoint. Rate classes: endpoints whose learned rate is within
-  `RATE_CLASS_RATIO` of the fleet's pooled estimate are priced at it (noise between identical endpoints is
+  a factor `RATE_CLASS_FACTOR` of the fleet's pooled estimate are priced at it (noise between identical endpoints is
   not a reason to prefer one), and so are endpoints not learned yet (a new endpoint of a fleet whose prior
   was wrong is priced as its peers, not at the prior).
 
@@ -48,19 +48,20 @@ Seconds = NewType("Seconds", float)
 Tokens = NewType("Tokens", float)
 TokensPerSecond = NewType("TokensPerSecond", float)
 
-RATE_CLASS_RATIO = 0.5
-"""Learned rates within 50% of the fleet's pooled rate are one class (the same GPU and model) and are all
-priced at the pooled fit (one estimate over all their responses: ~N times the data of each endpoint's), as are
-endpoints not learned yet. Each endpoint's estimate carries the error of the queue it saw
-(each sees its own mix of hits, misses and bursts): in the virtual sweeps identical endpoints learned rates
-up to 37% apart, and priced as they were, the one that looked fastest took cold prefixes and ties (P99 TTFT
-+45% over sglang-router's model on 300 x 8k-token prompts at 40% load; with one price, +3%; a 15% class
-bound still split off a 37% outlier). Fleets that mix GPUs or models differ by 2x and more (an 8B on an H200
-prefills ~35k tokens/s, a 70B on TP4 ~13k): those keep their own price."""
+RATE_CLASS_FACTOR = 2.0
+"""Endpoints whose learned rate is within a factor 2 of the fleet's pooled rate are one class (the same GPU and
+model) and are all priced at the pooled fit (one estimate over all their responses: ~N times the data of
+each endpoint's), as are endpoints not learned yet. Each endpoint's own estimate carries the error of the
+queue it saw (each sees its own mix of hits, misses and bursts): identical endpoints learned rates up to 2x
+apart in the virtual and real sweeps, above all while a wrong prior was being unlearned (simulated GPUs 6x
+slower than the prior), and priced as they were, the one that looked fastest took cold prefixes and ties
+while the one that looked slowest starved (P99 TTFT +45% over sglang-router's model on 300 x 8k-token prompts
+at 40% load with a 15% class bound; +3% with one price). Fleets that mix GPUs or models beyond 2x (an 8B on
+an H200 prefills ~35k tokens/s, a 70B on TP4 ~13k) keep their own price."""
 
 POOL_WARMUP = 32
-"""An endpoint's responses feed the pooled estimate until it has this many of its own (before, its own fit is
-mostly the prior and says nothing of its class), then only while its fit is within RATE_CLASS_RATIO."""
+"""Until an endpoint has this many responses of its own, its own fit is mostly the prior and says nothing of
+its class: it is priced at the pool and feeds it; afterwards, only while within RATE_CLASS_FACTOR."""
 
 REPRICE_EVERY = 16
 """The median is recomputed every 16 responses (O(endpoints log endpoints)); between, a response reprices only
@@ -69,7 +70,7 @@ its own endpoint against the last median (O(1))."""
 MAX_BASE_RATIO = 4.0
 MIN_MAX_BASE_S = 0.05
 """A learned base (TTFT at zero work: one engine step plus scheduling) stays within [0, max(4 x prior, 50 ms)]
-(60 ms with the default prior): a small step of a 70B on TP4 H200s takes ~18 ms, not seconds. Unbounded, a
+(60 ms with the default prior), scaled by how much slower than the prior the learned rate is: a small step of a 70B on TP4 H200s takes ~18 ms, not seconds. Unbounded, a
 window of saturated observations (long queues only) moved the intercept to 1.2 s and predicted an idle
 endpoint 60x slow (virtual sweep, 300 x 8k-token prompts at 100% load: prediction error 300%; 0.1 s: 190%;
 60 ms: 107%, routing unchanged)."""
@@ -147,7 +148,9 @@ class RateEstimate:
         slope = cov / var if var > 1e-9 else 1.0 / self.prior_rate
         slope = min(max(slope, 1.0 / hi), 1.0 / lo)
         base = my - slope * mx
-        max_base = max(MAX_BASE_RATIO * self.prior_base_s, MIN_MAX_BASE_S)
+        # The bound scales with the learned slowness: an engine whose prefill is 6x slower than the prior's
+        # has 6x longer steps too.
+        max_base = max(MAX_BASE_RATIO * self.prior_base_s * self.prior_rate * slope, MIN_MAX_BASE_S)
         if not 0.0 <= base <= max_base:
             # The intercept is outside what one engine step can be (a saturated window, where every
             # observation has a long queue, lets it absorb queueing): fix it at the bound and fit the slope
@@ -203,7 +206,7 @@ class TimeModel:
         self._backlog: dict[EndpointId, tuple[float, float]] = {}
         self.backlog: Mapping[EndpointId, tuple[float, float]] = self._backlog
         self.default_fit: tuple[float, float] = (prior_tokens_per_s, prior_base_s)
-        # One estimate over every response of the main class's endpoints: the fleet's price (`RATE_CLASS_RATIO`).
+        # One estimate over every response of the main class's endpoints: the fleet's price (`RATE_CLASS_FACTOR`).
         self._pooled = RateEstimate(prior_tokens_per_s, prior_base_s, window, prior_weight)
         self._num_observed = 0
         self.queued_tokens: Mapping[EndpointId, float] = self._tokens
@@ -239,24 +242,31 @@ class TimeModel:
         est = self.estimate(endpoint)
         est.observe(work, ttft_s)
         pooled = self._pooled
-        if est.num_observations < POOL_WARMUP or abs(est._fit()[0] / pooled._fit()[0] - 1.0) <= RATE_CLASS_RATIO:
+        if self._in_class(est):
             pooled.window = self.window * max(1, len(self._rates))  # ~`window` responses of each endpoint
             pooled.observe(work, ttft_s)
         self._num_observed += 1
         if endpoint not in self.fits or self._num_observed % REPRICE_EVERY == 0:
             self._reprice()
         else:
-            self.fits[endpoint] = self._class_fit(est._fit())
+            self.fits[endpoint] = self._class_fit(est)
 
-    def _class_fit(self, fit: tuple[float, float]) -> tuple[float, float]:
-        med = self.default_fit
-        return med if abs(fit[0] / med[0] - 1.0) <= RATE_CLASS_RATIO else fit
+    def _in_class(self, est: RateEstimate) -> bool:
+        """True while `est`'s endpoint is priced at the pooled fit: not learned enough to tell yet, or its rate
+        within a factor RATE_CLASS_FACTOR of the pool's."""
+        if est.num_observations < POOL_WARMUP:
+            return True
+        ratio = est._fit()[0] / self._pooled._fit()[0]
+        return 1.0 / RATE_CLASS_FACTOR <= ratio <= RATE_CLASS_FACTOR
+
+    def _class_fit(self, est: RateEstimate) -> tuple[float, float]:
+        return self.default_fit if self._in_class(est) else est._fit()
 
     def _reprice(self) -> None:
         """The pooled fit of the main class (the price of its endpoints and of those not learned yet), and
         every learned endpoint's price against it; `fits` is replaced whole (the metrics thread reads a copy)."""
         self.default_fit = self._pooled._fit()
-        self.fits = {ep: self._class_fit(r._fit()) for ep, r in self._rates.items() if r.num_observations > 0}
+        self.fits = {ep: self._class_fit(r) for ep, r in self._rates.items() if r.num_observations > 0}
 
     def priced(self, endpoint: EndpointId) -> tuple[float, float]:
         """(rate tokens/s, base s) predictions use for `endpoint` (module docstring: rate classes)."""
