@@ -276,3 +276,22 @@ def test_tenant_header_reaches_the_router_and_keeps_tenants_apart(recording):
     assert {r.tenant for r in requests} == {"t0", "t1"}
     first = {r.tenant: r.block_hashes[0] for r in requests}
     assert first["t0"] != first["t1"]
+
+
+def test_our_router_starts_from_the_simulated_fleets_own_speed(monkeypatch):
+    """`prefixroute bench` configures our time model's prior from the fleet it starts (profile, --time-scale),
+    as an operator sets --ttft-prior-tokens-per-s for their GPUs; the environment's setting wins."""
+    from prefixroute.bench.runner import FleetConfig, prior_gateway_args
+
+    for name in ("PREFIXROUTE_TTFT_PRIOR_TOKENS_PER_S", "PREFIXROUTE_TTFT_PRIOR_BASE_S"):
+        monkeypatch.delenv(name, raising=False)
+    spec = virtual.engine_spec("llama-3.1-70b-h200-tp4")
+    rate, base = spec.time_model_prior()
+    # one full chunk of the profile's cost model: ~0.64 s for 8,192 tokens on the 70B TP4 profile
+    assert 11_000 < rate < 15_000 and 0.005 < base < 0.05
+    slow = prior_gateway_args(FleetConfig(4, "llama-3.1-70b-h200-tp4", ("--time-scale=6",)))
+    got = dict(a.lstrip("-").split("=") for a in slow)
+    assert float(got["ttft-prior-tokens-per-s"]) == pytest.approx(rate / 6, rel=1e-4)
+    assert float(got["ttft-prior-base-s"]) == pytest.approx(base * 6, rel=1e-4)
+    monkeypatch.setenv("PREFIXROUTE_TTFT_PRIOR_TOKENS_PER_S", "5000")
+    assert prior_gateway_args(FleetConfig(4, "llama-3.1-70b-h200-tp4")) == ()
