@@ -132,8 +132,9 @@ class Attacker:
 def test_forged_streams_mark_no_endpoint_down_and_victims_stay_on_their_endpoint(stack: ExitStack,
                                                                                   log_dir: Path) -> None:
     fleet = start_fleet(stack, 4, log_dir, prefix="v")
-    # No share-based spill: the victim's prefix then moves only if its endpoint is marked down (the attack's aim).
-    gw = start_gateway(stack, fleet.endpoints, log_dir, extra_extproc_args=["--balance-factor", "1000"])
+    # The victim's requests come one at a time, so the time model keeps them on the holder: its prefix moves
+    # only if its endpoint is marked down (the attack's aim).
+    gw = start_gateway(stack, fleet.endpoints, log_dir)
     victim_prompt = "Victim tenant. " + SYSTEM_PROMPT
     status, headers, body = request(gw, chat(victim_prompt, "warm up"))
     assert status == 200, body

@@ -56,7 +56,7 @@ def total(metrics: dict, name: str, **labels: str) -> float:
 
 def test_a_restarted_server_is_no_longer_predicted_to_hold_its_old_prefixes(stack: ExitStack, log_dir: Path) -> None:
     fleet = start_fleet(stack, 2, log_dir, prefix="r")
-    gw = start_gateway(stack, fleet.endpoints, log_dir, extra_extproc_args=["--balance-factor", "1000"])
+    gw = start_gateway(stack, fleet.endpoints, log_dir)
     home, cached = ask(gw, "first")
     assert cached == 0
     home2, cached = ask(gw, "second")
