@@ -20,12 +20,7 @@ APP = str(Path(prefixroute.dashboard.__file__).parent / "app.py")  # a script: r
 ENDPOINTS = ("10.0.0.2:8000", "10.0.0.10:8000", "10.0.0.3:8000")
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch, tmp_path):
-    for var in ("DB", "TELEMETRY", "BENCH_DIR", "SCRAPE_ENDPOINTS", "WINDOW_S", "REFRESH_S", "ROUTER_METRICS_URL",
-                "TELEMETRY_TOKEN"):
-        monkeypatch.delenv(f"PREFIXROUTE_DASHBOARD_{var}", raising=False)
-    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_BENCH_DIR", str(tmp_path / "bench"))
+pytestmark = pytest.mark.usefixtures("dashboard_env")  # conftest.py
 
 
 def make_records(n: int, *, age_s: tuple[float, float] = (1, 200), seed: int = 0) -> list[RequestRecord]:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute.extproc.routing.types import Decision
-from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
+from prefixroute.telemetry.metrics import RouterMetrics
 from prefixroute.telemetry.records import RequestRecord
+from helpers.metrics import scrape
 
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
 
@@ -22,16 +21,6 @@ class FakeRecorder:  # only the counters the metrics read
     retry_bytes = 4096
 
 
-def scrape(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:
-    server = start_metrics_server(metrics, 0)
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-    finally:
-        server.shutdown()
-        server.server_close()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def record(endpoint, status, ttft_ms, prompt, cached, predicted):

@@ -9,13 +9,11 @@ import json
 import random
 import sqlite3
 
-import urllib.request
 
 import numpy as np
 import orjson
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute.extproc import wire
 from prefixroute.extproc.headers import SERVED_HEADER
@@ -30,8 +28,8 @@ from prefixroute.telemetry.receiver import request_rows
 from prefixroute.telemetry.recorder import TelemetryRecorder, record_attributes
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.store import SCHEMA_VERSION, StoreReader, TelemetryStore
+from helpers.metrics import scrape
 
-from prefixroute.telemetry.metrics import start_metrics_server
 
 NOW = 1_800_000_000.0
 EPS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
@@ -42,16 +40,6 @@ def nearest_rank(values, p):
     return float(np.percentile(np.array(values), p * 100, method="inverted_cdf")) if values else None
 
 
-def scrape(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:
-    server = start_metrics_server(metrics, 0)
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-    finally:
-        server.shutdown()
-        server.server_close()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def rec(i: int = 0, **kw) -> RequestRecord:
