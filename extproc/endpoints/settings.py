@@ -17,11 +17,23 @@ class PoolSettings(Settings):
 
     endpoints: tuple[str, ...] = setting(
         (),
-        "Model-server endpoints as host:port, comma-separated (e.g. 127.0.0.1:8001,127.0.0.1:8002). Combined "
-        "with --endpoints-file; at least one of the two is needed.")
+        "Model-server endpoints as host:port, comma-separated (e.g. 127.0.0.1:8001,127.0.0.1:8002), each "
+        "optionally with its KV-event address: host:port@tcp://host:5557. Combined with --endpoints-file; at "
+        "least one of the two is needed.")
+    kv_events_port_offset: int = setting(
+        0,
+        "For endpoints listed without an event address: subscribe to tcp://HOST:PORT+offset (a fleet whose "
+        "servers all publish on their HTTP port plus a fixed offset). 0 = only explicit addresses.")
+    kv_events_replay_port_offset: int = setting(
+        1,
+        "The replay (ROUTER) socket of an endpoint's publisher is at its PUB port + this (vLLM's example "
+        "config: 5557 and 5558). 0 = no replay: a gap in the sequence then clears the endpoint's entries.")
+    kv_events_topic: str = setting(
+        "", "ZMQ topic prefix to subscribe to ('' = every topic the publisher sends).")
     endpoints_file: str | None = setting(
         None,
-        "File listing endpoints: one host:port per line ('#' comments allowed), or a YAML/JSON list of them.")
+        "File listing endpoints: one host:port[@tcp://host:port] per line ('#' comments allowed), or a YAML/JSON "
+        "list of them.")
     resolve_interval_s: float = setting(
         5.0,
         "Seconds between lookups of each endpoint's host name (off the event loop; IP literals are never looked "
@@ -78,6 +90,8 @@ class PoolSettings(Settings):
                      "max_scrapes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+        if not 0 <= self.kv_events_port_offset < 65536 or not 0 <= self.kv_events_replay_port_offset < 65536:
+            raise ValueError("kv_events_port_offset and kv_events_replay_port_offset must be in [0, 65535]")
         if self.unhealthy_after_failures < 1:
             raise ValueError("unhealthy_after_failures must be >= 1")
         if self.max_connections_per_endpoint < 1:

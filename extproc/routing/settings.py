@@ -21,6 +21,14 @@ bench's routers) derives from this."""
 
 DEFAULT_POLICY = next(iter(POLICIES))
 
+INDEX_SOURCES: dict[str, str] = {
+    "auto": "KV events for endpoints that publish them, cached-token feedback for the others; default",
+    "events": "only the servers' KV events (endpoints without an event address match nothing)",
+    "feedback": "the router's own picks, corrected by each response's usage.prompt_tokens_details.cached_tokens",
+    "approximate": "the router's own picks and an LRU sized from the servers' KV capacity (round 1)",
+}
+"""Where the prefix index learns what each endpoint holds, name -> note for the help text."""
+
 
 def _policy_help() -> str:
     listed = ", ".join(f"{name} ({note})" if note else name for name, note in POLICIES.items())
@@ -36,6 +44,25 @@ class RoutingSettings(Settings):
     TITLE: ClassVar[str] = "Routing"
 
     policy: str = setting(DEFAULT_POLICY, _policy_help())
+    index_source: str = setting(
+        "auto", "Prefix-index source: " + "; ".join(f"{k} ({v})" for k, v in INDEX_SOURCES.items()) + ". "
+        "events and auto match requests by token blocks and need --tokenizer; without one, auto is feedback.")
+    tokenizer: str = setting(
+        "",
+        "How the router tokenizes prompts to match the servers' KV blocks: 'sim' (the simulated servers' "
+        "tokenizer and Llama-3 chat template), or a local Hugging Face tokenizer folder (tokenizer.json, and "
+        "tokenizer_config.json for the chat template; nothing is downloaded). Empty: prompts are hashed as "
+        "canonical text in block_chars blocks (no KV events possible).")
+    kv_block_tokens: int = setting(
+        16,
+        "Tokens per KV block when hashing token blocks: the servers' block size (vLLM's default on CUDA is 16; "
+        "checked against each endpoint's vllm:cache_config_info and its events, a mismatch is logged and the "
+        "endpoint's events are not matched).")
+    tokenizer_cache_entries: int = setting(
+        8192,
+        "Text segments (a message, a system prompt) whose token ids and block hashes the router keeps (LRU), so "
+        "a prompt whose prefix was seen before costs a few hash lookups instead of a tokenization. 8192 "
+        "segments of a few thousand tokens are some tens of MB.")
     block_chars: int = setting(
         64,
         "Characters of canonical prompt text per router block. 64 = 16 tokens x ~4 characters per token, the "
@@ -119,6 +146,12 @@ class RoutingSettings(Settings):
         "to replay a benchmark exactly.")
 
     def __post_init__(self) -> None:
+        if self.index_source not in INDEX_SOURCES:
+            raise ValueError(f"index_source must be one of {', '.join(INDEX_SOURCES)}; got {self.index_source!r}")
+        if self.index_source == "events" and not self.tokenizer:
+            raise ValueError("index_source 'events' needs a tokenizer (--tokenizer sim or a tokenizer folder)")
+        if self.kv_block_tokens < 1 or self.tokenizer_cache_entries < 1:
+            raise ValueError("kv_block_tokens and tokenizer_cache_entries must be >= 1")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         for name in ("block_chars", "max_blocks", "cold_key_blocks", "max_body_bytes",
