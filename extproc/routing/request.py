@@ -17,6 +17,16 @@ as ``<|image:HASH|>`` (xxh3 of the URL: a stable placeholder, distinct per image
 server caches), other part types as ``<|TYPE:HASH|>`` of their canonical JSON. Completions: the string
 prompt, or ``<|ids|>`` + ``"id,"`` per token id; for a list of prompts the first one routes the request.
 
+Token mode (`parse_request(..., tokenizer=PromptHasher)`, ``--tokenizer sim`` or a tokenizer folder): the
+prompt is also tokenized exactly as the server does (routing/tokens.py) and `block_hashes` are then the
+chained hashes of its ``kv_block_tokens``-token blocks, seeded by ``token_seed_for(lora_name, cache_salt)``:
+``lora_name`` is the request's model when the caller names it an adapter (`adapters`), ``cache_salt`` the
+body's ``cache_salt`` (vLLM's field; a non-string is ignored). The header tenant and ``prompt_cache_key`` do
+not salt token hashes: those must name the blocks the server actually caches, which only ``cache_salt``
+separates. `num_prompt_tokens` is then the exact prompt length in tokens. A prompt the tokenizer cannot
+handle (a template that raises, an image part) falls back to text mode for that request
+(`num_prompt_tokens` None), never to an error: validation and its 400s are the same in both modes.
+
 Work is bounded: rendering stops after ``max_blocks * block_chars`` characters, so beyond JSON parsing a 1 MB
 prompt costs about what a 16 KB one does. All messages are still type-checked, so whether a request is
 accepted never depends on its length.
@@ -57,7 +67,7 @@ true); an integer may be written as an integral float (``16.0``), as pydantic ac
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 import orjson
@@ -66,6 +76,7 @@ import xxhash
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.hashing import hash_blocks, seed_for
 from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.extproc.routing.types import BlockHash, RequestKind
 
 CHAT_PATH = "/v1/chat/completions"
@@ -85,6 +96,9 @@ class InferenceRequest:
     kept apart: header tenant "a" and ``prompt_cache_key`` "a" share no hash.
     `num_prompt_chars` counts the characters of prompt content (text, not JSON), including any beyond the
     hashed prefix.
+    `num_prompt_tokens` is None in text mode (no tokenizer, or the tokenizer failed on this prompt): then
+    `block_hashes` are text-block hashes. An int means token mode: `block_hashes` are token-block hashes
+    (routing/tokens.py) and the prompt has exactly that many tokens. The two kinds of hash never mix.
     """
 
     kind: RequestKind
@@ -95,6 +109,7 @@ class InferenceRequest:
     block_hashes: list[BlockHash] = dataclasses.field(default_factory=list)
     num_prompt_chars: int = 0
     request_id: str | None = None
+    num_prompt_tokens: int | None = None
 
 
 MAX_ECHO_CHARS = 100
@@ -380,8 +395,14 @@ def _check_fields(data: dict[str, Any], kind: RequestKind) -> None:
 
 
 def parse_request(method: str, path: str, headers: Mapping[str, str], body: bytes,
-                  settings: RoutingSettings) -> InferenceRequest:
+                  settings: RoutingSettings, tokenizer: PromptHasher | None = None,
+                  adapters: Container[str] | None = None) -> InferenceRequest:
     """Understand one request. `headers` keys must be lower case (HTTP/2 and Envoy's ext_proc give them so).
+
+    `tokenizer` (built once: ``PromptHasher.from_settings(settings)``) selects token mode (module docstring);
+    None keeps text mode. `adapters`: the model names that are LoRA adapters (a set, or any container such as
+    a live view of the pool's served adapters); a request for one is hashed with ``lora_name`` = its model, as
+    vLLM keys its blocks. None: every model is a base model.
 
     Raises only `OpenAIError` (413, 405, 400; see module docstring). Paths other than the two completion APIs
     (query string ignored) give kind "other" with no hashes; their body is not parsed.
@@ -430,9 +451,29 @@ def parse_request(method: str, path: str, headers: Mapping[str, str], body: byte
         _render_chat(data, canon)
     else:
         _render_completion(data, canon)
+    if tokenizer is not None:
+        blocks = _token_blocks(tokenizer, data, kind, model, adapters)
+        if blocks is not None:
+            return InferenceRequest(kind=kind, path=path, model=model, tenant=tenant, stream=bool(stream),
+                                    block_hashes=blocks.block_hashes, num_prompt_chars=canon.num_chars,
+                                    request_id=request_id, num_prompt_tokens=blocks.num_prompt_tokens)
     hashes = hash_blocks(canon.text(), seed_for(model, salt), settings.block_chars, settings.max_blocks)
     return InferenceRequest(kind=kind, path=path, model=model, tenant=tenant, stream=bool(stream),
                             block_hashes=hashes, num_prompt_chars=canon.num_chars, request_id=request_id)
+
+
+def _token_blocks(tokenizer: PromptHasher, data: dict[str, Any], kind: RequestKind, model: str | None,
+                  adapters: Container[str] | None):
+    """Token blocks of a validated body, or None when the tokenizer cannot handle it (text-mode fallback)."""
+    lora_name = model if model is not None and adapters is not None and model in adapters else None
+    salt = data.get("cache_salt")
+    cache_salt = salt if isinstance(salt, str) else None
+    try:
+        if kind == "chat":
+            return tokenizer.chat_blocks(data, lora_name=lora_name, cache_salt=cache_salt)
+        return tokenizer.completion_blocks(data, lora_name=lora_name, cache_salt=cache_salt)
+    except Exception:  # noqa: BLE001 - TokenizationError, or any failure of a template: route by text, never 500
+        return None
 
 
 def canonical_text(body: Mapping[str, Any], kind: RequestKind, limit_chars: int) -> str:

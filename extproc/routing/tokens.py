@@ -603,8 +603,8 @@ def _vllm_message(m: Any, openai_format: bool) -> dict[str, Any]:
             else:  # images and audio: their placeholders are model-specific; route by text instead
                 raise TokenizationError("non-text content parts are not tokenized by the router")
         out["content"] = [{"type": "text", "text": t} for t in texts] if openai_format else "\n".join(texts)
-    elif content is None and openai_format:
-        out["content"] = []
+    elif openai_format:  # vLLM's "openai" format: a string is one text part, null none
+        out["content"] = [] if content is None else [{"type": "text", "text": content}]
     calls = m.get("tool_calls")
     if isinstance(calls, list):
         fixed = []
