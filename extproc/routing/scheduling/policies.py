@@ -405,7 +405,8 @@ class PrefixPolicy(Policy):
                         total_blocks=n_total, predicted_hit_ratio=matched / n_total if n_total else 0.0,
                         predicted_ttft_ms=primary[1] * 1000.0,
                         alternative_endpoint=alt[2].endpoint if alt is not None else None,
-                        alternative_ttft_ms=alt[1] * 1000.0 if alt is not None else None)
+                        alternative_ttft_ms=alt[1] * 1000.0 if alt is not None else None,
+                        pending_blocks=pend.get(order[0], 0) if pend else 0)
 
     def time_model_figures(self) -> dict[EndpointId, tuple[float, float, float, int]]:
         """Per endpoint the model knows (learned or with requests pending): (rate tokens/s, base s, pending
