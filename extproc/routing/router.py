@@ -134,17 +134,22 @@ class RouterCore:
         return self.sourced.sources(endpoints)
 
     def predicted_cached_tokens(self, request: InferenceRequest, decision: Decision) -> float:
-        """Prompt tokens the decision expected cached at its primary (matched blocks x tokens per block, at
-        most the prompt)."""
-        if not decision.matched_blocks:
+        """Prompt tokens the decision expected cached at its primary: matched blocks x tokens per block, at
+        most the prompt; a match of every hashed block of a prompt longer than the hashing cap counts the rest
+        as cached too, less one block (as the prefix policy prices it)."""
+        m = decision.matched_blocks
+        if not m:
             return 0.0
-        if getattr(request, "num_prompt_tokens", None) is not None:
-            per_block = self.settings.kv_block_tokens
-            prompt = float(request.num_prompt_tokens)  # type: ignore[attr-defined]
+        st = self.settings
+        if request.num_prompt_tokens is not None:
+            per_block, cap, prompt = float(st.kv_block_tokens), st.max_token_blocks, float(request.num_prompt_tokens)
         else:
-            per_block = self.settings.tokens_per_block
-            prompt = request.num_prompt_chars / self.settings.chars_per_token
-        return min(prompt, decision.matched_blocks * per_block)
+            per_block, cap = st.tokens_per_block, st.max_blocks
+            prompt = request.num_prompt_chars / st.chars_per_token
+        n = len(request.block_hashes)
+        if m >= n >= cap:
+            return max(0.0, prompt - per_block)
+        return min(prompt, m * per_block)
 
     def _feedback(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
                   cached_tokens: int | None, served_by: EndpointId | None) -> None:
@@ -166,7 +171,7 @@ class RouterCore:
         st.cached_tokens += min(cached_tokens, prompt_tokens)
         if decision.pending_blocks or self.sourced.source_of(ep) != index_sources.FEEDBACK:
             return
-        per_block = self.settings.kv_block_tokens if getattr(request, "num_prompt_tokens", None) is not None else \
+        per_block = self.settings.kv_block_tokens if request.num_prompt_tokens is not None else \
             self.settings.tokens_per_block
         ceiling = self._ceiling.get(ep, self.index.capacity(ep))
         cap = self._fb_capacity.get(ep, float(ceiling))
