@@ -237,7 +237,9 @@ def live_panels(window_s: float) -> None:
     st.caption("Hit: actual (server-reported cached / prompt tokens); predicted: the router's estimate. "
                "In-flight: time-averaged requests in flight over the charted span (from the stored start/end "
                "times). Healthy, running, waiting, KV usage: live, from the router's endpoint pool (its "
-               "/metrics). Errors: 5xx and failed requests; refused: 4xx."
+               "/metrics). Index: where the router learns what the endpoint caches (events: its KV events; feedback: "
+               "its own picks corrected by the cached tokens responses report; approximate: its picks alone). "
+               "Errors: 5xx and failed requests; refused: 4xx."
                + ("  \n" + _sentence("; ".join(notes)) if notes else ""))
 
     prediction_panel(snap.get("ttft_pred"), colors)
@@ -314,6 +316,9 @@ def _endpoint_columns() -> dict:
         "share_ratio": num("share", "percent"),
         "actual_hit_ratio": num("hit", "percent"),
         "predicted_hit_ratio": num("predicted", "percent"),
+        "index_source": st.column_config.TextColumn("index", width="small",
+                                                    help="Where the router's prefix index learns what the endpoint "
+                                                         "holds: events (its KV events), feedback, approximate."),
         "mean_in_flight": num("in-flight", "%.2f"),
         "healthy": num("healthy", "%d"),
         "running": num("running", "%d"),

@@ -199,6 +199,8 @@ class EndpointLive:
     num_requests_running: float | None = None
     num_requests_waiting: float | None = None
     healthy: bool | None = None
+    index_source: str | None = None  # where the router's prefix index learns this endpoint (events, feedback, ...)
+    kv_events_connected: bool | None = None  # for an events endpoint: its subscriber receives
 
 
 def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping[str, float] | None = None,
@@ -206,7 +208,7 @@ def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping
     """One row per endpoint (naturally sorted) from `endpoints()` rows, plus optional figures.
 
     Columns (most telling first): endpoint, num_requests, share_ratio, actual_hit_ratio, predicted_hit_ratio,
-    mean_in_flight, healthy (1/0), running, waiting, kv_cache_usage_ratio, ttft_ms_p50, ttft_ms_p99,
+    index_source (text: events / events (down) / feedback / approximate), mean_in_flight, healthy (1/0), running, waiting, kv_cache_usage_ratio, ttft_ms_p50, ttft_ms_p99,
     requests_per_s, num_errors, num_refused.
     """
     mean_in_flight = mean_in_flight or {}
@@ -222,15 +224,18 @@ def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping
                     "running": lv.num_requests_running, "waiting": lv.num_requests_waiting,
                     "kv_cache_usage_ratio": lv.kv_cache_usage_ratio,
                     "actual_hit_ratio": r.get("actual_hit_ratio"), "predicted_hit_ratio": r.get("predicted_hit_ratio"),
+                    "index_source": (lv.index_source + (" (down)" if lv.kv_events_connected is False else "")
+                                     if lv.index_source else None),
                     "ttft_ms_p50": r.get("ttft_ms_p50"), "ttft_ms_p99": r.get("ttft_ms_p99"),
                     "num_errors": r.get("num_errors", 0), "num_refused": r.get("num_refused", 0)})
-    cols = ["endpoint", "num_requests", "share_ratio", "actual_hit_ratio", "predicted_hit_ratio", "mean_in_flight",
+    cols = ["endpoint", "num_requests", "share_ratio", "actual_hit_ratio", "predicted_hit_ratio", "index_source",
+            "mean_in_flight",
             "healthy", "running", "waiting", "kv_cache_usage_ratio", "ttft_ms_p50", "ttft_ms_p99", "requests_per_s",
             "num_errors", "num_refused"]
     frame = pd.DataFrame(out, columns=cols)
     # Unknown figures as NaN (rendered blank), not None objects (rendered "None").
     return frame.astype({c: "float64" for c in cols
-                         if c not in ("endpoint", "num_requests", "num_errors", "num_refused")})
+                         if c not in ("endpoint", "num_requests", "num_errors", "num_refused", "index_source")})
 
 
 def served_balance(rows: Sequence[Mapping[str, Any]]) -> float | None:
@@ -361,6 +366,8 @@ _ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
     "prefixroute_endpoint_requests_running": "num_requests_running",
     "prefixroute_endpoint_requests_waiting": "num_requests_waiting",
     "prefixroute_endpoint_healthy": "healthy",
+    "prefixroute_kv_events_connected": "kv_events_connected",
+    "prefixroute_index_source_info": "index_source",  # the value is the `source` label
 }
 MAX_LIVE_ENDPOINTS = 1024  # a fleet's worth; bounds what an odd metrics text can make the page draw
 
@@ -381,7 +388,12 @@ def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
                 name = sample.labels.get("endpoint")
                 if not name or math.isnan(sample.value) or (name not in found and len(found) >= MAX_LIVE_ENDPOINTS):
                     continue
-                found.setdefault(name, {})[field] = (sample.value >= 0.5) if field == "healthy" else sample.value
+                if field == "index_source":
+                    if sample.value >= 0.5:
+                        found.setdefault(name, {})[field] = str(sample.labels.get("source", ""))[:32]
+                    continue
+                found.setdefault(name, {})[field] = (sample.value >= 0.5) if field in (
+                    "healthy", "kv_events_connected") else sample.value
     except ValueError:  # the parser's answer to a malformed line
         pass
     return {name: EndpointLive(**fields) for name, fields in found.items()}

@@ -57,7 +57,7 @@ class RoutePick:
     """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
 
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
-                 "failover_reported", "first_token_reported", "usage_reported")
+                 "failover_reported", "first_token_reported", "usage_reported", "usage_observed")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -71,6 +71,7 @@ class RoutePick:
         self.failover_reported = False  # a served-elsewhere report was taken for this pick (only one counts)
         self.first_token_reported = False
         self.usage_reported = False
+        self.usage_observed = False  # the hit statistics / feedback took this pick's usage
 
 
 class PoolRouter:
@@ -157,8 +158,11 @@ class PoolRouter:
         self.core.on_first_token(pick.request, pick.decision, ttft_s)
 
     def usage(self, pick: RoutePick, prompt_tokens: int | None, cached_tokens: int | None) -> None:
-        """`pick`'s response ended with these usage figures (module docstring). Only after a `first_token`
-        report (a rate is learned from a TTFT), once."""
+        """`pick`'s response ended with these usage figures (module docstring), once. The policy learns a rate
+        only after a `first_token` report (from a TTFT); the hit statistics and feedback take every report."""
+        if not pick.usage_observed:
+            pick.usage_observed = True
+            self.core.observe_usage(pick.request, pick.decision, prompt_tokens, cached_tokens, pick.counted)
         if not pick.first_token_reported or pick.usage_reported:
             return
         pick.usage_reported = True

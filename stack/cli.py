@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import secrets
 import signal
@@ -57,6 +58,12 @@ class StackSettings(Settings):
     model_server_base_port: int = setting(8001, "First simulated server's port; server i listens on base + i.")
     model_server_time_scale: float = setting(1.0, "Multiplier on the simulated GPU's step times (1.0 = the "
                                              "calibrated H200).")
+    kv_events: bool = setting(True, "The simulated servers publish vLLM KV events (ZMQ) and the router subscribes "
+                              "and matches requests by token blocks (--tokenizer sim), so its prefix index holds "
+                              "what the servers really cached. --no-kv-events: the router learns from its own "
+                              "picks and cached-token feedback only.")
+    kv_events_base_port: int = setting(5557, "First simulated server's KV-event PUB port; server i publishes on "
+                                       "base + 2i and answers replays on base + 2i + 1 (vLLM's example: 5557/5558).")
     traffic: str = setting("", "Start a steady demo load of this workload (e.g. shared-prompts, multi-turn, "
                            "documents, mix); empty = no traffic.")
     traffic_rate_rps: float = setting(4.0, "Requests per second of the demo load (Poisson arrivals); 4/s keeps "
@@ -79,6 +86,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, GatewaySettings)
     settings.add_arguments(parser, RoutingSettings)
     settings.add_arguments(parser, PoolSettings)
+
+
+def kv_events_config(pub_port: int, host: str = "127.0.0.1") -> str:
+    """The simulated server's ``--kv-events-config`` (vLLM's JSON shape) publishing on `pub_port` and answering
+    replays on `pub_port` + 1, bound to `host` (loopback: the router is local)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{host}:{pub_port}",
+                       "replay_endpoint": f"tcp://{host}:{pub_port + 1}", "topic": "kv-events"})
 
 
 SUPERVISE_INTERVAL_S = 0.1
@@ -108,10 +122,13 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
     try:
         simulated = not (pool_args.endpoints or pool_args.endpoints_file)
         server_ports = [st.model_server_base_port + i for i in range(st.servers)] if simulated else []
+        events = simulated and st.kv_events
+        event_ports = [st.kv_events_base_port + 2 * i for i in range(len(server_ports))] if events else []
         check_ports_free([("gateway", gw.port), ("telemetry receiver", st.telemetry_port),
                           ("telemetry HTTP API", st.telemetry_http_port),
                           *([("dashboard", st.dashboard_port)] if st.dashboard else []),
-                          *[(f"model-server-{i}", p) for i, p in enumerate(server_ports)]])
+                          *[(f"model-server-{i}", p) for i, p in enumerate(server_ports)],
+                          *[(f"model-server-{i} KV events", p + k) for i, p in enumerate(event_ports) for k in (0, 1)]])
         print(f"prefixroute up: starting (logs in {log_dir})", flush=True)
         # The receiver takes spans only with a token drawn for this run (anyone on the host can reach
         # loopback): the router gets it in the standard OTLP headers variable, users in a 0600 file.
@@ -129,11 +146,15 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
         group.wait_ready([group.start(  # in parallel: each simulated server takes about a second to start
             f"model-server-{i}",
             prefixroute_argv("model-server", "--port", str(port), "--id", f"server-{i}", "--profile", st.profile,
-                             "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level),
-            ports=(port,), ready=lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"), wait=False)
+                             "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level,
+                             *(["--kv-events-config", kv_events_config(event_ports[i])] if events else [])),
+            ports=(port, *((event_ports[i], event_ports[i] + 1) if events else ())), ready=lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"), wait=False)
             for i, port in enumerate(server_ports)])
-        pool = dataclasses.replace(pool_args, endpoints=tuple(f"127.0.0.1:{p}" for p in server_ports)) \
-            if simulated else pool_args
+        pool = dataclasses.replace(pool_args, endpoints=tuple(
+            f"127.0.0.1:{p}" + (f"@tcp://127.0.0.1:{event_ports[i]}" if events else "")
+            for i, p in enumerate(server_ports))) if simulated else pool_args
+        if events and not routing.tokenizer:
+            routing = dataclasses.replace(routing, tokenizer="sim")  # the simulated servers' own tokenizer
         # The ext_proc child inherits these: standard OTLP settings pointing at our receiver.
         if "OTEL_EXPORTER_OTLP_ENDPOINT" not in os.environ:
             os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{st.telemetry_port}"

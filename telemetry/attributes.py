@@ -28,6 +28,7 @@ FIELD_ATTRIBUTES: dict[str, str] = {
     "predicted_ttft_ms": "prefixroute.predicted_ttft_ms",
     "alternative_endpoint": "prefixroute.alternative_endpoint",
     "alternative_ttft_ms": "prefixroute.alternative_ttft_ms",
+    "index_source": "prefixroute.index_source",
     "decision_us": "prefixroute.decision_us",
     "ttft_ms": "prefixroute.ttft_ms",
     "latency_ms": "prefixroute.latency_ms",

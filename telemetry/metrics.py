@@ -110,6 +110,8 @@ class _CallbackCollector:
             yield from _endpoint_families(m.endpoint_states())
         if m.time_model is not None:
             yield from _time_model_families(m.time_model())
+        if m.index_info is not None:
+            yield from _index_families(m.index_info())
         if m.recorder is not None:
             rec = m.recorder
             dropped = CounterMetricFamily(
@@ -179,6 +181,43 @@ def _time_model_families(figures: Mapping[str, tuple[float, float, float, int]])
     yield from (rate, base, queued, learned)
 
 
+KV_EVENT_STATS: tuple[tuple[str, str, str], ...] = (
+    # (key in the subscriber's per-endpoint stats, metric name, help); counters end in _total on the wire.
+    ("connected", "prefixroute_kv_events_connected", "1 while the router's KV-event subscriber for the endpoint "
+     "receives (or last received within its silence limit), else 0."),
+    ("num_batches", "prefixroute_kv_events_batches", "KV-event batches applied to the index."),
+    ("num_events", "prefixroute_kv_events", "KV events (BlockStored/BlockRemoved/AllBlocksCleared) applied."),
+    ("num_gaps", "prefixroute_kv_events_gaps", "Sequence gaps seen (messages lost between publisher and router)."),
+    ("num_replays", "prefixroute_kv_events_replays", "Gaps filled from the publisher's replay socket."),
+    ("num_clears", "prefixroute_kv_events_index_clears", "Times the endpoint's events index was cleared: "
+     "AllBlocksCleared, a publisher restart, or a gap replay could not fill."),
+    ("num_decode_errors", "prefixroute_kv_events_decode_errors", "Event messages that did not decode (dropped)."),
+    ("last_seq", "prefixroute_kv_events_last_sequence", "Last sequence number applied."),
+    ("blocks", "prefixroute_kv_event_index_blocks", "Blocks the endpoint's KV events say it holds (the events "
+     "index)."),
+)
+
+
+def _index_families(info: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
+    """Per endpoint: the index source in use (``prefixroute_index_source_info{endpoint, source} 1``), and for
+    endpoints that publish KV events the subscriber's figures (`KV_EVENT_STATS`)."""
+    source = GaugeMetricFamily("prefixroute_index_source_info", "Where the prefix index learns what the endpoint "
+                               "holds: events (its KV events), feedback (the router's picks corrected by cached "
+                               "tokens), approximate (the router's picks), none.", labels=["endpoint", "source"])
+    fams: dict[str, Any] = {}
+    for key, name, help_ in KV_EVENT_STATS:
+        cls = GaugeMetricFamily if key in ("connected", "last_seq", "blocks") else CounterMetricFamily
+        fams[key] = cls(name, help_, labels=["endpoint"])
+    for ep, d in info.items():
+        source.add_metric([str(ep), str(d.get("source", ""))], 1.0)
+        for key, fam in fams.items():
+            v = d.get(key)
+            if v is not None:
+                fam.add_metric([str(ep)], float(v))
+    yield source
+    yield from fams.values()
+
+
 class RouterMetrics:
     """The router's metrics in their own registry (so tests and several routers in one process do not clash).
 
@@ -186,7 +225,8 @@ class RouterMetrics:
     `endpoint_states`: callable -> the endpoint pool's current snapshot (iterable of
     `routing.types.EndpointState`; the pool's `snapshot` is an O(1) read of an immutable tuple, safe from
     the metrics thread); `time_model`: callable -> {endpoint: (rate, base_s, queued tokens, observations)}
-    (`PrefixPolicy.time_model_figures`, thread-safe); `recorder`: a TelemetryRecorder whose drop/export counts are exposed. Callbacks
+    (`PrefixPolicy.time_model_figures`, thread-safe); `index_info`: callable -> {endpoint: {"source": str, and
+    for KV-event endpoints the `KV_EVENT_STATS` keys}} (thread-safe copies); `recorder`: a TelemetryRecorder whose drop/export counts are exposed. Callbacks
     run on scrape only.
     """
 
@@ -195,11 +235,13 @@ class RouterMetrics:
                  index_size: Callable[[], int | Mapping[str, int]] | None = None,
                  endpoint_states: Callable[[], Iterable[Any]] | None = None,
                  recorder: Any | None = None,
-                 time_model: Callable[[], Mapping[str, tuple[float, float, float, int]]] | None = None) -> None:
+                 time_model: Callable[[], Mapping[str, tuple[float, float, float, int]]] | None = None,
+                 index_info: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.in_flight, self.index_size, self.recorder = in_flight, index_size, recorder
         self.endpoint_states = endpoint_states
         self.time_model = time_model
+        self.index_info = index_info
         r = self.registry
         self.decisions = Counter("prefixroute_decisions", "Routing decisions by primary endpoint, policy, reason.",
                                  ["endpoint", "policy", "reason"], registry=r)

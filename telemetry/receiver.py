@@ -168,6 +168,7 @@ def span_to_row(span: Any, resource_attrs: Mapping[str, Any]) -> dict[str, Any] 
         "predicted_ttft_ms": _float(attrs.get(F["predicted_ttft_ms"])),
         "alternative_endpoint": _str(attrs.get(F["alternative_endpoint"])),
         "alternative_ttft_ms": _float(attrs.get(F["alternative_ttft_ms"])),
+        "index_source": _str(attrs.get(F["index_source"])),
         "decision_us": _float(attrs.get(F["decision_us"])),
         "ttft_ms": _float(attrs.get(F["ttft_ms"])),
         "latency_ms": latency_ms,

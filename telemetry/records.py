@@ -26,7 +26,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "trace_id", "span_id", "parent_span_id", "request_id", "start_time", "model", "tenant_hash", "policy",
     "reason", "endpoint", "endpoints", "matched_blocks", "total_blocks", "predicted_hit_ratio", "predicted_ttft_ms",
     "alternative_endpoint", "alternative_ttft_ms", "decision_us", "ttft_ms", "latency_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "stream", "status", "error",
-    "path",
+    "path", "index_source",
 )
 
 
@@ -61,6 +61,9 @@ class RequestRecord:
     predicted_ttft_ms: float | None = None
     alternative_endpoint: str | None = None
     alternative_ttft_ms: float | None = None
+    # Where the primary's prefix match came from (routing.types.Decision.index_source): "events", "feedback",
+    # "approximate"; None when nothing matched.
+    index_source: str | None = None
     decision_us: float = 0.0  # time the router spent deciding
     ttft_ms: float | None = None  # request-header arrival to the first response body byte sent on
     latency_ms: float | None = None  # request-header arrival to the end of the response

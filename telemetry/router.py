@@ -69,6 +69,7 @@ class RouterTelemetry:
                       index_size: Callable[[], int | Mapping[str, int]] | None = None,
                       endpoint_states: Callable[[], Iterable[Any]] | None = None,
                       time_model: Callable[[], Mapping[str, tuple[float, float, float, int]]] | None = None,
+                      index_info: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
                       ) -> RouterTelemetry:
         """Build the recorder and metrics and start /metrics. Raises OSError only when the metrics port
         cannot be bound (a configuration error worth failing startup for); a broken OTLP configuration
@@ -82,7 +83,7 @@ class RouterTelemetry:
             log.exception("tracing disabled: could not build the OTLP exporter")
             recorder = TelemetryRecorder(enabled=False)
         metrics = RouterMetrics(in_flight=in_flight, index_size=index_size, endpoint_states=endpoint_states,
-                                recorder=recorder, time_model=time_model)
+                                recorder=recorder, time_model=time_model, index_info=index_info)
         server = None
         if cfg.metrics_port >= 0:
             server = start_metrics_server(metrics, cfg.metrics_port, cfg.metrics_host)

@@ -20,6 +20,8 @@ Schema (table ``requests``; the record fields are those of `records.RequestRecor
     predicted_ttft_ms   REAL                  -- the time model's TTFT prediction at the primary (NULL: none)
     alternative_endpoint TEXT                 -- the best other endpoint it scored
     alternative_ttft_ms REAL                  -- its predicted TTFT there
+    index_source        TEXT                  -- where the primary's prefix match came from (events, feedback,
+                                                 approximate; NULL: nothing matched)
     decision_us, ttft_ms, latency_ms  REAL
     prompt_tokens, completion_tokens, cached_tokens  INTEGER   -- NULL when the response carried no usage
     stream              INTEGER               -- 0/1
@@ -33,7 +35,7 @@ Schema (table ``requests``; the record fields are those of `records.RequestRecor
     indexes: requests_start_time (start_time), requests_endpoint_start (endpoint, start_time)
 
 Schema versions (meta ``schema_version``): 2 added predicted_ttft_ms, alternative_endpoint and
-alternative_ttft_ms. Opening a version-1 file with `TelemetryStore` adds the missing columns in place
+alternative_ttft_ms; 3 added index_source. Opening a version-1 file with `TelemetryStore` adds the missing columns in place
 (ALTER TABLE ADD COLUMN: old rows read NULL, nothing is rewritten); a `StoreReader` on a file no writer
 has upgraded yet reads those columns as NULL.
 
@@ -74,7 +76,7 @@ from typing import Any
 
 from prefixroute.telemetry.records import RECORD_FIELDS, RequestRecord
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -107,6 +109,7 @@ CREATE TABLE IF NOT EXISTS requests (
     status INTEGER,
     error TEXT,
     path TEXT,
+    index_source TEXT,
     service_name TEXT,
     attrs TEXT NOT NULL DEFAULT '{}',
     UNIQUE (trace_id, span_id)
@@ -119,7 +122,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 # Columns added after schema version 1, in the order they were added (name, SQL type): `TelemetryStore`
 # adds the missing ones to an older file; `StoreReader` reads a missing one as NULL.
 ADDED_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("predicted_ttft_ms", "REAL"), ("alternative_endpoint", "TEXT"), ("alternative_ttft_ms", "REAL"))
+    ("predicted_ttft_ms", "REAL"), ("alternative_endpoint", "TEXT"), ("alternative_ttft_ms", "REAL"),
+    ("index_source", "TEXT"))
 
 ROW_COLUMNS: tuple[str, ...] = RECORD_FIELDS + ("end_time", "service_name", "attrs")
 _INSERT = (f"INSERT OR REPLACE INTO requests ({', '.join(ROW_COLUMNS)}) "

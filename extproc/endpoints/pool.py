@@ -54,7 +54,7 @@ from pathlib import Path
 import aiohttp
 
 from prefixroute.extproc.endpoints import Listener
-from prefixroute.extproc.endpoints.scrape import (ScrapedMetrics, parse_endpoint_list, parse_metrics, parse_models,
+from prefixroute.extproc.endpoints.scrape import (ScrapedMetrics, event_addresses, parse_endpoint_list, parse_metrics, parse_models,
                                                   read_endpoints_file, restart_reason)
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.routing.types import EndpointId, EndpointState
@@ -95,8 +95,9 @@ async def resolve_host(host: str, port: int) -> list[str]:
     return [str(sockaddr[0]) for _, _, _, _, sockaddr in infos]
 
 
-def endpoints_from_settings(settings: PoolSettings) -> tuple[EndpointId, ...]:
-    """Validated endpoints from ``--endpoints`` then ``--endpoints-file``; ValueError with a clear message."""
+def endpoint_specs(settings: PoolSettings) -> list[str]:
+    """The endpoint specs of ``--endpoints`` then ``--endpoints-file`` (unvalidated; ValueError if the file
+    cannot be read)."""
     specs: list[str] = list(settings.endpoints)
     if settings.endpoints_file:
         path = Path(settings.endpoints_file)
@@ -105,7 +106,19 @@ def endpoints_from_settings(settings: PoolSettings) -> tuple[EndpointId, ...]:
         except OSError as exc:
             raise ValueError(f"cannot read endpoints file {path}: {exc.strerror}") from None
         specs += read_endpoints_file(text)
-    endpoints = parse_endpoint_list(specs)
+    return specs
+
+
+def event_addresses_from_settings(settings: PoolSettings) -> dict[EndpointId, tuple[str, str | None]]:
+    """Endpoint -> (KV-event PUB address, replay address or None), for those that publish (see
+    `scrape.event_addresses`)."""
+    return event_addresses(endpoint_specs(settings), settings.kv_events_port_offset,
+                           settings.kv_events_replay_port_offset)
+
+
+def endpoints_from_settings(settings: PoolSettings) -> tuple[EndpointId, ...]:
+    """Validated endpoints from ``--endpoints`` then ``--endpoints-file``; ValueError with a clear message."""
+    endpoints = parse_endpoint_list(endpoint_specs(settings))
     if not endpoints:
         raise ValueError("no endpoints configured: pass --endpoints host:port,... or --endpoints-file PATH "
                          "(env PREFIXROUTE_ENDPOINTS / PREFIXROUTE_ENDPOINTS_FILE)")

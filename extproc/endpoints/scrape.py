@@ -168,17 +168,61 @@ def parse_endpoint(spec: str) -> EndpointId:
     return EndpointId(f"{host}:{int(port)}")
 
 
+_ZMQ_TCP_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
+
+
+def split_event_address(spec: str) -> tuple[str, str | None]:
+    """``host:port@tcp://evhost:evport`` -> (``host:port``, ``tcp://evhost:evport``); without ``@``, (spec,
+    None). The event address must be ``tcp://host:port`` (a ZMQ PUB socket to connect to); ValueError else."""
+    head, sep, addr = spec.strip().partition("@")
+    if not sep:
+        return head, None
+    m = _ZMQ_TCP_RE.match(addr.strip())
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"endpoint {spec!r}: the KV-event address after '@' must be tcp://host:port")
+    return head, addr.strip()
+
+
+def with_port_offset(address: str, offset: int) -> str:
+    """``tcp://host:port`` with port + `offset` (ValueError past 65535)."""
+    host, _, port = address.rpartition(":")
+    p = int(port) + offset
+    if not 0 < p < 65536:
+        raise ValueError(f"{address} + {offset} is not a valid port")
+    return f"{host}:{p}"
+
+
 def parse_endpoint_list(specs: Iterable[str]) -> tuple[EndpointId, ...]:
-    """Validate several endpoints, keeping order; duplicates are an error (they would skew balance)."""
+    """Validate several endpoints, keeping order; duplicates are an error (they would skew balance). A KV-event
+    address after ``@`` is validated and left out (`event_addresses` reads it)."""
     out: list[EndpointId] = []
     for spec in specs:
         if not spec.strip():
             continue
-        ep = parse_endpoint(spec)
+        ep = parse_endpoint(split_event_address(spec)[0])
         if ep in out:
             raise ValueError(f"endpoint {ep} is listed twice")
         out.append(ep)
     return tuple(out)
+
+
+def event_addresses(specs: Iterable[str], port_offset: int = 0,
+                    replay_port_offset: int = 1) -> dict[EndpointId, tuple[str, str | None]]:
+    """Endpoint -> (PUB address, replay address or None) for the endpoints that publish KV events: those with
+    ``@tcp://...`` and, when `port_offset` > 0, every other at ``tcp://HOST:PORT+port_offset``. Replay at the
+    PUB port + `replay_port_offset` (0: None)."""
+    out: dict[EndpointId, tuple[str, str | None]] = {}
+    for spec in specs:
+        if not spec.strip():
+            continue
+        head, addr = split_event_address(spec)
+        ep = parse_endpoint(head)
+        if addr is None and port_offset:
+            host, _, port = ep.rpartition(":")
+            addr = with_port_offset(f"tcp://{host}:{port}", port_offset)
+        if addr is not None:
+            out[ep] = (addr, with_port_offset(addr, replay_port_offset) if replay_port_offset else None)
+    return out
 
 
 def read_endpoints_file(text: str) -> list[str]:

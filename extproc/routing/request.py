@@ -108,6 +108,7 @@ class InferenceRequest:
     stream: bool = False
     block_hashes: list[BlockHash] = dataclasses.field(default_factory=list)
     num_prompt_chars: int = 0
+    num_prompt_tokens: int | None = None  # exact prompt tokens when the router tokenizes (token blocks), else None
     request_id: str | None = None
     num_prompt_tokens: int | None = None
 

@@ -5,11 +5,14 @@ Used by the ext_proc servicer (live) and by simulations. Single event loop, not 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Mapping, Sequence
 
 from prefixroute.openai_errors import OpenAIError
+from prefixroute.extproc.routing import index_sources
+from prefixroute.extproc.routing.index_sources import BlockIndex, SourcedIndex
 from prefixroute.extproc.routing.prefix_index import PrefixIndex
 from prefixroute.extproc.routing.request import InferenceRequest, clip
 from prefixroute.extproc.routing.scheduling import filters, pickers
@@ -19,6 +22,32 @@ from prefixroute.extproc.routing.types import Decision, EndpointId, EndpointStat
 
 DEFAULT_RETRY_AFTER_S = 1
 """Retry-After for 503: health probes run about every second, so a retry after 1 s sees fresh state."""
+
+FEEDBACK_SHRINK_RATIO = 0.85
+"""Feedback: a response that found much less cached than predicted shrinks the endpoint's index LRU by this
+factor (its oldest entries go: the server evidently evicted sooner than the LRU assumed)."""
+FEEDBACK_GROW_RATIO = 0.01
+"""Feedback: a response that found what was predicted grows the LRU back by this share of its ceiling (the
+scraped KV capacity): additive increase, multiplicative decrease, as TCP finds a link's capacity."""
+FEEDBACK_MIN_RATIO = 1 / 32
+"""Feedback never shrinks an LRU below this share of its ceiling."""
+FEEDBACK_SLACK_BLOCKS = 2
+"""A response counts as a miss when it found more than this many blocks (and a quarter of the prediction)
+fewer cached tokens than predicted: a block or two of difference is the partial last block and rounding."""
+
+
+class HitRatioStats:
+    """Predicted vs actual cached share of prompt tokens, per endpoint, over responses that reported usage.
+    Plain counters (floats), read by the metrics thread as a copy."""
+
+    __slots__ = ("num_responses", "prompt_tokens", "predicted_tokens", "cached_tokens", "num_misses")
+
+    def __init__(self) -> None:
+        self.num_responses = 0
+        self.prompt_tokens = 0.0
+        self.predicted_tokens = 0.0
+        self.cached_tokens = 0.0
+        self.num_misses = 0
 
 
 class RouterCore:
@@ -32,12 +61,21 @@ class RouterCore:
 
     def __init__(self, settings: RoutingSettings, *, rng: random.Random | None = None,
                  index: PrefixIndex | None = None, retry_after_s: int = DEFAULT_RETRY_AFTER_S,
-                 track_prefill: bool = False) -> None:
+                 track_prefill: bool = False, event_index: BlockIndex | None = None) -> None:
         """`track_prefill`: the caller will call `on_release` for every routed request (finished, failed or
         cancelled), so the prefix policy may count the prefill tokens outstanding per endpoint. Off by
-        default: without releases the counts would only grow."""
+        default: without releases the counts would only grow. `event_index`: the KV-events index the caller
+        feeds (extproc/kv_events); endpoints named by `set_event_endpoints` are matched against it."""
         self.settings = settings
         self.index = index if index is not None else PrefixIndex(settings.default_index_capacity_blocks)
+        src = settings.index_source
+        own = {"events": "none", "feedback": index_sources.FEEDBACK, "approximate": index_sources.APPROXIMATE,
+               "auto": index_sources.FEEDBACK}[src]
+        self.sourced = SourcedIndex(self.index, event_index, own_source=own)
+        self.event_index = event_index
+        self.hit_stats: dict[EndpointId, HitRatioStats] = {}
+        self._ceiling: dict[EndpointId, int] = {}  # feedback: LRU capacity ceiling (from the scrape)
+        self._fb_capacity: dict[EndpointId, float] = {}  # feedback: the current learned capacity
         self.scheduler = Scheduler(settings, rng, track_prefill=track_prefill)
         self.rng = self.scheduler.rng
         self.retry_after_s = retry_after_s
@@ -63,16 +101,89 @@ class RouterCore:
                 raise OpenAIError(503, "no healthy endpoint", retry_after_s=self.retry_after_s)
             order = pickers.least_load_order(healthy, in_flight, self.rng, k)
             return Decision(endpoints=tuple(order), reason="load", policy=self.scheduler.policy.name)
-        decision = self.scheduler.schedule(request, endpoints, in_flight, self.index, now_s)
+        decision = self.scheduler.schedule(request, endpoints, in_flight, self.sourced, now_s)
         if not decision.endpoints:
             if not filters.filter_model(endpoints, request.model):
                 raise OpenAIError(404, f"The model `{clip(request.model)}` does not exist.", param="model",
                                   type_="NotFoundError")
             what = f"serving model `{clip(request.model)}`" if request.model else ""
             raise OpenAIError(503, f"no healthy endpoint {what}".strip(), retry_after_s=self.retry_after_s)
-        if request.block_hashes:
-            self.index.record(request.block_hashes, decision.endpoints[0])
+        primary = decision.endpoints[0]
+        if request.block_hashes and self._records(primary):
+            self.index.record(request.block_hashes, primary)
+        if decision.matched_blocks:
+            decision = dataclasses.replace(decision, index_source=self.sourced.source_of(primary))
         return decision
+
+    def _records(self, endpoint: EndpointId) -> bool:
+        """Whether the own index learns from picks at `endpoint` (not when its events tell the truth)."""
+        return endpoint not in self.sourced.event_endpoints and self.sourced.own_source != "none"
+
+    def set_event_endpoints(self, endpoints: Sequence[EndpointId]) -> None:
+        """The endpoints whose KV events the caller feeds into `event_index` (ignored without one): their
+        matches come from the events from now on, and what the own index held for them goes."""
+        if self.event_index is None:
+            return
+        new = frozenset(endpoints)
+        for ep in new - self.sourced.event_endpoints:
+            self.index.clear_endpoint(ep)
+        self.sourced.event_endpoints = new
+
+    def index_sources(self, endpoints: Sequence[EndpointId]) -> dict[EndpointId, str]:
+        """The index source of each endpoint (events / feedback / approximate / none)."""
+        return self.sourced.sources(endpoints)
+
+    def predicted_cached_tokens(self, request: InferenceRequest, decision: Decision) -> float:
+        """Prompt tokens the decision expected cached at its primary: matched blocks x tokens per block, at
+        most the prompt; a match of every hashed block of a prompt longer than the hashing cap counts the rest
+        as cached too, less one block (as the prefix policy prices it)."""
+        m = decision.matched_blocks
+        if not m:
+            return 0.0
+        st = self.settings
+        if request.num_prompt_tokens is not None:
+            per_block, cap, prompt = float(st.kv_block_tokens), st.max_token_blocks, float(request.num_prompt_tokens)
+        else:
+            per_block, cap = st.tokens_per_block, st.max_blocks
+            prompt = request.num_prompt_chars / st.chars_per_token
+        n = len(request.block_hashes)
+        if m >= n >= cap:
+            return max(0.0, prompt - per_block)
+        return min(prompt, m * per_block)
+
+    def _feedback(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
+                  cached_tokens: int | None, served_by: EndpointId | None) -> None:
+        """Compare what the server reported cached with what the decision predicted; in feedback mode adapt
+        the endpoint's LRU capacity (AIMD, see FEEDBACK_*). Only the primary's own responses count (a fallback
+        served something the decision did not predict), and only blocks not pending at decision time."""
+        if cached_tokens is None or not prompt_tokens or prompt_tokens <= 0 or not decision.endpoints:
+            return
+        ep = decision.endpoints[0]
+        if served_by is not None and served_by != ep:
+            return
+        predicted = self.predicted_cached_tokens(request, decision)
+        st = self.hit_stats.get(ep)
+        if st is None:
+            st = self.hit_stats[ep] = HitRatioStats()
+        st.num_responses += 1
+        st.prompt_tokens += prompt_tokens
+        st.predicted_tokens += predicted
+        st.cached_tokens += min(cached_tokens, prompt_tokens)
+        if decision.pending_blocks or self.sourced.source_of(ep) != index_sources.FEEDBACK:
+            return
+        per_block = self.settings.kv_block_tokens if request.num_prompt_tokens is not None else \
+            self.settings.tokens_per_block
+        ceiling = self._ceiling.get(ep, self.index.capacity(ep))
+        cap = self._fb_capacity.get(ep, float(ceiling))
+        if predicted - cached_tokens > max(FEEDBACK_SLACK_BLOCKS * per_block, 0.25 * predicted):
+            st.num_misses += 1
+            cap = max(ceiling * FEEDBACK_MIN_RATIO, cap * FEEDBACK_SHRINK_RATIO, 1.0)
+        elif predicted > 0 and cap < ceiling:
+            cap = min(float(ceiling), cap + ceiling * FEEDBACK_GROW_RATIO)
+        else:
+            return
+        self._fb_capacity[ep] = cap
+        self.index.set_capacity(ep, max(1, int(cap)))
 
     def on_release(self, request: InferenceRequest, decision: Decision) -> None:
         """`request`, routed by `decision` (what `route` returned), finished, failed or was cancelled: call
@@ -93,26 +204,43 @@ class RouterCore:
         `on_first_token`, before or after its `on_release` (see `Policy.on_usage`)."""
         self.scheduler.policy.on_usage(request, decision, prompt_tokens, cached_tokens)
 
+    def observe_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
+                      cached_tokens: int | None, served_by: EndpointId | None = None) -> None:
+        """`request`'s response reported these usage figures (at most once per decision, first token or not):
+        they feed the predicted-vs-actual hit statistics and, in feedback mode, the endpoint's index capacity
+        (`served_by`: the endpoint that served, when the caller knows it)."""
+        self._feedback(request, decision, prompt_tokens, cached_tokens, served_by)
+
     def record_failover(self, request: InferenceRequest, served_by: EndpointId) -> None:
         """The request was served by a fallback (Envoy's ``x-gateway-destination-endpoint-served``): record it
         there too, so the next request of this prefix can find the cache where it really is."""
-        if request.block_hashes:
+        if request.block_hashes and self._records(served_by):
             self.index.record(request.block_hashes, served_by)
 
     # --- pool changes -----------------------------------------------------------------------------------
     def capacity_blocks(self, state: EndpointState) -> int:
         """Index capacity for `state` in router blocks: scraped num_gpu_blocks x block_size tokens / tokens per
-        router block, else ``default_index_capacity_blocks``."""
+        router block (token blocks: num_gpu_blocks when the block sizes agree), else
+        ``default_index_capacity_blocks``."""
+        if state.num_gpu_blocks and state.block_size and self.settings.tokenizer:
+            return max(1, math.floor(state.num_gpu_blocks * state.block_size / self.settings.kv_block_tokens))
         if state.num_gpu_blocks and state.block_size:
             return max(1, math.floor(state.num_gpu_blocks * state.block_size / self.settings.tokens_per_block))
         return self.settings.default_index_capacity_blocks
 
     def set_capacity(self, endpoint: EndpointId, num_blocks: int) -> None:
+        self._ceiling[endpoint] = num_blocks
+        self._fb_capacity.pop(endpoint, None)
         self.index.set_capacity(endpoint, num_blocks)
 
     def on_endpoint_removed(self, endpoint: EndpointId) -> None:
         """An endpoint left the pool: its index entries (and outstanding prefill estimate) go with it."""
         self.index.remove_endpoint(endpoint)
+        if self.event_index is not None:
+            self.event_index.remove_endpoint(endpoint)
+        self.hit_stats.pop(endpoint, None)
+        self._ceiling.pop(endpoint, None)
+        self._fb_capacity.pop(endpoint, None)
         self.scheduler.policy.on_endpoint_removed(endpoint)
         self._known.discard(endpoint)
         self._capacity_from.pop(endpoint, None)
@@ -124,6 +252,8 @@ class RouterCore:
         ``restart_epoch`` for it changes; the seam for KV events' AllBlocksCleared (a later source of the same
         fact)."""
         self.index.clear_endpoint(endpoint)
+        if self.event_index is not None:
+            self.event_index.clear_endpoint(endpoint)
         self.scheduler.policy.on_cache_cleared(endpoint)
         self.num_caches_cleared += 1
 
@@ -140,7 +270,7 @@ class RouterCore:
             src = (s.num_gpu_blocks, s.block_size)
             if self._capacity_from.get(s.endpoint) != src:
                 self._capacity_from[s.endpoint] = src
-                self.index.set_capacity(s.endpoint, self.capacity_blocks(s))
+                self.set_capacity(s.endpoint, self.capacity_blocks(s))
             seen = epochs.get(s.endpoint)
             if seen != s.restart_epoch:
                 epochs[s.endpoint] = s.restart_epoch

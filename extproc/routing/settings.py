@@ -58,6 +58,11 @@ class RoutingSettings(Settings):
         "Tokens per KV block when hashing token blocks: the servers' block size (vLLM's default on CUDA is 16; "
         "checked against each endpoint's vllm:cache_config_info and its events, a mismatch is logged and the "
         "endpoint's events are not matched).")
+    max_token_blocks: int = setting(
+        1024,
+        "Most token blocks hashed per request when the router tokenizes (1024 x 16 = 16k tokens): the prompt "
+        "beyond is assumed to follow its prefix (cached where all hashed blocks are). Token blocks come from "
+        "cached segments for known prefixes, so the cap bounds only a new prompt's cost.")
     tokenizer_cache_entries: int = setting(
         8192,
         "Text segments (a message, a system prompt) whose token ids and block hashes the router keeps (LRU), so "
@@ -150,8 +155,8 @@ class RoutingSettings(Settings):
             raise ValueError(f"index_source must be one of {', '.join(INDEX_SOURCES)}; got {self.index_source!r}")
         if self.index_source == "events" and not self.tokenizer:
             raise ValueError("index_source 'events' needs a tokenizer (--tokenizer sim or a tokenizer folder)")
-        if self.kv_block_tokens < 1 or self.tokenizer_cache_entries < 1:
-            raise ValueError("kv_block_tokens and tokenizer_cache_entries must be >= 1")
+        if self.kv_block_tokens < 1 or self.tokenizer_cache_entries < 1 or self.max_token_blocks < 1:
+            raise ValueError("kv_block_tokens, max_token_blocks and tokenizer_cache_entries must be >= 1")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         for name in ("block_chars", "max_blocks", "cold_key_blocks", "max_body_bytes",

@@ -219,6 +219,7 @@ class Outcome:
     error: str | None = None
     served: str | None = None
     ttft_s: float | None = None
+    prefix_id: int | None = None  # which of the generator's shared prefixes the prompt starts with
 
     @property
     def lost(self) -> bool:
@@ -240,9 +241,12 @@ class LoadGenerator:
         self.prefixes = [" ".join(f"doc{i}-word{j}" for j in range(300)) for i in range(num_prefixes)]
         self.outcomes: list[Outcome] = []
 
-    def _body(self) -> bytes:
+    def _body(self, out: Outcome | None = None) -> bytes:
+        k = self.rng.randrange(len(self.prefixes))
+        if out is not None:
+            out.prefix_id = k
         return json.dumps({"model": MODEL, "stream": True, "max_tokens": self.max_tokens, "messages": [
-            {"role": "system", "content": self.rng.choice(self.prefixes)},
+            {"role": "system", "content": self.prefixes[k]},
             {"role": "user", "content": f"question {self.rng.randrange(10**9)}"}]}).encode()
 
     async def _one(self, session, out: Outcome, body: bytes) -> None:
@@ -282,7 +286,7 @@ class LoadGenerator:
                     await asyncio.sleep(delay)
                 out = Outcome(sent_at=time.monotonic())
                 self.outcomes.append(out)
-                tasks.append(asyncio.ensure_future(self._one(session, out, self._body())))
+                tasks.append(asyncio.ensure_future(self._one(session, out, self._body(out))))
                 next_at += self.rng.expovariate(self.rate_rps)
             await asyncio.gather(*tasks)
         return self.outcomes

@@ -241,6 +241,7 @@ class PrefixPolicy(Policy):
                                step_tokens=settings.ttft_step_tokens, window=settings.ttft_rate_window)
         self._tpc = 1.0 / settings.chars_per_token
         self._tpb = settings.tokens_per_block
+        self._kvb = float(settings.kv_block_tokens)
         self._picks: dict[int, _TtftPick] = {}  # id(request) -> its pick, until first token or release
         # id(request) -> (pick, ttft_s) between a first token without usage and its usage report.
         self._awaiting: collections.OrderedDict[int, tuple[_TtftPick, float]] = collections.OrderedDict()
@@ -249,12 +250,16 @@ class PrefixPolicy(Policy):
         self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
         self._scan_offset = 0  # where the next sampling window of a large pool starts (`decide`)
 
-    def _uncached(self, prompt_tokens: float, matched: int, num_hashed: int) -> float:
+    def _uncached(self, prompt_tokens: float, matched: int, num_hashed: int, tpb: float | None = None,
+                  max_blocks: int | None = None) -> float:
+        """Uncached prefill tokens with `matched` leading blocks held, of `num_hashed` hashed (`tpb` tokens per
+        block: text blocks by default, the KV block size for token blocks)."""
+        tpb = self._tpb if tpb is None else tpb
         if matched <= 0:
             return prompt_tokens
-        if matched >= num_hashed and num_hashed >= self._settings.max_blocks:
-            return min(prompt_tokens, self._tpb)
-        return max(0.0, prompt_tokens - matched * self._tpb)
+        if matched >= num_hashed and num_hashed >= (self._settings.max_blocks if max_blocks is None else max_blocks):
+            return min(prompt_tokens, tpb)
+        return max(0.0, prompt_tokens - matched * tpb)
 
     def decide(self, inp: PolicyInput) -> Decision:
         st = self._settings
@@ -304,7 +309,13 @@ class PrefixPolicy(Policy):
                             break
         else:
             candidates = eligible
-        prompt_tokens = req.num_prompt_chars * self._tpc
+        n_tok = req.num_prompt_tokens
+        if n_tok is not None:  # token blocks: exact prompt tokens, KV-block-sized blocks
+            prompt_tokens = float(n_tok)
+            tpb, cap = self._kvb, st.max_token_blocks
+        else:
+            prompt_tokens = req.num_prompt_chars * self._tpc
+            tpb, cap = self._tpb, st.max_blocks
         n_hashed = len(hashes)
         in_flight = inp.in_flight
         w = st.ttft_work_weight
@@ -323,7 +334,7 @@ class PrefixPolicy(Policy):
         for s in candidates:
             ep = s.endpoint
             m = get_match(ep, 0)
-            own = self._uncached(prompt_tokens, m, n_hashed) if m else cold_own
+            own = self._uncached(prompt_tokens, m, n_hashed, tpb, cap) if m else cold_own
             rate, base = get_fit(ep, prior)
             decoding = get_in_flight(ep, 0) - get_pending(ep, 0)
             if decoding < 0:
@@ -405,7 +416,8 @@ class PrefixPolicy(Policy):
                         total_blocks=n_total, predicted_hit_ratio=matched / n_total if n_total else 0.0,
                         predicted_ttft_ms=primary[1] * 1000.0,
                         alternative_endpoint=alt[2].endpoint if alt is not None else None,
-                        alternative_ttft_ms=alt[1] * 1000.0 if alt is not None else None)
+                        alternative_ttft_ms=alt[1] * 1000.0 if alt is not None else None,
+                        pending_blocks=pend.get(order[0], 0) if pend else 0)
 
     def time_model_figures(self) -> dict[EndpointId, tuple[float, float, float, int]]:
         """Per endpoint the model knows (learned or with requests pending): (rate tokens/s, base s, pending

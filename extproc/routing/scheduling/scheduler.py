@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
-from prefixroute.extproc.routing.prefix_index import PrefixIndex
+from prefixroute.extproc.routing.index_sources import BlockIndex
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters
 from prefixroute.extproc.routing.scheduling.policies import Policy, PolicyInput, make_policy
@@ -30,7 +30,7 @@ class Scheduler:
         self.eligible_cache = filters.EligibleCache()
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[EndpointState],
-                 in_flight: Mapping[EndpointId, int], index: PrefixIndex, now_s: float | None = None) -> Decision:
+                 in_flight: Mapping[EndpointId, int], index: BlockIndex, now_s: float | None = None) -> Decision:
         """Endpoints for `request`: primary first, then up to ``num_fallbacks`` distinct fallbacks.
 
         Only healthy endpoints serving ``request.model`` are returned; an empty tuple means none is eligible
