@@ -104,10 +104,10 @@ def main() -> None:
                                            {"role": "user", "content": question}]}
 
     shared = doc(args.tokens)
-    settings = RoutingSettings(max_blocks=1024)
-    hasher = PromptHasher(tok, block_size=16, max_blocks=settings.max_blocks)
+    settings = RoutingSettings()
+    hasher = PromptHasher(tok, block_size=16, max_blocks=settings.max_token_blocks)
     n_tokens = hasher.chat_blocks(body(shared, "q")).num_prompt_tokens
-    print(f"prompt: {n_tokens} tokens, {len(shared)} characters; max_blocks={settings.max_blocks}")
+    print(f"prompt: {n_tokens} tokens, {len(shared)} characters; max_token_blocks={settings.max_token_blocks}")
     cold_docs = [doc(args.tokens) for _ in range(max(20, args.n // 5))]
 
     cold, warm, cold_parse, warm_parse, text_parse, whole = [], [], [], [], [], []
@@ -121,7 +121,7 @@ def main() -> None:
         t = time.perf_counter()
         hasher.chat_blocks(b)
         warm.append(time.perf_counter() - t)
-    fresh = PromptHasher(tok, block_size=16, max_blocks=settings.max_blocks)
+    fresh = PromptHasher(tok, block_size=16, max_blocks=settings.max_token_blocks)
     for d in cold_docs:
         raw = orjson.dumps(body(d, "What does it say?"))
         t = time.perf_counter()

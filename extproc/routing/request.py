@@ -110,7 +110,6 @@ class InferenceRequest:
     num_prompt_chars: int = 0
     num_prompt_tokens: int | None = None  # exact prompt tokens when the router tokenizes (token blocks), else None
     request_id: str | None = None
-    num_prompt_tokens: int | None = None
 
 
 MAX_ECHO_CHARS = 100

@@ -726,13 +726,13 @@ class PromptHasher:
 
     @classmethod
     def from_settings(cls, settings: Any) -> "PromptHasher | None":
-        """The hasher of `RoutingSettings` (``tokenizer``, ``kv_block_tokens``, ``max_blocks``,
+        """The hasher of `RoutingSettings` (``tokenizer``, ``kv_block_tokens``, ``max_token_blocks``,
         ``tokenizer_cache_entries``); None when ``tokenizer`` is empty (text mode). Raises
         `TokenizerLoadError` for a spec that does not load."""
         if not settings.tokenizer:
             return None
         return cls(load_tokenizer(settings.tokenizer), block_size=settings.kv_block_tokens,
-                   max_blocks=settings.max_blocks, cache_entries=settings.tokenizer_cache_entries)
+                   max_blocks=settings.max_token_blocks, cache_entries=settings.tokenizer_cache_entries)
 
     def chat_blocks(self, body: Mapping[str, Any], *, lora_name: str | None = None,
                     cache_salt: str | None = None) -> TokenBlocks:

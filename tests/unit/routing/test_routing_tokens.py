@@ -359,7 +359,7 @@ def parse(body, hasher, headers=None, adapters=None, path="/v1/chat/completions"
 
 def test_from_settings():
     assert PromptHasher.from_settings(S) is None
-    h = PromptHasher.from_settings(RoutingSettings(tokenizer="sim", kv_block_tokens=32, max_blocks=7,
+    h = PromptHasher.from_settings(RoutingSettings(tokenizer="sim", kv_block_tokens=32, max_token_blocks=7,
                                                    tokenizer_cache_entries=3))
     assert isinstance(h.tokenizer, SimTokenizer) and (h.block_size, h.max_blocks) == (32, 7)
     with pytest.raises(TokenizerLoadError):
@@ -374,19 +374,20 @@ def test_token_mode_hashes_the_servers_tokens(body, path):
     req = parse(body, hasher, path=path)
     ids = protocol.prompt_ids_of(body, path.endswith("chat/completions")).astype(np.uint32)
     assert req.num_prompt_tokens == len(ids)
-    assert req.block_hashes == hash_token_blocks(ids, TS.kv_block_tokens, SEED, TS.max_blocks)
+    assert req.block_hashes == hash_token_blocks(ids, TS.kv_block_tokens, SEED, TS.max_token_blocks)
 
 
 def test_token_mode_seed_is_adapter_and_cache_salt_not_tenant():
     hasher = PromptHasher.from_settings(TS)
     ids = protocol.prompt_ids_of(CHATS[1], True).astype(np.uint32)
     salted = parse({**CHATS[1], "cache_salt": "s"}, hasher)
-    assert salted.block_hashes == hash_token_blocks(ids, BS, token_seed_for(None, "s"), 256)
+    cap = TS.max_token_blocks
+    assert salted.block_hashes == hash_token_blocks(ids, BS, token_seed_for(None, "s"), cap)
     adapter = parse(CHATS[1], hasher, adapters={"m"})
-    assert adapter.block_hashes == hash_token_blocks(ids, BS, token_seed_for("m", None), 256)
+    assert adapter.block_hashes == hash_token_blocks(ids, BS, token_seed_for("m", None), cap)
     tenant = parse({**CHATS[1], "prompt_cache_key": "k"}, hasher, headers={"x-prefixroute-tenant": "t"})
     assert tenant.tenant == "t\x1fk"
-    assert tenant.block_hashes == hash_token_blocks(ids, BS, SEED, 256)  # the server's blocks are not tenant-salted
+    assert tenant.block_hashes == hash_token_blocks(ids, BS, SEED, cap)  # the server's blocks are not tenant-salted
 
 
 def test_text_mode_is_unchanged_without_a_tokenizer():
