@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from prefixroute.extproc.endpoints import Pool
 from prefixroute.extproc.routing.request import InferenceRequest, parse_request
 from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.extproc.routing.types import Decision, EndpointId, EndpointState
 
 
@@ -84,6 +85,9 @@ class PoolRouter:
         self.clock = clock
         self.pool = pool
         self.settings = core.settings
+        # Token mode (``--tokenizer``): built once; a tokenizer that cannot load fails startup (TokenizerLoadError).
+        self.hasher = PromptHasher.from_settings(core.settings)
+        self._adapters = getattr(pool, "adapters", None)  # the pool's live set of LoRA adapter names
         self._addr: dict[EndpointId, str] = {}
         self._id_of_addr: dict[str, EndpointId] = {}
         self._addrs_cache: dict[tuple[EndpointId, ...], tuple[str, ...]] = {}
@@ -116,7 +120,7 @@ class PoolRouter:
 
     def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> RoutePick:
         t0 = time.perf_counter()
-        request = parse_request(method, path, headers, body, self.settings)
+        request = parse_request(method, path, headers, body, self.settings, self.hasher, self._adapters)
         pool = self.pool
         decision = self.core.route(request, pool.snapshot(), pool.in_flight, self.clock())
         decision_us = (time.perf_counter() - t0) * 1e6

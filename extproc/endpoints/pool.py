@@ -54,7 +54,7 @@ from pathlib import Path
 import aiohttp
 
 from prefixroute.extproc.endpoints import Listener
-from prefixroute.extproc.endpoints.scrape import (ScrapedMetrics, event_addresses, parse_endpoint_list, parse_metrics, parse_models,
+from prefixroute.extproc.endpoints.scrape import (ScrapedMetrics, event_addresses, parse_adapters, parse_endpoint_list, parse_metrics, parse_models,
                                                   read_endpoints_file, restart_reason)
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.routing.types import EndpointId, EndpointState
@@ -174,6 +174,9 @@ class EndpointPool:
         ids = parse_endpoint_list(endpoints) if endpoints is not None else endpoints_from_settings(settings)
         self._order: list[EndpointId] = list(ids)
         self._watches: dict[EndpointId, _Watch] = {}
+        # LoRA adapter names any endpoint listed (``parent`` set in /v1/models): requests for them are hashed
+        # with the adapter as vLLM's lora_name extra key (token mode). Only grows: a name once an adapter stays one.
+        self.adapters: set[str] = set()
         self._states: list[EndpointState] = [EndpointState(ep, healthy=False, address=literal_address(ep))
                                              for ep in ids]
         self._pos: dict[EndpointId, int] = {ep: i for i, ep in enumerate(ids)}
@@ -467,6 +470,7 @@ class EndpointPool:
                 status, body = await self._get(w, "/v1/models", st.probe_timeout_s * 2)
                 if status == 200:
                     models = parse_models(body)
+                    self.adapters.update(parse_adapters(body))
                     if models != w.models:
                         w.models = models
                         self._publish(w, structural=True)

@@ -136,6 +136,20 @@ def restart_reason(prev: ScrapedMetrics, new: ScrapedMetrics) -> str | None:
     return None
 
 
+def parse_adapters(body: bytes) -> frozenset[str]:
+    """The LoRA adapters among the models of a ``GET /v1/models`` body: entries with a non-null ``parent`` (vLLM
+    lists an adapter with its base model as parent); ValueError as `parse_models`."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"/v1/models body is not JSON: {exc}") from None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("/v1/models body has no 'data' list")
+    return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+                     and m.get("parent"))
+
+
 def parse_models(body: bytes) -> frozenset[str]:
     """Model ids in an OpenAI ``GET /v1/models`` body (``{"data": [{"id": ...}, ...]}``); raises ValueError."""
     try:
