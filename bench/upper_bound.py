@@ -12,8 +12,8 @@ No router can beat this figure on the same request sequence: any real fleet spli
 Capacity-aware bound (`replay_belady`, `capacity_bound`): the same block reference sequence (every request's
 full prompt blocks, in send order, each request's blocks in chain order) replayed through ONE cache of the
 fleet's total KV capacity ``C = num_servers x num_gpu_blocks`` blocks, evicting by Belady's MIN (on a miss with
-the cache full, evict the cached block whose next reference is farthest in the future; never again = farthest,
-ties to the deeper block of its chain). The exact model bounded, and why it is an upper bound on every router
+the cache full, evict the cached block whose next reference is farthest in the future; never again = farthest;
+which of several dead blocks goes first changes nothing, they are never referenced again). The exact model bounded, and why it is an upper bound on every router
 in front of servers that evict by LRU (or by anything else):
 
 1. A fleet request's hit counts the *leading* blocks its server holds (capped at n - 1 tokens). Each of those
@@ -171,8 +171,7 @@ def replay_belady(requests: Sequence[RequestBlocks], capacity_blocks: int,
     blocks under Belady's MIN (see module doc for the model and why `present_tokens` summed is an upper bound).
 
     present = the request's blocks found cached when referenced (any position, uncapped); leading = the
-    consecutive found blocks from its first one, capped at n - 1 tokens like a server's hit. Ties between blocks
-    never referenced again go to the deeper block (evicted first), so chains are cut from their tails.
+    consecutive found blocks from its first one, capped at n - 1 tokens like a server's hit.
     """
     if capacity_blocks < 1:
         raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
@@ -190,14 +189,15 @@ def replay_belady(requests: Sequence[RequestBlocks], capacity_blocks: int,
         next_use[p] = last.get(x, inf)
         last[x] = p
     cached: dict[int, int] = {}  # block id -> the position of its next reference (its eviction key)
-    # Max-heap by (next use, depth) as negated tuples; entries whose key no longer matches are stale.
-    heap: list[tuple[int, int, int]] = []
+    # Max-heap of next uses (negated). A hit re-keys its block; the old entry (a past position) then ranks below
+    # every live one, and is skipped if it ever surfaces.
+    heap: list[tuple[int, int]] = []
     compact_at = 2 * capacity_blocks + 1024
     p = 0
     for req in requests:
         present = leading = 0
         in_lead = True
-        for depth in range(len(req.hashes)):
+        for _ in req.hashes:
             x, nxt = flat[p], next_use[p]
             p += 1
             if x in cached:
@@ -207,14 +207,14 @@ def replay_belady(requests: Sequence[RequestBlocks], capacity_blocks: int,
                 in_lead = False
                 if len(cached) >= capacity_blocks:
                     while True:
-                        neg_next, _, victim = heapq.heappop(heap)
+                        neg_next, victim = heapq.heappop(heap)
                         if cached.get(victim) == -neg_next:
                             del cached[victim]
                             break
             cached[x] = nxt
-            heapq.heappush(heap, (-nxt, -depth, x))
+            heapq.heappush(heap, (-nxt, x))
             if len(heap) > compact_at:
-                heap = [e for e in heap if cached.get(e[2]) == -e[0]]
+                heap = [e for e in heap if cached.get(e[1]) == -e[0]]
                 heapq.heapify(heap)
         yield req.num_tokens, present * block_tokens, min(leading, _cap_blocks(req.num_tokens, block_tokens)) * block_tokens
 
