@@ -140,25 +140,26 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     if sweep:
         return _run_sweep(s, wl, spec, sweep)
-    from prefixroute.bench.upper_bound import fleet_bounds, upper_bound
+    from prefixroute.bench.upper_bound import fleet_bounds
 
-    bound = upper_bound(wl)
+    # One tokenization of the sequence for both bounds (infinite cache, and MIN at the fleet's capacity).
     bounds = fleet_bounds(wl, s.servers, s.profile, s.server_args)
-    _log(f"workload {wl.name}: {len(wl.requests)} requests, upper bound hit ratio {bound.hit_ratio:.3f}; working set "
+    bound_ratio = bounds["infinite_cache_hit_ratio"]
+    _log(f"workload {wl.name}: {len(wl.requests)} requests, upper bound hit ratio {bound_ratio:.3f}; working set "
          f"{bounds['working_set_blocks']:,} blocks ({bounds['shared_working_set_blocks']:,} shared); "
          + (f"fleet KV {bounds['capacity_blocks']:,} blocks, Belady MIN bound {bounds['belady_hit_ratio']:.3f}"
             if bounds["capacity_blocks"] else bounds["note"]))
     out = Path(s.out)
     command = "prefixroute bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     if s.virtual:
-        doc, ttfts = virtual.run_virtual(wl, bound.hit_ratio, s.routers, num_servers=s.servers, spec=spec,
+        doc, ttfts = virtual.run_virtual(wl, bound_ratio, s.routers, num_servers=s.servers, spec=spec,
                                          seed=s.seed, concurrency=s.concurrency, server_args=s.server_args,
                                          log=_log)
     else:
         from prefixroute.bench.runner import FleetConfig, run_bench
 
         fleet = FleetConfig(s.servers, s.profile, s.server_args, s.startup_timeout_s)
-        doc, ttfts = run_bench(wl, bound.hit_ratio, s.routers, fleet, out, log=_log, seed=s.seed,
+        doc, ttfts = run_bench(wl, bound_ratio, s.routers, fleet, out, log=_log, seed=s.seed,
                                concurrency=s.concurrency, max_connections=s.max_connections,
                                request_timeout_s=s.request_timeout_s, max_duration_s=s.max_duration_s,
                                gateway_args=s.gateway_args, progress=s.progress)
