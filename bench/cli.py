@@ -62,7 +62,11 @@ def build_workload(s: BenchSettings) -> workloads.Workload:
                                      output_tokens=s.output_tokens, prefix_tokens=s.prefix_tokens,
                                      num_groups=s.num_groups, question_tokens=s.question_tokens,
                                      num_sessions=s.num_sessions, num_turns=s.num_turns,
-                                     document_tokens=s.document_tokens, num_documents=s.num_documents)
+                                     document_tokens=s.document_tokens, num_documents=s.num_documents,
+                                     pressure_num_groups=s.pressure_num_groups,
+                                     pressure_min_prefix_tokens=s.pressure_min_prefix_tokens,
+                                     pressure_max_prefix_tokens=s.pressure_max_prefix_tokens,
+                                     pressure_zipf_s=s.pressure_zipf_s)
     arrival = s.arrival if s.arrival != "auto" else ("trace" if s.trace else "poisson")
     if arrival not in ("trace", "poisson", "closed"):
         raise ValueError(f"--arrival must be auto, trace, poisson or closed; got {s.arrival!r}")
@@ -124,29 +128,42 @@ def _main(args: argparse.Namespace) -> int:
         if not s.num_requests:
             s = dataclasses.replace(s, num_requests=resolve_num_requests(s.virtual, bool(sweep)))
         wl = build_workload(s)
+        extra_args = pressure_server_args(s, wl)
+        if extra_args:
+            s = dataclasses.replace(s, server_args=(*s.server_args, *extra_args))
+            _log(f"capacity-pressure: {' '.join(extra_args)} per server (--pressure-kv-ratio {s.pressure_kv_ratio:g} "
+                 f"of the shared working set on {s.servers} servers; set --server-args=--num-gpu-blocks=N to choose)")
+            if s.virtual or sweep:
+                spec = virtual.engine_spec(s.profile, s.server_args, allow_unsimulated=not s.virtual)
     except (ValueError, OSError) as exc:
         _log(f"prefixroute bench: error: {exc}")
         return 2
     if sweep:
         return _run_sweep(s, wl, spec, sweep)
-    from prefixroute.bench.upper_bound import upper_bound
+    from prefixroute.bench.upper_bound import fleet_bounds
 
-    bound = upper_bound(wl)
-    _log(f"workload {wl.name}: {len(wl.requests)} requests, upper bound hit ratio {bound.hit_ratio:.3f}")
+    # One tokenization of the sequence for both bounds (infinite cache, and MIN at the fleet's capacity).
+    bounds = fleet_bounds(wl, s.servers, s.profile, s.server_args)
+    bound_ratio = bounds["infinite_cache_hit_ratio"]
+    _log(f"workload {wl.name}: {len(wl.requests)} requests, upper bound hit ratio {bound_ratio:.3f}; working set "
+         f"{bounds['working_set_blocks']:,} blocks ({bounds['shared_working_set_blocks']:,} shared); "
+         + (f"fleet KV {bounds['capacity_blocks']:,} blocks, Belady MIN bound {bounds['belady_hit_ratio']:.3f}"
+            if bounds["capacity_blocks"] else bounds["note"]))
     out = Path(s.out)
     command = "prefixroute bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     if s.virtual:
-        doc, ttfts = virtual.run_virtual(wl, bound.hit_ratio, s.routers, num_servers=s.servers, spec=spec,
+        doc, ttfts = virtual.run_virtual(wl, bound_ratio, s.routers, num_servers=s.servers, spec=spec,
                                          seed=s.seed, concurrency=s.concurrency, server_args=s.server_args,
                                          log=_log)
     else:
         from prefixroute.bench.runner import FleetConfig, run_bench
 
         fleet = FleetConfig(s.servers, s.profile, s.server_args, s.startup_timeout_s)
-        doc, ttfts = run_bench(wl, bound.hit_ratio, s.routers, fleet, out, log=_log, seed=s.seed,
+        doc, ttfts = run_bench(wl, bound_ratio, s.routers, fleet, out, log=_log, seed=s.seed,
                                concurrency=s.concurrency, max_connections=s.max_connections,
                                request_timeout_s=s.request_timeout_s, max_duration_s=s.max_duration_s,
                                gateway_args=s.gateway_args, progress=s.progress)
+    doc["bounds"] = bounds
     files = report.write_outputs(out, doc, ttfts, command=command)
     print(report.render_markdown(doc, command).split("Plots:")[0].rstrip())
     _log("wrote " + ", ".join(str(p) for p in files.values()))
@@ -159,6 +176,17 @@ def _main(args: argparse.Namespace) -> int:
         _log(f"every request failed for: {', '.join(failed)} (see {out / 'logs'})")
     # A peer router skipped by --virtual is expected; one that is missing or failed in a real run is not.
     return 1 if (doc.get("skipped") and not s.virtual) or failed or not doc["runs"] or not overhead_ok else 0
+
+
+def pressure_server_args(s: BenchSettings, wl: workloads.Workload) -> tuple[str, ...]:
+    """``--num-gpu-blocks=N`` sized for capacity-pressure (`upper_bound.gpu_blocks_for` at --pressure-kv-ratio)
+    when --server-args gives none; nothing for other workloads, a trace, or --pressure-kv-ratio 0."""
+    if (s.trace or s.workload != "capacity-pressure" or not s.pressure_kv_ratio > 0
+            or any(a == "--num-gpu-blocks" or a.startswith("--num-gpu-blocks=") for a in s.server_args)):
+        return ()
+    from prefixroute.bench.upper_bound import gpu_blocks_for
+
+    return (f"--num-gpu-blocks={gpu_blocks_for(wl, s.servers, s.pressure_kv_ratio)}",)
 
 
 def parse_sweep_percents(values: tuple[str, ...]) -> list[float]:

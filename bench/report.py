@@ -1,7 +1,8 @@
 """Write a bench run's outputs: results.json, report.md (table + ratios vs random) and PNG plots.
 
 Plots use matplotlib's Agg backend (no display): ``ttft_cdf.png`` (TTFT CDF per router),
-``hit_ratio.png`` (hit ratio per router with the upper bound as a line) and ``endpoint_share.png``
+``hit_ratio.png`` (hit ratio per router with the upper bounds as lines: infinite cache, Belady MIN at the
+fleet's capacity) and ``endpoint_share.png``
 (share of requests per endpoint per router, with the fair share as a line). The per-request TTFTs for
 the CDF come from the caller (results.json keeps only percentiles).
 """
@@ -72,6 +73,91 @@ def target_checks(doc: Mapping[str, Any], ours: str = "prefixroute:prefix") -> l
     return out
 
 
+PRECISE_HIT_GAIN = 1.25
+"""Issue 13: the events-driven index's hit ratio at least 1.25x approximate's and sglang-router's."""
+PRECISE_P90_RATIO = 0.8
+"""Issue 13: its P90 TTFT at most 0.8x both of theirs."""
+PREDICTION_TOLERANCE = 0.03
+"""Issue 13: the router's predicted hit ratio within 3 points of the actual one."""
+
+
+def _find_run(runs: Mapping[str, Mapping[str, Any]], *names: str) -> Mapping[str, Any] | None:
+    return next((runs[n] for n in names if n in runs), None)
+
+
+def index_source_checks(doc: Mapping[str, Any], policy: str = "prefix") -> list[tuple[str, str, bool]]:
+    """Issue 13's targets, as (target, measured, met), for the runs this document has: the events-driven index
+    (``prefixroute:POLICY@events``, else ``prefixroute:POLICY`` when the fleet published events: the gateway's
+    auto source then uses them) against ``@approximate`` and sglang-router (hit ratio >= 1.25x, P90 TTFT <= 0.8x
+    each), ``@feedback`` between approximate and events (hit ratio and P90), and every run of ours that reports
+    predicted and actual hit ratios (router /metrics): within 3 points."""
+    runs = {r["router"]: r for r in doc["runs"]}
+    base = f"prefixroute:{policy}"
+    events = _find_run(runs, f"{base}@events")
+    if events is None and (doc.get("workload") or {}).get("kv_events"):
+        events = _find_run(runs, base, f"{base}@auto")
+    approx = _find_run(runs, f"{base}@approximate")
+    feedback = _find_run(runs, f"{base}@feedback")
+    out: list[tuple[str, str, bool]] = []
+
+    def hit(r: Mapping[str, Any] | None) -> float | None:
+        return None if r is None else r.get("hit_ratio")
+
+    def p90(r: Mapping[str, Any] | None) -> float | None:
+        return None if r is None else (r.get("ttft_ms") or {}).get("p90")
+
+    if events is not None:
+        for other in (approx, runs.get("sglang-router")):
+            if other is None:
+                continue
+            me, them = hit(events), hit(other)
+            if me is not None and them is not None:
+                out.append((f"{events['router']} hit ratio >= {PRECISE_HIT_GAIN}x {other['router']}'s",
+                            f"{me:.3f} vs {them:.3f} ({_ratio(me, them)})",
+                            me >= PRECISE_HIT_GAIN * them))
+            me, them = p90(events), p90(other)
+            if me is not None and them is not None:
+                out.append((f"{events['router']} P90 TTFT <= {PRECISE_P90_RATIO}x {other['router']}'s",
+                            f"{me:.1f} vs {them:.1f} ms ({_ratio(me, them)})", me <= PRECISE_P90_RATIO * them))
+        if feedback is not None and approx is not None:
+            lo, mid, hi = hit(approx), hit(feedback), hit(events)
+            if None not in (lo, mid, hi):
+                out.append((f"{feedback['router']} hit ratio between approximate's and events'",
+                            f"{lo:.3f} <= {mid:.3f} <= {hi:.3f}", lo <= mid <= hi))
+            lo, mid, hi = p90(events), p90(feedback), p90(approx)
+            if None not in (lo, mid, hi):
+                out.append((f"{feedback['router']} P90 TTFT between events' and approximate's",
+                            f"{lo:.1f} <= {mid:.1f} <= {hi:.1f} ms", lo <= mid <= hi))
+    for r in doc["runs"]:
+        rm = (r.get("extra") or {}).get("router_metrics") or {}
+        pred, act = rm.get("predicted_hit_ratio"), rm.get("actual_hit_ratio")
+        if pred is not None and act is not None:
+            out.append((f"{r['router']} predicted hit ratio within {PREDICTION_TOLERANCE * 100:.0f} points of actual",
+                        f"{pred:.3f} vs {act:.3f} ({(pred - act) * 100:+.1f} points)",
+                        abs(pred - act) <= PREDICTION_TOLERANCE + 1e-9))
+    return out
+
+
+def render_bounds(bounds: Mapping[str, Any] | None) -> list[str]:
+    """The report's lines about the workload's bounds (`upper_bound.fleet_bounds`); empty without them."""
+    if not bounds:
+        return []
+    lines = [f"Working set: {bounds['working_set_blocks']:,} distinct KV blocks of {bounds['block_tokens']} tokens, "
+             f"{bounds['shared_working_set_blocks']:,} of them referenced by two requests or more."]
+    if bounds.get("capacity_blocks"):
+        shared = bounds["shared_working_set_blocks"]
+        lines.append(f"Fleet KV capacity: {bounds['num_servers']} x {bounds['num_gpu_blocks']:,} = "
+                     f"{bounds['capacity_blocks']:,} blocks ({bounds['num_gpu_blocks_source']}), "
+                     f"{bounds['capacity_blocks'] / shared:.0%} of the shared working set."
+                     if shared else "")
+        lines.append(f"Upper bound at fleet capacity (Belady MIN on one cache of {bounds['capacity_blocks']:,} "
+                     f"blocks): hit ratio {_fmt(bounds['belady_hit_ratio'], 3)}; for reference, one pooled LRU "
+                     f"cache of that size: {_fmt(bounds['lru_pooled_hit_ratio'], 3)}.")
+    if bounds.get("note"):
+        lines.append(bounds["note"])
+    return [" ".join(x for x in lines if x), ""]
+
+
 def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
     """report.md: workload, upper bound, one table row per run, ratios vs random where present."""
     wl = doc["workload"]
@@ -82,25 +168,49 @@ def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
     if command:
         lines += ["Command:", "", "```", command, "```", ""]
     params = ", ".join(f"{k}={v}" for k, v in wl.items() if not isinstance(v, (dict, list)))
+    bounds = doc.get("bounds") or {}
+    min_ub = bounds.get("belady_hit_ratio")
     lines += [f"Workload: {params}", "",
               f"Upper bound (one infinite cache): hit ratio {_fmt(ub, 3)}", ""]
-    lines.append("| router | requests | errors | hit ratio | of upper bound | TTFT p50 ms | p90 | p99 | "
+    lines += render_bounds(bounds)
+    lines.append("| router | requests | errors | hit ratio | of upper bound | of MIN bound | TTFT p50 ms | p90 | p99 | "
                  "ITL p50 ms | p99 | E2E p50 ms | p99 | req/s | max share / fair | TTFT p50 vs random | "
                  "TTFT p90 vs random |")
-    lines.append("| --- " * 16 + "|")
+    lines.append("| --- " * 17 + "|")
     for r in runs:
         t, i, e = r["ttft_ms"], r["itl_ms"], r["e2e_ms"]
         hr = r["hit_ratio"]
         of_ub = f"{hr / ub:.0%}" if hr is not None and ub else "-"
+        of_min = f"{hr / min_ub:.0%}" if hr is not None and min_ub else "-"
         max_share = (r.get("extra") or {}).get("max_share_over_fair")
         vs50 = _ratio(t["p50"], base["ttft_ms"]["p50"]) if base is not None else "-"
         vs90 = _ratio(t["p90"], base["ttft_ms"]["p90"]) if base is not None else "-"
-        lines.append(f"| {r['router']} | {r['requests']} | {r['errors']} | {_fmt(hr, 3)} | {of_ub} | "
+        lines.append(f"| {r['router']} | {r['requests']} | {r['errors']} | {_fmt(hr, 3)} | {of_ub} | {of_min} | "
                      f"{_fmt(t['p50'])} | {_fmt(t['p90'])} | {_fmt(t['p99'])} | {_fmt(i['p50'], 2)} | "
                      f"{_fmt(i['p99'], 2)} | {_fmt(e['p50'])} | {_fmt(e['p99'])} | {_fmt(r['throughput_rps'], 2)} | "
                      f"{_fmt(max_share, 2)} | {vs50} | {vs90} |")
-    lines += ["", "hit ratio = server-reported cached prompt tokens / prompt tokens; max share / fair = the "
+    lines += ["", "hit ratio = server-reported cached prompt tokens / prompt tokens; of MIN bound = of Belady's "
+              "optimal eviction on one cache of the fleet's KV capacity; max share / fair = the "
               "busiest endpoint's share of requests over 1/num_endpoints; ratios < 1 are better than random.", ""]
+    sourced = [r for r in runs if "index_source" in (r.get("extra") or {})]
+    if sourced:
+        lines += [f"Prefix-index sources (servers publishing KV events: "
+                  f"{'yes' if (doc.get('workload') or {}).get('kv_events') else 'no'}):", "",
+                  "| router | index source | predicted hit ratio | actual hit ratio (router) | difference |",
+                  "| --- | --- | --- | --- | --- |"]
+        for r in sourced:
+            ex = r["extra"]
+            rm = ex.get("router_metrics") or {}
+            pred, act = rm.get("predicted_hit_ratio"), rm.get("actual_hit_ratio")
+            per_ep = rm.get("index_source_by_endpoint")
+            src = ex["index_source"] + (f" ({', '.join(sorted(set(per_ep.values())))} in use)" if per_ep else "")
+            diff = f"{(pred - act) * 100:+.1f} points" if pred is not None and act is not None else "-"
+            lines.append(f"| {r['router']} | {src} | {_fmt(pred, 3)} | {_fmt(act, 3)} | {diff} |")
+        lines.append("")
+    checks13 = index_source_checks(doc)
+    if checks13:
+        lines += ["Issue 13 targets (index sources):", "", "| target | measured | met |", "| --- | --- | --- |"]
+        lines += [f"| {t} | {m} | {'yes' if ok else 'NO'} |" for t, m, ok in checks13] + [""]
     checks = target_checks(doc)
     if checks:
         lines += ["Issue 7 targets for prefixroute:prefix (the 80%-below-random target applies at a load where "
@@ -148,6 +258,11 @@ def plot(out_dir: Path, doc: Mapping[str, Any], ttfts_ms: Mapping[str, Sequence[
     ub = doc.get("upper_bound_hit_ratio")
     if ub is not None:
         ax.axhline(ub * 100, color="tab:red", linestyle="--", label=f"upper bound {ub * 100:.1f}%")
+    min_ub = (doc.get("bounds") or {}).get("belady_hit_ratio")
+    if min_ub is not None:
+        ax.axhline(min_ub * 100, color="tab:orange", linestyle=":",
+                   label=f"Belady MIN at fleet capacity {min_ub * 100:.1f}%")
+    if ub is not None or min_ub is not None:
         ax.legend(fontsize=8)
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("prefix-cache hit ratio (% of prompt tokens)")

@@ -8,7 +8,16 @@ For every router, in order:
 4. scrape each server's ``/metrics`` (requests served, prefix-cache hits) as a cross-check, stop everything.
 
 Peer routers (`sglang-router`, `vllm-router`) come from the optional ``[peers]`` extra; one that is not
-installed is skipped with a message in the report. Every process is stopped on any failure, and on the
+installed is skipped with a message in the report.
+
+KV events: when the simulated servers can publish them (`fleet_publishes_events`: ``prefixroute model-server
+--help`` lists ``--kv-events-config``), every run's servers publish, each on its own pair of consecutive free
+ports (PUB, replay = PUB + 1, the gateway's default kv_events_replay_port_offset), so every router meets the
+same fleet; our gateway gets ``--endpoints host:port@tcp://127.0.0.1:PUB`` and ``--tokenizer sim`` (it must
+tokenize as the servers do to match their blocks) and subscribes; peers get the plain endpoints. A router name
+``prefixroute:POLICY@SOURCE`` passes ``--index-source SOURCE`` (events, feedback, approximate, auto); without
+``@SOURCE`` the gateway's default (auto: events where published). Servers that cannot publish: the runs go
+on as before, and ``@events`` runs are skipped with the reason in the report. Every process is stopped on any failure, and on the
 `Stopped` that `prefixroute bench` raises for SIGINT/SIGTERM/SIGHUP (context managers own every child).
 """
 
@@ -17,9 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
+import functools
 import importlib.util
+import json
+import os
 import re
+import subprocess
 import shutil
 import sys
 import time
@@ -30,10 +42,11 @@ from typing import Any
 from prefixroute.bench import client as bench_client
 from prefixroute.bench import results as bench_results
 from prefixroute.bench.workloads import RequestSpec, Workload
-from prefixroute.extproc.routing.settings import POLICIES
+from prefixroute import procs as procs_mod
+from prefixroute.extproc.routing.settings import INDEX_SOURCES, POLICIES
 from prefixroute.procs import LOOPBACK as HOST
 from prefixroute.procs import (ManagedProcess, ProcessGroup, StartupError, free_port, free_ports, http_get,
-                               prefixroute_argv)
+                               port_in_use, prefixroute_argv)
 
 SETTLE_S = 1.5
 """Wait after a router first answers, so its health probes have reached every endpoint (probe interval 1 s)."""
@@ -44,26 +57,32 @@ PEER_POLICIES = {"sglang-router": ("cache_aware", "round_robin", "random", "powe
 
 @dataclasses.dataclass(frozen=True)
 class RouterSpec:
-    """A router to benchmark: ``kind`` prefixroute / sglang-router / vllm-router, and its policy."""
+    """A router to benchmark: ``kind`` prefixroute / sglang-router / vllm-router, its policy and, for our gateway,
+    the prefix index's source (``--index-source``; "" = the gateway's default)."""
 
     name: str
     kind: str
     policy: str
+    index_source: str = ""
 
 
 def parse_router(name: str) -> RouterSpec:
-    """``prefixroute:POLICY``, ``sglang-router[:POLICY]``, ``vllm-router[:POLICY]``; ValueError otherwise."""
+    """``prefixroute:POLICY[@SOURCE]`` (SOURCE one of INDEX_SOURCES), ``sglang-router[:POLICY]``,
+    ``vllm-router[:POLICY]``; ValueError otherwise."""
     kind, _, policy = name.strip().partition(":")
     if kind == "prefixroute":
+        policy, at, source = policy.partition("@")
         if policy not in POLICIES:
             raise ValueError(f"router {name!r}: policy must be one of {', '.join(POLICIES)}")
-        return RouterSpec(name, kind, policy)
+        if at and source not in INDEX_SOURCES:
+            raise ValueError(f"router {name!r}: index source (after @) must be one of {', '.join(INDEX_SOURCES)}")
+        return RouterSpec(name.strip(), kind, policy, source)
     if kind in PEER_POLICIES:
         policy = policy or "cache_aware"
         if policy not in PEER_POLICIES[kind]:
             raise ValueError(f"router {name!r}: policy must be one of {', '.join(PEER_POLICIES[kind])}")
         return RouterSpec(name if ":" in name else kind, kind, policy)
-    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY, sglang-router[:POLICY] or "
+    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE], sglang-router[:POLICY] or "
                      f"vllm-router[:POLICY]")
 
 
@@ -72,8 +91,15 @@ def _venv_script(name: str) -> str | None:
     return str(here) if here.exists() else shutil.which(name)
 
 
-def unavailable_reason(spec: RouterSpec) -> str | None:
-    """Why `spec` cannot run here (peer router not installed), None if it can."""
+NO_EVENTS_REASON = ("the model servers do not publish KV events here (`prefixroute model-server --help` lists no "
+                    "--kv-events-config), so an events-only index would match nothing")
+
+
+def unavailable_reason(spec: RouterSpec, kv_events: bool = True) -> str | None:
+    """Why `spec` cannot run here (peer router not installed; an events-only index on a fleet without KV events),
+    None if it can."""
+    if spec.index_source == "events" and not kv_events:
+        return NO_EVENTS_REASON
     if spec.kind == "sglang-router" and importlib.util.find_spec("sglang_router") is None:
         return "not installed: pip install 'prefixroute[peers]' (sglang-router==0.3.2)"
     if spec.kind == "vllm-router" and _venv_script("vllm-router") is None:
@@ -87,21 +113,104 @@ def unavailable_reason(spec: RouterSpec) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class FleetConfig:
     """The simulated fleet of a bench run. `ports` (optional) pins the servers' ports so every run of a bench
-    has the same endpoint ids (comparable endpoint shares); empty = fresh free ports per start."""
+    has the same endpoint ids (comparable endpoint shares); empty = fresh free ports per start. `kv_events`:
+    the servers publish KV events (True), do not (False), or None = when they can (`fleet_publishes_events`)
+    and --server-args sets no --kv-events-config of its own; `run_bench` resolves None."""
 
     num_servers: int
     profile: str = ""
     server_args: tuple[str, ...] = ()
     startup_timeout_s: float = 60.0
     ports: tuple[int, ...] = ()
+    kv_events: bool | None = None
 
 
 def distinct_free_ports(n: int) -> tuple[int, ...]:
     return tuple(free_ports(n))
 
 
-def start_fleet(group: ProcessGroup, cfg: FleetConfig) -> list[str]:
-    """Start the model servers and wait for /health on each; returns their ``host:port`` ids."""
+# --------------------------------------------------------------------------------------------- KV events
+
+KV_EVENTS_TOPIC = "kv-events"
+"""Topic the bench's servers publish under (vLLM's example config); the gateway subscribes to every topic."""
+
+
+@functools.cache
+def fleet_publishes_events() -> bool:
+    """Whether ``prefixroute model-server`` takes ``--kv-events-config`` (asked once per process: its --help).
+    The one switch between a bench without events (servers that cannot publish) and one with them."""
+    try:
+        out = subprocess.run(prefixroute_argv("model-server", "--help"), capture_output=True, text=True,
+                             timeout=60.0, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and "--kv-events-config" in out.stdout
+
+
+def kv_events_config(pub_port: int, replay_port: int, topic: str = KV_EVENTS_TOPIC) -> str:
+    """The ``--kv-events-config`` JSON of one server, vLLM's KVEventsConfig shape (binds every interface as vLLM's
+    example does: ``tcp://*:PORT``; the servers here listen on loopback only anyway)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub_port}",
+                       "replay_endpoint": f"tcp://*:{replay_port}", "topic": topic}, separators=(",", ":"))
+
+
+def free_port_pairs(n: int) -> list[tuple[int, int]]:
+    """`n` pairs (p, p + 1) of free ports, all distinct: a publisher's PUB and replay sockets (the gateway finds
+    the replay socket at PUB + kv_events_replay_port_offset, 1 by default)."""
+    pairs: list[tuple[int, int]] = []
+    taken: set[int] = set()
+    for _ in range(200 * n):
+        if len(pairs) == n:
+            break
+        p = free_port()
+        if p + 1 > 65535 or p + 1 in taken or p + 1 in procs_mod._handed_out or port_in_use(p + 1):
+            continue
+        # Reserve p + 1 in the process-wide set free_ports draws against, so no later port collides with it.
+        procs_mod._handed_out.add(p + 1)
+        pairs.append((p, p + 1))
+        taken.update((p, p + 1))
+    if len(pairs) < n:
+        raise StartupError(f"found only {len(pairs)} of {n} pairs of consecutive free ports for KV events")
+    return pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class KVEventsPlan:
+    """Where each server of a fleet publishes: ``pub_ports[k]`` (replay on + 1) for the k-th server."""
+
+    pub_ports: tuple[int, ...]
+
+    @classmethod
+    def allocate(cls, num_servers: int) -> KVEventsPlan:
+        return cls(tuple(p for p, _ in free_port_pairs(num_servers)))
+
+    def server_args(self, k: int) -> list[str]:
+        """Flags that make the k-th server publish on its pair of ports."""
+        return ["--kv-events-config", kv_events_config(self.pub_ports[k], self.pub_ports[k] + 1)]
+
+    def gateway_endpoints(self, endpoints: Sequence[str]) -> list[str]:
+        """``host:port@tcp://127.0.0.1:PUB`` per endpoint, in fleet order (the gateway's --endpoints form)."""
+        if len(endpoints) != len(self.pub_ports):
+            raise ValueError("one event address per endpoint")
+        return [f"{ep}@tcp://{HOST}:{p}" for ep, p in zip(endpoints, self.pub_ports)]
+
+
+def server_args_set_kv_events(server_args: Sequence[str]) -> bool:
+    return any(a == "--kv-events-config" or a.startswith("--kv-events-config=") for a in server_args)
+
+
+def resolve_kv_events(fleet: FleetConfig) -> FleetConfig:
+    """`fleet` with `kv_events` decided: None -> publish when the servers can and --server-args does not
+    configure events itself (one address for every server would collide; the bench cannot know them)."""
+    if fleet.kv_events is not None:
+        return fleet
+    on = not server_args_set_kv_events(fleet.server_args) and fleet_publishes_events()
+    return dataclasses.replace(fleet, kv_events=on)
+
+
+def start_fleet(group: ProcessGroup, cfg: FleetConfig, events: KVEventsPlan | None = None) -> list[str]:
+    """Start the model servers and wait for /health on each; returns their ``host:port`` ids. With `events`,
+    each publishes KV events on its ports of the plan."""
     if cfg.ports and len(cfg.ports) != cfg.num_servers:
         raise ValueError("FleetConfig.ports must give one port per server")
     endpoints = []
@@ -112,12 +221,27 @@ def start_fleet(group: ProcessGroup, cfg: FleetConfig) -> list[str]:
         argv = prefixroute_argv("model-server", "--host", HOST, "--port", str(port), "--id", ep)
         if cfg.profile:
             argv += ["--profile", cfg.profile]
+        if events is not None:
+            argv += events.server_args(k)
         argv += list(cfg.server_args)
-        procs.append(group.start(f"server-{k}", argv, ports=(port,), wait=False,
+        ports = (port, events.pub_ports[k], events.pub_ports[k] + 1) if events is not None else (port,)
+        procs.append(group.start(f"server-{k}", argv, ports=ports, wait=False,
                                  ready=lambda ep=ep: http_get(f"http://{ep}/health")[0] == 200))
         endpoints.append(ep)
     group.wait_ready(procs, timeout_s=cfg.startup_timeout_s)  # started in parallel, waited for in turn
     return endpoints
+
+
+def gateway_event_args(spec: RouterSpec, kv_events: bool) -> tuple[str, ...]:
+    """Flags our gateway gets for `spec`: ``--index-source`` when the name sets one, and ``--tokenizer sim`` when
+    the fleet publishes events and the source can use them (auto, events): matching the servers' blocks needs
+    their tokenizer. feedback and approximate keep the text-block hashing of round 1."""
+    out: list[str] = []
+    if spec.index_source:
+        out += ["--index-source", spec.index_source]
+    if kv_events and spec.index_source in ("", "auto", "events"):
+        out += ["--tokenizer", "sim"]
+    return tuple(out)
 
 
 def served_model(endpoint: str) -> str:
@@ -153,9 +277,10 @@ def scrape_server_counters(endpoints: Sequence[str]) -> dict[str, dict[str, floa
 
 
 def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Sequence[str], port: int, *,
-                   seed: int, gateway_args: Sequence[str], log_dir: Path | None) -> ManagedProcess:
+                   seed: int, gateway_args: Sequence[str], log_dir: Path | None) -> Any:
     """Our gateway (Envoy + ext_proc) through its Python API; `gateway_args` are `prefixroute gateway` flags.
-    Returns its Envoy (the process clients talk to)."""
+    Returns its `GatewayProcesses` (``envoy``: the process clients talk to; ``metrics_port``: the router's
+    /metrics)."""
     import argparse
 
     from prefixroute import settings as settings_mod
@@ -182,23 +307,41 @@ def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Seq
     except (RuntimeError, OSError) as exc:
         raise StartupError(f"gateway for {spec.name}: {exc}") from exc
     assert procs.envoy is not None  # set by start()
-    return procs.envoy
+    return procs
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterHandle:
+    """A started router: its base URL, and for our gateway the URL of the router's /metrics (None otherwise)."""
+
+    base_url: str
+    metrics_url: str | None = None
+
+
+def _log_name(spec: RouterSpec) -> str:
+    return spec.name.replace(":", "-").replace("@", "-")
 
 
 def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Sequence[str], *,
-                 seed: int, gateway_args: Sequence[str] = (), startup_timeout_s: float = 60.0) -> str:
-    """Start `spec` in front of `endpoints`; returns its base URL once it routes to the fleet.
+                 seed: int, gateway_args: Sequence[str] = (), startup_timeout_s: float = 60.0,
+                 gateway_endpoints: Sequence[str] | None = None) -> RouterHandle:
+    """Start `spec` in front of `endpoints`; returns its handle once it routes to the fleet.
 
     Ready means the router answers ``GET /v1/models`` with 200 (it has a healthy endpoint); sglang-router
-    additionally lists every worker healthy on ``/readiness``.
+    additionally lists every worker healthy on ``/readiness``. `gateway_endpoints` (our gateway only) replaces
+    `endpoints` in its --endpoints, e.g. with their KV-event addresses; peers always get the plain `endpoints`.
     """
     port = free_port()
     base = f"http://{HOST}:{port}"
     urls = [f"http://{e}" for e in endpoints]
-    name = f"router-{spec.name.replace(':', '-')}"
+    name = f"router-{_log_name(spec)}"
+    metrics_url = None
     if spec.kind == "prefixroute":
-        proc = _start_gateway(stack, spec, endpoints, port, seed=seed, gateway_args=gateway_args,
-                              log_dir=group.log_dir / name if group.log_dir is not None else None)
+        gw = _start_gateway(stack, spec, gateway_endpoints or endpoints, port, seed=seed, gateway_args=gateway_args,
+                            log_dir=group.log_dir / name if group.log_dir is not None else None)
+        proc = gw.envoy
+        if getattr(gw, "metrics_port", -1) and gw.metrics_port > 0:
+            metrics_url = f"http://{HOST}:{gw.metrics_port}/metrics"
 
         def ready() -> bool:
             return http_get(f"{base}/v1/models")[0] == 200
@@ -222,7 +365,49 @@ def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterS
         # Answering means one endpoint is healthy; every endpoint gets its first health probe within ~1 s of
         # start (gateway and vllm-router alike). Settle so the run starts with the whole fleet eligible.
         time.sleep(SETTLE_S)
-    return base
+    return RouterHandle(base, metrics_url)
+
+
+_ROUTER_METRIC_RE = re.compile(r'^(prefixroute_prompt_tokens_total|prefixroute_predicted_hit_tokens_total|'
+                               r'prefixroute_actual_hit_tokens_total)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$', re.M)
+# An index-source-per-endpoint series, whatever its exact name (`..._index_source...{endpoint=..,source=..} 1`).
+_SOURCE_METRIC_RE = re.compile(r'^prefixroute_\w*index_source\w*\{([^}]*)\}\s+([0-9.eE+-]+)$', re.M)
+_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_router_metrics(text: str) -> dict[str, Any]:
+    """From our router's /metrics text: prompt, predicted-hit and actual-hit tokens summed over endpoints, the
+    predicted and actual hit ratios they give (None without prompt tokens), and, where the router exposes one,
+    the index source per endpoint (a ``prefixroute_*index_source*{endpoint, source}`` series at 1)."""
+    sums: dict[str, float] = {}
+    for m in _ROUTER_METRIC_RE.finditer(text):
+        key = m.group(1).removeprefix("prefixroute_").removesuffix("_total")
+        sums[key] = sums.get(key, 0.0) + float(m.group(2))
+    prompt = sums.get("prompt_tokens", 0.0)
+    out: dict[str, Any] = {
+        "prompt_tokens": int(prompt), "predicted_hit_tokens": round(sums.get("predicted_hit_tokens", 0.0), 1),
+        "actual_hit_tokens": int(sums.get("actual_hit_tokens", 0.0)),
+        "predicted_hit_ratio": round(sums.get("predicted_hit_tokens", 0.0) / prompt, 6) if prompt else None,
+        "actual_hit_ratio": round(sums.get("actual_hit_tokens", 0.0) / prompt, 6) if prompt else None,
+    }
+    sources: dict[str, str] = {}
+    for m in _SOURCE_METRIC_RE.finditer(text):
+        labels = dict(_LABEL_RE.findall(m.group(1)))
+        if float(m.group(2)) > 0 and "source" in labels:
+            sources[labels.get("endpoint", "")] = labels["source"]
+    if sources:
+        out["index_source_by_endpoint"] = sources
+    return out
+
+
+def scrape_router_metrics(url: str | None) -> dict[str, Any] | None:
+    """`parse_router_metrics` of `url`; None when there is none or it does not answer."""
+    if not url:
+        return None
+    status, body = http_get(url)
+    if status != 200:
+        return None
+    return parse_router_metrics(body.decode(errors="replace"))
 
 
 # ------------------------------------------------------------------------------------------------- runs
@@ -269,15 +454,21 @@ def prior_gateway_args(fleet: FleetConfig) -> tuple[str, ...]:
 def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetConfig, log_dir: Path, *,
                seed: int, concurrency: int, max_connections: int, request_timeout_s: float, max_duration_s: float,
                gateway_args: Sequence[str] = (), progress: bool = True) -> RunOutput:
-    """One router on a fresh fleet; every process stopped before returning (or raising)."""
-    # Exit order: the router (stack) first, then the servers (group).
+    """One router on a fresh fleet; every process stopped before returning (or raising). The fleet publishes KV
+    events when ``fleet.kv_events`` (None is resolved here, see `resolve_kv_events`)."""
+    fleet = resolve_kv_events(fleet)
     if spec.kind == "prefixroute":
-        gateway_args = (*prior_gateway_args(fleet), *gateway_args)  # the user's flags come last and win
-    with ProcessGroup(log_dir / spec.name.replace(":", "-")) as group, contextlib.ExitStack() as stack:
-        endpoints = start_fleet(group, fleet)
+        # the user's flags come last and win
+        gateway_args = (*prior_gateway_args(fleet), *gateway_event_args(spec, bool(fleet.kv_events)), *gateway_args)
+    events = KVEventsPlan.allocate(fleet.num_servers) if fleet.kv_events else None
+    # Exit order: the router (stack) first, then the servers (group).
+    with ProcessGroup(log_dir / _log_name(spec)) as group, contextlib.ExitStack() as stack:
+        endpoints = start_fleet(group, fleet, events)
         model = served_model(endpoints[0])
-        base = start_router(group, stack, spec, endpoints, seed=seed, gateway_args=gateway_args,
-                            startup_timeout_s=fleet.startup_timeout_s)
+        handle = start_router(group, stack, spec, endpoints, seed=seed, gateway_args=gateway_args,
+                              startup_timeout_s=fleet.startup_timeout_s,
+                              gateway_endpoints=events.gateway_endpoints(endpoints) if events else None)
+        base = handle.base_url
         bar = bench_client.Progress(len(requests), label=f"{spec.name:<28}", enabled=progress)
         cpu0 = host_cpu_times()
         t0 = time.perf_counter()
@@ -287,6 +478,7 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         wall_s = time.perf_counter() - t0
         cpu1 = host_cpu_times()
         counters = scrape_server_counters(endpoints)
+        router_metrics = scrape_router_metrics(handle.metrics_url)
     # Attribute requests to endpoints from the response headers; peers that drop them fall back to the
     # servers' own request counters.
     if not any(r.endpoint for r in res):
@@ -306,6 +498,9 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         "server_requests": {ep: c.get("request_success") for ep, c in counters.items()},
         "host_cpu_busy_ratio": (round((cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]), 3)
                                 if cpu0 and cpu1 and cpu1[1] > cpu0[1] else None),
+        "kv_events": bool(fleet.kv_events),
+        **({"index_source": spec.index_source or "auto"} if spec.kind == "prefixroute" else {}),
+        **({"router_metrics": router_metrics} if router_metrics is not None else {}),
     })
     if share is not None:
         summary["endpoint_share"] = share
@@ -321,9 +516,10 @@ def run_bench(workload: Workload, upper_bound_hit_ratio: float | None, routers: 
     if not fleet.ports:
         # Same ports for every run: endpoint ids (and so endpoint shares) compare across routers.
         fleet = dataclasses.replace(fleet, ports=distinct_free_ports(fleet.num_servers))
+    fleet = resolve_kv_events(fleet)  # once: every router meets the same fleet
     runs, ttfts, skipped = [], {}, {}
     for spec in specs:
-        reason = unavailable_reason(spec)
+        reason = unavailable_reason(spec, bool(fleet.kv_events))
         if reason:
             log(f"skipping {spec.name}: {reason}")
             skipped[spec.name] = reason
@@ -338,6 +534,7 @@ def run_bench(workload: Workload, upper_bound_hit_ratio: float | None, routers: 
         ttfts[spec.name] = out.ttfts_ms
     doc = bench_results.results_document(workload.describe(), upper_bound_hit_ratio, runs)
     doc["workload"]["num_servers"] = fleet.num_servers
+    doc["workload"]["kv_events"] = bool(fleet.kv_events)
     if skipped:
         doc["skipped"] = skipped
     return doc, ttfts

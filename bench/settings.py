@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from prefixroute.extproc.routing.settings import POLICIES
+from prefixroute.extproc.routing.settings import INDEX_SOURCES, POLICIES
 from prefixroute.settings import Settings, setting
 
 # Our policies from the least to the most informed (the report's rows in that order), then the peers.
@@ -18,8 +18,10 @@ class BenchSettings(Settings):
     TITLE: ClassVar[str] = "Benchmark (workload, routers, fleet, output)"
 
     # --- what to send
-    workload: str = setting("shared-prompts", "Synthetic workload: shared-prompts, multi-turn, documents or mix "
-                            "(ignored with --trace). shared-prompts is the issue's headline workload.")
+    workload: str = setting("shared-prompts", "Synthetic workload: shared-prompts, multi-turn, documents, mix or "
+                            "capacity-pressure (ignored with --trace). shared-prompts is issue 7's headline "
+                            "workload; capacity-pressure (a working set about twice the fleet's KV cache) issue "
+                            "13's.")
     trace: str = setting("", "Mooncake-format JSONL trace to replay instead of a synthetic workload "
                          "(timestamp ms, input_length, output_length, hash_ids per 512-token block).")
     trace_block_tokens: int = setting(512, "Tokens per hash id in the trace (Mooncake: 512; other traces of "
@@ -51,6 +53,20 @@ class BenchSettings(Settings):
     num_turns: int = setting(6, "multi-turn: turns per session.")
     num_documents: int = setting(32, "documents: number of documents (Zipf popularity, s=1.1).")
     document_tokens: int = setting(4096, "documents: tokens per document.")
+    pressure_num_groups: int = setting(128, "capacity-pressure: distinct long shared prefixes (documents, system "
+                                       "prompts), Zipf popularity. 128 x ~4,900 tokens on 300 requests: a shared "
+                                       "working set of ~20,000 blocks, infinite-cache bound ~0.66.")
+    pressure_min_prefix_tokens: int = setting(2048, "capacity-pressure: shortest shared prefix in tokens (lengths "
+                                              "uniform between min and max).")
+    pressure_max_prefix_tokens: int = setting(8192, "capacity-pressure: longest shared prefix in tokens.")
+    pressure_zipf_s: float = setting(0.8, "capacity-pressure: Zipf exponent of prefix popularity. 0.8: a hot head "
+                                     "and a long tail of prefixes that return after being evicted; higher "
+                                     "concentrates the load on fewer prefixes (less pressure).")
+    pressure_kv_ratio: float = setting(0.5, "capacity-pressure without --num-gpu-blocks in --server-args: size each "
+                                       "server's KV cache so the fleet holds this fraction of the shared working "
+                                       "set (blocks two requests or more reference), i.e. --num-gpu-blocks = "
+                                       "ratio x shared / --servers, added to --server-args and printed. 0.5: half, "
+                                       "as issue 13's benchmark; 0 = leave the profile's capacity.")
     arrival: str = setting("auto", "Arrival process: trace (trace timestamps), poisson (at --rate-rps), closed "
                            "(--concurrency requests in flight) or auto (trace for --trace, else poisson).")
     rate_rps: float = setting(8.0, "Poisson rate in requests/s. 8 req/s of the default shared-prompts on 4 "
@@ -59,9 +75,14 @@ class BenchSettings(Settings):
     concurrency: int = setting(16, "Closed-loop concurrency (requests in flight).")
 
     # --- who serves it
-    routers: tuple[str, ...] = setting(DEFAULT_ROUTERS, "Routers to compare, comma-separated: prefixroute:POLICY "
-                                       f"({', '.join(reversed(POLICIES))}), sglang-router"
-                                       "[:POLICY], vllm-router[:POLICY] (peer default: cache_aware).")
+    routers: tuple[str, ...] = setting(DEFAULT_ROUTERS, "Routers to compare, comma-separated: "
+                                       "prefixroute:POLICY[@SOURCE] "
+                                       f"({', '.join(reversed(POLICIES))}; SOURCE = the prefix index's source, "
+                                       f"{', '.join(INDEX_SOURCES)}: --index-source of the gateway, none = its "
+                                       "default, auto), sglang-router[:POLICY], vllm-router[:POLICY] (peer "
+                                       "default: cache_aware). When the simulated servers can publish KV events "
+                                       "(--kv-events-config), every run's servers publish them and our gateway "
+                                       "subscribes; @events runs are skipped when they cannot.")
     servers: int = setting(4, "Simulated model servers in the fleet. 4 keeps a real run on 2 CPU cores; "
                           "--virtual takes 8-256.")
     profile: str = setting("llama-3.1-70b-h200-tp4", "Model-server profile (--profile of `prefixroute "

@@ -346,7 +346,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
                     seed: int = 0, sims: list[SimRequest] | None = None, concurrency: int = 16,
                     routing: RoutingSettings | None = None, pool_settings: PoolSettings | None = None,
                     endpoint_ids: Sequence[str] | None = None,
-                    predictions: list[tuple[str, float, float]] | None = None,
+                    predictions: list[tuple[str, float, float]] | None = None, index_source: str = "",
                     ) -> tuple[list[RequestResult], list[str], float]:
     """Route `workload` with one of our policies through `PoolRouter` (or with a ``sim:`` model of another
     router, see `SIM_ROUTERS`) on a fresh virtual fleet of `spec` (default: `engine_spec()`).
@@ -359,7 +359,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     placement, so endpoint shares compare too. `predictions`, when given, receives (primary endpoint,
     predicted TTFT s, actual TTFT s) for each first token, in first-token order, from any policy object with a
     ``predictions`` attribute (a sequence of (predicted_s, actual_s) it appends to at each first token); it
-    stays empty for the other policies and the ``sim:`` models.
+    stays empty for the other policies and the ``sim:`` models. `index_source` (a router name's ``@SOURCE``) sets
+    the default routing's prefix-index source; "" = its default.
     """
     spec = spec or engine_spec()
     fleet = VirtualFleet(spec, num_servers, endpoint_ids=endpoint_ids)
@@ -397,7 +398,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
             # gateway (unless the environment sets one).
             prior = {} if any(os.environ.get(n) for n in PRIOR_ENV) else dict(zip(
                 ("ttft_prior_tokens_per_s", "ttft_prior_base_s"), spec.time_model_prior()))
-            routing = settings_mod.from_namespace(RoutingSettings, policy=policy, rng_seed=seed, **prior)
+            source = {"index_source": index_source} if index_source else {}
+            routing = settings_mod.from_namespace(RoutingSettings, policy=policy, rng_seed=seed, **prior, **source)
         # track_prefill: every pick is released (below), as the gateway releases each one.
         router = PoolRouter(RouterCore(routing, track_prefill=True), pool, clock=lambda: fleet.now_s)
         picks: dict[str, Any] = {}  # request id -> its pick, until the response ends
@@ -507,10 +509,14 @@ def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers
             skipped[router.name] = "an external program: not simulated in --virtual (run without --virtual)"
             log(f"skipping {router.name}: {skipped[router.name]}")
             continue
+        if router.index_source == "events":
+            skipped[router.name] = "the virtual fleet publishes no KV events (run without --virtual)"
+            log(f"skipping {router.name}: {skipped[router.name]}")
+            continue
         t0 = time.perf_counter()
         res, endpoints, cpu_s = simulate_policy(workload, router.policy, num_servers=num_servers, spec=spec,
                                                 seed=seed, sims=sims, concurrency=concurrency or 16,
-                                                endpoint_ids=endpoint_ids)
+                                                endpoint_ids=endpoint_ids, index_source=router.index_source)
         wall_s = time.perf_counter() - t0
         log(f"{router.name}: simulated {len(res)} requests on {num_servers} servers in {wall_s:.1f}s")
         runs.append(bench_results.summarize_run(router.name, res, endpoints, extra={

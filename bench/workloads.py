@@ -41,7 +41,7 @@ TRACE_BLOCK_TOKENS = 512
 
 ArrivalKind = Literal["trace", "poisson", "closed"]
 
-WORKLOAD_NAMES = ("shared-prompts", "multi-turn", "documents", "mix")
+WORKLOAD_NAMES = ("shared-prompts", "multi-turn", "documents", "mix", "capacity-pressure")
 
 # A fixed vocabulary of short lowercase words: text looks like prose to a tokenizer and stays ~4
 # chars/token. Built once from a fixed seed so it never depends on the caller's RNG.
@@ -292,6 +292,51 @@ def mix(*, num_requests: int = 300, seed: int = 0, **sizes: int) -> Workload:
                             "output_tokens": out_tokens, "seed": seed}, tuple(reqs))
 
 
+def capacity_pressure(*, num_groups: int = 128, min_prefix_tokens: int = 2048, max_prefix_tokens: int = 8192,
+                      question_tokens: int = 64, num_requests: int = 300, output_tokens: int = 32,
+                      zipf_s: float = 0.8, instruction_tokens: int = 64, seed: int = 0) -> Workload:
+    """A working set larger than the fleet's KV cache: G long shared prefixes (documents or system prompts of
+    min..max_prefix_tokens, uniform, seeded) under Zipf popularity, each request = a short shared instruction +
+    one prefix + a unique follow-up question. Prefix g has weight 1/(rank_g + 1)^zipf_s (ranks shuffled against
+    the lengths): a few prefixes are hot, many are cold and come back after the cache has long forgotten them,
+    so what a router believes each server holds drifts from what it holds.
+
+    Sizing the fleet against it: the *shared working set* is the distinct KV blocks that two requests or more
+    reference (the part worth caching: one-off blocks such as the unique questions and the prefixes drawn once
+    only pass through); `prefixroute bench` prints it, with all distinct blocks, in the report's bounds. A fleet
+    of S servers holds half of it with ``--server-args=--num-gpu-blocks=N``, N = shared / (2 S)
+    (`prefixroute.bench.upper_bound.gpu_blocks_for`; `prefixroute bench` sets it itself when --server-args
+    gives no --num-gpu-blocks). At the defaults (seed 0): 128 prefixes of ~4,900 tokens on average, 300
+    requests, ~31,000 distinct blocks of 16 tokens of which ~20,000 shared; 4 servers -> N ~ 2,500 blocks each.
+    Hit-ratio figures there: infinite cache ~0.66, Belady MIN on the pooled capacity ~0.62, one LRU cache of
+    the pooled capacity ~0.42, prefix affinity (each prefix on one server, LRU) ~0.39, random ~0.14. A real run
+    of 300 requests at 4 req/s takes about 75 s per router on 2 CPU cores.
+    """
+    _check_positive(num_groups=num_groups, num_requests=num_requests, min_prefix_tokens=min_prefix_tokens,
+                    max_prefix_tokens=max_prefix_tokens, question_tokens=question_tokens,
+                    output_tokens=output_tokens, zipf_s=zipf_s, instruction_tokens=instruction_tokens)
+    if max_prefix_tokens < min_prefix_tokens:
+        raise ValueError(f"max_prefix_tokens ({max_prefix_tokens}) < min_prefix_tokens ({min_prefix_tokens})")
+    rng = random.Random(f"{seed}:capacity-pressure")
+    lengths = [rng.randint(min_prefix_tokens, max_prefix_tokens) for _ in range(num_groups)]
+    # Popularity ranks are shuffled against the lengths, so hot prefixes are not all long (or short).
+    ranks = list(range(num_groups))
+    rng.shuffle(ranks)
+    weights = [1.0 / (ranks[g] + 1) ** zipf_s for g in range(num_groups)]
+    instructions = block_text(seed, "cpi", 0, instruction_tokens)
+    picks = rng.choices(range(num_groups), weights=weights, k=num_requests)
+    reqs = []
+    for i, g in enumerate(picks):
+        msgs = ({"role": "system", "content": instructions + block_text(seed, "cpd", g, lengths[g])},
+                {"role": "user", "content": block_text(seed, "cpq", i, question_tokens)})
+        reqs.append(RequestSpec(index=i, max_tokens=output_tokens, messages=msgs, group_id=f"prefix-{g}"))
+    return Workload("capacity-pressure", {"num_groups": num_groups, "min_prefix_tokens": min_prefix_tokens,
+                                          "max_prefix_tokens": max_prefix_tokens,
+                                          "question_tokens": question_tokens,
+                                          "instruction_tokens": instruction_tokens, "output_tokens": output_tokens,
+                                          "zipf_s": zipf_s, "seed": seed}, tuple(reqs))
+
+
 # ------------------------------------------------------------------------------------------ traces
 
 
@@ -426,8 +471,11 @@ def apply_arrivals(workload: Workload, kind: ArrivalKind, *, rate_rps: float = 0
 
 def make_workload(name: str, *, num_requests: int, seed: int, output_tokens: int, prefix_tokens: int,
                   num_groups: int, question_tokens: int, num_sessions: int, num_turns: int,
-                  document_tokens: int, num_documents: int) -> Workload:
-    """Build a synthetic workload by name (one of WORKLOAD_NAMES) from the CLI's knobs."""
+                  document_tokens: int, num_documents: int, pressure_num_groups: int = 128,
+                  pressure_min_prefix_tokens: int = 2048, pressure_max_prefix_tokens: int = 8192,
+                  pressure_zipf_s: float = 0.8) -> Workload:
+    """Build a synthetic workload by name (one of WORKLOAD_NAMES) from the CLI's knobs (the pressure_* ones,
+    with capacity_pressure's defaults, apply to capacity-pressure only)."""
     if name == "shared-prompts":
         return shared_prompts(num_groups=num_groups, prefix_tokens=prefix_tokens, question_tokens=question_tokens,
                               num_requests=num_requests, output_tokens=output_tokens, seed=seed)
@@ -440,6 +488,11 @@ def make_workload(name: str, *, num_requests: int, seed: int, output_tokens: int
     if name == "mix":
         return mix(num_requests=num_requests, seed=seed, output_tokens=output_tokens, prefix_tokens=prefix_tokens,
                    document_tokens=document_tokens)
+    if name == "capacity-pressure":
+        return capacity_pressure(num_groups=pressure_num_groups, min_prefix_tokens=pressure_min_prefix_tokens,
+                                 max_prefix_tokens=pressure_max_prefix_tokens, question_tokens=question_tokens,
+                                 num_requests=num_requests, output_tokens=output_tokens, zipf_s=pressure_zipf_s,
+                                 seed=seed)
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
 
 
