@@ -233,13 +233,15 @@ def start_fleet(group: ProcessGroup, cfg: FleetConfig, events: KVEventsPlan | No
 
 
 def gateway_event_args(spec: RouterSpec, kv_events: bool) -> tuple[str, ...]:
-    """Flags our gateway gets for `spec`: ``--index-source`` when the name sets one, and ``--tokenizer sim`` when
-    the fleet publishes events and the source can use them (auto, events): matching the servers' blocks needs
-    their tokenizer. feedback and approximate keep the text-block hashing of round 1."""
+    """Flags our gateway gets for `spec`: ``--index-source`` when the name sets one, and ``--tokenizer sim`` (the
+    simulated servers' own tokenizer: requests hash to the servers' token blocks, and cached-token feedback
+    compares like with like) for every source but approximate, which keeps round 1's text-block hashing.
+    `kv_events`: the fleet publishes (unused here: without events auto is feedback, on token blocks too)."""
+    del kv_events
     out: list[str] = []
     if spec.index_source:
         out += ["--index-source", spec.index_source]
-    if kv_events and spec.index_source in ("", "auto", "events"):
+    if spec.index_source != "approximate":
         out += ["--tokenizer", "sim"]
     return tuple(out)
 

@@ -49,10 +49,10 @@ def test_every_index_source_parses():
 
 @pytest.mark.parametrize("name,kv_events,expected", [
     ("prefixroute:prefix", True, ("--tokenizer", "sim")),
-    ("prefixroute:prefix", False, ()),
+    ("prefixroute:prefix", False, ("--tokenizer", "sim")),
     ("prefixroute:prefix@events", True, ("--index-source", "events", "--tokenizer", "sim")),
     ("prefixroute:prefix@auto", True, ("--index-source", "auto", "--tokenizer", "sim")),
-    ("prefixroute:prefix@feedback", True, ("--index-source", "feedback")),
+    ("prefixroute:prefix@feedback", True, ("--index-source", "feedback", "--tokenizer", "sim")),
     ("prefixroute:prefix@approximate", True, ("--index-source", "approximate")),
     ("prefixroute:prefix@approximate", False, ("--index-source", "approximate")),
 ])
