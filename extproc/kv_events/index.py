@@ -183,10 +183,10 @@ class KVEventIndex:
 
     def apply_events(self, endpoint: EndpointId, events: Iterable[Any],
                      chunk_blocks: int = 256) -> Iterator[int]:
-        """Apply `events` in order, yielding (the number of blocks applied since the last yield) after about
-        every `chunk_blocks` blocks, so a caller on the event loop can let other work run in between. A
-        `BlockStored` of more blocks is applied in pieces (exactly equivalent: each piece's parent is the
-        last block of the one before). Yields at least once when anything was applied."""
+        """Apply `events` in order, yielding the number of blocks applied since the last yield, at most
+        `chunk_blocks` each time (an AllBlocksCleared counts as the blocks it drops), so a caller on the event
+        loop can let other work run in between. A `BlockStored` or `BlockRemoved` of more blocks is applied in
+        pieces (exactly equivalent: each stored piece's parent is the last block of the piece before)."""
         st = self._endpoint(endpoint)
         pending = 0
         for ev in events:
@@ -194,35 +194,30 @@ class KVEventIndex:
             if t is BlockStored:
                 n = len(ev.block_hashes)
                 if n > chunk_blocks and n * self.block_size == len(ev.token_ids):
-                    for piece in _pieces(ev, chunk_blocks, self.block_size):
-                        self._store(endpoint, st, piece)
-                        pending += len(piece.block_hashes)
-                        if pending >= chunk_blocks:
-                            yield pending
-                            pending = 0
-                    continue
-                self._store(endpoint, st, ev)
-                pending += n
+                    units = [(self._store, p, len(p.block_hashes)) for p in _pieces(ev, chunk_blocks, self.block_size)]
+                else:
+                    units = [(self._store, ev, n)]
             elif t is BlockRemoved:
                 hashes = ev.block_hashes
-                for i in range(0, len(hashes), chunk_blocks):
-                    if ev.medium in _GPU_MEDIA and ev.group_idx in (None, 0):
-                        self._remove(endpoint, st, hashes[i:i + chunk_blocks])
-                    n = min(chunk_blocks, len(hashes) - i)
-                    pending += n
-                    if pending >= chunk_blocks:
-                        yield pending
-                        pending = 0
-                continue
+                if ev.medium not in _GPU_MEDIA or ev.group_idx not in (None, 0):
+                    continue
+                units = [(self._remove, hashes[i:i + chunk_blocks], min(chunk_blocks, len(hashes) - i))
+                         for i in range(0, len(hashes), chunk_blocks)]
             elif t is AllBlocksCleared:
                 st.counters.num_all_cleared += 1
-                pending += len(st.s2r)  # the clear's own cost
-                self.clear_endpoint(endpoint)
+                units = [(None, None, min(chunk_blocks, len(st.s2r)))]
             else:
                 st.counters.num_malformed_events += 1
-            if pending >= chunk_blocks:
-                yield pending
-                pending = 0
+                continue
+            for fn, arg, cost in units:
+                if pending and pending + cost > chunk_blocks:
+                    yield pending
+                    pending = 0
+                if fn is None:
+                    self.clear_endpoint(endpoint)
+                else:
+                    fn(endpoint, st, arg)
+                pending += cost
         if pending:
             yield pending
 
