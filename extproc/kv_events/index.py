@@ -46,6 +46,8 @@ Memory: per held block one entry in each of two dicts (~200 bytes), i.e. ~100 MB
 from __future__ import annotations
 
 import dataclasses
+import sys
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import takewhile
 from typing import Any
@@ -59,6 +61,7 @@ from prefixroute.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, 
                                    block_hash_int)
 
 _xxh3 = xxhash.xxh3_64_intdigest
+_MASK64 = (1 << 64) - 1
 _GPU_MEDIA = (None, "GPU", "gpu")
 _extras_encoder = msgspec.msgpack.Encoder()
 
@@ -136,7 +139,15 @@ class KVEventIndex:
         if not first:
             return {}
         eps = self._eps
-        return {ep: len(list(takewhile(eps[ep].held.__contains__, block_hashes))) for ep in first}
+        n = len(block_hashes)
+        out = {}
+        for ep in first:
+            has = eps[ep].held.__contains__
+            # The whole prompt held (the affinity case) is one C-level pass that stops at a miss; otherwise
+            # count up to the first miss.
+            out[ep] = n if has(block_hashes[-1]) and all(map(has, block_hashes)) else len(
+                list(takewhile(has, block_hashes)))
+        return out
 
     def holds(self, endpoint: EndpointId, block_hash: BlockHash) -> bool:
         """Whether `endpoint` holds the block with router hash `block_hash`."""
@@ -270,7 +281,7 @@ class KVEventIndex:
             c.num_malformed_events += 1
             return
         try:
-            server = list(map(block_hash_int, ev.block_hashes))
+            server = _server_hashes(ev.block_hashes)
             parent = None if ev.parent_block_hash is None else block_hash_int(ev.parent_block_hash)
         except KVEventsDecodeError:
             c.num_malformed_events += 1
@@ -296,7 +307,11 @@ class KVEventIndex:
             if seed is None:
                 c.num_orphan_blocks += n
                 return
-        data = token_bytes(ev.token_ids)
+        try:
+            data = _token_bytes(ev.token_ids)
+        except (OverflowError, ValueError, TypeError):  # a token id outside uint32
+            c.num_malformed_events += 1
+            return
         if not folds:
             routed = hash_token_blocks(data, bs, seed)
         else:  # rare (multimodal): block by block, folding where a block has extras
@@ -328,29 +343,31 @@ class KVEventIndex:
 
     def _remove(self, endpoint: EndpointId, st: _Endpoint, hashes: Sequence[Any]) -> None:
         c = st.counters
+        try:
+            server = _server_hashes(hashes)
+        except KVEventsDecodeError:
+            c.num_malformed_events += 1
+            return
         s2r, held, refs, heads = st.s2r, st.held, st.refs, st.heads
-        for raw in hashes:
-            try:
-                s = block_hash_int(raw)
-            except KVEventsDecodeError:
-                c.num_malformed_events += 1
-                continue
-            r = s2r.get(s)
+        pop = s2r.pop
+        unknown = 0
+        for s in server:
+            r = pop(s, None)
             if r is None:
-                c.num_unknown_removed_blocks += 1
+                unknown += 1
                 continue
-            c.num_removed_blocks += 1
-            k = refs.get(s)
-            if k is not None:
-                if k > 2:
-                    refs[s] = k - 1
-                else:
-                    del refs[s]
-                continue
-            del s2r[s]
-            k = held[r] - 1
-            if k:
-                held[r] = k
+            if refs:  # duplicates are rare: one truthiness test on the common path
+                k = refs.get(s)
+                if k is not None:
+                    s2r[s] = r  # still held by another copy
+                    if k > 2:
+                        refs[s] = k - 1
+                    else:
+                        del refs[s]
+                    continue
+            k = held[r]
+            if k > 1:
+                held[r] = k - 1
                 continue
             del held[r]
             if r in heads:
@@ -360,6 +377,31 @@ class KVEventIndex:
                     holders.discard(endpoint)
                     if not holders:
                         del self._heads[r]
+        c.num_unknown_removed_blocks += unknown
+        c.num_removed_blocks += len(server) - unknown
+
+
+def _server_hashes(hashes: Sequence[Any]) -> Sequence[int]:
+    """`hashes` as non-negative ints (`block_hash_int`); the common case, unsigned msgpack ints, as they are
+    (C-level checks, no per-hash Python call)."""
+    if hashes and type(hashes[0]) is int:  # noqa: E721
+        try:
+            if min(hashes) >= 0 and max(hashes) <= _MASK64:
+                return hashes
+        except TypeError:  # a mix of ints and bytes
+            pass
+    return list(map(block_hash_int, hashes))
+
+
+if sys.byteorder == "little":
+    def _token_bytes(token_ids: list[int]) -> bytes:
+        """`hashing.token_bytes` (little-endian uint32), from a list ~5x faster than through numpy."""
+        try:
+            return array("I", token_ids).tobytes()
+        except OverflowError:  # an id outside uint32: raises the same error as `hashing.token_bytes`
+            return token_bytes(token_ids)
+else:  # pragma: no cover - big-endian hosts
+    _token_bytes = token_bytes
 
 
 def _pieces(ev: BlockStored, size: int, block_size: int) -> Iterator[BlockStored]:

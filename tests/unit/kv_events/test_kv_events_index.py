@@ -73,6 +73,16 @@ def test_bytes_block_hashes_are_followed_like_ints():
     assert idx.match(chain(TOKS)) == {EP: 1}
 
 
+def test_signed_and_wide_int_hashes_are_taken_modulo_2_64():
+    idx = KVEventIndex(BS)
+    ev = stored(TOKS, 0, 2)
+    ev.block_hashes = [ev.block_hashes[0] - (1 << 64), ev.block_hashes[1] + (1 << 64)]  # same low 64 bits
+    idx.apply_batch(EP, batch(ev, stored(TOKS, 2, 4)))
+    assert idx.match(chain(TOKS)) == {EP: 4}
+    idx.apply_batch(EP, batch(removed(TOKS, [1])))
+    assert idx.match(chain(TOKS)) == {EP: 1}
+
+
 def test_a_block_whose_parent_is_unknown_is_dropped_and_counted_with_its_children():
     idx = KVEventIndex(BS)
     idx.apply_batch(EP, batch(stored(TOKS, 2, 4), stored(TOKS, 4, 6)))  # blocks 0-1 never seen
@@ -149,7 +159,10 @@ def test_other_block_sizes_media_and_groups_are_skipped_and_counted():
     bad = stored(TOKS)
     bad.token_ids = bad.token_ids[:-1]
     idx.apply_batch(EP, batch(bad))
-    assert idx.counters(EP).num_malformed_events == 1
+    negative = stored(TOKS)
+    negative.token_ids[0] = -1
+    idx.apply_batch(EP, batch(negative))
+    assert idx.counters(EP).num_malformed_events == 2
     assert idx.num_blocks(EP) == 0 and idx.match(chain(TOKS)) == {}
     # A CPU-medium removal must not take the GPU copy of the same hash.
     idx.apply_batch(EP, batch(stored(TOKS)))
