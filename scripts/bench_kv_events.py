@@ -11,8 +11,10 @@ UDP requests on loopback at Poisson times (`--decisions-per-s`), the loop answer
 Any time the loop spends ingesting while a request waits shows up in its round trip, as it would for a gRPC
 request from Envoy.
 
-Phases: (1) decisions alone; (2) decisions while ingesting at `--rate` block events/s; (3) ingestion unthrottled
-(throughput). Usage: .venv/bin/python scripts/bench_kv_events.py [--rate 50000] [--seconds 5]
+Phases: (1) decisions alone (the publisher process runs as in (2), but on a topic the router does not subscribe
+to, so the machine is equally loaded); (2) decisions while ingesting at `--rate` block events/s, alternating with (1) for
+`--rounds`; (3) ingestion unthrottled over ZMQ (throughput); (4) in-process decode + apply, timing each stretch
+of loop time between two yields (what a decision can wait behind ingestion, free of socket and scheduler noise). Usage: .venv/bin/python scripts/bench_kv_events.py [--rate 50000] [--seconds 5]
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def client_main(args: argparse.Namespace) -> None:
     print(json.dumps({"rtts": rtts, "lost": lost}), flush=True)
 
 
-async def router_side(args: argparse.Namespace, rate: float | None) -> dict:
+async def router_side(args: argparse.Namespace, rate: float | None, subscribe: bool = True) -> dict:
     from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
     from prefixroute.extproc.routing.hashing import hash_token_blocks, token_seed_for
     from prefixroute.kv_events import BlockStored, EventBatch
@@ -135,7 +137,10 @@ async def router_side(args: argparse.Namespace, rate: float | None) -> dict:
     transport, _ = await loop.create_datagram_endpoint(Decide, local_addr=("127.0.0.1", udp_port))
     manager = proc = None
     if rate is not None:
-        manager = KVEventsManager(index, topic="kv", chunk_blocks=args.chunk_blocks)
+        # subscribe=False: the control phase. The same publisher process runs at the same rate, but the topic
+        # matches nothing (ZMQ filters at the publisher), so both phases share the machine alike and differ
+        # only in the loop's ingestion work.
+        manager = KVEventsManager(index, topic="kv" if subscribe else "none", chunk_blocks=args.chunk_blocks)
         manager.sync({"events": (f"tcp://127.0.0.1:{args.port}", None)})
         proc = subprocess.Popen([sys.executable, __file__, "--role", "publisher", "--port", str(args.port),
                                  "--rate", str(rate), "--seconds", str(args.seconds + 1.0),
@@ -186,6 +191,39 @@ async def ingest_only(args: argparse.Namespace) -> dict:
             "batches_per_s": round((b1 - b0) / (t1 - t0))}
 
 
+def chunk_costs(args: argparse.Namespace) -> dict:
+    """In-process, no sockets: decode + apply the publisher's batches, timing each stretch of work between two
+    yields of the event loop (the longest a decision can wait behind ingestion), and the cost per block event."""
+    from prefixroute.extproc.kv_events import KVEventIndex
+    from prefixroute.kv_events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+
+    rng = random.Random(1)
+    n, ring = args.blocks_per_batch, 512
+    hashes = [[rng.getrandbits(63) for _ in range(n)] for _ in range(ring)]
+    payloads = [encode_batch(EventBatch(ts=0.0, events=[
+        BlockStored(block_hashes=hashes[k], parent_block_hash=None if k == 0 else hashes[k - 1][-1],
+                    token_ids=[rng.randrange(128000) for _ in range(n * BS)], block_size=BS, lora_id=None,
+                    medium="GPU", lora_name=None),
+        BlockRemoved(block_hashes=hashes[(k - 100) % ring], medium="GPU")])) for k in range(ring)]
+    index = KVEventIndex(BS)
+    stretches: list[float] = []
+    t0 = time.perf_counter()
+    for p in payloads * 4:
+        a = time.perf_counter()
+        gen = index.apply_events("e", decode_batch(p).events, args.chunk_blocks)  # the decode joins chunk 1
+        while True:
+            try:
+                next(gen)
+            except StopIteration:
+                break
+            stretches.append(time.perf_counter() - a)
+            a = time.perf_counter()
+    total = time.perf_counter() - t0
+    events = len(payloads) * 4 * 2 * n
+    return {"us_per_block_event": round(total / events * 1e6, 2), "block_events_per_s": round(events / total),
+            "stretch_p50_us": round(pct(stretches, 50) * 1e6, 1), "stretch_p99_us": round(pct(stretches, 99) * 1e6, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", default="bench", choices=["bench", "publisher", "client"])
@@ -215,12 +253,13 @@ def main() -> None:
     # figures of each.
     alone, ingesting = [], []
     for _ in range(args.rounds):
-        alone.append(runner(router_side(args, None)))
+        alone.append(runner(router_side(args, args.rate, subscribe=False)))
         ingesting.append(runner(router_side(args, args.rate)))
     results = {
         "decisions_alone": alone,
         "decisions_while_ingesting": ingesting,
         "ingestion_unthrottled": runner(ingest_only(args)),
+        "in_process": chunk_costs(args),
     }
     a = {k: float(np.median([r[k] for r in alone])) for k in ("p50_us", "p99_us")}
     b = {k: float(np.median([r[k] for r in ingesting])) for k in ("p50_us", "p99_us")}
