@@ -1,0 +1,419 @@
+"""The precise prefix index: which token blocks each endpoint really holds, built from its KV events.
+
+vLLM publishes every block its prefix cache stores and evicts (`prefixroute.kv_events`). The index keys those
+blocks by the router's *own* chained hash of their token ids (`hashing.hash_token_blocks`, seeded by
+`token_seed_for(lora_name, cache_salt)`), so a request tokenized and hashed by the router looks its blocks up
+directly; vLLM's own hashes are seeded from ``os.urandom`` and published truncated, so they are only used to
+follow the events (a per-endpoint map server hash -> router hash, which `BlockRemoved` needs).
+
+Keying a `BlockStored` event (blocks ``b_0..b_{n-1}``, ``block_size`` tokens each, in chain order):
+- ``parent_block_hash`` None: ``b_0`` starts a prompt; the chain starts at ``token_seed_for(lora, salt)``.
+  ``lora`` is the event's ``lora_name`` (an event with only a ``lora_id``, from releases before ``lora_name``,
+  gets a name no request uses, so it never matches the base model). ``salt`` comes from ``extra_keys[0]``:
+  vLLM orders a block's extra keys as (multimodal keys..., lora name, cache_salt) and adds the salt to a
+  prompt's first block only, so the salt is the last element when it is a string and something follows the
+  lora name (or, without a lora name, when the tuple ends in a string).
+- ``parent_block_hash`` set: the chain continues from the router hash the index recorded for that server hash
+  on this endpoint. A parent the index does not know (evicted before we saw it, events lost, subscribed
+  mid-stream) makes the blocks unkeyable: they are dropped and counted (``num_orphan_blocks``).
+- Extra keys beyond (lora name, salt) (multimodal inputs, prompt embeddings) are folded into that block's router
+  hash (``xxh3_64(msgpack(extras), seed=h)``), so such blocks and every block chained after them never match
+  a text-only request, whose hash has no extras.
+
+Invariants (tested in tests/unit/kv_events/test_kv_events_index.py against a brute-force model):
+- For each endpoint, ``_s2r`` holds exactly the server hashes stored (and keyed) and not yet removed, with
+  their reference counts in ``_refs`` when above 1; ``_held[r]`` is the number of those server hashes whose
+  router hash is r (two server hashes may share a router hash: the simulated servers seed with the model name,
+  the router does not), and r is held iff ``_held[r] > 0``.
+- Duplicates are reference-counted: vLLM v1's block pool maps one hash to several physical blocks when two
+  requests compute the same block concurrently (``cached_block_hash_to_block[hash]`` is a dict by block id), it
+  emits `BlockStored` for each and `BlockRemoved` each time one of them is evicted. A hash stored k times is
+  held until removed k times. A removal of a hash the index does not hold is ignored (counted).
+- ``_heads[r]`` is the set of endpoints holding r as the first block of a prompt (parent None). A token chain
+  starts from a seed, so a router hash is a first block in every prompt or in none: `match` needs the
+  cross-endpoint lookup only for the request's first block.
+- `match` is *not* prefix-closed: a server may still hold a block whose parent was evicted (vLLM frees a
+  sequence's blocks tail first, yet a later request can re-store a parent's child), so it counts consecutive
+  leading blocks one by one (C-level ``takewhile``, stops at the first miss), never by binary search.
+- Only blocks of the configured ``block_size`` (the router's ``kv_block_tokens``), on the GPU (medium None or
+  "GPU"), in KV-cache group 0 (or None) are indexed; others are skipped and counted, never mixed in.
+
+Not thread-safe: use from one thread (the router's event loop), except `num_blocks_by_endpoint` and
+`counters_by_endpoint`, readable from the metrics thread like `PrefixIndex.num_entries_by_endpoint`.
+Memory: per held block one entry in each of two dicts (~200 bytes), i.e. ~100 MB for 500k blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import takewhile
+from typing import Any
+
+import msgspec
+import xxhash
+
+from prefixroute.extproc.routing.hashing import hash_token_blocks, token_bytes, token_seed_for
+from prefixroute.extproc.routing.types import BlockHash, EndpointId
+from prefixroute.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventsDecodeError,
+                                   block_hash_int)
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_MASK64 = (1 << 64) - 1
+_GPU_MEDIA = (None, "GPU", "gpu")
+_extras_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclasses.dataclass
+class IndexCounters:
+    """Per-endpoint counts of what the index did with the endpoint's events (cumulative; cleared never)."""
+
+    num_stored_blocks: int = 0  # blocks keyed and held (duplicates included)
+    num_removed_blocks: int = 0  # removals applied
+    num_orphan_blocks: int = 0  # stored blocks dropped: their parent is unknown here
+    num_unknown_removed_blocks: int = 0  # removals of hashes not held (orphans, before subscribing, lost)
+    num_block_size_mismatch_blocks: int = 0  # stored blocks of another block size than configured
+    num_skipped_blocks: int = 0  # stored blocks on another medium (CPU offload) or KV-cache group
+    num_malformed_events: int = 0  # token ids not len(block_hashes) x block_size, bad hashes
+    num_all_cleared: int = 0  # AllBlocksCleared events applied
+    num_clears: int = 0  # clear_endpoint calls (AllBlocksCleared included)
+
+
+class _Endpoint:
+    __slots__ = ("s2r", "refs", "held", "heads", "block_size_seen", "counters")
+
+    def __init__(self) -> None:
+        self.s2r: dict[int, BlockHash] = {}  # server hash -> router hash
+        self.refs: dict[int, int] = {}  # server hash -> reference count, only when > 1
+        self.held: dict[BlockHash, int] = {}  # router hash -> number of server hashes mapped to it
+        self.heads: set[BlockHash] = set()  # held router hashes that start a prompt (mirror of _heads)
+        self.block_size_seen: int | None = None
+        self.counters = IndexCounters()
+
+
+def _split_extra_keys(keys: Any, lora_name: str | None, first_of_prompt: bool) -> tuple[str | None, list]:
+    """(cache_salt, extras to fold) of one block's extra keys (module docstring: vLLM's order)."""
+    if not keys:
+        return None, []
+    keys = list(keys) if isinstance(keys, (list, tuple)) else [keys]
+    after_lora = 0
+    if lora_name is not None and lora_name in keys:
+        after_lora = len(keys) - keys[::-1].index(lora_name)  # just past the last occurrence
+    salt = None
+    if first_of_prompt and len(keys) > after_lora and isinstance(keys[-1], str):
+        salt = keys.pop()
+    extras = [k for k in keys if not (lora_name is not None and k == lora_name)]
+    return salt, extras
+
+
+def _fold(h: int, extras: list) -> BlockHash:
+    try:
+        data = _extras_encoder.encode(extras)
+    except (TypeError, msgspec.EncodeError):
+        data = repr(extras).encode("utf-8", "surrogatepass")
+    return BlockHash(_xxh3(data, h))
+
+
+class KVEventIndex:
+    """Per-endpoint blocks keyed by the router's token-block hashes, fed by `apply_batch` (module docstring)."""
+
+    __slots__ = ("block_size", "_eps", "_heads")
+
+    def __init__(self, block_size: int = 16) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self._eps: dict[EndpointId, _Endpoint] = {}
+        self._heads: dict[BlockHash, set[EndpointId]] = {}
+
+    # --- queries -------------------------------------------------------------------------------------------
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[EndpointId, int]:
+        """Endpoints holding the first block -> number of consecutive leading blocks they hold (same contract
+        as `PrefixIndex.match`; empty dict = held nowhere). Cost O(holders of the first block x matched
+        blocks), each block one C-level dict lookup."""
+        if not block_hashes:
+            return {}
+        first = self._heads.get(block_hashes[0])
+        if not first:
+            return {}
+        eps = self._eps
+        n = len(block_hashes)
+        out = {}
+        for ep in first:
+            has = eps[ep].held.__contains__
+            # The whole prompt held (the affinity case) is one C-level pass that stops at a miss; otherwise
+            # count up to the first miss.
+            out[ep] = n if has(block_hashes[-1]) and all(map(has, block_hashes)) else len(
+                list(takewhile(has, block_hashes)))
+        return out
+
+    def holds(self, endpoint: EndpointId, block_hash: BlockHash) -> bool:
+        """Whether `endpoint` holds the block with router hash `block_hash`."""
+        st = self._eps.get(endpoint)
+        return st is not None and block_hash in st.held
+
+    def num_blocks(self, endpoint: EndpointId) -> int:
+        """Distinct server block hashes `endpoint` is known to hold (what its prefix cache reports, less the
+        blocks the index could not key)."""
+        st = self._eps.get(endpoint)
+        return len(st.s2r) if st else 0
+
+    def num_blocks_by_endpoint(self) -> dict[EndpointId, int]:
+        """`num_blocks` per endpoint that holds any. Safe from another thread (single C calls under the GIL)."""
+        return {ep: len(st.s2r) for ep, st in list(self._eps.items()) if st.s2r}
+
+    def counters(self, endpoint: EndpointId) -> IndexCounters:
+        """A copy of `endpoint`'s counters (zeros for an endpoint never seen)."""
+        st = self._eps.get(endpoint)
+        return dataclasses.replace(st.counters) if st else IndexCounters()
+
+    def counters_by_endpoint(self) -> dict[EndpointId, IndexCounters]:
+        """Copies of every known endpoint's counters. Safe from another thread (a reading may be mid-update)."""
+        return {ep: dataclasses.replace(st.counters) for ep, st in list(self._eps.items())}
+
+    def num_all_cleared(self, endpoint: EndpointId) -> int:
+        """AllBlocksCleared events applied to `endpoint` so far."""
+        st = self._eps.get(endpoint)
+        return st.counters.num_all_cleared if st else 0
+
+    def block_size_seen(self, endpoint: EndpointId) -> int | None:
+        """The block size of `endpoint`'s latest `BlockStored` event (None before any)."""
+        st = self._eps.get(endpoint)
+        return st.block_size_seen if st else None
+
+    def endpoints(self) -> list[EndpointId]:
+        return list(self._eps)
+
+    # --- updates -------------------------------------------------------------------------------------------
+    def apply_batch(self, endpoint: EndpointId, batch: EventBatch) -> None:
+        """Apply every event of `batch` to `endpoint`, in order."""
+        for _ in self.apply_events(endpoint, batch.events):
+            pass
+
+    def apply_events(self, endpoint: EndpointId, events: Iterable[Any],
+                     chunk_blocks: int = 256) -> Iterator[int]:
+        """Apply `events` in order, yielding the number of blocks applied since the last yield, at most
+        `chunk_blocks` each time (an AllBlocksCleared counts as the blocks it drops), so a caller on the event
+        loop can let other work run in between. A `BlockStored` or `BlockRemoved` of more blocks is applied in
+        pieces (exactly equivalent: each stored piece's parent is the last block of the piece before)."""
+        st = self._endpoint(endpoint)
+        pending = 0
+        for ev in events:
+            t = type(ev)
+            if t is BlockStored:
+                n = len(ev.block_hashes)
+                if n > chunk_blocks and n * self.block_size == len(ev.token_ids):
+                    units = [(self._store, p, len(p.block_hashes)) for p in _pieces(ev, chunk_blocks, self.block_size)]
+                else:
+                    units = [(self._store, ev, n)]
+            elif t is BlockRemoved:
+                hashes = ev.block_hashes
+                if ev.medium not in _GPU_MEDIA or ev.group_idx not in (None, 0):
+                    continue
+                units = [(self._remove, hashes[i:i + chunk_blocks], min(chunk_blocks, len(hashes) - i))
+                         for i in range(0, len(hashes), chunk_blocks)]
+            elif t is AllBlocksCleared:
+                st.counters.num_all_cleared += 1
+                units = [(None, None, min(chunk_blocks, len(st.s2r)))]
+            else:
+                st.counters.num_malformed_events += 1
+                continue
+            for fn, arg, cost in units:
+                if pending and pending + cost > chunk_blocks:
+                    yield pending
+                    pending = 0
+                if fn is None:
+                    self.clear_endpoint(endpoint)
+                else:
+                    fn(endpoint, st, arg)
+                pending += cost
+        if pending:
+            yield pending
+
+    def clear_endpoint(self, endpoint: EndpointId) -> None:
+        """Forget every block `endpoint` holds (its cache was emptied, or the index can no longer be trusted
+        for it: lost events, a publisher restart). Keeps its counters."""
+        st = self._eps.get(endpoint)
+        if st is None:
+            return
+        st.counters.num_clears += 1
+        self._drop_heads(endpoint, st.heads)
+        # Fresh dicts rather than .clear(): a reader on another thread iterating the old ones stays valid.
+        st.s2r, st.refs, st.held, st.heads = {}, {}, {}, set()
+
+    def remove_endpoint(self, endpoint: EndpointId) -> None:
+        """Forget `endpoint` entirely (it left the pool): its blocks and its counters."""
+        st = self._eps.pop(endpoint, None)
+        if st is not None:
+            self._drop_heads(endpoint, st.heads)
+
+    # --- internals -----------------------------------------------------------------------------------------
+    def _endpoint(self, endpoint: EndpointId) -> _Endpoint:
+        st = self._eps.get(endpoint)
+        if st is None:
+            st = self._eps[endpoint] = _Endpoint()
+        return st
+
+    def _drop_heads(self, endpoint: EndpointId, heads: Iterable[BlockHash]) -> None:
+        for h in heads:
+            holders = self._heads.get(h)
+            if holders is not None:
+                holders.discard(endpoint)
+                if not holders:
+                    del self._heads[h]
+
+    def _store(self, endpoint: EndpointId, st: _Endpoint, ev: BlockStored) -> None:
+        c = st.counters
+        n = len(ev.block_hashes)
+        if n == 0:
+            return
+        st.block_size_seen = ev.block_size
+        if ev.block_size != self.block_size:
+            c.num_block_size_mismatch_blocks += n
+            return
+        if ev.medium not in _GPU_MEDIA or ev.group_idx not in (None, 0):
+            c.num_skipped_blocks += n
+            return
+        bs = ev.block_size
+        if len(ev.token_ids) != n * bs:
+            c.num_malformed_events += 1
+            return
+        try:
+            server = _server_hashes(ev.block_hashes)
+            parent = None if ev.parent_block_hash is None else block_hash_int(ev.parent_block_hash)
+        except KVEventsDecodeError:
+            c.num_malformed_events += 1
+            return
+        lora = ev.lora_name
+        if lora is None and ev.lora_id is not None:
+            lora = f"\x00lora_id={ev.lora_id}"  # a name no request carries: never the base model's blocks
+        extra = ev.extra_keys
+        salt = None
+        folds: dict[int, list] = {}
+        if extra:
+            for i, keys in enumerate(extra[:n]):
+                if keys:
+                    s, rest = _split_extra_keys(keys, ev.lora_name, parent is None and i == 0)
+                    if i == 0 and parent is None:
+                        salt = s
+                    if rest:
+                        folds[i] = rest
+        if parent is None:
+            seed = token_seed_for(lora, salt)
+        else:
+            seed = st.s2r.get(parent)
+            if seed is None:
+                c.num_orphan_blocks += n
+                return
+        try:
+            data = _token_bytes(ev.token_ids)
+        except (OverflowError, ValueError, TypeError):  # a token id outside uint32
+            c.num_malformed_events += 1
+            return
+        if not folds:
+            routed = hash_token_blocks(data, bs, seed)
+        else:  # rare (multimodal): block by block, folding where a block has extras
+            routed = []
+            h = seed
+            step = 4 * bs
+            for i in range(n):
+                h = _xxh3(data[i * step:(i + 1) * step], h)
+                if i in folds:
+                    h = _fold(h, folds[i])
+                routed.append(BlockHash(h))
+        s2r, held, refs = st.s2r, st.held, st.refs
+        for s, r in zip(server, routed):
+            if s in s2r:  # a duplicate block (module docstring): one more reference, the first key stays
+                refs[s] = refs.get(s, 1) + 1
+            else:
+                s2r[s] = r
+                held[r] = held.get(r, 0) + 1
+        c.num_stored_blocks += n
+        if parent is None:
+            r0 = routed[0]
+            if r0 in held:
+                st.heads.add(r0)
+                holders = self._heads.get(r0)
+                if holders is None:
+                    self._heads[r0] = {endpoint}
+                else:
+                    holders.add(endpoint)
+
+    def _remove(self, endpoint: EndpointId, st: _Endpoint, hashes: Sequence[Any]) -> None:
+        c = st.counters
+        try:
+            server = _server_hashes(hashes)
+        except KVEventsDecodeError:
+            c.num_malformed_events += 1
+            return
+        s2r, held, refs, heads = st.s2r, st.held, st.refs, st.heads
+        pop = s2r.pop
+        unknown = 0
+        for s in server:
+            r = pop(s, None)
+            if r is None:
+                unknown += 1
+                continue
+            if refs:  # duplicates are rare: one truthiness test on the common path
+                k = refs.get(s)
+                if k is not None:
+                    s2r[s] = r  # still held by another copy
+                    if k > 2:
+                        refs[s] = k - 1
+                    else:
+                        del refs[s]
+                    continue
+            k = held[r]
+            if k > 1:
+                held[r] = k - 1
+                continue
+            del held[r]
+            if r in heads:
+                heads.discard(r)
+                holders = self._heads.get(r)
+                if holders is not None:
+                    holders.discard(endpoint)
+                    if not holders:
+                        del self._heads[r]
+        c.num_unknown_removed_blocks += unknown
+        c.num_removed_blocks += len(server) - unknown
+
+
+def _server_hashes(hashes: Sequence[Any]) -> Sequence[int]:
+    """`hashes` as non-negative ints (`block_hash_int`); the common case, unsigned msgpack ints, as they are
+    (C-level checks, no per-hash Python call)."""
+    if hashes and type(hashes[0]) is int:  # noqa: E721
+        try:
+            if min(hashes) >= 0 and max(hashes) <= _MASK64:
+                return hashes
+        except TypeError:  # a mix of ints and bytes
+            pass
+    return list(map(block_hash_int, hashes))
+
+
+if sys.byteorder == "little":
+    def _token_bytes(token_ids: list[int]) -> bytes:
+        """`hashing.token_bytes` (little-endian uint32), from a list ~5x faster than through numpy."""
+        try:
+            return array("I", token_ids).tobytes()
+        except OverflowError:  # an id outside uint32: raises the same error as `hashing.token_bytes`
+            return token_bytes(token_ids)
+else:  # pragma: no cover - big-endian hosts
+    _token_bytes = token_bytes
+
+
+def _pieces(ev: BlockStored, size: int, block_size: int) -> Iterator[BlockStored]:
+    """`ev` as consecutive `BlockStored` events of at most `size` blocks, each chained to the one before."""
+    n = len(ev.block_hashes)
+    parent = ev.parent_block_hash
+    for i in range(0, n, size):
+        hashes = ev.block_hashes[i:i + size]
+        extra = ev.extra_keys[i:i + size] if ev.extra_keys else ev.extra_keys
+        yield BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                          token_ids=ev.token_ids[i * block_size:(i + size) * block_size], block_size=ev.block_size,
+                          lora_id=ev.lora_id, medium=ev.medium, lora_name=ev.lora_name, extra_keys=extra,
+                          group_idx=ev.group_idx, kv_cache_spec_kind=ev.kv_cache_spec_kind,
+                          kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window)
+        parent = hashes[-1]

@@ -1,0 +1,383 @@
+"""Subscribers to the endpoints' KV-event publishers (ZMQ on the router's event loop), feeding `KVEventIndex`.
+
+One `EndpointSubscriber` per endpoint: a SUB socket on the endpoint's PUB address (topic-prefix filter) and,
+when the endpoint has one, a DEALER on its replay (ROUTER) address, speaking vLLM's ``ZmqEventPublisher``
+protocol (`prefixroute.kv_events`). `KVEventsManager` starts and stops them as the pool's endpoints change.
+
+Sequence handling (``last`` = the sequence number of the last batch applied):
+- ``seq == last + 1``: applied.
+- First message after subscribing (or after the index was cleared): the publisher may have published batches
+  before we joined (ZMQ PUB drops them for a late subscriber). With a replay address the subscriber asks for
+  everything from 0 and applies the contiguous run of buffered batches that ends just before this one: a
+  publisher younger than its replay buffer (vLLM keeps ``buffer_steps`` = 10,000 batches) is rebuilt in full;
+  an older one leaves out blocks stored before the buffer's oldest batch (an under-estimate: never a block the
+  server does not hold, since a suffix of the event stream applied in order to an empty index can only miss
+  stores, and blocks chained to missed ones are dropped as orphans).
+- ``seq > last + 1`` (a gap: the subscriber fell behind its receive buffer, or a message was lost): replay
+  from ``last + 1``; the replayed batches are applied in order and duplicates (``seq <= last``) dropped. When
+  the replay cannot fill the gap (no replay address, the buffer no longer holds ``last + 1``, no answer within
+  ``replay_timeout_s``) the endpoint is cleared (a lost `BlockRemoved` would leave blocks the server no longer
+  holds) and the contiguous tail of what the replay did return is applied, as at first contact.
+- ``seq <= `` the last sequence number seen on the live stream: the publisher restarted (vLLM numbers from 0
+  per process). The endpoint is cleared and rebuilt as at first contact.
+- A gap right after the connection dropped and came back (socket monitor): the publisher may have restarted
+  and already published past ``last``, so the replay cannot be trusted to continue our stream: the endpoint
+  is cleared and rebuilt as at first contact. A reconnect without a gap (``seq == last + 1``) changes nothing.
+- A payload that does not decode: counted, and the endpoint cleared (its events are lost).
+ZMQ reconnects by itself (100 ms, backing off to 2 s); heartbeats (``heartbeat_s``) detect a publisher that
+went silent without closing the connection (host gone), so a restart behind it is noticed.
+
+Ingestion never delays a routing decision for long: it runs on the router's event loop (a thread would contend
+for the GIL and add up to the 5 ms switch interval to a decision), decodes with msgspec, and applies at most
+``chunk_blocks`` blocks between ``await asyncio.sleep(0)`` (about 0.1 ms of work at the default 64).
+``scripts/bench_kv_events.py`` measures throughput and the latency added to concurrent ``match`` calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from prefixroute.extproc.kv_events.index import KVEventIndex
+from prefixroute.extproc.routing.types import EndpointId
+from prefixroute.kv_events import END_SEQ, KVEventsDecodeError, decode_batch, seq_from_bytes, seq_to_bytes
+
+log = logging.getLogger(__name__)
+
+CLEAR_REASONS: dict[str, str] = {
+    "all_blocks_cleared": "the server emptied its prefix cache (AllBlocksCleared event)",
+    "replay_unavailable": "a sequence gap the replay could not fill (no replay socket, buffer too short, timeout)",
+    "publisher_restart": "the sequence went backwards: the server's publisher restarted",
+    "reconnect_gap": "a sequence gap after the connection dropped: the publisher may have restarted",
+    "decode_error": "a batch that does not decode (its events are lost)",
+    "address_changed": "the endpoint's event address changed",
+}
+"""Why an endpoint's events-index entries were dropped, as passed to ``on_cleared(endpoint, reason)``."""
+
+OnCleared = Callable[[EndpointId, str], Any]
+
+_RCVHWM = 100_000  # vLLM's publisher default hwm: queue this many batches while a replay or a long batch runs
+_DRAIN_MESSAGES = 64  # messages read per wake-up before the monitor socket is looked at again
+
+
+@dataclasses.dataclass
+class SubscriberStats:
+    """One endpoint's subscription, for /metrics (cumulative counts)."""
+
+    pub_address: str
+    replay_address: str | None
+    connected: bool = False  # the SUB socket's TCP connection is up (socket monitor)
+    last_seq: int | None = None  # sequence number of the last batch applied
+    num_batches: int = 0  # batches applied (live and replayed)
+    num_events: int = 0  # events in them
+    num_gaps: int = 0  # sequence gaps detected
+    num_replays: int = 0  # replay requests sent (gaps and first contact)
+    num_replay_failures: int = 0  # replays that could not cover what was asked
+    num_duplicates: int = 0  # batches dropped as already applied
+    num_restarts: int = 0  # publisher restarts detected (sequence went backwards)
+    num_decode_errors: int = 0  # messages that did not decode
+    num_clears: int = 0  # times the endpoint's entries were dropped (any CLEAR_REASONS)
+    num_reconnects: int = 0  # connections re-established after a drop
+    last_event_monotonic_s: float | None = None  # time.monotonic() of the last message received
+
+
+class EndpointSubscriber:
+    """Follows one endpoint's KV events into `index` (module docstring). `start()` from the event loop."""
+
+    def __init__(self, endpoint: EndpointId, index: KVEventIndex, pub_address: str, replay_address: str | None,
+                 *, context: zmq.asyncio.Context, topic: str = "", replay_timeout_s: float = 1.0,
+                 chunk_blocks: int = 64, heartbeat_s: float = 1.0, on_cleared: OnCleared | None = None) -> None:
+        self.endpoint = endpoint
+        self.index = index
+        self.pub_address = pub_address
+        self.replay_address = replay_address or None
+        self._ctx = context
+        self._topic = topic.encode("utf-8")
+        self._replay_timeout_s = replay_timeout_s
+        self._chunk_blocks = max(1, chunk_blocks)
+        self._heartbeat_ms = max(1, int(heartbeat_s * 1000))
+        self._on_cleared = on_cleared
+        self._stats = SubscriberStats(pub_address, self.replay_address)
+        self._last_live: int | None = None  # last sequence number seen on the live stream
+        self._dropped = False  # the connection dropped since the last message
+        self._ever_connected = False
+        self._task: asyncio.Task | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.endpoint}")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # noqa: BLE001 - already logged by _run
+                pass
+
+    def stats(self) -> SubscriberStats:
+        return dataclasses.replace(self._stats)
+
+    # --- the loop ------------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        mon = None
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, _RCVHWM)
+            sub.setsockopt(zmq.RECONNECT_IVL, 100)
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sub.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
+            sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self._heartbeat_ms)
+            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            mon = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sub.connect(self.pub_address)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
+            while True:
+                ready = dict(await poller.poll())
+                if mon in ready:
+                    await self._drain_monitor(mon)
+                if sub in ready:
+                    for _ in range(_DRAIN_MESSAGES):
+                        try:
+                            frames = await sub.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        await self._on_message(frames)
+                        if mon.poll(0):  # a drop must be seen before the next message (reconnect_gap)
+                            await self._drain_monitor(mon)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("KV-event subscriber for %s stopped", self.endpoint)
+            raise
+        finally:
+            self._stats.connected = False
+            if mon is not None:
+                try:
+                    sub.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                mon.close(linger=0)
+            sub.close(linger=0)
+
+    async def _drain_monitor(self, mon: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                event = parse_monitor_message(frames)["event"]
+            except Exception:  # noqa: BLE001 - a malformed monitor message is not worth dying for
+                continue
+            if event == zmq.EVENT_CONNECTED:
+                self._stats.connected = True
+                if self._ever_connected:
+                    self._stats.num_reconnects += 1
+                self._ever_connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._stats.connected = False
+                self._dropped = True
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        st = self._stats
+        st.last_event_monotonic_s = time.monotonic()
+        if len(frames) != 3:
+            st.num_decode_errors += 1  # without a sequence number the loss shows as the next gap
+            return
+        try:
+            seq = seq_from_bytes(frames[1])
+        except KVEventsDecodeError:
+            st.num_decode_errors += 1
+            return
+        last = st.last_seq
+        if self._last_live is not None and seq <= self._last_live:
+            st.num_restarts += 1
+            self._clear("publisher_restart")
+        elif self._dropped and last is not None and seq > last + 1:
+            st.num_gaps += 1
+            self._clear("reconnect_gap")
+        self._dropped = False
+        self._last_live = seq
+        last = st.last_seq
+        if last is None:
+            if seq > 0 and self.replay_address:
+                await self._catch_up(0, seq, must_cover=False)
+        elif seq <= last:
+            st.num_duplicates += 1
+            return
+        elif seq > last + 1:
+            st.num_gaps += 1
+            await self._catch_up(last + 1, seq, must_cover=True)
+        await self._apply(seq, frames[2])
+
+    # --- replay --------------------------------------------------------------------------------------------
+    async def _catch_up(self, start: int, upto: int, *, must_cover: bool) -> None:
+        """Apply the batches ``start .. upto - 1`` from the replay socket. `must_cover`: the index already
+        holds batches up to ``start - 1``, so an incomplete replay clears the endpoint first. Either way the
+        contiguous run of replayed batches ending at ``upto - 1`` is applied (to a cleared endpoint, a suffix
+        of the stream)."""
+        got = await self._replay(start) if self.replay_address else None
+        run: list[tuple[int, bytes]] = []
+        if got:
+            by_seq = {s: p for s, p in got if start <= s < upto}
+            s = upto - 1
+            while s in by_seq:  # the contiguous run ending just before `upto`
+                run.append((s, by_seq[s]))
+                s -= 1
+            run.reverse()
+        covered = bool(run) and run[0][0] == start or upto == start
+        if must_cover and not covered:  # (at first contact a partial history is expected, not a failure)
+            self._stats.num_replay_failures += 1
+            self._clear("replay_unavailable")
+        for s, payload in run:
+            await self._apply(s, payload)
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The (seq, payload) pairs the publisher's replay socket returns from `start` on, in order, up to its
+        end marker or `replay_timeout_s` of silence (what arrived by then; None when nothing did)."""
+        assert self.replay_address is not None
+        self._stats.num_replays += 1
+        sock = self._ctx.socket(zmq.DEALER)  # a fresh socket per replay: a late answer to an old one is never read
+        sock.setsockopt(zmq.LINGER, 0)
+        out: list[tuple[int, bytes]] = []
+        timeout_ms = max(1, int(self._replay_timeout_s * 1000))
+        try:
+            sock.connect(self.replay_address)
+            await asyncio.wait_for(sock.send_multipart([b"", seq_to_bytes(start)]), self._replay_timeout_s)
+            while True:
+                if not await sock.poll(timeout_ms):  # silence between messages: the publisher is not answering
+                    return out or None
+                frames = await sock.recv_multipart()
+                if len(frames) < 2:
+                    continue
+                raw_seq, payload = frames[-2], frames[-1]  # after the delimiter (and a topic, in some forks)
+                if raw_seq == END_SEQ:
+                    return out
+                try:
+                    out.append((seq_from_bytes(raw_seq), payload))
+                except KVEventsDecodeError:
+                    self._stats.num_decode_errors += 1
+        except (asyncio.TimeoutError, zmq.ZMQError):
+            return out or None
+        finally:
+            sock.close(linger=0)
+
+    # --- applying ------------------------------------------------------------------------------------------
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        st = self._stats
+        try:
+            batch = decode_batch(payload)
+        except KVEventsDecodeError as exc:
+            st.num_decode_errors += 1
+            if st.num_decode_errors in (1, 10, 100) or st.num_decode_errors % 1000 == 0:
+                log.warning("KV events of %s: batch %d does not decode (%d so far): %s", self.endpoint, seq,
+                            st.num_decode_errors, exc)
+            self._clear("decode_error")
+            st.last_seq = seq
+            return
+        index, ep = self.index, self.endpoint
+        before = index.num_all_cleared(ep)
+        for _ in index.apply_events(ep, batch.events, self._chunk_blocks):
+            await asyncio.sleep(0)  # let routing decisions run between chunks
+        st.last_seq = seq
+        st.num_batches += 1
+        st.num_events += len(batch.events)
+        if index.num_all_cleared(ep) != before:
+            st.num_clears += 1
+            self._notify("all_blocks_cleared")
+
+    def _clear(self, reason: str) -> None:
+        """Drop the endpoint's entries and restart its stream as at first contact."""
+        self.index.clear_endpoint(self.endpoint)
+        self._stats.last_seq = None
+        self._stats.num_clears += 1
+        self._notify(reason)
+
+    def _notify(self, reason: str) -> None:
+        if reason != "all_blocks_cleared":
+            log.info("KV events of %s: index entries dropped (%s)", self.endpoint, reason)
+        if self._on_cleared is not None:
+            try:
+                self._on_cleared(self.endpoint, reason)
+            except Exception:  # noqa: BLE001 - a hook must not stop the subscription
+                log.exception("on_cleared hook failed for %s", self.endpoint)
+
+
+class KVEventsManager:
+    """One `EndpointSubscriber` per endpoint that publishes events; `sync` follows the pool's membership.
+
+    `sync`, `stats` and `close` are called from the router's event loop. An endpoint leaving (or its address
+    changing) takes its index entries with it."""
+
+    def __init__(self, index: KVEventIndex, *, topic: str = "", replay_timeout_s: float = 1.0,
+                 chunk_blocks: int = 64, heartbeat_s: float = 1.0, on_cleared: OnCleared | None = None,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        self.index = index
+        self._own_context = context is None
+        self._ctx = context or zmq.asyncio.Context()
+        self._kwargs = dict(topic=topic, replay_timeout_s=replay_timeout_s, chunk_blocks=chunk_blocks,
+                            heartbeat_s=heartbeat_s, on_cleared=on_cleared)
+        self._on_cleared = on_cleared
+        self._subs: dict[EndpointId, EndpointSubscriber] = {}
+        self._closing: set[asyncio.Task] = set()
+
+    def sync(self, addresses: Mapping[EndpointId, tuple[str, str | None]]) -> None:
+        """Subscribe to exactly these endpoints: ``{endpoint: (pub_address, replay_address or None)}``.
+        New ones start, missing ones stop (their entries are removed from the index), changed addresses
+        restart (entries cleared, reason ``address_changed``)."""
+        for ep in [ep for ep in self._subs if ep not in addresses]:
+            self._stop(ep)
+            self.index.remove_endpoint(ep)
+        for ep, (pub, replay) in addresses.items():
+            old = self._subs.get(ep)
+            if old is not None:
+                if (old.pub_address, old.replay_address) == (pub, replay or None):
+                    continue
+                self._stop(ep)
+                self.index.clear_endpoint(ep)
+                if self._on_cleared is not None:
+                    try:
+                        self._on_cleared(ep, "address_changed")
+                    except Exception:  # noqa: BLE001
+                        log.exception("on_cleared hook failed for %s", ep)
+            sub = self._subs[ep] = EndpointSubscriber(ep, self.index, pub, replay, context=self._ctx,
+                                                      **self._kwargs)
+            sub.start()
+
+    def _stop(self, ep: EndpointId) -> None:
+        sub = self._subs.pop(ep)
+        task = asyncio.get_running_loop().create_task(sub.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def endpoints(self) -> list[EndpointId]:
+        return list(self._subs)
+
+    def stats(self) -> dict[EndpointId, SubscriberStats]:
+        """Per subscribed endpoint: its `SubscriberStats` (copies)."""
+        return {ep: sub.stats() for ep, sub in list(self._subs.items())}
+
+    async def close(self) -> None:
+        """Stop every subscriber and release the ZMQ context (when the manager made it)."""
+        for ep in list(self._subs):
+            self._stop(ep)
+        if self._closing:
+            await asyncio.gather(*list(self._closing), return_exceptions=True)
+        if self._own_context:
+            self._ctx.term()

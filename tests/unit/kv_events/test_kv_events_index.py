@@ -1,0 +1,296 @@
+"""KVEventIndex: keying vLLM's KV events by the router's token-block hashes (extproc/kv_events/index.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixroute.extproc.kv_events.index import KVEventIndex
+from prefixroute.extproc.routing.hashing import hash_token_blocks, token_seed_for
+from prefixroute.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+
+BS = 4
+EP, EP2 = "10.0.0.1:8000", "10.0.0.2:8000"
+
+
+def srv(path: tuple[int, ...], salt: str = "") -> int:
+    """A server block hash for the block ending `path` (any injective-enough function: vLLM's are random)."""
+    return xxhash.xxh3_64_intdigest(repr((salt, path)).encode(), 12345)
+
+
+def chain(tokens, lora=None, salt=None):
+    return hash_token_blocks(tokens, BS, token_seed_for(lora, salt))
+
+
+def stored(tokens, first=0, last=None, *, parent_tokens=None, lora_name=None, extra_keys=None, salt_tag="",
+           block_size=BS, medium="GPU", lora_id=None, group_idx=None, bytes_hashes=False):
+    """BlockStored of blocks [first, last) of `tokens` with server hashes `srv`, chained like vLLM does."""
+    n = len(tokens) // BS
+    last = n if last is None else last
+    hashes = [srv(tuple(tokens[:(i + 1) * BS]), salt_tag) for i in range(first, last)]
+    if bytes_hashes:
+        hashes = [h.to_bytes(32, "big") for h in hashes]
+    parent = srv(tuple(tokens[:first * BS]), salt_tag) if first else None
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(tokens[first * BS:last * BS]),
+                       block_size=block_size, lora_id=lora_id, medium=medium, lora_name=lora_name,
+                       extra_keys=extra_keys, group_idx=group_idx)
+
+
+def removed(tokens, blocks, salt_tag=""):
+    return BlockRemoved(block_hashes=[srv(tuple(tokens[:(i + 1) * BS]), salt_tag) for i in blocks], medium="GPU")
+
+
+def batch(*events):
+    return EventBatch(ts=1.0, events=list(events))
+
+
+TOKS = list(range(100, 132))  # 8 blocks
+
+
+@pytest.mark.parametrize("array_like", [False, True])
+def test_every_event_type_round_trips_the_wire_into_the_index(array_like):
+    idx = KVEventIndex(BS)
+    wire = encode_batch(batch(stored(TOKS, 0, 4), stored(TOKS, 4, 8, bytes_hashes=False)), array_like=array_like)
+    idx.apply_batch(EP, decode_batch(wire))
+    assert idx.match(chain(TOKS)) == {EP: 8}
+    idx.apply_batch(EP, decode_batch(encode_batch(batch(removed(TOKS, [5, 6, 7])), array_like=array_like)))
+    assert idx.match(chain(TOKS)) == {EP: 5}
+    idx.apply_batch(EP2, batch(stored(TOKS, 0, 2)))
+    idx.apply_batch(EP, decode_batch(encode_batch(batch(AllBlocksCleared()), array_like=array_like)))
+    assert idx.match(chain(TOKS)) == {EP2: 2}, "AllBlocksCleared empties only its own endpoint"
+    assert idx.num_blocks(EP) == 0 and idx.counters(EP).num_all_cleared == 1
+
+
+def test_bytes_block_hashes_are_followed_like_ints():
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(stored(TOKS, 0, 3, bytes_hashes=True), stored(TOKS, 3, 6, bytes_hashes=True)))
+    assert idx.match(chain(TOKS)) == {EP: 6}
+    idx.apply_batch(EP, batch(BlockRemoved(block_hashes=[srv(tuple(TOKS[:8])).to_bytes(32, "big")], medium="GPU")))
+    assert idx.match(chain(TOKS)) == {EP: 1}
+
+
+def test_signed_and_wide_int_hashes_are_taken_modulo_2_64():
+    idx = KVEventIndex(BS)
+    ev = stored(TOKS, 0, 2)
+    ev.block_hashes = [ev.block_hashes[0] - (1 << 64), ev.block_hashes[1] + (1 << 64)]  # same low 64 bits
+    idx.apply_batch(EP, batch(ev, stored(TOKS, 2, 4)))
+    assert idx.match(chain(TOKS)) == {EP: 4}
+    idx.apply_batch(EP, batch(removed(TOKS, [1])))
+    assert idx.match(chain(TOKS)) == {EP: 1}
+
+
+def test_a_block_whose_parent_is_unknown_is_dropped_and_counted_with_its_children():
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(stored(TOKS, 2, 4), stored(TOKS, 4, 6)))  # blocks 0-1 never seen
+    assert idx.counters(EP).num_orphan_blocks == 4
+    assert idx.num_blocks(EP) == 0
+    idx.apply_batch(EP, batch(stored(TOKS, 0, 2)))
+    assert idx.match(chain(TOKS)) == {EP: 2}
+
+
+def test_match_is_not_prefix_closed_and_needs_the_first_block():
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(stored(TOKS)))
+    idx.apply_batch(EP, batch(removed(TOKS, [3])))  # a hole in the middle: blocks 4.. are still held
+    assert idx.match(chain(TOKS)) == {EP: 3}
+    idx.apply_batch(EP, batch(removed(TOKS, [0])))
+    assert idx.match(chain(TOKS)) == {}, "only endpoints holding the first block are listed"
+    assert idx.holds(EP, chain(TOKS)[5])
+
+
+def test_a_hash_stored_twice_is_held_until_removed_twice():
+    # vLLM v1 keeps one cached block per (hash, block id): two requests computing the same block concurrently
+    # both store it, and each eviction emits BlockRemoved.
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(stored(TOKS, 0, 2), stored(TOKS, 0, 2)))
+    idx.apply_batch(EP, batch(removed(TOKS, [0, 1])))
+    assert idx.match(chain(TOKS)) == {EP: 2}
+    idx.apply_batch(EP, batch(removed(TOKS, [0, 1])))
+    assert idx.match(chain(TOKS)) == {}
+    idx.apply_batch(EP, batch(removed(TOKS, [0])))
+    assert idx.counters(EP).num_unknown_removed_blocks == 1
+
+
+def test_lora_and_cache_salt_seed_the_chain_like_the_router_does():
+    idx = KVEventIndex(BS)
+    # vLLM: every block of an adapter's prompt carries the lora name, the first one also the salt.
+    keys = [("ad", "s1")] + [("ad",)] * 7
+    idx.apply_batch(EP, batch(stored(TOKS, 0, 4, lora_name="ad", extra_keys=keys[:4], salt_tag="a"),
+                              stored(TOKS, 4, 8, lora_name="ad", extra_keys=keys[4:], salt_tag="a")))
+    # The simulated servers: ("salt",) on the first block only, no lora.
+    idx.apply_batch(EP2, batch(stored(TOKS, 0, 8, extra_keys=[("s2",)] + [None] * 7)))
+    assert idx.match(chain(TOKS, "ad", "s1")) == {EP: 8}
+    assert idx.match(chain(TOKS, None, "s2")) == {EP2: 8}
+    for lora, salt in [(None, None), ("ad", None), (None, "s1"), ("ad", "s2")]:
+        assert idx.match(chain(TOKS, lora, salt)) == {}, (lora, salt)
+
+
+def test_lora_without_a_salt_and_an_old_release_lora_id_never_match_the_base_model():
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(stored(TOKS, lora_name="ad", extra_keys=[("ad",)] * 8)))
+    idx.apply_batch(EP2, batch(stored(TOKS, lora_id=3)))  # pre-lora_name release: only an id
+    assert idx.match(chain(TOKS, "ad")) == {EP: 8}
+    assert idx.match(chain(TOKS)) == {}
+
+
+def test_multimodal_extra_keys_are_folded_so_text_requests_never_match_them():
+    idx = KVEventIndex(BS)
+    mm = [(("img-hash-1", 0),), None, (("img-hash-1", 0),), None, None, None, None, None]
+    idx.apply_batch(EP, batch(stored(TOKS, 0, 1), stored(TOKS, 1, 8, extra_keys=mm[1:], salt_tag="")))
+    # Block 0 is plain text; block 2 holds an image: blocks 2.. never match the text-only chain.
+    assert idx.match(chain(TOKS)) == {EP: 2}
+    idx.apply_batch(EP2, batch(stored(TOKS, extra_keys=[("img-hash-2", "salt")] + [None] * 7)))
+    assert idx.match(chain(TOKS, None, "salt")) == {}
+    assert idx.num_blocks(EP2) == 8
+
+
+def test_other_block_sizes_media_and_groups_are_skipped_and_counted():
+    idx = KVEventIndex(BS)
+    toks = list(range(64))
+    idx.apply_batch(EP, batch(BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=toks[:32],
+                                          block_size=16, lora_id=None, medium="GPU", lora_name=None)))
+    assert idx.counters(EP).num_block_size_mismatch_blocks == 2 and idx.block_size_seen(EP) == 16
+    idx.apply_batch(EP, batch(stored(TOKS, medium="CPU"), stored(TOKS, group_idx=1)))
+    assert idx.counters(EP).num_skipped_blocks == 16
+    bad = stored(TOKS)
+    bad.token_ids = bad.token_ids[:-1]
+    idx.apply_batch(EP, batch(bad))
+    negative = stored(TOKS)
+    negative.token_ids[0] = -1
+    idx.apply_batch(EP, batch(negative))
+    assert idx.counters(EP).num_malformed_events == 2
+    assert idx.num_blocks(EP) == 0 and idx.match(chain(TOKS)) == {}
+    # A CPU-medium removal must not take the GPU copy of the same hash.
+    idx.apply_batch(EP, batch(stored(TOKS)))
+    idx.apply_batch(EP, batch(BlockRemoved(block_hashes=[srv(tuple(TOKS[:4]))], medium="CPU")))
+    assert idx.match(chain(TOKS)) == {EP: 8}
+
+
+def test_large_stores_are_applied_in_chunks_with_the_same_result():
+    toks = list(range(4000))  # 1000 blocks
+    whole, chunked = KVEventIndex(BS), KVEventIndex(BS)
+    ev = stored(toks)
+    whole.apply_batch(EP, batch(ev))
+    steps = list(chunked.apply_events(EP, [ev, removed(toks, range(600, 1000))], chunk_blocks=64))
+    assert max(steps) <= 64 and sum(steps) == 1400 and len(steps) >= 1400 // 64
+    assert whole.match(chain(toks)) == {EP: 1000}
+    assert chunked.match(chain(toks)) == {EP: 600}
+
+
+def test_clear_and_remove_endpoint():
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(stored(TOKS)))
+    idx.apply_batch(EP2, batch(stored(TOKS)))
+    idx.clear_endpoint(EP)
+    assert idx.match(chain(TOKS)) == {EP2: 8} and idx.counters(EP).num_clears == 1
+    idx.remove_endpoint(EP2)
+    assert idx.match(chain(TOKS)) == {} and idx.num_blocks_by_endpoint() == {}
+    assert EP2 not in idx.endpoints() and EP in idx.endpoints()
+
+
+def test_num_blocks_by_endpoint_is_readable_from_another_thread_while_the_index_changes():
+    idx = KVEventIndex(BS)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def read():
+        try:
+            while not stop.is_set():
+                idx.num_blocks_by_endpoint()
+                idx.counters_by_endpoint()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for i in range(300):
+            toks = [i] * 4 + list(range(28))
+            ep = f"10.0.0.{i % 7}:8000"
+            idx.apply_batch(ep, batch(stored(toks)))
+            if i % 3 == 0:
+                idx.apply_batch(ep, batch(removed(toks, range(8))))
+            if i % 50 == 0:
+                idx.remove_endpoint(ep)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+
+
+# --- the index against a brute-force model ----------------------------------------------------------------------
+# A world of prompts over a tiny alphabet (so prefixes are shared); events store ranges of a prompt's blocks
+# (chained like vLLM's), remove blocks, clear. The model keeps, per endpoint, a multiset of server hashes, each
+# with the router hash of its *whole path* (hash_token_blocks over all tokens from the prompt's start): an
+# independent computation of what the index derives incrementally from parents.
+
+PROMPTS = st.lists(st.lists(st.integers(0, 2), min_size=BS, max_size=5 * BS).map(lambda t: t[:len(t) // BS * BS]),
+                   min_size=1, max_size=5)
+OPS = st.lists(st.tuples(st.sampled_from(["store", "store", "store", "remove", "clear"]), st.integers(0, 1),
+                         st.integers(0, 4), st.integers(0, 4), st.integers(1, 5)), max_size=40)
+
+
+class Model:
+    def __init__(self):
+        self.refs: dict[str, dict[int, int]] = {EP: {}, EP2: {}}
+        self.key: dict[int, int] = {}
+
+    def store(self, ep, tokens, first, last):
+        refs = self.refs[ep]
+        if first and refs.get(srv(tuple(tokens[:first * BS])), 0) == 0:
+            return  # orphan: the parent is not held
+        for i in range(first, last):
+            s = srv(tuple(tokens[:(i + 1) * BS]))
+            refs[s] = refs.get(s, 0) + 1
+            self.key[s] = chain(tokens[:(i + 1) * BS])[-1]
+
+    def remove(self, ep, tokens, blocks):
+        refs = self.refs[ep]
+        for i in blocks:
+            s = srv(tuple(tokens[:(i + 1) * BS]))
+            if refs.get(s):
+                refs[s] -= 1
+                if not refs[s]:
+                    del refs[s]
+
+    def match(self, hashes):
+        out = {}
+        for ep, refs in self.refs.items():
+            held = {self.key[s] for s in refs}
+            n = 0
+            while n < len(hashes) and hashes[n] in held:
+                n += 1
+            if n:
+                out[ep] = n
+        return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(PROMPTS, OPS)
+def test_match_equals_a_brute_force_model(prompts, ops):
+    idx, model = KVEventIndex(BS), Model()
+    eps = [EP, EP2]
+    for kind, e, p, a, b in ops:
+        ep, tokens = eps[e], prompts[p % len(prompts)]
+        n = len(tokens) // BS
+        if kind == "store":
+            first = a % n
+            last = min(n, first + b)
+            idx.apply_batch(ep, batch(stored(tokens, first, last)))
+            model.store(ep, tokens, first, last)
+        elif kind == "remove":
+            blocks = list(range(a % n, min(n, a % n + b)))
+            idx.apply_batch(ep, batch(removed(tokens, blocks)))
+            model.remove(ep, tokens, blocks)
+        else:
+            idx.apply_batch(ep, batch(AllBlocksCleared()))
+            model.refs[ep] = {}
+        for q in prompts:
+            for cut in range(BS, len(q) + 1, BS):
+                assert idx.match(chain(q[:cut])) == model.match(chain(q[:cut]))
+    for ep in eps:
+        assert idx.num_blocks(ep) == len(model.refs[ep])
