@@ -19,17 +19,89 @@ import signal
 import sys
 
 from prefixroute import settings
-from prefixroute.extproc.endpoints.pool import EndpointPool
+from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_from_settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
                                         start_server)
+from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.tokens import PromptHasher, TokenizerLoadError
 from prefixroute.telemetry.router import RouterTelemetry, RouterTelemetrySettings
 
 READY_PREFIX = "prefixroute extproc ready on "
+EVENTS_CHECK_INTERVAL_S = 1.0
+"""How often the router checks its KV-event subscriptions: an endpoint whose subscriber lost its connection
+falls back to the router's own index (feedback) within a second, and returns to events once reconnected."""
+log = logging.getLogger("prefixroute.extproc")
+
+
+class KVEventsLink:
+    """The KV-events side of one router: the manager feeding the events index, and the endpoints whose matches
+    come from it (`RouterCore.set_event_endpoints`: those whose subscriber is connected). Its `info` (read by
+    the metrics thread) is a dict replaced whole every check: endpoint -> {"source", subscriber figures}."""
+
+    def __init__(self, core: RouterCore, manager: KVEventsManager | None,
+                 addresses: dict[str, tuple[str, str | None]]) -> None:
+        self.core = core
+        self.manager = manager
+        self.addresses = addresses
+        self.info: dict[str, dict[str, object]] = {}
+        self._warned: set[str] = set()
+        self._task: asyncio.Task | None = None
+
+    def start(self, endpoints: list[str]) -> None:
+        self.endpoints = endpoints
+        if self.manager is not None:
+            self.manager.sync(self.addresses)
+            # Optimistic until the first check: a publisher on loopback connects within milliseconds.
+            self.core.set_event_endpoints(list(self.addresses))
+        self.check()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(EVENTS_CHECK_INTERVAL_S)
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the check must never stop
+                log.exception("KV events check failed")
+
+    def check(self) -> None:
+        stats = self.manager.stats() if self.manager is not None else {}
+        live = [ep for ep, st in stats.items() if st.connected]
+        if self.manager is not None:
+            for ep in stats:
+                down = ep not in live
+                if down and ep not in self._warned:
+                    self._warned.add(ep)
+                    log.warning("KV events of %s: not connected to %s; its prefix matches come from the router's "
+                                "own index (feedback) until it is", ep, self.addresses[ep][0])
+                elif not down and ep in self._warned:
+                    self._warned.discard(ep)
+                    log.warning("KV events of %s: connected again; matching by its events", ep)
+            self.core.set_event_endpoints(live)
+        blocks = self.core.event_index.num_blocks_by_endpoint() if self.core.event_index is not None else {}
+        sources = self.core.index_sources(self.endpoints)
+        info: dict[str, dict[str, object]] = {}
+        for ep in self.endpoints:
+            d: dict[str, object] = {"source": sources.get(ep, "")}
+            st = stats.get(ep)
+            if st is not None:
+                d.update(connected=st.connected, last_seq=st.last_seq, num_batches=st.num_batches,
+                         num_events=st.num_events, num_gaps=st.num_gaps, num_replays=st.num_replays,
+                         num_clears=st.num_clears, num_decode_errors=st.num_decode_errors,
+                         blocks=blocks.get(ep, 0))
+            info[ep] = d
+        self.info = info
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self.manager is not None:
+            await self.manager.close()
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -43,18 +115,30 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                 stop: asyncio.Event, tele: RouterTelemetrySettings | None = None) -> None:
     """Run until `stop` is set."""
     pool = EndpointPool(pool_settings)
+    # KV events: only when requests are matched by token blocks (a tokenizer) and the source allows them.
+    addresses = event_addresses_from_settings(pool_settings) if (
+        routing.tokenizer and routing.index_source in ("auto", "events")) else {}
+    event_index = KVEventIndex(routing.kv_block_tokens) if addresses else None
     # track_prefill: PoolRouter.release calls core.on_release once per routed request.
-    core = RouterCore(routing, track_prefill=True)
+    core = RouterCore(routing, track_prefill=True, event_index=event_index)
     router = PoolRouter(core, pool)
+    manager = None
+    if event_index is not None:
+        manager = KVEventsManager(event_index, topic=pool_settings.kv_events_topic,
+                                  on_cleared=lambda ep, reason: log.info("KV events of %s: index cleared (%s)",
+                                                                         ep, reason))
+    events = KVEventsLink(core, manager, addresses)
     telemetry = RouterTelemetry.from_settings(tele or RouterTelemetrySettings(metrics_port=-1),
                                               in_flight=lambda: pool.in_flight,
                                               index_size=core.index.num_entries_by_endpoint,
                                               endpoint_states=pool.snapshot,
-                                              time_model=getattr(core.scheduler.policy, "time_model_figures", None))
+                                              time_model=getattr(core.scheduler.policy, "time_model_figures", None),
+                                              index_info=lambda: events.info)
     tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
                              max_body_bytes=routing.max_body_bytes, on_first_token=router.first_token,
                              on_usage=router.usage)
     await pool.start()
+    events.start([str(ep) for ep in pool.endpoints])
     try:
         all_up = await pool.wait_ready(ext.ready_timeout_s)
         # Startup objects (modules, protobuf descriptors, settings) never die: move them out of the GC's view,
@@ -66,13 +150,16 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         healthy = sum(1 for s in pool.snapshot() if s.healthy)
         ms = telemetry.metrics_server
         metrics = f"http://{ms.server_address[0]}:{ms.server_address[1]}/metrics" if ms is not None else "off"
-        print(f"{READY_PREFIX}{ext.listen_address}:{port} (policy {routing.policy}, "
+        index = (f"index events x{len(addresses)} + {core.sourced.own_source}" if addresses
+                 else f"index {core.sourced.own_source}")
+        print(f"{READY_PREFIX}{ext.listen_address}:{port} (policy {routing.policy}, {index}, "
               f"{healthy}/{len(pool.endpoints)} endpoints healthy{'' if all_up else ', still probing'}, "
               f"metrics {metrics}, traces {'on' if telemetry.recorder.enabled else 'off'}"
               f"{': ' + telemetry.recorder.disabled_reason if telemetry.recorder.disabled_reason else ''})", flush=True)
         await stop.wait()
         await server.stop(grace=1.0)
     finally:
+        await events.close()
         await pool.close()
         # Off the loop: flushing waits on the exporter (bounded), the loop must not stall meanwhile.
         await asyncio.get_running_loop().run_in_executor(None, telemetry.close, 2.0)
@@ -85,11 +172,13 @@ def main(args: argparse.Namespace) -> int:
         routing = settings.from_namespace(RoutingSettings, args)
         pool_settings = settings.from_namespace(PoolSettings, args)
         tele = settings.from_namespace(RouterTelemetrySettings, args)
-        # Validate endpoints, TLS files and the token before starting anything (clear message, exit 2).
+        # Validate endpoints, TLS files, the token and the tokenizer before starting anything (exit 2).
         EndpointPool(pool_settings)
+        event_addresses_from_settings(pool_settings)
+        PromptHasher.from_settings(routing)
         server_credentials(ext)
         resolved_auth_token(ext)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, TokenizerLoadError) as exc:
         print(f"prefixroute extproc: {exc}", file=sys.stderr)
         return 2
     loop = new_event_loop(ext.uvloop)

@@ -251,9 +251,10 @@ class RouterCore:
         request of a prefix it held is not predicted a hit there. Called by `sync_endpoints` when the pool's
         ``restart_epoch`` for it changes; the seam for KV events' AllBlocksCleared (a later source of the same
         fact)."""
+        # Not the events index: the endpoint's own events say when its cache emptied (AllBlocksCleared, or the
+        # publisher's sequence restarting), and the pool sees a restart only at its next scrape, after the new
+        # process may already have published blocks the events index must keep.
         self.index.clear_endpoint(endpoint)
-        if self.event_index is not None:
-            self.event_index.clear_endpoint(endpoint)
         self.scheduler.policy.on_cache_cleared(endpoint)
         self.num_caches_cleared += 1
 
