@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 import msgspec
+import numpy as np
 import orjson
 import zmq
 
@@ -254,10 +255,24 @@ class ZmqEventPublisher:
         self._replay.send_multipart((client, b"", END_SEQ, b""))
 
 
+_UINT32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])  # msgpack uint 32: 0xce + 4 bytes big-endian
+
+
+def msgpack_uint_array(ids: np.ndarray) -> msgspec.Raw:
+    """Token ids (non-negative, < 2**32) as a pre-encoded msgpack array (array 32 of uint 32 items), built by
+    numpy: ~10x cheaper than ``tolist()`` + encoding, the bulk of a batch's cost. Non-minimal widths are valid
+    msgpack; every decoder reads them as the same ints."""
+    items = np.empty(len(ids), _UINT32_ITEM)
+    items["marker"] = 0xCE
+    items["value"] = ids
+    return msgspec.Raw(b"\xdd" + len(ids).to_bytes(4, "big") + items.tobytes())
+
+
 def materialize(events: list[Any]) -> list[Any]:
     """`events` as the engine recorded them, ready to encode: a `BlockStored` may carry its token ids as a numpy
-    slice (the engine loop does not convert them), made a list here, on the publisher thread."""
+    slice (the engine loop does not convert them), pre-encoded here, on the publisher thread. Encode the
+    result with msgspec (it splices `msgspec.Raw` in verbatim)."""
     for e in events:
-        if type(e) is BlockStored and not isinstance(e.token_ids, list):
-            e.token_ids = e.token_ids.tolist()
+        if type(e) is BlockStored and isinstance(e.token_ids, np.ndarray):
+            e.token_ids = msgpack_uint_array(e.token_ids)
     return events

@@ -98,14 +98,16 @@ async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 
 async def settle(session, url, sub: Subscriber) -> dict[str, float]:
-    """Wait until the subscriber has applied every published batch; the final metrics."""
+    """Wait (10 s at most) until the subscriber has applied every published batch and holds as many blocks as
+    the server reports: the engine's gauge moves at once, the publisher thread a moment later, so the test asks
+    for convergence, then its caller asserts it (a wrong event stream never converges)."""
     deadline = time.monotonic() + 10
     while True:
         m = await metrics(session, url)
         published = m["prefixroute:kv_events_batches_published_total"]
         with sub.lock:
-            caught_up = sub.next_seq == published
-        if caught_up or time.monotonic() > deadline:
+            done = sub.next_seq == published and len(sub.held) == m["prefixroute:kv_cached_blocks"]
+        if done or time.monotonic() > deadline or sub.error is not None:
             return m
         await asyncio.sleep(0.05)
 

@@ -115,15 +115,16 @@ def test_pub_wire_round_trip_and_replay(ctx):
         sub = _subscribe(ctx, pub.endpoint, b"kv-events")
         last_probe = _join(pub, sub)
         sent = [[_stored(i), BlockRemoved([1000 + i], "GPU")] for i in range(5)]
+        want_tokens = [ev[0].token_ids.tolist() for ev in sent]  # the publisher hands the events off (encodes)
         seqs = [pub.publish(ev) for ev in sent]
         assert seqs == list(range(last_probe + 1, last_probe + 6))
         got = [sub.recv_multipart() for _ in sent]
-        for (topic, raw_seq, payload), seq, ev in zip(got, seqs, sent):
+        for (topic, raw_seq, payload), seq, ev, tokens in zip(got, seqs, sent, want_tokens):
             assert topic == b"kv-events" and len(raw_seq) == 8 and int.from_bytes(raw_seq, "big") == seq
             batch = decode_batch(payload)
             assert batch.data_parallel_rank == 0 and abs(batch.ts - time.time()) < 5
             s, r = batch.events
-            assert s.block_hashes == ev[0].block_hashes and s.token_ids == list(ev[0].token_ids)
+            assert s.block_hashes == ev[0].block_hashes and s.token_ids == tokens
             assert s.parent_block_hash == ev[0].parent_block_hash and s.block_size == 16 and s.medium == "GPU"
             assert r == BlockRemoved([r.block_hashes[0]], "GPU")
         # replay from 0: every batch from the first (sequence numbers start at 0), then the end marker
