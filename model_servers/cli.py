@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
+
+import zmq
 
 from prefixroute import settings
 from prefixroute.model_servers.server import ServerSettings, serve
@@ -15,7 +18,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    s = settings.from_namespace(ServerSettings, args)
+    try:
+        s = settings.from_namespace(ServerSettings, args)
+    except ValueError as exc:  # e.g. a bad --kv-events-config: its reason, not a traceback
+        print(f"prefixroute model-server: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=s.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop
@@ -23,4 +30,8 @@ def main(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
         pass
-    return asyncio.run(serve(s))
+    try:
+        return asyncio.run(serve(s))
+    except zmq.ZMQError as exc:  # the KV-event sockets could not bind/connect (address in use, bad address)
+        print(f"prefixroute model-server: error: KV events ({s.kv_events_config}): {exc}", file=sys.stderr)
+        return 1

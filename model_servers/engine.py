@@ -23,16 +23,26 @@ Scheduling rules (vLLM v1 semantics):
 
 Step time: `CostModel.step_time_s` of the batch sums (see cost_model.py) times `time_scale`.
 Not thread-safe: one runner owns a core.
+
+KV events (vLLM's, see kv_events.py; on when the core is built with `on_kv_events`): the blocks a step
+registers become `BlockStored` events (one per contiguous run of newly stored blocks of a request: its
+hashes in chain order, the parent hash, those blocks' token ids, `lora_name`/`lora_id` of an adapter request,
+and vLLM's per-block extra keys: the adapter name on every block, the cache_salt on block 0), evictions
+`BlockRemoved`, a prefix-cache reset `AllBlocksCleared`. Each `plan_step` (and `finish_decode_run`,
+`reset_prefix_cache`) that changed the cache hands its events, in order, to `on_kv_events` as one list (one
+`EventBatch`). Off, the only cost is one attribute test per registration and per step.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from prefixroute.kv_events import MEDIUM_GPU, BlockStored
 from prefixroute.model_servers.cost_model import CostModel
 from prefixroute.model_servers.kv_cache import KVCache, hash_blocks
 
@@ -48,10 +58,12 @@ class EngineRequest:
 
     __slots__ = ("request_id", "prompt_ids", "block_hashes", "num_prompt_tokens", "max_tokens", "arrival_s",
                  "num_computed", "num_output", "blocks", "num_registered", "num_cached_tokens", "first_token_s",
-                 "finished_s", "status", "num_preemptions", "sink", "first_scheduled", "num_tokens")
+                 "finished_s", "status", "num_preemptions", "sink", "first_scheduled", "num_tokens", "lora_name",
+                 "lora_id", "cache_salt")
 
     def __init__(self, request_id: str, prompt_ids: np.ndarray, max_tokens: int, *, block_size: int,
-                 root: int, arrival_s: float = 0.0, sink: Any = None) -> None:
+                 root: int, arrival_s: float = 0.0, sink: Any = None, lora_name: str | None = None,
+                 lora_id: int | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.num_prompt_tokens = len(prompt_ids)
@@ -70,6 +82,10 @@ class EngineRequest:
         self.status = WAITING
         self.num_preemptions = 0
         self.sink = sink  # the runner's handle (stream writer / result record)
+        # for KV events only (the hashes already include them through `root`)
+        self.lora_name = lora_name  # the adapter name when the request's model is a LoRA adapter
+        self.lora_id = lora_id
+        self.cache_salt = cache_salt
 
     @property
     def finished(self) -> bool:
@@ -156,7 +172,8 @@ class EngineConfig:
 class EngineCore:
     """Scheduler + KV cache + cost model of one simulated GPU engine (see module docstring)."""
 
-    def __init__(self, config: EngineConfig, cost: CostModel) -> None:
+    def __init__(self, config: EngineConfig, cost: CostModel,
+                 on_kv_events: Callable[[list], Any] | None = None) -> None:
         self.config = config
         self.cost = cost
         self.cache = KVCache(config.num_gpu_blocks, config.block_size)
@@ -166,6 +183,9 @@ class EngineCore:
         self.stats = EngineStats()
         self._step_cost = cost.step_time_s
         self._time_scale = config.time_scale
+        self._on_kv_events = on_kv_events
+        if on_kv_events is not None:
+            self.cache.enable_events()
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -216,8 +236,62 @@ class EngineCore:
         full = min((req.num_computed + num_tokens) // self.block_size, len(req.block_hashes))
         if full > req.num_registered:
             k = req.num_registered
-            self.cache.register_many(req.blocks[k:full], req.block_hashes[k:full])
+            blocks, hashes = req.blocks[k:full], req.block_hashes[k:full]
+            n = self.cache.register_many(blocks, hashes)
+            if n and self._on_kv_events is not None:
+                self._record_stored(req, k, full, blocks, hashes, n)
             req.num_registered = full
+
+    def _record_stored(self, req: EngineRequest, k: int, full: int, blocks: list[int], hashes: list[int],
+                       n: int) -> None:
+        """BlockStored events for the `n` blocks of req's blocks[k:full] that `register_many` just stored."""
+        if n == full - k:
+            runs = [(k, full)]
+        else:  # some hashes were cached already (by a concurrent request): one event per stored run
+            cached = self.cache.cached
+            runs = []
+            start = -1
+            for i, (b, h) in enumerate(zip(blocks, hashes)):
+                if cached.get(h) == b:
+                    if start < 0:
+                        start = k + i
+                elif start >= 0:
+                    runs.append((start, k + i))
+                    start = -1
+            if start >= 0:
+                runs.append((start, full))
+        bs = self.block_size
+        lora, salt = req.lora_name, req.cache_salt
+        record = self.cache.record_stored
+        for s, e in runs:
+            if lora is not None:  # vLLM: the adapter name on every block, the salt on block 0
+                extra: list | None = [(lora,)] * (e - s)
+                if s == 0 and salt:
+                    extra[0] = (lora, salt)  # type: ignore[index]
+            elif salt and s == 0:
+                extra = [(salt,)] + [None] * (e - s - 1)
+            else:
+                extra = None
+            # token ids stay a numpy view here: the publisher thread makes the list (kv_events.materialize)
+            record(BlockStored(req.block_hashes[s:e], req.block_hashes[s - 1] if s else None,
+                               req.prompt_ids[s * bs:e * bs], bs, req.lora_id, MEDIUM_GPU, lora, extra))
+
+    def _flush_kv_events(self) -> None:
+        if self._on_kv_events is not None and self.cache.has_events():
+            self._on_kv_events(self.cache.take_events())
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's prefix-cache reset: drop every cached hash, only when no block is held (False otherwise).
+        `reset_running_requests` first preempts every running request (they go back to the waiting queue
+        and recompute), as vLLM's ``reset_prefix_cache(reset_running_requests=True)`` does. Publishes
+        `AllBlocksCleared` when events are on."""
+        if reset_running_requests and self.running:
+            running, self.running = self.running, []
+            for req in reversed(running):  # appendleft in reverse keeps their admission order
+                self._preempt(req)
+        ok = self.cache.reset_prefix_cache()
+        self._flush_kv_events()
+        return ok
 
     def _preempt(self, req: EngineRequest) -> None:
         self.cache.release(req.blocks)
@@ -302,6 +376,8 @@ class EngineCore:
                 attn += n * (c + n * 0.5)
                 kv += c
                 budget -= n
+        if self._on_kv_events is not None and self.cache.has_events():
+            self._on_kv_events(self.cache.take_events())
         if not scheduled:
             return None
         duration = self._step_cost(n_sum, attn, kv, len(scheduled)) * self._time_scale
@@ -364,6 +440,7 @@ class EngineCore:
             assert got is not None  # checked in plan_decode_run
             for (_, idx), blk in zip(needs, got):
                 running[idx].blocks.append(blk)
+            self._flush_kv_events()
         st = self.stats
         st.num_steps += num_steps
         st.busy_s += num_steps * run.first_s + run.slope_s * num_steps * (num_steps - 1) * 0.5

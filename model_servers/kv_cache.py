@@ -19,6 +19,12 @@ Cache invariants (`KVCache`):
   the never-used blocks first, then evicts from the head of the queue, dropping the evicted block's hash;
 - `cached` maps a block hash to the one block holding it; a hit on a free cached block takes it out of
   the free queue (ref 0 -> 1).
+
+KV events (`enable_events`, off by default): the cache records, in order, a `BlockRemoved` for the hashes each
+eviction drops (consecutive evictions share one event), the `BlockStored` events the engine records for the
+blocks it registers (`record_stored`), and `AllBlocksCleared` on a reset. Applied in order to an empty set they
+give exactly the keys of `cached` (property-tested): a hash already cached is not stored again (first holder
+wins), so it gets no second event, and a hash is removed only when it leaves `cached`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import NewType, Sequence
 
 import numpy as np
 import xxhash
+
+from prefixroute.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved
 
 BlockHash = NewType("BlockHash", int)
 """Engine-side chained hash of one full block of token ids (see module docstring)."""
@@ -108,7 +116,7 @@ class KVCache:
     COMPACT_SLACK = 1024  # stale run entries tolerated beyond 2 x num_blocks before compacting
 
     __slots__ = ("num_blocks", "block_size", "ref", "block_hash", "cached", "next_unused", "num_held",
-                 "num_evictions", "_tick", "_free_tick", "_runs", "_run_entries", "_empty")
+                 "num_evictions", "_tick", "_free_tick", "_runs", "_run_entries", "_empty", "events", "_removed")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -126,6 +134,55 @@ class KVCache:
         self._runs: collections.deque[list] = collections.deque()  # [block ids, ticks, next position]
         self._run_entries = 0
         self._empty: list[int] = []  # free blocks holding no hash: reused first (they hold nothing)
+        self.events: list | None = None  # KV events recorded since the last take_events (None: not recording)
+        self._removed: list[int] | None = None  # evicted hashes not yet in an event (batched into one)
+
+    # -- KV events ----------------------------------------------------------------------------------
+    def enable_events(self) -> None:
+        """Record KV events from now on (see the module docstring); `take_events` hands them over."""
+        if self.events is None:
+            self.events = []
+            self._removed = []
+
+    def has_events(self) -> bool:
+        return bool(self.events or self._removed)
+
+    def record_stored(self, event: object) -> None:
+        """Append a `BlockStored` (built by the engine, which knows the request's tokens and extra keys), after
+        the removals that happened before it."""
+        if self._removed:
+            self._flush_removed()
+        self.events.append(event)  # type: ignore[union-attr]
+
+    def _flush_removed(self) -> None:
+        self.events.append(BlockRemoved(self._removed, MEDIUM_GPU))  # type: ignore[union-attr]
+        self._removed = []
+
+    def take_events(self) -> list:
+        """The events recorded since the last call, in order (empty when not recording)."""
+        if self.events is None:
+            return []
+        if self._removed:
+            self._flush_removed()
+        out, self.events = self.events, []
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash, like vLLM's ``BlockPool.reset_prefix_cache``: only when no block is held
+        (returns False and changes nothing otherwise); records `AllBlocksCleared`."""
+        if self.num_held:
+            return False
+        self.cached = {}
+        self.block_hash = [None] * self.num_blocks
+        self.next_unused = 0  # every block is free and empty again
+        self._empty = []
+        self._runs.clear()
+        self._run_entries = 0
+        if self.events is not None:
+            if self._removed:
+                self._flush_removed()
+            self.events.append(AllBlocksCleared())
+        return True
 
     @property
     def num_free_blocks(self) -> int:
@@ -163,6 +220,7 @@ class KVCache:
         out: list[int] = []
         runs, ref, ftick = self._runs, self.ref, self._free_tick
         block_hash, cached = self.block_hash, self.cached
+        removed = self._removed
         while len(out) < n:
             run = runs[0]
             ids, ticks, pos = run
@@ -185,6 +243,8 @@ class KVCache:
                 if h is not None:
                     if cached.get(h) == b:
                         del cached[h]
+                        if removed is not None:
+                            removed.append(h)
                     block_hash[b] = None
                     self.num_evictions += 1
                 out.append(b)
@@ -214,13 +274,16 @@ class KVCache:
         self.num_held += n
         return out
 
-    def register_many(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
-        """`register` for pairs of (block, hash); the loop stays in one frame (per-request path)."""
+    def register_many(self, blocks: Sequence[int], hashes: Sequence[int]) -> int:
+        """`register` for pairs of (block, hash); the loop stays in one frame (per-request path). Returns how
+        many were stored (the others were cached already)."""
         cached, block_hash = self.cached, self.block_hash
+        n = len(cached)
         for b, h in zip(blocks, hashes):
             if h not in cached:
                 cached[h] = b
                 block_hash[b] = h
+        return len(cached) - n
 
     def register(self, block: int, h: int) -> None:
         """Record that held `block` holds full block hash `h` (first holder wins, like vLLM)."""

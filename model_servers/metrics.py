@@ -30,9 +30,10 @@ def _fmt(v: float) -> str:
 
 def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_requests_failed: int = 0,
            runner: Any = None, slow_client_aborts: Mapping[str, int] | None = None,
-           process: bool = True) -> str:
+           process: bool = True, kv_publisher: Any = None) -> str:
     """The /metrics page. `runner` (an AsyncEngine) adds real-time step-lag counters; `slow_client_aborts`
-    (reason -> count) the backpressure aborts; `process` the process collector's gauges."""
+    (reason -> count) the backpressure aborts; `process` the process collector's gauges; `kv_publisher` (a
+    kv_events.ZmqEventPublisher) the KV-event counters."""
     lbl = f'engine="0",model_name="{model_name}"'
     st = core.stats
     out: list[str] = []
@@ -69,6 +70,18 @@ def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_r
             num_http_requests_failed)
     counter("prefixroute:kv_block_evictions", "Cached KV blocks evicted to make room.", core.cache.num_evictions)
     counter("prefixroute:engine_busy_seconds", "Sum of modelled step durations.", st.busy_s)
+    gauge("prefixroute:kv_cached_blocks", "KV blocks holding a prefix-cache hash (what a consumer of the KV "
+          "events holds, once it has applied every published batch).", len(core.cache.cached))
+    if kv_publisher is not None:
+        pub = kv_publisher
+        counter("prefixroute:kv_events_batches_published", "KV event batches (one per engine step that changed "
+                "the cache) sent on the PUB socket.", pub.num_batches_published)
+        counter("prefixroute:kv_events_published", "KV events (BlockStored, BlockRemoved, AllBlocksCleared) in "
+                "the published batches.", pub.num_events_published)
+        counter("prefixroute:kv_events_batches_dropped", "KV event batches dropped because the publisher queue "
+                "was full (max_queue_size); subscribers see a sequence gap.", pub.num_batches_dropped)
+        counter("prefixroute:kv_events_replay_requests", "Replay requests answered on the replay socket.",
+                pub.num_replay_requests)
     if runner is not None:
         counter("prefixroute:engine_steps", "Engine steps run in real time.", runner.num_steps)
         counter("prefixroute:engine_step_lag_seconds", "Sum of how late steps ended versus their modelled end "

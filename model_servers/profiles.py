@@ -18,7 +18,8 @@ their requests from it, so a simulation cannot drift from the server it stands f
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from prefixroute.model_servers import protocol
 from prefixroute.model_servers.cost_model import CostModel, TensorParallel, fit
@@ -115,9 +116,9 @@ class EngineSpec:
         """Every model name the server answers to: the served model and its LoRA adapters."""
         return frozenset((self.served_model_name, *self.lora_modules))
 
-    def new_engine(self) -> EngineCore:
-        """A fresh engine (empty KV cache, no requests)."""
-        return EngineCore(self.config, self.cost_model)
+    def new_engine(self, on_kv_events: Callable[[list], Any] | None = None) -> EngineCore:
+        """A fresh engine (empty KV cache, no requests); `on_kv_events` receives each step's KV events."""
+        return EngineCore(self.config, self.cost_model, on_kv_events)
 
     def parse_generate(self, data: dict, *, chat: bool) -> protocol.GenerateRequest:
         """Validate a generation body as this server does (`protocol.parse_generate`; raises `OpenAIError`)."""

@@ -6,10 +6,14 @@ orjson decodes, each streamed token is one pre-encoded SSE chunk (`protocol.Stre
 one `transport.write` (chunked transfer encoding).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (stream and not), GET /v1/models, GET /health,
-POST /tokenize, GET /metrics, GET /version, SGLang-style probes (GET /server_info, /get_server_info,
+POST /tokenize, GET /metrics, GET /version, POST /reset_prefix_cache (vLLM's: 200 when the prefix cache was
+emptied, 409 while requests hold blocks unless ``?reset_running_requests=true`` preempts them first; the
+gateway's path allowlist keeps it off the public API), SGLang-style probes (GET /server_info, /get_server_info,
 /model_info, /get_model_info, /readiness). GET|POST /admin/faults (runtime fault injection) is served only on
 the separate admin listener (`admin_port`, off by default, loopback): the serving port answers every
 /admin/* path with a 404, so nothing a gateway forwards can change the server's faults.
+With ``--kv-events-config`` the engine publishes vLLM's KV events over ZMQ (kv_events.py); the bound addresses
+are printed as ``KV_EVENTS <addr>`` (and ``KV_EVENTS_REPLAY <addr>``) before ``READY``.
 Every response carries ``x-prefixroute-server-id``; a request's W3C ``traceparent`` is echoed in
 ``x-prefixroute-traceparent``.
 
@@ -50,7 +54,7 @@ from typing import ClassVar
 import httptools
 import orjson
 
-from prefixroute.model_servers import metrics, protocol, tokenizer
+from prefixroute.model_servers import kv_events, metrics, protocol, tokenizer
 from prefixroute.model_servers.engine import EngineRequest
 from prefixroute.model_servers.kv_cache import root_hash
 from prefixroute.model_servers.profiles import DEFAULT_PROFILE, PROFILES, EngineSpec
@@ -117,9 +121,19 @@ class ServerSettings(Settings):
                                                      "prompt as JSON).")
     seed: int = setting(0, "Seed of the fault-injection random generator (reproducible runs).")
     log_level: str = setting("WARNING", "Python log level (per-request logs are DEBUG).")
+    kv_events_config: str = setting(
+        "", "KV-cache events, as vLLM's --kv-events-config JSON: e.g. '{\"enable_kv_cache_events\": true, "
+            "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
+            "\"topic\": \"kv-events\"}' (also buffer_steps 10000, hwm 100000, max_queue_size 100000: vLLM's keys "
+            "and defaults; an unknown key is a startup error). An endpoint with '*' is bound ('tcp://*:P' on "
+            "every interface, 'tcp://127.0.0.1:*' on loopback at a free port, printed as KV_EVENTS), any other "
+            "is connected to, like vLLM. Empty = no events (vLLM's default).")
+
+    def __post_init__(self) -> None:
+        kv_events.parse_config(self.kv_events_config)  # a bad config fails at startup, with its reason
 
 
-_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
+_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed", 409: b"Conflict",
             413: b"Payload Too Large", 415: b"Unsupported Media Type", 500: b"Internal Server Error",
             503: b"Service Unavailable"}
 WRITE_HIGH_WATER_BYTES = 64 * 1024
@@ -142,11 +156,15 @@ class ModelServer:
         # One spec builds the engine and validates requests, here and in the virtual fleet.
         self.spec = spec = EngineSpec.from_settings(s)
         self.profile = spec.profile
-        self.core = spec.new_engine()
+        ev_cfg = kv_events.parse_config(s.kv_events_config)
+        self.kv_publisher = kv_events.ZmqEventPublisher(ev_cfg) if ev_cfg is not None and ev_cfg.enabled else None
+        self.core = spec.new_engine(self.kv_publisher.publish if self.kv_publisher is not None else None)
         self.engine = AsyncEngine(self.core)
         self.served = spec.served_model_name
         self.loras = spec.lora_modules
         self.models = spec.models
+        # vLLM numbers --lora-modules adapters from 1 (its lora_int_id, BlockStored.lora_id)
+        self.lora_ids = {name: i for i, name in enumerate(self.loras, start=1)}
         self.max_model_len = spec.max_model_len
         self.server_id = s.id or f"{s.host}:{s.port}"
         self.fail_ratio = s.fail_ratio
@@ -215,6 +233,8 @@ class ModelServer:
         for c in list(self.connections):
             c.transport.close()
         await self.engine.stop()
+        if self.kv_publisher is not None:
+            self.kv_publisher.shutdown()
 
     def root_for(self, model: str, cache_salt: str | None) -> int:
         key = (model, cache_salt)
@@ -227,7 +247,7 @@ class ModelServer:
     def dispatch(self, conn: HttpConnection, method: bytes, path: bytes, body: bytes) -> None:
         """Answer one request. Never raises: an `OpenAIError` becomes its status, anything else a logged 500
         (an exception escaping here would surface as an httptools callback error, i.e. a bogus 400)."""
-        path = path.split(b"?", 1)[0]
+        path, _, conn.query = path.partition(b"?")
         try:
             if path in _GENERATE and not conn.admin:
                 if method != b"POST":
@@ -261,8 +281,10 @@ class ModelServer:
         if self.fail_ratio and self.rng.random() < self.fail_ratio:
             raise OpenAIError(500, "Simulated failure (fault injection: --fail-ratio).")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids):x}"
+        lora = g.model if g.model != self.served else None
         req = EngineRequest(rid, g.prompt_ids, g.max_tokens, block_size=self.core.block_size,
-                            root=self.root_for(g.model, g.cache_salt))
+                            root=self.root_for(g.model, g.cache_salt), lora_name=lora,
+                            lora_id=self.lora_ids.get(lora) if lora is not None else None, cache_salt=g.cache_salt)
         req.sink = (StreamSink if g.stream else FullSink)(self, conn, g, rid, req)
         conn.active = req
         if self.extra_latency_s > 0:
@@ -289,7 +311,7 @@ class ModelServer:
     def h_metrics(self, conn: HttpConnection, body: bytes) -> None:
         text = metrics.render(self.core, model_name=self.served, server_id=self.server_id,
                               num_http_requests_failed=self.num_failed, runner=self.engine,
-                              slow_client_aborts=self.slow_client_aborts)
+                              slow_client_aborts=self.slow_client_aborts, kv_publisher=self.kv_publisher)
         conn.respond(200, text.encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
 
     def h_tokenize(self, conn: HttpConnection, body: bytes) -> None:
@@ -298,6 +320,23 @@ class ModelServer:
         ids = protocol.prompt_ids_of(data, "messages" in data)
         conn.respond(200, orjson.dumps({"count": len(ids), "max_model_len": self.max_model_len,
                                         "tokens": ids.tolist(), "token_strs": None}))
+
+    def h_reset_prefix_cache(self, conn: HttpConnection, body: bytes) -> None:
+        """vLLM's POST /reset_prefix_cache[?reset_running_requests=true] (see the module docstring)."""
+        reset_running = False
+        for part in conn.query.split(b"&"):
+            key, _, value = part.partition(b"=")
+            if key == b"reset_running_requests":
+                if value.lower() not in (b"true", b"false", b"1", b"0"):
+                    raise OpenAIError(400, "'reset_running_requests' must be true or false",
+                                      param="reset_running_requests")
+                reset_running = value.lower() in (b"true", b"1")
+        if not self.core.reset_prefix_cache(reset_running_requests=reset_running):
+            raise OpenAIError(409, f"Prefix cache reset failed: {self.core.cache.num_held} KV blocks are held by "
+                                   "running requests (retry when idle, or pass reset_running_requests=true).",
+                              type_="ConflictError")
+        log.info("prefix cache reset")
+        conn.respond(200, b"")
 
     def h_version(self, conn: HttpConnection, body: bytes) -> None:
         conn.respond(200, b'{"version":"0.0.0+prefixroute.sim"}')
@@ -352,6 +391,7 @@ _ROUTES = {
     b"/metrics": (_GET, ModelServer.h_metrics),
     b"/tokenize": (_POST, ModelServer.h_tokenize),
     b"/version": (_GET, ModelServer.h_version),
+    b"/reset_prefix_cache": (_POST, ModelServer.h_reset_prefix_cache),
     b"/server_info": (_GET, ModelServer.h_server_info),
     b"/get_server_info": (_GET, ModelServer.h_server_info),
     b"/model_info": (_GET, ModelServer.h_model_info),
@@ -439,6 +479,7 @@ class HttpConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.url = b""
+        self.query = b""  # the current request's query string (set by ModelServer.dispatch)
         self.body: list[bytes] = []
         self.traceparent: bytes | None = None
         self.keep_alive = True
@@ -606,6 +647,13 @@ async def serve(s: ServerSettings, ready: asyncio.Future | None = None) -> int:
     if app.admin_port is not None:
         log.warning("admin listener (POST /admin/faults) on %s:%d", s.admin_host, app.admin_port)
         print(f"ADMIN {s.admin_host}:{app.admin_port}", flush=True)
+    if app.kv_publisher is not None:
+        pub = app.kv_publisher
+        log.warning("KV events: PUB %s%s topic %r", pub.endpoint,
+                    f", replay {pub.replay_endpoint}" if pub.replay_endpoint else "", pub.config.topic)
+        print(f"KV_EVENTS {pub.endpoint}", flush=True)
+        if pub.replay_endpoint:
+            print(f"KV_EVENTS_REPLAY {pub.replay_endpoint}", flush=True)
     print(f"READY {s.host}:{app.port}", flush=True)
     if ready is not None:
         ready.set_result(app)
