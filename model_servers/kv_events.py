@@ -13,9 +13,12 @@ Transport, as vLLM's publisher:
   ``(seq, payload)`` whose seq >= start_seq, then ``(END_SEQ, b"")``; the buffer holds the last
   ``buffer_steps`` batches;
 - bind or connect: an endpoint containing ``*`` or ``::``, or an ``ipc://`` / ``inproc://`` one, is bound;
-  any other is connected to (vLLM's "bind stable, connect volatile" rule). ``tcp://*:5557`` binds every
-  interface; ``tcp://127.0.0.1:*`` binds loopback on a free port (the bound address is printed at startup,
-  see server.serve). The replay socket is always bound.
+  any other is connected to (vLLM's "bind stable, connect volatile" rule), except -- this simulator's one
+  deviation -- a loopback address (``tcp://127.0.0.1:5557``, ``tcp://localhost:5557``, ``tcp://[::1]:5557``),
+  which is bound: the router connects to each endpoint's publisher, and every internal port of the local
+  stack binds loopback only (vLLM itself can bind loopback only on a free port, ``tcp://127.0.0.1:*``).
+  ``tcp://*:5557`` binds every interface (the bound address is printed at startup, see server.serve). The
+  replay socket is always bound.
 
 Threading: the engine loop calls `ZmqEventPublisher.publish` (assign a sequence number, put on a queue; never
 touches ZMQ, never blocks). One daemon thread owns both sockets: it encodes, sends, buffers and answers replay
@@ -118,9 +121,14 @@ def parse_config(text: str) -> KVEventsConfig | None:
     return cfg
 
 
+_LOOPBACK_PREFIXES = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")
+
+
 def binds(endpoint: str) -> bool:
-    """vLLM's rule: bind an endpoint with a wildcard (``*``, ``::``) or a local transport, connect otherwise."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """vLLM's rule: bind an endpoint with a wildcard (``*``, ``::``) or a local transport, connect otherwise;
+    and (this simulator only, module docstring) bind a loopback address."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            or endpoint.startswith(_LOOPBACK_PREFIXES))
 
 
 _STOP = object()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import time
 
 import numpy as np
@@ -49,7 +51,9 @@ def test_config_errors_name_the_problem(text, needle):
 
 def test_bind_or_connect_like_vllm():
     assert binds("tcp://*:5557") and binds("tcp://127.0.0.1:*") and binds("ipc:///tmp/x") and binds("tcp://[::]:1")
-    assert not binds("tcp://127.0.0.1:5557") and not binds("tcp://router.local:5557")
+    assert not binds("tcp://router.local:5557") and not binds("tcp://10.0.0.7:5557")
+    # The simulator's one deviation: a loopback address is bound (the local stack binds loopback only).
+    assert binds("tcp://127.0.0.1:5557") and binds("tcp://localhost:5557") and binds("tcp://[::1]:5557")
 
 
 # -- wire ----------------------------------------------------------------------------------------------
@@ -160,9 +164,10 @@ def test_connect_mode_to_a_binding_subscriber(ctx):
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
-    sub.bind(f"tcp://127.0.0.1:{port}")
-    pub = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}"),
-                            context=ctx)
+    sub.bind(f"tcp://*:{port}")
+    # This host's name, not a loopback literal (which the simulator binds): dialled like any remote address.
+    pub = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True,
+                                           endpoint=f"tcp://{socket.gethostname()}:{port}"), context=ctx)
     try:
         assert pub.replay_endpoint is None
         _join(pub, sub)
