@@ -42,6 +42,7 @@ from typing import Any
 from prefixroute.bench import client as bench_client
 from prefixroute.bench import results as bench_results
 from prefixroute.bench.workloads import RequestSpec, Workload
+from prefixroute.model_servers.kv_events import config_json
 from prefixroute import procs as procs_mod
 from prefixroute.extproc.routing.settings import INDEX_SOURCES, POLICIES
 from prefixroute.procs import LOOPBACK as HOST
@@ -148,10 +149,8 @@ def fleet_publishes_events() -> bool:
 
 
 def kv_events_config(pub_port: int, replay_port: int, topic: str = KV_EVENTS_TOPIC) -> str:
-    """The ``--kv-events-config`` JSON of one server, vLLM's KVEventsConfig shape (binds every interface as vLLM's
-    example does: ``tcp://*:PORT``; the servers here listen on loopback only anyway)."""
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub_port}",
-                       "replay_endpoint": f"tcp://*:{replay_port}", "topic": topic}, separators=(",", ":"))
+    """The ``--kv-events-config`` JSON of one server, vLLM's KVEventsConfig shape, on loopback."""
+    return config_json(pub_port, replay_port, topic=topic)
 
 
 def free_port_pairs(n: int) -> list[tuple[int, int]]:

@@ -37,6 +37,8 @@ Limits (reported in results.json ``extra``):
 
 from __future__ import annotations
 
+import collections
+
 import argparse
 import dataclasses
 import os
@@ -54,6 +56,7 @@ from prefixroute.bench.sim_pool import SimulatedPool
 from prefixroute.bench.workloads import RequestSpec, Workload
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.routing.prefix_index import num_leading_held
+from prefixroute.extproc.kv_events import KVEventIndex
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.service import PoolRouter
@@ -399,9 +402,23 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
             prior = {} if any(os.environ.get(n) for n in PRIOR_ENV) else dict(zip(
                 ("ttft_prior_tokens_per_s", "ttft_prior_base_s"), spec.time_model_prior()))
             source = {"index_source": index_source} if index_source else {}
-            routing = settings_mod.from_namespace(RoutingSettings, policy=policy, rng_seed=seed, **prior, **source)
+            # Token blocks with the servers' own tokenizer for every source but round 1's approximate, as the
+            # real bench gives the gateway (runner.gateway_event_args).
+            tok = {} if index_source == "approximate" else {"tokenizer": "sim"}
+            routing = settings_mod.from_namespace(RoutingSettings, policy=policy, rng_seed=seed, **prior, **source,
+                                                  **tok)
+        # KV events in process: each engine's events reach the router's events index at the step's virtual time
+        # (a live router gets them over ZMQ about a millisecond later).
+        event_index = None
+        if routing.tokenizer and routing.index_source in ("auto", "events"):
+            event_index = KVEventIndex(routing.kv_block_tokens)
+            apply_events = event_index.apply_events
+            fleet.publish_kv_events(lambda ep, events: collections.deque(apply_events(ep, events), maxlen=0))
         # track_prefill: every pick is released (below), as the gateway releases each one.
-        router = PoolRouter(RouterCore(routing, track_prefill=True), pool, clock=lambda: fleet.now_s)
+        core = RouterCore(routing, track_prefill=True, event_index=event_index)
+        if event_index is not None:
+            core.set_event_endpoints(fleet.endpoint_ids)
+        router = PoolRouter(core, pool, clock=lambda: fleet.now_s)
         picks: dict[str, Any] = {}  # request id -> its pick, until the response ends
         # First-token events: the fleet reports a request only when it ends, so the requests routed and not
         # yet past their first token are checked at each decision (all a policy can act on) and at the end.
@@ -507,10 +524,6 @@ def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers
             router = parse_router(name)
         if router.kind not in ("prefixroute", "sim"):
             skipped[router.name] = "an external program: not simulated in --virtual (run without --virtual)"
-            log(f"skipping {router.name}: {skipped[router.name]}")
-            continue
-        if router.index_source == "events":
-            skipped[router.name] = "the virtual fleet publishes no KV events (run without --virtual)"
             log(f"skipping {router.name}: {skipped[router.name]}")
             continue
         t0 = time.perf_counter()

@@ -58,7 +58,7 @@ class KVEventsLink:
             self.manager.sync(self.addresses)
             # Optimistic until the first check: a publisher on loopback connects within milliseconds.
             self.core.set_event_endpoints(list(self.addresses))
-        self.check()
+        self.check(initial=True)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -69,10 +69,12 @@ class KVEventsLink:
             except Exception:  # noqa: BLE001 - the check must never stop
                 log.exception("KV events check failed")
 
-    def check(self) -> None:
+    def check(self, initial: bool = False) -> None:
+        """Route by events for the endpoints whose subscriber is connected, and refresh `info`. `initial`: at
+        start, before any connection had time to form: figures only."""
         stats = self.manager.stats() if self.manager is not None else {}
         live = [ep for ep, st in stats.items() if st.connected]
-        if self.manager is not None:
+        if self.manager is not None and not initial:
             for ep in stats:
                 down = ep not in live
                 if down and ep not in self._warned:

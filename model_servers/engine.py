@@ -187,6 +187,13 @@ class EngineCore:
         if on_kv_events is not None:
             self.cache.enable_events()
 
+    def set_kv_events_sink(self, on_kv_events: Callable[[list], Any] | None) -> None:
+        """Hand each step's KV events to `on_kv_events` from now on (None: stop); recording starts now, so
+        a consumer that starts here sees every block stored after this call (none before)."""
+        self._on_kv_events = on_kv_events
+        if on_kv_events is not None:
+            self.cache.enable_events()
+
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request (FIFO). Its prompt + max_tokens must fit in the KV cache (checked by the caller)."""

@@ -30,6 +30,8 @@ engine there instead.
 
 from __future__ import annotations
 
+import json
+
 import collections
 import dataclasses
 import itertools
@@ -284,3 +286,12 @@ def materialize(events: list[Any]) -> list[Any]:
         if type(e) is BlockStored and isinstance(e.token_ids, np.ndarray):
             e.token_ids = msgpack_uint_array(e.token_ids)
     return events
+
+
+def config_json(pub_port: int, replay_port: int | None = None, *, host: str = "127.0.0.1",
+                topic: str = "kv-events") -> str:
+    """A ``--kv-events-config`` (vLLM's KVEventsConfig JSON) publishing on `host`:`pub_port` and answering replays
+    on `replay_port` (None: pub_port + 1). Loopback by default: this simulator binds it (`binds`)."""
+    replay = pub_port + 1 if replay_port is None else replay_port
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{host}:{pub_port}",
+                       "replay_endpoint": f"tcp://{host}:{replay}", "topic": topic}, separators=(",", ":"))

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -158,6 +159,13 @@ class VirtualFleet:
     @property
     def num_servers(self) -> int:
         return len(self.engines)
+
+    def publish_kv_events(self, on_events: Callable[[EndpointId, list], Any]) -> None:
+        """Every engine hands the KV events of each step, in order, to ``on_events(endpoint, events)`` at that
+        step's virtual time: what a router subscribed to each server's ZMQ publisher would apply, without the
+        transport (call before the run: blocks stored earlier are never announced)."""
+        for ep, engine in zip(self.endpoint_ids, self.engines):
+            engine.set_kv_events_sink(lambda events, ep=ep: on_events(ep, events))
 
     def call_at(self, t: float, callback: Callable[[], None]) -> None:
         """Run ``callback()`` at virtual time `t` (at ``now_s`` if earlier) during `run`, before a step end or an

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import secrets
 import signal
@@ -41,6 +40,7 @@ from prefixroute import settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.model_servers.kv_events import config_json
 from prefixroute.procs import (ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free, http_ok,
                                prefixroute_argv, stop_on_signals)
 from prefixroute.settings import Settings, setting
@@ -86,13 +86,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, GatewaySettings)
     settings.add_arguments(parser, RoutingSettings)
     settings.add_arguments(parser, PoolSettings)
-
-
-def kv_events_config(pub_port: int, host: str = "127.0.0.1") -> str:
-    """The simulated server's ``--kv-events-config`` (vLLM's JSON shape) publishing on `pub_port` and answering
-    replays on `pub_port` + 1, bound to `host` (loopback: the router is local)."""
-    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{host}:{pub_port}",
-                       "replay_endpoint": f"tcp://{host}:{pub_port + 1}", "topic": "kv-events"})
 
 
 SUPERVISE_INTERVAL_S = 0.1
@@ -147,7 +140,7 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
             f"model-server-{i}",
             prefixroute_argv("model-server", "--port", str(port), "--id", f"server-{i}", "--profile", st.profile,
                              "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level,
-                             *(["--kv-events-config", kv_events_config(event_ports[i])] if events else [])),
+                             *(["--kv-events-config", config_json(event_ports[i])] if events else [])),
             ports=(port, *((event_ports[i], event_ports[i] + 1) if events else ())), ready=lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"), wait=False)
             for i, port in enumerate(server_ports)])
         pool = dataclasses.replace(pool_args, endpoints=tuple(

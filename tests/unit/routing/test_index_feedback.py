@@ -89,3 +89,27 @@ def test_feedback_ignores_fallbacks_and_pending_blocks():
     d2 = core.route(r2, POOL, {})
     core.observe_usage(r2, d2, prompt_tokens=3000, cached_tokens=0, served_by=other)  # a fallback served it
     assert core.index.capacity(ep) == 1000 and ep not in core.hit_stats
+
+
+def test_a_short_shared_instruction_does_not_pull_new_documents_onto_its_holders():
+    """Issue 13's capacity-pressure shape: every request starts with the same short instruction, then one of
+    many documents. The instruction's holders match 4 blocks of ~300: not a reason to win ties, so new
+    documents spread by rendezvous (keyed past the instruction) instead of all following the first endpoint
+    (with the old tie-break by longest match, every one of them went to it)."""
+    from collections import Counter
+
+    eps = tuple(EndpointState(EndpointId(f"10.0.0.{i}:8000")) for i in range(4))
+    core = RouterCore(RoutingSettings(rng_seed=3))
+    instruction = "Answer from the document below, citing it. " * 6  # ~260 characters: 4 text blocks
+
+    def doc_request(d: int):
+        body = {"model": "m", "messages": [{"role": "user", "content": instruction + f"doc {d} text " * 300}]}
+        return parse_request("POST", "/v1/chat/completions", {}, orjson.dumps(body), RoutingSettings())
+
+    first = core.route(doc_request(0), eps, {})
+    assert first.matched_blocks == 0
+    picks = Counter(core.route(doc_request(d), eps, {}).endpoints[0] for d in range(1, 81))
+    assert len(picks) == 4 and max(picks.values()) <= 40, picks
+    # A document seen before still goes back to where it is (a significant match wins the tie).
+    again = core.route(doc_request(5), eps, {})
+    assert again.matched_blocks > 0.9 * again.total_blocks and again.reason == "affinity"

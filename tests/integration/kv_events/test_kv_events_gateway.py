@@ -1,0 +1,128 @@
+"""KV events end to end, through Envoy: simulated servers publish (ZMQ), the router subscribes, matches requests
+by token blocks (--tokenizer sim) and its events index holds exactly what each server's cache holds, through
+evictions; its predictions match the cached tokens the servers report; a server killed falls back to the
+router's own index (feedback) and returns to events, rebuilt, when restarted on the same ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import pytest
+
+from helpers.fleet import MODEL
+from helpers.stack import wait_for
+from prefixroute.bench.runner import free_port_pairs
+from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.model_servers.kv_events import config_json
+from prefixroute.procs import ProcessGroup, free_port, http_ok, prefixroute_argv
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+NUM_GPU_BLOCKS = 700  # ~11k tokens per server: the 6 documents below (~1.9k tokens each) do not all fit on one
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read().decode()
+
+
+def _samples(text: str, name: str) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {tuple(sorted(s.labels.items())): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == name}
+
+
+def _chat(url: str, doc: int, q: int) -> tuple[str, int, int]:
+    body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4,
+            "messages": [{"role": "system", "content": " ".join(f"doc{doc}-w{j}" for j in range(700))},
+                         {"role": "user", "content": f"question {q}"}]}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        served = r.headers["x-gateway-destination-endpoint-served"]
+        text = r.read().decode()
+    usage = [json.loads(line[6:])["usage"] for line in text.splitlines()
+             if line.startswith("data: {") and '"prompt_tokens"' in line][-1]
+    return served, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+class _Server:
+    def __init__(self, group: ProcessGroup, name: str, pub: int) -> None:
+        self.group, self.name, self.pub = group, name, pub
+        self.port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = group.start(name, prefixroute_argv(
+            "model-server", "--port", str(self.port), "--id", name, "--time-scale", "0.02",
+            "--num-gpu-blocks", str(NUM_GPU_BLOCKS), "--kv-events-config", config_json(pub)),
+            ready=lambda: http_ok(f"http://{self.endpoint}/health", timeout_s=1.0))
+
+    def restart(self) -> None:
+        self.group.add(self.proc)  # same argv and ports: a new process, a new publisher
+
+    def cached_blocks(self) -> float:
+        return sum(_samples(_get(f"http://{self.endpoint}/metrics"), "prefixroute:kv_cached_blocks").values())
+
+
+def test_events_index_matches_the_servers_caches_through_envoy(tmp_path):
+    with ExitStack() as stack:
+        group = stack.enter_context(ProcessGroup(tmp_path, ready_timeout_s=20.0))
+        servers = [_Server(group, f"s{i}", pub) for i, (pub, _) in enumerate(free_port_pairs(2))]
+        gw = GatewayProcesses(
+            GatewaySettings(port=free_port(), listen_address="127.0.0.1"),
+            RoutingSettings(tokenizer="sim"),
+            PoolSettings(endpoints=tuple(f"{s.endpoint}@tcp://127.0.0.1:{s.pub}" for s in servers)),
+            log_dir=tmp_path)
+        stack.enter_context(gw)
+        metrics_url = f"http://127.0.0.1:{gw.metrics_port}/metrics"
+
+        def router_blocks() -> dict[str, float]:
+            return {dict(k)["endpoint"]: v for k, v in _samples(_get(metrics_url),
+                                                                 "prefixroute_kv_event_index_blocks").items()}
+
+        def sources() -> dict[str, str]:
+            return {dict(k)["endpoint"]: dict(k)["source"] for k, v in _samples(
+                _get(metrics_url), "prefixroute_index_source_info").items() if v}
+
+        def in_sync() -> bool:
+            blocks = router_blocks()
+            return all(blocks.get(s.endpoint) == s.cached_blocks() for s in servers)
+
+        assert wait_for(lambda: set(sources().values()) == {"events"}, 10), sources()
+        # Warm-up round, then a sequence over 6 documents that evicts (each server holds ~5 of them).
+        outcomes = [_chat(gw.url, d, 0) for d in range(6)]
+        with ThreadPoolExecutor(4) as pool:
+            outcomes += list(pool.map(lambda i: _chat(gw.url, (i * 7) % 6, i + 1), range(60)))
+        assert wait_for(in_sync, 10), (router_blocks(), [s.cached_blocks() for s in servers])
+        assert sum(s.cached_blocks() for s in servers) > 0
+        # The servers evicted (700 blocks each cannot hold what was sent), and the index still agrees.
+        total_sent_blocks = sum(p // 16 for _, p, _ in outcomes)
+        assert total_sent_blocks > 2 * NUM_GPU_BLOCKS
+        # Predictions: the router's predicted cached tokens match what the servers reported within 3 points.
+        text = _get(metrics_url)
+        prompt = sum(_samples(text, "prefixroute_prompt_tokens_total").values())
+        predicted = sum(_samples(text, "prefixroute_predicted_hit_tokens_total").values())
+        actual = sum(_samples(text, "prefixroute_actual_hit_tokens_total").values())
+        assert prompt > 0 and actual / prompt > 0.3, (prompt, actual)
+        assert abs(predicted - actual) / prompt <= 0.03, (predicted, actual, prompt)
+
+        # A server killed: its subscriber loses the connection and the endpoint falls back to feedback.
+        victim = servers[0]
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        assert wait_for(lambda: sources().get(victim.endpoint) == "feedback", 10), sources()
+        # Restarted on the same ports: a new publisher (sequence from 0); the index drops what the old process
+        # held and follows the new one, and the endpoint is matched by events again.
+        victim.proc.popen.wait()
+        victim.restart()
+        assert wait_for(lambda: sources().get(victim.endpoint) == "events", 10), sources()
+        for i in range(6):
+            _chat(gw.url, i, 100 + i)
+        assert wait_for(in_sync, 10), (router_blocks(), [s.cached_blocks() for s in servers])
