@@ -132,7 +132,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     events = KVEventsLink(core, manager, addresses)
     telemetry = RouterTelemetry.from_settings(tele or RouterTelemetrySettings(metrics_port=-1),
                                               in_flight=lambda: pool.in_flight,
-                                              index_size=core.index.num_entries_by_endpoint,
+                                              index_size=lambda: {**core.index.num_entries_by_endpoint(), **(
+                                                  event_index.num_blocks_by_endpoint() if event_index else {})},
                                               endpoint_states=pool.snapshot,
                                               time_model=getattr(core.scheduler.policy, "time_model_figures", None),
                                               index_info=lambda: events.info)

@@ -98,12 +98,12 @@ class _CallbackCollector:
         if m.index_size is not None:
             size = m.index_size()
             if isinstance(size, Mapping):
-                g = GaugeMetricFamily("prefixroute_prefix_index_blocks", "Block hashes in the prefix index.",
+                g = GaugeMetricFamily("prefixroute_prefix_index_blocks", "Blocks the prefix index holds per endpoint (the router's own index, or for endpoints matched by KV events the blocks their events say they hold).",
                                       labels=["endpoint"])
                 for ep, n in size.items():
                     g.add_metric([str(ep)], n)
             else:
-                g = GaugeMetricFamily("prefixroute_prefix_index_blocks", "Block hashes in the prefix index.",
+                g = GaugeMetricFamily("prefixroute_prefix_index_blocks", "Blocks the prefix index holds per endpoint (the router's own index, or for endpoints matched by KV events the blocks their events say they hold).",
                                       value=size)
             yield g
         if m.endpoint_states is not None:

@@ -136,9 +136,8 @@ def restart_reason(prev: ScrapedMetrics, new: ScrapedMetrics) -> str | None:
     return None
 
 
-def parse_adapters(body: bytes) -> frozenset[str]:
-    """The LoRA adapters among the models of a ``GET /v1/models`` body: entries with a non-null ``parent`` (vLLM
-    lists an adapter with its base model as parent); ValueError as `parse_models`."""
+def _model_entries(body: bytes) -> list[dict]:
+    """The model objects of an OpenAI ``GET /v1/models`` body (``{"data": [{"id": ...}, ...]}``); ValueError."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -146,20 +145,18 @@ def parse_adapters(body: bytes) -> frozenset[str]:
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list):
         raise ValueError("/v1/models body has no 'data' list")
-    return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
-                     and m.get("parent"))
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+def parse_adapters(body: bytes) -> frozenset[str]:
+    """The LoRA adapters among the models of a ``GET /v1/models`` body: entries with a non-null ``parent`` (vLLM
+    lists an adapter with its base model as parent); ValueError as `parse_models`."""
+    return frozenset(m["id"] for m in _model_entries(body) if m.get("parent"))
 
 
 def parse_models(body: bytes) -> frozenset[str]:
     """Model ids in an OpenAI ``GET /v1/models`` body (``{"data": [{"id": ...}, ...]}``); raises ValueError."""
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ValueError(f"/v1/models body is not JSON: {exc}") from None
-    data = doc.get("data") if isinstance(doc, dict) else None
-    if not isinstance(data, list):
-        raise ValueError("/v1/models body has no 'data' list")
-    return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+    return frozenset(m["id"] for m in _model_entries(body))
 
 
 _HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"

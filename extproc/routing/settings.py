@@ -110,8 +110,10 @@ class RoutingSettings(Settings):
         "connection). 2 survives one dead endpoint plus one more without a client-visible error.")
     tenant_header: str = setting(
         "x-prefixroute-tenant",
-        "Request header (lower case) naming the tenant. Its value salts the block hashes so tenants never "
-        "share routing state; the body field prompt_cache_key salts them further. Empty = header ignored.")
+        "Request header (lower case) naming the tenant. Its value salts the text-block hashes so tenants never "
+        "share routing state; the body field prompt_cache_key salts them further. Token blocks (--tokenizer) "
+        "are salted only by the body's cache_salt, as the servers' KV blocks are: the index then mirrors caches "
+        "that tenants share unless they send cache_salt. Empty = header ignored.")
     max_body_bytes: int = setting(
         8 * 1024 * 1024,
         "Largest request body accepted; larger ones get 413. 8 MiB holds a 128k-token prompt (~0.5 MB) many "

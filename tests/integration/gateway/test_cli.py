@@ -47,7 +47,7 @@ def test_extproc_prints_ready_line_and_stops_cleanly_on_sigterm(stack: ExitStack
     deadline = time.monotonic() + 5
     while "ready on" not in proc.log_tail() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert (f"prefixroute extproc ready on 127.0.0.1:{port} (policy prefix, 1/1 endpoints healthy, "
+    assert (f"prefixroute extproc ready on 127.0.0.1:{port} (policy prefix, index feedback, 1/1 endpoints healthy, "
             f"metrics http://127.0.0.1:{metrics_port}/metrics, traces off)") in proc.log_tail()
     status, body = http_get(f"http://127.0.0.1:{metrics_port}/metrics")
     assert status == 200 and b"prefixroute_decision_duration_seconds" in body

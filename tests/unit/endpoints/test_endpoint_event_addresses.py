@@ -44,3 +44,14 @@ def test_settings_and_files(tmp_path):
     assert endpoints_from_settings(s) == ("10.0.0.3:8000", "10.0.0.1:8000", "10.0.0.2:8000")
     assert event_addresses_from_settings(s) == {"10.0.0.3:8000": ("tcp://10.0.0.3:6000", "tcp://10.0.0.3:6001"),
                                                 "10.0.0.1:8000": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558")}
+
+
+def test_adapters_are_the_models_with_a_parent():
+    from prefixroute.extproc.endpoints.scrape import parse_adapters, parse_models
+
+    body = (b'{"object":"list","data":[{"id":"base","parent":null},{"id":"sql-lora","parent":"base"},'
+            b'{"id":"other"},{"nope":1}]}')
+    assert parse_models(body) == {"base", "sql-lora", "other"}
+    assert parse_adapters(body) == {"sql-lora"}
+    with pytest.raises(ValueError):
+        parse_adapters(b"[]")
