@@ -44,10 +44,12 @@ class KVEventsLink:
     the metrics thread) is a dict replaced whole every check: endpoint -> {"source", subscriber figures}."""
 
     def __init__(self, core: RouterCore, manager: KVEventsManager | None,
-                 addresses: dict[str, tuple[str, str | None]]) -> None:
+                 addresses: dict[str, tuple[str, str | None]], snapshot=None) -> None:
         self.core = core
         self.manager = manager
         self.addresses = addresses
+        self.snapshot = snapshot  # the pool's snapshot (block sizes from vllm:cache_config_info), or None
+        self._size_warned: set[str] = set()
         self.info: dict[str, dict[str, object]] = {}
         self._warned: set[str] = set()
         self._task: asyncio.Task | None = None
@@ -85,6 +87,7 @@ class KVEventsLink:
                     self._warned.discard(ep)
                     log.warning("KV events of %s: connected again; matching by its events", ep)
             self.core.set_event_endpoints(live)
+        self._check_block_sizes()
         blocks = self.core.event_index.num_blocks_by_endpoint() if self.core.event_index is not None else {}
         sources = self.core.index_sources(self.endpoints)
         info: dict[str, dict[str, object]] = {}
@@ -98,6 +101,19 @@ class KVEventsLink:
                          blocks=blocks.get(ep, 0))
             info[ep] = d
         self.info = info
+
+    def _check_block_sizes(self) -> None:
+        """Token blocks only match a server whose KV block size is --kv-block-tokens: say so once per endpoint
+        whose scraped vllm:cache_config_info differs (its events' blocks are skipped and counted too)."""
+        want = self.core.settings.kv_block_tokens
+        if self.snapshot is None or not self.core.settings.tokenizer:
+            return
+        for s in self.snapshot():
+            if s.block_size and s.block_size != want and s.endpoint not in self._size_warned:
+                self._size_warned.add(s.endpoint)
+                log.warning("%s: KV block size %d (vllm:cache_config_info) differs from --kv-block-tokens %d: its "
+                            "prefix matches will not find its blocks; set --kv-block-tokens %d", s.endpoint,
+                            s.block_size, want, s.block_size)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -129,7 +145,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         manager = KVEventsManager(event_index, topic=pool_settings.kv_events_topic,
                                   on_cleared=lambda ep, reason: log.info("KV events of %s: index cleared (%s)",
                                                                          ep, reason))
-    events = KVEventsLink(core, manager, addresses)
+    events = KVEventsLink(core, manager, addresses, pool.snapshot)
     telemetry = RouterTelemetry.from_settings(tele or RouterTelemetrySettings(metrics_port=-1),
                                               in_flight=lambda: pool.in_flight,
                                               index_size=lambda: {**core.index.num_entries_by_endpoint(), **(
