@@ -58,7 +58,7 @@ class RoutePick:
     """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
 
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
-                 "failover_reported", "first_token_reported", "usage_reported", "usage_observed")
+                 "failover_reported", "first_token_reported", "usage_reported", "usage_observed", "index_source")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -73,6 +73,7 @@ class RoutePick:
         self.first_token_reported = False
         self.usage_reported = False
         self.usage_observed = False  # the hit statistics / feedback took this pick's usage
+        self.index_source = ""  # where the primary's match came from (RouterCore.index_source_of), for telemetry
 
 
 class PoolRouter:
@@ -126,6 +127,7 @@ class PoolRouter:
         decision_us = (time.perf_counter() - t0) * 1e6
         ids = decision.endpoints
         pick = RoutePick(self._addresses(ids), ids, request, decision, decision_us)
+        pick.index_source = self.core.index_source_of(decision)
         pool.acquire(ids[0])
         return pick
 

@@ -261,7 +261,7 @@ class RequestTracker:
         rec.predicted_ttft_ms = d.predicted_ttft_ms
         rec.alternative_endpoint = d.alternative_endpoint
         rec.alternative_ttft_ms = d.alternative_ttft_ms
-        rec.index_source = d.index_source or None
+        rec.index_source = getattr(pick, "index_source", "") or None
         rec.decision_us = pick.decision_us
         req = pick.request
         rec.model = req.model

@@ -55,6 +55,7 @@ from typing import Any
 import msgspec
 import xxhash
 
+from prefixroute.extproc.routing.prefix_index import drop_holder
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_bytes, token_seed_for
 from prefixroute.extproc.routing.types import BlockHash, EndpointId
 from prefixroute.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventsDecodeError,
@@ -257,12 +258,7 @@ class KVEventIndex:
         return st
 
     def _drop_heads(self, endpoint: EndpointId, heads: Iterable[BlockHash]) -> None:
-        for h in heads:
-            holders = self._heads.get(h)
-            if holders is not None:
-                holders.discard(endpoint)
-                if not holders:
-                    del self._heads[h]
+        drop_holder(self._heads, endpoint, heads)
 
     def _store(self, endpoint: EndpointId, st: _Endpoint, ev: BlockStored) -> None:
         c = st.counters

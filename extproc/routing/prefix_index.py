@@ -59,6 +59,18 @@ def num_leading_held(block_hashes: Sequence[BlockHash], held: Container[BlockHas
     return lo
 
 
+def drop_holder(holders_of: dict[BlockHash, set[EndpointId]], endpoint: EndpointId,
+                heads: Iterable[BlockHash]) -> None:
+    """Remove `endpoint` from the holder set of each of `heads` in `holders_of`, deleting sets that empty (the
+    head-block lookup of `PrefixIndex` and of the KV-events index)."""
+    for h in heads:
+        holders = holders_of.get(h)
+        if holders is not None:
+            holders.discard(endpoint)
+            if not holders:
+                del holders_of[h]
+
+
 class PrefixIndex:
     """Per-endpoint LRUs of block hashes (capacity in router blocks) + the head-block lookup."""
 
@@ -162,9 +174,4 @@ class PrefixIndex:
             self._drop_heads(endpoint, [h for h, _ in filter(_is_head, evicted)])
 
     def _drop_heads(self, endpoint: EndpointId, heads: Iterable[BlockHash]) -> None:
-        for h in heads:
-            holders = self._heads.get(h)
-            if holders is not None:
-                holders.discard(endpoint)
-                if not holders:
-                    del self._heads[h]
+        drop_holder(self._heads, endpoint, heads)

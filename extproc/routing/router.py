@@ -5,7 +5,6 @@ Used by the ext_proc servicer (live) and by simulations. Single event loop, not 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -111,8 +110,6 @@ class RouterCore:
         primary = decision.endpoints[0]
         if request.block_hashes and self._records(primary):
             self.index.record(request.block_hashes, primary)
-        if decision.matched_blocks:
-            decision = dataclasses.replace(decision, index_source=self.sourced.source_of(primary))
         return decision
 
     def _records(self, endpoint: EndpointId) -> bool:
@@ -128,6 +125,11 @@ class RouterCore:
         for ep in new - self.sourced.event_endpoints:
             self.index.clear_endpoint(ep)
         self.sourced.event_endpoints = new
+
+    def index_source_of(self, decision: Decision) -> str:
+        """Where `decision`'s primary match came from (events / feedback / approximate), "" when nothing
+        matched: one set lookup, for telemetry."""
+        return self.sourced.source_of(decision.endpoints[0]) if decision.matched_blocks else ""
 
     def index_sources(self, endpoints: Sequence[EndpointId]) -> dict[EndpointId, str]:
         """The index source of each endpoint (events / feedback / approximate / none)."""

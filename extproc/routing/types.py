@@ -73,6 +73,3 @@ class Decision:
     # Leading blocks of the primary's match that a request still prefilling there shares (the time model's
     # pending prefixes): not cached yet when this request arrives, so cached-token feedback ignores them.
     pending_blocks: int = 0
-    # Where the primary's match came from: "events" (the server's KV events), "feedback" or "approximate"
-    # (the router's own picks), "" when nothing matched or the policy reads no index.
-    index_source: str = ""

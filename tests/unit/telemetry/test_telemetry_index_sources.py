@@ -3,11 +3,9 @@ Prometheus text, and the dashboard's reading of them (the endpoint table's *inde
 
 from __future__ import annotations
 
-import urllib.request
-
-from helpers.metrics import scrape
+from helpers.metrics import scrape, scrape_text
 from prefixroute.dashboard import data as D
-from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
+from prefixroute.telemetry.metrics import RouterMetrics
 
 INFO = {
     "10.0.0.1:8000": {"source": "events", "connected": True, "last_seq": 41, "num_batches": 42, "num_events": 90,
@@ -35,13 +33,7 @@ def test_index_families():
 
 
 def test_dashboard_reads_the_source_and_marks_a_disconnected_subscriber():
-    server = start_metrics_server(RouterMetrics(index_info=lambda: INFO), 0)
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    finally:
-        server.shutdown()
-        server.server_close()
+    text = scrape_text(RouterMetrics(index_info=lambda: INFO))
     live = D.parse_router_metrics(text)
     assert live["10.0.0.1:8000"].index_source == "events" and live["10.0.0.1:8000"].kv_events_connected is True
     assert live["10.0.0.2:8000"].kv_events_connected is False
