@@ -30,6 +30,10 @@ INDEX_SOURCES: dict[str, str] = {
 """Where the prefix index learns what each endpoint holds, name -> note for the help text."""
 
 
+SESSION_KEY_SOURCES = ("header", "user", "prompt_cache_key", "off")
+"""Where `RoutingSettings.session_key` takes a chat request's session key from."""
+
+
 def _policy_help() -> str:
     listed = ", ".join(f"{name} ({note})" if note else name for name, note in POLICIES.items())
     return (f"Scheduling policy: {listed}. consistent-hash, least-load, round-robin and random exist for "
@@ -114,6 +118,42 @@ class RoutingSettings(Settings):
         "share routing state; the body field prompt_cache_key salts them further. Token blocks (--tokenizer) "
         "are salted only by the body's cache_salt, as the servers' KV blocks are: the index then mirrors caches "
         "that tenants share unless they send cache_salt. Empty = header ignored.")
+    session_key: str = setting(
+        "header",
+        "Where a chat conversation's session key comes from: header (the session_header header), user (the "
+        "body's user field), prompt_cache_key (the body's field), or off. A request with a key stays on the "
+        "endpoint that served its session's previous turn, priced by the time model as holding that turn's "
+        "prompt, so it moves only when another endpoint, whole prefill included, is predicted faster. Without "
+        "a key nothing changes: prefix matching keeps conversations together on its own.")
+    session_header: str = setting(
+        "x-session-id",
+        "Request header (lower case) carrying the session key when session_key is header.")
+    session_ttl_s: float = setting(
+        600.0,
+        "Seconds a session is remembered after its last turn: 10 minutes outlives a user's pause between "
+        "chat turns, while an endpoint's KV cache usually turns over within minutes under load.")
+    max_sessions: int = setting(
+        65536,
+        "Most sessions remembered (oldest first out): 64k sessions of ~150 bytes each are ~10 MB.")
+    response_id_ttl_s: float = setting(
+        3600.0,
+        "Seconds the router remembers which endpoint produced a Responses API response (for "
+        "previous_response_id and GET /v1/responses/{id}). An id it no longer remembers is looked up on the "
+        "endpoints (response_lookup_*), so the TTL bounds memory, not correctness.")
+    max_response_ids: int = setting(
+        262144,
+        "Most response ids remembered (oldest first out): 256k ids of ~200 bytes are ~50 MB.")
+    response_lookup_timeout_s: float = setting(
+        1.0,
+        "Seconds the router waits for the endpoints' answers to GET /v1/responses/{id} when it does not know "
+        "an id (router restarted, id expired): a store lookup is a dict read on the server, so 1 s is only "
+        "reached by a hung endpoint.")
+    max_response_lookups: int = setting(
+        64,
+        "Most lookups of unknown response ids in flight at once; beyond, a request with an unknown id gets "
+        "503 with Retry-After (each lookup asks every endpoint, so unbounded lookups would let forged ids "
+        "multiply load on the fleet).")
+
     max_body_bytes: int = setting(
         8 * 1024 * 1024,
         "Largest request body accepted; larger ones get 413. 8 MiB holds a 128k-token prompt (~0.5 MB) many "
@@ -163,6 +203,14 @@ class RoutingSettings(Settings):
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         for name in ("block_chars", "max_blocks", "cold_key_blocks", "max_body_bytes",
                      "default_index_capacity_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.session_key not in SESSION_KEY_SOURCES:
+            raise ValueError(f"session_key must be one of {', '.join(SESSION_KEY_SOURCES)}; got {self.session_key!r}")
+        for name in ("session_ttl_s", "response_id_ttl_s", "response_lookup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+        for name in ("max_sessions", "max_response_ids", "max_response_lookups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.max_scored_endpoints < 0:

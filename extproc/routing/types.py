@@ -19,7 +19,7 @@ BlockHash = NewType("BlockHash", int)
 EndpointId = NewType("EndpointId", str)
 """``host:port`` of one model-server endpoint."""
 
-RequestKind = Literal["chat", "completion", "other"]
+RequestKind = Literal["chat", "completion", "responses", "other"]
 
 DecisionReason = Literal["affinity", "spill", "cold", "load", "failover", "policy"]
 """Why the primary endpoint was chosen:
