@@ -134,7 +134,8 @@ class RoutingSettings(Settings):
         "chat turns, while an endpoint's KV cache usually turns over within minutes under load.")
     max_sessions: int = setting(
         65536,
-        "Most sessions remembered (oldest first out): 64k sessions of ~150 bytes each are ~10 MB.")
+        "Most sessions remembered (oldest first out): 64k sessions of ~400 bytes each (a 20-character key "
+        "included; measured) are ~26 MB.")
     response_id_ttl_s: float = setting(
         3600.0,
         "Seconds the router remembers which endpoint produced a Responses API response (for "
