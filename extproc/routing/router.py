@@ -99,9 +99,11 @@ class RouterCore:
         Sessions: a request with a `session_key` whose session (salted by `tenant`) is live and whose endpoint
         E is eligible is scheduled with E credited with the previous turn's prompt, if this request's block
         hashes extend it (when they do not, the client rewrote its history: no credit; E keeps only what the
-        index says). See `Scheduler.schedule`: the session stays on E while E is predicted fastest and moves
-        when another endpoint is. After the decision the session records (primary, this prompt). A request
-        without a key routes exactly as it would without sessions.
+        index says). An endpoint whose KV events feed the index is not credited beyond them (its events report
+        the evictions a session cannot know of; a turn still prefilling is the time model's pending prefix) but
+        still keeps its session on a tie. See `Scheduler.schedule`: the session stays on E while E is predicted
+        fastest and moves when another endpoint is. After the decision the session records (primary, this
+        prompt). A request without a key routes exactly as it would without sessions.
         """
         if not endpoints:
             raise OpenAIError(503, "no endpoint is configured", retry_after_s=self.retry_after_s)
@@ -120,6 +122,8 @@ class RouterCore:
             if s is not None:
                 credit = s.credit(request.block_hashes)
                 if credit is not None:
+                    if s.endpoint in self.sourced.event_endpoints:
+                        credit = 0  # its KV events say what it still holds; the session only breaks ties
                     session = (s.endpoint, credit)
         decision = self.scheduler.schedule(request, endpoints, in_flight, self.sourced, now_s, session)
         if not decision.endpoints:

@@ -394,3 +394,28 @@ def test_without_session_key_decisions_are_those_of_a_router_without_sessions(st
     with_table = _run(S, steps_, track)
     without_table = _run(dataclasses.replace(S, session_key="off"), steps_, track)
     assert with_table == without_table
+
+
+def test_kv_event_endpoints_are_not_credited_beyond_their_events():
+    """An endpoint whose KV events feed the index reported what it evicted: the session does not override that
+    (it would price the endpoint as holding blocks it said it dropped), but it still wins a tie."""
+    from prefixroute.extproc.routing.prefix_index import PrefixIndex
+
+    events = PrefixIndex(S.default_index_capacity_blocks)  # what the endpoints' KV events report
+    core = RouterCore(S, event_index=events)
+    core.set_event_endpoints(NAMES)
+    e = core.route(turn(1), EPS, IDLE, 0.0).endpoints[0]
+    events.record(turn(1).block_hashes, e)  # its events: stored...
+    assert core.route(turn(2), EPS, IDLE, 1.0).endpoints[0] == e
+    events.clear_endpoint(e)  # ...then evicted under memory pressure (BlockRemoved)
+    busy = {**IDLE, e: 400}  # credited, 400 decoding there would still beat a whole prefill elsewhere
+    d3 = core.route(turn(3), EPS, busy, 2.0)
+    assert d3.session_blocks == 0 and d3.matched_blocks == 0 and d3.endpoints[0] != e
+    # A new session's first turn lands off the rendezvous choice (the others were busy); its events have not
+    # come yet when its next turn arrives on an idle fleet: nothing is credited, and the tie keeps it there.
+    other = "[s2] " + SYSTEM
+    top = RouterCore(S).route(turn(1, None, system=other), EPS, IDLE, 0.0).endpoints[0]
+    e2 = other_than(top)
+    d4 = core.route(turn(1, "s2", system=other), EPS, {ep: (0 if ep == e2 else 1) for ep in NAMES}, 3.0)
+    d5 = core.route(turn(2, "s2", system=other), EPS, IDLE, 4.0)
+    assert d4.endpoints[0] == d5.endpoints[0] == e2 and d5.matched_blocks == 0
