@@ -625,8 +625,9 @@ class ResponsesStreamSink:
         if index == 0:
             chunk = enc.first() + chunk
         if finished:
-            final, _ = self.app.finish_response(self.meta, self.messages, req, _output_text(req))
-            chunk += enc.closing(_output_text(req), req.num_output, final)
+            text = _output_text(req)
+            final, _ = self.app.finish_response(self.meta, self.messages, req, text)
+            chunk += enc.closing(text, req.num_output, final)
             conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(chunk), chunk))
             conn.finish_response()
         else:
