@@ -112,7 +112,8 @@ class ResponseStore:
 
 
 # -- tool choice ------------------------------------------------------------------------------------
-def forced_function(tools: tuple[dict[str, Any], ...] | list[dict[str, Any]], tool_choice: Any) -> dict[str, Any] | None:
+def forced_function(tools: tuple[dict[str, Any], ...] | list[dict[str, Any]],
+                    tool_choice: Any) -> dict[str, Any] | None:
     """The function tool the simulated model calls, or None for a text answer (module docstring).
 
     `tool_choice` ``"required"`` picks the first function tool; ``{"type": "function", "name": N}`` picks N

@@ -73,7 +73,8 @@ def test_stream_events_and_sdk_iterator(server) -> None:
     r2 = c.responses.create(input="next", instructions=SYSTEM, previous_response_id=done.id, max_output_tokens=2)
     assert r2.usage.input_tokens_details.cached_tokens > 0
     got = c.responses.retrieve(done.id)
-    assert got.id == done.id and got.output_text == done.output_text and got.usage.input_tokens == done.usage.input_tokens
+    assert got.id == done.id and got.output_text == done.output_text
+    assert got.usage.input_tokens == done.usage.input_tokens
 
 
 def test_stream_writes_created_before_the_first_token(server_factory) -> None:
