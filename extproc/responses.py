@@ -281,6 +281,11 @@ class ResponseLookup:
         finally:
             for t in pending:
                 t.cancel()
+            if pending:  # let the cancelled GETs unwind (their connections close) before answering
+                await asyncio.wait(pending, timeout=1.0)
+            for t in tasks:  # retrieved: a GET that failed as the deadline passed must not log at exit
+                if t.done() and not t.cancelled():
+                    t.exception()
         num_failed += len(pending)  # timed out
         if num_failed:
             self.num_failed += 1
