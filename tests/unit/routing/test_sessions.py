@@ -419,3 +419,21 @@ def test_kv_event_endpoints_are_not_credited_beyond_their_events():
     d4 = core.route(turn(1, "s2", system=other), EPS, {ep: (0 if ep == e2 else 1) for ep in NAMES}, 3.0)
     d5 = core.route(turn(2, "s2", system=other), EPS, IDLE, 4.0)
     assert d4.endpoints[0] == d5.endpoints[0] == e2 and d5.matched_blocks == 0
+
+
+@pytest.mark.parametrize("source,where", [("header", "header"), ("user", "body"), ("prompt_cache_key", "body")])
+def test_parsed_session_keys_reach_the_table(source, where):
+    """End to end in the routing core: the key as request.py parses it from the configured source."""
+    settings = dataclasses.replace(S, session_key=source)
+    core = RouterCore(settings)
+    body = {"model": "m", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]}
+    headers = {}
+    if where == "header":
+        headers[settings.session_header] = "conv-42"
+    else:
+        body[source] = "conv-42"
+    req = parse_request("POST", "/v1/chat/completions", headers, orjson.dumps(body), settings)
+    assert req.session_key == "conv-42"
+    d = core.route(req, EPS, IDLE, 0.0)
+    assert core.sessions.lookup(req.tenant, "conv-42", 1.0).endpoint == d.endpoints[0]
+    assert len(core.sessions) == 1
