@@ -284,9 +284,9 @@ class RouterCore:
 
     def on_cache_cleared(self, endpoint: EndpointId) -> None:
         """`endpoint`'s KV cache is known empty: forget its prefix-index entries (its capacity stays), so the next
-        request of a prefix it held is not predicted a hit there, nor its sessions credited. Called by `sync_endpoints` when the pool's
-        ``restart_epoch`` for it changes; the seam for KV events' AllBlocksCleared (a later source of the same
-        fact)."""
+        request of a prefix it held is not predicted a hit there, nor its sessions credited. Called by
+        `sync_endpoints` when the pool's ``restart_epoch`` for it changes; the seam for KV events'
+        AllBlocksCleared (a later source of the same fact)."""
         # Not the events index: the endpoint's own events say when its cache emptied (AllBlocksCleared, or the
         # publisher's sequence restarting), and the pool sees a restart only at its next scrape, after the new
         # process may already have published blocks the events index must keep.
