@@ -28,6 +28,7 @@ from prefixroute.extproc.responses import ResponsesCollector
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.sessions import SessionsCollector
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher, TokenizerLoadError
 from prefixroute.telemetry.router import RouterTelemetry, RouterTelemetrySettings
@@ -159,6 +160,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                              on_usage=router.usage, on_response_id=router.learn_response)
     # Responses API: the response-id directory and its lookups on /metrics (prefixroute_response_*).
     telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
+    if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
+        telemetry.metrics.registry.register(SessionsCollector(core.sessions))
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
     try:

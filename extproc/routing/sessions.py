@@ -160,3 +160,31 @@ class SessionTable:
         """Sessions per endpoint (expired ones included until purged), for metrics: built from a copy
         (``dict(d)`` is one C call under the GIL), so another thread may call it while the event loop routes."""
         return {ep: len(keys) for ep, keys in dict(self._by_endpoint).items()}
+
+
+class SessionsCollector:
+    """A prometheus_client collector of a `SessionTable`'s figures (register it on the router's metrics registry).
+    Read by the metrics thread: plain integers and one dict copy, a torn read costs at most one count."""
+
+    def __init__(self, table: SessionTable) -> None:
+        self.table = table
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):  # noqa: ANN201
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        t = self.table
+        by_endpoint = GaugeMetricFamily("prefixroute_sessions", "Chat sessions the router remembers, by the "
+                                        "endpoint of their last turn (bounded by --max-sessions).",
+                                        labels=["endpoint"])
+        for ep, n in sorted(t.num_sessions_by_endpoint().items()):
+            by_endpoint.add_metric([str(ep)], n)
+        yield by_endpoint
+        dropped = CounterMetricFamily("prefixroute_sessions_dropped", "Sessions forgotten, by reason: expired "
+                                      "(--session-ttl-s after their last turn), evicted (--max-sessions).",
+                                      labels=["reason"])
+        dropped.add_metric(["expired"], t.num_expired)
+        dropped.add_metric(["evicted"], t.num_evicted)
+        yield dropped

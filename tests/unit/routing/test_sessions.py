@@ -437,3 +437,22 @@ def test_parsed_session_keys_reach_the_table(source, where):
     d = core.route(req, EPS, IDLE, 0.0)
     assert core.sessions.lookup(req.tenant, "conv-42", 1.0).endpoint == d.endpoints[0]
     assert len(core.sessions) == 1
+
+
+def test_sessions_collector_exposes_counts_by_endpoint_and_drops():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from prefixroute.extproc.routing.sessions import SessionsCollector, SessionTable
+
+    table = SessionTable(max_sessions=2, ttl_s=10.0)
+    table.record(None, "a", "e1:1", [1, 2], 0.0)
+    table.record(None, "b", "e2:1", [3], 0.0)
+    table.record(None, "c", "e2:1", [4], 0.0)  # evicts "a" (the bound is 2)
+    assert table.lookup(None, "b", 100.0) is None  # expired
+    reg = CollectorRegistry()
+    reg.register(SessionsCollector(table))
+    text = generate_latest(reg).decode()
+    assert 'prefixroute_sessions{endpoint="e2:1"} 1.0' in text
+    assert 'e1:1' not in text
+    assert 'prefixroute_sessions_dropped_total{reason="evicted"} 1.0' in text
+    assert 'prefixroute_sessions_dropped_total{reason="expired"} 1.0' in text
