@@ -334,7 +334,8 @@ def metrics_families(directory: ResponseDirectory, lookup: ResponseLookup) -> It
     yield GaugeMetricFamily("prefixroute_response_ids", "Responses API response ids the router knows the "
                             "endpoint of (bounded by --max-response-ids).", value=len(directory))
     yield CounterMetricFamily("prefixroute_response_id_hits", "Requests naming a response id the router knew "
-                              "(pinned without a lookup; the route right after a lookup is not one).", value=directory.num_hits)
+                              "(pinned without a lookup; the route right after a lookup is not one).",
+                              value=directory.num_hits)
     yield CounterMetricFamily("prefixroute_response_ids_learned", "Response ids learned (from responses seen, "
                               "or found by a lookup).", value=directory.num_learned)
     dropped = CounterMetricFamily("prefixroute_response_ids_dropped", "Response ids forgotten, by reason: "
