@@ -68,8 +68,8 @@ class NeedsLookup(Exception):
 class ResponseDirectory:
     """Bounded map response id -> endpoint that produced it (module docstring). `clock`: monotonic seconds."""
 
-    __slots__ = ("max_ids", "ttl_s", "clock", "_ids", "_by_endpoint", "_missing", "_epochs", "num_learned",
-                 "num_hits", "num_expired", "num_evicted", "num_forgotten")
+    __slots__ = ("max_ids", "ttl_s", "clock", "_ids", "_by_endpoint", "_missing", "_epochs", "_found",
+                 "num_learned", "num_hits", "num_expired", "num_evicted", "num_forgotten")
 
     def __init__(self, max_ids: int, ttl_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
         if max_ids < 1 or ttl_s <= 0:
@@ -81,6 +81,9 @@ class ResponseDirectory:
         self._by_endpoint: dict[EndpointId, set[str]] = {}
         self._missing: OrderedDict[str, float] = OrderedDict()  # id -> expiry of the negative answer
         self._epochs: dict[EndpointId, int] = {}
+        # Ids a lookup just found: the next `endpoint_of` is the route of the request that waited for that
+        # lookup, not a hit (a subset of `_ids`, dropped with them).
+        self._found: set[str] = set()
         self.num_learned = 0
         self.num_hits = 0
         self.num_expired = 0
@@ -90,11 +93,16 @@ class ResponseDirectory:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def learn(self, response_id: str, endpoint: EndpointId) -> None:
-        """`endpoint` produced (or, per a lookup, holds) `response_id`. Refreshes its expiry; evicts the least
-        recently used id beyond `max_ids`."""
+    def learn(self, response_id: str, endpoint: EndpointId, *, by_lookup: bool = False) -> None:
+        """`endpoint` produced (or, per a lookup: `by_lookup`, holds) `response_id`. Refreshes its expiry; evicts
+        the least recently used id beyond `max_ids`. After a lookup the next `endpoint_of` of the id is not
+        counted in `num_hits` (it is the route the lookup was made for)."""
         now = self.clock()
         self._missing.pop(response_id, None)
+        if by_lookup:
+            self._found.add(response_id)
+        else:
+            self._found.discard(response_id)
         old = self._ids.pop(response_id, None)
         if old is not None and old[0] != endpoint:
             self._drop_from_endpoint(response_id, old[0])
@@ -104,12 +112,13 @@ class ResponseDirectory:
         self._expire(now)
         while len(self._ids) > self.max_ids:
             rid, (ep, _) = self._ids.popitem(last=False)
+            self._found.discard(rid)
             self._drop_from_endpoint(rid, ep)
             self.num_evicted += 1
 
     def endpoint_of(self, response_id: str) -> EndpointId | None:
         """The endpoint holding `response_id`, None when unknown or expired. A hit refreshes the id (a
-        conversation in use stays remembered)."""
+        conversation in use stays remembered) and counts in `num_hits`, except the first after a lookup."""
         entry = self._ids.get(response_id)
         if entry is None:
             return None
@@ -118,11 +127,15 @@ class ResponseDirectory:
         if expiry <= now:
             self._expire(now)
             self._ids.pop(response_id, None)
+            self._found.discard(response_id)
             self._drop_from_endpoint(response_id, ep)
             return None
         self._ids[response_id] = (ep, now + self.ttl_s)
         self._ids.move_to_end(response_id)
-        self.num_hits += 1
+        if response_id in self._found:
+            self._found.discard(response_id)
+        else:
+            self.num_hits += 1
         return ep
 
     def note_missing(self, response_id: str) -> None:
@@ -149,6 +162,7 @@ class ResponseDirectory:
             return 0
         for rid in ids:
             self._ids.pop(rid, None)
+            self._found.discard(rid)
         self.num_forgotten += len(ids)
         return len(ids)
 
@@ -182,6 +196,7 @@ class ResponseDirectory:
             if expiry > now:
                 return
             del ids[rid]
+            self._found.discard(rid)
             self._drop_from_endpoint(rid, ep)
             self.num_expired += 1
 
@@ -273,7 +288,7 @@ class ResponseLookup:
                         continue
                     if status == 200:
                         ep = tasks[t]
-                        self.directory.learn(response_id, ep)
+                        self.directory.learn(response_id, ep, by_lookup=True)
                         self.num_found += 1
                         return ep
                     if status != 404:
@@ -319,7 +334,8 @@ def metrics_families(directory: ResponseDirectory, lookup: ResponseLookup) -> It
     yield GaugeMetricFamily("prefixroute_response_ids", "Responses API response ids the router knows the "
                             "endpoint of (bounded by --max-response-ids).", value=len(directory))
     yield CounterMetricFamily("prefixroute_response_id_hits", "Requests naming a response id the router knew "
-                              "(pinned without a lookup).", value=directory.num_hits)
+                              "(pinned without a lookup; the route right after a lookup is not one).",
+                              value=directory.num_hits)
     yield CounterMetricFamily("prefixroute_response_ids_learned", "Response ids learned (from responses seen, "
                               "or found by a lookup).", value=directory.num_learned)
     dropped = CounterMetricFamily("prefixroute_response_ids_dropped", "Response ids forgotten, by reason: "
