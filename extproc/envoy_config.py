@@ -55,7 +55,11 @@ unbuffered.
 When the ext_proc service is down (or times out): `failure_mode = "open"` (default) lets the request
 continue without the header, and it matches the fallback route: plain round-robin over the configured
 endpoints (a STRICT_DNS cluster), because serving without affinity beats refusing users.
-`failure_mode = "closed"` answers an OpenAI-format 503 instead. Neither ever uses a client address.
+`failure_mode = "closed"` answers an OpenAI-format 503 instead (the filter's ``status_on_error``, whose default
+500 would misname the failure). Neither ever uses a client address. The Responses API paths (``/v1/responses``
+and ``/v1/responses/...``) always fail closed: a follow-up (``previous_response_id``) exists only in the store of
+the endpoint that produced it, so round-robin would answer most of them with a false "not found" (5 of 8 on 4
+endpoints, measured) where a 503 with ``Retry-After`` tells the client the truth.
 
 What the gateway serves (issue 11): only the allowlist (`allowed_paths` exact, `allowed_path_prefixes`):
 each allowlisted path has its picked route and its ext_proc-down route; every other path matches the last
@@ -140,9 +144,11 @@ from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (Certific
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (HttpProtocolOptions,
                                                                  HttpProtocolOptionsExplicitHttpConfig)
 from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
+from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
 from prefixroute import settings
+from prefixroute.responses_api import RESPONSES_PATH, RESPONSES_PREFIX
 from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS,  # noqa: F401
                                          OBSERVED_METADATA, SERVED_HEADER, fallback_header, route_headers)
 from prefixroute.openai_errors import ERROR_TYPES
@@ -486,6 +492,17 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         )
 
     def unpicked_route(match: RouteMatch) -> Route:
+        stateful = match.path == RESPONSES_PATH or (match.prefix or "").startswith(RESPONSES_PREFIX)
+        if stateful:  # module docstring: the Responses API fails closed whatever failure_mode says
+            return Route(
+                name=f"extproc_unavailable_stateful {_match_text(match)}",
+                match=match,
+                direct_response=DirectResponseAction(status=503, body=DataSource(inline_string=_error_json(
+                    503, "The routing service is unavailable and a Responses API request must reach the endpoint "
+                         "that holds its conversation; retry shortly."))),
+                response_headers_to_add=[_set_header("content-type", "application/json"),
+                                         _set_header("retry-after", "1")],
+            )
         if s.failure_mode == "open" and s.endpoints:
             return Route(
                 name=f"extproc_unavailable_round_robin {_match_text(match)}",
@@ -517,6 +534,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                 initial_metadata=[*auth_metadata, *([HeaderValue(key=OBSERVED_METADATA, value="1")]
                                                     if s.observe_responses else [])]),
             failure_mode_allow=s.failure_mode == "open",
+            status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
             message_timeout=_duration(s.extproc_message_timeout_ms / 1000),
             processing_mode=ProcessingMode(
                 # Headers must be sent (and answered at once) for the body to reach us before routing.

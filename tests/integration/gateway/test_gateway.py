@@ -230,6 +230,15 @@ def test_ext_proc_down_fails_open_to_round_robin_and_still_ignores_client_header
         served[headers[SERVER_ID]] += 1
     assert set(served) == {"o0", "o1"}, served  # round robin: affinity is lost, availability is kept
     assert spy.num_connections == 0
+    # ... except for the Responses API: a follow-up lives only on its endpoint, so it fails closed (a 503 that
+    # says so, not a false "not found" from whichever endpoint round-robin picked).
+    for method, path, body in (("POST", "/v1/responses", {"model": "m", "input": "hi",
+                                                          "previous_response_id": "resp_0"}),
+                               ("GET", "/v1/responses/resp_0", None)):
+        status, headers, resp = request(gw, method, path, body)
+        assert_openai_error(status, headers, resp, 503)
+        assert "Responses API" in json.loads(resp)["error"]["message"]
+        assert headers.get("retry-after") == "1"
     gw.start_extproc()  # and routing resumes once the service is back
     status, headers, resp = request(gw, "POST", "/v1/chat/completions", chat("Back again.", "hi"))
     assert status == 200, resp
@@ -242,6 +251,5 @@ def test_ext_proc_down_with_fail_closed_answers_503(stack: ExitStack, log_dir: P
     assert status == 200
     gw.stop_extproc()
     status, headers, resp = request(gw, "POST", "/v1/chat/completions", chat("Closed.", "hi"))
-    assert status in (500, 503), resp
-    if status == 503:
-        assert_openai_error(status, headers, resp, 503)
+    # The routing filter's own failure reply (status_on_error): 503, not Envoy's default 500.
+    assert_openai_error(status, headers, resp, 503)
