@@ -34,6 +34,7 @@ pytestmark = pytest.mark.integration
 
 CHAT = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
 COMPLETION = json.dumps({"model": MODEL, "max_tokens": 2, "prompt": "hi"}).encode()
+RESPONSES = json.dumps({"model": MODEL, "max_output_tokens": 2, "input": "hi"}).encode()
 FAULTS = b'{"refuse_connections": true, "fail_ratio": 1}'
 
 # Request targets that must never reach an endpoint. Mixed: what the finding used, traversal, encodings,
@@ -112,7 +113,7 @@ def test_allowlisted_paths_are_routed_to_the_endpoint(gateway: GatewayProcesses,
                                  ("/v1/models", "GET", b""), ("/v1/models?limit=1", "GET", b""),
                                  (f"/v1/models/{MODEL.split('/')[0]}", "GET", b""), ("/tokenize", "POST", COMPLETION),
                                  ("/detokenize", "POST", COMPLETION), ("/v1/embeddings", "POST", COMPLETION),
-                                 ("/v1/responses", "POST", COMPLETION), ("/v1/responses/resp_123", "GET", b""),
+                                 ("/v1/responses", "POST", RESPONSES), ("/v1/responses/resp_123", "GET", b""),
                                  ("/v1/responses/resp_123/input_items", "GET", b"")]:
         reply = send(port, request(method, target, body, {"content-type": "application/json"}))
         assert reply is not None and reply.status == 200, (target, reply)
