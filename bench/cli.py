@@ -66,7 +66,9 @@ def build_workload(s: BenchSettings) -> workloads.Workload:
                                      pressure_num_groups=s.pressure_num_groups,
                                      pressure_min_prefix_tokens=s.pressure_min_prefix_tokens,
                                      pressure_max_prefix_tokens=s.pressure_max_prefix_tokens,
-                                     pressure_zipf_s=s.pressure_zipf_s)
+                                     pressure_zipf_s=s.pressure_zipf_s, num_agents=s.num_agents,
+                                     agent_num_apps=s.agent_num_apps,
+                                     agent_instructions_tokens=s.agent_instructions_tokens)
     arrival = s.arrival if s.arrival != "auto" else ("trace" if s.trace else "poisson")
     if arrival not in ("trace", "poisson", "closed"):
         raise ValueError(f"--arrival must be auto, trace, poisson or closed; got {s.arrival!r}")
