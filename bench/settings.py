@@ -54,8 +54,15 @@ class BenchSettings(Settings):
     num_turns: int = setting(6, "multi-turn: turns per session; agents: turns per agent (the first and middle "
                              "ones end in a function call, the last in a text answer).")
     num_agents: int = setting(32, "agents: number of agents (requests = agents x turns; --num-requests does not "
-                              "apply). 32 x 6 = 192 requests, 8 agents interleaved: on 4 endpoints every "
-                              "instructions prefix is worth holding on one endpoint per app.")
+                              "apply). 32 x 6 = 192 requests; with 4 apps, 8 agents share each app's instructions.")
+    agent_max_active: int = setting(0, "agents: agents in progress at a time (round-robin over them in the "
+                                    "request order, as multi-turn); 0 = all of them. Each follow-up is sent at "
+                                    "its Poisson arrival or when its previous turn ends, whichever is later, so "
+                                    "with few active agents the offered rate is capped by their latency.")
+    agent_tool_output_tokens: tuple[str, ...] = setting(("150", "400"), "agents: MIN,MAX tokens of each tool "
+                                                       "output (uniform, seeded): what a follow-up adds to the "
+                                                       "conversation, and what a router that loses the "
+                                                       "conversation's endpoint recomputes, turn after turn.")
     agent_num_apps: int = setting(4, "agents: distinct apps (instructions + function tools), each shared by "
                                   "~num_agents / num_apps agents.")
     agent_instructions_tokens: int = setting(3000, "agents: tokens of each app's instructions. ~3,000 as coding "

@@ -610,7 +610,8 @@ def make_workload(name: str, *, num_requests: int, seed: int, output_tokens: int
                   document_tokens: int, num_documents: int, pressure_num_groups: int = 128,
                   pressure_min_prefix_tokens: int = 2048, pressure_max_prefix_tokens: int = 8192,
                   pressure_zipf_s: float = 0.8, num_agents: int = 32, agent_instructions_tokens: int = 3000,
-                  agent_num_apps: int = 4) -> Workload:
+                  agent_num_apps: int = 4, agent_max_active: int = 0,
+                  agent_tool_output_tokens: tuple[int, int] = (150, 400)) -> Workload:
     """Build a synthetic workload by name (one of WORKLOAD_NAMES) from the CLI's knobs (the pressure_* ones,
     with capacity_pressure's defaults, apply to capacity-pressure only; num_agents and agent_* to agents, which
     also takes num_turns and output_tokens)."""
@@ -633,7 +634,10 @@ def make_workload(name: str, *, num_requests: int, seed: int, output_tokens: int
                                  seed=seed)
     if name == "agents":
         return agents(num_agents=num_agents, num_turns=num_turns, num_apps=agent_num_apps,
-                      instructions_tokens=agent_instructions_tokens, output_tokens=output_tokens, seed=seed)
+                      instructions_tokens=agent_instructions_tokens, output_tokens=output_tokens, seed=seed,
+                      max_active_agents=agent_max_active or num_agents,
+                      min_tool_output_tokens=agent_tool_output_tokens[0],
+                      max_tool_output_tokens=agent_tool_output_tokens[1])
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
 
 
