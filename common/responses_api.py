@@ -200,7 +200,8 @@ def _chat_parts(content: Any) -> Any:
         if ptype in ("input_text", "output_text"):
             out.append({"type": "text", "text": part["text"]})
         elif ptype == "input_image":
-            out.append({"type": "image_url", "image_url": {"url": part.get("image_url") or part.get("file_id")}})
+            url = part.get("image_url")  # "" is a string check_item accepted: never fall through to None
+            out.append({"type": "image_url", "image_url": {"url": url if isinstance(url, str) else part["file_id"]}})
         else:
             out.append(part)
     return out

@@ -24,9 +24,11 @@ from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
                                         start_server)
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
+from prefixroute.extproc.responses import ResponsesCollector
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.sessions import SessionsCollector
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher, TokenizerLoadError
 from prefixroute.telemetry.router import RouterTelemetry, RouterTelemetrySettings
@@ -155,7 +157,11 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                                               index_info=lambda: events.info)
     tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
                              max_body_bytes=routing.max_body_bytes, on_first_token=router.first_token,
-                             on_usage=router.usage)
+                             on_usage=router.usage, on_response_id=router.learn_response)
+    # Responses API: the response-id directory and its lookups on /metrics (prefixroute_response_*).
+    telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
+    if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
+        telemetry.metrics.registry.register(SessionsCollector(core.sessions))
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
     try:
@@ -179,6 +185,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         await server.stop(grace=1.0)
     finally:
         await events.close()
+        await router.lookup.close()
         await pool.close()
         # Off the loop: flushing waits on the exporter (bounded), the loop must not stall meanwhile.
         await asyncio.get_running_loop().run_in_executor(None, telemetry.close, 2.0)

@@ -32,6 +32,16 @@ Contract with the servicer (`servicer.RouterService`):
   after `first_token`, before or after `release` (two streams, no order between them). The prefix policy
   learns the endpoint's rate from it.
 
+- Responses API state (issue 14; extproc/responses.py): a request with ``response_ref`` (a follow-up's
+  ``previous_response_id``, or the id of ``/v1/responses/{id}...``) is *pinned*: it is routed over a snapshot
+  holding only the endpoint the directory names, so the decision lists that endpoint alone (no fallback, no
+  silent reroute). That endpoint unhealthy: 503 with Retry-After naming the id (its store may come back with
+  it). An id the directory does not know: `route` raises `NeedsLookup` and the servicer awaits
+  `resolve(response_id, headers)` (a bounded fan-out of ``GET /v1/responses/{id}``: 404 when no endpoint has
+  it, 503 when some did not answer), then routes again. An endpoint that left the pool or restarted takes its
+  ids with it (the directory follows the pool's snapshots), so its follow-ups get the 404 of the lookup.
+  `learn_response(pick, response_id)`: the observing stream saw `pick`'s response id (tracking.py).
+
 Endpoint ids are ``host:port`` as configured; the addresses handed to Envoy (ORIGINAL_DST takes addresses
 only) are those the pool publishes in its snapshot (`EndpointState.address`: the pool resolves names off the
 event loop and follows moves), read in the pool's listener, so a decision does no lookup. After a move the old
@@ -48,10 +58,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from prefixroute.extproc.endpoints import Pool
-from prefixroute.extproc.routing.request import InferenceRequest, parse_request
+from prefixroute.extproc.responses import NeedsLookup, ResponseDirectory, ResponseLookup
+from prefixroute.extproc.routing.request import InferenceRequest, clip, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.extproc.routing.types import Decision, EndpointId, EndpointState
+from prefixroute.openai_errors import OpenAIError
+from prefixroute import responses_api
 
 
 class RoutePick:
@@ -94,6 +107,12 @@ class PoolRouter:
         self._addrs_cache: dict[tuple[EndpointId, ...], tuple[str, ...]] = {}
         self.num_failovers = 0
         self.num_ignored_reports = 0  # served reports naming no fallback of their pick, or repeated (docstring)
+        s = core.settings
+        self.responses = ResponseDirectory(s.max_response_ids, s.response_id_ttl_s, clock=clock)
+        self.lookup = ResponseLookup(self.responses, timeout_s=s.response_lookup_timeout_s,
+                                     max_in_flight=s.max_response_lookups, retry_after_s=core.retry_after_s)
+        self._states: dict[EndpointId, EndpointState] = {}
+        self._states_of: object = None  # the snapshot `_states` was built from (its identity)
         pool.add_listener(self._on_pool_change)
 
     def _on_pool_change(self, snapshot: Sequence[EndpointState]) -> None:
@@ -105,6 +124,7 @@ class PoolRouter:
             for ep, a in addr.items():
                 self._id_of_addr[a] = ep  # old addresses stay: requests sent there may still report back
         self.core.sync_endpoints(snapshot)
+        self.responses.sync(snapshot)
 
     def _addresses(self, ids: tuple[EndpointId, ...]) -> tuple[str, ...]:
         addrs = self._addrs_cache.get(ids)
@@ -123,13 +143,55 @@ class PoolRouter:
         t0 = time.perf_counter()
         request = parse_request(method, path, headers, body, self.settings, self.hasher, self._adapters)
         pool = self.pool
-        decision = self.core.route(request, pool.snapshot(), pool.in_flight, self.clock())
+        snapshot = pool.snapshot()
+        if request.response_ref is not None:
+            snapshot = self._pinned(request.response_ref, snapshot)
+        decision = self.core.route(request, snapshot, pool.in_flight, self.clock())
         decision_us = (time.perf_counter() - t0) * 1e6
         ids = decision.endpoints
         pick = RoutePick(self._addresses(ids), ids, request, decision, decision_us)
         pick.index_source = self.core.index_source_of(decision)
         pool.acquire(ids[0])
         return pick
+
+    def _pinned(self, response_id: str, snapshot: Sequence[EndpointState]) -> list[EndpointState]:
+        """The one-endpoint snapshot a request needing `response_id` is routed over (module docstring). A
+        list, not a tuple: the scheduler memoises views per snapshot tuple, and a pinned request must not
+        evict the pool snapshot's. Raises `NeedsLookup`, or `OpenAIError` 404 (known missing, or its endpoint
+        is gone) / 503 (its endpoint is unhealthy)."""
+        ep = self.responses.endpoint_of(response_id)
+        if ep is None:
+            if self.responses.is_missing(response_id):
+                raise responses_api.not_found(response_id)
+            raise NeedsLookup(response_id)
+        if snapshot is not self._states_of:
+            self._states = {st.endpoint: st for st in snapshot}
+            self._states_of = snapshot
+        state = self._states.get(ep)
+        if state is None:  # left the pool between the snapshot the directory followed and this one
+            self.responses.forget_endpoint(ep)
+            raise responses_api.not_found(response_id)
+        if not state.healthy or state.address is None:
+            raise OpenAIError(503, f"the endpoint holding response '{clip(response_id)}' is unavailable; retry "
+                                   "later", retry_after_s=self.core.retry_after_s, param="previous_response_id")
+        return [state]
+
+    async def resolve(self, response_id: str, headers: Mapping[str, str]) -> EndpointId:
+        """Find the endpoint holding `response_id` (a `NeedsLookup` from `route`): asks every healthy endpoint
+        (`ResponseLookup.resolve`, which raises `OpenAIError` 404/503); the id is then known to `route`. The
+        client's ``authorization`` goes with the lookups (endpoints started with an API key ask for it)."""
+        candidates = [(st.endpoint, st.address) for st in self.pool.snapshot() if st.healthy and st.address]
+        auth = headers.get("authorization")
+        return await self.lookup.resolve(response_id, candidates, {"authorization": auth} if auth else None)
+
+    def learn_response(self, pick: RoutePick, response_id: str, served: str | None = None) -> None:
+        """`pick`'s response carries `response_id` (the observing stream read it): the endpoint that served it
+        holds it. `served`: Envoy's served address when known; as in `served`, only an endpoint of this pick
+        counts (else the primary, or the fallback a counted failover report named)."""
+        ep = self._id_of_addr.get(served) if served else None
+        if ep is None or ep not in pick.endpoint_ids:
+            ep = pick.counted
+        self.responses.learn(response_id, ep)
 
     def served(self, pick: RoutePick, served: str | None) -> None:
         """The served-endpoint report for `pick` (module docstring: the trust rule)."""

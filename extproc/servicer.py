@@ -35,6 +35,11 @@ tells them apart. Each stream's messages are dispatched per kind (``WhichOneof("
 
 Messages are prefixroute's own ext_proc classes (wire.py: upb protobuf, private descriptor pool).
 
+Responses API follow-ups whose response id the router does not know: `RouterService.route` raises
+`NeedsLookup`; the routing stream then awaits ``router.resolve(id, headers)`` (a bounded fan-out to the
+endpoints, responses.py) and decides again, or answers the lookup's 404/503. Only such a request awaits; the
+common path stays one synchronous call.
+
 Async safety: all calls happen on the event loop thread; the RouterService needs no locks.
 """
 
@@ -48,6 +53,7 @@ import grpc
 from prefixroute.extproc import wire
 from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS, REFUSED_HEADER,
                                          SERVED_HEADER, TRACEPARENT_HEADER, fallback_header)
+from prefixroute.extproc.responses import NeedsLookup
 from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
 
@@ -75,6 +81,10 @@ class RouterService(Protocol):
     def release(self, pick: Pick) -> None:
         """The request ended (success, error, reset); called exactly once per pick."""
 
+    async def resolve(self, response_id: str, headers: Mapping[str, str]) -> Any:
+        """After `route` raised `NeedsLookup`: locate `response_id` (raises `OpenAIError` 404/503). Only
+        routers that raise `NeedsLookup` are asked."""
+
 
 _CONTINUE_REQUEST_HEADERS = wire.ProcessingResponse(request_headers=wire.HeadersResponse())
 _CONTINUE_RESPONSE_HEADERS = wire.ProcessingResponse(response_headers=wire.HeadersResponse())
@@ -82,6 +92,9 @@ _CONTINUE_REQUEST_BODY = wire.ProcessingResponse(request_body=wire.BodyResponse(
 _CONTINUE_REQUEST_TRAILERS = wire.ProcessingResponse(request_trailers=wire.TrailersResponse())
 _CONTINUE_RESPONSE_TRAILERS = wire.ProcessingResponse(response_trailers=wire.TrailersResponse())
 _CONTINUE_RESPONSE_BODY = wire.ProcessingResponse(response_body=wire.BodyResponse())
+
+_NEEDS_LOOKUP = object()
+"""A routing handler's answer when the decision waits for a response-id lookup (`_RoutingStream.lookup`)."""
 
 _MAX_CACHED = 4096  # distinct endpoint lists kept pre-built; beyond it the cache is reset (cheap rebuild)
 
@@ -145,7 +158,8 @@ def immediate_response(err: OpenAIError) -> Any:
 class _RoutingStream:
     """One routing stream's state; each handler answers one ProcessingRequest kind (module docstring)."""
 
-    __slots__ = ("router", "tracker", "responses", "grpc_metadata", "headers", "pick", "st", "traceparent")
+    __slots__ = ("router", "tracker", "responses", "grpc_metadata", "headers", "pick", "st", "traceparent",
+                 "pending_lookup")
 
     def __init__(self, servicer: ExtProcServicer, grpc_metadata: Callable[[], Any]) -> None:
         self.router = servicer.router
@@ -156,6 +170,7 @@ class _RoutingStream:
         self.pick: Pick | None = None
         self.st: Tracked = UNTRACKED
         self.traceparent: str | None = None
+        self.pending_lookup: tuple[str, str, bytes, bool, str] | None = None
 
     def request_headers(self, req: Any) -> Any:
         rh = req.request_headers
@@ -186,11 +201,34 @@ class _RoutingStream:
         except OpenAIError as err:
             self.tracker.refused(self.st, err.status, err.message)
             return immediate_response(err)
+        except NeedsLookup as need:
+            self.pending_lookup = (method, path, body, at_headers, need.response_id)
+            return _NEEDS_LOOKUP
         self.pick = pick
         resp = self.responses.routing_response(pick.endpoints, at_headers)
         if self.traceparent is not None:
             resp = with_traceparent(resp, at_headers, self.traceparent)
         self.tracker.decided(self.st, pick)
+        return resp
+
+
+    async def lookup(self) -> Any:
+        """Answer a decision that waits for a response-id lookup (`_decide` returned `_NEEDS_LOOKUP`)."""
+        assert self.pending_lookup is not None
+        method, path, body, at_headers, response_id = self.pending_lookup
+        self.pending_lookup = None
+        try:
+            await self.router.resolve(response_id, self.headers)
+        except OpenAIError as err:
+            self.tracker.refused(self.st, err.status, err.message)
+            return immediate_response(err)
+        resp = self._decide(method, path, body, at_headers)
+        if resp is _NEEDS_LOOKUP:  # found, then forgotten at once (its endpoint left meanwhile): no second round
+            self.pending_lookup = None
+            err = OpenAIError(503, f"the endpoint holding response '{response_id[:100]}' changed during its "
+                                   "lookup; retry", retry_after_s=1, param="previous_response_id")
+            self.tracker.refused(self.st, err.status, err.message)
+            return immediate_response(err)
         return resp
 
 
@@ -253,7 +291,10 @@ class ExtProcServicer:
             while req is not eof:
                 handler = handlers.get(req.WhichOneof("request"))
                 if handler is not None:
-                    await write(handler(stream, req))
+                    resp = handler(stream, req)
+                    if resp is _NEEDS_LOOKUP:
+                        resp = await stream.lookup()
+                    await write(resp)
                 req = await read()
         finally:
             if stream.pick is not None:

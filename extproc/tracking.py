@@ -37,6 +37,16 @@ Emission, exactly once per record (`_emit` guards it), never blocking (recorder.
   it finishes, or after `obs_grace_s` with what was seen.
 When the served endpoint differs from the primary, the reason becomes ``failover``.
 
+Responses API (``POST /v1/responses``, kind "responses"): a stream's first events (``response.created``,
+``response.in_progress``, output item and content part announcements) precede any token, so its TTFT is the
+first token event (``response.output_text.delta``, ``response.function_call_arguments.delta``,
+``response.reasoning_text.delta`` or ``response.refusal.delta``: an ``event:`` line ending ``.delta``), found by
+scanning the event lines of the chunks until it comes. The response id (``"id":"resp_..."``: the first id of
+``response.created``'s response, or of the JSON body) is read from the first bytes of a 200 response (at most
+`MAX_ID_SCAN_BYTES`, one ``bytes.find`` per chunk until found) and reported to the router
+(``on_response_id(pick, id, served address)``: `PoolRouter.learn_response`), which pins follow-ups to the
+endpoint that served it.
+
 The servicer calls a `Tracker`: this `RequestTracker`, or `NullTracker` when telemetry is off (its calls
 do nothing, so the servicer has no telemetry branches).
 
@@ -47,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -61,6 +72,11 @@ from prefixroute.telemetry.usage import StreamUsageTail, usage_from_body
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest non-stream response body kept to read its usage (a completion JSON is KBs; bigger ones, e.g.
 embeddings of large batches, are not worth holding: usage stays unknown)."""
+MAX_ID_SCAN_BYTES = 64 * 1024
+"""Most leading bytes of a Responses response searched for its id: the id is the response object's first
+field (vLLM), in its first event or the body's first bytes; 64 KiB also covers a proxy's odd chunking."""
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp[A-Za-z0-9_\-.:]{0,200})"')
+_TOKEN_EVENT_SUFFIX = b".delta"
 MAX_PENDING = 100_000
 """Records awaiting their streams; beyond it new requests are not tracked (bounds memory if streams leak)."""
 
@@ -103,7 +119,7 @@ class Tracked:
 
     __slots__ = ("rec", "t0", "key", "content_length", "decided", "routing_done", "obs_attached", "obs_done",
                  "emitted", "tail", "body", "body_bytes", "served_addr", "timer", "pick", "served_reported",
-                 "expect_obs")
+                 "expect_obs", "id_scan", "token_events", "line_start")
 
     def __init__(self, rec: RequestRecord, t0: float) -> None:
         self.rec = rec
@@ -123,6 +139,9 @@ class Tracked:
         self.pick: Any = None  # the router's pick, for reporting the served endpoint from the observing stream
         self.served_reported = False
         self.expect_obs = False  # Envoy announced an observing filter for this request (gRPC initial metadata)
+        self.id_scan: bytearray | None = None  # a Responses response's first bytes, until its id is found
+        self.token_events = False  # a Responses stream: TTFT at its first token event, not its first chunk
+        self.line_start = True  # the next chunk starts a line (the previous one ended with a newline)
 
 
 def _untracked() -> Tracked:
@@ -152,6 +171,32 @@ class Tracker(Protocol):
     def observe(self, request_headers: Any) -> Tracked | None: ...
     def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> Any: ...
     def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None: ...
+    def _scan_id(self, st: Tracked, chunk: bytes) -> None:
+        """Look for the response id in the response's first bytes (module docstring); report it once."""
+        head = st.id_scan
+        assert head is not None
+        start = max(0, len(head) - 300)  # a match may straddle the previous chunk's end
+        head += chunk[: MAX_ID_SCAN_BYTES - len(head)]
+        m = _RESPONSE_ID.search(head, start)
+        if m is not None:
+            st.id_scan = None
+            if st.pick is not None and self.on_response_id is not None:
+                self.on_response_id(st.pick, m.group(1).decode("ascii"), st.served_addr)
+        elif len(head) >= MAX_ID_SCAN_BYTES:
+            st.id_scan = None
+
+    @staticmethod
+    def _token_event(st: Tracked, chunk: bytes) -> bool:
+        """Whether `chunk` of a Responses stream holds a token event (an ``event:`` line ending ``.delta``).
+        Only lines that start a line count: a data line's JSON never holds a raw newline, so text inside it
+        cannot pose as an event line."""
+        first = st.line_start
+        st.line_start = chunk.endswith(b"\n")
+        for k, line in enumerate(chunk.split(b"\n")):
+            if (k or first) and line.startswith(b"event:") and line.rstrip().endswith(_TOKEN_EVENT_SUFFIX):
+                return True
+        return False
+
     def obs_closed(self, st: Tracked) -> None: ...
 
 
@@ -187,6 +232,32 @@ class NullTracker:
     def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None:
         pass
 
+    def _scan_id(self, st: Tracked, chunk: bytes) -> None:
+        """Look for the response id in the response's first bytes (module docstring); report it once."""
+        head = st.id_scan
+        assert head is not None
+        start = max(0, len(head) - 300)  # a match may straddle the previous chunk's end
+        head += chunk[: MAX_ID_SCAN_BYTES - len(head)]
+        m = _RESPONSE_ID.search(head, start)
+        if m is not None:
+            st.id_scan = None
+            if st.pick is not None and self.on_response_id is not None:
+                self.on_response_id(st.pick, m.group(1).decode("ascii"), st.served_addr)
+        elif len(head) >= MAX_ID_SCAN_BYTES:
+            st.id_scan = None
+
+    @staticmethod
+    def _token_event(st: Tracked, chunk: bytes) -> bool:
+        """Whether `chunk` of a Responses stream holds a token event (an ``event:`` line ending ``.delta``).
+        Only lines that start a line count: a data line's JSON never holds a raw newline, so text inside it
+        cannot pose as an event line."""
+        first = st.line_start
+        st.line_start = chunk.endswith(b"\n")
+        for k, line in enumerate(chunk.split(b"\n")):
+            if (k or first) and line.startswith(b"event:") and line.rstrip().endswith(_TOKEN_EVENT_SUFFIX):
+                return True
+        return False
+
     def obs_closed(self, st: Tracked) -> None:
         pass
 
@@ -205,12 +276,16 @@ class RequestTracker:
     def __init__(self, on_decision: Callable[[Any, float], None], on_response: Callable[[RequestRecord], None],
                  endpoint_of: Callable[[str], str | None], *, max_body_bytes: int | None = None,
                  obs_grace_s: float = 2.0, on_first_token: Callable[[Any, float], None] | None = None,
-                 on_usage: Callable[[Any, int | None, int | None], None] | None = None) -> None:
+                 on_usage: Callable[[Any, int | None, int | None], None] | None = None,
+                 on_response_id: Callable[[Any, str, str | None], None] | None = None) -> None:
         """`on_first_token(pick, ttft_s)` and `on_usage(pick, prompt_tokens, cached_tokens)`: the router's
         `PoolRouter.first_token` / `usage` (its time model learns from them), called for attached streamed
         responses only, from the observing stream: the first token at the first body chunk of an SSE
-        response, the usage when it ends (None figures when it carried none)."""
+        response, the usage when it ends (None figures when it carried none). `on_response_id(pick, id,
+        served address)`: `PoolRouter.learn_response`, for an attached 200 Responses response (module
+        docstring)."""
         self.max_body_bytes = max_body_bytes
+        self.on_response_id = on_response_id
         self.on_first_token = on_first_token
         self.on_usage = on_usage
         self.on_decision = on_decision
@@ -371,10 +446,16 @@ class RequestTracker:
         if served:
             st.served_addr = served
         ctype = header_value(headers, "content-type") or ""
-        if ctype.startswith("text/event-stream"):
+        streamed = ctype.startswith("text/event-stream")
+        if streamed:
             st.tail = StreamUsageTail()
         else:
             st.body = []
+        pick = st.pick
+        if pick is not None and getattr(pick.request, "kind", None) == "responses":
+            st.token_events = streamed
+            if status == "200" and self.on_response_id is not None:
+                st.id_scan = bytearray()
         if end_of_stream:
             self._obs_finished(st, time.perf_counter())
         return report
@@ -382,7 +463,9 @@ class RequestTracker:
     def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None:
         now = time.perf_counter()
         rec = st.rec
-        if rec.ttft_ms is None and chunk:
+        if st.id_scan is not None and chunk:
+            self._scan_id(st, chunk)
+        if rec.ttft_ms is None and chunk and (not st.token_events or self._token_event(st, chunk)):
             rec.ttft_ms = (now - st.t0) * 1000.0
             if st.tail is not None and st.pick is not None and self.on_first_token is not None:
                 self.on_first_token(st.pick, now - st.t0)
@@ -396,6 +479,32 @@ class RequestTracker:
                 st.body = None
         if end_of_stream:
             self._obs_finished(st, now)
+
+    def _scan_id(self, st: Tracked, chunk: bytes) -> None:
+        """Look for the response id in the response's first bytes (module docstring); report it once."""
+        head = st.id_scan
+        assert head is not None
+        start = max(0, len(head) - 300)  # a match may straddle the previous chunk's end
+        head += chunk[: MAX_ID_SCAN_BYTES - len(head)]
+        m = _RESPONSE_ID.search(head, start)
+        if m is not None:
+            st.id_scan = None
+            if st.pick is not None and self.on_response_id is not None:
+                self.on_response_id(st.pick, m.group(1).decode("ascii"), st.served_addr)
+        elif len(head) >= MAX_ID_SCAN_BYTES:
+            st.id_scan = None
+
+    @staticmethod
+    def _token_event(st: Tracked, chunk: bytes) -> bool:
+        """Whether `chunk` of a Responses stream holds a token event (an ``event:`` line ending ``.delta``).
+        Only lines that start a line count: a data line's JSON never holds a raw newline, so text inside it
+        cannot pose as an event line."""
+        first = st.line_start
+        st.line_start = chunk.endswith(b"\n")
+        for k, line in enumerate(chunk.split(b"\n")):
+            if (k or first) and line.startswith(b"event:") and line.rstrip().endswith(_TOKEN_EVENT_SUFFIX):
+                return True
+        return False
 
     def obs_closed(self, st: Tracked) -> None:
         """The observing stream ended (EOF or cancel) without end of stream: the response was cut short."""

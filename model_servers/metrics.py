@@ -30,10 +30,11 @@ def _fmt(v: float) -> str:
 
 def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_requests_failed: int = 0,
            runner: Any = None, slow_client_aborts: Mapping[str, int] | None = None,
-           process: bool = True, kv_publisher: Any = None) -> str:
+           process: bool = True, kv_publisher: Any = None, responses_store: Any = None) -> str:
     """The /metrics page. `runner` (an AsyncEngine) adds real-time step-lag counters; `slow_client_aborts`
     (reason -> count) the backpressure aborts; `process` the process collector's gauges; `kv_publisher` (a
-    kv_events.ZmqEventPublisher) the KV-event counters."""
+    kv_events.ZmqEventPublisher) the KV-event counters; `responses_store` (a responses.ResponseStore) the
+    Responses API store's gauges and eviction counter."""
     lbl = f'engine="0",model_name="{model_name}"'
     st = core.stats
     out: list[str] = []
@@ -82,6 +83,15 @@ def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_r
                 "was full (max_queue_size); subscribers see a sequence gap.", pub.num_batches_dropped)
         counter("prefixroute:kv_events_replay_requests", "Replay requests answered on the replay socket.",
                 pub.num_replay_requests)
+    if responses_store is not None:
+        rs = responses_store
+        gauge("prefixroute:responses_stored", "Responses held in the in-process Responses API store (what "
+              "previous_response_id and GET /v1/responses/{id} can find).", len(rs))
+        gauge("prefixroute:responses_store_bytes", "JSON bytes held in the Responses API store "
+              "(responses_store_max_bytes caps it).", rs.num_bytes)
+        counter("prefixroute:responses_store_evictions", "Stored responses evicted (least recently used first) "
+                "to stay under responses_store_max_entries / responses_store_max_bytes; their ids answer 404.",
+                rs.num_evictions)
     if runner is not None:
         counter("prefixroute:engine_steps", "Engine steps run in real time.", runner.num_steps)
         counter("prefixroute:engine_step_lag_seconds", "Sum of how late steps ended versus their modelled end "

@@ -263,3 +263,35 @@ def full_response(*, chat: bool, request_id: str, created: int, model: str, text
         obj = "text_completion"
     return orjson.dumps({"id": request_id, "object": obj, "created": created, "model": model,
                          "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
+
+
+def check_responses_fields(data: dict) -> tuple[int | None, str | None]:
+    """The sampling and cache fields of a /v1/responses body, validated as vLLM's ``ResponsesRequest`` does
+    (types and ranges of chat's sampling fields; ``max_output_tokens`` >= 1 like ``max_tokens``;
+    ``top_logprobs`` in [0, MAX_LOGPROBS]; ``cache_salt`` a non-empty string). Returns (max_output_tokens or
+    None, cache_salt or None); the prompt fields are `prefixroute.responses_api.parse_body`'s. ``prompt_cache_key``
+    is not a salt: upstream vLLM ignores it for caching (a routing hint, see the router), so it is only echoed."""
+    _opt_number(data, "temperature", 0.0, 2.0)
+    _opt_number(data, "top_p", 0.0, 1.0, lo_open=True)
+    _opt_number(data, "repetition_penalty", 0.0, math.inf, lo_open=True)
+    _opt_int(data, "top_k", -1)
+    _opt_int(data, "seed", -(1 << 63))
+    top = _opt_int(data, "top_logprobs", 0)
+    if top is not None and top > MAX_LOGPROBS:
+        raise _bad(f"'top_logprobs' must be at most {MAX_LOGPROBS}, got {clip(top)}", "top_logprobs")
+    stop = data.get("stop")
+    if stop is not None and not isinstance(stop, str) and (
+            not isinstance(stop, list) or not all(isinstance(x, str) for x in stop)):
+        raise _bad(f"'stop' must be a string or a list of strings, got {clip(stop)}", "stop")
+    for key in ("parallel_tool_calls", "background"):
+        _opt_type(data, key, (bool,), "a boolean")
+    if data.get("background"):
+        raise _bad("Background responses are not supported by this server.", "background")
+    metadata = _opt_type(data, "metadata", (dict,), "an object")
+    if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
+        raise _bad("'metadata' values must be strings", "metadata")
+    max_output = _opt_int(data, "max_output_tokens", 1)
+    salt = _opt_type(data, "cache_salt", (str,), "a string")
+    if salt is not None and not salt:
+        raise _bad("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return max_output, salt

@@ -5,7 +5,9 @@ with 64 tokens, so the request path is a hand-written HTTP/1.1 keep-alive protoc
 orjson decodes, each streamed token is one pre-encoded SSE chunk (`protocol.StreamEncoder`) written in
 one `transport.write` (chunked transfer encoding).
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions (stream and not), GET /v1/models, GET /health,
+Endpoints: POST /v1/chat/completions, POST /v1/completions (stream and not), the Responses API (POST
+/v1/responses, stream and not; GET /v1/responses/{id}; POST /v1/responses/{id}/cancel: vLLM's answers, the
+bounded in-process store of responses.py), GET /v1/models, GET /health,
 POST /tokenize, GET /metrics, GET /version, POST /reset_prefix_cache (vLLM's: 200 when the prefix cache was
 emptied, 409 while requests hold blocks unless ``?reset_running_requests=true`` preempts them first; the
 gateway's path allowlist keeps it off the public API), SGLang-style probes (GET /server_info, /get_server_info,
@@ -54,7 +56,8 @@ from typing import ClassVar
 import httptools
 import orjson
 
-from prefixroute.model_servers import kv_events, metrics, protocol, tokenizer
+from prefixroute import responses_api
+from prefixroute.model_servers import kv_events, metrics, protocol, responses, tokenizer
 from prefixroute.model_servers.engine import EngineRequest
 from prefixroute.model_servers.kv_cache import root_hash
 from prefixroute.model_servers.profiles import DEFAULT_PROFILE, PROFILES, EngineSpec
@@ -119,6 +122,22 @@ class ServerSettings(Settings):
     max_body_bytes: int = setting(16 * 1024 * 1024, "Largest request body accepted; larger ones get a 413 and "
                                                      "the connection is closed (16 MiB: 30x a full 131k-token "
                                                      "prompt as JSON).")
+    responses_store: bool = setting(True, "Keep finished Responses API responses (body `store`, default true) in "
+                                          "this process's memory so `previous_response_id` follow-ups and GET "
+                                          "/v1/responses/{id} find them (vLLM with "
+                                          "VLLM_ENABLE_RESPONSES_API_STORE=1). Off: nothing is stored, like "
+                                          "vLLM's default; every follow-up gets a 404. The store empties when "
+                                          "the process restarts.")
+    responses_store_max_entries: int = setting(10_000, "Most responses kept (least recently used evicted "
+                                                       "first; a follow-up refreshes its previous response). "
+                                                       "10,000 holds e.g. 500 live agent sessions of 20 turns.")
+    responses_store_max_bytes: int = setting(256 * 1024 * 1024, "Most bytes kept in the response store, counted "
+                                                                "as the JSON of each entry (the messages its "
+                                                                "request rendered plus the response). Each turn "
+                                                                "stores its whole conversation, so a session's "
+                                                                "entries grow with its length: 256 MiB holds "
+                                                                "~5,000 turns of 50 KB (~12k-token) contexts. An "
+                                                                "evicted id answers 404, as after a restart.")
     seed: int = setting(0, "Seed of the fault-injection random generator (reproducible runs).")
     log_level: str = setting("WARNING", "Python log level (per-request logs are DEBUG).")
     kv_events_config: str = setting(
@@ -131,6 +150,8 @@ class ServerSettings(Settings):
 
     def __post_init__(self) -> None:
         kv_events.parse_config(self.kv_events_config)  # a bad config fails at startup, with its reason
+        if self.responses_store_max_entries < 1 or self.responses_store_max_bytes < 1:
+            raise ValueError("responses_store_max_entries and responses_store_max_bytes must be >= 1")
 
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed", 409: b"Conflict",
@@ -179,6 +200,8 @@ class ModelServer:
         self.admin_port: int | None = None
         self._roots: dict[tuple[str, str | None], int] = {}
         self._ids = itertools.count(1)
+        self.responses = (responses.ResponseStore(s.responses_store_max_entries, s.responses_store_max_bytes)
+                          if s.responses_store else None)
         self._created = int(time.time())
         self.port = s.port
         self.closing = False
@@ -254,6 +277,9 @@ class ModelServer:
                     raise OpenAIError(405, "Method Not Allowed")
                 self.generate(conn, path == b"/v1/chat/completions", body)
                 return
+            if path.startswith(b"/v1/responses") and not conn.admin:
+                self.dispatch_responses(conn, method, path, body)
+                return
             route = (_ADMIN_ROUTES if conn.admin else _ROUTES).get(path)
             if route is None:
                 raise OpenAIError(404, f"Not Found: {protocol.clip(path.decode(errors='replace'))}")
@@ -290,11 +316,108 @@ class ModelServer:
         if self.extra_latency_s > 0:
             asyncio.get_running_loop().call_later(self.extra_latency_s, self._submit_if_open, conn, req)
         else:
-            self.engine.submit(req)
+            self._submit(req)
 
     def _submit_if_open(self, conn: HttpConnection, req: EngineRequest) -> None:
         if conn.active is req:
-            self.engine.submit(req)
+            self._submit(req)
+
+    def _submit(self, req: EngineRequest) -> None:
+        sink = req.sink
+        if type(sink) is ResponsesStreamSink:
+            sink.open()  # response.created + response.in_progress at admission, before any token (as vLLM)
+        self.engine.submit(req)
+
+    # -- Responses API ------------------------------------------------------------------------------
+    def dispatch_responses(self, conn: HttpConnection, method: bytes, path: bytes, body: bytes) -> None:
+        """POST /v1/responses, GET /v1/responses/{id}, POST /v1/responses/{id}/cancel (else 404 / 405)."""
+        if path == b"/v1/responses":
+            if method != b"POST":
+                raise OpenAIError(405, "Method Not Allowed")
+            self.create_response(conn, body)
+            return
+        text = path.decode(errors="replace")
+        rid = responses_api.path_response_id(text)
+        rest = text[len(responses_api.RESPONSES_PREFIX) + len(rid or ""):]
+        if rid is None or rest not in ("", "/cancel"):
+            raise OpenAIError(404, f"Not Found: {protocol.clip(text)}")
+        if method != (b"GET" if rest == "" else b"POST"):
+            raise OpenAIError(405, "Method Not Allowed")
+        if not rid.startswith(responses_api.RESPONSE_ID_PREFIX):
+            raise responses_api.invalid_id(rid)
+        stored = self.responses.peek(rid) if self.responses is not None else None
+        if stored is None:
+            raise responses_api.not_found(rid)
+        if rest == "":
+            conn.respond(200, stored.body)
+            return
+        # vLLM cancels only background responses (queued / in progress); a stored one here has finished
+        raise OpenAIError(400, "Cannot cancel a synchronous response.", param="response_id",
+                          type_="invalid_request_error")
+
+    def create_response(self, conn: HttpConnection, body: bytes) -> None:
+        """POST /v1/responses: validate, build the prompt as vLLM does (`responses_api`), run it like chat."""
+        data = protocol.load_json_object(body)
+        model = protocol.resolve_model(data, self.served, self.models)
+        rb = responses_api.parse_body(data)
+        max_output, cache_salt = protocol.check_responses_fields(data)
+        if isinstance(rb.input, list):
+            for i, item in enumerate(rb.input):
+                itype = item.get("type")
+                if itype is not None and itype not in responses_api.KNOWN_ITEM_TYPES:
+                    raise OpenAIError(400, f"Input item type '{protocol.clip(itype)}' (input[{i}]) is not "
+                                           "supported by this server.", param=f"input[{i}].type")
+        function = responses.forced_function(rb.tools, data.get("tool_choice"))
+        prev = None
+        if rb.previous_response_id is not None:
+            prev = self.responses.get(rb.previous_response_id) if self.responses is not None else None
+            if prev is None:
+                raise responses_api.not_found(rb.previous_response_id)
+        messages = responses_api.input_messages(rb, prev.messages if prev is not None else None,
+                                                prev.response["output"] if prev is not None else None)
+        try:
+            text = tokenizer.render_chat(messages, tools=responses_api.chat_tools(rb.tools))
+        except tokenizer.ChatTemplateError as exc:
+            raise OpenAIError(400, f"{exc} (in the messages built from 'input')", param="input") from None
+        ids = tokenizer.encode(text)
+        num_prompt = len(ids)
+        if max_output is None:
+            max_output = max(1, min(self.spec.default_max_tokens, self.max_model_len - num_prompt))
+        if num_prompt + max_output > self.max_model_len:
+            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                   f"you requested {num_prompt + max_output} tokens ({num_prompt} in the input, "
+                                   f"{max_output} in max_output_tokens). Please reduce the length of the input "
+                                   "or max_output_tokens.", param="input")
+        if self.fail_ratio and self.rng.random() < self.fail_ratio:
+            raise OpenAIError(500, "Simulated failure (fault injection: --fail-ratio).")
+        rid = responses.new_id("resp")
+        meta = responses.ResponseMeta(
+            response_id=rid, created_at=int(time.time()), model=model, max_output_tokens=max_output,
+            store=rb.store and self.responses is not None, data=data, tools=list(rb.tools),
+            instructions=rb.instructions, previous_response_id=rb.previous_response_id, function=function,
+            item_id=responses.new_id("fc" if function is not None else "msg"),
+            call_id=responses.new_id("call", 24))
+        lora = model if model != self.served else None
+        req = EngineRequest(rid, ids, max_output, block_size=self.core.block_size,
+                            root=self.root_for(model, cache_salt), lora_name=lora,
+                            lora_id=self.lora_ids.get(lora) if lora is not None else None, cache_salt=cache_salt)
+        req.sink = (ResponsesStreamSink if rb.stream else ResponsesFullSink)(self, conn, meta, messages, req)
+        conn.active = req
+        if self.extra_latency_s > 0:
+            asyncio.get_running_loop().call_later(self.extra_latency_s, self._submit_if_open, conn, req)
+        else:
+            self._submit(req)
+
+    def finish_response(self, meta: responses.ResponseMeta, messages: list, req: EngineRequest,
+                        text: str) -> tuple[dict, bytes]:
+        """The completed response object of `req` and its JSON, stored when the request asked to be."""
+        obj = responses.response_object(meta, status="completed", output=responses.output_items(meta, text),
+                                        usage_=responses.usage(req.num_prompt_tokens, req.num_output,
+                                                               req.num_cached_tokens))
+        body = orjson.dumps(obj)
+        if meta.store and self.responses is not None:
+            self.responses.put(meta.response_id, messages, obj, body)
+        return obj, body
 
     # simple endpoints
     def h_health(self, conn: HttpConnection, body: bytes) -> None:
@@ -311,7 +434,8 @@ class ModelServer:
     def h_metrics(self, conn: HttpConnection, body: bytes) -> None:
         text = metrics.render(self.core, model_name=self.served, server_id=self.server_id,
                               num_http_requests_failed=self.num_failed, runner=self.engine,
-                              slow_client_aborts=self.slow_client_aborts, kv_publisher=self.kv_publisher)
+                              slow_client_aborts=self.slow_client_aborts, kv_publisher=self.kv_publisher,
+                              responses_store=self.responses)
         conn.respond(200, text.encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
 
     def h_tokenize(self, conn: HttpConnection, body: bytes) -> None:
@@ -459,6 +583,71 @@ class FullSink:
             chat=self.g.chat, request_id=self.rid, created=int(time.time()), model=self.g.model, text=text,
             prompt_tokens=req.num_prompt_tokens, completion_tokens=req.num_output,
             cached_tokens=req.num_cached_tokens))
+
+
+def _output_text(req: EngineRequest) -> str:
+    return b"".join(_word(req.num_prompt_tokens, i) for i in range(req.num_output)).decode()
+
+
+class ResponsesStreamSink:
+    """Writes one streamed Responses API response: named SSE events (`responses.StreamEncoder`), one write per
+    token; the opening events at admission (`open`). Backpressure and disconnects as `StreamSink`."""
+
+    __slots__ = ("conn", "app", "enc", "meta", "messages", "seed", "opened")
+
+    def __init__(self, app: ModelServer, conn: HttpConnection, meta: responses.ResponseMeta, messages: list,
+                 req: EngineRequest) -> None:
+        self.app, self.conn, self.meta, self.messages = app, conn, meta, messages
+        self.enc = responses.StreamEncoder(meta)
+        self.seed = req.num_prompt_tokens * 31
+        self.opened = False
+
+    def open(self) -> None:
+        if not self.opened and not self.conn.closed:
+            self.opened = True
+            self.conn.start_stream()
+            opening = self.enc.opening()
+            self.conn.transport.write(b"%x\r\n%b\r\n" % (len(opening), opening))
+
+    def on_token(self, req: EngineRequest) -> None:
+        conn = self.conn
+        if conn.closed:
+            raise ConnectionError("client gone")
+        if conn.paused and conn.transport.get_write_buffer_size() > conn.app.settings.max_stream_buffer_bytes:
+            conn.give_up("buffer_full")  # aborts req in the engine: no more tokens come for it
+            return
+        if not self.opened:
+            self.open()
+        index = req.num_output - 1
+        finished = req.status == 2  # FINISHED
+        enc = self.enc
+        chunk = enc.token(_WORDS[(self.seed + index * 7) % _NUM_WORDS], index, finished)
+        if index == 0:
+            chunk = enc.first() + chunk
+        if finished:
+            text = _output_text(req)
+            final, _ = self.app.finish_response(self.meta, self.messages, req, text)
+            chunk += enc.closing(text, req.num_output, final)
+            conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(chunk), chunk))
+            conn.finish_response()
+        else:
+            conn.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+
+
+class ResponsesFullSink:
+    """Collects a non-streamed Responses API response; writes (and stores) it when the request finishes."""
+
+    __slots__ = ("app", "conn", "meta", "messages")
+
+    def __init__(self, app: ModelServer, conn: HttpConnection, meta: responses.ResponseMeta, messages: list,
+                 req: EngineRequest) -> None:
+        self.app, self.conn, self.meta, self.messages = app, conn, meta, messages
+
+    def on_token(self, req: EngineRequest) -> None:
+        if not req.finished:
+            return
+        _, body = self.app.finish_response(self.meta, self.messages, req, _output_text(req))
+        self.conn.respond(200, body)
 
 
 class HttpConnection(asyncio.Protocol):

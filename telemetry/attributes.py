@@ -53,8 +53,8 @@ REQUEST_ID = FIELD_ATTRIBUTES["request_id"]
 
 def operation_name(path: str) -> str | None:
     """GenAI operation for an OpenAI-style path (None when the path is not a GenAI operation)."""
-    if path.endswith("/chat/completions"):
-        return "chat"
+    if path.endswith("/chat/completions") or path.endswith("/v1/responses"):
+        return "chat"  # the Responses API is a chat turn: GenAI semconv has no operation of its own for it
     if path.endswith("/completions"):
         return "text_completion"
     if path.endswith("/embeddings"):

@@ -8,11 +8,18 @@
 
 ``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens`` (vLLM with
 ``--enable-prompt-tokens-details``); None when absent, 0 when reported as 0.
+
+Responses API (``/v1/responses``): the usage names differ (``input_tokens``, ``output_tokens``,
+``input_tokens_details.cached_tokens``) and map to the same `Usage` fields; a stream carries it in the
+``response`` object of its final ``response.completed`` event. That event holds the whole response (output
+text, echoed instructions and tools), so it may outgrow the kept tail: the tail is then searched for the
+last ``"usage":`` object, which vLLM writes near the end of the response object.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import orjson
@@ -37,11 +44,22 @@ def usage_from_json(obj: Any) -> Usage | None:
     if not isinstance(obj, dict):
         return None
     u = obj.get("usage")
+    if u is None and isinstance(obj.get("response"), dict):  # a Responses stream event (response.completed)
+        u = obj["response"].get("usage")
+    return usage_of(u)
+
+
+def usage_of(u: Any) -> Usage | None:
+    """A decoded ``usage`` object (chat/completions or Responses names) as `Usage`; None when not an object."""
     if not isinstance(u, dict):
         return None
-    details = u.get("prompt_tokens_details")
+    if "prompt_tokens" in u or "completion_tokens" in u:
+        details = u.get("prompt_tokens_details")
+        cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+        return Usage(_int(u.get("prompt_tokens")), _int(u.get("completion_tokens")), cached)
+    details = u.get("input_tokens_details")
     cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
-    return Usage(_int(u.get("prompt_tokens")), _int(u.get("completion_tokens")), cached)
+    return Usage(_int(u.get("input_tokens")), _int(u.get("output_tokens")), cached)
 
 
 def usage_from_body(body: bytes) -> Usage | None:
@@ -84,4 +102,28 @@ class StreamUsageTail:
                 continue
             if found is not None:
                 return found
-        return None
+        return _last_usage_object(bytes(self._buf))
+
+
+_USAGE_KEY = b'"usage":'
+
+
+def _last_usage_object(buf: bytes) -> Usage | None:
+    """The last ``"usage": {...}`` object in `buf` that decodes (module docstring: an event longer than the
+    tail). JSON escaping keeps a ``"usage":`` inside a string value from matching (its quotes are escaped)."""
+    end = len(buf)
+    decoder = json.JSONDecoder()
+    while True:
+        i = buf.rfind(_USAGE_KEY, 0, end)
+        if i < 0:
+            return None
+        rest = buf[i + len(_USAGE_KEY):].lstrip()
+        if rest.startswith(b"{"):
+            try:
+                obj, _ = decoder.raw_decode(rest.decode("utf-8", "replace"))
+            except ValueError:
+                obj = None
+            found = usage_of(obj)
+            if found is not None:
+                return found
+        end = i

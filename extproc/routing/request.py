@@ -73,6 +73,7 @@ from typing import Any
 import orjson
 import xxhash
 
+from prefixroute import responses_api
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.hashing import hash_blocks, seed_for
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -81,8 +82,12 @@ from prefixroute.extproc.routing.types import BlockHash, RequestKind
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
-KNOWN_PATHS: dict[str, RequestKind] = {CHAT_PATH: "chat", COMPLETION_PATH: "completion"}
+KNOWN_PATHS: dict[str, RequestKind] = {CHAT_PATH: "chat", COMPLETION_PATH: "completion",
+                                       responses_api.RESPONSES_PATH: "responses"}
 REQUEST_ID_HEADER = "x-request-id"
+MAX_SESSION_KEY_CHARS = 256
+"""Longest session key kept (longer ones are cut here): a key is an identifier (a UUID is 36 characters), and
+the session table holds one per conversation, so a 1 MB header must not become a 1 MB table key."""
 
 _xxh3_hex = xxhash.xxh3_64_hexdigest
 
@@ -207,8 +212,7 @@ def _render_content(content: Any, canon: _Canon, param: str) -> None:
             canon.add(f"<|{ptype}:{_xxh3_hex(_canonical_json(part, p).encode('utf-8', 'surrogatepass'))}|>")
 
 
-def _render_chat(body: dict[str, Any], canon: _Canon) -> None:
-    tools = body.get("tools")
+def _render_tools(tools: Any, canon: _Canon) -> None:
     if tools is not None:
         if not isinstance(tools, list):
             raise _bad("'tools' must be a list", "tools")
@@ -216,6 +220,10 @@ def _render_chat(body: dict[str, Any], canon: _Canon) -> None:
             canon.add("<|tools|>")
             canon.add(_canonical_json(tools, "tools"))
             canon.add("\n")
+
+
+def _render_chat(body: dict[str, Any], canon: _Canon) -> None:
+    _render_tools(body.get("tools"), canon)
     messages = body.get("messages")
     if messages is None:
         raise _bad("'messages' is required", "messages")
@@ -359,6 +367,11 @@ _FIELD_RULES: dict[RequestKind, dict[str, Rule]] = {
     "chat": {**_COMMON_RULES, "max_completion_tokens": _AT_LEAST_1, "logprobs": _BOOL,
              "top_logprobs": ("int", 0, MAX_LOGPROBS, -1)},
     "completion": {**_COMMON_RULES, "logprobs": ("int", 0, MAX_LOGPROBS, None), "echo": _BOOL},
+    # vLLM's ResponsesRequest: no n / max_tokens / stream_options; top_logprobs without a logprobs switch.
+    "responses": {"stream": _BOOL, "max_output_tokens": _AT_LEAST_1, "temperature": _COMMON_RULES["temperature"],
+                  "top_p": _COMMON_RULES["top_p"], "top_k": _COMMON_RULES["top_k"], "seed": _COMMON_RULES["seed"],
+                  "user": _STR, "stop": _COMMON_RULES["stop"], "prompt_cache_key": _STR,
+                  "top_logprobs": ("int", 0, MAX_LOGPROBS, None)},
 }
 """Per request kind: field -> rule (the module docstring's table)."""
 
@@ -392,7 +405,7 @@ def _check_fields(data: dict[str, Any], kind: RequestKind) -> None:
                 raise _bad(f"'{key}' must be a string", key)
         else:
             what(value, key)
-    if data.get("stream_options") and data.get("stream") is not True:
+    if kind != "responses" and data.get("stream_options") and data.get("stream") is not True:
         raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
     if kind == "chat":
         top = data.get("top_logprobs")
@@ -420,7 +433,10 @@ def parse_request(method: str, path: str, headers: Mapping[str, str], body: byte
     request_id = headers.get(REQUEST_ID_HEADER)
     kind = KNOWN_PATHS.get(path)
     if kind is None:
-        return InferenceRequest(kind="other", path=path, request_id=request_id)
+        ref = responses_api.path_response_id(path)
+        if ref is not None and not ref.startswith(responses_api.RESPONSE_ID_PREFIX):
+            raise responses_api.invalid_id(ref)
+        return InferenceRequest(kind="other", path=path, request_id=request_id, response_ref=ref)
     if method.upper() != "POST":
         raise OpenAIError(405, f"method {clip(method)} is not allowed on {clip(path)}; use POST")
     encoding = headers.get("content-encoding")
@@ -452,30 +468,78 @@ def parse_request(method: str, path: str, headers: Mapping[str, str], body: byte
     # state of header tenant "a" (set by a trusted ingress); the length prefix makes the pair unambiguous.
     salt = f"{len(header_tenant or '')}:{header_tenant or ''}|{cache_key or ''}" if tenant else None
 
+    session_key = _session_key(settings, headers, data)
+    response_ref = None
     canon = _Canon(settings.max_prompt_chars)
     if kind == "chat":
         _render_chat(data, canon)
+        chat_body: dict[str, Any] | None = data
+    elif kind == "responses":
+        chat_body, response_ref = _responses_chat_body(data)
+        if chat_body["messages"]:
+            _render_chat(chat_body, canon)
+        else:  # input [] without instructions: nothing to hash (vLLM renders an empty conversation)
+            _render_tools(chat_body.get("tools"), canon)
     else:
+        chat_body = None
         _render_completion(data, canon)
-    if tokenizer is not None:
-        blocks = _token_blocks(tokenizer, data, kind, model, adapters)
+    # A follow-up's prompt continues with a stored chain the router cannot see: its token rendering (the
+    # template would close the conversation after the instructions) is not a prefix of the real prompt, so it
+    # is hashed by text, whose full blocks of the visible head are exactly the real prompt's.
+    if tokenizer is not None and response_ref is None:
+        blocks = _token_blocks(tokenizer, data if chat_body is None else chat_body, kind, model, adapters,
+                               data.get("cache_salt"))
         if blocks is not None:
             return InferenceRequest(kind=kind, path=path, model=model, tenant=tenant, stream=bool(stream),
                                     block_hashes=blocks.block_hashes, num_prompt_chars=canon.num_chars,
-                                    request_id=request_id, num_prompt_tokens=blocks.num_prompt_tokens)
+                                    request_id=request_id, num_prompt_tokens=blocks.num_prompt_tokens,
+                                    session_key=session_key)
     hashes = hash_blocks(canon.text(), seed_for(model, salt), settings.block_chars, settings.max_blocks)
     return InferenceRequest(kind=kind, path=path, model=model, tenant=tenant, stream=bool(stream),
-                            block_hashes=hashes, num_prompt_chars=canon.num_chars, request_id=request_id)
+                            block_hashes=hashes, num_prompt_chars=canon.num_chars, request_id=request_id,
+                            session_key=session_key, response_ref=response_ref)
+
+
+def _session_key(settings: RoutingSettings, headers: Mapping[str, str], data: dict[str, Any]) -> str | None:
+    """The session key named by ``settings.session_key`` (None when absent or empty), clipped to
+    `MAX_SESSION_KEY_CHARS`. Body fields were type-checked already (``user``, ``prompt_cache_key``: strings)."""
+    source = settings.session_key
+    if source == "header":
+        key = headers.get(settings.session_header) if settings.session_header else None
+    elif source == "user" or source == "prompt_cache_key":
+        key = data.get(source)
+    else:
+        return None
+    if not key or not isinstance(key, str):
+        return None
+    return key[:MAX_SESSION_KEY_CHARS]
+
+
+def _responses_chat_body(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A validated Responses body as the chat body whose rendering is its prompt's visible head, and its
+    ``previous_response_id``. First turn: the whole prompt (`responses_api.input_messages`: instructions, then
+    the input), so it hashes exactly like its chat equivalent. Follow-up: the prompt is instructions, then the
+    stored chain of the previous response (on its endpoint only), then the input; only the tools and the
+    instructions precede the unseen chain, so only they are rendered (blocks that would need the chain are
+    never invented)."""
+    body = responses_api.parse_body(data)
+    tools = responses_api.chat_tools(body.tools)
+    if body.previous_response_id is None:
+        messages = responses_api.input_messages(body)
+        return {"messages": messages, "tools": tools}, None
+    head = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return {"messages": head, "tools": tools}, body.previous_response_id
 
 
 def _token_blocks(tokenizer: PromptHasher, data: dict[str, Any], kind: RequestKind, model: str | None,
-                  adapters: Container[str] | None):
-    """Token blocks of a validated body, or None when the tokenizer cannot handle it (text-mode fallback)."""
+                  adapters: Container[str] | None, salt: Any):
+    """Token blocks of a validated body (for kind "responses": its chat body), or None when the tokenizer
+    cannot handle it (text-mode fallback). `salt`: the request body's ``cache_salt`` (a Responses request's
+    ``prompt_cache_key`` is not one: vLLM ignores that field)."""
     lora_name = model if model is not None and adapters is not None and model in adapters else None
-    salt = data.get("cache_salt")
     cache_salt = salt if isinstance(salt, str) else None
     try:
-        if kind == "chat":
+        if kind == "chat" or kind == "responses":
             return tokenizer.chat_blocks(data, lora_name=lora_name, cache_salt=cache_salt)
         return tokenizer.completion_blocks(data, lora_name=lora_name, cache_salt=cache_salt)
     except Exception:  # noqa: BLE001 - TokenizationError, or any failure of a template: route by text, never 500
@@ -487,6 +551,12 @@ def canonical_text(body: Mapping[str, Any], kind: RequestKind, limit_chars: int)
     canon = _Canon(limit_chars)
     if kind == "chat":
         _render_chat(dict(body), canon)
+    elif kind == "responses":
+        chat_body, _ = _responses_chat_body(dict(body))
+        if chat_body["messages"]:
+            _render_chat(chat_body, canon)
+        else:
+            _render_tools(chat_body.get("tools"), canon)
     elif kind == "completion":
         _render_completion(dict(body), canon)
     return canon.text()

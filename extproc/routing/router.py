@@ -16,6 +16,7 @@ from prefixroute.extproc.routing.prefix_index import PrefixIndex
 from prefixroute.extproc.routing.request import InferenceRequest, clip
 from prefixroute.extproc.routing.scheduling import filters, pickers
 from prefixroute.extproc.routing.scheduling.scheduler import Scheduler
+from prefixroute.extproc.routing.sessions import SessionTable
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.types import Decision, EndpointId, EndpointState
 
@@ -76,6 +77,9 @@ class RouterCore:
         self._ceiling: dict[EndpointId, int] = {}  # feedback: LRU capacity ceiling (from the scrape)
         self._fb_capacity: dict[EndpointId, float] = {}  # feedback: the current learned capacity
         self.scheduler = Scheduler(settings, rng, track_prefill=track_prefill)
+        # Chat sessions (issue 14): only for a policy that uses them (prefix; `Policy.uses_sessions`).
+        self.sessions: SessionTable | None = SessionTable(settings.max_sessions, settings.session_ttl_s) \
+            if self.scheduler.policy.uses_sessions and settings.session_key != "off" else None
         self.rng = self.scheduler.rng
         self.retry_after_s = retry_after_s
         self._known: set[EndpointId] = set()
@@ -89,7 +93,17 @@ class RouterCore:
 
         Kind "other" (``/v1/models``, ...): the least-loaded healthy endpoints (any model), index untouched.
         The caller owns in-flight accounting (acquire the primary it actually uses). `now_s`: a monotonic clock
-        in seconds (the gateway's, or a simulation's virtual time), for the time model's draining queues.
+        in seconds (the gateway's, or a simulation's virtual time), for the time model's draining queues and the
+        sessions' expiry (None: sessions never expire, only their LRU bound applies).
+
+        Sessions: a request with a `session_key` whose session (salted by `tenant`) is live and whose endpoint
+        E is eligible is scheduled with E credited with the previous turn's prompt, if this request's block
+        hashes extend it (when they do not, the client rewrote its history: no credit; E keeps only what the
+        index says). An endpoint whose KV events feed the index is not credited beyond them (its events report
+        the evictions a session cannot know of; a turn still prefilling is the time model's pending prefix) but
+        still keeps its session on a tie. See `Scheduler.schedule`: the session stays on E while E is predicted
+        fastest and moves when another endpoint is. After the decision the session records (primary, this
+        prompt). A request without a key routes exactly as it would without sessions.
         """
         if not endpoints:
             raise OpenAIError(503, "no endpoint is configured", retry_after_s=self.retry_after_s)
@@ -100,7 +114,18 @@ class RouterCore:
                 raise OpenAIError(503, "no healthy endpoint", retry_after_s=self.retry_after_s)
             order = pickers.least_load_order(healthy, in_flight, self.rng, k)
             return Decision(endpoints=tuple(order), reason="load", policy=self.scheduler.policy.name)
-        decision = self.scheduler.schedule(request, endpoints, in_flight, self.sourced, now_s)
+        skey = request.session_key
+        sessions = self.sessions if skey is not None else None
+        session = None
+        if sessions is not None:
+            s = sessions.lookup(request.tenant, skey, now_s)  # type: ignore[arg-type]
+            if s is not None:
+                credit = s.credit(request.block_hashes)
+                if credit is not None:
+                    if s.endpoint in self.sourced.event_endpoints:
+                        credit = 0  # its KV events say what it still holds; the session only breaks ties
+                    session = (s.endpoint, credit)
+        decision = self.scheduler.schedule(request, endpoints, in_flight, self.sourced, now_s, session)
         if not decision.endpoints:
             if not filters.filter_model(endpoints, request.model):
                 raise OpenAIError(404, f"The model `{clip(request.model)}` does not exist.", param="model",
@@ -110,6 +135,8 @@ class RouterCore:
         primary = decision.endpoints[0]
         if request.block_hashes and self._records(primary):
             self.index.record(request.block_hashes, primary)
+        if sessions is not None:
+            sessions.record(request.tenant, skey, primary, request.block_hashes, now_s)  # type: ignore[arg-type]
         return decision
 
     def _records(self, endpoint: EndpointId) -> bool:
@@ -171,7 +198,8 @@ class RouterCore:
         st.prompt_tokens += prompt_tokens
         st.predicted_tokens += predicted
         st.cached_tokens += min(cached_tokens, prompt_tokens)
-        if decision.pending_blocks or self.sourced.source_of(ep) != index_sources.FEEDBACK:
+        if decision.pending_blocks or decision.session_blocks or \
+                self.sourced.source_of(ep) != index_sources.FEEDBACK:
             return
         per_block = self.settings.kv_block_tokens if request.num_prompt_tokens is not None else \
             self.settings.tokens_per_block
@@ -215,9 +243,12 @@ class RouterCore:
 
     def record_failover(self, request: InferenceRequest, served_by: EndpointId) -> None:
         """The request was served by a fallback (Envoy's ``x-gateway-destination-endpoint-served``): record it
-        there too, so the next request of this prefix can find the cache where it really is."""
+        there too, so the next request of this prefix can find the cache where it really is; its session, if
+        this request is still the session's last turn, follows it there."""
         if request.block_hashes and self._records(served_by):
             self.index.record(request.block_hashes, served_by)
+        if request.session_key is not None and self.sessions is not None:
+            self.sessions.moved(request.tenant, request.session_key, served_by, request.block_hashes)
 
     # --- pool changes -----------------------------------------------------------------------------------
     def capacity_blocks(self, state: EndpointState) -> int:
@@ -236,7 +267,10 @@ class RouterCore:
         self.index.set_capacity(endpoint, num_blocks)
 
     def on_endpoint_removed(self, endpoint: EndpointId) -> None:
-        """An endpoint left the pool: its index entries (and outstanding prefill estimate) go with it."""
+        """An endpoint left the pool: its index entries (and outstanding prefill estimate) and its sessions go
+        with it."""
+        if self.sessions is not None:
+            self.sessions.forget_endpoint(endpoint)
         self.index.remove_endpoint(endpoint)
         if self.event_index is not None:
             self.event_index.remove_endpoint(endpoint)
@@ -250,13 +284,15 @@ class RouterCore:
 
     def on_cache_cleared(self, endpoint: EndpointId) -> None:
         """`endpoint`'s KV cache is known empty: forget its prefix-index entries (its capacity stays), so the next
-        request of a prefix it held is not predicted a hit there. Called by `sync_endpoints` when the pool's
-        ``restart_epoch`` for it changes; the seam for KV events' AllBlocksCleared (a later source of the same
-        fact)."""
+        request of a prefix it held is not predicted a hit there, nor its sessions credited. Called by
+        `sync_endpoints` when the pool's ``restart_epoch`` for it changes; the seam for KV events'
+        AllBlocksCleared (a later source of the same fact)."""
         # Not the events index: the endpoint's own events say when its cache emptied (AllBlocksCleared, or the
         # publisher's sequence restarting), and the pool sees a restart only at its next scrape, after the new
         # process may already have published blocks the events index must keep.
         self.index.clear_endpoint(endpoint)
+        if self.sessions is not None:  # they were credited with what its cache held
+            self.sessions.forget_endpoint(endpoint)
         self.scheduler.policy.on_cache_cleared(endpoint)
         self.num_caches_cleared += 1
 

@@ -134,7 +134,8 @@ class RoutingSettings(Settings):
         "chat turns, while an endpoint's KV cache usually turns over within minutes under load.")
     max_sessions: int = setting(
         65536,
-        "Most sessions remembered (oldest first out): 64k sessions of ~150 bytes each are ~10 MB.")
+        "Most sessions remembered (oldest first out): 64k sessions of ~400 bytes each (a 20-character key "
+        "included; measured) are ~26 MB.")
     response_id_ttl_s: float = setting(
         3600.0,
         "Seconds the router remembers which endpoint produced a Responses API response (for "
@@ -144,10 +145,12 @@ class RoutingSettings(Settings):
         262144,
         "Most response ids remembered (oldest first out): 256k ids of ~200 bytes are ~50 MB.")
     response_lookup_timeout_s: float = setting(
-        1.0,
+        0.3,
         "Seconds the router waits for the endpoints' answers to GET /v1/responses/{id} when it does not know "
-        "an id (router restarted, id expired): a store lookup is a dict read on the server, so 1 s is only "
-        "reached by a hung endpoint.")
+        "an id (router restarted, id expired): a store lookup is a dict read on the server (well under 10 ms), "
+        "so 0.3 s is only reached by a hung endpoint. Keep it below the gateway's ext_proc message timeout "
+        "(--extproc-message-timeout-ms, 500 ms), which the lookup runs inside: past that Envoy applies its "
+        "failure mode instead of the router's answer.")
     max_response_lookups: int = setting(
         64,
         "Most lookups of unknown response ids in flight at once; beyond, a request with an unknown id gets "

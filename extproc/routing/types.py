@@ -73,3 +73,7 @@ class Decision:
     # Leading blocks of the primary's match that a request still prefilling there shares (the time model's
     # pending prefixes): not cached yet when this request arrives, so cached-token feedback ignores them.
     pending_blocks: int = 0
+    # Leading blocks of the primary's match credited only by the request's session (the primary served the
+    # session's previous turn, whose prompt this one extends) beyond what the prefix index holds there: a
+    # miss on them says nothing of the index's capacity, so cached-token feedback does not resize it for them.
+    session_blocks: int = 0

@@ -48,6 +48,9 @@ class PolicyInput:
     holders: Sequence[EndpointState] = ()
     view: filters.EligibleView | None = None
     now_s: float | None = None  # the caller's monotonic clock at the decision (live or virtual); None: no clock
+    # The endpoint that served the request's session's previous turn, whose prompt this request extends (its
+    # credit is already in `matches`): eligible, given only to policies with `uses_sessions`; None without.
+    session_endpoint: EndpointId | None = None
 
     def rendezvous(self) -> pickers.RendezvousTable:
         """The rendezvous table of `eligible` (memoised per snapshot when `view` is given)."""
@@ -68,6 +71,10 @@ class Policy:
 
     name: ClassVar[str]
     """A key of `settings.POLICIES`: what `RoutingSettings.policy` selects and `Decision.policy` reports."""
+    uses_sessions: ClassVar[bool] = False
+    """Whether the router keeps chat sessions for this policy (`sessions.SessionTable`) and credits a session's
+    endpoint with its previous turn's prompt (`Scheduler.schedule`). Only the prefix policy: the baselines are
+    compared as they are, and none of them looks at matches anyway."""
 
     def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
         self._settings = settings
@@ -231,6 +238,10 @@ class PrefixPolicy(Policy):
     in the index with the pick), and a burst of a new prefix stays on one endpoint (the siblings match its
     pending prefix; moving them would add a whole prefill for no earlier first token).
 
+    Sessions (`PolicyInput.session_endpoint`, see `Scheduler.schedule`): the session's endpoint is scored as
+    holding the previous turn's prompt (in `matches`) and wins a tie before the rules above; nothing else
+    changes, so a session moves exactly when another endpoint, whole prefill included, is predicted faster.
+
     Candidates: every eligible endpoint up to ``max_scored_endpoints``; beyond, the holders, the first
     1 + num_fallbacks in rendezvous order and a window of the pool (`EligibleView.scan_order`, rotating
     per decision) up to ``max_scored_endpoints`` in all.
@@ -241,6 +252,7 @@ class PrefixPolicy(Policy):
     `predictions` keeps the last (predicted, actual) TTFT pairs of the primaries, for benchmarks."""
 
     name = "prefix"
+    uses_sessions = True
 
     def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
         super().__init__(settings, rng, track_prefill=track_prefill)
@@ -299,8 +311,12 @@ class PrefixPolicy(Policy):
             # prefix goes where rendezvous puts it, whichever sample is drawn.
             top = view.rendezvous_top(prefix_key(req, st.cold_key_blocks), k)
             candidates = [*holders, *(s for s in top if s.endpoint not in matches)]
-            # Then a window of the pool in scan order, rotating per decision (power-of-d choices).
             taken = {s.endpoint for s in candidates}
+            sess_ep = inp.session_endpoint
+            if sess_ep is not None and sess_ep not in taken and sess_ep in view.position:
+                candidates.append(view.endpoints[view.position[sess_ep]])  # credited nothing, still scored
+                taken.add(sess_ep)
+            # Then a window of the pool in scan order, rotating per decision (power-of-d choices).
             scan = view.scan_order
             want = limit_n - len(candidates)
             if want > 0:
@@ -381,7 +397,17 @@ class PrefixPolicy(Policy):
             # The first of the tied in rendezvous order (as `RendezvousTable.ranked`): in a sampled pool the
             # rendezvous top-k was scored, and when one of them is tied it is the answer (no weights needed).
             found = None
-            if not hashes:
+            sess = inp.session_endpoint
+            if sess is not None:
+                # A tie keeps a session where it is: its endpoint is as fast as any, and staying keeps its next
+                # turns together there too (they extend this prompt).
+                for x in tied:
+                    if x[2].endpoint == sess:
+                        found = x
+                        break
+            if found is not None:
+                pass
+            elif not hashes:
                 # No prefix to keep together: the fewest in flight, then at random (as `least_load_order`).
                 rand = self._rng.random
                 found = min(tied, key=lambda x: (get_in_flight(x[2].endpoint, 0), rand()))

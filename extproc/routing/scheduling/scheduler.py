@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Mapping, Sequence
 
@@ -18,7 +19,7 @@ class Scheduler:
 
     ``schedule`` does not modify the index (the caller records the pick: `RouterCore` does). Not thread-safe;
     one event loop. Cost: O(matched blocks) + the policy's; the eligible endpoints are memoised per pool snapshot
-    (`filters.EligibleCache`) and the blocks are bounded by ``max_blocks``.
+    (`filters.EligibleCache`) and the blocks are bounded by ``max_blocks``. A session credit costs O(1) more.
     """
 
     def __init__(self, settings: RoutingSettings, rng: random.Random | None = None, *,
@@ -30,13 +31,23 @@ class Scheduler:
         self.eligible_cache = filters.EligibleCache()
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[EndpointState],
-                 in_flight: Mapping[EndpointId, int], index: BlockIndex, now_s: float | None = None) -> Decision:
+                 in_flight: Mapping[EndpointId, int], index: BlockIndex, now_s: float | None = None,
+                 session: tuple[EndpointId, int] | None = None) -> Decision:
         """Endpoints for `request`: primary first, then up to ``num_fallbacks`` distinct fallbacks.
 
         Only healthy endpoints serving ``request.model`` are returned; an empty tuple means none is eligible
         (the caller decides between 404 and 503, see `RouterCore`). ``matched_blocks`` is the primary's
         consecutive leading blocks in the index, reported for every policy. `now_s`: the caller's monotonic
         clock (seconds), for policies that model queues draining over time; None = no clock.
+
+        `session`: (endpoint E that served the request's session's previous turn, blocks of this request that
+        turn's prompt covers), given only when this request's hashes extend that prompt (`sessions.Session.
+        credit`; a rewritten history gets no credit). For a policy with ``uses_sessions`` (prefix), when E is
+        eligible, E's match is the larger of the index's and the credit (never their sum: the index usually
+        holds the same blocks, recorded at the previous pick) and the policy is told E (`PolicyInput.
+        session_endpoint`: it wins ties). The policy then decides as always: the session stays on E while E is
+        predicted fastest and moves when another endpoint is. Other policies ignore sessions (the baselines
+        stay what they are compared as). ``Decision.session_blocks`` reports the credit beyond the index.
         """
         view = self.eligible_cache.view(endpoints, request.model)
         eligible = view.endpoints
@@ -49,5 +60,19 @@ class Scheduler:
             holders = view.in_pool_order(matches)
             if len(holders) != len(matches):  # the index remembers endpoints that are now down or gone
                 matches = {s.endpoint: matches[s.endpoint] for s in holders}
-        return self.policy.decide(PolicyInput(request=request, eligible=eligible, in_flight=in_flight,
-                                              matches=matches, holders=holders, view=view, now_s=now_s))
+        session_ep = None
+        indexed = credit = 0
+        if session is not None and self.policy.uses_sessions and session[0] in view.position:
+            session_ep, credit = session
+            indexed = matches.get(session_ep, 0)
+            if credit > indexed:
+                matches = {**matches, session_ep: credit}
+                holders = view.in_pool_order(matches)
+        decision = self.policy.decide(PolicyInput(request=request, eligible=eligible, in_flight=in_flight,
+                                                  matches=matches, holders=holders, view=view, now_s=now_s,
+                                                  session_endpoint=session_ep))
+        if credit > indexed and decision.endpoints[0] == session_ep:
+            extra = min(credit, decision.matched_blocks) - indexed
+            if extra > 0:
+                decision = dataclasses.replace(decision, session_blocks=extra)
+        return decision
