@@ -58,6 +58,10 @@ def build_workload(s: BenchSettings) -> workloads.Workload:
                                       max_output_tokens=s.max_output_tokens or None, source=Path(s.trace).name,
                                       block_tokens=s.trace_block_tokens, slice_params=slice_params)
     else:
+        try:
+            tool_min, tool_max = (int(v) for v in s.agent_tool_output_tokens)
+        except ValueError:
+            raise ValueError("--agent-tool-output-tokens takes MIN,MAX (two integers)") from None
         wl = workloads.make_workload(s.workload, num_requests=s.num_requests, seed=s.seed,
                                      output_tokens=s.output_tokens, prefix_tokens=s.prefix_tokens,
                                      num_groups=s.num_groups, question_tokens=s.question_tokens,
@@ -66,7 +70,10 @@ def build_workload(s: BenchSettings) -> workloads.Workload:
                                      pressure_num_groups=s.pressure_num_groups,
                                      pressure_min_prefix_tokens=s.pressure_min_prefix_tokens,
                                      pressure_max_prefix_tokens=s.pressure_max_prefix_tokens,
-                                     pressure_zipf_s=s.pressure_zipf_s)
+                                     pressure_zipf_s=s.pressure_zipf_s, num_agents=s.num_agents,
+                                     agent_num_apps=s.agent_num_apps, agent_max_active=s.agent_max_active,
+                                     agent_tool_output_tokens=(tool_min, tool_max),
+                                     agent_instructions_tokens=s.agent_instructions_tokens)
     arrival = s.arrival if s.arrival != "auto" else ("trace" if s.trace else "poisson")
     if arrival not in ("trace", "poisson", "closed"):
         raise ValueError(f"--arrival must be auto, trace, poisson or closed; got {s.arrival!r}")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, TextIO
 import orjson
 
 from prefixroute.bench.workloads import RequestSpec
+from prefixroute.responses_api import RESPONSES_PATH
 
 if TYPE_CHECKING:  # aiohttp is imported when a run starts: results/virtual mode work without it
     import aiohttp
@@ -53,6 +54,13 @@ class RequestResult:
     cached_tokens: int | None = None  # None = the server did not report prompt_tokens_details
     endpoint: str | None = None
     send_lag_ms: float | None = None  # open loop, no dependency: actual send - scheduled arrival (client lag)
+    turn: int = 0
+    follow_up: bool = False  # the request continues a conversation (after_index set)
+    api: str = "chat"  # "chat" (or completions) / "responses": the form it was sent in
+    response_id: str | None = None  # Responses: the id of response.created
+    call_id: str | None = None  # Responses: the call_id of the response's function_call output item
+    not_found: bool = False  # Responses: the server answered 404 for previous_response_id
+    sent: bool = True  # False: a Responses follow-up whose previous turn produced no response id
 
     @property
     def ok(self) -> bool:
@@ -107,7 +115,8 @@ async def send_one(session: "aiohttp.ClientSession", base_url: str, spec: Reques
     """Send one streaming request and measure it. Never raises (except CancelledError)."""
     import aiohttp
 
-    res = RequestResult(index=spec.index, group_id=spec.group_id)
+    res = RequestResult(index=spec.index, group_id=spec.group_id, turn=spec.turn,
+                        follow_up=spec.after_index is not None)
     body = orjson.dumps(spec.body(model))
     t0 = time.perf_counter()
     res.start_s = t0 - t_run0
@@ -158,10 +167,152 @@ async def send_one(session: "aiohttp.ClientSession", base_url: str, spec: Reques
     return res
 
 
+CHAIN_BROKEN = "previous turn failed"
+"""Error of a Responses follow-up that was never sent: its previous turn gave no response id to continue."""
+
+RESPONSES_DELTA_EVENTS = frozenset({"response.output_text.delta", "response.function_call_arguments.delta",
+                                    "response.reasoning_text.delta", "response.refusal.delta"})
+"""Named SSE events that carry generated tokens: the first one with a non-empty delta is the first token."""
+
+
+def parse_sse_events(lines: "list[bytes] | tuple[bytes, ...]") -> list[tuple[str, dict]]:
+    """A Responses stream's lines -> (event name, data object) per event, in order (for tests and replay).
+
+    Each event is ``event: NAME`` then ``data: {json}``; the data's own ``type`` names the event when the
+    ``event:`` line is absent (both are what OpenAI and vLLM send). Blank lines and comments are skipped."""
+    out: list[tuple[str, dict]] = []
+    state = _SSEState()
+    for raw in lines:
+        ev = state.feed(raw)
+        if ev is not None:
+            out.append(ev)
+    return out
+
+
+class _SSEState:
+    """Line-at-a-time parser of named SSE events (``event:`` then ``data:``)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = ""
+
+    def feed(self, raw: bytes) -> tuple[str, dict] | None:
+        line = raw.strip()
+        if line.startswith(b"event:"):
+            self.event = line[6:].strip().decode(errors="replace")
+            return None
+        if not line.startswith(b"data:"):
+            return None
+        data = line[5:].strip()
+        name, self.event = self.event, ""
+        if data == b"[DONE]":
+            return None
+        obj = orjson.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError("SSE data is not a JSON object")
+        return (name or str(obj.get("type") or ""), obj)
+
+
+def apply_responses_event(res: RequestResult, name: str, data: dict, t0: float, last: float | None) -> float | None:
+    """Fold one Responses stream event into `res`; returns the time of the latest token (for the next ITL).
+
+    ``response.created`` gives the response id, a delta event (`RESPONSES_DELTA_EVENTS`, non-empty) a token
+    (the first one is TTFT), ``response.output_item.added`` / ``.done`` with a ``function_call`` item its
+    call_id, ``response.completed`` the usage (``input_tokens``, ``input_tokens_details.cached_tokens``,
+    ``output_tokens``), the response id and call id again; ``error`` / ``response.failed`` an error."""
+    if name in RESPONSES_DELTA_EVENTS:
+        if data.get("delta"):
+            now = time.perf_counter()
+            if last is None:
+                res.ttft_ms = (now - t0) * 1000.0
+            else:
+                res.itl_ms.append((now - last) * 1000.0)
+            return now
+        return last
+    if name == "response.created":
+        rid = (data.get("response") or {}).get("id")
+        if isinstance(rid, str):
+            res.response_id = rid
+    elif name in ("response.output_item.added", "response.output_item.done"):
+        item = data.get("item") or {}
+        if item.get("type") == "function_call" and isinstance(item.get("call_id"), str):
+            res.call_id = item["call_id"]
+    elif name == "response.completed":
+        resp = data.get("response") or {}
+        if isinstance(resp.get("id"), str):
+            res.response_id = resp["id"]
+        for item in resp.get("output") or ():
+            if isinstance(item, dict) and item.get("type") == "function_call" and isinstance(item.get("call_id"), str):
+                res.call_id = item["call_id"]
+        usage = resp.get("usage") or {}
+        res.prompt_tokens = int(usage.get("input_tokens") or 0)
+        res.completion_tokens = int(usage.get("output_tokens") or 0)
+        details = usage.get("input_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            res.cached_tokens = int(details["cached_tokens"])
+    elif name in ("error", "response.failed", "response.incomplete"):
+        detail = data.get("error") or (data.get("response") or {}).get("error") or data.get("message") or name
+        res.error = f"stream error: {str(detail)[:200]}"
+    return last
+
+
+async def send_responses(session: "aiohttp.ClientSession", base_url: str, spec: RequestSpec, model: str,
+                         t_run0: float, timeout_s: float, prev: RequestResult | None) -> RequestResult:
+    """Send one turn in Responses form (streaming) and measure it. A follow-up continues `prev` (its
+    ``previous_response_id`` and function call id); without a response id there it is not sent (`sent` False,
+    error `CHAIN_BROKEN`). A 404 is recorded as ``not_found``. Never raises (except CancelledError)."""
+    import aiohttp
+
+    res = RequestResult(index=spec.index, group_id=spec.group_id, turn=spec.turn,
+                        follow_up=spec.after_index is not None, api="responses")
+    prev_id = prev.response_id if prev is not None else None
+    if spec.after_index is not None and (prev is None or not prev.ok or prev_id is None):
+        res.sent, res.error = False, CHAIN_BROKEN
+        res.start_s = time.perf_counter() - t_run0
+        return res
+    body = orjson.dumps(spec.responses_body(model, prev_id, prev.call_id if prev is not None else None))
+    t0 = time.perf_counter()
+    res.start_s = t0 - t_run0
+    last = None
+    state = _SSEState()
+    try:
+        async with session.post(base_url + RESPONSES_PATH, data=body, headers={"content-type": "application/json"},
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            res.status = resp.status
+            res.endpoint = resp.headers.get(SERVED_HEADER) or resp.headers.get(SERVER_ID_HEADER)
+            if resp.status != 200:
+                text = await resp.text()
+                res.not_found = resp.status == 404 and "not found" in text.lower()
+                res.error = f"{'not found' if res.not_found else f'http {resp.status}'}: {text[:200]}"
+                return res
+            async for raw in resp.content:
+                ev = state.feed(raw)
+                if ev is None:
+                    continue
+                last = apply_responses_event(res, ev[0], ev[1], t0, last)
+                if res.error is not None or ev[0] == "response.completed":
+                    break
+            res.e2e_ms = (time.perf_counter() - t0) * 1000.0
+            if res.error is None and res.ttft_ms is None:
+                res.error = "no content in stream"
+            elif res.error is None and res.response_id is None:
+                res.error = "no response id in stream"
+    except asyncio.TimeoutError:
+        res.error = f"timeout after {timeout_s:g}s"
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        res.error = f"{exc.__class__.__name__}: {exc}"[:300]
+    return res
+
+
 async def run_workload(base_url: str, requests: Sequence[RequestSpec], *, model: str, concurrency: int = 16,
                        max_connections: int = 1024, timeout_s: float = 600.0, max_duration_s: float = 3600.0,
-                       progress: Progress | None = None) -> list[RequestResult]:
+                       progress: Progress | None = None, api: str = "chat") -> list[RequestResult]:
     """Replay `requests` against `base_url` (``http://host:port``); results in request order.
+
+    `api` "responses": requests that have a Responses form (`RequestSpec.responses`) are sent in it
+    (`send_responses`, follow-ups continuing their `after_index` request's response); "chat" (default): every
+    request in its chat / completions form.
 
     Requests that never started (duration bound hit) are absent from the result; those cancelled in
     flight at the deadline are present with error ``deadline``. Dependencies (`after_index`) outside
@@ -171,6 +322,8 @@ async def run_workload(base_url: str, requests: Sequence[RequestSpec], *, model:
 
     if concurrency < 1 or max_connections < 1:
         raise ValueError("concurrency and max_connections must be >= 1")
+    if api not in ("chat", "responses"):
+        raise ValueError(f"api must be chat or responses, got {api!r}")
     done_events = {r.index: asyncio.Event() for r in requests}
     results: dict[int, RequestResult] = {}
     connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=max_connections, keepalive_timeout=60)
@@ -186,9 +339,14 @@ async def run_workload(base_url: str, requests: Sequence[RequestSpec], *, model:
             return
         start_s = time.perf_counter() - t_run0
         try:
-            res = await send_one(session, base_url, spec, model, t_run0, timeout_s)
+            if api == "responses" and spec.responses is not None:
+                res = await send_responses(session, base_url, spec, model, t_run0, timeout_s,
+                                           results.get(dep) if dep is not None else None)
+            else:
+                res = await send_one(session, base_url, spec, model, t_run0, timeout_s)
         except asyncio.CancelledError:
             results[spec.index] = RequestResult(index=spec.index, group_id=spec.group_id, start_s=start_s,
+                                                turn=spec.turn, follow_up=spec.after_index is not None,
                                                 error="deadline")
             raise
         if spec.arrival_s is not None and spec.after_index is None:

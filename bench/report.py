@@ -138,6 +138,112 @@ def index_source_checks(doc: Mapping[str, Any], policy: str = "prefix") -> list[
     return out
 
 
+def _agents(run: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return (run.get("extra") or {}).get("agents")
+
+
+def agent_baselines(runs: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any] | None, Mapping[str, Any] | None]:
+    """The agents workload's two random baselines: (for TTFT and hit ratio) a random run that sent every turn,
+    i.e. the chat form, our gateway's first; (for follow-up success) a random run over the Responses API (no
+    affinity: about 1 - 1/N of follow-ups land where the previous response is not). Either may be None."""
+    rand = [r for r in runs if _agents(r) is not None and r.get("extra", {}).get("policy") == "random"]
+    rand.sort(key=lambda r: not r["router"].startswith("prefixroute:"))
+    chat = next((r for r in rand if _agents(r)["api"] == "chat"), None)
+    resp = next((r for r in rand if _agents(r)["api"] == "responses"), None)
+    return chat, resp
+
+
+AGENT_TTFT_RATIO = 0.2
+"""Issue 14: P50 TTFT per turn at least 80% below random."""
+AGENT_BOUND_RATIO = 0.95
+"""Issue 14: hit ratio within 5% of the upper bound."""
+
+
+def agent_checks(doc: Mapping[str, Any], ours: str = "prefixroute:prefix") -> list[tuple[str, str, bool]]:
+    """Issue 14's targets for `ours` (the agents workload), as (target, measured, met): every follow-up served
+    (none "not found"), the random Responses baseline failing follow-ups (shown, judged against ~1/N served),
+    P50 TTFT of every turn at most 0.2x random's (the chat-form random run, which sends every turn), hit ratio
+    at least 95% of the infinite-cache bound."""
+    runs = {r["router"]: r for r in doc["runs"]}
+    me = runs.get(ours)
+    if me is None or _agents(me) is None:
+        return []
+    a = _agents(me)
+    out: list[tuple[str, str, bool]] = []
+    if a["follow_ups_sent"] or a["follow_ups_not_sent"]:
+        out.append((f"{ours} ({a['api']}): every follow-up served, 0 not found",
+                    f"{a['follow_ups_served']}/{a['follow_ups_sent'] + a['follow_ups_not_sent']} served, "
+                    f"{a['not_found']} not found",
+                    a["follow_ups_served"] == a["follow_ups_sent"] + a["follow_ups_not_sent"]))
+    chat_base, resp_base = agent_baselines(doc["runs"])
+    if resp_base is not None and resp_base is not me:
+        b = _agents(resp_base)
+        n = len(resp_base.get("endpoint_share") or {}) or None
+        ratio = b["follow_up_success_ratio"]
+        out.append((f"{resp_base['router']} (Responses, no affinity) fails about {1 - 1 / n:.0%} of follow-ups"
+                    if n else f"{resp_base['router']} fails follow-ups",
+                    f"{b['follow_ups_served']}/{b['follow_ups_sent']} served ({_fmt(ratio, 2)}), "
+                    f"{b['not_found']} not found, {b['follow_ups_not_sent']} not sent",
+                    ratio is not None and n is not None and ratio <= 1.5 / n))
+    if chat_base is not None and chat_base is not me:
+        mine, theirs = a["ttft_ms_by_turn"], _agents(chat_base)["ttft_ms_by_turn"]
+        ratios = {t: mine[t]["p50"] / theirs[t]["p50"] for t in mine
+                  if t in theirs and mine[t]["p50"] is not None and theirs[t]["p50"]}
+        if ratios:
+            worst = max(ratios.values())
+            out.append((f"P50 TTFT of every turn at least 80% below {chat_base['router']}",
+                        ", ".join(f"turn {t}: {(r - 1):+.0%}" for t, r in sorted(ratios.items(), key=lambda x: int(x[0]))),
+                        worst <= AGENT_TTFT_RATIO and len(ratios) == len(mine)))
+    ub = doc.get("upper_bound_hit_ratio")
+    if ub and me["hit_ratio"] is not None:
+        out.append(("hit ratio within 5% of the upper bound", f"{me['hit_ratio']:.3f} vs {ub:.3f} "
+                    f"({me['hit_ratio'] / ub:.1%})", me["hit_ratio"] >= AGENT_BOUND_RATIO * ub))
+    return out
+
+
+def render_agents(doc: Mapping[str, Any]) -> list[str]:
+    """The agents workload's section of report.md (and of the printed table): per router the API it was sent,
+    follow-up success, TTFT overall and P50 per turn, hit ratio against the bound, ratios against random; then
+    issue 14's targets. Empty for other workloads."""
+    runs = [r for r in doc["runs"] if _agents(r) is not None]
+    if not runs:
+        return []
+    ub = doc.get("upper_bound_hit_ratio")
+    turns = sorted({int(t) for r in runs for t in _agents(r)["ttft_ms_by_turn"]})
+    chat_base, _ = agent_baselines(doc["runs"])
+    base_turns = _agents(chat_base)["ttft_ms_by_turn"] if chat_base is not None else {}
+    lines = ["Agents (tool-calling conversations; turn 0 = instructions + task, then one tool output per turn; "
+             "follow-ups continue the previous response over the Responses API, or resend the whole chat "
+             "conversation over chat):", ""]
+    head = ["router", "API", "follow-ups served / sent", "success", "not found", "not sent", "TTFT p50 ms", "p90",
+            "p99", "hit ratio", "of bound"] + [f"turn {t} p50 ms" for t in turns]
+    if base_turns:
+        head += [f"turn {t} p50 vs {chat_base['router']}" for t in turns]
+    lines += ["| " + " | ".join(head) + " |", "| --- " * len(head) + "|"]
+    for r in runs:
+        a = _agents(r)
+        hr = r["hit_ratio"]
+        row = [r["router"], a["api"], f"{a['follow_ups_served']} / {a['follow_ups_sent']}",
+               _fmt(a["follow_up_success_ratio"], 3), str(a["not_found"]), str(a["follow_ups_not_sent"]),
+               _fmt(a["ttft_ms"]["p50"]), _fmt(a["ttft_ms"]["p90"]), _fmt(a["ttft_ms"]["p99"]), _fmt(hr, 3),
+               f"{hr / ub:.1%}" if hr is not None and ub else "-"]
+        by = a["ttft_ms_by_turn"]
+        row += [_fmt((by.get(str(t)) or {}).get("p50")) for t in turns]
+        if base_turns:
+            row += [_ratio((by.get(str(t)) or {}).get("p50"), (base_turns.get(str(t)) or {}).get("p50"))
+                    for t in turns]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "success = follow-ups answered 200 / follow-ups sent; not found = answered 404 (the endpoint "
+              "does not hold the previous response); not sent = follow-ups of a conversation whose earlier turn "
+              "failed (a Responses follow-up needs the previous response id). TTFT over successful requests.", ""]
+    checks = agent_checks(doc)
+    if checks:
+        lines += ["Issue 14 targets for prefixroute:prefix (agents):", "", "| target | measured | met |",
+                  "| --- | --- | --- |"]
+        lines += [f"| {t} | {m} | {'yes' if ok else 'NO'} |" for t, m, ok in checks] + [""]
+    return lines
+
+
 def render_bounds(bounds: Mapping[str, Any] | None) -> list[str]:
     """The report's lines about the workload's bounds (`upper_bound.fleet_bounds`); empty without them."""
     if not bounds:
@@ -192,6 +298,7 @@ def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
     lines += ["", "hit ratio = server-reported cached prompt tokens / prompt tokens; of MIN bound = of Belady's "
               "optimal eviction on one cache of the fleet's KV capacity; max share / fair = the "
               "busiest endpoint's share of requests over 1/num_endpoints; ratios < 1 are better than random.", ""]
+    lines += render_agents(doc)
     sourced = [r for r in runs if "index_source" in (r.get("extra") or {})]
     if sourced:
         lines += [f"Prefix-index sources (servers publishing KV events: "

@@ -93,6 +93,38 @@ def summarize_run(router: str, results: Sequence[RequestResult], endpoints: Sequ
     }
 
 
+def agent_summary(results: Sequence[RequestResult], api: str) -> dict[str, Any]:
+    """The agents workload's figures of one run (results.json ``runs[i].extra.agents``).
+
+    - ``follow_ups_sent``: follow-up turns sent (a Responses follow-up whose previous turn failed cannot be);
+      ``follow_ups_served``: those answered 200; ``follow_up_success_ratio`` = served / sent (None if none
+      sent); ``not_found``: follow-ups answered 404 "not found" (the endpoint did not hold the previous
+      response); ``follow_ups_not_sent``: chains broken by an earlier failure.
+    - ``ttft_ms``: P50/P90/P99 over successful requests; ``ttft_ms_by_turn`` and ``hit_ratio_by_turn`` per turn
+      (keys are turn numbers, 0 = the first), with ``requests_by_turn`` (successful ones) for their weight.
+    """
+    follow = [r for r in results if r.follow_up]
+    sent = [r for r in follow if r.sent]
+    served = [r for r in sent if r.ok]
+    turns = sorted({r.turn for r in results})
+    by_turn = {t: [r for r in results if r.turn == t] for t in turns}
+    return {
+        "api": api,
+        "first_turns_sent": sum(1 for r in results if not r.follow_up),
+        "first_turns_served": sum(1 for r in results if not r.follow_up and r.ok),
+        "follow_ups_sent": len(sent),
+        "follow_ups_served": len(served),
+        "follow_up_success_ratio": round(len(served) / len(sent), 6) if sent else None,
+        "not_found": sum(1 for r in sent if r.not_found),
+        "follow_ups_not_sent": len(follow) - len(sent),
+        "ttft_ms": percentiles([r.ttft_ms for r in results if r.ok and r.ttft_ms is not None], (50, 90, 99)),
+        "ttft_ms_by_turn": {str(t): percentiles([r.ttft_ms for r in rs if r.ok and r.ttft_ms is not None],
+                                                (50, 90, 99)) for t, rs in by_turn.items()},
+        "hit_ratio_by_turn": {str(t): hit_ratio(rs) for t, rs in by_turn.items()},
+        "requests_by_turn": {str(t): sum(1 for r in rs if r.ok) for t, rs in by_turn.items()},
+    }
+
+
 def results_document(workload: Mapping[str, Any], upper_bound_hit_ratio: float | None,
                      runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The whole results.json: ``{"workload", "upper_bound_hit_ratio", "runs"}``."""

@@ -65,11 +65,38 @@ class RouterSpec:
     kind: str
     policy: str
     index_source: str = ""
+    api: str = ""
+    """The API a workload with a Responses form (agents) is sent in: "responses" or "chat"; "" = the router's
+    default (`default_api`)."""
+
+    @property
+    def workload_api(self) -> str:
+        """"responses" or "chat": what the client sends requests that have both forms in."""
+        return self.api or default_api(self.kind)
+
+
+API_SUFFIXES = ("chat", "responses")
+
+
+def default_api(kind: str) -> str:
+    """Our gateway routes Responses requests (affinity to the endpoint holding the previous response); peers
+    forward /v1/responses without knowing it (sglang-router 0.3.2, vllm-router 0.1.17), so by default they get the
+    chat equivalent of the same conversations, which they do route on."""
+    return "responses" if kind == "prefixroute" else "chat"
 
 
 def parse_router(name: str) -> RouterSpec:
     """``prefixroute:POLICY[@SOURCE]`` (SOURCE one of INDEX_SOURCES), ``sglang-router[:POLICY]``,
-    ``vllm-router[:POLICY]``; ValueError otherwise."""
+    ``vllm-router[:POLICY]``, each with an optional ``/chat`` or ``/responses`` suffix (the API of the agents
+    workload, `RouterSpec.api`; the suffix stays in the name); ValueError otherwise."""
+    base, slash, api = name.strip().partition("/")
+    if slash and api not in API_SUFFIXES:
+        raise ValueError(f"router {name!r}: the suffix after / must be one of {', '.join(API_SUFFIXES)}")
+    spec = _parse_router_base(base)
+    return dataclasses.replace(spec, name=f"{spec.name}/{api}" if slash else spec.name, api=api)
+
+
+def _parse_router_base(name: str) -> RouterSpec:
     kind, _, policy = name.strip().partition(":")
     if kind == "prefixroute":
         policy, at, source = policy.partition("@")
@@ -320,7 +347,7 @@ class RouterHandle:
 
 
 def _log_name(spec: RouterSpec) -> str:
-    return spec.name.replace(":", "-").replace("@", "-")
+    return spec.name.replace(":", "-").replace("@", "-").replace("/", "-")
 
 
 def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Sequence[str], *,
@@ -475,7 +502,7 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         t0 = time.perf_counter()
         res = asyncio.run(bench_client.run_workload(
             base, requests, model=model, concurrency=concurrency, max_connections=max_connections,
-            timeout_s=request_timeout_s, max_duration_s=max_duration_s, progress=bar))
+            timeout_s=request_timeout_s, max_duration_s=max_duration_s, progress=bar, api=spec.workload_api))
         wall_s = time.perf_counter() - t0
         cpu1 = host_cpu_times()
         counters = scrape_server_counters(endpoints)
@@ -502,6 +529,8 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         "kv_events": bool(fleet.kv_events),
         **({"index_source": spec.index_source or "auto"} if spec.kind == "prefixroute" else {}),
         **({"router_metrics": router_metrics} if router_metrics is not None else {}),
+        **({"agents": bench_results.agent_summary(res, spec.workload_api)}
+           if any(r.responses is not None for r in requests) else {}),
     })
     if share is not None:
         summary["endpoint_share"] = share

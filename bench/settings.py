@@ -18,10 +18,11 @@ class BenchSettings(Settings):
     TITLE: ClassVar[str] = "Benchmark (workload, routers, fleet, output)"
 
     # --- what to send
-    workload: str = setting("shared-prompts", "Synthetic workload: shared-prompts, multi-turn, documents, mix or "
-                            "capacity-pressure (ignored with --trace). shared-prompts is issue 7's headline "
-                            "workload; capacity-pressure (a working set about twice the fleet's KV cache) issue "
-                            "13's.")
+    workload: str = setting("shared-prompts", "Synthetic workload: shared-prompts, multi-turn, documents, mix, "
+                            "capacity-pressure or agents (ignored with --trace). shared-prompts is issue 7's "
+                            "headline workload; capacity-pressure (a working set about twice the fleet's KV "
+                            "cache) issue 13's; agents (tool-calling agents over the Responses API, the chat "
+                            "equivalent for routers that speak chat) issue 14's.")
     trace: str = setting("", "Mooncake-format JSONL trace to replay instead of a synthetic workload "
                          "(timestamp ms, input_length, output_length, hash_ids per 512-token block).")
     trace_block_tokens: int = setting(512, "Tokens per hash id in the trace (Mooncake: 512; other traces of "
@@ -50,7 +51,23 @@ class BenchSettings(Settings):
                                  "changes) dominates the run time.")
     num_sessions: int = setting(16, "multi-turn: number of chat sessions (requests = sessions x turns; "
                                 "--num-requests does not apply). 16 x 6 = 96 requests, 8 sessions interleaved.")
-    num_turns: int = setting(6, "multi-turn: turns per session.")
+    num_turns: int = setting(6, "multi-turn: turns per session; agents: turns per agent (the first and middle "
+                             "ones end in a function call, the last in a text answer).")
+    num_agents: int = setting(32, "agents: number of agents (requests = agents x turns; --num-requests does not "
+                              "apply). 32 x 6 = 192 requests; with 4 apps, 8 agents share each app's instructions.")
+    agent_max_active: int = setting(0, "agents: agents in progress at a time (round-robin over them in the "
+                                    "request order, as multi-turn); 0 = all of them. Each follow-up is sent at "
+                                    "its Poisson arrival or when its previous turn ends, whichever is later, so "
+                                    "with few active agents the offered rate is capped by their latency.")
+    agent_tool_output_tokens: tuple[str, ...] = setting(("150", "400"), "agents: MIN,MAX tokens of each tool "
+                                                       "output (uniform, seeded): what a follow-up adds to the "
+                                                       "conversation, and what a router that loses the "
+                                                       "conversation's endpoint recomputes, turn after turn.")
+    agent_num_apps: int = setting(4, "agents: distinct apps (instructions + function tools), each shared by "
+                                  "~num_agents / num_apps agents.")
+    agent_instructions_tokens: int = setting(3000, "agents: tokens of each app's instructions. ~3,000 as coding "
+                                             "agents' system prompts; a miss then costs ~0.2 s of prefill on the "
+                                             "70B profile.")
     num_documents: int = setting(32, "documents: number of documents (Zipf popularity, s=1.1).")
     document_tokens: int = setting(4096, "documents: tokens per document.")
     pressure_num_groups: int = setting(128, "capacity-pressure: distinct long shared prefixes (documents, system "
@@ -82,7 +99,11 @@ class BenchSettings(Settings):
                                        "default, auto), sglang-router[:POLICY], vllm-router[:POLICY] (peer "
                                        "default: cache_aware). When the simulated servers can publish KV events "
                                        "(--kv-events-config), every run's servers publish them and our gateway "
-                                       "subscribes; @events runs are skipped when they cannot.")
+                                       "subscribes; @events runs are skipped when they cannot. A /chat or "
+                                       "/responses suffix forces the API a router is sent the agents workload "
+                                       "in (default: Responses for prefixroute, the chat equivalent for peers; "
+                                       "both forward /v1/responses, so sglang-router:random/responses is "
+                                       "random routing of Responses without affinity).")
     servers: int = setting(4, "Simulated model servers in the fleet. 4 keeps a real run on 2 CPU cores; "
                           "--virtual takes 8-256.")
     profile: str = setting("llama-3.1-70b-h200-tp4", "Model-server profile (--profile of `prefixroute "

@@ -71,10 +71,12 @@ except ImportError:  # pragma: no cover - only when the model-server package is 
 
 
 def prompt_token_ids(req: RequestSpec) -> np.ndarray:
-    """The prompt token ids a simulated server would compute for `req` (template + tokenizer)."""
+    """The prompt token ids a simulated server would compute for `req` (template + tools + tokenizer)."""
     if req.messages is not None:
-        text = (_render_chat([dict(m) for m in req.messages]) if _render_chat is not None
-                else "".join(m["role"] + ":" + m["content"] for m in req.messages))
+        # Tools render into the system text, as the servers' chat template does (agents workload).
+        text = (_render_chat([dict(m) for m in req.messages], tools=[dict(t) for t in req.tools or ()] or None)
+                if _render_chat is not None
+                else "".join(m["role"] + ":" + str(m.get("content") or "") for m in req.messages))
     else:
         text = req.prompt or ""
     if _encode is not None:

@@ -41,7 +41,7 @@ TRACE_BLOCK_TOKENS = 512
 
 ArrivalKind = Literal["trace", "poisson", "closed"]
 
-WORKLOAD_NAMES = ("shared-prompts", "multi-turn", "documents", "mix", "capacity-pressure")
+WORKLOAD_NAMES = ("shared-prompts", "multi-turn", "documents", "mix", "capacity-pressure", "agents")
 
 # A fixed vocabulary of short lowercase words: text looks like prose to a tokenizer and stays ~4
 # chars/token. Built once from a fixed seed so it never depends on the caller's RNG.
@@ -63,22 +63,32 @@ class RequestSpec:
     arrivals. `group_id` names the shared prefix the request belongs to (prompt group, document,
     session or first trace block) for analysis; `after_index` is the index of a request that must
     finish before this one is sent (previous turn of a session).
+
+    Tool-calling requests (the ``agents`` workload) also carry `tools` (chat form: ``{"type": "function",
+    "function": {...}}``) and `tool_choice`, sent with `messages` on /v1/chat/completions, and `responses`: the
+    same turn in Responses API form (``instructions``, this turn's ``input`` items, flat ``tools``,
+    ``tool_choice``), sent by `responses_body` on /v1/responses. `messages` is then exactly the chat prompt the
+    server builds for the Responses form (`prefixroute.responses_api.input_messages` over the stored chain), so
+    the chat and Responses forms of a conversation are the same prompts and one upper bound covers both.
     """
 
     index: int
     max_tokens: int
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
     prompt: str | None = None
     arrival_s: float | None = None
     group_id: str = ""
     session_id: str | None = None
     turn: int = 0
     after_index: int | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: str | None = None
+    responses: dict[str, Any] | None = None
 
     def num_chars(self) -> int:
         if self.prompt is not None:
             return len(self.prompt)
-        return sum(len(m["content"]) for m in self.messages or ())
+        return sum(len(m["content"]) for m in self.messages or () if isinstance(m.get("content"), str))
 
     def approx_prompt_tokens(self) -> int:
         """Prompt tokens without template overhead (chars / 4); the server's count is authoritative."""
@@ -91,8 +101,39 @@ class RequestSpec:
                              "temperature": 0.0}
         if self.messages is not None:
             b["messages"] = [dict(m) for m in self.messages]
+            if self.tools:
+                b["tools"] = [dict(t) for t in self.tools]
+            if self.tool_choice is not None:
+                b["tool_choice"] = self.tool_choice
         else:
             b["prompt"] = self.prompt
+        return b
+
+    def responses_body(self, model: str, previous_response_id: str | None = None,
+                       call_id: str | None = None) -> dict[str, Any]:
+        """The ``POST /v1/responses`` body of this turn (streaming, stored, exactly max_tokens generated).
+
+        A follow-up names `previous_response_id` (the response of its `after_index` request, known only at
+        send time) and answers that response's function call: `call_id` replaces the placeholder call id of
+        its ``function_call_output`` items. ValueError when the request has no Responses form."""
+        if self.responses is None:
+            raise ValueError(f"request {self.index} has no Responses API form")
+        form = self.responses
+        inp = [dict(item) for item in form["input"]]
+        if call_id is not None:
+            for item in inp:
+                if item.get("type") == "function_call_output":
+                    item["call_id"] = call_id
+        b: dict[str, Any] = {"model": model, "input": inp, "stream": True, "store": True,
+                             "max_output_tokens": self.max_tokens, "temperature": 0.0}
+        if form.get("instructions"):
+            b["instructions"] = form["instructions"]
+        if form.get("tools"):
+            b["tools"] = [dict(t) for t in form["tools"]]
+        if form.get("tool_choice") is not None:
+            b["tool_choice"] = form["tool_choice"]
+        if previous_response_id is not None:
+            b["previous_response_id"] = previous_response_id
         return b
 
     @property
@@ -337,6 +378,101 @@ def capacity_pressure(*, num_groups: int = 128, min_prefix_tokens: int = 2048, m
                                           "zipf_s": zipf_s, "seed": seed}, tuple(reqs))
 
 
+AGENT_TOOL_NAMES = ("search", "read_file", "run_tests")
+
+
+def _agent_tools(seed: int, app: int, num_tools: int, description_tokens: int) -> tuple[dict[str, Any], ...]:
+    """An app's function tools in the Responses (flat) form: fixed names, a per-app description, a small
+    JSON-schema of one string argument."""
+    return tuple({"type": "function", "name": f"{AGENT_TOOL_NAMES[j % len(AGENT_TOOL_NAMES)]}_{app}",
+                  "description": block_text(seed, f"tool{app}.", j, description_tokens).strip(),
+                  "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                                 "required": ["query"]}}
+                 for j in range(num_tools))
+
+
+def agents(*, num_agents: int = 32, num_turns: int = 6, num_apps: int = 4, instructions_tokens: int = 3000,
+           num_tools: int = 3, task_tokens: int = 150, min_tool_output_tokens: int = 150,
+           max_tool_output_tokens: int = 400, output_tokens: int = 32, max_active_agents: int = 8,
+           seed: int = 0) -> Workload:
+    """Tool-calling agents over the Responses API, each request also in its exact chat equivalent.
+
+    `num_apps` apps, each with long instructions (`instructions_tokens`) and `num_tools` function tools; every
+    agent belongs to one app (seeded), so several agents share its instructions. Agent a runs `num_turns` turns:
+
+    - turn 0: ``instructions`` + the agent's task (one user message, `task_tokens`), ``tool_choice: "required"``:
+      the server answers with one function call;
+    - turns 1 .. T-2: ``previous_response_id`` of the previous turn + one ``function_call_output`` item (the
+      tool's output, min..max_tool_output_tokens, seeded) answering its call, ``tool_choice: "required"``;
+    - turn T-1: the last tool output, ``tool_choice: "auto"``: a text answer.
+
+    The server skips the previous response's function call when it builds a follow-up's prompt (vLLM,
+    `prefixroute.responses_api.input_messages`), so every turn's full prompt is known in advance and does not
+    depend on the generated text: `messages` holds it (computed by that same function over the chain), and
+    each turn's prompt extends the previous turn's. The function call's id is only known at send time: the
+    Responses form carries a placeholder the client replaces (`RequestSpec.responses_body`); the chat form's
+    ``tool_call_id`` is a fixed ``call_a{agent}_{turn}`` (the server's template does not render it).
+
+    Interleaving as `multi_turn`: at most `max_active_agents` agents are active, round-robin, so an agent's
+    turns are separated by other agents' requests; turn k+1 has after_index = turn k. group_id names the app
+    (the shared instructions), session_id the agent.
+    """
+    from prefixroute.responses_api import chat_tools, input_messages, parse_body
+
+    _check_positive(num_agents=num_agents, num_turns=num_turns, num_apps=num_apps,
+                    instructions_tokens=instructions_tokens, task_tokens=task_tokens,
+                    min_tool_output_tokens=min_tool_output_tokens, output_tokens=output_tokens,
+                    num_active=max_active_agents, num_tools=num_tools)
+    if max_tool_output_tokens < min_tool_output_tokens:
+        raise ValueError(f"max_tool_output_tokens ({max_tool_output_tokens}) < min_tool_output_tokens "
+                         f"({min_tool_output_tokens})")
+    rng = random.Random(f"{seed}:agents")
+    apps = [rng.randrange(num_apps) for _ in range(num_agents)]
+    instructions = [block_text(seed, "ainst", g, instructions_tokens) for g in range(num_apps)]
+    tools = [_agent_tools(seed, g, num_tools, 24) for g in range(num_apps)]
+    out_lens = [[rng.randint(min_tool_output_tokens, max_tool_output_tokens) for _ in range(num_turns)]
+                for _ in range(num_agents)]
+    pending = list(range(num_agents))
+    active: list[int] = []
+    turn_of = [0] * num_agents
+    chain: dict[int, list[dict[str, Any]]] = {}
+    last_index: dict[int, int] = {}
+    reqs: list[RequestSpec] = []
+    while pending or active:
+        while pending and len(active) < max_active_agents:
+            active.append(pending.pop(0))
+        for a in list(active):
+            k, g = turn_of[a], apps[a]
+            if k == 0:
+                items: list[dict[str, Any]] = [{"type": "message", "role": "user",
+                                                "content": block_text(seed, f"task{a}.", 0, task_tokens)}]
+            else:
+                # Placeholder call id: the client puts the previous response's call_id here at send time.
+                items = [{"type": "function_call_output", "call_id": f"call_a{a}_{k - 1}",
+                          "output": block_text(seed, f"tout{a}.", k, out_lens[a][k])}]
+            choice = "auto" if k == num_turns - 1 else "required"
+            form = {"instructions": instructions[g], "input": items, "tools": list(tools[g]), "tool_choice": choice}
+            body = parse_body(form)
+            # The previous response's output is one function call: skipped from the prompt (as vLLM).
+            prev_output = [{"type": "function_call", "call_id": f"call_a{a}_{k - 1}", "name": tools[g][0]["name"],
+                            "arguments": "{}"}] if k else None
+            msgs = input_messages(body, chain.get(a), prev_output)
+            chain[a] = msgs
+            i = len(reqs)
+            reqs.append(RequestSpec(index=i, max_tokens=output_tokens, messages=tuple(msgs), group_id=f"app-{g}",
+                                    session_id=f"agent-{a}", turn=k, after_index=last_index.get(a),
+                                    tools=tuple(chat_tools(tools[g])), tool_choice=choice, responses=form))
+            last_index[a] = i
+            turn_of[a] += 1
+            if turn_of[a] == num_turns:
+                active.remove(a)
+    return Workload("agents", {"num_agents": num_agents, "num_turns": num_turns, "num_apps": num_apps,
+                               "instructions_tokens": instructions_tokens, "num_tools": num_tools,
+                               "task_tokens": task_tokens, "min_tool_output_tokens": min_tool_output_tokens,
+                               "max_tool_output_tokens": max_tool_output_tokens, "output_tokens": output_tokens,
+                               "max_active_agents": max_active_agents, "seed": seed}, tuple(reqs))
+
+
 # ------------------------------------------------------------------------------------------ traces
 
 
@@ -473,9 +609,12 @@ def make_workload(name: str, *, num_requests: int, seed: int, output_tokens: int
                   num_groups: int, question_tokens: int, num_sessions: int, num_turns: int,
                   document_tokens: int, num_documents: int, pressure_num_groups: int = 128,
                   pressure_min_prefix_tokens: int = 2048, pressure_max_prefix_tokens: int = 8192,
-                  pressure_zipf_s: float = 0.8) -> Workload:
+                  pressure_zipf_s: float = 0.8, num_agents: int = 32, agent_instructions_tokens: int = 3000,
+                  agent_num_apps: int = 4, agent_max_active: int = 0,
+                  agent_tool_output_tokens: tuple[int, int] = (150, 400)) -> Workload:
     """Build a synthetic workload by name (one of WORKLOAD_NAMES) from the CLI's knobs (the pressure_* ones,
-    with capacity_pressure's defaults, apply to capacity-pressure only)."""
+    with capacity_pressure's defaults, apply to capacity-pressure only; num_agents and agent_* to agents, which
+    also takes num_turns and output_tokens)."""
     if name == "shared-prompts":
         return shared_prompts(num_groups=num_groups, prefix_tokens=prefix_tokens, question_tokens=question_tokens,
                               num_requests=num_requests, output_tokens=output_tokens, seed=seed)
@@ -493,13 +632,20 @@ def make_workload(name: str, *, num_requests: int, seed: int, output_tokens: int
                                  max_prefix_tokens=pressure_max_prefix_tokens, question_tokens=question_tokens,
                                  num_requests=num_requests, output_tokens=output_tokens, zipf_s=pressure_zipf_s,
                                  seed=seed)
+    if name == "agents":
+        return agents(num_agents=num_agents, num_turns=num_turns, num_apps=agent_num_apps,
+                      instructions_tokens=agent_instructions_tokens, output_tokens=output_tokens, seed=seed,
+                      max_active_agents=agent_max_active or num_agents,
+                      min_tool_output_tokens=agent_tool_output_tokens[0],
+                      max_tool_output_tokens=agent_tool_output_tokens[1])
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
 
 
 def iter_prompt_texts(workload: Workload) -> Iterator[str]:
     """Concatenated message contents per request (for hashing/analysis without a chat template)."""
     for r in workload.requests:
-        yield r.prompt if r.prompt is not None else "".join(m["content"] for m in r.messages or ())
+        yield r.prompt if r.prompt is not None else "".join(m["content"] for m in r.messages or ()
+                                                             if isinstance(m.get("content"), str))
 
 
 def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
