@@ -68,7 +68,7 @@ class NeedsLookup(Exception):
 class ResponseDirectory:
     """Bounded map response id -> endpoint that produced it (module docstring). `clock`: monotonic seconds."""
 
-    __slots__ = ("max_ids", "ttl_s", "clock", "_ids", "_by_endpoint", "_missing", "_epochs", "_found",
+    __slots__ = ("max_ids", "ttl_s", "clock", "_ids", "_by_endpoint", "_missing", "_epochs", "_found", "_tokens",
                  "num_learned", "num_hits", "num_expired", "num_evicted", "num_forgotten")
 
     def __init__(self, max_ids: int, ttl_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -84,6 +84,9 @@ class ResponseDirectory:
         # Ids a lookup just found: the next `endpoint_of` is the route of the request that waited for that
         # lookup, not a hit (a subset of `_ids`, dropped with them).
         self._found: set[str] = set()
+        # id -> prompt tokens of the request that produced it (its usage), when reported: a follow-up's prompt
+        # starts with that prompt, so the router can predict what the holder has cached (a subset of `_ids`).
+        self._tokens: dict[str, int] = {}
         self.num_learned = 0
         self.num_hits = 0
         self.num_expired = 0
@@ -113,6 +116,7 @@ class ResponseDirectory:
         while len(self._ids) > self.max_ids:
             rid, (ep, _) = self._ids.popitem(last=False)
             self._found.discard(rid)
+            self._tokens.pop(rid, None)
             self._drop_from_endpoint(rid, ep)
             self.num_evicted += 1
 
@@ -128,6 +132,7 @@ class ResponseDirectory:
             self._expire(now)
             self._ids.pop(response_id, None)
             self._found.discard(response_id)
+            self._tokens.pop(response_id, None)
             self._drop_from_endpoint(response_id, ep)
             return None
         self._ids[response_id] = (ep, now + self.ttl_s)
@@ -137,6 +142,16 @@ class ResponseDirectory:
         else:
             self.num_hits += 1
         return ep
+
+    def set_prompt_tokens(self, response_id: str, num_tokens: int) -> None:
+        """The request that produced `response_id` had `num_tokens` prompt tokens (its usage). Ignored for an id
+        the directory does not hold (the figure lives and dies with the id)."""
+        if response_id in self._ids:
+            self._tokens[response_id] = num_tokens
+
+    def prompt_tokens(self, response_id: str) -> int | None:
+        """The prompt tokens of the request that produced `response_id`, None when not reported (yet)."""
+        return self._tokens.get(response_id)
 
     def note_missing(self, response_id: str) -> None:
         """Every endpoint answered 404 for `response_id`: answer 404 for it for `NEGATIVE_TTL_S`."""
@@ -163,6 +178,7 @@ class ResponseDirectory:
         for rid in ids:
             self._ids.pop(rid, None)
             self._found.discard(rid)
+            self._tokens.pop(rid, None)
         self.num_forgotten += len(ids)
         return len(ids)
 
@@ -197,6 +213,7 @@ class ResponseDirectory:
                 return
             del ids[rid]
             self._found.discard(rid)
+            self._tokens.pop(rid, None)
             self._drop_from_endpoint(rid, ep)
             self.num_expired += 1
 

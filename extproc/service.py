@@ -71,7 +71,8 @@ class RoutePick:
     """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
 
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
-                 "failover_reported", "first_token_reported", "usage_reported", "usage_observed", "index_source")
+                 "failover_reported", "first_token_reported", "usage_reported", "usage_observed", "index_source",
+                 "response_id")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -87,6 +88,7 @@ class RoutePick:
         self.usage_reported = False
         self.usage_observed = False  # the hit statistics / feedback took this pick's usage
         self.index_source = ""  # where the primary's match came from (RouterCore.index_source_of), for telemetry
+        self.response_id: str | None = None  # the Responses API id of this pick's response, once seen
 
 
 class PoolRouter:
@@ -146,6 +148,11 @@ class PoolRouter:
         snapshot = pool.snapshot()
         if request.response_ref is not None:
             snapshot = self._pinned(request.response_ref, snapshot)
+            prev = self.responses.prompt_tokens(request.response_ref)
+            if prev is not None and request.kind == "responses":
+                # The follow-up's prompt starts with the previous request's prompt, which the holder cached; less
+                # one block: that prompt ended with the assistant header and a partial block.
+                request.known_prefix_tokens = max(0, prev - self.settings.kv_block_tokens)
         decision = self.core.route(request, snapshot, pool.in_flight, self.clock())
         decision_us = (time.perf_counter() - t0) * 1e6
         ids = decision.endpoints
@@ -192,6 +199,7 @@ class PoolRouter:
         if ep is None or ep not in pick.endpoint_ids:
             ep = pick.counted
         self.responses.learn(response_id, ep)
+        pick.response_id = response_id
 
     def served(self, pick: RoutePick, served: str | None) -> None:
         """The served-endpoint report for `pick` (module docstring: the trust rule)."""
@@ -228,6 +236,8 @@ class PoolRouter:
     def usage(self, pick: RoutePick, prompt_tokens: int | None, cached_tokens: int | None) -> None:
         """`pick`'s response ended with these usage figures (module docstring), once. The policy learns a rate
         only after a `first_token` report (from a TTFT); the hit statistics and feedback take every report."""
+        if pick.response_id is not None and prompt_tokens:
+            self.responses.set_prompt_tokens(pick.response_id, prompt_tokens)
         if not pick.usage_observed:
             pick.usage_observed = True
             self.core.observe_usage(pick.request, pick.decision, prompt_tokens, cached_tokens, pick.counted)

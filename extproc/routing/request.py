@@ -121,6 +121,9 @@ class InferenceRequest:
     # endpoint that produced it holds it, so such a request is pinned there, never rerouted.
     session_key: str | None = None
     response_ref: str | None = None
+    # A pinned Responses follow-up: prompt tokens its endpoint is known to hold (the previous request's prompt,
+    # from its usage), which its own hashes cannot show; None otherwise. Set by the service, read by predictions.
+    known_prefix_tokens: int | None = None
 
 
 MAX_ECHO_CHARS = 100

@@ -165,10 +165,19 @@ class RouterCore:
     def predicted_cached_tokens(self, request: InferenceRequest, decision: Decision) -> float:
         """Prompt tokens the decision expected cached at its primary: matched blocks x tokens per block, at
         most the prompt; a match of every hashed block of a prompt longer than the hashing cap counts the rest
-        as cached too, less one block (as the prefix policy prices it)."""
+        as cached too, less one block (as the prefix policy prices it). A pinned Responses follow-up
+        (``request.known_prefix_tokens`` set) expects at least that much: its previous prompt, held where it is
+        pinned."""
+        known = request.known_prefix_tokens
         m = decision.matched_blocks
         if not m:
-            return 0.0
+            return float(known) if known is not None else 0.0
+        if known is not None:
+            return max(float(known), self._matched_tokens(request, m))
+        return self._matched_tokens(request, m)
+
+    def _matched_tokens(self, request: InferenceRequest, m: int) -> float:
+        """Prompt tokens of `m` matched leading blocks (`predicted_cached_tokens` without a known prefix)."""
         st = self.settings
         if request.num_prompt_tokens is not None:
             per_block, cap, prompt = float(st.kv_block_tokens), st.max_token_blocks, float(request.num_prompt_tokens)
@@ -198,7 +207,10 @@ class RouterCore:
         st.prompt_tokens += prompt_tokens
         st.predicted_tokens += predicted
         st.cached_tokens += min(cached_tokens, prompt_tokens)
-        if decision.pending_blocks or decision.session_blocks or \
+        # A pinned follow-up's prediction came from its previous response's usage, not from the index: it says
+        # nothing about how long the endpoint keeps blocks (and a client that changed its instructions would
+        # make it wrong), so only the statistics take it.
+        if decision.pending_blocks or decision.session_blocks or request.known_prefix_tokens is not None or \
                 self.sourced.source_of(ep) != index_sources.FEEDBACK:
             return
         per_block = self.settings.kv_block_tokens if request.num_prompt_tokens is not None else \

@@ -307,3 +307,32 @@ def test_a_found_id_dropped_before_its_route_leaves_no_mark() -> None:
     d.learn("resp_x", EPS[1])
     assert d.endpoint_of("resp_x") == EPS[1] and d.num_hits == 2
     assert not d._found  # noqa: SLF001 - bounded: nothing left behind
+
+
+def test_a_follow_up_predicts_its_previous_prompt_cached_from_that_responses_usage() -> None:
+    # The follow-up's own hashes show only its instructions; its holder has the whole previous prompt. The
+    # previous response's usage (prompt tokens) tells the router how much: the prediction (hit statistics,
+    # /metrics predicted vs actual) must say so, and feedback must not shrink the index on it.
+    router, pool = make_router()
+    first = router.route(*POST, {}, orjson.dumps({"model": MODEL, "instructions": "be brief", "input": "hi"}))
+    router.learn_response(first, RID, first.endpoints[0])
+    router.first_token(first, 0.05)
+    router.usage(first, 3000, 0)
+    router.release(first)
+    assert router.responses.prompt_tokens(RID) == 3000
+    pick = router.route(*POST, {}, follow_up(instructions="be brief"))
+    assert pick.endpoint_ids == (first.endpoint_ids[0],)
+    assert pick.request.known_prefix_tokens == 3000 - router.settings.kv_block_tokens
+    assert router.core.predicted_cached_tokens(pick.request, pick.decision) == 3000 - 16
+    router.usage(pick, 3400, 2990)
+    stats = router.core.hit_stats[pick.endpoint_ids[0]]
+    assert stats.predicted_tokens == pytest.approx(2984)
+    assert stats.num_misses == 0
+    # An id whose usage never came: the prediction is the hashes' alone (nothing invented).
+    other = "resp_" + "b" * 32
+    router.responses.learn(other, EPS[2])
+    pick2 = router.route(*POST, {}, follow_up(other))
+    assert pick2.request.known_prefix_tokens is None
+    # The figure goes with its id.
+    router.responses.forget_endpoint(first.endpoint_ids[0])
+    assert router.responses.prompt_tokens(RID) is None
