@@ -19,7 +19,9 @@ import signal
 import sys
 
 from prefixroute import settings
+from prefixroute.extproc.endpoints.discovery import discovery_from_settings
 from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_from_settings
+from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
                                         start_server)
@@ -64,6 +66,16 @@ class KVEventsLink:
             self.core.set_event_endpoints(list(self.addresses))
         self.check(initial=True)
         self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def update(self, endpoints: list[str], addresses: dict[str, tuple[str, str | None]]) -> None:
+        """The membership changed (endpoint discovery): subscribe to exactly `addresses`; the endpoints that
+        left lose their events' entries. New publishers count as connected until the next check, as at start."""
+        self.endpoints = endpoints
+        self.addresses = addresses
+        if self.manager is not None:
+            self.manager.sync(addresses)
+            self.core.set_event_endpoints(list(addresses))
+        self.check(initial=True)
 
     async def _run(self) -> None:
         while True:
@@ -135,10 +147,26 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                 stop: asyncio.Event, tele: RouterTelemetrySettings | None = None) -> None:
     """Run until `stop` is set."""
     pool = EndpointPool(pool_settings)
+    # --endpoints-dns: the first lookup round gives the starting membership; later rounds follow pods.
+    static = pool.endpoints
+    discovery = discovery_from_settings(pool_settings, lambda _: None, static=static)
+    if discovery is not None:
+        await discovery.refresh()
+        pool.set_endpoints(discovery.endpoints)
     # KV events: only when requests are matched by token blocks (a tokenizer) and the source allows them.
-    addresses = event_addresses_from_settings(pool_settings) if (
-        routing.tokenizer and routing.index_source in ("auto", "events")) else {}
-    event_index = KVEventIndex(routing.kv_block_tokens) if addresses else None
+    use_events = bool(routing.tokenizer) and routing.index_source in ("auto", "events")
+    static_addresses = event_addresses_from_settings(pool_settings) if use_events else {}
+
+    def addresses_of(endpoints: list[str]) -> dict[str, tuple[str, str | None]]:
+        """Event addresses: listed ones as configured, discovered ones at their port + kv_events_port_offset."""
+        found = [ep for ep in endpoints if ep not in static]
+        return {**{ep: a for ep, a in static_addresses.items() if ep in endpoints}, **(event_addresses(
+            found, pool_settings.kv_events_port_offset, pool_settings.kv_events_replay_port_offset)
+            if use_events else {})}
+
+    addresses = addresses_of(list(pool.endpoints))
+    discovers_events = discovery is not None and use_events and pool_settings.kv_events_port_offset > 0
+    event_index = KVEventIndex(routing.kv_block_tokens) if addresses or discovers_events else None
     # track_prefill: PoolRouter.release calls core.on_release once per routed request.
     core = RouterCore(routing, track_prefill=True, event_index=event_index)
     router = PoolRouter(core, pool)
@@ -164,6 +192,13 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         telemetry.metrics.registry.register(SessionsCollector(core.sessions))
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
+    if discovery is not None:
+        def on_membership(endpoints: list[str]) -> None:
+            pool.set_endpoints(endpoints)
+            events.update(endpoints, addresses_of(endpoints) if event_index is not None else {})
+
+        discovery.on_change = on_membership
+        discovery.start()
     try:
         all_up = await pool.wait_ready(ext.ready_timeout_s)
         # Startup objects (modules, protobuf descriptors, settings) never die: move them out of the GC's view,
@@ -184,6 +219,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         await stop.wait()
         await server.stop(grace=1.0)
     finally:
+        if discovery is not None:
+            await discovery.close()
         await events.close()
         await router.lookup.close()
         await pool.close()
@@ -201,6 +238,7 @@ def main(args: argparse.Namespace) -> int:
         # Validate endpoints, TLS files, the token and the tokenizer before starting anything (exit 2).
         EndpointPool(pool_settings)
         event_addresses_from_settings(pool_settings)
+        discovery_from_settings(pool_settings, lambda _: None)
         PromptHasher.from_settings(routing)
         server_credentials(ext)
         resolved_auth_token(ext)

@@ -117,11 +117,13 @@ def event_addresses_from_settings(settings: PoolSettings) -> dict[EndpointId, tu
 
 
 def endpoints_from_settings(settings: PoolSettings) -> tuple[EndpointId, ...]:
-    """Validated endpoints from ``--endpoints`` then ``--endpoints-file``; ValueError with a clear message."""
+    """Validated endpoints from ``--endpoints`` then ``--endpoints-file``; ValueError with a clear message when
+    there are none and no ``--endpoints-dns`` name will discover some (then empty is the start)."""
     endpoints = parse_endpoint_list(endpoint_specs(settings))
-    if not endpoints:
-        raise ValueError("no endpoints configured: pass --endpoints host:port,... or --endpoints-file PATH "
-                         "(env PREFIXROUTE_ENDPOINTS / PREFIXROUTE_ENDPOINTS_FILE)")
+    if not endpoints and not settings.endpoints_dns:  # discovered endpoints arrive later (set_endpoints)
+        raise ValueError("no endpoints configured: pass --endpoints host:port,..., --endpoints-file PATH or "
+                         "--endpoints-dns NAME:PORT (env PREFIXROUTE_ENDPOINTS / PREFIXROUTE_ENDPOINTS_FILE / "
+                         "PREFIXROUTE_ENDPOINTS_DNS)")
     return endpoints
 
 

