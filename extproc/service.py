@@ -238,6 +238,13 @@ class PoolRouter:
         only after a `first_token` report (from a TTFT); the hit statistics and feedback take every report."""
         if pick.response_id is not None and prompt_tokens:
             self.responses.set_prompt_tokens(pick.response_id, prompt_tokens)
+        request = pick.request
+        if request.known_prefix_tokens is None and request.response_ref is not None and request.kind == "responses":
+            # The previous response's usage often arrives just after the client, which saw its end, sent this
+            # follow-up: take it now, for the prediction the statistics compare with this usage.
+            prev = self.responses.prompt_tokens(request.response_ref)
+            if prev is not None:
+                request.known_prefix_tokens = max(0, prev - self.settings.kv_block_tokens)
         if not pick.usage_observed:
             pick.usage_observed = True
             self.core.observe_usage(pick.request, pick.decision, prompt_tokens, cached_tokens, pick.counted)

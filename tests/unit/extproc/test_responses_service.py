@@ -336,3 +336,18 @@ def test_a_follow_up_predicts_its_previous_prompt_cached_from_that_responses_usa
     # The figure goes with its id.
     router.responses.forget_endpoint(first.endpoint_ids[0])
     assert router.responses.prompt_tokens(RID) is None
+
+
+def test_a_previous_usage_that_arrives_after_the_follow_up_was_routed_still_sets_its_prediction() -> None:
+    # The client sends the follow-up as soon as it sees the previous response end; the observing stream may
+    # report that response's usage a moment later. The follow-up's own usage report comes later still.
+    router, pool = make_router()
+    first = router.route(*POST, {}, orjson.dumps({"model": MODEL, "instructions": "be brief", "input": "hi"}))
+    router.learn_response(first, RID, first.endpoints[0])
+    pick = router.route(*POST, {}, follow_up(instructions="be brief"))
+    assert pick.request.known_prefix_tokens is None  # not known yet at the decision
+    router.usage(first, 3000, 0)
+    router.first_token(pick, 0.04)
+    router.usage(pick, 3400, 2990)
+    stats = router.core.hit_stats[pick.endpoint_ids[0]]
+    assert stats.predicted_tokens == pytest.approx(3000 - 16)
