@@ -280,8 +280,10 @@ class RequestTracker:
                  on_response_id: Callable[[Any, str, str | None], None] | None = None) -> None:
         """`on_first_token(pick, ttft_s)` and `on_usage(pick, prompt_tokens, cached_tokens)`: the router's
         `PoolRouter.first_token` / `usage` (its time model learns from them), called for attached streamed
-        responses only, from the observing stream: the first token at the first body chunk of an SSE
-        response, the usage when it ends (None figures when it carried none). `on_response_id(pick, id,
+        responses, from the observing stream: the first token at the first body chunk of an SSE response (a
+        Responses stream: its first token event), the usage when it ends (None figures when it carried none);
+        `on_usage` also for a non-streamed Responses API response (its prompt size feeds the next follow-up's
+        prediction). `on_response_id(pick, id,
         served address)`: `PoolRouter.learn_response`, for an attached 200 Responses response (module
         docstring)."""
         self.max_body_bytes = max_body_bytes
@@ -532,11 +534,20 @@ class RequestTracker:
             rec.prompt_tokens = usage.prompt_tokens
             rec.completion_tokens = usage.completion_tokens
             rec.cached_tokens = usage.cached_tokens
-        if streamed and st.pick is not None and self.on_usage is not None and rec.ttft_ms is not None:
+        pick = st.pick
+        # Responses API: a non-streamed response's usage counts too (its prompt size is what the next follow-up
+        # is predicted to find cached; PoolRouter learns no rate from it without a first token).
+        if pick is not None and self.on_usage is not None and rec.ttft_ms is not None and (
+                streamed or getattr(pick.request, "kind", None) == "responses"):
             if usage is not None:
-                self.on_usage(st.pick, usage.prompt_tokens, usage.cached_tokens)
+                self.on_usage(pick, usage.prompt_tokens, usage.cached_tokens)
+                known = getattr(pick.request, "known_prefix_tokens", None)
+                if known is not None and usage.prompt_tokens:
+                    # A pinned follow-up's prediction is completed by its previous response's usage, which may
+                    # arrive after the decision (PoolRouter.usage): the record carries the completed one.
+                    rec.predicted_hit_ratio = max(rec.predicted_hit_ratio, min(1.0, known / usage.prompt_tokens))
             else:
-                self.on_usage(st.pick, None, None)
+                self.on_usage(pick, None, None)
         if st.routing_done:
             self._emit(st)
 

@@ -110,3 +110,21 @@ def test_usage_from_a_responses_body_and_chat_body_unchanged() -> None:
     assert (u.prompt_tokens, u.cached_tokens) == (900, 640)
     c = usage_from_body(orjson.dumps({"usage": {"prompt_tokens": 5, "completion_tokens": 1}}))
     assert (c.prompt_tokens, c.completion_tokens, c.cached_tokens) == (5, 1, None)
+
+
+async def test_non_stream_usage_reaches_the_router_and_a_follow_ups_completed_prediction_is_recorded() -> None:
+    # A non-streamed Responses response reports its usage too (its prompt size is the next follow-up's known
+    # prefix); and when the router completes a pinned follow-up's prediction at usage time, the record shows it.
+    calls: list = []
+
+    def on_usage(pick, p, c) -> None:  # noqa: ANN001 - what PoolRouter.usage does for a follow-up
+        calls.append(("usage", p, c))
+        pick.request.known_prefix_tokens = 720
+
+    t = RequestTracker(lambda d, us: None, lambda rec: None, ADDR.get, obs_grace_s=0.05, on_usage=on_usage)
+    st, obs = _start(t)
+    t.obs_response_headers(obs, _hv({":status": "200", "content-type": "application/json"}), False, SERVED_HEADER)
+    t.obs_body(obs, orjson.dumps({"id": RID, "object": "response", "usage": USAGE}), True)
+    t.routing_closed(st)
+    assert calls == [("usage", 900, 640)]
+    assert obs.rec.predicted_hit_ratio == pytest.approx(720 / 900)
