@@ -201,9 +201,17 @@ class PoolRouter:
         self.responses.learn(response_id, ep)
         pick.response_id = response_id
 
-    def served(self, pick: RoutePick, served: str | None) -> None:
-        """The served-endpoint report for `pick` (module docstring: the trust rule)."""
+    def served(self, pick: RoutePick, served: str | None, status: int | None = None) -> None:
+        """The served-endpoint report for `pick` (module docstring: the trust rule); `status`: the response's
+        HTTP status when the caller knows it. A pinned pick (Responses follow-up) has no fallback, so when its
+        holder refuses or resets the connection Envoy answers 503 itself with the holder as the served host:
+        that 503 asks the pool to probe the holder now (at most once per pick; the probe decides), so clients
+        get the router's own 503 naming the response within milliseconds rather than after the next
+        scheduled probes."""
         if not served or served == pick.endpoints[0]:
+            if status == 503 and pick.request.response_ref is not None and not pick.failover_reported:
+                pick.failover_reported = True
+                self.pool.report_failure(pick.endpoint_ids[0])
             return
         try:
             k = pick.endpoints.index(served, 1)

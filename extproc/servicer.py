@@ -75,8 +75,9 @@ class RouterService(Protocol):
     def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Pick:
         """Choose endpoints and count the pick as in flight. Raises `OpenAIError` to refuse."""
 
-    def served(self, pick: Pick, served_endpoint: str | None) -> None:
-        """The response headers arrived; `served_endpoint` is Envoy's upstream host (None if unknown)."""
+    def served(self, pick: Pick, served_endpoint: str | None, status: int | None = None) -> None:
+        """The response headers arrived; `served_endpoint` is Envoy's upstream host (None if unknown),
+        `status` the response's HTTP status (None if unknown)."""
 
     def release(self, pick: Pick) -> None:
         """The request ended (success, error, reset); called exactly once per pick."""
@@ -192,7 +193,8 @@ class _RoutingStream:
             hs = req.response_headers.headers.headers
             served = wire.header_value(hs, SERVED_HEADER)
             if self.tracker.routing_response_headers(self.st, hs, served):
-                self.router.served(pick, served)
+                status = wire.header_value(hs, ":status")
+                self.router.served(pick, served, int(status) if status and status.isdigit() else None)
         return _CONTINUE_RESPONSE_HEADERS
 
     def _decide(self, method: str, path: str, body: bytes, at_headers: bool) -> Any:
@@ -247,7 +249,7 @@ def _observe_response_headers(servicer: ExtProcServicer, st: Tracked, req: Any) 
     rh = req.response_headers
     pick = servicer.tracker.obs_response_headers(st, rh.headers.headers, rh.end_of_stream, SERVED_HEADER)
     if pick is not None:  # passive failure detection from here when the routing filter skips response headers
-        servicer.router.served(pick, st.served_addr)
+        servicer.router.served(pick, st.served_addr, st.rec.status or None)
     return rh.end_of_stream
 
 

@@ -175,7 +175,7 @@ class _Router:
         self.calls += 1
         return type("Pick", (), {"endpoints": ("10.0.0.1:8000",)})()
 
-    def served(self, pick, served_endpoint) -> None:  # noqa: ANN001
+    def served(self, pick, served_endpoint, status=None) -> None:  # noqa: ANN001
         self.calls += 1
 
     def release(self, pick) -> None:  # noqa: ANN001

@@ -310,6 +310,9 @@ def test_holder_killed_then_restarted_gives_503_then_404_never_a_reroute(tmp_pat
         assert all(s == 503 for s, _ in seen), seen
         assert all(h.get("retry-after") == "1" and h.get("x-gateway-destination-endpoint-served") == home_ep
                    for h in envoy_503s), envoy_503s
+        # ... and that 503 itself made the pool probe the holder at once: the router's named 503 follows within
+        # a fraction of a second, not after the scheduled probes (~1.5 s, 13-15 of Envoy's 503s before the fix).
+        assert len(envoy_503s) <= 2 and t_named < 1.0, (len(envoy_503s), t_named)
         new_tokens = prompt_tokens_of(others)
         assert {ep: new_tokens[ep] for ep in others} == {ep: tokens[ep] for ep in others}
 

@@ -351,3 +351,20 @@ def test_a_previous_usage_that_arrives_after_the_follow_up_was_routed_still_sets
     router.usage(pick, 3400, 2990)
     stats = router.core.hit_stats[pick.endpoint_ids[0]]
     assert stats.predicted_tokens == pytest.approx(3000 - 16)
+
+
+def test_envoys_503_for_a_pinned_pick_asks_the_pool_to_probe_the_holder_once() -> None:
+    # A pinned pick has no fallback: when its holder refuses the connection Envoy answers 503 itself, naming the
+    # holder as the served host. That must trigger the pool's probe (so the next follow-up gets the router's
+    # own 503 naming the id), once per pick; an unpinned pick's 503 from its primary is the server's answer.
+    router, pool = make_router()
+    router.responses.learn(RID, EPS[1])
+    pick = router.route(*POST, {}, follow_up())
+    router.served(pick, EPS[1], 200)
+    assert pool.failures == []
+    router.served(pick, EPS[1], 503)
+    router.served(pick, EPS[1], 503)
+    assert pool.failures == [EPS[1]]
+    plain = router.route(*POST, {}, orjson.dumps({"model": MODEL, "input": "hi"}))
+    router.served(plain, plain.endpoints[0], 503)
+    assert pool.failures == [EPS[1]]

@@ -45,7 +45,7 @@ class RecordingRouter:
             raise OpenAIError(400, "bad", param="messages")
         return _Pick(self.endpoints)
 
-    def served(self, pick: _Pick, served_endpoint: str | None) -> None:
+    def served(self, pick: _Pick, served_endpoint: str | None, status: int | None = None) -> None:
         self.served_calls.append(served_endpoint)
 
     def release(self, pick: _Pick) -> None:
