@@ -165,6 +165,18 @@ _WORDS = tuple(w.encode() for w in tokenizer.OUTPUT_WORDS)
 _NUM_WORDS = len(_WORDS)
 
 
+def _writable(conn: HttpConnection) -> bool:
+    """Whether a streamed response may write its next token to `conn`: raises ConnectionError when the client
+    is gone (the engine aborts the request); False when a paused client's buffer is full (the request is given
+    up: aborted in the engine, so no more tokens come for it)."""
+    if conn.closed:
+        raise ConnectionError("client gone")
+    if conn.paused and conn.transport.get_write_buffer_size() > conn.app.settings.max_stream_buffer_bytes:
+        conn.give_up("buffer_full")
+        return False
+    return True
+
+
 def _word(seed: int, index: int) -> bytes:
     return _WORDS[(seed * 31 + index * 7) % _NUM_WORDS]
 
@@ -542,10 +554,7 @@ class StreamSink:
 
     def on_token(self, req: EngineRequest) -> None:
         conn = self.conn
-        if conn.closed:
-            raise ConnectionError("client gone")
-        if conn.paused and conn.transport.get_write_buffer_size() > conn.app.settings.max_stream_buffer_bytes:
-            conn.give_up("buffer_full")  # aborts req in the engine: no more tokens come for it
+        if not _writable(conn):
             return
         enc = self.enc
         finished = req.status == 2  # FINISHED; attribute compare is cheaper than the property
@@ -611,10 +620,7 @@ class ResponsesStreamSink:
 
     def on_token(self, req: EngineRequest) -> None:
         conn = self.conn
-        if conn.closed:
-            raise ConnectionError("client gone")
-        if conn.paused and conn.transport.get_write_buffer_size() > conn.app.settings.max_stream_buffer_bytes:
-            conn.give_up("buffer_full")  # aborts req in the engine: no more tokens come for it
+        if not _writable(conn):
             return
         if not self.opened:
             self.open()
