@@ -25,6 +25,7 @@ from prefixroute.extproc.routing.types import EndpointId, EndpointState
 from prefixroute.extproc.server import ExtprocSettings, start_server
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.openai_errors import OpenAIError
+from helpers.extproc_calls import exchange as _exchange
 
 MODEL = "m"
 EPS = tuple(EndpointId(f"10.0.0.{i}:8000") for i in range(1, 4))
@@ -208,17 +209,6 @@ def _headers(pairs: dict[str, str], end_of_stream: bool):  # noqa: ANN202 - wire
 
 def _body(data: bytes):  # noqa: ANN202
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
-
-
-async def _exchange(process, msgs: list) -> list:  # noqa: ANN001
-    call = process()
-    out = []
-    for m in msgs:
-        await call.write(m)
-        out.append(await call.read())
-    await call.done_writing()
-    assert await call.read() is grpc.aio.EOF
-    return out
 
 
 def _destinations(common) -> dict[str, str]:  # noqa: ANN001

@@ -21,6 +21,7 @@ from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.types import Decision
 from prefixroute.telemetry.tracecontext import parse_traceparent
+from helpers.extproc_calls import exchange as _exchange
 
 
 class _Pick:
@@ -85,17 +86,6 @@ async def served() -> AsyncIterator[tuple[RecordingRouter, grpc.aio.StreamStream
     finally:
         await channel.close()
         await server.stop(None)
-
-
-async def _exchange(process: grpc.aio.StreamStreamMultiCallable, msgs: list) -> list:
-    call = process()
-    out = []
-    for m in msgs:
-        await call.write(m)
-        out.append(await call.read())
-    await call.done_writing()
-    assert await call.read() is grpc.aio.EOF
-    return out
 
 
 async def _until(cond, timeout_s: float = 2.0) -> None:  # noqa: ANN001
