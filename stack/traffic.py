@@ -28,9 +28,11 @@ class TrafficSettings(Settings):
     TITLE: ClassVar[str] = "Demo traffic (`prefixroute traffic`)"
 
     gateway: str = setting("http://127.0.0.1:8080", "Base URL of the gateway to send requests to.")
-    workload: str = setting("shared-prompts", "Workload: shared-prompts, multi-turn, documents or mix.")
+    workload: str = setting("shared-prompts", "Workload: shared-prompts, multi-turn, documents, mix, or agents "
+                            "(tool-calling agents over the Responses API: follow-ups with previous_response_id).")
     rate_rps: float = setting(4.0, "Requests per second (Poisson arrivals).")
-    requests_per_round: int = setting(400, "Requests per round; each round uses the next seed.")
+    requests_per_round: int = setting(400, "Requests per round; each round uses the next seed (agents: this many "
+                                      "turns, in conversations of the bench's --num-turns).")
     output_tokens: int = setting(32, "Tokens generated per request (short answers keep the demo about TTFT).")
     model: str = setting("", "Model name to request (empty: the first model the gateway's /v1/models lists).")
     rounds: int = setting(0, "Stop after this many rounds (0 = run until stopped).")
@@ -65,10 +67,11 @@ async def _run(st: TrafficSettings) -> int:
             st.workload, num_requests=st.requests_per_round, seed=round_no, output_tokens=st.output_tokens,
             prefix_tokens=d.prefix_tokens, num_groups=d.num_groups, question_tokens=d.question_tokens,
             num_sessions=d.num_sessions, num_turns=d.num_turns, document_tokens=d.document_tokens,
-            num_documents=d.num_documents)
+            num_documents=d.num_documents, num_agents=max(1, st.requests_per_round // d.num_turns))
         wl = workloads.apply_arrivals(wl, "poisson", rate_rps=st.rate_rps, seed=round_no)
         t0 = time.monotonic()
-        results = await client.run_workload(st.gateway, wl.requests, model=model)
+        results = await client.run_workload(st.gateway, wl.requests, model=model,
+                                            api="responses" if st.workload == "agents" else "chat")
         ok = [r for r in results if r.ok]
         prompt = sum(r.prompt_tokens or 0 for r in ok)
         cached = sum(r.cached_tokens or 0 for r in ok)

@@ -362,3 +362,25 @@ def test_without_telemetry_follow_ups_find_their_ids_by_lookup(rig: tuple[Fleet,
         print(f"telemetry off: {len(follow_ups)} follow-ups, lookups {m}")
         # Nothing observes the responses: each follow-up's id was found by one fan-out.
         assert m["found"] == len(follow_ups) and m["hits"] == 0 and m["not_found"] == m["failed"] == 0
+
+
+def test_demo_traffic_agents_run_over_the_responses_api_through_the_gateway(
+        rig: tuple[Fleet, GatewayProcesses, Path]) -> None:
+    # `prefixroute traffic --workload agents` (what a user runs next to `prefixroute up` to watch agent
+    # conversations on the dashboard): every turn served, the follow-ups pinned by the router's directory.
+    import subprocess
+    import sys
+
+    fleet, gw, _ = rig
+    before = metric_value(router_metrics(gw), "prefixroute_response_id_hits_total")
+    out = subprocess.run([sys.executable, "-m", "prefixroute", "traffic", "--gateway", gw.url, "--workload", "agents",
+                          "--requests-per-round", "24", "--rate-rps", "50", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("traffic round 0:"))
+    served, total = line.split(": ", 1)[1].split(" ok", 1)[0].split("/")
+    assert int(total) >= 18 and served == total, line  # 4 agents x the bench's turns, every one served
+    # Each agent's follow-ups (all but its first turn) found their response in the directory (a lookup or two
+    # may race the observing stream under load).
+    hits = metric_value(router_metrics(gw), "prefixroute_response_id_hits_total") - before
+    assert hits >= int(total) - 4 - 2, (hits, line)
