@@ -148,11 +148,7 @@ class PoolRouter:
         snapshot = pool.snapshot()
         if request.response_ref is not None:
             snapshot = self._pinned(request.response_ref, snapshot)
-            prev = self.responses.prompt_tokens(request.response_ref)
-            if prev is not None and request.kind == "responses":
-                # The follow-up's prompt starts with the previous request's prompt, which the holder cached; less
-                # one block: that prompt ended with the assistant header and a partial block.
-                request.known_prefix_tokens = max(0, prev - self.settings.kv_block_tokens)
+            self._set_known_prefix(request)
         decision = self.core.route(request, snapshot, pool.in_flight, self.clock())
         decision_us = (time.perf_counter() - t0) * 1e6
         ids = decision.endpoints
@@ -160,6 +156,14 @@ class PoolRouter:
         pick.index_source = self.core.index_source_of(decision)
         pool.acquire(ids[0])
         return pick
+
+    def _set_known_prefix(self, request: InferenceRequest) -> None:
+        """A Responses follow-up's prompt starts with the previous request's prompt, which its holder cached:
+        that many tokens (from the previous response's usage, when reported) less one block (that prompt ended
+        with the assistant header in a partial block)."""
+        prev = self.responses.prompt_tokens(request.response_ref) if request.kind == "responses" else None
+        if prev is not None:
+            request.known_prefix_tokens = max(0, prev - self.settings.kv_block_tokens)
 
     def _pinned(self, response_id: str, snapshot: Sequence[EndpointState]) -> list[EndpointState]:
         """The one-endpoint snapshot a request needing `response_id` is routed over (module docstring). A
@@ -246,13 +250,10 @@ class PoolRouter:
         only after a `first_token` report (from a TTFT); the hit statistics and feedback take every report."""
         if pick.response_id is not None and prompt_tokens:
             self.responses.set_prompt_tokens(pick.response_id, prompt_tokens)
-        request = pick.request
-        if request.known_prefix_tokens is None and request.response_ref is not None and request.kind == "responses":
+        if pick.request.known_prefix_tokens is None and pick.request.response_ref is not None:
             # The previous response's usage often arrives just after the client, which saw its end, sent this
             # follow-up: take it now, for the prediction the statistics compare with this usage.
-            prev = self.responses.prompt_tokens(request.response_ref)
-            if prev is not None:
-                request.known_prefix_tokens = max(0, prev - self.settings.kv_block_tokens)
+            self._set_known_prefix(pick.request)
         if not pick.usage_observed:
             pick.usage_observed = True
             self.core.observe_usage(pick.request, pick.decision, prompt_tokens, cached_tokens, pick.counted)

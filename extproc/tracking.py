@@ -171,32 +171,6 @@ class Tracker(Protocol):
     def observe(self, request_headers: Any) -> Tracked | None: ...
     def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> Any: ...
     def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None: ...
-    def _scan_id(self, st: Tracked, chunk: bytes) -> None:
-        """Look for the response id in the response's first bytes (module docstring); report it once."""
-        head = st.id_scan
-        assert head is not None
-        start = max(0, len(head) - 300)  # a match may straddle the previous chunk's end
-        head += chunk[: MAX_ID_SCAN_BYTES - len(head)]
-        m = _RESPONSE_ID.search(head, start)
-        if m is not None:
-            st.id_scan = None
-            if st.pick is not None and self.on_response_id is not None:
-                self.on_response_id(st.pick, m.group(1).decode("ascii"), st.served_addr)
-        elif len(head) >= MAX_ID_SCAN_BYTES:
-            st.id_scan = None
-
-    @staticmethod
-    def _token_event(st: Tracked, chunk: bytes) -> bool:
-        """Whether `chunk` of a Responses stream holds a token event (an ``event:`` line ending ``.delta``).
-        Only lines that start a line count: a data line's JSON never holds a raw newline, so text inside it
-        cannot pose as an event line."""
-        first = st.line_start
-        st.line_start = chunk.endswith(b"\n")
-        for k, line in enumerate(chunk.split(b"\n")):
-            if (k or first) and line.startswith(b"event:") and line.rstrip().endswith(_TOKEN_EVENT_SUFFIX):
-                return True
-        return False
-
     def obs_closed(self, st: Tracked) -> None: ...
 
 
@@ -231,32 +205,6 @@ class NullTracker:
 
     def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None:
         pass
-
-    def _scan_id(self, st: Tracked, chunk: bytes) -> None:
-        """Look for the response id in the response's first bytes (module docstring); report it once."""
-        head = st.id_scan
-        assert head is not None
-        start = max(0, len(head) - 300)  # a match may straddle the previous chunk's end
-        head += chunk[: MAX_ID_SCAN_BYTES - len(head)]
-        m = _RESPONSE_ID.search(head, start)
-        if m is not None:
-            st.id_scan = None
-            if st.pick is not None and self.on_response_id is not None:
-                self.on_response_id(st.pick, m.group(1).decode("ascii"), st.served_addr)
-        elif len(head) >= MAX_ID_SCAN_BYTES:
-            st.id_scan = None
-
-    @staticmethod
-    def _token_event(st: Tracked, chunk: bytes) -> bool:
-        """Whether `chunk` of a Responses stream holds a token event (an ``event:`` line ending ``.delta``).
-        Only lines that start a line count: a data line's JSON never holds a raw newline, so text inside it
-        cannot pose as an event line."""
-        first = st.line_start
-        st.line_start = chunk.endswith(b"\n")
-        for k, line in enumerate(chunk.split(b"\n")):
-            if (k or first) and line.startswith(b"event:") and line.rstrip().endswith(_TOKEN_EVENT_SUFFIX):
-                return True
-        return False
 
     def obs_closed(self, st: Tracked) -> None:
         pass
