@@ -26,6 +26,8 @@ from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
                                         start_server)
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
+from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
+from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.responses import ResponsesCollector
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.tracking import RequestTracker
@@ -141,11 +143,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, RoutingSettings)
     settings.add_arguments(parser, PoolSettings)
     settings.add_arguments(parser, RouterTelemetrySettings)
+    settings.add_arguments(parser, PeerSettings)
 
 
 async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: PoolSettings,
-                stop: asyncio.Event, tele: RouterTelemetrySettings | None = None) -> None:
-    """Run until `stop` is set."""
+                stop: asyncio.Event, tele: RouterTelemetrySettings | None = None,
+                peer_settings: PeerSettings | None = None) -> None:
+    """Run until `stop` is set. `peer_settings` with a url: share picks with the other replicas over NATS."""
     pool = EndpointPool(pool_settings)
     # --endpoints-dns: the first lookup round gives the starting membership; later rounds follow pods.
     static = pool.endpoints
@@ -190,8 +194,16 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
     if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
         telemetry.metrics.registry.register(SessionsCollector(core.sessions))
+    bus = None
+    if peer_settings is not None and peer_settings.url:
+        bus = PeerBus(peer_settings, router)
+        router.peers = bus
+        router.peer_pending_ttl_s = peer_settings.pending_ttl_s
+        telemetry.metrics.registry.register(PeersCollector(bus, core.scheduler.policy.num_peer_picks))
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
+    if bus is not None:
+        await bus.start()  # connects in the background: NATS down at start is no reason not to serve
     if discovery is not None:
         def on_membership(endpoints: list[str]) -> None:
             pool.set_endpoints(endpoints)
@@ -212,7 +224,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         metrics = f"http://{ms.server_address[0]}:{ms.server_address[1]}/metrics" if ms is not None else "off"
         index = (f"index events x{len(addresses)} + {core.sourced.own_source}" if addresses
                  else f"index {core.sourced.own_source}")
-        print(f"{READY_PREFIX}{ext.listen_address}:{port} (policy {routing.policy}, {index}, "
+        peers = f", peers {bus.replica_id} via {peer_settings.url}" if bus is not None else ""  # type: ignore[union-attr]
+        print(f"{READY_PREFIX}{ext.listen_address}:{port} (policy {routing.policy}{peers}, {index}, "
               f"{healthy}/{len(pool.endpoints)} endpoints healthy{'' if all_up else ', still probing'}, "
               f"metrics {metrics}, traces {'on' if telemetry.recorder.enabled else 'off'}"
               f"{': ' + telemetry.recorder.disabled_reason if telemetry.recorder.disabled_reason else ''})", flush=True)
@@ -222,6 +235,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         if discovery is not None:
             await discovery.close()
         await events.close()
+        if bus is not None:
+            await bus.close()
         await router.lookup.close()
         await pool.close()
         # Off the loop: flushing waits on the exporter (bounded), the loop must not stall meanwhile.
@@ -235,6 +250,7 @@ def main(args: argparse.Namespace) -> int:
         routing = settings.from_namespace(RoutingSettings, args)
         pool_settings = settings.from_namespace(PoolSettings, args)
         tele = settings.from_namespace(RouterTelemetrySettings, args)
+        peer_settings = settings.from_namespace(PeerSettings, args)
         # Validate endpoints, TLS files, the token and the tokenizer before starting anything (exit 2).
         EndpointPool(pool_settings)
         event_addresses_from_settings(pool_settings)
@@ -251,7 +267,7 @@ def main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        loop.run_until_complete(serve(ext, routing, pool_settings, stop, tele))
+        loop.run_until_complete(serve(ext, routing, pool_settings, stop, tele, peer_settings))
     except OSError as exc:
         print(f"prefixroute extproc: {exc}", file=sys.stderr)
         return 1

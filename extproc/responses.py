@@ -120,6 +120,19 @@ class ResponseDirectory:
             self._drop_from_endpoint(rid, ep)
             self.num_evicted += 1
 
+    def apply_peer(self, response_id: str, endpoint: EndpointId, prompt_tokens: int | None) -> bool:
+        """Another replica learned that `endpoint` holds `response_id` (and its request's prompt tokens, when
+        given): `learn` it here too, so a follow-up reaching this replica is pinned without a lookup. Ignored
+        (False) for an endpoint not in the last pool snapshot `sync` followed."""
+        if endpoint not in self._epochs:
+            return False
+        known = self._ids.get(response_id)
+        if known is None or known[0] != endpoint:
+            self.learn(response_id, endpoint)
+        if prompt_tokens:
+            self.set_prompt_tokens(response_id, prompt_tokens)
+        return True
+
     def endpoint_of(self, response_id: str) -> EndpointId | None:
         """The endpoint holding `response_id`, None when unknown or expired. A hit refreshes the id (a
         conversation in use stays remembered) and counts in `num_hits`, except the first after a lookup."""

@@ -42,6 +42,14 @@ Contract with the servicer (`servicer.RouterService`):
   ids with it (the directory follows the pool's snapshots), so its follow-ups get the 404 of the lookup.
   `learn_response(pick, response_id)`: the observing stream saw `pick`'s response id (tracking.py).
 
+- Other replicas (issue 15; extproc/peers): with `peers` set (a `PeerPublisher`, the gateway's NATS bus), each
+  pick with block hashes or queued prefill is published (`codec.Pick`: primary, block hashes, the policy's
+  pending prefill, the session), its prefill's end once (`codec.Done`, at `first_token` or `release`,
+  whichever first), a failover (`codec.Failover`) and each learned response id (`codec.Response`, again with
+  its prompt tokens at `usage`). `apply_peer_batch` applies the other replicas' messages (the bus calls it on
+  the event loop), `expire_peers` drops their stale pending picks. Publishing never awaits. In-flight counts
+  stay per replica (each counts the requests it routed).
+
 Endpoint ids are ``host:port`` as configured; the addresses handed to Envoy (ORIGINAL_DST takes addresses
 only) are those the pool publishes in its snapshot (`EndpointState.address`: the pool resolves names off the
 event loop and follows moves), read in the pool's listener, so a decision does no lookup. After a move the old
@@ -56,8 +64,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from prefixroute.extproc.endpoints import Pool
+from prefixroute.extproc.peers import codec
 from prefixroute.extproc.responses import NeedsLookup, ResponseDirectory, ResponseLookup
 from prefixroute.extproc.routing.request import InferenceRequest, clip, parse_request
 from prefixroute.extproc.routing.router import RouterCore
@@ -67,12 +77,19 @@ from prefixroute.openai_errors import OpenAIError
 from prefixroute import responses_api
 
 
+class PeerPublisher(Protocol):
+    """What `PoolRouter` sends the other replicas through (`peers.bus.PeerBus`): `publish` never awaits, never
+    blocks and never raises."""
+
+    def publish(self, message: codec.Message) -> None: ...
+
+
 class RoutePick:
     """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
 
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
                  "failover_reported", "first_token_reported", "usage_reported", "usage_observed", "index_source",
-                 "response_id")
+                 "response_id", "response_endpoint", "peer_seq")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -89,6 +106,8 @@ class RoutePick:
         self.usage_observed = False  # the hit statistics / feedback took this pick's usage
         self.index_source = ""  # where the primary's match came from (RouterCore.index_source_of), for telemetry
         self.response_id: str | None = None  # the Responses API id of this pick's response, once seen
+        self.response_endpoint: EndpointId | None = None  # the endpoint holding `response_id`
+        self.peer_seq: int | None = None  # set while the other replicas count this pick as pending (a Done due)
 
 
 class PoolRouter:
@@ -115,6 +134,10 @@ class PoolRouter:
                                      max_in_flight=s.max_response_lookups, retry_after_s=core.retry_after_s)
         self._states: dict[EndpointId, EndpointState] = {}
         self._states_of: object = None  # the snapshot `_states` was built from (its identity)
+        # The other replicas (extproc/peers): None = this replica routes alone (no message, no cost).
+        self.peers: PeerPublisher | None = None
+        self.peer_pending_ttl_s = 30.0  # PeerSettings.pending_ttl_s, set with `peers`
+        self._peer_seq = 0
         pool.add_listener(self._on_pool_change)
 
     def _on_pool_change(self, snapshot: Sequence[EndpointState]) -> None:
@@ -155,7 +178,50 @@ class PoolRouter:
         pick = RoutePick(self._addresses(ids), ids, request, decision, decision_us)
         pick.index_source = self.core.index_source_of(decision)
         pool.acquire(ids[0])
+        peers = self.peers
+        if peers is not None and request.kind != "other":
+            self._publish_pick(peers, pick)
         return pick
+
+    def _publish_pick(self, peers: PeerPublisher, pick: RoutePick) -> None:
+        request = pick.request
+        pending = self.core.pending_tokens_of(request)
+        hashes = request.block_hashes
+        if pending is None and not hashes:
+            return  # nothing another replica would do with it
+        self._peer_seq += 1
+        if pending is not None:
+            pick.peer_seq = self._peer_seq
+        skey = request.session_key if self.core.sessions is not None else None
+        peers.publish(codec.Pick(self._peer_seq, pick.endpoint_ids[0], hashes, pending,
+                                 request.tenant if skey is not None else None, skey))
+
+    def _publish_done(self, pick: RoutePick) -> None:
+        seq = pick.peer_seq
+        if seq is not None and self.peers is not None:
+            pick.peer_seq = None
+            self.peers.publish(codec.Done(seq))
+
+    # --- other replicas (extproc/peers: PeerBus calls these on the event loop) ----------------------------
+    def apply_peer_batch(self, origin: tuple[str, int], messages: Sequence[codec.Message], now_s: float) -> None:
+        """Apply another replica's messages (`origin`: its (replica id, incarnation)), in order: picks and
+        failovers to the core (index, sessions, the policy's queues), responses to the directory."""
+        core = self.core
+        expires_s = now_s + self.peer_pending_ttl_s
+        for m in messages:
+            if type(m) is codec.Pick:
+                core.apply_peer_pick((*origin, m.seq), m.endpoint, m.block_hashes, m.pending_tokens, m.tenant,
+                                     m.session_key, now_s, expires_s)
+            elif type(m) is codec.Done:
+                core.apply_peer_done((*origin, m.seq))
+            elif type(m) is codec.Failover:
+                core.apply_peer_failover(m.endpoint, m.block_hashes, m.tenant, m.session_key)
+            elif type(m) is codec.Response:
+                self.responses.apply_peer(m.response_id, m.endpoint, m.prompt_tokens)
+
+    def expire_peers(self, now_s: float) -> None:
+        """Drop the other replicas' pending picks older than their TTL (the bus calls this every second)."""
+        self.core.expire_peers(now_s)
 
     def _set_known_prefix(self, request: InferenceRequest) -> None:
         """A Responses follow-up's prompt starts with the previous request's prompt, which its holder cached:
@@ -204,6 +270,9 @@ class PoolRouter:
             ep = pick.counted
         self.responses.learn(response_id, ep)
         pick.response_id = response_id
+        pick.response_endpoint = ep
+        if self.peers is not None:
+            self.peers.publish(codec.Response(response_id, ep, None))
 
     def served(self, pick: RoutePick, served: str | None, status: int | None = None) -> None:
         """The served-endpoint report for `pick` (module docstring: the trust rule); `status`: the response's
@@ -232,6 +301,11 @@ class PoolRouter:
         for ep in pick.endpoint_ids[:k]:
             self.pool.report_failure(ep)
         self.core.record_failover(pick.request, served_id)
+        if self.peers is not None:
+            r = pick.request
+            skey = r.session_key if self.core.sessions is not None else None
+            self.peers.publish(codec.Failover(served_id, r.block_hashes, r.tenant if skey is not None else None,
+                                              skey))
         if not pick.released:
             self.pool.release(pick.counted)
             self.pool.acquire(served_id)
@@ -244,12 +318,15 @@ class PoolRouter:
             return
         pick.first_token_reported = True
         self.core.on_first_token(pick.request, pick.decision, ttft_s)
+        self._publish_done(pick)
 
     def usage(self, pick: RoutePick, prompt_tokens: int | None, cached_tokens: int | None) -> None:
         """`pick`'s response ended with these usage figures (module docstring), once. The policy learns a rate
         only after a `first_token` report (from a TTFT); the hit statistics and feedback take every report."""
         if pick.response_id is not None and prompt_tokens:
             self.responses.set_prompt_tokens(pick.response_id, prompt_tokens)
+            if self.peers is not None and pick.response_endpoint is not None:
+                self.peers.publish(codec.Response(pick.response_id, pick.response_endpoint, prompt_tokens))
         if pick.request.known_prefix_tokens is None and pick.request.response_ref is not None:
             # The previous response's usage often arrives just after the client, which saw its end, sent this
             # follow-up: take it now, for the prediction the statistics compare with this usage.
@@ -268,3 +345,4 @@ class PoolRouter:
             self.pool.release(pick.counted)
             # Outstanding-prefill tracking (cold placement prefers endpoints with less prefill queued).
             self.core.on_release(pick.request, pick.decision)
+            self._publish_done(pick)

@@ -18,7 +18,7 @@ from prefixroute.extproc.routing.scheduling import filters, pickers
 from prefixroute.extproc.routing.scheduling.scheduler import Scheduler
 from prefixroute.extproc.routing.sessions import SessionTable
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import Decision, EndpointId, EndpointState
+from prefixroute.extproc.routing.types import BlockHash, Decision, EndpointId, EndpointState
 
 DEFAULT_RETRY_AFTER_S = 1
 """Retry-After for 503: health probes run about every second, so a retry after 1 s sees fresh state."""
@@ -138,6 +138,48 @@ class RouterCore:
         if sessions is not None:
             sessions.record(request.tenant, skey, primary, request.block_hashes, now_s)  # type: ignore[arg-type]
         return decision
+
+    # --- other replicas' picks (extproc/peers; README: Several replicas) -------------------------------------
+    def pending_tokens_of(self, request: InferenceRequest) -> float | None:
+        """The prefill the policy queued for `request` at its pick, None when it keeps no queue (what a pick
+        message to the other replicas carries)."""
+        return self.scheduler.policy.pending_tokens_of(request)
+
+    def apply_peer_pick(self, key: tuple, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
+                        pending_tokens: float | None, tenant: str | None, session_key: str | None,
+                        now_s: float, expires_s: float) -> bool:
+        """Another replica routed a request with `block_hashes` to `endpoint`: the same state changes as a local
+        pick at `route` (the index records it where the own index learns from picks, the session records its
+        turn, the policy queues `pending_tokens` under `key` until `apply_peer_done` or `expires_s`), so the
+        next request of that prefix here scores `endpoint` as that replica would. False (nothing changed) for
+        an endpoint this router does not know (not in its pool)."""
+        if endpoint not in self._known:
+            return False
+        if block_hashes and self._records(endpoint):
+            self.index.record(block_hashes, endpoint)
+        if session_key is not None and self.sessions is not None:
+            self.sessions.record(tenant, session_key, endpoint, block_hashes, now_s)
+        if pending_tokens is not None:
+            self.scheduler.policy.apply_peer_pick(key, endpoint, pending_tokens, block_hashes, now_s, expires_s)
+        return True
+
+    def apply_peer_done(self, key: tuple) -> None:
+        """Another replica's pick `key` got its first token or ended (`on_first_token` / `on_release` there)."""
+        self.scheduler.policy.apply_peer_done(key)
+
+    def apply_peer_failover(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash], tenant: str | None,
+                            session_key: str | None) -> None:
+        """Another replica's request was served by `endpoint`, a fallback (`record_failover` there)."""
+        if endpoint not in self._known:
+            return
+        if block_hashes and self._records(endpoint):
+            self.index.record(block_hashes, endpoint)
+        if session_key is not None and self.sessions is not None:
+            self.sessions.moved(tenant, session_key, endpoint, block_hashes)
+
+    def expire_peers(self, now_s: float) -> int:
+        """Drop other replicas' pending picks past their expiry; how many."""
+        return self.scheduler.policy.expire_peers(now_s)
 
     def _records(self, endpoint: EndpointId) -> bool:
         """Whether the own index learns from picks at `endpoint` (not when its events tell the truth)."""

@@ -119,6 +119,30 @@ class Policy:
         there still get their `on_release`. No-op by default (the prefix index is the router's, cleared by
         `RouterCore.on_cache_cleared`)."""
 
+    # --- other replicas' picks (extproc/peers; README: Several replicas) -------------------------------------
+    def pending_tokens_of(self, request: InferenceRequest) -> float | None:
+        """The uncached prefill this policy queued for `request` at its pick (None: it keeps no queue, or the
+        request is no longer pending): what another replica is told to queue. None by default."""
+        return None
+
+    def apply_peer_pick(self, key: tuple, endpoint: EndpointId, pending_tokens: float,
+                        block_hashes: Sequence[BlockHash], now_s: float, expires_s: float) -> None:
+        """Another replica picked `endpoint` for a request (named `key`, never a local request's key) with
+        `pending_tokens` to prefill: queue it as a local pick would be (its blocks a pending prefix there)
+        until `apply_peer_done(key)` or `expire_peers` past `expires_s`. No-op by default."""
+
+    def apply_peer_done(self, key: tuple) -> None:
+        """Another replica's pick `key` got its first token or ended: it leaves the queue. Unknown keys (expired,
+        never seen) are absorbed. No-op by default."""
+
+    def expire_peers(self, now_s: float) -> int:
+        """Drop peers' picks whose `expires_s` passed (their replica died or their end was lost); how many."""
+        return 0
+
+    def num_peer_picks(self) -> int:
+        """Peers' picks pending here (a metric)."""
+        return 0
+
 
 def _decision(order: Sequence[EndpointId], reason: DecisionReason, policy: str, inp: PolicyInput) -> Decision:
     total = len(inp.request.block_hashes)
@@ -206,6 +230,11 @@ flight at once (Envoy's default of 1,024 connections per cluster), so only repor
 stream, a non-streamed response) are dropped, oldest first."""
 
 
+MAX_PEER_PICKS = 65536
+"""Other replicas' picks kept pending at most (oldest out): far more than a fleet has prefilling at once (a
+replica's MAX_AWAITING_USAGE x 16 replicas), so only a flood of messages that never end is cut."""
+
+
 _score = operator.itemgetter(0)
 
 
@@ -269,6 +298,8 @@ class PrefixPolicy(Policy):
         self._released: collections.OrderedDict[int, _TtftPick] = collections.OrderedDict()
         self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
         self._scan_offset = 0  # where the next sampling window of a large pool starts (`decide`)
+        # Other replicas' pending picks (key -> expiry, oldest first): in `model` as non-local pendings.
+        self._peer_expiry: collections.OrderedDict[tuple, float] = collections.OrderedDict()
 
     def _uncached(self, prompt_tokens: float, matched: int, num_hashed: int, tpb: float | None = None,
                   max_blocks: int | None = None) -> float:
@@ -350,7 +381,7 @@ class PrefixPolicy(Policy):
         get_queued = model.queued_tokens.get
         get_backlog = model.backlog.get
         now = inp.now_s
-        get_pending = model.queued_counts.get
+        get_pending = model.local_counts.get  # in flight here less pending here: decoding here
         get_match = matches.get
         get_in_flight = in_flight.get
         scored: list[tuple[float, float, EndpointState, float, int]] = []
@@ -463,6 +494,41 @@ class PrefixPolicy(Policy):
                         alternative_endpoint=alt[2].endpoint if alt is not None else None,
                         alternative_ttft_ms=alt[1] * 1000.0 if alt is not None else None,
                         pending_blocks=pend.get(order[0], 0) if pend else 0)
+
+    def pending_tokens_of(self, request: InferenceRequest) -> float | None:
+        p = self._picks.get(id(request))
+        return p.own_tokens if p is not None else None
+
+    def apply_peer_pick(self, key: tuple, endpoint: EndpointId, pending_tokens: float,
+                        block_hashes: Sequence[BlockHash], now_s: float, expires_s: float) -> None:
+        if not self.track_prefill:
+            return  # no releases, no queue: the peers' picks would have nothing to empty them either
+        self.model.add_pending(key, endpoint, pending_tokens, block_hashes, now_s, local=False)
+        peers = self._peer_expiry
+        peers.pop(key, None)
+        peers[key] = expires_s  # insertion order is expiry order: one TTL, a monotonic clock
+        if len(peers) > MAX_PEER_PICKS:
+            old, _ = peers.popitem(last=False)
+            self.model.remove_pending(old)
+
+    def apply_peer_done(self, key: tuple) -> None:
+        if self._peer_expiry.pop(key, None) is not None:
+            self.model.remove_pending(key)
+
+    def expire_peers(self, now_s: float) -> int:
+        peers = self._peer_expiry
+        n = 0
+        while peers:
+            key, expires_s = next(iter(peers.items()))
+            if expires_s > now_s:
+                break
+            del peers[key]
+            self.model.remove_pending(key)
+            n += 1
+        return n
+
+    def num_peer_picks(self) -> int:
+        return len(self._peer_expiry)
 
     def time_model_figures(self) -> dict[EndpointId, tuple[float, float, float, int]]:
         """Per endpoint the model knows (learned or with requests pending): (rate tokens/s, base s, pending

@@ -1,0 +1,236 @@
+"""`PeerBus`: one replica's connection to the others through NATS (README: Several replicas: what they share).
+
+Publishing (the request path): `publish(message)` appends to a buffer and, the first time in an event-loop
+tick, wakes the sender task; it never awaits, never does I/O and never raises. The sender encodes what the
+tick produced into one `codec.Batch` (at most ``max_batch_messages`` per NATS message) and publishes it on
+``PREFIX.routing.REPLICA``. While NATS is not connected, messages are dropped at once (counted
+``direction="dropped"``), not queued: what they said (a pick's pending prefill) is stale within a second, and
+the other replicas expire what they miss (`PeerSettings.pending_ttl_s`). Beyond ``max_buffered_messages``
+waiting, new messages are dropped too.
+
+Receiving: subscribed to ``PREFIX.routing.*``; a batch from this replica's own subject is skipped; others are
+decoded and handed to the sink's ``apply_peer_batch(origin, messages, now_s)`` on the event loop (synchronous:
+the sink is `service.PoolRouter`, which applies them to the prefix index, the policy's queues, the sessions
+and the Responses directory). A batch that does not decode is counted (``kind="invalid"``) and skipped. Every
+second the sink's ``expire_peers(now_s)`` drops peers' pending picks older than the TTL.
+
+Connection: the first connection is retried every ``reconnect_wait_s`` forever in the background (NATS down
+at start: the replica routes alone meanwhile); after it, nats-py reconnects by itself, forever. Nothing here
+ever blocks or fails a request. A replica that restarts starts empty and learns from the picks made after it
+connects (nothing is replayed: the servers' caches and KV events hold the truth, picks age out in seconds).
+
+Single event loop; `connected` and the counters are plain attributes the metrics thread may read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+
+from prefixroute.extproc.peers import codec
+from prefixroute.extproc.peers.settings import PeerSettings
+
+log = logging.getLogger("prefixroute.extproc.peers")
+
+EXPIRE_INTERVAL_S = 1.0
+"""How often peers' stale pending picks are looked for: a tenth of a second's precision would buy nothing
+against a TTL of tens of seconds."""
+
+
+class PeerSink(Protocol):
+    def apply_peer_batch(self, origin: tuple[str, int], messages: list[codec.Message], now_s: float) -> None: ...
+
+    def expire_peers(self, now_s: float) -> None: ...
+
+
+class PeerBus:
+    """See the module docstring. `sink`: what applies the other replicas' messages; `clock`: monotonic seconds
+    (the sink's own clock, passed back to it)."""
+
+    def __init__(self, settings: PeerSettings, sink: PeerSink, *, clock: Callable[[], float] = time.monotonic,
+                 incarnation: int | None = None) -> None:
+        self.settings = settings
+        self.sink = sink
+        self.clock = clock
+        self.replica_id = settings.resolved_replica_id()
+        self.incarnation = incarnation if incarnation is not None else random.getrandbits(48)
+        self.subject = f"{settings.subject_prefix}.routing.{self.replica_id}"
+        self._wildcard = f"{settings.subject_prefix}.routing.*"
+        self.connected = False
+        self.num_sent: dict[str, int] = dict.fromkeys(codec.KINDS.values(), 0)
+        self.num_received: dict[str, int] = {**dict.fromkeys(codec.KINDS.values(), 0), "invalid": 0}
+        self.num_dropped: dict[str, int] = dict.fromkeys(codec.KINDS.values(), 0)
+        self.num_connects = 0
+        self._buf: list[codec.Message] = []
+        self._max_buf = settings.max_buffered_messages
+        self._wake: asyncio.Event | None = None
+        self._woken = False
+        self._nc: Any = None
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+
+    # --- the request path ----------------------------------------------------------------------------------
+    def publish(self, message: codec.Message) -> None:
+        """Send `message` to the other replicas with this tick's batch (module docstring): O(1), never blocks."""
+        if not self.connected or len(self._buf) >= self._max_buf:
+            self.num_dropped[codec.KINDS[type(message)]] += 1
+            return
+        self._buf.append(message)
+        if not self._woken:
+            self._woken = True
+            self._wake.set()  # type: ignore[union-attr]  # connected implies started
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start connecting in the background (returns at once) and the expiry timer."""
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._tasks = [loop.create_task(self._connect()), loop.create_task(self._send()),
+                       loop.create_task(self._expire())]
+
+    async def _connect(self) -> None:
+        import nats  # deferred: a replica routing alone never imports it
+
+        s = self.settings
+        servers = [u.strip() for u in s.url.split(",") if u.strip()]
+        warned = False
+        while not self._closing:
+            try:
+                nc = await nats.connect(
+                    servers, name=self.replica_id, connect_timeout=max(1.0, s.reconnect_wait_s),
+                    allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=s.reconnect_wait_s,
+                    # Nothing is buffered while reconnecting: `publish` drops while disconnected.
+                    pending_size=4 * 1024 * 1024, disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected, error_cb=self._on_error, closed_cb=self._on_closed)
+            except Exception as exc:  # noqa: BLE001 - NATS down at start: route alone, retry forever
+                if not warned:
+                    warned = True
+                    log.warning("peers: cannot connect to %s (%s); routing alone, retrying every %.1f s", s.url,
+                                exc, s.reconnect_wait_s)
+                await asyncio.sleep(s.reconnect_wait_s)
+                continue
+            self._nc = nc
+            await nc.subscribe(self._wildcard, cb=self._on_msg)
+            self.connected = True
+            self.num_connects += 1
+            log.warning("peers: connected to %s as %s", nc.connected_url.netloc if nc.connected_url else s.url,
+                        self.replica_id)
+            return
+
+    async def _on_disconnected(self) -> None:
+        if self.connected:
+            log.warning("peers: disconnected from NATS; routing alone until it is back")
+        self.connected = False
+
+    async def _on_reconnected(self) -> None:
+        self.connected = True
+        self.num_connects += 1
+        log.warning("peers: reconnected to NATS")
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.debug("peers: NATS error: %s", exc)
+
+    async def _on_closed(self) -> None:
+        self.connected = False
+
+    async def close(self) -> None:
+        self._closing = True
+        self.connected = False
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._nc.close(), 2.0)
+
+    # --- background tasks ------------------------------------------------------------------------------------
+    async def _send(self) -> None:
+        wake = self._wake
+        assert wake is not None
+        step = self.settings.max_batch_messages
+        while True:
+            await wake.wait()
+            wake.clear()
+            self._woken = False
+            buf, self._buf = self._buf, []
+            nc = self._nc
+            for i in range(0, len(buf), step):
+                chunk = buf[i:i + step]
+                counts = self.num_sent
+                if nc is None or not self.connected:
+                    counts = self.num_dropped
+                else:
+                    try:
+                        await nc.publish(self.subject, codec.encode(codec.Batch(self.replica_id, self.incarnation,
+                                                                                chunk)))
+                    except Exception as exc:  # noqa: BLE001 - a lost connection mid-publish: dropped
+                        log.debug("peers: publish failed: %s", exc)
+                        counts = self.num_dropped
+                for m in chunk:
+                    counts[codec.KINDS[type(m)]] += 1
+
+    async def _on_msg(self, msg: Any) -> None:
+        if msg.subject == self.subject:
+            return
+        try:
+            batch = codec.decode(msg.data)
+        except msgspec.DecodeError:
+            self.num_received["invalid"] += 1
+            return
+        if batch.replica == self.replica_id and batch.incarnation == self.incarnation:
+            return
+        received = self.num_received
+        for m in batch.messages:
+            received[codec.KINDS[type(m)]] += 1
+        try:
+            self.sink.apply_peer_batch((batch.replica, batch.incarnation), batch.messages, self.clock())
+        except Exception:  # noqa: BLE001 - one bad batch must not stop the subscription
+            log.exception("peers: applying a batch from %s failed", batch.replica)
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_INTERVAL_S)
+            try:
+                self.sink.expire_peers(self.clock())
+            except Exception:  # noqa: BLE001 - the timer must never stop
+                log.exception("peers: expiring stale picks failed")
+
+
+class PeersCollector:
+    """prometheus_client collector of a `PeerBus` (register it on the router's metrics registry)."""
+
+    def __init__(self, bus: PeerBus, num_pending: Callable[[], int] | None = None) -> None:
+        self.bus = bus
+        self.num_pending = num_pending
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):  # noqa: ANN201
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        b = self.bus
+        yield GaugeMetricFamily("prefixroute_peer_connected", "1 while this replica is connected to the NATS "
+                                "server its peers share state through, else 0 (it routes alone).",
+                                value=1 if b.connected else 0)
+        msgs = CounterMetricFamily("prefixroute_peer_messages", "Messages to and from the other replicas, by "
+                                   "direction (sent, received, dropped: not sent, NATS being down or the buffer "
+                                   "full) and kind (pick, done, failover, response; invalid: a batch that did not "
+                                   "decode).", labels=["direction", "kind"])
+        for direction, counts in (("sent", b.num_sent), ("received", b.num_received), ("dropped", b.num_dropped)):
+            for kind, n in dict(counts).items():
+                msgs.add_metric([direction, kind], n)
+        yield msgs
+        if self.num_pending is not None:
+            yield GaugeMetricFamily("prefixroute_peer_pending_picks", "Other replicas' picks still prefilling that "
+                                    "this replica counts in its endpoints' queues (each expires after "
+                                    "--peers-pending-ttl-s without its end).", value=self.num_pending())

@@ -1,0 +1,75 @@
+"""The messages replicas exchange (msgspec structs, msgpack on the wire) and their encoder/decoder.
+
+One NATS message is one `Batch`: every message one replica produced in one event-loop tick, with the sender's
+`replica` id and `incarnation` (random per process: a replica restarted under the same id never has its new
+picks confused with the old ones' pending state). A pick is named by (replica, incarnation, seq) everywhere.
+
+Compatibility: structs are array-like (positional) and tagged by an int; new fields go at the end with
+defaults, so an older replica reading a newer message ignores nothing it needs (msgspec fills defaults for
+missing trailing fields; extra trailing fields are rejected, so upgrade readers first).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Pick(msgspec.Struct, array_like=True, tag=0, frozen=True):
+    """A request was routed to `endpoint` (the primary). `block_hashes`: its prefix (may be empty).
+    `pending_tokens`: the uncached prefill the prefix policy queued for it there (None: the sender's policy
+    keeps no queue; then no `Done` follows). `session_key` with `tenant`: the chat session it continues, when
+    the sender keeps sessions."""
+
+    seq: int
+    endpoint: str
+    block_hashes: list[int]
+    pending_tokens: float | None = None
+    tenant: str | None = None
+    session_key: str | None = None
+
+
+class Done(msgspec.Struct, array_like=True, tag=1, frozen=True):
+    """Pick `seq`'s prefill ended (first token, or the request ended first): it leaves its endpoint's queue."""
+
+    seq: int
+
+
+class Failover(msgspec.Struct, array_like=True, tag=2, frozen=True):
+    """A request with this prefix (and session) was really served by `endpoint`, a fallback."""
+
+    endpoint: str
+    block_hashes: list[int]
+    tenant: str | None = None
+    session_key: str | None = None
+
+
+class Response(msgspec.Struct, array_like=True, tag=3, frozen=True):
+    """Responses API: `endpoint` holds `response_id`; `prompt_tokens`: its request's prompt tokens, when known."""
+
+    response_id: str
+    endpoint: str
+    prompt_tokens: int | None = None
+
+
+Message = Pick | Done | Failover | Response
+KINDS: dict[type, str] = {Pick: "pick", Done: "done", Failover: "failover", Response: "response"}
+"""Each message type's ``kind`` label on /metrics."""
+
+
+class Batch(msgspec.Struct, array_like=True, frozen=True):
+    replica: str
+    incarnation: int
+    messages: list[Message]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Batch)
+
+
+def encode(batch: Batch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode(data: bytes) -> Batch:
+    """Raises `msgspec.DecodeError` (a `msgspec.ValidationError` for a well-formed message of the wrong shape)."""
+    return _decoder.decode(data)

