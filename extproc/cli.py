@@ -199,7 +199,10 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         bus = PeerBus(peer_settings, router)
         router.peers = bus
         router.peer_pending_ttl_s = peer_settings.pending_ttl_s
-        telemetry.metrics.registry.register(PeersCollector(bus, core.scheduler.policy.num_peer_picks))
+        router.peer_in_flight_ttl_s = peer_settings.in_flight_ttl_s
+        router.peer_timeout_s = peer_settings.peer_timeout_s
+        telemetry.metrics.registry.register(PeersCollector(bus, core.scheduler.policy.num_peer_picks,
+                                                           router.num_peer_in_flight))
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
     if bus is not None:

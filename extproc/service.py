@@ -77,6 +77,11 @@ from prefixroute.openai_errors import OpenAIError
 from prefixroute import responses_api
 
 
+MAX_PEER_IN_FLIGHT = 65536
+"""Other replicas' requests counted in flight here at most (oldest out): more than a fleet of 16 replicas
+behind Envoys of 1,024 connections per cluster has at once."""
+
+
 class PeerPublisher(Protocol):
     """What `PoolRouter` sends the other replicas through (`peers.bus.PeerBus`): `publish` never awaits, never
     blocks and never raises."""
@@ -89,7 +94,7 @@ class RoutePick:
 
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
                  "failover_reported", "first_token_reported", "usage_reported", "usage_observed", "index_source",
-                 "response_id", "response_endpoint", "peer_seq")
+                 "response_id", "response_endpoint", "peer_seq", "peer_pending")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -107,7 +112,8 @@ class RoutePick:
         self.index_source = ""  # where the primary's match came from (RouterCore.index_source_of), for telemetry
         self.response_id: str | None = None  # the Responses API id of this pick's response, once seen
         self.response_endpoint: EndpointId | None = None  # the endpoint holding `response_id`
-        self.peer_seq: int | None = None  # set while the other replicas count this pick as pending (a Done due)
+        self.peer_seq: int | None = None  # set while the other replicas count this pick in flight (a Release due)
+        self.peer_pending = False  # the other replicas count it pending (a Done due at the first token)
 
 
 class PoolRouter:
@@ -137,7 +143,14 @@ class PoolRouter:
         # The other replicas (extproc/peers): None = this replica routes alone (no message, no cost).
         self.peers: PeerPublisher | None = None
         self.peer_pending_ttl_s = 30.0  # PeerSettings.pending_ttl_s, set with `peers`
+        self.peer_in_flight_ttl_s = 660.0  # PeerSettings.in_flight_ttl_s
+        self.peer_timeout_s = 5.0  # PeerSettings.peer_timeout_s
         self._peer_seq = 0
+        # Other replicas' requests in flight here: (replica, incarnation, seq) -> [endpoint, expiry], oldest
+        # first; counted in the pool's in-flight counts (so every replica prices the fleet's load), and when
+        # each origin was last heard from.
+        self._peer_in_flight: dict[tuple, list] = {}
+        self._peer_seen: dict[tuple[str, int], float] = {}
         pool.add_listener(self._on_pool_change)
 
     def _on_pool_change(self, snapshot: Sequence[EndpointState]) -> None:
@@ -190,38 +203,78 @@ class PoolRouter:
         if pending is None and not hashes:
             return  # nothing another replica would do with it
         self._peer_seq += 1
-        if pending is not None:
-            pick.peer_seq = self._peer_seq
+        pick.peer_seq = self._peer_seq
+        pick.peer_pending = pending is not None
         skey = request.session_key if self.core.sessions is not None else None
         peers.publish(codec.Pick(self._peer_seq, pick.endpoint_ids[0], hashes, pending,
                                  request.tenant if skey is not None else None, skey))
 
     def _publish_done(self, pick: RoutePick) -> None:
+        if pick.peer_pending and self.peers is not None:
+            pick.peer_pending = False
+            self.peers.publish(codec.Done(pick.peer_seq))  # type: ignore[arg-type]
+
+    def _publish_release(self, pick: RoutePick) -> None:
         seq = pick.peer_seq
         if seq is not None and self.peers is not None:
             pick.peer_seq = None
-            self.peers.publish(codec.Done(seq))
+            pick.peer_pending = False
+            self.peers.publish(codec.Release(seq))
 
     # --- other replicas (extproc/peers: PeerBus calls these on the event loop) ----------------------------
     def apply_peer_batch(self, origin: tuple[str, int], messages: Sequence[codec.Message], now_s: float) -> None:
         """Apply another replica's messages (`origin`: its (replica id, incarnation)), in order: picks and
         failovers to the core (index, sessions, the policy's queues), responses to the directory."""
         core = self.core
+        pool = self.pool
+        flying = self._peer_in_flight
+        self._peer_seen[origin] = now_s  # an empty batch is a heartbeat
         expires_s = now_s + self.peer_pending_ttl_s
         for m in messages:
-            if type(m) is codec.Pick:
-                core.apply_peer_pick((*origin, m.seq), m.endpoint, m.block_hashes, m.pending_tokens, m.tenant,
-                                     m.session_key, now_s, expires_s)
-            elif type(m) is codec.Done:
+            t = type(m)
+            if t is codec.Pick:
+                key = (*origin, m.seq)
+                if core.apply_peer_pick(key, m.endpoint, m.block_hashes, m.pending_tokens, m.tenant,
+                                        m.session_key, now_s, expires_s) and key not in flying:
+                    pool.acquire(m.endpoint)
+                    flying[key] = [m.endpoint, now_s + self.peer_in_flight_ttl_s]
+            elif t is codec.Done:
                 core.apply_peer_done((*origin, m.seq))
-            elif type(m) is codec.Failover:
+            elif t is codec.Release:
+                key = (*origin, m.seq)
+                core.apply_peer_done(key)
+                entry = flying.pop(key, None)
+                if entry is not None:
+                    pool.release(entry[0])
+            elif t is codec.Failover:
                 core.apply_peer_failover(m.endpoint, m.block_hashes, m.tenant, m.session_key)
-            elif type(m) is codec.Response:
+                entry = flying.get((*origin, m.seq))
+                if entry is not None and entry[0] != m.endpoint and m.endpoint in core._known:
+                    pool.release(entry[0])
+                    pool.acquire(m.endpoint)
+                    entry[0] = m.endpoint
+            elif t is codec.Response:
                 self.responses.apply_peer(m.response_id, m.endpoint, m.prompt_tokens)
+        while len(flying) > MAX_PEER_IN_FLIGHT:
+            key = next(iter(flying))
+            pool.release(flying.pop(key)[0])
 
     def expire_peers(self, now_s: float) -> None:
-        """Drop the other replicas' pending picks older than their TTL (the bus calls this every second)."""
+        """The bus calls this every second: drop the other replicas' pending picks older than their TTL, their
+        in-flight requests older than theirs (a lost Release), and everything of a replica not heard from for
+        `peer_timeout_s` (it died, or this replica lost NATS: their Releases would not reach it)."""
         self.core.expire_peers(now_s)
+        flying = self._peer_in_flight
+        gone = {o for o, t in self._peer_seen.items() if now_s - t > self.peer_timeout_s}
+        for o in gone:
+            del self._peer_seen[o]
+        for key in [k for k, (_, exp) in flying.items() if exp <= now_s or k[:2] in gone]:
+            self.core.apply_peer_done(key)
+            self.pool.release(flying.pop(key)[0])
+
+    def num_peer_in_flight(self) -> int:
+        """Other replicas' requests counted in flight here (a metric)."""
+        return len(self._peer_in_flight)
 
     def _set_known_prefix(self, request: InferenceRequest) -> None:
         """A Responses follow-up's prompt starts with the previous request's prompt, which its holder cached:
@@ -304,7 +357,7 @@ class PoolRouter:
         if self.peers is not None:
             r = pick.request
             skey = r.session_key if self.core.sessions is not None else None
-            self.peers.publish(codec.Failover(served_id, r.block_hashes, r.tenant if skey is not None else None,
+            self.peers.publish(codec.Failover(pick.peer_seq or 0, served_id, r.block_hashes, r.tenant if skey is not None else None,
                                               skey))
         if not pick.released:
             self.pool.release(pick.counted)
@@ -345,4 +398,4 @@ class PoolRouter:
             self.pool.release(pick.counted)
             # Outstanding-prefill tracking (cold placement prefers endpoints with less prefill queued).
             self.core.on_release(pick.request, pick.decision)
-            self._publish_done(pick)
+            self._publish_release(pick)

@@ -12,7 +12,8 @@ Receiving: subscribed to ``PREFIX.routing.*``; a batch from this replica's own s
 decoded and handed to the sink's ``apply_peer_batch(origin, messages, now_s)`` on the event loop (synchronous:
 the sink is `service.PoolRouter`, which applies them to the prefix index, the policy's queues, the sessions
 and the Responses directory). A batch that does not decode is counted (``kind="invalid"``) and skipped. Every
-second the sink's ``expire_peers(now_s)`` drops peers' pending picks older than the TTL.
+second this replica publishes a heartbeat (an empty batch) and the sink's ``expire_peers(now_s)`` drops
+peers' pending picks older than the TTL and everything of a peer silent for ``peer_timeout_s``.
 
 Connection: the first connection is retried every ``reconnect_wait_s`` forever in the background (NATS down
 at start: the replica routes alone meanwhile); after it, nats-py reconnects by itself, forever. Nothing here
@@ -199,6 +200,10 @@ class PeerBus:
     async def _expire(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_S)
+            nc = self._nc
+            if nc is not None and self.connected:  # the heartbeat: an empty batch (codec.Batch)
+                with contextlib.suppress(Exception):
+                    await nc.publish(self.subject, codec.encode(codec.Batch(self.replica_id, self.incarnation, [])))
             try:
                 self.sink.expire_peers(self.clock())
             except Exception:  # noqa: BLE001 - the timer must never stop
@@ -208,9 +213,11 @@ class PeerBus:
 class PeersCollector:
     """prometheus_client collector of a `PeerBus` (register it on the router's metrics registry)."""
 
-    def __init__(self, bus: PeerBus, num_pending: Callable[[], int] | None = None) -> None:
+    def __init__(self, bus: PeerBus, num_pending: Callable[[], int] | None = None,
+                 num_in_flight: Callable[[], int] | None = None) -> None:
         self.bus = bus
         self.num_pending = num_pending
+        self.num_in_flight = num_in_flight
 
     def describe(self) -> list:
         return []
@@ -224,7 +231,7 @@ class PeersCollector:
                                 value=1 if b.connected else 0)
         msgs = CounterMetricFamily("prefixroute_peer_messages", "Messages to and from the other replicas, by "
                                    "direction (sent, received, dropped: not sent, NATS being down or the buffer "
-                                   "full) and kind (pick, done, failover, response; invalid: a batch that did not "
+                                   "full) and kind (pick, done, release, failover, response; invalid: a batch that did not "
                                    "decode).", labels=["direction", "kind"])
         for direction, counts in (("sent", b.num_sent), ("received", b.num_received), ("dropped", b.num_dropped)):
             for kind, n in dict(counts).items():
@@ -234,3 +241,6 @@ class PeersCollector:
             yield GaugeMetricFamily("prefixroute_peer_pending_picks", "Other replicas' picks still prefilling that "
                                     "this replica counts in its endpoints' queues (each expires after "
                                     "--peers-pending-ttl-s without its end).", value=self.num_pending())
+        if self.num_in_flight is not None:
+            yield GaugeMetricFamily("prefixroute_peer_in_flight", "Other replicas' requests in flight that this "
+                                    "replica counts in its endpoints' loads.", value=self.num_in_flight())

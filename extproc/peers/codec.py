@@ -15,9 +15,9 @@ import msgspec
 
 
 class Pick(msgspec.Struct, array_like=True, tag=0, frozen=True):
-    """A request was routed to `endpoint` (the primary). `block_hashes`: its prefix (may be empty).
-    `pending_tokens`: the uncached prefill the prefix policy queued for it there (None: the sender's policy
-    keeps no queue; then no `Done` follows). `session_key` with `tenant`: the chat session it continues, when
+    """A request was routed to `endpoint` (the primary): it counts in flight there until its `Release`.
+    `block_hashes`: its prefix (may be empty). `pending_tokens`: the uncached prefill the prefix policy queued
+    for it there (None: the sender's policy keeps no queue; then no `Done` follows). `session_key` with `tenant`: the chat session it continues, when
     the sender keeps sessions."""
 
     seq: int
@@ -29,14 +29,23 @@ class Pick(msgspec.Struct, array_like=True, tag=0, frozen=True):
 
 
 class Done(msgspec.Struct, array_like=True, tag=1, frozen=True):
-    """Pick `seq`'s prefill ended (first token, or the request ended first): it leaves its endpoint's queue."""
+    """Pick `seq`'s first token came: it leaves its endpoint's prefill queue (it still counts in flight)."""
+
+    seq: int
+
+
+class Release(msgspec.Struct, array_like=True, tag=4, frozen=True):
+    """Pick `seq`'s request ended (any reason): it leaves its endpoint's in-flight count (and its queue, if no
+    first token came first)."""
 
     seq: int
 
 
 class Failover(msgspec.Struct, array_like=True, tag=2, frozen=True):
-    """A request with this prefix (and session) was really served by `endpoint`, a fallback."""
+    """Pick `seq` (its prefix and session) was really served by `endpoint`, a fallback: its in-flight count
+    moves there."""
 
+    seq: int
     endpoint: str
     block_hashes: list[int]
     tenant: str | None = None
@@ -51,12 +60,16 @@ class Response(msgspec.Struct, array_like=True, tag=3, frozen=True):
     prompt_tokens: int | None = None
 
 
-Message = Pick | Done | Failover | Response
-KINDS: dict[type, str] = {Pick: "pick", Done: "done", Failover: "failover", Response: "response"}
+Message = Pick | Done | Release | Failover | Response
+KINDS: dict[type, str] = {Pick: "pick", Done: "done", Release: "release", Failover: "failover",
+                          Response: "response"}
 """Each message type's ``kind`` label on /metrics."""
 
 
 class Batch(msgspec.Struct, array_like=True, frozen=True):
+    """One NATS message. An empty one is a heartbeat (sent every second): a replica silent for
+    `PeerSettings.peer_timeout_s` is gone, and what it had in flight and pending is dropped."""
+
     replica: str
     incarnation: int
     messages: list[Message]

@@ -40,6 +40,14 @@ class PeerSettings(Settings):
                                    "token (a queued 128k-token prefill takes seconds), so a live pick is never "
                                    "dropped early, and a dead replica's phantom queue lasts at most that long.",
                                    flag="--peers-pending-ttl-s")
+    in_flight_ttl_s: float = setting(660.0, "A peer's request counted in flight here without its end reported "
+                                     "is dropped after this long (a lost message): Envoy's whole-response "
+                                     "timeout (upstream_timeout_s, 600 s) plus a minute, so no live request "
+                                     "is dropped.", flag="--peers-in-flight-ttl-s")
+    peer_timeout_s: float = setting(5.0, "A peer not heard from for this long (each sends at least a heartbeat "
+                                    "a second) is gone: its requests in flight and pending here are dropped at "
+                                    "once. 5 missed heartbeats: no false alarm on a busy loop, a dead replica's "
+                                    "load forgotten within seconds.", flag="--peers-timeout-s")
     max_buffered_messages: int = setting(8192, "Messages waiting for the sender (one event-loop tick's worth "
                                          "normally, a few); beyond, new ones are dropped and counted (the bus is "
                                          "not keeping up). 8192 is seconds of picks at any real request rate.",
@@ -58,9 +66,11 @@ class PeerSettings(Settings):
             raise ValueError(f"--peers-subject-prefix {self.subject_prefix!r}: dot-separated tokens of letters, "
                              "digits, '-' and '_'")
         if not self.pending_ttl_s > 0 or self.max_buffered_messages < 1 or self.max_batch_messages < 1 or \
-                not self.reconnect_wait_s > 0:
-            raise ValueError("--peers-pending-ttl-s and --peers-reconnect-wait-s must be > 0, "
-                             "--peers-max-buffered-messages and --peers-max-batch-messages >= 1")
+                not self.reconnect_wait_s > 0 or \
+                not self.in_flight_ttl_s > 0 or not self.peer_timeout_s > 0:
+            raise ValueError("--peers-pending-ttl-s, --peers-reconnect-wait-s, "
+                             "--peers-in-flight-ttl-s, --peers-timeout-s > 0, --peers-max-buffered-messages and "
+                             "--peers-max-batch-messages >= 1")
 
     def resolved_replica_id(self) -> str:
         return self.replica_id or default_replica_id()

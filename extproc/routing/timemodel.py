@@ -178,7 +178,6 @@ class _Pending:
     endpoint: EndpointId
     tokens: float
     hashes: tuple[BlockHash, ...]
-    local: bool = True
 
 
 class TimeModel:
@@ -212,11 +211,6 @@ class TimeModel:
         self._num_observed = 0
         self.queued_tokens: Mapping[EndpointId, float] = self._tokens
         self.queued_counts: Mapping[EndpointId, int] = self._count
-        # Pending requests this replica routed itself (absent: 0): the ones its own in-flight counts include,
-        # so in flight less these is its decoding load (another replica's picks are in its queue, not its
-        # in-flight counts).
-        self._local_count: dict[EndpointId, int] = {}
-        self.local_counts: Mapping[EndpointId, int] = self._local_count
         self._prefixes: dict[EndpointId, dict[BlockHash, int]] = {}
         # first block hash -> endpoints with a pending request starting with it (count): `pending_matches`
         # looks only at those, not at every endpoint with something pending.
@@ -314,23 +308,19 @@ class TimeModel:
         return Tokens(q)
 
     def add_pending(self, key: Hashable, endpoint: EndpointId, uncached_tokens: float,
-                    block_hashes: Sequence[BlockHash] = (), now_s: float | None = None, *,
-                    local: bool = True) -> Tokens:
+                    block_hashes: Sequence[BlockHash] = (), now_s: float | None = None) -> Tokens:
         """`key` was picked for `endpoint` at `now_s` with `uncached_tokens` to prefill; its blocks become a
         pending prefix there. Returns the tokens queued ahead of it (`queued_at`: what `observe` later wants).
-        A key already pending is moved (its old entry removed first). `local`: picked by this replica (False:
-        another replica's pick, shared through the peers bus; it queues the same but is not in `local_counts`)."""
+        A key already pending is moved (its old entry removed first)."""
         self.remove_pending(key)
         ahead = self.queued_at(endpoint, now_s)
         tokens = max(0.0, uncached_tokens)
         if now_s is not None:
             self._backlog[endpoint] = (ahead + tokens, now_s)
         hashes = tuple(block_hashes)
-        self._pending[key] = _Pending(endpoint, tokens, hashes, local)
+        self._pending[key] = _Pending(endpoint, tokens, hashes)
         self._tokens[endpoint] = self._tokens.get(endpoint, 0.0) + tokens
         self._count[endpoint] = self._count.get(endpoint, 0) + 1
-        if local:
-            self._local_count[endpoint] = self._local_count.get(endpoint, 0) + 1
         if hashes:
             pre = self._prefixes.setdefault(endpoint, {})
             for h in hashes:
@@ -346,12 +336,6 @@ class TimeModel:
         if p is None:
             return False
         ep = p.endpoint
-        if p.local:
-            c = self._local_count.get(ep, 1) - 1
-            if c > 0:
-                self._local_count[ep] = c
-            else:
-                self._local_count.pop(ep, None)
         left = self._tokens.get(ep, 0.0) - p.tokens
         n = self._count.get(ep, 1) - 1
         if n <= 0:

@@ -381,7 +381,7 @@ class PrefixPolicy(Policy):
         get_queued = model.queued_tokens.get
         get_backlog = model.backlog.get
         now = inp.now_s
-        get_pending = model.local_counts.get  # in flight here less pending here: decoding here
+        get_pending = model.queued_counts.get
         get_match = matches.get
         get_in_flight = in_flight.get
         scored: list[tuple[float, float, EndpointState, float, int]] = []
@@ -503,7 +503,7 @@ class PrefixPolicy(Policy):
                         block_hashes: Sequence[BlockHash], now_s: float, expires_s: float) -> None:
         if not self.track_prefill:
             return  # no releases, no queue: the peers' picks would have nothing to empty them either
-        self.model.add_pending(key, endpoint, pending_tokens, block_hashes, now_s, local=False)
+        self.model.add_pending(key, endpoint, pending_tokens, block_hashes, now_s)
         peers = self._peer_expiry
         peers.pop(key, None)
         peers[key] = expires_s  # insertion order is expiry order: one TTL, a monotonic clock
