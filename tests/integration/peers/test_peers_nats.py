@@ -1,0 +1,117 @@
+"""Two replicas (PoolRouters) sharing state through a REAL nats-server on loopback (extproc/peers/bus.py):
+they agree within a bounded delay; NATS killed: routing goes on, metrics say disconnected and dropped; NATS
+back: they reconnect and share again; NATS down at start: the replica routes alone until it comes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from helpers.peers import POST, chat, replica
+from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
+from prefixroute.extproc.peers.server import nats_server_argv, nats_url
+from prefixroute.extproc.peers.settings import PeerSettings
+from prefixroute.procs import ManagedProcess, free_ports, tcp_open
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+AGREE_S = 1.0  # the bound the replicas must agree within (a loopback hop is well under a millisecond)
+
+
+def _nats(port: int, tmp_path) -> ManagedProcess:
+    p = ManagedProcess("nats-server", nats_server_argv(port), log_path=tmp_path / f"nats-{time.monotonic_ns()}.log",
+                       ports=(port,), ready=lambda: tcp_open(port))
+    p.spawn()
+    p.wait_ready(10.0)
+    return p
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, "condition not met in time"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def _metrics(bus: PeerBus) -> str:
+    reg = CollectorRegistry()
+    reg.register(PeersCollector(bus))
+    return generate_latest(reg).decode()
+
+
+async def _pair(url: str):
+    routers, buses = [], []
+    for name in ("r1", "r2"):
+        r = replica()
+        bus = PeerBus(PeerSettings(url=url, replica_id=name, reconnect_wait_s=0.1), r, clock=r.clock)
+        r.peers = bus
+        await bus.start()
+        routers.append(r)
+        buses.append(bus)
+    return routers, buses
+
+
+async def test_two_replicas_share_through_nats_survive_its_death_and_reconnect(tmp_path):
+    port = free_ports(1)[0]
+    nats = _nats(port, tmp_path)
+    (a, b), (bus_a, bus_b) = await _pair(nats_url(port))
+    try:
+        await _until(lambda: bus_a.connected and bus_b.connected, 10.0)
+        await asyncio.sleep(0.1)  # both subscriptions registered at the server
+        pick = a.route(*POST, {}, chat("system " * 400, "doc one " * 300))
+        ep = pick.endpoint_ids[0]
+        waited = await _until(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S)
+        assert b.pool.in_flight == {ep: 1}
+        assert a.core.scheduler.policy.num_peer_picks() == 0  # its own message is not applied to itself
+        a.release(pick)
+        await _until(lambda: b.pool.in_flight == {} and b.core.scheduler.policy.num_peer_picks() == 0, AGREE_S)
+        print(f"agreed after {waited * 1000:.1f} ms")
+
+        nats.kill()
+        await _until(lambda: not bus_a.connected and not bus_b.connected, 5.0)
+        assert "prefixroute_peer_connected 0.0" in _metrics(bus_a)
+        p2 = a.route(*POST, {}, chat("system " * 400, "doc two " * 300))  # routing goes on, alone
+        a.release(p2)
+        assert bus_a.num_dropped["pick"] >= 1 and bus_a.num_dropped["release"] >= 1
+        assert 'prefixroute_peer_messages_total{direction="dropped",kind="pick"} 1.0' in _metrics(bus_a)
+        await asyncio.sleep(0.3)
+        assert b.core.scheduler.policy.num_peer_picks() == 0  # nothing arrived
+
+        nats = _nats(port, tmp_path)  # back on the same port
+        await _until(lambda: bus_a.connected and bus_b.connected, 10.0)
+        await asyncio.sleep(0.2)  # the resubscriptions reached the server
+        p3 = a.route(*POST, {}, chat("system " * 400, "doc three " * 300))
+        await _until(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S)
+        assert b.pool.in_flight == {p3.endpoint_ids[0]: 1}
+        assert "prefixroute_peer_connected 1.0" in _metrics(bus_b)
+    finally:
+        await bus_a.close()
+        await bus_b.close()
+        nats.stop()
+
+
+async def test_nats_down_at_start_routes_alone_then_connects(tmp_path):
+    port = free_ports(1)[0]
+    (a, b), (bus_a, bus_b) = await _pair(nats_url(port))
+    nats = None
+    try:
+        await asyncio.sleep(0.3)
+        assert not bus_a.connected
+        pick = a.route(*POST, {}, chat("system " * 400, "doc " * 300))  # never blocks, never fails
+        a.release(pick)
+        assert bus_a.num_dropped["pick"] == 1
+        nats = _nats(port, tmp_path)
+        await _until(lambda: bus_a.connected and bus_b.connected, 10.0)
+        await asyncio.sleep(0.2)
+        a.route(*POST, {}, chat("system " * 400, "doc again " * 300))
+        await _until(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S)
+    finally:
+        await bus_a.close()
+        await bus_b.close()
+        if nats is not None:
+            nats.stop()
