@@ -44,11 +44,11 @@ Contract with the servicer (`servicer.RouterService`):
 
 - Other replicas (issue 15; extproc/peers): with `peers` set (a `PeerPublisher`, the gateway's NATS bus), each
   pick with block hashes or queued prefill is published (`codec.Pick`: primary, block hashes, the policy's
-  pending prefill, the session), its prefill's end once (`codec.Done`, at `first_token` or `release`,
-  whichever first), a failover (`codec.Failover`) and each learned response id (`codec.Response`, again with
+  pending prefill, the session), its first token (`codec.Done`), its end (`codec.Release`), a failover (`codec.Failover`) and each learned response id (`codec.Response`, again with
   its prompt tokens at `usage`). `apply_peer_batch` applies the other replicas' messages (the bus calls it on
-  the event loop), `expire_peers` drops their stale pending picks. Publishing never awaits. In-flight counts
-  stay per replica (each counts the requests it routed).
+  the event loop: their picks count in the pool's in-flight counts until their ``release`` message, so the
+  pool's in-flight figures are the fleet's), `expire_peers` drops their stale state (TTLs, a silent replica).
+  Publishing never awaits.
 
 Endpoint ids are ``host:port`` as configured; the addresses handed to Envoy (ORIGINAL_DST takes addresses
 only) are those the pool publishes in its snapshot (`EndpointState.address`: the pool resolves names off the
