@@ -65,6 +65,9 @@ class RouterSpec:
     kind: str
     policy: str
     index_source: str = ""
+    replicas: int = 1
+    """Our gateway's ext_proc replicas (``#N`` in the name; 1 by default, whatever the machine's cores, so runs on
+    different machines compare)."""
     api: str = ""
     """The API a workload with a Responses form (agents) is sent in: "responses" or "chat"; "" = the router's
     default (`default_api`)."""
@@ -86,7 +89,8 @@ def default_api(kind: str) -> str:
 
 
 def parse_router(name: str) -> RouterSpec:
-    """``prefixroute:POLICY[@SOURCE]`` (SOURCE one of INDEX_SOURCES), ``sglang-router[:POLICY]``,
+    """``prefixroute:POLICY[@SOURCE][#REPLICAS]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16 ext_proc replicas
+    sharing their picks through an embedded NATS), ``sglang-router[:POLICY]``,
     ``vllm-router[:POLICY]``, each with an optional ``/chat`` or ``/responses`` suffix (the API of the agents
     workload, `RouterSpec.api`; the suffix stays in the name); ValueError otherwise."""
     base, slash, api = name.strip().partition("/")
@@ -99,12 +103,15 @@ def parse_router(name: str) -> RouterSpec:
 def _parse_router_base(name: str) -> RouterSpec:
     kind, _, policy = name.strip().partition(":")
     if kind == "prefixroute":
+        policy, hash_, replicas = policy.partition("#")
+        if hash_ and not (replicas.isdigit() and 1 <= int(replicas) <= 16):
+            raise ValueError(f"router {name!r}: replicas (after #) must be a count 1-16")
         policy, at, source = policy.partition("@")
         if policy not in POLICIES:
             raise ValueError(f"router {name!r}: policy must be one of {', '.join(POLICIES)}")
         if at and source not in INDEX_SOURCES:
             raise ValueError(f"router {name!r}: index source (after @) must be one of {', '.join(INDEX_SOURCES)}")
-        return RouterSpec(name.strip(), kind, policy, source)
+        return RouterSpec(name.strip(), kind, policy, source, replicas=int(replicas) if hash_ else 1)
     if kind in PEER_POLICIES:
         policy = policy or "cache_aware"
         if policy not in PEER_POLICIES[kind]:
@@ -314,20 +321,22 @@ def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Seq
     from prefixroute import settings as settings_mod
     from prefixroute.extproc.endpoints.settings import PoolSettings
     from prefixroute.extproc import gateway
+    from prefixroute.extproc.peers.settings import PeerSettings
     from prefixroute.extproc.routing.settings import RoutingSettings
 
     parser = argparse.ArgumentParser(prog="prefixroute gateway", add_help=False)
     gateway.configure_parser(parser)
     try:
         ns = parser.parse_args(["--port", str(port), "--endpoints", ",".join(endpoints), "--policy", spec.policy,
-                                *gateway_args])
+                                "--extproc-replicas", str(spec.replicas), *gateway_args])
     except SystemExit:
         raise StartupError(f"bad --gateway-args {list(gateway_args)}") from None
     procs = gateway.GatewayProcesses(
         settings_mod.from_namespace(gateway.GatewaySettings, ns),
         # A fixed seed makes the random policy and tie breaks replayable (unless --gateway-args sets one).
         settings_mod.from_namespace(RoutingSettings, ns, **({} if ns.rng_seed is not None else {"rng_seed": seed})),
-        settings_mod.from_namespace(PoolSettings, ns), log_dir=log_dir)
+        settings_mod.from_namespace(PoolSettings, ns), log_dir=log_dir,
+        peers=settings_mod.from_namespace(PeerSettings, ns))
     # Registered before start (stop is idempotent): a stop signal in between still stops both children.
     stack.callback(procs.stop)
     try:
@@ -340,14 +349,14 @@ def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Seq
 
 @dataclasses.dataclass(frozen=True)
 class RouterHandle:
-    """A started router: its base URL, and for our gateway the URL of the router's /metrics (None otherwise)."""
+    """A started router: its base URL, and for our gateway the URLs of its replicas' /metrics (empty otherwise)."""
 
     base_url: str
-    metrics_url: str | None = None
+    metrics_urls: tuple[str, ...] = ()
 
 
 def _log_name(spec: RouterSpec) -> str:
-    return spec.name.replace(":", "-").replace("@", "-").replace("/", "-")
+    return spec.name.replace(":", "-").replace("@", "-").replace("/", "-").replace("#", "-")
 
 
 def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Sequence[str], *,
@@ -363,13 +372,12 @@ def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterS
     base = f"http://{HOST}:{port}"
     urls = [f"http://{e}" for e in endpoints]
     name = f"router-{_log_name(spec)}"
-    metrics_url = None
+    metrics_urls: tuple[str, ...] = ()
     if spec.kind == "prefixroute":
         gw = _start_gateway(stack, spec, gateway_endpoints or endpoints, port, seed=seed, gateway_args=gateway_args,
                             log_dir=group.log_dir / name if group.log_dir is not None else None)
         proc = gw.envoy
-        if getattr(gw, "metrics_port", -1) and gw.metrics_port > 0:
-            metrics_url = f"http://{HOST}:{gw.metrics_port}/metrics"
+        metrics_urls = tuple(f"http://{HOST}:{p}/metrics" for p in gw.metrics_ports if p > 0)
 
         def ready() -> bool:
             return http_get(f"{base}/v1/models")[0] == 200
@@ -393,7 +401,7 @@ def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterS
         # Answering means one endpoint is healthy; every endpoint gets its first health probe within ~1 s of
         # start (gateway and vllm-router alike). Settle so the run starts with the whole fleet eligible.
         time.sleep(SETTLE_S)
-    return RouterHandle(base, metrics_url)
+    return RouterHandle(base, metrics_urls)
 
 
 _ROUTER_METRIC_RE = re.compile(r'^(prefixroute_prompt_tokens_total|prefixroute_predicted_hit_tokens_total|'
@@ -428,14 +436,16 @@ def parse_router_metrics(text: str) -> dict[str, Any]:
     return out
 
 
-def scrape_router_metrics(url: str | None) -> dict[str, Any] | None:
-    """`parse_router_metrics` of `url`; None when there is none or it does not answer."""
-    if not url:
-        return None
-    status, body = http_get(url)
-    if status != 200:
-        return None
-    return parse_router_metrics(body.decode(errors="replace"))
+def scrape_router_metrics(urls: Sequence[str]) -> dict[str, Any] | None:
+    """`parse_router_metrics` of every replica's /metrics at `urls` together (its sums add up); None when there is
+    none or one does not answer."""
+    texts = []
+    for url in urls:
+        status, body = http_get(url)
+        if status != 200:
+            return None
+        texts.append(body.decode(errors="replace"))
+    return parse_router_metrics("\n".join(texts)) if texts else None
 
 
 # ------------------------------------------------------------------------------------------------- runs
@@ -506,7 +516,7 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         wall_s = time.perf_counter() - t0
         cpu1 = host_cpu_times()
         counters = scrape_server_counters(endpoints)
-        router_metrics = scrape_router_metrics(handle.metrics_url)
+        router_metrics = scrape_router_metrics(handle.metrics_urls)
     # Attribute requests to endpoints from the response headers; peers that drop them fall back to the
     # servers' own request counters.
     if not any(r.endpoint for r in res):

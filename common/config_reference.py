@@ -24,7 +24,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("prefixroute extproc, gateway, up", "prefixroute.extproc.routing.settings", "RoutingSettings"),
     ("prefixroute extproc, gateway, up", "prefixroute.extproc.endpoints.settings", "PoolSettings"),
     ("prefixroute extproc, gateway, up", "prefixroute.telemetry.router", "RouterTelemetrySettings"),
-    ("prefixroute extproc", "prefixroute.extproc.peers.settings", "PeerSettings"),
+    ("prefixroute extproc, gateway, up", "prefixroute.extproc.peers.settings", "PeerSettings"),
     ("prefixroute envoy-config", "prefixroute.extproc.envoy_config", "EnvoySettings"),
     ("prefixroute model-server", "prefixroute.model_servers.server", "ServerSettings"),
     ("prefixroute telemetry", "prefixroute.telemetry.cli", "ReceiverSettings"),

@@ -106,7 +106,7 @@ from envoy_data_plane.envoy.extensions.access_loggers.filters.cel.v3 import Expr
 from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapStaticResources
 from envoy_data_plane.envoy.config.cluster.v3 import (CircuitBreakers, CircuitBreakersThresholds, Cluster,
                                                       ClusterCustomClusterType, ClusterDiscoveryType, ClusterLbPolicy,
-                                                      ClusterOriginalDstLbConfig)
+                                                      ClusterOriginalDstLbConfig, OutlierDetection)
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
 from envoy_data_plane.envoy.config.core.v3 import (Address, DataSource, GrpcService, GrpcServiceEnvoyGrpc,
                                                    HeaderValue, HeaderValueOption, HeaderValueOptionHeaderAppendAction,
@@ -114,6 +114,10 @@ from envoy_data_plane.envoy.config.core.v3 import (Address, DataSource, GrpcServ
                                                    CoreHttpProtocolOptions, RoutingPriority, RuntimeUInt32,
                                                    SocketAddress, SubstitutionFormatString, TransportSocket,
                                                    TypedExtensionConfig)
+from envoy_data_plane.envoy.config.core.v3 import BackoffStrategy as CoreBackoffStrategy
+from envoy_data_plane.envoy.config.core.v3 import HealthCheck, HealthCheckTcpHealthCheck
+from envoy_data_plane.envoy.config.core.v3 import RetryPolicy as CoreRetryPolicy
+from envoy_data_plane.envoy.config.core.v3 import RetryPolicyRetryHostPredicate as CoreRetryHostPredicate
 from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
 from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
@@ -123,7 +127,8 @@ from envoy_data_plane.envoy.config.route.v3 import (DirectResponseAction, Header
                                                     RouteMatchConnectMatcher, VirtualHost)
 from envoy_data_plane.envoy.extensions.clusters.composite.v3 import ClusterConfig as CompositeClusterConfig
 from envoy_data_plane.envoy.extensions.clusters.composite.v3 import ClusterConfigClusterEntry
-from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (ExternalProcessor, ExtProcPerRoute,
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (ExternalProcessor, ExtProcOverrides,
+                                                                        ExtProcPerRoute,
                                                                         MetadataOptions,
                                                                         MetadataOptionsMetadataNamespaces,
                                                                         ProcessingMode)
@@ -150,11 +155,14 @@ from envoy_data_plane.google.protobuf import Any as ProtoAny
 from prefixroute import settings
 from prefixroute.responses_api import RESPONSES_PATH, RESPONSES_PREFIX
 from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS,  # noqa: F401
-                                         OBSERVED_METADATA, SERVED_HEADER, fallback_header, route_headers)
+                                         OBSERVED_METADATA, REPLICA_HEADER, SERVED_HEADER, fallback_header,
+                                         route_headers)
 from prefixroute.openai_errors import ERROR_TYPES
 from prefixroute.settings import Settings, setting
 
 EXTPROC_CLUSTER = "prefixroute_extproc"
+EXTPROC_REPLICA_CLUSTER_PREFIX = "prefixroute_extproc_replica_"
+"""Cluster `<prefix>k` holds ext_proc replica k alone: the observing stream of a request replica k routed."""
 PICKED_CLUSTER = "picked_endpoint"
 POOL_CLUSTER = "endpoint_pool_round_robin"
 DIRECT_CLUSTER = "direct_upstream"
@@ -180,6 +188,12 @@ class EnvoySettings(Settings):
     admin_port: int = setting(9901, "Envoy admin port, bound to 127.0.0.1 only (9901: Envoy's customary port).")
     extproc_address: str = setting("127.0.0.1:9002", "host:port of the ext_proc routing service "
                                    "(9002: the port the endpoint-picker reference uses).")
+    extproc_replica_addresses: tuple[str, ...] = setting(
+        (), "host:port of each ext_proc replica, in replica index order (replica k is started with --replica-index "
+        "k); two or more replace extproc_address: Envoy spreads routing streams over them (least request, a "
+        "refused or dead replica retried on another) and sends each request's observing stream to the replica "
+        "that routed it (the x-prefixroute-replica header it sets selects the route). Empty = extproc_address "
+        "alone.")
     endpoints: tuple[str, ...] = setting(
         ("127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003", "127.0.0.1:8004"),
         "Model-server endpoints host:port for the fail-open round-robin route (the same list the ext_proc "
@@ -351,7 +365,7 @@ def _extproc_transport_socket(s: EnvoySettings) -> TransportSocket | None:
                          "the ext_proc service's certificate)")
     if bool(s.extproc_tls_cert_file) != bool(s.extproc_tls_key_file):
         raise ValueError("extproc_tls_cert_file and extproc_tls_key_file go together")
-    server_name = s.extproc_tls_server_name or s.extproc_address.rpartition(":")[0]
+    server_name = s.extproc_tls_server_name or extproc_addresses(s)[0].rpartition(":")[0]
     try:
         ipaddress.ip_address(server_name)
         san_type = SubjectAltNameMatcherSanType.IP_ADDRESS
@@ -453,6 +467,25 @@ def _strict_dns_cluster(name: str, hostports: Sequence[str], connect_timeout_s: 
     )
 
 
+def extproc_addresses(s: EnvoySettings) -> tuple[str, ...]:
+    """The ext_proc replicas' addresses, replica index order: `extproc_replica_addresses`, else `extproc_address`."""
+    return s.extproc_replica_addresses or (s.extproc_address,)
+
+
+def _extproc_retry_policy(num_replicas: int) -> CoreRetryPolicy | None:
+    """A routing stream that cannot start on one replica (refused, reset before any answer: it died or is
+    restarting) is retried on another, so a request not yet routed meets no error; a stream that a replica
+    answered is never retried (Envoy's async gRPC client retries only before the first response message)."""
+    if num_replicas < 2:
+        return None
+    return CoreRetryPolicy(
+        retry_on="connect-failure,refused-stream,reset,unavailable", num_retries=3,
+        retry_back_off=CoreBackoffStrategy(base_interval=_duration(0.002), max_interval=_duration(0.02)),
+        retry_host_predicate=[CoreRetryHostPredicate(
+            name="envoy.retry_host_predicates.previous_hosts", typed_config=ProtoAny.pack(PreviousHostsPredicate()))],
+        host_selection_retry_max_attempts=5)
+
+
 def _retry_policy(s: EnvoySettings, num_retries: int, **fields: Any) -> RetryPolicy:
     # Envoy retries only while no response byte has gone to the client, so a streamed answer is never replayed.
     retry_on = "connect-failure,refused-stream,reset-before-request" + (",reset" if s.retry_on_reset else "")
@@ -472,7 +505,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
     if s.connection_buffer_bytes < 16 * 1024:
         raise ValueError(f"connection_buffer_bytes must be at least 16384 (Envoy's flow-control chunk), got "
                          f"{s.connection_buffer_bytes}")
-    stripped = [*route_headers(MAX_FALLBACKS), SERVED_HEADER, "x-envoy-original-dst-host"]
+    stripped = [*route_headers(MAX_FALLBACKS), SERVED_HEADER, REPLICA_HEADER, "x-envoy-original-dst-host"]
+    replicas = extproc_addresses(s)
     served_header = [_set_header(SERVED_HEADER, "%UPSTREAM_HOST%")]
     upstream_timeout = _duration(s.upstream_timeout_s)
     allowed = _allowed_path_matches(s)
@@ -481,14 +515,30 @@ def build_config(s: EnvoySettings) -> Bootstrap:
 
     # Every route that reaches an endpoint matches one allowlisted path (exact or prefix, on the normalised
     # path, query string aside), so only those are ever forwarded, whether or not ext_proc answered.
-    def picked_route(match: RouteMatch) -> Route:
+    def picked_route(match: RouteMatch, replica: int | None = None) -> Route:
+        # With several replicas, replica k's picks (its x-prefixroute-replica header) take the route whose
+        # observing filter talks to replica k alone: the filter resolves its per-route configuration at its own
+        # request headers, after the routing filter's header mutation cleared the route cache, so the observing
+        # stream reaches the replica holding the pick it reports on (tracking.py correlates only its own picks).
+        headers = [HeaderMatcher(name=DESTINATION_HEADER, present_match=True)]
+        per_filter: dict[str, ProtoAny] = {}
+        name = f"picked_endpoint {_match_text(match)}"
+        if replica is not None:
+            headers.append(HeaderMatcher(name=REPLICA_HEADER, string_match=StringMatcher(exact=str(replica))))
+            name += f" replica {replica}"
+            if s.observe_responses:
+                per_filter[OBSERVE_FILTER] = ProtoAny.pack(ExtProcPerRoute(overrides=ExtProcOverrides(
+                    grpc_service=GrpcService(
+                        envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{replica}"),
+                        initial_metadata=auth_metadata))))
         return Route(
-            name=f"picked_endpoint {_match_text(match)}",
-            match=RouteMatch(path=match.path, prefix=match.prefix,
-                             headers=[HeaderMatcher(name=DESTINATION_HEADER, present_match=True)]),
+            name=name,
+            match=RouteMatch(path=match.path, prefix=match.prefix, headers=headers),
             route=RouteAction(cluster=PICKED_CLUSTER, timeout=upstream_timeout,
                               retry_policy=_retry_policy(s, s.num_fallbacks)),
             response_headers_to_add=served_header,
+            request_headers_to_remove=[REPLICA_HEADER] if replica is not None else [],
+            typed_per_filter_config=per_filter,
         )
 
     def unpicked_route(match: RouteMatch) -> Route:
@@ -531,6 +581,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
             # observing filter follows (so it waits for that stream's report before emitting a record).
             grpc_service=GrpcService(
                 envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+                # The GrpcService's own policy (EnvoyGrpc.retry_policy is for xDS streams only).
+                retry_policy=_extproc_retry_policy(len(replicas)),
                 initial_metadata=[*auth_metadata, *([HeaderValue(key=OBSERVED_METADATA, value="1")]
                                                     if s.observe_responses else [])]),
             failure_mode_allow=s.failure_mode == "open",
@@ -581,7 +633,9 @@ def build_config(s: EnvoySettings) -> Bootstrap:
 
     if s.extproc_enabled:
         # The picked route first: it matches only once the picker has set its header.
-        routes = [r for m in allowed for r in (picked_route(m), unpicked_route(m))]
+        per_replica = range(len(replicas)) if len(replicas) > 1 else ()
+        routes = [r for m in allowed
+                  for r in (*(picked_route(m, k) for k in per_replica), picked_route(m), unpicked_route(m))]
     else:
         routes = [Route(name=f"direct {_match_text(m)}", match=m,
                         route=RouteAction(cluster=POOL_CLUSTER, timeout=upstream_timeout),
@@ -645,12 +699,30 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         # Every in-flight HTTP request holds one gRPC stream (two with the observing filter): Envoy's default
         # of 1024 concurrent requests per cluster would fail requests open beyond that (hence the breakers).
         tls_socket = _extproc_transport_socket(s)
-        clusters.append(_strict_dns_cluster(
-            EXTPROC_CLUSTER, [s.extproc_address], 0.25,
+        grpc_fields: dict[str, Any] = {
             **({"transport_socket": tls_socket} if tls_socket is not None else {}),
-            typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": ProtoAny.pack(
-                HttpProtocolOptions(explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
-                    http2_protocol_options=Http2ProtocolOptions())))}))
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": ProtoAny.pack(HttpProtocolOptions(
+                    explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
+                        http2_protocol_options=Http2ProtocolOptions())))}}
+        if len(replicas) > 1:
+            # Least request: a replica busy with long streams gets fewer new ones. A replica that refuses
+            # connections is ejected after two local-origin failures (its streams are retried elsewhere:
+            # _extproc_retry_policy) and stays out until a TCP health check (every 0.25 s) connects again:
+            # a restarted replica listens only once it is ready to route.
+            grpc_fields |= {
+                "lb_policy": ClusterLbPolicy.LEAST_REQUEST,
+                "outlier_detection": OutlierDetection(
+                    split_external_local_origin_errors=True, consecutive_local_origin_failure=2,
+                    enforcing_consecutive_local_origin_failure=100, interval=_duration(0.25),
+                    base_ejection_time=_duration(10), max_ejection_time=_duration(30), max_ejection_percent=100),
+                "health_checks": [HealthCheck(
+                    timeout=_duration(0.25), interval=_duration(0.25), no_traffic_interval=_duration(0.25),
+                    unhealthy_threshold=1, healthy_threshold=1, tcp_health_check=HealthCheckTcpHealthCheck())]}
+        clusters.append(_strict_dns_cluster(EXTPROC_CLUSTER, replicas, 0.25, **grpc_fields))
+        if len(replicas) > 1:
+            clusters += [_strict_dns_cluster(f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{k}", [a], 0.25, **grpc_fields)
+                         for k, a in enumerate(replicas) if s.observe_responses]
     if s.endpoints and (s.failure_mode == "open" or not s.extproc_enabled):
         clusters.append(_strict_dns_cluster(POOL_CLUSTER, s.endpoints, s.connect_timeout_s,
                                             lb_policy=ClusterLbPolicy.ROUND_ROBIN,

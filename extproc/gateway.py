@@ -34,10 +34,12 @@ from typing import Any, ClassVar
 
 from prefixroute import settings
 from prefixroute.procs import (ManagedProcess, ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free,
-                               free_port, http_get, prefixroute_argv, stop_on_signals, tcp_open)
+                               free_port, free_ports, http_get, prefixroute_argv, stop_on_signals, tcp_open)
 from prefixroute.extproc.endpoints.pool import endpoints_from_settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
+from prefixroute.extproc.peers.server import nats_server_argv, nats_url
+from prefixroute.extproc.peers.settings import PeerSettings, default_replica_id
 from prefixroute.extproc.headers import MAX_FALLBACKS
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.settings import Settings, setting
@@ -52,7 +54,16 @@ class GatewaySettings(Settings):
     listen_address: str = setting("127.0.0.1", "Address Envoy listens on (loopback: a local launcher; use "
                                   "0.0.0.0 to expose it).")
     admin_port: int = setting(0, "Envoy admin port on 127.0.0.1 (0 = any free port, printed at start).")
-    extproc_port: int = setting(0, "Port of the ext_proc service on 127.0.0.1 (0 = any free port).")
+    extproc_port: int = setting(0, "Port of the ext_proc service on 127.0.0.1 (0 = any free port); with several "
+                                "replicas, replica k listens on extproc_port + k.")
+    extproc_replicas: int = setting(0, "ext_proc replicas (router processes) behind Envoy, 1-16; 0 = auto: one per "
+                                    "core beyond the first, at most 8 (each replica is one single-threaded event "
+                                    "loop that saturates a core; Envoy's worker and the gRPC I/O threads need the "
+                                    "first). Two or more share their picks through NATS (--peers-url, or an embedded "
+                                    "nats-server: embedded_nats).")
+    embedded_nats: bool = setting(True, "With two or more replicas and no --peers-url, start a nats-server on a free "
+                                  "loopback port for them (its log: nats.log); false = they share nothing "
+                                  "(each routes on its own picks and the KV events).")
     failure_mode: str = setting("open", "When the ext_proc service is down: 'open' = round-robin over the "
                                 "endpoints, 'closed' = OpenAI-format 503 (see envoy_config.py).")
     report_served: bool = setting(True, "Envoy tells the ext_proc service which endpoint served each request "
@@ -61,7 +72,7 @@ class GatewaySettings(Settings):
                                      "Python ext_proc service, which is the bottleneck).")
     envoy_log_level: str = setting("warning", "Envoy log level (warning: quiet unless something is wrong).")
     metrics_port: int = setting(0, "Port of the ext_proc service's Prometheus /metrics on 127.0.0.1 (0 = any free "
-                                "port, printed at start; -1 disables it).")
+                                "port, printed at start; -1 disables it); replica k's is metrics_port + k.")
     telemetry: bool = setting(True, "Per-request telemetry: the observing Envoy filter (gateway TTFT, latency, "
                               "usage) and OTLP span export (per the OTEL_* variables, inherited by the ext_proc "
                               "child); false omits both (metrics of decisions remain).")
@@ -77,6 +88,22 @@ class GatewaySettings(Settings):
     extproc_tls_server_key_file: str = setting("", "PEM private key of extproc_tls_server_cert_file.")
     extproc_tls_client_cert_file: str = setting("", "PEM client certificate Envoy presents to the ext_proc service.")
     extproc_tls_client_key_file: str = setting("", "PEM private key of extproc_tls_client_cert_file.")
+
+
+MAX_EXTPROC_REPLICAS = 16
+
+
+def auto_replicas(num_cores: int | None = None) -> int:
+    """The replicas `extproc_replicas = 0` starts: one per core beyond the first, 1..8 (see the setting)."""
+    cores = num_cores if num_cores is not None else (os.cpu_count() or 1)
+    return max(1, min(8, cores - 1))
+
+
+def resolve_replicas(n: int) -> int:
+    """`extproc_replicas` as a count: 0 -> `auto_replicas()`; ValueError outside 0..MAX_EXTPROC_REPLICAS."""
+    if not 0 <= n <= MAX_EXTPROC_REPLICAS:
+        raise ValueError(f"extproc_replicas must be in 0..{MAX_EXTPROC_REPLICAS} (0 = auto), got {n}")
+    return n or auto_replicas()
 
 
 def envoy_binary() -> str:
@@ -127,12 +154,15 @@ class GatewayProcesses:
 
     Attributes after `start()`: `url` (gateway base URL), `extproc_port`, `admin_port`, `metrics_port`
     (the ext_proc service's /metrics, -1 when disabled), `extproc` and `envoy` (`ManagedProcess`),
-    `config_path`.
+    `config_path`. With several replicas (`num_replicas` >= 2): `extprocs`, `extproc_ports` and `metrics_ports`
+    list every replica in index order (`extproc` etc. are replica 0's), and `nats` is the embedded nats-server
+    (None without one); `peers_url` is the NATS URL the replicas share (empty: none).
     """
 
     def __init__(self, gateway: GatewaySettings, routing: RoutingSettings, pool: PoolSettings, *,
                  log_dir: Path | None = None, extra_extproc_args: list[str] | None = None,
-                 envoy_overrides: dict[str, Any] | None = None, group: ProcessGroup | None = None) -> None:
+                 envoy_overrides: dict[str, Any] | None = None, group: ProcessGroup | None = None,
+                 peers: PeerSettings | None = None) -> None:
         self.gateway = gateway
         self.routing = routing
         self.pool = pool
@@ -141,6 +171,13 @@ class GatewayProcesses:
         self.extra_extproc_args = extra_extproc_args or []
         self.envoy_overrides = envoy_overrides or {}
         self.group = group if group is not None else ProcessGroup(log_dir)
+        self.num_replicas = resolve_replicas(gateway.extproc_replicas)
+        self.peers = peers if peers is not None else PeerSettings()
+        self.peers_url = ""
+        self.extprocs: list[ManagedProcess] = []
+        self.extproc_ports: list[int] = []
+        self.metrics_ports: list[int] = []
+        self.nats: ManagedProcess | None = None
         self.extproc: ManagedProcess | None = None
         self.envoy: ManagedProcess | None = None
         self._tmp: Path | None = None
@@ -163,6 +200,8 @@ class GatewayProcesses:
         return EnvoySettings(**{
             "gateway_port": self.gateway.port, "listen_address": self.gateway.listen_address,
             "admin_port": self.admin_port, "extproc_address": f"127.0.0.1:{self.extproc_port}",
+            "extproc_replica_addresses": tuple(f"127.0.0.1:{p}" for p in self.extproc_ports)
+            if self.num_replicas > 1 else (),
             "endpoints": tuple(self.endpoints), "failure_mode": self.gateway.failure_mode,
             "max_request_body_bytes": self.routing.max_body_bytes,
             "num_fallbacks": min(self.routing.num_fallbacks, MAX_FALLBACKS),
@@ -190,36 +229,65 @@ class GatewayProcesses:
         return ManagedProcess(name, argv, log_path=log_path, ready=ready, ports=ports, env=env)
 
     def start_extproc(self) -> None:
-        """Start (or restart, after `stop_extproc`) the ext_proc child and wait until it serves."""
-        if self.extproc is None:
+        """Start (or restart, after `stop_extproc`) every ext_proc replica and wait until each serves."""
+        if not self.extprocs:
             raise RuntimeError("start_extproc() restarts the ext_proc service of a started gateway: start() first")
-        self.group.add(self.extproc, wait=False)
-        self.extproc.wait_ready(self.gateway.ready_timeout_s)
+        for proc in self.extprocs:
+            self.group.add(proc, wait=False)
+        for proc in self.extprocs:
+            proc.wait_ready(self.gateway.ready_timeout_s)
 
     def stop_extproc(self) -> None:
-        if self.extproc is not None:
-            self.extproc.stop()
+        """Stop every ext_proc replica (Envoy then fails open or closed, per failure_mode)."""
+        for proc in self.extprocs:
+            proc.stop()
+
+    def _ports(self, first: int, n: int) -> list[int]:
+        """`n` ports: `first`, `first` + 1, ... when given, else free ones (-1: disabled, for all)."""
+        if first < 0:
+            return [first] * n
+        return [first + k for k in range(n)] if first else free_ports(n)
+
+    def _extproc_child(self, k: int) -> ManagedProcess:
+        n = self.num_replicas
+        port, metrics = self.extproc_ports[k], self.metrics_ports[k]
+        replica_argv = ["--replica-index", str(k)] if n > 1 else []
+        peers = self.peers
+        if n > 1 and self.peers_url:
+            # Named after this launcher (hostname-pid) unless told: two gateways on one NATS never share a name.
+            peers = dataclasses.replace(peers, url=self.peers_url,
+                                        replica_id=f"{peers.replica_id or default_replica_id()}-{k}")
+        return self._child(
+            "extproc" if n == 1 else f"extproc-{k}", prefixroute_argv(
+                "extproc", "--port", str(port), "--listen-address", "127.0.0.1", "--metrics-port", str(metrics),
+                *([] if self.gateway.telemetry else ["--no-traces"]), *replica_argv, *self._extproc_tls_argv(),
+                *settings_argv(self.routing), *settings_argv(self.pool), *settings_argv(peers),
+                *self.extra_extproc_args),
+            ready=lambda: tcp_open(port), ports=(port, metrics) if metrics > 0 else (port,),
+            env={"PREFIXROUTE_EXTPROC_AUTH_TOKEN": self.auth_token})
+
+    def _nats_child(self) -> ManagedProcess:
+        port = free_port()
+        self.peers_url = nats_url(port)
+        return self._child("nats", nats_server_argv(port), ready=lambda: tcp_open(port), ports=(port,))
 
     def start(self) -> GatewayProcesses:
         """Start ext_proc, then Envoy, each waited for; on any failure stop both and re-raise (`StartupError`,
         `PortBusy` naming the child before anything starts, FileNotFoundError without an Envoy binary)."""
         try:
-            if not self.extproc_port:
-                self.extproc_port = free_port()
+            n = self.num_replicas
+            self.extproc_ports = self._ports(self.gateway.extproc_port, n)
+            self.metrics_ports = self._ports(self.gateway.metrics_port, n)
+            self.extproc_port, self.metrics_port = self.extproc_ports[0], self.metrics_ports[0]
             if not self.admin_port:
                 self.admin_port = free_port()
-            if not self.metrics_port:
-                self.metrics_port = free_port()
             # A fresh token per run, by environment: argv is world-readable in /proc.
             self.auth_token = secrets.token_urlsafe(32) if self.gateway.extproc_auth else ""
-            self.extproc = self._child(
-                "extproc", prefixroute_argv(
-                    "extproc", "--port", str(self.extproc_port), "--listen-address", "127.0.0.1",
-                    "--metrics-port", str(self.metrics_port), *([] if self.gateway.telemetry else ["--no-traces"]),
-                    *self._extproc_tls_argv(),
-                    *settings_argv(self.routing), *settings_argv(self.pool), *self.extra_extproc_args),
-                ready=lambda: tcp_open(self.extproc_port), ports=(self.extproc_port, self.metrics_port),
-                env={"PREFIXROUTE_EXTPROC_AUTH_TOKEN": self.auth_token})
+            self.peers_url = self.peers.url
+            if n > 1 and not self.peers_url and self.gateway.embedded_nats:
+                self.nats = self._nats_child()
+            self.extprocs = [self._extproc_child(k) for k in range(n)]
+            self.extproc = self.extprocs[0]
             self._tmp = Path(tempfile.mkdtemp(prefix="prefixroute-gateway-"))
             self.config_path = self._tmp / "envoy.yaml"
             # 0600: the configuration holds the token.
@@ -230,7 +298,12 @@ class GatewayProcesses:
                 "envoy", [envoy_binary(), "-c", str(self.config_path), "--disable-hot-restart",
                           "--concurrency", str(self.gateway.envoy_concurrency), "-l", self.gateway.envoy_log_level],
                 ready=self._envoy_ready, ports=(self.gateway.port, self.admin_port))
-            check_ports_free((p.name, port) for p in (self.extproc, self.envoy) for port in p.ports)
+            children = [*([self.nats] if self.nats is not None else []), *self.extprocs, self.envoy]
+            check_ports_free((p.name, port) for p in children for port in p.ports)
+            if self.nats is not None:
+                # First, so the replicas connect at once (they also reconnect to it when it restarts).
+                self.group.add(self.nats, wait=False)
+                self.nats.wait_ready(self.gateway.ready_timeout_s)
             self.start_extproc()
             self.group.add(self.envoy, wait=False)
             self.envoy.wait_ready(self.gateway.ready_timeout_s)
@@ -244,8 +317,9 @@ class GatewayProcesses:
                 and tcp_open(self.gateway.port, self._client_host))
 
     def stop(self) -> None:
-        """Stop Envoy first (no new requests), then the ext_proc service; remove the temp dir. Idempotent."""
-        for proc in (self.envoy, self.extproc):
+        """Stop Envoy first (no new requests), then the ext_proc replicas, then NATS; remove the temp dir.
+        Idempotent."""
+        for proc in (self.envoy, *self.extprocs, self.nats):
             if proc is not None:
                 proc.stop()
         if self._tmp is not None:
@@ -259,6 +333,18 @@ class GatewayProcesses:
         self.stop()
 
 
+def ready_line(procs: GatewayProcesses) -> str:
+    """What `prefixroute gateway` prints once it serves: where everything listens."""
+    n = procs.num_replicas
+    ports = ",".join(map(str, procs.extproc_ports))
+    metrics = ("off" if procs.metrics_port < 0 else
+               " ".join(f"http://127.0.0.1:{p}/metrics" for p in procs.metrics_ports))
+    replicas = (f"ext_proc 127.0.0.1:{ports}" if n == 1 else
+                f"{n} ext_proc replicas 127.0.0.1:{ports}, peers " + (procs.peers_url or "off"))
+    return (f"prefixroute gateway ready: {procs.url} -> {len(procs.endpoints)} endpoints ({replicas}, "
+            f"Envoy admin http://127.0.0.1:{procs.admin_port}, metrics {metrics})")
+
+
 SUPERVISE_INTERVAL_S = 0.1
 """How often `prefixroute gateway` checks its two children (a crash is noticed within 0.1 s)."""
 
@@ -267,6 +353,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, GatewaySettings)
     settings.add_arguments(parser, RoutingSettings)
     settings.add_arguments(parser, PoolSettings)
+    settings.add_arguments(parser, PeerSettings)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -277,7 +364,8 @@ def main(args: argparse.Namespace) -> int:
         gw = settings.from_namespace(GatewaySettings, args)
         routing = settings.from_namespace(RoutingSettings, args)
         pool = settings.from_namespace(PoolSettings, args)
-        procs = GatewayProcesses(gw, routing, pool)
+        peers = settings.from_namespace(PeerSettings, args)
+        procs = GatewayProcesses(gw, routing, pool, peers=peers)
     except ValueError as exc:
         print(f"prefixroute gateway: {exc}", file=sys.stderr)
         return 2
@@ -289,11 +377,7 @@ def main(args: argparse.Namespace) -> int:
             except (RuntimeError, OSError) as exc:  # StartupError, PortBusy, no Envoy binary
                 print(f"prefixroute gateway: {exc}", file=sys.stderr)
                 return 1
-            print(f"prefixroute gateway ready: {procs.url} -> {len(procs.endpoints)} endpoints "
-                  f"(ext_proc 127.0.0.1:{procs.extproc_port}, Envoy admin http://127.0.0.1:{procs.admin_port}, "
-                  f"metrics " + (f"http://127.0.0.1:{procs.metrics_port}/metrics" if procs.metrics_port >= 0
-                                 else "off") + ")",
-                  flush=True)
+            print(ready_line(procs), flush=True)
             # A crashed ext_proc leaves Envoy serving fail-open (or 503 with failure_mode closed) until it is
             # back; a crashed Envoy is restarted on the same ports and configuration.
             supervisor = Supervisor(procs.group, RestartPolicy(ready_timeout_s=gw.ready_timeout_s),

@@ -17,6 +17,10 @@ TRACEPARENT_HEADER = "traceparent"
 REFUSED_HEADER = "x-prefixroute-refused"
 """Set on the router's own refusals (its ImmediateResponse): the observing filter's stream of such a request
 starts at these response headers, and the routing stream has already recorded it."""
+REPLICA_HEADER = "x-prefixroute-replica"
+"""Set by ext_proc replica k (of several) on the requests it routes, value ``k``: Envoy's route for it sends the
+request's observing stream to replica k (envoy_config.py). Stripped from client requests, and removed before the
+request goes to the endpoint."""
 OBSERVED_METADATA = "x-prefixroute-observed"
 """gRPC initial metadata of the routing filter's stream when an observing filter follows it (so the service
 waits for that stream's report before emitting a record)."""

@@ -52,6 +52,10 @@ class ExtprocSettings(Settings):
                               "command line (visible in ps). Empty = no token check.")
     auth_token_file: str = setting("", "File holding auth_token (surrounding whitespace ignored), instead of "
                                    "auth_token (giving both is an error).")
+    replica_index: int = setting(-1, "This process's index k among the ext_proc replicas behind one Envoy (0..N-1, the "
+                                 "order of Envoy's extproc_replica_addresses): its routing responses set "
+                                 "x-prefixroute-replica: k, so Envoy sends each request's observing stream to the "
+                                 "replica that routed it. -1 = the only replica (no header).")
 
 
 
@@ -86,7 +90,8 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
         ("grpc.http2.bdp_probe", 0),
         ("grpc.optimization_target", "latency"),
     ])
-    wire.add_to_server(server, ExtProcServicer(router, tracker).Process)
+    replica = s.replica_index if s.replica_index >= 0 else None
+    wire.add_to_server(server, ExtProcServicer(router, tracker, replica_index=replica).Process)
     address = f"{s.listen_address}:{s.port}"
     bound = (server.add_secure_port(address, credentials) if credentials is not None
              else server.add_insecure_port(address))

@@ -52,7 +52,7 @@ import grpc
 
 from prefixroute.extproc import wire
 from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS, REFUSED_HEADER,
-                                         SERVED_HEADER, TRACEPARENT_HEADER, fallback_header)
+                                         REPLICA_HEADER, SERVED_HEADER, TRACEPARENT_HEADER, fallback_header)
 from prefixroute.extproc.responses import NeedsLookup
 from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
@@ -108,8 +108,11 @@ def _header(key: str, value: str) -> Any:
 class ResponseCache:
     """Pre-built routing responses, keyed by (endpoint list, phase). Phase: True = headers, False = body."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica_index: int | None = None) -> None:
+        """`replica_index`: this process's index among the gateway's ext_proc replicas (None: the only one); every
+        routing response then also sets `REPLICA_HEADER` to it (Envoy's route sends the observing stream here)."""
         self._cache: dict[tuple[tuple[str, ...], bool], Any] = {}
+        self._replica = str(replica_index) if replica_index is not None else None
 
     def routing_response(self, endpoints: tuple[str, ...], at_headers: bool) -> Any:
         key = (endpoints, at_headers)
@@ -127,6 +130,8 @@ class ResponseCache:
         # without its header would connect to the listener's own address (Envoy itself).
         for k in range(1, MAX_FALLBACKS + 1):
             headers.append(_header(fallback_header(k), endpoints[min(k, len(endpoints) - 1)]))
+        if self._replica is not None:
+            headers.append(_header(REPLICA_HEADER, self._replica))
         common = wire.CommonResponse(header_mutation=wire.HeaderMutation(set_headers=headers), clear_route_cache=True)
         md = wire.Struct()
         # GIE protocol: metadata envoy.lb / x-gateway-destination-endpoint with the same value as the header
@@ -270,10 +275,12 @@ class ExtProcServicer:
     """Envoy ext_proc `Process` stream -> RouterService calls. See module docstring for the flow.
     Serve it with `wire.add_to_server(server, servicer.Process)`."""
 
-    def __init__(self, router: RouterService, tracker: Tracker = NULL_TRACKER) -> None:
+    def __init__(self, router: RouterService, tracker: Tracker = NULL_TRACKER, *,
+                 replica_index: int | None = None) -> None:
+        """`replica_index`: see `ResponseCache` (one of several replicas behind one Envoy)."""
         self.router = router
         self.tracker = tracker
-        self.responses = ResponseCache()
+        self.responses = ResponseCache(replica_index)
 
     async def Process(self, request_iterator: AsyncIterator[Any],  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> None:

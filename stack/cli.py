@@ -38,7 +38,8 @@ from typing import ClassVar
 
 from prefixroute import settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, resolve_replicas
+from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.model_servers.kv_events import config_json
 from prefixroute.procs import (ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free, http_ok,
@@ -86,6 +87,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, GatewaySettings)
     settings.add_arguments(parser, RoutingSettings)
     settings.add_arguments(parser, PoolSettings)
+    settings.add_arguments(parser, PeerSettings)
 
 
 SUPERVISE_INTERVAL_S = 0.1
@@ -100,15 +102,17 @@ def main(args: argparse.Namespace) -> int:
         gw = settings.from_namespace(GatewaySettings, args)
         routing = settings.from_namespace(RoutingSettings, args)
         pool_args = settings.from_namespace(PoolSettings, args)
+        peers = settings.from_namespace(PeerSettings, args)
+        resolve_replicas(gw.extproc_replicas)
     except ValueError as exc:
         print(f"prefixroute up: {exc}", file=sys.stderr)
         return 2
     with stop_on_signals(STOP_SIGNALS) as stop:
-        return _run(st, gw, routing, pool_args, stop)
+        return _run(st, gw, routing, pool_args, peers, stop)
 
 
 def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_args: PoolSettings,
-         stop: dict[str, int | None]) -> int:
+         peers: PeerSettings, stop: dict[str, int | None]) -> int:
     log_dir = Path(st.log_dir).resolve()
     group = ProcessGroup(log_dir, ready_timeout_s=st.start_timeout_s, grace_s=st.stop_grace_s)
     gateway: GatewayProcesses | None = None
@@ -155,7 +159,7 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
         os.environ.setdefault("OTEL_SERVICE_NAME", "prefixroute-router")
         os.environ.setdefault("PREFIXROUTE_LOG_LEVEL", st.log_level)
         # Envoy and ext_proc join the stack's group: watched like the others, stopped in start order reversed.
-        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group).start()
+        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group, peers=peers).start()
         if st.dashboard:
             router_metrics = (["--router-metrics-url", f"http://127.0.0.1:{gateway.metrics_port}/metrics"]
                               if gateway.metrics_port and gateway.metrics_port > 0 else [])
@@ -196,6 +200,8 @@ def _summary(st: StackSettings, gateway: GatewayProcesses, pool: PoolSettings, s
         "prefixroute is up",
         f"  gateway     {gateway.url}   (OpenAI API: POST {gateway.url}/v1/chat/completions)",
         f"  endpoints   {eps}" + (f"   ({st.servers} simulated {st.profile})" if simulated else ""),
+        f"  router      {gateway.num_replicas} ext_proc replica(s)"
+        + (f", sharing picks through {gateway.peers_url}" if gateway.num_replicas > 1 and gateway.peers_url else ""),
         f"  policy      {gateway.routing.policy}   (router metrics: "
         f"{'http://127.0.0.1:%d/metrics' % gateway.metrics_port if gateway.metrics_port and gateway.metrics_port > 0 else 'off'})",
         f"  dashboard   http://127.0.0.1:{st.dashboard_port}" if st.dashboard else "  dashboard   (off)",

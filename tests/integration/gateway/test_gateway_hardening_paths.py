@@ -75,7 +75,7 @@ def assert_refused(reply: Reply | None, target: str) -> None:
 
 def start_gateway(stack: ExitStack, canary: Canary, log_dir: Path, *, failure_mode: str = "open",
                   envoy: dict | None = None) -> GatewayProcesses:
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", failure_mode=failure_mode,
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), extproc_replicas=1, listen_address="127.0.0.1", failure_mode=failure_mode,
                                           envoy_log_level="info"),
                           RoutingSettings(), PoolSettings(endpoints=(canary.endpoint,)), log_dir=log_dir,
                           envoy_overrides=envoy)

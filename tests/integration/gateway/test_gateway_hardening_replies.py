@@ -67,7 +67,7 @@ def canary() -> Iterator[Canary]:
 def gateway(canary: Canary, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcesses]:
     with ExitStack() as stack:
         gw = GatewayProcesses(
-            GatewaySettings(port=free_port(), listen_address="127.0.0.1", envoy_log_level="info"),
+            GatewaySettings(port=free_port(), extproc_replicas=1, listen_address="127.0.0.1", envoy_log_level="info"),
             RoutingSettings(max_body_bytes=MAX_BODY), PoolSettings(endpoints=(canary.endpoint,)),
             log_dir=tmp_path_factory.mktemp("replies-gateway"), envoy_overrides={"upstream_timeout_s": 1.0})
         stack.enter_context(gw)
@@ -86,7 +86,7 @@ def test_envoy_own_replies_are_openai_json(gateway: GatewayProcesses, name: str)
 
 
 def test_request_timeouts_are_openai_json(stack: ExitStack, canary: Canary, tmp_path) -> None:  # noqa: ANN001
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1"), RoutingSettings(),
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), extproc_replicas=1, listen_address="127.0.0.1"), RoutingSettings(),
                           PoolSettings(endpoints=(canary.endpoint,)), log_dir=tmp_path,
                           envoy_overrides={"request_timeout_s": 1.0, "request_headers_timeout_s": 0.5})
     stack.enter_context(gw)
