@@ -20,8 +20,9 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 
 
-SHELL_ONLY = frozenset({"secrets"})
-"""Services that run no prefixroute command (the one-shot that draws the tokens)."""
+SHELL_ONLY = frozenset({"secrets", "nats"})
+"""Services that run no prefixroute command (the one-shot that draws the tokens; the NATS server's own image)."""
+REPLICAS = sorted(n for n in SERVICES if n.startswith("extproc-"))
 
 
 def _prefixroute_argv(service: dict) -> list[str]:
@@ -49,7 +50,7 @@ def test_valid_against_compose_spec():
 
 def test_services_present():
     names = set(SERVICES)
-    assert {"envoy", "extproc", "telemetry", "dashboard", "traffic"} <= names
+    assert {"envoy", "extproc-0", "extproc-1", "nats", "telemetry", "dashboard", "traffic"} <= names
     assert sum(n.startswith("model-server-") for n in names) >= 2
 
 
@@ -58,9 +59,11 @@ DEPENDENCIES = {
     "secrets": frozenset(),
     **{n: frozenset() for n in MODEL_SERVERS},
     "telemetry": frozenset({"secrets"}),  # its token
-    "extproc": MODEL_SERVERS | {"telemetry", "secrets"},  # routes to the servers, exports its spans to the receiver
-    "envoy": frozenset({"extproc", "secrets"}),  # asks the router for every request, with the token
-    "dashboard": frozenset({"telemetry", "extproc", "secrets"}),  # the receiver's store, the router's /metrics
+    "nats": frozenset(),
+    # Each replica routes to the servers, exports its spans to the receiver, shares its picks through NATS.
+    **{n: MODEL_SERVERS | {"telemetry", "secrets", "nats"} for n in REPLICAS},
+    "envoy": frozenset({*REPLICAS, "secrets"}),  # asks a router replica for every request, with the token
+    "dashboard": frozenset({"telemetry", "extproc-0", "secrets"}),  # the receiver's store, a router's /metrics
     "traffic": frozenset({"envoy"}),  # sends through the gateway
 }
 """What each service must wait for (to be healthy) before it starts."""
@@ -75,7 +78,7 @@ def test_each_service_waits_for_its_dependencies_to_be_healthy(name):
     depends_on = SERVICES[name].get("depends_on") or {}
     assert set(depends_on) == DEPENDENCIES[name]
     for dep, cond in depends_on.items():
-        if dep in SHELL_ONLY:  # a one-shot: done, not healthy
+        if dep == "secrets":  # a one-shot: done, not healthy
             assert cond == {"condition": "service_completed_successfully"}, f"{name} starts before {dep} is done"
             continue
         assert cond == {"condition": "service_healthy"}, f"{name} starts before {dep} is healthy"
@@ -115,7 +118,7 @@ def test_every_listening_service_sets_its_listen_address_for_the_private_network
 def test_internal_calls_carry_the_drawn_tokens():
     """Envoy -> ext_proc and router/dashboard -> receiver authenticate with the tokens the secrets service
     draws; each pair reads the same file."""
-    extproc = _prefixroute_argv(SERVICES["extproc"])
+    extproc = _prefixroute_argv(SERVICES["extproc-0"])
     envoy = _prefixroute_argv(SERVICES["envoy"])
     telemetry = _prefixroute_argv(SERVICES["telemetry"])
     token_of = {"extproc": extproc[extproc.index("--auth-token-file") + 1],
@@ -125,12 +128,36 @@ def test_internal_calls_carry_the_drawn_tokens():
     secrets_line = SERVICES["secrets"]["command"][0]
     for path in token_of.values():
         assert Path(path).stem in secrets_line and path.startswith("/secrets/")
-    for name in ("extproc", "dashboard"):  # the receiver's token, read from its file at start
+    for name in (*REPLICAS, "dashboard"):  # the receiver's token, read from its file at start
         assert f"$$(cat {token_of['telemetry']})" in SERVICES[name]["command"][0]
-    assert "OTEL_EXPORTER_OTLP_HEADERS" in SERVICES["extproc"]["command"][0]
+    assert all("OTEL_EXPORTER_OTLP_HEADERS" in SERVICES[n]["command"][0] for n in REPLICAS)
     assert "PREFIXROUTE_DASHBOARD_TELEMETRY_TOKEN" in SERVICES["dashboard"]["command"][0]
     dash = _prefixroute_argv(SERVICES["dashboard"])
-    assert dash[dash.index("--router-metrics-url") + 1] == f"http://extproc:{extproc[extproc.index('--metrics-port') + 1]}/metrics"
+    assert dash[dash.index("--router-metrics-url") + 1] == f"http://extproc-0:{extproc[extproc.index('--metrics-port') + 1]}/metrics"
+
+
+def test_replicas_are_one_service_but_for_their_index_and_envoy_lists_them_in_index_order():
+    """Several replicas (issue 15): replica k runs --replica-index k (the route Envoy sends its observing streams
+    by) under its own id, with everything else equal, and Envoy's --extproc-replica-addresses has it k-th."""
+    assert len(REPLICAS) >= 2
+    argvs = [_prefixroute_argv(SERVICES[n]) for n in REPLICAS]
+    envoy = _prefixroute_argv(SERVICES["envoy"])
+    addresses = envoy[envoy.index("--extproc-replica-addresses") + 1].split(",")
+    assert len(addresses) == len(REPLICAS) and "--extproc-address" not in envoy
+    for k, (name, argv) in enumerate(zip(REPLICAS, argvs)):
+        assert argv[argv.index("--replica-index") + 1] == str(k)
+        assert argv[argv.index("--replica-id") + 1] == name
+        assert addresses[k] == f"{name}:{argv[argv.index('--port') + 1]}"
+        assert SERVICES[name]["environment"]["PREFIXROUTE_PEERS_URL"] == "nats://nats:4222"
+
+    def rest(argv: list[str]) -> list[str]:
+        out = list(argv)
+        for flag in ("--replica-index", "--replica-id"):
+            i = out.index(flag)
+            del out[i:i + 2]
+        return out
+    assert all(rest(a) == rest(argvs[0]) for a in argvs)
+    assert all(SERVICES[n]["environment"] == SERVICES[REPLICAS[0]]["environment"] for n in REPLICAS)
 
 
 def _render_envoy_service_config(tmp_path: Path) -> Path:
