@@ -25,6 +25,14 @@ OBSERVED_METADATA = "x-prefixroute-observed"
 """gRPC initial metadata of the routing filter's stream when an observing filter follows it (so the service
 waits for that stream's report before emitting a record)."""
 
+EXT_PROC_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+"""Key of `ProcessingRequest.attributes` under which Envoy's ext_proc filter sends the attributes it was told to."""
+OBSERVE_ATTRIBUTES = {"request.headers['traceparent']": TRACEPARENT_HEADER, "request.id": "x-request-id",
+                      "request.url_path": ":path"}
+"""The observing filter's response_attributes (Envoy CEL attribute -> the request header it stands for): sent
+with its first message, the response headers, so that stream skips the request headers message and still
+carries the correlation key (the routing filter's traceparent), the request id and the path."""
+
 MAX_FALLBACKS = 4
 """Most fallback attempts the Envoy config may have. The picker always sets this many fallback headers, so
 an Envoy rendered with any num_fallbacks <= MAX_FALLBACKS never meets an attempt without its header, whatever

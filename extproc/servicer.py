@@ -28,8 +28,9 @@ at most N x (N-1) x ... for N endpoints); nothing is logged per request.
 Telemetry (a `Tracker`, tracking.py: `RequestTracker`, or `NullTracker` when it is off): the routing
 stream starts each request's record and adds ``traceparent`` (the router's span) to the routing header
 mutation; a second stream, from Envoy's observing ext_proc filter (``observability_mode``: every message
-has ``observability_mode`` set, nothing is answered), reports response headers and body chunks for TTFT,
-latency and usage. An observing stream reaches the router only through the pick whose unguessable span id
+has ``observability_mode`` set, nothing is answered), reports response headers (with the request's
+traceparent, id and path as attributes: no request headers message) and body chunks for TTFT, latency and
+usage. An observing stream reaches the router only through the pick whose unguessable span id
 its traceparent carries (tracking.py); any other is telemetry at most. Both streams are served by `Process`; the first message's ``observability_mode`` flag
 tells them apart. Each stream's messages are dispatched per kind (``WhichOneof("request")``) to a handler.
 
@@ -51,8 +52,9 @@ from typing import Any, Protocol
 import grpc
 
 from prefixroute.extproc import wire
-from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS, REFUSED_HEADER,
-                                         REPLICA_HEADER, SERVED_HEADER, TRACEPARENT_HEADER, fallback_header)
+from prefixroute.extproc.headers import (DESTINATION_HEADER, EXT_PROC_ATTRIBUTES_KEY, LB_METADATA_NAMESPACE,
+                                         MAX_FALLBACKS, OBSERVE_ATTRIBUTES, REFUSED_HEADER, REPLICA_HEADER,
+                                         SERVED_HEADER, TRACEPARENT_HEADER, fallback_header)
 from prefixroute.extproc.responses import NeedsLookup
 from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
@@ -250,6 +252,22 @@ _ROUTING_HANDLERS: dict[str | None, Callable[[_RoutingStream, Any], Any]] = {
 """Routing stream: message kind -> handler returning the answer. A kind not listed gets no answer."""
 
 
+def attribute_headers(req: Any) -> list[Any]:
+    """The request headers an observing stream's first message carries as attributes (`OBSERVE_ATTRIBUTES`),
+    as HeaderValues; empty when it carries none (an Envoy config without them, or Envoy's own reply)."""
+    attrs = req.attributes
+    if EXT_PROC_ATTRIBUTES_KEY not in attrs:  # `in` first: indexing a message map would insert the key
+        return []
+    fields = attrs[EXT_PROC_ATTRIBUTES_KEY].fields
+    out = []
+    for attr, header in OBSERVE_ATTRIBUTES.items():
+        if attr in fields:
+            value = fields[attr].string_value
+            if value:
+                out.append(wire.HeaderValue(key=header, value=value))
+    return out
+
+
 def _observe_response_headers(servicer: ExtProcServicer, st: Tracked, req: Any) -> bool:
     rh = req.response_headers
     pick = servicer.tracker.obs_response_headers(st, rh.headers.headers, rh.end_of_stream, SERVED_HEADER)
@@ -313,10 +331,12 @@ class ExtProcServicer:
     async def _observe(self, first: Any, read: Any, eof: Any) -> None:
         """An observing stream (observability mode): read everything, answer nothing.
 
-        A stream that starts at response headers belongs to a request a filter before the observer answered
-        (its decode path never reached it): the router's own refusal, marked with REFUSED_HEADER and already
-        recorded by its routing stream, is skipped; anything else (Envoy's own reply) is recorded as unrouted,
-        its first message included."""
+        The gateway's observing filter skips request headers: its stream starts at the response headers, whose
+        attributes carry the request's traceparent, id and path (`attribute_headers`). The router's own
+        refusal (REFUSED_HEADER, already recorded by its routing stream) is skipped; a stream without the
+        router's traceparent (Envoy's own reply, or a request the routing filter failed open on) is recorded
+        as unrouted, its first message included. A stream that starts at request headers (a filter configured
+        to send them) is attached by those."""
         kind = first.WhichOneof("request")
         pending = None
         if kind == "request_headers":
@@ -324,7 +344,7 @@ class ExtProcServicer:
         else:
             if kind == "response_headers" and wire.header_value(first.response_headers.headers.headers, REFUSED_HEADER):
                 return
-            st = self.tracker.observe(())
+            st = self.tracker.observe(attribute_headers(first))
             pending = first
         if st is None:
             return  # telemetry off: nothing to measure

@@ -6,10 +6,14 @@ Envoy runs two ext_proc filters per request, both talking to this process (envoy
    time, trace context), the routing decision fills it, and it sets ``traceparent: 00-<trace>-<router
    span>-<flags>`` on the request to the model server (router span = child of any incoming traceparent);
 2. the *observing* filter (ext_proc with ``observability_mode: true``: Envoy sends and never waits, so the
-   token stream is not slowed): it sees the request headers *after* the routing filter's mutation, the
-   response headers and every response body chunk.
+   token stream is not slowed): it sees the response headers, with the request's ``traceparent`` *after*
+   the routing filter's mutation (and its id and path) as attributes instead of a request headers message,
+   and every response body chunk. Its stream therefore opens only when a response starts: a routed
+   request that ends before any response header (client reset, upstream timeout) has no observing stream,
+   and its record is emitted after `obs_grace_s` with error "response incomplete".
 
-Correlation: the observing stream's request headers carry the router's own ``traceparent``; its span id
+Correlation: the observing stream's request headers (or those attributes) carry the router's own
+``traceparent``; its span id
 is the key of the pending record (the routing filter always overwrites a client's traceparent, so a client
 cannot pick a key). The span id comes from the OS's CSPRNG (`SpanIds`, not a seeded Mersenne Twister whose
 next outputs anyone who has seen 624 of them can compute), so no one who merely reaches the ext_proc port
@@ -347,7 +351,7 @@ class RequestTracker:
         if st.obs_done or (not st.obs_attached and not (st.decided and st.expect_obs)):
             self._emit(st)
         elif st.timer is None:
-            st.timer = asyncio.get_running_loop().call_later(self.obs_grace_s, self._emit, st)
+            st.timer = asyncio.get_running_loop().call_later(self.obs_grace_s, self._grace_expired, st)
 
     # --- observing stream -----------------------------------------------------------------------------
     def observe(self, request_headers: Any) -> Tracked:
@@ -500,6 +504,15 @@ class RequestTracker:
             self._emit(st)
 
     # --- emission -------------------------------------------------------------------------------------
+    def _grace_expired(self, st: Tracked) -> None:
+        """`obs_grace_s` after the routing stream closed, still unobserved: emit what was seen. The observing
+        stream opens at the response headers, so a routed request that never got one was cut short."""
+        st.timer = None
+        rec = st.rec
+        if st.decided and not st.obs_attached and rec.status == 0 and rec.error is None:
+            rec.error = "response incomplete"
+        self._emit(st)
+
     def _emit(self, st: Tracked) -> None:
         if st.emitted:
             return

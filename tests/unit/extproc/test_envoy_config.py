@@ -209,6 +209,9 @@ def test_observing_filter_follows_the_routing_filter_in_observability_mode(overr
         obs = _ext_proc(filters[names.index(OBSERVE_FILTER)])
         assert obs.observability_mode is True and obs.failure_mode_allow is True
         mode = obs.processing_mode
+        # No request headers message: the correlation key (the picker's traceparent), id and path come as
+        # attributes with the response headers.
         assert (mode.request_header_mode, mode.response_header_mode, mode.response_body_mode,
-                mode.request_body_mode) == (HeaderSendMode.SEND, HeaderSendMode.SEND, BodySendMode.STREAMED,
+                mode.request_body_mode) == (HeaderSendMode.SKIP, HeaderSendMode.SEND, BodySendMode.STREAMED,
                                             BodySendMode.NONE)
+        assert "request.headers['traceparent']" in obs.response_attributes
