@@ -19,6 +19,7 @@ prints ITL p50/p99 per configuration and the on/off ratios. Telemetry must leave
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -57,6 +58,10 @@ class OverheadBenchSettings(Settings):
                                    "saturate 2 cores).")
     rate_duration_s: float = setting(3.0, "Seconds of load per requests-per-second measurement.")
     policy: str = setting("prefix", "Routing policy of the routed configuration.")
+    replicas: tuple[str, ...] = setting(("1",), "ext_proc replica counts of the routed gateway, each its own "
+                                        "gateway measured in the same rounds (e.g. 1,2: the routed req/s of two "
+                                        "replicas against one, same run); replicas share picks through an "
+                                        "embedded NATS.")
     report_served: bool = setting(True, "Routed configuration sends response headers to ext_proc (the gateway "
                                   "default); --no-report-served measures without that message.")
     telemetry: bool = setting(True, "Routed configuration with per-request telemetry (the gateway default: "
@@ -105,7 +110,8 @@ def _itl(s: OverheadBenchSettings, endpoint: str, tmp: Path) -> None:
     body = orjson.dumps({"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
                          "max_tokens": s.itl_tokens, "messages": [{"role": "user", "content": "Count."}]})
     req = build_request("/v1/chat/completions", body)
-    gws = {on: GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=on),
+    gws = {on: GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=on,
+                                                extproc_replicas=1),
                                 RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
                                 log_dir=tmp / ("itl-on" if on else "itl-off"), extra_extproc_args=_span_sink_args())
            for on in (True, False)}
@@ -134,6 +140,11 @@ def _itl(s: OverheadBenchSettings, endpoint: str, tmp: Path) -> None:
         print(f"{'on' if on else 'off':>9} {fig[on][0]:8.3f} {fig[on][1]:8.3f} {fig[on][2]:9.3f}")
     print(f"{'on/off':>9} {'x%.3f' % (fig[True][0] / fig[False][0]):>8} {'x%.3f' % (fig[True][1] / fig[False][1]):>8} "
           f"{'x%.3f' % (fig[True][2] / fig[False][2]):>9}")
+
+
+def _routed_name(n: int, counts: list[int]) -> str:
+    """The routed configuration's name in the table: "routed" alone, "routed-xN" when replica counts compare."""
+    return "routed" if counts == [1] else f"routed-x{n}"
 
 
 def run(s: OverheadBenchSettings) -> int:
@@ -165,44 +176,55 @@ def run(s: OverheadBenchSettings) -> int:
                                      "--concurrency", "1", "-l", "warning"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=parent_death_preexec())
-        gw = GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=s.telemetry),
-                              RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
-                              log_dir=tmp, envoy_overrides={"report_served": s.report_served},
-                              extra_extproc_args=_span_sink_args())
-        with gw:
+        counts = [int(n) for n in s.replicas]
+        if not counts or any(not 1 <= n <= 16 for n in counts) or len(set(counts)) != len(counts):
+            raise ValueError(f"replicas must be distinct counts 1-16, got {','.join(s.replicas)}")
+        gws = {n: GatewayProcesses(
+            GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=s.telemetry, extproc_replicas=n),
+            RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
+            log_dir=tmp / f"replicas-{n}", envoy_overrides={"report_served": s.report_served},
+            extra_extproc_args=_span_sink_args()) for n in counts}
+        with contextlib.ExitStack() as started:
+            for gw in gws.values():
+                started.enter_context(gw)
             while not tcp_open(base_port):
                 if baseline.poll() is not None:
                     raise RuntimeError("baseline Envoy exited")
                 time.sleep(0.05)
-            routed_port = gw.gateway.port
+            configs = {"baseline": base_port, **{_routed_name(n, counts): gw.gateway.port for n, gw in gws.items()}}
+            pids = {_routed_name(n, counts): [p.pid for p in gw.extprocs if p.pid] for n, gw in gws.items()}
             load = os.getloadavg()[0]
             print(f"overhead-bench: Envoy 1 worker each, policy {s.policy}, report_served {s.report_served}, "
-                  f"telemetry {s.telemetry}, "
+                  f"telemetry {s.telemetry}, replicas {','.join(map(str, counts))}, "
                   f"{s.num_rounds} rounds x {s.num_requests} requests, load average {load:.2f}")
-            print(f"{'prompt':>7} {'config':>9} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+            print(f"{'prompt':>7} {'config':>11} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
             for kb in s.prompt_kb:
                 req = build_request("/v1/chat/completions", _body(int(kb) * 1024))
-                lat: dict[str, list[float]] = {"baseline": [], "routed": []}
-                cpu_s = 0.0
+                lat: dict[str, list[float]] = {name: [] for name in configs}
+                cpu_s = {name: 0.0 for name in pids}
                 for _ in range(s.num_rounds):
-                    for name, port in (("baseline", base_port), ("routed", routed_port)):
-                        c0 = _cpu_s(gw.extproc.pid) if gw.extproc else 0.0
+                    for name, port in configs.items():
+                        c0 = sum(_cpu_s(p) for p in pids.get(name, ()))
                         lat[name] += latency_ms(port, req, s.num_requests, num_warmup=0)
-                        if name == "routed" and gw.extproc:
-                            cpu_s += _cpu_s(gw.extproc.pid) - c0
+                        if name in pids:
+                            cpu_s[name] += sum(_cpu_s(p) for p in pids[name]) - c0
                 rates = {name: max_rate(port, req, s.num_connections, s.rate_duration_s)
-                         for name, port in (("baseline", base_port), ("routed", routed_port))}
+                         for name, port in configs.items()}
                 fig = {name: (_pct(v, 0.5), _pct(v, 0.99), rates[name][0]) for name, v in lat.items()}
-                for name in ("baseline", "routed"):
+                for name in configs:
                     p50, p99, rps = fig[name]
                     errors = rates[name][1]
-                    print(f"{kb + ' KB':>7} {name:>9} {p50:8.3f} {p99:8.3f} {rps:8.0f}"
+                    print(f"{kb + ' KB':>7} {name:>11} {p50:8.3f} {p99:8.3f} {rps:8.0f}"
                           + (f"  ({errors} non-200)" if errors else ""))
-                (b50, b99, brps), (r50, r99, rrps) = fig["baseline"], fig["routed"]
-                print(f"{kb + ' KB':>7} {'added':>9} {r50 - b50:8.3f} {r99 - b99:8.3f}   "
-                      f"ratio p50 x{r50 / b50:.1f}, p99 x{r99 / b99:.1f}, req/s x{rrps / brps:.2f}; "
-                      f"mean routed {statistics.fmean(lat['routed']):.3f} ms; "
-                      f"ext_proc CPU {cpu_s / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request")
+                b50, b99, brps = fig["baseline"]
+                first = _routed_name(counts[0], counts)
+                for name in pids:
+                    r50, r99, rrps = fig[name]
+                    vs_first = f", req/s x{rrps / fig[first][2]:.2f} vs {first}" if name != first else ""
+                    print(f"{kb + ' KB':>7} {'added':>11} {r50 - b50:8.3f} {r99 - b99:8.3f}   {name}: "
+                          f"ratio p50 x{r50 / b50:.1f}, p99 x{r99 / b99:.1f}, req/s x{rrps / brps:.2f}{vs_first}; "
+                          f"mean {statistics.fmean(lat[name]):.3f} ms; "
+                          f"ext_proc CPU {cpu_s[name] / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request")
             print(f"load average after: {os.getloadavg()[0]:.2f}")
         if s.mode == "all":
             _itl(s, endpoint, tmp)
