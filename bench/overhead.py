@@ -62,6 +62,8 @@ class OverheadBenchSettings(Settings):
                                         "gateway measured in the same rounds (e.g. 1,2: the routed req/s of two "
                                         "replicas against one, same run); replicas share picks through an "
                                         "embedded NATS.")
+    peers: bool = setting(True, "Replicas share their picks through the embedded NATS (the gateway default); "
+                          "--no-peers measures them sharing nothing (the bus's own cost).")
     report_served: bool = setting(True, "Routed configuration sends response headers to ext_proc (the gateway "
                                   "default); --no-report-served measures without that message.")
     telemetry: bool = setting(True, "Routed configuration with per-request telemetry (the gateway default: "
@@ -180,7 +182,8 @@ def run(s: OverheadBenchSettings) -> int:
         if not counts or any(not 1 <= n <= 16 for n in counts) or len(set(counts)) != len(counts):
             raise ValueError(f"replicas must be distinct counts 1-16, got {','.join(s.replicas)}")
         gws = {n: GatewayProcesses(
-            GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=s.telemetry, extproc_replicas=n),
+            GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=s.telemetry, extproc_replicas=n,
+                            embedded_nats=s.peers),
             RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
             log_dir=tmp / f"replicas-{n}", envoy_overrides={"report_served": s.report_served},
             extra_extproc_args=_span_sink_args()) for n in counts}

@@ -68,8 +68,10 @@ class GatewaySettings(Settings):
                                 "endpoints, 'closed' = OpenAI-format 503 (see envoy_config.py).")
     report_served: bool = setting(True, "Envoy tells the ext_proc service which endpoint served each request "
                                   "(passive failure detection; one more small gRPC message per request).")
-    envoy_concurrency: int = setting(1, "Envoy worker threads (1 on a 2-core machine leaves a core for the "
-                                     "Python ext_proc service, which is the bottleneck).")
+    envoy_concurrency: int = setting(0, "Envoy worker threads; 0 = auto: one per two ext_proc replicas (a routed "
+                                     "request costs Envoy ~0.6 ms of CPU and a replica ~1.5 ms, measured with "
+                                     "overhead-bench), so 1 on a 2-core machine, leaving the rest to the Python "
+                                     "replicas, the bottleneck.")
     envoy_log_level: str = setting("warning", "Envoy log level (warning: quiet unless something is wrong).")
     metrics_port: int = setting(0, "Port of the ext_proc service's Prometheus /metrics on 127.0.0.1 (0 = any free "
                                 "port, printed at start; -1 disables it); replica k's is metrics_port + k.")
@@ -172,6 +174,9 @@ class GatewayProcesses:
         self.envoy_overrides = envoy_overrides or {}
         self.group = group if group is not None else ProcessGroup(log_dir)
         self.num_replicas = resolve_replicas(gateway.extproc_replicas)
+        if gateway.envoy_concurrency < 0:
+            raise ValueError(f"envoy_concurrency must be >= 0 (0 = auto), got {gateway.envoy_concurrency}")
+        self.envoy_concurrency = gateway.envoy_concurrency or max(1, (self.num_replicas + 1) // 2)
         self.peers = peers if peers is not None else PeerSettings()
         self.peers_url = ""
         self.extprocs: list[ManagedProcess] = []
@@ -296,7 +301,7 @@ class GatewayProcesses:
                 f.write(render(self.envoy_settings()))
             self.envoy = self._child(
                 "envoy", [envoy_binary(), "-c", str(self.config_path), "--disable-hot-restart",
-                          "--concurrency", str(self.gateway.envoy_concurrency), "-l", self.gateway.envoy_log_level],
+                          "--concurrency", str(self.envoy_concurrency), "-l", self.gateway.envoy_log_level],
                 ready=self._envoy_ready, ports=(self.gateway.port, self.admin_port))
             children = [*([self.nats] if self.nats is not None else []), *self.extprocs, self.envoy]
             check_ports_free((p.name, port) for p in children for port in p.ports)
