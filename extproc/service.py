@@ -44,8 +44,9 @@ Contract with the servicer (`servicer.RouterService`):
 
 - Other replicas (issue 15; extproc/peers): with `peers` set (a `PeerPublisher`, the gateway's NATS bus), each
   pick with block hashes or queued prefill is published (`codec.Pick`: primary, block hashes, the policy's
-  pending prefill, the session), its first token (`codec.Done`), its end (`codec.Release`), a failover (`codec.Failover`) and each learned response id (`codec.Response`, again with
-  its prompt tokens at `usage`). `apply_peer_batch` applies the other replicas' messages (the bus calls it on
+  pending prefill, the session), its first token (`codec.Done`), its end (`codec.Release`), a failover (`codec.Failover`), each learned response id (`codec.Response`, again with
+  its prompt tokens at `usage`) and what the policy learned from each response (`codec.Observed`: every
+  replica's rate estimates learn from every response, not 1/N of them). `apply_peer_batch` applies the other replicas' messages (the bus calls it on
   the event loop: their picks count in the pool's in-flight counts until their ``release`` message, so the
   pool's in-flight figures are the fleet's), `expire_peers` drops their stale state (TTLs, a silent replica).
   Publishing never awaits.
@@ -255,6 +256,9 @@ class PoolRouter:
                     entry[0] = m.endpoint
             elif t is codec.Response:
                 self.responses.apply_peer(m.response_id, m.endpoint, m.prompt_tokens)
+            elif t is codec.Observed:
+                core.apply_peer_observation(m.endpoint, m.prompt_tokens, m.cached_tokens, m.ttft_s,
+                                            m.queued_tokens, m.num_decoding)
         while len(flying) > MAX_PEER_IN_FLIGHT:
             key = next(iter(flying))
             pool.release(flying.pop(key)[0])
@@ -372,6 +376,7 @@ class PoolRouter:
         pick.first_token_reported = True
         self.core.on_first_token(pick.request, pick.decision, ttft_s)
         self._publish_done(pick)
+        self._publish_observations()
 
     def usage(self, pick: RoutePick, prompt_tokens: int | None, cached_tokens: int | None) -> None:
         """`pick`'s response ended with these usage figures (module docstring), once. The policy learns a rate
@@ -391,6 +396,14 @@ class PoolRouter:
             return
         pick.usage_reported = True
         self.core.on_usage(pick.request, pick.decision, prompt_tokens, cached_tokens)
+        self._publish_observations()
+
+    def _publish_observations(self) -> None:
+        """What the policy just learned from a response goes to the other replicas (codec.Observed)."""
+        peers = self.peers
+        if peers is not None:
+            for o in self.core.take_observations():
+                peers.publish(codec.Observed(*o))
 
     def release(self, pick: RoutePick) -> None:
         if not pick.released:

@@ -60,9 +60,22 @@ class Response(msgspec.Struct, array_like=True, tag=3, frozen=True):
     prompt_tokens: int | None = None
 
 
-Message = Pick | Done | Release | Failover | Response
+class Observed(msgspec.Struct, array_like=True, tag=5, frozen=True):
+    """The prefix policy learned from one of the sender's responses at `endpoint` (`TimeModel.observe`'s
+    arguments, in the router's units): every replica feeds the same observation to its rate estimate, so all
+    price endpoints alike (each alone would learn from 1/N of the responses, and drift apart)."""
+
+    endpoint: str
+    prompt_tokens: float
+    cached_tokens: float
+    ttft_s: float
+    queued_tokens: float
+    num_decoding: int = 0
+
+
+Message = Pick | Done | Release | Failover | Response | Observed
 KINDS: dict[type, str] = {Pick: "pick", Done: "done", Release: "release", Failover: "failover",
-                          Response: "response"}
+                          Response: "response", Observed: "observed"}
 """Each message type's ``kind`` label on /metrics."""
 
 

@@ -181,6 +181,17 @@ class RouterCore:
         """Drop other replicas' pending picks past their expiry; how many."""
         return self.scheduler.policy.expire_peers(now_s)
 
+    def take_observations(self) -> list[tuple[EndpointId, float, float, float, float, int]]:
+        """The policy's rate observations since the last call, for the other replicas (`Policy.take_observations`)."""
+        return self.scheduler.policy.take_observations()
+
+    def apply_peer_observation(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float,
+                               ttft_s: float, queued_tokens: float, num_decoding: int) -> None:
+        """Another replica learned this rate observation at `endpoint` (ignored for an endpoint not in the pool)."""
+        if endpoint in self._known:
+            self.scheduler.policy.apply_peer_observation(endpoint, prompt_tokens, cached_tokens, ttft_s,
+                                                         queued_tokens, num_decoding)
+
     def _records(self, endpoint: EndpointId) -> bool:
         """Whether the own index learns from picks at `endpoint` (not when its events tell the truth)."""
         return endpoint not in self.sourced.event_endpoints and self.sourced.own_source != "none"

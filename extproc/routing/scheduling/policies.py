@@ -139,6 +139,15 @@ class Policy:
         """Drop peers' picks whose `expires_s` passed (their replica died or their end was lost); how many."""
         return 0
 
+    def take_observations(self) -> list[tuple[EndpointId, float, float, float, float, int]]:
+        """What the policy learned from this replica's responses since the last call (`TimeModel.observe`'s
+        arguments), for the other replicas; cleared. Empty for a policy that learns nothing."""
+        return []
+
+    def apply_peer_observation(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float,
+                               ttft_s: float, queued_tokens: float, num_decoding: int) -> None:
+        """Another replica's policy learned this from one of its responses: learn it too. No-op by default."""
+
     def num_peer_picks(self) -> int:
         """Peers' picks pending here (a metric)."""
         return 0
@@ -297,6 +306,9 @@ class PrefixPolicy(Policy):
         # id(request) -> pick, released before any first-token report (which may still come).
         self._released: collections.OrderedDict[int, _TtftPick] = collections.OrderedDict()
         self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
+        # What `_learn` learned, for the other replicas (`take_observations`); a router that shares nothing
+        # keeps at most MAX_AWAITING_USAGE of them.
+        self._observed_out: list[tuple[EndpointId, float, float, float, float, int]] = []
         self._scan_offset = 0  # where the next sampling window of a large pool starts (`decide`)
         # Other replicas' pending picks (key -> expiry, oldest first): in `model` as non-local pendings.
         self._peer_expiry: collections.OrderedDict[tuple, float] = collections.OrderedDict()
@@ -590,6 +602,20 @@ class PrefixPolicy(Policy):
             cached = est - p.own_tokens
         self.model.observe(p.endpoint, est, cached, ttft_s, p.queued_tokens, p.num_decoding)
         self.predictions.append((p.predicted_s, ttft_s))
+        out = self._observed_out
+        if len(out) < MAX_AWAITING_USAGE:  # bounded when no one takes them
+            out.append((p.endpoint, est, cached, ttft_s, p.queued_tokens, p.num_decoding))
+
+    def take_observations(self) -> list[tuple[EndpointId, float, float, float, float, int]]:
+        out = self._observed_out
+        if not out:
+            return []
+        self._observed_out = []
+        return out
+
+    def apply_peer_observation(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float,
+                               ttft_s: float, queued_tokens: float, num_decoding: int) -> None:
+        self.model.observe(endpoint, prompt_tokens, cached_tokens, ttft_s, queued_tokens, num_decoding)
 
     def on_release(self, request: InferenceRequest, decision: Decision) -> None:
         """The request ended: if no first token was reported, it leaves the queue, and its pick waits (at most

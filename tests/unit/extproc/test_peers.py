@@ -23,6 +23,7 @@ messages = st.one_of(
     st.builds(codec.Release, st.integers(0, 2**63 - 1)),
     st.builds(codec.Failover, st.integers(0, 2**63 - 1), text, st.lists(u64, max_size=70), opt_text, opt_text),
     st.builds(codec.Response, text, text, st.none() | st.integers(0, 2**31)),
+    st.builds(codec.Observed, text, *(st.floats(0, 1e7, allow_nan=False) for _ in range(4)), st.integers(0, 4096)),
 )
 
 
@@ -93,6 +94,26 @@ def test_applied_pick_gives_the_same_index_and_pending_state():
     assert b.pool.in_flight == a.pool.in_flight == {ep: 1}  # the fleet's load, on both
     # b routes the same prefix where a put it (its queue is pending there too).
     assert b.route(*POST, {}, chat(SYSTEMS[0], DOCS[0])).endpoint_ids[0] == ep
+
+
+def test_rate_observations_are_shared_so_every_replica_prices_endpoints_alike():
+    a, b = replica(), replica()
+    wire = Wire(("a", 1))
+    a.peers = wire
+    for i, ttft_s in enumerate((0.9, 1.4, 0.7, 2.2, 1.1, 1.8)):
+        pick = a.route(*POST, {}, chat(SYSTEMS[i % 3], DOCS[i] + f" slow {i}"))
+        a.first_token(pick, ttft_s)
+        a.usage(pick, 4000, 0)
+        a.release(pick)
+    observed = [m for m in wire.messages if isinstance(m, codec.Observed)]
+    assert len(observed) == 6
+    ma, mb = a.core.scheduler.policy.model, b.core.scheduler.policy.model
+    assert ma.num_observations_by_endpoint() != mb.num_observations_by_endpoint()  # before: b learned nothing
+    wire.deliver(b)
+    assert mb.num_observations_by_endpoint() == ma.num_observations_by_endpoint()
+    for ep in ma.num_observations_by_endpoint():
+        assert mb.priced(ep) == pytest.approx(ma.priced(ep))
+    assert a.core.take_observations() == []  # taken once: nothing is sent twice
 
 
 def test_done_ends_the_peer_pending_and_ttl_expires_a_lost_one():
