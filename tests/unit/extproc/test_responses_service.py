@@ -26,19 +26,20 @@ from prefixroute.extproc.server import ExtprocSettings, start_server
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.openai_errors import OpenAIError
 from helpers.extproc_calls import exchange as _exchange
+from helpers.peers import StaticPool
 
 MODEL = "m"
 EPS = tuple(EndpointId(f"10.0.0.{i}:8000") for i in range(1, 4))
 RID = "resp_" + "a" * 32
 
 
-class ScriptedPool:
-    """A `Pool` whose snapshot the test sets (`set`); listeners are called on each `set` unless told not to."""
+class ScriptedPool(StaticPool):
+    """A `Pool` whose snapshot the test sets (`set`); listeners are called on each `set` unless told not to;
+    failure reports are kept (`failures`)."""
 
     def __init__(self, states: tuple[EndpointState, ...]) -> None:
+        super().__init__(())
         self._snapshot = states
-        self._listeners: list = []
-        self._in_flight: dict[EndpointId, int] = {s.endpoint: 0 for s in states}
         self.failures: list[EndpointId] = []
 
     @staticmethod
@@ -47,32 +48,9 @@ class ScriptedPool:
 
     def set(self, states: tuple[EndpointState, ...], *, notify: bool = True) -> None:
         self._snapshot = states
-        for ep in (s.endpoint for s in states):
-            self._in_flight.setdefault(ep, 0)
         if notify:
             for fn in self._listeners:
                 fn(states)
-
-    def snapshot(self) -> tuple[EndpointState, ...]:
-        return self._snapshot
-
-    @property
-    def in_flight(self) -> Mapping[EndpointId, int]:
-        return self._in_flight
-
-    @property
-    def endpoints(self) -> tuple[EndpointId, ...]:
-        return tuple(s.endpoint for s in self._snapshot)
-
-    def add_listener(self, listener) -> None:  # noqa: ANN001
-        self._listeners.append(listener)
-        listener(self._snapshot)
-
-    def acquire(self, endpoint: EndpointId) -> None:
-        self._in_flight[endpoint] += 1
-
-    def release(self, endpoint: EndpointId) -> None:
-        self._in_flight[endpoint] -= 1
 
     def report_failure(self, endpoint: EndpointId) -> None:
         self.failures.append(endpoint)
