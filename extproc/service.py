@@ -250,7 +250,7 @@ class PoolRouter:
             elif t is codec.Failover:
                 core.apply_peer_failover(m.endpoint, m.block_hashes, m.tenant, m.session_key)
                 entry = flying.get((*origin, m.seq))
-                if entry is not None and entry[0] != m.endpoint and m.endpoint in core._known:
+                if entry is not None and entry[0] != m.endpoint and core.knows(m.endpoint):
                     pool.release(entry[0])
                     pool.acquire(m.endpoint)
                     entry[0] = m.endpoint

@@ -163,6 +163,10 @@ class RouterCore:
             self.scheduler.policy.apply_peer_pick(key, endpoint, pending_tokens, block_hashes, now_s, expires_s)
         return True
 
+    def knows(self, endpoint: EndpointId) -> bool:
+        """Whether `endpoint` is in the pool this router last synced with (`sync_endpoints`)."""
+        return endpoint in self._known
+
     def apply_peer_done(self, key: tuple) -> None:
         """Another replica's pick `key` got its first token or ended (`on_first_token` / `on_release` there)."""
         self.scheduler.policy.apply_peer_done(key)
