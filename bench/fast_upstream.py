@@ -44,10 +44,14 @@ async def _stream(writer: asyncio.StreamWriter, body: bytes, itl_s: float) -> No
     n = int(m.group(1)) if m else 32
     writer.write(_SSE_HEAD)
     loop = asyncio.get_running_loop()
-    start = loop.time()
+    due = loop.time()
     for k in range(n):
-        # Scheduled against the start time, so the upstream's own jitter does not accumulate.
-        await asyncio.sleep(max(0.0, start + k * itl_s - loop.time()))
+        # Each token at least itl_s after the previous one, as a decode loop steps: scheduled against the start
+        # time while on time (the upstream's own jitter does not accumulate), but a stall (a busy host) is not
+        # caught up with a burst of short gaps, which would read as the gateway bunching tokens.
+        if k:
+            due = max(due + itl_s, loop.time())
+        await asyncio.sleep(max(0.0, due - loop.time()))
         writer.write(_chunk(_TOKEN_EVENT))
     usage = b'data: {"object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":10,"completion_tokens":' \
         + str(n).encode() + b',"prompt_tokens_details":{"cached_tokens":0}}}\n\ndata: [DONE]\n\n'
