@@ -28,6 +28,7 @@ from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolve
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.settings import PeerSettings
+from prefixroute.extproc.parse_offload import ParseOffload
 from prefixroute.extproc.responses import ResponsesCollector
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.tracking import RequestTracker
@@ -174,6 +175,10 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     # track_prefill: PoolRouter.release calls core.on_release once per routed request.
     core = RouterCore(routing, track_prefill=True, event_index=event_index)
     router = PoolRouter(core, pool)
+    log.info("%s", core.memory.describe())
+    if routing.parse_workers:  # large bodies parsed off the event loop (issue 27)
+        router.offload = ParseOffload(routing)
+        router.offload.start()
     manager = None
     if event_index is not None:
         manager = KVEventsManager(event_index, topic=pool_settings.kv_events_topic,
@@ -201,6 +206,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         router.peer_pending_ttl_s = peer_settings.pending_ttl_s
         router.peer_in_flight_ttl_s = peer_settings.in_flight_ttl_s
         router.peer_timeout_s = peer_settings.peer_timeout_s
+        router.max_in_flight_per_peer = peer_settings.max_in_flight_per_peer
         telemetry.metrics.registry.register(PeersCollector(bus, core.scheduler.policy.num_peer_picks,
                                                            router.num_peer_in_flight))
     await pool.start()
@@ -241,6 +247,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         if bus is not None:
             await bus.close()
         await router.lookup.close()
+        if router.offload is not None:
+            router.offload.close()
         await pool.close()
         # Off the loop: flushing waits on the exporter (bounded), the loop must not stall meanwhile.
         await asyncio.get_running_loop().run_in_executor(None, telemetry.close, 2.0)
