@@ -13,6 +13,12 @@ dashboard launcher and the test helpers.
   CrashLoopBackOff), waiting for each restarted child's readiness check before counting it up again, and
   says so on stderr. No thread: the launcher's loop calls `Supervisor.poll` a few times a second. A child
   stopped on purpose (`stop`, `kill`, `stop_all`) is never restarted.
+- Liveness (issue 27): a member may have a `live` probe (`ManagedProcess.live`, e.g. Envoy's health route
+  through its own listener); the supervisor runs it every `RestartPolicy.live_interval_s` while the member is
+  up and restarts a member that fails it `live_failures` times in a row: a process that runs but no longer
+  serves (Envoy after an admin ``/drain_listeners``) is treated as crashed.
+- Logs are private (issue 27): each child's log is created mode 0600 (an existing one is tightened to it),
+  in a folder created mode 0700: debug logs may hold request headers.
 - Children die with their parent: on Linux every child gets PR_SET_PDEATHSIG = SIGKILL
   (`parent_death_preexec`), so a launcher killed with SIGKILL leaves no process behind and no port busy.
   The signal fires when the *thread* that forked the child exits: spawn from the main thread (every
@@ -248,12 +254,14 @@ class ManagedProcess:
 
     def __init__(self, name: str, argv: Sequence[str], *, log_path: Path | None = None,
                  env: Mapping[str, str] | None = None, ready: Callable[[], bool] | None = None,
-                 ports: Sequence[int] = (), die_with_parent: bool = True) -> None:
+                 ports: Sequence[int] = (), die_with_parent: bool = True,
+                 live: Callable[[], bool] | None = None) -> None:
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_path = log_path
         self.env = dict(env or {})
         self.ready = ready
+        self.live = live  # the supervisor's probe that it still serves (module docstring); None: alive = live
         self.ports = tuple(ports)
         self.die_with_parent = die_with_parent
         self.popen: subprocess.Popen[bytes] | None = None
@@ -281,8 +289,7 @@ class ManagedProcess:
         check_ports_free((self.name, p) for p in self.ports)
         log: IO[bytes] | None = None
         if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = open(self.log_path, "ab")  # noqa: SIM115 - closed below: the child has its own copy
+            log = open_private_log(self.log_path)
         try:
             self.popen = subprocess.Popen(self.argv, **self._popen_kwargs(log))
         finally:
@@ -359,6 +366,17 @@ class ManagedProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout=5.0)
         return self.returncode
+
+
+def open_private_log(path: Path) -> IO[bytes]:
+    """`path` opened for appending, created mode 0600 (an existing file is tightened to 0600) in a folder created
+    mode 0700 (an existing folder is left as it is). The caller closes it."""
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 class ProcessGroup:
@@ -442,6 +460,10 @@ class RestartPolicy:
     max_delay_s: float = 15.0
     reset_after_s: float = 30.0
     ready_timeout_s: float = 60.0
+    live_interval_s: float = 1.0
+    live_failures: int = 3
+    """A member with a `live` probe is probed every `live_interval_s` while up; `live_failures` failures in a row
+    (3 s by default: no restart on one slow answer) and it is killed and restarted like a crashed one."""
 
     def delay_s(self, num_failures: int) -> float:
         """The wait before the restart that follows `num_failures` (>= 1) failures in a row."""
@@ -455,6 +477,8 @@ class _Watch:
     due: float = 0.0
     num_failures: int = 0  # in a row: sets the delay
     num_restarts: int = 0  # in all
+    next_probe: float = 0.0  # when its `live` probe runs next
+    num_probe_failures: int = 0  # in a row
 
 
 class Supervisor:
@@ -509,6 +533,19 @@ class Supervisor:
                         w.num_failures = 0
                     self._schedule(proc, w, now, f"exited with {describe_status(proc.returncode)} after "
                                                  f"{up_s:.1f} s up")
+                elif proc.live is not None and now >= w.next_probe:
+                    w.next_probe = now + self.policy.live_interval_s
+                    if proc.live():
+                        w.num_probe_failures = 0
+                    else:
+                        w.num_probe_failures += 1
+                        if w.num_probe_failures >= self.policy.live_failures:
+                            w.num_probe_failures = 0
+                            stop_group(proc.popen, 0.0)  # runs but no longer serves: a crash, restarted as one
+                            if now - w.since >= self.policy.reset_after_s:
+                                w.num_failures = 0
+                            self._schedule(proc, w, now, f"stopped serving ({self.policy.live_failures} health "
+                                                         "probes in a row failed; killed)")
             elif w.state == "waiting":
                 if now >= w.due:
                     self._restart(proc, w, now)
@@ -518,6 +555,7 @@ class Supervisor:
                                                  "restarting")
                 elif proc.ready is None or proc.ready():
                     w.state, w.since = "up", time.monotonic()
+                    w.next_probe, w.num_probe_failures = w.since + self.policy.live_interval_s, 0
                     self._say(f"{proc.name} is back (restart {w.num_restarts}, pid {proc.pid}, ready "
                               f"{w.since - w.due:.1f} s after its restart)")
                 elif now - w.since > self.policy.ready_timeout_s:

@@ -81,8 +81,20 @@ that stops reading costs Envoy ~2x that per stream; the BUFFERED ext_proc body m
 headers (slowloris), whole request, stream idle, connection idle (see each setting's help for its size).
 
 ext_proc authentication: optional TLS to the ext_proc cluster (UpstreamTlsContext: Envoy verifies the
-service certificate and its SAN, and presents its own for mutual TLS) and a bearer token sent as
-``authorization: Bearer ...`` initial metadata by both ext_proc filters.
+service certificate and its SAN, and presents its own for mutual TLS) and a bearer token in the
+``authorization`` header of every ext_proc stream. The token is an Envoy *secret* (static_resources.secrets,
+a generic secret: from `extproc_auth_token_file`, read by Envoy itself, so the rendered file holds only its
+path; or inline) injected by a credential_injector upstream filter on the ext_proc clusters, never gRPC
+initial metadata: Envoy redacts secrets from /config_dump, and checked with Envoy 1.40 neither /config_dump
+nor its log at any level (debug and trace included) shows the token (issue 27: the admin port printed it).
+
+Envoy's admin interface (`admin_mode`): "loopback" binds 127.0.0.1:`admin_port` and serves only read-only
+paths (`ADMIN_READ_ONLY_PATHS`: no /config_dump, /logging, /quitquitquit, /drain_listeners, /runtime_modify,
+/healthcheck/fail, /reset_counters, profilers or taps: every local user can reach loopback); "unix" serves
+everything on a Unix socket (`admin_socket_path`, mode 0600: its owner only); "off" has no admin at all (then
+`health_path`, answered by Envoy on the gateway listener, tells whether it serves). Note: at debug and trace
+levels Envoy logs every request's headers, clients' own ``authorization`` included; only the owner can set
+them (flag, or the unix admin socket).
 """
 
 from __future__ import annotations
@@ -109,6 +121,10 @@ from envoy_data_plane.envoy.config.cluster.v3 import (CircuitBreakers, CircuitBr
                                                       ClusterCustomClusterType, ClusterDiscoveryType, ClusterLbPolicy,
                                                       ClusterOriginalDstLbConfig, OutlierDetection)
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
+from envoy_data_plane.envoy.config.core.v3 import Pipe
+from envoy_data_plane.envoy.extensions.filters.http.credential_injector.v3 import CredentialInjector
+from envoy_data_plane.envoy.extensions.filters.http.upstream_codec.v3 import UpstreamCodec
+from envoy_data_plane.envoy.extensions.http.injected_credentials.generic.v3 import Generic as GenericCredential
 from envoy_data_plane.envoy.config.core.v3 import (Address, DataSource, GrpcService, GrpcServiceEnvoyGrpc,
                                                    HeaderValue, HeaderValueOption, HeaderValueOptionHeaderAppendAction,
                                                    Http1ProtocolOptions, Http2ProtocolOptions, HttpProtocolOptions as
@@ -144,6 +160,7 @@ from envoy_data_plane.envoy.extensions.http.early_header_mutation.header_mutatio
 from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import DownstreamConnectionsConfig
 from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import PreviousHostsPredicate
 from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (CertificateValidationContext, CommonTlsContext,
+                                                                        GenericSecret, SdsSecretConfig, Secret,
                                                                         SubjectAltNameMatcher,
                                                                         SubjectAltNameMatcherSanType, TlsCertificate,
                                                                         UpstreamTlsContext)
@@ -168,6 +185,11 @@ EXTPROC_REPLICA_CLUSTER_PREFIX = "prefixroute_extproc_replica_"
 PICKED_CLUSTER = "picked_endpoint"
 POOL_CLUSTER = "endpoint_pool_round_robin"
 DIRECT_CLUSTER = "direct_upstream"
+UNAVAILABLE_CLUSTER = "routing_unavailable"
+"""A cluster without endpoints: the target of the routes taken while the routing service is down and the request
+must not go elsewhere (Envoy answers 503; its local reply mapper names the reason)."""
+UNAVAILABLE_STATEFUL_ROUTE = "extproc_unavailable_stateful"
+UNAVAILABLE_CLOSED_ROUTE = "extproc_unavailable_fail_closed"
 OBSERVE_FILTER = "prefixroute.observe_responses"
 ROUTING_FILTER = "envoy.filters.http.ext_proc"
 
@@ -187,7 +209,17 @@ class EnvoySettings(Settings):
     gateway_port: int = setting(8080, "Port clients send OpenAI requests to (8080: the usual unprivileged HTTP port).")
     listen_address: str = setting("0.0.0.0", "Address the gateway listens on (all interfaces, so a container's "
                                   "published port reaches it; use 127.0.0.1 to keep it local).")
-    admin_port: int = setting(9901, "Envoy admin port, bound to 127.0.0.1 only (9901: Envoy's customary port).")
+    admin_port: int = setting(9901, "Envoy admin port, bound to 127.0.0.1 only (9901: Envoy's customary port); "
+                              "admin_mode loopback.")
+    admin_mode: str = setting("loopback", "Envoy's admin interface: loopback (127.0.0.1:admin_port, read-only paths "
+                              "only: stats, ready, clusters, listeners, server_info; every local user can reach "
+                              "loopback), unix (every path, on the Unix socket admin_socket_path, mode 0600: only "
+                              "its owner), or off (no admin; health_path still answers).")
+    admin_socket_path: str = setting("", "Unix socket of the admin interface when admin_mode is unix; put it in a "
+                                     "folder only its owner can enter.")
+    health_path: str = setting("/healthz", "Path Envoy answers itself on the gateway listener with 200 "
+                               "{\"status\": \"ok\"} (GET; no router, no endpoint): a supervisor's probe that the "
+                               "listener serves (a drained listener fails it). Empty: none.")
     extproc_address: str = setting("127.0.0.1:9002", "host:port of the ext_proc routing service "
                                    "(9002: the port the endpoint-picker reference uses).")
     extproc_replica_addresses: tuple[str, ...] = setting(
@@ -285,12 +317,13 @@ class EnvoySettings(Settings):
         "IP address); empty = the host of extproc_address.")
     extproc_auth_token: str = setting(
         "", "Bearer token Envoy sends to the ext_proc service (`authorization: Bearer ...` on every stream, both "
-        "filters); must equal the service's auth_token. Prefer the environment variable or "
-        "extproc_auth_token_file to a command-line flag (visible in ps). It is written into the rendered "
-        "configuration: keep that file private (envoy-config --out writes it mode 0600).")
+        "filters); must equal the service's auth_token. Prefer extproc_auth_token_file: given inline, the token is "
+        "written into the rendered configuration (as a secret, so Envoy's /config_dump redacts it; envoy-config "
+        "--out writes the file mode 0600).")
     extproc_auth_token_file: str = setting(
-        "", "File holding extproc_auth_token (surrounding whitespace ignored); used when extproc_auth_token is "
-        "empty.")
+        "", "File holding extproc_auth_token (surrounding whitespace ignored), read by Envoy itself at start: the "
+        "rendered configuration names the file and holds no secret (Envoy must be able to read it). Used when "
+        "extproc_auth_token is empty.")
 
 
 def _duration(seconds: float) -> timedelta:
@@ -330,6 +363,60 @@ def extproc_auth_token(s: EnvoySettings) -> str:
     return ""
 
 
+EXTPROC_TOKEN_SECRET = "prefixroute_extproc_token"
+ADMIN_READ_ONLY_PATHS = ("/ready", "/stats", "/stats/prometheus", "/stats/recentlookups", "/server_info",
+                         "/clusters", "/listeners", "/certs", "/memory", "/hot_restart_version", "/runtime", "/help")
+"""The admin paths `admin_mode` loopback serves: what monitoring reads. Left out: /config_dump (configuration and
+secrets' metadata), /logging (a POST raises the level: debug logs print clients' headers), /quitquitquit,
+/drain_listeners, /healthcheck/fail and /healthcheck/ok, /runtime_modify, /reset_counters, /heapprofiler,
+/cpuprofiler, /tap, /init_dump, /contention and anything added later (a path must be listed to be served)."""
+
+
+def _extproc_token_secret(s: EnvoySettings) -> Secret | None:
+    """The ext_proc token as an Envoy secret: the file's path (Envoy reads it; the rendered configuration holds no
+    token), else the inline token; None without one. Envoy strips nothing: a file's surrounding whitespace is
+    refused here (a trailing newline would become part of the header)."""
+    if s.extproc_auth_token:
+        return Secret(name=EXTPROC_TOKEN_SECRET,
+                      generic_secret=GenericSecret(secret=DataSource(inline_string=s.extproc_auth_token)))
+    if s.extproc_auth_token_file:
+        raw = Path(s.extproc_auth_token_file).read_bytes()
+        if not raw.strip():
+            raise ValueError(f"extproc_auth_token_file {s.extproc_auth_token_file} is empty")
+        if raw != raw.strip():
+            raise ValueError(f"extproc_auth_token_file {s.extproc_auth_token_file}: Envoy sends the file as it is; "
+                             "remove the surrounding whitespace (a trailing newline, e.g. `printf %s TOKEN > FILE`)")
+        return Secret(name=EXTPROC_TOKEN_SECRET,
+                      generic_secret=GenericSecret(secret=DataSource(filename=s.extproc_auth_token_file)))
+    return None
+
+
+def _credential_filters() -> list[HttpFilter]:
+    """Upstream filters of the ext_proc clusters: the token secret as ``authorization: Bearer ...`` on every
+    gRPC stream (credential_injector), then the codec (which must come last)."""
+    return [
+        HttpFilter(name="envoy.filters.http.credential_injector", typed_config=ProtoAny.pack(CredentialInjector(
+            overwrite=True,
+            credential=TypedExtensionConfig(name="envoy.http.injected_credentials.generic", typed_config=ProtoAny.pack(
+                GenericCredential(credential=SdsSecretConfig(name=EXTPROC_TOKEN_SECRET), header="authorization",
+                                  header_value_prefix="Bearer ")))))),
+        HttpFilter(name="envoy.filters.http.upstream_codec", typed_config=ProtoAny.pack(UpstreamCodec())),
+    ]
+
+
+def _admin(s: EnvoySettings) -> Admin | None:
+    if s.admin_mode == "off":
+        return None
+    if s.admin_mode == "unix":
+        if not s.admin_socket_path:
+            raise ValueError("admin_mode unix needs admin_socket_path")
+        return Admin(address=Address(pipe=Pipe(path=s.admin_socket_path, mode=0o600)))
+    if s.admin_mode == "loopback":
+        return Admin(address=_address(f"127.0.0.1:{s.admin_port}"),
+                     allow_paths=[StringMatcher(exact=p) for p in ADMIN_READ_ONLY_PATHS])
+    raise ValueError(f"admin_mode must be loopback, unix or off, got {s.admin_mode!r}")
+
+
 def _allowed_path_matches(s: EnvoySettings) -> list[RouteMatch]:
     """The allowlist as route matches: exact paths, then prefixes. ValueError for a path that is not in
     normalised form (it could never match: Envoy matches the normalised path) or an empty allowlist."""
@@ -350,10 +437,13 @@ def _match_text(m: RouteMatch) -> str:
 def _not_found_route(name: str, match: RouteMatch, status: int, message: str, filters: Sequence[str]) -> Route:
     # Answered by Envoy with neither ext_proc filter running: the router never spends a decision (or a
     # telemetry record) on a path it does not serve.
+    return _direct_route(name, match, status, _error_json(status, message), filters)
+
+
+def _direct_route(name: str, match: RouteMatch, status: int, body: str, filters: Sequence[str]) -> Route:
     return Route(
         name=name, match=match,
-        direct_response=DirectResponseAction(status=status, body=DataSource(inline_string=_error_json(
-            status, message))),
+        direct_response=DirectResponseAction(status=status, body=DataSource(inline_string=body)),
         response_headers_to_add=[_set_header("content-type", "application/json")],
         typed_per_filter_config={f: ProtoAny.pack(ExtProcPerRoute(disabled=True)) for f in filters},
     )
@@ -419,8 +509,23 @@ def _local_reply_config(s: EnvoySettings) -> LocalReplyConfig:
                                                           content_type="application/json"),
             headers_to_add=[_set_header(k, v) for k, v in (headers or {}).items()])
 
+    def unavailable(route: str, message: str) -> ResponseMapper:
+        # The 503 of a route to UNAVAILABLE_CLUSTER (the routing service is down): its own message.
+        return ResponseMapper(
+            filter=AccessLogFilter(extension_filter=ExtensionFilter(
+                name="envoy.access_loggers.extension_filters.cel",
+                typed_config=ProtoAny.pack(ExpressionFilter(
+                    expression=f"({ENVOY_OWN_REPLY}) && response.code == 503 && xds.route_name.startsWith('{route}')")))),
+            body_format_override=SubstitutionFormatString(
+                text_format_source=DataSource(inline_string=_error_json(503, message)),
+                content_type="application/json"),
+            headers_to_add=[_set_header("retry-after", "1")])
+
     # %RESPONSE_CODE_DETAILS% / %RESPONSE_FLAGS% are Envoy's short reason tokens (e.g. http1.codec_error, UF).
     return LocalReplyConfig(mappers=[
+        unavailable(UNAVAILABLE_STATEFUL_ROUTE, "The routing service is unavailable and a Responses API request must "
+                    "reach the endpoint that holds its conversation; retry shortly."),
+        unavailable(UNAVAILABLE_CLOSED_ROUTE, "The routing service is unavailable; retry shortly."),
         mapper(400, "Malformed HTTP request (%RESPONSE_CODE_DETAILS%)."),
         mapper(403, "Refused (%RESPONSE_CODE_DETAILS%): CONNECT and protocol upgrades are not supported."),
         mapper(404, "No such path on this gateway (%RESPONSE_CODE_DETAILS%)."),
@@ -512,8 +617,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
     served_header = [_set_header(SERVED_HEADER, "%UPSTREAM_HOST%")]
     upstream_timeout = _duration(s.upstream_timeout_s)
     allowed = _allowed_path_matches(s)
-    token = extproc_auth_token(s)
-    auth_metadata = [HeaderValue(key="authorization", value=f"Bearer {token}")] if token else []
+    token_secret = _extproc_token_secret(s)
 
     # Every route that reaches an endpoint matches one allowlisted path (exact or prefix, on the normalised
     # path, query string aside), so only those are ever forwarded, whether or not ext_proc answered.
@@ -531,8 +635,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
             if s.observe_responses:
                 per_filter[OBSERVE_FILTER] = ProtoAny.pack(ExtProcPerRoute(overrides=ExtProcOverrides(
                     grpc_service=GrpcService(
-                        envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{replica}"),
-                        initial_metadata=auth_metadata))))
+                        envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{replica}")))))
         return Route(
             name=name,
             match=RouteMatch(path=match.path, prefix=match.prefix, headers=headers),
@@ -545,16 +648,14 @@ def build_config(s: EnvoySettings) -> Bootstrap:
 
     def unpicked_route(match: RouteMatch) -> Route:
         stateful = match.path == RESPONSES_PATH or (match.prefix or "").startswith(RESPONSES_PREFIX)
+        # These routes are what Envoy matches at request headers, before the picker set its header, so their
+        # body limit is what the ext_proc filter may buffer. A direct-response route takes no body limit (only
+        # a route with an action does): its requests were buffered to the connection's 32 KiB and a 33 KB
+        # Responses body got Envoy's 413 (issue 27). So they route to a cluster without endpoints, and the
+        # 503 that Envoy then answers gets its message from the local reply mapper of its route (UNAVAILABLE_*).
         if stateful:  # module docstring: the Responses API fails closed whatever failure_mode says
-            return Route(
-                name=f"extproc_unavailable_stateful {_match_text(match)}",
-                match=match,
-                direct_response=DirectResponseAction(status=503, body=DataSource(inline_string=_error_json(
-                    503, "The routing service is unavailable and a Responses API request must reach the endpoint "
-                         "that holds its conversation; retry shortly."))),
-                response_headers_to_add=[_set_header("content-type", "application/json"),
-                                         _set_header("retry-after", "1")],
-            )
+            return Route(name=f"{UNAVAILABLE_STATEFUL_ROUTE} {_match_text(match)}", match=match,
+                         route=RouteAction(cluster=UNAVAILABLE_CLUSTER))
         if s.failure_mode == "open" and s.endpoints:
             return Route(
                 name=f"extproc_unavailable_round_robin {_match_text(match)}",
@@ -567,13 +668,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                     host_selection_retry_max_attempts=5)),
                 response_headers_to_add=served_header,
             )
-        return Route(
-            name=f"extproc_unavailable_fail_closed {_match_text(match)}",
-            match=match,
-            direct_response=DirectResponseAction(status=503, body=DataSource(inline_string=_error_json(
-                503, "The routing service is unavailable; retry shortly."))),
-            response_headers_to_add=[_set_header("content-type", "application/json"), _set_header("retry-after", "1")],
-        )
+        return Route(name=f"{UNAVAILABLE_CLOSED_ROUTE} {_match_text(match)}", match=match,
+                     route=RouteAction(cluster=UNAVAILABLE_CLUSTER))
 
     http_filters: list[HttpFilter] = []
     if s.extproc_enabled:
@@ -585,8 +681,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                 envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
                 # The GrpcService's own policy (EnvoyGrpc.retry_policy is for xDS streams only).
                 retry_policy=_extproc_retry_policy(len(replicas)),
-                initial_metadata=[*auth_metadata, *([HeaderValue(key=OBSERVED_METADATA, value="1")]
-                                                    if s.observe_responses else [])]),
+                initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value="1")] if s.observe_responses else []),
             failure_mode_allow=s.failure_mode == "open",
             status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
             message_timeout=_duration(s.extproc_message_timeout_ms / 1000),
@@ -611,8 +706,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         ))))
     if s.extproc_enabled and s.observe_responses:
         http_filters.append(HttpFilter(name=OBSERVE_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
-            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
-                                     initial_metadata=auth_metadata),
+            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
             # Send-and-go: Envoy never waits for an answer, so the token stream is not slowed; a telemetry
             # failure never fails a request.
             observability_mode=True,
@@ -646,6 +740,10 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                         route=RouteAction(cluster=POOL_CLUSTER, timeout=upstream_timeout),
                         response_headers_to_add=served_header) for m in allowed]
     ext_proc_filters = [f.name for f in http_filters if f.name != "envoy.filters.http.router"]
+    if s.health_path:
+        # Answered by Envoy alone, so it says whether the listener serves (issue 27); no allowlisted path is it.
+        routes.append(_direct_route("gateway_health", RouteMatch(path=s.health_path), 200,
+                                    orjson.dumps({"status": "ok"}).decode(), ext_proc_filters))
     routes += [
         # CONNECT matches only routes with a connect_matcher; without this one an HTTP/1 CONNECT went to the
         # ext_proc filter as a tunnel whose body never ends (no answer at all).
@@ -709,7 +807,9 @@ def build_config(s: EnvoySettings) -> Bootstrap:
             "typed_extension_protocol_options": {
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": ProtoAny.pack(HttpProtocolOptions(
                     explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
-                        http2_protocol_options=Http2ProtocolOptions())))}}
+                        http2_protocol_options=Http2ProtocolOptions()),
+                    # The token on every stream to a replica, from the secret (never initial metadata).
+                    http_filters=_credential_filters() if token_secret is not None else []))}}
         if len(replicas) > 1:
             # Least request: a replica busy with long streams gets fewer new ones. A replica that refuses
             # connections is ejected after two local-origin failures (its streams are retried elsewhere:
@@ -728,13 +828,18 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         if len(replicas) > 1:
             clusters += [_strict_dns_cluster(f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{k}", [a], 0.25, **grpc_fields)
                          for k, a in enumerate(replicas) if s.observe_responses]
+    if s.extproc_enabled:  # the unavailable routes' target: no endpoint, so Envoy answers 503 (mapped below)
+        clusters.append(Cluster(name=UNAVAILABLE_CLUSTER, type=ClusterDiscoveryType.STATIC,
+                                connect_timeout=_duration(s.connect_timeout_s),
+                                per_connection_buffer_limit_bytes=s.connection_buffer_bytes,
+                                load_assignment=ClusterLoadAssignment(cluster_name=UNAVAILABLE_CLUSTER)))
     if s.endpoints and (s.failure_mode == "open" or not s.extproc_enabled):
         clusters.append(_strict_dns_cluster(POOL_CLUSTER, s.endpoints, s.connect_timeout_s,
                                             lb_policy=ClusterLbPolicy.ROUND_ROBIN,
                                             per_connection_buffer_limit_bytes=s.connection_buffer_bytes))
 
     return Bootstrap(
-        admin=Admin(address=_address(f"127.0.0.1:{s.admin_port}")),
+        admin=_admin(s),
         overload_manager=OverloadManager(resource_monitors=[ResourceMonitor(
             name="envoy.resource_monitors.global_downstream_max_connections",
             typed_config=ProtoAny.pack(DownstreamConnectionsConfig(
@@ -749,6 +854,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                     name="envoy.filters.network.http_connection_manager", typed_config=ProtoAny.pack(hcm))])],
             )],
             clusters=clusters,
+            secrets=[token_secret] if token_secret is not None and s.extproc_enabled else [],
         ),
     )
 
