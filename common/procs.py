@@ -195,6 +195,15 @@ def parent_death_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None
     return preexec
 
 
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Called in a child that was not started through `parent_death_preexec` (a multiprocessing worker): it
+    gets `sig` when its parent dies, and exits now when `parent` is already gone. No-op where unavailable."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def describe_status(returncode: int | None) -> str:
     """'status 3', 'signal SIGKILL' (a negative Popen returncode) or 'an unknown status'."""
     if returncode is None:

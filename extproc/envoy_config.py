@@ -121,7 +121,11 @@ from envoy_data_plane.envoy.config.cluster.v3 import (CircuitBreakers, CircuitBr
                                                       ClusterCustomClusterType, ClusterDiscoveryType, ClusterLbPolicy,
                                                       ClusterOriginalDstLbConfig, OutlierDetection)
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
-from envoy_data_plane.envoy.config.core.v3 import Pipe
+from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+from envoy_data_plane.envoy.config.core.v3 import ApiVersion, Pipe
+from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import CommonGrpcAccessLogConfig
+from envoy_data_plane.envoy.extensions.access_loggers.open_telemetry.v3 import OpenTelemetryAccessLogConfig
+from envoy_data_plane.opentelemetry.proto.common.v1 import AnyValue, KeyValue, KeyValueList
 from envoy_data_plane.envoy.extensions.filters.http.credential_injector.v3 import CredentialInjector
 from envoy_data_plane.envoy.extensions.filters.http.upstream_codec.v3 import UpstreamCodec
 from envoy_data_plane.envoy.extensions.http.injected_credentials.generic.v3 import Generic as GenericCredential
@@ -305,6 +309,14 @@ class EnvoySettings(Settings):
         "reading costs Envoy (~2x this per stream instead of ~2x max_request_body_bytes). 32 KiB is Envoy's "
         "edge-proxy recommendation: seconds of a token stream (~100 bytes per SSE event); request bodies are "
         "buffered separately up to max_request_body_bytes.")
+    records_otlp_address: str = setting(
+        "", "host:port of an OTLP/gRPC receiver (`prefixroute telemetry`) Envoy sends one log record per routed "
+        "request to (its id, path, status, duration, served endpoint, response flags): the receiver keeps it as "
+        "the request's record only when the router's own record never comes (the router was down or was killed "
+        "while the request ran), so every request served has a record. Empty: none.")
+    records_otlp_token_file: str = setting(
+        "", "File holding the bearer token the OTLP receiver of records_otlp_address requires (read by Envoy, "
+        "never written into the configuration).")
     extproc_tls_ca_file: str = setting(
         "", "PEM CA bundle that signs the ext_proc service's certificate; set = Envoy talks TLS to it and verifies "
         "its certificate (the SAN must name extproc_tls_server_name). Empty = plaintext (loopback only).")
@@ -391,14 +403,53 @@ def _extproc_token_secret(s: EnvoySettings) -> Secret | None:
     return None
 
 
-def _credential_filters() -> list[HttpFilter]:
-    """Upstream filters of the ext_proc clusters: the token secret as ``authorization: Bearer ...`` on every
-    gRPC stream (credential_injector), then the codec (which must come last)."""
+RECORDS_CLUSTER = "prefixroute_records_otlp"
+RECORDS_TOKEN_SECRET = "prefixroute_records_token"
+RECORD_ATTRIBUTES = {
+    "prefixroute.envoy_record": "1", "prefixroute.request_id": "%REQ(X-REQUEST-ID)%", "prefixroute.path": "%PATH%",
+    "prefixroute.status": "%RESPONSE_CODE%", "prefixroute.latency_ms": "%DURATION%",
+    "prefixroute.start_time": "%START_TIME(%s.%6f)%", "prefixroute.endpoint": "%UPSTREAM_HOST%",
+    "prefixroute.response_flags": "%RESPONSE_FLAGS%", "prefixroute.route": "%ROUTE_NAME%"}
+"""What Envoy's record of a request says (telemetry/receiver.py `envoy_log_to_row` reads these names)."""
+
+
+def _records_access_log(s: EnvoySettings) -> tuple[list[AccessLog], Cluster | None, Secret | None]:
+    """Envoy's own record of every routed request, as OTLP logs to `records_otlp_address` (issue 27: requests in
+    flight when the router died had no record). Not for Envoy's health route and the paths it refuses itself."""
+    if not s.records_otlp_address:
+        return [], None, None
+    token = None
+    if s.records_otlp_token_file:
+        token = Secret(name=RECORDS_TOKEN_SECRET,
+                       generic_secret=GenericSecret(secret=DataSource(filename=s.records_otlp_token_file)))
+    cluster = _strict_dns_cluster(RECORDS_CLUSTER, [s.records_otlp_address], 1.0, typed_extension_protocol_options={
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": ProtoAny.pack(HttpProtocolOptions(
+            explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(http2_protocol_options=Http2ProtocolOptions()),
+            http_filters=_credential_filters(RECORDS_TOKEN_SECRET) if token is not None else []))})
+    config = OpenTelemetryAccessLogConfig(
+        common_config=CommonGrpcAccessLogConfig(
+            log_name="prefixroute.requests", transport_api_version=ApiVersion.V3,
+            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=RECORDS_CLUSTER)),
+            buffer_flush_interval=_duration(1)),
+        attributes=KeyValueList(values=[KeyValue(key=k, value=AnyValue(string_value=v))
+                                        for k, v in RECORD_ATTRIBUTES.items()]))
+    skip = " || ".join(f"xds.route_name == '{r}'" for r in ("gateway_health", "path_not_allowed",
+                                                            "connect_not_allowed"))
+    log = AccessLog(name="envoy.access_loggers.open_telemetry", typed_config=ProtoAny.pack(config),
+                    filter=AccessLogFilter(extension_filter=ExtensionFilter(
+                        name="envoy.access_loggers.extension_filters.cel",
+                        typed_config=ProtoAny.pack(ExpressionFilter(expression=f"!({skip})")))))
+    return [log], cluster, token
+
+
+def _credential_filters(secret: str = EXTPROC_TOKEN_SECRET) -> list[HttpFilter]:
+    """Upstream filters of a gRPC cluster: the token `secret` as ``authorization: Bearer ...`` on every stream
+    (credential_injector), then the codec (which must come last)."""
     return [
         HttpFilter(name="envoy.filters.http.credential_injector", typed_config=ProtoAny.pack(CredentialInjector(
             overwrite=True,
             credential=TypedExtensionConfig(name="envoy.http.injected_credentials.generic", typed_config=ProtoAny.pack(
-                GenericCredential(credential=SdsSecretConfig(name=EXTPROC_TOKEN_SECRET), header="authorization",
+                GenericCredential(credential=SdsSecretConfig(name=secret), header="authorization",
                                   header_value_prefix="Bearer ")))))),
         HttpFilter(name="envoy.filters.http.upstream_codec", typed_config=ProtoAny.pack(UpstreamCodec())),
     ]
@@ -753,7 +804,9 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                          "No such path on this gateway; it serves the OpenAI inference API.", ext_proc_filters),
     ]
 
+    records_log, records_cluster, records_secret = _records_access_log(s)
     hcm = HttpConnectionManager(
+        access_log=records_log,
         stat_prefix="gateway",
         codec_type=HttpConnectionManagerCodecType.AUTO,
         early_header_mutation_extensions=[TypedExtensionConfig(
@@ -833,6 +886,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                                 connect_timeout=_duration(s.connect_timeout_s),
                                 per_connection_buffer_limit_bytes=s.connection_buffer_bytes,
                                 load_assignment=ClusterLoadAssignment(cluster_name=UNAVAILABLE_CLUSTER)))
+    if records_cluster is not None:
+        clusters.append(records_cluster)
     if s.endpoints and (s.failure_mode == "open" or not s.extproc_enabled):
         clusters.append(_strict_dns_cluster(POOL_CLUSTER, s.endpoints, s.connect_timeout_s,
                                             lb_policy=ClusterLbPolicy.ROUND_ROBIN,
@@ -854,7 +909,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                     name="envoy.filters.network.http_connection_manager", typed_config=ProtoAny.pack(hcm))])],
             )],
             clusters=clusters,
-            secrets=[token_secret] if token_secret is not None and s.extproc_enabled else [],
+            secrets=[*([token_secret] if token_secret is not None and s.extproc_enabled else []),
+                     *([records_secret] if records_secret is not None else [])],
         ),
     )
 

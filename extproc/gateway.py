@@ -224,8 +224,11 @@ class GatewayProcesses:
     def __init__(self, gateway: GatewaySettings, routing: RoutingSettings, pool: PoolSettings, *,
                  log_dir: Path | None = None, extra_extproc_args: list[str] | None = None,
                  envoy_overrides: dict[str, Any] | None = None, group: ProcessGroup | None = None,
-                 peers: PeerSettings | None = None) -> None:
+                 peers: PeerSettings | None = None, records_to: tuple[str, str] | None = None) -> None:
+        """`records_to`: (host:port, bearer token) of the OTLP receiver Envoy sends its own record of every
+        request to (envoy_config.py `records_otlp_address`: kept when the router's record never comes)."""
         self.gateway = gateway
+        self.records_to = records_to
         self.routing = routing
         self.pool = pool
         self.endpoints = endpoints_from_settings(pool)
@@ -278,6 +281,8 @@ class GatewayProcesses:
             "num_fallbacks": min(self.routing.num_fallbacks, MAX_FALLBACKS),
             "report_served": self.gateway.report_served, "observe_responses": self.gateway.telemetry,
             "extproc_auth_token_file": str(self.token_path) if self.token_path is not None else "",
+            "records_otlp_address": self.records_to[0] if self.records_to else "",
+            "records_otlp_token_file": str(self._tmp / "records.token") if self.records_to and self._tmp else "",
             "extproc_tls_ca_file": self.gateway.extproc_tls_ca_file,
             "extproc_tls_cert_file": self.gateway.extproc_tls_client_cert_file,
             "extproc_tls_key_file": self.gateway.extproc_tls_client_key_file,
@@ -377,6 +382,8 @@ class GatewayProcesses:
             # a secret file it reads itself (the configuration names the file, never the token).
             self.auth_token = secrets.token_urlsafe(32) if self.gateway.extproc_auth else ""
             self.token_path = self._private_file("extproc.token", self.auth_token) if self.auth_token else None
+            if self.records_to is not None:
+                self._private_file("records.token", self.records_to[1])
             self.peers_url = self.peers.url
             if n > 1 and not self.peers_url and self.gateway.embedded_nats:
                 self.nats = self._nats_child()

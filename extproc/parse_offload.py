@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
+import os
 import time
 from collections.abc import Container, Mapping
 from typing import Any
@@ -35,10 +37,13 @@ from prefixroute.extproc.routing.request import (CHAT_PATH, COMPLETION_PATH, Inf
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.openai_errors import OpenAIError
+from prefixroute.procs import die_with_parent
 from prefixroute.responses_api import RESPONSES_PATH
 
 log = logging.getLogger("prefixroute.extproc")
 
+WORKER_NICE = 10
+"""Workers run this much nicer than the router: under CPU contention its event loop and Envoy go first."""
 MAX_WAIT_S = 0.4
 """A body that waited this long for a worker is not parsed (503): Envoy waits 0.5 s for the router's answer
 (--extproc-message-timeout-ms) and has applied its failure mode by then."""
@@ -50,8 +55,14 @@ _worker_settings: RoutingSettings | None = None
 _worker_hasher: PromptHasher | None = None
 
 
-def _init_worker(settings: RoutingSettings) -> None:
+def _init_worker(settings: RoutingSettings, parent: int) -> None:
     global _worker_settings, _worker_hasher
+    # Dies with the router (a SIGKILLed router must leave no process behind; multiprocessing's resource tracker
+    # then sees its last writer go and exits too), and yields the CPU to the router's event loop and Envoy:
+    # parsing a large body is the work that may wait.
+    die_with_parent(parent)
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICE)
     _worker_settings = settings
     _worker_hasher = PromptHasher.from_settings(settings)
 
@@ -106,7 +117,7 @@ class ParseOffload:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=self.num_workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker, initargs=(self.settings,))
+                initializer=_init_worker, initargs=(self.settings, os.getpid()))
         return self._pool
 
     def start(self) -> None:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from prefixroute import settings
+from prefixroute import identity, settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, resolve_replicas
 from prefixroute.extproc.peers.settings import PeerSettings
@@ -140,12 +140,19 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
                     env={"PREFIXROUTE_TELEMETRY_AUTH_TOKEN": telemetry_token},
                     ports=(st.telemetry_port, st.telemetry_http_port),
                     ready=lambda: http_ok(f"http://127.0.0.1:{st.telemetry_http_port}/healthz"))
+        # Each server proves it is the one started here (prefixroute.identity): the router, its readiness check
+        # and the supervisor's restarts pass over a process that took a crashed server's port.
+        identity_key = identity.new_key() if simulated else ""  # real servers cannot answer: no check
+        if simulated:
+            os.environ[identity.KEY_ENV] = identity_key  # the router (ext_proc child) inherits it
         group.wait_ready([group.start(  # in parallel: each simulated server takes about a second to start
             f"model-server-{i}",
             prefixroute_argv("model-server", "--port", str(port), "--id", f"server-{i}", "--profile", st.profile,
                              "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level,
                              *(["--kv-events-config", config_json(event_ports[i])] if events else [])),
-            ports=(port, *((event_ports[i], event_ports[i] + 1) if events else ())), ready=lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"), wait=False)
+            ports=(port, *((event_ports[i], event_ports[i] + 1) if events else ())),
+            ready=lambda p=port: identity.http_proves(f"http://127.0.0.1:{p}", identity_key),
+            env={identity.KEY_ENV: identity_key}, wait=False)
             for i, port in enumerate(server_ports)])
         pool = dataclasses.replace(pool_args, endpoints=tuple(
             f"127.0.0.1:{p}" + (f"@tcp://127.0.0.1:{event_ports[i]}" if events else "")
@@ -159,7 +166,9 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
         os.environ.setdefault("OTEL_SERVICE_NAME", "prefixroute-router")
         os.environ.setdefault("PREFIXROUTE_LOG_LEVEL", st.log_level)
         # Envoy and ext_proc join the stack's group: watched like the others, stopped in start order reversed.
-        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group, peers=peers).start()
+        # Envoy's own record of each request goes to the receiver too (kept when the router's never comes).
+        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group, peers=peers,
+                                   records_to=(f"127.0.0.1:{st.telemetry_port}", telemetry_token)).start()
         if st.dashboard:
             router_metrics = (["--router-metrics-url", f"http://127.0.0.1:{gateway.metrics_port}/metrics"]
                               if gateway.metrics_port and gateway.metrics_port > 0 else [])

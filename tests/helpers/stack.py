@@ -176,7 +176,7 @@ class LocalStack:
 
     def pid(self, component: str) -> int | None:
         """pid of "envoy", "extproc", "telemetry" or "server-i"."""
-        port = {"envoy": self.admin_port, "extproc": self.extproc_port, "telemetry": self.telemetry_port}.get(component)
+        port = {"envoy": self.gateway_port, "extproc": self.extproc_port, "telemetry": self.telemetry_port}.get(component)
         if port is None:
             port = self.server_ports[int(component.rsplit("-", 1)[1])]
         return pid_of(port)
