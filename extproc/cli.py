@@ -36,6 +36,7 @@ from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.sessions import SessionsCollector
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher, TokenizerLoadError
+from prefixroute.procs import return_large_blocks
 from prefixroute.telemetry.router import RouterTelemetry, RouterTelemetrySettings
 
 READY_PREFIX = "prefixroute extproc ready on "
@@ -256,6 +257,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Request bodies of megabytes must not stay in the heap once freed (routing/memory.py: the budget).
+    return_large_blocks()
     try:
         ext = settings.from_namespace(ExtprocSettings, args)
         routing = settings.from_namespace(RoutingSettings, args)

@@ -122,8 +122,7 @@ from envoy_data_plane.envoy.config.cluster.v3 import (CircuitBreakers, CircuitBr
                                                       ClusterOriginalDstLbConfig, OutlierDetection)
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
 from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
-from envoy_data_plane.envoy.config.core.v3 import ApiVersion, Pipe
-from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import CommonGrpcAccessLogConfig
+from envoy_data_plane.envoy.config.core.v3 import Pipe
 from envoy_data_plane.envoy.extensions.access_loggers.open_telemetry.v3 import OpenTelemetryAccessLogConfig
 from envoy_data_plane.opentelemetry.proto.common.v1 import AnyValue, KeyValue, KeyValueList
 from envoy_data_plane.envoy.extensions.filters.http.credential_injector.v3 import CredentialInjector
@@ -170,7 +169,7 @@ from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (Certific
                                                                         UpstreamTlsContext)
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (HttpProtocolOptions,
                                                                  HttpProtocolOptionsExplicitHttpConfig)
-from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
+from envoy_data_plane.envoy.type.matcher.v3 import RegexMatcher, StringMatcher
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
@@ -427,10 +426,8 @@ def _records_access_log(s: EnvoySettings) -> tuple[list[AccessLog], Cluster | No
             explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(http2_protocol_options=Http2ProtocolOptions()),
             http_filters=_credential_filters(RECORDS_TOKEN_SECRET) if token is not None else []))})
     config = OpenTelemetryAccessLogConfig(
-        common_config=CommonGrpcAccessLogConfig(
-            log_name="prefixroute.requests", transport_api_version=ApiVersion.V3,
-            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=RECORDS_CLUSTER)),
-            buffer_flush_interval=_duration(1)),
+        log_name="prefixroute.requests", buffer_flush_interval=_duration(1),
+        grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=RECORDS_CLUSTER)),
         attributes=KeyValueList(values=[KeyValue(key=k, value=AnyValue(string_value=v))
                                         for k, v in RECORD_ATTRIBUTES.items()]))
     skip = " || ".join(f"xds.route_name == '{r}'" for r in ("gateway_health", "path_not_allowed",
@@ -463,8 +460,10 @@ def _admin(s: EnvoySettings) -> Admin | None:
             raise ValueError("admin_mode unix needs admin_socket_path")
         return Admin(address=Address(pipe=Pipe(path=s.admin_socket_path, mode=0o600)))
     if s.admin_mode == "loopback":
+        # Envoy matches allow_paths against the path with its query string: each path, then any query.
+        paths = "|".join(re.escape(p) for p in ADMIN_READ_ONLY_PATHS)
         return Admin(address=_address(f"127.0.0.1:{s.admin_port}"),
-                     allow_paths=[StringMatcher(exact=p) for p in ADMIN_READ_ONLY_PATHS])
+                     allow_paths=[StringMatcher(safe_regex=RegexMatcher(regex=f"^({paths})(\\?[^#]*)?$"))])
     raise ValueError(f"admin_mode must be loopback, unix or off, got {s.admin_mode!r}")
 
 

@@ -377,7 +377,7 @@ class GatewayProcesses:
                 self.admin_port = free_port()
             remove_stale_gateway_dirs()
             self._tmp = Path(tempfile.mkdtemp(prefix=GATEWAY_DIR_PREFIX))  # 0700
-            (self._tmp / OWNER_FILE).write_text(_owner_line(os.getpid()))
+            self._private_file(OWNER_FILE, _owner_line(os.getpid()))
             # A fresh token per run: to the service by environment (argv is world-readable in /proc), to Envoy as
             # a secret file it reads itself (the configuration names the file, never the token).
             self.auth_token = secrets.token_urlsafe(32) if self.gateway.extproc_auth else ""

@@ -37,7 +37,7 @@ from prefixroute.extproc.routing.request import (CHAT_PATH, COMPLETION_PATH, Inf
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.openai_errors import OpenAIError
-from prefixroute.procs import die_with_parent
+from prefixroute.procs import die_with_parent, return_large_blocks
 from prefixroute.responses_api import RESPONSES_PATH
 
 log = logging.getLogger("prefixroute.extproc")
@@ -61,6 +61,7 @@ def _init_worker(settings: RoutingSettings, parent: int) -> None:
     # then sees its last writer go and exits too), and yields the CPU to the router's event loop and Envoy:
     # parsing a large body is the work that may wait.
     die_with_parent(parent)
+    return_large_blocks()
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICE)
     _worker_settings = settings

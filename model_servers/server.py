@@ -48,8 +48,10 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import random
 import signal
+import socket
 import time
 from typing import ClassVar
 
@@ -138,6 +140,9 @@ class ServerSettings(Settings):
                                                                 "entries grow with its length: 256 MiB holds "
                                                                 "~5,000 turns of 50 KB (~12k-token) contexts. An "
                                                                 "evicted id answers 404, as after a restart.")
+    listen_fd: int = setting(-1, "Serve on this inherited listening socket instead of binding host:port (a launcher "
+                                 "that holds the port across this server's restarts, so no other process can take "
+                                 "it while this one is down: `prefixroute up`). -1: bind host:port.")
     seed: int = setting(0, "Seed of the fault-injection random generator (reproducible runs).")
     log_level: str = setting("WARNING", "Python log level (per-request logs are DEBUG).")
     kv_events_config: str = setting(
@@ -236,8 +241,15 @@ class ModelServer:
 
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: HttpConnection(self), self.settings.host, self.port,
-                                                reuse_address=True, backlog=1024)
+        if self.settings.listen_fd >= 0:
+            # The launcher's listening socket (it holds the port while this process restarts): a duplicate, so
+            # closing this server (refusing, shutdown) leaves the launcher's open.
+            sock = socket.socket(fileno=os.dup(self.settings.listen_fd))
+            sock.setblocking(False)
+            self._server = await loop.create_server(lambda: HttpConnection(self), sock=sock)
+        else:
+            self._server = await loop.create_server(lambda: HttpConnection(self), self.settings.host, self.port,
+                                                    reuse_address=True, backlog=1024)
         self.port = self._server.sockets[0].getsockname()[1]
         if not self.settings.id:
             self.server_id = f"{self.settings.host}:{self.port}"

@@ -42,8 +42,8 @@ from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, resol
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.model_servers.kv_events import config_json
-from prefixroute.procs import (ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free, http_ok,
-                               prefixroute_argv, stop_on_signals)
+from prefixroute.procs import (ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free, held_listener,
+                               http_ok, prefixroute_argv, reset_pending, stop_on_signals)
 from prefixroute.settings import Settings, setting
 
 
@@ -145,14 +145,18 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
         identity_key = identity.new_key() if simulated else ""  # real servers cannot answer: no check
         if simulated:
             os.environ[identity.KEY_ENV] = identity_key  # the router (ext_proc child) inherits it
+        # This process holds each server's listening socket (procs.held_listener): a crashed server's port is
+        # never free for another process while it restarts.
+        listeners = [held_listener(port) for port in server_ports]
         group.wait_ready([group.start(  # in parallel: each simulated server takes about a second to start
             f"model-server-{i}",
-            prefixroute_argv("model-server", "--port", str(port), "--id", f"server-{i}", "--profile", st.profile,
+            prefixroute_argv("model-server", "--port", str(port), "--listen-fd", str(listeners[i].fileno()),
+                             "--id", f"server-{i}", "--profile", st.profile,
                              "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level,
                              *(["--kv-events-config", config_json(event_ports[i])] if events else [])),
-            ports=(port, *((event_ports[i], event_ports[i] + 1) if events else ())),
+            ports=(event_ports[i], event_ports[i] + 1) if events else (),
             ready=lambda p=port: identity.http_proves(f"http://127.0.0.1:{p}", identity_key),
-            env={identity.KEY_ENV: identity_key}, wait=False)
+            env={identity.KEY_ENV: identity_key}, pass_fds=(listeners[i].fileno(),), wait=False)
             for i, port in enumerate(server_ports)])
         pool = dataclasses.replace(pool_args, endpoints=tuple(
             f"127.0.0.1:{p}" + (f"@tcp://127.0.0.1:{event_ports[i]}" if events else "")
@@ -181,8 +185,12 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
                                                     "--rate-rps", str(st.traffic_rate_rps)))
         _summary(st, gateway, pool, simulated, log_dir)
         supervisor = Supervisor(group, RestartPolicy(ready_timeout_s=st.start_timeout_s), label="prefixroute up")
+        servers = [p for p in group.procs if p.name.startswith("model-server-")]
         while True:
             supervisor.poll()
+            for proc, sock in zip(servers, listeners):
+                if not proc.alive():  # down: its port stays ours, and what arrives is reset, as on a closed port
+                    reset_pending(sock)
             time.sleep(SUPERVISE_INTERVAL_S)
     except Stopped:
         print("prefixroute up: stopping", flush=True)

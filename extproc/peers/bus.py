@@ -143,9 +143,7 @@ class PeerBus:
                 with contextlib.suppress(Exception):
                     await nc.close()
                 if isinstance(exc, UnauthenticatedServer) or isinstance(exc.__cause__, UnauthenticatedServer):
-                    self.num_refused_servers += 1
-                    if self.num_refused_servers in (1, 10, 100) or self.num_refused_servers % 1000 == 0:
-                        log.error("peers: %s; refusing it (an impostor on the NATS port?), routing alone", exc)
+                    self._refused(exc)
                 elif not warned:
                     warned = True
                     log.warning("peers: cannot connect to %s (%s); routing alone, retrying every %.1f s", s.url,
@@ -185,7 +183,15 @@ class PeerBus:
         log.warning("peers: reconnected to NATS")
 
     async def _on_error(self, exc: Exception) -> None:
+        if isinstance(exc, UnauthenticatedServer) or isinstance(exc.__cause__, UnauthenticatedServer):
+            self._refused(exc)  # while reconnecting (nats-py retries by itself, forever)
+            return
         log.debug("peers: NATS error: %s", exc)
+
+    def _refused(self, exc: BaseException) -> None:
+        self.num_refused_servers += 1
+        if self.num_refused_servers in (1, 10, 100) or self.num_refused_servers % 1000 == 0:
+            log.error("peers: %s; refusing it (an impostor on the NATS port?), routing alone", exc)
 
     async def _on_closed(self) -> None:
         self.connected = False
@@ -313,6 +319,9 @@ class PeersCollector:
             for kind, n in dict(counts).items():
                 msgs.add_metric([direction, kind], n)
         yield msgs
+        yield CounterMetricFamily("prefixroute_peer_refused_servers", "NATS servers this replica refused because they "
+                                  "did not require its auth token (an impostor on the NATS port?).",
+                                  value=b.num_refused_servers)
         if self.num_pending is not None:
             yield GaugeMetricFamily("prefixroute_peer_pending_picks", "Other replicas' picks still prefilling that "
                                     "this replica counts in its endpoints' queues (each expires after "
