@@ -209,7 +209,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         router.peer_timeout_s = peer_settings.peer_timeout_s
         router.max_in_flight_per_peer = peer_settings.max_in_flight_per_peer
         telemetry.metrics.registry.register(PeersCollector(bus, core.scheduler.policy.num_peer_picks,
-                                                           router.num_peer_in_flight))
+                                                           router.num_peer_in_flight,
+                                                           lambda: router.num_ignored_peer_messages))
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
     if bus is not None:

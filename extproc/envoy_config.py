@@ -332,8 +332,9 @@ class EnvoySettings(Settings):
         "written into the rendered configuration (as a secret, so Envoy's /config_dump redacts it; envoy-config "
         "--out writes the file mode 0600).")
     extproc_auth_token_file: str = setting(
-        "", "File holding extproc_auth_token (surrounding whitespace ignored), read by Envoy itself at start: the "
-        "rendered configuration names the file and holds no secret (Envoy must be able to read it). Used when "
+        "", "File holding extproc_auth_token, read by Envoy itself at start: the rendered configuration names the "
+        "file and holds no secret (Envoy must be able to read it). A file with surrounding whitespace (a trailing "
+        "newline) is read here instead and its stripped token written into the configuration. Used when "
         "extproc_auth_token is empty.")
 
 
@@ -395,8 +396,10 @@ def _extproc_token_secret(s: EnvoySettings) -> Secret | None:
         if not raw.strip():
             raise ValueError(f"extproc_auth_token_file {s.extproc_auth_token_file} is empty")
         if raw != raw.strip():
-            raise ValueError(f"extproc_auth_token_file {s.extproc_auth_token_file}: Envoy sends the file as it is; "
-                             "remove the surrounding whitespace (a trailing newline, e.g. `printf %s TOKEN > FILE`)")
+            # Envoy would send the newline too: the stripped token goes inline (still a secret, redacted from
+            # dumps, but in the rendered file: write the token file without a trailing newline to avoid that).
+            return Secret(name=EXTPROC_TOKEN_SECRET, generic_secret=GenericSecret(
+                secret=DataSource(inline_string=raw.strip().decode("utf-8", "replace"))))
         return Secret(name=EXTPROC_TOKEN_SECRET,
                       generic_secret=GenericSecret(secret=DataSource(filename=s.extproc_auth_token_file)))
     return None
@@ -565,7 +568,8 @@ def _local_reply_config(s: EnvoySettings) -> LocalReplyConfig:
             filter=AccessLogFilter(extension_filter=ExtensionFilter(
                 name="envoy.access_loggers.extension_filters.cel",
                 typed_config=ProtoAny.pack(ExpressionFilter(
-                    expression=f"({ENVOY_OWN_REPLY}) && response.code == 503 && xds.route_name.startsWith('{route}')")))),
+                    expression=f"({ENVOY_OWN_REPLY}) && response.code == 503 && "
+                               f"xds.route_name.startsWith('{route}')")))),
             body_format_override=SubstitutionFormatString(
                 text_format_source=DataSource(inline_string=_error_json(503, message)),
                 content_type="application/json"),

@@ -336,7 +336,8 @@ class PoolRouter:
                         not self.responses.apply_peer(m.key, m.endpoint, m.prompt_tokens):
                     ignored += 1  # not where that peer's pick went, or known here elsewhere
             elif t is codec.Observed:
-                if not (0.0 < m.ttft_s <= MAX_PEER_TTFT_S and 0.0 <= m.cached_tokens <= m.prompt_tokens <= MAX_PEER_TOKENS
+                if not (0.0 < m.ttft_s <= MAX_PEER_TTFT_S
+                        and 0.0 <= m.cached_tokens <= m.prompt_tokens <= MAX_PEER_TOKENS
                         and 0.0 <= m.queued_tokens <= MAX_PEER_TOKENS and 0 <= m.num_decoding <= 1_000_000):
                     ignored += 1
                     continue

@@ -296,10 +296,11 @@ class PeersCollector:
     """prometheus_client collector of a `PeerBus` (register it on the router's metrics registry)."""
 
     def __init__(self, bus: PeerBus, num_pending: Callable[[], int] | None = None,
-                 num_in_flight: Callable[[], int] | None = None) -> None:
+                 num_in_flight: Callable[[], int] | None = None, num_ignored: Callable[[], int] | None = None) -> None:
         self.bus = bus
         self.num_pending = num_pending
         self.num_in_flight = num_in_flight
+        self.num_ignored = num_ignored
 
     def describe(self) -> list:
         return []
@@ -322,6 +323,12 @@ class PeersCollector:
         yield CounterMetricFamily("prefixroute_peer_refused_servers", "NATS servers this replica refused because they "
                                   "did not require its auth token (an impostor on the NATS port?).",
                                   value=b.num_refused_servers)
+        if self.num_ignored is not None:
+            yield CounterMetricFamily("prefixroute_peer_ignored_messages", "Other replicas' messages this replica "
+                                      "ignored: a claim outside what the sender could know (a response id for an "
+                                      "endpoint its pick did not go to, a failover of no pick in flight here), more "
+                                      "in flight than --peers-max-in-flight-per-peer, or figures out of range.",
+                                      value=self.num_ignored())
         if self.num_pending is not None:
             yield GaugeMetricFamily("prefixroute_peer_pending_picks", "Other replicas' picks still prefilling that "
                                     "this replica counts in its endpoints' queues (each expires after "

@@ -54,7 +54,8 @@ def start_process(cmd: Sequence[str], *, ready_port: int | None = None, ready_ur
         proc.stop()
 
 
-def unix_http_get(socket_path: str | Path, path: str, *, method: str = "GET", timeout_s: float = 10.0) -> tuple[int, bytes]:
+def unix_http_get(socket_path: str | Path, path: str, *, method: str = "GET",
+                  timeout_s: float = 10.0) -> tuple[int, bytes]:
     """(status, body) of an HTTP/1.1 request to a server on a Unix socket (Envoy's admin with admin_mode unix)."""
     import http.client
     import socket

@@ -177,7 +177,8 @@ class LocalStack:
 
     def pid(self, component: str) -> int | None:
         """pid of "envoy", "extproc", "telemetry" or "server-i"."""
-        port = {"envoy": self.gateway_port, "extproc": self.extproc_port, "telemetry": self.telemetry_port}.get(component)
+        port = {"envoy": self.gateway_port, "extproc": self.extproc_port,
+                "telemetry": self.telemetry_port}.get(component)
         if port is None:
             port = self.server_ports[int(component.rsplit("-", 1)[1])]
         return pid_of(port, frozenset({self.proc.pid}) if self.proc is not None else frozenset())

@@ -119,9 +119,11 @@ def test_request_timeout_never_cuts_a_slow_response(stack: ExitStack, canary: Ca
 
 
 def _padded_chat(total_bytes: int) -> bytes:
-    base = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": ""}]}
+    # Half the padding in the prompt, half in `user`: a prompt has its own budget (max_input_chars, 4 Mi).
+    base = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": ""}], "user": ""}
     pad = total_bytes - len(json.dumps(base).encode())
-    base["messages"][0]["content"] = "lorem ipsum " * (pad // 12) + "x" * (pad % 12)
+    base["messages"][0]["content"] = "lorem ipsum " * (pad // 24)
+    base["user"] = "u" * (pad - len(base["messages"][0]["content"]))
     body = json.dumps(base).encode()
     assert len(body) == total_bytes
     return body

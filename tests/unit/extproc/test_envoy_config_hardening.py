@@ -169,10 +169,13 @@ def test_token_is_a_secret_every_ext_proc_cluster_injects(tmp_path: Path, observ
     assert not cfg.static_resources.secrets
 
 
-def test_token_file_with_whitespace_is_refused(tmp_path: Path) -> None:
+def test_token_file_with_a_trailing_newline_is_inlined_stripped(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
-    token_file.write_text("tok\n")  # Envoy would send the newline: refused with the fix in the message
-    with pytest.raises(ValueError, match="whitespace"):
+    token_file.write_text("tok\n")  # Envoy would send the newline as part of the header
+    (secret,) = build_config(EnvoySettings(extproc_auth_token_file=str(token_file))).static_resources.secrets
+    assert secret.generic_secret.secret.inline_string == "tok"
+    token_file.write_text(" \n")
+    with pytest.raises(ValueError, match="empty"):
         build_config(EnvoySettings(extproc_auth_token_file=str(token_file)))
 
 
