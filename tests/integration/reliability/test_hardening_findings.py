@@ -206,8 +206,14 @@ def test_slow_to_parse_bodies_beside_normal_traffic(tmp_path: Path) -> None:
         refused = counts.get("400 True", 0)
         assert refused >= 0.8 * sum(counts.values()), counts  # a 400 naming max_messages, not a fail-open
         base50, attack50 = client.p("base", 0.5), client.p("attack", 0.5)
-        # main: p50 x40 (176 ms against 4.4 ms here, one core of two busy with other work).
+        base99, attack99 = client.p("base", 0.99), client.p("attack", 0.99)
+        served = len(client.latencies("attack")) / max(1, len(client.latencies("base")))
+        # main (measured here, same run length): the loop parsed each body (~0.3 s): 127 normal requests
+        # answered during the attack against 4,671 before (2.7%), p99 8.5 -> 479 ms; the bodies got 404 after
+        # a full parse. The bounds leave room for the CPU the attack itself takes (2 cores, shared).
+        assert served >= 0.25, served
         assert attack50 <= 2.0 * base50 + 0.010, (base50, attack50)
+        assert attack99 <= 5.0 * base99 + 0.050, (base99, attack99)
         assert client.holders("attack") == client.holders("base")  # routing unchanged: each prefix stays put
         assert client.affinity("attack") >= client.affinity("base") - 0.02
         assert not [s for s in client.samples if s[0] == "attack" and s[4] != 200]
@@ -496,3 +502,34 @@ def test_low_findings_telemetry_store_api_and_records_when_the_router_dies(tmp_p
         print(f"records of requests served while the router was down: {len(set(down) & set(got))}/10")
         assert set(down) <= set(got)
         assert sorted(r for r in got if r in ids or r in down) == sorted(ids + down)  # each exactly once
+
+
+def test_a_stream_nobody_reads_is_cut_as_the_readme_says(tmp_path: Path) -> None:
+    """README (Bounds, Failure modes): a stream its client does not read is cut by the server once it cannot
+    write (256 KiB held, or paused `--stall-timeout-s`), which starts only once the kernel's socket buffers on
+    the way through Envoy are full: a few MB (issue 27 measured ~1.78 MB pending after 60 s at a human pace and
+    nothing cut, against a README that promised 256 KiB or 30 s). A fast stream fills them in seconds."""
+    from prefixroute.procs import ProcessGroup
+
+    port = free_port()
+    with ExitStack() as stack:
+        group = stack.enter_context(ProcessGroup(tmp_path))
+        group.start("s0", prefixroute_argv("model-server", "--port", str(port), "--time-scale", "0.01",
+                                           "--stall-timeout-s", "3"),
+                    ready=lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200)
+        gw = gateway(stack, [f"127.0.0.1:{port}"], tmp_path)
+        sock = socket.create_connection(("127.0.0.1", gw.gateway.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = json.dumps({"model": MODEL, "prompt": "tell me a very long story " * 40, "max_tokens": 120_000,
+                           "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%b" % (len(body), body))
+        t0 = time.monotonic()
+
+        def aborts() -> float:
+            text = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+            return metric(text, "prefixroute:slow_client_aborts_total")
+
+        assert wait_until(lambda: aborts() >= 1, 60.0, 0.5), "the unread stream was never cut"
+        print(f"unread stream cut by the server after {time.monotonic() - t0:.1f} s")
+        sock.close()
