@@ -53,7 +53,8 @@ Contract with the servicer (`servicer.RouterService`):
 
 - Large bodies (issue 27; extproc/parse_offload.py): with `offload` set, a body its `heavy` names is not
   parsed here: `route` raises `NeedsParse` (a `NeedsLookup` without an id), the servicer awaits
-  `parse_off_loop` (a worker process parses it), then routes again and `route` takes the parsed request.
+  `parse_off_loop` (a worker process parses it), then calls `route` again with the parsed
+  `InferenceRequest` in place of the body.
 - Trust in other replicas (issue 27): a peer's message changes this replica's state only within what that
   peer could know: a response id only for the endpoint its own pick went to (and never over an id this
   replica knows elsewhere), a failover only for a pick of its in flight here, at most
@@ -182,7 +183,6 @@ class PoolRouter:
         self.num_ignored_peer_messages = 0
         # Large bodies parsed off the loop (extproc/parse_offload.py): None = every body here.
         self.offload = None
-        self._preparsed: dict[int, tuple[bytes, InferenceRequest]] = {}
         pool.add_listener(self._on_pool_change)
 
     def _on_pool_change(self, snapshot: Sequence[EndpointState]) -> None:
@@ -209,11 +209,12 @@ class PoolRouter:
         """The endpoint id behind an ``ip:port`` this router handed to Envoy (None if it never did)."""
         return self._id_of_addr.get(address)
 
-    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> RoutePick:
+    def route(self, method: str, path: str, headers: Mapping[str, str],
+              body: bytes | InferenceRequest) -> RoutePick:
+        """`body`: the request body, or the `InferenceRequest` `parse_off_loop` made of it (module docstring)."""
         t0 = time.perf_counter()
-        pre = self._preparsed.pop(id(body), None) if self._preparsed else None
-        if pre is not None and pre[0] is body:
-            request = pre[1]
+        if type(body) is InferenceRequest:
+            request = body
         elif self.offload is not None and self.offload.heavy(path, body):
             raise NeedsParse()
         else:
@@ -221,12 +222,7 @@ class PoolRouter:
         pool = self.pool
         snapshot = pool.snapshot()
         if request.response_ref is not None:
-            try:
-                snapshot = self._pinned(request.response_ref, snapshot)
-            except NeedsLookup:
-                if pre is not None:  # routed again after the lookup: keep what the worker parsed
-                    self._keep_preparsed(body, request)
-                raise
+            snapshot = self._pinned(request.response_ref, snapshot)
             self._set_known_prefix(request)
         decision = self.core.route(request, snapshot, pool.in_flight, self.clock())
         decision_us = (time.perf_counter() - t0) * 1e6
@@ -239,18 +235,11 @@ class PoolRouter:
             self._publish_pick(peers, pick)
         return pick
 
-    async def parse_off_loop(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> None:
-        """After `route` raised `NeedsParse`: parse `body` in a worker (raises its `OpenAIError`); the next
-        `route` of this very body object takes the result."""
+    async def parse_off_loop(self, method: str, path: str, headers: Mapping[str, str],
+                             body: bytes) -> InferenceRequest:
+        """After `route` raised `NeedsParse`: `body` parsed in a worker (raises its `OpenAIError`), for `route`."""
         assert self.offload is not None
-        request = await self.offload.parse(method, path, headers, body, self._adapters)
-        self._keep_preparsed(body, request)
-
-    def _keep_preparsed(self, body: bytes, request: InferenceRequest) -> None:
-        pre = self._preparsed
-        pre[id(body)] = (body, request)
-        while len(pre) > 256:  # streams that ended between parse and route (never routed again)
-            del pre[next(iter(pre))]
+        return await self.offload.parse(method, path, headers, body, self._adapters)
 
     def _publish_pick(self, peers: PeerPublisher, pick: RoutePick) -> None:
         request = pick.request

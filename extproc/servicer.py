@@ -228,8 +228,9 @@ class _RoutingStream:
         method, path, body, at_headers, response_id = self.pending_lookup
         self.pending_lookup = None
         try:
-            if response_id is None:  # a large body: parsed in a worker process (service.ParseOffload)
-                await self.router.parse_off_loop(method, path, self.headers, body)
+            if response_id is None:  # a large body: parsed in a worker process (parse_offload.py); `route`
+                # then takes the parsed request in place of the body (so only the small result is kept)
+                body = await self.router.parse_off_loop(method, path, self.headers, body)
             else:
                 await self.router.resolve(response_id, self.headers)
         except OpenAIError as err:

@@ -160,3 +160,38 @@ def test_a_full_parse_queue_answers_503_at_once():
         assert info.value.status == 503 and info.value.retry_after_s == 1 and off.num_refused == 1
 
     asyncio.run(run())
+
+
+def test_the_router_hands_large_bodies_to_the_worker_and_routes_what_it_parsed():
+    """PoolRouter + ParseOffload as the servicer drives them: a heavy body raises NeedsParse; the parsed request
+    comes back in place of the body (so only it is kept while a lookup runs); a follow-up with an unknown
+    response id then needs its lookup, and routes once the id is known."""
+    from helpers.peers import replica
+    from prefixroute.extproc.responses import NeedsLookup
+    from prefixroute.extproc.service import NeedsParse
+
+    async def run():
+        r = replica(BIG)
+        r.offload = ParseOffload(BIG)
+        r.offload.start()
+        await r.offload.wait_ready()
+        try:
+            body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x " * 3000}]})
+            with pytest.raises(NeedsParse):
+                r.route("POST", CHAT, {}, body)
+            parsed = await r.parse_off_loop("POST", CHAT, {}, body)
+            pick = r.route("POST", CHAT, {}, parsed)
+            assert pick.request is parsed and parsed.block_hashes
+            follow = orjson.dumps({"model": "m", "input": "y " * 3000, "previous_response_id": "resp_abc"})
+            with pytest.raises(NeedsParse):
+                r.route("POST", RESP, {}, follow)
+            parsed = await r.parse_off_loop("POST", RESP, {}, follow)
+            with pytest.raises(NeedsLookup) as info:
+                r.route("POST", RESP, {}, parsed)
+            assert info.value.response_id == "resp_abc"
+            r.responses.learn("resp_abc", pick.endpoint_ids[0])
+            assert r.route("POST", RESP, {}, parsed).endpoint_ids == (pick.endpoint_ids[0],)
+        finally:
+            r.offload.close()
+
+    asyncio.run(run())
