@@ -4,14 +4,16 @@ A replica is one event loop: a request body that takes long to parse (JSON of 20
 a multi-megabyte prompt rendered through a chat template and tokenized) would hold every other request on the
 replica meanwhile (measured before this: 6.5 s for a 6 MB body, every other request failing open). So:
 
-- `heavy(path, body)`: a completion/Responses body over ``inline_parse_bytes``, or one with more than
-  ``inline_parse_objects`` ``{`` characters (an upper bound on its JSON objects: ``bytes.count`` runs at memory
-  speed), is parsed in a worker; every other body, the common case, stays on the loop (no IPC).
+- `heavy(path, body)`: a completion/Responses body over ``inline_parse_bytes`` (``inline_tokenize_bytes`` when
+  the router tokenizes: the whole prompt is tokenized), or one with more than ``inline_parse_objects`` ``{``
+  characters (an upper bound on its JSON objects: ``bytes.count`` runs at memory speed), is parsed in a worker;
+  every other body, the common case, stays on the loop (no IPC). What costs is the number of objects (messages,
+  parts) and, in token mode, the prompt's length; a long text hashed as text costs ~1 ms per MiB.
 - `parse`: runs `request.parse_request` in a worker process (``spawn``: a fork of a process with gRPC threads is
   unsafe) with the same settings and its own tokenizer (and caches), and returns the `InferenceRequest`, or
   raises its `OpenAIError` (the 400s naming a budget: ``max_messages`` and the others). The event loop only
   hands the body over (one pickle of bytes in the executor's thread) and waits.
-- Bounded: at most ``max_parse_queue`` bodies wait or run; beyond, 503 with Retry-After at once. A body that
+- Bounded: at most ``max_parse_queue`` (32) bodies wait or run; beyond, 503 with Retry-After at once. A body that
   waited past `MAX_WAIT_S` is answered 503 by the worker without parsing it (Envoy has failed the request
   open by then: --extproc-message-timeout-ms). A worker that dies (killed, out of memory) is replaced; its
   requests get 503.
@@ -93,7 +95,7 @@ class ParseOffload:
         self.settings = settings
         self.num_workers = settings.parse_workers
         self.max_queue = settings.max_parse_queue
-        self.inline_bytes = settings.inline_parse_bytes
+        self.inline_bytes = settings.inline_tokenize_bytes if settings.tokenizer else settings.inline_parse_bytes
         self.inline_objects = settings.inline_parse_objects
         self._headers = tuple(h for h in (*_HEADERS_USED, settings.tenant_header, settings.session_header) if h)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None

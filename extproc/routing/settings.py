@@ -183,10 +183,15 @@ class RoutingSettings(Settings):
         "naming this limit. 4 Mi characters are ~1M tokens, beyond every served context length, while bounding "
         "what tokenizing one request can cost.")
     inline_parse_bytes: int = setting(
-        64 * 1024,
+        1024 * 1024,
         "Request bodies up to this size (with at most inline_parse_objects JSON objects) are parsed on the "
-        "event loop; larger ones in a parse worker process (parse_workers), so no request holds the loop: at "
-        "64 KiB a parse costs at most a few ms (an 8k-token prompt is ~32 KB).")
+        "event loop when the router hashes text (no --tokenizer); larger ones in a parse worker process "
+        "(parse_workers), so no request holds the loop: parsing text costs ~1 ms per MiB (JSON decoding; only "
+        "the first max_blocks x block_chars characters are hashed).")
+    inline_tokenize_bytes: int = setting(
+        64 * 1024,
+        "The same limit when the router tokenizes prompts (--tokenizer): the whole prompt is tokenized, ~1 ms "
+        "per 10-20 KB cold, so bodies over 64 KiB (an 8k-token prompt is ~32 KB) go to the parse worker.")
     inline_parse_objects: int = setting(
         512,
         "Most '{' in a body parsed on the event loop (an upper bound on its JSON objects: messages, parts, "
@@ -198,7 +203,7 @@ class RoutingSettings(Settings):
         "body on the loop (a large or many-message body then stalls every request on this replica while it is "
         "parsed). One is enough for bodies that are rare; each costs ~60 MB.")
     max_parse_queue: int = setting(
-        8,
+        32,
         "Large bodies waiting for a parse worker at most; beyond, 503 with Retry-After (a flood of large bodies "
         "must not queue for longer than Envoy waits for the router: --extproc-message-timeout-ms).")
     max_body_bytes: int = setting(
@@ -261,8 +266,8 @@ class RoutingSettings(Settings):
                      "max_input_chars", "max_parse_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("max_sessions", "max_response_ids", "inline_parse_bytes", "inline_parse_objects",
-                     "parse_workers"):
+        for name in ("max_sessions", "max_response_ids", "inline_parse_bytes", "inline_tokenize_bytes",
+                     "inline_parse_objects", "parse_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
         if self.max_scored_endpoints < 0:

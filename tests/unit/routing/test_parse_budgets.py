@@ -111,7 +111,7 @@ def test_completions_check_logit_bias_and_response_format_too():
 
 
 # --- off the event loop ---------------------------------------------------------------------------------------
-BIG = RoutingSettings(tokenizer="sim", inline_parse_bytes=1024, inline_parse_objects=8)
+BIG = RoutingSettings(tokenizer="sim", inline_tokenize_bytes=1024, inline_parse_objects=8)
 
 
 def test_heavy_bodies_are_named_by_size_or_objects():
@@ -122,6 +122,9 @@ def test_heavy_bodies_are_named_by_size_or_objects():
     assert not off.heavy(CHAT, small) and off.heavy(CHAT, many) and off.heavy(CHAT, large)
     assert not off.heavy("/v1/models", large)  # not parsed at all
     assert not ParseOffload(RoutingSettings(parse_workers=0)).heavy(CHAT, large)
+    text = ParseOffload(RoutingSettings(inline_parse_objects=8))  # hashing text: a long prompt is cheap
+    assert not text.heavy(CHAT, large) and text.heavy(CHAT, many)
+    assert text.heavy(CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (1 << 20)}]}))
 
 
 def test_a_worker_parses_exactly_as_the_loop_does_and_refuses_the_same():
