@@ -109,8 +109,15 @@ def test_up_serves_and_stops_clean(tmp_path):
                 break
             time.sleep(0.2)
         assert [(r["run_id"], r["num_requests"]) for r in runs] == [(run_id, 1)], runs
-        assert {p.name for p in (tmp_path / "state" / "logs").iterdir()} >= {
+        logs = tmp_path / "state" / "logs"
+        assert {p.name for p in logs.iterdir()} >= {
             "telemetry.log", "extproc.log", "envoy.log", "dashboard.log", "model-server-0.log", "telemetry.token"}
+        # A clean start says so at INFO: no component logs a warning or an error for it.
+        said = {f.name: f.read_text(errors="replace") for f in logs.glob("*.log")}
+        assert " INFO model server server-0 listening on " in said["model-server-0.log"]
+        alarming = {name: [ln for ln in text.splitlines() if re.search(r"\b(WARNING|ERROR|CRITICAL)\b|\]\[(warning|error|critical)\]", ln)]
+                    for name, text in said.items()}
+        assert not any(alarming.values()), alarming
 
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
