@@ -31,6 +31,7 @@ SECTIONS: list[tuple[str, str]] = [
     ("prefixroute.model_servers.server", "ServerSettings"),
     ("prefixroute.telemetry.cli", "ReceiverSettings"),
     ("prefixroute.dashboard.cli", "DashboardSettings"),
+    ("prefixroute.dashboard.screenshot", "ScreenshotSettings"),
     ("prefixroute.stack.traffic", "TrafficSettings"),
     ("prefixroute.bench.settings", "BenchSettings"),
     ("prefixroute.bench.overhead", "OverheadBenchSettings"),
