@@ -116,6 +116,8 @@ def run_bounds(run: dict | None, current: bool) -> tuple[float | None, float | N
     if current:
         return since, None
     return since, (run["last_start_time"] or since) + 1e-3
+
+
 st.sidebar.caption(f"Reading {'store `' + os.path.basename(source.db) + '`' if source.db else source.url}  \n"
                    f"Refresh every {refresh_s:g} s", help=source.description)
 
@@ -203,10 +205,9 @@ def live_panels(window_s: float, run_choice: str) -> None:
         show_no_traffic(in_run=run is not None and len(runs) > 1)
         return
     if state.kind == "idle":
-        where = "this run holds" if run is not None else "The store holds"
-        st.info(f"**No requests in the last {window_label}.** {where[:1].upper() + where[1:]} "
-                f"{state.num_requests_total:,} requests; pick a longer window in the sidebar, or send traffic.",
-                icon=":material/bedtime:")
+        holder = "This run holds" if run is not None else "The store holds"
+        st.info(f"**No requests in the last {window_label}.** {holder} {state.num_requests_total:,} requests; "
+                "pick a longer window in the sidebar, or send traffic.", icon=":material/bedtime:")
         return
     span_s, bucket_s = snap["span_s"], snap["bucket_s"]
     ts, ts_ep, ep_rows = snap["ts"], snap["ts_ep"], snap["ep_rows"]
