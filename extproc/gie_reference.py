@@ -91,6 +91,7 @@ def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     cert, key = directory / "picker.crt", directory / "picker.key"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "2", "-subj", "/CN=prefixroute-picker"], check=True, capture_output=True,
+                    str(cert), "-days", "2", "-subj", "/CN=prefixroute-picker",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True,
                    timeout=60)
     return cert, key
