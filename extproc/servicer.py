@@ -52,6 +52,7 @@ Async safety: all calls happen on the event loop thread; the RouterService needs
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
@@ -103,6 +104,22 @@ _CONTINUE_REQUEST_BODY = wire.ProcessingResponse(request_body=wire.BodyResponse(
 _CONTINUE_REQUEST_TRAILERS = wire.ProcessingResponse(request_trailers=wire.TrailersResponse())
 _CONTINUE_RESPONSE_TRAILERS = wire.ProcessingResponse(response_trailers=wire.TrailersResponse())
 _CONTINUE_RESPONSE_BODY = wire.ProcessingResponse(response_body=wire.BodyResponse())
+
+log = logging.getLogger(__name__)
+_warned_partial_body: list[bool] = []
+
+
+def _warn_partial_body() -> None:
+    """Once per process: a stream in prefixroute's own protocol sent a request body without end_of_stream. Our
+    configuration sends bodies whole (BUFFERED: without end_of_stream only when request trailers follow, which
+    OpenAI clients never send), so the gateway most likely streams bodies in chunks and the decision, made on
+    the first chunk, fails (400 "not valid JSON"). Said in the log, since the client sees only that 400."""
+    if not _warned_partial_body:
+        _warned_partial_body.append(True)
+        log.warning("a routing stream sent a request body in chunks (end_of_stream false) without saying its body "
+                    "mode (no protocol_config): a gateway that streams bodies (the Gateway API Inference "
+                    "Extension's FULL_DUPLEX_STREAMED) needs --protocol gie; decisions on a partial body fail")
+
 
 _NEEDS_LOOKUP = object()
 """A routing handler's answer when the decision waits for a response-id lookup (`_RoutingStream.lookup`)."""
@@ -187,7 +204,10 @@ class _RoutingStream:
         if self.pick is not None:  # already decided (does not happen with BUFFERED)
             return _CONTINUE_REQUEST_BODY
         headers = self.headers
-        return self._decide(headers.get(":method", "POST"), headers.get(":path", "/"), req.request_body.body, False)
+        rb = req.request_body
+        if not rb.end_of_stream:  # BUFFERED sends a whole body; this is likely a chunk (see _warn_partial_body)
+            _warn_partial_body()
+        return self._decide(headers.get(":method", "POST"), headers.get(":path", "/"), rb.body, False)
 
     def response_headers(self, req: Any) -> Any:
         pick = self.pick

@@ -351,3 +351,21 @@ def test_body_chunks_cover_the_body_in_order_within_the_limit(body: bytes, end_o
     assert b"".join(s.body for s in streamed) == body
     assert all(len(s.body) <= MAX_CHUNK_BYTES for s in streamed) and len(streamed) >= 1
     assert [s.end_of_stream for s in streamed] == [False] * (len(streamed) - 1) + [end_of_stream]
+
+
+async def test_a_chunked_body_on_our_own_protocol_is_said_in_the_log(picker, caplog) -> None:  # noqa: ANN001
+    """A gateway that streams bodies without saying so (no protocol_config) meets our own protocol: the decision on
+    a partial body fails as before (400), and the log says why and what to do, once."""
+    from prefixroute.extproc import servicer
+
+    servicer._warned_partial_body.clear()
+    router, process, _ = picker
+    for _ in range(2):
+        call = process()
+        await call.write(_request_headers(POST, protocol_config=None))
+        await call.read()
+        await call.write(_request_body(b'{"model": "m",', False))
+        await call.read()
+        call.cancel()
+    said = [r for r in caplog.records if "--protocol gie" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
