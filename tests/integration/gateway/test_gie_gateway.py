@@ -249,16 +249,19 @@ def test_a_gateway_walking_gies_fallback_list_fails_over_and_reports_the_served_
 
 def test_picker_down_fails_as_gies_failure_mode_says_and_a_restarted_picker_serves_again(gie: Gie) -> None:
     """FailClose (GIE's default): Envoy answers 500 itself. FailOpen: the request goes on without a destination,
-    which GIE's reference ORIGINAL_DST cluster cannot route: 503 (gateways with a pool to fall back on route it;
-    our own configuration fails open to round robin). A restarted picker replica: both route again, and Envoy's
-    health check finds it healthy again."""
+    which GIE's reference ORIGINAL_DST cluster cannot route (503), or, when Envoy had already streamed the body to
+    the dead picker before the stream failed, Envoy fails it closed all the same (500: Envoy 1.40 ignores
+    failure_mode_allow once a FULL_DUPLEX_STREAMED body has gone out; which one is a race inside Envoy). Served
+    either way: never (gateways with a pool to fall back on route it; our own configuration fails open to round
+    robin). A restarted picker replica: both route again, and Envoy's health check finds it healthy again."""
     payload = chat("picker down " + _text(500, "pd"))
     assert post(gie.fail_close, "/v1/chat/completions", payload).status == 200
     gie.picker.stop()
     try:
         closed = post(gie.fail_close, "/v1/chat/completions", payload)
         opened = post(gie.fail_open, "/v1/chat/completions", payload)
-        assert closed.status == 500 and opened.status == 503, (closed, opened)
+        assert closed.status == 500 and opened.status in (500, 503), (closed, opened)
+        assert not opened.server  # no model server answered
         ours = post(gie.ours, "/v1/chat/completions", payload)
         assert ours.status == 200  # our configuration: fail-open round robin
     finally:
@@ -272,3 +275,19 @@ def test_picker_down_fails_as_gies_failure_mode_says_and_a_restarted_picker_serv
         assert envoy.extproc_health() == ["healthy"]
     status, text = http_get(f"http://127.0.0.1:{gie.picker_metrics_port}/metrics")
     assert status == 200 and b'endpoint="none"' not in text
+
+
+def test_overhead_bench_measures_gie_mode_beside_ours() -> None:
+    """`prefixroute overhead-bench --gie`: GIE's reference Envoy in front of a picker in GIE mode, in the same rounds
+    as our own gateway; its rows and the GIE/ours ratio line are printed (figures: README, Benchmarks)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "prefixroute", "overhead-bench", "--gie", "--mode", "latency",
+                        "--prompt-kb", "4", "--num-requests", "30", "--num-rounds", "1", "--num-connections", "4",
+                        "--rate-duration-s", "0.3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = {line.split()[2]: line.split()[3:] for line in r.stdout.splitlines() if line.strip().startswith("4 KB")}
+    assert {"baseline", "routed", "gie", "added", "gie/routed"} <= set(rows)
+    assert float(rows["gie"][2]) > 0  # requests per second through GIE's configuration, all 200
+    assert "non-200" not in r.stdout
