@@ -62,9 +62,12 @@ def extproc_filter(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def adapt(config: dict[str, Any], ports: Ports, extproc_address: str, *, fail_open: bool = False,
-          listen_address: str = "127.0.0.1") -> dict[str, Any]:
+          listen_address: str = "127.0.0.1", plaintext: bool = False) -> dict[str, Any]:
     """A copy of `config` listening on `listen_address` at `ports`, reaching the picker at `extproc_address`
-    (``host:port``; host an IP: the cluster is STATIC), failing open when `fail_open`. Nothing else changes."""
+    (``host:port``; host an IP: the cluster is STATIC), failing open when `fail_open`. Nothing else changes, unless
+    `plaintext`: a departure from GIE's file, for measuring only (overhead-bench ``--gie-plaintext``), which drops
+    the TLS to the picker (the ext_proc cluster's transport socket and its health check's ALPN option), so the
+    protocol's cost and TLS's can be told apart."""
     out = copy.deepcopy(config)
     out["admin"]["address"]["socket_address"].update(address=listen_address, port_value=ports.admin)
     for listener in out["static_resources"]["listeners"]:
@@ -77,12 +80,18 @@ def adapt(config: dict[str, Any], ports: Ports, extproc_address: str, *, fail_op
     _socket(ext).update(address=host.strip("[]"), port_value=int(port))
     if fail_open:
         extproc_filter(out)["failure_mode_allow"] = True
+    if plaintext:
+        cluster = _cluster(out, EXTPROC_CLUSTER)
+        cluster.pop("transport_socket", None)
+        for hc in cluster.get("health_checks", []):
+            hc.pop("tls_options", None)
     return out
 
 
-def render(ports: Ports, extproc_address: str, *, fail_open: bool = False) -> str:
+def render(ports: Ports, extproc_address: str, *, fail_open: bool = False, plaintext: bool = False) -> str:
     """`adapt` of the reference file, as YAML for ``envoy -c``."""
-    return yaml.safe_dump(adapt(load(), ports, extproc_address, fail_open=fail_open), sort_keys=False)
+    return yaml.safe_dump(adapt(load(), ports, extproc_address, fail_open=fail_open, plaintext=plaintext),
+                          sort_keys=False)
 
 
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:

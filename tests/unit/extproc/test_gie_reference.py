@@ -62,3 +62,14 @@ def test_envoy_accepts_the_rendering(tmp_path: Path) -> None:
     proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_plaintext_drops_only_the_tls_to_the_picker() -> None:
+    """The measuring-only departure (overhead-bench --gie-plaintext): the ext_proc cluster's transport socket and
+    its health check's TLS options go, nothing else beyond a normal rendering."""
+    ports = gie_reference.Ports(gateway=18081, admin=18000, ready=18001)
+    normal = _leaves(yaml.safe_load(gie_reference.render(ports, "127.0.0.1:19902")))
+    plain = _leaves(yaml.safe_load(gie_reference.render(ports, "127.0.0.1:19902", plaintext=True)))
+    gone = normal.keys() - plain.keys()
+    assert gone and all("transport_socket" in p or "tls_options" in p for p in gone)
+    assert plain.keys() <= normal.keys() and all(plain[p] == normal[p] for p in plain)
