@@ -186,6 +186,35 @@ def test_answers_through_gies_reference_match_our_own_configuration(gie: Gie, si
     assert "x-prefixroute-traceparent" not in theirs.headers and "x-prefixroute-traceparent" not in ours.headers
 
 
+def _raw(envoy: Envoy, method: str, path: str, body: bytes | None) -> Answer:
+    req = urllib.request.Request(envoy.url + path, data=body, method=method,
+                                 headers={"content-type": "application/json"} if body is not None else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return Answer(r.status, {k.lower(): v for k, v in r.headers.items()}, r.read())
+    except urllib.error.HTTPError as exc:
+        return Answer(exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read())
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status"), [
+    ("GET", "/v1/models", None, 200),  # no body: decided at the request headers
+    ("POST", "/v1/chat/completions", b'{"model": "m", "messages": [', 400),  # the router's refusals
+    ("POST", "/v1/chat/completions", b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}',
+     404),
+    ("POST", "/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "one two", "max_tokens": 2}', 200),
+])
+def test_bodyless_requests_and_refusals_match_our_own_configuration(gie: Gie, method: str, path: str,
+                                                                    body: bytes | None, status: int) -> None:
+    ours, theirs = _raw(gie.ours, method, path, body), _raw(gie.fail_close, method, path, body)
+    assert ours.status == theirs.status == status, (ours, theirs)
+    assert theirs.headers.get("content-type", "").startswith("application/json")
+    if status >= 400:  # the router's own OpenAI-format error, through GIE's Envoy as through ours
+        assert json.loads(theirs.body) == json.loads(ours.body) and set(json.loads(theirs.body)["error"]) == {
+            "message", "type", "param", "code"}
+    else:
+        assert _normalised(theirs) == _normalised(ours)
+
+
 def test_affinity_on_repeats_equals_our_own_configuration(gie: Gie) -> None:
     """Each of 6 long prefixes sent 3 times: every repeat lands where its prefix is cached, through GIE's reference
     configuration as through ours (distinct prefixes per configuration, so neither rides on the other's picks)."""
