@@ -17,6 +17,7 @@ import gc
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 from prefixroute import settings
 from prefixroute.extproc.endpoints.discovery import discovery_from_settings
@@ -24,7 +25,7 @@ from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_fro
 from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
-                                        start_server)
+                                        start_health_server, start_server)
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.settings import PeerSettings
@@ -138,6 +139,20 @@ class KVEventsLink:
             await self.manager.close()
 
 
+def readiness(pool: EndpointPool, routing: RoutingSettings, events: KVEventsLink) -> Callable[[], bool]:
+    """The picker can route (the gRPC health service's readiness, health.py): at least one endpoint is healthy,
+    and with ``--index-source events`` (events the only prefix source) the KV-events index is connected to at
+    least one endpoint. Cheap: one pass over the pool's snapshot (and the events link's figures)."""
+    events_only = routing.index_source == "events"
+
+    def ready() -> bool:
+        if not any(st.healthy for st in pool.snapshot()):
+            return False
+        return not events_only or any(d.get("connected") for d in events.info.values())
+
+    return ready
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, ExtprocSettings)
     settings.add_arguments(parser, RoutingSettings)
@@ -189,7 +204,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                                               index_info=lambda: events.info)
     tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
                              max_body_bytes=routing.max_body_bytes, on_first_token=router.first_token,
-                             on_usage=router.usage, on_response_id=router.learn_response)
+                             on_usage=router.usage, on_response_id=router.learn_response,
+                             propagate=bool(telemetry.recorder.enabled))
     # Responses API: the response-id directory and its lookups on /metrics (prefixroute_response_*).
     telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
     if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
@@ -221,7 +237,9 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         gc.collect()
         gc.freeze()
         gc.set_threshold(20_000, 20, 100)
-        server, port = await start_server(router, ext, tracker)
+        ready = readiness(pool, routing, events)
+        server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes)
+        health_server = await start_health_server(ext, ready)
         healthy = sum(1 for s in pool.snapshot() if s.healthy)
         ms = telemetry.metrics_server
         metrics = f"http://{ms.server_address[0]}:{ms.server_address[1]}/metrics" if ms is not None else "off"
@@ -233,6 +251,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
               f"metrics {metrics}, traces {'on' if telemetry.recorder.enabled else 'off'}"
               f"{': ' + telemetry.recorder.disabled_reason if telemetry.recorder.disabled_reason else ''})", flush=True)
         await stop.wait()
+        if health_server is not None:
+            await health_server.stop(grace=None)
         await server.stop(grace=1.0)
     finally:
         if discovery is not None:
