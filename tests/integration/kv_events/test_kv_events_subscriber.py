@@ -63,9 +63,13 @@ class Harness:
         self.manager = KVEventsManager(self.index, topic="kv", on_cleared=lambda ep, why: self.cleared.append(why),
                                        **manager_kwargs)
 
-    async def subscribe(self, pub: KVPublisher, *, replay: bool = True):
+    async def subscribe(self, pub: KVPublisher, *, replay: bool = True, live: bool = True):
+        """Subscribe and (`live`) wait until the subscriber is live: its replay of the publisher's buffer done
+        (a replay that does not answer keeps it syncing until the first live batch)."""
         self.manager.sync({EP: (pub.pub_address, pub.replay_address if replay else None)})
         await asyncio.to_thread(pub.wait_subscribed)
+        if live:
+            await eventually(lambda: self.stats().state == "live", 5, "live")
 
     def stats(self):
         return self.manager.stats()[EP]
@@ -142,7 +146,7 @@ async def test_a_gap_the_replay_cannot_fill_clears_the_endpoint(how):
     h = Harness(replay_timeout_s=0.3)
     pub = KVPublisher(replay=how != "no_replay_socket", replay_delay_s=1.0 if how == "replay_timeout" else 0.0)
     try:
-        await h.subscribe(pub, replay=how != "no_replay_socket")
+        await h.subscribe(pub, replay=how != "no_replay_socket", live=how != "replay_timeout")
         a, b = prompt(1), prompt(2)
         pub.publish([stored(a)])
         await h.applied(0)
