@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import takewhile
@@ -237,9 +238,10 @@ class KVEventIndex:
             return None
         return st.block_size_seen
 
-    def note_routed(self, endpoint: EndpointId, first_block: BlockHash, now_s: float) -> None:
+    def note_routed(self, endpoint: EndpointId, first_block: BlockHash, now_s: float | None = None) -> None:
         """A request whose first token block hashes to `first_block` was routed to `endpoint` (call once per
-        routed request; O(1), returns at once for a verified endpoint)."""
+        routed request; O(1), returns at once for a verified endpoint). `now_s`: time.monotonic() (read here
+        when None, once per unverified period)."""
         st = self._eps.get(endpoint)
         if st is None or st.verified:
             return
@@ -253,7 +255,7 @@ class KVEventIndex:
             del pending[next(iter(pending))]
         st.num_routed_unverified += 1
         if st.first_routed_s is None:
-            st.first_routed_s = now_s
+            st.first_routed_s = time.monotonic() if now_s is None else now_s
 
     def tokens_unverified(self, endpoint: EndpointId, now_s: float, *, min_requests: int = 16,
                           min_age_s: float = 10.0) -> int:

@@ -410,7 +410,8 @@ class EndpointSubscriber:
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """The (seq, payload) pairs the publisher's replay socket returns from `start` on, in order, up to its
         end marker or `replay_timeout_s` of silence (what arrived by then; None when nothing did). Reads both
-        answer forms: ``(seq, payload)`` and ``(topic, seq, payload)`` (the last two frames)."""
+        answer forms: ``(seq, payload)`` and ``(topic, seq, payload)`` (the last two frames; with a topic, only
+        the subscribed topic prefix's batches, as on the live stream)."""
         assert self.replay_address is not None
         self._stats.num_replays += 1
         sock = self._ctx.socket(zmq.DEALER)  # a fresh socket per replay: a late answer to an old one is never read
@@ -429,6 +430,8 @@ class EndpointSubscriber:
                 raw_seq, payload = frames[-2], frames[-1]  # after the delimiter (and the topic, vLLM >= 0.26)
                 if raw_seq == END_SEQ:
                     return out
+                if len(frames) >= 4 and not frames[-3].startswith(self._topic):
+                    continue  # a batch of a topic not subscribed to (the live stream's prefix filter)
                 try:
                     out.append((seq_from_bytes(raw_seq), payload))
                 except KVEventsDecodeError:

@@ -193,8 +193,11 @@ class Engine:
             kw["data_parallel_rank"] = 0
         if "attn_dp_rank" in params:
             kw["attn_dp_rank"] = 0
-        if "bind" in params and endpoint.startswith("tcp://127."):
-            kw["bind"] = True  # SGLang binds a concrete address when told
+        if endpoint.startswith("tcp://127."):
+            if "bind" in params:
+                kw["bind"] = True  # SGLang >= 0.5.2x binds a concrete address when told
+            else:  # the releases' rule binds only wildcard endpoints (a concrete one is dialled)
+                kw["endpoint"] = "tcp://*:" + endpoint.rsplit(":", 1)[1]
         return cls(**kw)
 
     def block_hash(self, parent: bytes | None, tokens: list[int], extra: Any = None) -> tuple[bytes, Any]:

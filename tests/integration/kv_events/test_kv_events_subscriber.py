@@ -126,8 +126,9 @@ async def test_the_topic_is_a_prefix_filter():
         await other.close()
 
 
-async def test_a_gap_is_filled_by_replay(harness):
-    with KVPublisher() as pub:
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["replay-3-frames", "replay-2-frames"])
+async def test_a_gap_is_filled_by_replay(harness, replay_topic):
+    with KVPublisher(replay_topic=replay_topic) as pub:
         await harness.subscribe(pub)
         a = prompt(1)
         pub.publish([stored(a, 0, 2)])
