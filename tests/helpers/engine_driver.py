@@ -132,17 +132,20 @@ def _defined(node: ast.AST) -> set[str]:
 
 
 def slice_module(name: str, path: Path, keep: set[str], inject: dict[str, Any] | None = None, *,
-                 optional: bool = False, closure: bool = False) -> types.ModuleType:
+                 optional: bool = False, closure: bool = False, exclude: set[str] = frozenset()) -> types.ModuleType:
     """Module `name` holding only the top-level definitions of `path` named in `keep` (functions, classes,
     assignments; with `closure`, also every top-level definition of the file they use, transitively),
     executed as the release wrote them, after those of its imports that resolve here. A name an import that
-    does not resolve (torch, the rest of vLLM) would have given is `inject`ed, or else an `_Any` stand-in. A
+    does not resolve (torch, the rest of vLLM) would have given is `inject`ed, or else an `_Any` stand-in; so
+    is a name in `exclude` (a definition the closure would pull in through a method the checks never call). A
     name of `keep` the file lacks raises, unless `optional`."""
     tree = ast.parse(path.read_text(), str(path))
     mod = stub(name)
     mod.__file__ = str(path)
     ns = mod.__dict__
     ns.update(inject or {})
+    for x in exclude:
+        ns.setdefault(x, type(x, (_Any,), {}))
     future = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "__future__"]
     flags = 0
     for n in future:
@@ -155,7 +158,7 @@ def slice_module(name: str, path: Path, keep: set[str], inject: dict[str, Any] |
         todo = list(want & defs.keys())
         while todo:
             for used in _names_used(defs[todo.pop()]):
-                if used in defs and used not in want:
+                if used in defs and used not in want and used not in exclude:
                     want.add(used)
                     todo.append(used)
     body = []
@@ -657,6 +660,169 @@ def _sglang_recorder_scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
     return sc.batches, sc.expected()
 
 
+# --- the rest of the engine's surface: /metrics, error and Responses models ---------------------------------
+class _LaxModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+class _NoneNS(types.SimpleNamespace):
+    """A config namespace whose unset attributes are None (the release reads a few optional settings)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+RECORDED = {"running": 3, "waiting": 2, "kv_usage": 0.42, "block_size": 16, "num_gpu_blocks": 1234,
+            "prefix_queries": 100, "prefix_hits": 40}
+"""What `surface` makes the release's metrics code record (a test checks the router's scraper reads it back)."""
+
+
+def _vllm_metrics(src: Path, files: dict[str, str]) -> str:
+    """vLLM's own ``PrometheusStatLogger`` (vllm/v1/metrics/loggers.py) recording `RECORDED` as the engine
+    core would (``SchedulerStats``, ``log_engine_initialized`` for ``vllm:cache_config_info``, its labels from
+    the release's own ``CacheConfig.metrics_info`` over the release's ``CacheConfig`` fields): its exposition."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    m = "vllm/v1/metrics/"
+    for rel in (m + "cache_hit_source.py", m + "buckets.py", m + "utils.py", m + "prometheus.py"):
+        files[rel] = digest(src / rel)
+        load_real(rel[:-3].replace("/", "."), src / rel)
+    for rel in (m + "stats.py", m + "loggers.py", "vllm/v1/engine/__init__.py", "vllm/config/cache.py"):
+        files[rel] = digest(src / rel)
+    stats = slice_module("vllm.v1.metrics.stats", src / m / "stats.py", {"SchedulerStats", "PrefixCacheStats"},
+                         closure=True)
+    slice_module("vllm.v1.engine", src / "vllm/v1/engine/__init__.py", {"FinishReason"}, closure=True)
+    loggers = slice_module("vllm.v1.metrics.loggers", src / m / "loggers.py", {"PrometheusStatLogger"}, closure=True)
+    tree = ast.parse((src / "vllm/config/cache.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheConfig")
+    fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+              and not n.target.id.isupper()]
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "metrics_info")
+    ns: dict[str, Any] = {}
+    exec(compile(ast.Module([method], []), str(src / "vllm/config/cache.py"), "exec"), ns)
+    cache = type("CacheConfig", (), {"metrics_info": ns["metrics_info"]})()
+    for f in fields:
+        setattr(cache, f, None)
+    cache.block_size = cache.hash_block_size = RECORDED["block_size"]
+    cache.num_gpu_blocks = RECORDED["num_gpu_blocks"]
+    cache.enable_prefix_caching = True
+    cfg = _NoneNS(observability_config=_NoneNS(show_hidden_metrics=False, kv_cache_metrics=False),
+                  model_config=_NoneNS(served_model_name="m", max_model_len=4096, is_diffusion=False),
+                  cache_config=cache)
+    logger = loggers.PrometheusStatLogger(cfg, [0])
+    logger.log_engine_initialized()
+    st = stats.SchedulerStats(num_running_reqs=RECORDED["running"], num_waiting_reqs=RECORDED["waiting"],
+                              kv_cache_usage=RECORDED["kv_usage"])
+    st.prefix_cache_stats.queries = RECORDED["prefix_queries"]
+    st.prefix_cache_stats.hits = RECORDED["prefix_hits"]
+    logger.record(st, None)
+    return generate_latest(REGISTRY).decode()
+
+
+def _vllm_models(src: Path, files: dict[str, str]) -> dict[str, Any]:
+    """vLLM's own pydantic models of an error body and a Responses object (their import of the rest of vLLM,
+    openai-harmony and the renderers stubbed; the openai types they build on are the real package)."""
+    import uuid
+
+    stub("vllm.utils", random_uuid=lambda: uuid.uuid4().hex)
+    rels = {"serve": "vllm/entrypoints/serve/engine/protocol.py", "gen": "vllm/entrypoints/generate/base/protocol.py",
+            "resp": "vllm/entrypoints/openai/responses/protocol.py"}
+    for rel in rels.values():
+        files[rel] = digest(src / rel)
+    base = slice_module("vllm.entrypoints.serve.engine.protocol", src / rels["serve"],
+                        {"OpenAIBaseModel", "ErrorInfo", "ErrorResponse"}, closure=True)
+    slice_module("vllm.entrypoints.generate.base.protocol", src / rels["gen"], {
+        "PerRequestMetrics", "MMPayload", "StopParam", "TopLogprobsParam", "resolve_return_mm_kwargs_alias",
+        "validate_cache_salt"}, closure=True, optional=True)
+    resp = slice_module("vllm.entrypoints.openai.responses.protocol", src / rels["resp"], {"ResponsesResponse"},
+                        {"ChatCompletionMessageParam": dict, "OpenAIHarmonyMessage": dict}, closure=True,
+                        exclude={"ResponsesRequest"})
+    return {"ErrorResponse": base.ErrorResponse, "ResponsesResponse": resp.ResponsesResponse}
+
+
+def _sglang_metrics(src: Path, files: dict[str, str]) -> str:
+    """SGLang's own ``SchedulerMetricsCollector`` (sglang/srt/observability/metrics_collector.py) logging
+    `RECORDED` with priority scheduling on (totals under priority="", per-priority samples beside them) and its
+    constants (``sglang:page_size``, ``sglang:num_pages``): its exposition."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    stub("sglang")
+    stub("sglang.srt")
+    stub("sglang.srt.runtime_context", get_schedule=lambda: _NoneNS(prefill_delayer_max_delay_passes=30),
+         exports_expert_balancedness_to_prometheus=lambda: False, get_context=_Any, get_disagg=_Any,
+         get_observability=_Any, get_parallel=_Any, get_serving=_Any)
+    stub("sglang.srt.utils", get_bool_env_var=lambda name, default="false": False)
+    o = "sglang/srt/observability/"
+    for rel, name in ((o + "utils.py", "sglang.srt.observability.utils"),
+                      ("sglang/srt/utils/gauge_histogram.py", "sglang.srt.utils.gauge_histogram")):
+        files[rel] = digest(src / rel)
+        load_real(name, src / rel)
+    for rel in (o + "scheduler_stage_metrics.py", o + "metrics_collector.py"):
+        files[rel] = digest(src / rel)
+    slice_module("sglang.srt.observability.scheduler_stage_metrics", src / o / "scheduler_stage_metrics.py",
+                 {"FORWARD_OVERLAP_CATEGORIES", "FORWARD_OVERLAP_NONE", "SCHEDULER_STAGE_CATEGORIES"}, closure=True)
+    mc = slice_module("sglang.srt.observability.metrics_collector", src / o / "metrics_collector.py",
+                      {"SchedulerMetricsCollector", "SchedulerStats", "QueueCount"}, closure=True)
+    labels = {"model_name": "m", "engine_type": "unified", "tp_rank": 0, "pp_rank": 0, "moe_ep_rank": 0,
+              "priority": ""}
+    c = mc.SchedulerMetricsCollector(labels, _Any())
+    r = RECORDED
+    c.log_stats(mc.SchedulerStats(num_running_reqs=mc.QueueCount(r["running"], {0: r["running"] - 1, 1: 1}),
+                                  num_queue_reqs=mc.QueueCount(r["waiting"], {0: r["waiting"]}),
+                                  token_usage=r["kv_usage"]))
+    c.emit_constants(max_total_num_tokens=r["num_gpu_blocks"] * r["block_size"], max_total_num_tokens_swa=None,
+                     weight_memory_usage_gb=1.0, kv_cache_memory_usage_gb=2.0, graph_memory_usage_gb={},
+                     max_running_requests_under_SLO=None, page_size=r["block_size"], num_pages=r["num_gpu_blocks"],
+                     context_len=4096, startup_available_gpu_memory_gb=10.0)
+    return generate_latest(REGISTRY).decode()
+
+
+def surface(release: str, src: Path) -> dict[str, Any]:
+    files: dict[str, str] = {}
+    out: dict[str, Any] = {"release": release, "recorded": RECORDED}
+    if release.startswith("vllm"):
+        stub("vllm")
+        stub("vllm.logger", init_logger=_Logger)
+        envs = stub("vllm.envs", VLLM_COMPUTE_NANS_IN_LOGITS=False)
+        envs.__class__ = _LaxModule  # every other VLLM_* setting None: the release's default path
+        stub("vllm.v1")
+        stub("vllm.v1.metrics")
+        out["metrics_text"] = _vllm_metrics(src, files)
+        out["schemas"] = {name: model.model_json_schema() for name, model in _vllm_models(src, files).items()}
+    else:
+        out["metrics_text"] = _sglang_metrics(src, files)
+    # The release's families only (not prometheus_client's process_/python_ ones), without the *_created
+    # timestamps: regenerating changes no byte.
+    prefix = "vllm:" if release.startswith("vllm") else "sglang:"
+    out["metrics_text"] = "".join(
+        line + "\n" for line in out["metrics_text"].splitlines()
+        if (line.startswith(prefix) or line.startswith(("# HELP " + prefix, "# TYPE " + prefix)))
+        and not (line.split()[2] if line.startswith("#") else line.split("{")[0].split()[0]).endswith("_created"))
+    out["files"] = files
+    return out
+
+
+def validate(release: str, src: Path) -> None:
+    """Each stdin line ``{"model": NAME, "body": {...}}`` validated by the release's own model: one line out,
+    ``{"ok": true}`` or ``{"ok": false, "error": ...}``."""
+    stub("vllm")
+    stub("vllm.logger", init_logger=_Logger)
+    stub("vllm.envs").__class__ = _LaxModule
+    models = _vllm_models(src, {})
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            models[req["model"]].model_validate(req["body"])
+            print(json.dumps({"ok": True}), flush=True)
+        except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError, reported
+            print(json.dumps({"ok": False, "error": str(exc)}), flush=True)
+
+
 # --- modes ------------------------------------------------------------------------------------------------
 def _b64(frames: list[bytes]) -> list[str]:
     return [base64.b64encode(f).decode() for f in frames]
@@ -784,11 +950,17 @@ def main() -> None:
     ap.add_argument("--src", required=True, type=Path, help="the release's extracted files")
     ap.add_argument("--bytes-hashes", action="store_true", help="vLLM: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0")
     ap.add_argument("--topic", default="kv@pod-0@model")
-    ap.add_argument("mode", choices=["capture", "serve", "bridge"])
+    ap.add_argument("mode", choices=["capture", "serve", "bridge", "surface", "validate"])
     ap.add_argument("--endpoint", default="")
     ap.add_argument("--replay", default="")
     ap.add_argument("--from", dest="source", default="")
     args = ap.parse_args()
+    if args.mode == "surface":
+        print(json.dumps(surface(args.release, args.src)))
+        os._exit(0)
+    if args.mode == "validate":
+        validate(args.release, args.src)
+        os._exit(0)
     eng = load_engine(args.release, args.src, bytes_hashes=args.bytes_hashes)
     if args.mode == "capture":
         print(json.dumps(capture(eng)))

@@ -58,7 +58,17 @@ FILES = (
     "vllm/distributed/kv_events.py", "vllm/config/kv_events.py", "vllm/v1/core/kv_cache_utils.py",
     "vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py", "vllm/v1/kv_offload/base.py",
     "sglang/srt/disaggregation/kv_events.py", "sglang/srt/mem_cache/events.py", "sglang/srt/mem_cache/utils.py",
+    # the rest of the surface (engine_driver.py surface / validate)
+    "vllm/v1/metrics/loggers.py", "vllm/v1/metrics/utils.py", "vllm/v1/metrics/buckets.py",
+    "vllm/v1/metrics/prometheus.py", "vllm/v1/metrics/stats.py", "vllm/v1/metrics/cache_hit_source.py",
+    "vllm/v1/engine/__init__.py", "vllm/config/cache.py", "vllm/entrypoints/serve/engine/protocol.py",
+    "vllm/entrypoints/generate/base/protocol.py", "vllm/entrypoints/openai/responses/protocol.py",
+    "sglang/srt/observability/metrics_collector.py", "sglang/srt/observability/utils.py",
+    "sglang/srt/observability/scheduler_stage_metrics.py", "sglang/srt/utils/gauge_histogram.py",
 )
+SURFACE_RELEASES = ("vllm-0.33.0", "sglang-0.5.23")
+"""The releases whose /metrics (and, vLLM, error and Responses models) `surface` checks."""
+SURFACE_DIR = REPO / "tests" / "data" / "engines"
 
 
 def _pip_cache_dir() -> Path:
@@ -138,6 +148,14 @@ def capture(release: Release, src: Path, *, bytes_hashes: bool = False, timeout_
                          text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"{release.name} driver failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout)
+
+
+def surface(release: Release, src: Path, timeout_s: float = 60.0) -> dict:
+    """The release's own /metrics exposition (and vLLM's model schemas): engine_driver.py surface."""
+    out = subprocess.run(driver_argv(release, src, "surface"), capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"{release.name} surface failed ({out.returncode}):\n{out.stderr[-4000:]}")
     return json.loads(out.stdout)
 
 

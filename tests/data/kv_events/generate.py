@@ -12,6 +12,12 @@ capture`` (the release's event classes and ``ZmqEventPublisher``, with stubs for
 ``<release>/capture.json``: the live frames (topic, seq, payload) and two replays, base64, the sha256 of every
 release file that ran, and the expected outcome (the GPU block set after each batch, the prompts the router
 must match). vLLM 0.33.0 is also captured with bytes block hashes (``capture-bytes-hashes.json``).
+
+For vLLM 0.33.0 and SGLang 0.5.23 it also writes ``tests/data/engines/<release>/surface.json``: the /metrics
+text their own metrics code produces for known figures (vLLM's ``PrometheusStatLogger``, SGLang's
+``SchedulerMetricsCollector``) and, for vLLM, the JSON schemas of its own ``ErrorResponse`` and
+``ResponsesResponse`` models (tests/unit/engines/test_engine_surface.py checks our scraper and bodies against
+them).
 tests/unit/kv_events/test_golden_payloads.py decodes them all; a release's wheel is ~350 MB (vLLM), so the
 files are committed and CI never downloads.
 """
@@ -59,6 +65,14 @@ def main() -> int:
                 cap["wheel"] = wheel.name
                 (out_dir / filename).write_text(json.dumps(cap, indent=1, sort_keys=True) + "\n")
                 print(f"{name}: {len(cap['live'])} batches -> {out_dir / filename}")
+            if name in engines.SURFACE_RELEASES:
+                surf = engines.surface(release, src)
+                surf["requirement"] = release.requirement
+                surf["wheel"] = wheel.name
+                out = engines.SURFACE_DIR / name / "surface.json"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(surf, indent=1, sort_keys=True) + "\n")
+                print(f"{name}: /metrics{' and models' if 'schemas' in surf else ''} -> {out}")
     return 0
 
 
