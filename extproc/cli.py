@@ -1,7 +1,8 @@
 """`prefixroute extproc`: run the ext_proc routing service that Envoy calls.
 
-Prints one ready line (``prefixroute extproc ready on HOST:PORT (..., metrics http://HOST:PORT/metrics)``)
-once it serves; SIGTERM or SIGINT stops it cleanly (in-flight gRPC streams get a short grace period, the
+Prints one ready line (``prefixroute extproc ready on HOST:PORT (..., index events x3 (2 live, 1 undecodable) +
+feedback, ..., metrics http://HOST:PORT/metrics)``) once it serves and its KV-event subscribers have replayed
+their publishers' buffers (at most `EVENTS_SETTLE_S`; extproc/kv_events/link.py); SIGTERM or SIGINT stops it cleanly (in-flight gRPC streams get a short grace period, the
 pool's probes are cancelled, queued spans are flushed for up to 2 s).
 
 Telemetry (RouterTelemetrySettings, telemetry/router.py): one OTLP span per routed request,

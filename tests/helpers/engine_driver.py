@@ -2,9 +2,13 @@
 
 Usage (from `helpers.engines`, which extracts the files and starts this script)::
 
-    python engine_driver.py --release vllm-0.33.0 --src DIR capture [--bytes-hashes]
-    python engine_driver.py --release vllm-0.33.0 --src DIR serve --endpoint tcp://*:P --replay tcp://127.0.0.1:Q
+    python engine_driver.py --release vllm-0.33.0 --src DIR [--bytes-hashes] capture
+    python engine_driver.py --release vllm-0.33.0 --src DIR serve --endpoint tcp://127.0.0.1:P --replay tcp://127.0.0.1:Q
     python engine_driver.py --release vllm-0.33.0 --src DIR bridge --from tcp://127.0.0.1:S --endpoint ... --replay ...
+    python engine_driver.py --release vllm-0.33.0 --src DIR surface      (or validate, reading JSON lines)
+
+A loopback ``--endpoint`` is bound where the release can be told to bind it (SGLang 0.5.2x ``bind=True``); the
+others bind only wildcard endpoints, so theirs becomes ``tcp://*:P`` (vLLM's documented form).
 
 What runs is the release's code, unchanged: its event classes (``BlockStored`` ...), its batch class and its
 ``ZmqEventPublisher`` (threads, sockets, replay buffer: the bytes on the wire are the release's), and for vLLM
@@ -24,6 +28,10 @@ Modes:
 - ``bridge``: subscribe to a simulated server's publisher (prefixroute's format) and republish every batch
   through the release's classes and publisher (hashes as the release would send them), so a router faces the
   release's bytes for a real server's cache. Prints ``READY``; runs until stdin closes.
+- ``surface``: the release's own metrics code (vLLM's ``PrometheusStatLogger``, SGLang's
+  ``SchedulerMetricsCollector``) records known figures; prints its /metrics text and (vLLM) the JSON schemas
+  of its ``ErrorResponse`` and ``ResponsesResponse`` models. ``validate``: validates JSON bodies by those
+  models.
 """
 
 from __future__ import annotations
