@@ -92,7 +92,7 @@ class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     def is_placeholder(self) -> bool:
         """A store without content (vLLM 0.33's offloading connector: ``block_size`` 0, no token ids): the
         hashes are real, the tokens they hold unknown."""
-        return self.block_size <= 0 or not self.token_ids
+        return self.block_size <= 0 or len(self.token_ids) == 0
 
 
 class BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag=True):

@@ -355,7 +355,7 @@ class KVEventIndex:
         if ev.medium not in _GPU_MEDIA or ev.group_idx not in (None, 0):
             c.num_skipped_blocks += n
             return
-        if ev.block_size <= 0 or not ev.token_ids:
+        if ev.block_size <= 0 or len(ev.token_ids) == 0:  # (token ids may be a numpy array in-process)
             c.num_placeholder_blocks += n
             return
         st.block_size_seen = ev.block_size
