@@ -196,6 +196,8 @@ KV_EVENT_STATS: tuple[tuple[str, str, str], ...] = (
     ("num_unknown_events", "prefixroute_kv_events_unknown_events", "Events of a type no engine release defines "
      "(skipped; the rest of their batch applied)."),
     ("last_seq", "prefixroute_kv_events_last_sequence", "Last sequence number applied."),
+    ("tokens_verified", "prefixroute_kv_events_tokens_verified", "1 once a request routed to the endpoint found its "
+     "first token block among the blocks its events stored (the server tokenizes as the router does), else 0."),
     ("blocks", "prefixroute_kv_event_index_blocks", "Blocks the endpoint's KV events say it holds (the events "
      "index)."),
 )
@@ -216,7 +218,8 @@ def _index_families(info: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
                                 "not indexed).", labels=["endpoint", "medium", "event"])
     fams: dict[str, Any] = {}
     for key, name, help_ in KV_EVENT_STATS:
-        cls = GaugeMetricFamily if key in ("connected", "last_seq", "blocks") else CounterMetricFamily
+        cls = GaugeMetricFamily if key in ("connected", "last_seq", "blocks", "tokens_verified") else \
+            CounterMetricFamily
         fams[key] = cls(name, help_, labels=["endpoint"])
     for ep, d in info.items():
         source.add_metric([str(ep), str(d.get("source", ""))], 1.0)

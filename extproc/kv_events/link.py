@@ -173,6 +173,7 @@ class KVEventsLink:
                          num_replays=st.num_replays, num_clears=st.num_clears,
                          num_decode_errors=st.num_decode_errors, num_unknown_events=st.num_unknown_events,
                          blocks=blocks.get(ep, 0), form=st.form,
+                         tokens_verified=int(index.is_verified(ep)) if index is not None else None,
                          stored_blocks_by_medium=st.stored_blocks_by_medium,
                          removed_blocks_by_medium=st.removed_blocks_by_medium)
             info[ep] = d

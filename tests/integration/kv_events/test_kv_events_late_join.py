@@ -117,6 +117,9 @@ def _run(tmp_path, stack: ExitStack, release_src=None) -> None:
     wrong = {p: (served, holders[p]) for p, (served, _) in outcomes.items() if served != holders[p]}
     assert not wrong, f"{len(wrong)} of {NUM_PREFIXES} first requests missed their holder: {wrong}"
     assert all(cached > 0 for _, cached in outcomes.values()), outcomes
+    # The requests verified that the servers tokenize as the router does (no token_mismatch can follow).
+    assert wait_for(lambda: _samples(_get(metrics_url), "prefixroute_kv_events_tokens_verified") == {
+        ep: 1.0 for ep in servers}, 5), _get(metrics_url)
 
 
 def test_a_restarted_router_routes_warm_prefixes_to_their_holders(tmp_path):
