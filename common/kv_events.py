@@ -265,8 +265,8 @@ class BatchDecoder:
         out: list = []
         forms = set()
         for i, ev in enumerate(events):
-            if isinstance(ev, dict):
-                tag, cls, forms_key = ev.get("type"), EVENT_TYPES.get(ev.get("type")), "map"  # type: ignore[arg-type]
+            if isinstance(ev, dict) and isinstance(ev.get("type"), str):
+                tag, cls, forms_key = ev["type"], EVENT_TYPES.get(ev["type"]), "map"
             elif isinstance(ev, list) and ev and isinstance(ev[0], str):
                 tag, cls, forms_key = ev[0], EVENT_TYPES.get(ev[0]), "array"
                 cls = _TO_ARRAY.get(cls) if cls is not None else None  # type: ignore[arg-type]
@@ -277,7 +277,7 @@ class BatchDecoder:
                 continue
             try:
                 e = msgspec.convert(ev, cls)
-            except msgspec.ValidationError as exc:
+            except (msgspec.ValidationError, TypeError, ValueError) as exc:
                 raise KVEventsDecodeError(f"{tag}: {exc} - at `$[1][{i}]`") from None
             out.append(_FROM_ARRAY[type(e)](*_astuple(e)) if type(e) in _FROM_ARRAY else e)
             forms.add(forms_key)

@@ -90,6 +90,25 @@ def test_arbitrary_bytes_raise_only_the_decode_error(data):
         pass
 
 
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(allow_nan=False),
+                 st.text(max_size=12), st.binary(max_size=12),
+                 st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "type", "block_hashes"]))
+_value = st.recursive(_leaf, lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(
+    st.one_of(st.sampled_from(["type", "block_hashes", "token_ids", "block_size", "ts", "events"]),
+              st.text(max_size=6)), inner, max_size=5)), max_leaves=25)
+
+
+@given(st.one_of(_value, st.tuples(st.floats(allow_nan=False), st.lists(_value, max_size=4)).map(list),
+                 st.fixed_dictionaries({"ts": st.floats(allow_nan=False), "events": st.lists(_value, max_size=4)})))
+@settings(max_examples=400, deadline=None)
+def test_any_msgpack_structure_decodes_or_raises_only_the_decode_error(obj):
+    """Batches of the right outline holding anything (maps with a list as "type", events of wrong types ...)."""
+    try:
+        BatchDecoder().decode(msgspec.msgpack.encode(obj))
+    except KVEventsDecodeError:
+        pass
+
+
 _hash = st.one_of(st.integers(0, (1 << 64) - 1), st.integers(-(1 << 63), -1), st.binary(min_size=8, max_size=32))
 _opt_str = st.one_of(st.none(), st.text(max_size=8))
 _stored = st.builds(
