@@ -277,6 +277,19 @@ class EndpointLive:
     healthy: bool | None = None
     index_source: str | None = None  # where the router's prefix index learns this endpoint (events, feedback, ...)
     kv_events_connected: bool | None = None  # for an events endpoint: its subscriber receives
+    kv_events_state: str | None = None  # for an events endpoint: live, syncing, down, undecodable, ... (link.py)
+
+
+def _index_source_text(lv: EndpointLive) -> str | None:
+    """The endpoint table's index column: an endpoint publishing KV events shows ``events`` while they are used
+    and ``events (STATE)`` while not (``events (undecodable)``, ``events (down)``, ``events (block size
+    mismatch)``, ...: meanwhile it is matched by the router's own index, feedback)."""
+    state = lv.kv_events_state
+    if state:
+        return "events" if state == "live" else f"events ({state.replace('_', ' ')})"
+    if not lv.index_source:
+        return None
+    return lv.index_source + (" (down)" if lv.kv_events_connected is False else "")
 
 
 def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping[str, float] | None = None,
@@ -286,7 +299,8 @@ def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping
     figures. Unrouted requests have no row (see `Shares`); share_ratio is of the routed requests.
 
     Columns (most telling first): endpoint, num_requests, share_ratio, actual_hit_ratio, predicted_hit_ratio,
-    index_source (text: events / events (down) / feedback / approximate), mean_in_flight, healthy (1/0), running, waiting, kv_cache_usage_ratio, ttft_ms_p50, ttft_ms_p99,
+    index_source (text: events / events (STATE) for an events endpoint whose events are not used now, e.g.
+    events (undecodable), events (down): it is matched by feedback meanwhile / feedback / approximate), mean_in_flight, healthy (1/0), running, waiting, kv_cache_usage_ratio, ttft_ms_p50, ttft_ms_p99,
     requests_per_s, num_errors, num_refused.
     """
     mean_in_flight = mean_in_flight or {}
@@ -303,8 +317,7 @@ def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping
                     "running": lv.num_requests_running, "waiting": lv.num_requests_waiting,
                     "kv_cache_usage_ratio": lv.kv_cache_usage_ratio,
                     "actual_hit_ratio": r.get("actual_hit_ratio"), "predicted_hit_ratio": r.get("predicted_hit_ratio"),
-                    "index_source": (lv.index_source + (" (down)" if lv.kv_events_connected is False else "")
-                                     if lv.index_source else None),
+                    "index_source": _index_source_text(lv),
                     "ttft_ms_p50": r.get("ttft_ms_p50"), "ttft_ms_p99": r.get("ttft_ms_p99"),
                     "num_errors": r.get("num_errors", 0), "num_refused": r.get("num_refused", 0)})
     cols = ["endpoint", "num_requests", "share_ratio", "actual_hit_ratio", "predicted_hit_ratio", "index_source",
@@ -500,6 +513,7 @@ _ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
     "prefixroute_endpoint_healthy": "healthy",
     "prefixroute_kv_events_connected": "kv_events_connected",
     "prefixroute_index_source_info": "index_source",  # the value is the `source` label
+    "prefixroute_kv_events_state": "kv_events_state",  # the value is the `state` label
 }
 MAX_LIVE_ENDPOINTS = 1024  # a fleet's worth; bounds what an odd metrics text can make the page draw
 
@@ -520,9 +534,10 @@ def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
                 name = sample.labels.get("endpoint")
                 if not name or math.isnan(sample.value) or (name not in found and len(found) >= MAX_LIVE_ENDPOINTS):
                     continue
-                if field == "index_source":
+                if field in ("index_source", "kv_events_state"):
+                    label = "source" if field == "index_source" else "state"
                     if sample.value >= 0.5:
-                        found.setdefault(name, {})[field] = str(sample.labels.get("source", ""))[:32]
+                        found.setdefault(name, {})[field] = str(sample.labels.get(label, ""))[:32]
                     continue
                 found.setdefault(name, {})[field] = (sample.value >= 0.5) if field in (
                     "healthy", "kv_events_connected") else sample.value

@@ -123,7 +123,7 @@ from envoy_data_plane.envoy.config.core.v3 import (Address, DataSource, GrpcServ
                                                    SocketAddress, SubstitutionFormatString, TransportSocket,
                                                    TypedExtensionConfig)
 from envoy_data_plane.envoy.config.core.v3 import BackoffStrategy as CoreBackoffStrategy
-from envoy_data_plane.envoy.config.core.v3 import HealthCheck, HealthCheckTcpHealthCheck
+from envoy_data_plane.envoy.config.core.v3 import HealthCheck, HealthCheckGrpcHealthCheck
 from envoy_data_plane.envoy.config.core.v3 import RetryPolicy as CoreRetryPolicy
 from envoy_data_plane.envoy.config.core.v3 import RetryPolicyRetryHostPredicate as CoreRetryHostPredicate
 from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
@@ -366,6 +366,16 @@ def _not_found_route(name: str, match: RouteMatch, status: int, message: str, fi
         response_headers_to_add=[_set_header("content-type", "application/json")],
         typed_per_filter_config={f: ProtoAny.pack(ExtProcPerRoute(disabled=True)) for f in filters},
     )
+
+
+def _extproc_health_check() -> HealthCheck:
+    """The replicas' health check: the picker's gRPC health service (extproc/health.py), asked for
+    envoy.service.ext_proc.v3.ExternalProcessor, which is SERVING only while the replica can route (an endpoint
+    healthy in its pool), so Envoy prefers the replicas that can; all not ready: Envoy's panic mode uses them all,
+    and they answer 503 themselves. Exempt from the bearer token; over the cluster's TLS when it has one."""
+    return HealthCheck(timeout=_duration(0.25), interval=_duration(0.25), no_traffic_interval=_duration(0.25),
+                       unhealthy_threshold=1, healthy_threshold=1, grpc_health_check=HealthCheckGrpcHealthCheck(
+                           service_name="envoy.service.ext_proc.v3.ExternalProcessor"))
 
 
 def _extproc_transport_socket(s: EnvoySettings) -> TransportSocket | None:
@@ -748,17 +758,15 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         if len(replicas) > 1:
             # Least request: a replica busy with long streams gets fewer new ones. A replica that refuses
             # connections is ejected after two local-origin failures (its streams are retried elsewhere:
-            # _extproc_retry_policy) and stays out until a TCP health check (every 0.25 s) connects again:
-            # a restarted replica listens only once it is ready to route.
+            # _extproc_retry_policy) and stays out until a gRPC health check (every 0.25 s) finds it ready
+            # again (_extproc_health_check): a restarted replica listens only once it is ready to route.
             grpc_fields |= {
                 "lb_policy": ClusterLbPolicy.LEAST_REQUEST,
                 "outlier_detection": OutlierDetection(
                     split_external_local_origin_errors=True, consecutive_local_origin_failure=2,
                     enforcing_consecutive_local_origin_failure=100, interval=_duration(0.25),
                     base_ejection_time=_duration(10), max_ejection_time=_duration(30), max_ejection_percent=100),
-                "health_checks": [HealthCheck(
-                    timeout=_duration(0.25), interval=_duration(0.25), no_traffic_interval=_duration(0.25),
-                    unhealthy_threshold=1, healthy_threshold=1, tcp_health_check=HealthCheckTcpHealthCheck())]}
+                "health_checks": [_extproc_health_check()]}
         clusters.append(_strict_dns_cluster(EXTPROC_CLUSTER, replicas, 0.25, **grpc_fields))
         if len(replicas) > 1:
             clusters += [_strict_dns_cluster(f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{k}", [a], 0.25, **grpc_fields)

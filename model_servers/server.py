@@ -427,7 +427,7 @@ class ModelServer:
         """The completed response object of `req` and its JSON, stored when the request asked to be."""
         obj = responses.response_object(meta, status="completed", output=responses.output_items(meta, text),
                                         usage_=responses.usage(req.num_prompt_tokens, req.num_output,
-                                                               req.num_cached_tokens))
+                                                               req.num_cached_tokens, self.core.block_size))
         body = orjson.dumps(obj)
         if meta.store and self.responses is not None:
             self.responses.put(meta.response_id, messages, obj, body)

