@@ -125,7 +125,7 @@ def _itl(s: OverheadBenchSettings, endpoint: str, tmp: Path) -> None:
     body = orjson.dumps({"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
                          "max_tokens": s.itl_tokens, "messages": [{"role": "user", "content": "Count."}]})
     req = build_request("/v1/chat/completions", body)
-    gws = {on: GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=on,
+    gws = {on: GatewayProcesses(GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=on,
                                                 extproc_replicas=1),
                                 RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
                                 log_dir=tmp / ("itl-on" if on else "itl-off"), extra_extproc_args=_span_sink_args())
@@ -222,7 +222,7 @@ def run(s: OverheadBenchSettings) -> int:
         if not counts or any(not 1 <= n <= 16 for n in counts) or len(set(counts)) != len(counts):
             raise ValueError(f"replicas must be distinct counts 1-16, got {','.join(s.replicas)}")
         gws = {n: GatewayProcesses(
-            GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=s.telemetry, extproc_replicas=n,
+            GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry, extproc_replicas=n,
                             embedded_nats=s.peers),
             RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
             log_dir=tmp / f"replicas-{n}", envoy_overrides={"report_served": s.report_served},

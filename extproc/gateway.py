@@ -53,17 +53,25 @@ class GatewaySettings(Settings):
     port: int = setting(8080, "Port clients send OpenAI requests to (8080: the usual unprivileged HTTP port).")
     listen_address: str = setting("127.0.0.1", "Address Envoy listens on (loopback: a local launcher; use "
                                   "0.0.0.0 to expose it).")
-    admin_port: int = setting(0, "Envoy admin port on 127.0.0.1 (0 = any free port, printed at start).")
-    extproc_port: int = setting(0, "Port of the ext_proc service on 127.0.0.1 (0 = any free port); with several "
-                                "replicas, replica k listens on extproc_port + k.")
+    ports: str = setting("fixed", "How ports are chosen: 'fixed' = every port setting as given (the documented "
+                         "defaults, so scripts, dashboards and firewall rules can rely on them; a port in use is an "
+                         "error naming it and its flag); 'random' = every port setting still at its default is drawn "
+                         "free instead (several stacks on one host, tests). A port set to 0 is always drawn free.")
+    admin_port: int = setting(9901, "Envoy admin port on 127.0.0.1 (9901: Envoy's customary admin port; 0 = any "
+                              "free port).")
+    extproc_port: int = setting(9002, "Port of the ext_proc service on 127.0.0.1 (9002: the endpoint-picker "
+                                "reference port; 0 = any free port); with several replicas, replica k listens on "
+                                "extproc_port + k.")
     extproc_replicas: int = setting(0, "ext_proc replicas (router processes) behind Envoy, 1-16; 0 = auto: one per "
                                     "core beyond the first, at most 8 (each replica is one single-threaded event "
                                     "loop that saturates a core; Envoy's worker and the gRPC I/O threads need the "
                                     "first). Two or more share their picks through NATS (--peers-url, or an embedded "
                                     "nats-server: embedded_nats).")
-    embedded_nats: bool = setting(True, "With two or more replicas and no --peers-url, start a nats-server on a free "
-                                  "loopback port for them (its log: nats.log); false = they share nothing "
+    embedded_nats: bool = setting(True, "With two or more replicas and no --peers-url, start a nats-server on "
+                                  "loopback (nats_port) for them (its log: nats.log); false = they share nothing "
                                   "(each routes on its own picks and the KV events).")
+    nats_port: int = setting(4222, "Port of the embedded nats-server on 127.0.0.1 (4222: NATS's standard port; "
+                             "0 = any free port).")
     failure_mode: str = setting("open", "When the ext_proc service is down: 'open' = round-robin over the "
                                 "endpoints, 'closed' = OpenAI-format 503 (see envoy_config.py).")
     report_served: bool = setting(True, "Envoy tells the ext_proc service which endpoint served each request "
@@ -73,8 +81,9 @@ class GatewaySettings(Settings):
                                      "overhead-bench), so 1 on a 2-core machine, leaving the rest to the Python "
                                      "replicas, the bottleneck.")
     envoy_log_level: str = setting("warning", "Envoy log level (warning: quiet unless something is wrong).")
-    metrics_port: int = setting(0, "Port of the ext_proc service's Prometheus /metrics on 127.0.0.1 (0 = any free "
-                                "port, printed at start; -1 disables it); replica k's is metrics_port + k.")
+    metrics_port: int = setting(9464, "Port of the ext_proc service's Prometheus /metrics on 127.0.0.1 (9464: the "
+                                "OpenTelemetry Prometheus exporter's port; 0 = any free port; -1 disables it); "
+                                "replica k's is metrics_port + k.")
     telemetry: bool = setting(True, "Per-request telemetry: the observing Envoy filter (gateway TTFT, latency, "
                               "usage) and OTLP span export (per the OTEL_* variables, inherited by the ext_proc "
                               "child); false omits both (metrics of decisions remain).")
@@ -106,6 +115,25 @@ def resolve_replicas(n: int) -> int:
     if not 0 <= n <= MAX_EXTPROC_REPLICAS:
         raise ValueError(f"extproc_replicas must be in 0..{MAX_EXTPROC_REPLICAS} (0 = auto), got {n}")
     return n or auto_replicas()
+
+
+PORT_MODES = ("fixed", "random")
+_RANDOM_PORT_FIELDS = ("admin_port", "extproc_port", "metrics_port", "nats_port")
+
+
+def resolve_ports(g: GatewaySettings) -> GatewaySettings:
+    """`g` with its `ports` mode applied: 'fixed' changes nothing; 'random' draws the Envoy listener's port now
+    when it is at its default, and sets every other port still at its default to 0 (drawn free at start).
+    ValueError for another mode."""
+    if g.ports not in PORT_MODES:
+        raise ValueError(f"ports must be one of {', '.join(PORT_MODES)}, got {g.ports!r}")
+    if g.ports == "fixed":
+        return g
+    defaults = {f.name: f.default for f in dataclasses.fields(g)}
+    changes: dict[str, int] = {name: 0 for name in _RANDOM_PORT_FIELDS if getattr(g, name) == defaults[name]}
+    if g.port == defaults["port"]:
+        changes["port"] = free_port()
+    return dataclasses.replace(g, **changes)
 
 
 def envoy_binary() -> str:
@@ -165,6 +193,7 @@ class GatewayProcesses:
                  log_dir: Path | None = None, extra_extproc_args: list[str] | None = None,
                  envoy_overrides: dict[str, Any] | None = None, group: ProcessGroup | None = None,
                  peers: PeerSettings | None = None) -> None:
+        gateway = resolve_ports(gateway)
         self.gateway = gateway
         self.routing = routing
         self.pool = pool
@@ -271,8 +300,25 @@ class GatewayProcesses:
             ready=lambda: tcp_open(port), ports=(port, metrics) if metrics > 0 else (port,),
             env={"PREFIXROUTE_EXTPROC_AUTH_TOKEN": self.auth_token})
 
+    def fixed_listeners(self) -> list[tuple[str, int, str]]:
+        """(component, port, flag) of every port this gateway will listen on that its settings fix (those at 0
+        are drawn free at start and not listed): what a launcher checks before it starts anything, so a busy
+        port is refused naming its flag."""
+        g, n = self.gateway, self.num_replicas
+        name = (lambda what, k: what if n == 1 else f"{what} (replica {k})")
+        out = [("gateway", g.port, "--port")]
+        if self.admin_port > 0:
+            out.append(("Envoy admin", self.admin_port, "--admin-port"))
+        if g.extproc_port > 0:
+            out += [(name("ext_proc", k), g.extproc_port + k, "--extproc-port") for k in range(n)]
+        if g.metrics_port > 0:
+            out += [(name("ext_proc metrics", k), g.metrics_port + k, "--metrics-port") for k in range(n)]
+        if n > 1 and not self.peers.url and g.embedded_nats and g.nats_port > 0:
+            out.append(("embedded nats-server", g.nats_port, "--nats-port"))
+        return out
+
     def _nats_child(self) -> ManagedProcess:
-        port = free_port()
+        port = self.gateway.nats_port or free_port()
         self.peers_url = nats_url(port)
         return self._child("nats", nats_server_argv(port), ready=lambda: tcp_open(port), ports=(port,))
 
@@ -304,7 +350,7 @@ class GatewayProcesses:
                           "--concurrency", str(self.envoy_concurrency), "-l", self.gateway.envoy_log_level],
                 ready=self._envoy_ready, ports=(self.gateway.port, self.admin_port))
             children = [*([self.nats] if self.nats is not None else []), *self.extprocs, self.envoy]
-            check_ports_free((p.name, port) for p in children for port in p.ports)
+            check_ports_free([*self.fixed_listeners(), *((p.name, port) for p in children for port in p.ports)])
             if self.nats is not None:
                 # First, so the replicas connect at once (they also reconnect to it when it restarts).
                 self.group.add(self.nats, wait=False)

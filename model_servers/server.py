@@ -52,6 +52,7 @@ import random
 import signal
 import time
 from typing import ClassVar
+from urllib.parse import unquote
 
 import httptools
 import orjson
@@ -139,7 +140,8 @@ class ServerSettings(Settings):
                                                                 "~5,000 turns of 50 KB (~12k-token) contexts. An "
                                                                 "evicted id answers 404, as after a restart.")
     seed: int = setting(0, "Seed of the fault-injection random generator (reproducible runs).")
-    log_level: str = setting("WARNING", "Python log level (per-request logs are DEBUG).")
+    log_level: str = setting("INFO", "Python log level: INFO logs start-up and rare events (a prefix-cache reset, "
+                             "an aborted slow client at WARNING); per-request logs are DEBUG.")
     kv_events_config: str = setting(
         "", "KV-cache events, as vLLM's --kv-events-config JSON: e.g. '{\"enable_kv_cache_events\": true, "
             "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
@@ -293,8 +295,8 @@ class ModelServer:
                 self.dispatch_responses(conn, method, path, body)
                 return
             route = (_ADMIN_ROUTES if conn.admin else _ROUTES).get(path)
-            if route is None:
-                raise OpenAIError(404, f"Not Found: {protocol.clip(path.decode(errors='replace'))}")
+            if route is None:  # named as decoded, like vLLM's HTTP server sees it (%2F is a slash to it)
+                raise OpenAIError(404, f"Not Found: {protocol.clip(unquote(path.decode(errors='replace')))}")
             allowed, handler = route
             if method not in allowed:
                 raise OpenAIError(405, "Method Not Allowed")
@@ -837,15 +839,16 @@ async def serve(s: ServerSettings, ready: asyncio.Future | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(app.set_refusing(not app.refusing)))
-    log.warning("model server %s listening on %s:%d profile=%s blocks=%d", app.server_id, s.host, app.port,
-                app.profile.name, app.core.config.num_gpu_blocks)
+    # Start-up lines are INFO: they report a normal event (WARNING is for what needs attention).
+    log.info("model server %s listening on %s:%d profile=%s blocks=%d", app.server_id, s.host, app.port,
+             app.profile.name, app.core.config.num_gpu_blocks)
     if app.admin_port is not None:
-        log.warning("admin listener (POST /admin/faults) on %s:%d", s.admin_host, app.admin_port)
+        log.info("admin listener (POST /admin/faults) on %s:%d", s.admin_host, app.admin_port)
         print(f"ADMIN {s.admin_host}:{app.admin_port}", flush=True)
     if app.kv_publisher is not None:
         pub = app.kv_publisher
-        log.warning("KV events: PUB %s%s topic %r", pub.endpoint,
-                    f", replay {pub.replay_endpoint}" if pub.replay_endpoint else "", pub.config.topic)
+        log.info("KV events: PUB %s%s topic %r", pub.endpoint,
+                 f", replay {pub.replay_endpoint}" if pub.replay_endpoint else "", pub.config.topic)
         print(f"KV_EVENTS {pub.endpoint}", flush=True)
         if pub.replay_endpoint:
             print(f"KV_EVENTS_REPLAY {pub.replay_endpoint}", flush=True)

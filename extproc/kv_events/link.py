@@ -47,6 +47,10 @@ TOKEN_MISMATCH_MIN_AGE_S = 10.0
 """``token_mismatch``: this many requests routed to the endpoint, the first this long ago, none of which found
 its first block stored there (a correct tokenization verifies an endpoint with its first routed request whose
 prompt has a full block: once the server has computed it and published the store, ~ a TTFT later)."""
+DOWN_GRACE_S = 2.0
+"""A subscriber not yet connected is logged as down only once it stays so this long: at start its replay can
+finish a moment before its connection is reported (down, then live, within a millisecond: a normal start, not a
+warning). One that was live is logged at once."""
 EVENT_STATES = ("live", "syncing", "down", "undecodable", "block_size_mismatch", "token_mismatch")
 _ERROR_STATES = ("undecodable", "block_size_mismatch", "token_mismatch")
 
@@ -68,6 +72,9 @@ class KVEventsLink:
         self.states: dict[str, tuple[str, str]] = {}  # endpoint -> (events state, detail)
         self._clock = clock
         self._size_warned: set[str] = set()
+        self._down_since: dict[str, float] = {}  # endpoint -> when its current "down" began
+        self._down_warned: set[str] = set()  # endpoints whose current "down" was logged
+        self._was_live: set[str] = set()
         self._task: asyncio.Task | None = None
 
     def start(self, endpoints: list[str]) -> None:
@@ -145,16 +152,28 @@ class KVEventsLink:
         states = {ep: self._state_of(ep, st, now) for ep, st in stats.items()}
         for ep, (state, detail) in states.items():
             old = self.states.get(ep, ("syncing", ""))[0]
+            pub = self.addresses.get(ep, ("?", None))[0]
+            if state == "down":  # said once, and only once it is news (DOWN_GRACE_S)
+                since = self._down_since.setdefault(ep, now)
+                if ep not in self._down_warned and (ep in self._was_live or now - since >= DOWN_GRACE_S):
+                    self._down_warned.add(ep)
+                    log.warning("KV events of %s (%s): down%s; its prefix matches come from the router's own index "
+                                "(feedback) until they can be trusted", ep, pub, f": {detail}" if detail else "")
+                continue
+            self._down_since.pop(ep, None)
+            was_down = ep in self._down_warned
+            self._down_warned.discard(ep)
+            if state == "live":
+                self._was_live.add(ep)
             if state == old:
                 continue
-            pub = self.addresses.get(ep, ("?", None))[0]
-            if state == "token_mismatch" or state == "down":
+            if state == "token_mismatch":
                 # (undecodable and block_size_mismatch are logged by the subscriber, with the bytes it saw)
-                log.log(logging.ERROR if state in _ERROR_STATES else logging.WARNING,
-                        "KV events of %s (%s): %s%s; its prefix matches come from the router's own index "
-                        "(feedback) until they can be trusted", ep, pub, state, f": {detail}" if detail else "")
-            elif state == "live" and old in (*_ERROR_STATES, "down"):
-                log.warning("KV events of %s (%s): %s -> live: matching by its events again", ep, pub, old)
+                log.error("KV events of %s (%s): %s%s; its prefix matches come from the router's own index "
+                          "(feedback) until they can be trusted", ep, pub, state, f": {detail}" if detail else "")
+            elif state == "live" and (old in _ERROR_STATES or was_down):
+                log.warning("KV events of %s (%s): %s -> live: matching by its events again", ep, pub,
+                            "down" if was_down else old)
         self.states = states
         if self.manager is not None:
             self.core.set_event_endpoints([ep for ep, (s, _) in states.items() if s == "live"])

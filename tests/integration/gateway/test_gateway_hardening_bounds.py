@@ -46,7 +46,7 @@ def canary() -> Iterator[Canary]:
 
 def start_gateway(stack: ExitStack, endpoints: tuple[str, ...], log_dir: Path, routing: RoutingSettings | None = None,
                   **envoy: object) -> GatewayProcesses:
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), extproc_replicas=1, listen_address="127.0.0.1", envoy_log_level="info"),
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1", envoy_log_level="info"),
                           routing or RoutingSettings(), PoolSettings(endpoints=endpoints), log_dir=log_dir,
                           envoy_overrides=envoy)
     stack.enter_context(gw)

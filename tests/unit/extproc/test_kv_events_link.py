@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 
 from prefixroute.extproc.kv_events import KVEventIndex, SubscriberStats
-from prefixroute.extproc.kv_events.link import TOKEN_MISMATCH_MIN_AGE_S, TOKEN_MISMATCH_MIN_REQUESTS, KVEventsLink
+from prefixroute.extproc.kv_events.link import (DOWN_GRACE_S, TOKEN_MISMATCH_MIN_AGE_S, TOKEN_MISMATCH_MIN_REQUESTS,
+                                                KVEventsLink)
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_seed_for
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -49,12 +50,18 @@ def _link(snap=()):
 
 
 def test_only_live_endpoints_are_matched_by_events_and_every_state_shows(caplog):
-    core, mgr, link, _ = _link()
+    core, mgr, link, clock = _link()
     with caplog.at_level(logging.WARNING, logger="prefixroute.extproc"):
         link.check()
     assert core.index_sources([A, B, C]) == {A: "events", B: "feedback", C: "feedback"}
     assert {ep: link.info[ep]["events_state"] for ep in (A, B, C)} == {A: "live", B: "down", C: "syncing"}
     assert link.summary() == "x3 (1 live, 1 syncing, 1 down)"
+    # Never connected yet: down is news only once it lasts (a start-up's replay can end just before the connect).
+    assert [r for r in caplog.records if B in r.getMessage()] == []
+    clock.t += DOWN_GRACE_S
+    with caplog.at_level(logging.WARNING, logger="prefixroute.extproc"):
+        link.check()
+        link.check()
     assert [r.levelno for r in caplog.records if B in r.getMessage()] == [logging.WARNING]  # down: said once
     mgr.state[C] = "undecodable"  # (the subscriber logs the ERROR with the bytes it saw)
     mgr.state[B] = "live"
@@ -114,3 +121,24 @@ def test_block_sizes_from_the_scrape_are_checked_once(caplog):
         link.check()
     size_warnings = [r for r in caplog.records if "KV block size 32" in r.getMessage()]
     assert len(size_warnings) == 1 and B in size_warnings[0].getMessage()
+
+
+def test_a_start_up_race_is_no_warning_but_losing_a_live_publisher_is_one_at_once(caplog):
+    # Start-up: the replay ends a moment before the connection is reported (down, then live, within a millisecond).
+    core, mgr, link, clock = _link()
+    mgr.state = {A: "down", B: "live", C: "live"}
+    with caplog.at_level(logging.INFO, logger="prefixroute.extproc"):
+        link.check()
+        mgr.state[A] = "live"
+        link.check()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert core.index_sources([A, B, C]) == {A: "events", B: "events", C: "events"}
+    # Later, a live publisher goes away: said at once, and its return too.
+    mgr.state[B] = "down"
+    with caplog.at_level(logging.WARNING, logger="prefixroute.extproc"):
+        link.check()
+        assert [r.levelno for r in caplog.records if B in r.getMessage()] == [logging.WARNING]
+        mgr.state[B] = "live"
+        link.check()
+    assert any("down -> live: matching by its events again" in r.getMessage() and B in r.getMessage()
+               for r in caplog.records)
