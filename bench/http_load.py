@@ -1,7 +1,8 @@
 """A small HTTP/1.1 load client for the overhead benchmark: raw sockets, pre-built requests, keep-alive.
 
 The client must cost far less than what it measures, so it does no HTTP library work: the request bytes are
-built once, a response is read by Content-Length (Envoy sends one for our upstream's small bodies).
+built once, a response is read by Content-Length (Envoy sends one for our upstream's small bodies), or chunked
+when a proxy dropped it (GIE's configuration: its ext_proc filter may rewrite the response body).
 `latency_ms` uses one blocking connection (the client's own cost is a few microseconds per request);
 `max_rate` uses many asyncio connections in this process (it competes for the same 2 cores as Envoy and
 ext_proc, equally for both configurations being compared, so ratios stay meaningful).
@@ -30,7 +31,12 @@ def _read_response(sock: socket.socket, buf: bytearray) -> int:
             raise ConnectionError("connection closed")
         buf += chunk
     head = bytes(buf[:end]).lower()
+    status = int(head[9:12])
     i = head.find(b"content-length:")
+    if i < 0 and b"transfer-encoding: chunked" in head:
+        del buf[:end + 4]
+        _read_chunked(sock, buf)
+        return status
     n = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) >= 0 else len(head)]) if i >= 0 else 0
     total = end + 4 + n
     while len(buf) < total:
@@ -38,9 +44,33 @@ def _read_response(sock: socket.socket, buf: bytearray) -> int:
         if not chunk:
             raise ConnectionError("connection closed")
         buf += chunk
-    status = int(head[9:12])
     del buf[:total]
     return status
+
+
+def _read_chunked(sock: socket.socket, buf: bytearray) -> None:
+    """Consume a chunked body (no trailers) from `buf`/`sock`: a response whose length a proxy did not keep
+    (Envoy drops content-length when an ext_proc filter may rewrite the body, as GIE's configuration lets it)."""
+    pos = 0
+    while True:
+        line_end = buf.find(b"\r\n", pos)
+        while line_end < 0:
+            more = sock.recv(65536)
+            if not more:
+                raise ConnectionError("connection closed")
+            buf += more
+            line_end = buf.find(b"\r\n", pos)
+        size = int(bytes(buf[pos:line_end]).split(b";", 1)[0], 16)
+        need = line_end + 2 + size + 2
+        while len(buf) < need:
+            more = sock.recv(65536)
+            if not more:
+                raise ConnectionError("connection closed")
+            buf += more
+        pos = need
+        if size == 0:
+            del buf[:pos]
+            return
 
 
 def latency_ms(port: int, request: bytes, num_requests: int, num_warmup: int = 200) -> list[float]:
@@ -72,6 +102,12 @@ async def _worker(port: int, request: bytes, deadline: float, counts: list[int])
             n = int(lower[i + 15:lower.index(b"\r\n", i)]) if i >= 0 else 0
             if n:
                 await reader.readexactly(n)
+            elif i < 0 and b"transfer-encoding: chunked" in lower:
+                while True:  # chunked (module docstring: no content-length kept), no trailers
+                    size = int((await reader.readline()).split(b";", 1)[0], 16)
+                    await reader.readexactly(size + 2)
+                    if size == 0:
+                        break
             if head[9:12] == b"200":
                 counts[0] += 1
             else:

@@ -3,7 +3,12 @@
 In one run, against the same minimal upstream (fast_upstream.py: answers a small JSON at once):
 
 - baseline: Envoy with no ext_proc filter, routing straight to the upstream;
-- routed:   the real gateway (Envoy + `prefixroute extproc` with the real router and endpoint pool).
+- routed:   the real gateway (Envoy + `prefixroute extproc` with the real router and endpoint pool);
+- gie (``--gie``): the Gateway API Inference Extension's reference Envoy configuration (extproc/gie_reference.yaml:
+  request and response bodies FULL_DUPLEX_STREAMED, the picker over TLS) in front of `prefixroute extproc` in GIE
+  mode, same router, same upstream: what the picker costs behind a GIE gateway, beside our own mode; with
+  ``--gie-plaintext`` also "gie-plain", the same without the TLS to the picker (a departure from GIE's file, to
+  tell the protocol's cost from TLS's).
 
 For each prompt size it prints the latency p50/p99 on one keep-alive connection (baseline and routed runs
 interleaved over several rounds, so machine noise hits both alike), the added latency, and the most
@@ -35,7 +40,9 @@ import orjson
 from prefixroute import settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
-from prefixroute.procs import free_port, parent_death_preexec, stop_group, tcp_open
+from prefixroute.extproc import gie_reference
+from prefixroute.procs import (ProcessGroup, free_port, free_ports, http_get, parent_death_preexec, prefixroute_argv,
+                               stop_group, tcp_open)
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, envoy_binary
 from prefixroute.bench.http_load import build_request, latency_ms, max_rate, stream_token_times
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -68,6 +75,12 @@ class OverheadBenchSettings(Settings):
                                   "default); --no-report-served measures without that message.")
     telemetry: bool = setting(True, "Routed configuration with per-request telemetry (the gateway default: "
                               "observing filter + span export); --no-telemetry measures routing alone.")
+    gie: bool = setting(False, "Also measure GIE mode in the same rounds: GIE's reference Envoy configuration (bodies "
+                        "FULL_DUPLEX_STREAMED, the picker over TLS) in front of a picker in GIE mode; its added latency "
+                        "and req/s beside the routed configuration's.")
+    gie_plaintext: bool = setting(False, "With --gie, also measure GIE mode with the picker reached without TLS (GIE's "
+                                  "file reaches it over TLS; this departure, for measuring only, tells the "
+                                  "protocol's cost from TLS's): a row 'gie-plain'.")
     mode: str = setting("all", "'latency' (added latency and req/s), 'itl' (inter-token latency with telemetry "
                         "on vs off) or 'all'.")
     itl_streams: int = setting(20, "Streamed requests per round and configuration in the ITL mode (x tokens x "
@@ -112,7 +125,7 @@ def _itl(s: OverheadBenchSettings, endpoint: str, tmp: Path) -> None:
     body = orjson.dumps({"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
                          "max_tokens": s.itl_tokens, "messages": [{"role": "user", "content": "Count."}]})
     req = build_request("/v1/chat/completions", body)
-    gws = {on: GatewayProcesses(GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=on,
+    gws = {on: GatewayProcesses(GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=on,
                                                 extproc_replicas=1),
                                 RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
                                 log_dir=tmp / ("itl-on" if on else "itl-off"), extra_extproc_args=_span_sink_args())
@@ -142,6 +155,33 @@ def _itl(s: OverheadBenchSettings, endpoint: str, tmp: Path) -> None:
         print(f"{'on' if on else 'off':>9} {fig[on][0]:8.3f} {fig[on][1]:8.3f} {fig[on][2]:9.3f}")
     print(f"{'on/off':>9} {'x%.3f' % (fig[True][0] / fig[False][0]):>8} {'x%.3f' % (fig[True][1] / fig[False][1]):>8} "
           f"{'x%.3f' % (fig[True][2] / fig[False][2]):>9}")
+
+
+def _start_gie(s: OverheadBenchSettings, endpoint: str, tmp: Path, stack: contextlib.ExitStack,
+               plaintext: bool = False) -> tuple[int, int]:
+    """GIE's reference Envoy + a picker in GIE mode (TLS, as that configuration reaches its picker; none with
+    `plaintext`), on the same upstream: (gateway port, picker pid). Both stop with `stack`."""
+    name = "gie-plain" if plaintext else "gie"
+    tls: list[str] = []
+    if not plaintext:
+        cert, key = gie_reference.self_signed_certificate(tmp / "gie-tls")
+        tls = ["--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    picker_port = free_port()
+    group = stack.enter_context(ProcessGroup(tmp / name, ready_timeout_s=60.0))
+    picker = group.start(f"{name}-picker", prefixroute_argv(
+        "extproc", "--port", str(picker_port), "--listen-address", "127.0.0.1", "--metrics-port", "-1",
+        "--endpoints", endpoint, "--policy", s.policy, "--protocol", "gie", *tls,
+        *(_span_sink_args() if s.telemetry else ["--no-traces"])),
+        ready=lambda: tcp_open(picker_port), ports=(picker_port,))
+    ports = gie_reference.Ports(*free_ports(3))
+    config = tmp / f"{name}-envoy.yaml"
+    config.write_text(gie_reference.render(ports, f"127.0.0.1:{picker_port}", plaintext=plaintext))
+    group.start(f"{name}-envoy", [envoy_binary(), "-c", str(config), "--disable-hot-restart", "--concurrency", "1",
+                                  "-l", "warning"],
+                ready=lambda: http_get(f"http://127.0.0.1:{ports.admin}/ready", timeout_s=0.5)[0] == 200
+                and tcp_open(ports.gateway), ports=(ports.gateway, ports.admin, ports.ready))
+    # GIE's access log writes every request to Envoy's stdout: into the log file, as in a pod.
+    return ports.gateway, picker.pid or 0
 
 
 def _routed_name(n: int, counts: list[int]) -> str:
@@ -182,7 +222,7 @@ def run(s: OverheadBenchSettings) -> int:
         if not counts or any(not 1 <= n <= 16 for n in counts) or len(set(counts)) != len(counts):
             raise ValueError(f"replicas must be distinct counts 1-16, got {','.join(s.replicas)}")
         gws = {n: GatewayProcesses(
-            GatewaySettings(port=free_port(), listen_address="127.0.0.1", telemetry=s.telemetry, extproc_replicas=n,
+            GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry, extproc_replicas=n,
                             embedded_nats=s.peers),
             RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
             log_dir=tmp / f"replicas-{n}", envoy_overrides={"report_served": s.report_served},
@@ -190,15 +230,21 @@ def run(s: OverheadBenchSettings) -> int:
         with contextlib.ExitStack() as started:
             for gw in gws.values():
                 started.enter_context(gw)
+            gie = _start_gie(s, endpoint, tmp, started) if s.gie else None
+            gie_plain = _start_gie(s, endpoint, tmp, started, plaintext=True) if s.gie and s.gie_plaintext else None
             while not tcp_open(base_port):
                 if baseline.poll() is not None:
                     raise RuntimeError("baseline Envoy exited")
                 time.sleep(0.05)
             configs = {"baseline": base_port, **{_routed_name(n, counts): gw.gateway.port for n, gw in gws.items()}}
             pids = {_routed_name(n, counts): [p.pid for p in gw.extprocs if p.pid] for n, gw in gws.items()}
+            if gie is not None:
+                configs["gie"], pids["gie"] = gie[0], [gie[1]]
+            if gie_plain is not None:
+                configs["gie-plain"], pids["gie-plain"] = gie_plain[0], [gie_plain[1]]
             load = os.getloadavg()[0]
             print(f"overhead-bench: Envoy 1 worker each, policy {s.policy}, report_served {s.report_served}, "
-                  f"telemetry {s.telemetry}, replicas {','.join(map(str, counts))}, "
+                  f"telemetry {s.telemetry}, replicas {','.join(map(str, counts))}{', gie' if gie else ''}, "
                   f"{s.num_rounds} rounds x {s.num_requests} requests, load average {load:.2f}")
             print(f"{'prompt':>7} {'config':>11} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
             for kb in s.prompt_kb:
@@ -228,6 +274,13 @@ def run(s: OverheadBenchSettings) -> int:
                           f"ratio p50 x{r50 / b50:.1f}, p99 x{r99 / b99:.1f}, req/s x{rrps / brps:.2f}{vs_first}; "
                           f"mean {statistics.fmean(lat[name]):.3f} ms; "
                           f"ext_proc CPU {cpu_s[name] / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request")
+                for gname in ("gie", "gie-plain"):
+                    if gname in fig:
+                        f50, f99, frps = fig[first]
+                        g50, g99, grps = fig[gname]
+                        print(f"{kb + ' KB':>7} {gname + '/' + first:>11} added p50 "
+                              f"x{(g50 - b50) / max(f50 - b50, 1e-6):.2f}, added p99 "
+                              f"x{(g99 - b99) / max(f99 - b99, 1e-6):.2f}, req/s x{grps / frps:.2f}")
             print(f"load average after: {os.getloadavg()[0]:.2f}")
         if s.mode == "all":
             _itl(s, endpoint, tmp)

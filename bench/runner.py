@@ -327,7 +327,7 @@ def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Seq
     parser = argparse.ArgumentParser(prog="prefixroute gateway", add_help=False)
     gateway.configure_parser(parser)
     try:
-        ns = parser.parse_args(["--port", str(port), "--endpoints", ",".join(endpoints), "--policy", spec.policy,
+        ns = parser.parse_args(["--port", str(port), "--ports", "random", "--endpoints", ",".join(endpoints), "--policy", spec.policy,
                                 "--extproc-replicas", str(spec.replicas), *gateway_args])
     except SystemExit:
         raise StartupError(f"bad --gateway-args {list(gateway_args)}") from None

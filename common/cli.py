@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "overhead-bench": ("prefixroute.bench.overhead", "Measure Envoy with vs without ext_proc."),
     "telemetry": ("prefixroute.telemetry.cli", "OTLP receiver + request store (`telemetry dump` prints records)."),
     "dashboard": ("prefixroute.dashboard.cli", "Serve the live Streamlit dashboard of hit rates, TTFT and load."),
+    "dashboard-screenshot": ("prefixroute.dashboard.screenshot",
+                             "Save a PNG of the running dashboard once its content has drawn (needs Playwright)."),
     "up": ("prefixroute.stack.cli", "Run the whole local stack: Envoy, ext_proc, model servers, telemetry, dashboard."),
     "traffic": ("prefixroute.stack.traffic", "Send a steady demo load through the gateway until stopped."),
     "bench": ("prefixroute.bench.cli", "Benchmark routers and policies on workloads or traces."),

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from pathlib import Path
@@ -16,29 +17,57 @@ from prefixroute.settings import Settings, render_markdown
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
 
-# (commands that take these flags, module, settings class), in the order a user meets them.
-SECTIONS: list[tuple[str, str, str]] = [
-    ("prefixroute up", "prefixroute.stack.cli", "StackSettings"),
-    ("prefixroute gateway, up", "prefixroute.extproc.gateway", "GatewaySettings"),
-    ("prefixroute extproc, gateway, up", "prefixroute.extproc.server", "ExtprocSettings"),
-    ("prefixroute extproc, gateway, up", "prefixroute.extproc.routing.settings", "RoutingSettings"),
-    ("prefixroute extproc, gateway, up", "prefixroute.extproc.endpoints.settings", "PoolSettings"),
-    ("prefixroute extproc, gateway, up", "prefixroute.telemetry.router", "RouterTelemetrySettings"),
-    ("prefixroute extproc, gateway, up", "prefixroute.extproc.peers.settings", "PeerSettings"),
-    ("prefixroute envoy-config", "prefixroute.extproc.envoy_config", "EnvoySettings"),
-    ("prefixroute model-server", "prefixroute.model_servers.server", "ServerSettings"),
-    ("prefixroute telemetry", "prefixroute.telemetry.cli", "ReceiverSettings"),
-    ("prefixroute dashboard", "prefixroute.dashboard.cli", "DashboardSettings"),
-    ("prefixroute traffic", "prefixroute.stack.traffic", "TrafficSettings"),
-    ("prefixroute bench", "prefixroute.bench.settings", "BenchSettings"),
-    ("prefixroute overhead-bench", "prefixroute.bench.overhead", "OverheadBenchSettings"),
+# (module, settings class), in the order a user meets them. The commands in each heading are found from the
+# real command-line parsers (`commands_taking`), so a heading names exactly the commands that take those flags.
+SECTIONS: list[tuple[str, str]] = [
+    ("prefixroute.stack.cli", "StackSettings"),
+    ("prefixroute.extproc.gateway", "GatewaySettings"),
+    ("prefixroute.extproc.server", "ExtprocSettings"),
+    ("prefixroute.extproc.routing.settings", "RoutingSettings"),
+    ("prefixroute.extproc.endpoints.settings", "PoolSettings"),
+    ("prefixroute.telemetry.router", "RouterTelemetrySettings"),
+    ("prefixroute.extproc.peers.settings", "PeerSettings"),
+    ("prefixroute.extproc.envoy_config", "EnvoySettings"),
+    ("prefixroute.model_servers.server", "ServerSettings"),
+    ("prefixroute.telemetry.cli", "ReceiverSettings"),
+    ("prefixroute.dashboard.cli", "DashboardSettings"),
+    ("prefixroute.dashboard.screenshot", "ScreenshotSettings"),
+    ("prefixroute.stack.traffic", "TrafficSettings"),
+    ("prefixroute.bench.settings", "BenchSettings"),
+    ("prefixroute.bench.overhead", "OverheadBenchSettings"),
 ]
 
 
+def command_groups() -> dict[str, list[str]]:
+    """Command -> titles of the settings groups its parser has (`settings.add_arguments` adds one group per
+    settings class, titled with its TITLE), for every `prefixroute` command."""
+    from prefixroute import cli
+
+    out: dict[str, list[str]] = {}
+    for command in cli.COMMANDS:
+        parser = cli.build_parser(command)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+        out[command] = [g.title for g in sub._action_groups if g.title]
+    return out
+
+
+def commands_taking(cls: type[Settings], groups: dict[str, list[str]] | None = None) -> list[str]:
+    """The commands whose parser takes `cls`'s flags, in the order `prefixroute --help` lists them."""
+    groups = command_groups() if groups is None else groups
+    return [c for c, titles in groups.items() if cls.TITLE in titles]
+
+
 def settings_classes() -> list[tuple[str, type[Settings]]]:
+    """(heading, class) per section: the heading names every command that takes the class's flags
+    ("prefixroute gateway, up"); a class no command takes is an error (its section would describe nothing)."""
+    groups = command_groups()
     out = []
-    for command, module, name in SECTIONS:
-        out.append((command, getattr(importlib.import_module(module), name)))
+    for module, name in SECTIONS:
+        cls = getattr(importlib.import_module(module), name)
+        commands = commands_taking(cls, groups)
+        if not commands:
+            raise LookupError(f"no prefixroute command takes {module}.{name}'s flags (group {cls.TITLE!r})")
+        out.append(("prefixroute " + ", ".join(commands), cls))
     return out
 
 

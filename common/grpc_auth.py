@@ -87,9 +87,13 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     `on_refused` is called once per refused call (a counter of the service's own); refusals are also logged at
     1, 10, 100 and every 1,000th, so a flood does not flood the log. `label` names the service in the log."""
 
-    def __init__(self, token: str, *, label: str, on_refused: Callable[[], None] | None = None) -> None:
+    def __init__(self, token: str, *, label: str, on_refused: Callable[[], None] | None = None,
+                 exempt: frozenset[str] = frozenset()) -> None:
+        """`exempt`: full method paths served without the token (the gRPC health check: a kubelet probe or a
+        gateway's health checker carries no token, and the answer tells only serving / not serving)."""
         if not token:
             raise ValueError("empty bearer token")
+        self._exempt = exempt
         self._token = token.encode()
         self._label = label
         self._on_refused = on_refused
@@ -97,6 +101,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
+        if self._exempt and handler_call_details.method in self._exempt:
+            return await continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
                 if bearer_matches(value, self._token):

@@ -123,12 +123,15 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
     return False
 
 
-def check_ports_free(ports: Iterable[tuple[str, int]]) -> None:
-    """Raise `PortBusy` for the first (component, port) whose port is in use; ports <= 0 (any / none) pass."""
-    for name, port in ports:
+def check_ports_free(ports: Iterable[tuple[str, int] | tuple[str, int, str]]) -> None:
+    """Raise `PortBusy` for the first (component, port[, flag]) whose port is in use; ports <= 0 (any / none)
+    pass. With a flag (the setting that chose the port, e.g. ``--port``) the message says how to move it."""
+    for name, port, *flag in ports:
         if port > 0 and port_in_use(port):
+            how = (f"choose another with {flag[0]}, or draw free ports with --ports random" if flag
+                   else "choose another port")
             raise PortBusy(f"{name}: port {port} is already in use (stop what holds it, e.g. "
-                           f"`ss -ltnp 'sport = :{port}'`, or choose another port)")
+                           f"`ss -ltnp 'sport = :{port}'`, or {how})")
 
 
 def tcp_open(port: int, host: str = LOOPBACK, timeout_s: float = 0.3) -> bool:

@@ -53,12 +53,73 @@ window_label = st.sidebar.selectbox("Window", _window_labels, index=_window_labe
                                     key="window", help="Time range of every chart and figure.")
 window_s = float(D.WINDOWS[window_label])
 refresh_s = D.refresh_for_window(cfg.refresh_s, window_s)
-st.sidebar.caption(f"Reading {'store `' + os.path.basename(source.db) + '`' if source.db else source.url}  \n"
-                   f"Refresh every {refresh_s:g} s", help=source.description)
 
 
 def _clock(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%H:%M:%S UTC")
+
+
+@st.cache_data(ttl=60, max_entries=16, show_spinner=False)
+def runs_snapshot(_source: DataSource, source_key: str, tick: int) -> list[dict]:
+    """The store's runs (newest first), shared by every viewer within one refresh period."""
+    return _source.runs()
+
+
+def _runs() -> list[dict]:
+    try:
+        return runs_snapshot(source, source.description, int(time.time() // refresh_s))
+    except SourceError:
+        return []  # the pages say what is wrong with the source
+
+
+def _hhmm(ts: float | None) -> str:
+    return "–" if ts is None else dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%H:%M")
+
+
+def _run_label(run: dict) -> str:
+    """An earlier run as the selector lists it, short enough for the sidebar: its span (UTC) and size."""
+    start = run["first_start_time"] if run["run_id"] is None else run["started_at"]
+    prefix = "before run ids, " if run["run_id"] is None else ""
+    return f"{prefix}{_hhmm(start)}–{_hhmm(run['last_start_time'])} UTC · {run['num_requests']:,} req."
+
+
+CURRENT_RUN, ALL_RUNS, UNMARKED_RUN = "current", "all", "unmarked"
+_known_runs = _runs()
+if _known_runs:
+    _choices = [CURRENT_RUN, *[r["run_id"] or UNMARKED_RUN for r in _known_runs[1:]], ALL_RUNS]
+    _labels = {CURRENT_RUN: f"Current (since {_hhmm(_known_runs[0]['started_at'])} UTC)", ALL_RUNS: "All runs",
+               **{(r["run_id"] or UNMARKED_RUN): _run_label(r) for r in _known_runs[1:]}}
+    run_choice = st.sidebar.selectbox(
+        "Run", _choices, format_func=lambda c: _labels.get(c, c), key="run",
+        help="Each start of `prefixroute up` is a new run in the same store. The current run is shown by default, "
+             "so a restart starts from a clean page; pick an earlier run to look back, or all runs.")
+else:
+    run_choice = ALL_RUNS  # a store without run ids (an older receiver): everything in it
+
+
+def selected_run(choice: str, runs: list[dict]) -> dict | None:
+    """The run `choice` names among `runs` (newest first): the newest for CURRENT_RUN, None for all runs or a
+    run no longer in the store."""
+    if not runs or choice == ALL_RUNS:
+        return None
+    if choice == CURRENT_RUN:
+        return runs[0]
+    return next((r for r in runs if (r["run_id"] or UNMARKED_RUN) == choice), None)
+
+
+def run_bounds(run: dict | None, current: bool) -> tuple[float | None, float | None]:
+    """(since, now) of the queries for a run: from its start; up to now for the current run, to its last
+    request for an earlier one (its figures then stay as they were when it ended)."""
+    if run is None:
+        return None, None
+    since = min(x for x in (run["started_at"], run["first_start_time"]) if x is not None)
+    if current:
+        return since, None
+    return since, (run["last_start_time"] or since) + 1e-3
+
+
+st.sidebar.caption(f"Reading {'store `' + os.path.basename(source.db) + '`' if source.db else source.url}  \n"
+                   f"Refresh every {refresh_s:g} s", help=source.description)
 
 
 def show_source_error(exc: Exception) -> None:
@@ -77,9 +138,11 @@ def show_source_error(exc: Exception) -> None:
                  icon=":material/power_off:")
 
 
-def show_no_traffic() -> None:
-    st.info("**No traffic yet.** The store is ready but holds no routed request. Send some through the gateway "
-            "and the charts appear within a second or two:", icon=":material/inbox:")
+def show_no_traffic(in_run: bool = False) -> None:
+    what = ("**No traffic yet in this run.** The stack is up but has routed no request since it started"
+            if in_run else "**No traffic yet.** The store is ready but holds no routed request")
+    st.info(f"{what}. Send some through the gateway and the charts appear within a second or two:",
+            icon=":material/inbox:")
     st.code("prefixroute up --traffic shared-prompts        # whole stack with a steady demo load\n"
             "# or, with a gateway already on :8080:\n"
             "curl -s http://127.0.0.1:8080/v1/chat/completions \\\n"
@@ -113,39 +176,55 @@ def _empty_note(text: str) -> None:
 
 # --- Live page ------------------------------------------------------------------------------------------
 @st.cache_data(ttl=60, max_entries=16, show_spinner=False)
-def live_snapshot(_source: DataSource, source_key: str, window_s: float, tick: int) -> dict:
-    """Every query of one live refresh, shared by all viewers of the same window within one refresh
+def live_snapshot(_source: DataSource, source_key: str, window_s: float, tick: int, since: float | None,
+                  now: float | None) -> dict:
+    """Every query of one live refresh, shared by all viewers of the same window and run within one refresh
     period (`tick`), so ten open browsers cost the database what one does. Errors are not cached."""
-    return _source.live_snapshot(window_s)
+    return _source.live_snapshot(window_s, since=since, now=now)
 
 
-def live_panels(window_s: float) -> None:
+def live_panels(window_s: float, run_choice: str) -> None:
+    runs = _runs()  # resolved at every refresh: "current" follows a restart of the stack
+    run = selected_run(run_choice, runs)
+    current = run_choice == CURRENT_RUN
+    since, until = run_bounds(run, current)
     try:
-        snap = live_snapshot(source, source.description, window_s, int(time.time() // refresh_s))
+        snap = live_snapshot(source, source.description, window_s, int(time.time() // refresh_s), since, until)
     except SourceError as exc:
         show_source_error(exc)
         return
     now, summary = snap["now"], snap["summary"]
-    state = D.traffic_state(summary, snap["total"])
+    total = run["num_requests"] if run is not None else snap["total"]
+    state = D.traffic_state(summary, total)
+    run_text = ("" if run is None else
+                f"Run {run['run_id'] or '(before run ids)'}{' (current)' if current else ''}, since "
+                f"{_clock(since)} · ")
     if state.kind == "empty":
-        show_no_traffic()
+        if run is not None and len(runs) > 1:
+            st.caption(f"{run_text}earlier runs: pick one under Run in the sidebar.")
+        show_no_traffic(in_run=run is not None and len(runs) > 1)
         return
     if state.kind == "idle":
-        st.info(f"**No requests in the last {window_label}.** The store holds {state.num_requests_total:,} "
-                f"requests; pick a longer window in the sidebar, or send traffic.", icon=":material/bedtime:")
+        holder = "This run holds" if run is not None else "The store holds"
+        st.info(f"**No requests in the last {window_label}.** {holder} {state.num_requests_total:,} requests; "
+                "pick a longer window in the sidebar, or send traffic.", icon=":material/bedtime:")
         return
     span_s, bucket_s = snap["span_s"], snap["bucket_s"]
     ts, ts_ep, ep_rows = snap["ts"], snap["ts_ep"], snap["ep_rows"]
     reason_rows, reason_ts = snap["reason_rows"], snap["reason_ts"]
     ttft_hist, decision_hist, in_flight = snap["ttft_hist"], snap["decision_hist"], snap["in_flight"]
-    names = [r.get("endpoint") or D.UNKNOWN_ENDPOINT for r in ep_rows]
-    colors = _colors(names)
     live = source.endpoint_live()  # the router's own /metrics only: never a URL named in span data
-    balance = D.served_balance(ep_rows)
+    # One computation for every figure of how requests spread (tile, header, fair-share line, table).
+    shares = D.endpoint_shares(ep_rows, live)
+    colors = _colors(list(shares.endpoints))  # endpoints only: a chart's legend lists every colour it is given
+    # The request rate also draws the unrouted requests, grey.
+    rate_colors = {**colors, **({D.UNKNOWN_ENDPOINT: D.UNROUTED_COLOR} if shares.num_unrouted else {})}
+    balance = shares.balance_ratio
 
-    st.caption(f"Window {window_label} ending {_clock(now)} · {summary['num_requests']:,} requests · charts over "
-               f"the last {span_s:,.0f} s that hold data, in {bucket_s:g} s buckets")
-    k = st.columns(8)
+    st.caption(f"{run_text}window {window_label} ending {_clock(now)} · {summary['num_requests']:,} requests · "
+               f"charts over the last {span_s:,.0f} s that hold data, in {bucket_s:g} s buckets")
+    # Two rows of four: at 1,280 px each tile has room for its whole label and value.
+    k = [*st.columns(4), *st.columns(4)]
     k[0].metric("Hit rate (actual)", D.format_ratio(summary["actual_hit_ratio"]),
                 help="Server-reported cached prompt tokens / prompt tokens, over the window.")
     k[1].metric("Hit rate (predicted)", D.format_ratio(summary["predicted_hit_ratio"]),
@@ -161,21 +240,22 @@ def live_panels(window_s: float) -> None:
                 delta=f"{summary.get('num_refused') or 0:,} requests", delta_color="off", delta_arrow="off",
                 help="Requests refused with a 4xx (invalid input, unknown model, too large, not allowed): the "
                      "client's, counted apart from errors.")
-    k[7].metric("Balance", "–" if balance is None else f"{balance:.2f}×",
-                help="Max endpoint share / fair share (1/N). 1.00× is perfectly even; N× is all on one endpoint.")
+    k[7].metric("Balance", D.format_balance(balance),
+                help=f"Busiest endpoint's share of the routed requests / fair share (1/N over the "
+                     f"{len(shares.endpoints)} endpoints). 1.00× is perfectly even; N× is all on one endpoint.")
 
     st.subheader("Prefix-cache hit rate")
     c1, c2 = st.columns(2)
     with c1:
         st.markdown("**Fleet: actual vs predicted**")
-        frame = D.fleet_hit_frame(ts)
+        frame = D.fleet_hit_frame(ts, bucket_s)
         if len(frame):
             _chart(C.fleet_hit(frame), "hit_fleet")
         else:
             _empty_note("no request reported token usage")
     with c2:
         st.markdown("**Per endpoint** (solid: actual, dashed: predicted)")
-        frame = D.endpoint_hit_frame(ts_ep)
+        frame = D.endpoint_hit_frame(ts_ep, bucket_s)
         if len(frame):
             _chart(C.endpoint_hit(frame, colors), "hit_endpoint")
         else:
@@ -185,7 +265,7 @@ def live_panels(window_s: float) -> None:
     c1, c2, c3 = st.columns(3)
     with c1:
         st.markdown("**Time to first token**")
-        _chart(C.percentiles(D.percentile_frame(ts, "ttft_ms"), "TTFT (ms)"), "ttft_pct")
+        _chart(C.percentiles(D.percentile_frame(ts, "ttft_ms", bucket_s), "TTFT (ms)"), "ttft_pct")
     with c2:
         st.markdown("**TTFT distribution**")
         frame = D.histogram_frame(ttft_hist)
@@ -195,13 +275,13 @@ def live_panels(window_s: float) -> None:
             _empty_note("no TTFT recorded")
     with c3:
         st.markdown("**End-to-end latency**")
-        _chart(C.percentiles(D.percentile_frame(ts, "latency_ms"), "latency (ms)"), "latency_pct")
+        _chart(C.percentiles(D.percentile_frame(ts, "latency_ms", bucket_s), "latency (ms)"), "latency_pct")
 
     st.subheader("Traffic")
     c1, c2 = st.columns([2, 1])
     with c1:
         st.markdown("**Request rate by endpoint**")
-        _chart(C.request_rate(D.rate_frame(ts_ep), colors), "rate")
+        _chart(C.request_rate(D.rate_frame(ts_ep), rate_colors), "rate")
     with c2:
         st.markdown("**Errors**")
         frame = D.error_frame(ts, bucket_s)
@@ -211,22 +291,33 @@ def live_panels(window_s: float) -> None:
             st.success("No errors in this window.", icon=":material/check_circle:")
 
     st.subheader("Endpoints")
-    ep_frame = D.endpoint_frame(ep_rows, mean_in_flight=in_flight, live=live)
+    ep_frame = D.endpoint_frame(ep_rows, mean_in_flight=in_flight, live=live, shares=shares)
+    if shares.num_unrouted:
+        with st.container(key="unrouted"):  # a stable CSS class (st-key-unrouted) for browser tests
+            st.markdown(D.unrouted_sentence(shares, summary["num_requests"]))
     c1, c2 = st.columns(2)
     with c1:
-        st.markdown(f"**Share of requests** · balance {'–' if balance is None else f'{balance:.2f}×'} "
+        st.markdown(f"**Share of routed requests** · balance {D.format_balance(balance)} "
                     f"({D.balance_verdict(balance)})")
-        _chart(C.endpoint_share(ep_frame, colors), "share", C.bar_height(len(ep_frame)))
+        _chart(C.endpoint_share(ep_frame, colors, shares.fair_share_ratio), "share", C.bar_height(len(ep_frame)))
     with c2:
         st.markdown("**Hit rate per endpoint** (filled: actual, outlined: predicted)")
         _chart(C.endpoint_hit_bars(ep_frame, colors), "hit_bars", C.bar_height(len(ep_frame), 44))
-    # Columns with no value at all (e.g. KV usage when no endpoint could be scraped) are left out
-    # rather than shown as a column of blanks; the note below says why.
-    order = [c for c in ep_frame.columns if c in ("endpoint", "num_requests", "num_errors", "num_refused")
-             or ep_frame[c].notna().any()]
-    st.dataframe(ep_frame.style.apply(
-        lambda col: [f"border-left: 6px solid {colors.get(v, '#ccc')}" for v in col], subset=["endpoint"]),
-        key="endpoint_table", hide_index=True, column_config=_endpoint_columns(), column_order=order)
+    # HTML tables (not the canvas grid): every cell's whole text is in the page, and two of them (the window's
+    # requests; the live state) so that each fits 1,280 px whole (the browser test measures it). Columns with no
+    # value at all (e.g. the live ones when the router's metrics cannot be read) are left out; the note says why.
+    def endpoint_styler(table):  # noqa: ANN001, ANN202 - a pandas Styler
+        return table.style.hide(axis="index").apply(
+            lambda col: [f"border-left: 6px solid {colors.get(v, '#ccc')}; overflow-wrap: anywhere" for v in col],
+            subset=["endpoint"])
+
+    with st.container(key="endpoint-table"):
+        st.table(endpoint_styler(D.endpoint_table(ep_frame)))
+    live_table = D.endpoint_table(ep_frame, D.LIVE_TABLE_COLUMNS)
+    if len(live_table.columns) > 1:
+        with st.container(key="endpoint-live-table"):
+            st.markdown("**Live, from the router's endpoint pool**")
+            st.table(endpoint_styler(live_table))
     notes = []
     if in_flight is None:
         notes.append("mean in-flight needs the SQLite store (--db); the receiver API has no such query")
@@ -306,40 +397,16 @@ def prediction_panel(result: dict | None, colors: dict[str, str]) -> None:
                    "than predicted); median predicted TTFT at the best alternative the decision scored.")
 
 
-def _endpoint_columns() -> dict:
-    def num(label: str, fmt: str, width: str = "small") -> st.column_config.NumberColumn:
-        return st.column_config.NumberColumn(label, format=fmt, width=width)
-
-    return {
-        "endpoint": st.column_config.TextColumn("endpoint", width="medium"),
-        "num_requests": num("requests", "%d"),
-        "share_ratio": num("share", "percent"),
-        "actual_hit_ratio": num("hit", "percent"),
-        "predicted_hit_ratio": num("predicted", "percent"),
-        "index_source": st.column_config.TextColumn("index", width="small",
-                                                    help="Where the router's prefix index learns what the endpoint "
-                                                         "holds: events (its KV events), feedback, approximate."),
-        "mean_in_flight": num("in-flight", "%.2f"),
-        "healthy": num("healthy", "%d"),
-        "running": num("running", "%d"),
-        "waiting": num("waiting", "%d"),
-        "kv_cache_usage_ratio": st.column_config.ProgressColumn("KV usage", format="percent", min_value=0,
-                                                                max_value=1, width="small"),
-        "ttft_ms_p50": num("TTFT p50 ms", "%.1f"),
-        "ttft_ms_p99": num("TTFT p99 ms", "%.1f"),
-        "requests_per_s": num("req/s", "%.2f"),
-        "num_errors": num("errors", "%d"),
-        "num_refused": num("refused", "%d"),
-    }
-
-
 # --- Requests page ------------------------------------------------------------------------------------
 RECENT_LIMIT = 100
 
 
-def requests_table() -> None:
+def requests_table(run_choice: str) -> None:
+    run = selected_run(run_choice, _runs())
     try:
-        rows = source.call("recent_requests", RECENT_LIMIT)
+        # One run's requests (a run stored before run ids has none to filter on: all of them then).
+        rows = source.call("recent_requests", RECENT_LIMIT,
+                           **({"run_id": run["run_id"]} if run is not None and run["run_id"] else {}))
     except SourceError as exc:
         show_source_error(exc)
         return
@@ -466,12 +533,12 @@ def benchmarks_page() -> None:
 # --- dispatch -----------------------------------------------------------------------------------------
 if page == "Live":
     st.title("Prefix-aware routing: live")
-    st.fragment(live_panels, run_every=refresh_s)(window_s)
+    st.fragment(live_panels, run_every=refresh_s)(window_s, run_choice)
 elif page == "Requests":
     st.title("Recent requests")
     live_table = st.toggle("Live updates", value=True, key="recent_live",
                            help="Turn off to hold the table still while reading it.")
-    st.fragment(requests_table, run_every=cfg.refresh_s if live_table else None)()
+    st.fragment(requests_table, run_every=cfg.refresh_s if live_table else None)(run_choice)
     st.subheader("Request trace")
     request_detail()
 else:

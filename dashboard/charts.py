@@ -57,6 +57,7 @@ def fleet_hit(frame: pd.DataFrame) -> alt.Chart:
                     strokeDash=alt.StrokeDash("kind:N", scale=alt.Scale(domain=list(HIT_KIND_DASH),
                                                                         range=list(HIT_KIND_DASH.values())),
                                               legend=None),
+                    detail="segment:N",  # data.segments: no line across a stretch without data
                     tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), "kind:N",
                              alt.Tooltip("hit_ratio:Q", format=".1%")]))
 
@@ -67,11 +68,12 @@ def endpoint_hit(frame: pd.DataFrame, colors: Mapping[str, str]) -> alt.Chart:
             .encode(x=_x_time(),
                     y=alt.Y("hit_ratio:Q", axis=_pct_axis("hit rate"),
                             scale=alt.Scale(domain=[0, 1])),
-                    color=alt.Color("endpoint:N", scale=endpoint_scale(colors), legend=_legend(None, 3)),
+                    # Two per row: a half-width chart at 1,280 px fits two endpoint names, not three.
+                    color=alt.Color("endpoint:N", scale=endpoint_scale(colors), legend=_legend(None, 2)),
                     strokeDash=alt.StrokeDash("kind:N", scale=alt.Scale(domain=list(HIT_KIND_DASH),
                                                                         range=list(HIT_KIND_DASH.values())),
                                               legend=None),  # the panel title says solid/dashed
-                    detail="kind:N",
+                    detail=["kind:N", "segment:N"],
                     tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), "endpoint:N", "kind:N",
                              alt.Tooltip("hit_ratio:Q", format=".1%")]))
 
@@ -85,6 +87,7 @@ def percentiles(frame: pd.DataFrame, title: str) -> alt.Chart:
                     color=alt.Color("percentile:N", scale=alt.Scale(domain=domain,
                                                                     range=[PERCENTILE_COLORS[p] for p in domain]),
                                     legend=_legend(None)),
+                    detail="segment:N",
                     tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), "percentile:N",
                              alt.Tooltip("value_ms:Q", format=",.1f", title="ms")]))
 
@@ -117,16 +120,18 @@ def errors(frame: pd.DataFrame) -> alt.Chart:
                              alt.Tooltip("errors_per_s:Q", format=".2f", title="errors/s")]))
 
 
-def endpoint_share(frame: pd.DataFrame, colors: Mapping[str, str]) -> alt.LayerChart:
-    """Share of requests per endpoint (horizontal bars) with the fair share 1/N as a rule."""
-    n = max(1, len(frame))
+def endpoint_share(frame: pd.DataFrame, colors: Mapping[str, str], fair_share_ratio: float | None = None
+                   ) -> alt.LayerChart:
+    """Share of the routed requests per endpoint (horizontal bars) with the fair share as a rule: `fair_share_ratio`
+    (data.Shares: 1/N over the fleet's N endpoints), by default 1/rows."""
+    n = 1.0 / fair_share_ratio if fair_share_ratio else max(1, len(frame))
     bars = (alt.Chart(frame).mark_bar()
             .encode(y=alt.Y("endpoint:N", title=None, sort=list(colors), axis=alt.Axis(labelLimit=220)),
                     x=alt.X("share_ratio:Q", axis=_pct_axis("share of requests"),
                             scale=alt.Scale(domain=[0, max(1.0 / n * 2, float(frame["share_ratio"].max() or 0))])),
                     color=alt.Color("endpoint:N", scale=endpoint_scale(colors), legend=None),
                     tooltip=["endpoint:N", alt.Tooltip("share_ratio:Q", format=".1%"), "num_requests:Q"]))
-    fair = pd.DataFrame({"fair": [1.0 / n], "label": [f"fair share {100.0 / n:.0f} %"]})
+    fair = pd.DataFrame({"fair": [1.0 / n], "label": [f"fair share {100.0 / n:.1f} %"]})
     rule = alt.Chart(fair).mark_rule(color="#555", strokeDash=[4, 3]).encode(x="fair:Q")
     text = alt.Chart(fair).mark_text(align="left", dx=4, dy=-6, color="#555", baseline="bottom").encode(
         x="fair:Q", y=alt.value(0), text="label:N")

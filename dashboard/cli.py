@@ -1,9 +1,10 @@
 """`prefixroute dashboard`: serve the live Streamlit dashboard (app.py) as a child process.
 
-    prefixroute dashboard --db prefixroute-telemetry.db            # read the SQLite store directly
+    prefixroute dashboard                                          # the store `prefixroute up` writes (state folder)
+    prefixroute dashboard --db telemetry.db                        # or another SQLite store
     prefixroute dashboard --telemetry http://127.0.0.1:4320        # or the receiver's HTTP API
     prefixroute dashboard --port 8501 --host 127.0.0.1 --bench-dir bench-results
-    prefixroute dashboard --db prefixroute-telemetry.db --router-metrics-url http://127.0.0.1:9464/metrics
+    prefixroute dashboard --router-metrics-url http://127.0.0.1:9464/metrics
     PREFIXROUTE_DASHBOARD_TELEMETRY_TOKEN=... prefixroute dashboard --telemetry http://127.0.0.1:4320
 
 The child is ``python -m streamlit run app.py`` with a fixed port, headless (no browser is opened),
@@ -27,6 +28,7 @@ from typing import ClassVar
 from prefixroute import settings
 from prefixroute.procs import parent_death_preexec, stop_group
 from prefixroute.settings import Settings, setting
+from prefixroute.state import default_db
 
 APP_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
 STOP_GRACE_S = 5.0
@@ -37,8 +39,9 @@ class DashboardSettings(Settings):
     ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_DASHBOARD_"
     TITLE: ClassVar[str] = "Dashboard"
 
-    db: str = setting("", "SQLite telemetry store to read (the receiver's --db); default: the receiver's default "
-                          "file prefixroute-telemetry.db when --telemetry is not given either.")
+    db: str = setting("", "SQLite telemetry store to read (the receiver's --db); default, when --telemetry is not "
+                          "given either: the receiver's default, telemetry.db in the state folder "
+                          "($PREFIXROUTE_STATE_DIR, else $XDG_STATE_HOME/prefixroute, else ~/.local/state/prefixroute).")
     telemetry: str = setting("", "Receiver HTTP API base URL to read instead of a file, e.g. "
                                  "http://127.0.0.1:4320 (for a receiver on another host or container).")
     host: str = setting("127.0.0.1", "Address the dashboard listens on (loopback: nothing is exposed unless asked).")
@@ -62,7 +65,7 @@ class DashboardSettings(Settings):
     def source_kwargs(self) -> dict:
         if self.telemetry:
             return {"url": self.telemetry, "token": self.telemetry_token or None}
-        return {"db": self.db or "prefixroute-telemetry.db"}
+        return {"db": self.db or default_db()}
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

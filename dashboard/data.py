@@ -34,7 +34,8 @@ HIT_KIND_DASH: dict[str, list[int]] = {"actual": [1, 0], "predicted": [6, 3]}
 # Window choices (label -> seconds) and the bucket widths a chart may use; ~40-80 buckets per chart.
 WINDOWS: dict[str, float] = {"1 min": 60, "5 min": 300, "15 min": 900, "1 h": 3600, "6 h": 21600, "24 h": 86400}
 _NICE_BUCKETS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
-UNKNOWN_ENDPOINT = "(none)"  # requests that never reached an endpoint (no decision, reset)
+UNKNOWN_ENDPOINT = "unrouted"  # requests that reached no endpoint (refused by the router, none available, reset)
+UNROUTED_COLOR = "#bab0ac"  # grey: not an endpoint, drawn apart from the palette
 
 
 def bucket_for_window(window_s: float, target_buckets: int = 40) -> float:
@@ -81,9 +82,13 @@ def sort_endpoints(names: Iterable[str | None]) -> list[str]:
 
 
 def endpoint_colors(names: Iterable[str | None]) -> dict[str, str]:
-    """Endpoint -> colour: the palette in order over the naturally sorted names (cycles past 12)."""
-    names = list(names)
-    return {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(sort_endpoints(names))}
+    """Endpoint -> colour: the palette in order over the naturally sorted names (cycles past 12); unrouted
+    requests (UNKNOWN_ENDPOINT) are grey and do not take a palette colour."""
+    real = [n for n in sort_endpoints(names) if n != UNKNOWN_ENDPOINT]
+    out = {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(real)}
+    if len(real) < len(sort_endpoints(names)):
+        out[UNKNOWN_ENDPOINT] = UNROUTED_COLOR
+    return out
 
 
 def has_traffic(summary: Mapping[str, Any] | None) -> bool:
@@ -126,6 +131,61 @@ def balance_ratio(shares: Mapping[str, float] | Sequence[float]) -> float | None
     return max(values) / total * len(values)
 
 
+@dataclasses.dataclass(frozen=True)
+class Shares:
+    """How the window's requests spread over the fleet: the one computation behind the balance tile, the
+    endpoints header, the share chart's fair-share line and the table's share column, so they always agree.
+
+    `endpoints`: the fleet, naturally sorted: every endpoint that served a request in the window and every
+    endpoint the router reports (an idle endpoint counts: idling one is imbalance). Requests that reached no
+    endpoint (refused by the router, none available, reset before a decision) are *unrouted*: counted apart
+    (`num_unrouted`, of them `num_unrouted_refused` 4xx and `num_unrouted_errors`), never an endpoint and never
+    in a share: shares are of the routed requests."""
+
+    endpoints: tuple[str, ...]
+    counts: Mapping[str, int]
+    num_routed: int
+    num_unrouted: int = 0
+    num_unrouted_refused: int = 0
+    num_unrouted_errors: int = 0
+
+    @property
+    def fair_share_ratio(self) -> float | None:
+        """1 / the number of endpoints; None without endpoints."""
+        return 1.0 / len(self.endpoints) if self.endpoints else None
+
+    def share_ratio(self, endpoint: str) -> float:
+        return self.counts.get(endpoint, 0) / self.num_routed if self.num_routed else 0.0
+
+    @property
+    def balance_ratio(self) -> float | None:
+        """Busiest endpoint's share / fair share: 1.0 = even, N = all on one of N; None without routed requests."""
+        if not self.num_routed or not self.endpoints:
+            return None
+        return max(self.counts.get(e, 0) for e in self.endpoints) / self.num_routed * len(self.endpoints)
+
+
+def endpoint_shares(rows: Sequence[Mapping[str, Any]], live: Mapping[str, Any] | None = None) -> Shares:
+    """`Shares` from `endpoints()` rows (one per endpoint, None for the unrouted) and the router's live endpoints."""
+    counts: dict[str, int] = {}
+    unrouted = {"num_requests": 0, "num_refused": 0, "num_errors": 0}
+    for r in rows:
+        name = r.get("endpoint")
+        if not name or name == UNKNOWN_ENDPOINT:
+            for k in unrouted:
+                unrouted[k] += int(r.get(k) or 0)
+        else:
+            counts[name] = counts.get(name, 0) + int(r.get("num_requests") or 0)
+    endpoints = tuple(sort_endpoints([*counts, *(live or {})]))
+    return Shares(endpoints, counts, sum(counts.values()), unrouted["num_requests"], unrouted["num_refused"],
+                  unrouted["num_errors"])
+
+
+def format_balance(ratio: float | None) -> str:
+    """The balance figure as every place shows it: two decimals and a multiplication sign, or a dash."""
+    return "–" if ratio is None else f"{ratio:.2f}×"
+
+
 def balance_verdict(ratio: float | None) -> str:
     """A short reading of `balance_ratio` (thresholds from the bench issue's 1.5x fair-share target)."""
     if ratio is None:
@@ -142,31 +202,47 @@ def _to_time(frame: pd.DataFrame, column: str = "bucket_start") -> pd.DataFrame:
     return frame
 
 
-def fleet_hit_frame(timeseries: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    """Long frame time, kind (actual|predicted), hit_ratio from fleet-wide `timeseries` rows
-    (buckets without usage are dropped: no tokens, no ratio)."""
+def segments(frame: pd.DataFrame, bucket_s: float | None, keys: Sequence[str]) -> pd.DataFrame:
+    """`frame` (rows with bucket_start, one series per value of `keys`) with a ``segment`` column numbering each
+    series' unbroken stretches: a new segment wherever the series skips a bucket. Line charts group by it, so
+    no line is drawn across time without data (between two runs, an idle spell, a receiver restart). Without
+    `bucket_s` every row is segment 0. Rows come back sorted by keys then time."""
+    frame = frame.sort_values([*keys, "bucket_start"], kind="stable").reset_index(drop=True)
+    if frame.empty or not bucket_s:
+        frame["segment"] = 0
+        return frame
+    gap = frame.groupby(list(keys))["bucket_start"].diff() > bucket_s * 1.5
+    frame["segment"] = gap.groupby([frame[k] for k in keys]).cumsum().astype("int64")
+    return frame
+
+
+def fleet_hit_frame(timeseries: Sequence[Mapping[str, Any]], bucket_s: float | None = None) -> pd.DataFrame:
+    """Long frame time, kind (actual|predicted), hit_ratio, segment from fleet-wide `timeseries` rows
+    (buckets without usage are dropped: no tokens, no ratio; `segments` breaks the line there)."""
     rows = [{"bucket_start": r["bucket_start"], "kind": kind, "hit_ratio": r[f"{kind}_hit_ratio"]}
             for r in timeseries for kind in ("actual", "predicted") if r.get(f"{kind}_hit_ratio") is not None]
     frame = pd.DataFrame(rows, columns=["bucket_start", "kind", "hit_ratio"])
-    return _to_time(frame)
+    return _to_time(segments(frame, bucket_s, ["kind"]))
 
 
-def endpoint_hit_frame(timeseries_by_endpoint: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    """Long frame time, endpoint, kind, hit_ratio from `timeseries(by_endpoint=True)` rows."""
+def endpoint_hit_frame(timeseries_by_endpoint: Sequence[Mapping[str, Any]],
+                       bucket_s: float | None = None) -> pd.DataFrame:
+    """Long frame time, endpoint, kind, hit_ratio, segment from `timeseries(by_endpoint=True)` rows."""
     rows = [{"bucket_start": r["bucket_start"], "endpoint": r.get("endpoint") or UNKNOWN_ENDPOINT, "kind": kind,
              "hit_ratio": r[f"{kind}_hit_ratio"]}
             for r in timeseries_by_endpoint for kind in ("actual", "predicted")
             if r.get(f"{kind}_hit_ratio") is not None]
     frame = pd.DataFrame(rows, columns=["bucket_start", "endpoint", "kind", "hit_ratio"])
-    return _to_time(frame)
+    return _to_time(segments(frame, bucket_s, ["endpoint", "kind"]))
 
 
-def percentile_frame(timeseries: Sequence[Mapping[str, Any]], column: str = "ttft_ms") -> pd.DataFrame:
-    """Long frame time, percentile (p50|p90|p99), value_ms for `column` (ttft_ms or latency_ms)."""
+def percentile_frame(timeseries: Sequence[Mapping[str, Any]], column: str = "ttft_ms",
+                     bucket_s: float | None = None) -> pd.DataFrame:
+    """Long frame time, percentile (p50|p90|p99), value_ms, segment for `column` (ttft_ms or latency_ms)."""
     rows = [{"bucket_start": r["bucket_start"], "percentile": p, "value_ms": r[f"{column}_{p}"]}
             for r in timeseries for p in ("p50", "p90", "p99") if r.get(f"{column}_{p}") is not None]
     frame = pd.DataFrame(rows, columns=["bucket_start", "percentile", "value_ms"])
-    return _to_time(frame)
+    return _to_time(segments(frame, bucket_s, ["percentile"]))
 
 
 def rate_frame(timeseries_by_endpoint: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
@@ -201,31 +277,47 @@ class EndpointLive:
     healthy: bool | None = None
     index_source: str | None = None  # where the router's prefix index learns this endpoint (events, feedback, ...)
     kv_events_connected: bool | None = None  # for an events endpoint: its subscriber receives
+    kv_events_state: str | None = None  # for an events endpoint: live, syncing, down, undecodable, ... (link.py)
+
+
+def _index_source_text(lv: EndpointLive) -> str | None:
+    """The endpoint table's index column: an endpoint publishing KV events shows ``events`` while they are used
+    and ``events (STATE)`` while not (``events (undecodable)``, ``events (down)``, ``events (block size
+    mismatch)``, ...: meanwhile it is matched by the router's own index, feedback)."""
+    state = lv.kv_events_state
+    if state:
+        return "events" if state == "live" else f"events ({state.replace('_', ' ')})"
+    if not lv.index_source:
+        return None
+    return lv.index_source + (" (down)" if lv.kv_events_connected is False else "")
 
 
 def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping[str, float] | None = None,
-                   live: Mapping[str, EndpointLive] | None = None) -> pd.DataFrame:
-    """One row per endpoint (naturally sorted) from `endpoints()` rows, plus optional figures.
+                   live: Mapping[str, EndpointLive] | None = None, shares: Shares | None = None) -> pd.DataFrame:
+    """One row per endpoint of `shares` (default: `endpoint_shares(rows, live)`: the fleet, naturally sorted; an
+    endpoint the router knows that served nothing has a row of zeros), from `endpoints()` rows, plus optional
+    figures. Unrouted requests have no row (see `Shares`); share_ratio is of the routed requests.
 
     Columns (most telling first): endpoint, num_requests, share_ratio, actual_hit_ratio, predicted_hit_ratio,
-    index_source (text: events / events (down) / feedback / approximate), mean_in_flight, healthy (1/0), running, waiting, kv_cache_usage_ratio, ttft_ms_p50, ttft_ms_p99,
+    index_source (text: events / events (STATE) for an events endpoint whose events are not used now, e.g.
+    events (undecodable), events (down): it is matched by feedback meanwhile / feedback / approximate), mean_in_flight, healthy (1/0), running, waiting, kv_cache_usage_ratio, ttft_ms_p50, ttft_ms_p99,
     requests_per_s, num_errors, num_refused.
     """
     mean_in_flight = mean_in_flight or {}
     live = live or {}
-    by_name = {(r.get("endpoint") or UNKNOWN_ENDPOINT): r for r in rows}
+    shares = shares if shares is not None else endpoint_shares(rows, live)
+    by_name = {r["endpoint"]: r for r in rows if r.get("endpoint") and r["endpoint"] != UNKNOWN_ENDPOINT}
     out = []
-    for name in sort_endpoints(by_name):
-        r = by_name[name]
+    for name in shares.endpoints:
+        r = by_name.get(name) or {"num_requests": 0}
         lv = live.get(name, EndpointLive())
-        out.append({"endpoint": name, "num_requests": r["num_requests"], "share_ratio": r.get("share_ratio", 0.0),
+        out.append({"endpoint": name, "num_requests": r["num_requests"], "share_ratio": shares.share_ratio(name),
                     "requests_per_s": r.get("requests_per_s"), "mean_in_flight": mean_in_flight.get(name),
                     "healthy": None if lv.healthy is None else float(lv.healthy),
                     "running": lv.num_requests_running, "waiting": lv.num_requests_waiting,
                     "kv_cache_usage_ratio": lv.kv_cache_usage_ratio,
                     "actual_hit_ratio": r.get("actual_hit_ratio"), "predicted_hit_ratio": r.get("predicted_hit_ratio"),
-                    "index_source": (lv.index_source + (" (down)" if lv.kv_events_connected is False else "")
-                                     if lv.index_source else None),
+                    "index_source": _index_source_text(lv),
                     "ttft_ms_p50": r.get("ttft_ms_p50"), "ttft_ms_p99": r.get("ttft_ms_p99"),
                     "num_errors": r.get("num_errors", 0), "num_refused": r.get("num_refused", 0)})
     cols = ["endpoint", "num_requests", "share_ratio", "actual_hit_ratio", "predicted_hit_ratio", "index_source",
@@ -238,9 +330,18 @@ def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping
                          if c not in ("endpoint", "num_requests", "num_errors", "num_refused", "index_source")})
 
 
-def served_balance(rows: Sequence[Mapping[str, Any]]) -> float | None:
-    """`balance_ratio` over the endpoints that served requests (rows without an endpoint excluded)."""
-    return balance_ratio({r["endpoint"]: r["num_requests"] for r in rows if r.get("endpoint")})
+def unrouted_sentence(shares: Shares, num_requests: int) -> str:
+    """What the unrouted requests of the window were, in one Markdown line (shown only when there are some)."""
+    n = shares.num_unrouted
+    other = n - shares.num_unrouted_refused - shares.num_unrouted_errors
+    parts = [f"{shares.num_unrouted_refused:,} refused by the router (4xx: invalid input, unknown model, too large, "
+             "not allowed)" if shares.num_unrouted_refused else "",
+             f"{shares.num_unrouted_errors:,} failed before an endpoint answered (no endpoint available, or the "
+             "connection reset)" if shares.num_unrouted_errors else "",
+             f"{other:,} otherwise" if other else ""]
+    return (f"**Unrouted: {n:,} requests** ({format_ratio(n / num_requests if num_requests else None)} of the window) "
+            f"reached no endpoint: {'; '.join(p for p in parts if p)}. They are not an endpoint: left out of the "
+            f"shares, the balance and the table below, counted in the errors and refusals above.")
 
 
 def reasons_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
@@ -359,6 +460,50 @@ def format_us(v: float | None) -> str:
     return "–" if v is None else (f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.0f} µs")
 
 
+# The endpoint tables as shown: (frame column, header, text of a value); unknown values show as "–". Two tables,
+# so that each fits a 1,280 px screen whole: what the window's requests did per endpoint, and the endpoints'
+# live state as the router's pool sees it now.
+_NBSP = "\u00a0"  # inside a number and its unit: a narrow column wraps between columns, never inside a value
+ENDPOINT_TABLE_COLUMNS: tuple[tuple[str, str, Any], ...] = (
+    ("endpoint", "endpoint", str),
+    ("num_requests", "requests", lambda v: f"{int(v):,}"),
+    ("share_ratio", "share", format_ratio),
+    ("requests_per_s", "req/s", lambda v: f"{v:.2f}"),
+    ("actual_hit_ratio", "hit", format_ratio),
+    ("predicted_hit_ratio", "predicted", format_ratio),
+    ("ttft_ms_p50", "TTFT p50", format_ms),
+    ("ttft_ms_p99", "TTFT p99", format_ms),
+    ("mean_in_flight", "in-flight", lambda v: f"{v:.2f}"),
+    ("num_errors", "errors", lambda v: f"{int(v):,}"),
+    ("num_refused", "refused", lambda v: f"{int(v):,}"),
+)
+LIVE_TABLE_COLUMNS: tuple[tuple[str, str, Any], ...] = (
+    ("endpoint", "endpoint", str),
+    ("healthy", "healthy", lambda v: "yes" if v >= 0.5 else "no"),
+    ("running", "running", lambda v: f"{v:.0f}"),
+    ("waiting", "waiting", lambda v: f"{v:.0f}"),
+    # One decimal: 500 blocks in use of 70,000 read 0.7 %, not 0 %.
+    ("kv_cache_usage_ratio", "KV usage", lambda v: format_ratio(v, 1)),
+    ("index_source", "index", str),
+)
+_ALWAYS_SHOWN = ("endpoint", "num_requests", "num_errors", "num_refused")
+
+
+def endpoint_table(frame: pd.DataFrame, columns: Sequence[tuple[str, str, Any]] = ENDPOINT_TABLE_COLUMNS
+                   ) -> pd.DataFrame:
+    """`endpoint_frame` as text for display, `columns` (ENDPOINT_TABLE_COLUMNS or LIVE_TABLE_COLUMNS) headed by
+    their headers; a column with no value in any row is left out (e.g. in-flight from a receiver URL). Empty (no
+    column but the endpoint) when no column of `columns` has a value."""
+    out = {}
+    for col, header, fmt in columns:
+        values = frame[col]
+        if col not in _ALWAYS_SHOWN and not values.notna().any():
+            continue
+        out[header] = ["–" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt(v).replace(" ", _NBSP)
+                       for v in values]
+    return pd.DataFrame(out, columns=list(out))
+
+
 # --- The router's Prometheus text (live per-endpoint figures of its endpoint pool) ---------------------------
 
 _ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
@@ -368,6 +513,7 @@ _ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
     "prefixroute_endpoint_healthy": "healthy",
     "prefixroute_kv_events_connected": "kv_events_connected",
     "prefixroute_index_source_info": "index_source",  # the value is the `source` label
+    "prefixroute_kv_events_state": "kv_events_state",  # the value is the `state` label
 }
 MAX_LIVE_ENDPOINTS = 1024  # a fleet's worth; bounds what an odd metrics text can make the page draw
 
@@ -388,9 +534,10 @@ def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
                 name = sample.labels.get("endpoint")
                 if not name or math.isnan(sample.value) or (name not in found and len(found) >= MAX_LIVE_ENDPOINTS):
                     continue
-                if field == "index_source":
+                if field in ("index_source", "kv_events_state"):
+                    label = "source" if field == "index_source" else "state"
                     if sample.value >= 0.5:
-                        found.setdefault(name, {})[field] = str(sample.labels.get("source", ""))[:32]
+                        found.setdefault(name, {})[field] = str(sample.labels.get(label, ""))[:32]
                     continue
                 found.setdefault(name, {})[field] = (sample.value >= 0.5) if field in (
                     "healthy", "kv_events_connected") else sample.value

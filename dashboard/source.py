@@ -180,15 +180,24 @@ class DataSource:
                 return None
             raise
 
-    def live_snapshot(self, window_s: float, *, now: float | None = None) -> dict[str, Any]:
-        """Every query of one live refresh at one instant `now`, as a dict: now, summary, total
-        (store rows), and, when the window has traffic, span_s / bucket_s (charts cover the part of the
+    def runs(self) -> list[dict[str, Any]]:
+        """`StoreReader.runs` (newest first) from either source; [] when the store knows no run."""
+        return self.call("runs")
+
+    def live_snapshot(self, window_s: float, *, now: float | None = None, since: float | None = None
+                      ) -> dict[str, Any]:
+        """Every query of one live refresh at one instant `now`, as a dict: now, window_s (the window queried:
+        `window_s`, cut at `since`, a run's start, so one run's figures hold none of an earlier run's), summary,
+        total (store rows), and, when the window has traffic, span_s / bucket_s (charts cover the part of the
         window holding data, see data.effective_span_s), ts (fleet timeseries), ts_ep (endpoint_series),
         ep_rows (endpoints), reason_rows, reason_ts, ttft_hist, decision_hist, in_flight, ttft_pred
         (ttft_predictions over the window; None when the source has no such query)."""
         now = time.time() if now is None else now
+        if since is not None:
+            window_s = max(1e-3, min(window_s, now - since))
         summary = self.call("summary", window_s, now=now)
-        snap: dict[str, Any] = {"now": now, "summary": summary, "total": self.call("num_requests")}
+        snap: dict[str, Any] = {"now": now, "window_s": window_s, "summary": summary,
+                                "total": self.call("num_requests")}
         if not has_traffic(summary):
             return snap
         span_s = effective_span_s(window_s, summary.get("first_start_time"), now)

@@ -3,7 +3,12 @@
 Modules:
 - `servicer`: the gRPC `ExternalProcessor.Process` servicer; a thin translation to a `RouterService` (flow,
   processing modes and when in-flight is released: its docstring).
-- `wire`: the ext_proc protobuf classes (upb), built from extproc/proto/ into a private descriptor pool.
+- `gie`: the Gateway API Inference Extension's endpoint picker protocol on one stream (FULL_DUPLEX_STREAMED
+  bodies collected, decided on, echoed; responses passed back and measured), chosen per stream by the servicer;
+  `gie_reference`: GIE's own reference Envoy configuration (gie_reference.yaml, verbatim) adapted to run here.
+- `answers`: the ext_proc answers both protocols give (ImmediateResponse refusals, traceparent).
+- `health`: the gRPC health service (grpc.health.v1: liveness, readiness, ExternalProcessor).
+- `wire`: the ext_proc and health protobuf classes (upb), built from extproc/proto/ into a private descriptor pool.
 - `service`: `PoolRouter`, the RouterService over `routing.RouterCore` + an `endpoints.Pool` (the live
   `EndpointPool`, or the benchmarks' virtual-time `SimulatedPool`: one code path for both).
 - `headers`: the protocol names (headers, metadata keys) shared by the hot path and the Envoy configuration.

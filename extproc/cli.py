@@ -1,7 +1,8 @@
 """`prefixroute extproc`: run the ext_proc routing service that Envoy calls.
 
-Prints one ready line (``prefixroute extproc ready on HOST:PORT (..., metrics http://HOST:PORT/metrics)``)
-once it serves; SIGTERM or SIGINT stops it cleanly (in-flight gRPC streams get a short grace period, the
+Prints one ready line (``prefixroute extproc ready on HOST:PORT (..., index events x3 (2 live, 1 undecodable) +
+feedback, ..., metrics http://HOST:PORT/metrics)``) once it serves and its KV-event subscribers have replayed
+their publishers' buffers (at most `EVENTS_SETTLE_S`; extproc/kv_events/link.py); SIGTERM or SIGINT stops it cleanly (in-flight gRPC streams get a short grace period, the
 pool's probes are cancelled, queued spans are flushed for up to 2 s).
 
 Telemetry (RouterTelemetrySettings, telemetry/router.py): one OTLP span per routed request,
@@ -17,6 +18,7 @@ import gc
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 from prefixroute import settings
 from prefixroute.extproc.endpoints.discovery import discovery_from_settings
@@ -24,8 +26,9 @@ from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_fro
 from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
-                                        start_server)
+                                        start_health_server, start_server)
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
+from prefixroute.extproc.kv_events.link import KVEventsLink
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.parse_offload import ParseOffload
@@ -40,104 +43,24 @@ from prefixroute.procs import return_large_blocks
 from prefixroute.telemetry.router import RouterTelemetry, RouterTelemetrySettings
 
 READY_PREFIX = "prefixroute extproc ready on "
-EVENTS_CHECK_INTERVAL_S = 1.0
-"""How often the router checks its KV-event subscriptions: an endpoint whose subscriber lost its connection
-falls back to the router's own index (feedback) within a second, and returns to events once reconnected."""
+EVENTS_SETTLE_S = 3.0
+"""How long the ready line waits for the KV-event subscribers to replay their publishers' buffers (late join:
+the first requests then route by events; a publisher that does not answer is reported as it is)."""
 log = logging.getLogger("prefixroute.extproc")
 
 
-class KVEventsLink:
-    """The KV-events side of one router: the manager feeding the events index, and the endpoints whose matches
-    come from it (`RouterCore.set_event_endpoints`: those whose subscriber is connected). Its `info` (read by
-    the metrics thread) is a dict replaced whole every check: endpoint -> {"source", subscriber figures}."""
+def readiness(pool: EndpointPool, routing: RoutingSettings, events: KVEventsLink) -> Callable[[], bool]:
+    """The picker can route (the gRPC health service's readiness, health.py): at least one endpoint is healthy,
+    and with ``--index-source events`` (events the only prefix source) the KV-events index is connected to at
+    least one endpoint. Cheap: one pass over the pool's snapshot (and the events link's figures)."""
+    events_only = routing.index_source == "events"
 
-    def __init__(self, core: RouterCore, manager: KVEventsManager | None,
-                 addresses: dict[str, tuple[str, str | None]], snapshot=None) -> None:
-        self.core = core
-        self.manager = manager
-        self.addresses = addresses
-        self.snapshot = snapshot  # the pool's snapshot (block sizes from vllm:cache_config_info), or None
-        self._size_warned: set[str] = set()
-        self.info: dict[str, dict[str, object]] = {}
-        self._warned: set[str] = set()
-        self._task: asyncio.Task | None = None
+    def ready() -> bool:
+        if not any(st.healthy for st in pool.snapshot()):
+            return False
+        return not events_only or any(d.get("events_state") == "live" for d in events.info.values())
 
-    def start(self, endpoints: list[str]) -> None:
-        self.endpoints = endpoints
-        if self.manager is not None:
-            self.manager.sync(self.addresses)
-            # Optimistic until the first check: a publisher on loopback connects within milliseconds.
-            self.core.set_event_endpoints(list(self.addresses))
-        self.check(initial=True)
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    def update(self, endpoints: list[str], addresses: dict[str, tuple[str, str | None]]) -> None:
-        """The membership changed (endpoint discovery): subscribe to exactly `addresses`; the endpoints that
-        left lose their events' entries. New publishers count as connected until the next check, as at start."""
-        self.endpoints = endpoints
-        self.addresses = addresses
-        if self.manager is not None:
-            self.manager.sync(addresses)
-            self.core.set_event_endpoints(list(addresses))
-        self.check(initial=True)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(EVENTS_CHECK_INTERVAL_S)
-            try:
-                self.check()
-            except Exception:  # noqa: BLE001 - the check must never stop
-                log.exception("KV events check failed")
-
-    def check(self, initial: bool = False) -> None:
-        """Route by events for the endpoints whose subscriber is connected, and refresh `info`. `initial`: at
-        start, before any connection had time to form: figures only."""
-        stats = self.manager.stats() if self.manager is not None else {}
-        live = [ep for ep, st in stats.items() if st.connected]
-        if self.manager is not None and not initial:
-            for ep in stats:
-                down = ep not in live
-                if down and ep not in self._warned:
-                    self._warned.add(ep)
-                    log.warning("KV events of %s: not connected to %s; its prefix matches come from the router's "
-                                "own index (feedback) until it is", ep, self.addresses[ep][0])
-                elif not down and ep in self._warned:
-                    self._warned.discard(ep)
-                    log.warning("KV events of %s: connected again; matching by its events", ep)
-            self.core.set_event_endpoints(live)
-        self._check_block_sizes()
-        blocks = self.core.event_index.num_blocks_by_endpoint() if self.core.event_index is not None else {}
-        sources = self.core.index_sources(self.endpoints)
-        info: dict[str, dict[str, object]] = {}
-        for ep in self.endpoints:
-            d: dict[str, object] = {"source": sources.get(ep, "")}
-            st = stats.get(ep)
-            if st is not None:
-                d.update(connected=st.connected, last_seq=st.last_seq, num_batches=st.num_batches,
-                         num_events=st.num_events, num_gaps=st.num_gaps, num_replays=st.num_replays,
-                         num_clears=st.num_clears, num_decode_errors=st.num_decode_errors,
-                         blocks=blocks.get(ep, 0))
-            info[ep] = d
-        self.info = info
-
-    def _check_block_sizes(self) -> None:
-        """Token blocks only match a server whose KV block size is --kv-block-tokens: say so once per endpoint
-        whose scraped vllm:cache_config_info differs (its events' blocks are skipped and counted too)."""
-        want = self.core.settings.kv_block_tokens
-        if self.snapshot is None or not self.core.settings.tokenizer:
-            return
-        for s in self.snapshot():
-            if s.block_size and s.block_size != want and s.endpoint not in self._size_warned:
-                self._size_warned.add(s.endpoint)
-                log.warning("%s: KV block size %d (vllm:cache_config_info) differs from --kv-block-tokens %d: its "
-                            "prefix matches will not find its blocks; set --kv-block-tokens %d", s.endpoint,
-                            s.block_size, want, s.block_size)
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        if self.manager is not None:
-            await self.manager.close()
+    return ready
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -184,7 +107,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     if event_index is not None:
         manager = KVEventsManager(event_index, topic=pool_settings.kv_events_topic,
                                   on_cleared=lambda ep, reason: log.info("KV events of %s: index cleared (%s)",
-                                                                         ep, reason))
+                                                                         ep, reason),
+                                  on_state=lambda ep, state: events.on_state(ep, state))
     events = KVEventsLink(core, manager, addresses, pool.snapshot)
     telemetry = RouterTelemetry.from_settings(tele or RouterTelemetrySettings(metrics_port=-1),
                                               in_flight=lambda: pool.in_flight,
@@ -195,7 +119,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                                               index_info=lambda: events.info)
     tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
                              max_body_bytes=routing.max_body_bytes, on_first_token=router.first_token,
-                             on_usage=router.usage, on_response_id=router.learn_response)
+                             on_usage=router.usage, on_response_id=router.learn_response,
+                             propagate=bool(telemetry.recorder.enabled))
     # Responses API: the response-id directory and its lookups on /metrics (prefixroute_response_*).
     telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
     if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
@@ -224,16 +149,19 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         discovery.start()
     try:
         all_up = await pool.wait_ready(ext.ready_timeout_s)
+        await events.wait_settled(EVENTS_SETTLE_S)
         # Startup objects (modules, protobuf descriptors, settings) never die: move them out of the GC's view,
         # and collect young objects less often, so collections are rarer and shorter (tail latency).
         gc.collect()
         gc.freeze()
         gc.set_threshold(20_000, 20, 100)
-        server, port = await start_server(router, ext, tracker)
+        ready = readiness(pool, routing, events)
+        server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes)
+        health_server = await start_health_server(ext, ready)
         healthy = sum(1 for s in pool.snapshot() if s.healthy)
         ms = telemetry.metrics_server
         metrics = f"http://{ms.server_address[0]}:{ms.server_address[1]}/metrics" if ms is not None else "off"
-        index = (f"index events x{len(addresses)} + {core.sourced.own_source}" if addresses
+        index = (f"index events {events.summary()} + {core.sourced.own_source}" if addresses
                  else f"index {core.sourced.own_source}")
         peers = f", peers {bus.replica_id} via {peer_settings.url}" if bus is not None else ""  # type: ignore[union-attr]
         print(f"{READY_PREFIX}{ext.listen_address}:{port} (policy {routing.policy}{peers}, {index}, "
@@ -241,6 +169,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
               f"metrics {metrics}, traces {'on' if telemetry.recorder.enabled else 'off'}"
               f"{': ' + telemetry.recorder.disabled_reason if telemetry.recorder.disabled_reason else ''})", flush=True)
         await stop.wait()
+        if health_server is not None:
+            await health_server.stop(grace=None)
         await server.stop(grace=1.0)
     finally:
         if discovery is not None:

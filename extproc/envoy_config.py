@@ -67,12 +67,19 @@ each allowlisted path has its picked route and its ext_proc-down route; every ot
 route, an OpenAI-format 404 answered by Envoy with both ext_proc filters disabled on it (the router never
 sees it). CONNECT matches only a connect_matcher route: one exists, so Envoy refuses CONNECT itself (403
 upgrade_failed) instead of handing a never-ending tunnel body to ext_proc. Paths are normalised before
-matching (RFC 3986 dot segments, merged slashes) and `%2F`/`%5C` are refused (400), so no spelling of
-a private path (`/v1/../admin`, `//admin`, `..%2F`, an absolute-URI target) reaches an endpoint.
+matching: `%2F`/`%5C` decoded to `/`/`\\` first (UNESCAPE_AND_FORWARD), then RFC 3986 dot segments resolved and
+repeated slashes merged; the route is matched on, and the endpoint receives, that one path. So no spelling of a
+private path (`/v1/../admin`, `//admin`, `..%2F`, an absolute-URI target) reaches an endpoint, and a model id
+holding a slash (`GET /v1/models/meta-llama%2FLlama-3.1-8B-Instruct`, as the OpenAI SDK sends it) reaches the
+endpoint as `/v1/models/meta-llama/Llama-3.1-8B-Instruct`: exactly the path a vLLM server sees when called
+directly (its HTTP server decodes `%2F` before routing), so the client gets the endpoint's own answer (vLLM 0.33
+has no such route and answers 404 `{"detail": "Not Found"}`; checked with its own router and error handlers).
 
-Errors: `local_reply_config` rewrites every reply Envoy composes itself (codec errors 400/501, 403, 404,
-408 timeouts, 413, 426 HTTP/1.0, 431, 502/503/504, any other status) into the OpenAI error format
-(`{"error": {...}}`, `content-type: application/json`). A CEL filter spares the router's own ImmediateResponse
+Errors: `local_reply_config` rewrites every reply Envoy composes itself (codec errors 400/501, a path that
+cannot be normalised 400, 403, 404, 408 timeouts, 413, 426 HTTP/1.0, 431, 502, 503 (no healthy endpoint, none
+reachable), 504, any other status) into the OpenAI error format (`{"error": {...}}`, `content-type:
+application/json`): a sentence saying what happened and what to do, with Envoy's short reason token in
+parentheses for the operator. A CEL filter spares the router's own ImmediateResponse
 replies (details ``prefixroute_<status>``, already OpenAI JSON with precise messages) and direct responses.
 
 Bounds: per-connection buffers (`connection_buffer_bytes`, client and endpoint side) are small, so a client
@@ -135,7 +142,7 @@ from envoy_data_plane.envoy.config.core.v3 import (Address, DataSource, GrpcServ
                                                    SocketAddress, SubstitutionFormatString, TransportSocket,
                                                    TypedExtensionConfig)
 from envoy_data_plane.envoy.config.core.v3 import BackoffStrategy as CoreBackoffStrategy
-from envoy_data_plane.envoy.config.core.v3 import HealthCheck, HealthCheckTcpHealthCheck
+from envoy_data_plane.envoy.config.core.v3 import HealthCheck, HealthCheckGrpcHealthCheck
 from envoy_data_plane.envoy.config.core.v3 import RetryPolicy as CoreRetryPolicy
 from envoy_data_plane.envoy.config.core.v3 import RetryPolicyRetryHostPredicate as CoreRetryHostPredicate
 from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
@@ -277,8 +284,10 @@ class EnvoySettings(Settings):
     allowed_path_prefixes: tuple[str, ...] = setting(
         DEFAULT_ALLOWED_PATH_PREFIXES,
         "Path prefixes routed like allowed_paths (a prefix should end in '/'): the Responses API's "
-        "/v1/responses/{id}... and /v1/models/{model}. Paths are normalised first (RFC 3986 dot segments, "
-        "repeated slashes merged; %2F or %5C in a path is refused with 400), so '..' cannot climb out of them.")
+        "/v1/responses/{id}... and /v1/models/{model}. Paths are normalised first (%2F and %5C decoded, then RFC "
+        "3986 dot segments resolved and repeated slashes merged; the endpoint receives that path), so '..' cannot "
+        "climb out of them, and a model id with a slash (meta-llama%2FLlama-3.1-8B-Instruct) reaches the endpoint as "
+        "vLLM itself would see it.")
     request_headers_timeout_s: float = setting(
         10.0, "Time a client has, from the first byte of a request, to send all of its headers; then Envoy closes "
         "the connection (slowloris: a client trickling headers otherwise holds a connection forever). Real "
@@ -502,6 +511,16 @@ def _direct_route(name: str, match: RouteMatch, status: int, body: str, filters:
     )
 
 
+def _extproc_health_check() -> HealthCheck:
+    """The replicas' health check: the picker's gRPC health service (extproc/health.py), asked for
+    envoy.service.ext_proc.v3.ExternalProcessor, which is SERVING only while the replica can route (an endpoint
+    healthy in its pool), so Envoy prefers the replicas that can; all not ready: Envoy's panic mode uses them all,
+    and they answer 503 themselves. Exempt from the bearer token; over the cluster's TLS when it has one."""
+    return HealthCheck(timeout=_duration(0.25), interval=_duration(0.25), no_traffic_interval=_duration(0.25),
+                       unhealthy_threshold=1, healthy_threshold=1, grpc_health_check=HealthCheckGrpcHealthCheck(
+                           service_name="envoy.service.ext_proc.v3.ExternalProcessor"))
+
+
 def _extproc_transport_socket(s: EnvoySettings) -> TransportSocket | None:
     if not (s.extproc_tls_ca_file or s.extproc_tls_cert_file or s.extproc_tls_key_file):
         return None
@@ -540,22 +559,43 @@ ENVOY_OWN_REPLY = ("!(response.code_details.startsWith('prefixroute_') || "
                    "response.code_details == 'direct_response')")
 
 
-def _local_reply_config(s: EnvoySettings) -> LocalReplyConfig:
-    own = AccessLogFilter(extension_filter=ExtensionFilter(
+def _cel_filter(expression: str) -> AccessLogFilter:
+    return AccessLogFilter(extension_filter=ExtensionFilter(
         name="envoy.access_loggers.extension_filters.cel",
-        typed_config=ProtoAny.pack(ExpressionFilter(expression=ENVOY_OWN_REPLY))))
+        typed_config=ProtoAny.pack(ExpressionFilter(expression=expression))))
 
-    def mapper(status: int | None, message: str, headers: dict[str, str] | None = None) -> ResponseMapper:
+
+# Envoy's reason tokens (%RESPONSE_CODE_DETAILS%) that get a sentence of their own; the others fall to their
+# status's mapper. Exact tokens from Envoy's source (StreamInfo::ResponseCodeDetails). No literal '%' in a
+# message: Envoy reads '%...%' as a substitution command.
+_DETAIL_REPLIES: tuple[tuple[int, str, str, dict[str, str]], ...] = (
+    (400, "path_normalization_failed",
+     "Invalid request path: it cannot be normalised (a malformed percent-encoding or a character a path may not "
+     "hold). Send the OpenAI API path, e.g. /v1/chat/completions (a model id's slash may be sent percent-encoded).",
+     {}),
+    (503, "no_healthy_upstream",
+     "No healthy endpoint: no model server behind this gateway can be reached (none resolved, or each one is "
+     "failing); retry shortly.", {"retry-after": "1"}),
+)
+
+
+def _local_reply_config(s: EnvoySettings) -> LocalReplyConfig:
+    own = _cel_filter(ENVOY_OWN_REPLY)
+
+    def mapper(status: int | None, message: str, headers: dict[str, str] | None = None, *,
+               details: str | None = None) -> ResponseMapper:
         if status is None:  # any other status: the code is Envoy's, filled in at reply time
             body = _error_json(500, message).replace('"type":"InternalServerError"', '"type":"Error"').replace(
                 '"code":500', '"code":%RESPONSE_CODE%')
             filt = own
         else:
             body = _error_json(status, message)
-            filt = AccessLogFilter(and_filter=AndFilter(filters=[own, AccessLogFilter(
-                status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
-                    op=ComparisonFilterOp.EQ,
-                    value=RuntimeUInt32(default_value=status, runtime_key=f"prefixroute.local_reply.{status}"))))]))
+            conditions = [own, AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+                op=ComparisonFilterOp.EQ,
+                value=RuntimeUInt32(default_value=status, runtime_key=f"prefixroute.local_reply.{status}"))))]
+            if details is not None:
+                conditions.append(_cel_filter(f"response.code_details == '{details}'"))
+            filt = AccessLogFilter(and_filter=AndFilter(filters=conditions))
         return ResponseMapper(
             filter=filt,
             body_format_override=SubstitutionFormatString(text_format_source=DataSource(inline_string=body),
@@ -565,21 +605,24 @@ def _local_reply_config(s: EnvoySettings) -> LocalReplyConfig:
     def unavailable(route: str, message: str) -> ResponseMapper:
         # The 503 of a route to UNAVAILABLE_CLUSTER (the routing service is down): its own message.
         return ResponseMapper(
-            filter=AccessLogFilter(extension_filter=ExtensionFilter(
-                name="envoy.access_loggers.extension_filters.cel",
-                typed_config=ProtoAny.pack(ExpressionFilter(
-                    expression=f"({ENVOY_OWN_REPLY}) && response.code == 503 && "
-                               f"xds.route_name.startsWith('{route}')")))),
+            filter=AccessLogFilter(and_filter=AndFilter(filters=[
+                own, AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+                    op=ComparisonFilterOp.EQ,
+                    value=RuntimeUInt32(default_value=503, runtime_key="prefixroute.local_reply.503")))),
+                _cel_filter(f"xds.route_name.startsWith('{route}')")])),
             body_format_override=SubstitutionFormatString(
                 text_format_source=DataSource(inline_string=_error_json(503, message)),
                 content_type="application/json"),
             headers_to_add=[_set_header("retry-after", "1")])
 
-    # %RESPONSE_CODE_DETAILS% / %RESPONSE_FLAGS% are Envoy's short reason tokens (e.g. http1.codec_error, UF).
+    # The first mapper that matches wins: reason-specific ones first (the routing-unavailable routes' own 503s,
+    # then Envoy's details). %RESPONSE_CODE_DETAILS% / %RESPONSE_FLAGS% are Envoy's short reason tokens (e.g.
+    # http1.codec_error, UF), kept in parentheses for the operator after a sentence for the client.
     return LocalReplyConfig(mappers=[
         unavailable(UNAVAILABLE_STATEFUL_ROUTE, "The routing service is unavailable and a Responses API request must "
                     "reach the endpoint that holds its conversation; retry shortly."),
         unavailable(UNAVAILABLE_CLOSED_ROUTE, "The routing service is unavailable; retry shortly."),
+        *(mapper(status, message, headers, details=details) for status, details, message, headers in _DETAIL_REPLIES),
         mapper(400, "Malformed HTTP request (%RESPONSE_CODE_DETAILS%)."),
         mapper(403, "Refused (%RESPONSE_CODE_DETAILS%): CONNECT and protocol upgrades are not supported."),
         mapper(404, "No such path on this gateway (%RESPONSE_CODE_DETAILS%)."),
@@ -589,7 +632,8 @@ def _local_reply_config(s: EnvoySettings) -> LocalReplyConfig:
         mapper(431, f"Request headers too large: the limit is {s.max_request_headers_kb} KiB."),
         mapper(501, "Not implemented (%RESPONSE_CODE_DETAILS%)."),
         mapper(502, "Bad response from the endpoint (%RESPONSE_FLAGS%)."),
-        mapper(503, "No endpoint could serve the request (%RESPONSE_FLAGS%).", {"retry-after": "1"}),
+        mapper(503, "No endpoint could serve the request: each one tried refused or dropped the connection; retry "
+                    "shortly (%RESPONSE_FLAGS%).", {"retry-after": "1"}),
         mapper(504, "The endpoint did not answer in time (%RESPONSE_FLAGS%)."),
         mapper(None, "Gateway error (%RESPONSE_CODE_DETAILS%)."),
     ])
@@ -822,12 +866,13 @@ def build_config(s: EnvoySettings) -> Bootstrap:
             request_body_buffer_limit=s.max_request_body_bytes)]),
         http_filters=http_filters,
         local_reply_config=_local_reply_config(s),
-        # Route on the path the endpoint will see: dot segments resolved, '//' merged, escaped slashes refused
-        # (400; no OpenAI path has one, and an endpoint that decoded %2F itself would see another path than the
-        # one matched). The path forwarded is the normalised one.
+        # Route on the path the endpoint will see: escaped slashes decoded first (Envoy unescapes before it
+        # normalises), then dot segments resolved and '//' merged; the path forwarded is that normalised one, so an
+        # endpoint never decodes a %2F into a path other than the one matched. Model ids hold slashes, and SDKs
+        # send them escaped (GET /v1/models/meta-llama%2FLlama-3.1-8B-Instruct): refusing them would refuse those.
         normalize_path=True,
         merge_slashes=True,
-        path_with_escaped_slashes_action=HttpConnectionManagerPathWithEscapedSlashesAction.REJECT_REQUEST,
+        path_with_escaped_slashes_action=HttpConnectionManagerPathWithEscapedSlashesAction.UNESCAPE_AND_FORWARD,
         request_headers_timeout=_duration(s.request_headers_timeout_s),
         request_timeout=_duration(s.request_timeout_s),
         stream_idle_timeout=_duration(s.stream_idle_timeout_s),
@@ -869,17 +914,15 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         if len(replicas) > 1:
             # Least request: a replica busy with long streams gets fewer new ones. A replica that refuses
             # connections is ejected after two local-origin failures (its streams are retried elsewhere:
-            # _extproc_retry_policy) and stays out until a TCP health check (every 0.25 s) connects again:
-            # a restarted replica listens only once it is ready to route.
+            # _extproc_retry_policy) and stays out until a gRPC health check (every 0.25 s) finds it ready
+            # again (_extproc_health_check): a restarted replica listens only once it is ready to route.
             grpc_fields |= {
                 "lb_policy": ClusterLbPolicy.LEAST_REQUEST,
                 "outlier_detection": OutlierDetection(
                     split_external_local_origin_errors=True, consecutive_local_origin_failure=2,
                     enforcing_consecutive_local_origin_failure=100, interval=_duration(0.25),
                     base_ejection_time=_duration(10), max_ejection_time=_duration(30), max_ejection_percent=100),
-                "health_checks": [HealthCheck(
-                    timeout=_duration(0.25), interval=_duration(0.25), no_traffic_interval=_duration(0.25),
-                    unhealthy_threshold=1, healthy_threshold=1, tcp_health_check=HealthCheckTcpHealthCheck())]}
+                "health_checks": [_extproc_health_check()]}
         clusters.append(_strict_dns_cluster(EXTPROC_CLUSTER, replicas, 0.25, **grpc_fields))
         if len(replicas) > 1:
             clusters += [_strict_dns_cluster(f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{k}", [a], 0.25, **grpc_fields)

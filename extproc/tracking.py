@@ -51,6 +51,11 @@ scanning the event lines of the chunks until it comes. The response id (``"id":"
 (``on_response_id(pick, id, served address)``: `PoolRouter.learn_response`), which pins follow-ups to the
 endpoint that served it.
 
+GIE's gateway configuration (gie.py) has no observing filter: its one stream carries the response too, and
+`inline` attaches that same stream's state as its observation (the same calls measure it: TTFT, usage, the
+Responses id). ``traceparent`` goes to the model server only when traces are exported (`propagate`) or our
+observing filter needs it as the correlation key; otherwise nothing of ours reaches the server for nothing.
+
 The servicer calls a `Tracker`: this `RequestTracker`, or `NullTracker` when telemetry is off (its calls
 do nothing, so the servicer has no telemetry branches).
 
@@ -176,6 +181,7 @@ class Tracker(Protocol):
     def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> Any: ...
     def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None: ...
     def obs_closed(self, st: Tracked) -> None: ...
+    def inline(self, st: Tracked) -> Tracked | None: ...
 
 
 _NOTHING_BEGUN = (UNTRACKED, None)
@@ -213,6 +219,9 @@ class NullTracker:
     def obs_closed(self, st: Tracked) -> None:
         pass
 
+    def inline(self, st: Tracked) -> None:
+        return None
+
 
 NULL_TRACKER = NullTracker()
 
@@ -229,7 +238,8 @@ class RequestTracker:
                  endpoint_of: Callable[[str], str | None], *, max_body_bytes: int | None = None,
                  obs_grace_s: float = 2.0, on_first_token: Callable[[Any, float], None] | None = None,
                  on_usage: Callable[[Any, int | None, int | None], None] | None = None,
-                 on_response_id: Callable[[Any, str, str | None], None] | None = None) -> None:
+                 on_response_id: Callable[[Any, str, str | None], None] | None = None,
+                 propagate: bool = True) -> None:
         """`on_first_token(pick, ttft_s)` and `on_usage(pick, prompt_tokens, cached_tokens)`: the router's
         `PoolRouter.first_token` / `usage` (its time model learns from them), called for attached streamed
         responses, from the observing stream: the first token at the first body chunk of an SSE response (a
@@ -237,7 +247,11 @@ class RequestTracker:
         `on_usage` also for a non-streamed Responses API response (its prompt size feeds the next follow-up's
         prediction). `on_response_id(pick, id,
         served address)`: `PoolRouter.learn_response`, for an attached 200 Responses response (module
-        docstring)."""
+        docstring). `propagate`: traces are exported, so the model server gets the router span as its
+        ``traceparent`` parent; when False (traces off) `begin` gives a traceparent only to a request whose Envoy
+        has the observing filter (the header is then its correlation key), so nothing of ours reaches the server
+        for nothing."""
+        self.propagate = propagate
         self.max_body_bytes = max_body_bytes
         self.on_response_id = on_response_id
         self.on_first_token = on_first_token
@@ -254,26 +268,29 @@ class RequestTracker:
 
     # --- routing stream -------------------------------------------------------------------------------
     def begin(self, headers: Mapping[str, str], grpc_metadata: GrpcMetadata = tuple) -> tuple[Tracked, str]:
-        """At the routing stream's request headers: (state, traceparent value for the model server).
+        """At the routing stream's request headers: (state, traceparent value for the model server, None when
+        none is to be set: traces off and no observing filter, see `propagate`).
         `grpc_metadata` holds OBSERVED_METADATA when the Envoy config has the observing filter, so a routed
         request's observation is worth waiting for. Beyond MAX_PENDING records the state is untracked
-        (nothing is emitted for it) but the traceparent is still given."""
+        (nothing is emitted for it) but the traceparent is still given (when one is given at all)."""
         t0 = time.perf_counter()
         ctx = router_context(headers.get(TRACEPARENT_HEADER), self._span_ids)
+        expect_obs = any(k == OBSERVED_METADATA for k, _ in grpc_metadata() or ())
+        traceparent = ctx.traceparent if self.propagate or expect_obs else None
         if len(self.pending) >= MAX_PENDING:
             self.num_untracked += 1
-            return _untracked(), ctx.traceparent
+            return _untracked(), traceparent
         path = headers.get(":path", "")
         rec = RequestRecord(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_span_id=ctx.parent_span_id,
                             start_time=time.time(), request_id=headers.get("x-request-id", ""),
                             path=path.split("?", 1)[0])
         st = Tracked(rec, t0)
-        st.expect_obs = any(k == OBSERVED_METADATA for k, _ in grpc_metadata() or ())
+        st.expect_obs = expect_obs
         cl = headers.get("content-length")
         if cl and cl.isdigit():
             st.content_length = int(cl)
         self.pending[st.key] = st
-        return st, ctx.traceparent
+        return st, traceparent
 
     def decided(self, st: Tracked, pick: Any) -> None:
         """The router picked: copy the decision into the record and count it in the metrics."""
@@ -362,6 +379,15 @@ class RequestTracker:
             return st
         self.num_unattached_observations += 1
         return self.attach_unrouted(request_headers)
+
+    def inline(self, st: Tracked) -> Tracked | None:
+        """The routing stream itself carries the response (GIE's FULL_DUPLEX_STREAMED configuration: one stream,
+        no observing filter): `st` is observed there, with the observing stream's calls (`obs_response_headers`,
+        `obs_body`, `obs_closed`); None when `st` has no record (nothing to measure)."""
+        if st.emitted or st.obs_attached:
+            return None
+        st.obs_attached = True
+        return st
 
     def attach(self, request_headers: Any) -> Tracked | None:
         """The observing stream's request headers (after the routing filter's mutation)."""

@@ -11,7 +11,9 @@ classes cost. They are distinct from other pools' classes of the same name: a `S
 `ProcessingResponse.dynamic_metadata` must be this module's `Struct`.
 
 The service binding needs no generated `_pb2_grpc`: `add_to_server` registers a stream-stream handler
-for `SERVICE_NAME`/`PROCESS_METHOD`, `process_call` is the client side (tests, tools).
+for `SERVICE_NAME`/`PROCESS_METHOD`, `process_call` is the client side (tests, tools). The gRPC health service
+(grpc.health.v1, extproc/proto/health_v1.proto) is compiled into the same private pool: `add_health_to_server`,
+`health_check_call`.
 """
 
 from __future__ import annotations
@@ -64,16 +66,29 @@ TrailersResponse = _message(f"{_EXT_PROC}.TrailersResponse")
 CommonResponse = _message(f"{_EXT_PROC}.CommonResponse")
 HeaderMutation = _message(f"{_EXT_PROC}.HeaderMutation")
 ImmediateResponse = _message(f"{_EXT_PROC}.ImmediateResponse")
+BodyMutation = _message(f"{_EXT_PROC}.BodyMutation")
+StreamedBodyResponse = _message(f"{_EXT_PROC}.StreamedBodyResponse")
+ProtocolConfiguration = _message(f"{_EXT_PROC}.ProtocolConfiguration")
 HeaderValue = _message("envoy.config.core.v3.HeaderValue")
 HeaderMap = _message("envoy.config.core.v3.HeaderMap")
 HeaderValueOption = _message("envoy.config.core.v3.HeaderValueOption")
+Metadata = _message("envoy.config.core.v3.Metadata")
 HttpStatus = _message("envoy.type.v3.HttpStatus")
 Struct = _message("google.protobuf.Struct")  # this pool's copy (protobuf's Struct helpers apply to it too)
+
+FULL_DUPLEX_STREAMED: int = POOL.FindEnumTypeByName(
+    "envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode").values_by_name["FULL_DUPLEX_STREAMED"].number
+"""`ProtocolConfiguration.request_body_mode` of a filter configured as the Gateway API Inference Extension's."""
 
 _SERVICE = POOL.FindServiceByName(f"{_EXT_PROC}.ExternalProcessor")
 SERVICE_NAME: str = _SERVICE.full_name
 PROCESS_METHOD: str = _SERVICE.methods_by_name["Process"].name
 PROCESS_PATH = f"/{SERVICE_NAME}/{PROCESS_METHOD}"
+
+HealthCheckRequest = _message("grpc.health.v1.HealthCheckRequest")
+HealthCheckResponse = _message("grpc.health.v1.HealthCheckResponse")
+HEALTH_SERVICE_NAME: str = POOL.FindServiceByName("grpc.health.v1.Health").full_name
+HEALTH_CHECK_PATH = f"/{HEALTH_SERVICE_NAME}/Check"
 
 
 def header_value(headers: Iterable[Any], name: str) -> str | None:
@@ -101,6 +116,20 @@ def add_to_server(server: grpc.aio.Server, process: Callable[..., Any]) -> None:
     handler = grpc.stream_stream_rpc_method_handler(process, request_deserializer=ProcessingRequest.FromString,
                                                     response_serializer=ProcessingResponse.SerializeToString)
     server.add_registered_method_handlers(SERVICE_NAME, {PROCESS_METHOD: handler})
+
+
+def add_health_to_server(server: grpc.aio.Server, check: Callable[..., Any]) -> None:
+    """Serve `check(request, context)` as grpc.health.v1.Health/Check (unary). Watch is not registered, so gRPC
+    answers it UNIMPLEMENTED (as GIE's reference picker does)."""
+    handler = grpc.unary_unary_rpc_method_handler(check, request_deserializer=HealthCheckRequest.FromString,
+                                                  response_serializer=HealthCheckResponse.SerializeToString)
+    server.add_registered_method_handlers(HEALTH_SERVICE_NAME, {"Check": handler})
+
+
+def health_check_call(channel: grpc.aio.Channel) -> grpc.aio.UnaryUnaryMultiCallable:
+    """The client side of Health/Check on `channel` (tests, tools)."""
+    return channel.unary_unary(HEALTH_CHECK_PATH, request_serializer=HealthCheckRequest.SerializeToString,
+                               response_deserializer=HealthCheckResponse.FromString)
 
 
 def process_call(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamMultiCallable:

@@ -1,8 +1,9 @@
 """KV-cache event publishing of a simulated server, the way vLLM does it (`--kv-events-config`).
 
-Follows vLLM main commit 0181ea3 (the v0.11+ releases): ``vllm/config/kv_events.py`` (`KVEventsConfig`: the
-JSON keys, their defaults, ``publisher`` defaulting to ``"zmq"`` when events are enabled) and
-``vllm/distributed/kv_events.py`` (`ZmqEventPublisher`). The wire format is `prefixroute.kv_events`.
+Follows the vLLM 0.33.0 release: ``vllm/config/kv_events.py`` (`KVEventsConfig`: the JSON keys, their
+defaults, ``publisher`` defaulting to ``"zmq"`` when events are enabled) and ``vllm/distributed/kv_events.py``
+(`ZmqEventPublisher`). The wire format is `prefixroute.kv_events`, in its "mixed" form (what 0.33 sends: the
+batch a positional array, events tagged maps with 0.33's field set).
 
 Transport, as vLLM's publisher:
 
@@ -10,8 +11,8 @@ Transport, as vLLM's publisher:
   big-endian from 0 in this process, ``payload`` the msgpack `EventBatch`; the PUB high-water mark is ``hwm``
   (past it ZMQ drops messages for a slow subscriber, which sees a gap in ``seq``);
 - an optional ROUTER socket at ``replay_endpoint`` answers a request ``(b"", start_seq)`` with every buffered
-  ``(seq, payload)`` whose seq >= start_seq, then ``(END_SEQ, b"")``; the buffer holds the last
-  ``buffer_steps`` batches;
+  ``(topic, seq, payload)`` whose seq >= start_seq, then ``(b"", END_SEQ, b"")`` (vLLM >= 0.26's frames); the
+  buffer holds the last ``buffer_steps`` batches;
 - bind or connect: an endpoint containing ``*`` or ``::``, or an ``ipc://`` / ``inproc://`` one, is bound;
   any other is connected to (vLLM's "bind stable, connect volatile" rule), except -- this simulator's one
   deviation -- a loopback address (``tcp://127.0.0.1:5557``, ``tcp://localhost:5557``, ``tcp://[::1]:5557``),
@@ -46,7 +47,7 @@ import numpy as np
 import orjson
 import zmq
 
-from prefixroute.kv_events import END_SEQ, BlockStored, EventBatch, seq_to_bytes
+from prefixroute.kv_events import END_SEQ, BlockStored, EventBatch, encode_batch, seq_to_bytes
 
 log = logging.getLogger("prefixroute.model_server.kv_events")
 
@@ -221,7 +222,6 @@ class ZmqEventPublisher:
 
     # -- publisher thread -----------------------------------------------------------------------------
     def _run(self) -> None:
-        encode = msgspec.msgpack.Encoder().encode
         pub, replay, q = self._pub, self._replay, self._queue
         buf = self._buffer
         rank = self.data_parallel_rank
@@ -242,7 +242,7 @@ class ZmqEventPublisher:
                 break
             seq, ts, events = item
             try:
-                payload = encode(EventBatch(ts, materialize(events), rank))
+                payload = encode_batch(EventBatch(ts, materialize(events), rank))
                 pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
                 buf.append((seq, payload))
                 self.num_batches_published += 1
@@ -261,8 +261,8 @@ class ZmqEventPublisher:
         start = int.from_bytes(raw, "big")
         self.num_replay_requests += 1
         for seq, payload in [e for e in self._buffer if e[0] >= start]:
-            self._replay.send_multipart((client, b"", seq_to_bytes(seq), payload), copy=False)
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+            self._replay.send_multipart((client, b"", self._topic, seq_to_bytes(seq), payload), copy=False)
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
 _UINT32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])  # msgpack uint 32: 0xce + 4 bytes big-endian

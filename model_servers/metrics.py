@@ -1,9 +1,9 @@
 """Prometheus text exposition of one engine with vLLM's metric names (rendered on scrape; pure).
 
 Every sample carries ``model_name`` (the served model name) and ``engine="0"`` labels, like vLLM v1.
-Counters are exposed with the ``_total`` suffix and a ``# TYPE <name> counter`` family line, so
-``prometheus_client.parser.text_string_to_metric_families`` reads them as counters named without
-``_total``.
+Counters are exposed as prometheus_client (so vLLM 0.33, tests/data/engines/) writes them: samples and the
+``# HELP``/``# TYPE <name>_total counter`` lines with the ``_total`` suffix, so
+``prometheus_client.parser.text_string_to_metric_families`` reads them as counters named without ``_total``.
 
 The page ends with prometheus_client's standard process collector (``process_start_time_seconds``,
 ``process_resident_memory_bytes``, ``process_cpu_seconds_total`` ..., unlabelled), which real vLLM exposes
@@ -43,7 +43,8 @@ def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_r
         out.append(f"# HELP {name} {help_}\n# TYPE {name} gauge\n{name}{{{lbl}}} {_fmt(value)}")
 
     def counter(name: str, help_: str, value: float, extra: str = "") -> None:
-        out.append(f"# HELP {name} {help_}\n# TYPE {name} counter\n{name}_total{{{lbl}{extra}}} {_fmt(value)}")
+        out.append(f"# HELP {name}_total {help_}\n# TYPE {name}_total counter\n{name}_total{{{lbl}{extra}}} "
+                   f"{_fmt(value)}")
 
     gauge("vllm:num_requests_running", "Number of requests in model execution batches.", core.num_running)
     gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", core.num_waiting)
@@ -55,16 +56,16 @@ def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_r
     counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.num_preemptions)
     counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
     counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
-    out.append("# HELP vllm:request_success Count of successfully processed requests.\n"
-               "# TYPE vllm:request_success counter\n"
+    out.append("# HELP vllm:request_success_total Count of successfully processed requests.\n"
+               "# TYPE vllm:request_success_total counter\n"
                f'vllm:request_success_total{{{lbl},finished_reason="length"}} {_fmt(st.num_finished)}')
     counter("prefixroute:requests_aborted", "Requests dropped before finishing (client disconnect, or a client "
             "that did not read: see prefixroute:slow_client_aborts).", st.num_aborted)
     if slow_client_aborts is not None:
         name = "prefixroute:slow_client_aborts"
-        out.append(f"# HELP {name} Connections reset because their client did not read (buffer_full: over "
-                   f"max_stream_buffer_bytes buffered; stalled: write-paused for stall_timeout_s).\n"
-                   f"# TYPE {name} counter\n" + "\n".join(
+        out.append(f"# HELP {name}_total Connections reset because their client did not read (buffer_full: "
+                   f"over max_stream_buffer_bytes buffered; stalled: write-paused for stall_timeout_s).\n"
+                   f"# TYPE {name}_total counter\n" + "\n".join(
                        f'{name}_total{{{lbl},reason="{reason}"}} {_fmt(n)}'
                        for reason, n in slow_client_aborts.items()))
     counter("prefixroute:requests_failed", "Requests answered with an error (including injected faults).",

@@ -168,9 +168,15 @@ class ResponseMeta:
     call_id: str  # call_... (function calls only)
 
 
-def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int, block_size: int = 16) -> dict[str, Any]:
+    """A Responses ``usage`` as vLLM 0.33's ``ResponseUsage`` (its ``InputTokensDetails`` requires
+    ``cache_write_tokens``: the prompt tokens this request added to the prefix cache, its full blocks less what
+    was cached already; ``tool_output_tokens`` 0 without tools run by the server)."""
+    full = input_tokens // block_size * block_size if block_size > 0 else 0
+    return {"input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens,
+                                     "cache_write_tokens": max(0, full - cached_tokens)},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 
 

@@ -54,6 +54,7 @@ import signal
 import socket
 import time
 from typing import ClassVar
+from urllib.parse import unquote
 
 import httptools
 import orjson
@@ -144,7 +145,8 @@ class ServerSettings(Settings):
                                  "that holds the port across this server's restarts, so no other process can take "
                                  "it while this one is down: `prefixroute up`). -1: bind host:port.")
     seed: int = setting(0, "Seed of the fault-injection random generator (reproducible runs).")
-    log_level: str = setting("WARNING", "Python log level (per-request logs are DEBUG).")
+    log_level: str = setting("INFO", "Python log level: INFO logs start-up and rare events (a prefix-cache reset, "
+                             "an aborted slow client at WARNING); per-request logs are DEBUG.")
     kv_events_config: str = setting(
         "", "KV-cache events, as vLLM's --kv-events-config JSON: e.g. '{\"enable_kv_cache_events\": true, "
             "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
@@ -307,8 +309,8 @@ class ModelServer:
                 self.dispatch_responses(conn, method, path, body)
                 return
             route = (_ADMIN_ROUTES if conn.admin else _ROUTES).get(path)
-            if route is None:
-                raise OpenAIError(404, f"Not Found: {protocol.clip(path.decode(errors='replace'))}")
+            if route is None:  # named as decoded, like vLLM's HTTP server sees it (%2F is a slash to it)
+                raise OpenAIError(404, f"Not Found: {protocol.clip(unquote(path.decode(errors='replace')))}")
             allowed, handler = route
             if method not in allowed:
                 raise OpenAIError(405, "Method Not Allowed")
@@ -439,7 +441,7 @@ class ModelServer:
         """The completed response object of `req` and its JSON, stored when the request asked to be."""
         obj = responses.response_object(meta, status="completed", output=responses.output_items(meta, text),
                                         usage_=responses.usage(req.num_prompt_tokens, req.num_output,
-                                                               req.num_cached_tokens))
+                                                               req.num_cached_tokens, self.core.block_size))
         body = orjson.dumps(obj)
         if meta.store and self.responses is not None:
             self.responses.put(meta.response_id, messages, obj, body)
@@ -864,15 +866,16 @@ async def serve(s: ServerSettings, ready: asyncio.Future | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(app.set_refusing(not app.refusing)))
-    log.warning("model server %s listening on %s:%d profile=%s blocks=%d", app.server_id, s.host, app.port,
-                app.profile.name, app.core.config.num_gpu_blocks)
+    # Start-up lines are INFO: they report a normal event (WARNING is for what needs attention).
+    log.info("model server %s listening on %s:%d profile=%s blocks=%d", app.server_id, s.host, app.port,
+             app.profile.name, app.core.config.num_gpu_blocks)
     if app.admin_port is not None:
-        log.warning("admin listener (POST /admin/faults) on %s:%d", s.admin_host, app.admin_port)
+        log.info("admin listener (POST /admin/faults) on %s:%d", s.admin_host, app.admin_port)
         print(f"ADMIN {s.admin_host}:{app.admin_port}", flush=True)
     if app.kv_publisher is not None:
         pub = app.kv_publisher
-        log.warning("KV events: PUB %s%s topic %r", pub.endpoint,
-                    f", replay {pub.replay_endpoint}" if pub.replay_endpoint else "", pub.config.topic)
+        log.info("KV events: PUB %s%s topic %r", pub.endpoint,
+                 f", replay {pub.replay_endpoint}" if pub.replay_endpoint else "", pub.config.topic)
         print(f"KV_EVENTS {pub.endpoint}", flush=True)
         if pub.replay_endpoint:
             print(f"KV_EVENTS_REPLAY {pub.replay_endpoint}", flush=True)

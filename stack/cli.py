@@ -9,7 +9,7 @@ Starts, in order, and waits until each serves:
 4. the dashboard (`prefixroute dashboard`),
 5. with `--traffic WORKLOAD`, a steady demo load through the gateway (`prefixroute traffic`).
 
-Then prints one summary (gateway URL, dashboard URL, logs) and supervises the children
+Then prints one summary (every URL and port, the state folder, the run id) and supervises the children
 (`prefixroute.procs.Supervisor`): one that exits is restarted after 0.2 s, then with doubling delays up to
 15 s while it keeps crashing, each time with a line on stderr (which child, its exit status, the restart
 number, the delay) and another once it is ready again. A crashed model server is one endpoint down meanwhile
@@ -20,8 +20,18 @@ still stops everything (exit 1): that is a configuration to fix, not a crash to 
 Ctrl-C, SIGTERM or SIGHUP stops every child within ~10 s, the last started first
 (`prefixroute.procs.ProcessGroup`: SIGTERM to each process group, SIGKILL once `--stop-grace-s` is spent),
 leaving no process or port. Killed with SIGKILL, `up` cannot clean up, but every child has a parent-death
-signal and goes with it. A port already in use is refused before anything starts, naming the component and
-the port.
+signal and goes with it.
+
+Ports: every listener has a fixed, documented default (gateway 8080, ext_proc 9002 + k, its metrics 9464 + k,
+Envoy admin 9901, embedded NATS 4222, model servers 8001 + i, their KV events 5557 + 2i and + 2i + 1, telemetry
+OTLP 4317 and query API 4320, dashboard 8501). A port already in use is refused before anything starts, naming
+the component, the port and the flag that sets it; ``--ports random`` draws free ports for every port left at
+its default (several stacks on one host).
+
+Files: nothing in the current folder. The request store and the logs go to the state folder
+(`prefixroute.state`: ``$XDG_STATE_HOME/prefixroute`` or ``~/.local/state/prefixroute``; ``--state-dir``).
+Each start is a new run (`prefixroute.state.new_run_id`, given to the receiver, which stamps every stored
+request with it): the dashboard shows the current run by default and earlier runs on request.
 """
 
 from __future__ import annotations
@@ -38,13 +48,15 @@ from typing import ClassVar
 
 from prefixroute import identity, settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, resolve_replicas
+from prefixroute.extproc.gateway import PORT_MODES, GatewayProcesses, GatewaySettings, resolve_replicas
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.model_servers.kv_events import config_json
-from prefixroute.procs import (ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free, held_listener,
-                               http_ok, prefixroute_argv, reset_pending, stop_on_signals)
+from prefixroute.procs import (PortBusy, ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free, free_port,
+                               free_ports, held_listener, http_ok, port_in_use, prefixroute_argv, reset_pending,
+                               stop_on_signals)
 from prefixroute.settings import Settings, setting
+from prefixroute.state import DB_NAME, LOGS_NAME, ensure_dir, new_run_id, state_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +68,8 @@ class StackSettings(Settings):
                            "and affinity at once and fits a 2-core machine.")
     profile: str = setting("llama-3.1-8b-h200", "Profile of the simulated servers (see `prefixroute "
                            "model-server --help`).")
-    model_server_base_port: int = setting(8001, "First simulated server's port; server i listens on base + i.")
+    model_server_base_port: int = setting(8001, "First simulated server's port; server i listens on base + i "
+                                          "(0 = free ports).")
     model_server_time_scale: float = setting(1.0, "Multiplier on the simulated GPU's step times (1.0 = the "
                                              "calibrated H200).")
     kv_events: bool = setting(True, "The simulated servers publish vLLM KV events (ZMQ) and the router subscribes "
@@ -64,17 +77,25 @@ class StackSettings(Settings):
                               "what the servers really cached. --no-kv-events: the router learns from its own "
                               "picks and cached-token feedback only.")
     kv_events_base_port: int = setting(5557, "First simulated server's KV-event PUB port; server i publishes on "
-                                       "base + 2i and answers replays on base + 2i + 1 (vLLM's example: 5557/5558).")
+                                       "base + 2i and answers replays on base + 2i + 1 (vLLM's example: 5557/5558; "
+                                       "0 = free ports).")
     traffic: str = setting("", "Start a steady demo load of this workload (e.g. shared-prompts, multi-turn, "
                            "documents, mix); empty = no traffic.")
     traffic_rate_rps: float = setting(4.0, "Requests per second of the demo load (Poisson arrivals); 4/s keeps "
                                       "4 simulated 8B servers busy but not saturated.")
-    telemetry_port: int = setting(4317, "OTLP/gRPC port of the telemetry receiver (the OTLP standard port).")
-    telemetry_http_port: int = setting(4320, "HTTP query API port of the telemetry receiver.")
-    db: str = setting("prefixroute-telemetry.db", "SQLite file of the request store.")
+    telemetry_port: int = setting(4317, "OTLP/gRPC port of the telemetry receiver (the OTLP standard port; 0 = a "
+                                  "free port).")
+    telemetry_http_port: int = setting(4320, "HTTP query API port of the telemetry receiver (next to OTLP's "
+                                       "4317/4318; 0 = a free port).")
+    state_dir: str = setting("", "Folder for what the stack keeps between runs: the request store (telemetry.db) "
+                             "and the logs (logs/). Empty: $PREFIXROUTE_STATE_DIR, else $XDG_STATE_HOME/prefixroute, "
+                             "else ~/.local/state/prefixroute; never the current folder.")
+    db: str = setting("", "SQLite file of the request store; empty: telemetry.db in the state folder. Each start "
+                      "is a new run in it (a run id on every request): the dashboard shows the current run, earlier "
+                      "ones on request.")
     dashboard: bool = setting(True, "Start the Streamlit dashboard.")
-    dashboard_port: int = setting(8501, "Dashboard port (Streamlit's default).")
-    log_dir: str = setting("prefixroute-logs", "Folder for one log file per component.")
+    dashboard_port: int = setting(8501, "Dashboard port (Streamlit's default; 0 = a free port).")
+    log_dir: str = setting("", "Folder for one log file per component; empty: logs/ in the state folder.")
     log_level: str = setting("INFO", "Log level of the Python components (DEBUG shows per-request logs).")
     stop_grace_s: float = setting(8.0, "On Ctrl-C, how long children may take to exit before SIGKILL (the "
                                   "whole stop stays within ~10 s).")
@@ -104,6 +125,8 @@ def main(args: argparse.Namespace) -> int:
         pool_args = settings.from_namespace(PoolSettings, args)
         peers = settings.from_namespace(PeerSettings, args)
         resolve_replicas(gw.extproc_replicas)
+        if gw.ports not in PORT_MODES:
+            raise ValueError(f"--ports must be one of {', '.join(PORT_MODES)}, got {gw.ports!r}")
     except ValueError as exc:
         print(f"prefixroute up: {exc}", file=sys.stderr)
         return 2
@@ -111,35 +134,114 @@ def main(args: argparse.Namespace) -> int:
         return _run(st, gw, routing, pool_args, peers, stop)
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where one run of the stack keeps its files and listens, resolved from the settings: the state folder's
+    paths, this run's id, and every port of its own (the gateway's are `GatewayProcesses.fixed_listeners`)."""
+
+    state_dir: Path
+    db: Path
+    log_dir: Path
+    run_id: str
+    telemetry_port: int
+    telemetry_http_port: int
+    dashboard_port: int
+    server_ports: tuple[int, ...]  # simulated model servers, in index order (empty with --endpoints)
+    event_ports: tuple[int, ...]  # server i's KV-event PUB port; its replay port is the next one
+
+    def listeners(self, dashboard: bool) -> list[tuple[str, int, str]]:
+        """(component, port, flag) of every port of `up`'s own components."""
+        return [("telemetry receiver", self.telemetry_port, "--telemetry-port"),
+                ("telemetry HTTP API", self.telemetry_http_port, "--telemetry-http-port"),
+                *([("dashboard", self.dashboard_port, "--dashboard-port")] if dashboard else []),
+                *[(f"model-server-{i}", p, "--model-server-base-port") for i, p in enumerate(self.server_ports)],
+                *[(f"model-server-{i} KV events", p + k, "--kv-events-base-port")
+                  for i, p in enumerate(self.event_ports) for k in (0, 1)]]
+
+
+def resolve_layout(st: StackSettings, gw: GatewaySettings, simulated: bool) -> Layout:
+    """The paths and ports of one run (see `Layout`). Ports set to 0, and with ``--ports random`` every port still
+    at its default, are drawn free; the state folder is `st.state_dir` or `prefixroute.state.state_dir()`."""
+    random_ports = gw.ports == "random"
+    defaults = {f.name: f.default for f in dataclasses.fields(StackSettings)}
+
+    def chosen(name: str) -> int:  # 0 = draw free ports
+        v = getattr(st, name)
+        return 0 if random_ports and v == defaults[name] else v
+
+    def port(name: str) -> int:
+        return chosen(name) or free_port()
+
+    n = st.servers if simulated else 0
+    base = chosen("model_server_base_port")
+    server_ports = [base + i for i in range(n)] if base else free_ports(n)
+    event_ports: list[int] = []
+    if simulated and st.kv_events:
+        base = chosen("kv_events_base_port")
+        event_ports = [base + 2 * i for i in range(n)] if base else _free_port_pairs(n)
+    root = Path(st.state_dir).expanduser().absolute() if st.state_dir else state_dir()
+    return Layout(
+        state_dir=root,
+        db=Path(st.db).expanduser().absolute() if st.db else root / DB_NAME,
+        log_dir=Path(st.log_dir).expanduser().absolute() if st.log_dir else root / LOGS_NAME,
+        run_id=new_run_id(), telemetry_port=port("telemetry_port"), telemetry_http_port=port("telemetry_http_port"),
+        dashboard_port=port("dashboard_port"), server_ports=tuple(server_ports), event_ports=tuple(event_ports))
+
+
+def _free_port_pairs(n: int) -> list[int]:
+    """`n` ports p whose p + 1 is free too (a KV-event PUB port and its replay port)."""
+    out: list[int] = []
+    for _ in range(100 * max(1, n)):
+        if len(out) == n:
+            break
+        p = free_port()
+        if p < 65535 and p + 1 not in out and not port_in_use(p + 1):
+            out.append(p)
+    if len(out) < n:
+        raise PortBusy(f"found no {n} pairs of adjacent free ports for the KV events")
+    return out
+
+
 def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_args: PoolSettings,
          peers: PeerSettings, stop: dict[str, int | None]) -> int:
-    log_dir = Path(st.log_dir).resolve()
+    simulated = not (pool_args.endpoints or pool_args.endpoints_file)
+    try:
+        lay = resolve_layout(st, gw, simulated)
+    except PortBusy as exc:
+        print(f"prefixroute up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    log_dir = lay.log_dir
     group = ProcessGroup(log_dir, ready_timeout_s=st.start_timeout_s, grace_s=st.stop_grace_s)
     gateway: GatewayProcesses | None = None
     try:
-        simulated = not (pool_args.endpoints or pool_args.endpoints_file)
-        server_ports = [st.model_server_base_port + i for i in range(st.servers)] if simulated else []
-        events = simulated and st.kv_events
-        event_ports = [st.kv_events_base_port + 2 * i for i in range(len(server_ports))] if events else []
-        check_ports_free([("gateway", gw.port), ("telemetry receiver", st.telemetry_port),
-                          ("telemetry HTTP API", st.telemetry_http_port),
-                          *([("dashboard", st.dashboard_port)] if st.dashboard else []),
-                          *[(f"model-server-{i}", p) for i, p in enumerate(server_ports)],
-                          *[(f"model-server-{i} KV events", p + k) for i, p in enumerate(event_ports) for k in (0, 1)]])
-        print(f"prefixroute up: starting (logs in {log_dir})", flush=True)
+        server_ports, event_ports = lay.server_ports, lay.event_ports
+        events = bool(event_ports)
+        pool = dataclasses.replace(pool_args, endpoints=tuple(
+            f"127.0.0.1:{p}" + (f"@tcp://127.0.0.1:{event_ports[i]}" if events else "")
+            for i, p in enumerate(server_ports))) if simulated else pool_args
+        if events and not routing.tokenizer:
+            routing = dataclasses.replace(routing, tokenizer="sim")  # the simulated servers' own tokenizer
         # The receiver takes spans only with a token drawn for this run (anyone on the host can reach
         # loopback): the router gets it in the standard OTLP headers variable, users in a 0600 file.
         telemetry_token = secrets.token_urlsafe(24)
-        log_dir.mkdir(parents=True, exist_ok=True)
+        # Built now (nothing starts yet) so that its ports are checked with ours, before anything starts. Envoy's
+        # own record of each request goes to the receiver too (kept when the router's never comes).
+        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group, peers=peers,
+                                   records_to=(f"127.0.0.1:{lay.telemetry_port}", telemetry_token))
+        check_ports_free([*gateway.fixed_listeners(), *lay.listeners(st.dashboard)])
+        print(f"prefixroute up: starting run {lay.run_id} (state in {lay.state_dir})", flush=True)
+        ensure_dir(log_dir)
+        ensure_dir(lay.db.parent)
         token_path = log_dir / "telemetry.token"
         token_path.touch(mode=0o600)
         token_path.chmod(0o600)
         token_path.write_text(telemetry_token + "\n")
-        group.start("telemetry", prefixroute_argv("telemetry", "--port", str(st.telemetry_port), "--http-port",
-                                                  str(st.telemetry_http_port), "--db", st.db),
+        group.start("telemetry", prefixroute_argv("telemetry", "--port", str(lay.telemetry_port), "--http-port",
+                                                  str(lay.telemetry_http_port), "--db", str(lay.db),
+                                                  "--run-id", lay.run_id, "--log-level", st.log_level),
                     env={"PREFIXROUTE_TELEMETRY_AUTH_TOKEN": telemetry_token},
-                    ports=(st.telemetry_port, st.telemetry_http_port),
-                    ready=lambda: http_ok(f"http://127.0.0.1:{st.telemetry_http_port}/healthz"))
+                    ports=(lay.telemetry_port, lay.telemetry_http_port),
+                    ready=lambda: http_ok(f"http://127.0.0.1:{lay.telemetry_http_port}/healthz"))
         # Each server proves it is the one started here (prefixroute.identity): the router, its readiness check
         # and the supervisor's restarts pass over a process that took a crashed server's port.
         identity_key = identity.new_key() if simulated else ""  # real servers cannot answer: no check
@@ -158,32 +260,25 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
             ready=lambda p=port: identity.http_proves(f"http://127.0.0.1:{p}", identity_key),
             env={identity.KEY_ENV: identity_key}, pass_fds=(listeners[i].fileno(),), wait=False)
             for i, port in enumerate(server_ports)])
-        pool = dataclasses.replace(pool_args, endpoints=tuple(
-            f"127.0.0.1:{p}" + (f"@tcp://127.0.0.1:{event_ports[i]}" if events else "")
-            for i, p in enumerate(server_ports))) if simulated else pool_args
-        if events and not routing.tokenizer:
-            routing = dataclasses.replace(routing, tokenizer="sim")  # the simulated servers' own tokenizer
         # The ext_proc child inherits these: standard OTLP settings pointing at our receiver.
         if "OTEL_EXPORTER_OTLP_ENDPOINT" not in os.environ:
-            os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{st.telemetry_port}"
+            os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{lay.telemetry_port}"
             os.environ["OTEL_EXPORTER_OTLP_HEADERS"] = f"authorization=Bearer%20{telemetry_token}"
         os.environ.setdefault("OTEL_SERVICE_NAME", "prefixroute-router")
         os.environ.setdefault("PREFIXROUTE_LOG_LEVEL", st.log_level)
         # Envoy and ext_proc join the stack's group: watched like the others, stopped in start order reversed.
-        # Envoy's own record of each request goes to the receiver too (kept when the router's never comes).
-        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group, peers=peers,
-                                   records_to=(f"127.0.0.1:{st.telemetry_port}", telemetry_token)).start()
+        gateway.start()
         if st.dashboard:
             router_metrics = (["--router-metrics-url", f"http://127.0.0.1:{gateway.metrics_port}/metrics"]
                               if gateway.metrics_port and gateway.metrics_port > 0 else [])
-            group.start("dashboard", prefixroute_argv("dashboard", "--db", st.db, "--port", str(st.dashboard_port),
-                                                      *router_metrics),
-                        ports=(st.dashboard_port,),
-                        ready=lambda: http_ok(f"http://127.0.0.1:{st.dashboard_port}/_stcore/health"))
+            group.start("dashboard", prefixroute_argv("dashboard", "--db", str(lay.db), "--port",
+                                                      str(lay.dashboard_port), *router_metrics),
+                        ports=(lay.dashboard_port,),
+                        ready=lambda: http_ok(f"http://127.0.0.1:{lay.dashboard_port}/_stcore/health"))
         if st.traffic:
             group.start("traffic", prefixroute_argv("traffic", "--gateway", gateway.url, "--workload", st.traffic,
                                                     "--rate-rps", str(st.traffic_rate_rps)))
-        _summary(st, gateway, pool, simulated, log_dir)
+        _summary(st, lay, gateway, pool, simulated)
         supervisor = Supervisor(group, RestartPolicy(ready_timeout_s=st.start_timeout_s), label="prefixroute up")
         servers = [p for p in group.procs if p.name.startswith("model-server-")]
         while True:
@@ -195,7 +290,7 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
     except Stopped:
         print("prefixroute up: stopping", flush=True)
         return 0
-    except (RuntimeError, OSError) as exc:  # StartupError, PortBusy, no Envoy binary, an unwritable log dir
+    except (RuntimeError, OSError, ValueError) as exc:  # StartupError, PortBusy, no Envoy binary, unwritable dirs
         print(f"prefixroute up: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
@@ -209,27 +304,38 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
             print(f"prefixroute up: stopped in {time.monotonic() - t0:.1f} s", flush=True)
 
 
-def _summary(st: StackSettings, gateway: GatewayProcesses, pool: PoolSettings, simulated: bool,
-             log_dir: Path) -> None:
+def _span(ports: tuple[int, ...] | list[int]) -> str:
+    """Ports as a short text: 8001-8004 when contiguous, else comma-separated."""
+    ps = sorted(ports)
+    if len(ps) > 1 and ps == list(range(ps[0], ps[0] + len(ps))):
+        return f"{ps[0]}-{ps[-1]}"
+    return ",".join(map(str, ps))
+
+
+def _summary(st: StackSettings, lay: Layout, gateway: GatewayProcesses, pool: PoolSettings, simulated: bool) -> None:
+    """What `up` prints once everything serves: every URL and port, the state folder and the run id."""
     eps = ", ".join(pool.endpoints) if pool.endpoints else pool.endpoints_file
+    events = (f"; KV events on {_span([p + k for p in lay.event_ports for k in (0, 1)])}" if lay.event_ports else "")
+    metrics = (" ".join(f"http://127.0.0.1:{p}/metrics" for p in gateway.metrics_ports)
+               if gateway.metrics_port and gateway.metrics_port > 0 else "off")
+    peers = (f", sharing picks through {gateway.peers_url}" if gateway.num_replicas > 1 and gateway.peers_url else "")
     lines = [
         "",
-        "prefixroute is up",
+        f"prefixroute is up (run {lay.run_id})",
         f"  gateway     {gateway.url}   (OpenAI API: POST {gateway.url}/v1/chat/completions)",
-        f"  endpoints   {eps}" + (f"   ({st.servers} simulated {st.profile})" if simulated else ""),
-        f"  router      {gateway.num_replicas} ext_proc replica(s)"
-        + (f", sharing picks through {gateway.peers_url}" if gateway.num_replicas > 1 and gateway.peers_url else ""),
-        f"  policy      {gateway.routing.policy}   (router metrics: "
-        f"{'http://127.0.0.1:%d/metrics' % gateway.metrics_port if gateway.metrics_port and gateway.metrics_port > 0 else 'off'})",
-        f"  dashboard   http://127.0.0.1:{st.dashboard_port}" if st.dashboard else "  dashboard   (off)",
-        f"  telemetry   OTLP grpc://127.0.0.1:{st.telemetry_port} (bearer token in {log_dir}/telemetry.token), "
-        f"store {st.db}, "
-        f"`prefixroute telemetry dump --db {st.db} --since 60`",
+        f"  endpoints   {eps}" + (f"   ({st.servers} simulated {st.profile}{events})" if simulated else ""),
+        f"  router      {gateway.num_replicas} ext_proc replica(s) on 127.0.0.1:{_span(gateway.extproc_ports)}"
+        f"{peers}, Envoy admin 127.0.0.1:{gateway.admin_port}",
+        f"  policy      {gateway.routing.policy}   (router metrics: {metrics})",
+        f"  dashboard   http://127.0.0.1:{lay.dashboard_port}" if st.dashboard else "  dashboard   (off)",
+        f"  telemetry   OTLP grpc://127.0.0.1:{lay.telemetry_port}, query API http://127.0.0.1:{lay.telemetry_http_port}"
+        f" (bearer token in {lay.log_dir}/telemetry.token)",
+        f"  state       {lay.state_dir}   (store {lay.db}: `prefixroute telemetry dump --db {lay.db} --since 60`)",
         f"  traffic     {st.traffic} at {st.traffic_rate_rps:g} req/s" if st.traffic else
         f"  traffic     none; try: curl {gateway.url}/v1/chat/completions -H 'content-type: application/json' "
         "-d '{\"model\": \"meta-llama/Llama-3.1-8B-Instruct\", \"messages\": [{\"role\": \"user\", "
         "\"content\": \"hello\"}]}'",
-        f"  logs        {log_dir}/<component>.log",
+        f"  logs        {lay.log_dir}/<component>.log",
         "Ctrl-C stops everything.",
         "",
     ]

@@ -61,6 +61,8 @@ async def _run(st: TrafficSettings) -> int:
 
     model = st.model or _first_model(st.gateway)
     d = BenchSettings()
+    print(f"prefixroute traffic: {st.workload} at {st.rate_rps:g} req/s to {st.gateway} (model {model}), "
+          f"{st.requests_per_round} requests per round", flush=True)
     round_no = 0
     while not st.rounds or round_no < st.rounds:
         wl = workloads.make_workload(

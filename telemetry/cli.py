@@ -109,6 +109,7 @@ import orjson
 
 from prefixroute import settings
 from prefixroute.settings import Settings, setting
+from prefixroute.state import default_db, ensure_dir, new_run_id
 from prefixroute.telemetry.store import DEFAULT_MAX_BYTES
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # = receiver.DEFAULT_MAX_MESSAGE_BYTES (grpc not imported here)
@@ -126,8 +127,12 @@ class ReceiverSettings(Settings):
     port: int = setting(4317, "OTLP/gRPC port (4317 is the OTLP standard port, so SDK defaults reach it).")
     http_host: str = setting("", "Address of the HTTP query API; empty: the same as --host (so a receiver on a "
                                  "private container network serves its dashboard there).")
-    db: str = setting("prefixroute-telemetry.db", "SQLite file of the request store (created if absent; WAL files "
-                                                  "sit beside it).")
+    db: str = setting("", "SQLite file of the request store (created if absent; WAL files sit beside it); empty: "
+                          "telemetry.db in the state folder ($PREFIXROUTE_STATE_DIR, else $XDG_STATE_HOME/prefixroute, "
+                          "else ~/.local/state/prefixroute), where the dashboard looks by default.")
+    run_id: str = setting("", "Run id written into every request stored, so the dashboard can show one run apart "
+                              "from earlier ones in the same store (`prefixroute up` gives one per start); empty: "
+                              "a new one per receiver start (UTC start time + 4 hex digits).")
     http_port: int = setting(4320, "Port of the HTTP JSON query API for the dashboard and `dump --url` "
                                    "(next to OTLP's 4317/4318); -1 disables it, 0 picks a free port.")
     max_age_s: float = setting(86400.0, "Retention: rows older than this are deleted (a day covers a benchmark "
@@ -233,7 +238,7 @@ def dump(args: argparse.Namespace) -> int:
             token = settings.from_namespace(ReceiverSettings, args).resolved_token()
             reader = HttpStoreClient(args.dump_url, token=token)
         else:
-            db = args.dump_db or settings.from_namespace(ReceiverSettings, args).db
+            db = args.dump_db or settings.from_namespace(ReceiverSettings, args).db or default_db()
             reader = StoreReader(db)
         out = sys.stdout.buffer
         with reader:
@@ -256,11 +261,14 @@ async def _serve(cfg: ReceiverSettings, tls: object = None, token: str | None = 
     from prefixroute.telemetry.receiver import Receiver
 
     http_host = cfg.http_host or cfg.host
-    receiver = Receiver(cfg.db, host=cfg.host, port=cfg.port, http_port=None if cfg.http_port < 0 else cfg.http_port,
+    db, run_id = cfg.db or default_db(), cfg.run_id or new_run_id()
+    if not cfg.db:
+        ensure_dir(os.path.dirname(db))  # the state folder: owner-only when we create it
+    receiver = Receiver(db, host=cfg.host, port=cfg.port, http_port=None if cfg.http_port < 0 else cfg.http_port,
                         http_host=http_host, max_age_s=cfg.max_age_s, max_rows=cfg.max_rows, max_bytes=cfg.max_bytes,
                         retention_interval_s=cfg.retention_interval_s, max_pending_batches=cfg.max_pending_batches,
                         max_pending_bytes=cfg.max_pending_bytes, max_message_bytes=cfg.max_message_bytes,
-                        tls=tls, auth_token=token,  # type: ignore[arg-type]
+                        tls=tls, auth_token=token, run_id=run_id,  # type: ignore[arg-type]
                         envoy_record_hold_s=cfg.envoy_record_hold_s)
     try:
         await receiver.start()
@@ -274,8 +282,8 @@ async def _serve(cfg: ReceiverSettings, tls: object = None, token: str | None = 
     security = ", ".join(x for x in ("mTLS" if tls and tls.client_ca_file else "TLS" if tls else "",
                                      "bearer token" if token else "") if x) or "no TLS, no token"
     # One parseable line so scripts and tests can find the bound ports (0 = pick a free port).
-    print(f"prefixroute telemetry: OTLP/gRPC on {cfg.host}:{receiver.port}{http}, store {cfg.db} "
-          f"({security})", flush=True)
+    print(f"prefixroute telemetry: OTLP/gRPC on {cfg.host}:{receiver.port}{http}, store {db} "
+          f"(run {run_id}; {security})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -79,8 +79,18 @@ class HttpStoreClient:
     def ttft_predictions(self, window_s: float, *, now: float | None = None) -> dict[str, Any]:
         return self._get("/api/ttft_predictions", window_s=window_s, now=now)
 
-    def recent_requests(self, limit: int = 100, *, endpoint: str | None = None) -> list[dict[str, Any]]:
-        return self._get("/api/recent", limit=limit, endpoint=endpoint)
+    def recent_requests(self, limit: int = 100, *, endpoint: str | None = None,
+                        run_id: str | None = None) -> list[dict[str, Any]]:
+        return self._get("/api/recent", limit=limit, endpoint=endpoint, run_id=run_id)
+
+    def runs(self) -> list[dict[str, Any]]:
+        """`StoreReader.runs`; [] from a receiver older than run ids (no such route)."""
+        try:
+            return self._get("/api/runs")
+        except TelemetryUnavailable as exc:
+            if "HTTP 404" in str(exc):
+                return []
+            raise
 
     def iter_requests(self, since_s: float, *, now: float | None = None) -> Iterator[dict[str, Any]]:
         yield from self._get("/api/requests", since_s=since_s, now=now)

@@ -11,7 +11,8 @@ OpenAI error format, a missing store -> 503, an unknown route -> 404):
     /api/histogram?window_s=300&column=ttft_ms[&bin_width=10&num_bins=30] -> StoreReader.histogram
     /api/ttft_predictions?window_s=300                 -> StoreReader.ttft_predictions
     /api/requests?since_s=60                           -> StoreReader.iter_requests (oldest first), JSON array
-    /api/recent?limit=100[&endpoint=host:port]         -> StoreReader.recent_requests (newest first)
+    /api/recent?limit=100[&endpoint=host:port][&run_id=ID] -> StoreReader.recent_requests (newest first)
+    /api/runs                                          -> StoreReader.runs (newest first)
     /api/request?trace_id=HEX(required)[&span_id=HEX]  -> StoreReader.request (404 when absent)
     /api/stats                                         -> receiver counters + num_requests in the store
     /healthz                                           -> {"status": "ok"}
@@ -91,7 +92,10 @@ def query(reader: StoreReader, path: str, q: dict[str, list[str]]) -> Any:
         limit = _num(q, "limit", 100, kind=int)
         if limit < 1 or limit > 10000:
             raise _BadRequest("limit must be in 1..10000", "limit")
-        return reader.recent_requests(limit, endpoint=(q.get("endpoint") or [None])[-1])
+        return reader.recent_requests(limit, endpoint=(q.get("endpoint") or [None])[-1],
+                                      run_id=(q.get("run_id") or [None])[-1])
+    if path == "/api/runs":
+        return reader.runs()
     if path == "/api/request":
         trace_id = (q.get("trace_id") or [None])[-1]
         if not trace_id:

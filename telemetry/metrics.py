@@ -188,11 +188,16 @@ KV_EVENT_STATS: tuple[tuple[str, str, str], ...] = (
     ("num_batches", "prefixroute_kv_events_batches", "KV-event batches applied to the index."),
     ("num_events", "prefixroute_kv_events", "KV events (BlockStored/BlockRemoved/AllBlocksCleared) applied."),
     ("num_gaps", "prefixroute_kv_events_gaps", "Sequence gaps seen (messages lost between publisher and router)."),
-    ("num_replays", "prefixroute_kv_events_replays", "Gaps filled from the publisher's replay socket."),
+    ("num_replays", "prefixroute_kv_events_replays", "Replay requests sent to the publisher's replay socket "
+     "(subscribing, reconnects, gaps)."),
     ("num_clears", "prefixroute_kv_events_index_clears", "Times the endpoint's events index was cleared: "
      "AllBlocksCleared, a publisher restart, or a gap replay could not fill."),
     ("num_decode_errors", "prefixroute_kv_events_decode_errors", "Event messages that did not decode (dropped)."),
+    ("num_unknown_events", "prefixroute_kv_events_unknown_events", "Events of a type no engine release defines "
+     "(skipped; the rest of their batch applied)."),
     ("last_seq", "prefixroute_kv_events_last_sequence", "Last sequence number applied."),
+    ("tokens_verified", "prefixroute_kv_events_tokens_verified", "1 once a request routed to the endpoint found its "
+     "first token block among the blocks its events stored (the server tokenizes as the router does), else 0."),
     ("blocks", "prefixroute_kv_event_index_blocks", "Blocks the endpoint's KV events say it holds (the events "
      "index)."),
 )
@@ -204,17 +209,32 @@ def _index_families(info: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
     source = GaugeMetricFamily("prefixroute_index_source_info", "Where the prefix index learns what the endpoint "
                                "holds: events (its KV events), feedback (the router's picks corrected by cached "
                                "tokens), approximate (the router's picks), none.", labels=["endpoint", "source"])
+    state = GaugeMetricFamily("prefixroute_kv_events_state", "1 for the state of the endpoint's KV events: live "
+                              "(matched by them), syncing, down, undecodable, block_size_mismatch, token_mismatch "
+                              "(all but live: matched by the router's own index, feedback).",
+                              labels=["endpoint", "state"])
+    media = CounterMetricFamily("prefixroute_kv_events_other_media_blocks", "Blocks the endpoint's KV events "
+                                "stored or removed on a medium other than the GPU (CPU offload, disk: counted, "
+                                "not indexed).", labels=["endpoint", "medium", "event"])
     fams: dict[str, Any] = {}
     for key, name, help_ in KV_EVENT_STATS:
-        cls = GaugeMetricFamily if key in ("connected", "last_seq", "blocks") else CounterMetricFamily
+        cls = GaugeMetricFamily if key in ("connected", "last_seq", "blocks", "tokens_verified") else \
+            CounterMetricFamily
         fams[key] = cls(name, help_, labels=["endpoint"])
     for ep, d in info.items():
         source.add_metric([str(ep), str(d.get("source", ""))], 1.0)
+        if d.get("events_state"):
+            state.add_metric([str(ep), str(d["events_state"])], 1.0)
+        for event, key in (("stored", "stored_blocks_by_medium"), ("removed", "removed_blocks_by_medium")):
+            for medium, n in (d.get(key) or {}).items():  # type: ignore[union-attr]
+                media.add_metric([str(ep), str(medium), event], float(n))
         for key, fam in fams.items():
             v = d.get(key)
             if v is not None:
                 fam.add_metric([str(ep)], float(v))
     yield source
+    yield state
+    yield media
     yield from fams.values()
 
 

@@ -494,7 +494,8 @@ class Receiver:
                  max_bytes: int = DEFAULT_MAX_BYTES, retention_interval_s: float = 10.0,
                  max_pending_batches: int = 1024, max_pending_bytes: int = 256 << 20,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ServerTls | None = None,
-                 auth_token: str | None = None, envoy_record_hold_s: float = ENVOY_RECORD_HOLD_S) -> None:
+                 auth_token: str | None = None, run_id: str | None = None,
+                 envoy_record_hold_s: float = ENVOY_RECORD_HOLD_S) -> None:
         self.db_path = db_path
         self.host, self.port = host, port
         self.http_host, self.http_port = http_host or host, http_port
@@ -502,7 +503,8 @@ class Receiver:
         self.max_message_bytes = max_message_bytes
         self.tls = tls
         self.auth_token = auth_token or None
-        self._store_args = {"max_age_s": max_age_s, "max_rows": max_rows, "max_bytes": max_bytes}
+        # run_id: stamped on every stored request (store.py: the runs table).
+        self._store_args = {"max_age_s": max_age_s, "max_rows": max_rows, "max_bytes": max_bytes, "run_id": run_id}
         self._writer_args = {"retention_interval_s": retention_interval_s, "max_pending_batches": max_pending_batches,
                              "max_pending_bytes": max_pending_bytes, "envoy_record_hold_s": envoy_record_hold_s}
         self.writer: StoreWriter | None = None

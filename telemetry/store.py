@@ -30,14 +30,22 @@ Schema (table ``requests``; the record fields are those of `records.RequestRecor
     path                TEXT
     service_name        TEXT                  -- resource service.name of the sender
     attrs               TEXT NOT NULL         -- JSON object: every span + resource attribute (drill-down)
+    run_id              TEXT                  -- the run of the stack that stored it (NULL: stored before v4)
     UNIQUE (trace_id, span_id)                -- an OTLP retry re-sending a batch replaces, never duplicates
 
-    indexes: requests_start_time (start_time), requests_endpoint_start (endpoint, start_time)
+    indexes: requests_start_time (start_time), requests_endpoint_start (endpoint, start_time),
+             requests_run_start (run_id, start_time)
+
+Table ``runs`` (run_id TEXT PRIMARY KEY, started_at REAL): one row per run, added when a writer opens the
+file with its `run_id` (`prefixroute up` draws one per start and gives it to the receiver, which keeps it
+across its own restarts; a receiver started alone draws its own). `StoreReader.runs` lists them with
+their requests' time span, so a reader can show one run: the store has one writer at a time, so runs do
+not overlap in time and a run's rows are the rows of its time span.
 
 Schema versions (meta ``schema_version``): 2 added predicted_ttft_ms, alternative_endpoint and
-alternative_ttft_ms; 3 added index_source. Opening a version-1 file with `TelemetryStore` adds the missing columns in place
-(ALTER TABLE ADD COLUMN: old rows read NULL, nothing is rewritten); a `StoreReader` on a file no writer
-has upgraded yet reads those columns as NULL.
+alternative_ttft_ms; 3 added index_source; 4 added run_id and the runs table. Opening an older file with
+`TelemetryStore` adds the missing columns in place (ALTER TABLE ADD COLUMN: old rows read NULL, nothing is
+rewritten); a `StoreReader` on a file no writer has upgraded yet reads those columns as NULL.
 
 A request is *refused* when ``400 <= status < 500`` (the client's fault: bad input, unknown model,
 too large, not allowed; `error` then holds the refusal message) and an *error* when it was not refused
@@ -77,7 +85,7 @@ from typing import Any
 
 from prefixroute.telemetry.records import RECORD_FIELDS, RequestRecord
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -118,15 +126,16 @@ CREATE TABLE IF NOT EXISTS requests (
 CREATE INDEX IF NOT EXISTS requests_start_time ON requests(start_time);
 CREATE INDEX IF NOT EXISTS requests_endpoint_start ON requests(endpoint, start_time);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, started_at REAL NOT NULL);
 """
 
 # Columns added after schema version 1, in the order they were added (name, SQL type): `TelemetryStore`
 # adds the missing ones to an older file; `StoreReader` reads a missing one as NULL.
 ADDED_COLUMNS: tuple[tuple[str, str], ...] = (
     ("predicted_ttft_ms", "REAL"), ("alternative_endpoint", "TEXT"), ("alternative_ttft_ms", "REAL"),
-    ("index_source", "TEXT"))
+    ("index_source", "TEXT"), ("run_id", "TEXT"))
 
-ROW_COLUMNS: tuple[str, ...] = RECORD_FIELDS + ("end_time", "service_name", "attrs")
+ROW_COLUMNS: tuple[str, ...] = RECORD_FIELDS + ("end_time", "service_name", "attrs", "run_id")
 _INSERT = (f"INSERT OR REPLACE INTO requests ({', '.join(ROW_COLUMNS)}) "
            f"VALUES ({', '.join(':' + c for c in ROW_COLUMNS)})")
 # Columns returned for one request (dump / recent requests): the record fields + end_time.
@@ -169,12 +178,14 @@ class TelemetryStore:
     """The single writer. Not thread-safe: use from one thread (the receiver's writer thread).
 
     `max_age_s` / `max_rows` / `max_bytes` bound the store (<= 0 disables that limit); enforced by
-    `enforce_retention`.
+    `enforce_retention`. `run_id`: recorded in ``runs`` (started now, unless that run is already there) and
+    written into every row inserted that carries none (None: rows keep what they carry).
     """
 
     def __init__(self, path: str | os.PathLike, *, max_age_s: float = 86400.0, max_rows: int = 500_000,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, run_id: str | None = None) -> None:
         self.path = os.fspath(path)
+        self.run_id = run_id or None
         self.max_age_s = max_age_s
         self.max_rows = max_rows
         self.max_bytes = max_bytes
@@ -201,6 +212,9 @@ class TelemetryStore:
         self._conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
         self._conn.executescript(_SCHEMA)
         self._migrate()
+        if self.run_id is not None:
+            self._conn.execute("INSERT OR IGNORE INTO runs(run_id, started_at) VALUES (?, ?)",
+                               (self.run_id, time.time()))
 
     def _migrate(self) -> None:
         """Bring an older file to SCHEMA_VERSION: add the columns it lacks (one transaction; another
@@ -210,6 +224,8 @@ class TelemetryStore:
             for name, sql_type in ADDED_COLUMNS:
                 if name not in have:
                     self._conn.execute(f"ALTER TABLE requests ADD COLUMN {name} {sql_type}")
+            # After the column exists (an older file gains it just above).
+            self._conn.execute("CREATE INDEX IF NOT EXISTS requests_run_start ON requests(run_id, start_time)")
             self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)",
                                (str(SCHEMA_VERSION),))
 
@@ -218,6 +234,9 @@ class TelemetryStore:
         rows = [_complete_row(r) for r in rows]
         if not rows:
             return 0
+        if self.run_id is not None:
+            for r in rows:
+                r["run_id"] = r["run_id"] or self.run_id
         with _transaction(self._conn):
             self._conn.executemany(_INSERT, rows)
         return len(rows)
@@ -248,6 +267,10 @@ class TelemetryStore:
                     "LIMIT -1 OFFSET ?)", (self.max_rows,)).rowcount
         if self.max_bytes > 0:
             deleted += self._enforce_bytes()
+        if deleted:
+            with _transaction(self._conn):  # runs left without a row, except the one being written
+                self._conn.execute("DELETE FROM runs WHERE run_id IS NOT :own AND NOT EXISTS "
+                                   "(SELECT 1 FROM requests WHERE requests.run_id = runs.run_id)", {"own": self.run_id})
         return deleted
 
     def _enforce_bytes(self) -> int:
@@ -544,9 +567,21 @@ class StoreReader:
                 FROM requests WHERE start_time >= :t0 AND start_time <= :t1 AND {column} IS NOT NULL
                 GROUP BY bin_start ORDER BY bin_start""", w | {"bw": float(bin_width)})
 
-    def recent_requests(self, limit: int = 100, *, endpoint: str | None = None) -> list[dict[str, Any]]:
-        """The newest `limit` requests (record fields + end_time), newest first; `endpoints` as a list."""
-        where, params = ("WHERE endpoint = ?", (endpoint, limit)) if endpoint else ("", (limit,))
+    def recent_requests(self, limit: int = 100, *, endpoint: str | None = None,
+                        run_id: str | None = None) -> list[dict[str, Any]]:
+        """The newest `limit` requests (record fields + end_time), newest first; `endpoints` as a list. With
+        `endpoint` / `run_id`: only that endpoint's / run's (a file without run ids has no run's rows)."""
+        conds, values = [], []
+        if endpoint:
+            conds.append("endpoint = ?")
+            values.append(endpoint)
+        if run_id:
+            if "run_id" not in self.columns():
+                return []
+            conds.append("run_id = ?")
+            values.append(run_id)
+        where = ("WHERE " + " AND ".join(conds)) if conds else ""
+        params = (*values, limit)
         return [_record_row(r) for r in self._conn.execute(
             f"SELECT {self._record_select()} FROM requests {where} ORDER BY start_time DESC, id DESC LIMIT ?", params)]
 
@@ -604,6 +639,27 @@ class StoreReader:
     def num_requests(self) -> int:
         """Rows in the store (all time)."""
         return self._conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+
+    def runs(self) -> list[dict[str, Any]]:
+        """The runs in the store, newest first. A row: run_id, started_at (when its writer opened the store),
+        num_requests, first_start_time and last_start_time (its requests' span; None without requests).
+        Requests stored before run ids existed form one more run, run_id None and started_at its first
+        request, when there are any. [] for a file no writer of schema 4 has opened (no run known).
+        Index lookups per run (requests_run_start), not a scan of the table."""
+        tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "runs" not in tables or "run_id" not in self.columns():
+            return []
+        out = self._rows(
+            """SELECT run_id, started_at,
+                      (SELECT COUNT(*) FROM requests q WHERE q.run_id = r.run_id) AS num_requests,
+                      (SELECT MIN(start_time) FROM requests q WHERE q.run_id = r.run_id) AS first_start_time,
+                      (SELECT MAX(start_time) FROM requests q WHERE q.run_id = r.run_id) AS last_start_time
+               FROM runs r ORDER BY started_at DESC, run_id DESC""")
+        legacy = self._rows("SELECT COUNT(*) AS num_requests, MIN(start_time) AS first_start_time, "
+                            "MAX(start_time) AS last_start_time FROM requests WHERE run_id IS NULL")[0]
+        if legacy["num_requests"]:
+            out.append({"run_id": None, "started_at": legacy["first_start_time"], **legacy})
+        return out
 
 
 def _nice_width(raw: float) -> float:

@@ -3,7 +3,15 @@
 `parse_metrics` does not tokenise the whole exposition (a vLLM /metrics payload is tens of KB of histograms):
 it searches the payload (bytes.find, C speed) for the few metric names it needs at a line start and parses
 only those lines. Several samples of one gauge (data-parallel engines, several models) are summed for counts
-and averaged for ratios.
+and averaged for ratios; a sample with a non-empty ``priority`` label is a per-priority breakdown beside the
+total (SGLang 0.5.23 with priority scheduling: the total under ``priority=""``) and is not added in.
+
+The names, checked against the releases' own metrics code (tests/data/engines/, README "Engine releases
+checked"): vLLM 0.33 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+(``vllm:gpu_cache_usage_perc`` before 0.10), ``vllm:cache_config_info`` (labels ``block_size``,
+``num_gpu_blocks``); SGLang 0.5.23 ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+``sglang:token_usage``, and for the KV capacity (it has no cache_config_info) ``sglang:page_size`` and
+``sglang:num_pages``.
 
 Restart detection (`restart_reason`, pure; the pool compares each scrape with the endpoint's previous one,
 however long ago, so a restart while the endpoint was unreachable is caught at its first scrape back):
@@ -28,6 +36,8 @@ RUNNING_NAMES = (b"vllm:num_requests_running", b"sglang:num_running_reqs")
 WAITING_NAMES = (b"vllm:num_requests_waiting", b"sglang:num_queue_reqs")
 KV_USAGE_NAMES = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc", b"sglang:token_usage")
 CACHE_CONFIG_NAME = b"vllm:cache_config_info"
+SGLANG_PAGE_SIZE_NAME = b"sglang:page_size"
+SGLANG_NUM_PAGES_NAME = b"sglang:num_pages"
 START_TIME_NAME = b"process_start_time_seconds"
 COUNTER_NAMES = (b"vllm:prompt_tokens_total", b"vllm:generation_tokens_total", b"vllm:request_success_total",
                  b"vllm:prefix_cache_queries_total", b"sglang:prompt_tokens_total", b"sglang:generation_tokens_total")
@@ -84,9 +94,16 @@ def _value(line: bytes) -> float | None:
     return v if v == v else None  # NaN = no value
 
 
+def _is_breakdown(line: bytes) -> bool:
+    """A per-priority sample (``priority="<n>"``) beside the total (``priority=""``, or no such label)."""
+    i = line.find(b'priority="')
+    return i >= 0 and line[i + 10:i + 11] != b'"' and (i == 0 or line[i - 1:i] in (b"{", b","))
+
+
 def _gauge(data: bytes, names: Iterable[bytes]) -> list[float]:
     for name in names:
-        vals = [v for v in map(_value, _samples(data, name)) if v is not None]
+        vals = [v for v in (_value(line) for line in _samples(data, name) if not _is_breakdown(line))
+                if v is not None]
         if vals:
             return vals
     return []
@@ -108,6 +125,10 @@ def parse_metrics(data: bytes) -> ScrapedMetrics:
         if nb > 0 and bs > 0:
             num_gpu_blocks = (num_gpu_blocks or 0) + nb  # several engines: capacities add up
             block_size = bs
+    if block_size is None:  # SGLang: its page size and page count
+        pages, size = _gauge(data, (SGLANG_NUM_PAGES_NAME,)), _gauge(data, (SGLANG_PAGE_SIZE_NAME,))
+        if pages and size and size[0] > 0 and sum(pages) > 0:
+            num_gpu_blocks, block_size = int(sum(pages)), int(size[0])
     start = _gauge(data, (START_TIME_NAME,))
     totals = []
     for name in COUNTER_NAMES:

@@ -35,8 +35,26 @@ Invariants (tested in tests/unit/kv_events/test_kv_events_index.py against a bru
 - `match` is *not* prefix-closed: a server may still hold a block whose parent was evicted (vLLM frees a
   sequence's blocks tail first, yet a later request can re-store a parent's child), so it counts consecutive
   leading blocks one by one (C-level ``takewhile``, stops at the first miss), never by binary search.
-- Only blocks of the configured ``block_size`` (the router's ``kv_block_tokens``), on the GPU (medium None or
-  "GPU"), in KV-cache group 0 (or None) are indexed; others are skipped and counted, never mixed in.
+- Only blocks on the GPU (medium None or "GPU"; `kv_events.GPU_MEDIA`), in KV-cache group 0 (or None), with
+  content (not a placeholder: vLLM 0.33's offloading connector stores hashes without tokens) and of the
+  configured ``block_size`` (the router's ``kv_block_tokens``) are indexed; others are skipped and counted
+  (in that order of tests: a CPU placeholder is a skipped block, not a block-size mismatch), never mixed in.
+- The salt of a prompt's first block: SGLang's ``cache_salt`` field when present, else vLLM's extra keys (above).
+
+Mismatch detectors (cheap, read by the KV-events link to stop trusting an endpoint's events):
+- `block_size_mismatch`: the latest GPU store's block size, when it is not the router's (the router hashes
+  ``kv_block_tokens``-token blocks: none of that publisher's blocks can ever match).
+- `tokens_unverified`: the router tokenizes and hashes requests itself; if the server tokenizes differently
+  (another tokenizer, chat template or BOS handling), no stored block ever equals a request's block. Every
+  request routed to an endpoint (`note_routed`, one dict lookup) *verifies* the endpoint when its first block is
+  held there (it was stored before) or becomes held there later (the server stored it: `_store` looks the head
+  up among the endpoint's recently routed first blocks). An endpoint that stored blocks yet none of the last
+  ``min_requests`` requests routed there (over at least ``min_age_s``) verified it is reported. Verification
+  restarts with the endpoint's entries (`clear_endpoint`).
+
+For a tier-aware index built on the same events (issue 25): `router_hash_of` gives the router hash of a server
+hash this endpoint holds on the GPU (a CPU/STORAGE event's ``parent_block_hash`` names its GPU ancestor), and the
+subscriber passes every decoded batch, all media and placeholders included, to its ``on_batch`` hook.
 
 Not thread-safe: use from one thread (the router's event loop), except `num_blocks_by_endpoint` and
 `counters_by_endpoint`, readable from the metrics thread like `PrefixIndex.num_entries_by_endpoint`.
@@ -47,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import takewhile
@@ -58,12 +77,13 @@ import xxhash
 from prefixroute.extproc.routing.prefix_index import drop_holder
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_bytes, token_seed_for
 from prefixroute.extproc.routing.types import BlockHash, EndpointId
-from prefixroute.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventsDecodeError,
-                                   block_hash_int)
+from prefixroute.kv_events import (GPU_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
+                                   KVEventsDecodeError, block_hash_int)
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _MASK64 = (1 << 64) - 1
-_GPU_MEDIA = (None, "GPU", "gpu")
+_GPU_MEDIA = GPU_MEDIA
+_PENDING_FIRSTS = 256  # first blocks of requests routed to an unverified endpoint, kept to verify it by its stores
 _extras_encoder = msgspec.msgpack.Encoder()
 
 
@@ -77,13 +97,15 @@ class IndexCounters:
     num_unknown_removed_blocks: int = 0  # removals of hashes not held (orphans, before subscribing, lost)
     num_block_size_mismatch_blocks: int = 0  # stored blocks of another block size than configured
     num_skipped_blocks: int = 0  # stored blocks on another medium (CPU offload) or KV-cache group
+    num_placeholder_blocks: int = 0  # GPU stores without content (no token ids / block size 0)
     num_malformed_events: int = 0  # token ids not len(block_hashes) x block_size, bad hashes
     num_all_cleared: int = 0  # AllBlocksCleared events applied
     num_clears: int = 0  # clear_endpoint calls (AllBlocksCleared included)
 
 
 class _Endpoint:
-    __slots__ = ("s2r", "refs", "held", "heads", "block_size_seen", "counters")
+    __slots__ = ("s2r", "refs", "held", "heads", "block_size_seen", "counters", "verified", "pending",
+                 "num_routed_unverified", "first_routed_s")
 
     def __init__(self) -> None:
         self.s2r: dict[int, BlockHash] = {}  # server hash -> router hash
@@ -92,6 +114,10 @@ class _Endpoint:
         self.heads: set[BlockHash] = set()  # held router hashes that start a prompt (mirror of _heads)
         self.block_size_seen: int | None = None
         self.counters = IndexCounters()
+        self.verified = False  # a request's block was found stored here (module docstring: tokens_unverified)
+        self.pending: dict[BlockHash, None] = {}  # first blocks of requests routed here while unverified
+        self.num_routed_unverified = 0
+        self.first_routed_s: float | None = None
 
 
 def _split_extra_keys(keys: Any, lora_name: str | None, first_of_prompt: bool) -> tuple[str | None, list]:
@@ -187,6 +213,66 @@ class KVEventIndex:
     def endpoints(self) -> list[EndpointId]:
         return list(self._eps)
 
+    def server_hashes(self, endpoint: EndpointId) -> set[int]:
+        """The server block hashes (`block_hash_int`) `endpoint` holds on the GPU, as far as its events said
+        (a copy; O(blocks))."""
+        st = self._eps.get(endpoint)
+        return set(st.s2r) if st else set()
+
+    def router_hash_of(self, endpoint: EndpointId, server_hash: Any) -> BlockHash | None:
+        """The router hash of a server block hash `endpoint` holds on the GPU (int or bytes, as published);
+        None when it does not hold it."""
+        st = self._eps.get(endpoint)
+        if st is None:
+            return None
+        try:
+            return st.s2r.get(block_hash_int(server_hash))
+        except KVEventsDecodeError:
+            return None
+
+    # --- mismatch detectors (module docstring) -------------------------------------------------------------
+    def block_size_mismatch(self, endpoint: EndpointId) -> int | None:
+        """The block size of `endpoint`'s latest GPU store when it is not `block_size`, else None."""
+        st = self._eps.get(endpoint)
+        if st is None or st.block_size_seen is None or st.block_size_seen == self.block_size:
+            return None
+        return st.block_size_seen
+
+    def note_routed(self, endpoint: EndpointId, first_block: BlockHash, now_s: float | None = None) -> None:
+        """A request whose first token block hashes to `first_block` was routed to `endpoint` (call once per
+        routed request; O(1), returns at once for a verified endpoint). `now_s`: time.monotonic() (read here
+        when None, once per unverified period)."""
+        st = self._eps.get(endpoint)
+        if st is None or st.verified:
+            return
+        if first_block in st.held:
+            st.verified = True
+            st.pending = {}
+            return
+        pending = st.pending
+        pending[first_block] = None
+        if len(pending) > _PENDING_FIRSTS:
+            del pending[next(iter(pending))]
+        st.num_routed_unverified += 1
+        if st.first_routed_s is None:
+            st.first_routed_s = time.monotonic() if now_s is None else now_s
+
+    def tokens_unverified(self, endpoint: EndpointId, now_s: float, *, min_requests: int = 16,
+                          min_age_s: float = 10.0) -> int:
+        """How many requests were routed to `endpoint` without any of them finding its blocks stored there,
+        when the endpoint holds blocks, at least `min_requests` were routed and the first at least `min_age_s`
+        ago (time for the server to compute and publish them); else 0."""
+        st = self._eps.get(endpoint)
+        if st is None or st.verified or not st.s2r or st.num_routed_unverified < min_requests:
+            return 0
+        if st.first_routed_s is None or now_s - st.first_routed_s < min_age_s:
+            return 0
+        return st.num_routed_unverified
+
+    def is_verified(self, endpoint: EndpointId) -> bool:
+        st = self._eps.get(endpoint)
+        return st is not None and st.verified
+
     # --- updates -------------------------------------------------------------------------------------------
     def apply_batch(self, endpoint: EndpointId, batch: EventBatch) -> None:
         """Apply every event of `batch` to `endpoint`, in order."""
@@ -243,6 +329,7 @@ class KVEventIndex:
         self._drop_heads(endpoint, st.heads)
         # Fresh dicts rather than .clear(): a reader on another thread iterating the old ones stays valid.
         st.s2r, st.refs, st.held, st.heads = {}, {}, {}, set()
+        st.verified, st.pending, st.num_routed_unverified, st.first_routed_s = False, {}, 0, None
 
     def remove_endpoint(self, endpoint: EndpointId) -> None:
         """Forget `endpoint` entirely (it left the pool): its blocks and its counters."""
@@ -265,12 +352,15 @@ class KVEventIndex:
         n = len(ev.block_hashes)
         if n == 0:
             return
+        if ev.medium not in _GPU_MEDIA or ev.group_idx not in (None, 0):
+            c.num_skipped_blocks += n
+            return
+        if ev.block_size <= 0 or len(ev.token_ids) == 0:  # (token ids may be a numpy array in-process)
+            c.num_placeholder_blocks += n
+            return
         st.block_size_seen = ev.block_size
         if ev.block_size != self.block_size:
             c.num_block_size_mismatch_blocks += n
-            return
-        if ev.medium not in _GPU_MEDIA or ev.group_idx not in (None, 0):
-            c.num_skipped_blocks += n
             return
         bs = ev.block_size
         if len(ev.token_ids) != n * bs:
@@ -297,6 +387,8 @@ class KVEventIndex:
                     if rest:
                         folds[i] = rest
         if parent is None:
+            if ev.cache_salt is not None:  # SGLang names the salt (vLLM puts it in extra_keys)
+                salt = ev.cache_salt
             seed = token_seed_for(lora, salt)
         else:
             seed = st.s2r.get(parent)
@@ -329,6 +421,9 @@ class KVEventIndex:
         c.num_stored_blocks += n
         if parent is None:
             r0 = routed[0]
+            if not st.verified and r0 in st.pending:  # a request routed here had this first block
+                st.verified = True
+                st.pending = {}
             if r0 in held:
                 st.heads.add(r0)
                 holders = self._heads.get(r0)
@@ -411,5 +506,5 @@ def _pieces(ev: BlockStored, size: int, block_size: int) -> Iterator[BlockStored
                           token_ids=ev.token_ids[i * block_size:(i + size) * block_size], block_size=ev.block_size,
                           lora_id=ev.lora_id, medium=ev.medium, lora_name=ev.lora_name, extra_keys=extra,
                           group_idx=ev.group_idx, kv_cache_spec_kind=ev.kv_cache_spec_kind,
-                          kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window)
+                          kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window, cache_salt=ev.cache_salt)
         parent = hashes[-1]

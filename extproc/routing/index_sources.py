@@ -7,7 +7,8 @@ show the server held less than predicted: `router.RouterCore.on_usage`). Both ar
 `block_hashes` (token blocks when the router tokenizes, text blocks otherwise), so one `match` merges them.
 
 Invariants: an events endpoint never has entries in the own index (`RouterCore` records picks only for the
-others), so merging is a dict union without conflicts; `source_of` names the source every endpoint's match
+others), so merging is a dict union without conflicts; the events index's entries of an endpoint not in
+`event_endpoints` (its events not trusted now: syncing, down, undecodable, mismatched) are never returned; `source_of` names the source every endpoint's match
 came from. Not thread-safe (the router's event loop), except `sources`, a copy.
 """
 
@@ -55,6 +56,12 @@ class SourcedIndex:
         ev = self.events.match(block_hashes)
         if not ev:
             return own
+        if not ev.keys() <= self.event_endpoints:
+            # The events index also holds endpoints not matched by events now (syncing, down, undecodable:
+            # a partial or stale view): their matches come from the own index only.
+            ev = {ep: n for ep, n in ev.items() if ep in self.event_endpoints}
+            if not ev:
+                return own
         if not own:
             return ev
         merged = dict(own)

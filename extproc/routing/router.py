@@ -73,6 +73,7 @@ class RouterCore:
                "auto": index_sources.FEEDBACK}[src]
         self.sourced = SourcedIndex(self.index, event_index, own_source=own)
         self.event_index = event_index
+        self._note_routed = getattr(event_index, "note_routed", None)  # KVEventIndex's tokenization check
         self.hit_stats: dict[EndpointId, HitRatioStats] = {}
         self._ceiling: dict[EndpointId, int] = {}  # feedback: LRU capacity ceiling (from the scrape)
         self._fb_capacity: dict[EndpointId, float] = {}  # feedback: the current learned capacity
@@ -136,6 +137,9 @@ class RouterCore:
         primary = decision.endpoints[0]
         if request.block_hashes and self._records(primary):
             self.index.record(request.block_hashes, primary)
+        if self._note_routed is not None and request.block_hashes and request.num_prompt_tokens is not None:
+            # Lets the events index check the server hashes tokens as the router does (token_mismatch).
+            self._note_routed(primary, request.block_hashes[0], now_s)
         if sessions is not None:
             sessions.record(request.tenant, skey, primary, request.block_hashes, now_s)  # type: ignore[arg-type]
         return decision

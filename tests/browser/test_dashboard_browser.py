@@ -2,7 +2,12 @@
 
 Checks what a user sees: the live page renders its charts with data, the hit rate it shows equals
 the one computed from `prefixroute telemetry dump` over the same window, every endpoint of the run
-appears, and new traffic shows up by the live refresh without a page reload. The "Predicted vs actual
+appears, and new traffic shows up by the live refresh without a page reload. The figures agree with each
+other and with the fleet (one balance figure in the tile and the header, the fair share over the real
+endpoints, requests refused by the router shown as unrouted, not as an endpoint; KV usage with a decimal from
+the router's real /metrics), and nothing is cut off at 1,280 px or at 1,920 px: every KPI label and value and
+every cell of the endpoint table shows its whole text (measured in the DOM: no element's content wider than
+its box), and the table fits its column. The "Predicted vs actual
 TTFT" panel first says plainly that no decision carries a prediction (the run's first requests are
 routed as by a policy without a time model), then, once requests with predictions arrive, shows per
 endpoint the medians and the error computed from the dump. A full-page screenshot
@@ -131,14 +136,17 @@ def test_dashboard_shows_a_real_run_in_chromium(tmp_path):
         fleet = RealFleet(stack, tmp_path, num_servers=3)
         fleet.router = fleet.time_model = TimeModel(fleet.router)
         fleet.send(num_groups=6, per_group=4, spread_s=6.0)
+        fleet.record_refused(NUM_REFUSED)
+        metrics_url = start_router_metrics(stack, fleet.endpoints)
         port = free_port()
         stack.enter_context(start_process(
-            prefixroute_cmd("dashboard", "--db", str(fleet.db), "--port", str(port), "--refresh-s", "1"),
+            prefixroute_cmd("dashboard", "--db", str(fleet.db), "--port", str(port), "--refresh-s", "1",
+                            "--router-metrics-url", metrics_url),
             ready_url=f"http://127.0.0.1:{port}/_stcore/health", timeout_s=60, log_dir=tmp_path / "logs",
             name="dashboard"))
         expected_hit, rows = dump_hit_ratio(fleet.db)
         assert len(rows) == fleet.num_sent
-        served = {r["endpoint"] for r in rows}
+        served = {r["endpoint"] for r in rows} - {None}
         assert served <= set(fleet.endpoints) and len(served) >= 2
 
         with sync_playwright() as p:
@@ -166,6 +174,10 @@ def _check_page(browser, fleet: RealFleet, port: int, expected_hit: float, serve
     body = page.inner_text("body")
     for endpoint in served:  # legends, share chart and table name every endpoint that served requests
         assert endpoint in body
+    _check_figures_agree(page, fleet)
+    for width in (1280, 1920):
+        _check_nothing_cut_off(page, width)
+    page.set_viewport_size({"width": 1500, "height": 2500})
     assert re.search(r"TTFT p50\s+[\d.,]+ ms", body)
     # No decision so far carried a predicted TTFT: the panel says so instead of drawing empty charts.
     panel = page.locator(".st-key-ttft-predictions")
@@ -188,6 +200,7 @@ def _check_page(browser, fleet: RealFleet, port: int, expected_hit: float, serve
     shot = artifacts_dir() / "dashboard-live.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 20_000
+    _check_screenshot_command(port)
 
     # Drill-down: open Requests, click the newest row, see that request's span attributes.
     page.get_by_text("Requests", exact=True).click()
@@ -202,6 +215,108 @@ def _check_page(browser, fleet: RealFleet, port: int, expected_hit: float, serve
     attrs_text = page.locator('[data-testid="stJson"]').nth(1).inner_text()
     assert "prefixroute.reason" in attrs_text and "gen_ai.request.model" in attrs_text
     page.screenshot(path=str(artifacts_dir() / "dashboard-request.png"), full_page=True)
+
+
+NUM_REFUSED = 5
+KV_BLOCKS_USED, KV_BLOCKS = 500, 70_000  # "0.7 %", not "0 %"
+
+
+def start_router_metrics(stack: ExitStack, endpoints: list[str]) -> str:
+    """The router's real Prometheus /metrics (RouterMetrics over endpoint states, as its pool reports them), for
+    the table's live columns; returns its URL."""
+    from prefixroute.extproc.routing.types import EndpointId, EndpointState
+    from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
+
+    states = tuple(EndpointState(EndpointId(ep), healthy=True, kv_cache_usage_ratio=KV_BLOCKS_USED / KV_BLOCKS * (i + 1),
+                                 num_requests_running=i, num_requests_waiting=0) for i, ep in enumerate(endpoints))
+    server = start_metrics_server(RouterMetrics(endpoint_states=lambda: states), 0)
+    stack.callback(server.server_close)
+    stack.callback(server.shutdown)
+    return f"http://127.0.0.1:{server.server_address[1]}/metrics"
+
+
+def _check_figures_agree(page, fleet: RealFleet) -> None:
+    """One balance figure; the fair share over the fleet's endpoints; the refused requests as unrouted; KV usage
+    with a decimal."""
+    main = page.inner_text('[data-testid="stMain"]')
+    tile = _metric(page, "Balance")
+    header = re.search(r"Share of routed requests · balance (\S+×)", main)
+    assert header and header.group(1) == tile, (tile, header)
+    _, rows = dump_hit_ratio(fleet.db)
+    routed = [r["endpoint"] for r in rows if r["endpoint"]]
+    counts = {ep: routed.count(ep) for ep in fleet.endpoints}
+    assert tile == f"{max(counts.values()) / len(routed) * len(fleet.endpoints):.2f}×", (tile, counts)
+    fair = page.locator(".st-key-chart-share svg text", has_text="fair share").text_content()
+    assert fair == f"fair share {100 / len(fleet.endpoints):.1f} %", fair
+    assert f"Unrouted: {NUM_REFUSED} requests" in page.locator(".st-key-unrouted").inner_text()
+    table, live = _table(page, "endpoint-table"), _table(page, "endpoint-live-table")
+    assert sorted(table) == sorted(live) == sorted(fleet.endpoints), table  # one row per endpoint, none unrouted
+    assert [table[ep]["requests"] for ep in fleet.endpoints] == [str(counts[ep]) for ep in fleet.endpoints]
+    assert live[fleet.endpoints[0]]["KV usage"] == "0.7\u00a0%", live  # 500 blocks of 70,000: not "0 %"
+
+
+def _table(page, key: str) -> dict[str, dict[str, str]]:
+    """A table of the page (container key `key`) as {first cell: {header: cell text}}."""
+    rows = page.evaluate(f"""() => [...document.querySelectorAll('.st-key-{key} tr')]
+        .map(tr => [...tr.querySelectorAll('th, td')].map(c => c.innerText.trim()))""")
+    heads, body = rows[0], rows[1:]
+    return {r[0]: dict(zip(heads, r)) for r in body}
+
+
+# Every element whose content is wider than its box, among the KPI tiles, the endpoint tables and the sidebar's
+# selectors (text cut or ellipsised), the tables' own width against their column, and every chart text that lies
+# outside its chart.
+_CUT_OFF_JS = """() => {
+  const out = [];
+  const sel = ['[data-testid="stMetric"]', '[data-testid="stMetric"] *', '.st-key-endpoint-table',
+               '.st-key-endpoint-table *', '.st-key-endpoint-live-table', '.st-key-endpoint-live-table *',
+               '[data-testid="stSidebar"] [data-baseweb="select"] *'].join(', ');
+  for (const el of document.querySelectorAll(sel)) {
+    if (!el.clientWidth || !el.innerText || !el.innerText.trim()) continue;
+    if (el.scrollWidth > el.clientWidth + 1)
+      out.push(`${el.tagName}.${el.getAttribute('data-testid') || ''} "${el.innerText.trim().slice(0, 40)}" `
+               + `${el.scrollWidth} > ${el.clientWidth}`);
+  }
+  // Chart texts (axis labels, legends, the fair-share label) inside their chart: Vega clips what lies outside
+  // (3 px of slack: a rotated axis title's glyph box starts 2 px left of the chart, its ink inside).
+  for (const svg of document.querySelectorAll('[data-testid="stMain"] svg.marks')) {
+    const box = svg.getBoundingClientRect();
+    for (const t of svg.querySelectorAll('text')) {
+      const r = t.getBoundingClientRect();
+      if (r.width && t.textContent.trim() && (r.left < box.left - 3 || r.right > box.right + 3))
+        out.push(`chart text "${t.textContent.trim().slice(0, 40)}" ${Math.round(r.left - box.left)}..`
+                 + `${Math.round(r.right - box.left)} outside 0..${Math.round(box.width)}`);
+    }
+  }
+  return out;
+}"""
+
+
+def _check_nothing_cut_off(page, width: int) -> None:
+    page.set_viewport_size({"width": width, "height": 2500})
+    page.wait_for_timeout(1500)  # Streamlit lays the columns out again
+    assert page.locator('[data-testid="stSidebar"]').is_visible()  # the narrow case keeps the sidebar open
+    metrics = page.locator('[data-testid="stMetric"]')
+    assert metrics.count() >= 8
+    assert page.locator(".st-key-endpoint-table td").count() >= 3 * 11  # every column of both tables
+    assert page.locator(".st-key-endpoint-live-table td").count() >= 3 * 5  # index: only with a real pool
+    cut = page.evaluate(_CUT_OFF_JS)
+    assert cut == [], (width, cut)
+
+
+def _check_screenshot_command(port: int) -> None:
+    """`prefixroute dashboard-screenshot` (the README's way to a real picture) captures the drawn page, not the
+    loading skeleton Chromium's own --screenshot gets: a full page much taller than its viewport."""
+    import struct
+
+    out = artifacts_dir() / "dashboard-1280.png"
+    out.unlink(missing_ok=True)
+    done = subprocess.run(prefixroute_cmd("dashboard-screenshot", "--url", f"http://127.0.0.1:{port}", "--width",
+                                          "1280", "--height", "800", "--out", str(out), "--chromium", CHROMIUM),
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    width, height = struct.unpack(">II", out.read_bytes()[16:24])  # the PNG header's IHDR
+    assert width == 1280 and height > 2500, (width, height)  # every section drawn, far below the first 800 px
 
 
 def _check_prediction_panel(page, fleet: RealFleet) -> None:

@@ -51,7 +51,7 @@ def start_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, *, fail
                   ) -> GatewayProcesses:
     """Start Envoy + ext_proc in front of `endpoints` (logs in `log_dir`/envoy.log, extproc.log)."""
     gw = GatewayProcesses(
-        GatewaySettings(port=free_port(), extproc_replicas=1, listen_address="127.0.0.1", failure_mode=failure_mode,
+        GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1", failure_mode=failure_mode,
                         envoy_log_level="info"),
         RoutingSettings(max_body_bytes=MAX_BODY_BYTES),
         PoolSettings(endpoints=tuple(endpoints), **(pool_overrides or {})),

@@ -28,7 +28,7 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 def gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, *, replicas: int = 1,
             routing: RoutingSettings | None = None, **gateway_settings) -> GatewayProcesses:  # noqa: ANN003
     gw = GatewayProcesses(
-        GatewaySettings(port=free_port(), extproc_replicas=replicas, listen_address="127.0.0.1",
+        GatewaySettings(port=free_port(), ports="random", extproc_replicas=replicas, listen_address="127.0.0.1",
                         **gateway_settings),
         routing or RoutingSettings(), PoolSettings(endpoints=tuple(endpoints)), log_dir=log_dir, peers=PeerSettings())
     stack.enter_context(gw)

@@ -3,9 +3,10 @@
 Contract (what the router's subscriber relies on, `prefixroute.kv_events`):
 - PUB (an XPUB here, identical on the wire, so a test can wait until a subscriber is there) sends multipart
   ``(topic, seq, payload)``: ``seq`` 8-byte big-endian from `start_seq` (0, like a fresh vLLM process).
-- ROUTER replay socket: a request ``[identity, b"", start_seq]`` gets every buffered ``(seq, payload)`` with
-  ``seq >= start_seq`` as ``[identity, b"", seq, payload]``, then ``[identity, b"", END_SEQ, b""]``. The buffer
-  keeps the last `buffer_steps` batches. Serviced by a background thread, so the test's event loop (where the
+- ROUTER replay socket: a request ``[identity, b"", start_seq]`` gets every buffered batch with
+  ``seq >= start_seq`` as ``[identity, b"", topic, seq, payload]`` then ``[identity, b"", b"", END_SEQ, b""]``
+  (vLLM >= 0.26, SGLang 0.5.23), or with ``replay_topic=False`` as ``[identity, b"", seq, payload]`` then
+  ``[identity, b"", END_SEQ, b""]`` (vLLM <= 0.25). The buffer keeps the last `buffer_steps` batches. Serviced by a background thread, so the test's event loop (where the
   subscriber runs) is never needed to answer.
 - Test knobs: ``publish(..., send=False)`` numbers and buffers a batch without sending it (a lost message, a
   gap the replay can fill); `forget_before` drops buffered batches (a gap it cannot fill); ``replay_delay_s``
@@ -42,12 +43,13 @@ def _bind(sock: zmq.Socket, port: int, timeout_s: float = 5.0) -> None:
 class KVPublisher:
     def __init__(self, pub_port: int | None = None, replay_port: int | None = None, *, topic: str = "kv-events",
                  buffer_steps: int = 10_000, replay: bool = True, start_seq: int = 0,
-                 replay_delay_s: float = 0.0) -> None:
+                 replay_delay_s: float = 0.0, replay_topic: bool = True) -> None:
         ports = free_ports(2)
         self.pub_port = pub_port or ports[0]
         self.replay_port = replay_port or ports[1]
         self.topic = topic.encode()
         self.replay_delay_s = replay_delay_s
+        self.replay_topic = replay_topic
         self.next_seq = start_seq
         self._ctx = zmq.Context()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -127,9 +129,10 @@ class KVPublisher:
                 time.sleep(self.replay_delay_s)
             with self._lock:
                 batches = [(s, p) for s, p in self._buffer if s >= start]
+            head = [ident, b"", self.topic] if self.replay_topic else [ident, b""]
             for s, p in batches:
-                self._router.send_multipart([ident, b"", seq_to_bytes(s), p])
-            self._router.send_multipart([ident, b"", END_SEQ, b""])
+                self._router.send_multipart([*head, seq_to_bytes(s), p])
+            self._router.send_multipart([*head[:2], *([b""] if self.replay_topic else []), END_SEQ, b""])
 
     def close(self) -> None:
         self._stop.set()

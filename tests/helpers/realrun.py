@@ -133,6 +133,18 @@ class RealFleet:
             cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
             stream=True, status=status, path=CHAT_PATH))
 
+    def record_refused(self, n: int) -> None:
+        """Record `n` requests the router refused before choosing an endpoint (a 400 for a missing 'messages'),
+        as the servicer records its refusals: no endpoint, status and message; returns once they are stored."""
+        for _ in range(n):
+            self.recorder.record(RequestRecord(
+                trace_id=secrets.token_hex(16), span_id=secrets.token_hex(8), start_time=time.time(),
+                request_id=secrets.token_hex(8), model=MODEL, policy=self.routing.policy, status=400,
+                error="'messages' is required", path=CHAT_PATH, latency_ms=0.5))
+        self.num_sent += n
+        assert self.recorder.force_flush(20.0), "recorder did not flush"
+        self.wait_stored(self.num_sent)
+
     def send(self, *, num_groups: int = 6, per_group: int = 4, spread_s: float = 0.0, concurrency: int = 4,
              first_question: int = 0) -> int:
         """Send num_groups x per_group requests (shared system prompt per group), starts spread evenly over

@@ -112,7 +112,7 @@ class LocalStack:
         self.server_ports = _contiguous_free(num_servers)
         self.log_dir = tmp_path / "logs"
         self.db = tmp_path / "telemetry.db"
-        self.argv = [sys.executable, "-m", "prefixroute", "up", "--servers", str(num_servers),
+        self.argv = [sys.executable, "-m", "prefixroute", "up", "--servers", str(num_servers), "--ports", "random",
                      "--no-dashboard", "--port", str(self.gateway_port),
                      "--telemetry-port", str(self.telemetry_port), "--telemetry-http-port", str(self.telemetry_http_port),
                      "--extproc-port", str(self.extproc_port), "--admin-port", str(self.admin_port),

@@ -72,7 +72,7 @@ def test_gateway_command_serves_and_stops_both_children_on_sigterm(stack: ExitSt
     fleet = start_fleet(stack, 2, log_dir, prefix="g")
     port = free_port()
     proc = stack.enter_context(start_process(
-        prefixroute_cmd("gateway", "--port", str(port), "--endpoints", ",".join(fleet.endpoints)),
+        prefixroute_cmd("gateway", "--port", str(port), "--ports", "random", "--endpoints", ",".join(fleet.endpoints)),
         ready_url=f"http://127.0.0.1:{port}/v1/models", log_dir=log_dir, name="gateway", timeout_s=30))
     status, body = http_get(f"http://127.0.0.1:{port}/v1/models")
     assert status == 200 and MODEL.encode() in body

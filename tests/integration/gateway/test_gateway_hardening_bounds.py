@@ -47,8 +47,8 @@ def canary() -> Iterator[Canary]:
 def start_gateway(stack: ExitStack, endpoints: tuple[str, ...], log_dir: Path, routing: RoutingSettings | None = None,
                   **envoy: object) -> GatewayProcesses:
     # Envoy's admin on loopback (read-only paths: /stats, /memory) for the counters these tests read.
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), extproc_replicas=1, listen_address="127.0.0.1",
-                                          envoy_log_level="info", envoy_admin="loopback"),
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1,
+                                          listen_address="127.0.0.1", envoy_log_level="info", envoy_admin="loopback"),
                           routing or RoutingSettings(), PoolSettings(endpoints=endpoints), log_dir=log_dir,
                           envoy_overrides=envoy)
     stack.enter_context(gw)

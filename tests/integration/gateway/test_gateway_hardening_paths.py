@@ -75,7 +75,7 @@ def assert_refused(reply: Reply | None, target: str) -> None:
 
 def start_gateway(stack: ExitStack, canary: Canary, log_dir: Path, *, failure_mode: str = "open",
                   envoy: dict | None = None) -> GatewayProcesses:
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), extproc_replicas=1, listen_address="127.0.0.1", failure_mode=failure_mode,
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1", failure_mode=failure_mode,
                                           envoy_log_level="info"),
                           RoutingSettings(), PoolSettings(endpoints=(canary.endpoint,)), log_dir=log_dir,
                           envoy_overrides=envoy)
@@ -132,9 +132,28 @@ def test_refusals_come_from_envoy_without_calling_ext_proc(gateway: GatewayProce
     assert reply is not None and reply.status == 404
     assert reply.json_error()["type"] == "NotFoundError"
     assert "x-gateway-destination-endpoint-served" not in reply.headers
-    # Escaped slashes are refused outright (400), not decoded and re-matched.
-    reply = send(gateway.gateway.port, request("GET", "/v1/models/a%2Fb"))
-    assert reply is not None and reply.status == 400 and "path_normalization_failed" in reply.json_error()["message"]
+    # A path Envoy cannot normalise (a NUL) is refused in OpenAI JSON, in words, not forwarded.
+    before = len(canary.seen)
+    reply = send(gateway.gateway.port, request("GET", "/v1/models/a%00b"))
+    assert reply is not None and reply.status == 400 and "cannot be normalised" in reply.json_error()["message"]
+    assert len(canary.seen) == before
+
+
+@pytest.mark.parametrize(("target", "forwarded"), [
+    ("/v1/models/meta-llama%2FLlama-3.1-8B-Instruct", "/v1/models/meta-llama/Llama-3.1-8B-Instruct"),
+    ("/v1/models/meta-llama%2fLlama-3.1-8B-Instruct", "/v1/models/meta-llama/Llama-3.1-8B-Instruct"),
+    ("/v1/models/org%5Cmodel", "/v1/models/org/model"),
+    ("/v1/responses/resp_1%2Finput_items", "/v1/responses/resp_1/input_items"),
+])
+def test_escaped_slashes_are_decoded_then_matched_and_forwarded_as_matched(
+        gateway: GatewayProcesses, canary: Canary, target: str, forwarded: str) -> None:
+    # A model id with a slash, as the OpenAI SDK sends it: decoded before normalising and matching, and the endpoint
+    # receives the very path that was matched (what a vLLM server sees when called directly: its HTTP server
+    # decodes %2F before routing).
+    before = len(canary.seen)
+    reply = send(gateway.gateway.port, request("GET", target))
+    assert reply is not None and reply.status == 200, reply
+    assert [s.target for s in canary.seen[before:]] == [forwarded]
 
 
 def test_private_paths_never_reach_an_endpoint_with_ext_proc_down_fail_open(

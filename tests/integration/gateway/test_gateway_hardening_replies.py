@@ -36,7 +36,7 @@ ENVOY_REPLIES = {
     "content-length and chunked": (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-length: 3\r\n"
                                    b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n", 400, "chunked"),
     "space before colon": (b"GET /v1/models HTTP/1.1\r\nhost : g\r\n\r\n", 400, "codec"),
-    "escaped slash": (request("GET", "/v1/models/a%2Fb"), 400, "path_normalization"),
+    "path that cannot be normalised": (request("GET", "/v1/models/a%00b"), 400, "cannot be normalised"),
     "unknown transfer-encoding": (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ntransfer-encoding: gzip\r\n\r\n",
                                   501, "transfer_encoding"),
     "HTTP/1.0": (b"GET /v1/models HTTP/1.0\r\n\r\n", 426, "HTTP/1.0"),
@@ -67,7 +67,7 @@ def canary() -> Iterator[Canary]:
 def gateway(canary: Canary, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcesses]:
     with ExitStack() as stack:
         gw = GatewayProcesses(
-            GatewaySettings(port=free_port(), extproc_replicas=1, listen_address="127.0.0.1", envoy_log_level="info"),
+            GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1", envoy_log_level="info"),
             RoutingSettings(max_body_bytes=MAX_BODY), PoolSettings(endpoints=(canary.endpoint,)),
             log_dir=tmp_path_factory.mktemp("replies-gateway"), envoy_overrides={"upstream_timeout_s": 1.0})
         stack.enter_context(gw)
@@ -86,7 +86,7 @@ def test_envoy_own_replies_are_openai_json(gateway: GatewayProcesses, name: str)
 
 
 def test_request_timeouts_are_openai_json(stack: ExitStack, canary: Canary, tmp_path) -> None:  # noqa: ANN001
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), extproc_replicas=1, listen_address="127.0.0.1"), RoutingSettings(),
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1"), RoutingSettings(),
                           PoolSettings(endpoints=(canary.endpoint,)), log_dir=tmp_path,
                           envoy_overrides={"request_timeout_s": 1.0, "request_headers_timeout_s": 0.5})
     stack.enter_context(gw)
@@ -121,3 +121,29 @@ def test_an_ordinary_request_still_routes(gateway: GatewayProcesses, canary: Can
     reply = send(gateway.gateway.port, request("POST", "/v1/chat/completions", CHAT))
     assert reply is not None and reply.status == 200
     assert json.loads(reply.body)["path"] == "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(("endpoint", "words"), [
+    # No endpoint resolves: the cluster has no host (Envoy: no_healthy_upstream, flag UH).
+    ("no-such-host.invalid:8000", "No healthy endpoint"),
+    # The endpoint refuses the connection (flag UF).
+    ("127.0.0.1:{closed}", "refused or dropped the connection"),
+])
+def test_no_endpoint_replies_are_openai_json_with_retry_after(tmp_path, endpoint: str, words: str) -> None:  # noqa: ANN001
+    # Envoy alone (the ext_proc filter off: its round-robin route), so the 503 is Envoy's own, not the router's.
+    from prefixroute.extproc.envoy_config import EnvoySettings, render
+    from prefixroute.extproc.gateway import envoy_binary
+    from prefixroute.procs import ProcessGroup, http_ok, tcp_open
+
+    port, admin, closed = free_port(), free_port(), free_port()
+    config = tmp_path / "envoy.yaml"
+    config.write_text(render(EnvoySettings(gateway_port=port, admin_port=admin, listen_address="127.0.0.1",
+                                           extproc_enabled=False, endpoints=(endpoint.format(closed=closed),))))
+    with ProcessGroup(tmp_path, ready_timeout_s=30) as group:
+        group.start("envoy", [envoy_binary(), "-c", str(config), "--disable-hot-restart"], ports=(port, admin),
+                    ready=lambda: http_ok(f"http://127.0.0.1:{admin}/ready") and tcp_open(port))
+        reply = send(port, request("POST", "/v1/chat/completions", CHAT))
+    assert reply is not None and reply.status == 503, reply
+    assert reply.headers.get("content-type") == "application/json" and reply.headers.get("retry-after") == "1"
+    err = reply.json_error()
+    assert words in err["message"] and err["type"] == "ServiceUnavailableError" and err["code"] == 503, err

@@ -71,7 +71,7 @@ def _prompts(num_prefixes: int, per_prefix: int, tag: str) -> list[str]:
 
 def test_two_replicas_observe_their_own_picks_and_share_them_through_nats(stack: ExitStack, log_dir: Path) -> None:
     fleet = start_fleet(stack, 2, log_dir, prefix="r")
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), extproc_replicas=2),
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=2),
                           RoutingSettings(), PoolSettings(endpoints=tuple(fleet.endpoints)), log_dir=log_dir)
     stack.callback(gw.stop)
     gw.start()
@@ -129,7 +129,7 @@ def test_a_replica_killed_under_load_costs_no_request_and_is_restarted(stack: Ex
     out = open(log_dir / "gateway-output.txt", "w")  # noqa: SIM115 - closed by the stack
     stack.callback(out.close)
     proc = subprocess.Popen(
-        prefixroute_cmd("gateway", "--port", str(port), "--endpoints", ",".join(fleet.endpoints),
+        prefixroute_cmd("gateway", "--port", str(port), "--ports", "random", "--endpoints", ",".join(fleet.endpoints),
                         "--extproc-replicas", "2", "--extproc-port", str(extproc_port),
                         "--metrics-port", str(metrics_port), "--no-telemetry"),
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=marked_env(marker))

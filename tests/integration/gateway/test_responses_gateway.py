@@ -345,7 +345,7 @@ def prompt_tokens_of(endpoints: list[str]) -> dict[str, float]:
 def test_without_telemetry_follow_ups_find_their_ids_by_lookup(rig: tuple[Fleet, GatewayProcesses, Path],
                                                               tmp_path: Path) -> None:
     fleet, _, _ = rig
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), extproc_replicas=1, telemetry=False),
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, telemetry=False),
                           RoutingSettings(), PoolSettings(endpoints=tuple(fleet.endpoints)), log_dir=tmp_path)
     with gw:
         # No observing filter in Envoy's configuration: nothing but the lookups can learn an id.

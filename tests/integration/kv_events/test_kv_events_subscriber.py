@@ -63,9 +63,13 @@ class Harness:
         self.manager = KVEventsManager(self.index, topic="kv", on_cleared=lambda ep, why: self.cleared.append(why),
                                        **manager_kwargs)
 
-    async def subscribe(self, pub: KVPublisher, *, replay: bool = True):
+    async def subscribe(self, pub: KVPublisher, *, replay: bool = True, live: bool = True):
+        """Subscribe and (`live`) wait until the subscriber is live: its replay of the publisher's buffer done
+        (a replay that does not answer keeps it syncing until the first live batch)."""
         self.manager.sync({EP: (pub.pub_address, pub.replay_address if replay else None)})
         await asyncio.to_thread(pub.wait_subscribed)
+        if live:
+            await eventually(lambda: self.stats().state == "live", 5, "live")
 
     def stats(self):
         return self.manager.stats()[EP]
@@ -122,8 +126,9 @@ async def test_the_topic_is_a_prefix_filter():
         await other.close()
 
 
-async def test_a_gap_is_filled_by_replay(harness):
-    with KVPublisher() as pub:
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["replay-3-frames", "replay-2-frames"])
+async def test_a_gap_is_filled_by_replay(harness, replay_topic):
+    with KVPublisher(replay_topic=replay_topic) as pub:
         await harness.subscribe(pub)
         a = prompt(1)
         pub.publish([stored(a, 0, 2)])
@@ -142,7 +147,7 @@ async def test_a_gap_the_replay_cannot_fill_clears_the_endpoint(how):
     h = Harness(replay_timeout_s=0.3)
     pub = KVPublisher(replay=how != "no_replay_socket", replay_delay_s=1.0 if how == "replay_timeout" else 0.0)
     try:
-        await h.subscribe(pub, replay=how != "no_replay_socket")
+        await h.subscribe(pub, replay=how != "no_replay_socket", live=how != "replay_timeout")
         a, b = prompt(1), prompt(2)
         pub.publish([stored(a)])
         await h.applied(0)
@@ -274,3 +279,83 @@ async def test_manager_sync_starts_stops_and_restarts_subscribers():
             assert held(h.index, prompt(2)) == 4
         finally:
             await h.manager.close()
+
+
+async def test_a_quiet_publisher_is_replayed_at_once_on_subscribing(harness):
+    """Late join: nothing is published after the router subscribes (a cache hit publishes nothing), yet the
+    index holds the publisher's history as soon as the subscriber is live."""
+    with KVPublisher() as pub:
+        a, b = prompt(1), prompt(2)
+        pub.publish([stored(a)], send=False)
+        pub.publish([stored(b)], send=False)
+        pub.publish([removed(b, [3])], send=False)
+        await harness.subscribe(pub)
+        assert (held(harness.index, a), held(harness.index, b)) == (4, 3)
+        s = harness.stats()
+        assert (s.last_seq, s.num_replays, s.num_batches) == (2, 1, 3)
+
+
+async def test_a_publisher_restarted_while_quiet_empties_the_endpoint_on_reconnect(harness):
+    """The server restarts (empty cache) and publishes nothing: the reconnect's replay shows a buffer that ends
+    before the last batch applied, so the endpoint is cleared without waiting for a live batch."""
+    pub = KVPublisher()
+    ports = pub.pub_port, pub.replay_port
+    try:
+        await harness.subscribe(pub)
+        pub.publish([stored(prompt(1))])
+        pub.publish([stored(prompt(2))])
+        await harness.applied(1)
+    finally:
+        pub.close()
+    await eventually(lambda: harness.stats().state == "down", 5, "down")
+    with KVPublisher(*ports):
+        await eventually(lambda: harness.stats().state == "live", 10, "live again")
+        assert held(harness.index, prompt(1)) == 0 and held(harness.index, prompt(2)) == 0
+        assert harness.cleared == ["publisher_restart"] and harness.stats().num_restarts == 1
+
+
+async def test_undecodable_batches_two_in_a_row_or_a_quarter_of_the_window_and_recovery():
+    states: list[str] = []
+    h = Harness(on_state=lambda ep, s: states.append(s))
+    try:
+        with KVPublisher() as pub:
+            await h.subscribe(pub)
+            pub.publish([stored(prompt(1))])
+            pub.publish_raw(b"\xc1one stray batch")
+            pub.publish([stored(prompt(2))])
+            await h.applied(2)
+            assert h.stats().state == "live", "one stray batch is not a stream we cannot read"
+            for i in range(10):  # every third fails: with the stray one 4 of the last 16, never two in a row
+                if i % 3 == 2:
+                    pub.publish_raw(b"\xc1bad")
+                else:
+                    pub.publish([stored(prompt(10 + i))])
+            await eventually(lambda: h.stats().state == "undecodable", 5, "undecodable (window)")
+            assert "first bytes c1626164" in h.stats().state_detail
+            for i in range(8):
+                pub.publish([stored(prompt(30 + i))])
+            await eventually(lambda: h.stats().state == "live", 5, "recovered")
+            pub.publish_raw(b"\xc1x")
+            pub.publish_raw(b"\xc1y")
+            await eventually(lambda: h.stats().state == "undecodable", 5, "undecodable (in a row)")
+            assert states.count("undecodable") == 2 and h.stats().num_decode_errors == 6
+    finally:
+        await h.manager.close()
+
+
+async def test_other_media_are_counted_not_indexed_and_every_batch_reaches_on_batch():
+    seen: list[int] = []
+    h = Harness(on_batch=lambda ep, seq, b: seen.append(seq))
+    try:
+        with KVPublisher() as pub:
+            await h.subscribe(pub)
+            a = prompt(1)
+            pub.publish([stored(a), BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[],
+                                                block_size=0, lora_id=None, medium="CPU", lora_name=None)])
+            pub.publish([BlockRemoved(block_hashes=[1], medium="CPU"), BlockRemoved(block_hashes=[5], medium="DISK")])
+            await h.applied(1)
+            s = h.stats()
+            assert s.stored_blocks_by_medium == {"CPU": 2} and s.removed_blocks_by_medium == {"CPU": 1, "DISK": 1}
+            assert held(h.index, a) == 4 and seen == [0, 1]
+    finally:
+        await h.manager.close()

@@ -58,7 +58,7 @@ class Subscriber(threading.Thread):
         req.connect(self.replay)
         req.send_multipart((b"", seq_to_bytes(self.next_seq)))
         while True:
-            _, raw, payload = req.recv_multipart()
+            raw, payload = req.recv_multipart()[-2:]  # (b"", topic, seq, payload); end: (b"", b"", END, b"")
             if raw == END_SEQ:
                 break
             seq = seq_from_bytes(raw)

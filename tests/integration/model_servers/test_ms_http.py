@@ -378,3 +378,27 @@ async def test_oversized_body_413_and_malformed_http_400(server_factory):
     head = await asyncio.wait_for(reader.read(), 5)  # answered, then closed
     writer.close()
     assert head.startswith(b"HTTP/1.1 400") and b'"code":400' in head
+
+
+def test_start_up_is_logged_at_info_by_default(tmp_path):
+    # A normal start is INFO (WARNING is for what needs attention), and the default level shows it.
+    import subprocess
+    import sys
+
+    log = tmp_path / "server.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "prefixroute", "model-server", "--port", "0", *FAST,
+                                 "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq", '
+                                 '"endpoint": "tcp://127.0.0.1:0"}'],
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            for line in proc.stdout:
+                if line.startswith("READY "):
+                    break
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=10)
+    lines = log.read_text().splitlines()
+    assert any(" INFO model server " in ln and " listening on 127.0.0.1:" in ln for ln in lines), lines
+    assert any(" INFO KV events: PUB " in ln for ln in lines), lines
+    assert not [ln for ln in lines if " WARNING " in ln or " ERROR " in ln], lines

@@ -475,7 +475,8 @@ def test_low_findings_telemetry_store_api_and_records_when_the_router_dies(tmp_p
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{tport}"  # the router's own records
         os.environ["OTEL_EXPORTER_OTLP_HEADERS"] = f"authorization=Bearer%20{token}"
         try:
-            gw = GatewayProcesses(GatewaySettings(port=free_port(), extproc_replicas=1), RoutingSettings(),
+            gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1),
+                                  RoutingSettings(),
                                   PoolSettings(endpoints=tuple(fleet.endpoints)), log_dir=tmp_path,
                                   records_to=(f"127.0.0.1:{tport}", token))
             stack.enter_context(gw)

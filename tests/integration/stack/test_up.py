@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,6 +15,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from prefixroute.telemetry.store import StoreReader
 
 from helpers import free_ports
 
@@ -47,11 +50,10 @@ def _listening(port: int) -> bool:
 
 def _up_cmd(tmp_path: Path, ports: list[int], *extra: str) -> list[str]:
     gw, tel, tel_http, dash, ms = ports
-    return [sys.executable, "-m", "prefixroute", "up", "--servers", "2", "--port", str(gw),
+    return [sys.executable, "-m", "prefixroute", "up", "--servers", "2", "--ports", "random", "--port", str(gw),
             "--telemetry-port", str(tel), "--telemetry-http-port", str(tel_http),
             "--dashboard-port", str(dash), "--model-server-base-port", str(ms),
-            "--log-dir", str(tmp_path / "logs"), "--db", str(tmp_path / "telemetry.db"),
-            "--model-server-time-scale", "0.2", *extra]
+            "--state-dir", str(tmp_path / "state"), "--model-server-time-scale", "0.2", *extra]
 
 
 def _contiguous_free_pair() -> int:
@@ -66,8 +68,10 @@ def test_up_serves_and_stops_clean(tmp_path):
     gw, tel, tel_http, dash = free_ports(4)
     ms = _contiguous_free_pair()
     ports = [gw, tel, tel_http, dash, ms]
+    cwd = tmp_path / "cwd"  # where a user runs it: nothing may be written there
+    cwd.mkdir()
     proc = subprocess.Popen(_up_cmd(tmp_path, ports), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, cwd=cwd)
     out_lines: list[str] = []
     try:
         deadline = time.monotonic() + 150
@@ -81,6 +85,7 @@ def test_up_serves_and_stops_clean(tmp_path):
         summary = "".join(out_lines)
         assert "prefixroute is up" in summary, summary + _logs(tmp_path)
         assert f"http://127.0.0.1:{gw}" in summary and f"http://127.0.0.1:{dash}" in summary
+        run_id = re.search(r"prefixroute is up \(run (\S+)\)", summary).group(1)
 
         body = json.dumps({"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 4,
                            "messages": [{"role": "user", "content": "hello " * 50}]}).encode()
@@ -94,6 +99,25 @@ def test_up_serves_and_stops_clean(tmp_path):
         assert reply["usage"]["completion_tokens"] == 4
         with urllib.request.urlopen(f"http://127.0.0.1:{dash}/_stcore/health", timeout=10) as r:
             assert r.status == 200
+        # The request is stored in the state folder, marked with this run (the span arrives within a second).
+        deadline = time.monotonic() + 15
+        runs: list[dict] = []
+        while time.monotonic() < deadline:
+            with StoreReader(tmp_path / "state" / "telemetry.db") as reader:
+                runs = reader.runs()
+            if runs and runs[0]["num_requests"]:
+                break
+            time.sleep(0.2)
+        assert [(r["run_id"], r["num_requests"]) for r in runs] == [(run_id, 1)], runs
+        logs = tmp_path / "state" / "logs"
+        assert {p.name for p in logs.iterdir()} >= {
+            "telemetry.log", "extproc.log", "envoy.log", "dashboard.log", "model-server-0.log", "telemetry.token"}
+        # A clean start says so at INFO: no component logs a warning or an error for it.
+        said = {f.name: f.read_text(errors="replace") for f in logs.glob("*.log")}
+        assert " INFO model server server-0 listening on " in said["model-server-0.log"]
+        alarming = {name: [ln for ln in text.splitlines() if re.search(r"\b(WARNING|ERROR|CRITICAL)\b|\]\[(warning|error|critical)\]", ln)]
+                    for name, text in said.items()}
+        assert not any(alarming.values()), alarming
 
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -105,6 +129,7 @@ def test_up_serves_and_stops_clean(tmp_path):
         assert _pids_mentioning(str(tmp_path)) == []
         still = [p for p in ports + [ms + 1] if _listening(p)]
         assert still == [], f"ports still bound after stop: {still}"
+        assert list(cwd.iterdir()) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -122,11 +147,12 @@ def test_busy_port_is_named(tmp_path):
                               timeout=60)
     assert proc.returncode == 1
     assert f"gateway: port {gw} is already in use" in proc.stderr
+    assert "choose another with --port," in proc.stderr  # the flag that moves it
     assert _pids_mentioning(str(tmp_path)) == []
 
 
 def _logs(tmp_path: Path) -> str:
     out = []
-    for f in sorted((tmp_path / "logs").glob("*.log")):
+    for f in sorted((tmp_path / "state" / "logs").glob("*.log")):
         out.append(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-20:]))
     return "\n".join(out)

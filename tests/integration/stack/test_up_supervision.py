@@ -29,7 +29,7 @@ class Up:
     def __init__(self, tmp_path: Path, ports: dict[str, int], *extra: str) -> None:
         self.marker = new_marker()
         self.ports = ports
-        argv = [sys.executable, "-m", "prefixroute", "up", "--servers", "2", "--port", str(ports["gw"]),
+        argv = [sys.executable, "-m", "prefixroute", "up", "--servers", "2", "--ports", "random", "--port", str(ports["gw"]),
                 "--telemetry-port", str(ports["tel"]), "--telemetry-http-port", str(ports["tel_http"]),
                 "--dashboard-port", str(ports["dash"]), "--model-server-base-port", str(ports["ms"]),
                 "--log-dir", str(tmp_path / "logs"), "--db", str(tmp_path / "telemetry.db"),

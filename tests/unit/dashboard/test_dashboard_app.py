@@ -41,10 +41,20 @@ def make_records(n: int, *, age_s: tuple[float, float] = (1, 200), seed: int = 0
     return out
 
 
-def write(db: Path, records: list[RequestRecord]) -> None:
-    store = TelemetryStore(db)
+def write(db: Path, records: list[RequestRecord], run_id: str | None = None) -> None:
+    store = TelemetryStore(db, run_id=run_id)
     store.insert_records(records)
     store.close()
+
+
+def endpoint_table(at: AppTest, i: int = 0):
+    """An endpoint table as shown (text cells, headers as displayed), indexed by endpoint: 0 = the window's
+    requests, 1 = the live state (when the router's metrics answer)."""
+    return at.table[i].value.set_index("endpoint")
+
+
+def shown(text: str) -> str:
+    return text.replace(" ", "\u00a0")  # cells keep a number and its unit together
 
 
 def run_app() -> AppTest:
@@ -84,13 +94,15 @@ def test_live_page_shows_the_store_figures(tmp_path, monkeypatch):
     assert f"{len(records):,} requests" in texts(at)
     # Ten charts, one endpoint table.
     assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) >= 10
-    table = at.dataframe[0].value
-    assert list(table["endpoint"]) == ["10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.10:8000"]  # natural order
+    table = endpoint_table(at)
     order = ["10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.10:8000"]
-    assert list(table["num_requests"]) == [counts[ep] for ep in order]
-    for ep, shown_hit in zip(order, table["actual_hit_ratio"]):
+    assert list(table.index) == order  # natural order
+    assert list(table["requests"]) == [f"{counts[ep]:,}" for ep in order]
+    for ep in order:
         mine = [r for r in records if r.endpoint == ep]
-        assert shown_hit == pytest.approx(sum(r.cached_tokens for r in mine) / sum(r.prompt_tokens for r in mine))
+        hit_ep = sum(r.cached_tokens for r in mine) / sum(r.prompt_tokens for r in mine)
+        assert table.loc[ep, "hit"] == shown(f"{hit_ep * 100:.1f} %")
+        assert table.loc[ep, "share"] == shown(f"{len(mine) / len(records) * 100:.1f} %")
 
 
 def test_empty_store_says_no_traffic_and_how_to_send_some(tmp_path, monkeypatch):
@@ -200,7 +212,9 @@ def test_live_page_over_the_receiver_http_api(tmp_path, monkeypatch):
 
     db = tmp_path / "t.db"
     records = make_records(120)
-    write(db, records)
+    write(db, records, run_id="run-1")
+    # The receiver continues that run (as `prefixroute up` restarts one with its --run-id).
+    monkeypatch.setenv("PREFIXROUTE_TELEMETRY_RUN_ID", "run-1")
     with ExitStack() as stack:
         _, http_port = start_receiver(stack, db, tmp_path / "logs")  # a real `prefixroute telemetry` process
         monkeypatch.setenv("PREFIXROUTE_DASHBOARD_TELEMETRY", f"http://127.0.0.1:{http_port}")
@@ -208,8 +222,7 @@ def test_live_page_over_the_receiver_http_api(tmp_path, monkeypatch):
         assert not at.exception
         hit = sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records)
         assert metric(at, "Hit rate (actual)") == f"{hit * 100:.1f} %"
-        table = at.dataframe[0].value
-        assert sorted(table["endpoint"]) == sorted(ENDPOINTS)
+        assert sorted(endpoint_table(at).index) == sorted(ENDPOINTS)
         assert "Mean in-flight needs the SQLite store" in texts(at)
 
 
@@ -259,7 +272,7 @@ def test_forged_rows_naming_a_canary_make_the_dashboard_fetch_nothing(tmp_path, 
         at = run_app()
         assert not at.exception
         assert metric(at, "Hit rate (actual)") != "–"  # the page rendered the forged rows
-        assert canary.endpoint in list(at.dataframe[0].value["endpoint"])
+        assert canary.endpoint in list(endpoint_table(at).index)
         at.run()  # a refresh
         time.sleep(0.5)  # a background fetch would have arrived by now
         assert canary.hits == []
@@ -282,10 +295,10 @@ def test_live_columns_come_from_the_router_metrics(tmp_path, monkeypatch):
                            f"http://127.0.0.1:{server.server_address[1]}/metrics")
         at = run_app()
         assert not at.exception
-        table = at.dataframe[0].value.set_index("endpoint")
+        table = endpoint_table(at, 1)
         for i, ep in enumerate(ENDPOINTS):
-            assert table.loc[ep, "kv_cache_usage_ratio"] == pytest.approx(0.25 * (i + 1))
-            assert table.loc[ep, "running"] == i and table.loc[ep, "healthy"] == 1
+            assert table.loc[ep, "KV usage"] == shown(f"{25.0 * (i + 1):.1f} %")
+            assert table.loc[ep, "running"] == str(i) and table.loc[ep, "healthy"] == "yes"
     finally:
         server.shutdown()
         server.server_close()
@@ -307,3 +320,61 @@ def test_refusals_are_shown_apart_from_errors(tmp_path, monkeypatch):
     assert not at.exception
     assert metric(at, "Errors") == "2.0 %"
     assert metric(at, "Refused") == "24.0 %"
+
+
+def test_unrouted_requests_are_shown_as_such_and_left_out_of_the_shares(tmp_path, monkeypatch):
+    db = tmp_path / "t.db"
+    records = make_records(120)
+    for i, r in enumerate(records[:30]):  # refused by the router or failed before any endpoint: no endpoint
+        r.endpoint, r.endpoints = None, ()
+        r.status, r.error = (400, "invalid 'messages'") if i % 3 else (503, "no endpoint available")
+    write(db, records)
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    at = run_app()
+    assert not at.exception
+    routed = [r for r in records if r.endpoint]
+    counts = {ep: sum(r.endpoint == ep for r in routed) for ep in ENDPOINTS}
+    table = endpoint_table(at)
+    assert sorted(table.index) == sorted(ENDPOINTS)  # no row for the unrouted
+    for ep in ENDPOINTS:
+        assert table.loc[ep, "share"] == shown(f"{counts[ep] / len(routed) * 100:.1f} %")
+    balance = f"{max(counts.values()) / len(routed) * 3:.2f}×"  # fair share 1/3: the three endpoints
+    assert metric(at, "Balance") == balance
+    header = next(m.value for m in at.markdown if m.value.startswith("**Share of routed requests**"))
+    assert f"balance {balance} " in header  # tile and header: the same figure
+    note = next(m.value for m in at.markdown if m.value.startswith("**Unrouted: 30 requests**"))
+    assert "20 refused by the router" in note and "10 failed before an endpoint answered" in note
+
+
+def test_the_current_run_is_shown_by_default_and_earlier_runs_on_request(tmp_path, monkeypatch):
+    db = tmp_path / "t.db"
+    earlier = make_records(50, age_s=(150, 200), seed=1)
+    current = make_records(20, age_s=(1, 60), seed=2)
+    write(db, earlier, run_id="20250101-000000-aaaa")
+    write(db, current, run_id="20250101-010000-bbbb")
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    at = run_app()
+    assert not at.exception
+    assert "· 20 requests ·" in texts(at) and "Run 20250101-010000-bbbb (current)" in texts(at)
+    run_box = at.sidebar.selectbox(key="run")
+    assert run_box.options[0].startswith("Current (since ") and run_box.options[-1] == "All runs"
+    assert run_box.options[1].endswith(" UTC · 50 req.")
+    run_box.select("20250101-000000-aaaa").run()
+    assert "· 50 requests ·" in texts(at) and "Run 20250101-000000-aaaa," in texts(at)
+    at.sidebar.selectbox(key="run").select("all").run()
+    assert "· 70 requests ·" in texts(at)
+    at.sidebar.radio(key="page").set_value("Requests").run()
+    assert len(at.dataframe[0].value) == 70
+    at.sidebar.selectbox(key="run").select("current").run()
+    assert set(at.dataframe[0].value["trace_id"]) == {r.trace_id for r in current}
+
+
+def test_a_new_run_without_requests_says_so_and_points_to_earlier_runs(tmp_path, monkeypatch):
+    db = tmp_path / "t.db"
+    write(db, make_records(40), run_id="20250101-000000-aaaa")
+    TelemetryStore(db, run_id="20250101-010000-bbbb").close()  # a restart: the new run has no request yet
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    at = run_app()
+    assert not at.exception
+    assert "No traffic yet" in texts(at) and "earlier runs: pick one under Run in the sidebar" in texts(at)
+    assert not at.metric

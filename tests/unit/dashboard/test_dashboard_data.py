@@ -136,10 +136,54 @@ def test_endpoint_frame_merges_live_figures_and_sorts():
     assert f["actual_hit_ratio"].dtype == "float64"
 
 
-def test_served_balance_ignores_requests_without_endpoint():
-    rows = [{"endpoint": "a", "num_requests": 6}, {"endpoint": "b", "num_requests": 2},
-            {"endpoint": None, "num_requests": 100}]
-    assert D.served_balance(rows) == pytest.approx(6 / 8 * 2)
+def test_shares_leave_unrouted_requests_out_and_count_idle_endpoints_of_the_fleet():
+    rows = [{"endpoint": "h:10", "num_requests": 6}, {"endpoint": "h:9", "num_requests": 2},
+            {"endpoint": None, "num_requests": 100, "num_refused": 70, "num_errors": 30}]
+    s = D.endpoint_shares(rows)
+    assert s.endpoints == ("h:9", "h:10") and s.num_routed == 8 and s.num_unrouted == 100
+    assert (s.num_unrouted_refused, s.num_unrouted_errors) == (70, 30)
+    assert s.fair_share_ratio == 0.5 and s.balance_ratio == pytest.approx(6 / 8 * 2)
+    assert s.share_ratio("h:10") == 0.75
+    # An endpoint the router reports that served nothing is part of the fleet: fair share 1/3, not 1/2.
+    s = D.endpoint_shares(rows, live={"h:11": D.EndpointLive(healthy=True)})
+    assert s.endpoints == ("h:9", "h:10", "h:11") and s.fair_share_ratio == pytest.approx(1 / 3)
+    assert s.balance_ratio == pytest.approx(6 / 8 * 3)
+    assert D.endpoint_shares([{"endpoint": None, "num_requests": 3}]).balance_ratio is None
+    assert D.format_balance(s.balance_ratio) == "2.25×" and D.format_balance(None) == "–"
+
+
+def test_endpoint_frame_has_a_row_per_fleet_endpoint_and_none_for_the_unrouted():
+    rows = [{"endpoint": "a:1", "num_requests": 3, "share_ratio": 0.3}, {"endpoint": None, "num_requests": 7}]
+    f = D.endpoint_frame(rows, live={"b:2": D.EndpointLive(kv_cache_usage_ratio=500 / 70_000)})
+    assert list(f["endpoint"]) == ["a:1", "b:2"] and D.UNKNOWN_ENDPOINT not in set(f["endpoint"])
+    assert list(f["num_requests"]) == [3, 0]
+    assert list(f["share_ratio"]) == [1.0, 0.0]  # of the routed requests, not of all ten
+    assert list(D.endpoint_table(f).columns[:3]) == ["endpoint", "requests", "share"]
+    table = D.endpoint_table(f, D.LIVE_TABLE_COLUMNS)
+    assert table["KV usage"].iloc[1] == "0.7\u00a0%"  # 500 blocks of 70,000: not "0 %"
+    assert table["KV usage"].iloc[0] == "–" and "running" not in table.columns  # a column with no value: left out
+    assert list(D.endpoint_table(D.endpoint_frame(rows), D.LIVE_TABLE_COLUMNS).columns) == ["endpoint"]
+
+
+def test_unrouted_sentence_says_what_they_were():
+    s = D.endpoint_shares([{"endpoint": "a", "num_requests": 90},
+                           {"endpoint": None, "num_requests": 10, "num_refused": 7, "num_errors": 3}])
+    text = D.unrouted_sentence(s, 100)
+    assert text.startswith("**Unrouted: 10 requests** (10.0 % of the window)")
+    assert "7 refused by the router" in text and "3 failed before an endpoint answered" in text
+
+
+def test_segments_break_lines_where_a_series_skips_buckets():
+    ts = [{"bucket_start": b, "actual_hit_ratio": 0.5, "predicted_hit_ratio": None} for b in (0, 5, 10, 30, 35)]
+    f = D.fleet_hit_frame(ts, bucket_s=5.0)
+    assert list(f["segment"]) == [0, 0, 0, 1, 1]  # 10 -> 30: a gap (a restart between two runs)
+    rows = [{"bucket_start": b, "endpoint": ep, "actual_hit_ratio": 0.1, "predicted_hit_ratio": 0.2}
+            for ep, bs in (("a", (0, 5, 20)), ("b", (0, 10))) for b in bs]
+    f = D.endpoint_hit_frame(rows, bucket_s=5.0)
+    got = {(r.endpoint, r.kind, r.bucket_start): r.segment for r in f.itertuples()}
+    assert got[("a", "actual", 5)] == 0 and got[("a", "actual", 20)] == 1 and got[("a", "predicted", 20)] == 1
+    assert got[("b", "actual", 10)] == 1 and got[("b", "predicted", 0)] == 0
+    assert set(D.percentile_frame([], bucket_s=5.0).columns) >= {"segment", "time"}
 
 
 def test_recent_frame_computes_each_request_hit_ratio():
@@ -232,3 +276,24 @@ def test_bad_bench_files_are_rejected_with_a_reason(tmp_path, content, message):
 ])
 def test_refresh_slows_for_long_windows(refresh_s, window_s, expected):
     assert D.refresh_for_window(refresh_s, window_s) == expected
+
+
+def test_the_index_column_shows_why_an_events_endpoint_is_not_matched_by_its_events():
+    """The router's /metrics (real RouterMetrics, the KV-events link's info) -> the endpoint table's index
+    column: ``events`` while its events are used, ``events (STATE)`` while it is matched by feedback instead."""
+    from prometheus_client import generate_latest
+
+    from prefixroute.telemetry.metrics import RouterMetrics
+
+    info = {"a:1": {"source": "events", "events_state": "live", "connected": True},
+            "b:1": {"source": "feedback", "events_state": "undecodable", "connected": True},
+            "c:1": {"source": "feedback", "events_state": "block_size_mismatch", "connected": True},
+            "d:1": {"source": "feedback", "events_state": "down", "connected": False},
+            "e:1": {"source": "feedback"}}  # publishes no events
+    m = RouterMetrics(index_info=lambda: info)
+    live = D.parse_router_metrics(generate_latest(m.registry).decode())
+    rows = [{"endpoint": ep, "num_requests": 1} for ep in info]
+    frame = D.endpoint_frame(rows, live=live)
+    assert dict(zip(frame["endpoint"], frame["index_source"])) == {
+        "a:1": "events", "b:1": "events (undecodable)", "c:1": "events (block size mismatch)",
+        "d:1": "events (down)", "e:1": "feedback"}

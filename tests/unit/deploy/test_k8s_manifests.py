@@ -79,7 +79,8 @@ def test_the_manifests_hold_what_a_deployment_needs():
         ("StatefulSet", "prefixroute-extproc"), ("Service", "prefixroute-extproc"),
         ("Deployment", "prefixroute-nats"), ("Service", "prefixroute-nats"), ("ConfigMap", "prefixroute-nats"),
         ("ConfigMap", "prefixroute-gateway"), ("Deployment", "prefixroute-gateway"),
-        ("Service", "prefixroute-gateway"), ("InferencePool", "prefixroute")}
+        ("Service", "prefixroute-gateway"), ("InferencePool", "prefixroute"),
+        ("Deployment", "prefixroute-epp"), ("Service", "prefixroute-epp")}
 
 
 @pytest.mark.parametrize("doc", [d for _, _, d in DOCS], ids=[f"{f}#{i}-{d['kind']}" for f, i, d in DOCS])
@@ -299,7 +300,7 @@ def _selects(selector: dict, labels: dict) -> bool:
 def test_the_inference_pool_selects_the_model_servers_and_picks_with_our_service():
     pool = _one("InferencePool", "prefixroute")["spec"]
     assert _selects(pool["selector"]["matchLabels"], _labels("prefixroute-model-server"))
-    for other in ("prefixroute-extproc", "prefixroute-gateway", "prefixroute-nats"):
+    for other in ("prefixroute-extproc", "prefixroute-gateway", "prefixroute-nats", "prefixroute-epp"):
         assert not _selects(pool["selector"]["matchLabels"], _labels(other))
     # The same pods as the headless Service the routers discover from, on the port they serve HTTP.
     ms_svc = _one("Service", "prefixroute-model-server")
@@ -307,9 +308,99 @@ def test_the_inference_pool_selects_the_model_servers_and_picks_with_our_service
     ms_ports = {p["name"]: p["containerPort"] for p in _container("prefixroute-model-server", "model-server")["ports"]}
     assert [p["number"] for p in pool["targetPorts"]] == [ms_ports["http"]]
     ref = pool["endpointPickerRef"]
-    extproc_svc = _one("Service", ref["name"])
-    assert ref.get("kind", "Service") == "Service" and ref["port"]["number"] == _port(extproc_svc, "grpc")
-    assert _selects(extproc_svc["spec"]["selector"], _labels("prefixroute-extproc"))
+    epp_svc = _one("Service", ref["name"])
+    assert ref.get("kind", "Service") == "Service" and ref["port"]["number"] == _port(epp_svc, "grpc-ext-proc")
+    assert _selects(epp_svc["spec"]["selector"], _labels("prefixroute-epp"))
+    assert not _selects(epp_svc["spec"]["selector"], _labels("prefixroute-extproc"))  # those demand our token
+
+
+def _target(service: dict, name: str, container: dict) -> int:
+    """The container port a Service port sends to (its targetPort, by name or number)."""
+    target = next(p["targetPort"] for p in service["spec"]["ports"] if p["name"] == name)
+    return target if isinstance(target, int) else next(p["containerPort"] for p in container["ports"]
+                                                       if p["name"] == target)
+
+
+def test_the_picker_service_is_laid_out_as_gies_charts_expect():
+    """GIE's charts (epplib): a ClusterIP Service with the ext_proc port 9002 and metrics; the picker serves
+    ext_proc where the Service sends it, gRPC health on a port of its own that the kubelet probes (liveness,
+    readiness), TLS from a Secret (GIE's gateways reach their picker over TLS), no bearer token."""
+    svc = _one("Service", "prefixroute-epp")
+    assert svc["spec"]["type"] == "ClusterIP"
+    epp = _container("prefixroute-epp", "epp")
+    argv = epp["args"]
+    assert _port(svc, "grpc-ext-proc") == 9002
+    assert int(_flag(argv, "--port")) == _target(svc, "grpc-ext-proc", epp)
+    assert int(_flag(argv, "--metrics-port")) == _target(svc, "http-metrics", epp)
+    health = int(_flag(argv, "--health-port"))
+    assert health == _target(svc, "grpc-health", epp) and _flag(argv, "--listen-address") == "0.0.0.0"
+    assert _flag(argv, "--protocol") == "auto"
+    probes = {k: epp[k]["grpc"] for k in ("readinessProbe", "livenessProbe")}
+    assert probes == {"readinessProbe": {"port": health, "service": "readiness"},
+                      "livenessProbe": {"port": health, "service": "liveness"}}
+    assert not any(a.startswith("--auth-token") for a in argv)
+    assert not any(e["name"].endswith("AUTH_TOKEN") for e in epp.get("env", []))
+    # TLS files from a kubernetes.io/tls Secret's keys, readable by the non-root user through fsGroup.
+    pod = _workload("prefixroute-epp")["spec"]["template"]["spec"]
+    for flag, key in (("--tls-cert-file", "tls.crt"), ("--tls-key-file", "tls.key")):
+        path = Path(_flag(argv, flag))
+        mount = next(m for m in epp["volumeMounts"] if path.parent == Path(m["mountPath"]))
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == "prefixroute-epp-tls" and path.name == key
+        assert volume["secret"]["defaultMode"] & 0o040 and pod["securityContext"]["fsGroup"] == pod[
+            "securityContext"]["runAsUser"]
+
+
+@pytest.mark.timeout(90)
+def test_the_picker_container_serves_its_probes_and_tls(tmp_path: Path):
+    """The epp container's own flags, run: ports moved to free ones, the addresses to loopback, the DNS name of
+    the model servers to an address where none listens, the Secret's files to a fresh certificate. The kubelet's
+    probes get their answers from the health port (liveness SERVING, readiness NOT_SERVING: no model server is
+    up), and the ext_proc port answers only TLS."""
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from prefixroute.extproc import gie_reference
+
+    epp = _container("prefixroute-epp", "epp")
+    argv = list(epp["args"])
+    grpc_port, health, metrics, nowhere = free_ports(4)
+    cert, key = gie_reference.self_signed_certificate(tmp_path)
+    for flag, value in (("--port", grpc_port), ("--health-port", health), ("--metrics-port", metrics),
+                        ("--listen-address", "127.0.0.1"), ("--metrics-host", "127.0.0.1"),
+                        ("--tls-cert-file", cert), ("--tls-key-file", key)):
+        argv[argv.index(flag) + 1] = str(value)
+    i = argv.index("--endpoints-dns")
+    argv[i:i + 2] = ["--endpoints", f"127.0.0.1:{nowhere}", "--ready-timeout-s", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXROUTE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "prefixroute", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    async def check(port: int, service: str, credentials=None) -> int:  # noqa: ANN001
+        channel = (grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) if credentials
+                   else grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+        async with channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+
+    try:
+        deadline = time.monotonic() + 60
+        while not (tcp_open(health) and tcp_open(grpc_port)) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None and tcp_open(health), proc.stdout.read().decode() if proc.stdout else ""
+        probes = {k: epp[k]["grpc"]["service"] for k in ("livenessProbe", "readinessProbe")}
+        status = {k: asyncio.run(check(health, service)) for k, service in probes.items()}
+        assert status == {"livenessProbe": health_pb2.HealthCheckResponse.SERVING,
+                          "readinessProbe": health_pb2.HealthCheckResponse.NOT_SERVING}
+        tls = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        options_name = "envoy.service.ext_proc.v3.ExternalProcessor"
+        assert asyncio.run(check(grpc_port, "liveness", tls)) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError):
+            asyncio.run(check(grpc_port, options_name))  # plaintext to the TLS port: no answer
+    finally:
+        stop_group(proc)
 
 
 def test_the_routers_discover_the_model_servers_and_their_kv_events():

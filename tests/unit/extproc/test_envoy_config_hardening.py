@@ -86,10 +86,12 @@ def test_invalid_hardening_settings_are_rejected(bad: dict) -> None:
         build_config(EnvoySettings(**bad))
 
 
-def test_paths_are_normalised_before_matching_and_escaped_slashes_refused() -> None:
+def test_paths_are_normalised_before_matching_and_escaped_slashes_decoded_first() -> None:
     hcm = _hcm(build_config(EnvoySettings()))
     assert hcm.normalize_path is True and hcm.merge_slashes is True
-    assert hcm.path_with_escaped_slashes_action == HttpConnectionManagerPathWithEscapedSlashesAction.REJECT_REQUEST
+    # Decoded, then normalised and matched: the endpoint gets the path that was matched (model ids hold slashes).
+    assert (hcm.path_with_escaped_slashes_action
+            == HttpConnectionManagerPathWithEscapedSlashesAction.UNESCAPE_AND_FORWARD)
     assert hcm.http_protocol_options.accept_http_10 is not True
 
 
@@ -119,12 +121,11 @@ def test_every_local_reply_mapper_spares_router_and_direct_replies() -> None:
     for m in mappers:
         filt = m.filter
         parts = filt.and_filter.filters if filt.and_filter is not None else [filt]
-        cel = [p for p in parts if p.extension_filter is not None]
-        expr = cel[0].extension_filter.typed_config.unpack().expression if len(cel) == 1 else None
-        # Every mapper spares the router's own replies; the routing-unavailable ones also name their route.
-        assert expr == ENVOY_OWN_REPLY or expr.startswith(f"({ENVOY_OWN_REPLY}) && response.code == 503 && "), expr
-        if expr != ENVOY_OWN_REPLY:
-            statuses.add(503)
+        cel = [p.extension_filter.typed_config.unpack().expression for p in parts if p.extension_filter is not None]
+        # Every mapper spares the router's replies; a reason-specific one adds its reason (Envoy's details, or the
+        # routing-unavailable route it answers for) to match.
+        assert cel[0] == ENVOY_OWN_REPLY and all(
+            c.startswith(("response.code_details == '", "xds.route_name.startsWith('")) for c in cel[1:]), cel
         statuses |= {p.status_code_filter.comparison.value.default_value for p in parts if p.status_code_filter}
         assert m.body_format_override.content_type == "application/json"
     assert {400, 403, 404, 408, 413, 426, 431, 501, 502, 503, 504} <= statuses

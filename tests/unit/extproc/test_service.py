@@ -299,3 +299,20 @@ async def test_release_returns_outstanding_prefill_to_zero(router: PoolRouter) -
         tracked.release(pick)
         tracked.release(pick)  # idempotent: the second release must not subtract again
     assert sum(policy.outstanding_prefill_tokens().values()) == 0
+
+
+async def test_a_subset_hint_picks_only_inside_it_and_503s_when_none_is_eligible(router: PoolRouter) -> None:
+    eps = list(router.pool.endpoints)
+    for k in range(12):  # whatever the prefix and load, only the hinted endpoints are ever named
+        pick = router.route(*POST, {}, _chat(f"subset {k} " * 50), subset=[eps[1], eps[2]])
+        assert set(pick.endpoints) <= {eps[1], eps[2]} and pick.endpoints
+        router.release(pick)
+    host = eps[0].rpartition(":")[0]
+    pick = router.route(*POST, {}, _chat("bare ip"), subset=[host])  # a bare IP: every port of it
+    assert pick.endpoints[0] in eps
+    router.release(pick)
+    for subset in ([], ["10.9.9.9:1"]):  # empty, or naming no endpoint of the pool: none eligible
+        with pytest.raises(OpenAIError) as exc:
+            router.route(*POST, {}, _chat("nothing eligible"), subset=subset)
+        assert exc.value.status == 503 and exc.value.retry_after_s is not None
+    assert all(n == 0 for n in router.pool.in_flight.values())

@@ -280,3 +280,40 @@ async def test_a_non_streamed_response_reports_no_first_token():
     t.obs_body(obs, orjson.dumps({"choices": [], "usage": USAGE}), True)
     t.routing_closed(st)
     assert calls == []
+
+
+@pytest.mark.parametrize(("propagate", "observed", "sets_traceparent"),
+                         [(True, False, True), (True, True, True), (False, True, True), (False, False, False)])
+async def test_traceparent_goes_upstream_only_for_exported_traces_or_an_observing_filter(
+        propagate: bool, observed: bool, sets_traceparent: bool) -> None:
+    """Traces off and no observing filter: the router's span goes nowhere, so no traceparent is set (the model
+    server would otherwise see a parent span that does not exist). With the observing filter the header is the
+    correlation key and stays. The record is kept either way."""
+    out: list[RequestRecord] = []
+    t = RequestTracker(lambda d, us: None, out.append, ADDR.get, propagate=propagate)
+    metadata = (lambda: [(OBSERVED_METADATA, "1")]) if observed else tuple
+    st, tp = t.begin({":path": "/v1/chat/completions"}, metadata)
+    assert (tp is not None) == sets_traceparent
+    t.decided(st, Pick())
+    t.routing_closed(st)
+    if not observed:
+        assert len(out) == 1 and out[0].span_id == st.key
+
+
+async def test_an_inline_observation_measures_the_routing_streams_own_response(sink) -> None:
+    """GIE's configuration: one stream carries request and response; `inline` attaches it once."""
+    t, out, _ = sink
+    st, _ = t.begin({":path": "/v1/chat/completions"})
+    t.decided(st, Pick())
+    obs = t.inline(st)
+    assert obs is st and t.inline(st) is None  # a second attachment is refused
+    t.obs_response_headers(obs, _hv({":status": "200", "content-type": "text/event-stream"}), False, SERVED_HEADER)
+    obs.served_addr = "10.0.0.2:80"
+    t.obs_body(obs, _sse({"choices": []}, {"usage": USAGE}), True)
+    t.obs_closed(obs)
+    t.routing_closed(st)
+    assert len(out) == 1
+    rec = out[0]
+    assert (rec.status, rec.endpoint, rec.prompt_tokens, rec.cached_tokens) == (200, "b:80", 100, 64)
+    assert rec.error is None and rec.ttft_ms is not None
+    assert tracking.NullTracker().inline(st) is None

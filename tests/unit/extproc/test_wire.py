@@ -160,10 +160,38 @@ def _files(protos: list[descriptor_pb2.FileDescriptorProto]) -> list:
     return [pool.FindFileByName(p.name) for p in protos]
 
 
-def test_built_descriptors_cover_the_three_envoy_packages_and_the_service():
+def test_built_descriptors_cover_the_envoy_packages_the_health_service_and_the_services():
     packages = {f.package for f in _files(_file_protos())}
-    assert packages == {"envoy.service.ext_proc.v3", "envoy.config.core.v3", "envoy.type.v3", "google.protobuf"}
+    assert packages == {"envoy.service.ext_proc.v3", "envoy.config.core.v3", "envoy.type.v3",
+                        "envoy.extensions.filters.http.ext_proc.v3", "grpc.health.v1", "google.protobuf"}
     assert wire.PROCESS_PATH == "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+    assert wire.HEALTH_CHECK_PATH == "/grpc.health.v1.Health/Check"
+
+
+def _shape(descriptor) -> dict:  # noqa: ANN001 - a message, enum or service descriptor
+    """Names, numbers, types and nesting of a descriptor, for comparing two definitions of one proto."""
+    if hasattr(descriptor, "values"):  # an enum
+        return {v.name: v.number for v in descriptor.values}
+    if hasattr(descriptor, "methods"):  # a service
+        return {m.name: (m.input_type.full_name, m.output_type.full_name, m.client_streaming, m.server_streaming)
+                for m in descriptor.methods}
+    return {"fields": {f.name: (f.number, f.type, f.message_type.full_name if f.message_type else None,
+                                f.enum_type.full_name if f.enum_type else None) for f in descriptor.fields},
+            "enums": {e.name: _shape(e) for e in descriptor.enum_types}}
+
+
+def test_the_health_service_matches_grpcs_own_definition():
+    """extproc/proto/health_v1.proto against grpcio-health-checking's grpc/health/v1/health.proto (the gRPC
+    project's release): same messages, fields, enum values and methods (theirs may hold more: List)."""
+    from grpc_health.v1 import health_pb2
+
+    theirs = health_pb2.DESCRIPTOR
+    ours = wire.POOL.FindFileByName("health_v1.proto")
+    for name in ("HealthCheckRequest", "HealthCheckResponse"):
+        assert _shape(ours.message_types_by_name[name]) == _shape(theirs.message_types_by_name[name]), name
+    our_methods = _shape(ours.services_by_name["Health"])
+    their_methods = _shape(theirs.services_by_name["Health"])
+    assert our_methods == {k: their_methods[k] for k in our_methods} and set(our_methods) == {"Check", "Watch"}
 
 
 def test_every_message_field_enum_and_method_matches_envoys_api():
@@ -217,7 +245,7 @@ def test_the_descriptor_set_is_built_from_the_current_proto_sources():
     # An editable install compiles once: a .proto edited afterwards needs a reinstall (./scripts/test does).
     protos = sorted((ROOT / "extproc" / "proto").glob("*.proto"))
     assert protos, "no .proto sources found"
-    assert {p.name for p in protos} == {f.name for f in _file_protos() if f.package.startswith(ENVOY_PACKAGE)}
+    assert {p.name for p in protos} == {f.name for f in _file_protos() if not f.name.startswith("google/")}
     built = wire.DESCRIPTOR_SET.stat().st_mtime
     stale = [p.name for p in protos if p.stat().st_mtime > built]
     assert not stale, f"{stale} changed after {wire.DESCRIPTOR_SET} was built: reinstall (pip install -e .)"

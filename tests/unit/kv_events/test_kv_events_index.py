@@ -294,3 +294,80 @@ def test_match_equals_a_brute_force_model(prompts, ops):
                 assert idx.match(chain(q[:cut])) == model.match(chain(q[:cut]))
     for ep in eps:
         assert idx.num_blocks(ep) == len(model.refs[ep])
+
+
+def test_media_are_tested_before_placeholders_before_block_sizes():
+    """vLLM 0.33's offloading placeholders (CPU, block_size 0, no tokens) are skipped blocks, never a block-size
+    mismatch; a GPU placeholder is counted as one and leaves the block size seen alone."""
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(BlockStored([1], None, [], 0, None, "CPU", None, None, 0)))
+    assert (idx.counters(EP).num_skipped_blocks, idx.counters(EP).num_block_size_mismatch_blocks) == (1, 0)
+    assert idx.block_size_seen(EP) is None and idx.block_size_mismatch(EP) is None
+    idx.apply_batch(EP, batch(BlockStored([2], None, [], 0, None, "GPU", None)))
+    assert idx.counters(EP).num_placeholder_blocks == 1 and idx.block_size_mismatch(EP) is None
+    idx.apply_batch(EP, batch(stored(TOKS[:32], block_size=8)))
+    assert idx.block_size_mismatch(EP) == 8
+    idx.apply_batch(EP, batch(stored(TOKS)))
+    assert idx.block_size_mismatch(EP) is None, "the latest GPU store has the router's block size"
+
+
+def test_sglang_cache_salt_field_seeds_the_chain():
+    idx = KVEventIndex(BS)
+    ev = stored(TOKS, salt_tag="t")
+    ev.cache_salt = "tenant-1"
+    idx.apply_batch(EP, batch(ev))
+    assert idx.match(chain(TOKS, salt="tenant-1")) == {EP: 8} and idx.match(chain(TOKS)) == {}
+
+
+def test_router_hash_of_follows_int_and_bytes_server_hashes():
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(stored(TOKS)))
+    h = srv(tuple(TOKS[:4]))
+    assert idx.router_hash_of(EP, h) == chain(TOKS)[0] == idx.router_hash_of(EP, h.to_bytes(32, "big"))
+    assert idx.router_hash_of(EP, 12345) is None and idx.router_hash_of(EP2, h) is None
+    assert idx.server_hashes(EP) == {srv(tuple(TOKS[:(i + 1) * 4])) for i in range(8)}
+
+
+def test_tokenization_is_verified_by_a_routed_request_stored_before_or_after():
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(stored(TOKS)))
+    other = [t + 1000 for t in TOKS]
+    for i in range(20):  # requests whose first block the server never stores under the router's hash
+        idx.note_routed(EP, chain([i] * 8)[0], 100.0)
+    assert idx.tokens_unverified(EP, 105.0) == 0, "too early: the server may still be computing"
+    assert idx.tokens_unverified(EP, 110.0) == 20
+    idx.note_routed(EP, chain(other)[0], 110.0)  # routed before the server stored it ...
+    idx.apply_batch(EP, batch(stored(other)))  # ... then stored: verified
+    assert idx.is_verified(EP) and idx.tokens_unverified(EP, 200.0) == 0
+    idx.clear_endpoint(EP)  # verification restarts with the endpoint's entries
+    assert not idx.is_verified(EP)
+    idx.apply_batch(EP, batch(stored(TOKS)))
+    idx.note_routed(EP, chain(TOKS)[0], 300.0)  # held already
+    assert idx.is_verified(EP)
+
+
+def test_an_endpoint_that_stores_nothing_is_never_a_token_mismatch():
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(AllBlocksCleared()))
+    for i in range(50):
+        idx.note_routed(EP, chain([i] * 8)[0], 0.0)
+    assert idx.tokens_unverified(EP, 1000.0) == 0  # prefix caching off, or events lost: no evidence
+
+
+def test_the_sourced_index_never_returns_an_untrusted_endpoints_events_entries():
+    """An endpoint leaves the event endpoints (syncing, down, undecodable ...) while its events index still
+    holds a partial or stale view: matches come from the own index for it."""
+    from prefixroute.extproc.routing.index_sources import SourcedIndex
+    from prefixroute.extproc.routing.prefix_index import PrefixIndex
+
+    idx = KVEventIndex(BS)
+    idx.apply_batch(EP, batch(stored(TOKS)))
+    idx.apply_batch(EP2, batch(stored(TOKS)))
+    own = PrefixIndex(1000)
+    own.record(chain(TOKS)[:2], EP2)
+    sourced = SourcedIndex(own, idx, own_source="feedback", event_endpoints=[EP, EP2])
+    assert sourced.match(chain(TOKS)) == {EP: 8, EP2: 8}
+    sourced.event_endpoints = frozenset([EP])
+    assert sourced.match(chain(TOKS)) == {EP: 8, EP2: 2}, "EP2 from the own index only"
+    sourced.event_endpoints = frozenset()
+    assert sourced.match(chain(TOKS)) == {EP2: 2}

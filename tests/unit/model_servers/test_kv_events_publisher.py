@@ -95,7 +95,7 @@ def _join(pub: ZmqEventPublisher, sub: zmq.Socket) -> int:
     raise AssertionError("subscription never joined")
 
 
-def _replay(ctx, addr: str, start: int) -> list[tuple[int, bytes]]:
+def _replay(ctx, addr: str, start: int, topic: bytes = b"") -> list[tuple[int, bytes]]:
     req = ctx.socket(zmq.DEALER)
     req.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
     req.connect(addr)
@@ -103,12 +103,13 @@ def _replay(ctx, addr: str, start: int) -> list[tuple[int, bytes]]:
         req.send_multipart((b"", seq_to_bytes(start)))
         out = []
         while True:
-            frames = req.recv_multipart()
-            assert frames[0] == b"" and len(frames) == 3
-            if frames[1] == END_SEQ:
-                assert frames[2] == b""
+            frames = req.recv_multipart()  # vLLM 0.33's frames: (b"", topic, seq, payload), (b"", b"", END, b"")
+            assert frames[0] == b"" and len(frames) == 4
+            if frames[2] == END_SEQ:
+                assert frames[1] == frames[3] == b""
                 return out
-            out.append((seq_from_bytes(frames[1]), frames[2]))
+            assert frames[1] == topic
+            out.append((seq_from_bytes(frames[2]), frames[3]))
     finally:
         req.close(linger=0)
 
@@ -132,12 +133,12 @@ def test_pub_wire_round_trip_and_replay(ctx):
             assert s.parent_block_hash == ev[0].parent_block_hash and s.block_size == 16 and s.medium == "GPU"
             assert r == BlockRemoved([r.block_hashes[0]], "GPU")
         # replay from 0: every batch from the first (sequence numbers start at 0), then the end marker
-        everything = _replay(ctx, pub.replay_endpoint, 0)
+        everything = _replay(ctx, pub.replay_endpoint, 0, b"kv-events")
         assert [s for s, _ in everything] == list(range(seqs[-1] + 1))
         assert everything[-5:] == [(seq, payload) for (_, _, payload), seq in zip(got, seqs)]
         # replay from a sequence number: only the batches from there on
-        assert [s for s, _ in _replay(ctx, pub.replay_endpoint, seqs[2])] == seqs[2:]
-        assert _replay(ctx, pub.replay_endpoint, seqs[-1] + 1) == []  # nothing newer: just the end marker
+        assert [s for s, _ in _replay(ctx, pub.replay_endpoint, seqs[2], b"kv-events")] == seqs[2:]
+        assert _replay(ctx, pub.replay_endpoint, seqs[-1] + 1, b"kv-events") == []  # nothing newer: just the end marker
         assert pub.num_replay_requests == 3
         assert pub.num_batches_published == seqs[-1] + 1 and pub.num_events_published == 2 * 5 + last_probe + 1
         sub.close(linger=0)

@@ -1,0 +1,101 @@
+"""`prefixroute up`'s layout: every listener on a fixed, documented default port unless asked otherwise
+(`--ports random`, or 0), its files in the state folder, a new run id per start; a busy port names its flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from pathlib import Path
+
+import pytest
+
+from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, resolve_ports
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.procs import PortBusy, check_ports_free
+from prefixroute.stack.cli import StackSettings, resolve_layout
+
+# The documented defaults (README "Ports"); a change here is a change users see.
+UP_DEFAULTS = {"gateway": 8080, "ext_proc": 9002, "ext_proc metrics": 9464,
+               "telemetry receiver": 4317, "telemetry HTTP API": 4320, "dashboard": 8501,
+               "model-server-0": 8001, "model-server-3": 8004, "model-server-0 KV events": 5557}
+
+
+def _listeners(st: StackSettings, gw: GatewaySettings, tmp_path: Path) -> dict[str, int]:
+    lay = resolve_layout(st, gw, simulated=True)
+    gateway = GatewayProcesses(gw, RoutingSettings(), PoolSettings(endpoints=("127.0.0.1:1",)), log_dir=tmp_path)
+    out: dict[str, int] = {}
+    for name, port, _flag in [*gateway.fixed_listeners(), *lay.listeners(st.dashboard)]:
+        out.setdefault(name, port)
+    return out
+
+
+def test_up_listens_on_fixed_documented_ports_by_default(tmp_path: Path) -> None:
+    found = _listeners(StackSettings(), GatewaySettings(extproc_replicas=1), tmp_path)
+    assert {k: found[k] for k in UP_DEFAULTS} == UP_DEFAULTS
+    assert "Envoy admin" not in found  # off by default (issue 27); on loopback when asked, at its fixed port
+    assert _listeners(StackSettings(), GatewaySettings(extproc_replicas=1, envoy_admin="loopback"),
+                      tmp_path)["Envoy admin"] == 9901
+    lay = resolve_layout(StackSettings(), GatewaySettings(), simulated=True)
+    assert lay.server_ports == (8001, 8002, 8003, 8004) and lay.event_ports == (5557, 5559, 5561, 5563)
+
+
+def test_replicas_and_embedded_nats_have_fixed_ports_too(tmp_path: Path) -> None:
+    found = _listeners(StackSettings(), GatewaySettings(extproc_replicas=3), tmp_path)
+    assert [found[f"ext_proc (replica {k})"] for k in range(3)] == [9002, 9003, 9004]
+    assert [found[f"ext_proc metrics (replica {k})"] for k in range(3)] == [9464, 9465, 9466]
+    assert found["embedded nats-server"] == 4222
+
+
+def test_random_ports_only_on_request_and_explicit_ports_are_kept(tmp_path: Path) -> None:
+    st = StackSettings(dashboard_port=18501)
+    gw = GatewaySettings(ports="random", extproc_replicas=1, admin_port=19901)
+    lay = resolve_layout(st, gw, simulated=True)
+    assert lay.dashboard_port == 18501  # given: kept
+    drawn = [lay.telemetry_port, lay.telemetry_http_port, *lay.server_ports, *lay.event_ports]
+    assert not set(drawn) & set(UP_DEFAULTS.values()) and len(set(drawn)) == len(drawn)
+    resolved = resolve_ports(gw)
+    assert resolved.admin_port == 19901 and resolved.port not in (0, 8080)
+    assert (resolved.extproc_port, resolved.metrics_port, resolved.nats_port) == (0, 0, 0)  # drawn at start
+    assert resolve_ports(GatewaySettings()) == GatewaySettings()  # fixed: unchanged
+    assert resolve_ports(GatewaySettings(ports="random", metrics_port=-1)).metrics_port == -1  # off stays off
+    with pytest.raises(ValueError, match="ports must be one of fixed, random"):
+        resolve_ports(GatewaySettings(ports="any"))
+
+
+def test_zero_draws_free_ports_for_one_setting() -> None:
+    lay = resolve_layout(StackSettings(model_server_base_port=0, kv_events_base_port=0, telemetry_port=0),
+                         GatewaySettings(), simulated=True)
+    assert 0 not in lay.server_ports and lay.telemetry_port not in (0, 4317) and lay.telemetry_http_port == 4320
+    assert len(lay.event_ports) == 4 and all(p > 0 for p in lay.event_ports)
+
+
+def test_files_go_to_the_state_folder_never_the_current_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIXROUTE_STATE_DIR", str(tmp_path / "state"))
+    lay = resolve_layout(StackSettings(), GatewaySettings(), simulated=True)
+    assert (lay.state_dir, lay.db, lay.log_dir) == (tmp_path / "state", tmp_path / "state" / "telemetry.db",
+                                                    tmp_path / "state" / "logs")
+    lay = resolve_layout(StackSettings(state_dir=str(tmp_path / "s2"), db=str(tmp_path / "x.db")), GatewaySettings(),
+                         simulated=True)
+    assert (lay.db, lay.log_dir) == (tmp_path / "x.db", tmp_path / "s2" / "logs")
+    again = resolve_layout(StackSettings(), GatewaySettings(), simulated=True)
+    assert again.run_id != lay.run_id  # a new run per start
+
+
+def test_without_simulated_servers_up_listens_on_no_server_port() -> None:
+    lay = resolve_layout(StackSettings(), GatewaySettings(), simulated=False)
+    assert lay.server_ports == () and lay.event_ports == ()
+    lay = resolve_layout(dataclasses.replace(StackSettings(), kv_events=False), GatewaySettings(), simulated=True)
+    assert lay.event_ports == ()
+
+
+def test_a_busy_port_is_refused_naming_component_port_and_flag() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(PortBusy) as err:
+            check_ports_free([("free", 0, "--x"), ("dashboard", port, "--dashboard-port")])
+    msg = str(err.value)
+    assert msg.startswith(f"dashboard: port {port} is already in use")
+    assert "--dashboard-port" in msg and "--ports random" in msg
