@@ -13,6 +13,12 @@ dashboard launcher and the test helpers.
   CrashLoopBackOff), waiting for each restarted child's readiness check before counting it up again, and
   says so on stderr. No thread: the launcher's loop calls `Supervisor.poll` a few times a second. A child
   stopped on purpose (`stop`, `kill`, `stop_all`) is never restarted.
+- Liveness (issue 27): a member may have a `live` probe (`ManagedProcess.live`, e.g. Envoy's health route
+  through its own listener); the supervisor runs it every `RestartPolicy.live_interval_s` while the member is
+  up and restarts a member that fails it `live_failures` times in a row: a process that runs but no longer
+  serves (Envoy after an admin ``/drain_listeners``) is treated as crashed.
+- Logs are private (issue 27): each child's log is created mode 0600 (an existing one is tightened to it),
+  in a folder created mode 0700: debug logs may hold request headers.
 - Children die with their parent: on Linux every child gets PR_SET_PDEATHSIG = SIGKILL
   (`parent_death_preexec`), so a launcher killed with SIGKILL leaves no process behind and no port busy.
   The signal fires when the *thread* that forked the child exits: spawn from the main thread (every
@@ -192,6 +198,70 @@ def parent_death_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None
     return preexec
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h> mallopt parameters
+
+
+def return_large_blocks(threshold_bytes: int = 1 << 20) -> bool:
+    """Make this process's allocator (glibc malloc) serve every allocation of `threshold_bytes` or more with its
+    own mmap, returned to the system when freed, and trim the heap above that much free memory. By default
+    glibc raises its mmap threshold up to 32 MiB after large frees, so a burst of multi-megabyte request bodies
+    leaves their memory in the heap and the RSS high for good (issue 27: +69 MiB after 40 bodies of 7 MiB that
+    the router had already freed). False where unavailable (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * threshold_bytes))
+
+
+def held_listener(port: int, host: str = LOOPBACK, backlog: int = 1024) -> socket.socket:
+    """A listening TCP socket on host:`port`, inheritable, for a child to serve on (``pass_fds``): the launcher
+    keeps it open while the child restarts, so the port is never free for another process to take (issue 27: a
+    local user bound a crashed model server's port 0.48 s after its death and was sent its requests). Connections
+    that arrive while the child is down wait in the backlog for the restarted one. `PortBusy` when taken."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortBusy(f"port {port} is already in use ({exc.strerror}; stop what holds it, e.g. "
+                       f"`ss -ltnp 'sport = :{port}'`, or choose another port)") from None
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+def reset_pending(sock: socket.socket, max_connections: int = 1024) -> int:
+    """Accept what waits on a held listener whose child is down and reset it at once (RST): a client (Envoy, a
+    health probe) then sees the failure it would see on a closed port (Envoy retries the request on another
+    endpoint) instead of waiting in the backlog for a restart that may not come. Returns how many."""
+    n = 0
+    sock.setblocking(False)
+    try:
+        while n < max_connections:
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            conn.close()
+            n += 1
+    finally:
+        sock.setblocking(True)
+    return n
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Called in a child that was not started through `parent_death_preexec` (a multiprocessing worker): it
+    gets `sig` when its parent dies, and exits now when `parent` is already gone. No-op where unavailable."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def describe_status(returncode: int | None) -> str:
     """'status 3', 'signal SIGKILL' (a negative Popen returncode) or 'an unknown status'."""
     if returncode is None:
@@ -251,12 +321,15 @@ class ManagedProcess:
 
     def __init__(self, name: str, argv: Sequence[str], *, log_path: Path | None = None,
                  env: Mapping[str, str] | None = None, ready: Callable[[], bool] | None = None,
-                 ports: Sequence[int] = (), die_with_parent: bool = True) -> None:
+                 ports: Sequence[int] = (), die_with_parent: bool = True,
+                 live: Callable[[], bool] | None = None, pass_fds: Sequence[int] = ()) -> None:
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_path = log_path
         self.env = dict(env or {})
         self.ready = ready
+        self.live = live  # the supervisor's probe that it still serves (module docstring); None: alive = live
+        self.pass_fds = tuple(pass_fds)  # inherited by every spawn (a listening socket the launcher holds)
         self.ports = tuple(ports)
         self.die_with_parent = die_with_parent
         self.popen: subprocess.Popen[bytes] | None = None
@@ -284,8 +357,7 @@ class ManagedProcess:
         check_ports_free((self.name, p) for p in self.ports)
         log: IO[bytes] | None = None
         if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = open(self.log_path, "ab")  # noqa: SIM115 - closed below: the child has its own copy
+            log = open_private_log(self.log_path)
         try:
             self.popen = subprocess.Popen(self.argv, **self._popen_kwargs(log))
         finally:
@@ -300,7 +372,7 @@ class ManagedProcess:
         # Own session = own process group, so `stop` reaches grandchildren; no stdin, so a child never blocks
         # on a terminal it shares with `prefixroute up`.
         return {"stdout": log, "stderr": subprocess.STDOUT if log is not None else None,
-                "stdin": subprocess.DEVNULL, "start_new_session": True,
+                "stdin": subprocess.DEVNULL, "start_new_session": True, "pass_fds": self.pass_fds,
                 "preexec_fn": parent_death_preexec() if self.die_with_parent else None,
                 "env": {"PYTHONUNBUFFERED": "1", **os.environ, **self.env}}
 
@@ -364,6 +436,17 @@ class ManagedProcess:
         return self.returncode
 
 
+def open_private_log(path: Path) -> IO[bytes]:
+    """`path` opened for appending, created mode 0600 (an existing file is tightened to 0600) in a folder created
+    mode 0700 (an existing folder is left as it is). The caller closes it."""
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
+
+
 class ProcessGroup:
     """The children of one launcher: a stack, a gateway, a bench run. Started through it, they stop together,
     the last started first. A context manager: leaving it stops every child, on an exception too.
@@ -380,10 +463,11 @@ class ProcessGroup:
 
     def start(self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               ready: Callable[[], bool] | None = None, ports: Sequence[int] = (),
-              wait: bool = True) -> ManagedProcess:
+              wait: bool = True, pass_fds: Sequence[int] = ()) -> ManagedProcess:
         """A new child, spawned now and, with `wait`, ready when this returns (else see `wait_ready`)."""
         log_path = self.log_dir / f"{name}.log" if self.log_dir is not None else None
-        return self.add(ManagedProcess(name, argv, log_path=log_path, env=env, ready=ready, ports=ports), wait=wait)
+        return self.add(ManagedProcess(name, argv, log_path=log_path, env=env, ready=ready, ports=ports,
+                                       pass_fds=pass_fds), wait=wait)
 
     def add(self, proc: ManagedProcess, *, wait: bool = True) -> ManagedProcess:
         """Make `proc` a member (at the end, unless it is one: a restart keeps its place in the stop order),
@@ -445,6 +529,10 @@ class RestartPolicy:
     max_delay_s: float = 15.0
     reset_after_s: float = 30.0
     ready_timeout_s: float = 60.0
+    live_interval_s: float = 1.0
+    live_failures: int = 3
+    """A member with a `live` probe is probed every `live_interval_s` while up; `live_failures` failures in a row
+    (3 s by default: no restart on one slow answer) and it is killed and restarted like a crashed one."""
 
     def delay_s(self, num_failures: int) -> float:
         """The wait before the restart that follows `num_failures` (>= 1) failures in a row."""
@@ -458,6 +546,8 @@ class _Watch:
     due: float = 0.0
     num_failures: int = 0  # in a row: sets the delay
     num_restarts: int = 0  # in all
+    next_probe: float = 0.0  # when its `live` probe runs next
+    num_probe_failures: int = 0  # in a row
 
 
 class Supervisor:
@@ -512,6 +602,19 @@ class Supervisor:
                         w.num_failures = 0
                     self._schedule(proc, w, now, f"exited with {describe_status(proc.returncode)} after "
                                                  f"{up_s:.1f} s up")
+                elif proc.live is not None and now >= w.next_probe:
+                    w.next_probe = now + self.policy.live_interval_s
+                    if proc.live():
+                        w.num_probe_failures = 0
+                    else:
+                        w.num_probe_failures += 1
+                        if w.num_probe_failures >= self.policy.live_failures:
+                            w.num_probe_failures = 0
+                            stop_group(proc.popen, 0.0)  # runs but no longer serves: a crash, restarted as one
+                            if now - w.since >= self.policy.reset_after_s:
+                                w.num_failures = 0
+                            self._schedule(proc, w, now, f"stopped serving ({self.policy.live_failures} health "
+                                                         "probes in a row failed; killed)")
             elif w.state == "waiting":
                 if now >= w.due:
                     self._restart(proc, w, now)
@@ -521,6 +624,7 @@ class Supervisor:
                                                  "restarting")
                 elif proc.ready is None or proc.ready():
                     w.state, w.since = "up", time.monotonic()
+                    w.next_probe, w.num_probe_failures = w.since + self.policy.live_interval_s, 0
                     self._say(f"{proc.name} is back (restart {w.num_restarts}, pid {proc.pid}, ready "
                               f"{w.since - w.due:.1f} s after its restart)")
                 elif now - w.since > self.policy.ready_timeout_s:

@@ -31,6 +31,7 @@ from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.kv_events.link import KVEventsLink
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.settings import PeerSettings
+from prefixroute.extproc.parse_offload import ParseOffload
 from prefixroute.extproc.responses import ResponsesCollector
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.tracking import RequestTracker
@@ -38,6 +39,7 @@ from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.sessions import SessionsCollector
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher, TokenizerLoadError
+from prefixroute.procs import return_large_blocks
 from prefixroute.telemetry.router import RouterTelemetry, RouterTelemetrySettings
 
 READY_PREFIX = "prefixroute extproc ready on "
@@ -97,6 +99,10 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     # track_prefill: PoolRouter.release calls core.on_release once per routed request.
     core = RouterCore(routing, track_prefill=True, event_index=event_index)
     router = PoolRouter(core, pool)
+    log.info("%s", core.memory.describe())
+    if routing.parse_workers:  # large bodies parsed off the event loop (issue 27)
+        router.offload = ParseOffload(routing)
+        router.offload.start()
     manager = None
     if event_index is not None:
         manager = KVEventsManager(event_index, topic=pool_settings.kv_events_topic,
@@ -126,8 +132,10 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         router.peer_pending_ttl_s = peer_settings.pending_ttl_s
         router.peer_in_flight_ttl_s = peer_settings.in_flight_ttl_s
         router.peer_timeout_s = peer_settings.peer_timeout_s
+        router.max_in_flight_per_peer = peer_settings.max_in_flight_per_peer
         telemetry.metrics.registry.register(PeersCollector(bus, core.scheduler.policy.num_peer_picks,
-                                                           router.num_peer_in_flight))
+                                                           router.num_peer_in_flight,
+                                                           lambda: router.num_ignored_peer_messages))
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
     if bus is not None:
@@ -171,6 +179,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         if bus is not None:
             await bus.close()
         await router.lookup.close()
+        if router.offload is not None:
+            router.offload.close()
         await pool.close()
         # Off the loop: flushing waits on the exporter (bounded), the loop must not stall meanwhile.
         await asyncio.get_running_loop().run_in_executor(None, telemetry.close, 2.0)
@@ -178,6 +188,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Request bodies of megabytes must not stay in the heap once freed (routing/memory.py: the budget).
+    return_large_blocks()
     try:
         ext = settings.from_namespace(ExtprocSettings, args)
         routing = settings.from_namespace(RoutingSettings, args)

@@ -88,8 +88,20 @@ that stops reading costs Envoy ~2x that per stream; the BUFFERED ext_proc body m
 headers (slowloris), whole request, stream idle, connection idle (see each setting's help for its size).
 
 ext_proc authentication: optional TLS to the ext_proc cluster (UpstreamTlsContext: Envoy verifies the
-service certificate and its SAN, and presents its own for mutual TLS) and a bearer token sent as
-``authorization: Bearer ...`` initial metadata by both ext_proc filters.
+service certificate and its SAN, and presents its own for mutual TLS) and a bearer token in the
+``authorization`` header of every ext_proc stream. The token is an Envoy *secret* (static_resources.secrets,
+a generic secret: from `extproc_auth_token_file`, read by Envoy itself, so the rendered file holds only its
+path; or inline) injected by a credential_injector upstream filter on the ext_proc clusters, never gRPC
+initial metadata: Envoy redacts secrets from /config_dump, and checked with Envoy 1.40 neither /config_dump
+nor its log at any level (debug and trace included) shows the token (issue 27: the admin port printed it).
+
+Envoy's admin interface (`admin_mode`): "loopback" binds 127.0.0.1:`admin_port` and serves only read-only
+paths (`ADMIN_READ_ONLY_PATHS`: no /config_dump, /logging, /quitquitquit, /drain_listeners, /runtime_modify,
+/healthcheck/fail, /reset_counters, profilers or taps: every local user can reach loopback); "unix" serves
+everything on a Unix socket (`admin_socket_path`, mode 0600: its owner only); "off" has no admin at all (then
+`health_path`, answered by Envoy on the gateway listener, tells whether it serves). Note: at debug and trace
+levels Envoy logs every request's headers, clients' own ``authorization`` included; only the owner can set
+them (flag, or the unix admin socket).
 """
 
 from __future__ import annotations
@@ -116,6 +128,13 @@ from envoy_data_plane.envoy.config.cluster.v3 import (CircuitBreakers, CircuitBr
                                                       ClusterCustomClusterType, ClusterDiscoveryType, ClusterLbPolicy,
                                                       ClusterOriginalDstLbConfig, OutlierDetection)
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
+from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+from envoy_data_plane.envoy.config.core.v3 import Pipe
+from envoy_data_plane.envoy.extensions.access_loggers.open_telemetry.v3 import OpenTelemetryAccessLogConfig
+from envoy_data_plane.opentelemetry.proto.common.v1 import AnyValue, KeyValue, KeyValueList
+from envoy_data_plane.envoy.extensions.filters.http.credential_injector.v3 import CredentialInjector
+from envoy_data_plane.envoy.extensions.filters.http.upstream_codec.v3 import UpstreamCodec
+from envoy_data_plane.envoy.extensions.http.injected_credentials.generic.v3 import Generic as GenericCredential
 from envoy_data_plane.envoy.config.core.v3 import (Address, DataSource, GrpcService, GrpcServiceEnvoyGrpc,
                                                    HeaderValue, HeaderValueOption, HeaderValueOptionHeaderAppendAction,
                                                    Http1ProtocolOptions, Http2ProtocolOptions, HttpProtocolOptions as
@@ -151,12 +170,13 @@ from envoy_data_plane.envoy.extensions.http.early_header_mutation.header_mutatio
 from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import DownstreamConnectionsConfig
 from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import PreviousHostsPredicate
 from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (CertificateValidationContext, CommonTlsContext,
+                                                                        GenericSecret, SdsSecretConfig, Secret,
                                                                         SubjectAltNameMatcher,
                                                                         SubjectAltNameMatcherSanType, TlsCertificate,
                                                                         UpstreamTlsContext)
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (HttpProtocolOptions,
                                                                  HttpProtocolOptionsExplicitHttpConfig)
-from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
+from envoy_data_plane.envoy.type.matcher.v3 import RegexMatcher, StringMatcher
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
@@ -175,6 +195,11 @@ EXTPROC_REPLICA_CLUSTER_PREFIX = "prefixroute_extproc_replica_"
 PICKED_CLUSTER = "picked_endpoint"
 POOL_CLUSTER = "endpoint_pool_round_robin"
 DIRECT_CLUSTER = "direct_upstream"
+UNAVAILABLE_CLUSTER = "routing_unavailable"
+"""A cluster without endpoints: the target of the routes taken while the routing service is down and the request
+must not go elsewhere (Envoy answers 503; its local reply mapper names the reason)."""
+UNAVAILABLE_STATEFUL_ROUTE = "extproc_unavailable_stateful"
+UNAVAILABLE_CLOSED_ROUTE = "extproc_unavailable_fail_closed"
 OBSERVE_FILTER = "prefixroute.observe_responses"
 ROUTING_FILTER = "envoy.filters.http.ext_proc"
 
@@ -194,7 +219,17 @@ class EnvoySettings(Settings):
     gateway_port: int = setting(8080, "Port clients send OpenAI requests to (8080: the usual unprivileged HTTP port).")
     listen_address: str = setting("0.0.0.0", "Address the gateway listens on (all interfaces, so a container's "
                                   "published port reaches it; use 127.0.0.1 to keep it local).")
-    admin_port: int = setting(9901, "Envoy admin port, bound to 127.0.0.1 only (9901: Envoy's customary port).")
+    admin_port: int = setting(9901, "Envoy admin port, bound to 127.0.0.1 only (9901: Envoy's customary port); "
+                              "admin_mode loopback.")
+    admin_mode: str = setting("loopback", "Envoy's admin interface: loopback (127.0.0.1:admin_port, read-only paths "
+                              "only: stats, ready, clusters, listeners, server_info; every local user can reach "
+                              "loopback), unix (every path, on the Unix socket admin_socket_path, mode 0600: only "
+                              "its owner), or off (no admin; health_path still answers).")
+    admin_socket_path: str = setting("", "Unix socket of the admin interface when admin_mode is unix; put it in a "
+                                     "folder only its owner can enter.")
+    health_path: str = setting("/healthz", "Path Envoy answers itself on the gateway listener with 200 "
+                               "{\"status\": \"ok\"} (GET; no router, no endpoint): a supervisor's probe that the "
+                               "listener serves (a drained listener fails it). Empty: none.")
     extproc_address: str = setting("127.0.0.1:9002", "host:port of the ext_proc routing service "
                                    "(9002: the port the endpoint-picker reference uses).")
     extproc_replica_addresses: tuple[str, ...] = setting(
@@ -282,6 +317,14 @@ class EnvoySettings(Settings):
         "reading costs Envoy (~2x this per stream instead of ~2x max_request_body_bytes). 32 KiB is Envoy's "
         "edge-proxy recommendation: seconds of a token stream (~100 bytes per SSE event); request bodies are "
         "buffered separately up to max_request_body_bytes.")
+    records_otlp_address: str = setting(
+        "", "host:port of an OTLP/gRPC receiver (`prefixroute telemetry`) Envoy sends one log record per routed "
+        "request to (its id, path, status, duration, served endpoint, response flags): the receiver keeps it as "
+        "the request's record only when the router's own record never comes (the router was down or was killed "
+        "while the request ran), so every request served has a record. Empty: none.")
+    records_otlp_token_file: str = setting(
+        "", "File holding the bearer token the OTLP receiver of records_otlp_address requires (read by Envoy, "
+        "never written into the configuration).")
     extproc_tls_ca_file: str = setting(
         "", "PEM CA bundle that signs the ext_proc service's certificate; set = Envoy talks TLS to it and verifies "
         "its certificate (the SAN must name extproc_tls_server_name). Empty = plaintext (loopback only).")
@@ -294,12 +337,14 @@ class EnvoySettings(Settings):
         "IP address); empty = the host of extproc_address.")
     extproc_auth_token: str = setting(
         "", "Bearer token Envoy sends to the ext_proc service (`authorization: Bearer ...` on every stream, both "
-        "filters); must equal the service's auth_token. Prefer the environment variable or "
-        "extproc_auth_token_file to a command-line flag (visible in ps). It is written into the rendered "
-        "configuration: keep that file private (envoy-config --out writes it mode 0600).")
+        "filters); must equal the service's auth_token. Prefer extproc_auth_token_file: given inline, the token is "
+        "written into the rendered configuration (as a secret, so Envoy's /config_dump redacts it; envoy-config "
+        "--out writes the file mode 0600).")
     extproc_auth_token_file: str = setting(
-        "", "File holding extproc_auth_token (surrounding whitespace ignored); used when extproc_auth_token is "
-        "empty.")
+        "", "File holding extproc_auth_token, read by Envoy itself at start: the rendered configuration names the "
+        "file and holds no secret (Envoy must be able to read it). A file with surrounding whitespace (a trailing "
+        "newline) is read here instead and its stripped token written into the configuration. Used when "
+        "extproc_auth_token is empty.")
 
 
 def _duration(seconds: float) -> timedelta:
@@ -339,6 +384,101 @@ def extproc_auth_token(s: EnvoySettings) -> str:
     return ""
 
 
+EXTPROC_TOKEN_SECRET = "prefixroute_extproc_token"
+ADMIN_READ_ONLY_PATHS = ("/ready", "/stats", "/stats/prometheus", "/stats/recentlookups", "/server_info",
+                         "/clusters", "/listeners", "/certs", "/memory", "/hot_restart_version", "/runtime", "/help")
+"""The admin paths `admin_mode` loopback serves: what monitoring reads. Left out: /config_dump (configuration and
+secrets' metadata), /logging (a POST raises the level: debug logs print clients' headers), /quitquitquit,
+/drain_listeners, /healthcheck/fail and /healthcheck/ok, /runtime_modify, /reset_counters, /heapprofiler,
+/cpuprofiler, /tap, /init_dump, /contention and anything added later (a path must be listed to be served)."""
+
+
+def _extproc_token_secret(s: EnvoySettings) -> Secret | None:
+    """The ext_proc token as an Envoy secret: the file's path (Envoy reads it; the rendered configuration holds no
+    token), else the inline token; None without one. Envoy strips nothing: a file's surrounding whitespace is
+    refused here (a trailing newline would become part of the header)."""
+    if s.extproc_auth_token:
+        return Secret(name=EXTPROC_TOKEN_SECRET,
+                      generic_secret=GenericSecret(secret=DataSource(inline_string=s.extproc_auth_token)))
+    if s.extproc_auth_token_file:
+        raw = Path(s.extproc_auth_token_file).read_bytes()
+        if not raw.strip():
+            raise ValueError(f"extproc_auth_token_file {s.extproc_auth_token_file} is empty")
+        if raw != raw.strip():
+            # Envoy would send the newline too: the stripped token goes inline (still a secret, redacted from
+            # dumps, but in the rendered file: write the token file without a trailing newline to avoid that).
+            return Secret(name=EXTPROC_TOKEN_SECRET, generic_secret=GenericSecret(
+                secret=DataSource(inline_string=raw.strip().decode("utf-8", "replace"))))
+        return Secret(name=EXTPROC_TOKEN_SECRET,
+                      generic_secret=GenericSecret(secret=DataSource(filename=s.extproc_auth_token_file)))
+    return None
+
+
+RECORDS_CLUSTER = "prefixroute_records_otlp"
+RECORDS_TOKEN_SECRET = "prefixroute_records_token"
+RECORD_ATTRIBUTES = {
+    "prefixroute.envoy_record": "1", "prefixroute.request_id": "%REQ(X-REQUEST-ID)%", "prefixroute.path": "%PATH%",
+    "prefixroute.status": "%RESPONSE_CODE%", "prefixroute.latency_ms": "%DURATION%",
+    "prefixroute.start_time": "%START_TIME(%s.%6f)%", "prefixroute.endpoint": "%UPSTREAM_HOST%",
+    "prefixroute.response_flags": "%RESPONSE_FLAGS%", "prefixroute.route": "%ROUTE_NAME%"}
+"""What Envoy's record of a request says (telemetry/receiver.py `envoy_log_to_row` reads these names)."""
+
+
+def _records_access_log(s: EnvoySettings) -> tuple[list[AccessLog], Cluster | None, Secret | None]:
+    """Envoy's own record of every routed request, as OTLP logs to `records_otlp_address` (issue 27: requests in
+    flight when the router died had no record). Not for Envoy's health route and the paths it refuses itself."""
+    if not s.records_otlp_address:
+        return [], None, None
+    token = None
+    if s.records_otlp_token_file:
+        token = Secret(name=RECORDS_TOKEN_SECRET,
+                       generic_secret=GenericSecret(secret=DataSource(filename=s.records_otlp_token_file)))
+    cluster = _strict_dns_cluster(RECORDS_CLUSTER, [s.records_otlp_address], 1.0, typed_extension_protocol_options={
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": ProtoAny.pack(HttpProtocolOptions(
+            explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(http2_protocol_options=Http2ProtocolOptions()),
+            http_filters=_credential_filters(RECORDS_TOKEN_SECRET) if token is not None else []))})
+    config = OpenTelemetryAccessLogConfig(
+        log_name="prefixroute.requests", buffer_flush_interval=_duration(1),
+        grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=RECORDS_CLUSTER)),
+        attributes=KeyValueList(values=[KeyValue(key=k, value=AnyValue(string_value=v))
+                                        for k, v in RECORD_ATTRIBUTES.items()]))
+    skip = " || ".join(f"xds.route_name == '{r}'" for r in ("gateway_health", "path_not_allowed",
+                                                            "connect_not_allowed"))
+    log = AccessLog(name="envoy.access_loggers.open_telemetry", typed_config=ProtoAny.pack(config),
+                    filter=AccessLogFilter(extension_filter=ExtensionFilter(
+                        name="envoy.access_loggers.extension_filters.cel",
+                        typed_config=ProtoAny.pack(ExpressionFilter(expression=f"!({skip})")))))
+    return [log], cluster, token
+
+
+def _credential_filters(secret: str = EXTPROC_TOKEN_SECRET) -> list[HttpFilter]:
+    """Upstream filters of a gRPC cluster: the token `secret` as ``authorization: Bearer ...`` on every stream
+    (credential_injector), then the codec (which must come last)."""
+    return [
+        HttpFilter(name="envoy.filters.http.credential_injector", typed_config=ProtoAny.pack(CredentialInjector(
+            overwrite=True,
+            credential=TypedExtensionConfig(name="envoy.http.injected_credentials.generic", typed_config=ProtoAny.pack(
+                GenericCredential(credential=SdsSecretConfig(name=secret), header="authorization",
+                                  header_value_prefix="Bearer ")))))),
+        HttpFilter(name="envoy.filters.http.upstream_codec", typed_config=ProtoAny.pack(UpstreamCodec())),
+    ]
+
+
+def _admin(s: EnvoySettings) -> Admin | None:
+    if s.admin_mode == "off":
+        return None
+    if s.admin_mode == "unix":
+        if not s.admin_socket_path:
+            raise ValueError("admin_mode unix needs admin_socket_path")
+        return Admin(address=Address(pipe=Pipe(path=s.admin_socket_path, mode=0o600)))
+    if s.admin_mode == "loopback":
+        # Envoy matches allow_paths against the path with its query string: each path, then any query.
+        paths = "|".join(re.escape(p) for p in ADMIN_READ_ONLY_PATHS)
+        return Admin(address=_address(f"127.0.0.1:{s.admin_port}"),
+                     allow_paths=[StringMatcher(safe_regex=RegexMatcher(regex=f"^({paths})(\\?[^#]*)?$"))])
+    raise ValueError(f"admin_mode must be loopback, unix or off, got {s.admin_mode!r}")
+
+
 def _allowed_path_matches(s: EnvoySettings) -> list[RouteMatch]:
     """The allowlist as route matches: exact paths, then prefixes. ValueError for a path that is not in
     normalised form (it could never match: Envoy matches the normalised path) or an empty allowlist."""
@@ -359,10 +499,13 @@ def _match_text(m: RouteMatch) -> str:
 def _not_found_route(name: str, match: RouteMatch, status: int, message: str, filters: Sequence[str]) -> Route:
     # Answered by Envoy with neither ext_proc filter running: the router never spends a decision (or a
     # telemetry record) on a path it does not serve.
+    return _direct_route(name, match, status, _error_json(status, message), filters)
+
+
+def _direct_route(name: str, match: RouteMatch, status: int, body: str, filters: Sequence[str]) -> Route:
     return Route(
         name=name, match=match,
-        direct_response=DirectResponseAction(status=status, body=DataSource(inline_string=_error_json(
-            status, message))),
+        direct_response=DirectResponseAction(status=status, body=DataSource(inline_string=body)),
         response_headers_to_add=[_set_header("content-type", "application/json")],
         typed_per_filter_config={f: ProtoAny.pack(ExtProcPerRoute(disabled=True)) for f in filters},
     )
@@ -459,10 +602,26 @@ def _local_reply_config(s: EnvoySettings) -> LocalReplyConfig:
                                                           content_type="application/json"),
             headers_to_add=[_set_header(k, v) for k, v in (headers or {}).items()])
 
-    # The first mapper that matches wins: reason-specific ones first. %RESPONSE_CODE_DETAILS% /
-    # %RESPONSE_FLAGS% are Envoy's short reason tokens (e.g. http1.codec_error, UF), kept in parentheses for the
-    # operator after a sentence for the client.
+    def unavailable(route: str, message: str) -> ResponseMapper:
+        # The 503 of a route to UNAVAILABLE_CLUSTER (the routing service is down): its own message.
+        return ResponseMapper(
+            filter=AccessLogFilter(and_filter=AndFilter(filters=[
+                own, AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+                    op=ComparisonFilterOp.EQ,
+                    value=RuntimeUInt32(default_value=503, runtime_key="prefixroute.local_reply.503")))),
+                _cel_filter(f"xds.route_name.startsWith('{route}')")])),
+            body_format_override=SubstitutionFormatString(
+                text_format_source=DataSource(inline_string=_error_json(503, message)),
+                content_type="application/json"),
+            headers_to_add=[_set_header("retry-after", "1")])
+
+    # The first mapper that matches wins: reason-specific ones first (the routing-unavailable routes' own 503s,
+    # then Envoy's details). %RESPONSE_CODE_DETAILS% / %RESPONSE_FLAGS% are Envoy's short reason tokens (e.g.
+    # http1.codec_error, UF), kept in parentheses for the operator after a sentence for the client.
     return LocalReplyConfig(mappers=[
+        unavailable(UNAVAILABLE_STATEFUL_ROUTE, "The routing service is unavailable and a Responses API request must "
+                    "reach the endpoint that holds its conversation; retry shortly."),
+        unavailable(UNAVAILABLE_CLOSED_ROUTE, "The routing service is unavailable; retry shortly."),
         *(mapper(status, message, headers, details=details) for status, details, message, headers in _DETAIL_REPLIES),
         mapper(400, "Malformed HTTP request (%RESPONSE_CODE_DETAILS%)."),
         mapper(403, "Refused (%RESPONSE_CODE_DETAILS%): CONNECT and protocol upgrades are not supported."),
@@ -556,8 +715,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
     served_header = [_set_header(SERVED_HEADER, "%UPSTREAM_HOST%")]
     upstream_timeout = _duration(s.upstream_timeout_s)
     allowed = _allowed_path_matches(s)
-    token = extproc_auth_token(s)
-    auth_metadata = [HeaderValue(key="authorization", value=f"Bearer {token}")] if token else []
+    token_secret = _extproc_token_secret(s)
 
     # Every route that reaches an endpoint matches one allowlisted path (exact or prefix, on the normalised
     # path, query string aside), so only those are ever forwarded, whether or not ext_proc answered.
@@ -575,8 +733,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
             if s.observe_responses:
                 per_filter[OBSERVE_FILTER] = ProtoAny.pack(ExtProcPerRoute(overrides=ExtProcOverrides(
                     grpc_service=GrpcService(
-                        envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{replica}"),
-                        initial_metadata=auth_metadata))))
+                        envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{replica}")))))
         return Route(
             name=name,
             match=RouteMatch(path=match.path, prefix=match.prefix, headers=headers),
@@ -589,16 +746,14 @@ def build_config(s: EnvoySettings) -> Bootstrap:
 
     def unpicked_route(match: RouteMatch) -> Route:
         stateful = match.path == RESPONSES_PATH or (match.prefix or "").startswith(RESPONSES_PREFIX)
+        # These routes are what Envoy matches at request headers, before the picker set its header, so their
+        # body limit is what the ext_proc filter may buffer. A direct-response route takes no body limit (only
+        # a route with an action does): its requests were buffered to the connection's 32 KiB and a 33 KB
+        # Responses body got Envoy's 413 (issue 27). So they route to a cluster without endpoints, and the
+        # 503 that Envoy then answers gets its message from the local reply mapper of its route (UNAVAILABLE_*).
         if stateful:  # module docstring: the Responses API fails closed whatever failure_mode says
-            return Route(
-                name=f"extproc_unavailable_stateful {_match_text(match)}",
-                match=match,
-                direct_response=DirectResponseAction(status=503, body=DataSource(inline_string=_error_json(
-                    503, "The routing service is unavailable and a Responses API request must reach the endpoint "
-                         "that holds its conversation; retry shortly."))),
-                response_headers_to_add=[_set_header("content-type", "application/json"),
-                                         _set_header("retry-after", "1")],
-            )
+            return Route(name=f"{UNAVAILABLE_STATEFUL_ROUTE} {_match_text(match)}", match=match,
+                         route=RouteAction(cluster=UNAVAILABLE_CLUSTER))
         if s.failure_mode == "open" and s.endpoints:
             return Route(
                 name=f"extproc_unavailable_round_robin {_match_text(match)}",
@@ -611,13 +766,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                     host_selection_retry_max_attempts=5)),
                 response_headers_to_add=served_header,
             )
-        return Route(
-            name=f"extproc_unavailable_fail_closed {_match_text(match)}",
-            match=match,
-            direct_response=DirectResponseAction(status=503, body=DataSource(inline_string=_error_json(
-                503, "The routing service is unavailable; retry shortly."))),
-            response_headers_to_add=[_set_header("content-type", "application/json"), _set_header("retry-after", "1")],
-        )
+        return Route(name=f"{UNAVAILABLE_CLOSED_ROUTE} {_match_text(match)}", match=match,
+                     route=RouteAction(cluster=UNAVAILABLE_CLUSTER))
 
     http_filters: list[HttpFilter] = []
     if s.extproc_enabled:
@@ -629,8 +779,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                 envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
                 # The GrpcService's own policy (EnvoyGrpc.retry_policy is for xDS streams only).
                 retry_policy=_extproc_retry_policy(len(replicas)),
-                initial_metadata=[*auth_metadata, *([HeaderValue(key=OBSERVED_METADATA, value="1")]
-                                                    if s.observe_responses else [])]),
+                initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value="1")] if s.observe_responses else []),
             failure_mode_allow=s.failure_mode == "open",
             status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
             message_timeout=_duration(s.extproc_message_timeout_ms / 1000),
@@ -655,8 +804,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         ))))
     if s.extproc_enabled and s.observe_responses:
         http_filters.append(HttpFilter(name=OBSERVE_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
-            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
-                                     initial_metadata=auth_metadata),
+            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
             # Send-and-go: Envoy never waits for an answer, so the token stream is not slowed; a telemetry
             # failure never fails a request.
             observability_mode=True,
@@ -690,6 +838,10 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                         route=RouteAction(cluster=POOL_CLUSTER, timeout=upstream_timeout),
                         response_headers_to_add=served_header) for m in allowed]
     ext_proc_filters = [f.name for f in http_filters if f.name != "envoy.filters.http.router"]
+    if s.health_path:
+        # Answered by Envoy alone, so it says whether the listener serves (issue 27); no allowlisted path is it.
+        routes.append(_direct_route("gateway_health", RouteMatch(path=s.health_path), 200,
+                                    orjson.dumps({"status": "ok"}).decode(), ext_proc_filters))
     routes += [
         # CONNECT matches only routes with a connect_matcher; without this one an HTTP/1 CONNECT went to the
         # ext_proc filter as a tunnel whose body never ends (no answer at all).
@@ -699,7 +851,9 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                          "No such path on this gateway; it serves the OpenAI inference API.", ext_proc_filters),
     ]
 
+    records_log, records_cluster, records_secret = _records_access_log(s)
     hcm = HttpConnectionManager(
+        access_log=records_log,
         stat_prefix="gateway",
         codec_type=HttpConnectionManagerCodecType.AUTO,
         early_header_mutation_extensions=[TypedExtensionConfig(
@@ -754,7 +908,9 @@ def build_config(s: EnvoySettings) -> Bootstrap:
             "typed_extension_protocol_options": {
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": ProtoAny.pack(HttpProtocolOptions(
                     explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
-                        http2_protocol_options=Http2ProtocolOptions())))}}
+                        http2_protocol_options=Http2ProtocolOptions()),
+                    # The token on every stream to a replica, from the secret (never initial metadata).
+                    http_filters=_credential_filters() if token_secret is not None else []))}}
         if len(replicas) > 1:
             # Least request: a replica busy with long streams gets fewer new ones. A replica that refuses
             # connections is ejected after two local-origin failures (its streams are retried elsewhere:
@@ -771,13 +927,20 @@ def build_config(s: EnvoySettings) -> Bootstrap:
         if len(replicas) > 1:
             clusters += [_strict_dns_cluster(f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{k}", [a], 0.25, **grpc_fields)
                          for k, a in enumerate(replicas) if s.observe_responses]
+    if s.extproc_enabled:  # the unavailable routes' target: no endpoint, so Envoy answers 503 (mapped below)
+        clusters.append(Cluster(name=UNAVAILABLE_CLUSTER, type=ClusterDiscoveryType.STATIC,
+                                connect_timeout=_duration(s.connect_timeout_s),
+                                per_connection_buffer_limit_bytes=s.connection_buffer_bytes,
+                                load_assignment=ClusterLoadAssignment(cluster_name=UNAVAILABLE_CLUSTER)))
+    if records_cluster is not None:
+        clusters.append(records_cluster)
     if s.endpoints and (s.failure_mode == "open" or not s.extproc_enabled):
         clusters.append(_strict_dns_cluster(POOL_CLUSTER, s.endpoints, s.connect_timeout_s,
                                             lb_policy=ClusterLbPolicy.ROUND_ROBIN,
                                             per_connection_buffer_limit_bytes=s.connection_buffer_bytes))
 
     return Bootstrap(
-        admin=Admin(address=_address(f"127.0.0.1:{s.admin_port}")),
+        admin=_admin(s),
         overload_manager=OverloadManager(resource_monitors=[ResourceMonitor(
             name="envoy.resource_monitors.global_downstream_max_connections",
             typed_config=ProtoAny.pack(DownstreamConnectionsConfig(
@@ -792,6 +955,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
                     name="envoy.filters.network.http_connection_manager", typed_config=ProtoAny.pack(hcm))])],
             )],
             clusters=clusters,
+            secrets=[*([token_secret] if token_secret is not None and s.extproc_enabled else []),
+                     *([records_secret] if records_secret is not None else [])],
         ),
     )
 

@@ -11,9 +11,21 @@ The ext_proc child inherits this process's environment, so the standard ``OTEL_*
 
 ext_proc authentication, secure by default: each `start()` draws a random bearer token
 (`extproc_auth`) and gives it to both children, to the ext_proc service by environment
-(``PREFIXROUTE_EXTPROC_AUTH_TOKEN``, never on its command line) and to Envoy in the rendered configuration
-(mode 0600 in the private 0700 temp dir), so nothing else on the host can open ext_proc streams. With the
-``extproc_tls_*`` files the two also speak mutual TLS (one CA signs both certificates).
+(``PREFIXROUTE_EXTPROC_AUTH_TOKEN``, never on its command line) and to Envoy as a secret file
+(``extproc.token``, mode 0600 in the private 0700 gateway folder) that Envoy reads itself: the rendered
+configuration names the file, never the token, and Envoy's /config_dump and logs never show it (issue 27). With
+the ``extproc_tls_*`` files the two also speak mutual TLS (one CA signs both certificates).
+
+Issue 27 (the host is shared with other users):
+- Envoy's admin interface is off by default (`envoy_admin`); "unix" serves it on ``envoy-admin.sock`` in the
+  gateway folder (0600 in 0700: its owner only), "loopback" on 127.0.0.1:`admin_port` with read-only paths.
+- Readiness and liveness go through the gateway's own listener (Envoy's health route, `HEALTH_PATH`): the
+  supervisor restarts an Envoy that runs but no longer serves (drained listeners), not only a dead one.
+- The embedded nats-server gets a configuration file (0600: loopback only, a per-run auth token), the replicas
+  the token and a per-run bus key by environment (their messages are signed: extproc/peers); a replica refuses a
+  server that does not require the token, so an impostor on a crashed nats-server's port gets nothing.
+- The gateway folder holds an ``owner`` file (pid and start time); `start()` first removes the folders of
+  gateways whose owner died without cleaning up (SIGKILL), so no token file lingers.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import stat
 import shutil
 import signal
 import sys
@@ -38,7 +51,7 @@ from prefixroute.procs import (ManagedProcess, ProcessGroup, RestartPolicy, Stop
 from prefixroute.extproc.endpoints.pool import endpoints_from_settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
-from prefixroute.extproc.peers.server import nats_server_argv, nats_url
+from prefixroute.extproc.peers.server import nats_config, nats_server_argv, nats_url
 from prefixroute.extproc.peers.settings import PeerSettings, default_replica_id
 from prefixroute.extproc.headers import MAX_FALLBACKS
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -57,8 +70,13 @@ class GatewaySettings(Settings):
                          "defaults, so scripts, dashboards and firewall rules can rely on them; a port in use is an "
                          "error naming it and its flag); 'random' = every port setting still at its default is drawn "
                          "free instead (several stacks on one host, tests). A port set to 0 is always drawn free.")
-    admin_port: int = setting(9901, "Envoy admin port on 127.0.0.1 (9901: Envoy's customary admin port; 0 = any "
-                              "free port).")
+    envoy_admin: str = setting("off", "Envoy's admin interface: off (none: nothing on the host can reconfigure or "
+                               "stop Envoy, or read its configuration), unix (every admin path, on the Unix socket "
+                               "envoy-admin.sock in the private gateway folder: only this user), or loopback "
+                               "(127.0.0.1:admin_port, read-only paths: stats, ready, clusters, listeners, "
+                               "server_info; any local user can read those).")
+    admin_port: int = setting(9901, "Envoy admin port on 127.0.0.1 with envoy_admin loopback (9901: Envoy's "
+                              "customary admin port; 0 = any free port).")
     extproc_port: int = setting(9002, "Port of the ext_proc service on 127.0.0.1 (9002: the endpoint-picker "
                                 "reference port; 0 = any free port); with several replicas, replica k listens on "
                                 "extproc_port + k.")
@@ -102,6 +120,47 @@ class GatewaySettings(Settings):
 
 
 MAX_EXTPROC_REPLICAS = 16
+HEALTH_PATH = "/healthz"
+"""Envoy's own health route on the gateway listener (envoy_config.py `health_path`)."""
+GATEWAY_DIR_PREFIX = "prefixroute-gateway-"
+OWNER_FILE = "owner"
+ADMIN_SOCKET = "envoy-admin.sock"
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of process `pid` (field 22 of /proc/PID/stat), None when it does not exist: with
+    the pid it names one process (a pid alone may be reused)."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return data.rsplit(")", 1)[1].split()[19]
+
+
+def _owner_line(pid: int) -> str:
+    return f"{pid} {_start_time(pid) or '?'}\n"
+
+
+def remove_stale_gateway_dirs(tmp_root: Path | None = None) -> list[Path]:
+    """Remove this user's gateway folders (`GATEWAY_DIR_PREFIX` in the temp dir) whose owner process is gone (a
+    gateway or `up` killed with SIGKILL cannot clean up: its token file would stay). A folder without a
+    readable owner file is left alone (not ours to judge). Returns what was removed."""
+    root = tmp_root or Path(tempfile.gettempdir())
+    removed = []
+    uid = os.getuid()
+    for d in root.glob(GATEWAY_DIR_PREFIX + "*"):
+        try:
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+                continue
+            pid_text, started = (d / OWNER_FILE).read_text().split()
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue
+        if pid != os.getpid() and _start_time(pid) != started:  # dead, or the pid now names another process
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 def auto_replicas(num_cores: int | None = None) -> int:
@@ -192,9 +251,12 @@ class GatewayProcesses:
     def __init__(self, gateway: GatewaySettings, routing: RoutingSettings, pool: PoolSettings, *,
                  log_dir: Path | None = None, extra_extproc_args: list[str] | None = None,
                  envoy_overrides: dict[str, Any] | None = None, group: ProcessGroup | None = None,
-                 peers: PeerSettings | None = None) -> None:
+                 peers: PeerSettings | None = None, records_to: tuple[str, str] | None = None) -> None:
+        """`records_to`: (host:port, bearer token) of the OTLP receiver Envoy sends its own record of every
+        request to (envoy_config.py `records_otlp_address`: kept when the router's record never comes)."""
         gateway = resolve_ports(gateway)
         self.gateway = gateway
+        self.records_to = records_to
         self.routing = routing
         self.pool = pool
         self.endpoints = endpoints_from_settings(pool)
@@ -220,6 +282,8 @@ class GatewayProcesses:
         self.metrics_port = gateway.metrics_port
         self.config_path: Path | None = None
         self.auth_token = ""  # drawn by start() when gateway.extproc_auth
+        self.token_path: Path | None = None  # the token's 0600 file, which Envoy reads
+        self._peer_env: dict[str, str] = {}  # the embedded NATS's token and the bus key, for the replicas
 
     @property
     def url(self) -> str:
@@ -231,16 +295,23 @@ class GatewayProcesses:
 
     def envoy_settings(self) -> EnvoySettings:
         """Envoy's settings for this gateway; `envoy_overrides` win over every derived field."""
+        admin = self.gateway.envoy_admin
         return EnvoySettings(**{
             "gateway_port": self.gateway.port, "listen_address": self.gateway.listen_address,
-            "admin_port": self.admin_port, "extproc_address": f"127.0.0.1:{self.extproc_port}",
+            "admin_mode": admin, "admin_port": self.admin_port if admin == "loopback" else 9901,
+            "admin_socket_path": str(self._tmp / ADMIN_SOCKET) if admin == "unix" and self._tmp else "",
+            "health_path": HEALTH_PATH,
+            "extproc_address": f"127.0.0.1:{self.extproc_port}",
             "extproc_replica_addresses": tuple(f"127.0.0.1:{p}" for p in self.extproc_ports)
             if self.num_replicas > 1 else (),
             "endpoints": tuple(self.endpoints), "failure_mode": self.gateway.failure_mode,
             "max_request_body_bytes": self.routing.max_body_bytes,
             "num_fallbacks": min(self.routing.num_fallbacks, MAX_FALLBACKS),
             "report_served": self.gateway.report_served, "observe_responses": self.gateway.telemetry,
-            "extproc_auth_token": self.auth_token, "extproc_tls_ca_file": self.gateway.extproc_tls_ca_file,
+            "extproc_auth_token_file": str(self.token_path) if self.token_path is not None else "",
+            "records_otlp_address": self.records_to[0] if self.records_to else "",
+            "records_otlp_token_file": str(self._tmp / "records.token") if self.records_to and self._tmp else "",
+            "extproc_tls_ca_file": self.gateway.extproc_tls_ca_file,
             "extproc_tls_cert_file": self.gateway.extproc_tls_client_cert_file,
             "extproc_tls_key_file": self.gateway.extproc_tls_client_key_file,
             **self.envoy_overrides})
@@ -258,9 +329,9 @@ class GatewayProcesses:
                 "--tls-client-ca-file", g.extproc_tls_ca_file]
 
     def _child(self, name: str, argv: list[str], ready: Callable[[], bool], ports: tuple[int, ...],
-               env: dict[str, str] | None = None) -> ManagedProcess:
+               env: dict[str, str] | None = None, live: Callable[[], bool] | None = None) -> ManagedProcess:
         log_path = self.log_dir / f"{name}.log" if self.log_dir is not None else None
-        return ManagedProcess(name, argv, log_path=log_path, ready=ready, ports=ports, env=env)
+        return ManagedProcess(name, argv, log_path=log_path, ready=ready, ports=ports, env=env, live=live)
 
     def start_extproc(self) -> None:
         """Start (or restart, after `stop_extproc`) every ext_proc replica and wait until each serves."""
@@ -298,7 +369,7 @@ class GatewayProcesses:
                 *settings_argv(self.routing), *settings_argv(self.pool), *settings_argv(peers),
                 *self.extra_extproc_args),
             ready=lambda: tcp_open(port), ports=(port, metrics) if metrics > 0 else (port,),
-            env={"PREFIXROUTE_EXTPROC_AUTH_TOKEN": self.auth_token})
+            env={"PREFIXROUTE_EXTPROC_AUTH_TOKEN": self.auth_token, **self._peer_env})
 
     def fixed_listeners(self) -> list[tuple[str, int, str]]:
         """(component, port, flag) of every port this gateway will listen on that its settings fix (those at 0
@@ -307,7 +378,7 @@ class GatewayProcesses:
         g, n = self.gateway, self.num_replicas
         name = (lambda what, k: what if n == 1 else f"{what} (replica {k})")
         out = [("gateway", g.port, "--port")]
-        if self.admin_port > 0:
+        if self.admin_port > 0 and g.envoy_admin == "loopback":  # off and unix: no admin port
             out.append(("Envoy admin", self.admin_port, "--admin-port"))
         if g.extproc_port > 0:
             out += [(name("ext_proc", k), g.extproc_port + k, "--extproc-port") for k in range(n)]
@@ -320,7 +391,22 @@ class GatewayProcesses:
     def _nats_child(self) -> ManagedProcess:
         port = self.gateway.nats_port or free_port()
         self.peers_url = nats_url(port)
-        return self._child("nats", nats_server_argv(port), ready=lambda: tcp_open(port), ports=(port,))
+        # The token in a 0600 file of the private folder (not argv: world-readable in /proc); the replicas get it,
+        # and the bus key that signs their messages, by environment.
+        token = secrets.token_urlsafe(32)
+        conf = self._private_file("nats.conf", nats_config(port, token))
+        self._peer_env = {"PREFIXROUTE_PEERS_TOKEN": token, "PREFIXROUTE_PEERS_KEY": secrets.token_urlsafe(32)}
+        return self._child("nats", nats_server_argv(port, config_file=str(conf)), ready=lambda: tcp_open(port),
+                           ports=(port,))
+
+    def _private_file(self, name: str, text: str) -> Path:
+        """`text` in a new file of the gateway folder, mode 0600 whatever the umask."""
+        assert self._tmp is not None
+        path = self._tmp / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return path
 
     def start(self) -> GatewayProcesses:
         """Start ext_proc, then Envoy, each waited for; on any failure stop both and re-raise (`StartupError`,
@@ -330,25 +416,34 @@ class GatewayProcesses:
             self.extproc_ports = self._ports(self.gateway.extproc_port, n)
             self.metrics_ports = self._ports(self.gateway.metrics_port, n)
             self.extproc_port, self.metrics_port = self.extproc_ports[0], self.metrics_ports[0]
-            if not self.admin_port:
+            if self.gateway.envoy_admin not in ("off", "unix", "loopback"):
+                raise ValueError(f"envoy_admin must be off, unix or loopback, got {self.gateway.envoy_admin!r}")
+            if self.gateway.envoy_admin == "loopback" and not self.admin_port:
                 self.admin_port = free_port()
-            # A fresh token per run, by environment: argv is world-readable in /proc.
+            remove_stale_gateway_dirs()
+            self._tmp = Path(tempfile.mkdtemp(prefix=GATEWAY_DIR_PREFIX))  # 0700
+            self._private_file(OWNER_FILE, _owner_line(os.getpid()))
+            # A fresh token per run: to the service by environment (argv is world-readable in /proc), to Envoy as
+            # a secret file it reads itself (the configuration names the file, never the token).
             self.auth_token = secrets.token_urlsafe(32) if self.gateway.extproc_auth else ""
+            self.token_path = self._private_file("extproc.token", self.auth_token) if self.auth_token else None
+            if self.records_to is not None:
+                self._private_file("records.token", self.records_to[1])
             self.peers_url = self.peers.url
             if n > 1 and not self.peers_url and self.gateway.embedded_nats:
                 self.nats = self._nats_child()
             self.extprocs = [self._extproc_child(k) for k in range(n)]
             self.extproc = self.extprocs[0]
-            self._tmp = Path(tempfile.mkdtemp(prefix="prefixroute-gateway-"))
-            self.config_path = self._tmp / "envoy.yaml"
-            # 0600: the configuration holds the token.
-            fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(render(self.envoy_settings()))
+            self.config_path = self._private_file("envoy.yaml", render(self.envoy_settings()))
+            if self.gateway.envoy_log_level in ("trace", "debug"):
+                print(f"prefixroute gateway: Envoy at log level {self.gateway.envoy_log_level} writes every "
+                      "request's headers to its log, clients' authorization headers included; keep its log "
+                      "private", file=sys.stderr, flush=True)
             self.envoy = self._child(
                 "envoy", [envoy_binary(), "-c", str(self.config_path), "--disable-hot-restart",
                           "--concurrency", str(self.envoy_concurrency), "-l", self.gateway.envoy_log_level],
-                ready=self._envoy_ready, ports=(self.gateway.port, self.admin_port))
+                ready=self._envoy_ready, live=self._envoy_ready,
+                ports=(self.gateway.port, *([self.admin_port] if self.gateway.envoy_admin == "loopback" else ())))
             children = [*([self.nats] if self.nats is not None else []), *self.extprocs, self.envoy]
             check_ports_free([*self.fixed_listeners(), *((p.name, port) for p in children for port in p.ports)])
             if self.nats is not None:
@@ -364,8 +459,14 @@ class GatewayProcesses:
         return self
 
     def _envoy_ready(self) -> bool:
-        return (http_get(f"http://127.0.0.1:{self.admin_port}/ready", timeout_s=0.5)[0] == 200
-                and tcp_open(self.gateway.port, self._client_host))
+        """Envoy answers its health route through the gateway listener: it serves (readiness, and the
+        supervisor's liveness probe: a drained listener fails it)."""
+        return http_get(f"{self.url}{HEALTH_PATH}", timeout_s=0.5)[0] == 200
+
+    @property
+    def admin_socket(self) -> Path | None:
+        """The Unix socket of Envoy's admin (envoy_admin unix), else None."""
+        return self._tmp / ADMIN_SOCKET if self._tmp is not None and self.gateway.envoy_admin == "unix" else None
 
     def stop(self) -> None:
         """Stop Envoy first (no new requests), then the ext_proc replicas, then NATS; remove the temp dir.
@@ -392,8 +493,10 @@ def ready_line(procs: GatewayProcesses) -> str:
                " ".join(f"http://127.0.0.1:{p}/metrics" for p in procs.metrics_ports))
     replicas = (f"ext_proc 127.0.0.1:{ports}" if n == 1 else
                 f"{n} ext_proc replicas 127.0.0.1:{ports}, peers " + (procs.peers_url or "off"))
+    admin = {"off": "off", "unix": f"unix:{procs.admin_socket}",
+             "loopback": f"http://127.0.0.1:{procs.admin_port} (read-only)"}[procs.gateway.envoy_admin]
     return (f"prefixroute gateway ready: {procs.url} -> {len(procs.endpoints)} endpoints ({replicas}, "
-            f"Envoy admin http://127.0.0.1:{procs.admin_port}, metrics {metrics})")
+            f"Envoy admin {admin}, metrics {metrics})")
 
 
 SUPERVISE_INTERVAL_S = 0.1

@@ -252,14 +252,23 @@ class GieStream:
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.chunks = []
         try:
-            try:
-                pick = self._route(body)
-            except NeedsLookup as need:
-                await self.router.resolve(need.response_id, self.headers)
+            routed: Any = body
+            looked_up = None
+            while True:
                 try:
-                    pick = self._route(body)
-                except NeedsLookup:  # found, then forgotten at once (its endpoint left meanwhile)
-                    raise lookup_changed(need.response_id) from None
+                    pick = self._route(routed)
+                    break
+                except NeedsLookup as need:
+                    if need.response_id is None:  # a large body (issue 27): parsed off the event loop, then
+                        # routed as the parsed request (service.NeedsParse; parse_offload.py)
+                        headers = self.headers
+                        routed = await self.router.parse_off_loop(headers.get(":method", "POST"),
+                                                                  headers.get(":path", "/"), headers, body)
+                    elif looked_up is not None:  # found, then forgotten at once (its endpoint left meanwhile)
+                        raise lookup_changed(need.response_id) from None
+                    else:
+                        await self.router.resolve(need.response_id, self.headers)
+                        looked_up = need.response_id
         except OpenAIError as err:
             await self._refuse(write, err)
             return False

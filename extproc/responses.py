@@ -26,12 +26,17 @@ synchronous.
 Without the observing filter (``--no-telemetry`` / no observing stream) ids are learned by lookup only: every
 first follow-up of a response costs one fan-out, later ones hit the directory.
 
+Memory: the directory keys every id by `response_key` (a 16-byte digest), never by the id itself, so an entry
+costs the same whatever the id (memory.RESPONSE_ID_ENTRY_BYTES), and replicas share ids by digest (a response
+id is a capability: whoever knows it can read the response from its endpoint, so it never travels on the bus).
+
 Single event loop; not thread-safe (the metrics thread reads only the plain integer counters).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -53,6 +58,15 @@ MAX_NEGATIVE_IDS = 4096
 Fetch = Callable[[str, str, Mapping[str, str]], Awaitable[int]]
 """``(address, response_id, headers) -> HTTP status`` of ``GET http://address/v1/responses/{id}``; raises on a
 connection failure (the timeout is the caller's)."""
+
+
+ResponseKey = bytes
+"""`response_key(response_id)`: how the directory and the other replicas name a response id."""
+
+
+def response_key(response_id: str) -> ResponseKey:
+    """The 16-byte BLAKE2b digest of a response id (the same on every replica)."""
+    return hashlib.blake2b(response_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 class NeedsLookup(Exception):
@@ -77,16 +91,17 @@ class ResponseDirectory:
         self.max_ids = max_ids
         self.ttl_s = ttl_s
         self.clock = clock
-        self._ids: OrderedDict[str, tuple[EndpointId, float]] = OrderedDict()  # id -> (endpoint, expiry), LRU first
-        self._by_endpoint: dict[EndpointId, set[str]] = {}
-        self._missing: OrderedDict[str, float] = OrderedDict()  # id -> expiry of the negative answer
+        # All keyed by `response_key` (digests), never by the ids themselves.
+        self._ids: OrderedDict[ResponseKey, tuple[EndpointId, float]] = OrderedDict()  # -> (endpoint, expiry), LRU
+        self._by_endpoint: dict[EndpointId, set[ResponseKey]] = {}
+        self._missing: OrderedDict[ResponseKey, float] = OrderedDict()  # -> expiry of the negative answer
         self._epochs: dict[EndpointId, int] = {}
         # Ids a lookup just found: the next `endpoint_of` is the route of the request that waited for that
         # lookup, not a hit (a subset of `_ids`, dropped with them).
-        self._found: set[str] = set()
+        self._found: set[ResponseKey] = set()
         # id -> prompt tokens of the request that produced it (its usage), when reported: a follow-up's prompt
         # starts with that prompt, so the router can predict what the holder has cached (a subset of `_ids`).
-        self._tokens: dict[str, int] = {}
+        self._tokens: dict[ResponseKey, int] = {}
         self.num_learned = 0
         self.num_hits = 0
         self.num_expired = 0
@@ -100,6 +115,10 @@ class ResponseDirectory:
         """`endpoint` produced (or, per a lookup: `by_lookup`, holds) `response_id`. Refreshes its expiry; evicts
         the least recently used id beyond `max_ids`. After a lookup the next `endpoint_of` of the id is not
         counted in `num_hits` (it is the route the lookup was made for)."""
+        self.learn_key(response_key(response_id), endpoint, by_lookup=by_lookup)
+
+    def learn_key(self, response_id: ResponseKey, endpoint: EndpointId, *, by_lookup: bool = False) -> None:
+        """`learn` by `response_key`."""
         now = self.clock()
         self._missing.pop(response_id, None)
         if by_lookup:
@@ -120,22 +139,27 @@ class ResponseDirectory:
             self._drop_from_endpoint(rid, ep)
             self.num_evicted += 1
 
-    def apply_peer(self, response_id: str, endpoint: EndpointId, prompt_tokens: int | None) -> bool:
-        """Another replica learned that `endpoint` holds `response_id` (and its request's prompt tokens, when
-        given): `learn` it here too, so a follow-up reaching this replica is pinned without a lookup. Ignored
-        (False) for an endpoint not in the last pool snapshot `sync` followed."""
+    def apply_peer(self, key: ResponseKey, endpoint: EndpointId, prompt_tokens: int | None) -> bool:
+        """Another replica learned that `endpoint` holds the response `key` names (and its request's prompt
+        tokens, when given): `learn` it here too, so a follow-up reaching this replica is pinned without a
+        lookup. Ignored (False) for an endpoint not in the last pool snapshot `sync` followed, and when this
+        replica already knows the id at another endpoint: a peer's claim never overwrites what this replica
+        learned itself or was told first (a response id names one response, produced once)."""
         if endpoint not in self._epochs:
             return False
-        known = self._ids.get(response_id)
-        if known is None or known[0] != endpoint:
-            self.learn(response_id, endpoint)
+        known = self._ids.get(key)
+        if known is not None and known[0] != endpoint:
+            return False
+        if known is None:
+            self.learn_key(key, endpoint)
         if prompt_tokens:
-            self.set_prompt_tokens(response_id, prompt_tokens)
+            self._set_tokens(key, prompt_tokens)
         return True
 
     def endpoint_of(self, response_id: str) -> EndpointId | None:
         """The endpoint holding `response_id`, None when unknown or expired. A hit refreshes the id (a
         conversation in use stays remembered) and counts in `num_hits`, except the first after a lookup."""
+        response_id = response_key(response_id)  # type: ignore[assignment]
         entry = self._ids.get(response_id)
         if entry is None:
             return None
@@ -159,15 +183,19 @@ class ResponseDirectory:
     def set_prompt_tokens(self, response_id: str, num_tokens: int) -> None:
         """The request that produced `response_id` had `num_tokens` prompt tokens (its usage). Ignored for an id
         the directory does not hold (the figure lives and dies with the id)."""
-        if response_id in self._ids:
-            self._tokens[response_id] = num_tokens
+        self._set_tokens(response_key(response_id), num_tokens)
+
+    def _set_tokens(self, key: ResponseKey, num_tokens: int) -> None:
+        if key in self._ids:
+            self._tokens[key] = num_tokens
 
     def prompt_tokens(self, response_id: str) -> int | None:
         """The prompt tokens of the request that produced `response_id`, None when not reported (yet)."""
-        return self._tokens.get(response_id)
+        return self._tokens.get(response_key(response_id))
 
     def note_missing(self, response_id: str) -> None:
         """Every endpoint answered 404 for `response_id`: answer 404 for it for `NEGATIVE_TTL_S`."""
+        response_id = response_key(response_id)  # type: ignore[assignment]
         self._missing.pop(response_id, None)
         self._missing[response_id] = self.clock() + NEGATIVE_TTL_S
         while len(self._missing) > MAX_NEGATIVE_IDS:
@@ -175,11 +203,12 @@ class ResponseDirectory:
 
     def is_missing(self, response_id: str) -> bool:
         """Whether `response_id` is in the negative cache (module docstring)."""
-        expiry = self._missing.get(response_id)
+        key = response_key(response_id)
+        expiry = self._missing.get(key)
         if expiry is None:
             return False
         if expiry <= self.clock():
-            del self._missing[response_id]
+            del self._missing[key]
             return False
         return True
 

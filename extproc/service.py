@@ -51,6 +51,16 @@ Contract with the servicer (`servicer.RouterService`):
   pool's in-flight figures are the fleet's), `expire_peers` drops their stale state (TTLs, a silent replica).
   Publishing never awaits.
 
+- Large bodies (issue 27; extproc/parse_offload.py): with `offload` set, a body its `heavy` names is not
+  parsed here: `route` raises `NeedsParse` (a `NeedsLookup` without an id), the servicer awaits
+  `parse_off_loop` (a worker process parses it), then calls `route` again with the parsed
+  `InferenceRequest` in place of the body.
+- Trust in other replicas (issue 27): a peer's message changes this replica's state only within what that
+  peer could know: a response id only for the endpoint its own pick went to (and never over an id this
+  replica knows elsewhere), a failover only for a pick of its in flight here, at most
+  `PeerSettings.max_in_flight_per_peer` of its requests counted in flight, figures in range
+  (`num_ignored_peer_messages` counts the rest).
+
 Endpoint ids are ``host:port`` as configured; the addresses handed to Envoy (ORIGINAL_DST takes addresses
 only) are those the pool publishes in its snapshot (`EndpointState.address`: the pool resolves names off the
 event loop and follows moves), read in the pool's listener, so a decision does no lookup. After a move the old
@@ -69,7 +79,8 @@ from typing import Protocol
 
 from prefixroute.extproc.endpoints import Pool
 from prefixroute.extproc.peers import codec
-from prefixroute.extproc.responses import NeedsLookup, ResponseDirectory, ResponseLookup
+from prefixroute.extproc.responses import NeedsLookup, ResponseDirectory, ResponseLookup, response_key
+from prefixroute.extproc.routing.sessions import session_id
 from prefixroute.extproc.routing.request import InferenceRequest, clip, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.tokens import PromptHasher
@@ -78,9 +89,21 @@ from prefixroute.openai_errors import OpenAIError
 from prefixroute import responses_api
 
 
-MAX_PEER_IN_FLIGHT = 65536
-"""Other replicas' requests counted in flight here at most (oldest out): more than a fleet of 16 replicas
-behind Envoys of 1,024 connections per cluster has at once."""
+MAX_PEER_TTFT_S = 3600.0
+MAX_PEER_TOKENS = 1e8
+"""Figures in another replica's messages outside [0, these] are ignored (no real prompt or first token is
+larger), so one message cannot throw this replica's time model or queues far off."""
+MAX_RECENT_PEER_PICKS = 65536
+"""Other replicas' recent picks remembered after their end (their endpoint), for the response ids they learn
+at the response's end: a Response names the pick it came from, and counts only for that pick's endpoint."""
+
+
+class NeedsParse(NeedsLookup):
+    """Raised by `PoolRouter.route` for a body to parse off the event loop: await
+    ``router.parse_off_loop(method, path, headers, body)``, then route again (servicer.py)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)  # type: ignore[arg-type]
 
 
 class PeerPublisher(Protocol):
@@ -95,7 +118,7 @@ class RoutePick:
 
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
                  "failover_reported", "first_token_reported", "usage_reported", "usage_observed", "index_source",
-                 "response_id", "response_endpoint", "peer_seq", "peer_pending")
+                 "response_id", "response_endpoint", "peer_seq", "peer_pending", "peer_seq_any")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -115,6 +138,7 @@ class RoutePick:
         self.response_endpoint: EndpointId | None = None  # the endpoint holding `response_id`
         self.peer_seq: int | None = None  # set while the other replicas count this pick in flight (a Release due)
         self.peer_pending = False  # the other replicas count it pending (a Done due at the first token)
+        self.peer_seq_any: int | None = None  # its number on the bus, kept after its Release (for its response id)
 
 
 class PoolRouter:
@@ -136,7 +160,7 @@ class PoolRouter:
         self.num_failovers = 0
         self.num_ignored_reports = 0  # served reports naming no fallback of their pick, or repeated (docstring)
         s = core.settings
-        self.responses = ResponseDirectory(s.max_response_ids, s.response_id_ttl_s, clock=clock)
+        self.responses = ResponseDirectory(core.memory.max_response_ids, s.response_id_ttl_s, clock=clock)
         self.lookup = ResponseLookup(self.responses, timeout_s=s.response_lookup_timeout_s,
                                      max_in_flight=s.max_response_lookups, retry_after_s=core.retry_after_s)
         self._states: dict[EndpointId, EndpointState] = {}
@@ -152,6 +176,13 @@ class PoolRouter:
         # each origin was last heard from.
         self._peer_in_flight: dict[tuple, list] = {}
         self._peer_seen: dict[tuple[str, int], float] = {}
+        self._peer_counts: dict[tuple[str, int], int] = {}  # origin -> its requests counted in flight here
+        self._peer_recent: dict[tuple, EndpointId] = {}  # ended peer picks -> endpoint, oldest first
+        self.max_peer_in_flight = core.memory.max_peer_in_flight
+        self.max_in_flight_per_peer = 4096  # PeerSettings.max_in_flight_per_peer, set with `peers`
+        self.num_ignored_peer_messages = 0
+        # Large bodies parsed off the loop (extproc/parse_offload.py): None = every body here.
+        self.offload = None
         pool.add_listener(self._on_pool_change)
 
     def _on_pool_change(self, snapshot: Sequence[EndpointState]) -> None:
@@ -178,13 +209,19 @@ class PoolRouter:
         """The endpoint id behind an ``ip:port`` this router handed to Envoy (None if it never did)."""
         return self._id_of_addr.get(address)
 
-    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes,
+    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | InferenceRequest,
               subset: Collection[str] | None = None) -> RoutePick:
-        """See the module docstring. `subset`: the gateway's subset hint (GIE's ``x-gateway-destination-endpoint-
-        subset``): pick only among the endpoints whose address (``ip:port``, or a bare ``ip``: every port of
-        it) it lists; 503 when none of them is healthy. None: the whole pool."""
+        """See the module docstring. `body`: the request body, or the `InferenceRequest` `parse_off_loop` made of
+        it. `subset`: the gateway's subset hint (GIE's ``x-gateway-destination-endpoint-subset``): pick only
+        among the endpoints whose address (``ip:port``, or a bare ``ip``: every port of it) it lists; 503 when
+        none of them is healthy. None: the whole pool."""
         t0 = time.perf_counter()
-        request = parse_request(method, path, headers, body, self.settings, self.hasher, self._adapters)
+        if type(body) is InferenceRequest:
+            request = body
+        elif self.offload is not None and self.offload.heavy(path, body):
+            raise NeedsParse()
+        else:
+            request = parse_request(method, path, headers, body, self.settings, self.hasher, self._adapters)
         pool = self.pool
         snapshot = pool.snapshot()
         if request.response_ref is not None:
@@ -203,6 +240,12 @@ class PoolRouter:
             self._publish_pick(peers, pick)
         return pick
 
+    async def parse_off_loop(self, method: str, path: str, headers: Mapping[str, str],
+                             body: bytes) -> InferenceRequest:
+        """After `route` raised `NeedsParse`: `body` parsed in a worker (raises its `OpenAIError`), for `route`."""
+        assert self.offload is not None
+        return await self.offload.parse(method, path, headers, body, self._adapters)
+
     def _publish_pick(self, peers: PeerPublisher, pick: RoutePick) -> None:
         request = pick.request
         pending = self.core.pending_tokens_of(request)
@@ -210,11 +253,15 @@ class PoolRouter:
         if pending is None and not hashes:
             return  # nothing another replica would do with it
         self._peer_seq += 1
-        pick.peer_seq = self._peer_seq
+        pick.peer_seq = pick.peer_seq_any = self._peer_seq
         pick.peer_pending = pending is not None
-        skey = request.session_key if self.core.sessions is not None else None
-        peers.publish(codec.Pick(self._peer_seq, pick.endpoint_ids[0], hashes, pending,
-                                 request.tenant if skey is not None else None, skey))
+        peers.publish(codec.Pick(self._peer_seq, pick.endpoint_ids[0], hashes, pending, self._session_of(request)))
+
+    def _session_of(self, request: InferenceRequest) -> bytes | None:
+        """What the other replicas know a request's session by: its digest, never the client's key."""
+        if request.session_key is None or self.core.sessions is None:
+            return None
+        return session_id(request.tenant, request.session_key)
 
     def _publish_done(self, pick: RoutePick) -> None:
         if pick.peer_pending and self.peers is not None:
@@ -235,39 +282,88 @@ class PoolRouter:
         core = self.core
         pool = self.pool
         flying = self._peer_in_flight
-        self._peer_seen[origin] = now_s  # an empty batch is a heartbeat
+        counts = self._peer_counts
+        seen = self._peer_seen
+        if origin not in seen and len(seen) >= 256:  # a flood of invented senders: the oldest are forgotten
+            self._forget_origin(next(iter(seen)))
+        seen.pop(origin, None)
+        seen[origin] = now_s  # an empty batch is a heartbeat; most recent last
         expires_s = now_s + self.peer_pending_ttl_s
+        max_tokens = self.core.settings.max_input_chars  # no prompt has more tokens than characters
+        ignored = 0
         for m in messages:
             t = type(m)
             if t is codec.Pick:
                 key = (*origin, m.seq)
-                if core.apply_peer_pick(key, m.endpoint, m.block_hashes, m.pending_tokens, m.tenant,
-                                        m.session_key, now_s, expires_s) and key not in flying:
+                pending = m.pending_tokens
+                if key in flying or counts.get(origin, 0) >= self.max_in_flight_per_peer or (
+                        pending is not None and not 0.0 <= pending <= max_tokens) or \
+                        len(m.block_hashes) > core.memory.max_blocks_per_request:
+                    ignored += 1  # a repeat, more in flight than a replica routes, or figures out of range
+                    continue
+                if core.apply_peer_pick(key, m.endpoint, m.block_hashes, pending, m.session, now_s, expires_s):
                     pool.acquire(m.endpoint)
                     flying[key] = [m.endpoint, now_s + self.peer_in_flight_ttl_s]
+                    counts[origin] = counts.get(origin, 0) + 1
             elif t is codec.Done:
                 core.apply_peer_done((*origin, m.seq))
             elif t is codec.Release:
                 key = (*origin, m.seq)
                 core.apply_peer_done(key)
-                entry = flying.pop(key, None)
-                if entry is not None:
-                    pool.release(entry[0])
+                self._end_peer_pick(key)
             elif t is codec.Failover:
-                core.apply_peer_failover(m.endpoint, m.block_hashes, m.tenant, m.session_key)
                 entry = flying.get((*origin, m.seq))
-                if entry is not None and entry[0] != m.endpoint and core.knows(m.endpoint):
+                if entry is None or not core.knows(m.endpoint) or \
+                        len(m.block_hashes) > core.memory.max_blocks_per_request:
+                    ignored += 1  # only a pick of its in flight here can have failed over
+                    continue
+                core.apply_peer_failover(m.endpoint, m.block_hashes, m.session)
+                if entry[0] != m.endpoint:
                     pool.release(entry[0])
                     pool.acquire(m.endpoint)
                     entry[0] = m.endpoint
             elif t is codec.Response:
-                self.responses.apply_peer(m.response_id, m.endpoint, m.prompt_tokens)
+                key = (*origin, m.seq)
+                entry = flying.get(key)
+                ep = entry[0] if entry is not None else self._peer_recent.get(key)
+                if ep != m.endpoint or (m.prompt_tokens is not None and not 0 <= m.prompt_tokens <= max_tokens) or \
+                        not self.responses.apply_peer(m.key, m.endpoint, m.prompt_tokens):
+                    ignored += 1  # not where that peer's pick went, or known here elsewhere
             elif t is codec.Observed:
+                if not (0.0 < m.ttft_s <= MAX_PEER_TTFT_S
+                        and 0.0 <= m.cached_tokens <= m.prompt_tokens <= MAX_PEER_TOKENS
+                        and 0.0 <= m.queued_tokens <= MAX_PEER_TOKENS and 0 <= m.num_decoding <= 1_000_000):
+                    ignored += 1
+                    continue
                 core.apply_peer_observation(m.endpoint, m.prompt_tokens, m.cached_tokens, m.ttft_s,
                                             m.queued_tokens, m.num_decoding)
-        while len(flying) > MAX_PEER_IN_FLIGHT:
-            key = next(iter(flying))
-            pool.release(flying.pop(key)[0])
+        self.num_ignored_peer_messages += ignored
+        while len(flying) > self.max_peer_in_flight:
+            self._end_peer_pick(next(iter(flying)))
+
+    def _end_peer_pick(self, key: tuple) -> None:
+        """A peer's pick ended (its Release, expiry, or its sender gone): out of the in-flight counts; its
+        endpoint remembered a while for the response id learned at its end."""
+        entry = self._peer_in_flight.pop(key, None)
+        if entry is None:
+            return
+        self.pool.release(entry[0])
+        origin = key[:2]
+        n = self._peer_counts.get(origin, 0) - 1
+        if n > 0:
+            self._peer_counts[origin] = n
+        else:
+            self._peer_counts.pop(origin, None)
+        recent = self._peer_recent
+        recent[key] = entry[0]
+        while len(recent) > MAX_RECENT_PEER_PICKS:
+            del recent[next(iter(recent))]
+
+    def _forget_origin(self, origin: tuple[str, int]) -> None:
+        self._peer_seen.pop(origin, None)
+        for key in [k for k in self._peer_in_flight if k[:2] == origin]:
+            self.core.apply_peer_done(key)
+            self._end_peer_pick(key)
 
     def expire_peers(self, now_s: float) -> None:
         """The bus calls this every second: drop the other replicas' pending picks older than their TTL, their
@@ -280,7 +376,7 @@ class PoolRouter:
             del self._peer_seen[o]
         for key in [k for k, (_, exp) in flying.items() if exp <= now_s or k[:2] in gone]:
             self.core.apply_peer_done(key)
-            self.pool.release(flying.pop(key)[0])
+            self._end_peer_pick(key)
 
     def num_peer_in_flight(self) -> int:
         """Other replicas' requests counted in flight here (a metric)."""
@@ -346,8 +442,8 @@ class PoolRouter:
         self.responses.learn(response_id, ep)
         pick.response_id = response_id
         pick.response_endpoint = ep
-        if self.peers is not None:
-            self.peers.publish(codec.Response(response_id, ep, None))
+        if self.peers is not None and pick.peer_seq_any is not None:
+            self.peers.publish(codec.Response(pick.peer_seq_any, response_key(response_id), ep, None))
 
     def served(self, pick: RoutePick, served: str | None, status: int | None = None) -> None:
         """The served-endpoint report for `pick` (module docstring: the trust rule); `status`: the response's
@@ -376,11 +472,9 @@ class PoolRouter:
         for ep in pick.endpoint_ids[:k]:
             self.pool.report_failure(ep)
         self.core.record_failover(pick.request, served_id)
-        if self.peers is not None:
+        if self.peers is not None and pick.peer_seq is not None:
             r = pick.request
-            skey = r.session_key if self.core.sessions is not None else None
-            self.peers.publish(codec.Failover(pick.peer_seq or 0, served_id, r.block_hashes, r.tenant if skey is not None else None,
-                                              skey))
+            self.peers.publish(codec.Failover(pick.peer_seq, served_id, r.block_hashes, self._session_of(r)))
         if not pick.released:
             self.pool.release(pick.counted)
             self.pool.acquire(served_id)
@@ -401,8 +495,9 @@ class PoolRouter:
         only after a `first_token` report (from a TTFT); the hit statistics and feedback take every report."""
         if pick.response_id is not None and prompt_tokens:
             self.responses.set_prompt_tokens(pick.response_id, prompt_tokens)
-            if self.peers is not None and pick.response_endpoint is not None:
-                self.peers.publish(codec.Response(pick.response_id, pick.response_endpoint, prompt_tokens))
+            if self.peers is not None and pick.response_endpoint is not None and pick.peer_seq_any is not None:
+                self.peers.publish(codec.Response(pick.peer_seq_any, response_key(pick.response_id),
+                                                  pick.response_endpoint, prompt_tokens))
         if pick.request.known_prefix_tokens is None and pick.request.response_ref is not None:
             # The previous response's usage often arrives just after the client, which saw its end, sent this
             # follow-up: take it now, for the prediction the statistics compare with this usage.

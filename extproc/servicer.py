@@ -237,16 +237,24 @@ class _RoutingStream:
 
 
     async def lookup(self) -> Any:
-        """Answer a decision that waits for a response-id lookup (`_decide` returned `_NEEDS_LOOKUP`)."""
+        """Answer a decision that waits for a response-id lookup (`_decide` returned `_NEEDS_LOOKUP`), or for
+        its body to be parsed off the event loop (`service.NeedsParse`: response id None), then maybe both."""
         assert self.pending_lookup is not None
         method, path, body, at_headers, response_id = self.pending_lookup
         self.pending_lookup = None
         try:
-            await self.router.resolve(response_id, self.headers)
+            if response_id is None:  # a large body: parsed in a worker process (parse_offload.py); `route`
+                # then takes the parsed request in place of the body (so only the small result is kept)
+                body = await self.router.parse_off_loop(method, path, self.headers, body)
+            else:
+                await self.router.resolve(response_id, self.headers)
         except OpenAIError as err:
             self.tracker.refused(self.st, err.status, err.message)
             return immediate_response(err)
         resp = self._decide(method, path, body, at_headers)
+        if resp is _NEEDS_LOOKUP and response_id is None and self.pending_lookup is not None \
+                and self.pending_lookup[4] is not None:
+            return await self.lookup()  # parsed; now its response id needs a lookup
         if resp is _NEEDS_LOOKUP:  # found, then forgotten at once (its endpoint left meanwhile): no second round
             self.pending_lookup = None
             err = lookup_changed(response_id)

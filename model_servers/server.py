@@ -48,8 +48,10 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import random
 import signal
+import socket
 import time
 from typing import ClassVar
 from urllib.parse import unquote
@@ -57,7 +59,7 @@ from urllib.parse import unquote
 import httptools
 import orjson
 
-from prefixroute import responses_api
+from prefixroute import identity, responses_api
 from prefixroute.model_servers import kv_events, metrics, protocol, responses, tokenizer
 from prefixroute.model_servers.engine import EngineRequest
 from prefixroute.model_servers.kv_cache import root_hash
@@ -139,6 +141,9 @@ class ServerSettings(Settings):
                                                                 "entries grow with its length: 256 MiB holds "
                                                                 "~5,000 turns of 50 KB (~12k-token) contexts. An "
                                                                 "evicted id answers 404, as after a restart.")
+    listen_fd: int = setting(-1, "Serve on this inherited listening socket instead of binding host:port (a launcher "
+                                 "that holds the port across this server's restarts, so no other process can take "
+                                 "it while this one is down: `prefixroute up`). -1: bind host:port.")
     seed: int = setting(0, "Seed of the fault-injection random generator (reproducible runs).")
     log_level: str = setting("INFO", "Python log level: INFO logs start-up and rare events (a prefix-cache reset, "
                              "an aborted slow client at WARNING); per-request logs are DEBUG.")
@@ -221,6 +226,8 @@ class ModelServer:
         self.closing = False
         sid = self.server_id.encode()
         self.common_headers = b"x-prefixroute-server-id: " + sid + b"\r\n"
+        # The launcher's per-run identity key (prefixroute.identity), by environment only: "" = no proof given.
+        self.identity_key = identity.resolve_key()
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -236,8 +243,15 @@ class ModelServer:
 
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: HttpConnection(self), self.settings.host, self.port,
-                                                reuse_address=True, backlog=1024)
+        if self.settings.listen_fd >= 0:
+            # The launcher's listening socket (it holds the port while this process restarts): a duplicate, so
+            # closing this server (refusing, shutdown) leaves the launcher's open.
+            sock = socket.socket(fileno=os.dup(self.settings.listen_fd))
+            sock.setblocking(False)
+            self._server = await loop.create_server(lambda: HttpConnection(self), sock=sock)
+        else:
+            self._server = await loop.create_server(lambda: HttpConnection(self), self.settings.host, self.port,
+                                                    reuse_address=True, backlog=1024)
         self.port = self._server.sockets[0].getsockname()[1]
         if not self.settings.id:
             self.server_id = f"{self.settings.host}:{self.port}"
@@ -435,6 +449,13 @@ class ModelServer:
 
     # simple endpoints
     def h_health(self, conn: HttpConnection, body: bytes) -> None:
+        # Identity (prefixroute.identity): the router's challenge answered with the per-run key, so a process
+        # that took this port after a crash cannot pass for this server.
+        challenge = conn.cur_challenge
+        if challenge is not None and self.identity_key:
+            answer = identity.proof(self.identity_key, challenge.decode("latin-1")).encode()
+            conn.respond(200, b"", extra_headers=b"x-prefixroute-proof: " + answer + b"\r\n")
+            return
         conn.respond(200, b"")
 
     def h_models(self, conn: HttpConnection, body: bytes) -> None:
@@ -682,9 +703,11 @@ class HttpConnection(asyncio.Protocol):
         self.keep_alive = True
         self.active: EngineRequest | None = None
         self.busy = False
-        self.pending: list[tuple[bytes, bytes, bytes, bytes | None, bool, bytes | None]] = []
+        self.pending: list[tuple[bytes, bytes, bytes, bytes | None, bool, bytes | None, bytes | None]] = []
         self.cur_traceparent: bytes | None = None
         self.cur_keep_alive = True
+        self.challenge: bytes | None = None  # the router's identity challenge (x-prefixroute-challenge)
+        self.cur_challenge: bytes | None = None
         self.closed = False
         self.body_size = 0
         self.too_large = False
@@ -758,6 +781,7 @@ class HttpConnection(asyncio.Protocol):
         self.body_size = 0
         self.traceparent = None
         self.content_encoding = None
+        self.challenge = None
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -767,6 +791,8 @@ class HttpConnection(asyncio.Protocol):
             self.traceparent = value
         elif len(name) == 16 and name.lower() == b"content-encoding":
             self.content_encoding = value
+        elif len(name) == 23 and name.lower() == b"x-prefixroute-challenge":
+            self.challenge = value[:identity.MAX_CHALLENGE_CHARS]
 
     def on_body(self, body: bytes) -> None:
         if self.too_large:
@@ -784,14 +810,14 @@ class HttpConnection(asyncio.Protocol):
         if self.too_large:
             return
         item = (self.parser.get_method(), self.url, b"".join(self.body), self.traceparent,
-                self.parser.should_keep_alive(), self.content_encoding)
+                self.parser.should_keep_alive(), self.content_encoding, self.challenge)
         if self.busy:
             self.pending.append(item)
         else:
             self._run(item)
 
-    def _run(self, item: tuple[bytes, bytes, bytes, bytes | None, bool, bytes | None]) -> None:
-        method, url, body, self.cur_traceparent, self.cur_keep_alive, encoding = item
+    def _run(self, item: tuple[bytes, bytes, bytes, bytes | None, bool, bytes | None, bytes | None]) -> None:
+        method, url, body, self.cur_traceparent, self.cur_keep_alive, encoding, self.cur_challenge = item
         self.busy = True
         if body and encoding is not None and encoding.strip().lower() not in (b"identity", b""):
             # decoding it ourselves would be a decompression-bomb surface; vLLM does not decode either
@@ -809,11 +835,12 @@ class HttpConnection(asyncio.Protocol):
                          b"x-prefixroute-traceparent: " + tp + b"\r\n" if tp else b"",
                          b"" if self.cur_keep_alive else b"connection: close\r\n", b"\r\n"))
 
-    def respond(self, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
+    def respond(self, status: int, body: bytes, content_type: bytes = b"application/json",
+                extra_headers: bytes = b"") -> None:
         if self.transport.is_closing():
             return
-        self.transport.write(self._head(status, b"content-type: %b\r\ncontent-length: %d\r\n"
-                                        % (content_type, len(body))) + body)
+        self.transport.write(self._head(status, b"content-type: %b\r\ncontent-length: %d\r\n%b"
+                                        % (content_type, len(body), extra_headers)) + body)
         self.finish_response()
 
     def start_stream(self) -> None:

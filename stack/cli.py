@@ -46,14 +46,15 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from prefixroute import settings
+from prefixroute import identity, settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import PORT_MODES, GatewayProcesses, GatewaySettings, resolve_replicas
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.model_servers.kv_events import config_json
 from prefixroute.procs import (PortBusy, ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free, free_port,
-                               free_ports, http_ok, port_in_use, prefixroute_argv, stop_on_signals)
+                               free_ports, held_listener, http_ok, port_in_use, prefixroute_argv, reset_pending,
+                               stop_on_signals)
 from prefixroute.settings import Settings, setting
 from prefixroute.state import DB_NAME, LOGS_NAME, ensure_dir, new_run_id, state_dir
 
@@ -220,15 +221,17 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
             for i, p in enumerate(server_ports))) if simulated else pool_args
         if events and not routing.tokenizer:
             routing = dataclasses.replace(routing, tokenizer="sim")  # the simulated servers' own tokenizer
-        # Built now (nothing starts yet) so that its ports are checked with ours, before anything starts.
-        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group, peers=peers)
+        # The receiver takes spans only with a token drawn for this run (anyone on the host can reach
+        # loopback): the router gets it in the standard OTLP headers variable, users in a 0600 file.
+        telemetry_token = secrets.token_urlsafe(24)
+        # Built now (nothing starts yet) so that its ports are checked with ours, before anything starts. Envoy's
+        # own record of each request goes to the receiver too (kept when the router's never comes).
+        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group, peers=peers,
+                                   records_to=(f"127.0.0.1:{lay.telemetry_port}", telemetry_token))
         check_ports_free([*gateway.fixed_listeners(), *lay.listeners(st.dashboard)])
         print(f"prefixroute up: starting run {lay.run_id} (state in {lay.state_dir})", flush=True)
         ensure_dir(log_dir)
         ensure_dir(lay.db.parent)
-        # The receiver takes spans only with a token drawn for this run (anyone on the host can reach
-        # loopback): the router gets it in the standard OTLP headers variable, users in a 0600 file.
-        telemetry_token = secrets.token_urlsafe(24)
         token_path = log_dir / "telemetry.token"
         token_path.touch(mode=0o600)
         token_path.chmod(0o600)
@@ -239,13 +242,23 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
                     env={"PREFIXROUTE_TELEMETRY_AUTH_TOKEN": telemetry_token},
                     ports=(lay.telemetry_port, lay.telemetry_http_port),
                     ready=lambda: http_ok(f"http://127.0.0.1:{lay.telemetry_http_port}/healthz"))
+        # Each server proves it is the one started here (prefixroute.identity): the router, its readiness check
+        # and the supervisor's restarts pass over a process that took a crashed server's port.
+        identity_key = identity.new_key() if simulated else ""  # real servers cannot answer: no check
+        if simulated:
+            os.environ[identity.KEY_ENV] = identity_key  # the router (ext_proc child) inherits it
+        # This process holds each server's listening socket (procs.held_listener): a crashed server's port is
+        # never free for another process while it restarts.
+        listeners = [held_listener(port) for port in server_ports]
         group.wait_ready([group.start(  # in parallel: each simulated server takes about a second to start
             f"model-server-{i}",
-            prefixroute_argv("model-server", "--port", str(port), "--id", f"server-{i}", "--profile", st.profile,
+            prefixroute_argv("model-server", "--port", str(port), "--listen-fd", str(listeners[i].fileno()),
+                             "--id", f"server-{i}", "--profile", st.profile,
                              "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level,
                              *(["--kv-events-config", config_json(event_ports[i])] if events else [])),
-            ports=(port, *((event_ports[i], event_ports[i] + 1) if events else ())),
-            ready=lambda p=port: http_ok(f"http://127.0.0.1:{p}/health"), wait=False)
+            ports=(event_ports[i], event_ports[i] + 1) if events else (),
+            ready=lambda p=port: identity.http_proves(f"http://127.0.0.1:{p}", identity_key),
+            env={identity.KEY_ENV: identity_key}, pass_fds=(listeners[i].fileno(),), wait=False)
             for i, port in enumerate(server_ports)])
         # The ext_proc child inherits these: standard OTLP settings pointing at our receiver.
         if "OTEL_EXPORTER_OTLP_ENDPOINT" not in os.environ:
@@ -267,8 +280,12 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
                                                     "--rate-rps", str(st.traffic_rate_rps)))
         _summary(st, lay, gateway, pool, simulated)
         supervisor = Supervisor(group, RestartPolicy(ready_timeout_s=st.start_timeout_s), label="prefixroute up")
+        servers = [p for p in group.procs if p.name.startswith("model-server-")]
         while True:
             supervisor.poll()
+            for proc, sock in zip(servers, listeners):
+                if not proc.alive():  # down: its port stays ours, and what arrives is reset, as on a closed port
+                    reset_pending(sock)
             time.sleep(SUPERVISE_INTERVAL_S)
     except Stopped:
         print("prefixroute up: stopping", flush=True)

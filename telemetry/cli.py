@@ -148,6 +148,10 @@ class ReceiverSettings(Settings):
                                                 "WAL (<= 64 MiB after a checkpoint); <= 0 means no limit.")
     retention_interval_s: float = setting(10.0, "How often retention runs (a DELETE per 10 s costs nothing "
                                                 "visible; per insert it would).")
+    envoy_record_hold_s: float = setting(15.0, "How long Envoy's record of a request (its OTLP log, envoy-config "
+                                               "--records-otlp-address) waits for the router's own record of the "
+                                               "same request id before it is stored instead: the router exports "
+                                               "within ~5 s of a response's end.")
     max_pending_batches: int = setting(1024, "OTLP export requests queued for the store writer before new ones "
                                              "are answered with partial success (rejected spans, counted).")
     max_pending_bytes: int = setting(256 << 20, "Bytes (wire size) of queued OTLP requests before new ones are "
@@ -264,7 +268,8 @@ async def _serve(cfg: ReceiverSettings, tls: object = None, token: str | None = 
                         http_host=http_host, max_age_s=cfg.max_age_s, max_rows=cfg.max_rows, max_bytes=cfg.max_bytes,
                         retention_interval_s=cfg.retention_interval_s, max_pending_batches=cfg.max_pending_batches,
                         max_pending_bytes=cfg.max_pending_bytes, max_message_bytes=cfg.max_message_bytes,
-                        tls=tls, auth_token=token, run_id=run_id)  # type: ignore[arg-type]
+                        tls=tls, auth_token=token, run_id=run_id,  # type: ignore[arg-type]
+                        envoy_record_hold_s=cfg.envoy_record_hold_s)
     try:
         await receiver.start()
     except (OSError, ValueError) as exc:  # ValueError: grpc rejecting a malformed PEM file

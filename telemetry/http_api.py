@@ -25,6 +25,7 @@ requires ``Authorization: Bearer <token>``: 401 in the OpenAI error format other
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -131,6 +132,31 @@ def make_handler(db_path: str, stats: Any | None, auth_token: str | None = None)
 
         def _error(self, status: int, message: str, param: str | None = None) -> None:
             self._send_bytes(status, error_body(status, message, param=param))
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            # http.server's own errors (an unsupported method: 501, a malformed request line: 400, a header
+            # block too large: 431) in the API's JSON error format, not its HTML page (issue 27).
+            self.close_connection = True
+            status = code if code in (400, 404, 405, 408, 414, 431, 501, 505) else 400
+            text = message or self.responses.get(code, ("error",))[0]
+            with contextlib.suppress(OSError):
+                self._send_bytes(status, error_body(status, f"{text} (this API serves GET only)"
+                                                    if status == 501 else text))
+
+        def _method_not_allowed(self) -> None:  # noqa: N802 - every method but GET
+            self.close_connection = True
+            body = error_body(405, f"method {self.command} is not allowed: this API serves GET only")
+            self.send_response(405)
+            self.send_header("allow", "GET")
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed  # noqa: N815
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            self._method_not_allowed()
 
         def do_GET(self) -> None:  # noqa: N802
             parts = urlsplit(self.path)

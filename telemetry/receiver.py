@@ -8,6 +8,10 @@ OpenTelemetry SDK or Collector can export to it:
   the model server's children of the router span) are counted in `num_spans_ignored` and dropped.
 - Metrics and logs: accepted and counted, not stored (the router's metrics are scraped from its
   Prometheus endpoint; logs have no place in the store). Answering OK keeps senders from retrying.
+  Except Envoy's records of requests (a log record with ``prefixroute.envoy_record``; envoy_config.py
+  `records_otlp_address`, issue 27): each is held `envoy_record_hold_s` and stored as the request's record
+  (reason "unrouted", service "envoy") only if the router's own record of the same ``x-request-id`` did not
+  arrive meanwhile: requests that ran while the router was down, or was killed, keep a record.
 
 The gRPC handler only enqueues the decoded request; one writer thread converts spans to rows,
 inserts them in batches (one transaction per drain) and enforces retention every
@@ -29,7 +33,9 @@ at most MAX_ATTRIBUTES attributes, the attrs JSON at MAX_ATTRS_JSON_BYTES, a req
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import queue
@@ -184,6 +190,43 @@ def span_to_row(span: Any, resource_attrs: Mapping[str, Any]) -> dict[str, Any] 
     }
 
 
+def envoy_log_to_row(record: Any) -> dict[str, Any] | None:
+    """A store row for one of Envoy's request records (envoy_config.RECORD_ATTRIBUTES), None for any other log
+    record. Ids are derived from the request id (one row per request, whoever sends it twice)."""
+    attrs = attributes_dict(record.attributes)
+    if attrs.get("prefixroute.envoy_record") != "1":
+        return None
+    rid = _str(attrs.get("prefixroute.request_id"))
+    if not rid or rid == "-":
+        return None
+    digest = hashlib.blake2b(rid.encode("utf-8", "replace"), digest_size=24).hexdigest()
+    start = _float(attrs.get("prefixroute.start_time"))
+    latency = _float(attrs.get("prefixroute.latency_ms"))
+    flags = _str(attrs.get("prefixroute.response_flags"))
+    endpoint = _str(attrs.get("prefixroute.endpoint"))
+    status = _int(attrs.get("prefixroute.status"))
+    return {
+        "trace_id": digest[:32], "span_id": digest[32:48], "parent_span_id": None, "request_id": rid,
+        "start_time": start if start is not None else record.time_unix_nano / 1e9,
+        "end_time": start + latency / 1000.0 if start is not None and latency is not None else None,
+        "model": None, "tenant_hash": None, "policy": "", "reason": "unrouted",
+        "endpoint": None if endpoint in (None, "-") else endpoint, "endpoints": "[]", "matched_blocks": 0,
+        "total_blocks": 0, "predicted_hit_ratio": 0.0, "predicted_ttft_ms": None, "alternative_endpoint": None,
+        "alternative_ttft_ms": None, "index_source": None, "decision_us": 0.0, "ttft_ms": None,
+        "latency_ms": latency, "prompt_tokens": None, "completion_tokens": None, "cached_tokens": None,
+        "stream": None, "status": status,
+        "error": None if not flags or flags == "-" else f"envoy: {A.cap_str(flags)}",
+        "path": _str(attrs.get("prefixroute.path")), "service_name": "envoy",
+        "attrs": _attrs_json({}, {"prefixroute.route": attrs.get("prefixroute.route"), "source": "envoy"}),
+    }
+
+
+def envoy_rows(req: Any) -> list[dict[str, Any]]:
+    """Rows for Envoy's request records in an ExportLogsServiceRequest."""
+    return [row for rl in req.resource_logs for sl in rl.scope_logs for lr in sl.log_records
+            if (row := envoy_log_to_row(lr)) is not None]
+
+
 def request_rows(req: Any) -> tuple[list[dict[str, Any]], int]:
     """(rows for the request spans, number of other spans) of an ExportTraceServiceRequest."""
     rows, ignored = [], 0
@@ -213,6 +256,8 @@ class ReceiverStats:
         self.num_rows_deleted = 0  # by retention
         self.num_metric_points = 0
         self.num_log_records = 0
+        self.num_envoy_records = 0  # Envoy's request records received
+        self.num_envoy_records_stored = 0  # ...stored: the router's own record never came
 
     def count_unauthenticated(self) -> None:
         self.num_unauthenticated += 1
@@ -223,14 +268,26 @@ class ReceiverStats:
 
 _STOP = object()
 
+ENVOY_RECORD_HOLD_S = 15.0
+"""How long Envoy's record of a request waits for the router's own: the router exports its spans in batches
+within ~5 s, and sends its record only at the response's end (the observing stream's last message)."""
+MAX_HELD = 65536
+"""Envoy's records held, and router request ids remembered, at most (oldest out)."""
+
 
 class StoreWriter:
     """The store's only writer: a thread draining decoded export requests into SQLite."""
 
     def __init__(self, store: TelemetryStore, stats: ReceiverStats, *, max_pending_batches: int = 1024,
-                 max_pending_bytes: int = 256 << 20, retention_interval_s: float = 10.0) -> None:
+                 max_pending_bytes: int = 256 << 20, retention_interval_s: float = 10.0,
+                 envoy_record_hold_s: float = ENVOY_RECORD_HOLD_S) -> None:
         self.store = store
         self.stats = stats
+        self.envoy_record_hold_s = envoy_record_hold_s
+        # Envoy's records waiting for the router's (request id -> (due, row)), and the request ids the router's
+        # records carried lately: both bounded (MAX_HELD), oldest out.
+        self._held: collections.OrderedDict[str, tuple[float, dict[str, Any]]] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.retention_interval_s = retention_interval_s
         self.max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0  # wire size of the queued requests (updated under _bytes_lock)
@@ -241,8 +298,9 @@ class StoreWriter:
         self._thread.start()
 
     def submit(self, req: Any, num_bytes: int = 0) -> bool:
-        """Queue one ExportTraceServiceRequest (`num_bytes`: its wire size); False (nothing queued) when the
-        writer is behind by max_pending_batches requests or max_pending_bytes bytes."""
+        """Queue one ExportTraceServiceRequest, or an ExportLogsServiceRequest of Envoy's records (`num_bytes`:
+        its wire size); False (nothing queued) when the writer is behind by max_pending_batches requests or
+        max_pending_bytes bytes."""
         with self._bytes_lock:
             if self._pending_bytes and self._pending_bytes + num_bytes > self.max_pending_bytes:
                 return False
@@ -276,12 +334,16 @@ class StoreWriter:
                 with self._bytes_lock:
                     self._pending_bytes -= num_bytes
                 try:
+                    if isinstance(r, logs_service_pb2.ExportLogsServiceRequest):
+                        self._hold(envoy_rows(r))
+                        continue
                     got, ignored = request_rows(r)
                 except Exception:  # one odd export must not stop the writer
                     log.exception("could not convert an OTLP export request")
                     continue
                 rows.extend(got)
                 self.stats.num_spans_ignored += ignored
+            rows.extend(self._settle(rows, time.monotonic(), stopping))
             if rows:
                 try:
                     self.stats.num_rows_written += self.store.insert_rows(rows)
@@ -298,6 +360,46 @@ class StoreWriter:
             if self._queue.empty():
                 self._idle.set()
         self.store.close()
+
+    def _hold(self, rows: list[dict[str, Any]]) -> None:
+        due = time.monotonic() + self.envoy_record_hold_s
+        for row in rows:
+            self.stats.num_envoy_records += 1
+            rid = row["request_id"]
+            if rid in self._seen or rid in self._held:
+                continue  # the router's record is in already (or Envoy sent it twice)
+            self._held[rid] = (due, row)
+            if len(self._held) > MAX_HELD:
+                self._settle_one(*self._held.popitem(last=False))
+
+    def _settle(self, router_rows: list[dict[str, Any]], now: float, flush: bool) -> list[dict[str, Any]]:
+        """Note the request ids of the router's rows (their Envoy records are dropped); return Envoy's records
+        whose hold is over (all of them when `flush`)."""
+        seen, held = self._seen, self._held
+        for row in router_rows:
+            rid = row.get("request_id")
+            if rid:
+                held.pop(rid, None)
+                seen[rid] = None
+                seen.move_to_end(rid)
+        while len(seen) > MAX_HELD:
+            seen.popitem(last=False)
+        out = []
+        while held:
+            rid, (due, row) = next(iter(held.items()))
+            if due > now and not flush:
+                break
+            del held[rid]
+            out.append(row)
+        self.stats.num_envoy_records_stored += len(out)
+        return out
+
+    def _settle_one(self, rid: str, item: tuple[float, dict[str, Any]]) -> None:
+        try:
+            self.stats.num_rows_written += self.store.insert_rows([item[1]])
+            self.stats.num_envoy_records_stored += 1
+        except Exception:
+            log.exception("failed to store Envoy's record of %s", rid)
 
     def wait_idle(self, timeout_s: float = 5.0) -> bool:
         """Block until everything submitted so far is committed (tests, shutdown)."""
@@ -342,13 +444,23 @@ class MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
 
 
 class LogsService(logs_service_pb2_grpc.LogsServiceServicer):
-    def __init__(self, stats: ReceiverStats) -> None:
+    def __init__(self, stats: ReceiverStats, writer: StoreWriter | None = None) -> None:
         self.stats = stats
+        self.writer = writer
 
     async def Export(self, request, context):  # noqa: N802
-        self.stats.num_log_records += sum(len(sl.log_records) for rl in request.resource_logs
-                                          for sl in rl.scope_logs)
-        return logs_service_pb2.ExportLogsServiceResponse()
+        n = sum(len(sl.log_records) for rl in request.resource_logs for sl in rl.scope_logs)
+        self.stats.num_log_records += n
+        resp = logs_service_pb2.ExportLogsServiceResponse()
+        # Envoy's request records (module docstring) go to the writer; other logs are only counted.
+        if self.writer is not None and any(
+                kv.key == "prefixroute.envoy_record"
+                for rl in request.resource_logs for sl in rl.scope_logs for lr in sl.log_records[:1]
+                for kv in lr.attributes):
+            if not self.writer.submit(request, request.ByteSize()):
+                resp.partial_success.rejected_log_records = n
+                resp.partial_success.error_message = "prefixroute telemetry receiver: store writer is behind"
+        return resp
 
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -382,7 +494,8 @@ class Receiver:
                  max_bytes: int = DEFAULT_MAX_BYTES, retention_interval_s: float = 10.0,
                  max_pending_batches: int = 1024, max_pending_bytes: int = 256 << 20,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: ServerTls | None = None,
-                 auth_token: str | None = None, run_id: str | None = None) -> None:
+                 auth_token: str | None = None, run_id: str | None = None,
+                 envoy_record_hold_s: float = ENVOY_RECORD_HOLD_S) -> None:
         self.db_path = db_path
         self.host, self.port = host, port
         self.http_host, self.http_port = http_host or host, http_port
@@ -393,7 +506,7 @@ class Receiver:
         # run_id: stamped on every stored request (store.py: the runs table).
         self._store_args = {"max_age_s": max_age_s, "max_rows": max_rows, "max_bytes": max_bytes, "run_id": run_id}
         self._writer_args = {"retention_interval_s": retention_interval_s, "max_pending_batches": max_pending_batches,
-                             "max_pending_bytes": max_pending_bytes}
+                             "max_pending_bytes": max_pending_bytes, "envoy_record_hold_s": envoy_record_hold_s}
         self.writer: StoreWriter | None = None
         self._server: grpc.aio.Server | None = None
         self._http: Any = None
@@ -410,7 +523,7 @@ class Receiver:
             ("grpc.max_send_message_length", 1 << 20)])  # answers are tiny
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(self.writer, self.stats), server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(MetricsService(self.stats), server)
-        logs_service_pb2_grpc.add_LogsServiceServicer_to_server(LogsService(self.stats), server)
+        logs_service_pb2_grpc.add_LogsServiceServicer_to_server(LogsService(self.stats, self.writer), server)
         address = f"{self.host}:{self.port}"
         try:
             self.port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)

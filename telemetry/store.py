@@ -74,6 +74,7 @@ size after a checkpoint is capped by ``journal_size_limit``) instead of growing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -189,7 +190,19 @@ class TelemetryStore:
         self.max_rows = max_rows
         self.max_bytes = max_bytes
         parent = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(parent, exist_ok=True)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+        # Private (issue 27): the records hold what the query API serves only with its token (paths, tenants'
+        # hashes, models, timings). The file and its WAL and shared-memory companions are created 0600 (SQLite
+        # gives its companions the main file's mode) and an existing file is tightened to 0600.
+        if self.path != ":memory:":
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, 0o600)
+            os.close(fd)
+            for suffix in ("-wal", "-shm"):
+                with contextlib.suppress(OSError):
+                    os.chmod(self.path + suffix, 0o600)
         # Readers never block a WAL writer; the long busy timeout only rides out another writer (e.g. a backup).
         self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
         self._conn.execute("PRAGMA journal_mode=WAL")

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import aiohttp
 
+from prefixroute import identity
 from prefixroute.extproc.endpoints import Listener
 from prefixroute.extproc.endpoints.scrape import (ScrapedMetrics, event_addresses, parse_adapters, parse_endpoint_list, parse_metrics, parse_models,
                                                   read_endpoints_file, restart_reason)
@@ -186,6 +187,8 @@ class EndpointPool:
         self._in_flight: dict[EndpointId, int] = {ep: 0 for ep in ids}
         self._listeners: list[Listener] = []
         self.num_unconfirmed_failures = 0  # passive failure reports whose confirming probe succeeded
+        self.num_identity_failures = 0  # health answers that did not prove the endpoint's identity
+        self._identity_key = identity.resolve_key(settings.endpoint_identity_key_file)
         self.num_ignored_failure_reports = 0  # reports dropped: endpoint already down, confirming, or quiet
         self.num_restarts = 0  # restarts detected (all endpoints)
         self._session: aiohttp.ClientSession | None = None
@@ -378,6 +381,19 @@ class EndpointPool:
                                      allow_redirects=False) as resp:
             return resp.status, await resp.read()
 
+    async def _probe_health(self, w: _Watch, timeout_s: float) -> tuple[bool, bool]:
+        """GET /health: (answered 200, proved its identity). Without an identity key every 200 proves it;
+        with one, only an answer to a fresh challenge made with the key does (prefixroute.identity)."""
+        assert self._session is not None
+        key = self._identity_key
+        challenge = identity.new_challenge() if key else ""
+        async with self._session.get(w.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     allow_redirects=False,
+                                     headers={identity.CHALLENGE_HEADER: challenge} if key else None) as resp:
+            await resp.read()
+            ok = resp.status == 200
+            return ok, ok and (not key or identity.verify(key, challenge, resp.headers.get(identity.PROOF_HEADER)))
+
     async def _resolve_loop(self, w: _Watch) -> None:
         st = self.settings
         while True:
@@ -418,10 +434,19 @@ class EndpointPool:
             url = w.base_url
             confirming = w.suspect  # only a probe started after the report may confirm or clear it
             try:
-                status, _ = await self._get(w, "/health", st.probe_timeout_s)
-                ok = status == 200
+                ok, proved = await self._probe_health(w, st.probe_timeout_s)
             except _FETCH_ERRORS:
+                ok = proved = False
+            if ok and not proved:
+                # Something answers on its port but is not the server started there (issue 27): down now,
+                # whatever its health says, and not routed to until the real one answers again.
                 ok = False
+                w.num_failures = max(w.num_failures, st.unhealthy_after_failures - 1)
+                self.num_identity_failures += 1
+                if w.healthy or self.num_identity_failures in (1, 10, 100) or self.num_identity_failures % 1000 == 0:
+                    log.error("endpoint %s failed its identity check: the process on %s is not the model server "
+                              "started there (another process took its port?); not routed to", w.endpoint,
+                              w.base_url)
             if url != w.base_url:
                 continue  # the endpoint moved during the probe: probe the new address
             if confirming:

@@ -94,6 +94,13 @@ class PoolSettings(Settings):
         "Scraped figures older than this are treated as unknown (None -> neutral scores): 10 missed scrapes at "
         "the default interval means the endpoint or its metrics are in trouble. Stretched to 10 scrape "
         "intervals when max_scrapes_per_s lengthens the interval.")
+    endpoint_identity_key_file: str = setting(
+        "",
+        "File holding the endpoints' identity key (or the env var PREFIXROUTE_ENDPOINT_IDENTITY_KEY): each health "
+        "probe then sends a fresh challenge that only a model server started with the key answers (HMAC; "
+        "prefixroute.identity), and an endpoint whose answer does not verify is down at once: a process that "
+        "took a crashed server's port gets no request. `prefixroute up` sets one per run for its simulated "
+        "servers. Real vLLM/SGLang cannot answer: leave it unset for them (no check).")
     max_connections_per_endpoint: int = setting(
         3,
         "Keep-alive HTTP connections the pool may hold per endpoint: one each for the probe, scrape and model "

@@ -20,6 +20,13 @@ at start: the replica routes alone meanwhile); after it, nats-py reconnects by i
 ever blocks or fails a request. A replica that restarts starts empty and learns from the picks made after it
 connects (nothing is replayed: the servers' caches and KV events hold the truth, picks age out in seconds).
 
+Security (issue 27): with a bus key every message is signed (`codec.seal`) and verified (`codec.open_sealed`);
+a message that does not verify, does not decode, or is not newer than the last batch taken from its sender
+(`codec.Batch.seq`: a replayed batch) is dropped and counted ``kind="invalid"``. With an auth token the
+connection refuses a server that does not require authentication, before the token is sent (the token is a
+callable nats-py calls once it has read the server's INFO): an impostor that took the port of a crashed
+nats-server gets nothing. Batches are split so none exceeds NATS's max_payload (`codec.encode_split`).
+
 Single event loop; `connected` and the counters are plain attributes the metrics thread may read.
 """
 
@@ -29,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -43,6 +51,13 @@ log = logging.getLogger("prefixroute.extproc.peers")
 EXPIRE_INTERVAL_S = 1.0
 """How often peers' stale pending picks are looked for: a tenth of a second's precision would buy nothing
 against a TTL of tens of seconds."""
+
+MAX_ORIGINS = 256
+"""Senders whose last batch number is remembered at most (oldest out): 16 replicas restarting many times."""
+
+
+class UnauthenticatedServer(ConnectionError):
+    """The NATS server does not require authentication although this replica has a token for it."""
 
 
 class PeerSink(Protocol):
@@ -69,6 +84,12 @@ class PeerBus:
         self.num_received: dict[str, int] = {**dict.fromkeys(codec.KINDS.values(), 0), "invalid": 0}
         self.num_dropped: dict[str, int] = dict.fromkeys(codec.KINDS.values(), 0)
         self.num_connects = 0
+        self.num_refused_servers = 0  # servers refused for not requiring authentication
+        self._key = settings.resolved_key()
+        self._token = settings.resolved_token()
+        self._batch_seq = 0
+        self._heartbeat_due = False
+        self._last_seq: dict[tuple[str, int], int] = {}  # sender (replica, incarnation) -> last batch taken
         self._buf: list[codec.Message] = []
         self._max_buf = settings.max_buffered_messages
         self._wake: asyncio.Event | None = None
@@ -99,19 +120,31 @@ class PeerBus:
     async def _connect(self) -> None:
         import nats  # deferred: a replica routing alone never imports it
 
+        from nats.aio.client import Client
+
         s = self.settings
         servers = [u.strip() for u in s.url.split(",") if u.strip()]
+        if not self._key:
+            log.warning("peers: no bus key (--peers-key-file): messages are not signed, so anything that can "
+                        "publish on %s.routing.* can steer this replica's routing", s.subject_prefix)
+        tls = ssl.create_default_context(cafile=s.tls_ca_file) if s.tls_ca_file else None
         warned = False
         while not self._closing:
+            nc = Client()
             try:
-                nc = await nats.connect(
+                await nc.connect(
                     servers, name=self.replica_id, connect_timeout=max(1.0, s.reconnect_wait_s),
                     allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=s.reconnect_wait_s,
                     # Nothing is buffered while reconnecting: `publish` drops while disconnected.
                     pending_size=4 * 1024 * 1024, disconnected_cb=self._on_disconnected,
-                    reconnected_cb=self._on_reconnected, error_cb=self._on_error, closed_cb=self._on_closed)
+                    reconnected_cb=self._on_reconnected, error_cb=self._on_error, closed_cb=self._on_closed,
+                    token=self._token_for(nc) if self._token else None, tls=tls)
             except Exception as exc:  # noqa: BLE001 - NATS down at start: route alone, retry forever
-                if not warned:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+                if isinstance(exc, UnauthenticatedServer) or isinstance(exc.__cause__, UnauthenticatedServer):
+                    self._refused(exc)
+                elif not warned:
                     warned = True
                     log.warning("peers: cannot connect to %s (%s); routing alone, retrying every %.1f s", s.url,
                                 exc, s.reconnect_wait_s)
@@ -125,6 +158,20 @@ class PeerBus:
                         self.replica_id)
             return
 
+    def _token_for(self, nc: Any) -> Callable[[], str]:
+        """The token as nats-py's token callable: it is called while the CONNECT is composed, after the
+        server's INFO was read (on every reconnect too), and refuses a server that does not require auth."""
+
+        def token() -> str:
+            info = getattr(nc, "_server_info", None) or {}
+            if not info.get("auth_required"):
+                raise UnauthenticatedServer(f"NATS server {info.get('server_id', '?')} at "
+                                            f"{getattr(nc, 'connected_url', None) or self.settings.url} does not "
+                                            "require authentication")
+            return self._token
+
+        return token
+
     async def _on_disconnected(self) -> None:
         if self.connected:
             log.warning("peers: disconnected from NATS; routing alone until it is back")
@@ -136,7 +183,15 @@ class PeerBus:
         log.warning("peers: reconnected to NATS")
 
     async def _on_error(self, exc: Exception) -> None:
+        if isinstance(exc, UnauthenticatedServer) or isinstance(exc.__cause__, UnauthenticatedServer):
+            self._refused(exc)  # while reconnecting (nats-py retries by itself, forever)
+            return
         log.debug("peers: NATS error: %s", exc)
+
+    def _refused(self, exc: BaseException) -> None:
+        self.num_refused_servers += 1
+        if self.num_refused_servers in (1, 10, 100) or self.num_refused_servers % 1000 == 0:
+            log.error("peers: %s; refusing it (an impostor on the NATS port?), routing alone", exc)
 
     async def _on_closed(self) -> None:
         self.connected = False
@@ -163,32 +218,60 @@ class PeerBus:
             wake.clear()
             self._woken = False
             buf, self._buf = self._buf, []
+            heartbeat, self._heartbeat_due = self._heartbeat_due, False
+            if not buf and not heartbeat:
+                continue
             nc = self._nc
-            for i in range(0, len(buf), step):
-                chunk = buf[i:i + step]
-                counts = self.num_sent
+            max_bytes = self._max_payload(nc) - codec.TAG_BYTES
+            # Numbered here, sent in order by this one task: a receiver's replay check sees them ascending.
+            batches = codec.encode_split(self.replica_id, self.incarnation, self._batch_seq + 1, buf, step, max_bytes)
+            self._batch_seq += len(batches)
+            n_sent = 0
+            for data, n in batches:
                 if nc is None or not self.connected:
-                    counts = self.num_dropped
-                else:
-                    try:
-                        await nc.publish(self.subject, codec.encode(codec.Batch(self.replica_id, self.incarnation,
-                                                                                chunk)))
-                    except Exception as exc:  # noqa: BLE001 - a lost connection mid-publish: dropped
-                        log.debug("peers: publish failed: %s", exc)
-                        counts = self.num_dropped
-                for m in chunk:
-                    counts[codec.KINDS[type(m)]] += 1
+                    break
+                try:
+                    await nc.publish(self.subject, codec.seal(self._key, self.subject, data))
+                except Exception as exc:  # noqa: BLE001 - a lost connection mid-publish: dropped
+                    log.debug("peers: publish failed: %s", exc)
+                    break
+                n_sent += n
+            # Batches keep the buffer's order: the first `n_sent` messages went out, the rest were dropped.
+            for j, m in enumerate(buf):
+                (self.num_sent if j < n_sent else self.num_dropped)[codec.KINDS[type(m)]] += 1
+
+    @staticmethod
+    def _max_payload(nc: Any) -> int:
+        info = getattr(nc, "_server_info", None) or {}
+        mp = info.get("max_payload")
+        return int(mp) if isinstance(mp, int) and mp > 1024 else codec.MAX_PAYLOAD_BYTES
 
     async def _on_msg(self, msg: Any) -> None:
         if msg.subject == self.subject:
             return
+        payload = codec.open_sealed(self._key, msg.subject, msg.data)
+        if payload is None:  # not signed with the bus key: forged, or from a replica of another gateway
+            self.num_received["invalid"] += 1
+            return
         try:
-            batch = codec.decode(msg.data)
+            batch = codec.decode(payload)
         except msgspec.DecodeError:
             self.num_received["invalid"] += 1
             return
         if batch.replica == self.replica_id and batch.incarnation == self.incarnation:
             return
+        if msg.subject != f"{self.settings.subject_prefix}.routing.{batch.replica}":
+            self.num_received["invalid"] += 1  # a sender speaks on its own subject only
+            return
+        origin = (batch.replica, batch.incarnation)
+        last = self._last_seq.get(origin)
+        if last is not None and batch.seq <= last:
+            self.num_received["invalid"] += 1  # replayed (or reordered: NATS keeps one sender's order)
+            return
+        self._last_seq.pop(origin, None)
+        self._last_seq[origin] = batch.seq
+        if len(self._last_seq) > MAX_ORIGINS:
+            self._last_seq.pop(next(iter(self._last_seq)))
         received = self.num_received
         for m in batch.messages:
             received[codec.KINDS[type(m)]] += 1
@@ -200,10 +283,9 @@ class PeerBus:
     async def _expire(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_S)
-            nc = self._nc
-            if nc is not None and self.connected:  # the heartbeat: an empty batch (codec.Batch)
-                with contextlib.suppress(Exception):
-                    await nc.publish(self.subject, codec.encode(codec.Batch(self.replica_id, self.incarnation, [])))
+            if self._nc is not None and self.connected:  # the heartbeat: an empty batch, from the sender task
+                self._heartbeat_due = True
+                self._wake.set()  # type: ignore[union-attr]
             try:
                 self.sink.expire_peers(self.clock())
             except Exception:  # noqa: BLE001 - the timer must never stop
@@ -214,10 +296,11 @@ class PeersCollector:
     """prometheus_client collector of a `PeerBus` (register it on the router's metrics registry)."""
 
     def __init__(self, bus: PeerBus, num_pending: Callable[[], int] | None = None,
-                 num_in_flight: Callable[[], int] | None = None) -> None:
+                 num_in_flight: Callable[[], int] | None = None, num_ignored: Callable[[], int] | None = None) -> None:
         self.bus = bus
         self.num_pending = num_pending
         self.num_in_flight = num_in_flight
+        self.num_ignored = num_ignored
 
     def describe(self) -> list:
         return []
@@ -237,6 +320,15 @@ class PeersCollector:
             for kind, n in dict(counts).items():
                 msgs.add_metric([direction, kind], n)
         yield msgs
+        yield CounterMetricFamily("prefixroute_peer_refused_servers", "NATS servers this replica refused because they "
+                                  "did not require its auth token (an impostor on the NATS port?).",
+                                  value=b.num_refused_servers)
+        if self.num_ignored is not None:
+            yield CounterMetricFamily("prefixroute_peer_ignored_messages", "Other replicas' messages this replica "
+                                      "ignored: a claim outside what the sender could know (a response id for an "
+                                      "endpoint its pick did not go to, a failover of no pick in flight here), more "
+                                      "in flight than --peers-max-in-flight-per-peer, or figures out of range.",
+                                      value=self.num_ignored())
         if self.num_pending is not None:
             yield GaugeMetricFamily("prefixroute_peer_pending_picks", "Other replicas' picks still prefilling that "
                                     "this replica counts in its endpoints' queues (each expires after "

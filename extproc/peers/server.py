@@ -33,10 +33,24 @@ def nats_server_binary() -> str:
                             "PREFIXROUTE_NATS_SERVER_BINARY")
 
 
-def nats_server_argv(port: int, host: str = LOOPBACK, *, binary: str | None = None) -> list[str]:
+def nats_server_argv(port: int, host: str = LOOPBACK, *, binary: str | None = None,
+                     config_file: str | None = None) -> list[str]:
     """argv of a nats-server serving plain NATS on `host`:`port` only (no monitoring port, no JetStream, no
-    cluster): loopback by default, so only the local replicas reach it."""
+    cluster): loopback by default, so only the local replicas reach it. With `config_file` (`nats_config`:
+    where it listens and its auth token) the argv names only that file: a token on the command line would be
+    readable by every local user in /proc."""
+    if config_file is not None:
+        return [binary or nats_server_binary(), "--config", config_file]
     return [binary or nats_server_binary(), "--addr", host, "--port", str(port)]
+
+
+def nats_config(port: int, token: str, host: str = LOOPBACK) -> str:
+    """A nats-server configuration: listen on `host`:`port`, every client must present `token` (NATS's token
+    authorization), the default 1 MB max_payload, no monitoring, cluster or JetStream. Write it mode 0600."""
+    if not token or '"' in token or "\\" in token:
+        raise ValueError("the NATS token must be non-empty, without quotes or backslashes")
+    return f'listen: "{host}:{port}"\nauthorization {{\n  token: "{token}"\n}}\nmax_payload: 1048576\n'
+
 
 
 def nats_url(port: int, host: str = LOOPBACK) -> str:

@@ -58,6 +58,25 @@ class PeerSettings(Settings):
     reconnect_wait_s: float = setting(0.5, "Wait between attempts to (re)connect to NATS, forever (the replica "
                                       "routes alone meanwhile): a restarted local nats-server is back in well "
                                       "under a second.", flag="--peers-reconnect-wait-s")
+    max_in_flight_per_peer: int = setting(4096, "Another replica's requests this replica counts in flight at most "
+                                          "(its picks beyond, until some end, are ignored): a replica routes that "
+                                          "many at once only far past saturation, so a replica (or anything "
+                                          "holding the bus key) sending picks without their ends cannot make an "
+                                          "endpoint look busier than a real replica's load could.",
+                                          flag="--peers-max-in-flight-per-peer")
+    token_file: str = setting("", "File holding the NATS server's auth token (the env var PREFIXROUTE_PEERS_TOKEN "
+                              "works too; never a flag: argv is world-readable). With a token, a server that does "
+                              "not require authentication is refused before anything is sent to it (an impostor "
+                              "on the NATS port gets neither the token nor a message).",
+                              flag="--peers-token-file")
+    key_file: str = setting("", "File holding the bus key (or env PREFIXROUTE_PEERS_KEY; at least 16 bytes): every "
+                            "message is signed with HMAC-SHA256 under it and one that does not verify is dropped, "
+                            "so only replicas holding the key can move this replica's state, whoever can reach "
+                            "NATS. Empty: unsigned (only safe when NATS itself admits only the replicas). "
+                            "`prefixroute gateway` draws one per run.", flag="--peers-key-file")
+    tls_ca_file: str = setting("", "PEM CA bundle that signs the NATS server's certificate: set = connect with TLS "
+                               "and verify the server (Kubernetes: the NATS manifest's TLS secret).",
+                               flag="--peers-tls-ca-file")
 
     def __post_init__(self) -> None:
         if self.replica_id and not _TOKEN.fullmatch(self.replica_id):
@@ -67,10 +86,37 @@ class PeerSettings(Settings):
                              "digits, '-' and '_'")
         if not self.pending_ttl_s > 0 or self.max_buffered_messages < 1 or self.max_batch_messages < 1 or \
                 not self.reconnect_wait_s > 0 or \
-                not self.in_flight_ttl_s > 0 or not self.peer_timeout_s > 0:
+                not self.in_flight_ttl_s > 0 or not self.peer_timeout_s > 0 or self.max_in_flight_per_peer < 1:
             raise ValueError("--peers-pending-ttl-s, --peers-reconnect-wait-s, "
                              "--peers-in-flight-ttl-s, --peers-timeout-s > 0, --peers-max-buffered-messages and "
                              "--peers-max-batch-messages >= 1")
 
     def resolved_replica_id(self) -> str:
         return self.replica_id or default_replica_id()
+
+    def resolved_token(self) -> str:
+        """The NATS auth token: $PREFIXROUTE_PEERS_TOKEN, else `token_file`'s content (stripped), else "".
+        ValueError for an unreadable or empty file."""
+        return _secret(os.environ.get("PREFIXROUTE_PEERS_TOKEN", ""), self.token_file, "--peers-token-file")
+
+    def resolved_key(self) -> bytes:
+        """The bus key: $PREFIXROUTE_PEERS_KEY, else `key_file`'s content (stripped), else b"" (unsigned).
+        ValueError for an unreadable or empty file, or a key under 16 bytes."""
+        key = _secret(os.environ.get("PREFIXROUTE_PEERS_KEY", ""), self.key_file, "--peers-key-file")
+        if key and len(key) < 16:
+            raise ValueError("the peers bus key must be at least 16 bytes")
+        return key.encode()
+
+
+def _secret(value: str, path: str, flag: str) -> str:
+    if value.strip():
+        return value.strip()
+    if not path:
+        return ""
+    try:
+        text = open(path, encoding="utf-8").read().strip()  # noqa: SIM115, PTH123
+    except OSError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+    if not text:
+        raise ValueError(f"{flag}: {path} is empty")
+    return text

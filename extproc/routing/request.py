@@ -67,6 +67,8 @@ true); an integer may be written as an integral float (``16.0``), as pydantic ac
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 from collections.abc import Callable, Container, Mapping
 from typing import Any
 
@@ -85,11 +87,32 @@ COMPLETION_PATH = "/v1/completions"
 KNOWN_PATHS: dict[str, RequestKind] = {CHAT_PATH: "chat", COMPLETION_PATH: "completion",
                                        responses_api.RESPONSES_PATH: "responses"}
 REQUEST_ID_HEADER = "x-request-id"
-MAX_SESSION_KEY_CHARS = 256
-"""Longest session key kept (longer ones are cut here): a key is an identifier (a UUID is 36 characters), and
-the session table holds one per conversation, so a 1 MB header must not become a 1 MB table key."""
+MAX_KEY_CHARS = 256
+"""Longest client-supplied identifier the router keeps as written: the tenant (header value and
+``prompt_cache_key``, each), the session key and the request id. A longer one is kept as its first
+``MAX_KEY_CHARS - 33`` characters, ``~`` and a 128-bit BLAKE2b digest of the whole value (`bounded_key`):
+still distinct per value, never longer. An identifier is short (a UUID is 36 characters), and the router's
+tables hold one per conversation or request, so a 7 MiB ``prompt_cache_key`` must not become a 7 MiB key."""
+MAX_SESSION_KEY_CHARS = MAX_KEY_CHARS
+"""Kept for callers of the former name (session keys follow `MAX_KEY_CHARS`)."""
+MAX_MODEL_CHARS = 1024
+"""Longest ``model`` accepted (400 beyond): Hugging Face repository ids are at most 96 characters and local
+model paths a few hundred; no server serves a longer name, and the router keeps the name with each request."""
+MAX_RESPONSE_ID_CHARS = 256
+"""Longest Responses API id looked up: vLLM's ids are ``resp_`` and 32 hex digits; a longer id is answered
+with vLLM's own 404 at once (no server holds it), without asking every endpoint for it."""
 
 _xxh3_hex = xxhash.xxh3_64_hexdigest
+
+
+def bounded_key(value: str, limit: int = MAX_KEY_CHARS) -> str:
+    """`value` when it has at most `limit` characters, else its first ``limit - 33`` characters, ``~`` and
+    the hex BLAKE2b-128 digest of all of it (exactly `limit` characters). Deterministic across processes
+    (replicas agree on it); a value is hashed once, at parse time, never kept raw."""
+    if len(value) <= limit:
+        return value
+    digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return f"{value[:limit - 33]}~{digest}"
 
 
 @dataclasses.dataclass(slots=True)
@@ -124,6 +147,17 @@ class InferenceRequest:
     # A pinned Responses follow-up: prompt tokens its endpoint is known to hold (the previous request's prompt,
     # from its usage), which its own hashes cannot show; None otherwise. Set by the service, read by predictions.
     known_prefix_tokens: int | None = None
+    # Unique per request in this process (never reused, unlike id()): what the policy's tables key a pick by,
+    # so they need not keep the request (its block hashes) alive while a late report may still come.
+    key: int = dataclasses.field(default_factory=lambda: next(_REQUEST_KEYS), compare=False, repr=False)
+
+
+_REQUEST_KEYS = itertools.count(1)
+
+
+def next_request_key() -> int:
+    """A fresh `InferenceRequest.key` (for a request parsed in another process)."""
+    return next(_REQUEST_KEYS)
 
 
 MAX_ECHO_CHARS = 100
@@ -148,15 +182,44 @@ def _bad(message: str, param: str | None = None) -> OpenAIError:
 
 
 class _Canon:
-    """Accumulates canonical text up to `limit` characters; beyond it only counts characters."""
+    """Accumulates canonical text up to `limit` characters; beyond it only counts characters. Also the
+    request's parse budgets (`RoutingSettings.max_messages`, ``max_content_parts``, ``max_input_chars``):
+    `over_chars` and the part counter raise the 400 that names the limit once one is passed."""
 
-    __slots__ = ("parts", "size", "limit", "num_chars")
+    __slots__ = ("parts", "size", "limit", "num_chars", "num_parts", "max_parts", "max_chars", "max_messages")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, settings: RoutingSettings | None = None) -> None:
         self.parts: list[str] = []
         self.size = 0
         self.limit = limit
         self.num_chars = 0  # prompt content characters, all of them
+        self.num_parts = 0  # content parts, over all messages
+        self.max_parts = settings.max_content_parts if settings is not None else None
+        self.max_chars = settings.max_input_chars if settings is not None else None
+        self.max_messages = settings.max_messages if settings is not None else None
+
+    def check_chars(self, param: str) -> None:
+        """400 once the prompt's content characters pass ``max_input_chars`` (checked after each message)."""
+        if self.max_chars is not None and self.num_chars > self.max_chars:
+            raise _bad(f"the prompt has more than {self.max_chars} characters of content (at '{param}'); this "
+                       "gateway accepts at most that many per request (max_input_chars)", param)
+
+    def check_ids(self, n: int) -> None:
+        """400 when a completion prompt has more token ids than ``max_input_chars`` (one unit each)."""
+        if self.max_chars is not None and n > self.max_chars:
+            raise _bad(f"'prompt' has {n} token ids; this gateway accepts at most {self.max_chars} per request "
+                       "(max_input_chars)", "prompt")
+
+    def count_parts(self, n: int, param: str) -> None:
+        self.num_parts += n
+        if self.max_parts is not None and self.num_parts > self.max_parts:
+            raise _bad(f"the request has more than {self.max_parts} content parts (at '{param}'); this gateway "
+                       "accepts at most that many per request (max_content_parts)", param)
+
+    def count_messages(self, n: int, param: str) -> None:
+        if self.max_messages is not None and n > self.max_messages:
+            raise _bad(f"'{param}' has {n} items; this gateway accepts at most {self.max_messages} per request "
+                       "(max_messages)", param)
 
     @property
     def full(self) -> bool:
@@ -191,6 +254,7 @@ def _render_content(content: Any, canon: _Canon, param: str) -> None:
         return
     if not isinstance(content, list):
         raise _bad(f"'{param}' must be a string, a list of content parts or null", param)
+    canon.count_parts(len(content), param)
     for j, part in enumerate(content):
         p = f"{param}[{j}]"
         if not isinstance(part, dict):
@@ -219,6 +283,7 @@ def _render_tools(tools: Any, canon: _Canon) -> None:
     if tools is not None:
         if not isinstance(tools, list):
             raise _bad("'tools' must be a list", "tools")
+        canon.count_parts(len(tools), "tools")
         if tools:
             canon.add("<|tools|>")
             canon.add(_canonical_json(tools, "tools"))
@@ -232,6 +297,7 @@ def _render_chat(body: dict[str, Any], canon: _Canon) -> None:
         raise _bad("'messages' is required", "messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
+    canon.count_messages(len(messages), "messages")
     for i, msg in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -251,13 +317,23 @@ def _render_chat(body: dict[str, Any], canon: _Canon) -> None:
         canon.add(f"<|{role}|>")
         if name:
             canon.add(f"name={name}\n")
-        _render_content(msg.get("content"), canon, f"{param}.content")
+        content = msg.get("content")
+        if content is None and "content" in msg and role not in _NULL_CONTENT_ROLES:
+            # vLLM 0.33 (its message types): content may be absent, but null only for an assistant message
+            # (which may carry tool_calls instead) or a function result.
+            raise _bad(f"'{param}.content' is null: only an assistant message may have null content; send a "
+                       "string, a list of content parts, or leave it out", f"{param}.content")
+        _render_content(content, canon, f"{param}.content")
+        canon.check_chars(f"{param}.content")
         if tool_calls and not canon.full:
             canon.add("<|tool_calls|>")
             canon.add(_canonical_json(tool_calls, f"{param}.tool_calls"))
         if tool_call_id is not None:
             canon.add(f"<|tool_call_id|>{tool_call_id}")
         canon.add("\n")
+
+
+_NULL_CONTENT_ROLES = frozenset({"assistant", "function"})
 
 
 def _is_token_ids(value: list[Any]) -> bool:
@@ -278,6 +354,7 @@ def _render_completion(body: dict[str, Any], canon: _Canon) -> None:
     prompt = body["prompt"]
     if isinstance(prompt, str):
         canon.num_chars += len(prompt)
+        canon.check_chars("prompt")
         canon.add(prompt)
         return
     if not isinstance(prompt, list) or not prompt:
@@ -285,17 +362,23 @@ def _render_completion(body: dict[str, Any], canon: _Canon) -> None:
                    "token ids, and not empty", "prompt")
     first = prompt[0]
     if isinstance(first, str):
+        canon.count_messages(len(prompt), "prompt")
         if not all(isinstance(p, str) for p in prompt):
             raise _bad("'prompt' mixes strings with other types", "prompt")
-        canon.num_chars += len(first)
+        canon.num_chars += sum(map(len, prompt))
+        canon.check_chars("prompt")
+        canon.num_chars = len(first)  # the first prompt routes the request (module docstring)
         canon.add(first)
         return
     if type(first) is int:  # noqa: E721
         ids = prompt
+        canon.check_ids(len(ids))
         if not _is_token_ids(ids):
             raise _bad("'prompt' token ids must all be integers", "prompt")
         _check_token_range(ids, "prompt")
     elif isinstance(first, list):
+        canon.count_messages(len(prompt), "prompt")
+        canon.check_ids(sum(len(p) if isinstance(p, list) else 1 for p in prompt))
         if not all(isinstance(p, list) and p and _is_token_ids(p) for p in prompt):
             raise _bad("'prompt' must be a list of non-empty lists of integer token ids", "prompt")
         for i, p in enumerate(prompt):
@@ -334,6 +417,73 @@ def _check_stream_options(value: Any, name: str) -> None:
             raise _bad(f"'{name}.{key}' must be a boolean", f"{name}.{key}")
 
 
+def _check_logit_bias(value: Any, name: str) -> None:
+    # vLLM: dict[str, float] (JSON keys are strings; the values numbers, strictly typed here).
+    if type(value) is not dict or not all(type(v) in (int, float) for v in value.values()):
+        raise _bad(f"'{name}' must be an object mapping token ids to numbers", name)
+
+
+_RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
+
+
+def _check_response_format(value: Any, name: str) -> None:
+    # vLLM's AnyResponseFormat: ResponseFormat (type text / json_object / json_schema, the last with a
+    # json_schema object naming its schema) or a structural tag (format, or structures and triggers).
+    if type(value) is not dict:
+        raise _bad(f"'{name}' must be an object with a 'type'", name)
+    rtype = value.get("type")
+    if rtype not in _RESPONSE_FORMAT_TYPES:
+        raise _bad(f"'{name}.type' must be one of {', '.join(_RESPONSE_FORMAT_TYPES)}", f"{name}.type")
+    if rtype == "json_schema":
+        schema = value.get("json_schema")
+        if schema is None:
+            raise _bad("When response_format type is 'json_schema', the 'json_schema' field must be provided.", name)
+        if type(schema) is not dict or type(schema.get("name")) is not str:
+            raise _bad(f"'{name}.json_schema' must be an object with a string 'name'", f"{name}.json_schema")
+    elif rtype == "structural_tag" and "format" not in value and not (
+            type(value.get("structures")) is list and type(value.get("triggers")) is list):
+        raise _bad(f"'{name}' of type structural_tag needs 'format', or 'structures' and 'triggers'", name)
+
+
+def _check_tools(data: dict[str, Any]) -> None:
+    """Chat ``tools`` and ``tool_choice`` as vLLM 0.33's ChatCompletionRequest checks them (its wording where it
+    has one): each tool a function with a name; no empty list; a tool_choice other than none needs tools and is
+    auto, required or a named function among them."""
+    tools = data.get("tools")
+    if tools is not None:
+        if type(tools) is not list:
+            raise _bad("'tools' must be a list", "tools")
+        if not tools:
+            raise _bad("`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                       "entirely.", "tools")
+        for i, tool in enumerate(tools):
+            if type(tool) is not dict or tool.get("type", "function") != "function":
+                raise _bad(f"'tools[{i}]' must be an object of type 'function'", f"tools[{i}]")
+            fn = tool.get("function")
+            if type(fn) is not dict or type(fn.get("name")) is not str:
+                raise _bad(f"'tools[{i}].function' must be an object with a string 'name'", f"tools[{i}].function")
+    choice = data.get("tool_choice")
+    if choice is None or choice == "none":
+        return
+    if tools is None:
+        raise _bad("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice in ("auto", "required"):
+        return
+    if type(choice) is not dict:
+        raise _bad(f"Invalid value for `tool_choice`: {clip(choice)}! Only named tools, \"none\", \"auto\" or "
+                   "\"required\" are supported.", "tool_choice")
+    usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+    fn = choice.get("function")
+    if type(fn) is not dict:
+        raise _bad(f"Invalid value for `function`: `{clip(fn)}` in `tool_choice`! {usage}", "tool_choice.function")
+    fname = fn.get("name")
+    if type(fname) is not str or not fname:
+        raise _bad(f"Invalid `name` in `function`: `{clip(fname)}` in `tool_choice`! {usage}",
+                   "tool_choice.function.name")
+    if not any(t["function"]["name"] == fname for t in tools):
+        raise _bad("The tool specified in `tool_choice` does not match any of the specified `tools`", "tool_choice")
+
+
 def _int_message(name: str, low: float | None, high: float | None, extra: Any) -> str:
     if high is None:
         return f"'{name}' must be an integer >= {low}"
@@ -365,6 +515,8 @@ _COMMON_RULES: dict[str, Rule] = {
     "user": _STR,
     "stop": (_check_stop, None, None, None),
     "prompt_cache_key": _STR,
+    "logit_bias": (_check_logit_bias, None, None, None),
+    "response_format": (_check_response_format, None, None, None),
 }
 _FIELD_RULES: dict[RequestKind, dict[str, Rule]] = {
     "chat": {**_COMMON_RULES, "max_completion_tokens": _AT_LEAST_1, "logprobs": _BOOL,
@@ -411,6 +563,8 @@ def _check_fields(data: dict[str, Any], kind: RequestKind) -> None:
     if kind != "responses" and data.get("stream_options") and data.get("stream") is not True:
         raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
     if kind == "chat":
+        if "tools" in data or "tool_choice" in data:
+            _check_tools(data)
         top = data.get("top_logprobs")
         if top is not None and top != 0 and data.get("logprobs") is not True:
             raise _bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
@@ -434,11 +588,13 @@ def parse_request(method: str, path: str, headers: Mapping[str, str], body: byte
                                f"{settings.max_body_bytes} bytes")
     path = path.split("?", 1)[0]
     request_id = headers.get(REQUEST_ID_HEADER)
+    if request_id is not None:
+        request_id = bounded_key(request_id)
     kind = KNOWN_PATHS.get(path)
     if kind is None:
         ref = responses_api.path_response_id(path)
-        if ref is not None and not ref.startswith(responses_api.RESPONSE_ID_PREFIX):
-            raise responses_api.invalid_id(ref)
+        if ref is not None:
+            _check_response_id(ref)
         return InferenceRequest(kind="other", path=path, request_id=request_id, response_ref=ref)
     if method.upper() != "POST":
         raise OpenAIError(405, f"method {clip(method)} is not allowed on {clip(path)}; use POST")
@@ -459,10 +615,17 @@ def parse_request(method: str, path: str, headers: Mapping[str, str], body: byte
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
+    if model is not None and len(model) > MAX_MODEL_CHARS:
+        raise _bad(f"'model' has {len(model)} characters; model names are at most {MAX_MODEL_CHARS}", "model")
     _check_fields(data, kind)
     stream = data.get("stream")
+    # Kept with the request (sessions, the policy's tables, telemetry): bounded here, once (MAX_KEY_CHARS).
     cache_key = data.get("prompt_cache_key")
+    if cache_key:
+        cache_key = bounded_key(cache_key)
     header_tenant = headers.get(settings.tenant_header) if settings.tenant_header else None
+    if header_tenant:
+        header_tenant = bounded_key(header_tenant)
     if header_tenant and cache_key:
         tenant: str | None = f"{header_tenant}\x1f{cache_key}"
     else:
@@ -473,12 +636,17 @@ def parse_request(method: str, path: str, headers: Mapping[str, str], body: byte
 
     session_key = _session_key(settings, headers, data)
     response_ref = None
-    canon = _Canon(settings.max_prompt_chars)
+    canon = _Canon(settings.max_prompt_chars, settings)
     if kind == "chat":
         _render_chat(data, canon)
         chat_body: dict[str, Any] | None = data
     elif kind == "responses":
+        inp = data.get("input")
+        if isinstance(inp, list):
+            canon.count_messages(len(inp), "input")
         chat_body, response_ref = _responses_chat_body(data)
+        if response_ref is not None:
+            _check_response_id(response_ref)
         if chat_body["messages"]:
             _render_chat(chat_body, canon)
         else:  # input [] without instructions: nothing to hash (vLLM renders an empty conversation)
@@ -515,7 +683,16 @@ def _session_key(settings: RoutingSettings, headers: Mapping[str, str], data: di
         return None
     if not key or not isinstance(key, str):
         return None
-    return key[:MAX_SESSION_KEY_CHARS]
+    return bounded_key(key)
+
+
+def _check_response_id(response_id: str) -> None:
+    """vLLM's 400 for an id without its prefix; its 404 for one longer than `MAX_RESPONSE_ID_CHARS` (no server
+    issues such ids, so no lookup is spent on it and the id is never stored)."""
+    if not response_id.startswith(responses_api.RESPONSE_ID_PREFIX):
+        raise responses_api.invalid_id(response_id)
+    if len(response_id) > MAX_RESPONSE_ID_CHARS:
+        raise responses_api.not_found(response_id)
 
 
 def _responses_chat_body(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:

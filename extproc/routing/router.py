@@ -10,7 +10,7 @@ import random
 from collections.abc import Mapping, Sequence
 
 from prefixroute.openai_errors import OpenAIError
-from prefixroute.extproc.routing import index_sources
+from prefixroute.extproc.routing import index_sources, memory
 from prefixroute.extproc.routing.index_sources import BlockIndex, SourcedIndex
 from prefixroute.extproc.routing.prefix_index import PrefixIndex
 from prefixroute.extproc.routing.request import InferenceRequest, clip
@@ -79,7 +79,8 @@ class RouterCore:
         self._fb_capacity: dict[EndpointId, float] = {}  # feedback: the current learned capacity
         self.scheduler = Scheduler(settings, rng, track_prefill=track_prefill)
         # Chat sessions (issue 14): only for a policy that uses them (prefix; `Policy.uses_sessions`).
-        self.sessions: SessionTable | None = SessionTable(settings.max_sessions, settings.session_ttl_s) \
+        self.memory = memory.plan(settings)
+        self.sessions: SessionTable | None = SessionTable(self.memory.max_sessions, settings.session_ttl_s) \
             if self.scheduler.policy.uses_sessions and settings.session_key != "off" else None
         self.rng = self.scheduler.rng
         self.retry_after_s = retry_after_s
@@ -150,19 +151,20 @@ class RouterCore:
         return self.scheduler.policy.pending_tokens_of(request)
 
     def apply_peer_pick(self, key: tuple, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
-                        pending_tokens: float | None, tenant: str | None, session_key: str | None,
+                        pending_tokens: float | None, session: bytes | None,
                         now_s: float, expires_s: float) -> bool:
         """Another replica routed a request with `block_hashes` to `endpoint`: the same state changes as a local
         pick at `route` (the index records it where the own index learns from picks, the session records its
         turn, the policy queues `pending_tokens` under `key` until `apply_peer_done` or `expires_s`), so the
-        next request of that prefix here scores `endpoint` as that replica would. False (nothing changed) for
-        an endpoint this router does not know (not in its pool)."""
+        next request of that prefix here scores `endpoint` as that replica would. `session`: the turn's
+        `sessions.session_id` (None: no session). False (nothing changed) for an endpoint this router does not
+        know (not in its pool)."""
         if endpoint not in self._known:
             return False
         if block_hashes and self._records(endpoint):
             self.index.record(block_hashes, endpoint)
-        if session_key is not None and self.sessions is not None:
-            self.sessions.record(tenant, session_key, endpoint, block_hashes, now_s)
+        if session is not None and self.sessions is not None:
+            self.sessions.record_id(session, endpoint, block_hashes, now_s)
         if pending_tokens is not None:
             self.scheduler.policy.apply_peer_pick(key, endpoint, pending_tokens, block_hashes, now_s, expires_s)
         return True
@@ -175,15 +177,15 @@ class RouterCore:
         """Another replica's pick `key` got its first token or ended (`on_first_token` / `on_release` there)."""
         self.scheduler.policy.apply_peer_done(key)
 
-    def apply_peer_failover(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash], tenant: str | None,
-                            session_key: str | None) -> None:
+    def apply_peer_failover(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
+                            session: bytes | None) -> None:
         """Another replica's request was served by `endpoint`, a fallback (`record_failover` there)."""
         if endpoint not in self._known:
             return
         if block_hashes and self._records(endpoint):
             self.index.record(block_hashes, endpoint)
-        if session_key is not None and self.sessions is not None:
-            self.sessions.moved(tenant, session_key, endpoint, block_hashes)
+        if session is not None and self.sessions is not None:
+            self.sessions.moved_id(session, endpoint, block_hashes)
 
     def expire_peers(self, now_s: float) -> int:
         """Drop other replicas' pending picks past their expiry; how many."""

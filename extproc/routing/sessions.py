@@ -15,17 +15,36 @@ Bounds: at most ``max_sessions`` entries, least recently recorded first out; an 
 ``session_ttl_s`` after its last turn (checked on lookup, and expired entries at the old end are dropped as new
 turns are recorded). Without a clock (``now_s`` None) entries never expire and only the LRU bounds them.
 Every operation is O(1) except `forget_endpoint`, which is O(sessions of that endpoint).
+
+Memory: the table keys a session by `session_id` (a 16-byte digest of tenant and key), never by the client's
+strings, so every entry costs the same whatever the client sent (`SESSION_ENTRY_BYTES`, measured in
+tests/unit/routing/test_memory_bounds.py), and the replicas share sessions by that digest (extproc/peers),
+never by the raw key.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 from collections.abc import Sequence
 
 from prefixroute.extproc.routing.types import BlockHash, EndpointId
 
-SessionId = tuple[str | None, str]
-"""(tenant, session key): the table's key."""
+SessionId = bytes
+"""`session_id(tenant, key)`: the table's key."""
+
+SESSION_ENTRY_BYTES = 400
+"""Most bytes one session costs the table (its key, its `Session`, the LRU and per-endpoint index entries),
+measured with tracemalloc on CPython 3.11 (tests/unit/routing/test_memory_bounds.py checks it): what
+`memory.plan` divides the sessions' share of the memory budget by."""
+
+
+def session_id(tenant: str | None, key: str) -> SessionId:
+    """The 16-byte BLAKE2b digest naming session (`tenant`, `key`): the same on every replica; tenant "" and
+    None are the same tenant (no tenant); the length prefix keeps (``"a"``, ``"b\x1fc"``) and
+    (``"a\x1fb"``, ``"c"``) apart."""
+    t = tenant or ""
+    return hashlib.blake2b(f"{len(t)}:{t}\x1f{key}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 class Session:
@@ -85,7 +104,10 @@ class SessionTable:
 
     def lookup(self, tenant: str | None, key: str, now_s: float | None = None) -> Session | None:
         """The live session (`tenant`, `key`), None when unknown or expired at `now_s` (then dropped)."""
-        sid = (tenant, key)
+        return self.lookup_id(session_id(tenant, key), now_s)
+
+    def lookup_id(self, sid: SessionId, now_s: float | None = None) -> Session | None:
+        """`lookup` by `session_id`."""
         s = self._entries.get(sid)
         if s is not None and self._expired(s, now_s):
             self._drop(sid, s)
@@ -98,7 +120,11 @@ class SessionTable:
         """Turn of session (`tenant`, `key`) routed to `endpoint` with this prompt at `now_s`: it becomes the
         session's last turn (most recently used). Drops expired entries at the old end, then the least
         recently recorded beyond ``max_sessions``."""
-        sid = (tenant, key)
+        self.record_id(session_id(tenant, key), endpoint, block_hashes, now_s)
+
+    def record_id(self, sid: SessionId, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
+                  now_s: float | None = None) -> None:
+        """`record` by `session_id` (another replica's turn: it sends the digest, never the key)."""
         n = len(block_hashes)
         tail = block_hashes[-1] if n else None
         entries = self._entries
@@ -137,7 +163,10 @@ class SessionTable:
         """A turn with prompt `block_hashes` was served by `endpoint` after all (a fallback, Envoy's failover):
         if it is still the session's last turn (same prompt: a later turn may have been recorded since), the
         session follows it, with the same prompt and time."""
-        sid = (tenant, key)
+        self.moved_id(session_id(tenant, key), endpoint, block_hashes)
+
+    def moved_id(self, sid: SessionId, endpoint: EndpointId, block_hashes: Sequence[BlockHash]) -> None:
+        """`moved` by `session_id`."""
         s = self._entries.get(sid)
         if s is None or s.endpoint == endpoint or s.num_blocks != len(block_hashes):
             return

@@ -133,17 +133,18 @@ class RoutingSettings(Settings):
         "Seconds a session is remembered after its last turn: 10 minutes outlives a user's pause between "
         "chat turns, while an endpoint's KV cache usually turns over within minutes under load.")
     max_sessions: int = setting(
-        65536,
-        "Most sessions remembered (oldest first out): 64k sessions of ~400 bytes each (a 20-character key "
-        "included; measured) are ~26 MB.")
+        0,
+        "Most sessions remembered (oldest first out). 0 = from memory_budget_mb (an eighth of it at ~400 bytes a "
+        "session, keys being 16-byte digests: 167,772 with the default budget).")
     response_id_ttl_s: float = setting(
         3600.0,
         "Seconds the router remembers which endpoint produced a Responses API response (for "
         "previous_response_id and GET /v1/responses/{id}). An id it no longer remembers is looked up on the "
         "endpoints (response_lookup_*), so the TTL bounds memory, not correctness.")
     max_response_ids: int = setting(
-        262144,
-        "Most response ids remembered (oldest first out): 256k ids of ~200 bytes are ~50 MB.")
+        0,
+        "Most response ids remembered (oldest first out). 0 = from memory_budget_mb (an eighth of it at ~550 "
+        "bytes an id: 122,016 with the default budget, an hour of 33 Responses answers a second).")
     response_lookup_timeout_s: float = setting(
         0.3,
         "Seconds the router waits for the endpoints' answers to GET /v1/responses/{id} when it does not know "
@@ -157,6 +158,54 @@ class RoutingSettings(Settings):
         "503 with Retry-After (each lookup asks every endpoint, so unbounded lookups would let forged ids "
         "multiply load on the fleet).")
 
+    memory_budget_mb: int = setting(
+        512,
+        "Memory the router's tables filled by clients may take at most, worst case, beyond the process's own "
+        "~170 MB: an eighth for chat sessions, an eighth for Responses ids, a quarter for the tokenizer caches, "
+        "a quarter for other replicas' picks, a quarter left for requests in flight (routing/memory.py). Every "
+        "value a client sends that the router keeps is bounded first (identifiers at 256 characters, digests for "
+        "session and response ids), so a flood of unique large keys costs no more than this. 512 MiB: a small "
+        "share of a router host, and sizes the tables above what a replica needs at thousands of requests a "
+        "second.")
+    max_messages: int = setting(
+        4096,
+        "Most messages (chat), input items (Responses) or prompts (completions) in one request; more gets 400 "
+        "naming this limit. Rendering and tokenizing cost per message (~40 us each with a chat template, "
+        "measured), so this bounds a request's work to ~0.2 s, under Envoy's wait for the router; 4096 is far "
+        "beyond any real conversation or agent trace.")
+    max_content_parts: int = setting(
+        4096,
+        "Most content parts (text, images, ...) and tools in one request, over all its messages; more gets 400 "
+        "naming this limit (the same reasoning as max_messages).")
+    max_input_chars: int = setting(
+        4 * 1024 * 1024,
+        "Most characters of prompt content (or token ids of a completion prompt) in one request; more gets 400 "
+        "naming this limit. 4 Mi characters are ~1M tokens, beyond every served context length, while bounding "
+        "what tokenizing one request can cost.")
+    inline_parse_bytes: int = setting(
+        1024 * 1024,
+        "Request bodies up to this size (with at most inline_parse_objects JSON objects) are parsed on the "
+        "event loop when the router hashes text (no --tokenizer); larger ones in a parse worker process "
+        "(parse_workers), so no request holds the loop: parsing text costs ~1 ms per MiB (JSON decoding; only "
+        "the first max_blocks x block_chars characters are hashed).")
+    inline_tokenize_bytes: int = setting(
+        64 * 1024,
+        "The same limit when the router tokenizes prompts (--tokenizer): the whole prompt is tokenized, ~1 ms "
+        "per 10-20 KB cold, so bodies over 64 KiB (an 8k-token prompt is ~32 KB) go to the parse worker.")
+    inline_parse_objects: int = setting(
+        512,
+        "Most '{' in a body parsed on the event loop (an upper bound on its JSON objects: messages, parts, "
+        "tools); beyond, the body goes to the parse worker, even when small: 512 messages cost ~10 ms to "
+        "render and tokenize.")
+    parse_workers: int = setting(
+        1,
+        "Processes that parse large request bodies off the event loop (inline_parse_bytes); 0 = parse every "
+        "body on the loop (a large or many-message body then stalls every request on this replica while it is "
+        "parsed). One is enough for bodies that are rare; each costs ~60 MB.")
+    max_parse_queue: int = setting(
+        32,
+        "Large bodies waiting for a parse worker at most; beyond, 503 with Retry-After (a flood of large bodies "
+        "must not queue for longer than Envoy waits for the router: --extproc-message-timeout-ms).")
     max_body_bytes: int = setting(
         8 * 1024 * 1024,
         "Largest request body accepted; larger ones get 413. 8 MiB holds a 128k-token prompt (~0.5 MB) many "
@@ -213,9 +262,14 @@ class RoutingSettings(Settings):
         for name in ("session_ttl_s", "response_id_ttl_s", "response_lookup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
-        for name in ("max_sessions", "max_response_ids", "max_response_lookups"):
+        for name in ("max_response_lookups", "memory_budget_mb", "max_messages", "max_content_parts",
+                     "max_input_chars", "max_parse_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("max_sessions", "max_response_ids", "inline_parse_bytes", "inline_tokenize_bytes",
+                     "inline_parse_objects", "parse_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
         if self.max_scored_endpoints < 0:
             raise ValueError(f"max_scored_endpoints must be >= 0; got {self.max_scored_endpoints}")
         if self.num_fallbacks < 0:

@@ -40,6 +40,12 @@ not exact, the whole prompt is one piece: still correct, cached only for exact r
 Limitation: a prompt without special tokens (a plain completion string) is one piece, so two such prompts
 sharing only a leading part of it share no cached work (their hashes still share the common blocks).
 
+Memory (issue 27): both caches are bounded in bytes as well as entries (``tokenizer_cache_entries``, and a
+quarter of ``memory_budget_mb``, routing/memory.py, split between them): each entry is charged what it holds
+(token ids; a state's own block hashes and tail), and a state names its parent by key, not by reference, so
+an evicted state is really freed (a state whose ancestors were evicted is a miss). A piece too large for an
+eighth of its cache is never cached. So prompts of any size and number cost the caches at most their budget.
+
 Not thread-safe by design, but guarded by a lock so a second thread only waits (the router calls it from
 one event loop).
 """
@@ -656,12 +662,12 @@ class TokenBlocks:
 
 
 class _State:
-    """Hash-chain state after a prefix of pieces: linked to the state before it, so storing one costs only
-    the blocks this piece completed."""
+    """Hash-chain state after a prefix of pieces: it names the state before it by its chain key (`parent`; None
+    after the first piece), so storing one costs only the blocks this piece completed, and evicting one frees it."""
 
     __slots__ = ("parent", "hashes", "num_blocks", "num_tokens", "tail", "last")
 
-    def __init__(self, parent: "_State | None", hashes: list[BlockHash], num_blocks: int, num_tokens: int,
+    def __init__(self, parent: int | None, hashes: list[BlockHash], num_blocks: int, num_tokens: int,
                  tail: np.ndarray, last: BlockHash) -> None:
         self.parent = parent
         self.hashes = hashes  # blocks completed by this piece
@@ -670,25 +676,25 @@ class _State:
         self.tail = tail  # tokens of the trailing partial block (empty once max_blocks are hashed)
         self.last = last  # hash of the last full block (the seed before the first)
 
-    def all_hashes(self) -> list[BlockHash]:
-        chunks = []
-        s: _State | None = self
-        while s is not None:
-            if s.hashes:
-                chunks.append(s.hashes)
-            s = s.parent
-        out: list[BlockHash] = []
-        for c in reversed(chunks):
-            out.extend(c)
-        return out
+    def nbytes(self) -> int:
+        """What the state holds (its hash list, tail and itself), for the cache's byte bound."""
+        return 200 + 48 * len(self.hashes) + self.tail.nbytes
+
+
+_ENTRY_BYTES = 330  # per cached value: its OrderedDict and size entries, the int key and size (measured)
 
 
 class _LRU:
-    __slots__ = ("data", "capacity")
+    """Least recently used cache bounded by entries and by bytes (each `put` says what its value holds)."""
 
-    def __init__(self, capacity: int) -> None:
+    __slots__ = ("data", "capacity", "max_bytes", "num_bytes", "_sizes")
+
+    def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
         self.data: collections.OrderedDict = collections.OrderedDict()
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._sizes: dict = {}
 
     def get(self, key):
         v = self.data.get(key)
@@ -696,11 +702,20 @@ class _LRU:
             self.data.move_to_end(key)
         return v
 
-    def put(self, key, value) -> None:
+    def put(self, key, value, nbytes: int = 0) -> None:
+        nbytes += _ENTRY_BYTES
+        if self.max_bytes is not None and nbytes > self.max_bytes // 8:
+            return  # one value must not flush most of the cache: not cached
+        old = self._sizes.pop(key, None)
+        if old is not None:
+            self.num_bytes -= old
         self.data[key] = value
         self.data.move_to_end(key)
-        if len(self.data) > self.capacity:
-            self.data.popitem(last=False)
+        self._sizes[key] = nbytes
+        self.num_bytes += nbytes
+        while len(self.data) > self.capacity or (self.max_bytes is not None and self.num_bytes > self.max_bytes):
+            k, _ = self.data.popitem(last=False)
+            self.num_bytes -= self._sizes.pop(k)
 
 
 class PromptHasher:
@@ -711,14 +726,16 @@ class PromptHasher:
     ``len(chat_ids)`` tokens) for every body, cached or not; tested."""
 
     def __init__(self, tokenizer: PromptTokenizer, *, block_size: int = 16, max_blocks: int | None = 256,
-                 cache_entries: int = 8192) -> None:
+                 cache_entries: int = 8192, cache_bytes: int | None = None) -> None:
+        """`cache_bytes`: what both caches may hold together (half each; None: entries alone bound them)."""
         if block_size < 1 or cache_entries < 1:
             raise ValueError("block_size and cache_entries must be >= 1")
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self._pieces = _LRU(cache_entries)  # xxh3(piece text) -> token ids
-        self._states = _LRU(cache_entries)  # chain key -> _State
+        half = cache_bytes // 2 if cache_bytes is not None else None
+        self._pieces = _LRU(cache_entries, half)  # xxh3(piece text) -> token ids
+        self._states = _LRU(cache_entries, half)  # chain key -> _State
         self._lock = threading.Lock()
         self._name_bytes = tokenizer.name.encode("utf-8", "surrogatepass")
         self.num_piece_hits = 0
@@ -731,8 +748,11 @@ class PromptHasher:
         `TokenizerLoadError` for a spec that does not load."""
         if not settings.tokenizer:
             return None
+        from prefixroute.extproc.routing.memory import plan
+
         return cls(load_tokenizer(settings.tokenizer), block_size=settings.kv_block_tokens,
-                   max_blocks=settings.max_token_blocks, cache_entries=settings.tokenizer_cache_entries)
+                   max_blocks=settings.max_token_blocks, cache_entries=settings.tokenizer_cache_entries,
+                   cache_bytes=plan(settings).tokenizer_cache_bytes)
 
     def chat_blocks(self, body: Mapping[str, Any], *, lora_name: str | None = None,
                     cache_salt: str | None = None) -> TokenBlocks:
@@ -782,19 +802,45 @@ class PromptHasher:
         states = self._states
         start = len(pieces)
         state: _State | None = None
+        hashes: list[BlockHash] | None = None
         while start > 0:
             state = states.get(keys[start - 1])
             if state is not None:
+                hashes = self._chain(state)
+                if hashes is None:  # an ancestor was evicted (the oldest go first, so usually for the shorter ones too)
+                    state, start = None, 0
                 break
             start -= 1
-        if state is None:
-            state = _State(None, [], 0, 0, _EMPTY, seed)
+        if state is None or hashes is None:
+            state, hashes = _State(None, [], 0, 0, _EMPTY, seed), []
         if start < len(pieces):
             ids = self._piece_ids(pieces[start:], encoded[start:])
             for i, piece_ids in enumerate(ids, start):
-                state = self._extend(state, piece_ids)
-                states.put(keys[i], state)
-        return TokenBlocks(state.all_hashes(), state.num_tokens)
+                state = self._extend(state, piece_ids, keys[i - 1] if i else None)
+                hashes.extend(state.hashes)
+                states.put(keys[i], state, state.nbytes())
+        return TokenBlocks(hashes, state.num_tokens)
+
+    def _chain(self, state: _State) -> list[BlockHash] | None:
+        """Every block hash up to `state`, from its ancestors in the cache (each touched: a chain in use stays
+        cached as a whole); None when one was evicted."""
+        chunks = []
+        data = self._states.data
+        s: _State | None = state
+        while True:
+            if s.hashes:  # type: ignore[union-attr]
+                chunks.append(s.hashes)  # type: ignore[union-attr]
+            parent = s.parent  # type: ignore[union-attr]
+            if parent is None:
+                break
+            s = data.get(parent)
+            if s is None:
+                return None
+            data.move_to_end(parent)
+        out: list[BlockHash] = []
+        for c in reversed(chunks):
+            out.extend(c)
+        return out
 
     def _piece_ids(self, pieces: list[str | int], encoded: list[bytes | None]) -> list[np.ndarray]:
         out: list[np.ndarray | None] = []
@@ -816,14 +862,14 @@ class PromptHasher:
         if missing:
             for (j, _, k), ids in zip(missing, self.tokenizer.encode_pieces([m[1] for m in missing])):
                 ids.flags.writeable = False
-                cache.put(k, ids)
+                cache.put(k, ids, ids.nbytes + 112)
                 out[j] = ids
         return out  # type: ignore[return-value]
 
-    def _extend(self, state: _State, ids: np.ndarray) -> _State:
+    def _extend(self, state: _State, ids: np.ndarray, parent: int | None) -> _State:
         num_tokens = state.num_tokens + len(ids)
         if self.max_blocks is not None and state.num_blocks >= self.max_blocks:
-            return _State(state, [], state.num_blocks, num_tokens, _EMPTY, state.last)
+            return _State(parent, [], state.num_blocks, num_tokens, _EMPTY, state.last)
         bs = self.block_size
         data = np.concatenate((state.tail, ids)) if len(state.tail) else ids
         n_full = len(data) // bs
@@ -835,4 +881,4 @@ class PromptHasher:
         else:
             tail = data[n_full * bs:].copy()  # a few tokens; a view would pin the whole piece's array
         last = hashes[-1] if hashes else state.last
-        return _State(state, hashes, num_blocks, num_tokens, tail, last)
+        return _State(parent, hashes, num_blocks, num_tokens, tail, last)

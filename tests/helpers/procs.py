@@ -52,3 +52,24 @@ def start_process(cmd: Sequence[str], *, ready_port: int | None = None, ready_ur
         yield proc
     finally:
         proc.stop()
+
+
+def unix_http_get(socket_path: str | Path, path: str, *, method: str = "GET",
+                  timeout_s: float = 10.0) -> tuple[int, bytes]:
+    """(status, body) of an HTTP/1.1 request to a server on a Unix socket (Envoy's admin with admin_mode unix)."""
+    import http.client
+    import socket
+
+    class _Conn(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout_s)
+            self.sock.connect(str(socket_path))
+
+    conn = _Conn("localhost", timeout=timeout_s)
+    try:
+        conn.request(method, path)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()

@@ -45,14 +45,15 @@ def _socket_inodes(port: int) -> set[str]:
     return inodes
 
 
-def pid_of(port: int) -> int | None:
-    """The pid of the process listening on 127.0.0.1/0.0.0.0 `port` (None when nothing listens)."""
+def pid_of(port: int, exclude: frozenset[int] = frozenset()) -> int | None:
+    """The pid of the process listening on 127.0.0.1/0.0.0.0 `port` (None when nothing listens), other than
+    those in `exclude` (`prefixroute up` itself holds its model servers' listening sockets)."""
     inodes = _socket_inodes(port)
     if not inodes:
         return None
     targets = {f"socket:[{i}]" for i in inodes}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) in exclude:
             continue
         try:
             for fd in (entry / "fd").iterdir():
@@ -176,10 +177,11 @@ class LocalStack:
 
     def pid(self, component: str) -> int | None:
         """pid of "envoy", "extproc", "telemetry" or "server-i"."""
-        port = {"envoy": self.admin_port, "extproc": self.extproc_port, "telemetry": self.telemetry_port}.get(component)
+        port = {"envoy": self.gateway_port, "extproc": self.extproc_port,
+                "telemetry": self.telemetry_port}.get(component)
         if port is None:
             port = self.server_ports[int(component.rsplit("-", 1)[1])]
-        return pid_of(port)
+        return pid_of(port, frozenset({self.proc.pid}) if self.proc is not None else frozenset())
 
     def router_metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:

@@ -249,7 +249,7 @@ _score = operator.itemgetter(0)
 
 @dataclasses.dataclass(slots=True)
 class _TtftPick:
-    request: InferenceRequest  # held so that its id() (the key) is not reused while it is pending
+    num_prompt_chars: int  # of its request: all `_learn` needs (the request itself is not kept: its hashes)
     endpoint: EndpointId
     queued_tokens: float
     num_decoding: int
@@ -300,10 +300,12 @@ class PrefixPolicy(Policy):
         self._tpc = 1.0 / settings.chars_per_token
         self._tpb = settings.tokens_per_block
         self._kvb = float(settings.kv_block_tokens)
-        self._picks: dict[int, _TtftPick] = {}  # id(request) -> its pick, until first token or release
-        # id(request) -> (pick, ttft_s) between a first token without usage and its usage report.
+        # Keyed by `InferenceRequest.key` (unique, never reused): entries are a few small numbers each, so the
+        # tables cost ~200 bytes per request whatever the client sent.
+        self._picks: dict[int, _TtftPick] = {}  # request key -> its pick, until first token or release
+        # request key -> (pick, ttft_s) between a first token without usage and its usage report.
         self._awaiting: collections.OrderedDict[int, tuple[_TtftPick, float]] = collections.OrderedDict()
-        # id(request) -> pick, released before any first-token report (which may still come).
+        # request key -> pick, released before any first-token report (which may still come).
         self._released: collections.OrderedDict[int, _TtftPick] = collections.OrderedDict()
         self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
         # What `_learn` learned, for the other replicas (`take_observations`); a router that shares nothing
@@ -486,9 +488,9 @@ class PrefixPolicy(Policy):
         rest = others[:k - 1]
         order = [primary[2].endpoint, *(x[2].endpoint for x in rest)]
         if self.track_prefill:
-            key = id(req)
+            key = req.key
             queued = model.add_pending(key, order[0], primary[3], hashes, now)
-            self._picks[key] = _TtftPick(req, order[0], queued, primary[4], primary[1], primary[3])
+            self._picks[key] = _TtftPick(req.num_prompt_chars, order[0], queued, primary[4], primary[1], primary[3])
         if not hashes:
             reason: DecisionReason = "load"
         elif not matches or insignificant:
@@ -508,7 +510,7 @@ class PrefixPolicy(Policy):
                         pending_blocks=pend.get(order[0], 0) if pend else 0)
 
     def pending_tokens_of(self, request: InferenceRequest) -> float | None:
-        p = self._picks.get(id(request))
+        p = self._picks.get(request.key)
         return p.own_tokens if p is not None else None
 
     def apply_peer_pick(self, key: tuple, endpoint: EndpointId, pending_tokens: float,
@@ -561,14 +563,14 @@ class PrefixPolicy(Policy):
 
     def predicted_ttft_s(self, request: InferenceRequest) -> float | None:
         """The predicted TTFT of `request`'s primary at its pick (None once it left the pending set)."""
-        p = self._picks.get(id(request))
+        p = self._picks.get(request.key)
         return p.predicted_s if p is not None else None
 
     def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
                        prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
         """The request's prefill leaves its endpoint's queue; the endpoint's rate learns from it now (usage
         given) or at `on_usage` (the pick waits there, at most MAX_AWAITING_USAGE of them)."""
-        key = id(request)
+        key = request.key
         p = self._picks.pop(key, None)
         if p is None:
             p = self._released.pop(key, None)  # the routing stream closed first (a short response)
@@ -586,7 +588,7 @@ class PrefixPolicy(Policy):
     def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
                  cached_tokens: int | None) -> None:
         """The rate learns from the TTFT `on_first_token` reported, with these usage figures."""
-        got = self._awaiting.pop(id(request), None)
+        got = self._awaiting.pop(request.key, None)
         if got is not None:
             self._learn(got[0], got[1], prompt_tokens, cached_tokens)
 
@@ -594,7 +596,7 @@ class PrefixPolicy(Policy):
         # In the router's units: its prompt estimate, with the uncached share the endpoint reported (the
         # router's own estimate of it when the response reported no cached tokens: vLLM reports them only
         # with --enable-prompt-tokens-details, and a stream only with stream_options.include_usage).
-        est = p.request.num_prompt_chars * self._tpc
+        est = p.num_prompt_chars * self._tpc
         if prompt_tokens is not None and prompt_tokens > 0 and cached_tokens is not None:
             share = max(0.0, min(1.0, (prompt_tokens - cached_tokens) / prompt_tokens))
             cached = est * (1.0 - share)
@@ -621,7 +623,7 @@ class PrefixPolicy(Policy):
         """The request ended: if no first token was reported, it leaves the queue, and its pick waits (at most
         MAX_AWAITING_USAGE of them) for a first token that may still come: the observing stream reports in
         no fixed order with the routing stream's end. A pick awaiting its usage report keeps waiting too."""
-        key = id(request)
+        key = request.key
         p = self._picks.pop(key, None)
         if p is not None:
             self.model.remove_pending(key)

@@ -46,7 +46,9 @@ def canary() -> Iterator[Canary]:
 
 def start_gateway(stack: ExitStack, endpoints: tuple[str, ...], log_dir: Path, routing: RoutingSettings | None = None,
                   **envoy: object) -> GatewayProcesses:
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1", envoy_log_level="info"),
+    # Envoy's admin on loopback (read-only paths: /stats, /memory) for the counters these tests read.
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1,
+                                          listen_address="127.0.0.1", envoy_log_level="info", envoy_admin="loopback"),
                           routing or RoutingSettings(), PoolSettings(endpoints=endpoints), log_dir=log_dir,
                           envoy_overrides=envoy)
     stack.enter_context(gw)
@@ -119,9 +121,11 @@ def test_request_timeout_never_cuts_a_slow_response(stack: ExitStack, canary: Ca
 
 
 def _padded_chat(total_bytes: int) -> bytes:
-    base = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": ""}]}
+    # Half the padding in the prompt, half in `user`: a prompt has its own budget (max_input_chars, 4 Mi).
+    base = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": ""}], "user": ""}
     pad = total_bytes - len(json.dumps(base).encode())
-    base["messages"][0]["content"] = "lorem ipsum " * (pad // 12) + "x" * (pad % 12)
+    base["messages"][0]["content"] = "lorem ipsum " * (pad // 24)
+    base["user"] = "u" * (pad - len(base["messages"][0]["content"]))
     body = json.dumps(base).encode()
     assert len(body) == total_bytes
     return body

@@ -314,3 +314,66 @@ def test_free_ports_are_distinct_outside_the_ephemeral_range_and_bindable():
     for p in first[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+# --- issue 27 ---------------------------------------------------------------------------------------------------
+def test_a_member_that_runs_but_fails_its_live_probe_is_killed_and_restarted(tmp_path):
+    """A process alive but no longer serving (Envoy after /drain_listeners) is treated as crashed."""
+    out = io.StringIO()
+    serving = {"ok": True}
+    with ProcessGroup(tmp_path) as group:
+        p = group.add(ManagedProcess("srv", py("import time; time.sleep(60)"), live=lambda: serving["ok"]),
+                      wait=False)
+        policy = dataclasses.replace(FAST, live_interval_s=0.02, live_failures=3)
+        sup = Supervisor(group, policy, label="test", out=out)
+        for _ in range(10):
+            sup.poll()
+            time.sleep(0.02)
+        old = p.pid
+        assert "stopped serving" not in out.getvalue()
+        serving["ok"] = False
+        wait_for(lambda: (sup.poll(), "stopped serving (3 health probes in a row failed; killed)"
+                          in out.getvalue())[1])
+        serving["ok"] = True
+        wait_for(lambda: (sup.poll(), p.pid != old and p.alive())[1])
+        assert not pid_alive(old)
+
+
+def test_logs_are_private(tmp_path):
+    log = tmp_path / "new" / "x.log"
+    p = ManagedProcess("x", py("print('hi')"), log_path=log)
+    p.spawn().popen.wait(5)
+    assert (log.stat().st_mode & 0o777, log.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    log.chmod(0o644)
+    p.spawn().popen.wait(5)  # an existing log is tightened
+    assert log.stat().st_mode & 0o777 == 0o600 and log.read_text().count("hi") == 2
+
+
+def test_a_held_listener_keeps_the_port_across_its_childs_death_and_resets_what_waits(tmp_path):
+    from prefixroute.procs import held_listener, reset_pending
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sock = held_listener(port)
+    try:
+        code = ("import socket, sys; s = socket.socket(fileno=int(sys.argv[1])); c, _ = s.accept(); "
+                "c.sendall(b'child'); c.close()")
+        child = subprocess.Popen([*py(code), str(sock.fileno())], pass_fds=(sock.fileno(),))
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+            assert c.recv(10) == b"child"
+        child.wait(5)
+        with pytest.raises(PortBusy):  # the child is gone, the port is not free
+            held_listener(port)
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+        waiting = socket.create_connection(("127.0.0.1", port), timeout=5)
+        time.sleep(0.05)
+        assert reset_pending(sock) == 1
+        with pytest.raises(ConnectionResetError):
+            waiting.recv(10)  # as on a closed port: the client fails over at once
+        waiting.close()
+    finally:
+        sock.close()

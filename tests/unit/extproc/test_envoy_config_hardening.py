@@ -10,6 +10,7 @@ import stat
 import subprocess
 from pathlib import Path
 
+import betterproto2
 import pytest
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ExternalProcessor
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -121,8 +122,10 @@ def test_every_local_reply_mapper_spares_router_and_direct_replies() -> None:
         filt = m.filter
         parts = filt.and_filter.filters if filt.and_filter is not None else [filt]
         cel = [p.extension_filter.typed_config.unpack().expression for p in parts if p.extension_filter is not None]
-        # Every mapper spares the router's replies; a reason-specific one adds its reason to match.
-        assert cel[0] == ENVOY_OWN_REPLY and all(c.startswith("response.code_details == '") for c in cel[1:]), cel
+        # Every mapper spares the router's replies; a reason-specific one adds its reason (Envoy's details, or the
+        # routing-unavailable route it answers for) to match.
+        assert cel[0] == ENVOY_OWN_REPLY and all(
+            c.startswith(("response.code_details == '", "xds.route_name.startsWith('")) for c in cel[1:]), cel
         statuses |= {p.status_code_filter.comparison.value.default_value for p in parts if p.status_code_filter}
         assert m.body_format_override.content_type == "application/json"
     assert {400, 403, 404, 408, 413, 426, 431, 501, 502, 503, 504} <= statuses
@@ -134,18 +137,47 @@ def _filters(cfg) -> dict[str, ExternalProcessor]:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("observe", [True, False])
-def test_token_is_sent_by_every_ext_proc_filter(tmp_path: Path, observe: bool) -> None:
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_token_is_a_secret_every_ext_proc_cluster_injects(tmp_path: Path, observe: bool, replicas: int) -> None:
+    """Issue 27: the token is never gRPC initial metadata (Envoy's /config_dump printed it); it is an Envoy secret
+    (a file Envoy reads, or inline: redacted from dumps) that a credential_injector on every ext_proc cluster
+    (the replicas' own clusters included) sends as ``authorization: Bearer ...``. End to end with real Envoy:
+    tests/integration/gateway/test_gateway_hardening_admin.py."""
     token_file = tmp_path / "token"
-    token_file.write_text("  file-token\n")
-    for s, token in ((EnvoySettings(observe_responses=observe, extproc_auth_token="t0k"), "t0k"),
-                     (EnvoySettings(observe_responses=observe, extproc_auth_token_file=str(token_file)), "file-token")):
-        filters = _filters(build_config(s))
-        assert set(filters) == ({ROUTING_FILTER, OBSERVE_FILTER} if observe else {ROUTING_FILTER})
-        for f in filters.values():
-            md = {h.key: h.value for h in f.grpc_service.initial_metadata}
-            assert md["authorization"] == f"Bearer {token}"
-    for f in _filters(build_config(EnvoySettings(observe_responses=observe))).values():
-        assert "authorization" not in {h.key for h in f.grpc_service.initial_metadata}
+    token_file.write_text("file-token")
+    addresses = {"extproc_replica_addresses": ("127.0.0.1:1", "127.0.0.1:2")} if replicas > 1 else {}
+    for s, source in ((EnvoySettings(observe_responses=observe, extproc_auth_token="t0k", **addresses),
+                       {"inline_string": "t0k"}),
+                      (EnvoySettings(observe_responses=observe, extproc_auth_token_file=str(token_file), **addresses),
+                       {"filename": str(token_file)})):
+        cfg = build_config(s)
+        for f in _filters(cfg).values():
+            assert "authorization" not in {h.key for h in f.grpc_service.initial_metadata}
+        (secret,) = cfg.static_resources.secrets
+        assert secret.generic_secret.secret.to_dict(casing=betterproto2.Casing.SNAKE) == source
+        grpc_clusters = [c for c in cfg.static_resources.clusters if c.name.startswith("prefixroute_extproc")]
+        assert len(grpc_clusters) == (1 + replicas * observe if replicas > 1 else 1)
+        for c in grpc_clusters:
+            opts = c.typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].unpack()
+            injector, codec = opts.http_filters
+            cred = injector.typed_config.unpack().credential.typed_config.unpack()
+            assert (cred.credential.name, cred.header, cred.header_value_prefix) == (
+                secret.name, "authorization", "Bearer ")
+            assert codec.name == "envoy.filters.http.upstream_codec"
+        assert "t0k" not in render(s) or "inline_string: t0k" in render(s)  # only ever inside the secret
+        assert "file-token" not in render(s)  # a file's token never enters the configuration
+    cfg = build_config(EnvoySettings(observe_responses=observe))
+    assert not cfg.static_resources.secrets
+
+
+def test_token_file_with_a_trailing_newline_is_inlined_stripped(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("tok\n")  # Envoy would send the newline as part of the header
+    (secret,) = build_config(EnvoySettings(extproc_auth_token_file=str(token_file))).static_resources.secrets
+    assert secret.generic_secret.secret.inline_string == "tok"
+    token_file.write_text(" \n")
+    with pytest.raises(ValueError, match="empty"):
+        build_config(EnvoySettings(extproc_auth_token_file=str(token_file)))
 
 
 @pytest.mark.parametrize(("address", "server_name", "san_type", "sni"), [
@@ -189,4 +221,4 @@ def test_envoy_config_out_is_private_when_it_holds_a_token(tmp_path: Path, monke
     monkeypatch.setenv("PREFIXROUTE_ENVOY_EXTPROC_AUTH_TOKEN", "env-token")
     assert cli.main(["envoy-config", "--out", str(out)]) == 0
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
-    assert "Bearer env-token" in out.read_text()
+    assert "inline_string: env-token" in out.read_text()

@@ -11,25 +11,28 @@ from hypothesis import given, strategies as st
 from helpers.peers import POST, Clock, Wire, chat, replica
 from prefixroute.extproc.peers import codec
 from prefixroute.extproc.peers.settings import PeerSettings, default_replica_id
+from prefixroute.extproc.responses import response_key
 from prefixroute.extproc.routing.settings import RoutingSettings
 
 u64 = st.integers(min_value=0, max_value=2**64 - 1)
 text = st.text(max_size=40)
-opt_text = st.none() | text
+digest = st.none() | st.binary(min_size=16, max_size=16)
 messages = st.one_of(
     st.builds(codec.Pick, st.integers(0, 2**63 - 1), text, st.lists(u64, max_size=70),
-              st.none() | st.floats(0, 1e7, allow_nan=False), opt_text, opt_text),
+              st.none() | st.floats(0, 1e7, allow_nan=False), digest),
     st.builds(codec.Done, st.integers(0, 2**63 - 1)),
     st.builds(codec.Release, st.integers(0, 2**63 - 1)),
-    st.builds(codec.Failover, st.integers(0, 2**63 - 1), text, st.lists(u64, max_size=70), opt_text, opt_text),
-    st.builds(codec.Response, text, text, st.none() | st.integers(0, 2**31)),
+    st.builds(codec.Failover, st.integers(0, 2**63 - 1), text, st.lists(u64, max_size=70), digest),
+    st.builds(codec.Response, st.integers(0, 2**63 - 1), st.binary(min_size=16, max_size=16), text,
+              st.none() | st.integers(0, 2**31)),
     st.builds(codec.Observed, text, *(st.floats(0, 1e7, allow_nan=False) for _ in range(4)), st.integers(0, 4096)),
 )
 
 
-@given(st.text(min_size=1, max_size=30), st.integers(0, 2**48 - 1), st.lists(messages, max_size=30))
-def test_codec_round_trip(replica_id, incarnation, msgs):
-    batch = codec.Batch(replica_id, incarnation, msgs)
+@given(st.text(min_size=1, max_size=30), st.integers(0, 2**48 - 1), st.lists(messages, max_size=30),
+       st.integers(0, 2**63 - 1))
+def test_codec_round_trip(replica_id, incarnation, msgs, seq):
+    batch = codec.Batch(replica_id, incarnation, msgs, seq)
     assert codec.decode(codec.encode(batch)) == batch
 
 
@@ -175,8 +178,8 @@ def test_sessions_failover_and_response_ids_are_shared():
 
 def test_unknown_endpoint_is_ignored():
     b = replica()
-    b.apply_peer_batch(("a", 1), [codec.Pick(1, "10.9.9.9:1", [1, 2, 3], 500.0, None, "s"),
-                                  codec.Response("resp_x", "10.9.9.9:1", 10)], b.clock())
+    b.apply_peer_batch(("a", 1), [codec.Pick(1, "10.9.9.9:1", [1, 2, 3], 500.0, None),
+                                  codec.Response(1, response_key("resp_x"), "10.9.9.9:1", 10)], b.clock())
     assert b.core.scheduler.policy.num_peer_picks() == 0
     assert b.core.index.match([1, 2, 3]) == {}
     assert b.responses.endpoint_of("resp_x") is None
@@ -203,3 +206,80 @@ def test_peer_settings_validation():
         with pytest.raises(ValueError):
             PeerSettings(**bad)
     assert PeerSettings(subject_prefix="team-a.prod").subject_prefix == "team-a.prod"
+
+
+# --- issue 27: bounds, signatures, and claims only within what a peer could know -----------------------------
+def test_nothing_a_client_sent_travels_raw():
+    a = replica()
+    wire = Wire(("a", 1))
+    a.peers = wire
+    secret = "conv-" + "x" * 5000
+    pick = a.route(*POST, {"x-session-id": secret}, chat(SYSTEMS[0], DOCS[0]))
+    a.learn_response(pick, "resp_secret_1")
+    data = codec.encode(codec.Batch("a", 1, wire.messages, 1))
+    assert b"conv-" not in data and b"resp_secret_1" not in data
+    assert len(data) < 4000  # block hashes and digests, not the 5,000-character key
+
+
+def test_codec_bounds_fields():
+    huge = codec.encode(codec.Batch("a", 1, [codec.Pick(1, "e", list(range(codec.MAX_BLOCK_HASHES + 1)))], 1))
+    with pytest.raises(msgspec.ValidationError):
+        codec.decode(huge)
+    with pytest.raises(msgspec.ValidationError):
+        codec.decode(codec.encode(codec.Batch("a", 1, [codec.Pick(1, "e" * 600, [])], 1)))
+
+
+def test_a_large_message_never_drops_the_others():
+    """A batch over NATS's max_payload is split (issue 27: one request's 1 MB batch took the picks and
+    releases of others down with it); each part decodes, in order, and nothing is lost."""
+    msgs = [codec.Pick(i, "10.0.0.1:8000", list(range(1000))) for i in range(200)] + [codec.Release(7)]
+    parts = codec.encode_split("a", 1, 10, msgs, max_messages=256, max_bytes=64 * 1024)
+    assert len(parts) > 1 and all(len(d) <= 64 * 1024 for d, _ in parts)
+    decoded = [codec.decode(d) for d, _ in parts]
+    assert [b.seq for b in decoded] == list(range(10, 10 + len(parts)))
+    assert [m for b in decoded for m in b.messages] == msgs
+    assert sum(n for _, n in parts) == len(msgs)
+
+
+def test_sealed_messages_verify_only_under_their_key_and_subject():
+    key = b"k" * 32
+    sealed = codec.seal(key, "prefixroute.routing.a", b"payload")
+    assert codec.open_sealed(key, "prefixroute.routing.a", sealed) == b"payload"
+    assert codec.open_sealed(b"x" * 32, "prefixroute.routing.a", sealed) is None  # another key
+    assert codec.open_sealed(key, "prefixroute.routing.b", sealed) is None  # replayed on another subject
+    assert codec.open_sealed(key, "prefixroute.routing.a", b"payload") is None  # unsigned
+    assert codec.open_sealed(None, "s", b"payload") == b"payload"  # no key: unsigned bus
+
+
+def test_a_response_claim_counts_only_for_its_picks_endpoint_and_never_overwrites():
+    a, b = replica(), replica()
+    wire = Wire(("a", 1))
+    a.peers = wire
+    pick = a.route(*POST, {}, chat(SYSTEMS[0], DOCS[0]))
+    wire.deliver(b)
+    ep, other = pick.endpoint_ids[0], next(e for e in b.pool.endpoints if e != pick.endpoint_ids[0])
+    forged = [codec.Response(pick.peer_seq_any, response_key("resp_a"), other),  # not where the pick went
+              codec.Response(999, response_key("resp_b"), ep)]  # no such pick of a's
+    b.apply_peer_batch(("a", 1), forged, b.clock())
+    assert b.responses.endpoint_of("resp_a") is None and b.responses.endpoint_of("resp_b") is None
+    assert b.num_ignored_peer_messages == 2
+    b.responses.learn("resp_c", other)  # b saw resp_c itself
+    b.apply_peer_batch(("a", 1), [codec.Response(pick.peer_seq_any, response_key("resp_c"), ep)], b.clock())
+    assert b.responses.endpoint_of("resp_c") == other  # a peer's claim never overwrites a local one
+    a.release(pick)
+    a.learn_response(pick, "resp_d")  # learned at the response's end, after the release: still counts
+    wire.deliver(b)
+    assert b.responses.endpoint_of("resp_d") == ep
+
+
+def test_a_peer_counts_in_flight_only_up_to_a_replicas_load():
+    b = replica()
+    b.max_in_flight_per_peer = 10
+    ep = b.pool.endpoints[0]
+    flood = [codec.Pick(i, ep, [1, 2, 3], 4000.0) for i in range(1000)]
+    b.apply_peer_batch(("x", 1), flood, b.clock())
+    assert b.pool.in_flight == {ep: 10} and b.num_ignored_peer_messages == 990
+    b.apply_peer_batch(("x", 1), [codec.Pick(2000, ep, [], -5.0), codec.Failover(5000, ep, [])], b.clock())
+    assert b.num_ignored_peer_messages == 992  # pending out of range; a failover of no pick in flight
+    b.apply_peer_batch(("x", 1), [codec.Observed(ep, 10.0, 20.0, 0.1, 0.0)], b.clock())  # cached > prompt
+    assert b.num_ignored_peer_messages == 993

@@ -122,7 +122,7 @@ def test_nesting_deeper_than_the_serialiser_is_400_not_a_crash():
     body = b'{"messages": [{"role": "user", "content": "x"}], "tools": ' + b"[" * 400 + b"]" * 400 + b"}"
     with pytest.raises(OpenAIError) as info:
         parse(body)
-    assert (info.value.status, info.value.param) == (400, "tools")
+    assert info.value.status == 400 and info.value.param.startswith("tools")  # vLLM: a tool must be an object
 
 
 # --- canonicalisation ------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from prefixroute.openai_errors import OpenAIError
-from prefixroute.extproc.routing.request import MAX_ECHO_CHARS, clip, parse_request
+from prefixroute.extproc.routing.request import MAX_ECHO_CHARS, MAX_MODEL_CHARS, clip, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.types import EndpointId, EndpointState
@@ -157,9 +157,11 @@ def test_clip_keeps_short_values_and_marks_long_ones():
 def _all_echo_paths():
     """Every error that quotes a client value, each given a 1 MB value."""
     huge = "m" * 1_000_000
+    longest = "m" * MAX_MODEL_CHARS  # the longest model name accepted (a longer one is a 400 of its own)
     st_known = [EndpointState(EndpointId("127.0.0.1:1"), models=frozenset({"other"}))]
-    st_down = [EndpointState(EndpointId("127.0.0.1:1"), models=frozenset({huge}), healthy=False)]
-    req = parse(orjson.dumps({"model": huge, "messages": MSGS}))
+    st_down = [EndpointState(EndpointId("127.0.0.1:1"), models=frozenset({longest}), healthy=False)]
+    req = parse(orjson.dumps({"model": longest, "messages": MSGS}))
+    yield "400 model too long", lambda: parse(orjson.dumps({"model": huge, "messages": MSGS}))
     yield "404 model", lambda: RouterCore(S).route(req, st_known, {})
     yield "503 model", lambda: RouterCore(S).route(req, st_down, {})
     yield "405 method+path", lambda: parse(b"", "/v1/completions", method="X" * 1_000_000)

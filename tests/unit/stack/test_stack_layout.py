@@ -16,7 +16,7 @@ from prefixroute.procs import PortBusy, check_ports_free
 from prefixroute.stack.cli import StackSettings, resolve_layout
 
 # The documented defaults (README "Ports"); a change here is a change users see.
-UP_DEFAULTS = {"gateway": 8080, "Envoy admin": 9901, "ext_proc": 9002, "ext_proc metrics": 9464,
+UP_DEFAULTS = {"gateway": 8080, "ext_proc": 9002, "ext_proc metrics": 9464,
                "telemetry receiver": 4317, "telemetry HTTP API": 4320, "dashboard": 8501,
                "model-server-0": 8001, "model-server-3": 8004, "model-server-0 KV events": 5557}
 
@@ -33,6 +33,9 @@ def _listeners(st: StackSettings, gw: GatewaySettings, tmp_path: Path) -> dict[s
 def test_up_listens_on_fixed_documented_ports_by_default(tmp_path: Path) -> None:
     found = _listeners(StackSettings(), GatewaySettings(extproc_replicas=1), tmp_path)
     assert {k: found[k] for k in UP_DEFAULTS} == UP_DEFAULTS
+    assert "Envoy admin" not in found  # off by default (issue 27); on loopback when asked, at its fixed port
+    assert _listeners(StackSettings(), GatewaySettings(extproc_replicas=1, envoy_admin="loopback"),
+                      tmp_path)["Envoy admin"] == 9901
     lay = resolve_layout(StackSettings(), GatewaySettings(), simulated=True)
     assert lay.server_ports == (8001, 8002, 8003, 8004) and lay.event_ports == (5557, 5559, 5561, 5563)
 

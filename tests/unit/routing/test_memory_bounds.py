@@ -1,0 +1,158 @@
+"""Issue 27: what a client can make the router keep is bounded. Every client value a table keeps is bounded at
+parse time; each table's cost per entry is at most the figure routing/memory.py sizes it with (measured here
+with tracemalloc, worst case: keys at their length limit); the policy's tables no longer keep requests; the
+tokenizer caches stay within their bytes. The end-to-end check (ext_proc RSS under a flood of 7 MiB
+prompt_cache_keys): tests/integration/reliability/test_hardening_findings.py."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import orjson
+import pytest
+
+from helpers.peers import POST, replica
+from prefixroute.extproc.responses import ResponseDirectory
+from prefixroute.extproc.routing import memory
+from prefixroute.extproc.routing.request import MAX_KEY_CHARS, bounded_key, parse_request
+from prefixroute.extproc.routing.scheduling.policies import PrefixPolicy
+from prefixroute.extproc.routing.sessions import SESSION_ENTRY_BYTES, SessionTable
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.tokens import PromptHasher, SimTokenizer
+from prefixroute.extproc.routing.types import EndpointId, EndpointState
+
+S = RoutingSettings()
+MIB = 1024 * 1024
+
+
+def _grown(fill) -> int:  # noqa: ANN001
+    """Bytes `fill()` left allocated (tracemalloc), after a collection."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        keep = fill()
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    del keep
+    return after - before
+
+
+def test_client_values_kept_are_bounded_whatever_their_size():
+    big = "k" * (3 * MIB)
+    body = orjson.dumps({"model": "m", "prompt_cache_key": big, "user": big,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    req = parse_request(*POST, {"x-prefixroute-tenant": big, "x-session-id": big, "x-request-id": big}, body, S)
+    assert len(req.tenant) <= 2 * MAX_KEY_CHARS + 1
+    assert len(req.session_key) == MAX_KEY_CHARS and len(req.request_id) == MAX_KEY_CHARS
+    # Still one key per value: two long keys sharing their first 7 MiB less one character differ.
+    assert bounded_key(big) != bounded_key(big[:-1] + "x") and bounded_key("short") == "short"
+
+
+def test_session_entries_cost_at_most_what_the_budget_assumes():
+    n = 5000
+    table = SessionTable(max_sessions=n, ttl_s=60.0)
+    eps = [EndpointId(f"10.0.0.{i}:8000") for i in range(4)]
+
+    def fill():
+        for i in range(n):
+            table.record("t" * MAX_KEY_CHARS + str(i), "s" * MAX_KEY_CHARS, eps[i % 4], [i, i + 1, 2**63 + i], 1.0)
+        return table
+
+    per = _grown(fill) / n
+    assert per <= SESSION_ENTRY_BYTES, per
+    assert len(table) == n
+
+
+def test_response_directory_entries_cost_at_most_what_the_budget_assumes():
+    n = 5000
+    d = ResponseDirectory(max_ids=n, ttl_s=60.0)
+    d.sync([EndpointState(EndpointId(f"10.0.0.{i}:8000")) for i in range(4)])
+
+    def fill():
+        for i in range(n):
+            rid = f"resp_{i:0250d}"
+            d.learn(rid, EndpointId(f"10.0.0.{i % 4}:8000"))
+            d.set_prompt_tokens(rid, 100_000 + i)
+        return d
+
+    per = _grown(fill) / n
+    assert per <= memory.RESPONSE_ID_ENTRY_BYTES, per
+
+
+def test_peer_picks_cost_at_most_what_the_budget_assumes():
+    import random
+
+    n, blocks = 300, 1024
+    policy = PrefixPolicy(S, random.Random(1), track_prefill=True)
+    rng = random.Random(2)
+
+    def fill():
+        for i in range(n):
+            hashes = [rng.getrandbits(64) for _ in range(blocks)]
+            policy.apply_peer_pick(("r", 1, i), EndpointId(f"10.0.0.{i % 4}:8000"), 1000.0, hashes, 1.0, 100.0)
+        return policy
+
+    per = _grown(fill) / n
+    assert per <= memory.peer_pick_bytes(blocks), per
+
+
+def test_released_requests_are_not_kept_by_the_policy():
+    """A request the router has released keeps ~nothing in the policy's tables (its late reports still count):
+    300 released requests with 1 MiB tenants and session keys cost ~1 KB each (sessions included), where
+    keeping the request kept its tenant: 300 MiB and more (issue 27: 2.19 GB from 300 x 7 MiB)."""
+    r = replica()
+    key = "k" * MIB
+
+    def fill():
+        for i in range(300):
+            body = orjson.dumps({"model": "m", "prompt_cache_key": f"{key}{i}", "messages": [
+                {"role": "user", "content": f"{i:04d} " + "x" * 120}]})
+            pick = r.route(*POST, {"x-session-id": f"{key}{i}"}, body)
+            r.release(pick)  # no first-token report: the pick waits for one in the released table
+        return r
+
+    grown = _grown(fill)
+    policy = r.core.scheduler.policy
+    assert len(policy._released) == 300 and len(r.core.sessions) == 300  # waiting picks and sessions...
+    assert grown < 300 * 4096, grown  # ...that cost at most a few KB each, not 1 MiB
+
+
+def test_tokenizer_caches_stay_within_their_bytes():
+    hasher = PromptHasher(SimTokenizer(), block_size=16, max_blocks=1024, cache_entries=100_000, cache_bytes=2 * MIB)
+
+    def fill():
+        for i in range(60):
+            body = {"messages": [{"role": "system", "content": f"doc {i} " + "word " * 40_000},
+                                 *({"role": "user", "content": f"q{i} {j}"} for j in range(200))]}
+            hasher.chat_blocks(body)
+        return hasher
+
+    grown = _grown(fill)
+    assert hasher._pieces.num_bytes + hasher._states.num_bytes <= 2 * MIB
+    assert grown < 2.2 * MIB, grown  # what the accounting says is what is held (evicted states are freed)
+
+
+def test_cached_and_uncached_token_blocks_agree_when_the_cache_is_tiny():
+    """Key-linked states whose ancestors were evicted are misses, never wrong hashes."""
+    tok = SimTokenizer()
+    small = PromptHasher(tok, block_size=16, max_blocks=1024, cache_entries=7, cache_bytes=None)
+    body = {"messages": [{"role": "user", "content": f"turn {j} " * 30} for j in range(40)]}
+    first = small.chat_blocks(body)
+    again = small.chat_blocks(body)
+    fresh = PromptHasher(tok, block_size=16, max_blocks=1024).chat_blocks(body)
+    assert first == again == fresh
+
+
+@pytest.mark.parametrize("budget_mb", [64, 512, 4096])
+def test_tables_are_sized_from_the_budget(budget_mb):
+    p = memory.plan(RoutingSettings(memory_budget_mb=budget_mb, tokenizer="sim"))
+    tables = (p.max_sessions * SESSION_ENTRY_BYTES + p.max_response_ids * memory.RESPONSE_ID_ENTRY_BYTES
+              + p.tokenizer_cache_bytes + p.max_peer_picks * memory.peer_pick_bytes(p.max_blocks_per_request)
+              + p.max_peer_in_flight * memory.PEER_IN_FLIGHT_ENTRY_BYTES)
+    assert 0.7 * p.budget_bytes <= tables <= p.budget_bytes  # a quarter is headroom for requests in flight
+    explicit = memory.plan(RoutingSettings(memory_budget_mb=budget_mb, max_sessions=10, max_response_ids=20))
+    assert (explicit.max_sessions, explicit.max_response_ids) == (10, 20)

@@ -1,0 +1,200 @@
+"""Issue 27: parse budgets (a clear 400 naming the limit past them), validation as vLLM 0.33's protocol models,
+and bodies parsed off the event loop (extproc/parse_offload.py) give exactly what the loop would.
+
+The vLLM cases were checked against the vllm==0.33.0 wheel: its ChatCompletionRequest validators
+(entrypoints/openai/chat_completion/protocol.py: check_tool_usage, validate_response_format) and its message
+types (renderers/chat_utils/types.py, validated with pydantic: content may be absent, but null only for an
+assistant or function message); the messages quoted are vLLM's own where it writes one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+
+from prefixroute.extproc.parse_offload import ParseOffload
+from prefixroute.extproc.routing.request import parse_request
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.openai_errors import OpenAIError
+
+CHAT, COMP, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+S = RoutingSettings(max_messages=50, max_content_parts=40, max_input_chars=10_000)
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+def _err(body: dict, path: str = CHAT, settings: RoutingSettings = S) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        parse_request("POST", path, {}, orjson.dumps(body), settings)
+    return info.value
+
+
+def _ok(body: dict, path: str = CHAT, settings: RoutingSettings = S):
+    return parse_request("POST", path, {}, orjson.dumps(body), settings)
+
+
+@pytest.mark.parametrize("body, path, param, limit", [
+    ({"messages": [{"role": "user", "content": "a"}] * 51}, CHAT, "messages", "max_messages"),
+    ({"input": [{"role": "user", "content": "a"}] * 51}, RESP, "input", "max_messages"),
+    ({"prompt": ["a"] * 51}, COMP, "prompt", "max_messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 41}]}, CHAT,
+     "messages[0].content", "max_content_parts"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [TOOL] * 41}, CHAT, "tools", "max_content_parts"),
+    ({"messages": [{"role": "user", "content": "a" * 6000}, {"role": "user", "content": "b" * 6000}]}, CHAT,
+     "messages[1].content", "max_input_chars"),
+    ({"prompt": "x" * 10_001}, COMP, "prompt", "max_input_chars"),
+    ({"prompt": [1] * 10_001}, COMP, "prompt", "max_input_chars"),
+])
+def test_budgets_give_a_400_naming_the_limit(body, path, param, limit):
+    err = _err({"model": "m", **body}, path)
+    assert (err.status, err.param) == (400, param)
+    assert limit in err.message
+    assert _ok({"model": "m", "messages": [{"role": "user", "content": "a"}] * 50})  # at the limit: fine
+
+
+def test_a_long_response_id_is_vllms_404_without_a_lookup():
+    err = _err({"model": "m", "input": "hi", "previous_response_id": "resp_" + "x" * 33_000}, RESP)
+    assert err.status == 404 and err.param == "response_id" and len(err.message) < 300
+    with pytest.raises(OpenAIError) as info:
+        parse_request("GET", "/v1/responses/resp_" + "y" * 1000, {}, b"", S)
+    assert info.value.status == 404
+
+
+# (body fields, param of the 400): refused by vLLM 0.33 (module docstring), so refused here too.
+REFUSED = [
+    ({"logit_bias": 5}, "logit_bias"),
+    ({"logit_bias": {"1": "x"}}, "logit_bias"),
+    ({"response_format": 5}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema"),
+    ({"tool_choice": 5, "tools": [TOOL]}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [TOOL]}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {}}, "tools": [TOOL]}, "tool_choice.function.name"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function"),
+    ({"tools": []}, "tools"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}]}, "messages[0].content"),
+]
+ACCEPTED = [
+    {"logit_bias": {"1": 2, "50256": -100.0}},
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    {"response_format": {"type": "structural_tag", "format": {}}},
+    {"tool_choice": "none"},
+    {"tool_choice": "required", "tools": [TOOL]},
+    {"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": [TOOL]},
+    {"messages": [{"role": "user"}]},  # absent content: vLLM's custom message type takes it
+    {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                                                     "tool_calls": [{"id": "1", "type": "function",
+                                                                     "function": {"name": "f", "arguments": "{}"}}]}]},
+]
+
+
+@pytest.mark.parametrize("fields, param", REFUSED)
+def test_refused_as_vllm_refuses(fields, param):
+    err = _err({"model": "m", "messages": [{"role": "user", "content": "x"}], **fields})
+    assert (err.status, err.param) == (400, param), err.message
+
+
+@pytest.mark.parametrize("fields", ACCEPTED)
+def test_accepted_as_vllm_accepts(fields):
+    assert _ok({"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}).kind == "chat"
+
+
+def test_completions_check_logit_bias_and_response_format_too():
+    assert _err({"model": "m", "prompt": "x", "logit_bias": []}, COMP).param == "logit_bias"
+    assert _err({"model": "m", "prompt": "x", "response_format": "json"}, COMP).param == "response_format"
+
+
+# --- off the event loop ---------------------------------------------------------------------------------------
+BIG = RoutingSettings(tokenizer="sim", inline_tokenize_bytes=1024, inline_parse_objects=8)
+
+
+def test_heavy_bodies_are_named_by_size_or_objects():
+    off = ParseOffload(BIG)
+    small = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    many = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 9})
+    large = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]})
+    assert not off.heavy(CHAT, small) and off.heavy(CHAT, many) and off.heavy(CHAT, large)
+    assert not off.heavy("/v1/models", large)  # not parsed at all
+    assert not ParseOffload(RoutingSettings(parse_workers=0)).heavy(CHAT, large)
+    text = ParseOffload(RoutingSettings(inline_parse_objects=8))  # hashing text: a long prompt is cheap
+    assert not text.heavy(CHAT, large) and text.heavy(CHAT, many)
+    assert text.heavy(CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (1 << 20)}]}))
+
+
+def test_a_worker_parses_exactly_as_the_loop_does_and_refuses_the_same():
+    async def run():
+        off = ParseOffload(BIG)
+        off.start()
+        await off.wait_ready()
+        try:
+            body = orjson.dumps({"model": "m", "prompt_cache_key": "k" * 5000, "messages": [
+                {"role": "system", "content": "sys " * 3000}, {"role": "user", "content": "question"}]})
+            headers = {"x-session-id": "s" * 900, "x-request-id": "r1", "authorization": "Bearer secret"}
+            got = await off.parse("POST", CHAT, headers, body, None)
+            want = parse_request("POST", CHAT, headers, body, BIG, None)
+            assert got.block_hashes and got.num_prompt_tokens  # token mode in the worker too
+            assert (got.tenant, got.session_key, got.request_id) == (want.tenant, want.session_key, want.request_id)
+            assert got.key != want.key  # a key of this process, never the worker's
+            flood = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}] * 200_000})
+            t0 = time.monotonic()
+            with pytest.raises(OpenAIError) as info:
+                await off.parse("POST", CHAT, {}, flood, None)
+            assert info.value.status == 400 and "max_messages" in info.value.message
+            assert time.monotonic() - t0 < 5.0
+            assert off.num_parsed == 1
+        finally:
+            off.close()
+
+    asyncio.run(run())
+
+
+def test_a_full_parse_queue_answers_503_at_once():
+    async def run():
+        off = ParseOffload(RoutingSettings(max_parse_queue=1, inline_parse_bytes=10))
+        off.in_queue = 1  # one body already waits
+        with pytest.raises(OpenAIError) as info:
+            await off.parse("POST", CHAT, {}, b'{"messages": []}', None)
+        assert info.value.status == 503 and info.value.retry_after_s == 1 and off.num_refused == 1
+
+    asyncio.run(run())
+
+
+def test_the_router_hands_large_bodies_to_the_worker_and_routes_what_it_parsed():
+    """PoolRouter + ParseOffload as the servicer drives them: a heavy body raises NeedsParse; the parsed request
+    comes back in place of the body (so only it is kept while a lookup runs); a follow-up with an unknown
+    response id then needs its lookup, and routes once the id is known."""
+    from helpers.peers import replica
+    from prefixroute.extproc.responses import NeedsLookup
+    from prefixroute.extproc.service import NeedsParse
+
+    async def run():
+        r = replica(BIG)
+        r.offload = ParseOffload(BIG)
+        r.offload.start()
+        await r.offload.wait_ready()
+        try:
+            body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x " * 3000}]})
+            with pytest.raises(NeedsParse):
+                r.route("POST", CHAT, {}, body)
+            parsed = await r.parse_off_loop("POST", CHAT, {}, body)
+            pick = r.route("POST", CHAT, {}, parsed)
+            assert pick.request is parsed and parsed.block_hashes
+            follow = orjson.dumps({"model": "m", "input": "y " * 3000, "previous_response_id": "resp_abc"})
+            with pytest.raises(NeedsParse):
+                r.route("POST", RESP, {}, follow)
+            parsed = await r.parse_off_loop("POST", RESP, {}, follow)
+            with pytest.raises(NeedsLookup) as info:
+                r.route("POST", RESP, {}, parsed)
+            assert info.value.response_id == "resp_abc"
+            r.responses.learn("resp_abc", pick.endpoint_ids[0])
+            assert r.route("POST", RESP, {}, parsed).endpoint_ids == (pick.endpoint_ids[0],)
+        finally:
+            r.offload.close()
+
+    asyncio.run(run())
