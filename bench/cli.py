@@ -111,7 +111,7 @@ def _main(args: argparse.Namespace) -> int:
 
         for r in s.routers:
             if r.startswith("sim:"):
-                from prefixroute.bench.virtual import SIM_ROUTERS
+                from prefixroute.bench.virtual_run import SIM_ROUTERS
 
                 if not s.virtual or r not in SIM_ROUTERS:
                     raise ValueError(f"router {r!r}: sim: models run only with --virtual; known: "
@@ -127,11 +127,11 @@ def _main(args: argparse.Namespace) -> int:
             raise ValueError("--sweep-load-percents sets Poisson rates: it does not apply to --arrival "
                              f"{s.arrival}")
         if s.virtual or sweep:
-            from prefixroute.bench import virtual
+            from prefixroute.bench import virtual_run
 
             # The model server's own settings parser: an unknown flag is an error here, and so is an
             # unsimulated one on the virtual fleet (a real sweep's servers do run it; its capacity ignores it).
-            spec = virtual.engine_spec(s.profile, s.server_args, allow_unsimulated=not s.virtual)
+            spec = virtual_run.engine_spec(s.profile, s.server_args, allow_unsimulated=not s.virtual)
         if not s.num_requests:
             s = dataclasses.replace(s, num_requests=resolve_num_requests(s.virtual, bool(sweep)))
         wl = build_workload(s)
@@ -141,7 +141,7 @@ def _main(args: argparse.Namespace) -> int:
             _log(f"capacity-pressure: {' '.join(extra_args)} per server (--pressure-kv-ratio {s.pressure_kv_ratio:g} "
                  f"of the shared working set on {s.servers} servers; set --server-args=--num-gpu-blocks=N to choose)")
             if s.virtual or sweep:
-                spec = virtual.engine_spec(s.profile, s.server_args, allow_unsimulated=not s.virtual)
+                spec = virtual_run.engine_spec(s.profile, s.server_args, allow_unsimulated=not s.virtual)
     except (ValueError, OSError) as exc:
         _log(f"prefixroute bench: error: {exc}")
         return 2
@@ -159,7 +159,7 @@ def _main(args: argparse.Namespace) -> int:
     out = Path(s.out)
     command = "prefixroute bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     if s.virtual:
-        doc, ttfts = virtual.run_virtual(wl, bound_ratio, s.routers, num_servers=s.servers, spec=spec,
+        doc, ttfts = virtual_run.run_virtual(wl, bound_ratio, s.routers, num_servers=s.servers, spec=spec,
                                          seed=s.seed, concurrency=s.concurrency, server_args=s.server_args,
                                          log=_log)
     else:

@@ -22,7 +22,7 @@ import orjson
 from prefixroute.extproc.routing.request import parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 
 PROMPT_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024)
 POOL_SIZES = (4, 64, 256)

@@ -24,7 +24,7 @@ import time
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from prefixroute.extproc.routing.types import Decision
+from prefixroute.types import Decision
 from prefixroute.procs import parent_death_preexec
 from prefixroute.telemetry.metrics import RouterMetrics
 from prefixroute.telemetry.recorder import TelemetryRecorder, record_attributes

@@ -42,7 +42,7 @@ from typing import Any
 from prefixroute.bench import client as bench_client
 from prefixroute.bench import results as bench_results
 from prefixroute.bench.workloads import RequestSpec, Workload
-from prefixroute.model_servers.kv_events import config_json
+from prefixroute.model_servers.kv_events_publisher import config_json
 from prefixroute import procs as procs_mod
 from prefixroute.extproc.routing.settings import INDEX_SOURCES, POLICIES
 from prefixroute.procs import LOOPBACK as HOST
@@ -480,7 +480,7 @@ def prior_gateway_args(fleet: FleetConfig) -> tuple[str, ...]:
     wins) or the server flags are not the fleet simulator's."""
     if any(os.environ.get(name) for name in PRIOR_ENV):
         return ()
-    from prefixroute.bench.virtual import engine_spec
+    from prefixroute.bench.virtual_run import engine_spec
 
     try:
         rate, base = engine_spec(fleet.profile, fleet.server_args, allow_unsimulated=True).time_model_prior()

@@ -31,8 +31,8 @@ from collections.abc import Mapping
 
 from prefixroute.extproc.endpoints import Listener
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
-from prefixroute.model_servers.virtual import VirtualFleet
+from prefixroute.types import EndpointId, EndpointState
+from prefixroute.model_servers.virtual_fleet import VirtualFleet
 
 log = logging.getLogger(__name__)
 

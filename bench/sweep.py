@@ -45,7 +45,7 @@ from prefixroute.bench import workloads as wl_mod
 from prefixroute.bench.client import RequestResult
 from prefixroute.bench.workloads import Workload
 from prefixroute.model_servers.profiles import EngineSpec
-from prefixroute.model_servers.virtual import SimRequest
+from prefixroute.model_servers.virtual_fleet import SimRequest
 
 Log = Callable[[str], None]
 
@@ -171,10 +171,10 @@ def oracle_queueing(workload: Workload, sims: Sequence[SimRequest], spec: Engine
                     ) -> tuple[float, float]:
     """(P50, P90) queueing in seconds of ``sim:oracle`` on `workload` at Poisson `rate_rps` (seeded by `seed`);
     `sims` = `build_sim_requests` of the workload (any arrival times: they are replaced)."""
-    from prefixroute.bench import virtual
+    from prefixroute.bench import virtual_run
 
     wl = wl_mod.apply_arrivals(workload, "poisson", rate_rps=rate_rps, seed=seed)
-    res, _, _ = virtual.simulate_policy(wl, "sim:oracle", num_servers=num_servers, spec=spec, seed=seed,
+    res, _, _ = virtual_run.simulate_policy(wl, "sim:oracle", num_servers=num_servers, spec=spec, seed=seed,
                                         sims=retimed(sims, wl), endpoint_ids=endpoint_ids)
     q = sorted(queueing_s(res, spec))
     if not q:
@@ -194,7 +194,7 @@ def find_capacity(workload: Workload, spec: EngineSpec, num_servers: int, *, see
     """The sweep's capacity (module doc, `CAPACITY_DEFINITION`). Deterministic for a given workload, spec,
     server count and seed; memoised in this process. ValueError when no rate in [throughput / 4096,
     throughput x 256] brackets the criterion (a workload the oracle queues on at any rate, or never)."""
-    from prefixroute.bench import virtual
+    from prefixroute.bench import virtual_run
     from prefixroute.bench.upper_bound import upper_bound
 
     key = (_workload_key(workload), _spec_key(spec), num_servers, seed, tuple(endpoint_ids or ()), precision)
@@ -203,7 +203,7 @@ def find_capacity(workload: Workload, spec: EngineSpec, num_servers: int, *, see
         return hit
     t0 = time.perf_counter()
     if sims is None:
-        sims = virtual.build_sim_requests(wl_mod.apply_arrivals(workload, "poisson", rate_rps=1.0, seed=seed), spec)
+        sims = virtual_run.build_sim_requests(wl_mod.apply_arrivals(workload, "poisson", rate_rps=1.0, seed=seed), spec)
     typical = typical_prompt_tokens(sims)
     limit_s = idle_prefill_s(spec, typical)
     throughput = throughput_capacity_rps(workload, upper_bound(workload).hit_ratio, spec, num_servers)
@@ -269,7 +269,7 @@ def default_routers(virtual: bool) -> tuple[str, ...]:
     from prefixroute.extproc.routing.settings import DEFAULT_POLICY
 
     if virtual:
-        from prefixroute.bench.virtual import SIM_ROUTERS
+        from prefixroute.bench.virtual_run import SIM_ROUTERS
 
         sims = sorted(SIM_ROUTERS, key=lambda n: n == "sim:oracle")
         return (*(r for r in DEFAULT_ROUTERS if r.startswith("prefixroute:")), *sims)
@@ -338,12 +338,12 @@ def run_virtual_sweep(workload: Workload, routers: Sequence[str], *, num_servers
     TTFT p50/p90/p99 (ms), hit ratio, max endpoint share over fair, errors, each percentile's gap to
     ``sim:oracle`` when it ran ((router - oracle) / oracle; negative = better than the oracle), and, for
     policies that keep ``predictions``, the time model's error (`prediction_error`)."""
-    from prefixroute.bench import virtual
+    from prefixroute.bench import virtual_run
     from prefixroute.bench.runner import parse_router
     from prefixroute.bench.upper_bound import upper_bound
 
     bound = upper_bound(workload).hit_ratio
-    sims0 = virtual.build_sim_requests(wl_mod.apply_arrivals(workload, "poisson", rate_rps=1.0, seed=seed), spec)
+    sims0 = virtual_run.build_sim_requests(wl_mod.apply_arrivals(workload, "poisson", rate_rps=1.0, seed=seed), spec)
     cap = find_capacity(workload, spec, num_servers, seed=seed, sims=sims0, endpoint_ids=endpoint_ids, log=log)
     log(f"capacity of {workload.name} on {num_servers} x {spec.profile.name}: {cap.rps:.3f} req/s "
         f"({CAPACITY_DEFINITION}; cold prefill of the median prompt of {cap.typical_prompt_tokens} tokens = "
@@ -355,8 +355,8 @@ def run_virtual_sweep(workload: Workload, routers: Sequence[str], *, num_servers
     policies: dict[str, str] = {}
     for name in routers:
         if name.startswith("sim:"):
-            if name not in virtual.SIM_ROUTERS:
-                raise ValueError(f"unknown simulated router {name!r}; choose one of {', '.join(virtual.SIM_ROUTERS)}")
+            if name not in virtual_run.SIM_ROUTERS:
+                raise ValueError(f"unknown simulated router {name!r}; choose one of {', '.join(virtual_run.SIM_ROUTERS)}")
             policies[name] = name
             continue
         r = parse_router(name)
@@ -374,7 +374,7 @@ def run_virtual_sweep(workload: Workload, routers: Sequence[str], *, num_servers
         for name, policy in policies.items():
             t0 = time.perf_counter()
             predictions: list[tuple[str, float, float]] = []
-            res, endpoints, _ = virtual.simulate_policy(wl, policy, num_servers=num_servers, spec=spec, seed=seed,
+            res, endpoints, _ = virtual_run.simulate_policy(wl, policy, num_servers=num_servers, spec=spec, seed=seed,
                                                         sims=sims, endpoint_ids=endpoint_ids,
                                                         predictions=predictions)
             entry = _entry(bench_results.summarize_run(name, res, endpoints))
@@ -420,7 +420,7 @@ def plan_real_sweep(workload: Workload, routers: Sequence[str], rates: Sequence[
     """Per point, per router: the virtual fleet's run of the same requests (``est_s``: its last finish, the
     real run's replay time without the router's own costs; ``ttft_ms``: the virtual figures, None for a router
     the fleet does not model, whose ``est_s`` is then the arrival span plus the model's tail)."""
-    from prefixroute.bench import virtual
+    from prefixroute.bench import virtual_run
 
     plan = []
     for rate in rates:
@@ -433,7 +433,7 @@ def plan_real_sweep(workload: Workload, routers: Sequence[str], rates: Sequence[
             if model is None:
                 row.append({"router": name, "est_s": None, "ttft_ms": None, "hit_ratio": None})
                 continue
-            res, _, _ = virtual.simulate_policy(wl, model, num_servers=num_servers, spec=spec, seed=seed, sims=sm)
+            res, _, _ = virtual_run.simulate_policy(wl, model, num_servers=num_servers, spec=spec, seed=seed, sims=sm)
             finish = max((r.start_s + (r.e2e_ms or 0.0) / 1000.0 for r in res if r.ok), default=span)
             s = bench_results.summarize_run(name, res)
             row.append({"router": name, "model": model, "est_s": round(finish, 2), "ttft_ms": s["ttft_ms"],
@@ -456,14 +456,14 @@ def run_real_sweep(workload: Workload, routers: Sequence[str], fleet: Any, out_d
     skipped and listed in ``skipped``. Each point's full run document and logs go to OUT/points/PCT/. Progress:
     a line per run with the time left, from a virtual-time plan of the runs (`plan_real_sweep`) corrected by the
     runs measured so far. `run_kw` goes to `runner.run_bench` (seed, concurrency, timeouts, progress)."""
-    from prefixroute.bench import virtual
+    from prefixroute.bench import virtual_run
     from prefixroute.bench.runner import distinct_free_ports, host_cpu_times, parse_router, run_bench
     from prefixroute.bench.upper_bound import upper_bound
 
     for name in routers:
         parse_router(name)
     bound = upper_bound(workload).hit_ratio
-    sims0 = virtual.build_sim_requests(wl_mod.apply_arrivals(workload, "poisson", rate_rps=1.0, seed=seed), spec)
+    sims0 = virtual_run.build_sim_requests(wl_mod.apply_arrivals(workload, "poisson", rate_rps=1.0, seed=seed), spec)
     cap = find_capacity(workload, spec, fleet.num_servers, seed=seed, sims=sims0, log=log)
     log(f"capacity of {workload.name} on {fleet.num_servers} x {spec.profile.name} (time scale "
         f"{spec.config.time_scale:g}): {cap.rps:.3f} req/s ({CAPACITY_DEFINITION}; cold prefill of the median "

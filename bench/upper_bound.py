@@ -324,7 +324,7 @@ def fleet_bounds(workload: Workload, num_servers: int, profile: str = "",
     capacity-aware upper bound), belady_leading_hit_ratio, lru_pooled_hit_ratio, and note. When the servers'
     capacity is unknown (flags this fleet's spec cannot parse) the capacity figures are None and note says why.
     """
-    from prefixroute.bench.virtual import engine_spec
+    from prefixroute.bench.virtual_run import engine_spec
 
     note = ""
     try:

@@ -68,7 +68,7 @@ class RequestSpec:
     "function": {...}}``) and `tool_choice`, sent with `messages` on /v1/chat/completions, and `responses`: the
     same turn in Responses API form (``instructions``, this turn's ``input`` items, flat ``tools``,
     ``tool_choice``), sent by `responses_body` on /v1/responses. `messages` is then exactly the chat prompt the
-    server builds for the Responses form (`prefixroute.responses_api.input_messages` over the stored chain), so
+    server builds for the Responses form (`prefixroute.responses_prompt.input_messages` over the stored chain), so
     the chat and Responses forms of a conversation are the same prompts and one upper bound covers both.
     """
 
@@ -407,7 +407,7 @@ def agents(*, num_agents: int = 32, num_turns: int = 6, num_apps: int = 4, instr
     - turn T-1: the last tool output, ``tool_choice: "auto"``: a text answer.
 
     The server skips the previous response's function call when it builds a follow-up's prompt (vLLM,
-    `prefixroute.responses_api.input_messages`), so every turn's full prompt is known in advance and does not
+    `prefixroute.responses_prompt.input_messages`), so every turn's full prompt is known in advance and does not
     depend on the generated text: `messages` holds it (computed by that same function over the chain), and
     each turn's prompt extends the previous turn's. The function call's id is only known at send time: the
     Responses form carries a placeholder the client replaces (`RequestSpec.responses_body`); the chat form's
@@ -417,7 +417,7 @@ def agents(*, num_agents: int = 32, num_turns: int = 6, num_apps: int = 4, instr
     turns are separated by other agents' requests; turn k+1 has after_index = turn k. group_id names the app
     (the shared instructions), session_id the agent.
     """
-    from prefixroute.responses_api import chat_tools, input_messages, parse_body
+    from prefixroute.responses_prompt import chat_tools, input_messages, parse_body
 
     _check_positive(num_agents=num_agents, num_turns=num_turns, num_apps=num_apps,
                     instructions_tokens=instructions_tokens, task_tokens=task_tokens,

@@ -32,7 +32,7 @@ from prefixroute.extproc.kv_events.link import KVEventsLink
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.parse_offload import ParseOffload
-from prefixroute.extproc.responses import ResponsesCollector
+from prefixroute.extproc.response_directory import ResponsesCollector
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.routing.router import RouterCore

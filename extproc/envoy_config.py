@@ -181,7 +181,7 @@ from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
 from prefixroute import settings
-from prefixroute.responses_api import RESPONSES_PATH, RESPONSES_PREFIX
+from prefixroute.responses_prompt import RESPONSES_PATH, RESPONSES_PREFIX
 from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS,  # noqa: F401
                                          OBSERVE_ATTRIBUTES, OBSERVED_METADATA, REPLICA_HEADER, SERVED_HEADER,
                                          fallback_header,

@@ -57,7 +57,7 @@ from prefixroute.extproc import wire
 from prefixroute.extproc.answers import header_option, immediate_response, lookup_changed, with_traceparent
 from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, SERVED_HEADER, SUBSET_KEY,
                                          SUBSET_NAMESPACE)
-from prefixroute.extproc.responses import NeedsLookup
+from prefixroute.extproc.response_directory import NeedsLookup
 from prefixroute.extproc.tracking import UNTRACKED, Tracked
 from prefixroute.openai_errors import OpenAIError
 

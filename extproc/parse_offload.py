@@ -40,7 +40,7 @@ from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.procs import die_with_parent, return_large_blocks
-from prefixroute.responses_api import RESPONSES_PATH
+from prefixroute.responses_prompt import RESPONSES_PATH
 
 log = logging.getLogger("prefixroute.extproc")
 

@@ -32,7 +32,7 @@ Contract with the servicer (`servicer.RouterService`):
   after `first_token`, before or after `release` (two streams, no order between them). The prefix policy
   learns the endpoint's rate from it.
 
-- Responses API state (issue 14; extproc/responses.py): a request with ``response_ref`` (a follow-up's
+- Responses API state (issue 14; extproc/response_directory.py): a request with ``response_ref`` (a follow-up's
   ``previous_response_id``, or the id of ``/v1/responses/{id}...``) is *pinned*: it is routed over a snapshot
   holding only the endpoint the directory names, so the decision lists that endpoint alone (no fallback, no
   silent reroute). That endpoint unhealthy: 503 with Retry-After naming the id (its store may come back with
@@ -79,14 +79,14 @@ from typing import Protocol
 
 from prefixroute.extproc.endpoints import Pool
 from prefixroute.extproc.peers import codec
-from prefixroute.extproc.responses import NeedsLookup, ResponseDirectory, ResponseLookup, response_key
+from prefixroute.extproc.response_directory import NeedsLookup, ResponseDirectory, ResponseLookup, response_key
 from prefixroute.extproc.routing.sessions import session_id
 from prefixroute.extproc.routing.request import InferenceRequest, clip, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.tokens import PromptHasher
-from prefixroute.extproc.routing.types import Decision, EndpointId, EndpointState
+from prefixroute.types import Decision, EndpointId, EndpointState
 from prefixroute.openai_errors import OpenAIError
-from prefixroute import responses_api
+from prefixroute import responses_prompt
 
 
 MAX_PEER_TTFT_S = 3600.0
@@ -410,7 +410,7 @@ class PoolRouter:
         ep = self.responses.endpoint_of(response_id)
         if ep is None:
             if self.responses.is_missing(response_id):
-                raise responses_api.not_found(response_id)
+                raise responses_prompt.not_found(response_id)
             raise NeedsLookup(response_id)
         if snapshot is not self._states_of:
             self._states = {st.endpoint: st for st in snapshot}
@@ -418,7 +418,7 @@ class PoolRouter:
         state = self._states.get(ep)
         if state is None:  # left the pool between the snapshot the directory followed and this one
             self.responses.forget_endpoint(ep)
-            raise responses_api.not_found(response_id)
+            raise responses_prompt.not_found(response_id)
         if not state.healthy or state.address is None:
             raise OpenAIError(503, f"the endpoint holding response '{clip(response_id)}' is unavailable; retry "
                                    "later", retry_after_s=self.core.retry_after_s, param="previous_response_id")

@@ -64,7 +64,7 @@ from prefixroute.extproc.gie import GieResponses, GieStream
 from prefixroute.extproc.headers import (DESTINATION_HEADER, EXT_PROC_ATTRIBUTES_KEY, LB_METADATA_NAMESPACE,
                                          MAX_FALLBACKS, OBSERVE_ATTRIBUTES, REFUSED_HEADER, REPLICA_HEADER,
                                          SERVED_HEADER, fallback_header)
-from prefixroute.extproc.responses import NeedsLookup
+from prefixroute.extproc.response_directory import NeedsLookup
 from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
 

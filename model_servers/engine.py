@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixroute.kv_events import MEDIUM_GPU, BlockStored
+from prefixroute.kv_events_wire import MEDIUM_GPU, BlockStored
 from prefixroute.model_servers.cost_model import CostModel
 from prefixroute.model_servers.kv_cache import KVCache, hash_blocks
 

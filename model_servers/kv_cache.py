@@ -35,7 +35,7 @@ from typing import NewType, Sequence
 import numpy as np
 import xxhash
 
-from prefixroute.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved
+from prefixroute.kv_events_wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved
 
 BlockHash = NewType("BlockHash", int)
 """Engine-side chained hash of one full block of token ids (see module docstring)."""

@@ -269,7 +269,7 @@ def check_responses_fields(data: dict) -> tuple[int | None, str | None]:
     """The sampling and cache fields of a /v1/responses body, validated as vLLM's ``ResponsesRequest`` does
     (types and ranges of chat's sampling fields; ``max_output_tokens`` >= 1 like ``max_tokens``;
     ``top_logprobs`` in [0, MAX_LOGPROBS]; ``cache_salt`` a non-empty string). Returns (max_output_tokens or
-    None, cache_salt or None); the prompt fields are `prefixroute.responses_api.parse_body`'s. ``prompt_cache_key``
+    None, cache_salt or None); the prompt fields are `prefixroute.responses_prompt.parse_body`'s. ``prompt_cache_key``
     is not a salt: upstream vLLM ignores it for caching (a routing hint, see the router), so it is only echoed."""
     _opt_number(data, "temperature", 0.0, 2.0)
     _opt_number(data, "top_p", 0.0, 1.0, lo_open=True)

@@ -7,14 +7,14 @@ one `transport.write` (chunked transfer encoding).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (stream and not), the Responses API (POST
 /v1/responses, stream and not; GET /v1/responses/{id}; POST /v1/responses/{id}/cancel: vLLM's answers, the
-bounded in-process store of responses.py), GET /v1/models, GET /health,
+bounded in-process store of response_store.py), GET /v1/models, GET /health,
 POST /tokenize, GET /metrics, GET /version, POST /reset_prefix_cache (vLLM's: 200 when the prefix cache was
 emptied, 409 while requests hold blocks unless ``?reset_running_requests=true`` preempts them first; the
 gateway's path allowlist keeps it off the public API), SGLang-style probes (GET /server_info, /get_server_info,
 /model_info, /get_model_info, /readiness). GET|POST /admin/faults (runtime fault injection) is served only on
 the separate admin listener (`admin_port`, off by default, loopback): the serving port answers every
 /admin/* path with a 404, so nothing a gateway forwards can change the server's faults.
-With ``--kv-events-config`` the engine publishes vLLM's KV events over ZMQ (kv_events.py); the bound addresses
+With ``--kv-events-config`` the engine publishes vLLM's KV events over ZMQ (kv_events_publisher.py); the bound addresses
 are printed as ``KV_EVENTS <addr>`` (and ``KV_EVENTS_REPLAY <addr>``) before ``READY``.
 Every response carries ``x-prefixroute-server-id``; a request's W3C ``traceparent`` is echoed in
 ``x-prefixroute-traceparent``.
@@ -59,8 +59,8 @@ from urllib.parse import unquote
 import httptools
 import orjson
 
-from prefixroute import identity, responses_api
-from prefixroute.model_servers import kv_events, metrics, protocol, responses, tokenizer
+from prefixroute import identity, responses_prompt
+from prefixroute.model_servers import kv_events_publisher, metrics, protocol, response_store, tokenizer
 from prefixroute.model_servers.engine import EngineRequest
 from prefixroute.model_servers.kv_cache import root_hash
 from prefixroute.model_servers.profiles import DEFAULT_PROFILE, PROFILES, EngineSpec
@@ -156,7 +156,7 @@ class ServerSettings(Settings):
             "is connected to, like vLLM. Empty = no events (vLLM's default).")
 
     def __post_init__(self) -> None:
-        kv_events.parse_config(self.kv_events_config)  # a bad config fails at startup, with its reason
+        kv_events_publisher.parse_config(self.kv_events_config)  # a bad config fails at startup, with its reason
         if self.responses_store_max_entries < 1 or self.responses_store_max_bytes < 1:
             raise ValueError("responses_store_max_entries and responses_store_max_bytes must be >= 1")
 
@@ -196,8 +196,8 @@ class ModelServer:
         # One spec builds the engine and validates requests, here and in the virtual fleet.
         self.spec = spec = EngineSpec.from_settings(s)
         self.profile = spec.profile
-        ev_cfg = kv_events.parse_config(s.kv_events_config)
-        self.kv_publisher = kv_events.ZmqEventPublisher(ev_cfg) if ev_cfg is not None and ev_cfg.enabled else None
+        ev_cfg = kv_events_publisher.parse_config(s.kv_events_config)
+        self.kv_publisher = kv_events_publisher.ZmqEventPublisher(ev_cfg) if ev_cfg is not None and ev_cfg.enabled else None
         self.core = spec.new_engine(self.kv_publisher.publish if self.kv_publisher is not None else None)
         self.engine = AsyncEngine(self.core)
         self.served = spec.served_model_name
@@ -219,7 +219,7 @@ class ModelServer:
         self.admin_port: int | None = None
         self._roots: dict[tuple[str, str | None], int] = {}
         self._ids = itertools.count(1)
-        self.responses = (responses.ResponseStore(s.responses_store_max_entries, s.responses_store_max_bytes)
+        self.responses = (response_store.ResponseStore(s.responses_store_max_entries, s.responses_store_max_bytes)
                           if s.responses_store else None)
         self._created = int(time.time())
         self.port = s.port
@@ -365,17 +365,17 @@ class ModelServer:
             self.create_response(conn, body)
             return
         text = path.decode(errors="replace")
-        rid = responses_api.path_response_id(text)
-        rest = text[len(responses_api.RESPONSES_PREFIX) + len(rid or ""):]
+        rid = responses_prompt.path_response_id(text)
+        rest = text[len(responses_prompt.RESPONSES_PREFIX) + len(rid or ""):]
         if rid is None or rest not in ("", "/cancel"):
             raise OpenAIError(404, f"Not Found: {protocol.clip(text)}")
         if method != (b"GET" if rest == "" else b"POST"):
             raise OpenAIError(405, "Method Not Allowed")
-        if not rid.startswith(responses_api.RESPONSE_ID_PREFIX):
-            raise responses_api.invalid_id(rid)
+        if not rid.startswith(responses_prompt.RESPONSE_ID_PREFIX):
+            raise responses_prompt.invalid_id(rid)
         stored = self.responses.peek(rid) if self.responses is not None else None
         if stored is None:
-            raise responses_api.not_found(rid)
+            raise responses_prompt.not_found(rid)
         if rest == "":
             conn.respond(200, stored.body)
             return
@@ -387,24 +387,24 @@ class ModelServer:
         """POST /v1/responses: validate, build the prompt as vLLM does (`responses_api`), run it like chat."""
         data = protocol.load_json_object(body)
         model = protocol.resolve_model(data, self.served, self.models)
-        rb = responses_api.parse_body(data)
+        rb = responses_prompt.parse_body(data)
         max_output, cache_salt = protocol.check_responses_fields(data)
         if isinstance(rb.input, list):
             for i, item in enumerate(rb.input):
                 itype = item.get("type")
-                if itype is not None and itype not in responses_api.KNOWN_ITEM_TYPES:
+                if itype is not None and itype not in responses_prompt.KNOWN_ITEM_TYPES:
                     raise OpenAIError(400, f"Input item type '{protocol.clip(itype)}' (input[{i}]) is not "
                                            "supported by this server.", param=f"input[{i}].type")
-        function = responses.forced_function(rb.tools, data.get("tool_choice"))
+        function = response_store.forced_function(rb.tools, data.get("tool_choice"))
         prev = None
         if rb.previous_response_id is not None:
             prev = self.responses.get(rb.previous_response_id) if self.responses is not None else None
             if prev is None:
-                raise responses_api.not_found(rb.previous_response_id)
-        messages = responses_api.input_messages(rb, prev.messages if prev is not None else None,
+                raise responses_prompt.not_found(rb.previous_response_id)
+        messages = responses_prompt.input_messages(rb, prev.messages if prev is not None else None,
                                                 prev.response["output"] if prev is not None else None)
         try:
-            text = tokenizer.render_chat(messages, tools=responses_api.chat_tools(rb.tools))
+            text = tokenizer.render_chat(messages, tools=responses_prompt.chat_tools(rb.tools))
         except tokenizer.ChatTemplateError as exc:
             raise OpenAIError(400, f"{exc} (in the messages built from 'input')", param="input") from None
         ids = tokenizer.encode(text)
@@ -418,13 +418,13 @@ class ModelServer:
                                    "or max_output_tokens.", param="input")
         if self.fail_ratio and self.rng.random() < self.fail_ratio:
             raise OpenAIError(500, "Simulated failure (fault injection: --fail-ratio).")
-        rid = responses.new_id("resp")
-        meta = responses.ResponseMeta(
+        rid = response_store.new_id("resp")
+        meta = response_store.ResponseMeta(
             response_id=rid, created_at=int(time.time()), model=model, max_output_tokens=max_output,
             store=rb.store and self.responses is not None, data=data, tools=list(rb.tools),
             instructions=rb.instructions, previous_response_id=rb.previous_response_id, function=function,
-            item_id=responses.new_id("fc" if function is not None else "msg"),
-            call_id=responses.new_id("call", 24))
+            item_id=response_store.new_id("fc" if function is not None else "msg"),
+            call_id=response_store.new_id("call", 24))
         lora = model if model != self.served else None
         req = EngineRequest(rid, ids, max_output, block_size=self.core.block_size,
                             root=self.root_for(model, cache_salt), lora_name=lora,
@@ -436,11 +436,11 @@ class ModelServer:
         else:
             self._submit(req)
 
-    def finish_response(self, meta: responses.ResponseMeta, messages: list, req: EngineRequest,
+    def finish_response(self, meta: response_store.ResponseMeta, messages: list, req: EngineRequest,
                         text: str) -> tuple[dict, bytes]:
         """The completed response object of `req` and its JSON, stored when the request asked to be."""
-        obj = responses.response_object(meta, status="completed", output=responses.output_items(meta, text),
-                                        usage_=responses.usage(req.num_prompt_tokens, req.num_output,
+        obj = response_store.response_object(meta, status="completed", output=response_store.output_items(meta, text),
+                                        usage_=response_store.usage(req.num_prompt_tokens, req.num_output,
                                                                req.num_cached_tokens, self.core.block_size))
         body = orjson.dumps(obj)
         if meta.store and self.responses is not None:
@@ -622,15 +622,15 @@ def _output_text(req: EngineRequest) -> str:
 
 
 class ResponsesStreamSink:
-    """Writes one streamed Responses API response: named SSE events (`responses.StreamEncoder`), one write per
+    """Writes one streamed Responses API response: named SSE events (`response_store.StreamEncoder`), one write per
     token; the opening events at admission (`open`). Backpressure and disconnects as `StreamSink`."""
 
     __slots__ = ("conn", "app", "enc", "meta", "messages", "seed", "opened")
 
-    def __init__(self, app: ModelServer, conn: HttpConnection, meta: responses.ResponseMeta, messages: list,
+    def __init__(self, app: ModelServer, conn: HttpConnection, meta: response_store.ResponseMeta, messages: list,
                  req: EngineRequest) -> None:
         self.app, self.conn, self.meta, self.messages = app, conn, meta, messages
-        self.enc = responses.StreamEncoder(meta)
+        self.enc = response_store.StreamEncoder(meta)
         self.seed = req.num_prompt_tokens * 31
         self.opened = False
 
@@ -668,7 +668,7 @@ class ResponsesFullSink:
 
     __slots__ = ("app", "conn", "meta", "messages")
 
-    def __init__(self, app: ModelServer, conn: HttpConnection, meta: responses.ResponseMeta, messages: list,
+    def __init__(self, app: ModelServer, conn: HttpConnection, meta: response_store.ResponseMeta, messages: list,
                  req: EngineRequest) -> None:
         self.app, self.conn, self.meta, self.messages = app, conn, meta, messages
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Decode time per KV-event batch: this checkout's decoder (`prefixroute.kv_events.BatchDecoder`) against an
-older one (``--baseline-rev``, default ``main``: common/kv_events.py at that git revision, loaded from git),
+"""Decode time per KV-event batch: this checkout's decoder (`prefixroute.kv_events_wire.BatchDecoder`) against an
+older one (``--baseline-rev``, default ``main``: common/kv_events_wire.py at that git revision, loaded from git),
 alternating A/B rounds in one process so drifting machine load hits both alike.
 
 Batches: one engine step of vLLM shape, a `BlockStored` of ``--blocks`` new 16-token blocks plus a
@@ -32,9 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_baseline(rev: str):
-    """common/kv_events.py at `rev` as a module (None when git cannot show it)."""
+    """common/kv_events_wire.py at `rev` as a module (None when git cannot show it)."""
     try:
-        text = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:common/kv_events.py"], check=True,
+        text = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:common/kv_events_wire.py"], check=True,
                               capture_output=True, text=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError):
         return None
@@ -48,7 +48,7 @@ def load_baseline(rev: str):
 
 
 def payloads(blocks: int) -> dict[str, list[bytes]]:
-    from prefixroute.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch
+    from prefixroute.kv_events_wire import BlockRemoved, BlockStored, EventBatch, encode_batch
 
     rng = random.Random(1)
     batches = []
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--baseline-rev", default="main")
     args = ap.parse_args()
-    from prefixroute.kv_events import BatchDecoder
+    from prefixroute.kv_events_wire import BatchDecoder
 
     base = load_baseline(args.baseline_rev)
     data = payloads(args.blocks)

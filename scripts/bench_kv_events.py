@@ -35,7 +35,7 @@ BS = 16
 def publisher_main(args: argparse.Namespace) -> None:
     import zmq
 
-    from prefixroute.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch, seq_to_bytes
+    from prefixroute.kv_events_wire import BlockRemoved, BlockStored, EventBatch, encode_batch, seq_to_bytes
 
     rng = random.Random(1)
     n = args.blocks_per_batch
@@ -107,7 +107,7 @@ def client_main(args: argparse.Namespace) -> None:
 async def router_side(args: argparse.Namespace, rate: float | None, subscribe: bool = True) -> dict:
     from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
     from prefixroute.extproc.routing.hashing import hash_token_blocks, token_seed_for
-    from prefixroute.kv_events import BlockStored, EventBatch
+    from prefixroute.kv_events_wire import BlockStored, EventBatch
     from prefixroute.procs import free_port
 
     index = KVEventIndex(BS)
@@ -195,7 +195,7 @@ def chunk_costs(args: argparse.Namespace) -> dict:
     """In-process, no sockets: decode + apply the publisher's batches, timing each stretch of work between two
     yields of the event loop (the longest a decision can wait behind ingestion), and the cost per block event."""
     from prefixroute.extproc.kv_events import KVEventIndex
-    from prefixroute.kv_events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+    from prefixroute.kv_events_wire import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 
     rng = random.Random(1)
     n, ring = args.blocks_per_batch, 512

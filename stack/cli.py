@@ -51,7 +51,7 @@ from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import PORT_MODES, GatewayProcesses, GatewaySettings, resolve_replicas
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.model_servers.kv_events import config_json
+from prefixroute.model_servers.kv_events_publisher import config_json
 from prefixroute.procs import (PortBusy, ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free, free_port,
                                free_ports, held_listener, http_ok, port_in_use, prefixroute_argv, reset_pending,
                                stop_on_signals)

@@ -65,7 +65,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from prefixroute.extproc.routing.types import Decision
+from prefixroute.types import Decision
 from prefixroute.telemetry.records import RequestRecord
 
 # Decisions take microseconds to a millisecond; requests' TTFT milliseconds to tens of seconds.

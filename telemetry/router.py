@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
-from prefixroute.extproc.routing.types import Decision
+from prefixroute.types import Decision
 from prefixroute.settings import Settings, setting
 from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
 from prefixroute.telemetry.recorder import (DEFAULT_MAX_EXPORT_BYTES, DEFAULT_RETRY_MAX_BYTES,

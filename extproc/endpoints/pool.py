@@ -58,7 +58,7 @@ from prefixroute.extproc.endpoints import Listener
 from prefixroute.extproc.endpoints.scrape import (ScrapedMetrics, event_addresses, parse_adapters, parse_endpoint_list, parse_metrics, parse_models,
                                                   read_endpoints_file, restart_reason)
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 
 log = logging.getLogger(__name__)
 

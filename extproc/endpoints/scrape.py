@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 import orjson
 
-from prefixroute.extproc.routing.types import EndpointId
+from prefixroute.types import EndpointId
 
 RUNNING_NAMES = (b"vllm:num_requests_running", b"sglang:num_running_reqs")
 WAITING_NAMES = (b"vllm:num_requests_waiting", b"sglang:num_queue_reqs")

@@ -1,6 +1,6 @@
 """The precise prefix index: which token blocks each endpoint really holds, built from its KV events.
 
-vLLM publishes every block its prefix cache stores and evicts (`prefixroute.kv_events`). The index keys those
+vLLM publishes every block its prefix cache stores and evicts (`prefixroute.kv_events_wire`). The index keys those
 blocks by the router's *own* chained hash of their token ids (`hashing.hash_token_blocks`, seeded by
 `token_seed_for(lora_name, cache_salt)`), so a request tokenized and hashed by the router looks its blocks up
 directly; vLLM's own hashes are seeded from ``os.urandom`` and published truncated, so they are only used to
@@ -76,8 +76,8 @@ import xxhash
 
 from prefixroute.extproc.routing.prefix_index import drop_holder
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_bytes, token_seed_for
-from prefixroute.extproc.routing.types import BlockHash, EndpointId
-from prefixroute.kv_events import (GPU_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
+from prefixroute.types import BlockHash, EndpointId
+from prefixroute.kv_events_wire import (GPU_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
                                    KVEventsDecodeError, block_hash_int)
 
 _xxh3 = xxhash.xxh3_64_intdigest

@@ -2,7 +2,7 @@
 
 One `EndpointSubscriber` per endpoint: a SUB socket on the endpoint's PUB address (topic-prefix filter) and,
 when the endpoint has one, a DEALER on its replay (ROUTER) address, speaking the ``ZmqEventPublisher`` protocol
-of vLLM and SGLang (`prefixroute.kv_events`; every release's wire form decodes, detected per batch).
+of vLLM and SGLang (`prefixroute.kv_events_wire`; every release's wire form decodes, detected per batch).
 `KVEventsManager` starts and stops them as the pool's endpoints change.
 
 States (`SubscriberStats.state`; the KV-events link routes by events only for ``live`` endpoints, every other
@@ -72,8 +72,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from prefixroute.extproc.kv_events.index import KVEventIndex
-from prefixroute.extproc.routing.types import EndpointId
-from prefixroute.kv_events import (END_SEQ, GPU_MEDIA, BatchDecoder, BlockRemoved, BlockStored, EventBatch,
+from prefixroute.types import EndpointId
+from prefixroute.kv_events_wire import (END_SEQ, GPU_MEDIA, BatchDecoder, BlockRemoved, BlockStored, EventBatch,
                                    KVEventsDecodeError, seq_from_bytes, seq_to_bytes)
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class SubscriberStats:
     connected: bool = False  # the SUB socket's TCP connection is up (socket monitor)
     state: str = "syncing"  # STATES (module docstring)
     state_detail: str = ""  # why, for a state other than live/syncing (the decoder's message, ...)
-    form: str | None = None  # the wire form of the last batch decoded (prefixroute.kv_events.FORMS)
+    form: str | None = None  # the wire form of the last batch decoded (prefixroute.kv_events_wire.FORMS)
     last_seq: int | None = None  # sequence number of the last batch applied
     num_batches: int = 0  # batches applied (live and replayed)
     num_events: int = 0  # events in them

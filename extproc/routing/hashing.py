@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from prefixroute.extproc.routing.types import BlockHash
+from prefixroute.types import BlockHash
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _TOKEN_SEED_DOMAIN = b"prefixroute/tokens/v1"

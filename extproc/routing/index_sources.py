@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from prefixroute.extproc.routing.prefix_index import PrefixIndex
-from prefixroute.extproc.routing.types import BlockHash, EndpointId
+from prefixroute.types import BlockHash, EndpointId
 
 EVENTS = "events"
 FEEDBACK = "feedback"

@@ -7,7 +7,7 @@ fixed cost per entry and a number of entries; `plan` divides the budget between 
 | share | table | worst cost per entry |
 | --- | --- | --- |
 | 1/8 | chat sessions (`sessions.SessionTable`) | `sessions.SESSION_ENTRY_BYTES` (keys are 16-byte digests) |
-| 1/8 | Responses directory (`extproc/responses.py`) | `RESPONSE_ID_ENTRY_BYTES` (ids are 16-byte digests) |
+| 1/8 | Responses directory (`extproc/response_directory.py`) | `RESPONSE_ID_ENTRY_BYTES` (ids are 16-byte digests) |
 | 1/4 | tokenizer caches (token mode: `tokens.PromptHasher`, counted in bytes) | the cached token ids and hash-chain states |
 | 1/4 | other replicas' pending picks and requests in flight (extproc/peers) | `peer_pick_bytes(blocks)` / `PEER_IN_FLIGHT_ENTRY_BYTES` |
 | 1/4 | headroom: requests in flight (held while they run, ~`IN_FLIGHT_REQUEST_BYTES` each), allocator slack | |

@@ -34,7 +34,7 @@ from collections.abc import Container, Iterable, Sequence
 from itertools import repeat, starmap
 from operator import itemgetter
 
-from prefixroute.extproc.routing.types import BlockHash, EndpointId
+from prefixroute.types import BlockHash, EndpointId
 
 _is_head = itemgetter(1)  # (block hash, is_head) -> is_head
 

@@ -75,17 +75,17 @@ from typing import Any
 import orjson
 import xxhash
 
-from prefixroute import responses_api
+from prefixroute import responses_prompt
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.hashing import hash_blocks, seed_for
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher
-from prefixroute.extproc.routing.types import BlockHash, RequestKind
+from prefixroute.types import BlockHash, RequestKind
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
 KNOWN_PATHS: dict[str, RequestKind] = {CHAT_PATH: "chat", COMPLETION_PATH: "completion",
-                                       responses_api.RESPONSES_PATH: "responses"}
+                                       responses_prompt.RESPONSES_PATH: "responses"}
 REQUEST_ID_HEADER = "x-request-id"
 MAX_KEY_CHARS = 256
 """Longest client-supplied identifier the router keeps as written: the tenant (header value and
@@ -592,7 +592,7 @@ def parse_request(method: str, path: str, headers: Mapping[str, str], body: byte
         request_id = bounded_key(request_id)
     kind = KNOWN_PATHS.get(path)
     if kind is None:
-        ref = responses_api.path_response_id(path)
+        ref = responses_prompt.path_response_id(path)
         if ref is not None:
             _check_response_id(ref)
         return InferenceRequest(kind="other", path=path, request_id=request_id, response_ref=ref)
@@ -689,23 +689,23 @@ def _session_key(settings: RoutingSettings, headers: Mapping[str, str], data: di
 def _check_response_id(response_id: str) -> None:
     """vLLM's 400 for an id without its prefix; its 404 for one longer than `MAX_RESPONSE_ID_CHARS` (no server
     issues such ids, so no lookup is spent on it and the id is never stored)."""
-    if not response_id.startswith(responses_api.RESPONSE_ID_PREFIX):
-        raise responses_api.invalid_id(response_id)
+    if not response_id.startswith(responses_prompt.RESPONSE_ID_PREFIX):
+        raise responses_prompt.invalid_id(response_id)
     if len(response_id) > MAX_RESPONSE_ID_CHARS:
-        raise responses_api.not_found(response_id)
+        raise responses_prompt.not_found(response_id)
 
 
 def _responses_chat_body(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """A validated Responses body as the chat body whose rendering is its prompt's visible head, and its
-    ``previous_response_id``. First turn: the whole prompt (`responses_api.input_messages`: instructions, then
+    ``previous_response_id``. First turn: the whole prompt (`responses_prompt.input_messages`: instructions, then
     the input), so it hashes exactly like its chat equivalent. Follow-up: the prompt is instructions, then the
     stored chain of the previous response (on its endpoint only), then the input; only the tools and the
     instructions precede the unseen chain, so only they are rendered (blocks that would need the chain are
     never invented)."""
-    body = responses_api.parse_body(data)
-    tools = responses_api.chat_tools(body.tools)
+    body = responses_prompt.parse_body(data)
+    tools = responses_prompt.chat_tools(body.tools)
     if body.previous_response_id is None:
-        messages = responses_api.input_messages(body)
+        messages = responses_prompt.input_messages(body)
         return {"messages": messages, "tools": tools}, None
     head = [{"role": "system", "content": body.instructions}] if body.instructions else []
     return {"messages": head, "tools": tools}, body.previous_response_id

@@ -18,7 +18,7 @@ from prefixroute.extproc.routing.scheduling import filters, pickers
 from prefixroute.extproc.routing.scheduling.scheduler import Scheduler
 from prefixroute.extproc.routing.sessions import SessionTable
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import BlockHash, Decision, EndpointId, EndpointState
+from prefixroute.types import BlockHash, Decision, EndpointId, EndpointState
 
 DEFAULT_RETRY_AFTER_S = 1
 """Retry-After for 503: health probes run about every second, so a retry after 1 s sees fresh state."""

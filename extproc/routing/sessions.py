@@ -28,7 +28,7 @@ import collections
 import hashlib
 from collections.abc import Sequence
 
-from prefixroute.extproc.routing.types import BlockHash, EndpointId
+from prefixroute.types import BlockHash, EndpointId
 
 SessionId = bytes
 """`session_id(tenant, key)`: the table's key."""

@@ -42,7 +42,7 @@ import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 from typing import NewType
 
-from prefixroute.extproc.routing.types import BlockHash, EndpointId
+from prefixroute.types import BlockHash, EndpointId
 
 Seconds = NewType("Seconds", float)
 Tokens = NewType("Tokens", float)

@@ -67,7 +67,7 @@ import numpy as np
 import xxhash
 
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_bytes, token_seed_for
-from prefixroute.extproc.routing.types import BlockHash
+from prefixroute.types import BlockHash
 
 _EMPTY = np.zeros(0, dtype=np.uint32)
 _xxh3 = xxhash.xxh3_64_intdigest

@@ -224,7 +224,7 @@ KV_BLOCKS_USED, KV_BLOCKS = 500, 70_000  # "0.7 %", not "0 %"
 def start_router_metrics(stack: ExitStack, endpoints: list[str]) -> str:
     """The router's real Prometheus /metrics (RouterMetrics over endpoint states, as its pool reports them), for
     the table's live columns; returns its URL."""
-    from prefixroute.extproc.routing.types import EndpointId, EndpointState
+    from prefixroute.types import EndpointId, EndpointState
     from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
 
     states = tuple(EndpointState(EndpointId(ep), healthy=True, kv_cache_usage_ratio=KV_BLOCKS_USED / KV_BLOCKS * (i + 1),

@@ -1,6 +1,6 @@
 """A small KV-event publisher for tests: ZMQ PUB + ROUTER replay, the protocol of vLLM's ZmqEventPublisher.
 
-Contract (what the router's subscriber relies on, `prefixroute.kv_events`):
+Contract (what the router's subscriber relies on, `prefixroute.kv_events_wire`):
 - PUB (an XPUB here, identical on the wire, so a test can wait until a subscriber is there) sends multipart
   ``(topic, seq, payload)``: ``seq`` 8-byte big-endian from `start_seq` (0, like a fresh vLLM process).
 - ROUTER replay socket: a request ``[identity, b"", start_seq]`` gets every buffered batch with
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from prefixroute.kv_events import END_SEQ, EventBatch, encode_batch, seq_from_bytes, seq_to_bytes
+from prefixroute.kv_events_wire import END_SEQ, EventBatch, encode_batch, seq_from_bytes, seq_to_bytes
 from prefixroute.procs import free_ports
 
 

@@ -9,7 +9,7 @@ import orjson
 
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 from prefixroute.extproc.service import PoolRouter
 
 ENDPOINTS = tuple(EndpointId(f"10.0.0.{i}:8000") for i in range(1, 5))

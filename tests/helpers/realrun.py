@@ -25,7 +25,7 @@ from pathlib import Path
 from prefixroute.extproc.routing.request import CHAT_PATH, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
 from helpers.procs import free_port, prefixroute_cmd, start_process, stop_group

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from prefixroute.extproc.routing.scheduling.pickers import RendezvousTable, endpoint_seed
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 
 
 def serves_model(state: EndpointState, model: str | None) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import xxhash
 
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _encoded: dict[str, bytes] = {}

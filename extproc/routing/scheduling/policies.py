@@ -31,7 +31,7 @@ from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters, pickers
 from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
 from prefixroute.extproc.routing.timemodel import TimeModel
-from prefixroute.extproc.routing.types import BlockHash, Decision, DecisionReason, EndpointId, EndpointState
+from prefixroute.types import BlockHash, Decision, DecisionReason, EndpointId, EndpointState
 
 
 @dataclasses.dataclass(slots=True)

@@ -11,7 +11,7 @@ from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters
 from prefixroute.extproc.routing.scheduling.policies import Policy, PolicyInput, make_policy
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import Decision, EndpointId, EndpointState
+from prefixroute.types import Decision, EndpointId, EndpointState
 
 
 class Scheduler:

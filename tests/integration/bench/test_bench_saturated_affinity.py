@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixroute.bench import runner, sweep, upper_bound, virtual, workloads
+from prefixroute.bench import runner, sweep, upper_bound, virtual_run, workloads
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def test_a_saturated_run_keeps_affinity_through_the_gateway(tmp_path):
                                   "poisson", rate_rps=RATE_RPS, seed=3)
     bound = upper_bound.upper_bound(wl).hit_ratio
     # Past the oracle's capacity (which is below the prefill throughput figure): saturated by construction.
-    throughput = sweep.throughput_capacity_rps(wl, bound, virtual.engine_spec(PROFILE, SERVER_ARGS), 2)
+    throughput = sweep.throughput_capacity_rps(wl, bound, virtual_run.engine_spec(PROFILE, SERVER_ARGS), 2)
     assert RATE_RPS >= 0.9 * throughput
     fleet = runner.FleetConfig(2, PROFILE, SERVER_ARGS, startup_timeout_s=30)
     doc, _ = runner.run_bench(wl, bound, ["prefixroute:prefix", "prefixroute:random"], fleet, tmp_path,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixroute.bench import runner, upper_bound, virtual, workloads
+from prefixroute.bench import runner, upper_bound, virtual_run, workloads
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ def test_virtual_and_real_runs_agree_on_hit_ratio(tmp_path, monkeypatch):
                                max_connections=64, request_timeout_s=30, max_duration_s=40, progress=False)
     # The real run's endpoint ids: same names, same rendezvous placement, so endpoint shares compare too.
     endpoint_ids = list(real["runs"][0]["endpoint_share"])
-    sim, _ = virtual.run_virtual(wl, bound, ROUTERS, num_servers=2, spec=virtual.engine_spec(PROFILE, SERVER_ARGS),
+    sim, _ = virtual_run.run_virtual(wl, bound, ROUTERS, num_servers=2, spec=virtual_run.engine_spec(PROFILE, SERVER_ARGS),
                                  seed=0, endpoint_ids=endpoint_ids, log=lambda _m: None)
     real_runs = {r["router"]: r for r in real["runs"]}
     sim_runs = {r["router"]: r for r in sim["runs"]}

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from prefixroute.extproc.endpoints.pool import EndpointPool
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ from prefixroute.bench.runner import free_port_pairs
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.model_servers.kv_events import config_json
+from prefixroute.model_servers.kv_events_publisher import config_json
 from prefixroute.procs import ProcessGroup, free_port, http_ok, prefixroute_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

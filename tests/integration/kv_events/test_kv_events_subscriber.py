@@ -12,7 +12,7 @@ import xxhash
 from helpers.kv_publisher import KVPublisher
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_seed_for
-from prefixroute.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixroute.kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 pytestmark = pytest.mark.integration
 

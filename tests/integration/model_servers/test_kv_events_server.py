@@ -15,7 +15,7 @@ import zmq
 from helpers import free_ports
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixroute.kv_events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch,
+from prefixroute.kv_events_wire import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch,
                                    seq_from_bytes, seq_to_bytes)
 
 pytestmark = pytest.mark.integration

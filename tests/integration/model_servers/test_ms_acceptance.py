@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixroute.model_servers import tokenizer
 from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.server import ServerSettings
-from prefixroute.model_servers.virtual import SimRequest, VirtualFleet
+from prefixroute.model_servers.virtual_fleet import SimRequest, VirtualFleet
 
 pytestmark = pytest.mark.integration
 

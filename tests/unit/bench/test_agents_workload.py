@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from prefixroute import responses_api
+from prefixroute import responses_prompt
 from prefixroute.bench import client, report, results, runner, upper_bound, workloads as w
 from prefixroute.model_servers.tokenizer import render_chat
 
@@ -68,7 +68,7 @@ def test_turn_kinds_tool_choice_and_items():
         last = r.turn == SMALL["num_turns"] - 1
         assert form["tool_choice"] == r.tool_choice == ("auto" if last else "required")
         # The chat form's tools are the Responses tools in chat shape (what the template renders).
-        assert list(r.tools) == responses_api.chat_tools(form["tools"])
+        assert list(r.tools) == responses_prompt.chat_tools(form["tools"])
         assert 2 <= len(form["tools"]) <= 3
 
 
@@ -78,9 +78,9 @@ def test_messages_are_what_the_server_builds_from_the_chain():
     wl = w.agents(**SMALL)
     stored: dict[str, list] = {}
     for r in wl.requests:
-        body = responses_api.parse_body(r.responses_body("m", "resp_prev" if r.turn else None, "call_x"))
+        body = responses_prompt.parse_body(r.responses_body("m", "resp_prev" if r.turn else None, "call_x"))
         prev_out = [{"type": "function_call", "call_id": "call_x", "name": "f", "arguments": "{}"}] if r.turn else None
-        msgs = responses_api.input_messages(body, stored.get(r.session_id), prev_out)
+        msgs = responses_prompt.input_messages(body, stored.get(r.session_id), prev_out)
         stored[r.session_id] = msgs
         for mine, server in zip(r.messages, msgs, strict=True):
             assert mine["role"] == server["role"] and mine["content"] == server["content"]
@@ -107,7 +107,7 @@ def test_responses_body_resolves_previous_id_and_call_id_without_changing_the_sp
     assert b["stream"] is True and b["store"] is True and b["max_output_tokens"] == 8
     assert b["tool_choice"] == "required" and b["model"] == "model-x"
     assert r.responses["input"][0]["call_id"] != "call_real"  # the workload is not mutated
-    responses_api.parse_body(b)  # a valid Responses body
+    responses_prompt.parse_body(b)  # a valid Responses body
     first = r.responses_body("m")
     assert "previous_response_id" not in first
     with pytest.raises(ValueError):

@@ -17,7 +17,7 @@ from prefixroute.extproc.service import PoolRouter
 from prefixroute.model_servers import metrics
 from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.server import ServerSettings
-from prefixroute.model_servers.virtual import SimRequest, VirtualFleet
+from prefixroute.model_servers.virtual_fleet import SimRequest, VirtualFleet
 
 SPEC = EngineSpec.from_settings(ServerSettings(lora_modules=("sql",)))
 

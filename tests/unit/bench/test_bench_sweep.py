@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from prefixroute.bench import cli, sweep, upper_bound, virtual, workloads
+from prefixroute.bench import cli, sweep, upper_bound, virtual_run, workloads
 from prefixroute.extproc.routing.settings import POLICIES
-from prefixroute.model_servers.virtual import SimRequest, VirtualFleet
+from prefixroute.model_servers.virtual_fleet import SimRequest, VirtualFleet
 
 PROFILE = "llama-3.1-70b-h200-tp4"
 
@@ -31,7 +31,7 @@ def _predicting_policies() -> list[str]:
     out = []
     for p in POLICIES:
         preds: list = []
-        virtual.simulate_policy(wl, p, num_servers=2, predictions=preds)
+        virtual_run.simulate_policy(wl, p, num_servers=2, predictions=preds)
         if preds:
             out.append(p)
     return out
@@ -39,7 +39,7 @@ def _predicting_policies() -> list[str]:
 
 def test_throughput_figure_is_fleet_prefill_over_uncached_tokens_per_request():
     wl = _wl()
-    spec = virtual.engine_spec()
+    spec = virtual_run.engine_spec()
     ub = upper_bound.upper_bound(wl)
     per_server = sweep.prefill_capacity_tokens_per_s(spec)
     assert 5_000 < per_server < 200_000
@@ -52,11 +52,11 @@ def test_throughput_figure_is_fleet_prefill_over_uncached_tokens_per_request():
 def test_idle_prefill_is_what_a_lone_request_takes_on_the_fleet():
     # The queueing definition subtracts idle_prefill_s: on an idle server a request's TTFT is exactly it, cold
     # (several chunks) and on top of a cached prefix (the second request of a group, after the first ended).
-    spec = virtual.engine_spec(PROFILE)
+    spec = virtual_run.engine_spec(PROFILE)
     wl = workloads.shared_prompts(num_requests=2, num_groups=1, prefix_tokens=9000, question_tokens=300,
                                   output_tokens=2, seed=3)
     wl = workloads.apply_arrivals(wl, "poisson", rate_rps=1.0, seed=0)
-    sims = virtual.build_sim_requests(wl, spec)
+    sims = virtual_run.build_sim_requests(wl, spec)
     assert len(sims[0].prompt_ids) > spec.config.max_num_batched_tokens  # chunked
     sims[1].arrival_s = 100.0  # long after the first finished: an idle server with its prefix cached
     results = VirtualFleet(spec, 1).run(sims, lambda _r, _f: 0)
@@ -70,9 +70,9 @@ def test_idle_prefill_is_what_a_lone_request_takes_on_the_fleet():
 
 def test_capacity_search_brackets_the_criterion_and_is_deterministic():
     wl = _wl(num_requests=120)
-    spec = virtual.engine_spec(PROFILE)
+    spec = virtual_run.engine_spec(PROFILE)
     cap = sweep.find_capacity(wl, spec, 3, seed=4)
-    sims = virtual.build_sim_requests(workloads.apply_arrivals(wl, "poisson", rate_rps=1.0), spec)
+    sims = virtual_run.build_sim_requests(workloads.apply_arrivals(wl, "poisson", rate_rps=1.0), spec)
     assert cap.typical_prompt_tokens == sweep.typical_prompt_tokens(sims)
     assert cap.cold_prefill_s == pytest.approx(sweep.idle_prefill_s(spec, cap.typical_prompt_tokens))
     p50, _ = sweep.oracle_queueing(wl, sims, spec, 3, cap.rps, seed=4)
@@ -90,16 +90,16 @@ def test_capacity_search_brackets_the_criterion_and_is_deterministic():
 def test_slower_gpus_lower_the_capacity_in_proportion():
     # --server-args=--time-scale=2 (as a real sweep passes it) doubles every step: the same search, rates halved.
     wl = _wl(num_requests=80)
-    fast = sweep.find_capacity(wl, virtual.engine_spec(PROFILE), 2)
-    slow_spec = virtual.engine_spec(PROFILE, ["--time-scale=2"])
+    fast = sweep.find_capacity(wl, virtual_run.engine_spec(PROFILE), 2)
+    slow_spec = virtual_run.engine_spec(PROFILE, ["--time-scale=2"])
     assert slow_spec.config.time_scale == 2.0
     slow = sweep.find_capacity(wl, slow_spec, 2)
     assert slow.rps == pytest.approx(fast.rps / 2, rel=1e-6)
     assert slow.cold_prefill_s == pytest.approx(2 * fast.cold_prefill_s)
     # A real sweep's capacity tolerates failure injection the virtual fleet does not simulate.
     with pytest.raises(ValueError, match="not simulated"):
-        virtual.engine_spec(PROFILE, ["--fail-ratio=0.1"])
-    assert virtual.engine_spec(PROFILE, ["--fail-ratio=0.1"], allow_unsimulated=True).config.time_scale == 1.0
+        virtual_run.engine_spec(PROFILE, ["--fail-ratio=0.1"])
+    assert virtual_run.engine_spec(PROFILE, ["--fail-ratio=0.1"], allow_unsimulated=True).config.time_scale == 1.0
 
 
 def test_prediction_error_counts_requests_after_the_warmup_per_endpoint():
@@ -118,7 +118,7 @@ def test_virtual_fleet_tags_each_prediction_with_the_primary_endpoint():
     assert policies, "no policy keeps predictions (the time model's record)"
     wl = workloads.apply_arrivals(_wl(num_requests=60), "poisson", rate_rps=40.0, seed=2)
     preds: list[tuple[str, float, float]] = []
-    res, endpoints, _ = virtual.simulate_policy(wl, policies[0], num_servers=3, predictions=preds)
+    res, endpoints, _ = virtual_run.simulate_policy(wl, policies[0], num_servers=3, predictions=preds)
     ok = [r for r in res if r.ok]
     assert len(ok) == 60 and len(preds) == 60  # one first token per request
     assert sorted(a for _, _, a in preds) == pytest.approx(sorted(r.ttft_ms / 1000 for r in ok))
@@ -127,7 +127,7 @@ def test_virtual_fleet_tags_each_prediction_with_the_primary_endpoint():
         assert sorted(a for e, _, a in preds if e == ep) == pytest.approx(
             sorted(r.ttft_ms / 1000 for r in ok if r.endpoint == ep))
     none: list = []
-    virtual.simulate_policy(wl, "random", num_servers=3, predictions=none)
+    virtual_run.simulate_policy(wl, "random", num_servers=3, predictions=none)
     assert none == []
 
 
@@ -136,7 +136,7 @@ def test_virtual_sweep_document_report_and_plots(tmp_path):
     routers = ("prefixroute:random", f"prefixroute:{predicting}", "sim:sglang-cache-aware", "sim:oracle",
                "sglang-router")
     wl = _wl()
-    spec = virtual.engine_spec(PROFILE)
+    spec = virtual_run.engine_spec(PROFILE)
     doc = sweep.run_virtual_sweep(wl, routers, num_servers=4, spec=spec, load_percents=(50, 150), log=_quiet)
     cap = sweep.find_capacity(wl, spec, 4)
     assert doc["kind"] == "sweep" and doc["virtual"] is True
@@ -234,15 +234,15 @@ def test_cli_sweep_defaults(tmp_path, monkeypatch):
 
 def test_oracle_runs_by_name_in_run_virtual():
     wl = workloads.apply_arrivals(_wl(num_requests=30), "poisson", rate_rps=20.0, seed=2)
-    doc, _ = virtual.run_virtual(wl, None, ["sim:oracle", "prefixroute:random"], num_servers=2, log=_quiet)
+    doc, _ = virtual_run.run_virtual(wl, None, ["sim:oracle", "prefixroute:random"], num_servers=2, log=_quiet)
     assert [r["router"] for r in doc["runs"]] == ["sim:oracle", "prefixroute:random"]
     assert all(r["errors"] == 0 for r in doc["runs"])
 
 
 def test_retimed_keeps_tokens_and_takes_the_new_arrivals():
     wl = _wl(num_requests=10)
-    spec = virtual.engine_spec()
-    sims = virtual.build_sim_requests(workloads.apply_arrivals(wl, "poisson", rate_rps=1.0), spec)
+    spec = virtual_run.engine_spec()
+    sims = virtual_run.build_sim_requests(workloads.apply_arrivals(wl, "poisson", rate_rps=1.0), spec)
     later = workloads.apply_arrivals(wl, "poisson", rate_rps=4.0)
     out = sweep.retimed(sims, later)
     at = {str(r.index): r.arrival_s for r in later.requests}

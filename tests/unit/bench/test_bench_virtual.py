@@ -12,8 +12,8 @@ import jsonschema
 import orjson
 import pytest
 
-from prefixroute.bench import results, upper_bound, virtual, workloads
-from prefixroute.model_servers.virtual import SimRequest
+from prefixroute.bench import results, upper_bound, virtual_run, workloads
+from prefixroute.model_servers.virtual_fleet import SimRequest
 
 
 def _wl(num_requests=60, rate=20.0, **kw):
@@ -25,7 +25,7 @@ def _wl(num_requests=60, rate=20.0, **kw):
 def test_one_server_reaches_exactly_the_upper_bound():
     # One server with a huge cache sees every request: its hits are the infinite-cache bound, token for token.
     wl = _wl()
-    res, endpoints, _ = virtual.simulate_policy(wl, "random", num_servers=1)
+    res, endpoints, _ = virtual_run.simulate_policy(wl, "random", num_servers=1)
     bound = upper_bound.upper_bound(wl)
     assert len(endpoints) == 1 and all(r.ok for r in res)
     assert sum(r.prompt_tokens for r in res) == bound.prompt_tokens
@@ -35,7 +35,7 @@ def test_one_server_reaches_exactly_the_upper_bound():
 def test_same_document_shape_peers_skipped_and_prefix_beats_random():
     wl = _wl(num_requests=120, num_groups=8)
     bound = upper_bound.upper_bound(wl).hit_ratio
-    doc, ttfts = virtual.run_virtual(wl, bound, ["prefixroute:random", "prefixroute:prefix", "sglang-router"],
+    doc, ttfts = virtual_run.run_virtual(wl, bound, ["prefixroute:random", "prefixroute:prefix", "sglang-router"],
                                      num_servers=4, log=lambda _m: None)
     assert results.validate_document(json.loads(json.dumps(doc))) == []
     jsonschema.Draft202012Validator(results.schema()).validate(json.loads(json.dumps(doc)))
@@ -51,8 +51,8 @@ def test_same_document_shape_peers_skipped_and_prefix_beats_random():
 
 def test_same_seed_same_results_and_policies_share_prepared_requests():
     wl = _wl(num_requests=40)
-    a, _, _ = virtual.simulate_policy(wl, "random", num_servers=3, seed=5)
-    b, _, _ = virtual.simulate_policy(wl, "random", num_servers=3, seed=5)
+    a, _, _ = virtual_run.simulate_policy(wl, "random", num_servers=3, seed=5)
+    b, _, _ = virtual_run.simulate_policy(wl, "random", num_servers=3, seed=5)
     assert [(r.endpoint, r.ttft_ms, r.cached_tokens) for r in a] == [(r.endpoint, r.ttft_ms, r.cached_tokens)
                                                                      for r in b]
 
@@ -71,7 +71,7 @@ def _max_overlap(res) -> int:
 @pytest.mark.parametrize("concurrency", [1, 3])
 def test_closed_loop_keeps_the_concurrency(concurrency):
     wl = workloads.apply_arrivals(_wl(num_requests=12), "closed")
-    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=2, concurrency=concurrency)
+    res, _, _ = virtual_run.simulate_policy(wl, "prefix", num_servers=2, concurrency=concurrency)
     assert len(res) == 12 and all(r.ok for r in res)
     assert _max_overlap(res) == concurrency
     # each client sends its next request the moment the previous one finishes: no idle gap in the run
@@ -86,7 +86,7 @@ def test_a_turn_is_sent_only_after_the_previous_turn_finished(arrival):
     wl = workloads.multi_turn(num_sessions=2, num_turns=4, system_tokens=64, user_tokens=32, output_tokens=64,
                               seed=2)
     wl = workloads.apply_arrivals(wl, arrival, rate_rps=50.0, seed=2)
-    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=2, concurrency=8)
+    res, _, _ = virtual_run.simulate_policy(wl, "prefix", num_servers=2, concurrency=8)
     by_index = {r.index: r for r in res}
     assert all(r.ok for r in res)
     deps = [(spec, by_index[spec.after_index]) for spec in wl.requests if spec.after_index is not None]
@@ -105,8 +105,8 @@ def test_prompt_longer_than_the_context_window_is_the_servers_400_not_a_crash():
     recs = [workloads.TraceRecord(0, 600, 4, (1, 2)), workloads.TraceRecord(10, 600, 4, (1, 3)),
             workloads.TraceRecord(20, 100, 4, (1,))]
     wl = workloads.trace_workload(recs)
-    spec = virtual.engine_spec(server_args=("--num-gpu-blocks", "36"))
-    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=2, spec=spec)
+    spec = virtual_run.engine_spec(server_args=("--num-gpu-blocks", "36"))
+    res, _, _ = virtual_run.simulate_policy(wl, "prefix", num_servers=2, spec=spec)
     # 36 blocks x 16 tokens = 576-token window: a 600-token prompt does not fit; the server says so (routed first).
     assert [r.status for r in res] == [400, 400, 200]
     assert "maximum context length is 576 tokens" in res[0].error and res[0].endpoint is not None
@@ -119,13 +119,13 @@ def test_prompt_longer_than_the_context_window_is_the_servers_400_not_a_crash():
     (("--seed", "3", "--port", "9"), {}),  # no effect on a simulated engine
 ])
 def test_server_args_are_parsed_by_the_model_servers_parser(args, expected):
-    changed = dataclasses.asdict(virtual.engine_spec("llama-3.1-8b-h200", args).config)
-    default = dataclasses.asdict(virtual.engine_spec("llama-3.1-8b-h200").config)
+    changed = dataclasses.asdict(virtual_run.engine_spec("llama-3.1-8b-h200", args).config)
+    default = dataclasses.asdict(virtual_run.engine_spec("llama-3.1-8b-h200").config)
     assert {k: v for k, v in changed.items() if default[k] != v} == expected
 
 
 def test_server_args_set_the_window_models_and_default_max_tokens():
-    spec = virtual.engine_spec("", ("--max-model-len=4096", "--lora-modules=sql,chat", "--served-model-name=m",
+    spec = virtual_run.engine_spec("", ("--max-model-len=4096", "--lora-modules=sql,chat", "--served-model-name=m",
                                     "--default-max-tokens=5", "--profile=llama-3.1-70b-h200-tp4"))
     assert (spec.max_model_len, spec.models, spec.profile.name) == (4096, {"m", "sql", "chat"},
                                                                      "llama-3.1-70b-h200-tp4")
@@ -143,7 +143,7 @@ def test_server_args_set_the_window_models_and_default_max_tokens():
 ])
 def test_unknown_or_unsimulated_server_args_are_clear_errors(args, message):
     with pytest.raises(ValueError, match=message):
-        virtual.engine_spec("", args)
+        virtual_run.engine_spec("", args)
 
 
 def test_cli_rejects_unsimulated_server_args_with_exit_2(tmp_path):
@@ -170,8 +170,8 @@ def test_cli_virtual_trace_writes_outputs(tmp_path):
 
 
 # --- our model of sglang-router's cache_aware policy --------------------------------------------------------------
-def _sglang(sent: dict[int, list[str]]) -> virtual.SglangCacheAwareModel:
-    m = virtual.SglangCacheAwareModel(["a:1", "b:1", "c:1"], block_chars=4)
+def _sglang(sent: dict[int, list[str]]) -> virtual_run.SglangCacheAwareModel:
+    m = virtual_run.SglangCacheAwareModel(["a:1", "b:1", "c:1"], block_chars=4)
     for i, texts in sent.items():
         for t in texts:
             m.trees[m.endpoint_ids[i]].update(_hashes(t))
@@ -201,15 +201,15 @@ def test_sglang_model_follows_its_three_rules(sent, text, in_flight, expected):
 
 def test_sglang_model_runs_by_name_in_a_virtual_bench():
     wl = _wl(num_requests=40)
-    doc, _ = virtual.run_virtual(wl, upper_bound.upper_bound(wl).hit_ratio,
+    doc, _ = virtual_run.run_virtual(wl, upper_bound.upper_bound(wl).hit_ratio,
                                  ["prefixroute:prefix", "sim:sglang-cache-aware"], num_servers=2, log=lambda _m: None)
     assert [r["router"] for r in doc["runs"]] == ["prefixroute:prefix", "sim:sglang-cache-aware"]
     assert all(r["requests"] == 40 and r["errors"] == 0 and r["hit_ratio"] > 0 for r in doc["runs"])
     with pytest.raises(ValueError, match="unknown simulated router"):
-        virtual.run_virtual(wl, None, ["sim:nope"], num_servers=2, log=lambda _m: None)
+        virtual_run.run_virtual(wl, None, ["sim:nope"], num_servers=2, log=lambda _m: None)
 
 
-class _RecordingRouter(virtual.PoolRouter):
+class _RecordingRouter(virtual_run.PoolRouter):
     """The live PoolRouter, recording what it was asked and what its pool counted at each pick."""
 
     made: list[_RecordingRouter] = []
@@ -230,7 +230,7 @@ class _RecordingRouter(virtual.PoolRouter):
 @pytest.fixture
 def recording(monkeypatch):
     _RecordingRouter.made = []
-    monkeypatch.setattr(virtual, "PoolRouter", _RecordingRouter)
+    monkeypatch.setattr(virtual_run, "PoolRouter", _RecordingRouter)
     return _RecordingRouter.made
 
 
@@ -239,7 +239,7 @@ def test_every_pick_is_counted_in_flight_and_released_when_it_finishes(recording
     # In-flight is the router's own count: picked at arrival, released at each finish as the gateway does at
     # response end; the prefix policy's outstanding prefill is positive while requests run, nothing at the end.
     wl = workloads.apply_arrivals(_wl(num_requests=30), arrival, rate_rps=20.0, seed=1)
-    res, _, _ = virtual.simulate_policy(wl, "prefix", num_servers=2, concurrency=4)
+    res, _, _ = virtual_run.simulate_policy(wl, "prefix", num_servers=2, concurrency=4)
     (router,) = recording
     assert all(r.ok for r in res) and len(router.calls) == 30
     assert max(router.in_flight_at_pick) == (4 if arrival == "closed" else _max_overlap(res))
@@ -250,8 +250,8 @@ def test_every_pick_is_counted_in_flight_and_released_when_it_finishes(recording
 
 def test_the_router_parses_the_bytes_and_headers_a_live_client_sends(recording):
     wl = _wl(num_requests=3)
-    spec = virtual.engine_spec()
-    virtual.simulate_policy(wl, "prefix", num_servers=2, spec=spec)
+    spec = virtual_run.engine_spec()
+    virtual_run.simulate_policy(wl, "prefix", num_servers=2, spec=spec)
     (router,) = recording
     for (method, path, headers, body, request), req in zip(router.calls, wl.requests):
         assert (method, path, headers) == ("POST", req.path, {"content-type": "application/json"})
@@ -266,13 +266,13 @@ def test_tenant_header_reaches_the_router_and_keeps_tenants_apart(recording):
     wl = workloads.apply_arrivals(workloads.shared_prompts(num_requests=40, num_groups=1, prefix_tokens=512,
                                                            question_tokens=16, output_tokens=4, seed=3),
                                   "poisson", rate_rps=5.0, seed=3)
-    spec = virtual.engine_spec()
+    spec = virtual_run.engine_spec()
     sims = [SimRequest.from_body(s.request_id, s.arrival_s, s.path, s.body, spec,
                                  {**s.headers, "x-prefixroute-tenant": f"t{int(s.request_id) % 2}"})
-            for s in virtual.build_sim_requests(wl, spec)]
+            for s in virtual_run.build_sim_requests(wl, spec)]
     # Text blocks (index source approximate): the tenant salts them. (Token blocks mirror the servers' caches,
     # which tenants share unless they send cache_salt: tests/unit/routing/test_routing_tokens.py.)
-    virtual.simulate_policy(wl, "prefix", num_servers=4, spec=spec, sims=sims, index_source="approximate")
+    virtual_run.simulate_policy(wl, "prefix", num_servers=4, spec=spec, sims=sims, index_source="approximate")
     (router,) = recording
     requests = [c[4] for c in router.calls]
     assert {r.tenant for r in requests} == {"t0", "t1"}
@@ -287,7 +287,7 @@ def test_our_router_starts_from_the_simulated_fleets_own_speed(monkeypatch):
 
     for name in ("PREFIXROUTE_TTFT_PRIOR_TOKENS_PER_S", "PREFIXROUTE_TTFT_PRIOR_BASE_S"):
         monkeypatch.delenv(name, raising=False)
-    spec = virtual.engine_spec("llama-3.1-70b-h200-tp4")
+    spec = virtual_run.engine_spec("llama-3.1-70b-h200-tp4")
     rate, base = spec.time_model_prior()
     # one full chunk of the profile's cost model: ~0.64 s for 8,192 tokens on the 70B TP4 profile
     assert 11_000 < rate < 15_000 and 0.005 < base < 0.05

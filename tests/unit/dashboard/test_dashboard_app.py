@@ -281,7 +281,7 @@ def test_forged_rows_naming_a_canary_make_the_dashboard_fetch_nothing(tmp_path, 
 
 
 def test_live_columns_come_from_the_router_metrics(tmp_path, monkeypatch):
-    from prefixroute.extproc.routing.types import EndpointState
+    from prefixroute.types import EndpointState
     from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
 
     states = tuple(EndpointState(ep, healthy=True, kv_cache_usage_ratio=0.25 * (i + 1), num_requests_running=i,

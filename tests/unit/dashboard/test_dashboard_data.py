@@ -208,7 +208,7 @@ def test_parse_router_metrics_from_the_router_own_metrics():
     RouterMetrics; other families (e.g. the router's decisions, labelled by endpoint too) are ignored."""
     from prometheus_client import generate_latest
 
-    from prefixroute.extproc.routing.types import Decision, EndpointState
+    from prefixroute.types import Decision, EndpointState
     from prefixroute.telemetry.metrics import RouterMetrics
 
     states = (EndpointState("10.0.0.1:8000", healthy=True, num_requests_running=3, num_requests_waiting=1,

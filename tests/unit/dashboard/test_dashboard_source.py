@@ -128,7 +128,7 @@ def serve(body: bytes):
 def test_endpoint_live_reads_only_the_configured_router_metrics():
     from prometheus_client import generate_latest
 
-    from prefixroute.extproc.routing.types import EndpointState
+    from prefixroute.types import EndpointState
     from prefixroute.telemetry.metrics import RouterMetrics
 
     m = RouterMetrics(endpoint_states=lambda: (EndpointState("10.0.0.1:8000", kv_cache_usage_ratio=0.7,

@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from prefixroute.extproc.endpoints import scrape
-from prefixroute.model_servers import responses
+from prefixroute.model_servers import response_store
 from prefixroute.openai_errors import ERROR_TYPES, OpenAIError, error_body
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "engines"
@@ -74,27 +74,27 @@ def test_a_wrong_error_body_fails_the_vllm_schema():
         jsonschema.validate({"object": "error", "message": "m", "type": "BadRequestError", "code": 400}, schema)
 
 
-def _meta(**kw) -> responses.ResponseMeta:
+def _meta(**kw) -> response_store.ResponseMeta:
     base = dict(response_id="resp_" + "0" * 32, created_at=1_764_000_000, model="m", max_output_tokens=16,
                 store=True, data={"model": "m", "input": "hi"}, tools=[], instructions=None,
                 previous_response_id=None, function=None, item_id="msg_" + "1" * 32, call_id="")
     base.update(kw)
-    return responses.ResponseMeta(**base)
+    return response_store.ResponseMeta(**base)
 
 
 def test_simulated_responses_objects_validate_against_vllm_responses_response():
     schema = _surface("vllm-0.33.0")["schemas"]["ResponsesResponse"]
     m = _meta()
-    done = responses.response_object(m, status="completed", output=responses.output_items(m, "hello"),
-                                     usage_=responses.usage(40, 2, 16, 16))
+    done = response_store.response_object(m, status="completed", output=response_store.output_items(m, "hello"),
+                                     usage_=response_store.usage(40, 2, 16, 16))
     jsonschema.validate(done, schema)
     tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {
         "q": {"type": "string"}}, "required": ["q"]}, "strict": False}
     fm = _meta(tools=[tool], function=tool, item_id="fc_" + "2" * 32, call_id="call_" + "3" * 24,
                data={"model": "m", "input": "hi", "tools": [tool], "tool_choice": "required"})
-    jsonschema.validate(responses.response_object(fm, status="completed", output=responses.output_items(fm, "x"),
-                                                  usage_=responses.usage(40, 2, 0)), schema)
-    jsonschema.validate(responses.response_object(m, status="in_progress", output=[], usage_=None), schema)
+    jsonschema.validate(response_store.response_object(fm, status="completed", output=response_store.output_items(fm, "x"),
+                                                  usage_=response_store.usage(40, 2, 0)), schema)
+    jsonschema.validate(response_store.response_object(m, status="in_progress", output=[], usage_=None), schema)
     # What vLLM 0.33 requires is checked: a usage without cache_write_tokens (our old one) does not validate.
     old = dict(done, usage={**done["usage"], "input_tokens_details": {"cached_tokens": 16}})
     with pytest.raises(jsonschema.ValidationError):

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from prefixroute.extproc import wire as pb
 from prefixroute.extproc.gie import MAX_CHUNK_BYTES, body_chunks
 from prefixroute.extproc.headers import DESTINATION_HEADER, SERVED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE
-from prefixroute.extproc.responses import NeedsLookup
+from prefixroute.extproc.response_directory import NeedsLookup
 from prefixroute.extproc.routing.request import InferenceRequest
-from prefixroute.extproc.routing.types import Decision
+from prefixroute.types import Decision
 from prefixroute.extproc.server import ExtprocSettings, start_server
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.openai_errors import OpenAIError

@@ -12,8 +12,8 @@ from prefixroute.extproc.kv_events.link import (DOWN_GRACE_S, TOKEN_MISMATCH_MIN
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_seed_for
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
-from prefixroute.kv_events import BlockStored
+from prefixroute.types import EndpointId, EndpointState
+from prefixroute.kv_events_wire import BlockStored
 
 A, B, C = EndpointId("10.0.0.1:8000"), EndpointId("10.0.0.2:8000"), EndpointId("10.0.0.3:8000")
 

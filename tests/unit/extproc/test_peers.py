@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 from helpers.peers import POST, Clock, Wire, chat, replica
 from prefixroute.extproc.peers import codec
 from prefixroute.extproc.peers.settings import PeerSettings, default_replica_id
-from prefixroute.extproc.responses import response_key
+from prefixroute.extproc.response_directory import response_key
 from prefixroute.extproc.routing.settings import RoutingSettings
 
 u64 = st.integers(min_value=0, max_value=2**64 - 1)

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from prefixroute.extproc.responses import NEGATIVE_TTL_S, NeedsLookup, ResponseDirectory, ResponseLookup
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.extproc.response_directory import NEGATIVE_TTL_S, NeedsLookup, ResponseDirectory, ResponseLookup
+from prefixroute.types import EndpointId, EndpointState
 from prefixroute.openai_errors import OpenAIError
 
 

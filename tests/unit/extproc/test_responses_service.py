@@ -18,10 +18,10 @@ import pytest
 
 from prefixroute.extproc import wire as pb
 from prefixroute.extproc.headers import DESTINATION_HEADER, MAX_FALLBACKS, fallback_header
-from prefixroute.extproc.responses import NeedsLookup, ResponseLookup
+from prefixroute.extproc.response_directory import NeedsLookup, ResponseLookup
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 from prefixroute.extproc.server import ExtprocSettings, start_server
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.openai_errors import OpenAIError

@@ -10,7 +10,7 @@ import pytest
 from prefixroute.extproc import wire
 from prefixroute.extproc.headers import SERVED_HEADER
 from prefixroute.extproc.routing.request import InferenceRequest
-from prefixroute.extproc.routing.types import Decision
+from prefixroute.types import Decision
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.telemetry.usage import StreamUsageTail, usage_from_body
 

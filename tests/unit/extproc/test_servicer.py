@@ -19,7 +19,7 @@ from prefixroute.extproc.server import ExtprocSettings, start_server
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.request import InferenceRequest
-from prefixroute.extproc.routing.types import Decision
+from prefixroute.types import Decision
 from prefixroute.telemetry.tracecontext import parse_traceparent
 from helpers.extproc_calls import exchange as _exchange
 

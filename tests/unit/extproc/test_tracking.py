@@ -10,7 +10,7 @@ from prefixroute.extproc import tracking, wire
 from prefixroute.extproc.headers import OBSERVED_METADATA, SERVED_HEADER
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.routing.request import InferenceRequest
-from prefixroute.extproc.routing.types import Decision
+from prefixroute.types import Decision
 from prefixroute.telemetry.records import RequestRecord, tenant_hash
 from prefixroute.telemetry.tracecontext import parse_traceparent
 

@@ -13,7 +13,7 @@ import pytest
 
 from prefixroute.extproc.kv_events import KVEventIndex
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_seed_for
-from prefixroute.kv_events import END_SEQ, BatchDecoder, BlockRemoved, BlockStored, GPU_MEDIA, seq_from_bytes
+from prefixroute.kv_events_wire import END_SEQ, BatchDecoder, BlockRemoved, BlockStored, GPU_MEDIA, seq_from_bytes
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "kv_events"
 CAPTURES = sorted(DATA.glob("*/capture*.json"))

@@ -1,4 +1,4 @@
-"""`prefixroute.kv_events.BatchDecoder`: every wire form, detected per batch; tolerance of what later releases
+"""`prefixroute.kv_events_wire.BatchDecoder`: every wire form, detected per batch; tolerance of what later releases
 add; never an exception but `KVEventsDecodeError`. (The releases' own bytes: test_golden_payloads.py.)"""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute.kv_events import (AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, EventBatch,
+from prefixroute.kv_events_wire import (AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, EventBatch,
                                    KVEventsDecodeError, block_hash_int, encode_batch)
 
 enc = msgspec.msgpack.encode

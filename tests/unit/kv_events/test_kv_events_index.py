@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from prefixroute.extproc.kv_events.index import KVEventIndex
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_seed_for
-from prefixroute.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from prefixroute.kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 
 BS = 4
 EP, EP2 = "10.0.0.1:8000", "10.0.0.2:8000"

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from prefixroute.kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from prefixroute.model_servers.cost_model import fit
 from prefixroute.model_servers.engine import RUNNING, EngineConfig, EngineCore, EngineRequest
 from prefixroute.model_servers.kv_cache import hash_block, root_hash
-from prefixroute.model_servers.kv_events import materialize
+from prefixroute.model_servers.kv_events_publisher import materialize
 
 COST = fit("llama-3.1-8b")
 BASE = "base-model"

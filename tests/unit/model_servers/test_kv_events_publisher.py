@@ -12,9 +12,9 @@ import pytest
 import zmq
 from helpers import free_ports
 
-from prefixroute.kv_events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch,
+from prefixroute.kv_events_wire import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch,
                                    seq_from_bytes, seq_to_bytes)
-from prefixroute.model_servers.kv_events import KVEventsConfig, ZmqEventPublisher, binds, parse_config
+from prefixroute.model_servers.kv_events_publisher import KVEventsConfig, ZmqEventPublisher, binds, parse_config
 from prefixroute.model_servers.server import ServerSettings
 
 TIMEOUT_MS = 5000

@@ -11,7 +11,7 @@ import pytest
 from prefixroute.model_servers import tokenizer
 from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.server import ModelServer, ServerSettings
-from prefixroute.model_servers.virtual import SimRequest, VirtualFleet
+from prefixroute.model_servers.virtual_fleet import SimRequest, VirtualFleet
 from prefixroute.openai_errors import OpenAIError
 
 SPEC = EngineSpec.from_settings(ServerSettings())

@@ -10,7 +10,7 @@ import typing
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import ValidationError
 
-from prefixroute.model_servers import protocol, responses
+from prefixroute.model_servers import protocol, response_store
 from prefixroute.openai_errors import OpenAIError
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -21,7 +21,7 @@ def resp(i: int, pad: int = 0) -> dict:
 
 
 def test_store_entry_cap_evicts_least_recently_used_first() -> None:
-    s = responses.ResponseStore(max_entries=3, max_bytes=1 << 20)
+    s = response_store.ResponseStore(max_entries=3, max_bytes=1 << 20)
     for i in range(3):
         assert s.put(f"resp_{i}", MSGS, resp(i))
     assert s.get("resp_0") is not None  # a follow-up's read refreshes resp_0: resp_1 is now the oldest
@@ -33,7 +33,7 @@ def test_store_entry_cap_evicts_least_recently_used_first() -> None:
 
 
 def test_store_peek_does_not_refresh() -> None:
-    s = responses.ResponseStore(max_entries=2, max_bytes=1 << 20)
+    s = response_store.ResponseStore(max_entries=2, max_bytes=1 << 20)
     s.put("resp_a", MSGS, resp(0))
     s.put("resp_b", MSGS, resp(1))
     assert s.peek("resp_a") is not None
@@ -43,13 +43,13 @@ def test_store_peek_does_not_refresh() -> None:
 
 def test_store_byte_cap_counts_json_of_messages_and_response() -> None:
     entry = len(orjson.dumps(resp(0, 1000))) + len(orjson.dumps(MSGS))
-    s = responses.ResponseStore(max_entries=100, max_bytes=3 * entry + entry // 2)
+    s = response_store.ResponseStore(max_entries=100, max_bytes=3 * entry + entry // 2)
     for i in range(3):
         s.put(f"resp_{i}", MSGS, resp(i, 1000))
     assert len(s) == 3 and s.num_bytes == 3 * entry
     s.put("resp_3", MSGS, resp(3, 1000))  # over the byte cap by half an entry: the oldest goes
     assert s.ids() == ["resp_1", "resp_2", "resp_3"] and s.num_bytes == 3 * entry and s.num_evictions == 1
-    big = responses.ResponseStore(max_entries=100, max_bytes=10 * entry)
+    big = response_store.ResponseStore(max_entries=100, max_bytes=10 * entry)
     for i in range(3):
         big.put(f"resp_{i}", MSGS, resp(i, 1000))
     big.put("resp_huge", MSGS, resp(9, 11 * entry))  # bigger than the whole cap alone: not stored, nothing evicted
@@ -57,7 +57,7 @@ def test_store_byte_cap_counts_json_of_messages_and_response() -> None:
 
 
 def test_store_replace_keeps_bytes_exact() -> None:
-    s = responses.ResponseStore(max_entries=10, max_bytes=1 << 20)
+    s = response_store.ResponseStore(max_entries=10, max_bytes=1 << 20)
     s.put("resp_a", MSGS, resp(0, 500))
     s.put("resp_a", MSGS, resp(0, 10))
     assert len(s) == 1 and s.num_bytes == len(orjson.dumps(resp(0, 10))) + len(orjson.dumps(MSGS))
@@ -65,7 +65,7 @@ def test_store_replace_keeps_bytes_exact() -> None:
 
 def test_store_rejects_zero_bounds() -> None:
     with pytest.raises(ValueError):
-        responses.ResponseStore(max_entries=0, max_bytes=10)
+        response_store.ResponseStore(max_entries=0, max_bytes=10)
 
 
 TOOLS = ({"type": "web_search"}, {"type": "function", "name": "a", "parameters": {"properties": {"city": {}}}},
@@ -77,30 +77,30 @@ TOOLS = ({"type": "web_search"}, {"type": "function", "name": "a", "parameters":
     ({"type": "web_search"}, None),
 ])
 def test_forced_function(choice, name) -> None:
-    f = responses.forced_function(TOOLS, choice)
+    f = response_store.forced_function(TOOLS, choice)
     assert (f["name"] if f else None) == name
 
 
 @pytest.mark.parametrize("choice", [{"type": "function", "name": "zzz"}, {"type": "function"}, 3, "always"])
 def test_forced_function_refuses(choice) -> None:
     with pytest.raises(OpenAIError) as ei:
-        responses.forced_function(TOOLS, choice)
+        response_store.forced_function(TOOLS, choice)
     assert ei.value.status == 400 and ei.value.param.startswith("tool_choice")
 
 
 def test_required_without_function_tools_answers_text() -> None:
-    assert responses.forced_function(({"type": "web_search"},), "required") is None
+    assert response_store.forced_function(({"type": "web_search"},), "required") is None
 
 
-def meta(function=None, data=None) -> responses.ResponseMeta:
-    return responses.ResponseMeta(
-        response_id=responses.new_id("resp"), created_at=1, model="m", max_output_tokens=3, store=True,
+def meta(function=None, data=None) -> response_store.ResponseMeta:
+    return response_store.ResponseMeta(
+        response_id=response_store.new_id("resp"), created_at=1, model="m", max_output_tokens=3, store=True,
         data=data or {}, tools=list(TOOLS), instructions=None, previous_response_id=None, function=function,
-        item_id=responses.new_id("fc" if function else "msg"), call_id=responses.new_id("call", 24))
+        item_id=response_store.new_id("fc" if function else "msg"), call_id=response_store.new_id("call", 24))
 
 
 def test_ids_have_vllm_shape() -> None:
-    rid = responses.new_id("resp")
+    rid = response_store.new_id("resp")
     assert rid.startswith("resp_") and len(rid) == 37 and int(rid[5:], 16) >= 0
 
 
@@ -126,8 +126,8 @@ def strict(model, value):
 
 def test_response_object_parses_as_sdk_response() -> None:
     m = meta(data={"temperature": 0.5, "metadata": {"k": "v"}, "user": "u"})
-    obj = responses.response_object(m, status="completed", output=responses.output_items(m, " a b"),
-                                     usage_=responses.usage(10, 2, 8))
+    obj = response_store.response_object(m, status="completed", output=response_store.output_items(m, " a b"),
+                                     usage_=response_store.usage(10, 2, 8))
     strict(Response, orjson.loads(orjson.dumps(obj)))
     r = Response.construct(**orjson.loads(orjson.dumps(obj)))  # how the SDK's client parses a body
     assert r.output_text == " a b" and r.usage.input_tokens_details.cached_tokens == 8
@@ -147,13 +147,13 @@ def events(raw: bytes) -> list[dict]:
     return out
 
 
-def stream(m: responses.ResponseMeta, words: list[bytes]) -> list[dict]:
-    enc = responses.StreamEncoder(m)
+def stream(m: response_store.ResponseMeta, words: list[bytes]) -> list[dict]:
+    enc = response_store.StreamEncoder(m)
     raw = enc.opening() + enc.first()
     raw += b"".join(enc.token(w, i, i == len(words) - 1) for i, w in enumerate(words))
     text = b"".join(words).decode()
-    final = responses.response_object(m, status="completed", output=responses.output_items(m, text),
-                                      usage_=responses.usage(5, len(words), 0))
+    final = response_store.response_object(m, status="completed", output=response_store.output_items(m, text),
+                                      usage_=response_store.usage(5, len(words), 0))
     return events(raw + enc.closing(text, len(words), final))
 
 

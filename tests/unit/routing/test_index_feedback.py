@@ -10,7 +10,7 @@ import pytest
 from prefixroute.extproc.routing.request import parse_request
 from prefixroute.extproc.routing.router import FEEDBACK_SHRINK_RATIO, RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 
 A, B = EndpointId("10.0.0.1:8000"), EndpointId("10.0.0.2:8000")
 POOL = (EndpointState(A), EndpointState(B))

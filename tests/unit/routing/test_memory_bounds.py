@@ -13,14 +13,14 @@ import orjson
 import pytest
 
 from helpers.peers import POST, replica
-from prefixroute.extproc.responses import ResponseDirectory
+from prefixroute.extproc.response_directory import ResponseDirectory
 from prefixroute.extproc.routing import memory
 from prefixroute.extproc.routing.request import MAX_KEY_CHARS, bounded_key, parse_request
 from prefixroute.extproc.routing.scheduling.policies import PrefixPolicy
 from prefixroute.extproc.routing.sessions import SESSION_ENTRY_BYTES, SessionTable
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher, SimTokenizer
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 
 S = RoutingSettings()
 MIB = 1024 * 1024

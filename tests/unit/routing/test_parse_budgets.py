@@ -170,7 +170,7 @@ def test_the_router_hands_large_bodies_to_the_worker_and_routes_what_it_parsed()
     comes back in place of the body (so only it is kept while a lookup runs); a follow-up with an unknown
     response id then needs its lookup, and routes once the id is known."""
     from helpers.peers import replica
-    from prefixroute.extproc.responses import NeedsLookup
+    from prefixroute.extproc.response_directory import NeedsLookup
     from prefixroute.extproc.service import NeedsParse
 
     async def run():

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from prefixroute import responses_api
+from prefixroute import responses_prompt
 from prefixroute.extproc.routing.request import MAX_SESSION_KEY_CHARS, parse_request
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.openai_errors import OpenAIError
@@ -51,13 +51,13 @@ def _route(b: object, path: str = "/v1/responses", headers: dict | None = None):
 @given(body)
 def test_first_turn_hashes_like_its_chat_equivalent(b: dict) -> None:
     req = _route(b)
-    parsed = responses_api.parse_body(b)
-    messages = responses_api.input_messages(parsed)
+    parsed = responses_prompt.parse_body(b)
+    messages = responses_prompt.input_messages(parsed)
     assert req.kind == "responses" and req.response_ref is None
     if not messages:
         return
     chat = {"messages": messages}
-    tools = responses_api.chat_tools(parsed.tools)
+    tools = responses_prompt.chat_tools(parsed.tools)
     if tools:  # chat refuses an empty tools list (vLLM), a Responses body may send one
         chat["tools"] = tools
     if "model" in b:
@@ -83,11 +83,11 @@ def test_follow_up_hashes_only_tools_and_instructions(b: dict, rid_tail: str) ->
     rid = "resp_" + "".join(c for c in rid_tail if c.isalnum())
     req = _route({**b, "previous_response_id": rid})
     assert req.response_ref == rid
-    parsed = responses_api.parse_body(b)
+    parsed = responses_prompt.parse_body(b)
     head = [{"role": "system", "content": parsed.instructions}] if parsed.instructions else []
     chat_head = {"messages": head or [{"role": "user", "content": ""}]}
     if parsed.tools:  # chat refuses an empty tools list (vLLM)
-        chat_head["tools"] = responses_api.chat_tools(parsed.tools)
+        chat_head["tools"] = responses_prompt.chat_tools(parsed.tools)
     if "model" in b:
         chat_head["model"] = b["model"]
     full_head = _route(chat_head, "/v1/chat/completions").block_hashes

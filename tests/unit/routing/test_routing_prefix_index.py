@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from prefixroute.extproc.routing.prefix_index import PrefixIndex
-from prefixroute.extproc.routing.types import BlockHash, EndpointId
+from prefixroute.types import BlockHash, EndpointId
 
 A, B, C = EndpointId("a:1"), EndpointId("b:1"), EndpointId("c:1")
 

@@ -10,7 +10,7 @@ from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.request import parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 
 import orjson
 

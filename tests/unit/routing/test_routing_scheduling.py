@@ -14,7 +14,7 @@ from prefixroute.extproc.routing.scheduling import policies as policies_mod
 from prefixroute.extproc.routing.scheduling.policies import POLICY_CLASSES, Policy, PolicyInput, prefix_key
 from prefixroute.extproc.routing.scheduling.scheduler import Scheduler
 from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
-from prefixroute.extproc.routing.types import BlockHash, EndpointId, EndpointState
+from prefixroute.types import BlockHash, EndpointId, EndpointState
 
 
 def eps(n: int, **kw) -> list[EndpointState]:

@@ -15,7 +15,7 @@ from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.scheduling.policies import PolicyInput, PrefixPolicy, make_policy
 from prefixroute.extproc.routing.settings import DEFAULT_POLICY, POLICIES, RoutingSettings
 from prefixroute.extproc.routing.timemodel import MAX_RATE_RATIO, RateEstimate, TimeModel
-from prefixroute.extproc.routing.types import BlockHash, EndpointId, EndpointState
+from prefixroute.types import BlockHash, EndpointId, EndpointState
 
 A, B, C = EndpointId("a:1"), EndpointId("b:1"), EndpointId("c:1")
 RATE = 10_000.0  # prior tokens/s in these tables
@@ -290,7 +290,7 @@ def test_pool_router_first_token_and_usage_reach_the_policy_once_in_either_order
 
     from prefixroute.bench.sim_pool import SimulatedPool
     from prefixroute.extproc.service import PoolRouter
-    from prefixroute.model_servers.virtual import VirtualFleet
+    from prefixroute.model_servers.virtual_fleet import VirtualFleet
 
     fleet = VirtualFleet(num_servers=2)
     router = PoolRouter(RouterCore(_settings(), track_prefill=True), SimulatedPool(fleet))

@@ -16,7 +16,7 @@ from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.request import MAX_ECHO_CHARS, MAX_MODEL_CHARS, clip, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 
 S = RoutingSettings(rng_seed=1)
 CHAT = "/v1/chat/completions"

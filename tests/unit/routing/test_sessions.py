@@ -14,7 +14,7 @@ from prefixroute.extproc.routing.request import InferenceRequest, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.sessions import SessionTable
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.types import BlockHash, EndpointId, EndpointState
+from prefixroute.types import BlockHash, EndpointId, EndpointState
 
 S = RoutingSettings(rng_seed=3)
 EPS = tuple(EndpointState(EndpointId(f"127.0.0.1:80{i:02d}")) for i in range(4))

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from prefixroute.extproc.routing.types import Decision
+from prefixroute.types import Decision
 from prefixroute.telemetry.metrics import RouterMetrics
 from prefixroute.telemetry.records import RequestRecord
 from helpers.metrics import scrape
@@ -79,7 +79,7 @@ def test_endpoint_pool_snapshot_becomes_per_endpoint_gauges():
     """The dashboard's live columns come from here (the router's pool), not from URLs in span data."""
     import time as _time
 
-    from prefixroute.extproc.routing.types import EndpointState
+    from prefixroute.types import EndpointState
 
     states = (EndpointState(A, healthy=True, num_requests_running=5, num_requests_waiting=2, kv_cache_usage_ratio=0.75,
                             scraped_at_s=_time.monotonic() - 1.0),

@@ -8,7 +8,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from prefixroute import settings
-from prefixroute.extproc.routing.types import Decision
+from prefixroute.types import Decision
 from prefixroute.telemetry.metrics import RouterMetrics
 from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord

@@ -18,7 +18,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from prefixroute.extproc import wire
 from prefixroute.extproc.headers import SERVED_HEADER
 from prefixroute.extproc.routing.request import InferenceRequest
-from prefixroute.extproc.routing.types import Decision, EndpointId
+from prefixroute.types import Decision, EndpointId
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.telemetry import attributes as A
 from prefixroute.telemetry.client import HttpStoreClient

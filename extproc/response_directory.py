@@ -15,7 +15,7 @@ reroutes it (service.py):
   http://<address>/v1/responses/{id}`` on every healthy endpoint at once, at most ``max_response_lookups``
   lookups in flight (beyond: 503 with Retry-After), each bounded by ``response_lookup_timeout_s``. The first
   endpoint that answers 200 wins and is remembered. Every endpoint answered 404: vLLM's own 404 naming the id
-  (`responses_api.not_found`), remembered for `NEGATIVE_TTL_S` so a client retrying a dead id does not make
+  (`responses_prompt.not_found`), remembered for `NEGATIVE_TTL_S` so a client retrying a dead id does not make
   the whole fleet look it up again. Some endpoint failed or timed out and none had it: 503 with Retry-After
   naming the id (it may be on the one that did not answer). Concurrent lookups of one id share one fan-out.
 
@@ -44,9 +44,9 @@ from typing import Any
 
 import aiohttp
 
-from prefixroute import responses_api
+from prefixroute import responses_prompt
 from prefixroute.extproc.routing.request import clip
-from prefixroute.extproc.routing.types import EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 from prefixroute.openai_errors import OpenAIError
 
 NEGATIVE_TTL_S = 5.0
@@ -263,7 +263,7 @@ class ResponseDirectory:
 async def http_fetch(session: aiohttp.ClientSession, address: str, response_id: str,
                      headers: Mapping[str, str]) -> int:
     """`Fetch` over `session`: the status of ``GET http://address/v1/responses/{id}`` (body discarded)."""
-    url = f"http://{address}{responses_api.RESPONSES_PREFIX}{response_id}"
+    url = f"http://{address}{responses_prompt.RESPONSES_PREFIX}{response_id}"
     async with session.get(url, headers=dict(headers), allow_redirects=False) as resp:
         await resp.release()
         return resp.status
@@ -366,7 +366,7 @@ class ResponseLookup:
             raise self._unavailable(response_id, f"{num_failed} of {len(tasks)} endpoints did not answer")
         self.num_not_found += 1
         self.directory.note_missing(response_id)
-        raise responses_api.not_found(response_id)
+        raise responses_prompt.not_found(response_id)
 
     def _unavailable(self, response_id: str, why: str) -> OpenAIError:
         return OpenAIError(503, f"Response with id '{clip(response_id)}' could not be located: "

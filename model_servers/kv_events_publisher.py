@@ -2,7 +2,7 @@
 
 Follows the vLLM 0.33.0 release: ``vllm/config/kv_events.py`` (`KVEventsConfig`: the JSON keys, their
 defaults, ``publisher`` defaulting to ``"zmq"`` when events are enabled) and ``vllm/distributed/kv_events.py``
-(`ZmqEventPublisher`). The wire format is `prefixroute.kv_events`, in its "mixed" form (what 0.33 sends: the
+(`ZmqEventPublisher`). The wire format is `prefixroute.kv_events_wire`, in its "mixed" form (what 0.33 sends: the
 batch a positional array, events tagged maps with 0.33's field set).
 
 Transport, as vLLM's publisher:
@@ -47,7 +47,7 @@ import numpy as np
 import orjson
 import zmq
 
-from prefixroute.kv_events import END_SEQ, BlockStored, EventBatch, encode_batch, seq_to_bytes
+from prefixroute.kv_events_wire import END_SEQ, BlockStored, EventBatch, encode_batch, seq_to_bytes
 
 log = logging.getLogger("prefixroute.model_server.kv_events")
 

@@ -62,7 +62,7 @@ from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.server import ServerSettings
-from prefixroute.model_servers.virtual import SimRequest, SimResult, VirtualFleet
+from prefixroute.model_servers.virtual_fleet import SimRequest, SimResult, VirtualFleet
 
 CLIENT_HEADERS: Mapping[str, str] = {"content-type": "application/json"}
 """The headers the live bench client sends with every request (lower case, as Envoy hands them to ext_proc)."""

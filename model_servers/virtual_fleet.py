@@ -8,7 +8,7 @@ the 400/404 refusals), so the engine sees what a server would. API for benchmark
 
     from prefixroute.model_servers.profiles import EngineSpec
     from prefixroute.model_servers.server import ServerSettings
-    from prefixroute.model_servers.virtual import VirtualFleet, SimRequest
+    from prefixroute.model_servers.virtual_fleet import VirtualFleet, SimRequest
 
     spec = EngineSpec.from_settings(ServerSettings(profile="llama-3.1-8b-h200"))
     fleet = VirtualFleet(spec, num_servers=64)                      # ids "sim-0:8000" ... "sim-63:8000"
@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixroute.extproc.routing.types import EndpointId
+from prefixroute.types import EndpointId
 from prefixroute.model_servers import protocol
 from prefixroute.model_servers.engine import DecodeRun, EngineRequest, StepPlan
 from prefixroute.model_servers.kv_cache import root_hash
