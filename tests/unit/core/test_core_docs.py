@@ -1,4 +1,5 @@
-"""The docs hold together: every relative link and anchor in README.md and docs/*.md resolves, every page in docs/
+"""The docs hold together: every relative link and anchor in README.md and docs/*.md resolves, every file of the
+repository they name (`extproc/routing/request.py`, `tests/...`, `bench-results/...`) exists, every page in docs/
 is reachable from the README, and the README stays short (issue 23: at most ~300 lines; the rest is in docs/).
 
 Anchors follow GitHub's rule (github-slugger, what github.com renders): the heading's text, lower-cased, every
@@ -31,6 +32,10 @@ _LINK = re.compile(r"(?<!\\)!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\
 _REF_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _HTML_ID = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"", re.I)
+# A path into the repository named in the text (prose, code spans and code blocks alike): it starts with one of
+# our top-level folders. docs/ pages are links, checked as links above; globs and braces are patterns, not files.
+_FILE_REF = re.compile(r"(?<![\w./-])((?:extproc|common|model_servers|telemetry|dashboard|bench|stack|tests|"
+                       r"scripts|deploy|envoy|bench-results|\.ci)/[\w./-]*[\w/])")
 
 
 def slug(heading: str) -> str:
@@ -123,6 +128,19 @@ def dead_links(page: Path, root: Path = ROOT, allowed_missing: frozenset[str] = 
     return problems
 
 
+def missing_files(page: Path, root: Path = ROOT) -> list[str]:
+    """Repository paths `page` names that do not exist, as 'page:line: path' (a renamed module left behind)."""
+    out = []
+    for n, line in enumerate(page.read_text().splitlines(), 1):
+        for m in _FILE_REF.finditer(line):
+            path = m.group(1).rstrip("/.")
+            rest = line[m.end():].lstrip("-.")  # `real-sweep-*`: the match stops before the pattern's tail
+            pattern = any(c in path for c in "*{}") or rest[:1] in ("*", "{")
+            if not pattern and not (root / path).exists():
+                out.append(f"{page.relative_to(root)}:{n}: {path}")
+    return out
+
+
 def pages(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
@@ -130,6 +148,11 @@ def pages(root: Path = ROOT) -> list[Path]:
 @pytest.mark.parametrize("page", pages(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
     assert dead_links(page) == []
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_file_the_docs_name_exists(page: Path) -> None:
+    assert missing_files(page) == [], "renamed or removed: say the new name in the docs"
 
 
 def test_the_readme_stays_short() -> None:
@@ -199,3 +222,14 @@ def test_the_checker_finds_dead_files_and_anchors(tmp_path: Path) -> None:
         "#elsewhere (no heading with anchor #elsewhere in README.md)",
         "docs/missing.md (no such file)",
     ]
+
+
+def test_the_file_check_finds_a_module_that_is_gone(tmp_path: Path) -> None:
+    (tmp_path / "extproc").mkdir()
+    (tmp_path / "extproc" / "here.py").write_text("")
+    page = tmp_path / "README.md"
+    page.write_text("`extproc/here.py`, extproc/gone.py, `tests/unit/*/x.py`, sub/extproc/nope.py, extproc/.\n"
+                    "(`bench-results/real-sweep-*/report.md`, `bench-results/agents-{8,16}rps/`)\n"
+                    "```bash\npython tests/helpers/old.py --out bench-results/x/\n```\n")
+    assert missing_files(page, tmp_path) == ["README.md:1: extproc/gone.py", "README.md:4: tests/helpers/old.py",
+                                             "README.md:4: bench-results/x"]
