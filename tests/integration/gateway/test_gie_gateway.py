@@ -305,7 +305,7 @@ def test_picker_down_fails_as_gies_failure_mode_says_and_a_restarted_picker_serv
 
 def test_overhead_bench_measures_gie_mode_beside_ours() -> None:
     """`prefixroute overhead-bench --gie`: GIE's reference Envoy in front of a picker in GIE mode, in the same rounds
-    as our own gateway; its rows and the GIE/ours ratio line are printed (figures: README, Benchmarks)."""
+    as our own gateway; its rows and the GIE/ours ratio line are printed (figures: docs/benchmarks.md, GIE mode)."""
     import subprocess
     import sys
 
