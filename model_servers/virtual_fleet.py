@@ -7,7 +7,7 @@ the bytes a client sends: `SimRequest.from_body` parses them with the HTTP serve
 the 400/404 refusals), so the engine sees what a server would. API for benchmarks and routing simulations::
 
     from prefixroute.model_servers.profiles import EngineSpec
-    from prefixroute.model_servers.server import ServerSettings
+    from prefixroute.model_servers.server_settings import ServerSettings
     from prefixroute.model_servers.virtual_fleet import VirtualFleet, SimRequest
 
     spec = EngineSpec.from_settings(ServerSettings(profile="llama-3.1-8b-h200"))
@@ -130,7 +130,7 @@ class VirtualFleet:
                  endpoint_ids: Sequence[str] | None = None, coalesce_decode: bool = True) -> None:
         """`spec` defaults to a server with default settings (`ServerSettings()`)."""
         if spec is None:
-            from prefixroute.model_servers.server import ServerSettings
+            from prefixroute.model_servers.server_settings import ServerSettings
 
             spec = EngineSpec.from_settings(ServerSettings())
         self.spec = spec
