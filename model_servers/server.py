@@ -85,7 +85,8 @@ class ModelServer:
         self.spec = spec = EngineSpec.from_settings(s)
         self.profile = spec.profile
         ev_cfg = kv_events_publisher.parse_config(s.kv_events_config)
-        self.kv_publisher = kv_events_publisher.ZmqEventPublisher(ev_cfg) if ev_cfg is not None and ev_cfg.enabled else None
+        self.kv_publisher = (kv_events_publisher.ZmqEventPublisher(ev_cfg) if ev_cfg is not None and ev_cfg.enabled
+                             else None)
         self.core = spec.new_engine(self.kv_publisher.publish if self.kv_publisher is not None else None)
         self.engine = AsyncEngine(self.core)
         self.served = spec.served_model_name
