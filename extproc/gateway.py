@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from prefixroute import settings
-from prefixroute.procs import (ManagedProcess, ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free,
-                               free_port, free_ports, http_get, prefixroute_argv, stop_on_signals, tcp_open)
+from prefixroute.procs import (ManagedProcess, ProcessGroup, Stopped, check_ports_free, free_port, free_ports, http_get,
+                               prefixroute_argv, stop_on_signals, tcp_open)
+from prefixroute.supervisor import RestartPolicy, Supervisor
 from prefixroute.extproc.endpoints.pool import endpoints_from_settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
@@ -511,7 +512,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`prefixroute gateway`: start both children, then supervise them (`prefixroute.procs.Supervisor`: a
+    """`prefixroute gateway`: start both children, then supervise them (`prefixroute.supervisor.Supervisor`: a
     crashed one is restarted with backoff, said on stderr) until SIGINT, SIGTERM or SIGHUP; exit 0 then,
     1 when they could not start, 2 for bad settings."""
     try:
