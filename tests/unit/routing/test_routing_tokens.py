@@ -1,6 +1,7 @@
 """Prompt tokenization as the servers do it (routing/tokenizers.py, the registry of tokenizers by name), cached
-token-block hashes (routing/tokens.py), and token mode in request parsing (routing/request.py). The Hugging Face tokenizers here are trained by the tests themselves
-(tokenizers library, tiny vocabularies, Llama-3-like pre-tokenizer and chat template): nothing is downloaded."""
+token-block hashes (routing/tokens.py), and token mode in request parsing (routing/request.py). The Hugging Face
+tokenizers here are trained by the tests themselves (tokenizers library, tiny vocabularies, Llama-3-like
+pre-tokenizer and chat template): nothing is downloaded."""
 
 from __future__ import annotations
 
