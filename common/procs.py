@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from prefixroute.ports import LOOPBACK, free_port, free_ports, http_get, http_ok, port_in_use, tcp_open
+from prefixroute.ports import _handed_out  # noqa: F401 - bench/runner.py reads it as procs._handed_out
 
 __all__ = ["LOG_TAIL_LINES", "LOOPBACK", "ManagedProcess", "PortBusy", "ProcessGroup", "StartupError", "Stopped",
            "check_ports_free", "describe_status", "die_with_parent", "free_port", "free_ports", "held_listener",
