@@ -10,7 +10,7 @@ properties routing needs:
   text, so a growing conversation keeps its affinity. Completion prompts that extend a prompt likewise.
 
 Token mode (`parse_request(..., tokenizer=PromptHasher)`, ``--tokenizer sim`` or a tokenizer folder): the
-prompt is also tokenized exactly as the server does (routing/tokens.py) and `block_hashes` are then the
+prompt is also tokenized exactly as the server does (routing/tokenizers.py) and `block_hashes` are then the
 chained hashes of its ``kv_block_tokens``-token blocks, seeded by ``token_seed_for(lora_name, cache_salt)``:
 ``lora_name`` is the request's model when the caller names it an adapter (`adapters`), ``cache_salt`` the
 body's ``cache_salt`` (vLLM's field; a non-string is ignored). The header tenant and ``prompt_cache_key`` do
