@@ -1,5 +1,5 @@
-"""Child processes and ports, for every launcher: `prefixroute up`, `prefixroute gateway`, the bench runner, the
-dashboard launcher and the test helpers.
+"""Child processes, for every launcher: `prefixroute up`, `prefixroute gateway`, the bench runner, the dashboard
+launcher and the test helpers.
 
 - `ManagedProcess`: one child in its own process group (``start_new_session``, so stopping it also stops
   what it started: the gateway's Envoy, Streamlit's server), its stdout+stderr appended to a log file (or
@@ -8,15 +8,9 @@ dashboard launcher and the test helpers.
   group, SIGKILL after a grace period.
 - `ProcessGroup`: the children of one launcher, stopped together in reverse start order (a front end before
   what it sends to); a context manager.
-- `Supervisor`: restarts the members of a group that crash, with exponential backoff (`RestartPolicy`:
-  0.2 s, doubling to 15 s, reset once a child has stayed up 30 s; it never gives up, like Kubernetes'
-  CrashLoopBackOff), waiting for each restarted child's readiness check before counting it up again, and
-  says so on stderr. No thread: the launcher's loop calls `Supervisor.poll` a few times a second. A child
-  stopped on purpose (`stop`, `kill`, `stop_all`) is never restarted.
-- Liveness (issue 27): a member may have a `live` probe (`ManagedProcess.live`, e.g. Envoy's health route
-  through its own listener); the supervisor runs it every `RestartPolicy.live_interval_s` while the member is
-  up and restarts a member that fails it `live_failures` times in a row: a process that runs but no longer
-  serves (Envoy after an admin ``/drain_listeners``) is treated as crashed.
+- Restarts of crashed members, and liveness probes: supervisor.py (`Supervisor`, `RestartPolicy`).
+- Ports held for a child across its restarts (`held_listener`, `reset_pending`) and checked free before it
+  starts (`check_ports_free`); free ports and loopback probes: ports.py (its names are importable from here).
 - Logs are private (issue 27): each child's log is created mode 0600 (an existing one is tightened to it),
   in a folder created mode 0700: debug logs may hold request headers.
 - Children die with their parent: on Linux every child gets PR_SET_PDEATHSIG = SIGKILL
@@ -32,21 +26,23 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import os
-import random
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import IO, Any
 
-LOOPBACK = "127.0.0.1"
+from prefixroute.ports import LOOPBACK, free_port, free_ports, http_get, http_ok, port_in_use, tcp_open
+from prefixroute.ports import _handed_out  # noqa: F401 - bench/runner.py reads it as procs._handed_out
+
+__all__ = ["LOG_TAIL_LINES", "LOOPBACK", "ManagedProcess", "PortBusy", "ProcessGroup", "StartupError", "Stopped",
+           "check_ports_free", "describe_status", "die_with_parent", "free_port", "free_ports", "held_listener",
+           "http_get", "http_ok", "open_private_log", "parent_death_preexec", "port_in_use", "prefixroute_argv",
+           "reset_pending", "return_large_blocks", "stop_group", "stop_on_signals", "tcp_open"]
 
 LOG_TAIL_LINES = 15
 """Lines of a child's log quoted in a startup error: enough for a Python traceback's last frames and message."""
@@ -66,63 +62,6 @@ def prefixroute_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "prefixroute", *args]
 
 
-def _ephemeral_port_range() -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-_handed_out: set[int] = set()
-_rng = random.Random()  # its own generator: a test seeding `random` must not make two runs pick alike
-
-
-def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """`n` distinct TCP ports free a moment ago, drawn at random OUTSIDE the kernel's ephemeral range and never
-    handed out twice by this process. Why: a port from bind(0) lies inside the ephemeral range, where any
-    outgoing connection (a health probe, a client) can take it as its local port between this call and the
-    server's bind (seen as a rare "port busy" under connection churn). Not reserved: another process may still
-    bind one first, which its user reports as `PortBusy`. Falls back to bind(0) when no drawn port is free."""
-    lo, hi = _ephemeral_port_range()
-    spans = [(a, b) for a, b in ((10000, lo - 1), (hi + 1, 65535)) if b - a > 100]
-    out: list[int] = []
-    for _ in range(50 * n):
-        if len(out) == n or not spans:
-            break
-        a, b = spans[0] if len(spans) == 1 else _rng.choices(spans, weights=[b - a for a, b in spans])[0]
-        port = _rng.randint(a, b)
-        if port in _handed_out or port in out or port_in_use(port, host):
-            continue
-        out.append(port)
-    while len(out) < n:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port not in out:
-            out.append(port)
-    _handed_out.update(out)
-    return out
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """One port of `free_ports`."""
-    return free_ports(1, host)[0]
-
-
-def port_in_use(port: int, host: str = LOOPBACK) -> bool:
-    """True when something listens on host:port (a server could not bind it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # SO_REUSEADDR as servers set it: a port whose old connections sit in TIME_WAIT is free to
-        # listen on; only a live listener makes it busy.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 def check_ports_free(ports: Iterable[tuple[str, int] | tuple[str, int, str]]) -> None:
     """Raise `PortBusy` for the first (component, port[, flag]) whose port is in use; ports <= 0 (any / none)
     pass. With a flag (the setting that chose the port, e.g. ``--port``) the message says how to move it."""
@@ -132,31 +71,6 @@ def check_ports_free(ports: Iterable[tuple[str, int] | tuple[str, int, str]]) ->
                    else "choose another port")
             raise PortBusy(f"{name}: port {port} is already in use (stop what holds it, e.g. "
                            f"`ss -ltnp 'sport = :{port}'`, or {how})")
-
-
-def tcp_open(port: int, host: str = LOOPBACK, timeout_s: float = 0.3) -> bool:
-    """True when a TCP connection to host:port succeeds."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
-    """(status, body) of a GET, error statuses included; (0, b"") when no response came."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - loopback only
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read() if exc.fp else b""
-    except (OSError, ValueError):
-        return 0, b""
-
-
-def http_ok(url: str, timeout_s: float = 0.5) -> bool:
-    """True when a GET of `url` answers 2xx."""
-    return 200 <= http_get(url, timeout_s)[0] < 300
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -513,144 +427,6 @@ class ProcessGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
-
-
-@dataclasses.dataclass(frozen=True)
-class RestartPolicy:
-    """How a `Supervisor` restarts a crashed child: after `initial_delay_s`, doubling with each failure in a
-    row (an exit, or a restart that exits or is not ready within `ready_timeout_s`) up to `max_delay_s`,
-    and back to `initial_delay_s` once the child has stayed up `reset_after_s`. It never gives up.
-
-    0.2 s: a one-off crash (the common case) costs well under a second of downtime; 15 s: a child that
-    crashes at once in a loop (bad config, a port taken by someone else) costs a few spawns a minute and one
-    line each; 30 s up counts as recovered (a child that crashes every minute still starts at 0.2 s)."""
-
-    initial_delay_s: float = 0.2
-    max_delay_s: float = 15.0
-    reset_after_s: float = 30.0
-    ready_timeout_s: float = 60.0
-    live_interval_s: float = 1.0
-    live_failures: int = 3
-    """A member with a `live` probe is probed every `live_interval_s` while up; `live_failures` failures in a row
-    (3 s by default: no restart on one slow answer) and it is killed and restarted like a crashed one."""
-
-    def delay_s(self, num_failures: int) -> float:
-        """The wait before the restart that follows `num_failures` (>= 1) failures in a row."""
-        return min(self.max_delay_s, self.initial_delay_s * 2.0 ** max(0, num_failures - 1))
-
-
-@dataclasses.dataclass
-class _Watch:
-    state: str  # "up" (ready), "waiting" (to restart at `due`), "starting" (spawned at `since`), "stopped"
-    since: float
-    due: float = 0.0
-    num_failures: int = 0  # in a row: sets the delay
-    num_restarts: int = 0  # in all
-    next_probe: float = 0.0  # when its `live` probe runs next
-    num_probe_failures: int = 0  # in a row
-
-
-class Supervisor:
-    """Restarts crashed members of `group` per `policy` and says so on `out` (default: stderr), each line
-    starting with `label`. Call `poll` from the launcher's loop (every 0.1-0.25 s) once the members have
-    started; it never blocks longer than one readiness check of a restarting child.
-
-    A member that was stopped on purpose (`ManagedProcess.stop`/`kill`, `ProcessGroup.stop_all`) is left
-    alone, and watched again once something spawns it. A restart kills what is left of the crashed child's
-    process group first (a grandchild could hold its port), keeps its argv, log and place in the stop order,
-    and counts it up again only when its readiness check passes."""
-
-    def __init__(self, group: ProcessGroup, policy: RestartPolicy = RestartPolicy(), *, label: str = "prefixroute",
-                 out: TextIO | None = None) -> None:
-        self.group = group
-        self.policy = policy
-        self.label = label
-        self.out = out
-        self._watches: dict[int, _Watch] = {}
-
-    def num_restarts(self, proc: ManagedProcess) -> int:
-        """Restarts of `proc` so far (spawns by this supervisor, successful or not)."""
-        w = self._watches.get(id(proc))
-        return w.num_restarts if w is not None else 0
-
-    def _say(self, msg: str) -> None:
-        print(f"{self.label}: {msg}", file=self.out if self.out is not None else sys.stderr, flush=True)
-
-    def poll(self) -> None:
-        """Check every member once: note crashes, start restarts that are due, promote ready restarts."""
-        now = time.monotonic()
-        members = list(self.group.procs)
-        live_ids = {id(p) for p in members}
-        for key in [k for k in self._watches if k not in live_ids]:
-            del self._watches[key]  # stop_all emptied the group: forget
-        for proc in members:
-            if proc.popen is None:
-                continue  # never started
-            w = self._watches.get(id(proc))
-            if w is None:  # up since it was started (the launcher waited for it to be ready)
-                w = self._watches[id(proc)] = _Watch("up", min(now, proc.started_at or now))
-            if proc.stopped_on_purpose:
-                w.state = "stopped"
-                continue
-            if w.state == "stopped":  # spawned again by its owner
-                w.state, w.since, w.num_failures = "up", now, 0
-                continue
-            if w.state == "up":
-                if not proc.alive():
-                    up_s = now - w.since
-                    if up_s >= self.policy.reset_after_s:
-                        w.num_failures = 0
-                    self._schedule(proc, w, now, f"exited with {describe_status(proc.returncode)} after "
-                                                 f"{up_s:.1f} s up")
-                elif proc.live is not None and now >= w.next_probe:
-                    w.next_probe = now + self.policy.live_interval_s
-                    if proc.live():
-                        w.num_probe_failures = 0
-                    else:
-                        w.num_probe_failures += 1
-                        if w.num_probe_failures >= self.policy.live_failures:
-                            w.num_probe_failures = 0
-                            stop_group(proc.popen, 0.0)  # runs but no longer serves: a crash, restarted as one
-                            if now - w.since >= self.policy.reset_after_s:
-                                w.num_failures = 0
-                            self._schedule(proc, w, now, f"stopped serving ({self.policy.live_failures} health "
-                                                         "probes in a row failed; killed)")
-            elif w.state == "waiting":
-                if now >= w.due:
-                    self._restart(proc, w, now)
-            elif w.state == "starting":
-                if not proc.alive():
-                    self._schedule(proc, w, now, f"exited with {describe_status(proc.returncode)} while "
-                                                 "restarting")
-                elif proc.ready is None or proc.ready():
-                    w.state, w.since = "up", time.monotonic()
-                    w.next_probe, w.num_probe_failures = w.since + self.policy.live_interval_s, 0
-                    self._say(f"{proc.name} is back (restart {w.num_restarts}, pid {proc.pid}, ready "
-                              f"{w.since - w.due:.1f} s after its restart)")
-                elif now - w.since > self.policy.ready_timeout_s:
-                    stop_group(proc.popen, 0.0)
-                    self._schedule(proc, w, now, f"not ready {self.policy.ready_timeout_s:g} s after its restart "
-                                                 "(killed)")
-
-    def _schedule(self, proc: ManagedProcess, w: _Watch, now: float, what: str) -> None:
-        w.num_failures += 1
-        delay = self.policy.delay_s(w.num_failures)
-        w.state, w.due = "waiting", now + delay
-        # The log's tail once per streak of failures: it explains the first; the rest repeat it.
-        detail = proc.log_excerpt() if w.num_failures == 1 else (f" (log {proc.log_path})" if proc.log_path else "")
-        self._say(f"{proc.name} {what}; restart {w.num_restarts + 1} in {delay:.3g} s"
-                  f"{' (crash loop: backing off)' if w.num_failures > 1 else ''}{detail}")
-
-    def _restart(self, proc: ManagedProcess, w: _Watch, now: float) -> None:
-        stop_group(proc.popen, 0.0)  # leftovers of its group; not proc.stop(): this is no stop on purpose
-        w.num_restarts += 1
-        try:
-            proc.spawn()
-        except (RuntimeError, OSError) as exc:  # PortBusy (someone took its port), an exec failure
-            self._schedule(proc, w, now, f"could not be restarted: {exc}")
-            return
-        w.state, w.since, w.due = "starting", now, now
-        self._say(f"{proc.name} restarted (restart {w.num_restarts}, pid {proc.pid}); waiting until it is ready")
 
 
 @contextlib.contextmanager

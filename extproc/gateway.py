@@ -1,7 +1,7 @@
 """`prefixroute gateway`: Envoy + the ext_proc service in front of given endpoints, as child processes.
 
 Reusable API: `GatewayProcesses` is a context manager that starts the ext_proc service (``prefixroute
-extproc``), renders the Envoy configuration (envoy_config.py) into a private temp dir, starts Envoy
+extproc``), renders the Envoy configuration (envoy_config/) into a private temp dir, starts Envoy
 (``--disable-hot-restart``: several Envoys on one host must not share the hot-restart shared memory),
 waits until both serve, and on exit stops both (`prefixroute.procs`: SIGTERM to each child's process group,
 SIGKILL after a grace period) and removes the temp dir. Later commands (``prefixroute up``) build on it.
@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from prefixroute import settings
-from prefixroute.procs import (ManagedProcess, ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free,
-                               free_port, free_ports, http_get, prefixroute_argv, stop_on_signals, tcp_open)
+from prefixroute.procs import (ManagedProcess, ProcessGroup, Stopped, check_ports_free, free_port, free_ports, http_get,
+                               prefixroute_argv, stop_on_signals, tcp_open)
+from prefixroute.supervisor import RestartPolicy, Supervisor
 from prefixroute.extproc.endpoints.pool import endpoints_from_settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
@@ -121,7 +122,7 @@ class GatewaySettings(Settings):
 
 MAX_EXTPROC_REPLICAS = 16
 HEALTH_PATH = "/healthz"
-"""Envoy's own health route on the gateway listener (envoy_config.py `health_path`)."""
+"""Envoy's own health route on the gateway listener (envoy_config `health_path`)."""
 GATEWAY_DIR_PREFIX = "prefixroute-gateway-"
 OWNER_FILE = "owner"
 ADMIN_SOCKET = "envoy-admin.sock"
@@ -253,7 +254,7 @@ class GatewayProcesses:
                  envoy_overrides: dict[str, Any] | None = None, group: ProcessGroup | None = None,
                  peers: PeerSettings | None = None, records_to: tuple[str, str] | None = None) -> None:
         """`records_to`: (host:port, bearer token) of the OTLP receiver Envoy sends its own record of every
-        request to (envoy_config.py `records_otlp_address`: kept when the router's record never comes)."""
+        request to (envoy_config `records_otlp_address`: kept when the router's record never comes)."""
         gateway = resolve_ports(gateway)
         self.gateway = gateway
         self.records_to = records_to
@@ -511,7 +512,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`prefixroute gateway`: start both children, then supervise them (`prefixroute.procs.Supervisor`: a
+    """`prefixroute gateway`: start both children, then supervise them (`prefixroute.supervisor.Supervisor`: a
     crashed one is restarted with backoff, said on stderr) until SIGINT, SIGTERM or SIGHUP; exit 0 then,
     1 when they could not start, 2 for bad settings."""
     try:

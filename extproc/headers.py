@@ -1,4 +1,4 @@
-"""Names shared by the Envoy configuration (envoy_config.py) and the ext_proc hot path (servicer.py,
+"""Names shared by the Envoy configuration (the envoy_config package) and the ext_proc hot path (servicer.py,
 tracking.py): headers, metadata keys and the fallback limit. A leaf module: importing it costs nothing, so
 the routing process never loads the typed Envoy configuration classes.
 
@@ -23,7 +23,7 @@ REFUSED_HEADER = "x-prefixroute-refused"
 starts at these response headers, and the routing stream has already recorded it."""
 REPLICA_HEADER = "x-prefixroute-replica"
 """Set by ext_proc replica k (of several) on the requests it routes, value ``k``: Envoy's route for it sends the
-request's observing stream to replica k (envoy_config.py). Stripped from client requests, and removed before the
+request's observing stream to replica k (envoy_config/routes.py). Stripped from client requests, and removed before the
 request goes to the endpoint."""
 OBSERVED_METADATA = "x-prefixroute-observed"
 """gRPC initial metadata of the routing filter's stream when an observing filter follows it (so the service

@@ -218,8 +218,7 @@ def fit_report(models: Iterable[str] = ("llama-3.1-8b", "llama-3.1-70b")) -> str
     for model in models:
         cost = fit(model)
         lines.append(f"== {model} (single GPU; t = t0 + a*N + h*max(N-{HINGE_TOKENS},0) + b*A + k*K + s*S)")
-        for name in ("graph", "eager"):
-            c = getattr(cost, name)
+        for name, c in (("graph", cost.graph), ("eager", cost.eager)):
             lines.append(f"  {name:5s}: t0={c.t0 * 1e3:.3f} ms a={c.new_tokens * 1e6:.3f} us/tok "
                          f"h={c.hinge * 1e6:.3f} us/tok b={c.attention * 1e12:.1f} ps/unit "
                          f"k={c.kv_reads * 1e9:.2f} ns/tok s={c.seqs * 1e6:.2f} us/seq")

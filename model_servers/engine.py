@@ -345,44 +345,7 @@ class EngineCore:
             budget -= n
             i += 1
         if not preempted:
-            waiting = self.waiting
-            max_seqs = self.config.max_num_seqs
-            cache = self.cache
-            while waiting and budget > 0 and len(running) < max_seqs:
-                req = waiting[0]
-                known = req.num_tokens
-                if not req.blocks:
-                    max_hit = min((known - 1) // bs, len(req.block_hashes))
-                    hit = cache.take_prefix(req.block_hashes[:max_hit]) if max_hit else []
-                    req.blocks = hit
-                    req.num_computed = len(hit) * bs
-                    req.num_registered = len(hit)
-                n = known - req.num_computed
-                if n > budget:
-                    n = budget
-                if not self._grow(req, n):
-                    cache.release(req.blocks)
-                    req.blocks = []
-                    req.num_computed = 0
-                    req.num_registered = 0
-                    break
-                waiting.popleft()
-                req.status = RUNNING
-                running.append(req)
-                st = self.stats
-                st.prefix_cache_queries += known
-                st.prefix_cache_hits += req.num_computed
-                if not req.first_scheduled:
-                    req.first_scheduled = True
-                    req.num_cached_tokens = req.num_computed
-                    st.prompt_tokens += req.num_prompt_tokens
-                c = req.num_computed
-                self._register(req, n)
-                scheduled.append((req, n))
-                n_sum += n
-                attn += n * (c + n * 0.5)
-                kv += c
-                budget -= n
+            budget, n_sum, attn, kv = self._admit_waiting(scheduled, budget, n_sum, attn, kv)
         if self._on_kv_events is not None and self.cache.has_events():
             self._on_kv_events(self.cache.take_events())
         if not scheduled:
@@ -391,6 +354,52 @@ class EngineCore:
         self.stats.num_steps += 1
         self.stats.busy_s += duration
         return StepPlan(scheduled, duration, n_sum)
+
+    def _admit_waiting(self, scheduled: list[tuple[EngineRequest, int]], budget: int, n_sum: int, attn: float,
+                       kv: int) -> tuple[int, int, float, int]:
+        """`plan_step`'s second half: admit waiting requests in order (prefix-cache hit first) while the token
+        budget, `max_num_seqs` and free blocks allow, appending them to `scheduled`; returns the step's
+        (budget left, tokens, attention work, KV tokens read), accumulated on from the running requests' in the
+        same order as one loop would (the step time's float sums must not change)."""
+        waiting, running, cache = self.waiting, self.running, self.cache
+        max_seqs = self.config.max_num_seqs
+        bs = self.block_size
+        while waiting and budget > 0 and len(running) < max_seqs:
+            req = waiting[0]
+            known = req.num_tokens
+            if not req.blocks:
+                max_hit = min((known - 1) // bs, len(req.block_hashes))
+                hit = cache.take_prefix(req.block_hashes[:max_hit]) if max_hit else []
+                req.blocks = hit
+                req.num_computed = len(hit) * bs
+                req.num_registered = len(hit)
+            n = known - req.num_computed
+            if n > budget:
+                n = budget
+            if not self._grow(req, n):
+                cache.release(req.blocks)
+                req.blocks = []
+                req.num_computed = 0
+                req.num_registered = 0
+                break
+            waiting.popleft()
+            req.status = RUNNING
+            running.append(req)
+            st = self.stats
+            st.prefix_cache_queries += known
+            st.prefix_cache_hits += req.num_computed
+            if not req.first_scheduled:
+                req.first_scheduled = True
+                req.num_cached_tokens = req.num_computed
+                st.prompt_tokens += req.num_prompt_tokens
+            c = req.num_computed
+            self._register(req, n)
+            scheduled.append((req, n))
+            n_sum += n
+            attn += n * (c + n * 0.5)
+            kv += c
+            budget -= n
+        return budget, n_sum, attn, kv
 
     def plan_decode_run(self, max_steps: int = 1 << 30) -> DecodeRun | None:
         """Plan several identical pure-decode steps at once (virtual-time fast path), or None.

@@ -114,9 +114,9 @@ def parse_config(text: str) -> KVEventsConfig | None:
     if cfg.publisher_name not in PUBLISHERS:
         raise ValueError(f"--kv-events-config: publisher must be one of {', '.join(PUBLISHERS)}; "
                          f"got {cfg.publisher!r}")
-    for key in ("buffer_steps", "hwm", "max_queue_size"):
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"--kv-events-config: {key!r} must be >= 1; got {getattr(cfg, key)}")
+    for key, value in (("buffer_steps", cfg.buffer_steps), ("hwm", cfg.hwm), ("max_queue_size", cfg.max_queue_size)):
+        if value < 1:
+            raise ValueError(f"--kv-events-config: {key!r} must be >= 1; got {value}")
     if cfg.enabled and not cfg.endpoint:
         raise ValueError("--kv-events-config: 'endpoint' must not be empty")
     if cfg.replay_endpoint == "":

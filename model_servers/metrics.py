@@ -14,11 +14,16 @@ through the same library: a changed ``process_start_time_seconds`` tells a scrap
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
 from prefixroute.model_servers.engine import TTFT_BUCKETS_S, EngineCore
+
+if TYPE_CHECKING:  # types only: the page reads their counters
+    from prefixroute.model_servers.kv_events_publisher import ZmqEventPublisher
+    from prefixroute.model_servers.response_store import ResponseStore
+    from prefixroute.model_servers.runtime import AsyncEngine
 
 _PROCESS = CollectorRegistry(auto_describe=False)
 ProcessCollector(registry=_PROCESS)  # reads /proc/self on each scrape (~0.25 ms)
@@ -28,24 +33,49 @@ def _fmt(v: float) -> str:
     return repr(float(v))
 
 
+class _Page:
+    """The samples of one page, in order; every sample labelled like vLLM's (`labels`)."""
+
+    __slots__ = ("labels", "out")
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = f'engine="0",model_name="{model_name}"'
+        self.out: list[str] = []
+
+    def gauge(self, name: str, help_: str, value: float) -> None:
+        self.out.append(f"# HELP {name} {help_}\n# TYPE {name} gauge\n{name}{{{self.labels}}} {_fmt(value)}")
+
+    def counter(self, name: str, help_: str, value: float, extra: str = "") -> None:
+        self.out.append(f"# HELP {name}_total {help_}\n# TYPE {name}_total counter\n"
+                        f"{name}_total{{{self.labels}{extra}}} {_fmt(value)}")
+
+
 def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_requests_failed: int = 0,
-           runner: Any = None, slow_client_aborts: Mapping[str, int] | None = None,
-           process: bool = True, kv_publisher: Any = None, responses_store: Any = None) -> str:
-    """The /metrics page. `runner` (an AsyncEngine) adds real-time step-lag counters; `slow_client_aborts`
-    (reason -> count) the backpressure aborts; `process` the process collector's gauges; `kv_publisher` (a
-    kv_events.ZmqEventPublisher) the KV-event counters; `responses_store` (a responses.ResponseStore) the
-    Responses API store's gauges and eviction counter."""
-    lbl = f'engine="0",model_name="{model_name}"'
-    st = core.stats
-    out: list[str] = []
+           runner: AsyncEngine | None = None, slow_client_aborts: Mapping[str, int] | None = None,
+           process: bool = True, kv_publisher: ZmqEventPublisher | None = None,
+           responses_store: ResponseStore | None = None) -> str:
+    """The /metrics page. `runner` adds real-time step-lag counters; `slow_client_aborts` (reason -> count) the
+    backpressure aborts; `process` the process collector's gauges; `kv_publisher` the KV-event counters;
+    `responses_store` the Responses API store's gauges and eviction counter."""
+    page = _Page(model_name)
+    _engine_samples(page, core, slow_client_aborts, num_http_requests_failed)
+    if kv_publisher is not None:
+        _publisher_samples(page, kv_publisher)
+    if responses_store is not None:
+        _store_samples(page, responses_store)
+    if runner is not None:
+        _runner_samples(page, runner)
+    _config_and_ttft(page, core)
+    text = "\n".join(page.out) + "\n"
+    if process:
+        text += generate_latest(_PROCESS).decode()
+    return text
 
-    def gauge(name: str, help_: str, value: float) -> None:
-        out.append(f"# HELP {name} {help_}\n# TYPE {name} gauge\n{name}{{{lbl}}} {_fmt(value)}")
 
-    def counter(name: str, help_: str, value: float, extra: str = "") -> None:
-        out.append(f"# HELP {name}_total {help_}\n# TYPE {name}_total counter\n{name}_total{{{lbl}{extra}}} "
-                   f"{_fmt(value)}")
-
+def _engine_samples(page: _Page, core: EngineCore, slow_client_aborts: Mapping[str, int] | None,
+                    num_http_requests_failed: int) -> None:
+    """vLLM's scheduler, cache and request counters, then the server's own (aborts, failures, evictions)."""
+    gauge, counter, lbl, out, st = page.gauge, page.counter, page.labels, page.out, core.stats
     gauge("vllm:num_requests_running", "Number of requests in model execution batches.", core.num_running)
     gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", core.num_waiting)
     gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", core.cache.usage_ratio)
@@ -74,31 +104,46 @@ def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_r
     counter("prefixroute:engine_busy_seconds", "Sum of modelled step durations.", st.busy_s)
     gauge("prefixroute:kv_cached_blocks", "KV blocks holding a prefix-cache hash (what a consumer of the KV "
           "events holds, once it has applied every published batch).", len(core.cache.cached))
-    if kv_publisher is not None:
-        pub = kv_publisher
-        counter("prefixroute:kv_events_batches_published", "KV event batches (one per engine step that changed "
-                "the cache) sent on the PUB socket.", pub.num_batches_published)
-        counter("prefixroute:kv_events_published", "KV events (BlockStored, BlockRemoved, AllBlocksCleared) in "
-                "the published batches.", pub.num_events_published)
-        counter("prefixroute:kv_events_batches_dropped", "KV event batches dropped because the publisher queue "
-                "was full (max_queue_size); subscribers see a sequence gap.", pub.num_batches_dropped)
-        counter("prefixroute:kv_events_replay_requests", "Replay requests answered on the replay socket.",
-                pub.num_replay_requests)
-    if responses_store is not None:
-        rs = responses_store
-        gauge("prefixroute:responses_stored", "Responses held in the in-process Responses API store (what "
-              "previous_response_id and GET /v1/responses/{id} can find).", len(rs))
-        gauge("prefixroute:responses_store_bytes", "JSON bytes held in the Responses API store "
-              "(responses_store_max_bytes caps it).", rs.num_bytes)
-        counter("prefixroute:responses_store_evictions", "Stored responses evicted (least recently used first) "
-                "to stay under responses_store_max_entries / responses_store_max_bytes; their ids answer 404.",
-                rs.num_evictions)
-    if runner is not None:
-        counter("prefixroute:engine_steps", "Engine steps run in real time.", runner.num_steps)
-        counter("prefixroute:engine_step_lag_seconds", "Sum of how late steps ended versus their modelled end "
-                "(the process keeping up shows as ~0).", runner.lag_sum_s)
-        counter("prefixroute:engine_late_steps", "Steps that ended more than 5 ms late.", runner.num_late_steps)
-        gauge("prefixroute:engine_step_lag_max_seconds", "Largest step lag so far.", runner.lag_max_s)
+
+
+def _publisher_samples(page: _Page, pub: ZmqEventPublisher) -> None:
+    """What the KV-event publisher sent and dropped."""
+    counter = page.counter
+    counter("prefixroute:kv_events_batches_published", "KV event batches (one per engine step that changed "
+            "the cache) sent on the PUB socket.", pub.num_batches_published)
+    counter("prefixroute:kv_events_published", "KV events (BlockStored, BlockRemoved, AllBlocksCleared) in "
+            "the published batches.", pub.num_events_published)
+    counter("prefixroute:kv_events_batches_dropped", "KV event batches dropped because the publisher queue "
+            "was full (max_queue_size); subscribers see a sequence gap.", pub.num_batches_dropped)
+    counter("prefixroute:kv_events_replay_requests", "Replay requests answered on the replay socket.",
+            pub.num_replay_requests)
+
+
+def _store_samples(page: _Page, rs: ResponseStore) -> None:
+    """What the Responses API store holds and evicted."""
+    gauge, counter = page.gauge, page.counter
+    gauge("prefixroute:responses_stored", "Responses held in the in-process Responses API store (what "
+          "previous_response_id and GET /v1/responses/{id} can find).", len(rs))
+    gauge("prefixroute:responses_store_bytes", "JSON bytes held in the Responses API store "
+          "(responses_store_max_bytes caps it).", rs.num_bytes)
+    counter("prefixroute:responses_store_evictions", "Stored responses evicted (least recently used first) "
+            "to stay under responses_store_max_entries / responses_store_max_bytes; their ids answer 404.",
+            rs.num_evictions)
+
+
+def _runner_samples(page: _Page, runner: AsyncEngine) -> None:
+    """How late the real-time runner's steps ended."""
+    gauge, counter = page.gauge, page.counter
+    counter("prefixroute:engine_steps", "Engine steps run in real time.", runner.num_steps)
+    counter("prefixroute:engine_step_lag_seconds", "Sum of how late steps ended versus their modelled end "
+            "(the process keeping up shows as ~0).", runner.lag_sum_s)
+    counter("prefixroute:engine_late_steps", "Steps that ended more than 5 ms late.", runner.num_late_steps)
+    gauge("prefixroute:engine_step_lag_max_seconds", "Largest step lag so far.", runner.lag_max_s)
+
+
+def _config_and_ttft(page: _Page, core: EngineCore) -> None:
+    """The cache configuration (an info gauge) and the TTFT histogram."""
+    lbl, out, st = page.labels, page.out, core.stats
     cfg = core.config
     out.append("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
                "# TYPE vllm:cache_config_info gauge\n"
@@ -114,7 +159,3 @@ def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_r
     lines.append(f"{name}_count{{{lbl}}} {_fmt(st.ttft_count)}")
     lines.append(f"{name}_sum{{{lbl}}} {_fmt(st.ttft_sum_s)}")
     out.append("\n".join(lines))
-    text = "\n".join(out) + "\n"
-    if process:
-        text += generate_latest(_PROCESS).decode()
-    return text

@@ -11,7 +11,7 @@ KV capacity (blocks) = (GPU memory * gpu_memory_utilization - weights per GPU) /
 Activation/graph memory is ignored (vLLM reserves a few GB; the figures are within ~5%).
 
 `EngineSpec` is what one server runs, derived from its settings in one place: the HTTP server
-(`server.ModelServer`) and the virtual-time fleet (`virtual.VirtualFleet`) both build their engines and parse
+(`server.ModelServer`) and the virtual-time fleet (`virtual_fleet.VirtualFleet`) both build their engines and parse
 their requests from it, so a simulation cannot drift from the server it stands for.
 """
 
@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prefixroute.model_servers import protocol
 from prefixroute.model_servers.cost_model import CostModel, TensorParallel, fit
 from prefixroute.model_servers.engine import EngineConfig, EngineCore
-
-if TYPE_CHECKING:
-    from prefixroute.model_servers.server import ServerSettings
 
 H200_MEMORY_BYTES = 141e9
 GPU_MEMORY_UTILIZATION = 0.9
@@ -73,6 +70,23 @@ def get_profile(name: str) -> Profile:
         raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}") from None
 
 
+class SpecSettings(Protocol):
+    """What an `EngineSpec` is built from: the engine's part of a server's settings (server_settings.py
+    `ServerSettings` has them; declared here so that this module, which the settings import for their defaults,
+    does not import them back)."""
+
+    profile: str
+    num_gpu_blocks: int | None
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None
+    time_scale: float
+    served_model_name: str
+    lora_modules: tuple[str, ...]
+    default_max_tokens: int
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """One simulated server's engine and API surface, from its settings (`from_settings`). Immutable; the cost
@@ -87,7 +101,7 @@ class EngineSpec:
     default_max_tokens: int
 
     @classmethod
-    def from_settings(cls, s: ServerSettings) -> EngineSpec:
+    def from_settings(cls, s: SpecSettings) -> EngineSpec:
         """The spec of a server started with settings `s` (ValueError for an unknown profile)."""
         profile = get_profile(s.profile)
         num_blocks = s.num_gpu_blocks or profile.num_gpu_blocks(s.block_size)

@@ -40,12 +40,15 @@ Failure behaviours (chosen, tested):
   also stops reading, so pipelined requests cannot pile up responses behind it;
 - SIGTERM: stop listening, let in-flight requests finish for up to `shutdown_grace_s`, then close the rest
   and exit 0.
+
+Modules: server_settings.py (`ServerSettings`), http_connection.py (HTTP parsing, responses, flow control),
+sinks.py (how tokens reach the client); this one the server (`ModelServer`: lifecycle, routes, handlers) and
+`serve`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
@@ -53,139 +56,24 @@ import random
 import signal
 import socket
 import time
-from typing import ClassVar
 from urllib.parse import unquote
 
-import httptools
 import orjson
 
 from prefixroute import identity, responses_prompt
 from prefixroute.model_servers import kv_events_publisher, metrics, protocol, response_store, tokenizer
 from prefixroute.model_servers.engine import EngineRequest
+from prefixroute.model_servers.http_connection import SLOW_CLIENT_REASONS, HttpConnection
 from prefixroute.model_servers.kv_cache import root_hash
-from prefixroute.model_servers.profiles import DEFAULT_PROFILE, PROFILES, EngineSpec
+from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.runtime import AsyncEngine
+from prefixroute.model_servers.server_settings import ServerSettings
+from prefixroute.model_servers.sinks import FullSink, ResponsesFullSink, ResponsesStreamSink, StreamSink
 from prefixroute.openai_errors import OpenAIError, error_body
-from prefixroute.settings import Settings, setting
+
+__all__ = ["HttpConnection", "ModelServer", "ServerSettings", "serve"]
 
 log = logging.getLogger("prefixroute.model_server")
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerSettings(Settings):
-    ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_MODEL_SERVER_"
-    TITLE: ClassVar[str] = "Simulated model server"
-
-    host: str = setting("127.0.0.1", "Address to listen on (loopback: the simulation never needs more).")
-    port: int = setting(8000, "TCP port to listen on (vLLM's default port).")
-    id: str = setting("", "Server id returned in x-prefixroute-server-id (default: host:port).")
-    profile: str = setting(DEFAULT_PROFILE, f"Model/GPU profile: {', '.join(PROFILES)}. Sets the cost model, "
-                                            "KV capacity and served model name.")
-    served_model_name: str = setting("", "Model name served (default: the profile's Hugging Face name).")
-    lora_modules: tuple[str, ...] = setting((), "LoRA adapter names also served (comma-separated); the adapter "
-                                                "name is part of the block hash, like vLLM.")
-    num_gpu_blocks: int | None = setting(None, "KV cache capacity in blocks (default: from the profile's GPU "
-                                              "memory after weights, e.g. 52,852 for the 8B profile).")
-    block_size: int = setting(16, "Tokens per KV block (vLLM's default on CUDA).")
-    max_num_seqs: int = setting(256, "Most requests running at once (vLLM's default).")
-    max_num_batched_tokens: int = setting(8192, "Token budget per engine step, chunked prefill above it "
-                                                "(vLLM's default for online serving on an H100/H200).")
-    max_model_len: int | None = setting(None, "Context window in tokens (default: the profile's 131,072, "
-                                              "capped at the KV capacity).")
-    default_max_tokens: int = setting(16, "Tokens generated when a request sets no max_tokens (the simulated "
-                                          "model never stops early; 16 is OpenAI's completions default).")
-    time_scale: float = setting(1.0, "Multiplier on modelled step times (1.0 = calibrated H200 time; 0.1 makes "
-                                     "the simulated GPU 10x faster for quick tests; 0 = no GPU time).")
-    fail_ratio: float = setting(0.0, "Fraction of generation requests answered with a 500 (fault injection).")
-    extra_latency_ms: float = setting(0.0, "Latency added before each generation request enters the engine.")
-    refuse_connections: bool = setting(False, "Start with the serving socket closed (toggle with SIGUSR1 or "
-                                              "POST /admin/faults on the admin listener).")
-    admin_port: int = setting(-1, "Port of the separate admin listener that serves GET|POST /admin/faults "
-                                  "(runtime fault injection): -1 = no admin listener (the default: nothing "
-                                  "can change faults at runtime except SIGUSR1), 0 = a free port (printed as "
-                                  "`ADMIN host:port` before `READY`), N = that port. Never the serving port: "
-                                  "a gateway forwarding a client's /admin/faults must not reach it.")
-    admin_host: str = setting("127.0.0.1", "Address of the admin listener (loopback: only processes on this "
-                                           "host, such as tests and benches, can inject faults).")
-    max_stream_buffer_bytes: int = setting(256 * 1024, "Most bytes of one response held in this process for a "
-                                                       "client that does not read (beyond the kernel's socket "
-                                                       "buffers); past it the request is aborted and its KV "
-                                                       "blocks freed. 256 KiB is ~1,200 SSE token chunks (~6 s "
-                                                       "of an 8B decode at 200 tokens/s): a reading client "
-                                                       "never comes near it, and 1,000 stalled clients hold at "
-                                                       "most 256 MiB.")
-    stall_timeout_s: float = setting(30.0, "How long a connection may stay write-paused (its client reads "
-                                           "nothing, or too little to drain the buffer) before its request is "
-                                           "aborted and the connection reset. 30 s: far above any pause of a "
-                                           "live client (GC, TCP retransmits), short enough that a dead one "
-                                           "frees its KV blocks before a slow generation fills the buffer. "
-                                           "0 = no stall limit (the buffer limit alone).")
-    shutdown_grace_s: float = setting(2.0, "On SIGTERM, how long in-flight requests may finish before their "
-                                           "connections are closed (short: tests restart servers often).")
-    max_body_bytes: int = setting(16 * 1024 * 1024, "Largest request body accepted; larger ones get a 413 and "
-                                                     "the connection is closed (16 MiB: 30x a full 131k-token "
-                                                     "prompt as JSON).")
-    responses_store: bool = setting(True, "Keep finished Responses API responses (body `store`, default true) in "
-                                          "this process's memory so `previous_response_id` follow-ups and GET "
-                                          "/v1/responses/{id} find them (vLLM with "
-                                          "VLLM_ENABLE_RESPONSES_API_STORE=1). Off: nothing is stored, like "
-                                          "vLLM's default; every follow-up gets a 404. The store empties when "
-                                          "the process restarts.")
-    responses_store_max_entries: int = setting(10_000, "Most responses kept (least recently used evicted "
-                                                       "first; a follow-up refreshes its previous response). "
-                                                       "10,000 holds e.g. 500 live agent sessions of 20 turns.")
-    responses_store_max_bytes: int = setting(256 * 1024 * 1024, "Most bytes kept in the response store, counted "
-                                                                "as the JSON of each entry (the messages its "
-                                                                "request rendered plus the response). Each turn "
-                                                                "stores its whole conversation, so a session's "
-                                                                "entries grow with its length: 256 MiB holds "
-                                                                "~5,000 turns of 50 KB (~12k-token) contexts. An "
-                                                                "evicted id answers 404, as after a restart.")
-    listen_fd: int = setting(-1, "Serve on this inherited listening socket instead of binding host:port (a launcher "
-                                 "that holds the port across this server's restarts, so no other process can take "
-                                 "it while this one is down: `prefixroute up`). -1: bind host:port.")
-    seed: int = setting(0, "Seed of the fault-injection random generator (reproducible runs).")
-    log_level: str = setting("INFO", "Python log level: INFO logs start-up and rare events (a prefix-cache reset, "
-                             "an aborted slow client at WARNING); per-request logs are DEBUG.")
-    kv_events_config: str = setting(
-        "", "KV-cache events, as vLLM's --kv-events-config JSON: e.g. '{\"enable_kv_cache_events\": true, "
-            "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
-            "\"topic\": \"kv-events\"}' (also buffer_steps 10000, hwm 100000, max_queue_size 100000: vLLM's keys "
-            "and defaults; an unknown key is a startup error). An endpoint with '*' is bound ('tcp://*:P' on "
-            "every interface, 'tcp://127.0.0.1:*' on loopback at a free port, printed as KV_EVENTS), any other "
-            "is connected to, like vLLM. Empty = no events (vLLM's default).")
-
-    def __post_init__(self) -> None:
-        kv_events_publisher.parse_config(self.kv_events_config)  # a bad config fails at startup, with its reason
-        if self.responses_store_max_entries < 1 or self.responses_store_max_bytes < 1:
-            raise ValueError("responses_store_max_entries and responses_store_max_bytes must be >= 1")
-
-
-_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed", 409: b"Conflict",
-            413: b"Payload Too Large", 415: b"Unsupported Media Type", 500: b"Internal Server Error",
-            503: b"Service Unavailable"}
-WRITE_HIGH_WATER_BYTES = 64 * 1024
-"""Transport write-buffer level that pauses a connection (asyncio's default; the low mark is a quarter). It
-is capped at `max_stream_buffer_bytes`, so a small limit still pauses first."""
-SLOW_CLIENT_REASONS = ("buffer_full", "stalled")
-_WORDS = tuple(w.encode() for w in tokenizer.OUTPUT_WORDS)
-_NUM_WORDS = len(_WORDS)
-
-
-def _writable(conn: HttpConnection) -> bool:
-    """Whether a streamed response may write its next token to `conn`: raises ConnectionError when the client
-    is gone (the engine aborts the request); False when a paused client's buffer is full (the request is given
-    up: aborted in the engine, so no more tokens come for it)."""
-    if conn.closed:
-        raise ConnectionError("client gone")
-    if conn.paused and conn.transport.get_write_buffer_size() > conn.app.settings.max_stream_buffer_bytes:
-        conn.give_up("buffer_full")
-        return False
-    return True
-
-
-def _word(seed: int, index: int) -> bytes:
-    return _WORDS[(seed * 31 + index * 7) % _NUM_WORDS]
 
 
 class ModelServer:
@@ -197,7 +85,8 @@ class ModelServer:
         self.spec = spec = EngineSpec.from_settings(s)
         self.profile = spec.profile
         ev_cfg = kv_events_publisher.parse_config(s.kv_events_config)
-        self.kv_publisher = kv_events_publisher.ZmqEventPublisher(ev_cfg) if ev_cfg is not None and ev_cfg.enabled else None
+        self.kv_publisher = (kv_events_publisher.ZmqEventPublisher(ev_cfg) if ev_cfg is not None and ev_cfg.enabled
+                             else None)
         self.core = spec.new_engine(self.kv_publisher.publish if self.kv_publisher is not None else None)
         self.engine = AsyncEngine(self.core)
         self.served = spec.served_model_name
@@ -339,7 +228,7 @@ class ModelServer:
         req = EngineRequest(rid, g.prompt_ids, g.max_tokens, block_size=self.core.block_size,
                             root=self.root_for(g.model, g.cache_salt), lora_name=lora,
                             lora_id=self.lora_ids.get(lora) if lora is not None else None, cache_salt=g.cache_salt)
-        req.sink = (StreamSink if g.stream else FullSink)(self, conn, g, rid, req)
+        req.sink = (StreamSink if g.stream else FullSink)(conn, g, rid, req)
         conn.active = req
         if self.extra_latency_s > 0:
             asyncio.get_running_loop().call_later(self.extra_latency_s, self._submit_if_open, conn, req)
@@ -429,7 +318,8 @@ class ModelServer:
         req = EngineRequest(rid, ids, max_output, block_size=self.core.block_size,
                             root=self.root_for(model, cache_salt), lora_name=lora,
                             lora_id=self.lora_ids.get(lora) if lora is not None else None, cache_salt=cache_salt)
-        req.sink = (ResponsesStreamSink if rb.stream else ResponsesFullSink)(self, conn, meta, messages, req)
+        sink = ResponsesStreamSink if rb.stream else ResponsesFullSink
+        req.sink = sink(self.finish_response, conn, meta, messages, req)
         conn.active = req
         if self.extra_latency_s > 0:
             asyncio.get_running_loop().call_later(self.extra_latency_s, self._submit_if_open, conn, req)
@@ -560,301 +450,6 @@ _ADMIN_ROUTES = {
     b"/admin/faults": (_BOTH, ModelServer.h_faults),
     b"/health": (_GET, ModelServer.h_health),
 }
-
-
-class StreamSink:
-    """Writes one streamed response: SSE chunks as the engine samples tokens."""
-
-    __slots__ = ("conn", "enc", "include_usage", "started", "seed")
-
-    def __init__(self, app: ModelServer, conn: HttpConnection, g: protocol.GenerateRequest, rid: str,
-                 req: EngineRequest) -> None:
-        self.conn = conn
-        self.enc = protocol.StreamEncoder(chat=g.chat, request_id=rid, created=int(time.time()), model=g.model)
-        self.include_usage = g.include_usage
-        self.started = False
-        self.seed = req.num_prompt_tokens * 31
-
-    def on_token(self, req: EngineRequest) -> None:
-        conn = self.conn
-        if not _writable(conn):
-            return
-        enc = self.enc
-        finished = req.status == 2  # FINISHED; attribute compare is cheaper than the property
-        chunk = enc.head + _WORDS[(self.seed + (req.num_output - 1) * 7) % _NUM_WORDS] + (
-            enc.last if finished else enc.mid)
-        if not self.started:
-            self.started = True
-            conn.start_stream()
-            if enc.first:
-                chunk = enc.first + chunk
-        if finished:
-            if self.include_usage:
-                chunk += enc.usage_chunk(req.num_prompt_tokens, req.num_output, req.num_cached_tokens)
-            chunk += protocol.DONE
-            conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(chunk), chunk))
-            conn.finish_response()
-        else:
-            conn.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-
-
-class FullSink:
-    """Collects a non-streamed response and writes it when the request finishes."""
-
-    __slots__ = ("conn", "g", "rid")
-
-    def __init__(self, app: ModelServer, conn: HttpConnection, g: protocol.GenerateRequest, rid: str,
-                 req: EngineRequest) -> None:
-        self.conn, self.g, self.rid = conn, g, rid
-
-    def on_token(self, req: EngineRequest) -> None:
-        if not req.finished:
-            return
-        text = b"".join(_word(req.num_prompt_tokens, i) for i in range(req.num_output)).decode()
-        self.conn.respond(200, protocol.full_response(
-            chat=self.g.chat, request_id=self.rid, created=int(time.time()), model=self.g.model, text=text,
-            prompt_tokens=req.num_prompt_tokens, completion_tokens=req.num_output,
-            cached_tokens=req.num_cached_tokens))
-
-
-def _output_text(req: EngineRequest) -> str:
-    return b"".join(_word(req.num_prompt_tokens, i) for i in range(req.num_output)).decode()
-
-
-class ResponsesStreamSink:
-    """Writes one streamed Responses API response: named SSE events (`response_store.StreamEncoder`), one write per
-    token; the opening events at admission (`open`). Backpressure and disconnects as `StreamSink`."""
-
-    __slots__ = ("conn", "app", "enc", "meta", "messages", "seed", "opened")
-
-    def __init__(self, app: ModelServer, conn: HttpConnection, meta: response_store.ResponseMeta, messages: list,
-                 req: EngineRequest) -> None:
-        self.app, self.conn, self.meta, self.messages = app, conn, meta, messages
-        self.enc = response_store.StreamEncoder(meta)
-        self.seed = req.num_prompt_tokens * 31
-        self.opened = False
-
-    def open(self) -> None:
-        if not self.opened and not self.conn.closed:
-            self.opened = True
-            self.conn.start_stream()
-            opening = self.enc.opening()
-            self.conn.transport.write(b"%x\r\n%b\r\n" % (len(opening), opening))
-
-    def on_token(self, req: EngineRequest) -> None:
-        conn = self.conn
-        if not _writable(conn):
-            return
-        if not self.opened:
-            self.open()
-        index = req.num_output - 1
-        finished = req.status == 2  # FINISHED
-        enc = self.enc
-        chunk = enc.token(_WORDS[(self.seed + index * 7) % _NUM_WORDS], index, finished)
-        if index == 0:
-            chunk = enc.first() + chunk
-        if finished:
-            text = _output_text(req)
-            final, _ = self.app.finish_response(self.meta, self.messages, req, text)
-            chunk += enc.closing(text, req.num_output, final)
-            conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(chunk), chunk))
-            conn.finish_response()
-        else:
-            conn.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-
-
-class ResponsesFullSink:
-    """Collects a non-streamed Responses API response; writes (and stores) it when the request finishes."""
-
-    __slots__ = ("app", "conn", "meta", "messages")
-
-    def __init__(self, app: ModelServer, conn: HttpConnection, meta: response_store.ResponseMeta, messages: list,
-                 req: EngineRequest) -> None:
-        self.app, self.conn, self.meta, self.messages = app, conn, meta, messages
-
-    def on_token(self, req: EngineRequest) -> None:
-        if not req.finished:
-            return
-        _, body = self.app.finish_response(self.meta, self.messages, req, _output_text(req))
-        self.conn.respond(200, body)
-
-
-class HttpConnection(asyncio.Protocol):
-    """One client connection: HTTP/1.1 keep-alive, one request at a time (pipelined ones queue).
-
-    Flow control: asyncio calls `pause_writing` when the transport's buffer passes its high mark and
-    `resume_writing` when it drains below the low mark. While paused the connection reads no more requests,
-    a stream may add at most `max_stream_buffer_bytes` to the buffer, and a timer gives up after
-    `stall_timeout_s` (`give_up`). On the admin listener (`admin`) only the admin routes exist.
-    """
-
-    def __init__(self, app: ModelServer, *, admin: bool = False) -> None:
-        self.app = app
-        self.admin = admin
-        self.paused = False
-        self._stall_timer: asyncio.TimerHandle | None = None
-        self.content_encoding: bytes | None = None
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self.url = b""
-        self.query = b""  # the current request's query string (set by ModelServer.dispatch)
-        self.body: list[bytes] = []
-        self.traceparent: bytes | None = None
-        self.keep_alive = True
-        self.active: EngineRequest | None = None
-        self.busy = False
-        self.pending: list[tuple[bytes, bytes, bytes, bytes | None, bool, bytes | None, bytes | None]] = []
-        self.cur_traceparent: bytes | None = None
-        self.cur_keep_alive = True
-        self.challenge: bytes | None = None  # the router's identity challenge (x-prefixroute-challenge)
-        self.cur_challenge: bytes | None = None
-        self.closed = False
-        self.body_size = 0
-        self.too_large = False
-
-    # asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        high = min(WRITE_HIGH_WATER_BYTES, self.app.settings.max_stream_buffer_bytes)
-        self.transport.set_write_buffer_limits(high=high, low=high // 4)
-        self.app.connections.add(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._cancel_stall_timer()
-        self.app.connections.discard(self)
-        if self.active is not None:
-            self.app.engine.abort(self.active)
-            self.active = None
-
-    def pause_writing(self) -> None:
-        self.paused = True
-        if not self.transport.is_closing():
-            self.transport.pause_reading()  # no new requests while their responses could not be written
-        if self._stall_timer is None and self.app.settings.stall_timeout_s > 0:
-            self._stall_timer = asyncio.get_running_loop().call_later(self.app.settings.stall_timeout_s,
-                                                                      self.give_up, "stalled")
-
-    def resume_writing(self) -> None:
-        self.paused = False
-        self._cancel_stall_timer()
-        if not self.transport.is_closing():
-            self.transport.resume_reading()
-
-    def _cancel_stall_timer(self) -> None:
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
-
-    def give_up(self, reason: str) -> None:
-        """The client does not read: abort its request in the engine (frees its KV blocks), count it under
-        `reason`, and reset the connection (`abort`, not `close`: close would wait for the buffer to drain,
-        which a stalled client never lets happen, so the buffer would stay allocated)."""
-        self._cancel_stall_timer()
-        if self.closed:
-            return
-        req = self.active
-        if req is not None:
-            self.app.engine.abort(req)
-            self.active = None
-        self.app.slow_client_aborts[reason] += 1
-        log.warning("slow client: %s after %d bytes buffered; request %s aborted, connection reset", reason,
-                    self.transport.get_write_buffer_size(), req.request_id if req is not None else "-")
-        self.closed = True
-        self.pending.clear()
-        self.transport.abort()
-
-    def data_received(self, data: bytes) -> None:
-        if self.too_large:
-            return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.cur_keep_alive = False
-            self.busy = True
-            self.respond(400, error_body(400, f"Malformed HTTP request: {exc}"))
-
-    # httptools callbacks
-    def on_message_begin(self) -> None:
-        self.url = b""
-        self.body = []
-        self.body_size = 0
-        self.traceparent = None
-        self.content_encoding = None
-        self.challenge = None
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) == 11 and name.lower() == b"traceparent":
-            self.traceparent = value
-        elif len(name) == 16 and name.lower() == b"content-encoding":
-            self.content_encoding = value
-        elif len(name) == 23 and name.lower() == b"x-prefixroute-challenge":
-            self.challenge = value[:identity.MAX_CHALLENGE_CHARS]
-
-    def on_body(self, body: bytes) -> None:
-        if self.too_large:
-            return
-        self.body.append(body)
-        self.body_size += len(body)
-        if self.body_size > self.app.settings.max_body_bytes:
-            self.too_large = True
-            self.cur_keep_alive = False
-            self.busy = True
-            self.pending.clear()
-            self.respond(413, error_body(413, f"Request body larger than {self.app.settings.max_body_bytes} bytes."))
-
-    def on_message_complete(self) -> None:
-        if self.too_large:
-            return
-        item = (self.parser.get_method(), self.url, b"".join(self.body), self.traceparent,
-                self.parser.should_keep_alive(), self.content_encoding, self.challenge)
-        if self.busy:
-            self.pending.append(item)
-        else:
-            self._run(item)
-
-    def _run(self, item: tuple[bytes, bytes, bytes, bytes | None, bool, bytes | None, bytes | None]) -> None:
-        method, url, body, self.cur_traceparent, self.cur_keep_alive, encoding, self.cur_challenge = item
-        self.busy = True
-        if body and encoding is not None and encoding.strip().lower() not in (b"identity", b""):
-            # decoding it ourselves would be a decompression-bomb surface; vLLM does not decode either
-            self.respond(415, error_body(415, f"Unsupported Content-Encoding "
-                                              f"'{protocol.clip(encoding.decode(errors='replace'))}': send the "
-                                              "request body uncompressed (identity)."))
-            return
-        self.app.dispatch(self, method, url, body)
-
-    # responses
-    def _head(self, status: int, extra: bytes) -> bytes:
-        tp = self.cur_traceparent
-        return b"".join((b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b"Error")), extra,
-                         self.app.common_headers,
-                         b"x-prefixroute-traceparent: " + tp + b"\r\n" if tp else b"",
-                         b"" if self.cur_keep_alive else b"connection: close\r\n", b"\r\n"))
-
-    def respond(self, status: int, body: bytes, content_type: bytes = b"application/json",
-                extra_headers: bytes = b"") -> None:
-        if self.transport.is_closing():
-            return
-        self.transport.write(self._head(status, b"content-type: %b\r\ncontent-length: %d\r\n%b"
-                                        % (content_type, len(body), extra_headers)) + body)
-        self.finish_response()
-
-    def start_stream(self) -> None:
-        self.transport.write(self._head(200, b"content-type: text/event-stream; charset=utf-8\r\n"
-                                             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n"))
-
-    def finish_response(self) -> None:
-        self.active = None
-        self.busy = False
-        if not self.cur_keep_alive or self.app.closing or (self.app.refusing and not self.admin):
-            self.transport.close()
-            return
-        if self.pending:
-            self._run(self.pending.pop(0))
 
 
 async def serve(s: ServerSettings, ready: asyncio.Future | None = None) -> int:

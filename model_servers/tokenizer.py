@@ -25,15 +25,22 @@ render as a placeholder token). Assistant ``tool_calls`` render as JSON after th
 block, so they are part of every turn's shared prefix. Turn N+1 of a conversation (turn N's messages
 + the assistant reply + a new user message) renders to turn N's prompt without the generation prompt
 as a prefix. `ChatTemplateError` carries the offending ``param`` for a 400.
+
+`SimTokenizer`: the same tokenizer and template as the router's `PromptTokenizer` (prefixroute.prompt_tokenizer),
+registered under the name ``sim`` in the entry point group ``prefixroute.tokenizers`` (pyproject.toml), so the
+router loads it by name (``--tokenizer sim``) without importing this package.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import numpy as np
 import orjson
+
+from prefixroute.prompt_tokenizer import TokenizationError, TokenizerBase, special_token_pattern
 
 VOCAB_SIZE = 128256
 NUM_TEXT_TOKENS = 128000
@@ -194,3 +201,33 @@ def render_chat(messages: Sequence[Any], *, tools: Sequence[Any] | None = None,
     if add_generation_prompt:
         out.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
     return "".join(out)
+
+
+class SimTokenizer(TokenizerBase):
+    """The simulated model servers' tokenizer and Llama-3-style chat template (`encode`, `render_chat`) as a
+    `PromptTokenizer`, applied as model_servers/protocol.py `prompt_ids_of` applies them: no special tokens are
+    ever added by encoding. Registered as ``sim`` (module docstring)."""
+
+    name = "sim"
+
+    def __init__(self) -> None:
+        self._special_ids = dict(SPECIAL_TOKENS)
+        self._split_re = special_token_pattern(list(SPECIAL_TOKENS))
+
+    def render_chat(self, body: Mapping[str, Any]) -> tuple[str, bool]:
+        try:
+            text = render_chat(body.get("messages"), tools=body.get("tools"),
+                               add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+        except (ChatTemplateError, TypeError, AttributeError) as exc:
+            raise TokenizationError(f"chat template: {exc}") from None
+        return text, False
+
+    def completion_prompt(self, body: Mapping[str, Any]) -> tuple[str | np.ndarray, bool]:
+        prompt, _ = super().completion_prompt(body)
+        return prompt, False  # the simulated server never adds special tokens
+
+    def encode(self, text: str, add_special_tokens: bool) -> np.ndarray:
+        return encode(text).astype(np.uint32, copy=False)
+
+    def encode_piece(self, text: str) -> np.ndarray:
+        return encode(text).astype(np.uint32, copy=False)

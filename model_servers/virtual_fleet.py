@@ -7,7 +7,7 @@ the bytes a client sends: `SimRequest.from_body` parses them with the HTTP serve
 the 400/404 refusals), so the engine sees what a server would. API for benchmarks and routing simulations::
 
     from prefixroute.model_servers.profiles import EngineSpec
-    from prefixroute.model_servers.server import ServerSettings
+    from prefixroute.model_servers.server_settings import ServerSettings
     from prefixroute.model_servers.virtual_fleet import VirtualFleet, SimRequest
 
     spec = EngineSpec.from_settings(ServerSettings(profile="llama-3.1-8b-h200"))
@@ -130,7 +130,7 @@ class VirtualFleet:
                  endpoint_ids: Sequence[str] | None = None, coalesce_decode: bool = True) -> None:
         """`spec` defaults to a server with default settings (`ServerSettings()`)."""
         if spec is None:
-            from prefixroute.model_servers.server import ServerSettings
+            from prefixroute.model_servers.server_settings import ServerSettings
 
             spec = EngineSpec.from_settings(ServerSettings())
         self.spec = spec
@@ -155,6 +155,10 @@ class VirtualFleet:
         self.block_size = spec.config.block_size
         self._results: dict[int, SimResult] = {}
         self._order: list[str] = []
+        # The current run's follow-up arrivals and on_finish (set by `run`).
+        self._injected: list[tuple[float, int, SimRequest]] = []
+        self._inj_seq = 0
+        self._on_finish: Callable[[SimResult, VirtualFleet], Iterable[SimRequest] | None] | None = None
 
     @property
     def num_servers(self) -> int:
@@ -234,76 +238,12 @@ class VirtualFleet:
         fleet's clock or that the engine cannot hold (prompt + max_tokens > max_model_len: `from_body` makes
         such a request a 400 instead).
         """
-        results = self._results
         order = self._order
         start = len(order)
         heap = self._heap
         timers = self._timers
-        plans = self._plans
-        engines = self.engines
-        ids = self.endpoint_ids
-        bs = self.block_size
-        injected: list[tuple[float, int, SimRequest]] = []
-        inj_seq = 0
-
-        def finished(res: SimResult, k: int, t: float) -> None:
-            nonlocal inj_seq
-            results[k] = res
-            if on_finish is not None:
-                for follow in on_finish(res, self) or ():
-                    if follow.arrival_s < t:
-                        follow.arrival_s = t
-                    inj_seq += 1
-                    heapq.heappush(injected, (follow.arrival_s, inj_seq, follow))
-
-        def step_end() -> None:
-            t, seq, i = heapq.heappop(heap)
-            if seq != self._event[i]:
-                return  # superseded (a decode run was cut short)
-            self.now_s = t
-            plan = plans[i]
-            plans[i] = None
-            core = engines[i]
-            if isinstance(plan, DecodeRun):
-                done = core.finish_decode_run(plan, plan.num_steps, t)
-            else:
-                done = [r for r in core.finish_step(plan, t) if r.status == 2]  # type: ignore[arg-type]
-            self._start_step(i, t)
-            for r in done:
-                k = r.sink
-                finished(SimResult(order[k], i, ids[i], r.arrival_s, r.first_token_s, t, r.num_prompt_tokens,
-                                   r.num_cached_tokens, r.num_output, r.num_preemptions), k, t)
-
-        def refuse(req: SimRequest, k: int, i: int, exc: OpenAIError) -> None:
-            t = req.arrival_s
-            finished(SimResult(req.request_id, i, ids[i] if i >= 0 else None, t, None, t, 0, 0, 0, 0,
-                               status=exc.status, error=exc.body().decode()), k, t)
-
-        def admit(req: SimRequest) -> None:
-            if req.arrival_s < self.now_s - 1e-12:
-                raise ValueError(f"request {req.request_id} arrives at {req.arrival_s} before now {self.now_s}")
-            self.now_s = req.arrival_s
-            k = len(order)
-            order.append(req.request_id)
-            try:
-                target = route(req, self)
-            except OpenAIError as exc:
-                refuse(req, k, -1, exc)
-                return
-            i = self._index[target] if isinstance(target, str) else int(target)
-            if req.error is not None:
-                refuse(req, k, i, req.error)
-                return
-            if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
-                raise ValueError(f"request {req.request_id}: prompt + max_tokens exceeds {self.max_model_len}")
-            er = EngineRequest(req.request_id, req.prompt_ids, req.max_tokens, block_size=bs,
-                               root=self._root(req), arrival_s=req.arrival_s, sink=k)
-            engines[i].add_request(er)
-            if plans[i] is None:
-                self._start_step(i, req.arrival_s)
-            elif isinstance(plans[i], DecodeRun):
-                self._interrupt_run(i, req.arrival_s)
-
+        injected = self._injected = []  # follow-ups from on_finish: (arrival_s, seq, request)
+        self._on_finish = on_finish
         inf = float("inf")
         it = iter(requests)
         nxt = next(it, None)
@@ -323,10 +263,77 @@ class VirtualFleet:
                 self.now_s = t
                 callback()
             if step_next <= t_next:
-                step_end()
+                self._step_end()
             elif from_injected:
-                admit(heapq.heappop(injected)[2])
+                self._admit(heapq.heappop(injected)[2], route)
             else:
-                admit(nxt)  # type: ignore[arg-type]
+                self._admit(nxt, route)  # type: ignore[arg-type]
                 nxt = next(it, None)
+        results = self._results
         return [results[k] for k in range(start, len(order)) if k in results]
+
+    def _finished(self, res: SimResult, k: int, t: float) -> None:
+        """Record request k's result; its follow-ups (the run's on_finish) join the injected arrivals."""
+        self._results[k] = res
+        on_finish = self._on_finish
+        if on_finish is not None:
+            for follow in on_finish(res, self) or ():
+                if follow.arrival_s < t:
+                    follow.arrival_s = t
+                self._inj_seq += 1
+                heapq.heappush(self._injected, (follow.arrival_s, self._inj_seq, follow))
+
+    def _step_end(self) -> None:
+        """The earliest step end: finish that engine's step (or decode run), start its next, record the
+        requests it finished."""
+        t, seq, i = heapq.heappop(self._heap)
+        if seq != self._event[i]:
+            return  # superseded (a decode run was cut short)
+        self.now_s = t
+        plans = self._plans
+        plan = plans[i]
+        plans[i] = None
+        core = self.engines[i]
+        if isinstance(plan, DecodeRun):
+            done = core.finish_decode_run(plan, plan.num_steps, t)
+        else:
+            done = [r for r in core.finish_step(plan, t) if r.status == 2]  # type: ignore[arg-type]
+        self._start_step(i, t)
+        order, ep = self._order, self.endpoint_ids[i]
+        for r in done:
+            k = r.sink
+            self._finished(SimResult(order[k], i, ep, r.arrival_s, r.first_token_s, t, r.num_prompt_tokens,
+                                     r.num_cached_tokens, r.num_output, r.num_preemptions), k, t)
+
+    def _refuse(self, req: SimRequest, k: int, i: int, exc: OpenAIError) -> None:
+        t = req.arrival_s
+        self._finished(SimResult(req.request_id, i, self.endpoint_ids[i] if i >= 0 else None, t, None, t, 0, 0, 0,
+                                 0, status=exc.status, error=exc.body().decode()), k, t)
+
+    def _admit(self, req: SimRequest, route: Callable[[SimRequest, VirtualFleet], int | str]) -> None:
+        """`req` arrives now: route it (a refusal is its result), then add it to the engine picked."""
+        if req.arrival_s < self.now_s - 1e-12:
+            raise ValueError(f"request {req.request_id} arrives at {req.arrival_s} before now {self.now_s}")
+        self.now_s = req.arrival_s
+        order = self._order
+        k = len(order)
+        order.append(req.request_id)
+        try:
+            target = route(req, self)
+        except OpenAIError as exc:
+            self._refuse(req, k, -1, exc)
+            return
+        i = self._index[target] if isinstance(target, str) else int(target)
+        if req.error is not None:
+            self._refuse(req, k, i, req.error)
+            return
+        if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
+            raise ValueError(f"request {req.request_id}: prompt + max_tokens exceeds {self.max_model_len}")
+        er = EngineRequest(req.request_id, req.prompt_ids, req.max_tokens, block_size=self.block_size,
+                           root=self._root(req), arrival_s=req.arrival_s, sink=k)
+        self.engines[i].add_request(er)
+        plan = self._plans[i]
+        if plan is None:
+            self._start_step(i, req.arrival_s)
+        elif isinstance(plan, DecodeRun):
+            self._interrupt_run(i, req.arrival_s)

@@ -29,7 +29,9 @@ import orjson
 
 from prefixroute.extproc.routing.request import parse_request
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.tokens import HFTokenizer, PromptHasher, SimTokenizer
+from prefixroute.extproc.routing.tokenizers import HFTokenizer
+from prefixroute.extproc.routing.tokens import PromptHasher
+from prefixroute.model_servers.tokenizer import SimTokenizer
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -10,7 +10,7 @@ Starts, in order, and waits until each serves:
 5. with `--traffic WORKLOAD`, a steady demo load through the gateway (`prefixroute traffic`).
 
 Then prints one summary (every URL and port, the state folder, the run id) and supervises the children
-(`prefixroute.procs.Supervisor`): one that exits is restarted after 0.2 s, then with doubling delays up to
+(`prefixroute.supervisor.Supervisor`): one that exits is restarted after 0.2 s, then with doubling delays up to
 15 s while it keeps crashing, each time with a line on stderr (which child, its exit status, the restart
 number, the delay) and another once it is ready again. A crashed model server is one endpoint down meanwhile
 (the router's probes and Envoy's fallbacks serve from the others); a crashed ext_proc leaves Envoy routing
@@ -52,11 +52,11 @@ from prefixroute.extproc.gateway import PORT_MODES, GatewayProcesses, GatewaySet
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.model_servers.kv_events_publisher import config_json
-from prefixroute.procs import (PortBusy, ProcessGroup, RestartPolicy, Stopped, Supervisor, check_ports_free, free_port,
-                               free_ports, held_listener, http_ok, port_in_use, prefixroute_argv, reset_pending,
-                               stop_on_signals)
+from prefixroute.procs import (PortBusy, ProcessGroup, Stopped, check_ports_free, free_port, free_ports, held_listener,
+                               http_ok, port_in_use, prefixroute_argv, reset_pending, stop_on_signals)
 from prefixroute.settings import Settings, setting
 from prefixroute.state import DB_NAME, LOGS_NAME, ensure_dir, new_run_id, state_dir
+from prefixroute.supervisor import RestartPolicy, Supervisor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -348,30 +348,64 @@ class KVEventIndex:
         drop_holder(self._heads, endpoint, heads)
 
     def _store(self, endpoint: EndpointId, st: _Endpoint, ev: BlockStored) -> None:
-        c = st.counters
         n = len(ev.block_hashes)
-        if n == 0:
+        if n == 0 or not self._storable(st, ev, n):
             return
-        if ev.medium not in _GPU_MEDIA or ev.group_idx not in (None, 0):
-            c.num_skipped_blocks += n
-            return
-        if ev.block_size <= 0 or len(ev.token_ids) == 0:  # (token ids may be a numpy array in-process)
-            c.num_placeholder_blocks += n
-            return
-        st.block_size_seen = ev.block_size
-        if ev.block_size != self.block_size:
-            c.num_block_size_mismatch_blocks += n
-            return
-        bs = ev.block_size
-        if len(ev.token_ids) != n * bs:
-            c.num_malformed_events += 1
-            return
+        c = st.counters
         try:
             server = _server_hashes(ev.block_hashes)
             parent = None if ev.parent_block_hash is None else block_hash_int(ev.parent_block_hash)
         except KVEventsDecodeError:
             c.num_malformed_events += 1
             return
+        routed = self._routed_hashes(st, ev, n, parent)
+        if routed is None:
+            return
+        s2r, held, refs = st.s2r, st.held, st.refs
+        for s, r in zip(server, routed):
+            if s in s2r:  # a duplicate block (module docstring): one more reference, the first key stays
+                refs[s] = refs.get(s, 1) + 1
+            else:
+                s2r[s] = r
+                held[r] = held.get(r, 0) + 1
+        c.num_stored_blocks += n
+        if parent is None:
+            r0 = routed[0]
+            if not st.verified and r0 in st.pending:  # a request routed here had this first block
+                st.verified = True
+                st.pending = {}
+            if r0 in held:
+                st.heads.add(r0)
+                holders = self._heads.get(r0)
+                if holders is None:
+                    self._heads[r0] = {endpoint}
+                else:
+                    holders.add(endpoint)
+
+    def _storable(self, st: _Endpoint, ev: BlockStored, n: int) -> bool:
+        """Whether the `n` blocks of `ev` are GPU blocks of this index's block size with their tokens; the ones
+        that are not are counted by why."""
+        c = st.counters
+        if ev.medium not in _GPU_MEDIA or ev.group_idx not in (None, 0):
+            c.num_skipped_blocks += n
+            return False
+        if ev.block_size <= 0 or len(ev.token_ids) == 0:  # (token ids may be a numpy array in-process)
+            c.num_placeholder_blocks += n
+            return False
+        st.block_size_seen = ev.block_size
+        if ev.block_size != self.block_size:
+            c.num_block_size_mismatch_blocks += n
+            return False
+        if len(ev.token_ids) != n * ev.block_size:
+            c.num_malformed_events += 1
+            return False
+        return True
+
+    def _routed_hashes(self, st: _Endpoint, ev: BlockStored, n: int, parent: int | None) -> list[BlockHash] | None:
+        """The router's token-block hashes of the `n` stored blocks: chained from the parent's routed hash, or
+        from the seed of the event's adapter and salt for a first block, extra keys (multimodal) folded in.
+        None (counted) when the parent is unknown or a token id is out of range."""
+        c = st.counters
         lora = ev.lora_name
         if lora is None and ev.lora_id is not None:
             lora = f"\x00lora_id={ev.lora_id}"  # a name no request carries: never the base model's blocks
@@ -394,43 +428,23 @@ class KVEventIndex:
             seed = st.s2r.get(parent)
             if seed is None:
                 c.num_orphan_blocks += n
-                return
+                return None
         try:
             data = _token_bytes(ev.token_ids)
         except (OverflowError, ValueError, TypeError):  # a token id outside uint32
             c.num_malformed_events += 1
-            return
+            return None
         if not folds:
-            routed = hash_token_blocks(data, bs, seed)
-        else:  # rare (multimodal): block by block, folding where a block has extras
-            routed = []
-            h = seed
-            step = 4 * bs
-            for i in range(n):
-                h = _xxh3(data[i * step:(i + 1) * step], h)
-                if i in folds:
-                    h = _fold(h, folds[i])
-                routed.append(BlockHash(h))
-        s2r, held, refs = st.s2r, st.held, st.refs
-        for s, r in zip(server, routed):
-            if s in s2r:  # a duplicate block (module docstring): one more reference, the first key stays
-                refs[s] = refs.get(s, 1) + 1
-            else:
-                s2r[s] = r
-                held[r] = held.get(r, 0) + 1
-        c.num_stored_blocks += n
-        if parent is None:
-            r0 = routed[0]
-            if not st.verified and r0 in st.pending:  # a request routed here had this first block
-                st.verified = True
-                st.pending = {}
-            if r0 in held:
-                st.heads.add(r0)
-                holders = self._heads.get(r0)
-                if holders is None:
-                    self._heads[r0] = {endpoint}
-                else:
-                    holders.add(endpoint)
+            return hash_token_blocks(data, ev.block_size, seed)
+        routed = []  # rare (multimodal): block by block, folding where a block has extras
+        h = seed
+        step = 4 * ev.block_size
+        for i in range(n):
+            h = _xxh3(data[i * step:(i + 1) * step], h)
+            if i in folds:
+                h = _fold(h, folds[i])
+            routed.append(BlockHash(h))
+        return routed
 
     def _remove(self, endpoint: EndpointId, st: _Endpoint, hashes: Sequence[Any]) -> None:
         c = st.counters

@@ -1,5 +1,6 @@
-"""The process manager (common/procs.py) with real child processes: process groups, logs, readiness that
-fails fast, busy ports, stop order and bounds, restarts, supervision with backoff, parent-death signals, stop signals."""
+"""The process manager (common/procs.py, supervisor.py, ports.py) with real child processes: process groups, logs,
+readiness that fails fast, busy ports, stop order and bounds, restarts, supervision with backoff, parent-death
+signals, stop signals."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from helpers.waiting import until
-from prefixroute.procs import (ManagedProcess, PortBusy, ProcessGroup, RestartPolicy, StartupError, Stopped, Supervisor,
-                               parent_death_preexec, stop_group, stop_on_signals, tcp_open)
+from prefixroute.procs import (ManagedProcess, PortBusy, ProcessGroup, StartupError, Stopped, parent_death_preexec,
+                               stop_group, stop_on_signals, tcp_open)
+from prefixroute.supervisor import RestartPolicy, Supervisor
 
 pytestmark = pytest.mark.integration
 
@@ -302,7 +304,7 @@ def test_free_ports_are_distinct_outside_the_ephemeral_range_and_bindable():
     server binds it (a flaky "port busy" seen in CI): free_ports draws outside it, never twice."""
     import socket
 
-    from prefixroute.procs import _ephemeral_port_range, free_ports
+    from prefixroute.ports import _ephemeral_port_range, free_ports
 
     lo, hi = _ephemeral_port_range()
     first, second = free_ports(30), free_ports(30)

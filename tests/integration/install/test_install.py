@@ -168,6 +168,24 @@ def test_gateway_from_the_installed_wheel_routes_a_chat_request(installed: Venv,
     assert status == 200 and served in endpoints, (status, served, endpoints)
 
 
+# Token mode from the wheel: the simulated tokenizer is found through the installed entry point metadata
+# (prefixroute.tokenizers), with model_servers imported only when the name is loaded.
+_TOKENIZER_BY_NAME = """
+import sys
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.tokens import PromptHasher
+assert not [m for m in sys.modules if m.startswith("prefixroute.model_servers")]
+hasher = PromptHasher.from_settings(RoutingSettings(tokenizer="sim"))
+blocks = hasher.chat_blocks({"messages": [{"role": "user", "content": "Is the install complete? " * 20}]})
+print(type(hasher.tokenizer).__module__, blocks.num_prompt_tokens, len(blocks.block_hashes))
+"""
+
+
+def test_the_installed_wheel_loads_the_sim_tokenizer_by_name(installed: Venv) -> None:
+    module, num_tokens, num_blocks = installed.run_python(_TOKENIZER_BY_NAME).split()
+    assert module == "prefixroute.model_servers.tokenizer" and int(num_tokens) > 100 and int(num_blocks) > 5
+
+
 # xds-protos' generated ext_proc classes (protobuf's default pool) and prefixroute's, in one process: the same
 # bytes mean the same to both. With the argument "router", also the router process's modules (OTLP exporter).
 _BESIDE_XDS = """

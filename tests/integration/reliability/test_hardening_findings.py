@@ -36,7 +36,8 @@ from prefixroute.extproc.gateway import (GATEWAY_DIR_PREFIX, HEALTH_PATH, OWNER_
                                          GatewaySettings)
 from prefixroute.extproc.peers import codec
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.procs import RestartPolicy, Supervisor, free_port, http_get, prefixroute_argv, tcp_open
+from prefixroute.procs import free_port, http_get, prefixroute_argv, tcp_open
+from prefixroute.supervisor import RestartPolicy, Supervisor
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -19,7 +19,8 @@ from prefixroute.extproc.routing.request import MAX_KEY_CHARS, bounded_key, pars
 from prefixroute.extproc.routing.scheduling.policies import PrefixPolicy
 from prefixroute.extproc.routing.sessions import SESSION_ENTRY_BYTES, SessionTable
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.tokens import PromptHasher, SimTokenizer
+from prefixroute.extproc.routing.tokens import PromptHasher
+from prefixroute.model_servers.tokenizer import SimTokenizer
 from prefixroute.types import EndpointId, EndpointState
 
 S = RoutingSettings()

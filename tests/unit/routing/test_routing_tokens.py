@@ -1,9 +1,11 @@
-"""Prompt tokenization as the servers do it and cached token-block hashes (routing/tokens.py), and token mode
-in request parsing (routing/request.py). The Hugging Face tokenizers here are trained by the tests themselves
-(tokenizers library, tiny vocabularies, Llama-3-like pre-tokenizer and chat template): nothing is downloaded."""
+"""Prompt tokenization as the servers do it (routing/tokenizers.py, the registry of tokenizers by name), cached
+token-block hashes (routing/tokens.py), and token mode in request parsing (routing/request.py). The Hugging Face
+tokenizers here are trained by the tests themselves (tokenizers library, tiny vocabularies, Llama-3-like
+pre-tokenizer and chat template): nothing is downloaded."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import numpy as np
@@ -15,11 +17,12 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from prefixroute.extproc.routing.hashing import hash_blocks, hash_token_blocks, seed_for, token_seed_for
 from prefixroute.extproc.routing.request import parse_request
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing.tokens import (
-    HFTokenizer, PromptHasher, SimTokenizer, TokenizationError, TokenizerLoadError, load_tokenizer,
-    special_token_pattern,
-)
+from prefixroute.extproc.routing import tokenizers
+from prefixroute.extproc.routing.tokenizers import HFTokenizer, load_tokenizer
+from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.model_servers import protocol
+from prefixroute.model_servers.tokenizer import SimTokenizer
+from prefixroute.prompt_tokenizer import TokenizationError, TokenizerLoadError, special_token_pattern
 
 BS = 16
 SEED = token_seed_for(None, None)
@@ -333,6 +336,57 @@ def test_load_tokenizer_sim_and_folder(hf_folder):
     assert isinstance(load_tokenizer(str(hf_folder)), HFTokenizer)
     with pytest.raises(TokenizerLoadError):
         load_tokenizer("")
+
+
+def test_sim_is_registered_through_the_entry_point_group():
+    # pyproject's [project.entry-points."prefixroute.tokenizers"]: the installed metadata names the factory, so the
+    # router loads it by name without importing model_servers (tests/unit/core/test_core_layering.py).
+    (ep,) = importlib.metadata.entry_points(group=tokenizers.ENTRY_POINT_GROUP, name="sim")
+    assert ep.load() is SimTokenizer
+    assert "sim" in tokenizers.registered_tokenizers()
+
+
+def _install_entry_points(root, dist: str, entry_points: dict[str, str]) -> None:
+    """A minimal installed distribution under `root` (on sys.path) declaring `entry_points` in the group."""
+    info = root / f"{dist}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    lines = "".join(f"{k} = {v}\n" for k, v in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[{tokenizers.ENTRY_POINT_GROUP}]\n{lines}")
+
+
+def test_another_package_registers_a_tokenizer_by_entry_point(tmp_path, monkeypatch):
+    (tmp_path / "third_party_tok.py").write_text(
+        "from prefixroute.model_servers.tokenizer import SimTokenizer\n"
+        "class Renamed(SimTokenizer):\n    name = 'third-party'\n"
+        "def broken():\n    raise RuntimeError('no')\n")
+    _install_entry_points(tmp_path, "third_party_tok", {"third-party": "third_party_tok:Renamed",
+                                                        "missing": "no_such_module_here:Factory",
+                                                        "broken": "third_party_tok:broken"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert {"sim", "third-party", "missing"} <= set(tokenizers.registered_tokenizers())
+    tok = load_tokenizer("third-party")
+    assert tok.name == "third-party" and isinstance(tok, SimTokenizer)
+    with pytest.raises(TokenizerLoadError, match="no_such_module_here"):
+        load_tokenizer("missing")
+    with pytest.raises(TokenizerLoadError, match="'broken' failed to load: RuntimeError: no"):
+        load_tokenizer("broken")
+
+
+def test_in_process_registration_wins_and_unknown_names_list_the_registered(monkeypatch):
+    monkeypatch.setattr(tokenizers, "_registered", {})
+    made = []
+
+    def factory():
+        made.append(SimTokenizer())
+        return made[-1]
+
+    tokenizers.register_tokenizer("sim", factory)
+    assert load_tokenizer("sim") is made[0]
+    with pytest.raises(ValueError):
+        tokenizers.register_tokenizer("", factory)
+    with pytest.raises(TokenizerLoadError, match=r"does not exist.*registered \(prefixroute.tokenizers: sim\)"):
+        load_tokenizer("no-such-tokenizer")
 
 
 def test_missing_chat_template_is_a_tokenization_error(tmp_path):

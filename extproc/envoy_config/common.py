@@ -1,0 +1,58 @@
+"""Names and small message builders shared by the parts of the Envoy configuration (clusters, routes, filters)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import orjson
+from envoy_data_plane.envoy.config.core.v3 import (Address, HeaderValue, HeaderValueOption,
+                                                   HeaderValueOptionHeaderAppendAction, SocketAddress)
+
+from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
+from prefixroute.openai_errors import ERROR_TYPES
+
+EXTPROC_CLUSTER = "prefixroute_extproc"
+EXTPROC_REPLICA_CLUSTER_PREFIX = "prefixroute_extproc_replica_"
+"""Cluster `<prefix>k` holds ext_proc replica k alone: the observing stream of a request replica k routed."""
+PICKED_CLUSTER = "picked_endpoint"
+POOL_CLUSTER = "endpoint_pool_round_robin"
+DIRECT_CLUSTER = "direct_upstream"
+UNAVAILABLE_CLUSTER = "routing_unavailable"
+"""A cluster without endpoints: the target of the routes taken while the routing service is down and the request
+must not go elsewhere (Envoy answers 503; its local reply mapper names the reason)."""
+UNAVAILABLE_STATEFUL_ROUTE = "extproc_unavailable_stateful"
+UNAVAILABLE_CLOSED_ROUTE = "extproc_unavailable_fail_closed"
+OBSERVE_FILTER = "prefixroute.observe_responses"
+ROUTING_FILTER = "envoy.filters.http.ext_proc"
+
+
+def duration(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+def address(hostport: str) -> Address:
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected host:port, got {hostport!r}")
+    return Address(socket_address=SocketAddress(address=host, port_value=int(port)))
+
+
+def set_header(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(header=HeaderValue(key=key, value=value),
+                             append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+# Statuses only Envoy itself answers, named like openai_errors.ERROR_TYPES names the others.
+ENVOY_ERROR_TYPES = {**ERROR_TYPES, 408: "RequestTimeoutError", 426: "UpgradeRequiredError",
+                     431: "RequestHeaderFieldsTooLargeError", 501: "NotImplementedError"}
+
+
+def error_json(status: int, message: str) -> str:
+    # Same shape as prefixroute.openai_errors.error_body; Envoy fills %...% operators at reply time.
+    return orjson.dumps({"error": {"message": message, "type": ENVOY_ERROR_TYPES[status], "param": None,
+                                   "code": status}}).decode()
+
+
+def extproc_addresses(s: EnvoySettings) -> tuple[str, ...]:
+    """The ext_proc replicas' addresses, replica index order: `extproc_replica_addresses`, else `extproc_address`."""
+    return s.extproc_replica_addresses or (s.extproc_address,)

@@ -1,0 +1,180 @@
+"""The gateway listener: its HTTP connection manager (early header mutation, timeouts, path normalisation, the
+route table, Envoy's own replies) and its HTTP filters (the routing ext_proc filter, the observing one, the router),
+and the overload manager that bounds client connections."""
+
+from __future__ import annotations
+
+from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
+from envoy_data_plane.envoy.config.core.v3 import BackoffStrategy as CoreBackoffStrategy
+from envoy_data_plane.envoy.config.core.v3 import (GrpcService, GrpcServiceEnvoyGrpc, HeaderValue,
+                                                   Http1ProtocolOptions, Http2ProtocolOptions, TypedExtensionConfig)
+from envoy_data_plane.envoy.config.core.v3 import HttpProtocolOptions as CoreHttpProtocolOptions
+from envoy_data_plane.envoy.config.core.v3 import RetryPolicy as CoreRetryPolicy
+from envoy_data_plane.envoy.config.core.v3 import RetryPolicyRetryHostPredicate as CoreRetryHostPredicate
+from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
+from envoy_data_plane.envoy.config.route.v3 import Route, RouteConfiguration, VirtualHost
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (ExternalProcessor, MetadataOptions,
+                                                                        MetadataOptionsMetadataNamespaces,
+                                                                        ProcessingMode)
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeBodySendMode as BodySendMode
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeHeaderSendMode as HeaderSendMode
+from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
+from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+    HttpConnectionManager, HttpConnectionManagerCodecType, HttpConnectionManagerPathWithEscapedSlashesAction,
+    HttpFilter)
+from envoy_data_plane.envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
+    HeaderMutation as EarlyHeaderMutation)
+from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import DownstreamConnectionsConfig
+from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import PreviousHostsPredicate
+from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
+from envoy_data_plane.google.protobuf import Any as ProtoAny
+
+from prefixroute.extproc.envoy_config.common import (EXTPROC_CLUSTER, OBSERVE_FILTER, ROUTING_FILTER, address,
+                                                     duration)
+from prefixroute.extproc.envoy_config.replies import local_reply_config
+from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
+from prefixroute.extproc.headers import (LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES, OBSERVED_METADATA,
+                                         REPLICA_HEADER, SERVED_HEADER, route_headers)
+
+ROUTER_FILTER = "envoy.filters.http.router"
+
+
+def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
+    """The HTTP filters in order: the routing ext_proc filter (our picker), the observing one (observability mode,
+    never waited on), the router."""
+    http_filters: list[HttpFilter] = []
+    if s.extproc_enabled:
+        http_filters.append(HttpFilter(name=ROUTING_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
+            # No grpc_service timeout: one stream lives as long as its HTTP request (long streams);
+            # message_timeout bounds each answer instead. The initial metadata tells the service that an
+            # observing filter follows (so it waits for that stream's report before emitting a record).
+            grpc_service=GrpcService(
+                envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+                # The GrpcService's own policy (EnvoyGrpc.retry_policy is for xDS streams only).
+                retry_policy=extproc_retry_policy(num_replicas),
+                initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value="1")] if s.observe_responses else []),
+            failure_mode_allow=s.failure_mode == "open",
+            status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
+            message_timeout=duration(s.extproc_message_timeout_ms / 1000),
+            processing_mode=ProcessingMode(
+                # Headers must be sent (and answered at once) for the body to reach us before routing.
+                request_header_mode=HeaderSendMode.SEND,
+                # The served header is needed once: the observing filter, when present, sees it without making
+                # Envoy wait, so this filter's blocking response-headers round trip is skipped then.
+                response_header_mode=HeaderSendMode.SEND if s.report_served and not s.observe_responses
+                else HeaderSendMode.SKIP,
+                # BUFFERED, measured faster here than FULL_DUPLEX_STREAMED (which saves the CONTINUE round
+                # trip but makes the picker hand the whole body back). send_body_without_waiting_for_
+                # header_response has no effect with BUFFERED in Envoy 1.40 (checked): not set.
+                request_body_mode=BodySendMode.BUFFERED,
+                # Responses (incl. SSE streams) flow through unbuffered and unseen.
+                response_body_mode=BodySendMode.NONE,
+                request_trailer_mode=HeaderSendMode.SKIP,
+                response_trailer_mode=HeaderSendMode.SKIP,
+            ),
+            metadata_options=MetadataOptions(
+                receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[LB_METADATA_NAMESPACE])),
+        ))))
+    if s.extproc_enabled and s.observe_responses:
+        http_filters.append(HttpFilter(name=OBSERVE_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
+            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+            # Send-and-go: Envoy never waits for an answer, so the token stream is not slowed; a telemetry
+            # failure never fails a request.
+            observability_mode=True,
+            failure_mode_allow=True,
+            # After the HTTP stream ends Envoy keeps the side stream this long so queued messages (the
+            # last body chunk) still reach the service; the service itself stops waiting after 2 s.
+            deferred_close_timeout=duration(2),
+            stat_prefix="observe",
+            # The request headers as the routing filter left them are needed only for their traceparent (the
+            # correlation key), id and path: sent as attributes with the response headers instead of a message
+            # of their own (one message and a shorter-lived stream per request; measured, overhead-bench).
+            response_attributes=list(OBSERVE_ATTRIBUTES),
+            processing_mode=ProcessingMode(
+                request_header_mode=HeaderSendMode.SKIP,
+                response_header_mode=HeaderSendMode.SEND,
+                request_body_mode=BodySendMode.NONE,
+                response_body_mode=BodySendMode.STREAMED,
+                request_trailer_mode=HeaderSendMode.SKIP,
+                response_trailer_mode=HeaderSendMode.SKIP,
+            ),
+        ))))
+    http_filters.append(HttpFilter(name=ROUTER_FILTER, typed_config=ProtoAny.pack(Router())))
+    return http_filters
+
+
+def connection_manager(s: EnvoySettings, routes: list[Route], filters: list[HttpFilter],
+                       access_log: list[AccessLog]) -> HttpConnectionManager:
+    """The gateway's HTTP connection manager: client-supplied routing headers stripped before any filter runs (a
+    client never picks an address), `routes` on the normalised path, `filters`, Envoy's replies in OpenAI format."""
+    stripped = [*route_headers(MAX_FALLBACKS), SERVED_HEADER, REPLICA_HEADER, "x-envoy-original-dst-host"]
+    return HttpConnectionManager(
+        access_log=access_log,
+        stat_prefix="gateway",
+        codec_type=HttpConnectionManagerCodecType.AUTO,
+        early_header_mutation_extensions=[TypedExtensionConfig(
+            name="envoy.http.early_header_mutation.header_mutation",
+            typed_config=ProtoAny.pack(EarlyHeaderMutation(mutations=[HeaderMutation(remove=h) for h in stripped])))],
+        route_config=RouteConfiguration(name="gateway", virtual_hosts=[VirtualHost(
+            name="inference", domains=["*"], routes=routes,
+            # What a BUFFERED ext_proc body may grow to (413 above it), apart from the small per-connection
+            # buffers: a slow client then costs connection_buffer_bytes, not max_request_body_bytes.
+            request_body_buffer_limit=s.max_request_body_bytes)]),
+        http_filters=filters,
+        local_reply_config=local_reply_config(s),
+        # Route on the path the endpoint will see: escaped slashes decoded first (Envoy unescapes before it
+        # normalises), then dot segments resolved and '//' merged; the path forwarded is that normalised one, so an
+        # endpoint never decodes a %2F into a path other than the one matched. Model ids hold slashes, and SDKs
+        # send them escaped (GET /v1/models/meta-llama%2FLlama-3.1-8B-Instruct): refusing them would refuse those.
+        normalize_path=True,
+        merge_slashes=True,
+        path_with_escaped_slashes_action=HttpConnectionManagerPathWithEscapedSlashesAction.UNESCAPE_AND_FORWARD,
+        request_headers_timeout=duration(s.request_headers_timeout_s),
+        request_timeout=duration(s.request_timeout_s),
+        stream_idle_timeout=duration(s.stream_idle_timeout_s),
+        common_http_protocol_options=CoreHttpProtocolOptions(idle_timeout=duration(s.idle_timeout_s)),
+        max_request_headers_kb=s.max_request_headers_kb,
+        # HTTP/1.0 is refused with 426 (accept_http_10 off, Envoy's default): it has no chunked encoding, so
+        # a token stream could only be close-delimited; every OpenAI client speaks HTTP/1.1 or HTTP/2.
+        http_protocol_options=Http1ProtocolOptions(accept_http_10=False),
+        # HTTP/2 clients: per-stream window = what one stream may buffer here (Envoy's edge recommendation).
+        http2_protocol_options=Http2ProtocolOptions(
+            max_concurrent_streams=100, initial_stream_window_size=64 * 1024,
+            initial_connection_window_size=1024 * 1024),
+    )
+
+
+def gateway_listener(s: EnvoySettings, hcm: HttpConnectionManager) -> Listener:
+    """The one listener clients connect to, serving `hcm`."""
+    return Listener(
+        name="gateway",
+        address=address(f"{s.listen_address}:{s.gateway_port}"),
+        # Read-ahead per client connection (the request body limit is the virtual host's).
+        per_connection_buffer_limit_bytes=s.connection_buffer_bytes,
+        filter_chains=[FilterChain(filters=[Filter(
+            name="envoy.filters.network.http_connection_manager", typed_config=ProtoAny.pack(hcm))])],
+    )
+
+
+def overload_manager(s: EnvoySettings) -> OverloadManager:
+    """Client connections beyond `max_downstream_connections` are refused (bounds Envoy's memory)."""
+    return OverloadManager(resource_monitors=[ResourceMonitor(
+        name="envoy.resource_monitors.global_downstream_max_connections",
+        typed_config=ProtoAny.pack(DownstreamConnectionsConfig(
+            max_active_downstream_connections=s.max_downstream_connections)))])
+
+
+def extproc_retry_policy(num_replicas: int) -> CoreRetryPolicy | None:
+    """A routing stream that cannot start on one replica (refused, reset before any answer: it died or is
+    restarting) is retried on another, so a request not yet routed meets no error; a stream that a replica
+    answered is never retried (Envoy's async gRPC client retries only before the first response message)."""
+    if num_replicas < 2:
+        return None
+    return CoreRetryPolicy(
+        retry_on="connect-failure,refused-stream,reset,unavailable", num_retries=3,
+        retry_back_off=CoreBackoffStrategy(base_interval=duration(0.002), max_interval=duration(0.02)),
+        retry_host_predicate=[CoreRetryHostPredicate(
+            name="envoy.retry_host_predicates.previous_hosts", typed_config=ProtoAny.pack(PreviousHostsPredicate()))],
+        host_selection_retry_max_attempts=5)
