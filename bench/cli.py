@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     try:
         s = settings_mod.from_namespace(BenchSettings, args)
-        from prefixroute.bench.runner import parse_router
+        from prefixroute.bench.routers import parse_router
 
         for r in s.routers:
             if r.startswith("sim:"):
@@ -163,7 +163,8 @@ def _main(args: argparse.Namespace) -> int:
                                          seed=s.seed, concurrency=s.concurrency, server_args=s.server_args,
                                          log=_log)
     else:
-        from prefixroute.bench.runner import FleetConfig, run_bench
+        from prefixroute.bench.fleet import FleetConfig
+        from prefixroute.bench.runner import run_bench
 
         fleet = FleetConfig(s.servers, s.profile, s.server_args, s.startup_timeout_s)
         doc, ttfts = run_bench(wl, bound_ratio, s.routers, fleet, out, log=_log, seed=s.seed,
@@ -229,7 +230,7 @@ def _run_sweep(s: BenchSettings, wl: workloads.Workload, spec: object, percents:
         doc = sweep.run_virtual_sweep(wl, routers, num_servers=s.servers, spec=spec,  # type: ignore[arg-type]
                                       load_percents=percents, seed=s.seed, server_args=s.server_args, log=_log)
     else:
-        from prefixroute.bench.runner import FleetConfig
+        from prefixroute.bench.fleet import FleetConfig
 
         fleet = FleetConfig(s.servers, s.profile, s.server_args, s.startup_timeout_s)
         doc = sweep.run_real_sweep(wl, routers, fleet, out, spec=spec, load_percents=percents,  # type: ignore[arg-type]

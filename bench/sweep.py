@@ -339,7 +339,7 @@ def run_virtual_sweep(workload: Workload, routers: Sequence[str], *, num_servers
     ``sim:oracle`` when it ran ((router - oracle) / oracle; negative = better than the oracle), and, for
     policies that keep ``predictions``, the time model's error (`prediction_error`)."""
     from prefixroute.bench import virtual_run
-    from prefixroute.bench.runner import parse_router
+    from prefixroute.bench.routers import parse_router
     from prefixroute.bench.upper_bound import upper_bound
 
     bound = upper_bound(workload).hit_ratio
@@ -405,7 +405,7 @@ def format_duration(seconds: float) -> str:
 
 def _virtual_model_of(name: str) -> str | None:
     """The policy (or ``sim:`` model) the virtual fleet runs for a real router, None if it has none."""
-    from prefixroute.bench.runner import parse_router
+    from prefixroute.bench.routers import parse_router
 
     r = parse_router(name)
     if r.kind == "prefixroute":
@@ -457,7 +457,9 @@ def run_real_sweep(workload: Workload, routers: Sequence[str], fleet: Any, out_d
     a line per run with the time left, from a virtual-time plan of the runs (`plan_real_sweep`) corrected by the
     runs measured so far. `run_kw` goes to `runner.run_bench` (seed, concurrency, timeouts, progress)."""
     from prefixroute.bench import virtual_run
-    from prefixroute.bench.runner import distinct_free_ports, host_cpu_times, parse_router, run_bench
+    from prefixroute.bench.fleet import distinct_free_ports
+    from prefixroute.bench.routers import parse_router
+    from prefixroute.bench.runner import host_cpu_times, run_bench
     from prefixroute.bench.upper_bound import upper_bound
 
     for name in routers:

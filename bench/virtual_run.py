@@ -51,7 +51,7 @@ import orjson
 from prefixroute import settings as settings_mod
 from prefixroute.bench import results as bench_results
 from prefixroute.bench.client import RequestResult
-from prefixroute.bench.runner import PRIOR_ENV, RouterSpec, parse_router
+from prefixroute.bench.routers import PRIOR_ENV, RouterSpec, parse_router
 from prefixroute.bench.sim_pool import SimulatedPool
 from prefixroute.bench.workloads import RequestSpec, Workload
 from prefixroute.extproc.endpoints.settings import PoolSettings

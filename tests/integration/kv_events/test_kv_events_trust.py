@@ -21,7 +21,7 @@ import msgspec
 import pytest
 
 from helpers.kv_publisher import KVPublisher
-from prefixroute.bench.runner import free_port_pairs
+from prefixroute.bench.fleet import free_port_pairs
 from prefixroute.dashboard import data as D
 from prefixroute.kv_events_wire import BlockStored
 from prefixroute.procs import free_port, prefixroute_argv

@@ -9,6 +9,7 @@ import pytest
 
 from prefixroute import responses_prompt
 from prefixroute.bench import client, report, results, runner, upper_bound, workloads as w
+from prefixroute.bench.routers import parse_router
 from prefixroute.model_servers.tokenizer import render_chat
 
 SMALL = dict(num_agents=6, num_turns=4, num_apps=2, instructions_tokens=256, task_tokens=32,
@@ -132,17 +133,17 @@ def test_upper_bound_counts_the_tools_the_template_renders():
 
 
 def test_router_api_suffix():
-    assert runner.parse_router("prefixroute:prefix").workload_api == "responses"
-    assert runner.parse_router("sglang-router").workload_api == "chat"
-    s = runner.parse_router("prefixroute:prefix/chat")
+    assert parse_router("prefixroute:prefix").workload_api == "responses"
+    assert parse_router("sglang-router").workload_api == "chat"
+    s = parse_router("prefixroute:prefix/chat")
     assert (s.name, s.policy, s.workload_api) == ("prefixroute:prefix/chat", "prefix", "chat")
-    s = runner.parse_router("sglang-router:random/responses")
+    s = parse_router("sglang-router:random/responses")
     assert (s.name, s.kind, s.policy, s.workload_api) == ("sglang-router:random/responses", "sglang-router",
                                                            "random", "responses")
-    assert runner.parse_router("prefixroute:prefix@events/chat").index_source == "events"
+    assert parse_router("prefixroute:prefix@events/chat").index_source == "events"
     with pytest.raises(ValueError):
-        runner.parse_router("prefixroute:prefix/grpc")
-    assert "/" not in runner._log_name(runner.parse_router("vllm-router:random/responses"))
+        parse_router("prefixroute:prefix/grpc")
+    assert "/" not in runner._log_name(parse_router("vllm-router:random/responses"))
 
 
 # ------------------------------------------------------------------------------ Responses stream parsing

@@ -283,7 +283,8 @@ def test_tenant_header_reaches_the_router_and_keeps_tenants_apart(recording):
 def test_our_router_starts_from_the_simulated_fleets_own_speed(monkeypatch):
     """`prefixroute bench` configures our time model's prior from the fleet it starts (profile, --time-scale),
     as an operator sets --ttft-prior-tokens-per-s for their GPUs; the environment's setting wins."""
-    from prefixroute.bench.runner import FleetConfig, prior_gateway_args
+    from prefixroute.bench.fleet import FleetConfig
+    from prefixroute.bench.runner import prior_gateway_args
 
     for name in ("PREFIXROUTE_TTFT_PRIOR_TOKENS_PER_S", "PREFIXROUTE_TTFT_PRIOR_BASE_S"):
         monkeypatch.delenv(name, raising=False)
