@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import orjson
 
-from prefixroute.bench.workloads import RequestSpec
+from prefixroute.bench.workload_spec import RequestSpec
 from prefixroute.responses_prompt import RESPONSES_PATH
 
 if TYPE_CHECKING:  # aiohttp is imported when a run starts: results/virtual mode work without it

@@ -40,7 +40,7 @@ from prefixroute.bench.fleet import (FleetConfig, KVEventsPlan, distinct_free_po
                                      scrape_server_counters, served_model, start_fleet)
 from prefixroute.bench.routers import PRIOR_ENV, RouterSpec, parse_router
 from prefixroute.bench.virtual_run import engine_spec
-from prefixroute.bench.workloads import RequestSpec, Workload
+from prefixroute.bench.workload_spec import RequestSpec, Workload
 from prefixroute.procs import LOOPBACK as HOST
 from prefixroute.procs import ProcessGroup, StartupError, free_port, http_get
 

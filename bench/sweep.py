@@ -43,7 +43,7 @@ from typing import Any
 from prefixroute.bench import results as bench_results
 from prefixroute.bench import workloads as wl_mod
 from prefixroute.bench.client import RequestResult
-from prefixroute.bench.workloads import Workload
+from prefixroute.bench.workload_spec import Workload
 from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.virtual_fleet import SimRequest
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from prefixroute.bench import client, report, results, runner, upper_bound, workloads
+from prefixroute.bench.agents_workload import agents
 from prefixroute.bench.fleet import FleetConfig, served_model, start_fleet
 from prefixroute.bench.routers import parse_router
 from prefixroute.procs import ProcessGroup
@@ -34,7 +35,7 @@ def test_one_server_serves_every_turn_and_meets_the_bound_exactly(group, api):
     # server's prompt and cached tokens add up to the bound computed offline from the chat `messages` + tools.
     # So the Responses form and its chat equivalent are the same prompts, token for token.
     (ep,) = start_fleet(group, FleetConfig(1, server_args=FAST))
-    wl = workloads.apply_arrivals(workloads.agents(**TINY), "closed")
+    wl = workloads.apply_arrivals(agents(**TINY), "closed")
     res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=served_model(ep), concurrency=1,
                                           api=api))
     assert all(r.ok for r in res), [r.error for r in res]

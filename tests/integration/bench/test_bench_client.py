@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 
 import pytest
 
 from prefixroute.bench import client, upper_bound, workloads
 from prefixroute.bench.fleet import FleetConfig, served_model, start_fleet
+from prefixroute.bench.workload_spec import Workload
 from prefixroute.procs import ProcessGroup, free_port, http_get, prefixroute_argv
 
 pytestmark = pytest.mark.integration
@@ -59,7 +61,7 @@ def test_next_turn_waits_for_the_previous_one(group):
     (ep,) = start_fleet(group, FleetConfig(1, server_args=FAST))
     wl = workloads.multi_turn(num_sessions=3, num_turns=3, system_tokens=64, user_tokens=16, output_tokens=16)
     # Every request "arrives" at t=0: only after_index keeps a session's turns in order.
-    wl = workloads.Workload(wl.name, wl.params, tuple(workloads.dataclasses.replace(r, arrival_s=0.0)
+    wl = Workload(wl.name, wl.params, tuple(dataclasses.replace(r, arrival_s=0.0)
                                                         for r in wl.requests))
     res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=served_model(ep)))
     assert all(r.ok for r in res)

@@ -178,7 +178,7 @@ def test_start_fleet_passes_the_event_flags_to_each_server(monkeypatch, tmp_path
 
     plan = KVEventsPlan((20001, 20011))
     eps = start_fleet(Group(), FleetConfig(2, ports=(9001, 9002), server_args=("--time-scale=0",)),
-                             plan)
+                      plan)
     assert eps == ["127.0.0.1:9001", "127.0.0.1:9002"]
     for (argv, ports), pub, http_port in zip(started, (20001, 20011), (9001, 9002)):
         i = argv.index("--kv-events-config")
