@@ -31,6 +31,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefixroute import settings as settings_mod
 from prefixroute.bench import report, workloads
@@ -38,6 +39,9 @@ from prefixroute.bench.settings import BenchSettings
 from prefixroute.bench.traces import load_trace, slice_trace, trace_workload
 from prefixroute.bench.workload_spec import Workload
 from prefixroute.procs import Stopped, stop_on_signals
+
+if TYPE_CHECKING:  # the engine model is imported when a virtual run or a sweep needs it
+    from prefixroute.model_servers.profiles import EngineSpec
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -221,27 +225,27 @@ def resolve_num_requests(virtual: bool, sweep: bool) -> int:
     return VIRTUAL_SWEEP_NUM_REQUESTS if virtual and sweep else 300
 
 
-def _run_sweep(s: BenchSettings, wl: Workload, spec: object, percents: list[float]) -> int:
-    from prefixroute.bench import sweep
+def _run_sweep(s: BenchSettings, wl: Workload, spec: EngineSpec, percents: list[float]) -> int:
+    from prefixroute.bench import sweep, sweep_report
     from prefixroute.bench.settings import DEFAULT_ROUTERS
 
     routers = sweep.default_routers(s.virtual) if tuple(s.routers) == DEFAULT_ROUTERS else tuple(s.routers)
     out = Path(s.out)
     command = "prefixroute bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     if s.virtual:
-        doc = sweep.run_virtual_sweep(wl, routers, num_servers=s.servers, spec=spec,  # type: ignore[arg-type]
+        doc = sweep.run_virtual_sweep(wl, routers, num_servers=s.servers, spec=spec,
                                       load_percents=percents, seed=s.seed, server_args=s.server_args, log=_log)
     else:
         from prefixroute.bench.fleet import FleetConfig
 
         fleet = FleetConfig(s.servers, s.profile, s.server_args, s.startup_timeout_s)
-        doc = sweep.run_real_sweep(wl, routers, fleet, out, spec=spec, load_percents=percents,  # type: ignore[arg-type]
+        doc = sweep.run_real_sweep(wl, routers, fleet, out, spec=spec, load_percents=percents,
                                    seed=s.seed, log=_log, concurrency=s.concurrency,
                                    max_connections=s.max_connections, request_timeout_s=s.request_timeout_s,
                                    max_duration_s=s.max_duration_s, gateway_args=s.gateway_args,
                                    progress=s.progress)
-    files = sweep.write_sweep_outputs(out, doc, command)
-    print(sweep.render_report(doc, command).split("Plots:")[0].rstrip())
+    files = sweep_report.write_sweep_outputs(out, doc, command)
+    print(sweep_report.render_report(doc, command).split("Plots:")[0].rstrip())
     _log("wrote " + ", ".join(str(p) for p in files.values()))
     ran = [r for p in doc["points"] for r in p["runs"].values()]
     failed = [r for r in ran if r["requests"] and r["errors"] == r["requests"]]
