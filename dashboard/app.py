@@ -22,7 +22,7 @@ from prefixroute.dashboard import charts as C
 from prefixroute.dashboard import data as D
 from prefixroute.dashboard.cli import DashboardSettings
 from prefixroute.dashboard.source import DataSource, SourceError
-from prefixroute.telemetry.store import StoreMissing
+from prefixroute.telemetry.store_schema import StoreMissing
 
 st.set_page_config(page_title="prefixroute dashboard", page_icon=":material/alt_route:", layout="wide")
 

@@ -1,7 +1,7 @@
 """Pure data logic of the dashboard: query results -> pandas frames, colours, balance, states.
 
 Nothing here imports Streamlit or touches the store; every function takes the plain JSON-able rows
-that `StoreReader` / `HttpStoreClient` return (see telemetry/store.py) and is unit-tested
+that `StoreReader` / `HttpStoreClient` return (see telemetry/store_reader.py) and is unit-tested
 on its own. Aggregation stays in SQL: these functions only reshape a handful of rows per bucket or
 per endpoint (O(buckets x endpoints)), never per request.
 

@@ -36,7 +36,8 @@ from typing import Any
 from prefixroute.dashboard.data import (EndpointLive, bucket_for_window, effective_span_s, has_traffic,
                                         parse_router_metrics)
 from prefixroute.telemetry.client import HttpStoreClient, TelemetryUnavailable
-from prefixroute.telemetry.store import ERROR_SQL, REFUSED_SQL, StoreMissing, StoreReader
+from prefixroute.telemetry.store_reader import StoreReader
+from prefixroute.telemetry.store_schema import ERROR_SQL, REFUSED_SQL, StoreMissing
 
 SourceError = (StoreMissing, TelemetryUnavailable)
 
@@ -67,7 +68,7 @@ FROM requests WHERE start_time >= :t0 AND start_time <= :t1
 GROUP BY bucket_start, endpoint ORDER BY bucket_start, endpoint
 """
 """Per bucket and endpoint: counts and token sums only (no percentiles), with the store's definitions
-of an error, a refusal and of the token-weighted hit ratios (store.py docstring). `StoreReader.timeseries(
+of an error, a refusal and of the token-weighted hit ratios (store_schema.py). `StoreReader.timeseries(
 by_endpoint=True)` gives the same plus per-endpoint percentiles, which the dashboard does not chart
 and which cost several times more (a window-function sort per group)."""
 

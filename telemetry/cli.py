@@ -227,7 +227,8 @@ def main(args: argparse.Namespace) -> int:
 
 def dump(args: argparse.Namespace) -> int:
     from prefixroute.telemetry.client import HttpStoreClient, TelemetryUnavailable
-    from prefixroute.telemetry.store import StoreMissing, StoreReader
+    from prefixroute.telemetry.store_reader import StoreReader
+    from prefixroute.telemetry.store_schema import StoreMissing
 
     if not args.since_s > 0:
         print("prefixroute telemetry dump: --since must be > 0", file=sys.stderr)

@@ -16,7 +16,8 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from prefixroute.telemetry.store import StoreMissing, StoreReader
+from prefixroute.telemetry.store_reader import StoreReader
+from prefixroute.telemetry.store_schema import StoreMissing
 
 
 class TelemetryUnavailable(OSError):

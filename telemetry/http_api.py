@@ -34,7 +34,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from prefixroute.openai_errors import error_body
-from prefixroute.telemetry.store import StoreMissing, StoreReader
+from prefixroute.telemetry.store_reader import StoreReader
+from prefixroute.telemetry.store_schema import StoreMissing
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ It implements the OTLP collector services (TraceService, MetricsService, LogsSer
 OpenTelemetry SDK or Collector can export to it:
 
 - Traces: a span is a *request span* when it is named ``prefixroute.route`` or carries
-  ``prefixroute.request_id``; each becomes one row of the store (see store.py). Other spans (e.g.
+  ``prefixroute.request_id``; each becomes one row of the store (see store_schema.py). Other spans (e.g.
   the model server's children of the router span) are counted in `num_spans_ignored` and dropped.
 - Metrics and logs: accepted and counted, not stored (the router's metrics are scraped from its
   Prometheus endpoint; logs have no place in the store). Answering OK keeps senders from retrying.
@@ -503,7 +503,7 @@ class Receiver:
         self.max_message_bytes = max_message_bytes
         self.tls = tls
         self.auth_token = auth_token or None
-        # run_id: stamped on every stored request (store.py: the runs table).
+        # run_id: stamped on every stored request (store_schema.py: the runs table).
         self._store_args = {"max_age_s": max_age_s, "max_rows": max_rows, "max_bytes": max_bytes, "run_id": run_id}
         self._writer_args = {"retention_interval_s": retention_interval_s, "max_pending_batches": max_pending_batches,
                              "max_pending_bytes": max_pending_bytes, "envoy_record_hold_s": envoy_record_hold_s}

@@ -337,7 +337,7 @@ def _check_prediction_panel(page, fleet: RealFleet) -> None:
 
 
 def newest_trace_id(fleet: RealFleet) -> str:
-    from prefixroute.telemetry.store import StoreReader
+    from prefixroute.telemetry.store_reader import StoreReader
 
     with StoreReader(fleet.db) as reader:
         return reader.recent_requests(1)[0]["trace_id"]

@@ -13,7 +13,8 @@ import pytest
 from prefixroute.dashboard.source import DataSource
 from prefixroute.telemetry.client import TelemetryUnavailable
 from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store import StoreMissing, TelemetryStore
+from prefixroute.telemetry.store import TelemetryStore
+from prefixroute.telemetry.store_schema import StoreMissing
 
 NOW = 1_800_000_000.0
 
@@ -156,7 +157,7 @@ def test_endpoint_live_reads_only_the_configured_router_metrics():
 
 @pytest.mark.parametrize("bucket_s", [1.0, 10.0, 60.0])
 def test_endpoint_series_agrees_with_the_store_timeseries(tmp_path, bucket_s):
-    from prefixroute.telemetry.store import StoreReader
+    from prefixroute.telemetry.store_reader import StoreReader
 
     rnd = random.Random(int(bucket_s))
     records = []

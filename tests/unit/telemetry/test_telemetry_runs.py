@@ -9,7 +9,9 @@ import sqlite3
 from prefixroute.telemetry.client import HttpStoreClient
 from prefixroute.telemetry.http_api import start_http_api
 from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store import SCHEMA_VERSION, StoreReader, TelemetryStore
+from prefixroute.telemetry.store import TelemetryStore
+from prefixroute.telemetry.store_reader import StoreReader
+from prefixroute.telemetry.store_schema import SCHEMA_VERSION
 
 NOW = 1_800_000_000.0
 
@@ -116,6 +118,6 @@ def test_http_api_and_client_serve_the_runs(tmp_path):
 
 
 def _row(r: RequestRecord) -> dict:
-    from prefixroute.telemetry.store import record_to_row
+    from prefixroute.telemetry.store_schema import record_to_row
 
     return record_to_row(r)

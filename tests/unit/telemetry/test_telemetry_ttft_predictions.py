@@ -27,7 +27,9 @@ from prefixroute.telemetry.metrics import RouterMetrics
 from prefixroute.telemetry.receiver import request_rows
 from prefixroute.telemetry.recorder import TelemetryRecorder, record_attributes
 from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store import SCHEMA_VERSION, StoreReader, TelemetryStore
+from prefixroute.telemetry.store import TelemetryStore
+from prefixroute.telemetry.store_reader import StoreReader
+from prefixroute.telemetry.store_schema import SCHEMA_VERSION
 from helpers.metrics import scrape
 
 
