@@ -16,7 +16,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from prefixroute.telemetry.records import RECORD_FIELDS
 from prefixroute.telemetry.store_schema import (COMPARABLE_PREDICTION_SQL, ERROR_SQL, PERCENTILES, RECORD_COLUMNS,
@@ -24,8 +24,74 @@ from prefixroute.telemetry.store_schema import (COMPARABLE_PREDICTION_SQL, ERROR
 
 _BREAKDOWN_COLUMNS = ("endpoint", "reason", "policy", "model", "path", "status", "service_name")
 
+MAX_OVERLAP_S = 3600.0
+"""Requests last at most minutes; rows that started this long before a window may still overlap it."""
 
-class StoreReader:
+MEAN_IN_FLIGHT_SQL = """
+SELECT endpoint,
+       SUM(MIN(COALESCE(end_time, start_time), :t1) - MAX(start_time, :t0)) / (:t1 - :t0) AS mean_in_flight
+FROM requests
+WHERE start_time >= :t0 - :overlap AND start_time <= :t1 AND COALESCE(end_time, start_time) > :t0
+  AND endpoint IS NOT NULL
+GROUP BY endpoint
+"""
+"""Time-averaged requests in flight per endpoint over [t0, t1] (Little's law, exact for the stored rows):
+the summed overlap of each request's [start_time, end_time] with the window, divided by its length.
+Rows are written at response end, so requests still running at t1 are not counted yet."""
+
+ENDPOINT_SERIES_SQL = f"""
+SELECT CAST(start_time / :b AS INTEGER) * :b AS bucket_start, endpoint, COUNT(*) AS num_requests,
+       SUM({ERROR_SQL}) AS num_errors, SUM({REFUSED_SQL}) AS num_refused,
+       SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL THEN prompt_tokens END) AS prompt_tokens,
+       SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL THEN cached_tokens END) AS cached_tokens,
+       SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL
+                THEN predicted_hit_ratio * prompt_tokens END) AS predicted_tokens
+FROM requests WHERE start_time >= :t0 AND start_time <= :t1
+GROUP BY bucket_start, endpoint ORDER BY bucket_start, endpoint
+"""
+"""Per bucket and endpoint: counts and token sums only (no percentiles), with the store's definitions
+of an error, a refusal and of the token-weighted hit ratios (store_schema.py). `StoreReader.timeseries(
+by_endpoint=True)` gives the same plus per-endpoint percentiles, which cost several times more (a
+window-function sort per group)."""
+
+
+class StoreQueries(Protocol):
+    """The store's read queries, as `StoreReader` (a SQLite file) and `client.HttpStoreClient` (a receiver's HTTP
+    API) both answer them: the same arguments, the same JSON-able results (`StoreReader` documents each)."""
+
+    def summary(self, window_s: float, *, now: float | None = None) -> dict[str, Any]: ...
+
+    def timeseries(self, window_s: float, bucket_s: float, *, by_endpoint: bool = False,
+                   now: float | None = None) -> list[dict[str, Any]]: ...
+
+    def breakdown(self, window_s: float, by: str = "endpoint", *,
+                  now: float | None = None) -> list[dict[str, Any]]: ...
+
+    def endpoints(self, window_s: float, *, now: float | None = None) -> list[dict[str, Any]]: ...
+
+    def reasons(self, window_s: float, bucket_s: float | None = None, *,
+                now: float | None = None) -> list[dict[str, Any]]: ...
+
+    def histogram(self, window_s: float, column: str = "ttft_ms", *, bin_width: float | None = None,
+                  num_bins: int = 30, now: float | None = None) -> list[dict[str, Any]]: ...
+
+    def ttft_predictions(self, window_s: float, *, now: float | None = None) -> dict[str, Any]: ...
+
+    def recent_requests(self, limit: int = 100, *, endpoint: str | None = None,
+                        run_id: str | None = None) -> list[dict[str, Any]]: ...
+
+    def iter_requests(self, since_s: float, *, now: float | None = None) -> Iterator[dict[str, Any]]: ...
+
+    def request(self, trace_id: str, span_id: str | None = None) -> dict[str, Any] | None: ...
+
+    def runs(self) -> list[dict[str, Any]]: ...
+
+    def num_requests(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class StoreReader(StoreQueries):
     """Read-only queries for the dashboard and `telemetry dump`; every aggregate is computed in SQL.
 
     Opening raises `StoreMissing` when the file does not exist. Each method is one short read
@@ -258,6 +324,28 @@ class StoreReader:
             r["endpoint"] = r.pop("g")
         rows.sort(key=lambda r: (-r["num_requests"], str(r["endpoint"])))
         return {"window_s": window_s, "num_predicted": num, "fleet": fleet[0] if fleet else None, "endpoints": rows}
+
+    def mean_in_flight(self, window_s: float, *, now: float | None = None) -> dict[str, float]:
+        """Endpoint -> time-averaged requests in flight over the window (`MEAN_IN_FLIGHT_SQL`; a file-only query:
+        the HTTP API has none)."""
+        now = time.time() if now is None else now
+        params = {"t0": now - window_s, "t1": now, "overlap": MAX_OVERLAP_S}
+        return {r[0]: float(r[1] or 0.0) for r in self._conn.execute(MEAN_IN_FLIGHT_SQL, params).fetchall()}
+
+    def endpoint_series(self, window_s: float, bucket_s: float, *, now: float | None = None) -> list[dict[str, Any]]:
+        """Rows like `timeseries(by_endpoint=True)` without the percentile columns (`ENDPOINT_SERIES_SQL`):
+        bucket_start, endpoint, num_requests, num_errors, num_refused, requests_per_s, prompt_tokens,
+        cached_tokens, actual_hit_ratio, predicted_hit_ratio (None without usage). A file-only query."""
+        now = time.time() if now is None else now
+        params = {"t0": now - window_s, "t1": now, "b": float(bucket_s)}
+        rows = self._rows(ENDPOINT_SERIES_SQL, params)
+        for r in rows:  # one row per bucket x endpoint (tens to hundreds), not per request
+            prompt = r["prompt_tokens"] or 0
+            predicted = r.pop("predicted_tokens")
+            r["requests_per_s"] = r["num_requests"] / bucket_s
+            r["actual_hit_ratio"] = (r["cached_tokens"] or 0) / prompt if prompt else None
+            r["predicted_hit_ratio"] = (predicted or 0.0) / prompt if prompt else None
+        return rows
 
     def num_requests(self) -> int:
         """Rows in the store (all time)."""

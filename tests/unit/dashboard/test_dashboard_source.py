@@ -36,17 +36,17 @@ def test_missing_store_then_created_then_deleted_then_recreated(tmp_path):
     db = tmp_path / "t.db"
     src = DataSource(db=str(db))
     with pytest.raises(StoreMissing):
-        src.call("num_requests")
+        src.query(lambda q: q.num_requests())
     write(db, [rec(1, NOW - 5, 100)])
-    assert src.call("num_requests") == 1
+    assert src.query(lambda q: q.num_requests()) == 1
     # Deleted: the open connection would still read the unlinked file; the source must notice.
     for suffix in ("", "-wal", "-shm"):
         if os.path.exists(f"{db}{suffix}"):
             os.remove(f"{db}{suffix}")
     with pytest.raises(StoreMissing):
-        src.call("num_requests")
+        src.query(lambda q: q.num_requests())
     write(db, [rec(i, NOW - 5, 100) for i in range(2, 5)])
-    assert src.call("num_requests") == 3
+    assert src.query(lambda q: q.num_requests()) == 3
     src.close()
 
 
@@ -54,18 +54,18 @@ def test_replaced_file_is_reopened(tmp_path):
     db = tmp_path / "t.db"
     write(db, [rec(1, NOW - 5, 100)])
     src = DataSource(db=str(db))
-    assert src.call("num_requests") == 1
+    assert src.query(lambda q: q.num_requests()) == 1
     other = tmp_path / "other.db"
     write(other, [rec(i, NOW - 5, 100) for i in range(2, 9)])
     os.replace(other, db)  # a new inode at the same path
-    assert src.call("num_requests") == 7
+    assert src.query(lambda q: q.num_requests()) == 7
 
 
 def test_not_a_database_reads_as_missing_not_a_crash(tmp_path):
     db = tmp_path / "t.db"
     db.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(StoreMissing, match="not readable"):
-        DataSource(db=str(db)).call("summary", 60.0, now=NOW)
+        DataSource(db=str(db)).query(lambda q: q.summary(60.0, now=NOW))
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -97,7 +97,7 @@ def test_url_source_down_raises_unavailable():
         port = s.getsockname()[1]
     src = DataSource(url=f"http://127.0.0.1:{port}", http_timeout_s=1.0)
     with pytest.raises(TelemetryUnavailable):
-        src.call("summary", 60.0)
+        src.query(lambda q: q.summary(60.0))
 
 
 class _MetricsHandler(http.server.BaseHTTPRequestHandler):
