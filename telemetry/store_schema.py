@@ -140,7 +140,7 @@ class StoreMissing(FileNotFoundError):
 def record_to_row(rec: RequestRecord, *, service_name: str | None = None,
                   attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A store row for a record (used by the receiver's tests and by direct in-process sinks)."""
-    row: dict[str, Any] = {f: getattr(rec, f) for f in RECORD_FIELDS}
+    row: dict[str, Any] = rec.as_fields()
     row["endpoints"] = json.dumps(list(rec.endpoints))
     row["stream"] = int(rec.stream)
     row["end_time"] = rec.end_time

@@ -11,7 +11,8 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from prefixroute.telemetry.recorder import TelemetryRecorder, record_attributes
+from prefixroute.telemetry.record_spans import record_attributes
+from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.tracecontext import child_context
 
