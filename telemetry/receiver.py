@@ -38,6 +38,7 @@ import logging
 import queue
 import threading
 import time
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import grpc
@@ -46,13 +47,14 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from prefixroute.grpc_auth import BearerTokenInterceptor, server_credentials
+from prefixroute.telemetry.http_api import ApiStats, start_http_api
 from prefixroute.telemetry.otlp_decode import envoy_rows, request_rows
 from prefixroute.telemetry.store import DEFAULT_MAX_BYTES, TelemetryStore
 
 log = logging.getLogger(__name__)
 
 
-class ReceiverStats:
+class ReceiverStats(ApiStats):
     """Counters (written by the handler and writer threads; read for /api/stats and logs)."""
 
     def __init__(self) -> None:
@@ -319,7 +321,7 @@ class Receiver:
                              "max_pending_bytes": max_pending_bytes, "envoy_record_hold_s": envoy_record_hold_s}
         self.writer: StoreWriter | None = None
         self._server: grpc.aio.Server | None = None
-        self._http: Any = None
+        self._http: ThreadingHTTPServer | None = None
 
     async def start(self) -> None:
         """Open the store, start the writer, bind and start the servers; sets the bound ports."""
@@ -346,8 +348,6 @@ class Receiver:
         await server.start()
         self._server = server
         if self.http_port is not None:
-            from prefixroute.telemetry.http_api import start_http_api
-
             try:
                 self._http = start_http_api(self.db_path, self.http_host, self.http_port, stats=self.stats,
                                             auth_token=self.auth_token)
