@@ -42,7 +42,11 @@ def any_value(v: AnyValue, depth: int = 0) -> Any:
                 for kv in v.kvlist_value.values[:A.MAX_ATTRIBUTE_LIST]}
     if kind == "bytes_value":
         return v.bytes_value[:A.MAX_ATTRIBUTE_BYTES // 2].hex()
-    return getattr(v, kind)  # bool_value, int_value or double_value: the oneof's field of that name
+    if kind == "bool_value":
+        return v.bool_value
+    if kind == "int_value":
+        return v.int_value
+    return v.double_value
 
 
 def attributes_dict(kvs: Sequence[KeyValue]) -> dict[str, Any]:
