@@ -1,8 +1,8 @@
 """The configuration reference: every setting of every command, rendered from the code.
 
-`python -m prefixroute.config_reference` prints the Markdown that README.md holds between the
-``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->`` markers;
-``--write README.md`` replaces that block in place. A unit test fails when the README is stale.
+`python -m prefixroute.config_reference` prints the Markdown that docs/configuration.md (`DOC`) holds between
+the ``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->`` markers;
+``--write docs/configuration.md`` replaces that block in place. A unit test fails when that page is stale.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from prefixroute.settings import Settings, render_markdown
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
+DOC = "docs/configuration.md"
+"""Where the reference lives, relative to the repository root (the README links it)."""
 
 # (module, settings class), in the order a user meets them. The commands in each heading are found from the
 # real command-line parsers (`commands_taking`), so a heading names exactly the commands that take those flags.

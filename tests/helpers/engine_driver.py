@@ -861,7 +861,7 @@ def capture(eng: Engine) -> dict[str, Any]:
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect("inproc://kv-events")
-    time.sleep(0.2)
+    time.sleep(0.2)  # on purpose: ZMQ says nothing when a subscription has reached a PUB socket (slow joiner)
     batches, expected = scenario(eng)
     for k, events in enumerate(batches):
         pub.publish(eng.batch(events, ts=1_764_000_000.0 + k / 100))  # fixed: regenerating changes no byte
@@ -941,7 +941,7 @@ def bridge(eng: Engine, source: str, endpoint: str, replay: str, topic: str) -> 
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    time.sleep(0.2)
+    time.sleep(0.2)  # on purpose: the release's publisher thread binds its sockets; it exposes no ready signal
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if line.strip() == "quit":

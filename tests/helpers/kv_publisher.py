@@ -26,18 +26,20 @@ import zmq
 
 from prefixroute.kv_events_wire import END_SEQ, EventBatch, encode_batch, seq_from_bytes, seq_to_bytes
 from prefixroute.procs import free_ports
+from helpers.waiting import until
 
 
 def _bind(sock: zmq.Socket, port: int, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def bound() -> bool:
         try:
             sock.bind(f"tcp://127.0.0.1:{port}")
-            return
         except zmq.ZMQError as exc:  # the previous socket on this port may still be closing
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+            if exc.errno != zmq.EADDRINUSE:
                 raise
-            time.sleep(0.05)
+            return False
+        return True
+
+    until(bound, timeout_s, message=f"binding 127.0.0.1:{port} (its previous socket still closing)")
 
 
 class KVPublisher:
@@ -126,7 +128,7 @@ class KVPublisher:
             self.num_replay_requests += 1
             ident, start = frames[0], seq_from_bytes(frames[-1])
             if self.replay_delay_s:
-                time.sleep(self.replay_delay_s)
+                time.sleep(self.replay_delay_s)  # a slow replay, on purpose (the tests' knob)
             with self._lock:
                 batches = [(s, p) for s, p in self._buffer if s >= start]
             head = [ident, b"", self.topic] if self.replay_topic else [ident, b""]

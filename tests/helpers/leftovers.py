@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 import uuid
 from pathlib import Path
+
+from helpers.waiting import until
 
 MARKER_VAR = "PREFIXROUTE_TEST_MARKER"
 
@@ -54,12 +55,11 @@ def marked_pids(marker: str) -> dict[int, str]:
 
 def wait_none_left(marker: str, timeout_s: float = 5.0) -> dict[int, str]:
     """Wait up to `timeout_s` for no marked process to be left; what is left ({} when none)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = marked_pids(marker)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
+    try:
+        until(lambda: not marked_pids(marker), timeout_s, interval_s=0.1)
+    except AssertionError:
+        return marked_pids(marker)
+    return {}
 
 
 def kill_marked(marker: str) -> None:

@@ -29,6 +29,7 @@ from prefixroute.types import EndpointId, EndpointState
 from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
 from helpers.procs import free_port, prefixroute_cmd, start_process, stop_group
+from helpers.waiting import until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 _BANNER = re.compile(r"OTLP/gRPC on [\d.]+:(\d+), HTTP API on http://[\d.]+:(\d+)")
@@ -166,16 +167,13 @@ class RealFleet:
         self.wait_stored(self.num_sent)
         return len(prompts)
 
+    def num_stored(self) -> int:
+        with urllib.request.urlopen(f"{self.http_url}/api/stats", timeout=5) as r:  # noqa: S310
+            return json.loads(r.read())["num_requests"]
+
     def wait_stored(self, n: int, timeout_s: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with urllib.request.urlopen(f"{self.http_url}/api/stats", timeout=5) as r:  # noqa: S310
-                stored = json.loads(r.read())["num_requests"]
-            if stored >= n:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"store has {stored} of {n} records")
-            time.sleep(0.1)
+        until(lambda: self.num_stored() >= n, timeout_s, interval_s=0.1,
+              message=lambda: f"{n} records in the store (it has {self.num_stored()})")
 
 
 if __name__ == "__main__":  # manual use: python tests/helpers/realrun.py DIR (keeps sending until Ctrl-C/SIGTERM)

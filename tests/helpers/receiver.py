@@ -7,12 +7,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from helpers.procs import terminate
+from helpers.waiting import until
 
 PREFIXROUTE = [sys.executable, "-m", "prefixroute"]
 _BANNER = re.compile(r"OTLP/gRPC on [\d.]+:(\d+), HTTP API on http://[\d.]+:(\d+)")
@@ -41,14 +41,12 @@ class ReceiverProc:
             return exc.code, json.loads(exc.read())
 
     def wait_rows(self, n: int, timeout_s: float = 20.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        stats: dict = {}
-        while time.monotonic() < deadline:
-            _, stats = self.api("/api/stats")
-            if stats["num_requests"] >= n:
-                return stats
-            time.sleep(0.05)
-        raise AssertionError(f"store has {stats.get('num_requests')} rows, expected {n}: {stats}")
+        """The store's /api/stats once it holds at least `n` requests (fails the test after `timeout_s`)."""
+        def stats() -> dict | None:
+            got = self.api("/api/stats")[1]
+            return got if got["num_requests"] >= n else None
+
+        return until(stats, timeout_s, message=lambda: f"{n} rows in the store ({self.api('/api/stats')[1]})")
 
     def stop(self) -> int:
         return terminate(self.proc)

@@ -78,15 +78,6 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def wait_for(check, timeout_s: float, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(interval_s)
-    return bool(check())
-
-
 def metric_value(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels`, in Prometheus text (0 when absent)."""
     total = 0.0

@@ -1,5 +1,5 @@
 """Test certificates: a private CA, a server certificate for 127.0.0.1/localhost and a client certificate,
-made with the `openssl` command line (Debian's openssl package; the README's TLS recipe uses the same
+made with the `openssl` command line (Debian's openssl package; docs/security.md's TLS recipe uses the same
 commands). `make_pki(dir)` writes them and returns their paths; every call makes a fresh CA, so a
 certificate from another call is a certificate from an untrusted CA."""
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from helpers.leftovers import kill_marked, listening, marked_env, marked_pids, new_marker, wait_none_left
+from helpers.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -29,12 +30,12 @@ def test_bench_stopped_by_a_signal_leaves_no_process_and_no_port(tmp_path, sig):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=marked_env(marker))
     try:
-        deadline = time.monotonic() + 60
-        while not any("--disable-hot-restart" in cmd for cmd in marked_pids(marker).values()):  # Envoy is up
+        def envoy_up() -> bool:
             assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the bench never started its gateway"
-            time.sleep(0.05)
-        time.sleep(2.0)  # past the router's settle time: requests are in flight
+            return any("--disable-hot-restart" in cmd for cmd in marked_pids(marker).values())
+
+        until(envoy_up, 60, message="the bench's gateway (Envoy) started")
+        time.sleep(2.0)  # on purpose, past the router's settle time: requests are in flight when the signal comes
         children = marked_pids(marker)
         ports = {int(p) for cmd in children.values() for p in re.findall(r"--port (\d+)", cmd)}
         assert len(children) >= 4 and len(ports) >= 3, children  # 2 servers, ext_proc, Envoy (+ bench)

@@ -29,7 +29,7 @@ that weighs queues turns on a few milliseconds of timing (is a request's first t
 arrives?), which a real and a virtual run cannot share. A work weight of 100 prices any extra prefill far above
 any queue here, and puts every endpoint within the policy's tie margin for a new prefix, so placement is affinity
 + plain rendezvous, the same request for request: what is compared is the data path (request bytes,
-tokenization, cache accounting, index updates, releases). The README's comparisons run the defaults."""
+tokenization, cache accounting, index updates, releases). docs/benchmarks.md's comparisons run the defaults."""
 
 
 @pytest.mark.timeout(90)

@@ -20,6 +20,7 @@ import yaml
 
 from helpers import free_ports
 from helpers.procs import stop_group
+from helpers.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -72,14 +73,11 @@ def test_service_command_passes_its_healthcheck(name, tmp_path):
     log = open(tmp_path / "log.txt", "wb")
     proc = subprocess.Popen(["sh", "-c", line], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            rc = subprocess.run([sys.executable, *check[2:]], capture_output=True, timeout=30).returncode
-            if rc == 0:
-                break
-            assert proc.poll() is None, (tmp_path / "log.txt").read_text()
-            assert time.monotonic() < deadline, "healthcheck never passed:\n" + (tmp_path / "log.txt").read_text()
-            time.sleep(0.5)
+        def healthy() -> bool:
+            assert proc.poll() is None, (tmp_path / "log.txt").read_text()  # the service died: stop waiting
+            return subprocess.run([sys.executable, *check[2:]], capture_output=True, timeout=30).returncode == 0
+
+        until(healthy, 90, interval_s=0.5, message=lambda: "the healthcheck\n" + (tmp_path / "log.txt").read_text())
     finally:
         stop_group(proc, grace_s=15)  # the whole session: the shell and the service it started
         log.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -16,6 +15,7 @@ from helpers import free_ports
 from helpers.dns_server import LocalDns
 from helpers.model_server import start_server
 from helpers.procs import start_process
+from helpers.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -34,14 +34,9 @@ def _metrics(url: str) -> dict[str, dict[str, float]]:
 
 def _wait_for(url: str, want: dict[str, float], family: str = "prefixroute_endpoint_healthy",
               timeout_s: float = 20.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    got: dict[str, float] = {}
-    while time.monotonic() < deadline:
-        got = _metrics(url).get(family, {})
-        if got == want:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"{family}: wanted {want}, got {got}")
+    until(lambda: _metrics(url).get(family, {}) == want, timeout_s, interval_s=0.1,
+          message=lambda: f"{family}: wanted {want}, got {_metrics(url).get(family, {})}")
+    return want
 
 
 def test_extproc_follows_the_headless_service_records():
@@ -82,8 +77,8 @@ def test_extproc_follows_the_headless_service_records():
                     else:
                         dns.mode = outage
                     queries = dns.num_queries
-                    while dns.num_queries < queries + 6:  # a few rounds of the outage
-                        time.sleep(0.1)
+                    until(lambda: dns.num_queries >= queries + 6, 30, interval_s=0.1,  # a few rounds of the outage
+                          message="six DNS queries during the outage")
                     assert _metrics(url)["prefixroute_endpoint_healthy"] == {eps[HOSTS[1]]: 1.0, eps[HOSTS[2]]: 1.0}
 
                 dns.mode = "answer"

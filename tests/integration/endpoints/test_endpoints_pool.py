@@ -15,6 +15,7 @@ from aiohttp import web
 from prefixroute.extproc.endpoints.pool import EndpointPool
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.types import EndpointId, EndpointState
+from helpers.waiting import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -111,16 +112,6 @@ async def pools() -> AsyncIterator[Callable[..., Awaitable[EndpointPool]]]:
         await p.close()
 
 
-async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> float:
-    """Wait for `cond`; return the seconds it took (fail the test on timeout)."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - t0
-
-
 def state(pool: EndpointPool, ep: str) -> EndpointState:
     return next(s for s in pool.snapshot() if s.endpoint == ep)
 
@@ -131,7 +122,7 @@ async def test_ready_with_models_and_vllm_metrics(servers, pools):
     pool = await pools([a.endpoint, b.endpoint])
     assert not any(s.healthy for s in pool.snapshot())  # nothing is up before its first probe
     assert await pool.wait_ready(5)
-    await until(lambda: all(s.scraped_at_s is not None for s in pool.snapshot()))
+    await until_async(lambda: all(s.scraped_at_s is not None for s in pool.snapshot()), 5)
     sa, sb = state(pool, a.endpoint), state(pool, b.endpoint)
     assert sb.models == frozenset({"m", "lora-sql"}) and sa.models == frozenset({"m"})
     assert (sa.num_requests_running, sa.num_requests_waiting, sa.kv_cache_usage_ratio) == (4, 1, 0.5)
@@ -143,7 +134,7 @@ async def test_sglang_metric_names(servers, pools):
     (a,) = await servers(1)
     a.metrics = b"sglang:num_running_reqs 2\nsglang:num_queue_reqs 9\nsglang:token_usage 0.8\n"
     pool = await pools([a.endpoint])
-    await until(lambda: state(pool, a.endpoint).num_requests_waiting == 9)
+    await until_async(lambda: state(pool, a.endpoint).num_requests_waiting == 9, 5)
     s = state(pool, a.endpoint)
     assert (s.num_requests_running, s.kv_cache_usage_ratio) == (2, 0.8)
 
@@ -153,10 +144,10 @@ async def test_health_down_after_consecutive_failures_and_up_after_one_success(s
     pool = await pools([a.endpoint, b.endpoint])
     assert await pool.wait_ready(5)
     a.health_status = 503
-    await until(lambda: not state(pool, a.endpoint).healthy)
+    await until_async(lambda: not state(pool, a.endpoint).healthy, 5)
     assert a.num_probes >= 2 and state(pool, b.endpoint).healthy
     a.health_status = 200
-    await until(lambda: state(pool, a.endpoint).healthy)
+    await until_async(lambda: state(pool, a.endpoint).healthy, 5)
 
 
 async def test_one_failed_probe_does_not_mark_down(servers, pools):
@@ -165,9 +156,9 @@ async def test_one_failed_probe_does_not_mark_down(servers, pools):
     assert await pool.wait_ready(5)
     probes = a.num_probes
     a.health_status = 500
-    await until(lambda: a.num_probes >= probes + 1)
+    await until_async(lambda: a.num_probes >= probes + 1, 5)
     a.health_status = 200
-    await asyncio.sleep(0.5)
+    await until_async(lambda: a.num_probes >= probes + 3, 5)  # two good probes after the failed one
     assert state(pool, a.endpoint).healthy
 
 
@@ -176,23 +167,25 @@ async def test_killed_server_goes_down_and_comes_back(servers, pools):
     pool = await pools([a.endpoint])
     assert await pool.wait_ready(5)
     await a.stop()  # connections refused from now on
-    await until(lambda: not state(pool, a.endpoint).healthy)
+    await until_async(lambda: not state(pool, a.endpoint).healthy, 5)
     await a.start()
-    await until(lambda: state(pool, a.endpoint).healthy)
+    await until_async(lambda: state(pool, a.endpoint).healthy, 5)
 
 
 async def test_metrics_become_stale_when_scrapes_stop_landing(servers, pools):
     (a,) = await servers(1)
     pool = await pools([a.endpoint])
-    await until(lambda: state(pool, a.endpoint).num_requests_running == 4)
+    await until_async(lambda: state(pool, a.endpoint).num_requests_running == 4, 5)
     a.metrics_status = 500  # /metrics broken, /health fine
-    waited = await until(lambda: state(pool, a.endpoint).num_requests_running is None)
+    t0 = time.monotonic()
+    await until_async(lambda: state(pool, a.endpoint).num_requests_running is None, 5)
+    waited = time.monotonic() - t0
     s = state(pool, a.endpoint)
     assert s.healthy and s.kv_cache_usage_ratio is None and s.num_requests_waiting is None
     assert s.num_gpu_blocks == 2000  # capacity is configuration, not load: kept
     assert waited >= FAST.metrics_stale_after_s * 0.5
     a.metrics_status = 200
-    await until(lambda: state(pool, a.endpoint).num_requests_running == 4)
+    await until_async(lambda: state(pool, a.endpoint).num_requests_running == 4, 5)
 
 
 async def test_a_hung_endpoint_does_not_stall_the_others(servers, pools):
@@ -200,13 +193,14 @@ async def test_a_hung_endpoint_does_not_stall_the_others(servers, pools):
     pool = await pools([slow.endpoint, fast.endpoint])
     assert await pool.wait_ready(5)
     slow.metrics_delay_s = 10.0  # every scrape of `slow` hangs until its timeout
-    await asyncio.sleep(0.1)
+    scrapes = slow.num_scrapes
+    await until_async(lambda: slow.num_scrapes > scrapes, 5)  # a scrape of `slow` is hanging now
     before = fast.num_scrapes
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(0.6)  # a fixed window on purpose: the figure is the scrape rate of `fast` meanwhile
     # 0.6 s at one scrape per 20 ms: expect ~30; demand a third of that on a loaded machine
     assert fast.num_scrapes - before >= 10
     assert state(pool, fast.endpoint).scraped_at_s is not None
-    await until(lambda: state(pool, slow.endpoint).num_requests_running is None)  # slow's figures expire
+    await until_async(lambda: state(pool, slow.endpoint).num_requests_running is None, 5)  # slow's figures expire
 
 
 async def test_model_list_refresh_picks_up_new_adapters(servers, pools):
@@ -214,7 +208,7 @@ async def test_model_list_refresh_picks_up_new_adapters(servers, pools):
     pool = await pools([a.endpoint])
     assert await pool.wait_ready(5)
     a.models = ["m", "lora-new"]
-    await until(lambda: "lora-new" in state(pool, a.endpoint).models)
+    await until_async(lambda: "lora-new" in state(pool, a.endpoint).models, 5)
 
 
 async def test_endpoint_without_model_list_serves_any_model(pools):
@@ -247,10 +241,12 @@ async def test_passive_failure_is_confirmed_by_a_probe_then_marks_down_at_once_a
     t0 = time.monotonic()
     pool.report_failure(a.endpoint)
     # the regular probe is 30 s away: only the report's own probe can take it down this fast
-    await until(lambda: not state(pool, a.endpoint).healthy, timeout_s=2)
+    await until_async(lambda: not state(pool, a.endpoint).healthy, 2)
     assert time.monotonic() - t0 < 1.0
     a.health_status = 200
-    took = await until(lambda: state(pool, a.endpoint).healthy, timeout_s=5)
+    t1 = time.monotonic()
+    await until_async(lambda: state(pool, a.endpoint).healthy, 5)
+    took = time.monotonic() - t1
     assert took >= FAST.failure_probe_delay_s * 0.5  # re-probed after failure_probe_delay_s, not 30 s
     # Other structural updates (a models refresh) may notify while it is down: compare health transitions.
     transitions = [healthy for healthy, _ in itertools.groupby(changes)]
@@ -268,7 +264,7 @@ async def test_a_passive_failure_the_probe_does_not_confirm_leaves_the_endpoint_
     probes = a.num_probes
     for _ in range(200):  # a flood of reports
         pool.report_failure(a.endpoint)
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(0.005)  # paces the flood over ~1 s (a rate, not a wait)
     assert state(pool, a.endpoint).healthy and all(changes)
     assert pool.num_unconfirmed_failures >= 1
     # about one probe per failure_probe_delay_s (0.3 s) over ~1 s of flood, not one per report
@@ -309,11 +305,11 @@ async def test_removed_endpoint_leaves_the_snapshot_and_listeners_hear_of_it(ser
     pool.release(b.endpoint)
     assert b.endpoint not in pool.in_flight
     probes = b.num_probes
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # lets time pass on purpose: several probe intervals, and none may reach `b`
     assert b.num_probes == probes  # no longer watched
     c = (await servers(1))[0]
     pool.set_endpoints([a.endpoint, c.endpoint])
-    await until(lambda: state(pool, c.endpoint).healthy)
+    await until_async(lambda: state(pool, c.endpoint).healthy, 5)
 
 
 async def test_router_core_follows_the_pool(servers, pools):
@@ -328,7 +324,7 @@ async def test_router_core_follows_the_pool(servers, pools):
     core = RouterCore(RoutingSettings(rng_seed=0))
     pool.add_listener(core.sync_endpoints)
     assert await pool.wait_ready(5)
-    await until(lambda: core.index.capacity(a.endpoint) == 2000)  # 2000 x 16 tokens / 16 tokens per block
+    await until_async(lambda: core.index.capacity(a.endpoint) == 2000, 5)  # 2000 x 16 tokens / 16 tokens per block
     assert core.index.capacity(b.endpoint) == core.settings.default_index_capacity_blocks
     body = b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 640 + b'"}]}'
     req = parse_request("POST", "/v1/chat/completions", {}, body, core.settings)
@@ -401,19 +397,19 @@ async def test_a_moved_endpoint_is_down_until_its_new_address_answers(servers, p
     seen: list[tuple[str | None, bool]] = []
     pool.add_listener(lambda snap: seen.append((snap[0].address, snap[0].healthy)))
     resolver.table["model-a"] = ["127.0.0.2"]
-    await until(lambda: pool.snapshot()[0].address == new.endpoint)
-    await asyncio.sleep(0.3)
+    await until_async(lambda: pool.snapshot()[0].address == new.endpoint, 5)
+    await asyncio.sleep(0.3)  # lets probes run on purpose: the endpoint must stay down meanwhile
     assert not pool.snapshot()[0].healthy  # the old address still answers, but it is not the endpoint any more
     await new.start()
     try:
-        await until(lambda: pool.snapshot()[0].healthy)
+        await until_async(lambda: pool.snapshot()[0].healthy, 5)
         assert new.num_probes >= 1
         assert [k for k, _ in itertools.groupby(seen)][:3] == [(old.endpoint, True), (new.endpoint, False),
                                                               (new.endpoint, True)]
         # A name with several addresses stays on the one it uses (no flapping between DNS answers).
         resolver.table["model-a"] = ["127.0.0.1", "127.0.0.2"]
         lookups = len(resolver.lookups)
-        await until(lambda: len(resolver.lookups) >= lookups + 2)
+        await until_async(lambda: len(resolver.lookups) >= lookups + 2, 5)
         assert pool.snapshot()[0].address == new.endpoint and pool.snapshot()[0].healthy
     finally:
         await new.stop()
@@ -429,10 +425,10 @@ async def test_a_failed_lookup_keeps_the_address_and_a_passive_failure_looks_up_
     a.health_status = 503  # the failure is real (confirmed by the report's probe)
     t0 = time.monotonic()
     pool.report_failure(pool.endpoints[0])
-    await until(lambda: len(resolver.lookups) > lookups)
+    await until_async(lambda: len(resolver.lookups) > lookups, 5)
     assert resolver.lookups[-1] - t0 < 1.0  # not the 30 s interval
     a.health_status = 200  # the endpoint still answers at its address
-    await until(lambda: pool.snapshot()[0].healthy)  # probed again at the address it kept
+    await until_async(lambda: pool.snapshot()[0].healthy, 5)  # probed again at the address it kept
     assert pool.snapshot()[0].address == a.endpoint
 
 
@@ -453,14 +449,14 @@ async def test_a_restart_bumps_the_epoch_once_and_notifies_listeners(servers, po
     a.metrics = _metrics(*before)
     pool = await pools([a.endpoint])
     assert await pool.wait_ready(5)
-    await until(lambda: a.num_scrapes >= 3)
+    await until_async(lambda: a.num_scrapes >= 3, 5)
     assert state(pool, a.endpoint).restart_epoch == 0  # steady scrapes: no restart
     epochs: list[int] = []
     pool.add_listener(lambda snap: epochs.append(snap[0].restart_epoch))
     a.metrics = _metrics(*after)
-    await until(lambda: state(pool, a.endpoint).restart_epoch == 1)
+    await until_async(lambda: state(pool, a.endpoint).restart_epoch == 1, 5)
     n = a.num_scrapes
-    await until(lambda: a.num_scrapes >= n + 3)
+    await until_async(lambda: a.num_scrapes >= n + 3, 5)
     assert state(pool, a.endpoint).restart_epoch == 1 and pool.num_restarts == 1  # once, not per scrape
     assert 1 in epochs  # a structural change: the router hears of it
 
@@ -470,14 +466,14 @@ async def test_a_restart_while_unreachable_is_caught_at_the_first_scrape_back(se
     a.metrics = _metrics(1_700_000_000.0, 10_000.0)
     pool = await pools([a.endpoint])
     assert await pool.wait_ready(5)
-    await until(lambda: a.num_scrapes >= 2)
+    await until_async(lambda: a.num_scrapes >= 2, 5)
     await a.stop()
-    await until(lambda: not state(pool, a.endpoint).healthy)
+    await until_async(lambda: not state(pool, a.endpoint).healthy, 5)
     b = FakeEndpoint(port=a.port)  # the restarted process on the same port, already past the old counters
     b.metrics = _metrics(1_700_000_050.0, 20_000.0)
     await b.start()
     try:
-        await until(lambda: state(pool, a.endpoint).healthy)
-        await until(lambda: state(pool, a.endpoint).restart_epoch == 1)
+        await until_async(lambda: state(pool, a.endpoint).healthy, 5)
+        await until_async(lambda: state(pool, a.endpoint).restart_epoch == 1, 5)
     finally:
         await b.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from helpers import free_port, http_get, prefixroute_cmd, start_process
 from helpers.fleet import MODEL, start_fleet
+from helpers.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -44,9 +44,7 @@ def test_extproc_prints_ready_line_and_stops_cleanly_on_sigterm(stack: ExitStack
         prefixroute_cmd("extproc", "--port", str(port), "--listen-address", "127.0.0.1",
                         "--endpoints", fleet.endpoints[0], "--metrics-port", str(metrics_port), "--no-traces"),
         ready_port=port, log_dir=log_dir, name="extproc"))
-    deadline = time.monotonic() + 5
-    while "ready on" not in proc.log_tail() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: "ready on" in proc.log_tail(), 5, message=proc.log_tail)
     assert (f"prefixroute extproc ready on 127.0.0.1:{port} (policy prefix, index feedback, 1/1 endpoints healthy, "
             f"metrics http://127.0.0.1:{metrics_port}/metrics, traces off)") in proc.log_tail()
     status, body = http_get(f"http://127.0.0.1:{metrics_port}/metrics")
@@ -77,10 +75,8 @@ def test_gateway_command_serves_and_stops_both_children_on_sigterm(stack: ExitSt
     status, body = http_get(f"http://127.0.0.1:{port}/v1/models")
     assert status == 200 and MODEL.encode() in body
     ready_line = f"prefixroute gateway ready: http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10  # Envoy may answer a moment before the launcher prints its line
-    while ready_line not in proc.log_tail() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert ready_line in proc.log_tail()
+    # Envoy may answer a moment before the launcher prints its line
+    until(lambda: ready_line in proc.log_tail(), 10, message=proc.log_tail)
     line = next(x for x in proc.log_tail().splitlines() if x.startswith(ready_line))
     metrics_url = line.rsplit("metrics ", 1)[1].rstrip(")")
     status, body = http_get(metrics_url)  # the launcher picked a free port for the router's /metrics
@@ -89,10 +85,7 @@ def test_gateway_command_serves_and_stops_both_children_on_sigterm(stack: ExitSt
     assert len(children) == 2, children  # Envoy and the ext_proc service
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.popen.wait(timeout=15) == 0
-    deadline = time.monotonic() + 5
-    while any(_alive(c) for c in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(c) for c in children)
+    until(lambda: not any(_alive(c) for c in children), 5, message=lambda: f"children {children} gone")
 
 
 @pytest.mark.slow

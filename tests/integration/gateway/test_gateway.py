@@ -17,6 +17,7 @@ from prefixroute.extproc.headers import DESTINATION_HEADER, SERVED_HEADER, fallb
 from prefixroute.extproc.gateway import GatewayProcesses
 
 from helpers.fleet import MAX_BODY_BYTES, MODEL, Fleet, SpyListener, start_fleet, start_gateway
+from helpers.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -196,10 +197,13 @@ def test_killing_a_server_loses_no_request_that_had_not_started_on_it(stack: Exi
     threads = [threading.Thread(target=client, args=(w,)) for w in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    until(lambda: len(results) > 10 and any(r[2] == "f0" for r in results), 10,
+          message="requests served, some by the victim, before it dies")
     kill_at.append(time.monotonic())
     victim.kill()
-    time.sleep(2.0)
+    until(lambda: sum(r[0] >= kill_at[0] for r in results) > 20
+          and "marked down after a passive failure" in (log_dir / "extproc.log").read_text(), 15,
+          message="requests after the kill and the victim marked down")
     stop.set()
     for t in threads:
         t.join(timeout=30)

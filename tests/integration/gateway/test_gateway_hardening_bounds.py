@@ -31,6 +31,7 @@ from prefixroute.procs import free_port
 from helpers.canary import Canary
 from helpers.fleet import MODEL
 from helpers.rawhttp import request, send
+from helpers.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +84,7 @@ def closed_within(socks: list[socket.socket], deadline_s: float, trickle: bytes 
                 except OSError:
                     closed[k] = time.monotonic() - t0
         i += 1
-        time.sleep(0.2)
+        time.sleep(0.2)  # the trickle's pace (a measurement over `deadline_s`, not a wait for a condition)
     return closed
 
 
@@ -182,7 +183,7 @@ def test_clients_that_stop_reading_cost_envoy_little_memory(stack: ExitStack, ca
     gw = start_gateway(stack, (canary.endpoint,), tmp_path)
     warm = send(gw.gateway.port, request("POST", "/v1/chat/completions", CHAT))
     assert warm is not None and warm.status == 200
-    time.sleep(0.5)
+    time.sleep(0.5)  # on purpose: the warm-up's buffers are freed before the baseline (no signal says when)
     alloc0, rss0 = _envoy_allocated_bytes(gw.admin_port), _rss_bytes(gw.envoy.pid)
     socks = []
     try:
@@ -193,12 +194,14 @@ def test_clients_that_stop_reading_cost_envoy_little_memory(stack: ExitStack, ca
             s.sendall(request("POST", "/v1/chat/completions", CHAT, {"x-canary-stream-bytes": str(200 << 20)}))
             socks.append(s)
         # Wait until the endpoint's writes stall on backpressure (what it sent stops growing).
-        last, stable_since = -1, time.monotonic()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and time.monotonic() - stable_since < 1.5:
-            time.sleep(0.25)
-            if canary.stream_bytes_sent != last:
-                last, stable_since = canary.stream_bytes_sent, time.monotonic()
+        seen = {"bytes": -1, "since": time.monotonic()}
+
+        def stalled() -> bool:  # unchanged for 1.5 s
+            if canary.stream_bytes_sent != seen["bytes"]:
+                seen.update(bytes=canary.stream_bytes_sent, since=time.monotonic())
+            return time.monotonic() - seen["since"] >= 1.5
+
+        until(stalled, 30, interval_s=0.25, message="the endpoint's writes stalled on backpressure")
         alloc1, rss1 = _envoy_allocated_bytes(gw.admin_port), _rss_bytes(gw.envoy.pid)
         per_conn_alloc = (alloc1 - alloc0) / num_connections
         per_conn_rss = (rss1 - rss0) / num_connections
@@ -270,7 +273,7 @@ def test_a_stalled_reader_is_cut_after_the_stream_idle_timeout(stack: ExitStack,
     with s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
         s.sendall(request("POST", "/v1/chat/completions", CHAT, {"x-canary-stream-bytes": str(500 << 20)}))
-        time.sleep(4)
+        time.sleep(4)  # the client reads nothing on purpose for longer than the 1.5 s stream idle timeout
         stalled_at = canary.stream_bytes_sent
         s.settimeout(5)
         received, t0 = 0, time.monotonic()

@@ -21,6 +21,7 @@ import pytest
 from helpers import free_port, http_get, prefixroute_cmd
 from helpers.fleet import MODEL, chat_once, start_fleet
 from helpers.leftovers import find_pid, kill_marked, marked_env, new_marker, wait_none_left
+from helpers.waiting import until
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -43,13 +44,6 @@ def _samples(metrics_port: int, name: str) -> dict[str, float]:
 
 def _total(metrics_port: int, name: str) -> float:
     return sum(_samples(metrics_port, name).values())
-
-
-def _wait(predicate, timeout_s: float, what: object) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what() if callable(what) else what
-        time.sleep(0.05)
 
 
 def _stream_chat(port: int, text: str) -> tuple[int, str]:
@@ -78,7 +72,8 @@ def test_two_replicas_observe_their_own_picks_and_share_them_through_nats(stack:
     assert gw.nats is not None and gw.peers_url.startswith("nats://127.0.0.1:")
     ports = gw.metrics_ports
     assert len(ports) == 2 and len(set(gw.extproc_ports)) == 2
-    _wait(lambda: all(_total(p, "prefixroute_peer_connected") == 1 for p in ports), 10, "replicas never connected")
+    until(lambda: all(_total(p, "prefixroute_peer_connected") == 1 for p in ports), 10,
+          message="replicas connected")
 
     prompts = _prompts(6, 6, "first")
     with ThreadPoolExecutor(6) as pool:
@@ -88,12 +83,12 @@ def test_two_replicas_observe_their_own_picks_and_share_them_through_nats(stack:
     assert all(d > 0 for d in decisions) and sum(decisions) == len(prompts), decisions  # both routed
     # Each replica measured the TTFT of every request it routed: Envoy sent each observing stream to the replica
     # that routed the request (with the streams spread independently, each would attach about half).
-    _wait(lambda: [_total(p, "prefixroute_ttft_seconds_count") for p in ports] == decisions, 5,
-          lambda: ([_total(p, "prefixroute_ttft_seconds_count") for p in ports], decisions))
+    until(lambda: [_total(p, "prefixroute_ttft_seconds_count") for p in ports] == decisions, 5,
+          message=lambda: ([_total(p, "prefixroute_ttft_seconds_count") for p in ports], decisions))
     # They agree: each recorded the other's picks in its prefix index, so both hold the same blocks per endpoint.
     def indexes() -> list[dict[str, float]]:
         return [_samples(p, "prefixroute_prefix_index_blocks") for p in ports]
-    _wait(lambda: indexes()[0] == indexes()[1] and sum(indexes()[0].values()) > 0, 5, indexes)
+    until(lambda: indexes()[0] == indexes()[1] and sum(indexes()[0].values()) > 0, 5, message=indexes)
     assert all(_total(p, 'prefixroute_peer_messages_total{direction="received",kind="pick"}') > 0 for p in ports)
     # Affinity holds across replicas: each prefix's requests, whichever replica routed them, went to one endpoint.
     by_prefix: dict[str, set[str]] = {}
@@ -104,19 +99,21 @@ def test_two_replicas_observe_their_own_picks_and_share_them_through_nats(stack:
     # NATS down: every request is still routed (each replica alone), the replicas say they are disconnected.
     assert gw.nats is not None
     gw.nats.kill()
-    _wait(lambda: all(_total(p, "prefixroute_peer_connected") == 0 for p in ports), 10, "still connected")
+    until(lambda: all(_total(p, "prefixroute_peer_connected") == 0 for p in ports), 10,
+          message="replicas disconnected")
     with ThreadPoolExecutor(4) as pool:
         alone = list(pool.map(lambda t: _stream_chat(gw.gateway.port, t), _prompts(4, 3, "alone")))
     assert all(status == 200 for status, _ in alone), alone
     # NATS back on its port: both reconnect, and the next picks are shared again.
     gw.group.add(gw.nats, wait=False)
-    _wait(lambda: all(_total(p, "prefixroute_peer_connected") == 1 for p in ports), 15, "never reconnected")
+    until(lambda: all(_total(p, "prefixroute_peer_connected") == 1 for p in ports), 15,
+          message="replicas reconnected")
     received = [_total(p, 'prefixroute_peer_messages_total{direction="received",kind="pick"}') for p in ports]
     with ThreadPoolExecutor(4) as pool:
         again = list(pool.map(lambda t: _stream_chat(gw.gateway.port, t), _prompts(4, 4, "again")))
     assert all(status == 200 for status, _ in again), again
-    _wait(lambda: sum(_total(p, 'prefixroute_peer_messages_total{direction="received",kind="pick"}')
-                      for p in ports) >= sum(received) + 8, 5, "picks not shared after the reconnect")
+    until(lambda: sum(_total(p, 'prefixroute_peer_messages_total{direction="received",kind="pick"}')
+                      for p in ports) >= sum(received) + 8, 5, message="picks shared after the reconnect")
 
 
 def test_a_replica_killed_under_load_costs_no_request_and_is_restarted(stack: ExitStack, log_dir: Path) -> None:
@@ -138,7 +135,7 @@ def test_a_replica_killed_under_load_costs_no_request_and_is_restarted(stack: Ex
     def said() -> str:
         return (log_dir / "gateway-output.txt").read_text(errors="replace")
 
-    _wait(lambda: "prefixroute gateway ready" in said() or proc.poll() is not None, 90, said)
+    until(lambda: "prefixroute gateway ready" in said() or proc.poll() is not None, 90, message=said)
     assert proc.poll() is None, said()
     assert "2 ext_proc replicas" in said() and "peers nats://127.0.0.1:" in said(), said()
 
@@ -156,12 +153,13 @@ def test_a_replica_killed_under_load_costs_no_request_and_is_restarted(stack: Ex
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    until(lambda: len(results) >= 10, 10, message="requests before the kill")
     killed_at = time.monotonic()
     os.kill(find_pid(marker, "extproc", "--port", str(extproc_port), "--replica-index"), signal.SIGKILL)  # replica 0
-    _wait(lambda: "extproc-0 is back (restart 1" in said(), 30, said)
+    until(lambda: "extproc-0 is back (restart 1" in said(), 30, message=said)
     back_s = time.monotonic() - killed_at
-    time.sleep(1.0)
+    back_at = time.monotonic()
+    until(lambda: sum(r[0] >= back_at for r in results) >= 10, 15, message="requests after the restart")
     stop.set()
     for t in threads:
         t.join(timeout=15)
@@ -172,9 +170,9 @@ def test_a_replica_killed_under_load_costs_no_request_and_is_restarted(stack: Ex
     assert "extproc-0 exited with signal SIGKILL" in said() and "restart 1 in 0.2 s" in said(), said()
     # The restarted replica routes again (Envoy's health check let it back in): its fresh counter grows.
     before = max(_total(metrics_port, "prefixroute_decisions_total"), 0.0)
-    _wait(lambda: (chat_once(port, "after the restart")[0] == 200
+    until(lambda: (chat_once(port, "after the restart")[0] == 200
                    and _total(metrics_port, "prefixroute_decisions_total") > before), 20,
-          lambda: ("restarted replica never routed", back_s, said()))
+          message=lambda: ("the restarted replica routing", back_s, said()))
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0, said()
     assert wait_none_left(marker, 5.0) == {}  # nats-server and both replicas stopped too

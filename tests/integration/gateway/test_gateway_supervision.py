@@ -18,6 +18,7 @@ import pytest
 from helpers import free_port, http_get, prefixroute_cmd
 from helpers.fleet import chat_once, start_fleet
 from helpers.leftovers import find_pid, kill_marked, marked_env, new_marker, wait_none_left
+from helpers.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -33,14 +34,6 @@ def _decisions(metrics_port: int) -> float:
         return -1.0
     return sum(float(m.group(1)) for m in re.finditer(r"^prefixroute_decisions_total\{[^}]*\} ([0-9.e+]+)$",
                                                       body.decode(), re.M))
-
-
-def _wait(predicate, timeout_s: float, what: str) -> float:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-    return time.monotonic()
 
 
 def test_gateway_keeps_serving_fail_open_while_ext_proc_restarts_and_restarts_envoy(
@@ -60,7 +53,7 @@ def test_gateway_keeps_serving_fail_open_while_ext_proc_restarts_and_restarts_en
     def said() -> str:
         return (log_dir / "gateway-output.txt").read_text(errors="replace")
 
-    _wait(lambda: "prefixroute gateway ready" in said() or proc.poll() is not None, 60, said())
+    until(lambda: "prefixroute gateway ready" in said() or proc.poll() is not None, 60, message=said)
     assert proc.poll() is None, said()
     for i in range(4):
         assert _chat(port, i)[0] == 200
@@ -76,15 +69,16 @@ def test_gateway_keeps_serving_fail_open_while_ext_proc_restarts_and_restarts_en
             t0 = time.monotonic()
             results.append((t0, *_chat(port, i)))
             i += 1
-            time.sleep(0.01)
+            time.sleep(0.01)  # the client's pace
 
     t = threading.Thread(target=client, daemon=True)
     t.start()
-    time.sleep(0.3)
+    until(lambda: len(results) >= 3, 10, message="requests before the kill")
     killed_at = time.monotonic()
     os.kill(find_pid(marker, "extproc"), signal.SIGKILL)
-    back_at = _wait(lambda: "extproc is back (restart 1" in said(), 20, said())
-    time.sleep(0.5)
+    until(lambda: "extproc is back (restart 1" in said(), 20, interval_s=0.02, message=said)
+    back_at = time.monotonic()
+    until(lambda: sum(r[0] >= back_at for r in results) >= 3, 10, message="requests after the restart")
     stop.set()
     t.join(timeout=15)
 
@@ -101,7 +95,7 @@ def test_gateway_keeps_serving_fail_open_while_ext_proc_restarts_and_restarts_en
     assert _decisions(metrics_port) >= before + 5
 
     os.kill(find_pid(marker, "-c", "--disable-hot-restart"), signal.SIGKILL)  # Envoy
-    _wait(lambda: "envoy is back (restart 1" in said(), 20, said())
+    until(lambda: "envoy is back (restart 1" in said(), 20, message=said)
     assert "envoy exited with signal SIGKILL after " in said()
     assert _chat(port, 300)[0] == 200
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import pytest
 from helpers.fleet import MODEL, Fleet, start_fleet
 from helpers.gie import Envoy, new_ports, override_host, start_envoy
 from helpers.tls import make_pki
+from helpers.waiting import until
 from prefixroute.extproc import gie_reference
 from prefixroute.extproc.envoy_config import EnvoySettings, render
 from prefixroute.procs import ManagedProcess, ProcessGroup, free_ports, http_get, prefixroute_argv, tcp_open
@@ -138,6 +138,9 @@ def _normalised(answer: Answer) -> list:
     """The answer without what differs between two identical requests: ids, timestamps, cache hits."""
     def clean(obj: dict) -> dict:
         obj = {k: v for k, v in obj.items() if k not in ("id", "created")}
+        if isinstance(obj.get("data"), list):  # a model list: each model's `created` is the second it was asked
+            obj["data"] = [{k: v for k, v in d.items() if k != "created"} if isinstance(d, dict) else d
+                           for d in obj["data"]]
         if isinstance(obj.get("usage"), dict):
             obj["usage"] = {k: v for k, v in obj["usage"].items() if k != "prompt_tokens_details"}
         return obj
@@ -164,10 +167,7 @@ def test_envoys_health_check_finds_the_picker_healthy(gie: Gie) -> None:
     """GIE's reference configuration health-checks the picker (grpc.health.v1, service
     envoy.service.ext_proc.v3.ExternalProcessor, over TLS): without it Envoy reaches the picker only in panic."""
     for envoy in (gie.fail_close, gie.fail_open):
-        deadline = time.monotonic() + 15
-        while envoy.extproc_health() != ["healthy"] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert envoy.extproc_health() == ["healthy"], envoy.clusters()
+        until(lambda: envoy.extproc_health() == ["healthy"], 15, interval_s=0.2, message=envoy.clusters)
 
 
 @pytest.mark.parametrize(("size", "stream"), [(200, False), (200, True), (48 * 1024, False), (48 * 1024, True),
@@ -266,9 +266,8 @@ def test_a_gateway_walking_gies_fallback_list_fails_over_and_reports_the_served_
         assert {a.server for a in answers} == {"g1"}
         # The picker filed every one under the endpoint the gateway reported in metadata, not the primary it
         # named (some of them server 0's).
-        deadline = time.monotonic() + 5
-        while _served_count(gie.override_metrics_port, eps[1]) - before[eps[1]] < 8 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until(lambda: _served_count(gie.override_metrics_port, eps[1]) - before[eps[1]] >= 8, 5, interval_s=0.1,
+              message="8 requests filed under the served endpoint")
         assert _served_count(gie.override_metrics_port, eps[1]) - before[eps[1]] == 8
         assert _served_count(gie.override_metrics_port, eps[0]) == before[eps[0]]
     finally:
@@ -297,10 +296,8 @@ def test_picker_down_fails_as_gies_failure_mode_says_and_a_restarted_picker_serv
         gie.picker.spawn()
         gie.picker.wait_ready(30)
     for envoy in (gie.fail_close, gie.fail_open):
-        deadline = time.monotonic() + 20
-        while (answer := post(envoy, "/v1/chat/completions", payload)).status != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert answer.status == 200, answer
+        until(lambda: post(envoy, "/v1/chat/completions", payload).status == 200, 20, interval_s=0.2,
+              message="a 200 through the restarted picker")
         assert envoy.extproc_health() == ["healthy"]
     status, text = http_get(f"http://127.0.0.1:{gie.picker_metrics_port}/metrics")
     assert status == 200 and b'endpoint="none"' not in text
@@ -308,7 +305,7 @@ def test_picker_down_fails_as_gies_failure_mode_says_and_a_restarted_picker_serv
 
 def test_overhead_bench_measures_gie_mode_beside_ours() -> None:
     """`prefixroute overhead-bench --gie`: GIE's reference Envoy in front of a picker in GIE mode, in the same rounds
-    as our own gateway; its rows and the GIE/ours ratio line are printed (figures: README, Benchmarks)."""
+    as our own gateway; its rows and the GIE/ours ratio line are printed (figures: docs/benchmarks.md, GIE mode)."""
     import subprocess
     import sys
 

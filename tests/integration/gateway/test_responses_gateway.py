@@ -24,6 +24,7 @@ import pytest
 
 from helpers.fleet import MODEL, Fleet, start_fleet, start_gateway
 from helpers.stack import metric_value
+from helpers.waiting import until
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -125,15 +126,6 @@ def prompt_tokens(fleet: Fleet) -> dict[str, float]:
         with urllib.request.urlopen(f"http://{ep}/metrics", timeout=5) as r:
             out[ep] = metric_value(r.read().decode(), "vllm:prompt_tokens_total")
     return out
-
-
-def wait_until(check, timeout_s: float, interval_s: float = 0.05):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = check()
-        if got or time.monotonic() > deadline:
-            return got
-        time.sleep(interval_s)
 
 
 @pytest.fixture(scope="module")
@@ -299,9 +291,8 @@ def test_holder_killed_then_restarted_gives_503_then_404_never_a_reroute(tmp_pat
             exc = follow_up()
             return exc if exc is not None and exc.status_code == 503 and rid in exc.body["message"] else None
 
-        exc = wait_until(named_503, timeout_s=10.0, interval_s=0.1)
+        exc = until(named_503, 10.0, interval_s=0.1, message=lambda: f"the router's named 503 (seen: {seen})")
         t_named = time.monotonic() - t_kill
-        assert exc is not None, seen
         assert exc.response.headers.get("retry-after") == "1"
         assert exc.body["param"] == "previous_response_id"
         assert isinstance(follow_up(stream=True), openai.InternalServerError)  # streamed: the same 503
@@ -324,7 +315,7 @@ def test_holder_killed_then_restarted_gives_503_then_404_never_a_reroute(tmp_pat
             exc = follow_up()
             return exc if exc is not None and exc.status_code == 404 else None
 
-        exc = wait_until(named_404, timeout_s=10.0, interval_s=0.1)
+        exc = until(named_404, 10.0, interval_s=0.1, message=lambda: f"vLLM's 404 (seen: {seen})")
         assert isinstance(exc, openai.NotFoundError), seen
         assert rid in exc.body["message"] and exc.body["param"] == "response_id"
         t_404 = time.monotonic() - t_up

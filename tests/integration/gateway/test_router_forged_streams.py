@@ -126,7 +126,7 @@ class Attacker:
                         await self._observe(process, f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01", ep)
                 except grpc.aio.AioRpcError as exc:
                     self.errors.append(repr(exc)[:200])
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.002)  # the attack's pace
 
 
 def test_forged_streams_mark_no_endpoint_down_and_victims_stay_on_their_endpoint(stack: ExitStack,
@@ -150,7 +150,7 @@ def test_forged_streams_mark_no_endpoint_down_and_victims_stay_on_their_endpoint
             status, headers, body = request(gw, chat(victim_prompt, f"q{i}"))
             results.append((status, headers.get(SERVER_ID, body[:200].decode(errors="replace"))))
             i += 1
-            time.sleep(0.05)
+            time.sleep(0.05)  # the victim's pace, over the 4 s the attack runs (time passes on purpose)
     finally:
         attacker.stop.set()
         attacker.thread.join(timeout=30)

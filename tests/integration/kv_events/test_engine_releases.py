@@ -11,11 +11,11 @@ wheels; `tests/data/kv_events/generate.py --download` fetches them.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from helpers import engines
+from helpers.waiting import until_async
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_seed_for
 from prefixroute.procs import free_ports
@@ -34,14 +34,6 @@ def extracted(tmp_path_factory):
         wheel = engines.find_wheel(r)
         out[r.name] = engines.extract(wheel, tmp_path_factory.mktemp(r.name)) if wheel else None
     return out
-
-
-async def _eventually(check, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def _assert_matches_expected(index: KVEventIndex, expected: dict, release: str) -> None:
@@ -71,13 +63,15 @@ async def test_a_release_publisher_late_join_then_live(name, extracted, tmp_path
         assert proc.send("publish")["published"] == n  # nobody listens: only the replay buffer keeps them
         manager.sync({EP: (f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")})
         stats = lambda: manager.stats()[EP]  # noqa: E731
-        await _eventually(lambda: stats().state == "live" and stats().last_seq == n - 1, 10, "late join")
+        await until_async(lambda: stats().state == "live" and stats().last_seq == n - 1, 10, message="late join")
         _assert_matches_expected(index, expected, name)
         assert stats().num_decode_errors == 0 and stats().num_batches == n
         # The same scenario live (it clears the cache half-way, so it ends in the same state).
-        await asyncio.sleep(0.3)  # the SUB connection is up (live), let the subscription reach the PUB
+        # A fixed wait on purpose: the SUB connection is up (live), and ZMQ says nothing when the subscription has
+        # reached the release's PUB socket (the slow joiner)
+        await asyncio.sleep(0.3)
         proc.send("publish")
-        await _eventually(lambda: stats().last_seq == 2 * n - 1, 10, "live batches")
+        await until_async(lambda: stats().last_seq == 2 * n - 1, 10, message="live batches")
         _assert_matches_expected(index, expected, name)
         s = stats()
         assert (s.num_decode_errors, s.num_gaps, s.num_unknown_events, s.num_batches) == (0, 0, 0, 2 * n), s

@@ -16,7 +16,7 @@ from contextlib import ExitStack
 import pytest
 
 from helpers.fleet import MODEL
-from helpers.stack import wait_for
+from helpers.waiting import until
 from prefixroute.bench.fleet import free_port_pairs
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
@@ -96,12 +96,12 @@ def test_events_index_matches_the_servers_caches_through_envoy(tmp_path):
             blocks = router_blocks()
             return all(blocks.get(s.endpoint) == s.cached_blocks() for s in servers)
 
-        assert wait_for(lambda: set(sources().values()) == {"events"}, 10), sources()
+        until(lambda: set(sources().values()) == {"events"}, 10, message=lambda: sources())
         # Warm-up round, then a sequence over 6 documents that evicts (each server holds ~5 of them).
         outcomes = [_chat(gw.url, d, 0) for d in range(6)]
         with ThreadPoolExecutor(4) as pool:
             outcomes += list(pool.map(lambda i: _chat(gw.url, (i * 7) % 6, i + 1), range(60)))
-        assert wait_for(in_sync, 10), (router_blocks(), [s.cached_blocks() for s in servers])
+        until(in_sync, 10, message=lambda: (router_blocks(), [s.cached_blocks() for s in servers]))
         assert sum(s.cached_blocks() for s in servers) > 0
         # The servers evicted (700 blocks each cannot hold what was sent), and the index still agrees.
         total_sent_blocks = sum(p // 16 for _, p, _ in outcomes)
@@ -117,12 +117,12 @@ def test_events_index_matches_the_servers_caches_through_envoy(tmp_path):
         # A server killed: its subscriber loses the connection and the endpoint falls back to feedback.
         victim = servers[0]
         os.kill(victim.proc.pid, signal.SIGKILL)
-        assert wait_for(lambda: sources().get(victim.endpoint) == "feedback", 10), sources()
+        until(lambda: sources().get(victim.endpoint) == "feedback", 10, message=lambda: sources())
         # Restarted on the same ports: a new publisher (sequence from 0); the index drops what the old process
         # held and follows the new one, and the endpoint is matched by events again.
         victim.proc.popen.wait()
         victim.restart()
-        assert wait_for(lambda: sources().get(victim.endpoint) == "events", 10), sources()
+        until(lambda: sources().get(victim.endpoint) == "events", 10, message=lambda: sources())
         for i in range(6):
             _chat(gw.url, i, 100 + i)
-        assert wait_for(in_sync, 10), (router_blocks(), [s.cached_blocks() for s in servers])
+        until(in_sync, 10, message=lambda: (router_blocks(), [s.cached_blocks() for s in servers]))

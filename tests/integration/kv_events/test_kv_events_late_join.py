@@ -19,7 +19,7 @@ import pytest
 
 from helpers import engines
 from helpers.fleet import MODEL
-from helpers.stack import wait_for
+from helpers.waiting import until
 from prefixroute.bench.fleet import free_port_pairs
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
@@ -99,10 +99,11 @@ def _run(tmp_path, stack: ExitStack, release_src=None) -> None:
     def in_sync() -> bool:
         return _samples(_get(metrics_url), "prefixroute_kv_event_index_blocks") == server_blocks()
 
-    assert wait_for(lambda: set(_states(_get(metrics_url)).values()) == {"live"}, 10), _get(metrics_url)
+    until(lambda: set(_states(_get(metrics_url)).values()) == {"live"}, 10, message=lambda: _get(metrics_url))
     holders = {p: _chat(gw.url, p, "warm-up")[0] for p in range(NUM_PREFIXES)}
     assert len(set(holders.values())) == 2, holders  # both servers hold some
-    assert wait_for(in_sync, 10), (_samples(_get(metrics_url), "prefixroute_kv_event_index_blocks"), server_blocks())
+    until(in_sync, 10,
+          message=lambda: (_samples(_get(metrics_url), "prefixroute_kv_event_index_blocks"), server_blocks()))
     before = _get(metrics_url)
     assert sum(_samples(before, "prefixroute_kv_events_decode_errors_total").values()) == 0
 
@@ -118,8 +119,8 @@ def _run(tmp_path, stack: ExitStack, release_src=None) -> None:
     assert not wrong, f"{len(wrong)} of {NUM_PREFIXES} first requests missed their holder: {wrong}"
     assert all(cached > 0 for _, cached in outcomes.values()), outcomes
     # The requests verified that the servers tokenize as the router does (no token_mismatch can follow).
-    assert wait_for(lambda: _samples(_get(metrics_url), "prefixroute_kv_events_tokens_verified") == {
-        ep: 1.0 for ep in servers}, 5), _get(metrics_url)
+    until(lambda: _samples(_get(metrics_url), "prefixroute_kv_events_tokens_verified") == {
+        ep: 1.0 for ep in servers}, 5, message=lambda: _get(metrics_url))
 
 
 def test_a_restarted_router_routes_warm_prefixes_to_their_holders(tmp_path):

@@ -4,12 +4,12 @@ live events, gaps filled by replay, replays that cannot fill them, publisher res
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import xxhash
 
 from helpers.kv_publisher import KVPublisher
+from helpers.waiting import until_async
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_seed_for
 from prefixroute.kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored
@@ -44,16 +44,6 @@ def held(index: KVEventIndex, tokens) -> int:
     return index.match(hash_token_blocks(tokens, BS, token_seed_for(None, None))).get(EP, 0)
 
 
-async def eventually(check, timeout_s: float = 5.0, what: str = ""):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if check():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        await asyncio.sleep(0.01)
-
-
 class Harness:
     def __init__(self, **manager_kwargs):
         self.index = KVEventIndex(BS)
@@ -69,13 +59,13 @@ class Harness:
         self.manager.sync({EP: (pub.pub_address, pub.replay_address if replay else None)})
         await asyncio.to_thread(pub.wait_subscribed)
         if live:
-            await eventually(lambda: self.stats().state == "live", 5, "live")
+            await until_async(lambda: self.stats().state == "live", 5, message="live")
 
     def stats(self):
         return self.manager.stats()[EP]
 
     async def applied(self, seq: int, timeout_s: float = 5.0):
-        await eventually(lambda: self.stats().last_seq == seq, timeout_s, f"seq {seq} applied")
+        await until_async(lambda: self.stats().last_seq == seq, timeout_s, message=f"seq {seq} applied")
 
 
 @pytest.fixture
@@ -118,7 +108,7 @@ async def test_the_topic_is_a_prefix_filter():
             await asyncio.to_thread(pub.wait_subscribed)
             pub.publish([stored(prompt(1))])
             await h.applied(0)
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # lets time pass on purpose: the other topic's subscriber must get nothing
             assert held(h.index, prompt(1)) == 4
             assert other.stats()[EP].num_batches == 0 and held(other.index, prompt(1)) == 0
     finally:
@@ -210,8 +200,8 @@ async def test_the_same_publisher_back_after_an_outage_keeps_the_index(harness):
         pub.publish([stored(a, 0, 2)])
         await harness.applied(0)
         pub.go_down()
-        await eventually(lambda: not harness.stats().connected, 5, "disconnect seen")
-        await asyncio.sleep(1.0)  # down a while: ZMQ keeps retrying with backoff
+        await until_async(lambda: not harness.stats().connected, 5, message="disconnect seen")
+        await asyncio.sleep(1.0)  # on purpose, down a while: ZMQ keeps retrying with backoff
         pub.reopen()
         await asyncio.to_thread(pub.wait_subscribed)
         pub.publish([stored(a, 2, 4)])
@@ -231,7 +221,7 @@ async def test_a_restart_that_publishes_past_the_old_sequence_while_disconnected
         await harness.applied(1)
     finally:
         pub.close()
-    await eventually(lambda: not harness.stats().connected, 5, "disconnect seen")
+    await until_async(lambda: not harness.stats().connected, 5, message="disconnect seen")
     # The new process publishes seq 0..4 while nobody listens: the first seq the subscriber sees is past its
     # old one, which on its own looks like a plain gap.
     with KVPublisher(*ports) as pub2:
@@ -268,7 +258,7 @@ async def test_manager_sync_starts_stops_and_restarts_subscribers():
             p1.publish([stored(prompt(1))])
             p2.publish([stored(prompt(1))])
             tokens = hash_token_blocks(prompt(1), BS, token_seed_for(None, None))
-            await eventually(lambda: h.index.match(tokens) == {EP: 4, ep2: 4})
+            await until_async(lambda: h.index.match(tokens) == {EP: 4, ep2: 4}, 5)
             assert sorted(h.manager.stats()) == sorted([EP, ep2])
             h.manager.sync({EP: (p3.pub_address, p3.replay_address)})  # ep2 left, EP moved
             assert h.index.match(tokens) == {}
@@ -307,9 +297,9 @@ async def test_a_publisher_restarted_while_quiet_empties_the_endpoint_on_reconne
         await harness.applied(1)
     finally:
         pub.close()
-    await eventually(lambda: harness.stats().state == "down", 5, "down")
+    await until_async(lambda: harness.stats().state == "down", 5, message="down")
     with KVPublisher(*ports):
-        await eventually(lambda: harness.stats().state == "live", 10, "live again")
+        await until_async(lambda: harness.stats().state == "live", 10, message="live again")
         assert held(harness.index, prompt(1)) == 0 and held(harness.index, prompt(2)) == 0
         assert harness.cleared == ["publisher_restart"] and harness.stats().num_restarts == 1
 
@@ -330,14 +320,14 @@ async def test_undecodable_batches_two_in_a_row_or_a_quarter_of_the_window_and_r
                     pub.publish_raw(b"\xc1bad")
                 else:
                     pub.publish([stored(prompt(10 + i))])
-            await eventually(lambda: h.stats().state == "undecodable", 5, "undecodable (window)")
+            await until_async(lambda: h.stats().state == "undecodable", 5, message="undecodable (window)")
             assert "first bytes c1626164" in h.stats().state_detail
             for i in range(8):
                 pub.publish([stored(prompt(30 + i))])
-            await eventually(lambda: h.stats().state == "live", 5, "recovered")
+            await until_async(lambda: h.stats().state == "live", 5, message="recovered")
             pub.publish_raw(b"\xc1x")
             pub.publish_raw(b"\xc1y")
-            await eventually(lambda: h.stats().state == "undecodable", 5, "undecodable (in a row)")
+            await until_async(lambda: h.stats().state == "undecodable", 5, message="undecodable (in a row)")
             assert states.count("undecodable") == 2 and h.stats().num_decode_errors == 6
     finally:
         await h.manager.close()

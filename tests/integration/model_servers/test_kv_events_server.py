@@ -13,6 +13,7 @@ import orjson
 import pytest
 import zmq
 from helpers import free_ports
+from helpers.waiting import until_async
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute.kv_events_wire import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch,
@@ -72,7 +73,9 @@ class Subscriber(threading.Thread):
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
         sub.connect(self.pub)
         try:
-            time.sleep(0.3)  # let the subscription reach the publisher before traffic starts
+            # A fixed wait on purpose: ZMQ says nothing when a subscription has reached the publisher (the slow
+            # joiner); batches missed meanwhile would be filled from the replay socket all the same.
+            time.sleep(0.3)
             self.ready.set()
             while not self.stop.is_set():
                 if not sub.poll(50):
@@ -97,19 +100,23 @@ async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+async def _running(session: aiohttp.ClientSession, url: str) -> bool:
+    return (await metrics(session, url))["vllm:num_requests_running"] >= 1
+
+
 async def settle(session, url, sub: Subscriber) -> dict[str, float]:
-    """Wait (10 s at most) until the subscriber has applied every published batch and holds as many blocks as
-    the server reports: the engine's gauge moves at once, the publisher thread a moment later, so the test asks
-    for convergence, then its caller asserts it (a wrong event stream never converges)."""
-    deadline = time.monotonic() + 10
-    while True:
+    """The server's metrics once the subscriber has applied every published batch and holds as many blocks as
+    the server reports (or has failed: its caller asserts `sub.error`): the engine's gauge moves at once, the
+    publisher thread a moment later, so the test asks for convergence; a wrong event stream never converges
+    and fails the test after 10 s."""
+    async def converged() -> dict[str, float] | None:
         m = await metrics(session, url)
         published = m["prefixroute:kv_events_batches_published_total"]
         with sub.lock:
             done = sub.next_seq == published and len(sub.held) == m["prefixroute:kv_cached_blocks"]
-        if done or time.monotonic() > deadline or sub.error is not None:
-            return m
-        await asyncio.sleep(0.05)
+        return m if done or sub.error is not None else None
+
+    return await until_async(converged, 10, interval_s=0.05, message="the subscriber's blocks equal the server's")
 
 
 def test_server_events_match_its_cache(server_factory):
@@ -174,7 +181,7 @@ def test_reset_prefix_cache_refused_while_busy_unless_forced(server_factory):
         async with aiohttp.ClientSession() as session:
             body = {"model": "meta-llama/Llama-3.1-8B-Instruct", "prompt": "x " * 400, "max_tokens": 150}
             task = asyncio.ensure_future(session.post(srv.url + "/v1/completions", json=body))
-            await asyncio.sleep(0.3)
+            await until_async(lambda: _running(session, srv.url), 10, message="the request holding blocks")
             async with session.post(srv.url + "/reset_prefix_cache") as r:
                 assert r.status == 409
                 err = (await r.json())["error"]

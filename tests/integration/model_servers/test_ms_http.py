@@ -12,6 +12,25 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.model_server import start_server
+from helpers.waiting import until_async
+
+
+async def _health(s: aiohttp.ClientSession, url: str) -> int | None:
+    """GET /health's status, None when the connection is refused."""
+    try:
+        async with s.get(url + "/health") as r:
+            return r.status
+    except aiohttp.ClientConnectionError:
+        return None
+
+
+async def _refused(host: str, port: int) -> bool:
+    try:
+        _, w = await asyncio.open_connection(host, port)
+    except OSError:
+        return True
+    w.close()
+    return False
 
 pytestmark = pytest.mark.integration
 
@@ -251,14 +270,14 @@ async def test_admin_listener_is_off_by_default_and_separate(server_factory):
             assert r.status == 404  # the admin listener serves nothing else
         async with s.post(srv.admin_url + "/admin/faults", json={"refuse_connections": True}) as r:
             assert (await r.json())["refuse_connections"] is True
-        await asyncio.sleep(0.2)
+        await until_async(lambda: _refused(srv.host, srv.port), 5, message="the serving port refusing")
         with pytest.raises(aiohttp.ClientConnectionError):
             async with s.get(srv.url + "/health"):
                 pass
         # the admin listener outlives the refusal and can lift it
         async with s.post(srv.admin_url + "/admin/faults", json={"refuse_connections": False}) as r:
             assert (await r.json())["refuse_connections"] is False
-        await asyncio.sleep(0.2)
+        await until_async(lambda: _health(s, srv.url), 5, message="the serving port listening again")
         async with s.get(srv.url + "/health") as r:
             assert r.status == 200
 
@@ -305,13 +324,10 @@ async def test_fail_ratio_latency_refuse_and_sigterm(server_factory):
         assert m["prefixroute:requests_failed_total"] == 1 and m["vllm:request_success_total"] == 1
         async with s.post(srv.admin_url + "/admin/faults", json={"refuse_connections": True}) as r:
             assert (await r.json())["refuse_connections"] is True
-    await asyncio.sleep(0.2)
-    with pytest.raises(OSError):
-        _, w = await asyncio.open_connection(srv.host, srv.port)
-        w.close()
+    await until_async(lambda: _refused(srv.host, srv.port), 5, message="the serving port refusing")
     srv.proc.send_signal(signal.SIGUSR1)  # listen again
-    await asyncio.sleep(0.3)
     async with aiohttp.ClientSession() as s:
+        await until_async(lambda: _health(s, srv.url), 5, message="the serving port listening again")
         async with s.get(srv.url + "/health") as r:
             assert r.status == 200
     assert srv.stop() == 0
@@ -357,9 +373,13 @@ async def test_client_disconnect_aborts_and_frees_kv(server_factory):
             async with aiohttp.ClientSession() as s2, s2.get(srv.url + "/metrics") as m:
                 during = metric_samples(await m.text())
         # leaving the block closes the connection mid-stream
-        await asyncio.sleep(0.3)
-        async with s.get(srv.url + "/metrics") as m:
-            after = metric_samples(await m.text())
+
+        async def freed() -> dict | None:
+            async with s.get(srv.url + "/metrics") as m:
+                got = metric_samples(await m.text())
+            return got if got["vllm:num_requests_running"] == 0 else None
+
+        after = await until_async(freed, 5, interval_s=0.05, message="the aborted request gone")
     assert during["vllm:num_requests_running"] == 1 and during["vllm:kv_cache_usage_perc"] > 0
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
     assert after["prefixroute:requests_aborted_total"] == 1

@@ -19,6 +19,8 @@ import aiohttp
 import orjson
 import pytest
 
+from helpers.waiting import until
+
 pytestmark = pytest.mark.integration
 
 # 0.01: ~14k tokens/s for one stream (~3 MB/s of SSE), so the kernel's socket buffers (~2.5 MB on loopback)
@@ -74,15 +76,16 @@ def drain(sock: socket.socket) -> bytes:
     return data
 
 
-def wait_for(url: str, cond, timeout_s: float) -> tuple[dict[str, float], float]:
+def scrape_until(url: str, cond, timeout_s: float) -> tuple[dict[str, float], float]:  # noqa: ANN001
+    """The server's metrics once `cond(metrics)` holds, and the seconds that took (fails after `timeout_s`)."""
     t0 = time.monotonic()
-    while True:
+
+    def met() -> dict[str, float] | None:
         m = scrape(url)
-        if cond(m):
-            return m, time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"not reached in {timeout_s} s: {m}")
-        time.sleep(0.1)
+        return m if cond(m) else None
+
+    m = until(met, timeout_s, interval_s=0.1, message=lambda: f"metrics condition (now: {scrape(url)})")
+    return m, time.monotonic() - t0
 
 
 async def ttfts_s(url: str, n: int) -> list[float]:
@@ -100,6 +103,11 @@ async def ttfts_s(url: str, n: int) -> list[float]:
     return out
 
 
+def idle(m: dict[str, float]) -> bool:
+    return m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0 and \
+        m["vllm:kv_cache_usage_perc"] == 0
+
+
 def assert_idle(m: dict[str, float]) -> None:
     assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
     assert m["vllm:kv_cache_usage_perc"] == 0
@@ -112,11 +120,10 @@ async def test_never_reading_client_is_aborted_at_the_buffer_limit(server_factor
     sock = stalled_client(srv.host, srv.port, LONG)
     t0 = time.monotonic()
     during = await ttfts_s(srv.url, 8)  # while the stalled stream is still generating
-    m, _ = wait_for(srv.url, lambda m: m.get("prefixroute:slow_client_aborts_total{buffer_full}", 0) >= 1, 15)
+    m, _ = scrape_until(srv.url, lambda m: m.get("prefixroute:slow_client_aborts_total{buffer_full}", 0) >= 1, 15)
     aborted_after_s = time.monotonic() - t0
     rss_growth = rss_bytes(srv.proc.pid) - rss_before
-    await asyncio.sleep(0.3)
-    m = scrape(srv.url)
+    m, _ = scrape_until(srv.url, idle, 5)  # the aborted request has freed its blocks
     after = await ttfts_s(srv.url, 4)
     left = drain(sock)
     print(f"\nbuffer_full abort after {aborted_after_s:.1f} s, {m['vllm:generation_tokens_total']:.0f} tokens "
@@ -151,7 +158,7 @@ async def test_one_byte_per_second_reader_is_aborted_at_the_stall_limit(server_f
     reader = threading.Thread(target=trickle, daemon=True)
     reader.start()
     try:
-        m, took_s = wait_for(srv.url, lambda m: m["prefixroute:slow_client_aborts_total{stalled}"] >= 1, 20)
+        m, took_s = scrape_until(srv.url, lambda m: m["prefixroute:slow_client_aborts_total{stalled}"] >= 1, 20)
     finally:
         stop.set()
         reader.join(5)
@@ -161,8 +168,7 @@ async def test_one_byte_per_second_reader_is_aborted_at_the_stall_limit(server_f
     assert took_s >= 2  # not before the stall limit
     assert m["prefixroute:slow_client_aborts_total{buffer_full}"] == 0
     assert m["vllm:generation_tokens_total"] < LONG["max_tokens"] / 2
-    await asyncio.sleep(0.2)
-    assert_idle(scrape(srv.url))
+    scrape_until(srv.url, idle, 5)
 
 
 async def test_stalled_client_that_disconnects_is_aborted_at_once(server_factory):
@@ -170,9 +176,9 @@ async def test_stalled_client_that_disconnects_is_aborted_at_once(server_factory
     (not wait for the stall limit) and count as a disconnect, not a slow client."""
     srv = server_factory(*FAST, "--stall-timeout-s", "600", "--max-stream-buffer-bytes", str(64 << 20))
     sock = stalled_client(srv.host, srv.port, LONG)
-    wait_for(srv.url, lambda m: m["vllm:generation_tokens_total"] > 20_000, 15)  # well past the pause
+    scrape_until(srv.url, lambda m: m["vllm:generation_tokens_total"] > 20_000, 15)  # well past the pause
     sock.close()  # unread data: the kernel sends a RST
-    m, took_s = wait_for(srv.url, lambda m: m["prefixroute:requests_aborted_total"] >= 1, 5)
+    m, took_s = scrape_until(srv.url, lambda m: m["prefixroute:requests_aborted_total"] >= 1, 5)
     assert took_s < 2
     assert m["prefixroute:slow_client_aborts_total{buffer_full}"] == 0
     assert m["prefixroute:slow_client_aborts_total{stalled}"] == 0

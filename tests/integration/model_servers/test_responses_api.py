@@ -13,6 +13,7 @@ import openai
 import orjson
 import pytest
 from helpers.model_server import start_server
+from helpers.waiting import until
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.integration
@@ -217,11 +218,9 @@ def test_disconnect_aborts_in_engine(server_factory) -> None:
         writer.close()
 
     asyncio.run(run())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+    def aborted() -> dict | None:
         m = metrics(s)
-        if m["prefixroute:requests_aborted_total"] == 1 and m["vllm:num_requests_running"] == 0:
-            break
-        time.sleep(0.05)
-    assert m["prefixroute:requests_aborted_total"] == 1 and m["vllm:num_requests_running"] == 0
+        return m if m["prefixroute:requests_aborted_total"] == 1 and m["vllm:num_requests_running"] == 0 else None
+
+    m = until(aborted, 5, message=lambda: metrics(s))
     assert m["prefixroute:responses_stored"] == 0  # an aborted response is never stored

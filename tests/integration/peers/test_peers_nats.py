@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from helpers.peers import POST, chat, replica
+from helpers.waiting import until_async
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.server import nats_server_argv, nats_url
 from prefixroute.extproc.peers.settings import PeerSettings
@@ -30,12 +30,11 @@ def _nats(port: int, tmp_path) -> ManagedProcess:
     return p
 
 
-async def _until(cond: Callable[[], bool], timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout_s, "condition not met in time"
-        await asyncio.sleep(0.005)
-    return time.monotonic() - t0
+async def _subscribed(*buses: PeerBus) -> None:
+    """Each bus's subscription has reached the server: a NATS flush is a PING answered after every message the
+    client sent before it, SUB included (a condition, where a fixed sleep would only make it likely)."""
+    for bus in buses:
+        await bus._nc.flush()  # noqa: SLF001 - the bus exposes no flush of its own; tests only
 
 
 def _metrics(bus: PeerBus) -> str:
@@ -61,32 +60,34 @@ async def test_two_replicas_share_through_nats_survive_its_death_and_reconnect(t
     nats = _nats(port, tmp_path)
     (a, b), (bus_a, bus_b) = await _pair(nats_url(port))
     try:
-        await _until(lambda: bus_a.connected and bus_b.connected, 10.0)
-        await asyncio.sleep(0.1)  # both subscriptions registered at the server
+        await until_async(lambda: bus_a.connected and bus_b.connected, 10.0)
+        await _subscribed(bus_a, bus_b)
         pick = a.route(*POST, {}, chat("system " * 400, "doc one " * 300))
         ep = pick.endpoint_ids[0]
-        waited = await _until(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S)
+        t0 = time.monotonic()
+        await until_async(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S, interval_s=0.005)
+        waited = time.monotonic() - t0
         assert b.pool.in_flight == {ep: 1}
         assert a.core.scheduler.policy.num_peer_picks() == 0  # its own message is not applied to itself
         a.release(pick)
-        await _until(lambda: b.pool.in_flight == {} and b.core.scheduler.policy.num_peer_picks() == 0, AGREE_S)
+        await until_async(lambda: b.pool.in_flight == {} and b.core.scheduler.policy.num_peer_picks() == 0, AGREE_S)
         print(f"agreed after {waited * 1000:.1f} ms")
 
         nats.kill()
-        await _until(lambda: not bus_a.connected and not bus_b.connected, 5.0)
+        await until_async(lambda: not bus_a.connected and not bus_b.connected, 5.0)
         assert "prefixroute_peer_connected 0.0" in _metrics(bus_a)
         p2 = a.route(*POST, {}, chat("system " * 400, "doc two " * 300))  # routing goes on, alone
         a.release(p2)
         assert bus_a.num_dropped["pick"] >= 1 and bus_a.num_dropped["release"] >= 1
         assert 'prefixroute_peer_messages_total{direction="dropped",kind="pick"} 1.0' in _metrics(bus_a)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # lets time pass on purpose: nothing may arrive meanwhile
         assert b.core.scheduler.policy.num_peer_picks() == 0  # nothing arrived
 
         nats = _nats(port, tmp_path)  # back on the same port
-        await _until(lambda: bus_a.connected and bus_b.connected, 10.0)
-        await asyncio.sleep(0.2)  # the resubscriptions reached the server
+        await until_async(lambda: bus_a.connected and bus_b.connected, 10.0)
+        await _subscribed(bus_a, bus_b)  # the resubscriptions reached the server
         p3 = a.route(*POST, {}, chat("system " * 400, "doc three " * 300))
-        await _until(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S)
+        await until_async(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S)
         assert b.pool.in_flight == {p3.endpoint_ids[0]: 1}
         assert "prefixroute_peer_connected 1.0" in _metrics(bus_b)
     finally:
@@ -100,16 +101,16 @@ async def test_nats_down_at_start_routes_alone_then_connects(tmp_path):
     (a, b), (bus_a, bus_b) = await _pair(nats_url(port))
     nats = None
     try:
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # lets time pass on purpose: its connection attempts fail meanwhile
         assert not bus_a.connected
         pick = a.route(*POST, {}, chat("system " * 400, "doc " * 300))  # never blocks, never fails
         a.release(pick)
         assert bus_a.num_dropped["pick"] == 1
         nats = _nats(port, tmp_path)
-        await _until(lambda: bus_a.connected and bus_b.connected, 10.0)
-        await asyncio.sleep(0.2)
+        await until_async(lambda: bus_a.connected and bus_b.connected, 10.0)
+        await _subscribed(bus_a, bus_b)
         a.route(*POST, {}, chat("system " * 400, "doc again " * 300))
-        await _until(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S)
+        await until_async(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S)
     finally:
         await bus_a.close()
         await bus_b.close()

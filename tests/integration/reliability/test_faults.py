@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from helpers.stack import LoadGenerator, LocalStack, metric_value, summarize, wait_for
+from helpers.stack import LoadGenerator, LocalStack, metric_value, summarize
+from helpers.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -25,15 +26,20 @@ def _run_load(gen: LoadGenerator, duration_s: float) -> threading.Thread:
 
 
 def _restarted(stack: LocalStack, component: str, old_pid: int, timeout_s: float = 10.0) -> int:
-    ok = wait_for(lambda: stack.pid(component) not in (None, old_pid), timeout_s)
-    assert ok, f"{component} was not restarted within {timeout_s} s\n" + "".join(stack.output) + stack.logs()
-    return stack.pid(component)  # type: ignore[return-value]
+    def new_pid() -> int | None:
+        pid = stack.pid(component)
+        return pid if pid not in (None, old_pid) else None
+
+    return until(new_pid, timeout_s, message=lambda: f"{component} restarted\n" + "".join(stack.output) + stack.logs())
 
 
 def test_faults_under_load_lose_nothing_that_had_not_started(tmp_path):
     with LocalStack(tmp_path, num_servers=3) as stack:
         gen = LoadGenerator(stack.url, rate_rps=12.0)
         load = _run_load(gen, duration_s=48.0)
+        # The fixed sleeps below pace the scenario on purpose: each phase runs the load for a few seconds
+        # (healthy, with a server hung, after a restart) so that requests meet every state; none waits for
+        # a condition (the restarts are waited for by `_restarted`).
         time.sleep(4)
 
         # 1. A model server crashes (SIGKILL): one endpoint down, restarted by the launcher.
@@ -79,7 +85,8 @@ def test_faults_under_load_lose_nothing_that_had_not_started(tmp_path):
 
         # Routing resumed after the ext_proc restart: requests sent in the last seconds were decided by the
         # picker again (the restarted service counts decisions from zero).
-        assert wait_for(lambda: metric_value(stack.router_metrics(), "prefixroute_decisions_total") > 10, 10)
+        until(lambda: metric_value(stack.router_metrics(), "prefixroute_decisions_total") > 10, 10,
+              message="the restarted router's decisions")
         # And by prefix: each prefix of the last requests stays mostly on one endpoint (Envoy's fail-open
         # round-robin would spread each over all three). Not "every endpoint served": with 8 prefixes on 3
         # endpoints a prefix-affine router may leave one endpoint idle for a few seconds.

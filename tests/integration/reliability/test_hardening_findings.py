@@ -29,6 +29,7 @@ import pytest
 from helpers.fleet import start_fleet
 from helpers.hardening import MODEL, SteadyClient, gateway, listening_ports, post, tree_rss_bytes
 from helpers.procs import unix_http_get
+from helpers.waiting import until
 from prefixroute import identity
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import (GATEWAY_DIR_PREFIX, HEALTH_PATH, OWNER_FILE, GatewayProcesses,
@@ -42,16 +43,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 def chat(content: str, **extra) -> dict:  # noqa: ANN003
     return {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": content}], **extra}
-
-
-def wait_until(cond, timeout_s: float, interval_s: float = 0.1):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(interval_s)
-    return cond()
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -104,9 +95,11 @@ def test_admin_is_closed_and_no_secret_shows_and_a_drained_envoy_is_restarted(tm
         for i in range(3):
             assert post(gw.gateway.port, "/v1/chat/completions", chat(f"traced {i}"),
                         {"authorization": "Bearer client-key"})[0] == 200
-        time.sleep(0.5)
-        log = (tmp_path / "u" / "envoy.log").read_text(errors="replace")
-        assert "router decoding headers" in log or "request headers complete" in log  # trace logging is on
+        def traced() -> str | None:
+            log = (tmp_path / "u" / "envoy.log").read_text(errors="replace")
+            return log if "router decoding headers" in log or "request headers complete" in log else None
+
+        log = until(traced, 10, message="Envoy's trace lines in its log")  # trace logging is on
         assert gw.auth_token not in log  # the ext_proc token: at no log level
 
         # Drained listeners: Envoy runs but serves nothing (main: the supervisor saw a live process and did
@@ -121,7 +114,7 @@ def test_admin_is_closed_and_no_secret_shows_and_a_drained_envoy_is_restarted(tm
             supervisor.poll()
             return gw.envoy.pid != old and http_get(f"{gw.url}{HEALTH_PATH}", timeout_s=0.5)[0] == 200
 
-        assert wait_until(back, 20.0, 0.05), "a drained Envoy was not restarted"
+        until(back, 20.0, message="a drained Envoy restarted and serving")
         print(f"drained Envoy serving again after {time.monotonic() - t0:.1f} s")
         assert post(gw.gateway.port, "/v1/chat/completions", chat("back"))[0] == 200
 
@@ -141,11 +134,11 @@ def test_a_flood_of_huge_cache_keys_stays_within_the_memory_budget(tmp_path: Pat
                               {"x-session-id": f"{i}-" + "s" * 30_000})[0]
                 if status != 503:
                     return status
-                time.sleep(0.5)
+                time.sleep(0.5)  # a client's retry pace
             return status
 
         assert send(-1) == 200  # warm: the parse worker, allocator arenas
-        time.sleep(1)
+        time.sleep(1)  # on purpose: the warm-up's memory settles before the baseline (no signal says when)
         rss0 = tree_rss_bytes(pid)
         statuses: list[int] = []
         threads = [threading.Thread(target=lambda k=k: statuses.extend(send(i) for i in range(k, n, 4)))
@@ -154,7 +147,7 @@ def test_a_flood_of_huge_cache_keys_stays_within_the_memory_budget(tmp_path: Pat
             t.start()
         for t in threads:
             t.join()
-        time.sleep(2)
+        time.sleep(2)  # on purpose: freed blocks go back to the system before the figure is taken
         grown = tree_rss_bytes(pid) - rss0
         print(f"{n} x {key_mib} MiB prompt_cache_key: router RSS +{grown / 2**20:.1f} MiB "
               f"(budget {budget_mb} MiB, sent {n * key_mib} MiB)")
@@ -188,7 +181,7 @@ def test_slow_to_parse_bodies_beside_normal_traffic(tmp_path: Path) -> None:
         gw = gateway(stack, fleet.endpoints, tmp_path)
         client = SteadyClient(gw.gateway.port).start()
         try:
-            time.sleep(2.0)
+            time.sleep(2.0)  # the phases below last fixed times on purpose: the steady client measures each
             client.phase = "base"
             time.sleep(phase_s)
             client.phase = "attack"
@@ -255,11 +248,16 @@ def test_the_bus_needs_the_credential_and_forged_messages_change_nothing(tmp_pat
         served = {post(gw.gateway.port, "/v1/chat/completions", body)[1].get("x-gateway-destination-endpoint-served")
                   for _ in range(10)}
         asyncio.run(forge())
-        time.sleep(1.0)
+
+        def num_invalid() -> float:
+            return sum(metric(http_get(f"http://127.0.0.1:{p}/metrics")[1].decode(), "prefixroute_peer_messages_total",
+                              direction="received", kind="invalid") for p in gw.metrics_ports)
+
+        # every forged batch (2 kinds x 4 endpoints x 10 batches) reached both replicas and was dropped
+        until(lambda: num_invalid() >= 2 * len(fleet.endpoints) * 10 * 2 - 1, 10, message=lambda: num_invalid())
         after = [post(gw.gateway.port, "/v1/chat/completions", body)[1].get("x-gateway-destination-endpoint-served")
                  for _ in range(40)]
-        invalid = sum(metric(http_get(f"http://127.0.0.1:{p}/metrics")[1].decode(), "prefixroute_peer_messages_total",
-                             direction="received", kind="invalid") for p in gw.metrics_ports)
+        invalid = num_invalid()
         print(f"warm prefix on {served}; after 40,000 forged picks: {set(after)}; invalid batches counted {invalid}")
         assert len(served) == 1 and set(after) == served  # main: 40 of 40 elsewhere
         assert invalid >= 2 * len(fleet.endpoints) * 10 * 2 - 1  # every forged batch dropped, on both replicas
@@ -339,12 +337,12 @@ def test_a_crashed_servers_port_cannot_be_taken_under_up(tmp_path: Path) -> None
                 taken.append(imp)
                 imp.close()
                 break
-            time.sleep(0.005)
+            time.sleep(0.005)  # an attack loop over 2 s, not a wait for a condition
         assert not taken, "another process took the crashed server's port"
         statuses = [post(up.gateway_port, "/v1/chat/completions", chat(f"after the crash {i} " * 20))[0]
                     for i in range(30)]
         assert statuses.count(200) == 30, statuses  # reset while down, so Envoy used the other endpoint
-        assert wait_until(lambda: up.pid("server-0") not in (None, old), 15.0), up.logs()
+        until(lambda: up.pid("server-0") not in (None, old), 15.0, message=up.logs)
         assert post(up.gateway_port, "/v1/chat/completions", chat("restarted"))[0] == 200
 
 
@@ -360,8 +358,7 @@ def test_an_impostor_on_an_endpoints_port_fails_its_identity_check(tmp_path: Pat
         port = int(victim.rsplit(":", 1)[1])
         os.kill(fleet.servers[victim].pid, signal.SIGKILL)
         fleet.servers[victim].popen.wait(5)
-        impostor = wait_until(lambda: _try_impostor(port), 5.0, 0.01)
-        assert impostor, "could not bind the crashed server's port"
+        impostor = until(lambda: _try_impostor(port), 5.0, interval_s=0.01, message="binding the crashed server's port")
         log = tmp_path / "extproc.log"
         try:
             statuses = []
@@ -396,7 +393,7 @@ def test_an_impostor_nats_server_gets_no_message(tmp_path: Path) -> None:
         gw.nats.kill()
         impostor = subprocess.Popen(nats_server_argv(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         stack.callback(lambda: (impostor.kill(), impostor.wait(5)))
-        assert wait_until(lambda: tcp_open(port), 5.0)
+        until(lambda: tcp_open(port), 5.0, message="the impostor nats-server listening")
         received: list[bytes] = []
 
         async def listen() -> None:
@@ -462,7 +459,7 @@ def test_low_findings_telemetry_store_api_and_records_when_the_router_dies(tmp_p
                                                  "--db", str(db), "--envoy-record-hold-s", "2"), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         stack.callback(lambda: (recv.terminate(), recv.wait(10)))
-        assert wait_until(lambda: http_get(f"http://127.0.0.1:{hport}/healthz")[0] == 200, 20.0)
+        until(lambda: http_get(f"http://127.0.0.1:{hport}/healthz")[0] == 200, 20.0, message="the receiver up")
         assert stat.S_IMODE(db.stat().st_mode) == 0o600  # main: 0644, anyone read what the API guards
         # JSON errors for every method (main: http.server's HTML 501 for POST).
         for method in ("POST", "PUT", "DELETE", "PATCH"):
@@ -497,19 +494,20 @@ def test_low_findings_telemetry_store_api_and_records_when_the_router_dies(tmp_p
             with urllib.request.urlopen(req, timeout=5) as r:  # noqa: S310
                 return [row.get("request_id") for row in json.load(r)]
 
-        wait_until(lambda: set(down) | set(ids) <= set(stored()), 15.0, 0.5)
-        time.sleep(2.5)  # past the receiver's hold: Envoy's duplicates of the router's records would be in now
+        until(lambda: set(down) | set(ids) <= set(stored()), 15.0, interval_s=0.5, message="every record stored")
+        time.sleep(2.5)  # on purpose, past the receiver's hold: Envoy's duplicates of the router's records
+        # would be in now
         got = stored()
         print(f"records of requests served while the router was down: {len(set(down) & set(got))}/10")
         assert set(down) <= set(got)
         assert sorted(r for r in got if r in ids or r in down) == sorted(ids + down)  # each exactly once
 
 
-def test_a_stream_nobody_reads_is_cut_as_the_readme_says(tmp_path: Path) -> None:
-    """README (Bounds, Failure modes): a stream its client does not read is cut by the server once it cannot
-    write (256 KiB held, or paused `--stall-timeout-s`), which starts only once the kernel's socket buffers on
-    the way through Envoy are full: a few MB (issue 27 measured ~1.78 MB pending after 60 s at a human pace and
-    nothing cut, against a README that promised 256 KiB or 30 s). A fast stream fills them in seconds."""
+def test_a_stream_nobody_reads_is_cut_as_the_docs_say(tmp_path: Path) -> None:
+    """docs/security.md (Bounds) and docs/failure-modes.md: a stream its client does not read is cut by the server
+    once it cannot write (256 KiB held, or paused `--stall-timeout-s`), which starts only once the kernel's socket
+    buffers on the way through Envoy are full: a few MB (issue 27 measured ~1.78 MB pending after 60 s at a human
+    pace and nothing cut, against a README that promised 256 KiB or 30 s). A fast stream fills them in seconds."""
     from prefixroute.procs import ProcessGroup
 
     port = free_port()
@@ -531,6 +529,6 @@ def test_a_stream_nobody_reads_is_cut_as_the_readme_says(tmp_path: Path) -> None
             text = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
             return metric(text, "prefixroute:slow_client_aborts_total")
 
-        assert wait_until(lambda: aborts() >= 1, 60.0, 0.5), "the unread stream was never cut"
+        until(lambda: aborts() >= 1, 60.0, interval_s=0.5, message="the unread stream cut")
         print(f"unread stream cut by the server after {time.monotonic() - t0:.1f} s")
         sock.close()

@@ -40,7 +40,7 @@ def _slow_reader(url_port: int, stop: threading.Event) -> None:
                         break
                 except OSError:
                     break
-                time.sleep(1.0)
+                time.sleep(1.0)  # the slow reader's pace: 1 byte/s
 
 
 def test_soak_two_minutes_bounded_and_lossless(tmp_path):
@@ -55,7 +55,7 @@ def test_soak_two_minutes_bounded_and_lossless(tmp_path):
         load.start()
         components = ["envoy", "extproc", "telemetry", *[f"server-{i}" for i in range(stack.num_servers)]]
         pids = {c: stack.pid(c) for c in components}
-        time.sleep(30)
+        time.sleep(30)  # on purpose: memory is compared from after 30 s of warm-up to the end of the soak
         before = {c: rss_mib(p) for c, p in pids.items()}
         load.join(timeout=SOAK_S + 120)
         after = {c: rss_mib(p) for c, p in pids.items()}

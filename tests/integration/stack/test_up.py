@@ -19,6 +19,7 @@ import pytest
 from prefixroute.telemetry.store_reader import StoreReader
 
 from helpers import free_ports
+from helpers.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -100,14 +101,15 @@ def test_up_serves_and_stops_clean(tmp_path):
         with urllib.request.urlopen(f"http://127.0.0.1:{dash}/_stcore/health", timeout=10) as r:
             assert r.status == 200
         # The request is stored in the state folder, marked with this run (the span arrives within a second).
-        deadline = time.monotonic() + 15
-        runs: list[dict] = []
-        while time.monotonic() < deadline:
+        def stored_runs() -> list[dict]:
             with StoreReader(tmp_path / "state" / "telemetry.db") as reader:
-                runs = reader.runs()
-            if runs and runs[0]["num_requests"]:
-                break
-            time.sleep(0.2)
+                return reader.runs()
+
+        def with_the_request() -> list[dict] | None:
+            runs = stored_runs()
+            return runs if runs and runs[0]["num_requests"] else None
+
+        runs = until(with_the_request, 15, interval_s=0.2, message=lambda: f"the request stored ({stored_runs()})")
         assert [(r["run_id"], r["num_requests"]) for r in runs] == [(run_id, 1)], runs
         logs = tmp_path / "state" / "logs"
         assert {p.name for p in logs.iterdir()} >= {
@@ -125,10 +127,9 @@ def test_up_serves_and_stops_clean(tmp_path):
         stop_s = time.monotonic() - t0
         assert proc.returncode == 0, "".join(out_lines) + proc.stdout.read()
         assert stop_s < 10.0
-        time.sleep(0.5)
-        assert _pids_mentioning(str(tmp_path)) == []
-        still = [p for p in ports + [ms + 1] if _listening(p)]
-        assert still == [], f"ports still bound after stop: {still}"
+        until(lambda: _pids_mentioning(str(tmp_path)) == [], 5, message=lambda: _pids_mentioning(str(tmp_path)))
+        until(lambda: not [p for p in ports + [ms + 1] if _listening(p)], 5,
+              message=lambda: f"ports freed after stop (still bound: {[p for p in ports + [ms + 1] if _listening(p)]})")
         assert list(cwd.iterdir()) == []
     finally:
         if proc.poll() is None:

@@ -19,6 +19,7 @@ import pytest
 from helpers import free_ports
 from helpers.fleet import chat_once
 from helpers.leftovers import find_pid, kill_marked, listening, marked_env, marked_pids, new_marker, wait_none_left
+from helpers.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -49,11 +50,11 @@ class Up:
 
     def wait_for(self, text: str, timeout_s: float) -> float:
         """Wait until `text` is in the output; the time it appeared (monotonic)."""
-        deadline = time.monotonic() + timeout_s
-        while text not in self.output:
+        def said() -> bool:
             assert self.proc.poll() is None or text in self.output, f"up exited:\n{self.output}"
-            assert time.monotonic() < deadline, f"no {text!r} after {timeout_s} s:\n{self.output}"
-            time.sleep(0.02)
+            return text in self.output
+
+        until(said, timeout_s, interval_s=0.02, message=lambda: f"{text!r} in the output:\n{self.output}")
         return time.monotonic()
 
     def cleanup(self) -> None:
@@ -93,12 +94,14 @@ def test_up_restarts_a_crashed_model_server_and_receiver_while_serving_and_stops
         threads = [threading.Thread(target=client, daemon=True) for _ in range(2)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
         victim = f"127.0.0.1:{ports['ms']}"
+        until(lambda: any(r[2] == victim for r in results), 10, message="the victim serving before the kill")
         killed_at = time.monotonic()
         os.kill(find_pid(up.marker, "model-server", "--id", "server-0"), signal.SIGKILL)
         back_at = up.wait_for("model-server-0 is back (restart 1", 15)
-        time.sleep(2.5)  # the router's probe (1 s) sees it healthy; round robin sends it requests again
+        # the router's probe (1 s) sees it healthy; round robin sends it requests again
+        until(lambda: any(r[2] == victim for r in results if r[0] > back_at), 15,
+              message="requests on the restarted server")
         stop.set()
         for t in threads:
             t.join(timeout=30)

@@ -30,6 +30,7 @@ from prefixroute.telemetry.tracecontext import format_traceparent, new_span_id, 
 from helpers.fleet import MODEL, start_fleet, start_gateway
 from helpers.procs import free_port
 from helpers.receiver import ReceiverProc, start_receiver
+from helpers.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -84,12 +85,13 @@ def dump(db: Path, since_s: float = 60) -> dict[str, dict]:
 
 
 def wait_records(rcv: ReceiverProc, trace_ids: list[str], timeout_s: float = 15.0) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """The store's records once every one of `trace_ids` is among them (fails the test after `timeout_s`)."""
+    def complete() -> dict[str, dict] | None:
         got = dump(rcv.db)
-        if all(t in got for t in trace_ids) or time.monotonic() > deadline:
-            return got
-        time.sleep(0.3)
+        return got if all(t in got for t in trace_ids) else None
+
+    return until(complete, timeout_s, interval_s=0.3,
+                 message=lambda: f"records of {sorted(set(trace_ids) - set(dump(rcv.db)))}")
 
 
 def span_attrs(db: Path, trace_id: str) -> dict:
@@ -221,12 +223,11 @@ def test_metrics_endpoint(env) -> None:
         return metric_total(samples, prefix) - metric_total(before, prefix)
 
     # The observing filter reports a response when it ends, which may be just after the client has read it.
-    deadline = time.monotonic() + 10
-    while True:
-        samples = metric_samples(gw)
-        if added(samples, "prefixroute_prompt_tokens_total{") >= want_prompt or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    def counted() -> dict[str, float] | None:
+        s = metric_samples(gw)
+        return s if added(s, "prefixroute_prompt_tokens_total{") >= want_prompt else None
+
+    samples = until(counted, 10, message="the responses' prompt tokens counted")
     assert added(samples, "prefixroute_prompt_tokens_total{") == want_prompt
     assert added(samples, "prefixroute_actual_hit_tokens_total{") == want_cached
     assert added(samples, "prefixroute_decisions_total{") == 3
@@ -326,12 +327,11 @@ def test_the_time_model_learns_from_streamed_responses_through_the_gateway(env) 
 
     # Both come from the ext_proc streams, which close after the client has its response (the last request's
     # prefill leaves the queue when its routing stream's end is read): wait for both.
-    deadline = time.monotonic() + 10
-    while True:
-        samples = metric_samples(gw)
-        if (added(samples) >= 4 and queued(samples) == 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    def learned() -> dict[str, float] | None:
+        s = metric_samples(gw)
+        return s if added(s) >= 4 and queued(s) == 0 else None
+
+    samples = until(learned, 10, message="4 TTFTs learned and the queue empty")
     assert added(samples) == 4  # the 4 streamed ones
     assert queued(samples) == 0
     rates = [v for k, v in samples.items() if k.startswith("prefixroute_endpoint_prefill_tokens_per_second{")]

@@ -13,6 +13,7 @@ import pytest
 from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.tracecontext import child_context
+from helpers.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -113,11 +114,9 @@ def test_spans_recorded_while_the_receiver_is_down_arrive_when_it_comes_up(recei
 
     for i in range(20):
         recorder.record(one(f"while-down-{i}"))
-    deadline = time.monotonic() + 10
-    while recorder.retry_length < 20 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: recorder.retry_length >= 20, 10, message=recorder.stats)
     assert recorder.retry_length == 20 and recorder.num_lost == 0
-    time.sleep(2.0)  # several failed attempts with backoff
+    time.sleep(2.0)  # lets time pass on purpose: several failed attempts with backoff, and none may lose a span
     assert recorder.num_lost == 0 and recorder.num_exported == 0
     receiver = receiver_factory(port=port)
     for i in range(5):

@@ -21,6 +21,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from helpers.waiting import until
+
 pytestmark = pytest.mark.integration
 
 
@@ -49,11 +51,13 @@ def test_plain_sdk_traces_metrics_and_logs(receiver):
     lp.get_logger("other").emit(LogRecord(body="hello from another service", severity_number=SeverityNumber.WARN))
     lp.shutdown()
 
-    stats = receiver.wait_rows(1)
-    deadline = time.monotonic() + 10
-    while (stats["num_spans_ignored"] < 2 or stats["num_log_records"] < 1) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        _, stats = receiver.api("/api/stats")
+    receiver.wait_rows(1)
+
+    def everything_in() -> dict | None:
+        stats = receiver.api("/api/stats")[1]
+        return stats if stats["num_spans_ignored"] >= 2 and stats["num_log_records"] >= 1 else None
+
+    stats = until(everything_in, 10, message=lambda: receiver.api("/api/stats")[1])
     assert stats["num_spans_received"] == 3 and stats["num_spans_ignored"] == 2 and stats["num_requests"] == 1
     assert stats["num_metric_points"] >= 1 and stats["num_log_records"] >= 1
     _, rows = receiver.api("/api/recent")

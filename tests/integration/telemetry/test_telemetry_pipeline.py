@@ -15,6 +15,7 @@ from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RECORD_FIELDS, RequestRecord
 from prefixroute.telemetry.store_reader import StoreReader
 from prefixroute.telemetry.tracecontext import child_context
+from helpers.waiting import until
 
 PREFIXROUTE = [sys.executable, "-m", "prefixroute"]
 
@@ -163,12 +164,11 @@ def test_receiver_enforces_retention_periodically(receiver_factory):
         recorder.record(RequestRecord(trace_id=ctx.trace_id, span_id=ctx.span_id, start_time=now - 10 + i,
                                       request_id=f"ret-{i}", status=200))
     recorder.shutdown(10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        _, stats = r.api("/api/stats")
-        if stats["num_rows_written"] == 10 and stats["num_requests"] == 3:
-            break
-        time.sleep(0.1)
+    def retained() -> dict | None:
+        stats = r.api("/api/stats")[1]
+        return stats if stats["num_rows_written"] == 10 and stats["num_requests"] == 3 else None
+
+    stats = until(retained, 10, interval_s=0.1, message=lambda: r.api("/api/stats")[1])
     assert (stats["num_rows_written"], stats["num_requests"], stats["num_rows_deleted"]) == (10, 3, 7)
     kept = [d["request_id"] for d in dump("--since", "60", "--db", str(r.db))]
     assert kept == ["ret-7", "ret-8", "ret-9"]  # the newest survive

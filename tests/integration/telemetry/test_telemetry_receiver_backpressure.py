@@ -16,6 +16,7 @@ from prefixroute.telemetry.receiver import Receiver
 from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.store_reader import StoreReader
+from helpers.waiting import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +44,8 @@ async def test_backpressure_rejects_then_recovers(tmp_path):
             responses = []
             for i in range(4):
                 responses.append(await stub.Export(export_request(i), timeout=5))
-                await asyncio.sleep(0.2)  # let the writer take the first request and block on the lock
+                if i == 0:  # the writer takes the first request off its queue and blocks on the lock
+                    await until_async(lambda: receiver.writer._queue.empty(), 5)  # noqa: SLF001 - no public signal
             rejected = [r.partial_success.rejected_spans for r in responses]
             # The writer holds one request, the queue one more; the rest are refused, not buffered.
             assert rejected[:2] == [0, 0] and rejected[2:] == [1, 1]

@@ -28,6 +28,7 @@ from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.tracecontext import child_context
 from helpers.receiver import start_receiver
 from helpers.tls import make_pki
+from helpers.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -110,13 +111,11 @@ def test_forged_spans_without_certificate_or_token_are_refused_and_leave_no_rows
     assert all(code != grpc.StatusCode.OK for code in attempts.values()), attempts
     assert attempts["mTLS, no token"] == grpc.StatusCode.UNAUTHENTICATED
     assert attempts["mTLS, wrong token"] == grpc.StatusCode.UNAUTHENTICATED
-    time.sleep(0.3)
+    time.sleep(0.3)  # lets time pass on purpose: nothing refused may be stored meanwhile
     assert num_rows(secured) == 0
     # Control: the same forged request with certificate and token is stored, so the refusals above were real.
     assert export(grpc.secure_channel(addr, creds(pki)), auth) == grpc.StatusCode.OK
-    deadline = time.monotonic() + 10
-    while num_rows(secured) < 24 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: num_rows(secured) >= 24, 10, message="the control's 24 rows stored")
     assert num_rows(secured) == 24
 
 
@@ -137,9 +136,7 @@ def test_router_export_with_mtls_and_token_lands_rows(secured, pki, monkeypatch)
     assert recorder.force_flush(15)
     recorder.shutdown(5)
     assert recorder.num_exported == 20 and recorder.num_lost == 0, recorder.stats()
-    deadline = time.monotonic() + 10
-    while num_rows(secured) < before + 20 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: num_rows(secured) >= before + 20, 10, message="the router's 20 rows stored")
     client = HttpStoreClient(secured.http_url, token=TOKEN)
     got = {r["trace_id"] for r in client.iter_requests(60)}
     assert set(ids) <= got

@@ -1,4 +1,4 @@
-"""The README's configuration reference is generated from the settings classes and must not drift."""
+"""The configuration reference (docs/configuration.md) is generated from the settings classes and must not drift."""
 
 from __future__ import annotations
 
@@ -10,12 +10,17 @@ from prefixroute import config_reference, settings
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_readme_reference_is_current():
-    text = (ROOT / "README.md").read_text()
+def test_the_configuration_reference_page_is_current():
+    text = (ROOT / config_reference.DOC).read_text()
     start = text.index(config_reference.START) + len(config_reference.START)
     end = text.index(config_reference.END)
     assert text[start:end].strip() == config_reference.render().strip(), (
-        "README.md configuration reference is stale: run `python -m prefixroute.config_reference --write README.md`")
+        f"{config_reference.DOC} is stale: run `python -m prefixroute.config_reference --write {config_reference.DOC}`")
+
+
+def test_the_readme_holds_no_copy_of_the_reference():
+    # One generated copy only: a second one in the README would drift from the page the test keeps current.
+    assert config_reference.START not in (ROOT / "README.md").read_text()
 
 
 def test_env_vars_do_not_collide_between_settings():

@@ -1,14 +1,5 @@
-"""Shared fixtures of the dashboard tests."""
+"""Shared fixtures of the dashboard tests (defined in tests/helpers/dashboard.py, shared with tests/integration)."""
 
 from __future__ import annotations
 
-import pytest
-
-
-@pytest.fixture
-def dashboard_env(monkeypatch, tmp_path):
-    """No PREFIXROUTE_DASHBOARD_* setting from the caller's environment; benchmark results in a temp dir."""
-    for var in ("DB", "TELEMETRY", "BENCH_DIR", "SCRAPE_ENDPOINTS", "WINDOW_S", "REFRESH_S", "ROUTER_METRICS_URL",
-                "TELEMETRY_TOKEN"):
-        monkeypatch.delenv(f"PREFIXROUTE_DASHBOARD_{var}", raising=False)
-    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_BENCH_DIR", str(tmp_path / "bench"))
+from helpers.dashboard import dashboard_env  # noqa: F401 - a fixture, found by pytest under this name

@@ -1,78 +1,20 @@
 """The Streamlit app under AppTest against real SQLite stores in tmp_path: the figures it shows, the
-empty / idle / missing / unreachable states and recovery, drill-down, and the benchmarks page."""
+empty / idle / missing states and recovery, drill-down, and the benchmarks page. (Where it talks over HTTP:
+tests/integration/dashboard/test_dashboard_app_http.py.)"""
 
 from __future__ import annotations
 
 import json
-import random
-import socket
 import time
 from pathlib import Path
 
 import pytest
-from streamlit.testing.v1 import AppTest  # Streamlit is in the test extra: missing, these tests fail, never skip
 
-import prefixroute.dashboard
-from prefixroute.telemetry.records import RequestRecord
+from helpers.dashboard import (ENDPOINTS, app_records as make_records, endpoint_table, metric, run_app, shown,
+                               texts, write)
 from prefixroute.telemetry.store import TelemetryStore
 
-APP = str(Path(prefixroute.dashboard.__file__).parent / "app.py")  # a script: run by AppTest, never imported
-ENDPOINTS = ("10.0.0.2:8000", "10.0.0.10:8000", "10.0.0.3:8000")
-
-
 pytestmark = pytest.mark.usefixtures("dashboard_env")  # conftest.py
-
-
-def make_records(n: int, *, age_s: tuple[float, float] = (1, 200), seed: int = 0) -> list[RequestRecord]:
-    rnd = random.Random(seed)
-    now = time.time()
-    out = []
-    for i in range(n):
-        ep = rnd.choices(ENDPOINTS, weights=(6, 3, 1))[0]
-        prompt = rnd.randint(16, 4000)
-        out.append(RequestRecord(
-            trace_id=f"{rnd.getrandbits(128):032x}", span_id=f"{rnd.getrandbits(64):016x}",
-            start_time=now - rnd.uniform(*age_s), request_id=f"r{i}", model="m", policy="prefix",
-            reason=rnd.choice(("affinity", "cold", "spill")), endpoint=ep, endpoints=(ep,),
-            predicted_hit_ratio=rnd.random(), decision_us=rnd.uniform(20, 400), ttft_ms=rnd.uniform(2, 900),
-            latency_ms=rnd.uniform(900, 3000), prompt_tokens=prompt, completion_tokens=20,
-            cached_tokens=rnd.randint(0, prompt), stream=True, status=rnd.choice((200, 200, 200, 503)),
-            path="/v1/chat/completions"))
-    return out
-
-
-def write(db: Path, records: list[RequestRecord], run_id: str | None = None) -> None:
-    store = TelemetryStore(db, run_id=run_id)
-    store.insert_records(records)
-    store.close()
-
-
-def endpoint_table(at: AppTest, i: int = 0):
-    """An endpoint table as shown (text cells, headers as displayed), indexed by endpoint: 0 = the window's
-    requests, 1 = the live state (when the router's metrics answer)."""
-    return at.table[i].value.set_index("endpoint")
-
-
-def shown(text: str) -> str:
-    return text.replace(" ", "\u00a0")  # cells keep a number and its unit together
-
-
-def run_app() -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=60)
-    return at.run()
-
-
-def metric(at: AppTest, label: str) -> str:
-    for m in at.metric:
-        if m.label == label:
-            return m.value
-    raise AssertionError(f"no metric {label!r}: {[m.label for m in at.metric]}")
-
-
-def texts(at: AppTest) -> str:
-    parts = [e.value for kind in (at.info, at.warning, at.error, at.success) for e in kind]
-    parts += [c.value for c in at.code] + [c.value for c in at.caption] + [m.value for m in at.markdown]
-    return "\n".join(str(p) for p in parts)
 
 
 def test_live_page_shows_the_store_figures(tmp_path, monkeypatch):
@@ -141,25 +83,15 @@ def test_missing_store_is_explained_and_recovers(tmp_path, monkeypatch):
     assert "Telemetry store not available" in texts(at)
     assert f"prefixroute telemetry --db {db}" in texts(at)
     write(db, make_records(20))
-    time.sleep(period_s)
+    time.sleep(period_s)  # on purpose: query results are shared for one period, as in the live refresh
     at.run()  # what the next live refresh does
     assert "Telemetry store not available" not in texts(at)
     assert metric(at, "Hit rate (actual)").endswith("%")
     for suffix in ("", "-wal", "-shm"):
         Path(f"{db}{suffix}").unlink(missing_ok=True)
-    time.sleep(period_s)
+    time.sleep(period_s)  # on purpose, as above
     at.run()
     assert "Telemetry store not available" in texts(at)
-
-
-def test_unreachable_receiver_url_is_explained(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_TELEMETRY", f"http://127.0.0.1:{port}")
-    at = run_app()
-    assert not at.exception
-    assert "Telemetry receiver not reachable" in texts(at)
 
 
 def test_requests_page_drills_down_to_a_trace(tmp_path, monkeypatch):
@@ -202,106 +134,6 @@ def test_benchmarks_page_with_and_without_results(tmp_path, monkeypatch):
     assert list(frame["router"]) == ["prefixroute:random", "prefixroute:prefix", "sglang-router:cache_aware"]
     assert list(frame["hit_ratio"]) == [0.31, 0.88, 0.8]
     assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) == 2
-
-
-@pytest.mark.integration
-def test_live_page_over_the_receiver_http_api(tmp_path, monkeypatch):
-    from contextlib import ExitStack
-
-    from helpers.realrun import start_receiver
-
-    db = tmp_path / "t.db"
-    records = make_records(120)
-    write(db, records, run_id="run-1")
-    # The receiver continues that run (as `prefixroute up` restarts one with its --run-id).
-    monkeypatch.setenv("PREFIXROUTE_TELEMETRY_RUN_ID", "run-1")
-    with ExitStack() as stack:
-        _, http_port = start_receiver(stack, db, tmp_path / "logs")  # a real `prefixroute telemetry` process
-        monkeypatch.setenv("PREFIXROUTE_DASHBOARD_TELEMETRY", f"http://127.0.0.1:{http_port}")
-        at = run_app()
-        assert not at.exception
-        hit = sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records)
-        assert metric(at, "Hit rate (actual)") == f"{hit * 100:.1f} %"
-        assert sorted(endpoint_table(at).index) == sorted(ENDPOINTS)
-        assert "Mean in-flight needs the SQLite store" in texts(at)
-
-
-class Canary:
-    """A loopback HTTP server that counts every request (the dashboard must send it none)."""
-
-    def __init__(self) -> None:
-        import http.server
-        import threading
-
-        hits = self.hits = []
-
-        class H(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                hits.append(self.path)
-                body = b'vllm:kv_cache_usage_perc 0.99\n'
-                self.send_response(200)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def test_forged_rows_naming_a_canary_make_the_dashboard_fetch_nothing(tmp_path, monkeypatch):
-    """Finding 3 (SSRF): rows name endpoints (span data anyone able to reach the receiver can write); the
-    dashboard rendered them and then fetched http://ENDPOINT/metrics for each. Now it opens no URL from
-    span data, with its default settings and with a router metrics URL configured."""
-    canary = Canary()
-    try:
-        db = tmp_path / "t.db"
-        forged = make_records(200)
-        for i, r in enumerate(forged):
-            r.endpoint = canary.endpoint if i % 2 else f"127.0.0.1:{canary.server.server_address[1]}/x?"
-            r.endpoints = (canary.endpoint,)
-        write(db, forged)
-        monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
-        at = run_app()
-        assert not at.exception
-        assert metric(at, "Hit rate (actual)") != "–"  # the page rendered the forged rows
-        assert canary.endpoint in list(endpoint_table(at).index)
-        at.run()  # a refresh
-        time.sleep(0.5)  # a background fetch would have arrived by now
-        assert canary.hits == []
-    finally:
-        canary.close()
-
-
-def test_live_columns_come_from_the_router_metrics(tmp_path, monkeypatch):
-    from prefixroute.types import EndpointState
-    from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
-
-    states = tuple(EndpointState(ep, healthy=True, kv_cache_usage_ratio=0.25 * (i + 1), num_requests_running=i,
-                                 num_requests_waiting=0) for i, ep in enumerate(ENDPOINTS))
-    server = start_metrics_server(RouterMetrics(endpoint_states=lambda: states), 0)
-    try:
-        db = tmp_path / "t.db"
-        write(db, make_records(100))
-        monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
-        monkeypatch.setenv("PREFIXROUTE_DASHBOARD_ROUTER_METRICS_URL",
-                           f"http://127.0.0.1:{server.server_address[1]}/metrics")
-        at = run_app()
-        assert not at.exception
-        table = endpoint_table(at, 1)
-        for i, ep in enumerate(ENDPOINTS):
-            assert table.loc[ep, "KV usage"] == shown(f"{25.0 * (i + 1):.1f} %")
-            assert table.loc[ep, "running"] == str(i) and table.loc[ep, "healthy"] == "yes"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_refusals_are_shown_apart_from_errors(tmp_path, monkeypatch):

@@ -1,20 +1,15 @@
-"""`prefixroute dashboard`: settings, validation, the Streamlit command line, and a real launch that
-serves and stops cleanly on SIGTERM / SIGINT."""
+"""`prefixroute dashboard`: settings, validation and the Streamlit command line (a real launch:
+tests/integration/dashboard/test_dashboard_cli_launch.py)."""
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import time
-import urllib.request
 
 import pytest
 
 from prefixroute import settings
 from prefixroute.cli import build_parser
 from prefixroute.dashboard.cli import DashboardSettings, main, settings_env, streamlit_command
-from helpers.procs import free_port, prefixroute_cmd
 
 
 def parse(*argv: str):
@@ -57,31 +52,3 @@ def test_streamlit_command_is_headless_private_and_pinned():
     assert flags["--browser.gatherUsageStats"] == "false"
     assert flags["--server.fileWatcherType"] == "none"
     assert flags["--server.port"] == "9999" and flags["--server.address"] == "127.0.0.1"
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_real_launch_serves_then_stops_cleanly(tmp_path, sig):
-    port = free_port()
-    proc = subprocess.Popen(prefixroute_cmd("dashboard", "--db", str(tmp_path / "t.db"), "--port", str(port)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
-                    assert r.read() == b"ok"
-                    break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read().decode()
-                assert time.monotonic() < deadline, "dashboard did not serve within 60 s"
-                time.sleep(0.2)
-        proc.send_signal(sig)
-        assert proc.wait(15) == 0
-        # The Streamlit child went with it: the port is closed.
-        with pytest.raises(OSError):
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)

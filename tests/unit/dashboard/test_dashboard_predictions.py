@@ -1,75 +1,21 @@
-"""The "Predicted vs actual TTFT per endpoint" panel: its data functions, both sources (SQLite file and the
-receiver's HTTP API), and the app under AppTest against real stores, with and without predictions.
-Expected figures are computed independently from the records."""
+"""The "Predicted vs actual TTFT per endpoint" panel: its data functions and the app under AppTest against real
+stores, with and without predictions (both sources, SQLite file and the receiver's HTTP API:
+tests/integration/dashboard/test_dashboard_predictions_http.py). Expected figures are computed independently
+from the records."""
 
 from __future__ import annotations
-
-import http.server
-import random
-import threading
-import time
-from contextlib import ExitStack
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-import prefixroute.dashboard
+from helpers.dashboard import (expected_predictions as expected, metric, prediction_records as make_records,
+                               run_app, write)
 from prefixroute.dashboard import data as D
 from prefixroute.dashboard import tables as T
-from prefixroute.dashboard.source import DataSource
-from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store import TelemetryStore
-
-APP = str(Path(prefixroute.dashboard.__file__).parent / "app.py")
-ENDPOINTS = ("10.0.0.2:8000", "10.0.0.10:8000", "10.0.0.3:8000")
-
 
 pytestmark = pytest.mark.usefixtures("dashboard_env")  # conftest.py
-
-
-def make_records(n: int, *, predicted: bool, seed: int = 0) -> list[RequestRecord]:
-    rnd = random.Random(seed)
-    now = time.time()
-    out = []
-    for i in range(n):
-        ep = rnd.choices(ENDPOINTS, weights=(6, 3, 1))[0]
-        other = rnd.choice([e for e in ENDPOINTS if e != ep])
-        status = rnd.choice((200, 200, 200, 200, 503))
-        out.append(RequestRecord(
-            trace_id=f"{rnd.getrandbits(128):032x}", span_id=f"{rnd.getrandbits(64):016x}",
-            start_time=now - rnd.uniform(1, 200), request_id=f"r{i}", model="m", policy="prefix", reason="affinity",
-            endpoint=ep, endpoints=(ep, other), ttft_ms=rnd.uniform(5, 900) if status == 200 else None,
-            latency_ms=rnd.uniform(900, 3000), prompt_tokens=100, completion_tokens=20, cached_tokens=50, stream=True,
-            status=status, error=None if status == 200 else "upstream", path="/v1/chat/completions",
-            predicted_ttft_ms=rnd.uniform(5, 900) if predicted else None,
-            alternative_endpoint=other if predicted else None,
-            alternative_ttft_ms=rnd.uniform(100, 3000) if predicted else None))
-    return out
-
-
-def write(db: Path, records: list[RequestRecord]) -> None:
-    store = TelemetryStore(db)
-    store.insert_records(records)
-    store.close()
-
-
-def median(values):
-    return float(np.percentile(np.array(values), 50, method="inverted_cdf"))
-
-
-def expected(records: list[RequestRecord]) -> dict[str, dict]:
-    """Per endpoint over the comparable requests (succeeded, on the primary): independent of the store."""
-    ok = [r for r in records if r.predicted_ttft_ms is not None and r.status == 200 and r.endpoint == r.endpoints[0]]
-    out = {}
-    for ep in {r.endpoint for r in ok}:
-        mine = [r for r in ok if r.endpoint == ep]
-        out[ep] = {"n": len(mine), "pred": median([r.predicted_ttft_ms for r in mine]),
-                   "actual": median([r.ttft_ms for r in mine]),
-                   "ape": median([abs(r.ttft_ms - r.predicted_ttft_ms) / r.ttft_ms for r in mine])}
-    return out
 
 
 # --- data functions ------------------------------------------------------------------------------------
@@ -104,68 +50,7 @@ def test_prediction_frame_long_and_table():
     assert len(empty) == 0 and len(D.prediction_long(empty)) == 0 and len(T.prediction_table(empty)) == 0
 
 
-# --- sources -------------------------------------------------------------------------------------------
-
-def test_file_and_url_sources_give_the_same_predictions(tmp_path):
-    from helpers.realrun import start_receiver
-
-    db = tmp_path / "t.db"
-    records = make_records(300, predicted=True)
-    write(db, records)
-    now = time.time()
-    with ExitStack() as stack:
-        _, http_port = start_receiver(stack, db, tmp_path / "logs")  # a real `prefixroute telemetry` process
-        by_file = DataSource(db=str(db)).live_snapshot(300, now=now)["ttft_pred"]
-        by_url = DataSource(url=f"http://127.0.0.1:{http_port}").live_snapshot(300, now=now)["ttft_pred"]
-    assert by_file == by_url
-    want = expected(records)
-    assert {r["endpoint"]: r["num_requests"] for r in by_file["endpoints"]} == {ep: w["n"] for ep, w in want.items()}
-    for r in by_file["endpoints"]:
-        w = want[r["endpoint"]]
-        assert (r["predicted_ttft_ms_p50"], r["actual_ttft_ms_p50"]) == (pytest.approx(w["pred"]),
-                                                                         pytest.approx(w["actual"]))
-        assert r["ape_ratio_p50"] == pytest.approx(w["ape"])
-
-
-class _OldReceiver(http.server.BaseHTTPRequestHandler):
-    """A receiver API from before /api/ttft_predictions: that route is a 404, the rest answer."""
-
-    def do_GET(self):  # noqa: N802
-        if self.path.startswith("/api/ttft_predictions"):
-            body, code = b'{"error": {"message": "no route", "type": "not_found_error"}}', 404
-        else:
-            body, code = b'{"num_requests": 0}', 200
-        self.send_response(code)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-def test_an_older_receiver_without_the_route_gives_none_not_an_error():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OldReceiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        assert DataSource(url=f"http://127.0.0.1:{server.server_address[1]}").ttft_predictions(300) is None
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 # --- the app -------------------------------------------------------------------------------------------
-
-def run_app() -> AppTest:
-    return AppTest.from_file(APP, default_timeout=60).run()
-
-
-def metric(at: AppTest, label: str) -> str:
-    for m in at.metric:
-        if m.label == label:
-            return m.value
-    raise AssertionError(f"no metric {label!r}: {[m.label for m in at.metric]}")
 
 
 def _panel_table(at: AppTest) -> pd.DataFrame:

@@ -4,42 +4,17 @@ parseable `prefixroute` command (there is no Docker engine here, so each part is
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
-import yaml
 
+from helpers.compose import COMPOSE, ROOT, SERVICES, prefixroute_argv
 from prefixroute import cli
-
-ROOT = Path(__file__).resolve().parents[3]
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-SERVICES = COMPOSE["services"]
-
 
 SHELL_ONLY = frozenset({"secrets", "nats"})
 """Services that run no prefixroute command (the one-shot that draws the tokens; the NATS server's own image)."""
 REPLICAS = sorted(n for n in SERVICES if n.startswith("extproc-"))
-
-
-def _prefixroute_argv(service: dict) -> list[str]:
-    """The prefixroute arguments a service runs (entrypoint `prefixroute`, or a `sh -c` line whose first
-    `prefixroute` or `exec prefixroute` segment is the command)."""
-    command = service["command"]
-    if service.get("entrypoint") == ["sh", "-c"]:
-        for part in command[0].replace("$$", "$").split("&&"):
-            argv = shlex.split(part)
-            if argv and argv[0] == "exec":
-                argv = argv[1:]
-            if argv and argv[0] == "prefixroute":
-                return argv[1:]
-        raise AssertionError(f"no prefixroute command in {command[0]!r}")
-    return list(command)
-
-
 PRODUCT_SERVICES = sorted(n for n in SERVICES if n not in SHELL_ONLY)
 
 
@@ -87,7 +62,7 @@ def test_each_service_waits_for_its_dependencies_to_be_healthy(name):
 
 @pytest.mark.parametrize("name", PRODUCT_SERVICES)
 def test_command_parses_with_the_real_cli(name):
-    argv = _prefixroute_argv(SERVICES[name])
+    argv = prefixroute_argv(SERVICES[name])
     assert argv[0] in cli.COMMANDS, f"{name} runs unknown command {argv[0]}"
     parser = cli.build_parser(argv[0])
     args = parser.parse_args(argv)  # exits (fails the test) on an unknown flag
@@ -107,7 +82,7 @@ LISTEN_FLAGS = {"model-server": "--host", "telemetry": "--host", "extproc": "--l
 
 @pytest.mark.parametrize("name", [n for n in PRODUCT_SERVICES if n != "traffic"])
 def test_every_listening_service_sets_its_listen_address_for_the_private_network(name):
-    argv = _prefixroute_argv(SERVICES[name])
+    argv = prefixroute_argv(SERVICES[name])
     flag = LISTEN_FLAGS[argv[0]]
     assert flag in argv, f"{name} relies on the default listen address of `prefixroute {argv[0]}`"
     assert argv[argv.index(flag) + 1] == "0.0.0.0"  # reachable from the other containers, not the host
@@ -118,9 +93,9 @@ def test_every_listening_service_sets_its_listen_address_for_the_private_network
 def test_internal_calls_carry_the_drawn_tokens():
     """Envoy -> ext_proc and router/dashboard -> receiver authenticate with the tokens the secrets service
     draws; each pair reads the same file."""
-    extproc = _prefixroute_argv(SERVICES["extproc-0"])
-    envoy = _prefixroute_argv(SERVICES["envoy"])
-    telemetry = _prefixroute_argv(SERVICES["telemetry"])
+    extproc = prefixroute_argv(SERVICES["extproc-0"])
+    envoy = prefixroute_argv(SERVICES["envoy"])
+    telemetry = prefixroute_argv(SERVICES["telemetry"])
     token_of = {"extproc": extproc[extproc.index("--auth-token-file") + 1],
                 "envoy": envoy[envoy.index("--extproc-auth-token-file") + 1],
                 "telemetry": telemetry[telemetry.index("--auth-token-file") + 1]}
@@ -132,7 +107,7 @@ def test_internal_calls_carry_the_drawn_tokens():
         assert f"$$(cat {token_of['telemetry']})" in SERVICES[name]["command"][0]
     assert all("OTEL_EXPORTER_OTLP_HEADERS" in SERVICES[n]["command"][0] for n in REPLICAS)
     assert "PREFIXROUTE_DASHBOARD_TELEMETRY_TOKEN" in SERVICES["dashboard"]["command"][0]
-    dash = _prefixroute_argv(SERVICES["dashboard"])
+    dash = prefixroute_argv(SERVICES["dashboard"])
     assert dash[dash.index("--router-metrics-url") + 1] == f"http://extproc-0:{extproc[extproc.index('--metrics-port') + 1]}/metrics"
 
 
@@ -140,8 +115,8 @@ def test_replicas_are_one_service_but_for_their_index_and_envoy_lists_them_in_in
     """Several replicas (issue 15): replica k runs --replica-index k (the route Envoy sends its observing streams
     by) under its own id, with everything else equal, and Envoy's --extproc-replica-addresses has it k-th."""
     assert len(REPLICAS) >= 2
-    argvs = [_prefixroute_argv(SERVICES[n]) for n in REPLICAS]
-    envoy = _prefixroute_argv(SERVICES["envoy"])
+    argvs = [prefixroute_argv(SERVICES[n]) for n in REPLICAS]
+    envoy = prefixroute_argv(SERVICES["envoy"])
     addresses = envoy[envoy.index("--extproc-replica-addresses") + 1].split(",")
     assert len(addresses) == len(REPLICAS) and "--extproc-address" not in envoy
     for k, (name, argv) in enumerate(zip(REPLICAS, argvs)):
@@ -158,32 +133,3 @@ def test_replicas_are_one_service_but_for_their_index_and_envoy_lists_them_in_in
         return out
     assert all(rest(a) == rest(argvs[0]) for a in argvs)
     assert all(SERVICES[n]["environment"] == SERVICES[REPLICAS[0]]["environment"] for n in REPLICAS)
-
-
-def _render_envoy_service_config(tmp_path: Path) -> Path:
-    """The envoy service's own envoy-config line, run here (its token file and output moved to tmp_path)."""
-    argv = _prefixroute_argv(SERVICES["envoy"])
-    out = tmp_path / "envoy.yaml"
-    token = tmp_path / "extproc.token"
-    token.write_text("compose-test-token\n")
-    argv[argv.index("--out") + 1] = str(out)
-    argv[argv.index("--extproc-auth-token-file") + 1] = str(token)
-    subprocess.run([sys.executable, "-m", "prefixroute", *argv], check=True, timeout=60)
-    return out
-
-
-def test_envoy_admin_stays_on_loopback_inside_its_container(tmp_path):
-    out = _render_envoy_service_config(tmp_path)
-    admin = yaml.safe_load(out.read_text())["admin"]["address"]["socket_address"]
-    assert admin["address"] == "127.0.0.1" and admin["port_value"] == 9901
-
-
-def test_envoy_service_config_is_accepted_by_envoy(tmp_path):
-    """Render the envoy service's configuration with its own flags and let real Envoy validate it."""
-    out = _render_envoy_service_config(tmp_path)
-    assert "compose-test-token" in out.read_text()  # Envoy presents it to the ext_proc service
-    from prefixroute.extproc.gateway import envoy_binary
-
-    proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,13 +1,13 @@
 """The rendered Envoy configuration's hardening (issue 11): allowlist-only routes, path normalisation, local
 replies, timeouts, buffers, ext_proc TLS and token. Behaviour is tested through real Envoy in
 tests/integration/gateway/test_gateway_hardening_*.py; this checks the configuration's invariants for every
-settings combination, and that real Envoy accepts the TLS rendering."""
+settings combination (real Envoy accepts the TLS rendering: tests/integration/extproc/
+test_envoy_accepts_renderings.py)."""
 
 from __future__ import annotations
 
 import os
 import stat
-import subprocess
 from pathlib import Path
 
 import betterproto2
@@ -21,11 +21,9 @@ from prefixroute import cli
 from prefixroute.extproc.envoy_config import (DEFAULT_ALLOWED_PATH_PREFIXES, DEFAULT_ALLOWED_PATHS, ENVOY_OWN_REPLY,
                                               EXTPROC_CLUSTER, OBSERVE_FILTER, ROUTING_FILTER, EnvoySettings,
                                               build_config, render)
-from prefixroute.extproc.gateway import envoy_binary
 
-from helpers.tls import make_pki
-
-# The combinations test_envoy_config.py runs through real Envoy, plus the new knobs.
+# The combinations tests/integration/extproc/test_envoy_accepts_renderings.py runs through real Envoy, plus the
+# new knobs.
 COMBINATIONS = {
     "default": {}, "fail-closed": {"failure_mode": "closed"}, "no-fallback": {"num_fallbacks": 0},
     "no-extproc": {"extproc_enabled": False},
@@ -200,18 +198,6 @@ def test_ext_proc_cluster_verifies_the_service_certificate(address: str, server_
     assert "h2" in common.alpn_protocols
     plain = build_config(EnvoySettings())
     assert next(c for c in plain.static_resources.clusters if c.name == EXTPROC_CLUSTER).transport_socket is None
-
-
-def test_real_envoy_accepts_the_tls_and_token_rendering(tmp_path: Path) -> None:
-    pki = make_pki(tmp_path / "pki")
-    path = tmp_path / "envoy.yaml"
-    path.write_text(render(EnvoySettings(extproc_tls_ca_file=str(pki.ca_cert),
-                                         extproc_tls_cert_file=str(pki.client_cert),
-                                         extproc_tls_key_file=str(pki.client_key), extproc_auth_token="tok",
-                                         allowed_paths=(*DEFAULT_ALLOWED_PATHS, "/v1/audio/transcriptions"))))
-    proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_envoy_config_out_is_private_when_it_holds_a_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

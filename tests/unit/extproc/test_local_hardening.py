@@ -4,7 +4,6 @@ configuration, Envoy's request records in the receiver (held, then stored only w
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 from opentelemetry.proto.common.v1 import common_pb2
 
+from helpers.waiting import until
 from prefixroute import identity
 from prefixroute.extproc.gateway import GATEWAY_DIR_PREFIX, OWNER_FILE, _owner_line, remove_stale_gateway_dirs
 from prefixroute.extproc.peers.server import nats_config
@@ -29,9 +29,9 @@ def _folder(root: Path, name: str, owner: str | None) -> Path:
 
 
 def test_only_folders_of_dead_owners_are_removed(tmp_path: Path) -> None:
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    dead = _folder(tmp_path, "dead", f"{gone.pid} 1\n")
+    # A pid above the kernel's pid_max names no process, ever: a dead owner without starting a process.
+    gone_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    dead = _folder(tmp_path, "dead", f"{gone_pid} 1\n")
     reused = _folder(tmp_path, "reused", f"{os.getppid()} 0\n")  # a live pid with another start time: reused
     alive = _folder(tmp_path, "alive", _owner_line(os.getppid()))
     mine = _folder(tmp_path, "mine", _owner_line(os.getpid()))
@@ -136,10 +136,8 @@ def test_an_envoy_record_is_stored_only_when_the_routers_never_came() -> None:
         w.submit(_envoy_logs("seen", "lost", "late"))
         w.wait_idle()
         w.submit(_router_spans("late"))  # ...and "late"'s after Envoy's, within the hold
-        deadline = time.monotonic() + 5
-        while len(store.rows) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)
+        until(lambda: len(store.rows) >= 3, 5, message=lambda: store.rows)
+        time.sleep(0.3)  # lets time pass on purpose: no fourth row (a duplicate) may come
         assert sorted(r["request_id"] for r in store.rows) == ["late", "lost", "seen"]
         assert [r["service_name"] for r in store.rows if r["request_id"] == "lost"] == ["envoy"]
         assert stats.num_envoy_records == 3 and stats.num_envoy_records_stored == 1

@@ -3,16 +3,15 @@
 Every message, field, enum value and the service in the built descriptor set is compared with
 envoy-data-plane's classes of the Envoy API (number, type, repeated/map, oneof group, message or enum type
 name, streaming), so a typo in a .proto cannot pass; the mutation cases show the comparison catches each
-kind of mistake. Then: the classes stay private (nothing in protobuf's default pool, another definition of
-the same names in the same process changes nothing) and they speak the wire format Envoy's classes do.
+kind of mistake. Then: the classes stay private (nothing in protobuf's default pool; another definition of
+the same names in the same process changes nothing: tests/integration/extproc/test_wire_processes.py) and they
+speak the wire format Envoy's classes do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import subprocess
-import sys
 import types
 import typing
 from pathlib import Path
@@ -256,36 +255,6 @@ def test_nothing_is_registered_in_the_default_pool():
     with pytest.raises(KeyError):
         default.FindMessageTypeByName("envoy.service.ext_proc.v3.ProcessingRequest")
     assert wire.ProcessingRequest.DESCRIPTOR.file.pool is wire.POOL
-
-
-# Another definition of the same names in protobuf's default pool, with other field numbers and another
-# type for `body` (as an old or foreign copy would have), registered before and after importing wire.
-_CLASH = """
-import sys
-from google.protobuf import descriptor_pb2, descriptor_pool
-def clash():
-    f = descriptor_pb2.FileDescriptorProto(name="envoy/service/ext_proc/v3/external_processor.proto",
-                                           package="envoy.service.ext_proc.v3", syntax="proto3")
-    m = f.message_type.add(name="HttpBody")
-    m.field.add(name="body", number=7, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
-                label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
-    descriptor_pool.Default().Add(f)
-if sys.argv[1] == "before":
-    clash()
-from prefixroute.extproc import wire
-if sys.argv[1] == "after":
-    clash()
-body = wire.HttpBody(body=b"\\xff\\x00", end_of_stream=True)
-assert body.SerializeToString() == b"\\x0a\\x02\\xff\\x00\\x10\\x01", body.SerializeToString()
-assert descriptor_pool.Default().FindMessageTypeByName("envoy.service.ext_proc.v3.HttpBody").fields[0].number == 7
-print("ok")
-"""
-
-
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_another_definition_of_the_same_protos_in_the_process_changes_nothing(when: str):
-    out = subprocess.run([sys.executable, "-c", _CLASH, when], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_messages_round_trip_with_envoys_own_classes():

@@ -1,5 +1,6 @@
 """Issue 27: parse budgets (a clear 400 naming the limit past them), validation as vLLM 0.33's protocol models,
-and bodies parsed off the event loop (extproc/parse_offload.py) give exactly what the loop would.
+and which bodies are parsed off the event loop (extproc/parse_offload.py; the worker processes themselves are
+tested in tests/integration/routing/test_parse_workers.py).
 
 The vLLM cases were checked against the vllm==0.33.0 wheel: its ChatCompletionRequest validators
 (entrypoints/openai/chat_completion/protocol.py: check_tool_usage, validate_response_format) and its message
@@ -9,7 +10,6 @@ assistant or function message); the messages quoted are vLLM's own where it writ
 from __future__ import annotations
 
 import asyncio
-import time
 
 import orjson
 import pytest
@@ -127,33 +127,6 @@ def test_heavy_bodies_are_named_by_size_or_objects():
     assert text.heavy(CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * (1 << 20)}]}))
 
 
-def test_a_worker_parses_exactly_as_the_loop_does_and_refuses_the_same():
-    async def run():
-        off = ParseOffload(BIG)
-        off.start()
-        await off.wait_ready()
-        try:
-            body = orjson.dumps({"model": "m", "prompt_cache_key": "k" * 5000, "messages": [
-                {"role": "system", "content": "sys " * 3000}, {"role": "user", "content": "question"}]})
-            headers = {"x-session-id": "s" * 900, "x-request-id": "r1", "authorization": "Bearer secret"}
-            got = await off.parse("POST", CHAT, headers, body, None)
-            want = parse_request("POST", CHAT, headers, body, BIG, None)
-            assert got.block_hashes and got.num_prompt_tokens  # token mode in the worker too
-            assert (got.tenant, got.session_key, got.request_id) == (want.tenant, want.session_key, want.request_id)
-            assert got.key != want.key  # a key of this process, never the worker's
-            flood = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}] * 200_000})
-            t0 = time.monotonic()
-            with pytest.raises(OpenAIError) as info:
-                await off.parse("POST", CHAT, {}, flood, None)
-            assert info.value.status == 400 and "max_messages" in info.value.message
-            assert time.monotonic() - t0 < 5.0
-            assert off.num_parsed == 1
-        finally:
-            off.close()
-
-    asyncio.run(run())
-
-
 def test_a_full_parse_queue_answers_503_at_once():
     async def run():
         off = ParseOffload(RoutingSettings(max_parse_queue=1, inline_parse_bytes=10))
@@ -161,40 +134,5 @@ def test_a_full_parse_queue_answers_503_at_once():
         with pytest.raises(OpenAIError) as info:
             await off.parse("POST", CHAT, {}, b'{"messages": []}', None)
         assert info.value.status == 503 and info.value.retry_after_s == 1 and off.num_refused == 1
-
-    asyncio.run(run())
-
-
-def test_the_router_hands_large_bodies_to_the_worker_and_routes_what_it_parsed():
-    """PoolRouter + ParseOffload as the servicer drives them: a heavy body raises NeedsParse; the parsed request
-    comes back in place of the body (so only it is kept while a lookup runs); a follow-up with an unknown
-    response id then needs its lookup, and routes once the id is known."""
-    from helpers.peers import replica
-    from prefixroute.extproc.response_directory import NeedsLookup
-    from prefixroute.extproc.service import NeedsParse
-
-    async def run():
-        r = replica(BIG)
-        r.offload = ParseOffload(BIG)
-        r.offload.start()
-        await r.offload.wait_ready()
-        try:
-            body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x " * 3000}]})
-            with pytest.raises(NeedsParse):
-                r.route("POST", CHAT, {}, body)
-            parsed = await r.parse_off_loop("POST", CHAT, {}, body)
-            pick = r.route("POST", CHAT, {}, parsed)
-            assert pick.request is parsed and parsed.block_hashes
-            follow = orjson.dumps({"model": "m", "input": "y " * 3000, "previous_response_id": "resp_abc"})
-            with pytest.raises(NeedsParse):
-                r.route("POST", RESP, {}, follow)
-            parsed = await r.parse_off_loop("POST", RESP, {}, follow)
-            with pytest.raises(NeedsLookup) as info:
-                r.route("POST", RESP, {}, parsed)
-            assert info.value.response_id == "resp_abc"
-            r.responses.learn("resp_abc", pick.endpoint_ids[0])
-            assert r.route("POST", RESP, {}, parsed).endpoint_ids == (pick.endpoint_ids[0],)
-        finally:
-            r.offload.close()
 
     asyncio.run(run())

@@ -1,10 +1,10 @@
 """`prefixroute up`'s layout: every listener on a fixed, documented default port unless asked otherwise
-(`--ports random`, or 0), its files in the state folder, a new run id per start; a busy port names its flag."""
+(`--ports random`, or 0), its files in the state folder, a new run id per start (a busy port names its flag:
+tests/integration/stack/test_stack_busy_port.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,10 +12,9 @@ import pytest
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, resolve_ports
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.procs import PortBusy, check_ports_free
 from prefixroute.stack.cli import StackSettings, resolve_layout
 
-# The documented defaults (README "Ports"); a change here is a change users see.
+# The documented defaults (docs/operating.md, "The local stack"); a change here is a change users see.
 UP_DEFAULTS = {"gateway": 8080, "ext_proc": 9002, "ext_proc metrics": 9464,
                "telemetry receiver": 4317, "telemetry HTTP API": 4320, "dashboard": 8501,
                "model-server-0": 8001, "model-server-3": 8004, "model-server-0 KV events": 5557}
@@ -87,15 +86,3 @@ def test_without_simulated_servers_up_listens_on_no_server_port() -> None:
     assert lay.server_ports == () and lay.event_ports == ()
     lay = resolve_layout(dataclasses.replace(StackSettings(), kv_events=False), GatewaySettings(), simulated=True)
     assert lay.event_ports == ()
-
-
-def test_a_busy_port_is_refused_naming_component_port_and_flag() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        with pytest.raises(PortBusy) as err:
-            check_ports_free([("free", 0, "--x"), ("dashboard", port, "--dashboard-port")])
-    msg = str(err.value)
-    assert msg.startswith(f"dashboard: port {port} is already in use")
-    assert "--dashboard-port" in msg and "--ports random" in msg

@@ -11,6 +11,7 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from helpers.waiting import until
 from prefixroute.telemetry.record_spans import record_attributes
 from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
@@ -262,13 +263,11 @@ def test_unavailable_backend_keeps_spans_and_delivers_them_in_order_when_back(mo
     for i in ids:
         r.record(rec(request_id=i))
         if int(i[1:]) % 50 == 0:
-            time.sleep(0.03)  # batches fail while the backend is down
-    deadline = time.monotonic() + 5
-    while r.retry_length < len(ids) and time.monotonic() < deadline:
-        time.sleep(0.01)
+            time.sleep(0.03)  # on purpose: separate batches, which fail while the backend is down
+    until(lambda: r.retry_length >= len(ids), 5, interval_s=0.01, message=r.stats)
     assert r.retry_length == len(ids) and r.num_lost == 0 and r.num_exported == 0
     calls_down = exp.num_calls
-    time.sleep(0.3)
+    time.sleep(0.3)  # a fixed window on purpose: the attempts made in it are counted
     # Down: one probe per backoff period, not one attempt per batch.
     assert exp.num_calls - calls_down < 0.3 / 0.04 + 2
     state["up"] = True
@@ -278,16 +277,18 @@ def test_unavailable_backend_keeps_spans_and_delivers_them_in_order_when_back(mo
     assert r.num_exported == len(ids) and r.num_lost == 0
 
 
+def _drained(r) -> bool:  # noqa: ANN001
+    """The queue is empty and the export thread holds nothing taken from it: every span is retried or lost."""
+    return r.queue_length == 0 and r.num_pending == r.retry_length
+
+
 def test_retry_buffer_is_bounded_and_every_dropped_span_is_counted():
     exp = ScriptedExporter(lambda req, n: ExportOutcome(grpc.StatusCode.DEADLINE_EXCEEDED))
     r = fast_recorder(exp, retry_max_spans=200, max_queue_size=5000)
     n = 1000
     for i in range(n):
         r.record(rec(request_id=f"d{i}"))
-    deadline = time.monotonic() + 5
-    while r.queue_length and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.05)
+    until(lambda: _drained(r), 5, interval_s=0.01, message=r.stats)
     assert r.retry_length <= 200
     assert r.dropped_by_reason["retry_buffer_full"] == n - r.num_pending  # exact: the oldest went
     r.shutdown(0.2)
@@ -300,10 +301,7 @@ def test_retry_buffer_byte_bound():
     r = fast_recorder(exp, retry_max_bytes=64 * 1024)
     for i in range(2000):
         r.record(rec(request_id=f"b{i}", model="x" * 400))
-    deadline = time.monotonic() + 5
-    while r.queue_length and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.05)
+    until(lambda: _drained(r), 5, interval_s=0.01, message=r.stats)
     assert r.retry_bytes <= 64 * 1024 and r.dropped_by_reason["retry_buffer_full"] > 0
     r.shutdown(0.1)
     assert r.num_lost + r.num_exported == 2000

@@ -1,13 +1,11 @@
 """Run ids in the request store: each writer stamps its run on the rows it stores, `runs()` lists the runs with
-their spans, an older file gains the column in place, retention forgets runs left without a row, and the HTTP API
-and its client serve the same list."""
+their spans, an older file gains the column in place, retention forgets runs left without a row (the HTTP API and
+its client serve the same list: tests/integration/telemetry/test_telemetry_runs_http.py)."""
 
 from __future__ import annotations
 
 import sqlite3
 
-from prefixroute.telemetry.client import HttpStoreClient
-from prefixroute.telemetry.http_api import start_http_api
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.store import TelemetryStore
 from prefixroute.telemetry.store_reader import StoreReader
@@ -99,22 +97,6 @@ def test_retention_forgets_runs_left_without_rows_but_not_the_current_one(tmp_pa
     assert store.enforce_retention(now=NOW) == 1
     assert [r["run_id"] for r in StoreReader(path).runs()] == ["current"]  # no row yet, still listed
     store.close()
-
-
-def test_http_api_and_client_serve_the_runs(tmp_path):
-    path = tmp_path / "t.db"
-    store = TelemetryStore(path, run_id="run-a")
-    store.insert_records([rec(1, NOW - 5), rec(2, NOW - 3, endpoint="10.0.0.2:8000")])
-    store.close()
-    server = start_http_api(str(path), "127.0.0.1", 0)
-    try:
-        client = HttpStoreClient(f"http://127.0.0.1:{server.server_address[1]}")
-        assert client.runs() == StoreReader(path).runs()
-        assert [r["trace_id"] for r in client.recent_requests(5, run_id="run-a")] == [f"{2:032x}", f"{1:032x}"]
-        assert client.recent_requests(5, run_id="other") == []
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _row(r: RequestRecord) -> dict:

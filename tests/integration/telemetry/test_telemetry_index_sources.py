@@ -3,10 +3,14 @@ Prometheus text, and the dashboard's reading of them (the endpoint table's *inde
 
 from __future__ import annotations
 
+import pytest
+
 from helpers.metrics import scrape, scrape_text
 from prefixroute.dashboard import data as D
 from prefixroute.dashboard import router_metrics as RM
 from prefixroute.telemetry.metrics import RouterMetrics
+
+pytestmark = pytest.mark.integration
 
 INFO = {
     "10.0.0.1:8000": {"source": "events", "connected": True, "last_seq": 41, "num_batches": 42, "num_events": 90,

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers.waiting import until
 from prefixroute.procs import (ManagedProcess, PortBusy, ProcessGroup, RestartPolicy, StartupError, Stopped, Supervisor,
                                parent_death_preexec, stop_group, stop_on_signals, tcp_open)
+
+pytestmark = pytest.mark.integration
 
 
 def py(code: str) -> list[str]:
@@ -31,13 +34,6 @@ def pid_alive(pid: int) -> bool:
         return False
     # a zombie (exited, not yet reaped by its parent, which may be gone too) counts as gone
     return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 SERVE = """
@@ -59,7 +55,7 @@ def test_child_logs_and_is_ready_once_it_serves(tmp_path):
     p.spawn().wait_ready(10)
     try:
         assert p.alive() and os.getpgid(p.pid) == p.pid  # leads its own process group
-        wait_for(lambda: "listening" in p.log_tail())
+        until(lambda: "listening" in p.log_tail(), 10, interval_s=0.02)
         other = ManagedProcess("other", py("pass"), ports=(port,))
         with pytest.raises(PortBusy, match=rf"^other: port {port} is already in use"):
             other.spawn()
@@ -95,12 +91,12 @@ def test_stop_kills_the_whole_group_even_a_child_that_ignores_sigterm(tmp_path):
             "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             "print(g.pid, flush=True); time.sleep(60)")
     p = ManagedProcess("stubborn", py(code), log_path=tmp_path / "st.log").spawn()
-    wait_for(lambda: p.log_tail().strip().isdigit())
+    until(lambda: p.log_tail().strip().isdigit(), 10, interval_s=0.02)
     grandchild = int(p.log_tail().strip())
     t0 = time.monotonic()
     assert p.stop(grace_s=0.5) == -signal.SIGKILL
     assert 0.4 < time.monotonic() - t0 < 5
-    wait_for(lambda: not pid_alive(grandchild))
+    until(lambda: not pid_alive(grandchild), 10, interval_s=0.02)
 
 
 def test_a_group_stops_its_children_last_started_first_and_as_a_context_manager(tmp_path):
@@ -115,7 +111,7 @@ def test_a_group_stops_its_children_last_started_first_and_as_a_context_manager(
         with ProcessGroup(tmp_path / "logs", grace_s=5.0) as group:
             procs = [group.start(name, [*py(code), name], wait=False) for name in ("a", "b", "c")]
             for p in procs:
-                wait_for(lambda p=p: "up" in p.log_tail())
+                until(lambda p=p: "up" in p.log_tail(), 10, interval_s=0.02)
             assert group.first_exited() is None
             raise KeyError("boom")
     assert order.read_text().split() == ["c", "b", "a"]
@@ -129,7 +125,7 @@ def test_stop_all_stays_within_its_grace_period_when_children_hang(tmp_path):
               "time.sleep(60)")
     procs = [group.start(f"h{i}", hang, wait=False) for i in range(3)]
     for p in procs:
-        wait_for(lambda p=p: "up" in p.log_tail())
+        until(lambda p=p: "up" in p.log_tail(), 10, interval_s=0.02)
     t0 = time.monotonic()
     group.stop_all()
     assert time.monotonic() - t0 < 2.5  # one shared grace period, not one per child
@@ -140,12 +136,12 @@ def test_first_exited_and_a_restart_in_place(tmp_path):
     with ProcessGroup(tmp_path) as group:
         keeper = group.start("keeper", py("import time; time.sleep(60)"))
         once = group.start("once", py("print('ran')"))
-        wait_for(lambda: group.first_exited() is once)
+        until(lambda: group.first_exited() is once, 10, interval_s=0.02)
         assert once.returncode == 0
         with pytest.raises(RuntimeError, match="already running"):
             keeper.spawn()
         group.add(once)  # spawned again: same argv, same log, same place in the stop order
-        wait_for(lambda: once.returncode == 0)
+        until(lambda: once.returncode == 0, 10, interval_s=0.02)
         assert once.num_spawns == 2 and once.log_tail().split() == ["ran", "ran"]
         assert group.procs == [keeper, once]
 
@@ -164,6 +160,7 @@ FAST = RestartPolicy(initial_delay_s=0.05, max_delay_s=0.2, reset_after_s=60.0, 
 
 
 def supervise(group: ProcessGroup, policy: RestartPolicy, seconds: float, out: io.StringIO) -> Supervisor:
+    """Run the supervisor for `seconds` on purpose: the tests read the delays it chose over that window."""
     sup = Supervisor(group, policy, label="test", out=out)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -176,7 +173,7 @@ def test_a_crashing_child_is_restarted_with_doubling_delays_up_to_the_cap_and_ne
     out = io.StringIO()
     with ProcessGroup(tmp_path) as group:
         crasher = group.start("crasher", py("print('bad config: y'); raise SystemExit(3)"), wait=False)
-        wait_for(lambda: not crasher.alive())
+        until(lambda: not crasher.alive(), 10, interval_s=0.02)
         sup = supervise(group, FAST, 1.5, out)
         lines = out.getvalue().splitlines()
         scheduled = [ln for ln in lines if " in " in ln and "restart" in ln and "exited" in ln]
@@ -210,8 +207,8 @@ def test_a_restart_counts_as_up_only_once_its_ready_check_passes(tmp_path):
         sup.poll()
         os.kill(p.pid, signal.SIGKILL)  # a crash: from elsewhere, not ManagedProcess.kill
         flag.unlink()
-        wait_for(lambda: (sup.poll(), sup.num_restarts(p) == 1 and p.alive())[1])
-        for _ in range(20):
+        until(lambda: (sup.poll(), sup.num_restarts(p) == 1 and p.alive())[1], 10, interval_s=0.02)
+        for _ in range(20):  # supervises a while on purpose: "is back" must not be said meanwhile
             sup.poll()
             time.sleep(0.01)
         assert "srv exited with signal SIGKILL" in out.getvalue()
@@ -228,7 +225,7 @@ def test_a_restart_that_never_gets_ready_is_killed_and_retried(tmp_path):
         sup = Supervisor(group, dataclasses.replace(FAST, ready_timeout_s=0.2), label="test", out=out)
         sup.poll()
         os.kill(p.pid, signal.SIGKILL)
-        wait_for(lambda: (sup.poll(), sup.num_restarts(p) >= 2)[1])
+        until(lambda: (sup.poll(), sup.num_restarts(p) >= 2)[1], 10, interval_s=0.02)
     assert "stuck not ready 0.2 s after its restart (killed); restart 2 in 0.1 s" in out.getvalue()
 
 
@@ -241,14 +238,14 @@ def test_a_child_stopped_on_purpose_is_never_restarted(tmp_path):
         sup.poll()
         a.stop()
         b.kill()
-        for _ in range(30):
+        for _ in range(30):  # supervises a while on purpose: nothing may be restarted meanwhile
             sup.poll()
             time.sleep(0.01)
         assert not a.alive() and not b.alive() and a.num_spawns == b.num_spawns == 1
         group.add(a)  # its owner starts it again: watched again from here
         sup.poll()
         os.kill(a.pid, signal.SIGKILL)
-        wait_for(lambda: (sup.poll(), a.num_spawns == 3)[1])
+        until(lambda: (sup.poll(), a.num_spawns == 3)[1], 10, interval_s=0.02)
     sup.poll()  # after stop_all: nothing to restart, nothing said
     assert out.getvalue().count("exited with") == 1 and a.returncode is not None
 
@@ -265,7 +262,7 @@ def test_children_die_with_their_parent_even_when_it_is_sigkilled(tmp_path):
         assert pid_alive(child)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(timeout=5)
-        wait_for(lambda: not pid_alive(child), timeout_s=5)
+        until(lambda: not pid_alive(child), 5, interval_s=0.02)
     finally:
         with contextlib.suppress(ProcessLookupError, UnboundLocalError):
             os.kill(child, signal.SIGKILL)
@@ -294,7 +291,7 @@ def test_stop_on_signals_raises_once_and_ignores_repeats_during_cleanup():
                 time.sleep(5)  # interrupted at once
             finally:
                 os.kill(os.getpid(), signal.SIGTERM)  # ignored: the cleanup completes
-                time.sleep(0.05)
+                time.sleep(0.05)  # on purpose: the second signal arrives during the cleanup and is ignored
                 cleaned.append(True)
     assert info.value.signum == signal.SIGHUP and got["signal"] == signal.SIGHUP and cleaned == [True]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
@@ -326,16 +323,16 @@ def test_a_member_that_runs_but_fails_its_live_probe_is_killed_and_restarted(tmp
                       wait=False)
         policy = dataclasses.replace(FAST, live_interval_s=0.02, live_failures=3)
         sup = Supervisor(group, policy, label="test", out=out)
-        for _ in range(10):
+        for _ in range(10):  # supervises a while on purpose: a serving member is left alone
             sup.poll()
             time.sleep(0.02)
         old = p.pid
         assert "stopped serving" not in out.getvalue()
         serving["ok"] = False
-        wait_for(lambda: (sup.poll(), "stopped serving (3 health probes in a row failed; killed)"
-                          in out.getvalue())[1])
+        until(lambda: (sup.poll(), "stopped serving (3 health probes in a row failed; killed)"
+                          in out.getvalue())[1], 10, interval_s=0.02)
         serving["ok"] = True
-        wait_for(lambda: (sup.poll(), p.pid != old and p.alive())[1])
+        until(lambda: (sup.poll(), p.pid != old and p.alive())[1], 10, interval_s=0.02)
         assert not pid_alive(old)
 
 
@@ -370,7 +367,7 @@ def test_a_held_listener_keeps_the_port_across_its_childs_death_and_resets_what_
             with pytest.raises(OSError):
                 other.bind(("127.0.0.1", port))
         waiting = socket.create_connection(("127.0.0.1", port), timeout=5)
-        time.sleep(0.05)
+        time.sleep(0.05)  # on purpose: a moment for the kernel to queue it (no signal says when it has)
         assert reset_pending(sock) == 1
         with pytest.raises(ConnectionResetError):
             waiting.recv(10)  # as on a closed port: the client fails over at once

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 HOT_PATH_MODULES = ("prefixroute.extproc.cli", "prefixroute.extproc.server", "prefixroute.extproc.servicer",
                     "prefixroute.extproc.service", "prefixroute.extproc.tracking", "prefixroute.extproc.headers")
 

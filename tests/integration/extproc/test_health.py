@@ -11,6 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prefixroute.extproc import wire
 from prefixroute.extproc.server import ExtprocSettings, start_health_server, start_server
 
+pytestmark = pytest.mark.integration
+
 
 class _Router:
     def route(self, *a: object, **kw: object) -> None:
