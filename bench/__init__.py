@@ -2,22 +2,32 @@
 
 Modules (pure logic separate from I/O):
 
-- `workloads`: seeded request sequences (shared-prompts, multi-turn, documents, mix), Mooncake-format trace
-  replay (slicing, time scaling) and arrival processes (trace, poisson, closed). Pure, except reading a trace.
+- `workload_spec`: what a workload is (`RequestSpec`, `Workload`). Pure.
+- `workloads`: seeded synthetic request sequences (shared-prompts, multi-turn, documents, mix,
+  capacity-pressure) built by name, and arrival processes (trace, poisson, closed); `agents_workload`: the
+  tool-calling agents workload; `traces`: Mooncake-format trace replay (parsing, slicing, time scaling);
+  `synthetic_text`: their deterministic prompt text. Pure, except reading a trace.
 - `upper_bound`: the hit ratio one infinite cache would reach on the same request sequence. Pure.
 - `client`: asynchronous streaming OpenAI client measuring TTFT, ITL, end-to-end latency, tokens,
   cached tokens and the serving endpoint.
 - `results`: metrics arithmetic and the results.json document. Pure.
 - `report`: report.md and the PNG plots.
+- `routers`: the routers a bench compares, by name (`parse_router`: `RouterSpec`). Pure.
+- `fleet`: the real bench's fresh model servers per run, with their KV-event ports.
 - `runner`: fresh model servers + one router per run (our gateway per policy, sglang-router,
   vllm-router), same request sequence for every router.
-- `virtual`, `sim_pool`: the live router service (`PoolRouter` over a `SimulatedPool`) against the model
+- `virtual_run`, `sim_pool`: the live router service (`PoolRouter` over a `SimulatedPool`) against the model
   servers' virtual-time fleet (`--virtual`).
+- `capacity`, `sweep`, `sweep_report`: load sweeps (``--sweep-load-percents``): the fleet's capacity (the
+  sweep's 100%), the sweep's runs, its report and plots.
 - `cli`: ``prefixroute bench``.
 - `overhead` (+ `http_load`, `fast_upstream`): ``prefixroute overhead-bench``, Envoy with vs without ext_proc.
 - `decision`: ``python -m prefixroute.bench.decision``, parse + hash + schedule time per request.
 - `recorder`: ``python -m prefixroute.bench.recorder``, the telemetry recorder's cost on the event loop.
 - `model_server`: ``prefixroute model-server-bench``, the simulated server's own CPU cost.
+
+Imports between them go one way (no cycle): both benches take router names from `routers`; `runner` imports
+`virtual_run` (the fleet's own speed as the gateway's time-model prior), never the reverse.
 
 Reproduce the README tables (real processes; ~1 min per router for the first, ~4 min per router for the
 second)::

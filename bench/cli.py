@@ -31,32 +31,38 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefixroute import settings as settings_mod
 from prefixroute.bench import report, workloads
 from prefixroute.bench.settings import BenchSettings
+from prefixroute.bench.traces import load_trace, slice_trace, trace_workload
+from prefixroute.bench.workload_spec import Workload
 from prefixroute.procs import Stopped, stop_on_signals
+
+if TYPE_CHECKING:  # the engine model is imported when a virtual run or a sweep needs it
+    from prefixroute.model_servers.profiles import EngineSpec
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings_mod.add_arguments(parser, BenchSettings)
 
 
-def build_workload(s: BenchSettings) -> workloads.Workload:
+def build_workload(s: BenchSettings) -> Workload:
     """The workload the settings describe, arrivals applied. Raises ValueError / TraceFormatError / OSError."""
     if s.trace:
         if s.trace_block_tokens < 1:
             raise ValueError("--trace-block-tokens must be >= 1")
-        recs = workloads.load_trace(s.trace, s.trace_block_tokens)
+        recs = load_trace(s.trace, s.trace_block_tokens)
         slice_params = {"trace_start": s.trace_start, "trace_stop": s.trace_stop or None,
                         "trace_start_s": s.trace_start_s or None, "trace_end_s": s.trace_end_s or None}
-        recs = workloads.slice_trace(recs, start=s.trace_start, stop=s.trace_stop or None,
-                                     start_s=s.trace_start_s or None, end_s=s.trace_end_s or None)
+        recs = slice_trace(recs, start=s.trace_start, stop=s.trace_stop or None,
+                           start_s=s.trace_start_s or None, end_s=s.trace_end_s or None)
         if not recs:
             raise ValueError("the trace slice is empty (check --trace-start/--trace-stop/--trace-*-s)")
-        wl = workloads.trace_workload(recs, seed=s.seed, time_scale=s.trace_time_scale,
-                                      max_output_tokens=s.max_output_tokens or None, source=Path(s.trace).name,
-                                      block_tokens=s.trace_block_tokens, slice_params=slice_params)
+        wl = trace_workload(recs, seed=s.seed, time_scale=s.trace_time_scale,
+                            max_output_tokens=s.max_output_tokens or None, source=Path(s.trace).name,
+                            block_tokens=s.trace_block_tokens, slice_params=slice_params)
     else:
         try:
             tool_min, tool_max = (int(v) for v in s.agent_tool_output_tokens)
@@ -79,9 +85,9 @@ def build_workload(s: BenchSettings) -> workloads.Workload:
         raise ValueError(f"--arrival must be auto, trace, poisson or closed; got {s.arrival!r}")
     wl = workloads.apply_arrivals(wl, arrival, rate_rps=s.rate_rps, seed=s.seed)  # type: ignore[arg-type]
     if arrival == "closed":
-        wl = workloads.Workload(wl.name, {**wl.params, "concurrency": s.concurrency}, wl.requests)
+        wl = Workload(wl.name, {**wl.params, "concurrency": s.concurrency}, wl.requests)
     elif arrival == "trace":
-        wl = workloads.Workload(wl.name, {**wl.params, "arrival": "trace"}, wl.requests)
+        wl = Workload(wl.name, {**wl.params, "arrival": "trace"}, wl.requests)
     return wl
 
 
@@ -107,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     try:
         s = settings_mod.from_namespace(BenchSettings, args)
-        from prefixroute.bench.runner import parse_router
+        from prefixroute.bench.routers import parse_router
 
         for r in s.routers:
             if r.startswith("sim:"):
@@ -163,7 +169,8 @@ def _main(args: argparse.Namespace) -> int:
                                          seed=s.seed, concurrency=s.concurrency, server_args=s.server_args,
                                          log=_log)
     else:
-        from prefixroute.bench.runner import FleetConfig, run_bench
+        from prefixroute.bench.fleet import FleetConfig
+        from prefixroute.bench.runner import run_bench
 
         fleet = FleetConfig(s.servers, s.profile, s.server_args, s.startup_timeout_s)
         doc, ttfts = run_bench(wl, bound_ratio, s.routers, fleet, out, log=_log, seed=s.seed,
@@ -185,7 +192,7 @@ def _main(args: argparse.Namespace) -> int:
     return 1 if (doc.get("skipped") and not s.virtual) or failed or not doc["runs"] or not overhead_ok else 0
 
 
-def pressure_server_args(s: BenchSettings, wl: workloads.Workload) -> tuple[str, ...]:
+def pressure_server_args(s: BenchSettings, wl: Workload) -> tuple[str, ...]:
     """``--num-gpu-blocks=N`` sized for capacity-pressure (`upper_bound.gpu_blocks_for` at --pressure-kv-ratio)
     when --server-args gives none; nothing for other workloads, a trace, or --pressure-kv-ratio 0."""
     if (s.trace or s.workload != "capacity-pressure" or not s.pressure_kv_ratio > 0
@@ -218,27 +225,27 @@ def resolve_num_requests(virtual: bool, sweep: bool) -> int:
     return VIRTUAL_SWEEP_NUM_REQUESTS if virtual and sweep else 300
 
 
-def _run_sweep(s: BenchSettings, wl: workloads.Workload, spec: object, percents: list[float]) -> int:
-    from prefixroute.bench import sweep
+def _run_sweep(s: BenchSettings, wl: Workload, spec: EngineSpec, percents: list[float]) -> int:
+    from prefixroute.bench import sweep, sweep_report
     from prefixroute.bench.settings import DEFAULT_ROUTERS
 
     routers = sweep.default_routers(s.virtual) if tuple(s.routers) == DEFAULT_ROUTERS else tuple(s.routers)
     out = Path(s.out)
     command = "prefixroute bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     if s.virtual:
-        doc = sweep.run_virtual_sweep(wl, routers, num_servers=s.servers, spec=spec,  # type: ignore[arg-type]
+        doc = sweep.run_virtual_sweep(wl, routers, num_servers=s.servers, spec=spec,
                                       load_percents=percents, seed=s.seed, server_args=s.server_args, log=_log)
     else:
-        from prefixroute.bench.runner import FleetConfig
+        from prefixroute.bench.fleet import FleetConfig
 
         fleet = FleetConfig(s.servers, s.profile, s.server_args, s.startup_timeout_s)
-        doc = sweep.run_real_sweep(wl, routers, fleet, out, spec=spec, load_percents=percents,  # type: ignore[arg-type]
+        doc = sweep.run_real_sweep(wl, routers, fleet, out, spec=spec, load_percents=percents,
                                    seed=s.seed, log=_log, concurrency=s.concurrency,
                                    max_connections=s.max_connections, request_timeout_s=s.request_timeout_s,
                                    max_duration_s=s.max_duration_s, gateway_args=s.gateway_args,
                                    progress=s.progress)
-    files = sweep.write_sweep_outputs(out, doc, command)
-    print(sweep.render_report(doc, command).split("Plots:")[0].rstrip())
+    files = sweep_report.write_sweep_outputs(out, doc, command)
+    print(sweep_report.render_report(doc, command).split("Plots:")[0].rstrip())
     _log("wrote " + ", ".join(str(p) for p in files.values()))
     ran = [r for p in doc["points"] for r in p["runs"].values()]
     failed = [r for r in ran if r["requests"] and r["errors"] == r["requests"]]

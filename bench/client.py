@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import orjson
 
-from prefixroute.bench.workloads import RequestSpec
+from prefixroute.bench.workload_spec import RequestSpec
 from prefixroute.responses_prompt import RESPONSES_PATH
 
 if TYPE_CHECKING:  # aiohttp is imported when a run starts: results/virtual mode work without it
@@ -79,7 +79,7 @@ class Progress:
         self.errors = 0
         self.t0 = time.perf_counter()
         self._last = 0.0
-        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._tty = self.stream.isatty()
 
     def update(self, ok: bool) -> None:
         self.done += 1
@@ -324,66 +324,15 @@ async def run_workload(base_url: str, requests: Sequence[RequestSpec], *, model:
         raise ValueError("concurrency and max_connections must be >= 1")
     if api not in ("chat", "responses"):
         raise ValueError(f"api must be chat or responses, got {api!r}")
-    done_events = {r.index: asyncio.Event() for r in requests}
-    results: dict[int, RequestResult] = {}
     connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=max_connections, keepalive_timeout=60)
     t_run0 = time.perf_counter()
-    deadline = t_run0 + max_duration_s
-
-    async def one(spec: RequestSpec) -> None:
-        dep = spec.after_index
-        if dep is not None and dep in done_events:
-            await done_events[dep].wait()
-        if time.perf_counter() >= deadline:
-            done_events[spec.index].set()
-            return
-        start_s = time.perf_counter() - t_run0
-        try:
-            if api == "responses" and spec.responses is not None:
-                res = await send_responses(session, base_url, spec, model, t_run0, timeout_s,
-                                           results.get(dep) if dep is not None else None)
-            else:
-                res = await send_one(session, base_url, spec, model, t_run0, timeout_s)
-        except asyncio.CancelledError:
-            results[spec.index] = RequestResult(index=spec.index, group_id=spec.group_id, start_s=start_s,
-                                                turn=spec.turn, follow_up=spec.after_index is not None,
-                                                error="deadline")
-            raise
-        if spec.arrival_s is not None and spec.after_index is None:
-            res.send_lag_ms = (res.start_s - spec.arrival_s) * 1000.0
-        results[spec.index] = res
-        done_events[spec.index].set()
-        if progress:
-            progress.update(res.ok)
-
-    async def open_loop() -> None:
-        tasks = []
-        for spec in sorted(requests, key=lambda r: (r.arrival_s or 0.0, r.index)):
-            delay = t_run0 + (spec.arrival_s or 0.0) - time.perf_counter()
-            if t_run0 + (spec.arrival_s or 0.0) >= deadline:
-                break
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(spec)))
-        if tasks:
-            await asyncio.gather(*tasks)
-
-    async def closed_loop() -> None:
-        it = iter(sorted(requests, key=lambda r: r.index))
-
-        async def worker() -> None:
-            for spec in it:  # shared iterator: each request is taken by exactly one worker
-                if time.perf_counter() >= deadline:
-                    return
-                await one(spec)
-
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)) or 1)))
-
     timed = any(r.arrival_s is not None for r in requests)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-        main = asyncio.create_task(open_loop() if timed else closed_loop())
+        replay = _Replay(session, base_url, model, api, timeout_s, t_run0, t_run0 + max_duration_s, progress,
+                         {r.index: asyncio.Event() for r in requests})
+        main = asyncio.create_task(replay.open_loop(requests) if timed else replay.closed_loop(requests, concurrency))
         try:
-            await asyncio.wait_for(asyncio.shield(main), timeout=max(0.0, deadline - time.perf_counter()))
+            await asyncio.wait_for(asyncio.shield(main), timeout=max(0.0, replay.deadline - time.perf_counter()))
         except asyncio.TimeoutError:
             main.cancel()
             try:
@@ -392,4 +341,74 @@ async def run_workload(base_url: str, requests: Sequence[RequestSpec], *, model:
                 pass
     if progress:
         progress.close()
-    return [results[i] for i in sorted(results)]
+    return [replay.results[i] for i in sorted(replay.results)]
+
+
+@dataclasses.dataclass
+class _Replay:
+    """One `run_workload` under way: its session, its clock (`t_run0`, `deadline`), the results so far by request
+    index, and each request's done event (what its follow-up waits for). Event-loop only."""
+
+    session: aiohttp.ClientSession
+    base_url: str
+    model: str
+    api: str
+    timeout_s: float
+    t_run0: float
+    deadline: float
+    progress: Progress | None
+    done_events: dict[int, asyncio.Event]
+    results: dict[int, RequestResult] = dataclasses.field(default_factory=dict)
+
+    async def one(self, spec: RequestSpec) -> None:
+        """Send `spec` once its `after_index` request is done (unless the deadline passed meanwhile) and record it;
+        cancelled at the deadline, it is recorded with error ``deadline``."""
+        dep = spec.after_index
+        if dep is not None and dep in self.done_events:
+            await self.done_events[dep].wait()
+        if time.perf_counter() >= self.deadline:
+            self.done_events[spec.index].set()
+            return
+        start_s = time.perf_counter() - self.t_run0
+        try:
+            if self.api == "responses" and spec.responses is not None:
+                res = await send_responses(self.session, self.base_url, spec, self.model, self.t_run0, self.timeout_s,
+                                           self.results.get(dep) if dep is not None else None)
+            else:
+                res = await send_one(self.session, self.base_url, spec, self.model, self.t_run0, self.timeout_s)
+        except asyncio.CancelledError:
+            self.results[spec.index] = RequestResult(index=spec.index, group_id=spec.group_id, start_s=start_s,
+                                                     turn=spec.turn, follow_up=spec.after_index is not None,
+                                                     error="deadline")
+            raise
+        if spec.arrival_s is not None and spec.after_index is None:
+            res.send_lag_ms = (res.start_s - spec.arrival_s) * 1000.0
+        self.results[spec.index] = res
+        self.done_events[spec.index].set()
+        if self.progress:
+            self.progress.update(res.ok)
+
+    async def open_loop(self, requests: Sequence[RequestSpec]) -> None:
+        """Each request at its arrival time (none after the deadline), all in flight at once as they come."""
+        tasks = []
+        for spec in sorted(requests, key=lambda r: (r.arrival_s or 0.0, r.index)):
+            delay = self.t_run0 + (spec.arrival_s or 0.0) - time.perf_counter()
+            if self.t_run0 + (spec.arrival_s or 0.0) >= self.deadline:
+                break
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(self.one(spec)))
+        if tasks:
+            await asyncio.gather(*tasks)
+
+    async def closed_loop(self, requests: Sequence[RequestSpec], concurrency: int) -> None:
+        """`concurrency` workers, each taking the next request in index order when its last one is done."""
+        it = iter(sorted(requests, key=lambda r: r.index))
+
+        async def worker() -> None:
+            for spec in it:  # shared iterator: each request is taken by exactly one worker
+                if time.perf_counter() >= self.deadline:
+                    return
+                await self.one(spec)
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)) or 1)))

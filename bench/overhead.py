@@ -194,18 +194,11 @@ def run(s: OverheadBenchSettings) -> int:
         raise ValueError(f"mode must be 'latency', 'itl' or 'all', got {s.mode!r}")
     tmp = Path(tempfile.mkdtemp(prefix="prefixroute-overhead-"))
     up_port = free_port()
-    upstream = subprocess.Popen([sys.executable, "-m", "prefixroute.bench.fast_upstream", str(up_port),
-                                 str(s.itl_ms)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=parent_death_preexec())
+    upstream = _detached([sys.executable, "-m", "prefixroute.bench.fast_upstream", str(up_port), str(s.itl_ms)])
     baseline: subprocess.Popen[bytes] | None = None
     endpoint = f"127.0.0.1:{up_port}"
     try:
-        deadline = time.monotonic() + 10
-        while not tcp_open(up_port):
-            if time.monotonic() > deadline or upstream.poll() is not None:
-                raise RuntimeError("fast upstream did not start")
-            time.sleep(0.05)
+        _wait_listening(up_port, upstream, "fast upstream did not start", timeout_s=10)
         if s.mode == "itl":
             _itl(s, endpoint, tmp)
             return 0
@@ -214,73 +207,21 @@ def run(s: OverheadBenchSettings) -> int:
         base_cfg.write_text(render(EnvoySettings(gateway_port=base_port, listen_address="127.0.0.1",
                                                  admin_port=free_port(), endpoints=(endpoint,),
                                                  extproc_enabled=False)))
-        baseline = subprocess.Popen([envoy_binary(), "-c", str(base_cfg), "--disable-hot-restart",
-                                     "--concurrency", "1", "-l", "warning"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=parent_death_preexec())
+        baseline = _detached([envoy_binary(), "-c", str(base_cfg), "--disable-hot-restart", "--concurrency", "1",
+                              "-l", "warning"])
         counts = [int(n) for n in s.replicas]
         if not counts or any(not 1 <= n <= 16 for n in counts) or len(set(counts)) != len(counts):
             raise ValueError(f"replicas must be distinct counts 1-16, got {','.join(s.replicas)}")
-        gws = {n: GatewayProcesses(
-            GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry, extproc_replicas=n,
-                            embedded_nats=s.peers),
-            RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
-            log_dir=tmp / f"replicas-{n}", envoy_overrides={"report_served": s.report_served},
-            extra_extproc_args=_span_sink_args()) for n in counts}
         with contextlib.ExitStack() as started:
-            for gw in gws.values():
-                started.enter_context(gw)
-            gie = _start_gie(s, endpoint, tmp, started) if s.gie else None
-            gie_plain = _start_gie(s, endpoint, tmp, started, plaintext=True) if s.gie and s.gie_plaintext else None
-            while not tcp_open(base_port):
-                if baseline.poll() is not None:
-                    raise RuntimeError("baseline Envoy exited")
-                time.sleep(0.05)
-            configs = {"baseline": base_port, **{_routed_name(n, counts): gw.gateway.port for n, gw in gws.items()}}
-            pids = {_routed_name(n, counts): [p.pid for p in gw.extprocs if p.pid] for n, gw in gws.items()}
-            if gie is not None:
-                configs["gie"], pids["gie"] = gie[0], [gie[1]]
-            if gie_plain is not None:
-                configs["gie-plain"], pids["gie-plain"] = gie_plain[0], [gie_plain[1]]
-            load = os.getloadavg()[0]
+            configs, pids = _start_configurations(s, started, counts, endpoint, tmp)
+            _wait_listening(base_port, baseline, "baseline Envoy exited")
+            configs = {"baseline": base_port, **configs}
             print(f"overhead-bench: Envoy 1 worker each, policy {s.policy}, report_served {s.report_served}, "
-                  f"telemetry {s.telemetry}, replicas {','.join(map(str, counts))}{', gie' if gie else ''}, "
-                  f"{s.num_rounds} rounds x {s.num_requests} requests, load average {load:.2f}")
+                  f"telemetry {s.telemetry}, replicas {','.join(map(str, counts))}{', gie' if 'gie' in pids else ''}, "
+                  f"{s.num_rounds} rounds x {s.num_requests} requests, load average {os.getloadavg()[0]:.2f}")
             print(f"{'prompt':>7} {'config':>11} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
             for kb in s.prompt_kb:
-                req = build_request("/v1/chat/completions", _body(int(kb) * 1024))
-                lat: dict[str, list[float]] = {name: [] for name in configs}
-                cpu_s = {name: 0.0 for name in pids}
-                for _ in range(s.num_rounds):
-                    for name, port in configs.items():
-                        c0 = sum(_cpu_s(p) for p in pids.get(name, ()))
-                        lat[name] += latency_ms(port, req, s.num_requests, num_warmup=0)
-                        if name in pids:
-                            cpu_s[name] += sum(_cpu_s(p) for p in pids[name]) - c0
-                rates = {name: max_rate(port, req, s.num_connections, s.rate_duration_s)
-                         for name, port in configs.items()}
-                fig = {name: (_pct(v, 0.5), _pct(v, 0.99), rates[name][0]) for name, v in lat.items()}
-                for name in configs:
-                    p50, p99, rps = fig[name]
-                    errors = rates[name][1]
-                    print(f"{kb + ' KB':>7} {name:>11} {p50:8.3f} {p99:8.3f} {rps:8.0f}"
-                          + (f"  ({errors} non-200)" if errors else ""))
-                b50, b99, brps = fig["baseline"]
-                first = _routed_name(counts[0], counts)
-                for name in pids:
-                    r50, r99, rrps = fig[name]
-                    vs_first = f", req/s x{rrps / fig[first][2]:.2f} vs {first}" if name != first else ""
-                    print(f"{kb + ' KB':>7} {'added':>11} {r50 - b50:8.3f} {r99 - b99:8.3f}   {name}: "
-                          f"ratio p50 x{r50 / b50:.1f}, p99 x{r99 / b99:.1f}, req/s x{rrps / brps:.2f}{vs_first}; "
-                          f"mean {statistics.fmean(lat[name]):.3f} ms; "
-                          f"ext_proc CPU {cpu_s[name] / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request")
-                for gname in ("gie", "gie-plain"):
-                    if gname in fig:
-                        f50, f99, frps = fig[first]
-                        g50, g99, grps = fig[gname]
-                        print(f"{kb + ' KB':>7} {gname + '/' + first:>11} added p50 "
-                              f"x{(g50 - b50) / max(f50 - b50, 1e-6):.2f}, added p99 "
-                              f"x{(g99 - b99) / max(f99 - b99, 1e-6):.2f}, req/s x{grps / frps:.2f}")
+                _measure_prompt_size(s, kb, configs, pids, _routed_name(counts[0], counts))
             print(f"load average after: {os.getloadavg()[0]:.2f}")
         if s.mode == "all":
             _itl(s, endpoint, tmp)
@@ -288,6 +229,81 @@ def run(s: OverheadBenchSettings) -> int:
         stop_group(baseline)
         stop_group(upstream)
     return 0
+
+
+def _detached(argv: list[str]) -> subprocess.Popen[bytes]:
+    """A child in its own session (stopped with `stop_group`), output discarded, gone with this process."""
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=parent_death_preexec())
+
+
+def _wait_listening(port: int, proc: subprocess.Popen[bytes], failure: str, timeout_s: float | None = None) -> None:
+    """Until `port` accepts connections; RuntimeError(`failure`) when `proc` exits first or `timeout_s` passes."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not tcp_open(port):
+        if (deadline is not None and time.monotonic() > deadline) or proc.poll() is not None:
+            raise RuntimeError(failure)
+        time.sleep(0.05)
+
+
+def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStack, counts: list[int],
+                          endpoint: str, tmp: Path) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Start the routed gateways (one per replica count) and, with --gie, GIE mode's; all stop with `started`.
+    Returns (configuration -> gateway port, configuration -> its router processes' pids), routed first."""
+    gws = {n: GatewayProcesses(
+        GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry,
+                        extproc_replicas=n, embedded_nats=s.peers),
+        RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
+        log_dir=tmp / f"replicas-{n}", envoy_overrides={"report_served": s.report_served},
+        extra_extproc_args=_span_sink_args()) for n in counts}
+    for gw in gws.values():
+        started.enter_context(gw)
+    configs = {_routed_name(n, counts): gw.gateway.port for n, gw in gws.items()}
+    pids = {_routed_name(n, counts): [p.pid for p in gw.extprocs if p.pid] for n, gw in gws.items()}
+    if s.gie:
+        configs["gie"], gie_pid = _start_gie(s, endpoint, tmp, started)
+        pids["gie"] = [gie_pid]
+    if s.gie and s.gie_plaintext:
+        configs["gie-plain"], plain_pid = _start_gie(s, endpoint, tmp, started, plaintext=True)
+        pids["gie-plain"] = [plain_pid]
+    return configs, pids
+
+
+def _measure_prompt_size(s: OverheadBenchSettings, kb: str, configs: dict[str, int], pids: dict[str, list[int]],
+                         first: str) -> None:
+    """Latency (rounds alternating every configuration) and req/s of each configuration at a `kb` KiB prompt,
+    printed with what routing adds to the baseline (and GIE mode beside `first`, the first routed one)."""
+    req = build_request("/v1/chat/completions", _body(int(kb) * 1024))
+    lat: dict[str, list[float]] = {name: [] for name in configs}
+    cpu_s = {name: 0.0 for name in pids}
+    for _ in range(s.num_rounds):
+        for name, port in configs.items():
+            c0 = sum(_cpu_s(p) for p in pids.get(name, ()))
+            lat[name] += latency_ms(port, req, s.num_requests, num_warmup=0)
+            if name in pids:
+                cpu_s[name] += sum(_cpu_s(p) for p in pids[name]) - c0
+    rates = {name: max_rate(port, req, s.num_connections, s.rate_duration_s) for name, port in configs.items()}
+    fig = {name: (_pct(v, 0.5), _pct(v, 0.99), rates[name][0]) for name, v in lat.items()}
+    for name in configs:
+        p50, p99, rps = fig[name]
+        errors = rates[name][1]
+        print(f"{kb + ' KB':>7} {name:>11} {p50:8.3f} {p99:8.3f} {rps:8.0f}"
+              + (f"  ({errors} non-200)" if errors else ""))
+    b50, b99, brps = fig["baseline"]
+    for name in pids:
+        r50, r99, rrps = fig[name]
+        vs_first = f", req/s x{rrps / fig[first][2]:.2f} vs {first}" if name != first else ""
+        print(f"{kb + ' KB':>7} {'added':>11} {r50 - b50:8.3f} {r99 - b99:8.3f}   {name}: "
+              f"ratio p50 x{r50 / b50:.1f}, p99 x{r99 / b99:.1f}, req/s x{rrps / brps:.2f}{vs_first}; "
+              f"mean {statistics.fmean(lat[name]):.3f} ms; "
+              f"ext_proc CPU {cpu_s[name] / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request")
+    for gname in ("gie", "gie-plain"):
+        if gname in fig:
+            f50, f99, frps = fig[first]
+            g50, g99, grps = fig[gname]
+            print(f"{kb + ' KB':>7} {gname + '/' + first:>11} added p50 "
+                  f"x{(g50 - b50) / max(f50 - b50, 1e-6):.2f}, added p99 "
+                  f"x{(g99 - b99) / max(f99 - b99, 1e-6):.2f}, req/s x{grps / frps:.2f}")
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prefixroute.types import Decision
 from prefixroute.procs import parent_death_preexec
 from prefixroute.telemetry.metrics import RouterMetrics
-from prefixroute.telemetry.recorder import TelemetryRecorder, record_attributes
+from prefixroute.telemetry.record_spans import record_attributes
+from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.tracecontext import child_context
 

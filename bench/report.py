@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # matplotlib (the [bench] extra) is imported when the plots are drawn
+    from matplotlib.axes import Axes
 
 PLOT_FILES = ("ttft_cdf.png", "hit_ratio.png", "endpoint_share.png")
 
@@ -331,19 +334,32 @@ def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
 
 
 def plot(out_dir: Path, doc: Mapping[str, Any], ttfts_ms: Mapping[str, Sequence[float]]) -> list[Path]:
-    """Write the three PNGs; returns their paths."""
+    """Write the three PNGs (`PLOT_FILES`: TTFT CDF, hit ratio, endpoint share); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    draws: dict[str, Callable[[Axes], None]] = {
+        PLOT_FILES[0]: lambda ax: _plot_ttft_cdf(ax, doc, ttfts_ms),
+        PLOT_FILES[1]: lambda ax: _plot_hit_ratio(ax, doc),
+        PLOT_FILES[2]: lambda ax: _plot_endpoint_share(ax, doc),
+    }
+    paths = []
+    for name, draw in draws.items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        draw(ax)
+        paths.append(out_dir / name)
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _plot_ttft_cdf(ax: Axes, doc: Mapping[str, Any], ttfts_ms: Mapping[str, Sequence[float]]) -> None:
     import numpy as np
 
-    runs = doc["runs"]
-    names = [r["router"] for r in runs]
-    paths = []
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in names:
+    for name in (r["router"] for r in doc["runs"]):
         vals = np.sort(np.asarray(ttfts_ms.get(name, ()), dtype=float))
         if len(vals):
             ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=name)
@@ -354,12 +370,12 @@ def plot(out_dir: Path, doc: Mapping[str, Any], ttfts_ms: Mapping[str, Sequence[
         ax.set_xscale("log")
         ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
-    paths.append(out_dir / PLOT_FILES[0])
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+
+def _plot_hit_ratio(ax: Axes, doc: Mapping[str, Any]) -> None:
+    """One bar per router, with the infinite-cache upper bound (dashed) and Belady's MIN at fleet capacity."""
+    runs = doc["runs"]
+    names = [r["router"] for r in runs]
     ratios = [(r["hit_ratio"] or 0.0) * 100 for r in runs]
     ax.bar(range(len(names)), ratios, color="tab:blue")
     ub = doc.get("upper_bound_hit_ratio")
@@ -375,15 +391,15 @@ def plot(out_dir: Path, doc: Mapping[str, Any], ttfts_ms: Mapping[str, Sequence[
     ax.set_ylabel("prefix-cache hit ratio (% of prompt tokens)")
     ax.set_ylim(0, 100)
     ax.set_title("KV-cache hit ratio per router")
-    paths.append(out_dir / PLOT_FILES[1])
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+
+def _plot_endpoint_share(ax: Axes, doc: Mapping[str, Any]) -> None:
+    """Grouped bars (router x endpoint) with the fair share; beyond 16 endpoints, too many bars to read: per
+    router, the shares sorted from busiest to idlest endpoint."""
+    runs = doc["runs"]
+    names = [r["router"] for r in runs]
     endpoints = sorted({e for r in runs for e in r["endpoint_share"]})
     if len(endpoints) > 16:
-        # Too many bars to read: per router, the shares sorted from busiest to idlest endpoint.
         for r in runs:
             shares = sorted(r["endpoint_share"].values(), reverse=True)
             ax.plot(range(1, len(shares) + 1), [v * 100 for v in shares], label=r["router"])
@@ -392,27 +408,17 @@ def plot(out_dir: Path, doc: Mapping[str, Any], ttfts_ms: Mapping[str, Sequence[
         ax.set_ylabel("share of requests (%)")
         ax.set_title("Requests per endpoint")
         ax.legend(fontsize=8)
-        paths.append(out_dir / PLOT_FILES[2])
-        fig.tight_layout()
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-        return paths
+        return
     width = 0.8 / max(1, len(endpoints))
     for k, e in enumerate(endpoints):
         ax.bar([i + k * width for i in range(len(names))], [r["endpoint_share"].get(e, 0.0) * 100 for r in runs],
                width=width, label=e)
     if endpoints:
         ax.axhline(100 / len(endpoints), color="black", linestyle=":", label="fair share")
-        if len(endpoints) <= 16:
-            ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, ncol=2)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("share of requests (%)")
     ax.set_title("Requests per endpoint")
-    paths.append(out_dir / PLOT_FILES[2])
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
 
 
 def write_outputs(out_dir: str | Path, doc: Mapping[str, Any], ttfts_ms: Mapping[str, Sequence[float]],

@@ -1,24 +1,22 @@
 """Runs a benchmark: one workload, several routers, the same simulated fleet, fresh caches per run.
 
 For every router, in order:
-1. start ``--servers`` fresh model servers (``prefixroute model-server --port P --id 127.0.0.1:P``), so every
-   run begins with empty KV caches and the same configuration;
-2. start the router in front of them (our gateway with one policy, or a peer router);
+1. start ``--servers`` fresh model servers (`fleet.start_fleet`), so every run begins with empty KV caches and
+   the same configuration;
+2. start the router in front of them (our gateway with one policy, or a peer router: `start_router`);
 3. replay the *same* request sequence with the streaming client and summarise it;
 4. scrape each server's ``/metrics`` (requests served, prefix-cache hits) as a cross-check, stop everything.
 
-Peer routers (`sglang-router`, `vllm-router`) come from the optional ``[peers]`` extra; one that is not
-installed is skipped with a message in the report.
+Routers are named as `routers.parse_router` reads them. Peer routers (`sglang-router`, `vllm-router`) come from
+the optional ``[peers]`` extra; one that is not installed is skipped with a message in the report.
 
-KV events: when the simulated servers can publish them (`fleet_publishes_events`: ``prefixroute model-server
---help`` lists ``--kv-events-config``), every run's servers publish, each on its own pair of consecutive free
-ports (PUB, replay = PUB + 1, the gateway's default kv_events_replay_port_offset), so every router meets the
-same fleet; our gateway gets ``--endpoints host:port@tcp://127.0.0.1:PUB`` and ``--tokenizer sim`` (it must
-tokenize as the servers do to match their blocks) and subscribes; peers get the plain endpoints. A router name
-``prefixroute:POLICY@SOURCE`` passes ``--index-source SOURCE`` (events, feedback, approximate, auto); without
-``@SOURCE`` the gateway's default (auto: events where published). Servers that cannot publish: the runs go
-on as before, and ``@events`` runs are skipped with the reason in the report. Every process is stopped on any failure, and on the
-`Stopped` that `prefixroute bench` raises for SIGINT/SIGTERM/SIGHUP (context managers own every child).
+KV events (bench/fleet.py): when the fleet publishes them, our gateway gets ``--endpoints
+host:port@tcp://127.0.0.1:PUB`` and ``--tokenizer sim`` (it must tokenize as the servers do to match their
+blocks) and subscribes; peers get the plain endpoints. A router name ``prefixroute:POLICY@SOURCE`` passes
+``--index-source SOURCE`` (events, feedback, approximate, auto); without ``@SOURCE`` the gateway's default
+(auto: events where published). Servers that cannot publish: the runs go on as before, and ``@events`` runs
+are skipped with the reason in the report. Every process is stopped on any failure, and on the `Stopped` that
+`prefixroute bench` raises for SIGINT/SIGTERM/SIGHUP (context managers own every child).
 """
 
 from __future__ import annotations
@@ -26,99 +24,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import importlib.util
-import json
 import os
 import re
-import subprocess
 import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixroute.bench import client as bench_client
 from prefixroute.bench import results as bench_results
-from prefixroute.bench.workloads import RequestSpec, Workload
-from prefixroute.model_servers.kv_events_publisher import config_json
-from prefixroute import procs as procs_mod
-from prefixroute.extproc.routing.settings import INDEX_SOURCES, POLICIES
+from prefixroute.bench.fleet import (FleetConfig, KVEventsPlan, distinct_free_ports, resolve_kv_events,
+                                     scrape_server_counters, served_model, start_fleet)
+from prefixroute.bench.routers import PRIOR_ENV, RouterSpec, parse_router
+from prefixroute.bench.virtual_run import engine_spec
+from prefixroute.bench.workload_spec import RequestSpec, Workload
 from prefixroute.procs import LOOPBACK as HOST
-from prefixroute.procs import (ManagedProcess, ProcessGroup, StartupError, free_port, free_ports, http_get,
-                               port_in_use, prefixroute_argv)
+from prefixroute.procs import ProcessGroup, StartupError, free_port, http_get
+
+if TYPE_CHECKING:  # the gateway (Envoy, ext_proc) is imported when our gateway is started
+    from prefixroute.extproc.gateway import GatewayProcesses
 
 SETTLE_S = 1.5
 """Wait after a router first answers, so its health probes have reached every endpoint (probe interval 1 s)."""
-
-PEER_POLICIES = {"sglang-router": ("cache_aware", "round_robin", "random", "power_of_two"),
-                 "vllm-router": ("cache_aware", "round_robin", "random", "power_of_two", "consistent_hash")}
-
-
-@dataclasses.dataclass(frozen=True)
-class RouterSpec:
-    """A router to benchmark: ``kind`` prefixroute / sglang-router / vllm-router, its policy and, for our gateway,
-    the prefix index's source (``--index-source``; "" = the gateway's default)."""
-
-    name: str
-    kind: str
-    policy: str
-    index_source: str = ""
-    replicas: int = 1
-    """Our gateway's ext_proc replicas (``#N`` in the name; 1 by default, whatever the machine's cores, so runs on
-    different machines compare)."""
-    api: str = ""
-    """The API a workload with a Responses form (agents) is sent in: "responses" or "chat"; "" = the router's
-    default (`default_api`)."""
-
-    @property
-    def workload_api(self) -> str:
-        """"responses" or "chat": what the client sends requests that have both forms in."""
-        return self.api or default_api(self.kind)
-
-
-API_SUFFIXES = ("chat", "responses")
-
-
-def default_api(kind: str) -> str:
-    """Our gateway routes Responses requests (affinity to the endpoint holding the previous response); peers
-    forward /v1/responses without knowing it (sglang-router 0.3.2, vllm-router 0.1.17), so by default they get the
-    chat equivalent of the same conversations, which they do route on."""
-    return "responses" if kind == "prefixroute" else "chat"
-
-
-def parse_router(name: str) -> RouterSpec:
-    """``prefixroute:POLICY[@SOURCE][#REPLICAS]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16 ext_proc replicas
-    sharing their picks through an embedded NATS), ``sglang-router[:POLICY]``,
-    ``vllm-router[:POLICY]``, each with an optional ``/chat`` or ``/responses`` suffix (the API of the agents
-    workload, `RouterSpec.api`; the suffix stays in the name); ValueError otherwise."""
-    base, slash, api = name.strip().partition("/")
-    if slash and api not in API_SUFFIXES:
-        raise ValueError(f"router {name!r}: the suffix after / must be one of {', '.join(API_SUFFIXES)}")
-    spec = _parse_router_base(base)
-    return dataclasses.replace(spec, name=f"{spec.name}/{api}" if slash else spec.name, api=api)
-
-
-def _parse_router_base(name: str) -> RouterSpec:
-    kind, _, policy = name.strip().partition(":")
-    if kind == "prefixroute":
-        policy, hash_, replicas = policy.partition("#")
-        if hash_ and not (replicas.isdigit() and 1 <= int(replicas) <= 16):
-            raise ValueError(f"router {name!r}: replicas (after #) must be a count 1-16")
-        policy, at, source = policy.partition("@")
-        if policy not in POLICIES:
-            raise ValueError(f"router {name!r}: policy must be one of {', '.join(POLICIES)}")
-        if at and source not in INDEX_SOURCES:
-            raise ValueError(f"router {name!r}: index source (after @) must be one of {', '.join(INDEX_SOURCES)}")
-        return RouterSpec(name.strip(), kind, policy, source, replicas=int(replicas) if hash_ else 1)
-    if kind in PEER_POLICIES:
-        policy = policy or "cache_aware"
-        if policy not in PEER_POLICIES[kind]:
-            raise ValueError(f"router {name!r}: policy must be one of {', '.join(PEER_POLICIES[kind])}")
-        return RouterSpec(name if ":" in name else kind, kind, policy)
-    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE], sglang-router[:POLICY] or "
-                     f"vllm-router[:POLICY]")
 
 
 def _venv_script(name: str) -> str | None:
@@ -142,129 +72,6 @@ def unavailable_reason(spec: RouterSpec, kv_events: bool = True) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------------ fleet
-
-
-@dataclasses.dataclass(frozen=True)
-class FleetConfig:
-    """The simulated fleet of a bench run. `ports` (optional) pins the servers' ports so every run of a bench
-    has the same endpoint ids (comparable endpoint shares); empty = fresh free ports per start. `kv_events`:
-    the servers publish KV events (True), do not (False), or None = when they can (`fleet_publishes_events`)
-    and --server-args sets no --kv-events-config of its own; `run_bench` resolves None."""
-
-    num_servers: int
-    profile: str = ""
-    server_args: tuple[str, ...] = ()
-    startup_timeout_s: float = 60.0
-    ports: tuple[int, ...] = ()
-    kv_events: bool | None = None
-
-
-def distinct_free_ports(n: int) -> tuple[int, ...]:
-    return tuple(free_ports(n))
-
-
-# --------------------------------------------------------------------------------------------- KV events
-
-KV_EVENTS_TOPIC = "kv-events"
-"""Topic the bench's servers publish under (vLLM's example config); the gateway subscribes to every topic."""
-
-
-@functools.cache
-def fleet_publishes_events() -> bool:
-    """Whether ``prefixroute model-server`` takes ``--kv-events-config`` (asked once per process: its --help).
-    The one switch between a bench without events (servers that cannot publish) and one with them."""
-    try:
-        out = subprocess.run(prefixroute_argv("model-server", "--help"), capture_output=True, text=True,
-                             timeout=60.0, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return out.returncode == 0 and "--kv-events-config" in out.stdout
-
-
-def kv_events_config(pub_port: int, replay_port: int, topic: str = KV_EVENTS_TOPIC) -> str:
-    """The ``--kv-events-config`` JSON of one server, vLLM's KVEventsConfig shape, on loopback."""
-    return config_json(pub_port, replay_port, topic=topic)
-
-
-def free_port_pairs(n: int) -> list[tuple[int, int]]:
-    """`n` pairs (p, p + 1) of free ports, all distinct: a publisher's PUB and replay sockets (the gateway finds
-    the replay socket at PUB + kv_events_replay_port_offset, 1 by default)."""
-    pairs: list[tuple[int, int]] = []
-    taken: set[int] = set()
-    for _ in range(200 * n):
-        if len(pairs) == n:
-            break
-        p = free_port()
-        if p + 1 > 65535 or p + 1 in taken or p + 1 in procs_mod._handed_out or port_in_use(p + 1):
-            continue
-        # Reserve p + 1 in the process-wide set free_ports draws against, so no later port collides with it.
-        procs_mod._handed_out.add(p + 1)
-        pairs.append((p, p + 1))
-        taken.update((p, p + 1))
-    if len(pairs) < n:
-        raise StartupError(f"found only {len(pairs)} of {n} pairs of consecutive free ports for KV events")
-    return pairs
-
-
-@dataclasses.dataclass(frozen=True)
-class KVEventsPlan:
-    """Where each server of a fleet publishes: ``pub_ports[k]`` (replay on + 1) for the k-th server."""
-
-    pub_ports: tuple[int, ...]
-
-    @classmethod
-    def allocate(cls, num_servers: int) -> KVEventsPlan:
-        return cls(tuple(p for p, _ in free_port_pairs(num_servers)))
-
-    def server_args(self, k: int) -> list[str]:
-        """Flags that make the k-th server publish on its pair of ports."""
-        return ["--kv-events-config", kv_events_config(self.pub_ports[k], self.pub_ports[k] + 1)]
-
-    def gateway_endpoints(self, endpoints: Sequence[str]) -> list[str]:
-        """``host:port@tcp://127.0.0.1:PUB`` per endpoint, in fleet order (the gateway's --endpoints form)."""
-        if len(endpoints) != len(self.pub_ports):
-            raise ValueError("one event address per endpoint")
-        return [f"{ep}@tcp://{HOST}:{p}" for ep, p in zip(endpoints, self.pub_ports)]
-
-
-def server_args_set_kv_events(server_args: Sequence[str]) -> bool:
-    return any(a == "--kv-events-config" or a.startswith("--kv-events-config=") for a in server_args)
-
-
-def resolve_kv_events(fleet: FleetConfig) -> FleetConfig:
-    """`fleet` with `kv_events` decided: None -> publish when the servers can and --server-args does not
-    configure events itself (one address for every server would collide; the bench cannot know them)."""
-    if fleet.kv_events is not None:
-        return fleet
-    on = not server_args_set_kv_events(fleet.server_args) and fleet_publishes_events()
-    return dataclasses.replace(fleet, kv_events=on)
-
-
-def start_fleet(group: ProcessGroup, cfg: FleetConfig, events: KVEventsPlan | None = None) -> list[str]:
-    """Start the model servers and wait for /health on each; returns their ``host:port`` ids. With `events`,
-    each publishes KV events on its ports of the plan."""
-    if cfg.ports and len(cfg.ports) != cfg.num_servers:
-        raise ValueError("FleetConfig.ports must give one port per server")
-    endpoints = []
-    procs: list[ManagedProcess] = []
-    for k in range(cfg.num_servers):
-        port = cfg.ports[k] if cfg.ports else free_port()
-        ep = f"{HOST}:{port}"
-        argv = prefixroute_argv("model-server", "--host", HOST, "--port", str(port), "--id", ep)
-        if cfg.profile:
-            argv += ["--profile", cfg.profile]
-        if events is not None:
-            argv += events.server_args(k)
-        argv += list(cfg.server_args)
-        ports = (port, events.pub_ports[k], events.pub_ports[k] + 1) if events is not None else (port,)
-        procs.append(group.start(f"server-{k}", argv, ports=ports, wait=False,
-                                 ready=lambda ep=ep: http_get(f"http://{ep}/health")[0] == 200))
-        endpoints.append(ep)
-    group.wait_ready(procs, timeout_s=cfg.startup_timeout_s)  # started in parallel, waited for in turn
-    return endpoints
-
-
 def gateway_event_args(spec: RouterSpec, kv_events: bool) -> tuple[str, ...]:
     """Flags our gateway gets for `spec`: ``--index-source`` when the name sets one, and ``--tokenizer sim`` (the
     simulated servers' own tokenizer: requests hash to the servers' token blocks, and cached-token feedback
@@ -279,40 +86,11 @@ def gateway_event_args(spec: RouterSpec, kv_events: bool) -> tuple[str, ...]:
     return tuple(out)
 
 
-def served_model(endpoint: str) -> str:
-    """The model id the fleet serves (from GET /v1/models), so requests never 404."""
-    import json
-
-    status, body = http_get(f"http://{endpoint}/v1/models")
-    if status != 200:
-        raise StartupError(f"GET /v1/models on {endpoint} returned {status}")
-    return json.loads(body)["data"][0]["id"]
-
-
-_METRIC_RE = re.compile(r'^(vllm:request_success_total|vllm:prefix_cache_hits_total|vllm:prefix_cache_queries_total)'
-                        r'(?:\{[^}]*\})?\s+([0-9.eE+-]+)$', re.M)
-
-
-def scrape_server_counters(endpoints: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Per endpoint: requests served and prefix-cache hit/query tokens from its /metrics (fresh servers, so
-    the totals are this run's). Missing figures are absent."""
-    out: dict[str, dict[str, float]] = {}
-    for ep in endpoints:
-        status, body = http_get(f"http://{ep}/metrics")
-        vals: dict[str, float] = {}
-        if status == 200:
-            for m in _METRIC_RE.finditer(body.decode(errors="replace")):
-                key = m.group(1).removeprefix("vllm:").removesuffix("_total")
-                vals[key] = vals.get(key, 0.0) + float(m.group(2))
-        out[ep] = vals
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- routers
 
 
 def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Sequence[str], port: int, *,
-                   seed: int, gateway_args: Sequence[str], log_dir: Path | None) -> Any:
+                   seed: int, gateway_args: Sequence[str], log_dir: Path | None) -> GatewayProcesses:
     """Our gateway (Envoy + ext_proc) through its Python API; `gateway_args` are `prefixroute gateway` flags.
     Returns its `GatewayProcesses` (``envoy``: the process clients talk to; ``metrics_port``: the router's
     /metrics)."""
@@ -470,9 +248,6 @@ class RunOutput:
     ttfts_ms: list[float]
 
 
-PRIOR_ENV = ("PREFIXROUTE_TTFT_PRIOR_TOKENS_PER_S", "PREFIXROUTE_TTFT_PRIOR_BASE_S")
-
-
 def prior_gateway_args(fleet: FleetConfig) -> tuple[str, ...]:
     """Our gateway's time-model prior for the simulated fleet it fronts: the servers' own speed
     (`EngineSpec.time_model_prior`, their profile and --time-scale), as an operator sets
@@ -480,8 +255,6 @@ def prior_gateway_args(fleet: FleetConfig) -> tuple[str, ...]:
     wins) or the server flags are not the fleet simulator's."""
     if any(os.environ.get(name) for name in PRIOR_ENV):
         return ()
-    from prefixroute.bench.virtual_run import engine_spec
-
     try:
         rate, base = engine_spec(fleet.profile, fleet.server_args, allow_unsimulated=True).time_model_prior()
     except ValueError:

@@ -54,7 +54,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import xxhash
 
-from prefixroute.bench.workloads import CHARS_PER_TOKEN, RequestSpec, Workload
+from prefixroute.bench.workload_spec import CHARS_PER_TOKEN, RequestSpec, Workload
 
 CACHE_BLOCK_TOKENS = 16
 """vLLM's default KV block size; the simulated servers cache in blocks of the same size."""

@@ -51,9 +51,9 @@ import orjson
 from prefixroute import settings as settings_mod
 from prefixroute.bench import results as bench_results
 from prefixroute.bench.client import RequestResult
-from prefixroute.bench.runner import PRIOR_ENV, RouterSpec, parse_router
+from prefixroute.bench.routers import PRIOR_ENV, RouterSpec, parse_router
 from prefixroute.bench.sim_pool import SimulatedPool
-from prefixroute.bench.workloads import RequestSpec, Workload
+from prefixroute.bench.workload_spec import RequestSpec, Workload
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.routing.prefix_index import num_leading_held
 from prefixroute.extproc.kv_events import KVEventIndex

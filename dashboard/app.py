@@ -14,15 +14,23 @@ from __future__ import annotations
 import datetime as dt
 import os
 import time
+from typing import TYPE_CHECKING
 
+import pandas as pd
 import streamlit as st
 
 from prefixroute import settings
+from prefixroute.dashboard import bench_results as BR
 from prefixroute.dashboard import charts as C
 from prefixroute.dashboard import data as D
+from prefixroute.dashboard import tables as T
 from prefixroute.dashboard.cli import DashboardSettings
+from prefixroute.dashboard.router_metrics import EndpointLive
 from prefixroute.dashboard.source import DataSource, SourceError
-from prefixroute.telemetry.store import StoreMissing
+from prefixroute.telemetry.store_schema import StoreMissing
+
+if TYPE_CHECKING:
+    from pandas.io.formats.style import Styler
 
 st.set_page_config(page_title="prefixroute dashboard", page_icon=":material/alt_route:", layout="wide")
 
@@ -184,6 +192,8 @@ def live_snapshot(_source: DataSource, source_key: str, window_s: float, tick: i
 
 
 def live_panels(window_s: float, run_choice: str) -> None:
+    """The Live page's panels, redrawn every refresh: one snapshot of the store for the selected run and window,
+    then the tiles, hit rates, latency, traffic, endpoints, TTFT predictions and routing, in that order."""
     runs = _runs()  # resolved at every refresh: "current" follows a restart of the stack
     run = selected_run(run_choice, runs)
     current = run_choice == CURRENT_RUN
@@ -193,74 +203,85 @@ def live_panels(window_s: float, run_choice: str) -> None:
     except SourceError as exc:
         show_source_error(exc)
         return
-    now, summary = snap["now"], snap["summary"]
-    total = run["num_requests"] if run is not None else snap["total"]
-    state = D.traffic_state(summary, total)
+    summary = snap["summary"]
+    state = D.traffic_state(summary, run["num_requests"] if run is not None else snap["total"])
     run_text = ("" if run is None else
                 f"Run {run['run_id'] or '(before run ids)'}{' (current)' if current else ''}, since "
                 f"{_clock(since)} · ")
+    if state.kind != "live":
+        _quiet_window(state, run, runs, run_text)
+        return
+    live = source.endpoint_live()  # the router's own /metrics only: never a URL named in span data
+    # One computation for every figure of how requests spread (tile, header, fair-share line, table).
+    shares = D.endpoint_shares(snap["ep_rows"], live)
+    colors = _colors(list(shares.endpoints))  # endpoints only: a chart's legend lists every colour it is given
+    st.caption(f"{run_text}window {window_label} ending {_clock(snap['now'])} · {summary['num_requests']:,} requests"
+               f" · charts over the last {snap['span_s']:,.0f} s that hold data, in {snap['bucket_s']:g} s buckets")
+    _summary_tiles(summary, snap["span_s"], shares)
+    _hit_rate_panels(snap, colors)
+    _latency_panels(snap)
+    _traffic_panels(snap, colors, shares)
+    _endpoint_panels(snap, live, shares, colors)
+    prediction_panel(snap.get("ttft_pred"), colors)
+    _routing_panels(snap)
+
+
+def _quiet_window(state: D.TrafficState, run: dict | None, runs: list[dict], run_text: str) -> None:
+    """What the Live page says instead of charts: no request ever (in this run), or none in the window."""
     if state.kind == "empty":
         if run is not None and len(runs) > 1:
             st.caption(f"{run_text}earlier runs: pick one under Run in the sidebar.")
         show_no_traffic(in_run=run is not None and len(runs) > 1)
         return
-    if state.kind == "idle":
-        holder = "This run holds" if run is not None else "The store holds"
-        st.info(f"**No requests in the last {window_label}.** {holder} {state.num_requests_total:,} requests; "
-                "pick a longer window in the sidebar, or send traffic.", icon=":material/bedtime:")
-        return
-    span_s, bucket_s = snap["span_s"], snap["bucket_s"]
-    ts, ts_ep, ep_rows = snap["ts"], snap["ts_ep"], snap["ep_rows"]
-    reason_rows, reason_ts = snap["reason_rows"], snap["reason_ts"]
-    ttft_hist, decision_hist, in_flight = snap["ttft_hist"], snap["decision_hist"], snap["in_flight"]
-    live = source.endpoint_live()  # the router's own /metrics only: never a URL named in span data
-    # One computation for every figure of how requests spread (tile, header, fair-share line, table).
-    shares = D.endpoint_shares(ep_rows, live)
-    colors = _colors(list(shares.endpoints))  # endpoints only: a chart's legend lists every colour it is given
-    # The request rate also draws the unrouted requests, grey.
-    rate_colors = {**colors, **({D.UNKNOWN_ENDPOINT: D.UNROUTED_COLOR} if shares.num_unrouted else {})}
-    balance = shares.balance_ratio
+    holder = "This run holds" if run is not None else "The store holds"
+    st.info(f"**No requests in the last {window_label}.** {holder} {state.num_requests_total:,} requests; "
+            "pick a longer window in the sidebar, or send traffic.", icon=":material/bedtime:")
 
-    st.caption(f"{run_text}window {window_label} ending {_clock(now)} · {summary['num_requests']:,} requests · "
-               f"charts over the last {span_s:,.0f} s that hold data, in {bucket_s:g} s buckets")
-    # Two rows of four: at 1,280 px each tile has room for its whole label and value.
+
+def _summary_tiles(summary: dict, span_s: float, shares: D.Shares) -> None:
+    """Two rows of four tiles: at 1,280 px each tile has room for its whole label and value."""
     k = [*st.columns(4), *st.columns(4)]
-    k[0].metric("Hit rate (actual)", D.format_ratio(summary["actual_hit_ratio"]),
+    k[0].metric("Hit rate (actual)", T.format_ratio(summary["actual_hit_ratio"]),
                 help="Server-reported cached prompt tokens / prompt tokens, over the window.")
-    k[1].metric("Hit rate (predicted)", D.format_ratio(summary["predicted_hit_ratio"]),
+    k[1].metric("Hit rate (predicted)", T.format_ratio(summary["predicted_hit_ratio"]),
                 help="The router's estimate (prefix index), weighted by prompt tokens like the actual rate.")
-    k[2].metric("TTFT p50", D.format_ms(summary["ttft_ms_p50"]), help="Time to first token at the gateway.")
-    k[3].metric("TTFT p99", D.format_ms(summary["ttft_ms_p99"]))
+    k[2].metric("TTFT p50", T.format_ms(summary["ttft_ms_p50"]), help="Time to first token at the gateway.")
+    k[3].metric("TTFT p99", T.format_ms(summary["ttft_ms_p99"]))
     k[4].metric("Requests / s", f"{summary['num_requests'] / span_s:.2f}",
                 help="Requests in the window / the part of the window that holds data (the charted span).")
-    k[5].metric("Errors", D.format_ratio(summary["error_ratio"]), delta=f"{summary['num_errors']:,} requests",
+    k[5].metric("Errors", T.format_ratio(summary["error_ratio"]), delta=f"{summary['num_errors']:,} requests",
                 delta_color="off", delta_arrow="off",
                 help="5xx, resets and failed requests (e.g. a stream cut short). Refusals are not errors.")
-    k[6].metric("Refused", D.format_ratio(summary.get("refused_ratio")),
+    k[6].metric("Refused", T.format_ratio(summary.get("refused_ratio")),
                 delta=f"{summary.get('num_refused') or 0:,} requests", delta_color="off", delta_arrow="off",
                 help="Requests refused with a 4xx (invalid input, unknown model, too large, not allowed): the "
                      "client's, counted apart from errors.")
-    k[7].metric("Balance", D.format_balance(balance),
+    k[7].metric("Balance", D.format_balance(shares.balance_ratio),
                 help=f"Busiest endpoint's share of the routed requests / fair share (1/N over the "
                      f"{len(shares.endpoints)} endpoints). 1.00× is perfectly even; N× is all on one endpoint.")
 
+
+def _hit_rate_panels(snap: dict, colors: dict[str, str]) -> None:
     st.subheader("Prefix-cache hit rate")
     c1, c2 = st.columns(2)
     with c1:
         st.markdown("**Fleet: actual vs predicted**")
-        frame = D.fleet_hit_frame(ts, bucket_s)
+        frame = D.fleet_hit_frame(snap["ts"], snap["bucket_s"])
         if len(frame):
             _chart(C.fleet_hit(frame), "hit_fleet")
         else:
             _empty_note("no request reported token usage")
     with c2:
         st.markdown("**Per endpoint** (solid: actual, dashed: predicted)")
-        frame = D.endpoint_hit_frame(ts_ep, bucket_s)
+        frame = D.endpoint_hit_frame(snap["ts_ep"], snap["bucket_s"])
         if len(frame):
             _chart(C.endpoint_hit(frame, colors), "hit_endpoint")
         else:
             _empty_note("no request reported token usage")
 
+
+def _latency_panels(snap: dict) -> None:
+    ts, bucket_s = snap["ts"], snap["bucket_s"]
     st.subheader("Latency")
     c1, c2, c3 = st.columns(3)
     with c1:
@@ -268,7 +289,7 @@ def live_panels(window_s: float, run_choice: str) -> None:
         _chart(C.percentiles(D.percentile_frame(ts, "ttft_ms", bucket_s), "TTFT (ms)"), "ttft_pct")
     with c2:
         st.markdown("**TTFT distribution**")
-        frame = D.histogram_frame(ttft_hist)
+        frame = D.histogram_frame(snap["ttft_hist"])
         if len(frame):
             _chart(C.histogram(frame, "TTFT (ms)"), "ttft_hist")
         else:
@@ -277,24 +298,32 @@ def live_panels(window_s: float, run_choice: str) -> None:
         st.markdown("**End-to-end latency**")
         _chart(C.percentiles(D.percentile_frame(ts, "latency_ms", bucket_s), "latency (ms)"), "latency_pct")
 
+
+def _traffic_panels(snap: dict, colors: dict[str, str], shares: D.Shares) -> None:
+    # The request rate also draws the unrouted requests, grey.
+    rate_colors = {**colors, **({D.UNKNOWN_ENDPOINT: D.UNROUTED_COLOR} if shares.num_unrouted else {})}
     st.subheader("Traffic")
     c1, c2 = st.columns([2, 1])
     with c1:
         st.markdown("**Request rate by endpoint**")
-        _chart(C.request_rate(D.rate_frame(ts_ep), rate_colors), "rate")
+        _chart(C.request_rate(D.rate_frame(snap["ts_ep"]), rate_colors), "rate")
     with c2:
         st.markdown("**Errors**")
-        frame = D.error_frame(ts, bucket_s)
+        frame = D.error_frame(snap["ts"], snap["bucket_s"])
         if len(frame):
             _chart(C.errors(frame), "errors")
         else:
             st.success("No errors in this window.", icon=":material/check_circle:")
 
+
+def _endpoint_panels(snap: dict, live: dict[str, EndpointLive], shares: D.Shares, colors: dict[str, str]) -> None:
+    """The share and hit-rate bars per endpoint, and the endpoint tables (the window's requests; the live state)."""
+    balance, in_flight = shares.balance_ratio, snap["in_flight"]
     st.subheader("Endpoints")
-    ep_frame = D.endpoint_frame(ep_rows, mean_in_flight=in_flight, live=live, shares=shares)
+    ep_frame = D.endpoint_frame(snap["ep_rows"], mean_in_flight=in_flight, live=live, shares=shares)
     if shares.num_unrouted:
         with st.container(key="unrouted"):  # a stable CSS class (st-key-unrouted) for browser tests
-            st.markdown(D.unrouted_sentence(shares, summary["num_requests"]))
+            st.markdown(D.unrouted_sentence(shares, snap["summary"]["num_requests"]))
     c1, c2 = st.columns(2)
     with c1:
         st.markdown(f"**Share of routed requests** · balance {D.format_balance(balance)} "
@@ -303,21 +332,7 @@ def live_panels(window_s: float, run_choice: str) -> None:
     with c2:
         st.markdown("**Hit rate per endpoint** (filled: actual, outlined: predicted)")
         _chart(C.endpoint_hit_bars(ep_frame, colors), "hit_bars", C.bar_height(len(ep_frame), 44))
-    # HTML tables (not the canvas grid): every cell's whole text is in the page, and two of them (the window's
-    # requests; the live state) so that each fits 1,280 px whole (the browser test measures it). Columns with no
-    # value at all (e.g. the live ones when the router's metrics cannot be read) are left out; the note says why.
-    def endpoint_styler(table):  # noqa: ANN001, ANN202 - a pandas Styler
-        return table.style.hide(axis="index").apply(
-            lambda col: [f"border-left: 6px solid {colors.get(v, '#ccc')}; overflow-wrap: anywhere" for v in col],
-            subset=["endpoint"])
-
-    with st.container(key="endpoint-table"):
-        st.table(endpoint_styler(D.endpoint_table(ep_frame)))
-    live_table = D.endpoint_table(ep_frame, D.LIVE_TABLE_COLUMNS)
-    if len(live_table.columns) > 1:
-        with st.container(key="endpoint-live-table"):
-            st.markdown("**Live, from the router's endpoint pool**")
-            st.table(endpoint_styler(live_table))
+    _endpoint_tables(ep_frame, colors)
     notes = []
     if in_flight is None:
         notes.append("mean in-flight needs the SQLite store (--db); the receiver API has no such query")
@@ -333,21 +348,39 @@ def live_panels(window_s: float, run_choice: str) -> None:
                "Errors: 5xx and failed requests; refused: 4xx."
                + ("  \n" + _sentence("; ".join(notes)) if notes else ""))
 
-    prediction_panel(snap.get("ttft_pred"), colors)
 
+def _endpoint_tables(ep_frame: pd.DataFrame, colors: dict[str, str]) -> None:
+    """HTML tables (not the canvas grid): every cell's whole text is in the page, and two of them (the window's
+    requests; the live state) so that each fits 1,280 px whole (the browser test measures it). Columns with no
+    value at all (e.g. the live ones when the router's metrics cannot be read) are left out."""
+    def endpoint_styler(table: pd.DataFrame) -> Styler:
+        return table.style.hide(axis="index").apply(
+            lambda col: [f"border-left: 6px solid {colors.get(v, '#ccc')}; overflow-wrap: anywhere" for v in col],
+            subset=["endpoint"])
+
+    with st.container(key="endpoint-table"):
+        st.table(endpoint_styler(T.endpoint_table(ep_frame)))
+    live_table = T.endpoint_table(ep_frame, T.LIVE_TABLE_COLUMNS)
+    if len(live_table.columns) > 1:
+        with st.container(key="endpoint-live-table"):
+            st.markdown("**Live, from the router's endpoint pool**")
+            st.table(endpoint_styler(live_table))
+
+
+def _routing_panels(snap: dict) -> None:
+    summary, reason_rows = snap["summary"], snap["reason_rows"]
     st.subheader("Routing")
-    dec = summary
     c1, c2, c3 = st.columns(3)
     with c1:
         st.markdown("**Decisions by reason**")
         _chart(C.reasons(D.reasons_frame(reason_rows)), "reasons", C.bar_height(len(reason_rows)))
     with c2:
         st.markdown("**Reasons over time**")
-        _chart(C.reasons_over_time(D.reasons_time_frame(reason_ts)), "reasons_time")
+        _chart(C.reasons_over_time(D.reasons_time_frame(snap["reason_ts"])), "reasons_time")
     with c3:
-        st.markdown(f"**Decision time** · p50 {D.format_us(dec['decision_us_p50'])} · "
-                    f"p99 {D.format_us(dec['decision_us_p99'])}")
-        frame = D.histogram_frame(decision_hist)
+        st.markdown(f"**Decision time** · p50 {T.format_us(summary['decision_us_p50'])} · "
+                    f"p99 {T.format_us(summary['decision_us_p99'])}")
+        frame = D.histogram_frame(snap["decision_hist"])
         if len(frame):
             _chart(C.histogram(frame, "decision time (µs)", "#b07aa1"), "decision_hist")
         else:
@@ -376,10 +409,10 @@ def prediction_panel(result: dict | None, colors: dict[str, str]) -> None:
         fleet = result["fleet"]
         frame = D.prediction_frame(result)
         k = st.columns(4)
-        k[0].metric("TTFT prediction error (median)", D.format_ratio(fleet.get("ape_ratio_p50")),
+        k[0].metric("TTFT prediction error (median)", T.format_ratio(fleet.get("ape_ratio_p50")),
                     help="Median absolute percentage error |actual - predicted| / actual over the requests scored.")
-        k[1].metric("Predicted TTFT p50", D.format_ms(fleet.get("predicted_ttft_ms_p50")))
-        k[2].metric("Actual TTFT p50 (same requests)", D.format_ms(fleet.get("actual_ttft_ms_p50")))
+        k[1].metric("Predicted TTFT p50", T.format_ms(fleet.get("predicted_ttft_ms_p50")))
+        k[2].metric("Actual TTFT p50 (same requests)", T.format_ms(fleet.get("actual_ttft_ms_p50")))
         k[3].metric("Requests with a prediction", f"{state.num_compared:,}",
                     delta=f"of {state.num_predicted:,} predicted", delta_color="off", delta_arrow="off",
                     help="Scored: succeeded on the primary the prediction was for. The others failed, were "
@@ -390,7 +423,7 @@ def prediction_panel(result: dict | None, colors: dict[str, str]) -> None:
             _chart(C.prediction_bars(D.prediction_long(frame), colors), "ttft_pred", C.bar_height(len(frame), 44))
         with c2:
             st.markdown("**Per endpoint**")
-            st.table(D.prediction_table(frame))
+            st.table(T.prediction_table(frame))
         st.caption("Per endpoint: requests whose decision predicted a TTFT there and that it served successfully; "
                    "median predicted and median actual TTFT of those requests; median absolute percentage error "
                    "|actual - predicted| / actual; median bias (actual - predicted) / predicted (above 0: slower "
@@ -405,8 +438,8 @@ def requests_table(run_choice: str) -> None:
     run = selected_run(run_choice, _runs())
     try:
         # One run's requests (a run stored before run ids has none to filter on: all of them then).
-        rows = source.call("recent_requests", RECENT_LIMIT,
-                           **({"run_id": run["run_id"]} if run is not None and run["run_id"] else {}))
+        rows = source.query(lambda q: q.recent_requests(
+            RECENT_LIMIT, run_id=run["run_id"] if run is not None and run["run_id"] else None))
     except SourceError as exc:
         show_source_error(exc)
         return
@@ -434,7 +467,7 @@ def requests_table(run_choice: str) -> None:
                              "prompt_tokens": st.column_config.NumberColumn("prompt tokens", format="%d"),
                              "cached_tokens": st.column_config.NumberColumn("cached tokens", format="%d"),
                          })
-    selected = list(getattr(getattr(event, "selection", None), "rows", []) or [])
+    selected = list(event.selection.rows)
     if selected:
         # The click refers to the rows the user saw (the previous refresh), not the ones just queried.
         idx = selected[0]
@@ -454,7 +487,7 @@ def request_detail() -> None:
     if not trace_id:
         return
     try:
-        req = source.call("request", trace_id.strip().lower())
+        req = source.query(lambda q: q.request(trace_id.strip().lower()))
     except SourceError as exc:
         show_source_error(exc)
         return
@@ -465,8 +498,8 @@ def request_detail() -> None:
     c[0].metric("Endpoint", req.get("endpoint") or "–")
     c[1].metric("Reason", req.get("reason") or "–")
     c[2].metric("Status", str(req.get("status")))
-    c[3].metric("TTFT", D.format_ms(req.get("ttft_ms")))
-    c[4].metric("Latency", D.format_ms(req.get("latency_ms")))
+    c[3].metric("TTFT", T.format_ms(req.get("ttft_ms")))
+    c[4].metric("Latency", T.format_ms(req.get("latency_ms")))
     prompt, cached = req.get("prompt_tokens"), req.get("cached_tokens")
     c[5].metric("Cached / prompt tokens", f"{cached if cached is not None else '–'} / "
                                           f"{prompt if prompt is not None else '–'}")
@@ -483,13 +516,13 @@ def request_detail() -> None:
 
 # --- Benchmarks page ----------------------------------------------------------------------------------
 @st.cache_data(show_spinner=False, max_entries=64)
-def _load_bench(path: str, mtime_s: float) -> D.BenchResult:  # mtime in the key: a rewritten file reloads
-    return D.load_bench_result(path)
+def _load_bench(path: str, mtime_s: float) -> BR.BenchResult:  # mtime in the key: a rewritten file reloads
+    return BR.load_bench_result(path)
 
 
 def benchmarks_page() -> None:
     st.title("Benchmarks")
-    paths = D.find_bench_results(cfg.bench_dir)
+    paths = BR.find_bench_results(cfg.bench_dir)
     if not paths:
         st.info(f"**No benchmark results in `{cfg.bench_dir}`.** Run one (it writes `results.json` there), then "
                 f"press Reload:", icon=":material/bar_chart:")
@@ -510,14 +543,14 @@ def benchmarks_page() -> None:
     res = results[choice]
     st.caption(f"{res.path} · written {_clock(res.mtime_s)} · workload "
                + ", ".join(f"{k}={v}" for k, v in res.workload.items() if not isinstance(v, (dict, list))))
-    frame = D.bench_frame(res)
+    frame = BR.bench_frame(res)
     c1, c2 = st.columns(2)
     with c1:
         st.markdown("**Hit rate by router** (server-reported cached / prompt tokens)")
         _chart(C.bench_hit(frame, res.upper_bound_hit_ratio), "bench_hit", C.bar_height(len(frame)))
     with c2:
         st.markdown("**TTFT by router**")
-        _chart(C.bench_ttft(D.bench_ttft_long(frame)), "bench_ttft", C.bar_height(len(frame), 54))
+        _chart(C.bench_ttft(BR.bench_ttft_long(frame)), "bench_ttft", C.bar_height(len(frame), 54))
     st.dataframe(frame, key="bench_table", hide_index=True, column_config={
         "hit_ratio": st.column_config.NumberColumn("hit rate", format="percent"),
         "ttft_ms_p50": st.column_config.NumberColumn("TTFT p50 (ms)", format="%.1f"),

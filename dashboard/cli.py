@@ -76,8 +76,9 @@ def settings_env(cfg: DashboardSettings) -> dict[str, str]:
     """The PREFIXROUTE_DASHBOARD_* variables that carry `cfg` to the app process (paths made absolute,
     since Streamlit may change directory)."""
     env = {}
+    values = dataclasses.asdict(cfg)
     for f, _tp in settings.fields(DashboardSettings):
-        v = getattr(cfg, f.name)
+        v = values[f.name]
         if f.name == "db" and v:
             v = os.path.abspath(v)
         if f.name == "bench_dir" and v:

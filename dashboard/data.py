@@ -1,7 +1,7 @@
 """Pure data logic of the dashboard: query results -> pandas frames, colours, balance, states.
 
 Nothing here imports Streamlit or touches the store; every function takes the plain JSON-able rows
-that `StoreReader` / `HttpStoreClient` return (see telemetry/store.py) and is unit-tested
+that `StoreReader` / `HttpStoreClient` return (see telemetry/store_reader.py) and is unit-tested
 on its own. Aggregation stays in SQL: these functions only reshape a handful of rows per bucket or
 per endpoint (O(buckets x endpoints)), never per request.
 
@@ -15,14 +15,14 @@ Contracts:
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
+
+from prefixroute.dashboard.router_metrics import EndpointLive
+from prefixroute.dashboard.tables import format_ratio
 
 # Tableau 10 without red (red is kept for errors): distinguishable, colour-blind friendlier order.
 PALETTE: tuple[str, ...] = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f",
@@ -267,19 +267,6 @@ def histogram_frame(bins: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(list(bins), columns=["bin_start", "bin_end", "num_requests"])
 
 
-@dataclasses.dataclass(frozen=True)
-class EndpointLive:
-    """Live figures of one endpoint, as the router's pool last saw them (None = not known)."""
-
-    kv_cache_usage_ratio: float | None = None
-    num_requests_running: float | None = None
-    num_requests_waiting: float | None = None
-    healthy: bool | None = None
-    index_source: str | None = None  # where the router's prefix index learns this endpoint (events, feedback, ...)
-    kv_events_connected: bool | None = None  # for an events endpoint: its subscriber receives
-    kv_events_state: str | None = None  # for an events endpoint: live, syncing, down, undecodable, ... (link.py)
-
-
 def _index_source_text(lv: EndpointLive) -> str | None:
     """The endpoint table's index column: an endpoint publishing KV events shows ``events`` while they are used
     and ``events (STATE)`` while not (``events (undecodable)``, ``events (down)``, ``events (block size
@@ -399,21 +386,6 @@ def prediction_frame(result: Mapping[str, Any] | None) -> pd.DataFrame:
                          if c not in ("endpoint", "num_requests", "num_alternatives")})
 
 
-PREDICTION_TABLE_HEADERS = ("endpoint", "requests", "predicted p50", "actual p50", "abs. error p50", "bias p50",
-                            "alternative p50")
-
-
-def prediction_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """`prediction_frame` formatted for display (strings: ms, percent), headed PREDICTION_TABLE_HEADERS."""
-    def signed(v: float) -> str:
-        return "–" if v is None or math.isnan(v) else f"{v * 100:+.1f}\u00a0%"  # no break inside a narrow column
-
-    rows = [(r.endpoint, f"{r.num_requests:,}", format_ms(r.predicted_ttft_ms_p50), format_ms(r.actual_ttft_ms_p50),
-             format_ratio(r.ape_ratio_p50), signed(r.error_ratio_p50), format_ms(r.alternative_ttft_ms_p50))
-            for r in frame.itertuples()]
-    return pd.DataFrame(rows, columns=list(PREDICTION_TABLE_HEADERS)).set_index("endpoint")
-
-
 def prediction_long(frame: pd.DataFrame) -> pd.DataFrame:
     """Long frame endpoint, kind (actual|predicted), ttft_ms for the per-endpoint bars."""
     long = frame.melt(id_vars=["endpoint"], value_vars=["actual_ttft_ms_p50", "predicted_ttft_ms_p50"],
@@ -444,174 +416,3 @@ def recent_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     frame = pd.DataFrame(out, columns=list(RECENT_COLUMNS))
     frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
     return frame
-
-
-def format_ratio(v: float | None, digits: int = 1) -> str:
-    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 100:.{digits}f} %"
-
-
-def format_ms(v: float | None) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    return f"{v:,.0f} ms" if v >= 100 else f"{v:.1f} ms"
-
-
-def format_us(v: float | None) -> str:
-    return "–" if v is None else (f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.0f} µs")
-
-
-# The endpoint tables as shown: (frame column, header, text of a value); unknown values show as "–". Two tables,
-# so that each fits a 1,280 px screen whole: what the window's requests did per endpoint, and the endpoints'
-# live state as the router's pool sees it now.
-_NBSP = "\u00a0"  # inside a number and its unit: a narrow column wraps between columns, never inside a value
-ENDPOINT_TABLE_COLUMNS: tuple[tuple[str, str, Any], ...] = (
-    ("endpoint", "endpoint", str),
-    ("num_requests", "requests", lambda v: f"{int(v):,}"),
-    ("share_ratio", "share", format_ratio),
-    ("requests_per_s", "req/s", lambda v: f"{v:.2f}"),
-    ("actual_hit_ratio", "hit", format_ratio),
-    ("predicted_hit_ratio", "predicted", format_ratio),
-    ("ttft_ms_p50", "TTFT p50", format_ms),
-    ("ttft_ms_p99", "TTFT p99", format_ms),
-    ("mean_in_flight", "in-flight", lambda v: f"{v:.2f}"),
-    ("num_errors", "errors", lambda v: f"{int(v):,}"),
-    ("num_refused", "refused", lambda v: f"{int(v):,}"),
-)
-LIVE_TABLE_COLUMNS: tuple[tuple[str, str, Any], ...] = (
-    ("endpoint", "endpoint", str),
-    ("healthy", "healthy", lambda v: "yes" if v >= 0.5 else "no"),
-    ("running", "running", lambda v: f"{v:.0f}"),
-    ("waiting", "waiting", lambda v: f"{v:.0f}"),
-    # One decimal: 500 blocks in use of 70,000 read 0.7 %, not 0 %.
-    ("kv_cache_usage_ratio", "KV usage", lambda v: format_ratio(v, 1)),
-    ("index_source", "index", str),
-)
-_ALWAYS_SHOWN = ("endpoint", "num_requests", "num_errors", "num_refused")
-
-
-def endpoint_table(frame: pd.DataFrame, columns: Sequence[tuple[str, str, Any]] = ENDPOINT_TABLE_COLUMNS
-                   ) -> pd.DataFrame:
-    """`endpoint_frame` as text for display, `columns` (ENDPOINT_TABLE_COLUMNS or LIVE_TABLE_COLUMNS) headed by
-    their headers; a column with no value in any row is left out (e.g. in-flight from a receiver URL). Empty (no
-    column but the endpoint) when no column of `columns` has a value."""
-    out = {}
-    for col, header, fmt in columns:
-        values = frame[col]
-        if col not in _ALWAYS_SHOWN and not values.notna().any():
-            continue
-        out[header] = ["–" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt(v).replace(" ", _NBSP)
-                       for v in values]
-    return pd.DataFrame(out, columns=list(out))
-
-
-# --- The router's Prometheus text (live per-endpoint figures of its endpoint pool) ---------------------------
-
-_ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
-    "prefixroute_endpoint_kv_cache_usage_ratio": "kv_cache_usage_ratio",
-    "prefixroute_endpoint_requests_running": "num_requests_running",
-    "prefixroute_endpoint_requests_waiting": "num_requests_waiting",
-    "prefixroute_endpoint_healthy": "healthy",
-    "prefixroute_kv_events_connected": "kv_events_connected",
-    "prefixroute_index_source_info": "index_source",  # the value is the `source` label
-    "prefixroute_kv_events_state": "kv_events_state",  # the value is the `state` label
-}
-MAX_LIVE_ENDPOINTS = 1024  # a fleet's worth; bounds what an odd metrics text can make the page draw
-
-
-def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
-    """Endpoint -> live figures from the router's Prometheus text (its ``prefixroute_endpoint_*{endpoint}``
-    gauges, fed by the endpoint pool's snapshot). Other families are ignored; a malformed text gives
-    what was parsed before the bad line."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found: dict[str, dict[str, Any]] = {}
-    try:
-        for fam in text_string_to_metric_families(text):
-            field = _ROUTER_GAUGES.get(fam.name)
-            if field is None:
-                continue
-            for sample in fam.samples:
-                name = sample.labels.get("endpoint")
-                if not name or math.isnan(sample.value) or (name not in found and len(found) >= MAX_LIVE_ENDPOINTS):
-                    continue
-                if field in ("index_source", "kv_events_state"):
-                    label = "source" if field == "index_source" else "state"
-                    if sample.value >= 0.5:
-                        found.setdefault(name, {})[field] = str(sample.labels.get(label, ""))[:32]
-                    continue
-                found.setdefault(name, {})[field] = (sample.value >= 0.5) if field in (
-                    "healthy", "kv_events_connected") else sample.value
-    except ValueError:  # the parser's answer to a malformed line
-        pass
-    return {name: EndpointLive(**fields) for name, fields in found.items()}
-
-
-# --- Benchmark results (`prefixroute bench --out DIR` writes DIR/results.json) ---------------------------
-
-@dataclasses.dataclass(frozen=True)
-class BenchResult:
-    path: str
-    mtime_s: float
-    workload: Mapping[str, Any]
-    upper_bound_hit_ratio: float | None
-    runs: list[Mapping[str, Any]]
-
-    @property
-    def label(self) -> str:
-        name = str(self.workload.get("name") or self.workload.get("workload") or self.workload.get("trace") or "?")
-        run_dir = os.path.basename(os.path.dirname(self.path)) or self.path
-        return run_dir if run_dir == name else f"{run_dir} · {name}"
-
-
-def find_bench_results(bench_dir: str | os.PathLike, max_depth: int = 3) -> list[str]:
-    """`results.json` files under `bench_dir` (itself included, at most `max_depth` levels down),
-    newest first. A missing directory gives []."""
-    root = os.fspath(bench_dir)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    base_depth = root.rstrip(os.sep).count(os.sep)
-    for dirpath, dirnames, filenames in os.walk(root):
-        if dirpath.rstrip(os.sep).count(os.sep) - base_depth >= max_depth:
-            dirnames[:] = []
-        if "results.json" in filenames:
-            found.append(os.path.join(dirpath, "results.json"))
-    return sorted(found, key=lambda p: (-os.path.getmtime(p), p))
-
-
-def load_bench_result(path: str) -> BenchResult:
-    """Parse one results.json; raises ValueError with the reason when it is not the bench format."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
-        raise ValueError(f"{path}: no \"runs\" list (not a `prefixroute bench` results.json)")
-    runs = [r for r in doc["runs"] if isinstance(r, dict) and r.get("router")]
-    workload = doc.get("workload") if isinstance(doc.get("workload"), dict) else {}
-    return BenchResult(path, os.path.getmtime(path), workload, doc.get("upper_bound_hit_ratio"), runs)
-
-
-def bench_frame(result: BenchResult) -> pd.DataFrame:
-    """One row per run: router, requests, errors, hit_ratio, ttft_ms_p50/p90/p99, e2e_ms_p50,
-    throughput_rps, balance_ratio (from endpoint_share)."""
-    out = []
-    for r in result.runs:
-        ttft = r.get("ttft_ms") or {}
-        e2e = r.get("e2e_ms") or {}
-        share = r.get("endpoint_share") or {}
-        out.append({"router": r["router"], "requests": r.get("requests"), "errors": r.get("errors"),
-                    "hit_ratio": r.get("hit_ratio"), "ttft_ms_p50": ttft.get("p50"), "ttft_ms_p90": ttft.get("p90"),
-                    "ttft_ms_p99": ttft.get("p99"), "e2e_ms_p50": e2e.get("p50"),
-                    "throughput_rps": r.get("throughput_rps"),
-                    "balance_ratio": balance_ratio(share) if share else None})
-    return pd.DataFrame(out, columns=["router", "requests", "errors", "hit_ratio", "ttft_ms_p50", "ttft_ms_p90",
-                                      "ttft_ms_p99", "e2e_ms_p50", "throughput_rps", "balance_ratio"])
-
-
-def bench_ttft_long(frame: pd.DataFrame) -> pd.DataFrame:
-    """Long frame router, percentile, value_ms for grouped TTFT bars."""
-    rows = [{"router": r.router, "percentile": p, "value_ms": getattr(r, f"ttft_ms_{p}")}
-            for r in frame.itertuples() for p in ("p50", "p90", "p99") if getattr(r, f"ttft_ms_{p}") is not None]
-    return pd.DataFrame(rows, columns=["router", "percentile", "value_ms"])

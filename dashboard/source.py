@@ -19,57 +19,30 @@ st.cache_resource; a `StoreReader` is single-thread, so calls are serialised wit
 takes milliseconds; the lock is never held across a network call for the URL source, which has no
 shared connection).
 
-Two queries are SQL of this package over the documented schema, on the same read-only connection
-(file source only): `mean_in_flight` (the store has no such query) and `endpoint_series` (a cheaper
-`timeseries(by_endpoint=True)` without percentiles).
+Queries: `query` runs any `StoreQueries` method on either source; two more are file-only (`StoreReader`'s
+`mean_in_flight`, which the receiver API lacks, and `endpoint_series`, a cheaper `timeseries(by_endpoint=True)`
+without percentiles; a URL source answers None / its timeseries).
 """
 
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from prefixroute.dashboard.data import (EndpointLive, bucket_for_window, effective_span_s, has_traffic,
-                                        parse_router_metrics)
+from prefixroute.dashboard.data import bucket_for_window, effective_span_s, has_traffic
+from prefixroute.dashboard.router_metrics import EndpointLive, parse_router_metrics
 from prefixroute.telemetry.client import HttpStoreClient, TelemetryUnavailable
-from prefixroute.telemetry.store import ERROR_SQL, REFUSED_SQL, StoreMissing, StoreReader
+from prefixroute.telemetry.store_reader import StoreQueries, StoreReader
+from prefixroute.telemetry.store_schema import StoreMissing
 
 SourceError = (StoreMissing, TelemetryUnavailable)
 
-# Requests last at most minutes; rows that started this long before the window may still overlap it.
-_MAX_OVERLAP_S = 3600.0
-
-MEAN_IN_FLIGHT_SQL = """
-SELECT endpoint,
-       SUM(MIN(COALESCE(end_time, start_time), :t1) - MAX(start_time, :t0)) / (:t1 - :t0) AS mean_in_flight
-FROM requests
-WHERE start_time >= :t0 - :overlap AND start_time <= :t1 AND COALESCE(end_time, start_time) > :t0
-  AND endpoint IS NOT NULL
-GROUP BY endpoint
-"""
-"""Time-averaged requests in flight per endpoint over [t0, t1] (Little's law, exact for the stored rows):
-the summed overlap of each request's [start_time, end_time] with the window, divided by its length.
-Rows are written at response end, so requests still running at t1 are not counted yet."""
-
-
-ENDPOINT_SERIES_SQL = f"""
-SELECT CAST(start_time / :b AS INTEGER) * :b AS bucket_start, endpoint, COUNT(*) AS num_requests,
-       SUM({ERROR_SQL}) AS num_errors, SUM({REFUSED_SQL}) AS num_refused,
-       SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL THEN prompt_tokens END) AS prompt_tokens,
-       SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL THEN cached_tokens END) AS cached_tokens,
-       SUM(CASE WHEN prompt_tokens > 0 AND cached_tokens IS NOT NULL
-                THEN predicted_hit_ratio * prompt_tokens END) AS predicted_tokens
-FROM requests WHERE start_time >= :t0 AND start_time <= :t1
-GROUP BY bucket_start, endpoint ORDER BY bucket_start, endpoint
-"""
-"""Per bucket and endpoint: counts and token sums only (no percentiles), with the store's definitions
-of an error, a refusal and of the token-weighted hit ratios (store.py docstring). `StoreReader.timeseries(
-by_endpoint=True)` gives the same plus per-endpoint percentiles, which the dashboard does not chart
-and which cost several times more (a window-function sort per group)."""
+T = TypeVar("T")
 
 
 class DataSource:
@@ -119,62 +92,43 @@ class DataSource:
                 pass
         self._reader, self._identity = None, None
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run one StoreReader/HttpStoreClient query method by name."""
+    def query(self, run: Callable[[StoreQueries], T]) -> T:
+        """`run` one query (a `StoreQueries` method: ``source.query(lambda q: q.summary(60.0))``) on the receiver's
+        API, or on the file's reader under the lock; a file not readable yet (being created, truncated) is
+        `StoreMissing`, and the next call reopens it."""
         if self._http is not None:
-            return getattr(self._http, method)(*args, **kwargs)
+            return run(self._http)
         with self._lock:
             reader = self._file_reader()
             try:
-                return getattr(reader, method)(*args, **kwargs)
-            except Exception as exc:
-                import sqlite3
-
-                if isinstance(exc, sqlite3.DatabaseError):
-                    # e.g. "no such table" while the receiver is creating the file, or a truncated file
-                    self._drop_reader()
-                    raise StoreMissing(f"telemetry store {self.db} is not readable yet: {exc}") from None
-                raise
+                return run(reader)
+            except sqlite3.DatabaseError as exc:
+                # e.g. "no such table" while the receiver is creating the file, or a truncated file
+                self._drop_reader()
+                raise StoreMissing(f"telemetry store {self.db} is not readable yet: {exc}") from None
 
     def mean_in_flight(self, window_s: float, *, now: float | None = None) -> dict[str, float] | None:
-        """Endpoint -> time-averaged in-flight requests over the window; None for a URL source
-        (the receiver API has no such query)."""
+        """Endpoint -> time-averaged in-flight requests over the window (`StoreReader.mean_in_flight`); None for
+        a URL source (the receiver API has no such query)."""
         if self._http is not None:
             return None
-        now = time.time() if now is None else now
-        params = {"t0": now - window_s, "t1": now, "overlap": _MAX_OVERLAP_S}
         with self._lock:
-            reader = self._file_reader()
-            rows = reader._conn.execute(MEAN_IN_FLIGHT_SQL, params).fetchall()  # noqa: SLF001 - same read-only conn
-        return {r[0]: float(r[1] or 0.0) for r in rows}
+            return self._file_reader().mean_in_flight(window_s, now=now)
 
     def endpoint_series(self, window_s: float, bucket_s: float, *,
                         now: float | None = None) -> list[dict[str, Any]]:
-        """Rows like `timeseries(by_endpoint=True)` without the percentile columns: bucket_start,
-        endpoint, num_requests, num_errors, requests_per_s, prompt_tokens, cached_tokens,
-        actual_hit_ratio, predicted_hit_ratio (None without usage). A URL source uses the API's
+        """`StoreReader.endpoint_series` (per bucket and endpoint, no percentiles); a URL source uses the API's
         timeseries (same keys, plus percentiles)."""
         if self._http is not None:
             return self._http.timeseries(window_s, bucket_s, by_endpoint=True, now=now)
-        now = time.time() if now is None else now
-        params = {"t0": now - window_s, "t1": now, "b": float(bucket_s)}
         with self._lock:
-            reader = self._file_reader()
-            cur = reader._conn.execute(ENDPOINT_SERIES_SQL, params)  # noqa: SLF001 - same read-only conn
-            rows = [dict(r) for r in cur]
-        for r in rows:  # one row per bucket x endpoint (tens to hundreds), not per request
-            prompt = r["prompt_tokens"] or 0
-            predicted = r.pop("predicted_tokens")
-            r["requests_per_s"] = r["num_requests"] / bucket_s
-            r["actual_hit_ratio"] = (r["cached_tokens"] or 0) / prompt if prompt else None
-            r["predicted_hit_ratio"] = (predicted or 0.0) / prompt if prompt else None
-        return rows
+            return self._file_reader().endpoint_series(window_s, bucket_s, now=now)
 
     def ttft_predictions(self, window_s: float, *, now: float | None = None) -> dict[str, Any] | None:
         """`StoreReader.ttft_predictions` from either source; None when a receiver older than this
         dashboard has no such route (the panel says so; the rest of the page is unaffected)."""
         try:
-            return self.call("ttft_predictions", window_s, now=now)
+            return self.query(lambda q: q.ttft_predictions(window_s, now=now))
         except TelemetryUnavailable as exc:
             if "HTTP 404" in str(exc):
                 return None
@@ -182,7 +136,7 @@ class DataSource:
 
     def runs(self) -> list[dict[str, Any]]:
         """`StoreReader.runs` (newest first) from either source; [] when the store knows no run."""
-        return self.call("runs")
+        return self.query(lambda q: q.runs())
 
     def live_snapshot(self, window_s: float, *, now: float | None = None, since: float | None = None
                       ) -> dict[str, Any]:
@@ -195,22 +149,22 @@ class DataSource:
         now = time.time() if now is None else now
         if since is not None:
             window_s = max(1e-3, min(window_s, now - since))
-        summary = self.call("summary", window_s, now=now)
+        summary = self.query(lambda q: q.summary(window_s, now=now))
         snap: dict[str, Any] = {"now": now, "window_s": window_s, "summary": summary,
-                                "total": self.call("num_requests")}
+                                "total": self.query(lambda q: q.num_requests())}
         if not has_traffic(summary):
             return snap
         span_s = effective_span_s(window_s, summary.get("first_start_time"), now)
         bucket_s = bucket_for_window(span_s)
         snap.update(
             span_s=span_s, bucket_s=bucket_s,
-            ts=self.call("timeseries", span_s, bucket_s, now=now),
+            ts=self.query(lambda q: q.timeseries(span_s, bucket_s, now=now)),
             ts_ep=self.endpoint_series(span_s, bucket_s, now=now),
-            ep_rows=self.call("endpoints", window_s, now=now),
-            reason_rows=self.call("reasons", window_s, now=now),
-            reason_ts=self.call("reasons", span_s, bucket_s, now=now),
-            ttft_hist=self.call("histogram", window_s, "ttft_ms", now=now),
-            decision_hist=self.call("histogram", window_s, "decision_us", now=now),
+            ep_rows=self.query(lambda q: q.endpoints(window_s, now=now)),
+            reason_rows=self.query(lambda q: q.reasons(window_s, now=now)),
+            reason_ts=self.query(lambda q: q.reasons(span_s, bucket_s, now=now)),
+            ttft_hist=self.query(lambda q: q.histogram(window_s, "ttft_ms", now=now)),
+            decision_hist=self.query(lambda q: q.histogram(window_s, "decision_us", now=now)),
             in_flight=self.mean_in_flight(span_s, now=now),
             ttft_pred=self.ttft_predictions(window_s, now=now))
         return snap

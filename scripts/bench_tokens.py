@@ -81,48 +81,79 @@ def main() -> None:
     files = sorted(glob.glob(f"{lib}/**/*.py", recursive=True))[:1500]
     corpus = [Path(f).read_text(errors="ignore") for f in files]
     words = sorted({w for text in corpus[:200] for w in text.split() if w.isalpha() and len(w) < 12})
-    if args.tokenizer == "sim":
-        tok = SimTokenizer()
-    else:
-        folder = Path(args.tokenizer) if args.tokenizer else Path(tempfile.mkdtemp()) / "llama3ish"
-        if not args.tokenizer:
-            t0 = time.perf_counter()
-            build_tokenizer(folder, corpus, args.vocab)
-            print(f"trained a {args.vocab}-token byte-level BPE in {time.perf_counter() - t0:.1f} s: {folder}")
-        tok = HFTokenizer(folder)
-        print(f"segment_exact={tok.segment_exact} fast_path={tok.fast_path}")
-    rng = random.Random(1)
-
-    def doc(num_tokens: int) -> str:
-        out, n = [], 0
-        while n < num_tokens:
-            chunk = " ".join(rng.choice(words) for _ in range(200)) + ".\n"
-            out.append(chunk)
-            n += len(tok.encode_pieces([chunk])[0])
-        return "".join(out)
-
-    def body(system: str, question: str) -> dict:
-        return {"model": "m", "messages": [{"role": "system", "content": system},
-                                           {"role": "user", "content": question}]}
-
-    shared = doc(args.tokens)
+    tok = load_tokenizer(args.tokenizer, corpus, args.vocab)
+    prompts = Prompts(tok, words, random.Random(1))
+    shared = prompts.doc(args.tokens)
     settings = RoutingSettings()
     hasher = PromptHasher(tok, block_size=16, max_blocks=settings.max_token_blocks)
     n_tokens = hasher.chat_blocks(body(shared, "q")).num_prompt_tokens
     print(f"prompt: {n_tokens} tokens, {len(shared)} characters; max_token_blocks={settings.max_token_blocks}")
-    cold_docs = [doc(args.tokens) for _ in range(max(20, args.n // 5))]
+    cold_docs = [prompts.doc(args.tokens) for _ in range(max(20, args.n // 5))]
+    figures = {**time_hasher(hasher, cold_docs, shared, prompts, args.n),
+               **time_parse(tok, settings, cold_docs, shared, prompts, args.n)}
+    if isinstance(tok, HFTokenizer):
+        figures["HF tokenizers whole encode (ref)"] = time_whole_encode(tok, cold_docs)
+    for label, times in figures.items():
+        print(f"{label:<35}{pct(times)}")
 
-    cold, warm, cold_parse, warm_parse, text_parse, whole = [], [], [], [], [], []
+
+def load_tokenizer(folder: str, corpus: list[str], vocab: int) -> HFTokenizer | SimTokenizer:
+    """`folder`'s tokenizer, the simulated servers' for "sim", or (empty) a Llama-3-like BPE trained on `corpus`."""
+    if folder == "sim":
+        return SimTokenizer()
+    path = Path(folder) if folder else Path(tempfile.mkdtemp()) / "llama3ish"
+    if not folder:
+        t0 = time.perf_counter()
+        build_tokenizer(path, corpus, vocab)
+        print(f"trained a {vocab}-token byte-level BPE in {time.perf_counter() - t0:.1f} s: {path}")
+    tok = HFTokenizer(path)
+    print(f"segment_exact={tok.segment_exact} fast_path={tok.fast_path}")
+    return tok
+
+
+class Prompts:
+    """Seeded prompt text: documents of about N tokens of `words`, and questions."""
+
+    def __init__(self, tok: HFTokenizer | SimTokenizer, words: list[str], rng: random.Random) -> None:
+        self.tok, self.words, self.rng = tok, words, rng
+
+    def doc(self, num_tokens: int) -> str:
+        out, n = [], 0
+        while n < num_tokens:
+            chunk = " ".join(self.rng.choice(self.words) for _ in range(200)) + ".\n"
+            out.append(chunk)
+            n += len(self.tok.encode_pieces([chunk])[0])
+        return "".join(out)
+
+    def question(self, i: int) -> str:
+        return f"Question {i}: " + " ".join(self.rng.choice(self.words) for _ in range(20)) + "?"
+
+
+def body(system: str, question: str) -> dict:
+    return {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+def time_hasher(hasher: PromptHasher, cold_docs: list[str], shared: str, prompts: Prompts, n: int
+                ) -> dict[str, list[float]]:
+    """The hasher alone: a new prompt per request (cold), and the shared prompt with a new question (warm)."""
+    cold, warm = [], []
     for d in cold_docs:
         b = body(d, "What does it say?")
         t = time.perf_counter()
         hasher.chat_blocks(b)
         cold.append(time.perf_counter() - t)
-    for i in range(args.n):
-        b = body(shared, f"Question {i}: " + " ".join(rng.choice(words) for _ in range(20)) + "?")
+    for i in range(n):
+        b = body(shared, prompts.question(i))
         t = time.perf_counter()
         hasher.chat_blocks(b)
         warm.append(time.perf_counter() - t)
+    return {"hasher cold (new 8k prompt)": cold, "hasher warm (seen prefix)": warm}
+
+
+def time_parse(tok: HFTokenizer | SimTokenizer, settings: RoutingSettings, cold_docs: list[str], shared: str,
+               prompts: Prompts, n: int) -> dict[str, list[float]]:
+    """All of `parse_request` (a fresh hasher): cold and warm in token mode, and text mode for reference."""
+    cold_parse, warm_parse, text_parse = [], [], []
     fresh = PromptHasher(tok, block_size=16, max_blocks=settings.max_token_blocks)
     for d in cold_docs:
         raw = orjson.dumps(body(d, "What does it say?"))
@@ -130,27 +161,27 @@ def main() -> None:
         parse_request("POST", "/v1/chat/completions", {}, raw, settings, fresh)
         cold_parse.append(time.perf_counter() - t)
     fresh.chat_blocks(body(shared, "q"))
-    for i in range(args.n):
-        raw = orjson.dumps(body(shared, f"Question {i}: " + " ".join(rng.choice(words) for _ in range(20)) + "?"))
+    for i in range(n):
+        raw = orjson.dumps(body(shared, prompts.question(i)))
         t = time.perf_counter()
         parse_request("POST", "/v1/chat/completions", {}, raw, settings, fresh)
         warm_parse.append(time.perf_counter() - t)
         t = time.perf_counter()
         parse_request("POST", "/v1/chat/completions", {}, raw, settings)
         text_parse.append(time.perf_counter() - t)
-    if isinstance(tok, HFTokenizer):
-        for d in cold_docs:
-            text, add = tok.render_chat(body(d, "What does it say?"))
-            t = time.perf_counter()
-            tok.encode(text, add)
-            whole.append(time.perf_counter() - t)
-    print(f"hasher cold (new 8k prompt)        {pct(cold)}")
-    print(f"hasher warm (seen prefix)          {pct(warm)}")
-    print(f"parse_request cold, token mode     {pct(cold_parse)}")
-    print(f"parse_request warm, token mode     {pct(warm_parse)}")
-    print(f"parse_request, text mode           {pct(text_parse)}")
-    if whole:
-        print(f"HF tokenizers whole encode (ref)   {pct(whole)}")
+    return {"parse_request cold, token mode": cold_parse, "parse_request warm, token mode": warm_parse,
+            "parse_request, text mode": text_parse}
+
+
+def time_whole_encode(tok: HFTokenizer, cold_docs: list[str]) -> list[float]:
+    """HF tokenizers' own encode of each whole rendered prompt (the reference the hasher's per-block path beats)."""
+    whole = []
+    for d in cold_docs:
+        text, add = tok.render_chat(body(d, "What does it say?"))
+        t = time.perf_counter()
+        tok.encode(text, add)
+        whole.append(time.perf_counter() - t)
+    return whole
 
 
 if __name__ == "__main__":

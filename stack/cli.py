@@ -41,10 +41,11 @@ import dataclasses
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 from prefixroute import identity, settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
@@ -163,29 +164,30 @@ def resolve_layout(st: StackSettings, gw: GatewaySettings, simulated: bool) -> L
     """The paths and ports of one run (see `Layout`). Ports set to 0, and with ``--ports random`` every port still
     at its default, are drawn free; the state folder is `st.state_dir` or `prefixroute.state.state_dir()`."""
     random_ports = gw.ports == "random"
-    defaults = {f.name: f.default for f in dataclasses.fields(StackSettings)}
+    defaults = StackSettings()
 
-    def chosen(name: str) -> int:  # 0 = draw free ports
-        v = getattr(st, name)
-        return 0 if random_ports and v == defaults[name] else v
+    def chosen(value: int, default: int) -> int:  # 0 = draw free ports
+        return 0 if random_ports and value == default else value
 
-    def port(name: str) -> int:
-        return chosen(name) or free_port()
+    def port(value: int, default: int) -> int:
+        return chosen(value, default) or free_port()
 
     n = st.servers if simulated else 0
-    base = chosen("model_server_base_port")
+    base = chosen(st.model_server_base_port, defaults.model_server_base_port)
     server_ports = [base + i for i in range(n)] if base else free_ports(n)
     event_ports: list[int] = []
     if simulated and st.kv_events:
-        base = chosen("kv_events_base_port")
+        base = chosen(st.kv_events_base_port, defaults.kv_events_base_port)
         event_ports = [base + 2 * i for i in range(n)] if base else _free_port_pairs(n)
     root = Path(st.state_dir).expanduser().absolute() if st.state_dir else state_dir()
     return Layout(
         state_dir=root,
         db=Path(st.db).expanduser().absolute() if st.db else root / DB_NAME,
         log_dir=Path(st.log_dir).expanduser().absolute() if st.log_dir else root / LOGS_NAME,
-        run_id=new_run_id(), telemetry_port=port("telemetry_port"), telemetry_http_port=port("telemetry_http_port"),
-        dashboard_port=port("dashboard_port"), server_ports=tuple(server_ports), event_ports=tuple(event_ports))
+        run_id=new_run_id(), telemetry_port=port(st.telemetry_port, defaults.telemetry_port),
+        telemetry_http_port=port(st.telemetry_http_port, defaults.telemetry_http_port),
+        dashboard_port=port(st.dashboard_port, defaults.dashboard_port), server_ports=tuple(server_ports),
+        event_ports=tuple(event_ports))
 
 
 def _free_port_pairs(n: int) -> list[int]:
@@ -210,83 +212,32 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
     except PortBusy as exc:
         print(f"prefixroute up: {exc}", file=sys.stderr, flush=True)
         return 1
-    log_dir = lay.log_dir
-    group = ProcessGroup(log_dir, ready_timeout_s=st.start_timeout_s, grace_s=st.stop_grace_s)
+    group = ProcessGroup(lay.log_dir, ready_timeout_s=st.start_timeout_s, grace_s=st.stop_grace_s)
     gateway: GatewayProcesses | None = None
     try:
-        server_ports, event_ports = lay.server_ports, lay.event_ports
-        events = bool(event_ports)
-        pool = dataclasses.replace(pool_args, endpoints=tuple(
-            f"127.0.0.1:{p}" + (f"@tcp://127.0.0.1:{event_ports[i]}" if events else "")
-            for i, p in enumerate(server_ports))) if simulated else pool_args
-        if events and not routing.tokenizer:
+        pool = _simulated_pool(lay, pool_args) if simulated else pool_args
+        if lay.event_ports and not routing.tokenizer:
             routing = dataclasses.replace(routing, tokenizer="sim")  # the simulated servers' own tokenizer
         # The receiver takes spans only with a token drawn for this run (anyone on the host can reach
         # loopback): the router gets it in the standard OTLP headers variable, users in a 0600 file.
         telemetry_token = secrets.token_urlsafe(24)
         # Built now (nothing starts yet) so that its ports are checked with ours, before anything starts. Envoy's
         # own record of each request goes to the receiver too (kept when the router's never comes).
-        gateway = GatewayProcesses(gw, routing, pool, log_dir=log_dir, group=group, peers=peers,
+        gateway = GatewayProcesses(gw, routing, pool, log_dir=lay.log_dir, group=group, peers=peers,
                                    records_to=(f"127.0.0.1:{lay.telemetry_port}", telemetry_token))
         check_ports_free([*gateway.fixed_listeners(), *lay.listeners(st.dashboard)])
         print(f"prefixroute up: starting run {lay.run_id} (state in {lay.state_dir})", flush=True)
-        ensure_dir(log_dir)
+        ensure_dir(lay.log_dir)
         ensure_dir(lay.db.parent)
-        token_path = log_dir / "telemetry.token"
-        token_path.touch(mode=0o600)
-        token_path.chmod(0o600)
-        token_path.write_text(telemetry_token + "\n")
-        group.start("telemetry", prefixroute_argv("telemetry", "--port", str(lay.telemetry_port), "--http-port",
-                                                  str(lay.telemetry_http_port), "--db", str(lay.db),
-                                                  "--run-id", lay.run_id, "--log-level", st.log_level),
-                    env={"PREFIXROUTE_TELEMETRY_AUTH_TOKEN": telemetry_token},
-                    ports=(lay.telemetry_port, lay.telemetry_http_port),
-                    ready=lambda: http_ok(f"http://127.0.0.1:{lay.telemetry_http_port}/healthz"))
-        # Each server proves it is the one started here (prefixroute.identity): the router, its readiness check
-        # and the supervisor's restarts pass over a process that took a crashed server's port.
-        identity_key = identity.new_key() if simulated else ""  # real servers cannot answer: no check
-        if simulated:
-            os.environ[identity.KEY_ENV] = identity_key  # the router (ext_proc child) inherits it
-        # This process holds each server's listening socket (procs.held_listener): a crashed server's port is
-        # never free for another process while it restarts.
-        listeners = [held_listener(port) for port in server_ports]
-        group.wait_ready([group.start(  # in parallel: each simulated server takes about a second to start
-            f"model-server-{i}",
-            prefixroute_argv("model-server", "--port", str(port), "--listen-fd", str(listeners[i].fileno()),
-                             "--id", f"server-{i}", "--profile", st.profile,
-                             "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level,
-                             *(["--kv-events-config", config_json(event_ports[i])] if events else [])),
-            ports=(event_ports[i], event_ports[i] + 1) if events else (),
-            ready=lambda p=port: identity.http_proves(f"http://127.0.0.1:{p}", identity_key),
-            env={identity.KEY_ENV: identity_key}, pass_fds=(listeners[i].fileno(),), wait=False)
-            for i, port in enumerate(server_ports)])
-        # The ext_proc child inherits these: standard OTLP settings pointing at our receiver.
-        if "OTEL_EXPORTER_OTLP_ENDPOINT" not in os.environ:
-            os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{lay.telemetry_port}"
-            os.environ["OTEL_EXPORTER_OTLP_HEADERS"] = f"authorization=Bearer%20{telemetry_token}"
-        os.environ.setdefault("OTEL_SERVICE_NAME", "prefixroute-router")
-        os.environ.setdefault("PREFIXROUTE_LOG_LEVEL", st.log_level)
+        _write_token(lay.log_dir / "telemetry.token", telemetry_token)
+        _start_telemetry(group, st, lay, telemetry_token)
+        listeners = _start_servers(group, st, lay, simulated)
+        _export_telemetry_env(st, lay, telemetry_token)
         # Envoy and ext_proc join the stack's group: watched like the others, stopped in start order reversed.
         gateway.start()
-        if st.dashboard:
-            router_metrics = (["--router-metrics-url", f"http://127.0.0.1:{gateway.metrics_port}/metrics"]
-                              if gateway.metrics_port and gateway.metrics_port > 0 else [])
-            group.start("dashboard", prefixroute_argv("dashboard", "--db", str(lay.db), "--port",
-                                                      str(lay.dashboard_port), *router_metrics),
-                        ports=(lay.dashboard_port,),
-                        ready=lambda: http_ok(f"http://127.0.0.1:{lay.dashboard_port}/_stcore/health"))
-        if st.traffic:
-            group.start("traffic", prefixroute_argv("traffic", "--gateway", gateway.url, "--workload", st.traffic,
-                                                    "--rate-rps", str(st.traffic_rate_rps)))
+        _start_dashboard_and_traffic(group, st, lay, gateway)
         _summary(st, lay, gateway, pool, simulated)
-        supervisor = Supervisor(group, RestartPolicy(ready_timeout_s=st.start_timeout_s), label="prefixroute up")
-        servers = [p for p in group.procs if p.name.startswith("model-server-")]
-        while True:
-            supervisor.poll()
-            for proc, sock in zip(servers, listeners):
-                if not proc.alive():  # down: its port stays ours, and what arrives is reset, as on a closed port
-                    reset_pending(sock)
-            time.sleep(SUPERVISE_INTERVAL_S)
+        _supervise(group, st, listeners)
     except Stopped:
         print("prefixroute up: stopping", flush=True)
         return 0
@@ -302,6 +253,91 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
             gateway.stop()  # its temp dir: its children stopped with the group
         if stop["signal"] is not None:
             print(f"prefixroute up: stopped in {time.monotonic() - t0:.1f} s", flush=True)
+
+
+def _simulated_pool(lay: Layout, pool_args: PoolSettings) -> PoolSettings:
+    """The router's endpoints: the simulated servers of `lay`, each with its KV-event address when they publish."""
+    events = bool(lay.event_ports)
+    return dataclasses.replace(pool_args, endpoints=tuple(
+        f"127.0.0.1:{p}" + (f"@tcp://127.0.0.1:{lay.event_ports[i]}" if events else "")
+        for i, p in enumerate(lay.server_ports)))
+
+
+def _write_token(path: Path, token: str) -> None:
+    """The receiver's bearer token for users (`telemetry dump --url`), readable by this user only."""
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(token + "\n")
+
+
+def _start_telemetry(group: ProcessGroup, st: StackSettings, lay: Layout, token: str) -> None:
+    group.start("telemetry", prefixroute_argv("telemetry", "--port", str(lay.telemetry_port), "--http-port",
+                                              str(lay.telemetry_http_port), "--db", str(lay.db),
+                                              "--run-id", lay.run_id, "--log-level", st.log_level),
+                env={"PREFIXROUTE_TELEMETRY_AUTH_TOKEN": token},
+                ports=(lay.telemetry_port, lay.telemetry_http_port),
+                ready=lambda: http_ok(f"http://127.0.0.1:{lay.telemetry_http_port}/healthz"))
+
+
+def _start_servers(group: ProcessGroup, st: StackSettings, lay: Layout, simulated: bool) -> list[socket.socket]:
+    """Start the simulated model servers (none with --endpoints) in parallel and wait until each serves; returns
+    the listening sockets this process holds for them (`procs.held_listener`: a crashed server's port is never
+    free for another process while it restarts), in server order."""
+    events = bool(lay.event_ports)
+    # Each server proves it is the one started here (prefixroute.identity): the router, its readiness check
+    # and the supervisor's restarts pass over a process that took a crashed server's port.
+    identity_key = identity.new_key() if simulated else ""  # real servers cannot answer: no check
+    if simulated:
+        os.environ[identity.KEY_ENV] = identity_key  # the router (ext_proc child) inherits it
+    listeners = [held_listener(port) for port in lay.server_ports]
+    group.wait_ready([group.start(  # in parallel: each simulated server takes about a second to start
+        f"model-server-{i}",
+        prefixroute_argv("model-server", "--port", str(port), "--listen-fd", str(listeners[i].fileno()),
+                         "--id", f"server-{i}", "--profile", st.profile,
+                         "--time-scale", str(st.model_server_time_scale), "--log-level", st.log_level,
+                         *(["--kv-events-config", config_json(lay.event_ports[i])] if events else [])),
+        ports=(lay.event_ports[i], lay.event_ports[i] + 1) if events else (),
+        ready=lambda p=port: identity.http_proves(f"http://127.0.0.1:{p}", identity_key),
+        env={identity.KEY_ENV: identity_key}, pass_fds=(listeners[i].fileno(),), wait=False)
+        for i, port in enumerate(lay.server_ports)])
+    return listeners
+
+
+def _export_telemetry_env(st: StackSettings, lay: Layout, token: str) -> None:
+    """The ext_proc child inherits these: standard OTLP settings pointing at our receiver (unless the user's own
+    OTEL_EXPORTER_OTLP_ENDPOINT is set), the service name and the log level."""
+    if "OTEL_EXPORTER_OTLP_ENDPOINT" not in os.environ:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{lay.telemetry_port}"
+        os.environ["OTEL_EXPORTER_OTLP_HEADERS"] = f"authorization=Bearer%20{token}"
+    os.environ.setdefault("OTEL_SERVICE_NAME", "prefixroute-router")
+    os.environ.setdefault("PREFIXROUTE_LOG_LEVEL", st.log_level)
+
+
+def _start_dashboard_and_traffic(group: ProcessGroup, st: StackSettings, lay: Layout,
+                                 gateway: GatewayProcesses) -> None:
+    if st.dashboard:
+        router_metrics = (["--router-metrics-url", f"http://127.0.0.1:{gateway.metrics_port}/metrics"]
+                          if gateway.metrics_port and gateway.metrics_port > 0 else [])
+        group.start("dashboard", prefixroute_argv("dashboard", "--db", str(lay.db), "--port",
+                                                  str(lay.dashboard_port), *router_metrics),
+                    ports=(lay.dashboard_port,),
+                    ready=lambda: http_ok(f"http://127.0.0.1:{lay.dashboard_port}/_stcore/health"))
+    if st.traffic:
+        group.start("traffic", prefixroute_argv("traffic", "--gateway", gateway.url, "--workload", st.traffic,
+                                                "--rate-rps", str(st.traffic_rate_rps)))
+
+
+def _supervise(group: ProcessGroup, st: StackSettings, listeners: list[socket.socket]) -> NoReturn:
+    """Restart what exits (`Supervisor`) until a stop signal raises `Stopped`. A model server that is down keeps
+    its port: what arrives there meanwhile is reset, as on a closed port."""
+    supervisor = Supervisor(group, RestartPolicy(ready_timeout_s=st.start_timeout_s), label="prefixroute up")
+    servers = [p for p in group.procs if p.name.startswith("model-server-")]
+    while True:
+        supervisor.poll()
+        for proc, sock in zip(servers, listeners):
+            if not proc.alive():
+                reset_pending(sock)
+        time.sleep(SUPERVISE_INTERVAL_S)
 
 
 def _span(ports: tuple[int, ...] | list[int]) -> str:

@@ -103,7 +103,7 @@ import logging
 import os
 import signal
 import sys
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import orjson
 
@@ -111,6 +111,9 @@ from prefixroute import settings
 from prefixroute.settings import Settings, setting
 from prefixroute.state import default_db, ensure_dir, new_run_id
 from prefixroute.telemetry.store import DEFAULT_MAX_BYTES
+
+if TYPE_CHECKING:  # the receiver (grpc) is imported when it starts
+    from prefixroute.telemetry.receiver import ServerTls
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # = receiver.DEFAULT_MAX_MESSAGE_BYTES (grpc not imported here)
 
@@ -180,7 +183,7 @@ class ReceiverSettings(Settings):
 
         return read_token(self.auth_token, self.auth_token_file)
 
-    def server_tls(self):  # noqa: ANN201 - receiver.ServerTls | None (imported lazily: grpc)
+    def server_tls(self) -> ServerTls | None:
         """The TLS configuration, None without --tls-cert-file; ValueError for an incomplete one."""
         if not (self.tls_cert_file or self.tls_key_file or self.tls_client_ca_file):
             return None
@@ -211,9 +214,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if getattr(args, "telemetry_command", None) == "dump":
+    if args.telemetry_command == "dump":
         return dump(args)
     try:
         cfg = settings.from_namespace(ReceiverSettings, args)
@@ -227,7 +230,8 @@ def main(args: argparse.Namespace) -> int:
 
 def dump(args: argparse.Namespace) -> int:
     from prefixroute.telemetry.client import HttpStoreClient, TelemetryUnavailable
-    from prefixroute.telemetry.store import StoreMissing, StoreReader
+    from prefixroute.telemetry.store_reader import StoreReader
+    from prefixroute.telemetry.store_schema import StoreMissing
 
     if not args.since_s > 0:
         print("prefixroute telemetry dump: --since must be > 0", file=sys.stderr)
@@ -257,7 +261,7 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-async def _serve(cfg: ReceiverSettings, tls: object = None, token: str | None = None) -> int:
+async def _serve(cfg: ReceiverSettings, tls: ServerTls | None = None, token: str | None = None) -> int:
     from prefixroute.telemetry.receiver import Receiver
 
     http_host = cfg.http_host or cfg.host
@@ -268,7 +272,7 @@ async def _serve(cfg: ReceiverSettings, tls: object = None, token: str | None = 
                         http_host=http_host, max_age_s=cfg.max_age_s, max_rows=cfg.max_rows, max_bytes=cfg.max_bytes,
                         retention_interval_s=cfg.retention_interval_s, max_pending_batches=cfg.max_pending_batches,
                         max_pending_bytes=cfg.max_pending_bytes, max_message_bytes=cfg.max_message_bytes,
-                        tls=tls, auth_token=token, run_id=run_id,  # type: ignore[arg-type]
+                        tls=tls, auth_token=token, run_id=run_id,
                         envoy_record_hold_s=cfg.envoy_record_hold_s)
     try:
         await receiver.start()

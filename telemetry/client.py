@@ -16,15 +16,16 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from prefixroute.telemetry.store import StoreMissing, StoreReader
+from prefixroute.telemetry.store_reader import StoreQueries, StoreReader
+from prefixroute.telemetry.store_schema import StoreMissing
 
 
 class TelemetryUnavailable(OSError):
     """The receiver's HTTP API did not answer."""
 
 
-class HttpStoreClient:
-    """`token`: the receiver's bearer token (its --auth-token), sent as ``Authorization: Bearer``; a
+class HttpStoreClient(StoreQueries):
+    """`StoreQueries` over the receiver's HTTP API. `token`: the receiver's bearer token (its --auth-token), sent as ``Authorization: Bearer``; a
     receiver that wants one and gets none or a wrong one answers 401 (`TelemetryUnavailable`)."""
 
     def __init__(self, url: str, *, timeout_s: float = 10.0, token: str | None = None) -> None:
@@ -112,7 +113,7 @@ class HttpStoreClient:
 
 
 def open_store(db: str | os.PathLike | None = None, url: str | None = None, *,
-               token: str | None = None) -> StoreReader | HttpStoreClient:
+               token: str | None = None) -> StoreQueries:
     """A reader for exactly one of `db` (SQLite file) or `url` (receiver HTTP API base URL, with its
     bearer `token` if it wants one)."""
     if (db is None) == (url is None):

@@ -26,15 +26,19 @@ requires ``Authorization: Bearer <token>``: 401 in the OpenAI error format other
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+from prefixroute.grpc_auth import bearer_matches
+
 from prefixroute.openai_errors import error_body
-from prefixroute.telemetry.store import StoreMissing, StoreReader
+from prefixroute.telemetry.store_reader import StoreReader
+from prefixroute.telemetry.store_schema import StoreMissing
 
 log = logging.getLogger(__name__)
 
@@ -107,90 +111,123 @@ def query(reader: StoreReader, path: str, q: dict[str, list[str]]) -> Any:
     raise KeyError(path)
 
 
-def make_handler(db_path: str, stats: Any | None, auth_token: str | None = None) -> type[BaseHTTPRequestHandler]:
-    from prefixroute.grpc_auth import bearer_matches
+class ApiStats(Protocol):
+    """The receiver's counters as the API reports them (`receiver.ReceiverStats`)."""
 
-    token = auth_token.encode() if auth_token else None
+    def count_unauthenticated(self) -> None: ...
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def as_dict(self) -> dict[str, int]: ...
 
-        def log_message(self, fmt: str, *args: Any) -> None:  # the default writes every hit to stderr
-            log.debug("http api: " + fmt, *args)
 
-        def _send(self, status: int, payload: Any) -> None:
-            self._send_bytes(status, json.dumps(payload, default=str).encode())
+@dataclasses.dataclass(frozen=True)
+class ApiConfig:
+    """What one API server answers from: the store file, the receiver's counters (None: only the store's
+    figures in /api/stats) and the bearer token its data routes require (None: none)."""
 
-        def _send_bytes(self, status: int, body: bytes) -> None:
-            self.send_response(status)
-            if status == 401:
-                self.send_header("www-authenticate", 'Bearer realm="prefixroute telemetry"')
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    db_path: str
+    stats: ApiStats | None = None
+    token: bytes | None = None
 
-        def _error(self, status: int, message: str, param: str | None = None) -> None:
-            self._send_bytes(status, error_body(status, message, param=param))
 
-        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-            # http.server's own errors (an unsupported method: 501, a malformed request line: 400, a header
-            # block too large: 431) in the API's JSON error format, not its HTML page (issue 27).
-            self.close_connection = True
-            status = code if code in (400, 404, 405, 408, 414, 431, 501, 505) else 400
-            text = message or self.responses.get(code, ("error",))[0]
-            with contextlib.suppress(OSError):
-                self._send_bytes(status, error_body(status, f"{text} (this API serves GET only)"
-                                                    if status == 501 else text))
+class StoreApiHandler(BaseHTTPRequestHandler):
+    """The API's request handler (routes: module docstring); `make_handler` gives it its `ApiConfig`. Each GET
+    opens its own read-only `StoreReader` (a reader is single-thread; the server runs a thread per request)."""
 
-        def _method_not_allowed(self) -> None:  # noqa: N802 - every method but GET
-            self.close_connection = True
-            body = error_body(405, f"method {self.command} is not allowed: this API serves GET only")
-            self.send_response(405)
-            self.send_header("allow", "GET")
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    protocol_version = "HTTP/1.1"
+    config: ClassVar[ApiConfig]
 
-        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed  # noqa: N815
+    def log_message(self, fmt: str, *args: object) -> None:  # the default writes every hit to stderr
+        log.debug("http api: " + fmt, *args)
 
-        def do_HEAD(self) -> None:  # noqa: N802
-            self._method_not_allowed()
+    def _send(self, status: int, payload: object) -> None:
+        self._send_bytes(status, json.dumps(payload, default=str).encode())
 
-        def do_GET(self) -> None:  # noqa: N802
-            parts = urlsplit(self.path)
-            q = parse_qs(parts.query, keep_blank_values=True)
-            if parts.path == "/healthz":
-                return self._send(200, {"status": "ok"})
-            if token is not None and not bearer_matches(self.headers.get("authorization"), token):
-                if stats is not None:
-                    stats.num_unauthenticated += 1
-                return self._error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
-            try:
-                reader = StoreReader(db_path)
-            except StoreMissing as exc:
-                return self._error(503, str(exc))
-            try:
-                if parts.path == "/api/stats":
-                    return self._send(200, {**(stats.as_dict() if stats else {}),
-                                            "num_requests": reader.num_requests()})
-                return self._send(200, query(reader, parts.path, q))
-            except _BadRequest as exc:
-                return self._error(400, str(exc), exc.param)
-            except ValueError as exc:  # the reader's own argument checks
-                return self._error(400, str(exc))
-            except KeyError:
-                return self._error(404, f"no route {parts.path}")
-            except LookupError as exc:
-                return self._error(404, str(exc))
-            finally:
-                reader.close()
+    def _send_bytes(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        if status == 401:
+            self.send_header("www-authenticate", 'Bearer realm="prefixroute telemetry"')
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, message: str, param: str | None = None) -> None:
+        self._send_bytes(status, error_body(status, message, param=param))
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # http.server's own errors (an unsupported method: 501, a malformed request line: 400, a header
+        # block too large: 431) in the API's JSON error format, not its HTML page (issue 27).
+        self.close_connection = True
+        status = code if code in (400, 404, 405, 408, 414, 431, 501, 505) else 400
+        text = message or self.responses.get(code, ("error",))[0]
+        with contextlib.suppress(OSError):
+            self._send_bytes(status, error_body(status, f"{text} (this API serves GET only)"
+                                                if status == 501 else text))
+
+    def _method_not_allowed(self) -> None:  # noqa: N802 - every method but GET
+        self.close_connection = True
+        body = error_body(405, f"method {self.command} is not allowed: this API serves GET only")
+        self.send_response(405)
+        self.send_header("allow", "GET")
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed  # noqa: N815
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._method_not_allowed()
+
+    def do_GET(self) -> None:  # noqa: N802
+        parts = urlsplit(self.path)
+        q = parse_qs(parts.query, keep_blank_values=True)
+        if parts.path == "/healthz":
+            return self._send(200, {"status": "ok"})
+        if not self._authorized():
+            return self._error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+        try:
+            reader = StoreReader(self.config.db_path)
+        except StoreMissing as exc:
+            return self._error(503, str(exc))
+        try:
+            return self._send(200, self._answer(reader, parts.path, q))
+        except _BadRequest as exc:
+            return self._error(400, str(exc), exc.param)
+        except ValueError as exc:  # the reader's own argument checks
+            return self._error(400, str(exc))
+        except KeyError:
+            return self._error(404, f"no route {parts.path}")
+        except LookupError as exc:
+            return self._error(404, str(exc))
+        finally:
+            reader.close()
+
+    def _authorized(self) -> bool:
+        """The request carries the bearer token, or none is required (a refusal is counted)."""
+        token, stats = self.config.token, self.config.stats
+        if token is None or bearer_matches(self.headers.get("authorization"), token):
+            return True
+        if stats is not None:
+            stats.count_unauthenticated()
+        return False
+
+    def _answer(self, reader: StoreReader, path: str, q: dict[str, list[str]]) -> object:
+        stats = self.config.stats
+        if path == "/api/stats":
+            return {**(stats.as_dict() if stats else {}), "num_requests": reader.num_requests()}
+        return query(reader, path, q)
+
+
+def make_handler(db_path: str, stats: ApiStats | None, auth_token: str | None = None) -> type[StoreApiHandler]:
+    """The handler class of one API server over `db_path` (`auth_token`: required as a bearer token)."""
+    class Handler(StoreApiHandler):
+        config = ApiConfig(db_path, stats, auth_token.encode() if auth_token else None)
 
     return Handler
 
 
-def start_http_api(db_path: str, host: str, port: int, *, stats: Any | None = None,
+def start_http_api(db_path: str, host: str, port: int, *, stats: ApiStats | None = None,
                    auth_token: str | None = None) -> ThreadingHTTPServer:
     """Serve the API on a daemon thread; returns the server (server_address has the bound port;
     call shutdown() then server_close() to stop). `auth_token`: required as a bearer token."""

@@ -60,12 +60,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from prefixroute.types import Decision
+from prefixroute.types import Decision, EndpointState
 from prefixroute.telemetry.records import RequestRecord
 
 # Decisions take microseconds to a millisecond; requests' TTFT milliseconds to tens of seconds.
@@ -74,6 +74,22 @@ TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 # Signed relative TTFT error: -1 (actual 0) .. +inf; finer near 0, where a good time model lives.
 PREDICTION_ERROR_BUCKETS = (-0.75, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 9.0)
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class RecorderCounts(Protocol):
+    """What the metrics read of the span recorder (`recorder.TelemetryRecorder`): its counts, read on scrape."""
+
+    @property
+    def dropped_by_reason(self) -> Mapping[str, int]: ...
+
+    @property
+    def num_exported(self) -> int: ...
+
+    @property
+    def num_pending(self) -> int: ...
+
+    @property
+    def retry_bytes(self) -> int: ...
 
 
 def _status_class(status: int) -> str:
@@ -119,19 +135,18 @@ class _CallbackCollector:
                 "queue_full, disabled, shutdown, retry_buffer_full (receiver down too long), rejected (e.g. "
                 "UNAUTHENTICATED), receiver_rejected (partial success), too_large, malformed, export_failed.",
                 labels=["reason"])
-            for reason, n in dict(getattr(rec, "dropped_by_reason", {})).items():
+            for reason, n in dict(rec.dropped_by_reason).items():
                 dropped.add_metric([reason], n)
             yield dropped
             yield CounterMetricFamily("prefixroute_telemetry_spans_exported", "Request spans the OTLP exporter "
                                       "acknowledged.", value=rec.num_exported)
-            if hasattr(rec, "num_pending"):
-                yield GaugeMetricFamily("prefixroute_telemetry_spans_pending", "Request spans recorded and not yet "
-                                        "exported (queue + retry buffer).", value=rec.num_pending)
-                yield GaugeMetricFamily("prefixroute_telemetry_retry_buffer_bytes", "Encoded spans held for "
-                                        "re-export while the OTLP backend is unavailable.", value=rec.retry_bytes)
+            yield GaugeMetricFamily("prefixroute_telemetry_spans_pending", "Request spans recorded and not yet "
+                                    "exported (queue + retry buffer).", value=rec.num_pending)
+            yield GaugeMetricFamily("prefixroute_telemetry_retry_buffer_bytes", "Encoded spans held for "
+                                    "re-export while the OTLP backend is unavailable.", value=rec.retry_bytes)
 
 
-def _endpoint_families(states: Iterable[Any]) -> Iterator[GaugeMetricFamily]:
+def _endpoint_families(states: Iterable[EndpointState]) -> Iterator[GaugeMetricFamily]:
     """The endpoint pool's current figures, one sample per configured endpoint (a figure the endpoint
     does not export is absent). These are the dashboard's live columns: it reads them here, from the
     router, and never opens a URL of its own choosing."""
@@ -155,7 +170,7 @@ def _endpoint_families(states: Iterable[Any]) -> Iterator[GaugeMetricFamily]:
             waiting.add_metric(ep, st.num_requests_waiting)
         if st.kv_cache_usage_ratio is not None:
             kv.add_metric(ep, st.kv_cache_usage_ratio)
-        if getattr(st, "scraped_at_s", None) is not None:
+        if st.scraped_at_s is not None:
             age.add_metric(ep, max(0.0, now - st.scraped_at_s))
     yield from (healthy, running, waiting, kv, age)
 
@@ -253,8 +268,8 @@ class RouterMetrics:
     def __init__(self, *, registry: CollectorRegistry | None = None,
                  in_flight: Callable[[], Mapping[str, int]] | None = None,
                  index_size: Callable[[], int | Mapping[str, int]] | None = None,
-                 endpoint_states: Callable[[], Iterable[Any]] | None = None,
-                 recorder: Any | None = None,
+                 endpoint_states: Callable[[], Iterable[EndpointState]] | None = None,
+                 recorder: RecorderCounts | None = None,
                  time_model: Callable[[], Mapping[str, tuple[float, float, float, int]]] | None = None,
                  index_info: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()

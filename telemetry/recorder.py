@@ -44,6 +44,7 @@ from typing import Any
 import grpc
 
 from prefixroute.telemetry import attributes as A
+from prefixroute.telemetry.record_spans import SpanFactory, record_attributes, span_error
 from prefixroute.telemetry.records import RequestRecord
 
 try:
@@ -76,71 +77,6 @@ def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
         log.warning("ignoring %s=%r: not a number", name, raw)
         return default
     return value if value > 0 else default
-
-
-def record_attributes(rec: RequestRecord) -> dict[str, Any]:
-    """The span attributes of a record (None values omitted; OTel attributes cannot be None)."""
-    attrs: dict[str, Any] = {}
-    for field, key in A.FIELD_ATTRIBUTES.items():
-        v = getattr(rec, field)
-        if v is None:
-            continue
-        attrs[key] = A.cap_value(tuple(v) if field == "endpoints" else v)
-    attrs[A.STATUS] = rec.status
-    if rec.cached_tokens is not None:
-        attrs[A.CACHE_READ_INPUT_TOKENS] = rec.cached_tokens
-    if len(rec.endpoints) > 1:
-        attrs[A.FALLBACK_ENDPOINTS] = A.cap_value(tuple(rec.endpoints[1:]))
-    op = A.operation_name(rec.path)
-    if op:
-        attrs[A.OPERATION_NAME] = op
-    if rec.endpoint:
-        host, sep, port = rec.endpoint.rpartition(":")
-        if sep and port.isdigit() and len(port) <= 5:
-            attrs[A.SERVER_ADDRESS] = A.cap_str(host)
-            attrs[A.SERVER_PORT] = int(port)
-        else:
-            attrs[A.SERVER_ADDRESS] = A.cap_str(rec.endpoint)
-    return attrs
-
-
-def span_error(rec: RequestRecord) -> str | None:
-    """The span's error status message: None unless the record is an error (a 4xx refusal is not)."""
-    return A.cap_str(rec.error or f"HTTP {rec.status}") if rec.is_error else None
-
-
-class _SpanFactory:
-    """Turns records into SDK ReadableSpans (export thread only)."""
-
-    def __init__(self, resource: Any) -> None:
-        from opentelemetry import trace as trace_api
-        from opentelemetry.sdk.trace import ReadableSpan
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-        from opentelemetry.trace.status import Status, StatusCode
-
-        self._api = trace_api
-        self._ReadableSpan = ReadableSpan
-        self._scope = InstrumentationScope(A.INSTRUMENTATION_SCOPE)
-        self._resource = resource
-        self._ok = Status(StatusCode.UNSET)
-        self._Status = Status
-        self._error_code = StatusCode.ERROR
-        self._flags = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
-
-    def span(self, rec: RequestRecord) -> Any:
-        api = self._api
-        trace_id = int(rec.trace_id, 16)
-        ctx = api.SpanContext(trace_id, int(rec.span_id, 16), is_remote=False, trace_flags=self._flags)
-        parent = (api.SpanContext(trace_id, int(rec.parent_span_id, 16), is_remote=True, trace_flags=self._flags)
-                  if rec.parent_span_id else None)
-        start_ns = int(rec.start_time * 1e9)
-        end_ns = start_ns + int((rec.latency_ms or 0.0) * 1e6)
-        error = span_error(rec)
-        status = self._ok if error is None else self._Status(self._error_code, error)
-        return self._ReadableSpan(
-            name=A.SPAN_NAME, context=ctx, parent=parent, resource=self._resource,
-            attributes=record_attributes(rec), kind=api.SpanKind.SERVER, status=status,
-            start_time=start_ns, end_time=end_ns, instrumentation_scope=self._scope)
 
 
 DEFAULT_RETRY_MAX_SPANS = 32_768
@@ -248,7 +184,7 @@ class TelemetryRecorder:
             attrs["service.name"] = service_name or DEFAULT_SERVICE_NAME
         # Resource.create reads OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES from os.environ.
         resource = Resource.create(attrs)
-        self._factory = _SpanFactory(resource)
+        self._factory = SpanFactory(resource)
         self._resource_attrs = {A.cap_str(str(k)): A.cap_value(v) for k, v in resource.attributes.items()}
         if exporter is None:
             exporter = RecordSpanExporter(endpoint=endpoint, timeout=timeout_s)

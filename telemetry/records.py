@@ -18,6 +18,7 @@ Contract with the ext_proc servicer (the only producer):
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import xxhash
 
@@ -28,6 +29,9 @@ RECORD_FIELDS: tuple[str, ...] = (
     "alternative_endpoint", "alternative_ttft_ms", "decision_us", "ttft_ms", "latency_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "stream", "status", "error",
     "path", "index_source",
 )
+
+
+_FIELD_VALUES = operator.attrgetter(*RECORD_FIELDS)
 
 
 def tenant_hash(tenant: str | bytes) -> str:
@@ -102,8 +106,12 @@ class RequestRecord:
         return (self.predicted_ttft_ms is not None and self.ttft_ms is not None and not self.is_error
                 and not self.is_refused and bool(self.endpoints) and self.endpoint == self.endpoints[0])
 
+    def as_fields(self) -> dict[str, object]:
+        """The `RECORD_FIELDS` and their values, in that order (`endpoints` a tuple)."""
+        return dict(zip(RECORD_FIELDS, _FIELD_VALUES(self)))
+
     def to_dict(self) -> dict:
         """The dump form: JSON-able, `endpoints` as a list."""
-        d = {f: getattr(self, f) for f in RECORD_FIELDS}
+        d = self.as_fields()
         d["endpoints"] = list(self.endpoints)
         return d

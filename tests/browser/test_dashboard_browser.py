@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from helpers.realrun import RealFleet
-from prefixroute.dashboard import data as D
+from prefixroute.dashboard import tables as T
 from helpers.procs import free_port, prefixroute_cmd, start_process
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration, pytest.mark.timeout(150)]
@@ -121,9 +121,9 @@ def expected_predictions(rows: list[dict]) -> dict[str, dict]:
     out = {}
     for ep in {r["endpoint"] for r in ok}:
         mine = [r for r in ok if r["endpoint"] == ep]
-        out[ep] = [f"{len(mine):,}", D.format_ms(med([r["predicted_ttft_ms"] for r in mine])),
-                   D.format_ms(med([r["ttft_ms"] for r in mine])),
-                   D.format_ratio(med([abs(r["ttft_ms"] - r["predicted_ttft_ms"]) / max(r["ttft_ms"], 1.0)
+        out[ep] = [f"{len(mine):,}", T.format_ms(med([r["predicted_ttft_ms"] for r in mine])),
+                   T.format_ms(med([r["ttft_ms"] for r in mine])),
+                   T.format_ratio(med([abs(r["ttft_ms"] - r["predicted_ttft_ms"]) / max(r["ttft_ms"], 1.0)
                                        for r in mine]))]
     return out
 
@@ -337,7 +337,7 @@ def _check_prediction_panel(page, fleet: RealFleet) -> None:
 
 
 def newest_trace_id(fleet: RealFleet) -> str:
-    from prefixroute.telemetry.store import StoreReader
+    from prefixroute.telemetry.store_reader import StoreReader
 
     with StoreReader(fleet.db) as reader:
         return reader.recent_requests(1)[0]["trace_id"]

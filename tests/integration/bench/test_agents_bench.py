@@ -10,6 +10,9 @@ import sys
 import pytest
 
 from prefixroute.bench import client, report, results, runner, upper_bound, workloads
+from prefixroute.bench.agents_workload import agents
+from prefixroute.bench.fleet import FleetConfig, served_model, start_fleet
+from prefixroute.bench.routers import parse_router
 from prefixroute.procs import ProcessGroup
 
 pytestmark = pytest.mark.integration
@@ -31,9 +34,9 @@ def test_one_server_serves_every_turn_and_meets_the_bound_exactly(group, api):
     # One server (it holds every previous response), one request at a time: every follow-up is served, and the
     # server's prompt and cached tokens add up to the bound computed offline from the chat `messages` + tools.
     # So the Responses form and its chat equivalent are the same prompts, token for token.
-    (ep,) = runner.start_fleet(group, runner.FleetConfig(1, server_args=FAST))
-    wl = workloads.apply_arrivals(workloads.agents(**TINY), "closed")
-    res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=runner.served_model(ep), concurrency=1,
+    (ep,) = start_fleet(group, FleetConfig(1, server_args=FAST))
+    wl = workloads.apply_arrivals(agents(**TINY), "closed")
+    res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=served_model(ep), concurrency=1,
                                           api=api))
     assert all(r.ok for r in res), [r.error for r in res]
     bound = upper_bound.upper_bound(wl)
@@ -52,7 +55,7 @@ def test_one_server_serves_every_turn_and_meets_the_bound_exactly(group, api):
 def test_bench_agents_ours_serves_every_follow_up_random_loses_them(tmp_path):
     out = tmp_path / "out"
     routers = ["prefixroute:prefix", "prefixroute:random/chat"]
-    peer = runner.unavailable_reason(runner.parse_router("vllm-router:random"), False) is None
+    peer = runner.unavailable_reason(parse_router("vllm-router:random"), False) is None
     if peer:
         routers.append("vllm-router:random/responses")
     argv = [sys.executable, "-m", "prefixroute", "bench", "--workload", "agents", "--num-agents", "8",

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 
 import pytest
 
-from prefixroute.bench import client, runner, upper_bound, workloads
+from prefixroute.bench import client, upper_bound, workloads
+from prefixroute.bench.fleet import FleetConfig, served_model, start_fleet
+from prefixroute.bench.workload_spec import Workload
 from prefixroute.procs import ProcessGroup, free_port, http_get, prefixroute_argv
 
 pytestmark = pytest.mark.integration
@@ -24,12 +27,12 @@ def group(tmp_path):
 def test_one_server_hits_exactly_the_upper_bound_and_reports_everything(group):
     # One server with a cache far larger than the workload, requests one at a time: the server's
     # cached_tokens must add up to the infinite-cache bound computed offline with the same tokenizer.
-    (ep,) = runner.start_fleet(group, runner.FleetConfig(1, server_args=FAST))
+    (ep,) = start_fleet(group, FleetConfig(1, server_args=FAST))
     wl = workloads.shared_prompts(num_groups=3, prefix_tokens=256, question_tokens=16, num_requests=12,
                                   output_tokens=5, seed=4)
     wl = workloads.apply_arrivals(wl, "closed")
     stream = io.StringIO()
-    res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=runner.served_model(ep), concurrency=1,
+    res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=served_model(ep), concurrency=1,
                                           progress=client.Progress(len(wl.requests), stream=stream)))
     assert [r.index for r in res] == list(range(12))
     assert all(r.ok for r in res), [r.error for r in res]
@@ -49,18 +52,18 @@ def test_server_errors_are_recorded_with_status(group):
                 ready=lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200)
     wl = workloads.shared_prompts(num_requests=3, prefix_tokens=16, question_tokens=4, output_tokens=4)
     res = asyncio.run(client.run_workload(f"http://127.0.0.1:{port}", wl.requests,
-                                          model=runner.served_model(f"127.0.0.1:{port}"), concurrency=4))
+                                          model=served_model(f"127.0.0.1:{port}"), concurrency=4))
     assert len(res) == 3
     assert all(r.status == 500 and not r.ok and r.error.startswith("http 500") for r in res)
 
 
 def test_next_turn_waits_for_the_previous_one(group):
-    (ep,) = runner.start_fleet(group, runner.FleetConfig(1, server_args=FAST))
+    (ep,) = start_fleet(group, FleetConfig(1, server_args=FAST))
     wl = workloads.multi_turn(num_sessions=3, num_turns=3, system_tokens=64, user_tokens=16, output_tokens=16)
     # Every request "arrives" at t=0: only after_index keeps a session's turns in order.
-    wl = workloads.Workload(wl.name, wl.params, tuple(workloads.dataclasses.replace(r, arrival_s=0.0)
+    wl = Workload(wl.name, wl.params, tuple(dataclasses.replace(r, arrival_s=0.0)
                                                         for r in wl.requests))
-    res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=runner.served_model(ep)))
+    res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=served_model(ep)))
     assert all(r.ok for r in res)
     by_index = {r.index: r for r in res}
     for spec in wl.requests:
@@ -80,10 +83,10 @@ def test_connection_refused_is_an_error_not_a_crash():
 
 def test_duration_bound_cancels_in_flight_and_skips_the_rest(group):
     # Slow server (time scale 20: a 2k-token prefill takes ~1 s): a 1.5 s bound must end the run early.
-    (ep,) = runner.start_fleet(group, runner.FleetConfig(1, server_args=("--time-scale", "20")))
+    (ep,) = start_fleet(group, FleetConfig(1, server_args=("--time-scale", "20")))
     wl = workloads.apply_arrivals(workloads.shared_prompts(num_requests=40, prefix_tokens=2048, output_tokens=64),
                                   "closed")
-    res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=runner.served_model(ep),
+    res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=served_model(ep),
                                           concurrency=2, max_duration_s=1.5))
     assert 0 < len(res) < 40
     assert any(r.error == "deadline" for r in res)

@@ -11,6 +11,8 @@ import jsonschema
 import pytest
 
 from prefixroute.bench import report, results, runner, workloads
+from prefixroute.bench.fleet import FleetConfig
+from prefixroute.bench.routers import parse_router
 
 pytestmark = pytest.mark.integration
 
@@ -74,8 +76,8 @@ def test_sglang_router_in_front_of_the_same_fleet(tmp_path):
     assert importlib.util.find_spec("sglang_router") is not None, "sglang-router missing: pip install -e '.[test]'"
     wl = workloads.apply_arrivals(workloads.shared_prompts(num_requests=8, num_groups=2, prefix_tokens=128,
                                                            question_tokens=8, output_tokens=4), "closed")
-    fleet = runner.FleetConfig(2, "llama-3.1-8b-h200", ("--time-scale", "0.2"), startup_timeout_s=30)
-    out = runner.run_router(runner.parse_router("sglang-router"), wl.requests, fleet, tmp_path, seed=0,
+    fleet = FleetConfig(2, "llama-3.1-8b-h200", ("--time-scale", "0.2"), startup_timeout_s=30)
+    out = runner.run_router(parse_router("sglang-router"), wl.requests, fleet, tmp_path, seed=0,
                             concurrency=4, max_connections=16, request_timeout_s=20, max_duration_s=30,
                             progress=False)
     assert out.summary["requests"] == 8 and out.summary["errors"] == 0

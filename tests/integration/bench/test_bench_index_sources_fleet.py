@@ -7,14 +7,15 @@ import subprocess
 
 import pytest
 
-from prefixroute.bench import runner
+from prefixroute.bench.fleet import fleet_publishes_events
+from prefixroute.procs import prefixroute_argv
 
 pytestmark = pytest.mark.integration
 
 
 def test_fleet_publishes_events_matches_todays_model_server():
     """Against the real `prefixroute model-server --help`: True exactly when it lists --kv-events-config."""
-    runner.fleet_publishes_events.cache_clear()
-    out = subprocess.run(runner.prefixroute_argv("model-server", "--help"), capture_output=True, text=True,
+    fleet_publishes_events.cache_clear()
+    out = subprocess.run(prefixroute_argv("model-server", "--help"), capture_output=True, text=True,
                          timeout=60)
-    assert runner.fleet_publishes_events() is ("--kv-events-config" in out.stdout)
+    assert fleet_publishes_events() is ("--kv-events-config" in out.stdout)

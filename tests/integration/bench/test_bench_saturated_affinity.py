@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixroute.bench import runner, sweep, upper_bound, virtual_run, workloads
+from prefixroute.bench import capacity, runner, upper_bound, virtual_run, workloads
+from prefixroute.bench.fleet import FleetConfig
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +19,7 @@ the client, Envoy or the router becoming the bottleneck."""
 
 NUM_REQUESTS = 150
 RATE_RPS = 8.0
-"""About 100% of the fleet's prefill throughput for this workload (`sweep.throughput_capacity_rps`, checked
+"""About 100% of the fleet's prefill throughput for this workload (`capacity.throughput_capacity_rps`, checked
 below), above the oracle's capacity: the virtual fleet puts the P50 TTFT at ~6 s, so every endpoint has
 seconds of queue."""
 
@@ -31,9 +32,9 @@ def test_a_saturated_run_keeps_affinity_through_the_gateway(tmp_path):
                                   "poisson", rate_rps=RATE_RPS, seed=3)
     bound = upper_bound.upper_bound(wl).hit_ratio
     # Past the oracle's capacity (which is below the prefill throughput figure): saturated by construction.
-    throughput = sweep.throughput_capacity_rps(wl, bound, virtual_run.engine_spec(PROFILE, SERVER_ARGS), 2)
+    throughput = capacity.throughput_capacity_rps(wl, bound, virtual_run.engine_spec(PROFILE, SERVER_ARGS), 2)
     assert RATE_RPS >= 0.9 * throughput
-    fleet = runner.FleetConfig(2, PROFILE, SERVER_ARGS, startup_timeout_s=30)
+    fleet = FleetConfig(2, PROFILE, SERVER_ARGS, startup_timeout_s=30)
     doc, _ = runner.run_bench(wl, bound, ["prefixroute:prefix", "prefixroute:random"], fleet, tmp_path,
                               log=lambda _m: None, seed=0, concurrency=16, max_connections=256,
                               request_timeout_s=120, max_duration_s=90, progress=False)

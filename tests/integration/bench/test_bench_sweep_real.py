@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from prefixroute.bench import sweep, virtual_run, workloads
+from prefixroute.bench import capacity, sweep_report, virtual_run, workloads
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ def test_real_sweep_two_points_two_routers(tmp_path):
     assert doc["kind"] == "sweep" and doc["virtual"] is False and doc["time_scale"] == 5.0
     # The capacity is the virtual fleet's for the same workload and servers (one definition of 100%).
     wl = workloads.shared_prompts(seed=0, **WORKLOAD)
-    cap = sweep.find_capacity(wl, virtual_run.engine_spec("llama-3.1-8b-h200", ["--time-scale=5"]), 2)
+    cap = capacity.find_capacity(wl, virtual_run.engine_spec("llama-3.1-8b-h200", ["--time-scale=5"]), 2)
     assert doc["capacity_rps"] == pytest.approx(cap.rps, rel=1e-3)
     assert [p["load_percent"] for p in doc["points"]] == [40, 120]
     assert doc["points"][1]["rate_rps"] == pytest.approx(3 * doc["points"][0]["rate_rps"], rel=1e-3)
@@ -58,6 +58,6 @@ def test_real_sweep_two_points_two_routers(tmp_path):
     md = (out / "report.md").read_text()
     assert sum(line.startswith(("| 40% |", "| 120% |")) for line in md.splitlines()) == 4
     assert "real processes" in md and "--sweep-load-percents 40,120" in md
-    for name in sweep.PLOT_FILES:
+    for name in sweep_report.PLOT_FILES:
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert "ETA" in proc.stderr and "capacity of shared-prompts" in proc.stderr

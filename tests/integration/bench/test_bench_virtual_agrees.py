@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from prefixroute.bench import runner, upper_bound, virtual_run, workloads
+from prefixroute.bench.fleet import FleetConfig
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,7 @@ def test_virtual_and_real_runs_agree_on_hit_ratio(tmp_path, monkeypatch):
                                                            question_tokens=16, output_tokens=4, seed=5),
                                   "poisson", rate_rps=10.0, seed=5)
     bound = upper_bound.upper_bound(wl).hit_ratio
-    fleet = runner.FleetConfig(2, PROFILE, SERVER_ARGS, startup_timeout_s=30)
+    fleet = FleetConfig(2, PROFILE, SERVER_ARGS, startup_timeout_s=30)
     real, _ = runner.run_bench(wl, bound, ROUTERS, fleet, tmp_path, log=lambda _m: None, seed=0, concurrency=16,
                                max_connections=64, request_timeout_s=30, max_duration_s=40, progress=False)
     # The real run's endpoint ids: same names, same rendezvous placement, so endpoint shares compare too.

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from prefixroute.bench import workloads as w
+from prefixroute.bench.synthetic_text import block_text
 
 pytestmark = pytest.mark.integration
 
 
 def test_block_text_is_identical_in_another_process():
     # No dependency on hash randomisation or process state: a fresh interpreter yields the same text.
-    code = "from prefixroute.bench.workloads import block_text; print(block_text(7, 'h', 42, 100), end='')"
+    code = "from prefixroute.bench.synthetic_text import block_text; print(block_text(7, 'h', 42, 100), end='')"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert out == w.block_text(7, "h", 42, 100)
+    assert out == block_text(7, "h", 42, 100)

@@ -22,7 +22,7 @@ def test_url_source_down_raises_unavailable():
         port = s.getsockname()[1]
     src = DataSource(url=f"http://127.0.0.1:{port}", http_timeout_s=1.0)
     with pytest.raises(TelemetryUnavailable):
-        src.call("summary", 60.0)
+        src.query(lambda q: q.summary(60.0))
 
 
 class _MetricsHandler(http.server.BaseHTTPRequestHandler):

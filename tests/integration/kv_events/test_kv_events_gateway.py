@@ -17,7 +17,7 @@ import pytest
 
 from helpers.fleet import MODEL
 from helpers.waiting import until
-from prefixroute.bench.runner import free_port_pairs
+from prefixroute.bench.fleet import free_port_pairs
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.extproc.routing.settings import RoutingSettings

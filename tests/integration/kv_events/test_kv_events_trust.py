@@ -22,8 +22,9 @@ import pytest
 
 from helpers.kv_publisher import KVPublisher
 from helpers.waiting import until
-from prefixroute.bench.runner import free_port_pairs
+from prefixroute.bench.fleet import free_port_pairs
 from prefixroute.dashboard import data as D
+from prefixroute.dashboard import router_metrics as RM
 from prefixroute.kv_events_wire import BlockStored
 from prefixroute.procs import free_port, prefixroute_argv
 
@@ -117,7 +118,7 @@ def test_untrusted_events_are_feedback_and_say_why(tmp_path):
         text = _metrics(metrics_port)
         # The dashboard's endpoint table, from the same /metrics text.
         frame = D.endpoint_frame([{"endpoint": ep, "num_requests": 0} for ep in (a, b, c, d)],
-                                 live=D.parse_router_metrics(text))
+                                 live=RM.parse_router_metrics(text))
         assert dict(zip(frame["endpoint"], frame["index_source"])) == {
             a: "events", b: "events (undecodable)", c: "events (block size mismatch)", d: "events (undecodable)"}
         time.sleep(0.3)  # lets time pass on purpose: a second ERROR for the same cause (asserted below) would come

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixroute.telemetry.store import StoreReader
+from prefixroute.telemetry.store_reader import StoreReader
 
 from helpers import free_ports
 from helpers.waiting import until

@@ -7,6 +7,7 @@ import pytest
 
 from helpers.metrics import scrape, scrape_text
 from prefixroute.dashboard import data as D
+from prefixroute.dashboard import router_metrics as RM
 from prefixroute.telemetry.metrics import RouterMetrics
 
 pytestmark = pytest.mark.integration
@@ -38,7 +39,7 @@ def test_index_families():
 
 def test_dashboard_reads_the_source_and_marks_a_disconnected_subscriber():
     text = scrape_text(RouterMetrics(index_info=lambda: INFO))
-    live = D.parse_router_metrics(text)
+    live = RM.parse_router_metrics(text)
     assert live["10.0.0.1:8000"].index_source == "events" and live["10.0.0.1:8000"].kv_events_connected is True
     assert live["10.0.0.2:8000"].kv_events_connected is False
     assert live["10.0.0.3:8000"].index_source == "feedback" and live["10.0.0.3:8000"].kv_events_connected is None

@@ -13,7 +13,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from prefixroute.telemetry.client import HttpStoreClient
 from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RECORD_FIELDS, RequestRecord
-from prefixroute.telemetry.store import StoreReader
+from prefixroute.telemetry.store_reader import StoreReader
 from prefixroute.telemetry.tracecontext import child_context
 from helpers.waiting import until
 

@@ -15,7 +15,7 @@ from prefixroute.telemetry.otlp_encode import EncodedBatch
 from prefixroute.telemetry.receiver import Receiver
 from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store import StoreReader
+from prefixroute.telemetry.store_reader import StoreReader
 from helpers.waiting import until_async
 
 pytestmark = pytest.mark.integration

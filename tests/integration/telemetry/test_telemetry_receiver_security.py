@@ -185,9 +185,9 @@ def test_http_api_wants_the_token(secured):
 def test_dashboard_http_source_sends_the_token(secured, monkeypatch):
     from prefixroute.dashboard.source import DataSource
 
-    assert DataSource(url=secured.http_url, token=TOKEN).call("num_requests") >= 0
+    assert DataSource(url=secured.http_url, token=TOKEN).query(lambda q: q.num_requests()) >= 0
     with pytest.raises(TelemetryUnavailable):
-        DataSource(url=secured.http_url).call("num_requests")
+        DataSource(url=secured.http_url).query(lambda q: q.num_requests())
 
 
 @pytest.mark.parametrize(("argv", "message"), [

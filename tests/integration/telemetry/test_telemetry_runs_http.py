@@ -7,7 +7,8 @@ import pytest
 from prefixroute.telemetry.client import HttpStoreClient
 from prefixroute.telemetry.http_api import start_http_api
 from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store import StoreReader, TelemetryStore
+from prefixroute.telemetry.store import TelemetryStore
+from prefixroute.telemetry.store_reader import StoreReader
 
 pytestmark = pytest.mark.integration
 

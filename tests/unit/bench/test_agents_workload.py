@@ -9,20 +9,23 @@ import pytest
 
 from prefixroute import responses_prompt
 from prefixroute.bench import client, report, results, runner, upper_bound, workloads as w
+from prefixroute.bench.agents_workload import agents
+from prefixroute.bench.routers import parse_router
+from prefixroute.bench.workload_spec import CHARS_PER_TOKEN, RequestSpec, Workload
 from prefixroute.model_servers.tokenizer import render_chat
 
 SMALL = dict(num_agents=6, num_turns=4, num_apps=2, instructions_tokens=256, task_tokens=32,
              min_tool_output_tokens=40, max_tool_output_tokens=80, output_tokens=8, max_active_agents=3, seed=1)
 
 
-def _by_agent(wl: w.Workload) -> dict[str, list[w.RequestSpec]]:
-    out: dict[str, list[w.RequestSpec]] = {}
+def _by_agent(wl: Workload) -> dict[str, list[RequestSpec]]:
+    out: dict[str, list[RequestSpec]] = {}
     for r in wl.requests:
         out.setdefault(r.session_id, []).append(r)
     return out
 
 
-def _prompt(r: w.RequestSpec) -> str:
+def _prompt(r: RequestSpec) -> str:
     return render_chat([dict(m) for m in r.messages], tools=[dict(t) for t in r.tools], add_generation_prompt=False)
 
 
@@ -32,14 +35,14 @@ def test_agents_is_a_named_workload():
                          question_tokens=0, num_sessions=0, num_turns=3, document_tokens=0, num_documents=0,
                          num_agents=5, agent_instructions_tokens=128, agent_num_apps=2)
     assert wl.name == "agents" and len(wl.requests) == 15
-    assert w.agents(**SMALL).requests == w.agents(**SMALL).requests
+    assert agents(**SMALL).requests == agents(**SMALL).requests
 
 
 def test_turns_chain_and_each_prompt_extends_the_previous():
-    wl = w.agents(**SMALL)
-    agents = _by_agent(wl)
-    assert len(agents) == 6
-    for turns in agents.values():
+    wl = agents(**SMALL)
+    by_agent = _by_agent(wl)
+    assert len(by_agent) == 6
+    for turns in by_agent.values():
         assert [r.turn for r in turns] == [0, 1, 2, 3]
         assert turns[0].after_index is None
         for prev, cur in zip(turns, turns[1:]):
@@ -51,7 +54,7 @@ def test_turns_chain_and_each_prompt_extends_the_previous():
 
 
 def test_turn_kinds_tool_choice_and_items():
-    wl = w.agents(**SMALL)
+    wl = agents(**SMALL)
     for r in wl.requests:
         form = r.responses
         assert form is not None and form["instructions"] == r.messages[0]["content"]
@@ -64,7 +67,7 @@ def test_turn_kinds_tool_choice_and_items():
         else:
             assert items[0]["type"] == "function_call_output"
             assert r.messages[-1]["role"] == "tool" and r.messages[-1]["content"] == items[0]["output"]
-            assert 40 * w.CHARS_PER_TOKEN <= len(items[0]["output"]) <= 80 * w.CHARS_PER_TOKEN
+            assert 40 * CHARS_PER_TOKEN <= len(items[0]["output"]) <= 80 * CHARS_PER_TOKEN
         last = r.turn == SMALL["num_turns"] - 1
         assert form["tool_choice"] == r.tool_choice == ("auto" if last else "required")
         # The chat form's tools are the Responses tools in chat shape (what the template renders).
@@ -75,7 +78,7 @@ def test_turn_kinds_tool_choice_and_items():
 def test_messages_are_what_the_server_builds_from_the_chain():
     # Replays what a server does with the Responses form: input_messages over the stored chain (previous
     # messages + the previous response's function-call output, which it skips).
-    wl = w.agents(**SMALL)
+    wl = agents(**SMALL)
     stored: dict[str, list] = {}
     for r in wl.requests:
         body = responses_prompt.parse_body(r.responses_body("m", "resp_prev" if r.turn else None, "call_x"))
@@ -87,7 +90,7 @@ def test_messages_are_what_the_server_builds_from_the_chain():
 
 
 def test_instructions_are_shared_by_several_agents_and_distinct_per_app():
-    wl = w.agents(**{**SMALL, "num_agents": 12})
+    wl = agents(**{**SMALL, "num_agents": 12})
     firsts = [r for r in wl.requests if r.turn == 0]
     by_app: dict[str, set[str]] = {}
     for r in firsts:
@@ -101,7 +104,7 @@ def test_instructions_are_shared_by_several_agents_and_distinct_per_app():
 
 
 def test_responses_body_resolves_previous_id_and_call_id_without_changing_the_spec():
-    r = next(r for r in w.agents(**SMALL).requests if r.turn == 2)
+    r = next(r for r in agents(**SMALL).requests if r.turn == 2)
     b = r.responses_body("model-x", "resp_abc", "call_real")
     assert b["previous_response_id"] == "resp_abc" and b["input"][0]["call_id"] == "call_real"
     assert b["stream"] is True and b["store"] is True and b["max_output_tokens"] == 8
@@ -111,11 +114,11 @@ def test_responses_body_resolves_previous_id_and_call_id_without_changing_the_sp
     first = r.responses_body("m")
     assert "previous_response_id" not in first
     with pytest.raises(ValueError):
-        w.RequestSpec(index=0, max_tokens=1, prompt="x").responses_body("m")
+        RequestSpec(index=0, max_tokens=1, prompt="x").responses_body("m")
 
 
 def test_chat_body_carries_tools_and_tool_choice():
-    r = w.agents(**SMALL).requests[0]
+    r = agents(**SMALL).requests[0]
     b = r.body("m")
     assert b["tools"] == [dict(t) for t in r.tools] and b["tool_choice"] == "required"
     assert "tools" not in w.shared_prompts(num_requests=1).requests[0].body("m")
@@ -124,7 +127,7 @@ def test_chat_body_carries_tools_and_tool_choice():
 def test_upper_bound_counts_the_tools_the_template_renders():
     # The servers render tools into the system text: the bound's token count must include them (it did not:
     # prompt_token_ids rendered messages only).
-    r = w.agents(**SMALL).requests[0]
+    r = agents(**SMALL).requests[0]
     with_tools = len(upper_bound.prompt_token_ids(r))
     from dataclasses import replace
     without = len(upper_bound.prompt_token_ids(replace(r, tools=None)))
@@ -132,17 +135,17 @@ def test_upper_bound_counts_the_tools_the_template_renders():
 
 
 def test_router_api_suffix():
-    assert runner.parse_router("prefixroute:prefix").workload_api == "responses"
-    assert runner.parse_router("sglang-router").workload_api == "chat"
-    s = runner.parse_router("prefixroute:prefix/chat")
+    assert parse_router("prefixroute:prefix").workload_api == "responses"
+    assert parse_router("sglang-router").workload_api == "chat"
+    s = parse_router("prefixroute:prefix/chat")
     assert (s.name, s.policy, s.workload_api) == ("prefixroute:prefix/chat", "prefix", "chat")
-    s = runner.parse_router("sglang-router:random/responses")
+    s = parse_router("sglang-router:random/responses")
     assert (s.name, s.kind, s.policy, s.workload_api) == ("sglang-router:random/responses", "sglang-router",
                                                            "random", "responses")
-    assert runner.parse_router("prefixroute:prefix@events/chat").index_source == "events"
+    assert parse_router("prefixroute:prefix@events/chat").index_source == "events"
     with pytest.raises(ValueError):
-        runner.parse_router("prefixroute:prefix/grpc")
-    assert "/" not in runner._log_name(runner.parse_router("vllm-router:random/responses"))
+        parse_router("prefixroute:prefix/grpc")
+    assert "/" not in runner._log_name(parse_router("vllm-router:random/responses"))
 
 
 # ------------------------------------------------------------------------------ Responses stream parsing

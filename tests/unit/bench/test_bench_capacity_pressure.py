@@ -12,13 +12,14 @@ from prefixroute.bench import cli
 from prefixroute.bench import upper_bound as ub
 from prefixroute.bench import workloads as w
 from prefixroute.bench.settings import BenchSettings
+from prefixroute.bench.workload_spec import CHARS_PER_TOKEN, RequestSpec
 
 SMALL = dict(num_groups=12, min_prefix_tokens=256, max_prefix_tokens=1024, num_requests=80, seed=5)
 
 
-def _prefix_tokens(r: w.RequestSpec) -> int:
+def _prefix_tokens(r: RequestSpec) -> int:
     # system = instructions (64 tokens) + the group's prefix; 4 characters per token.
-    return len(r.messages[0]["content"]) // w.CHARS_PER_TOKEN - 64
+    return len(r.messages[0]["content"]) // CHARS_PER_TOKEN - 64
 
 
 def test_structure_shared_prefix_per_group_unique_question_lengths_in_range():

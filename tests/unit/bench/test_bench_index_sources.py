@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from prefixroute.bench import fleet as fleet_mod
 from prefixroute.bench import report, results, runner
 from prefixroute.bench.client import RequestResult
+from prefixroute.bench.fleet import FleetConfig, KVEventsPlan, fleet_publishes_events, resolve_kv_events, start_fleet
+from prefixroute.bench.routers import parse_router
 from prefixroute.extproc.routing.settings import INDEX_SOURCES
+from prefixroute.procs import free_ports
 
 
 @pytest.mark.parametrize("name,kind,policy,source", [
@@ -25,7 +29,7 @@ from prefixroute.extproc.routing.settings import INDEX_SOURCES
     ("vllm-router:round_robin", "vllm-router", "round_robin", ""),
 ])
 def test_parse_router_with_index_sources(name, kind, policy, source):
-    spec = runner.parse_router(name)
+    spec = parse_router(name)
     assert (spec.kind, spec.policy, spec.index_source) == (kind, policy, source)
     assert spec.name == name.strip()
 
@@ -39,12 +43,12 @@ def test_parse_router_with_index_sources(name, kind, policy, source):
 ])
 def test_parse_router_rejects_bad_names(name, fragment):
     with pytest.raises(ValueError, match=fragment):
-        runner.parse_router(name)
+        parse_router(name)
 
 
 def test_every_index_source_parses():
     for source in INDEX_SOURCES:
-        assert runner.parse_router(f"prefixroute:prefix@{source}").index_source == source
+        assert parse_router(f"prefixroute:prefix@{source}").index_source == source
 
 
 @pytest.mark.parametrize("name,kv_events,expected", [
@@ -57,7 +61,7 @@ def test_every_index_source_parses():
     ("prefixroute:prefix@approximate", False, ("--index-source", "approximate")),
 ])
 def test_gateway_event_args(name, kv_events, expected):
-    assert runner.gateway_event_args(runner.parse_router(name), kv_events) == expected
+    assert runner.gateway_event_args(parse_router(name), kv_events) == expected
 
 
 def test_gateway_accepts_the_flags_the_bench_passes():
@@ -71,7 +75,7 @@ def test_gateway_accepts_the_flags_the_bench_passes():
     parser = argparse.ArgumentParser(add_help=False)
     gateway.configure_parser(parser)
     for source in INDEX_SOURCES:
-        args = runner.gateway_event_args(runner.parse_router(f"prefixroute:prefix@{source}"), True)
+        args = runner.gateway_event_args(parse_router(f"prefixroute:prefix@{source}"), True)
         ns = parser.parse_args(["--endpoints", "127.0.0.1:1@tcp://127.0.0.1:2", *args])
         s = settings_mod.from_namespace(RoutingSettings, ns)
         assert s.index_source == source
@@ -85,7 +89,7 @@ def test_events_runs_are_skipped_without_publishing_servers_and_nothing_starts(t
     from prefixroute.bench import workloads as w
 
     wl = w.shared_prompts(num_groups=1, prefix_tokens=32, num_requests=2)
-    fleet = runner.FleetConfig(2, kv_events=False, ports=(1, 2))
+    fleet = FleetConfig(2, kv_events=False, ports=(1, 2))
     doc, _ = runner.run_bench(wl, 0.5, ["prefixroute:prefix@events"], fleet, tmp_path, log=lambda m: None)
     assert doc["skipped"] == {"prefixroute:prefix@events": runner.NO_EVENTS_REASON}
     assert doc["workload"]["kv_events"] is False and doc["runs"] == []
@@ -109,13 +113,13 @@ def test_fleet_publishes_events_asks_the_model_server_once(monkeypatch, rc, help
         return _Done(rc, help_text)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    runner.fleet_publishes_events.cache_clear()
+    fleet_publishes_events.cache_clear()
     try:
-        assert runner.fleet_publishes_events() is expected
-        assert runner.fleet_publishes_events() is expected
+        assert fleet_publishes_events() is expected
+        assert fleet_publishes_events() is expected
         assert len(calls) == 1 and calls[0][-2:] == ["model-server", "--help"]
     finally:
-        runner.fleet_publishes_events.cache_clear()
+        fleet_publishes_events.cache_clear()
 
 
 @pytest.mark.parametrize("kv_events,server_args,publishes,expected", [
@@ -127,13 +131,13 @@ def test_fleet_publishes_events_asks_the_model_server_once(monkeypatch, rc, help
     (True, (), False, True),
 ])
 def test_resolve_kv_events(monkeypatch, kv_events, server_args, publishes, expected):
-    monkeypatch.setattr(runner, "fleet_publishes_events", lambda: publishes)
-    fleet = runner.FleetConfig(2, server_args=server_args, kv_events=kv_events)
-    assert runner.resolve_kv_events(fleet).kv_events is expected
+    monkeypatch.setattr(fleet_mod, "fleet_publishes_events", lambda: publishes)
+    fleet = FleetConfig(2, server_args=server_args, kv_events=kv_events)
+    assert resolve_kv_events(fleet).kv_events is expected
 
 
 def test_kv_events_plan_gives_each_server_a_pair_and_the_gateway_their_addresses():
-    plan = runner.KVEventsPlan.allocate(3)
+    plan = KVEventsPlan.allocate(3)
     assert len(set(plan.pub_ports)) == 3
     used = {p for port in plan.pub_ports for p in (port, port + 1)}
     assert len(used) == 6  # pairs never overlap
@@ -146,7 +150,7 @@ def test_kv_events_plan_gives_each_server_a_pair_and_the_gateway_their_addresses
     eps = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
     assert plan.gateway_endpoints(eps) == [f"{e}@tcp://127.0.0.1:{p}" for e, p in zip(eps, plan.pub_ports)]
     # Later free ports never land on a replay port the plan reserved.
-    assert not used & set(runner.free_ports(200))
+    assert not used & set(free_ports(200))
     with pytest.raises(ValueError):
         plan.gateway_endpoints(eps[:2])
 
@@ -164,9 +168,9 @@ def test_start_fleet_passes_the_event_flags_to_each_server(monkeypatch, tmp_path
         def wait_ready(self, procs, timeout_s):
             pass
 
-    plan = runner.KVEventsPlan((20001, 20011))
-    eps = runner.start_fleet(Group(), runner.FleetConfig(2, ports=(9001, 9002), server_args=("--time-scale=0",)),
-                             plan)
+    plan = KVEventsPlan((20001, 20011))
+    eps = start_fleet(Group(), FleetConfig(2, ports=(9001, 9002), server_args=("--time-scale=0",)),
+                      plan)
     assert eps == ["127.0.0.1:9001", "127.0.0.1:9002"]
     for (argv, ports), pub, http_port in zip(started, (20001, 20011), (9001, 9002)):
         i = argv.index("--kv-events-config")
@@ -174,7 +178,7 @@ def test_start_fleet_passes_the_event_flags_to_each_server(monkeypatch, tmp_path
         assert argv[-1] == "--time-scale=0"  # the user's flags come last
         assert ports == (http_port, pub, pub + 1)  # checked free before the server starts
     started.clear()
-    runner.start_fleet(Group(), runner.FleetConfig(1, ports=(9003,)))
+    start_fleet(Group(), FleetConfig(1, ports=(9003,)))
     assert "--kv-events-config" not in started[0][0] and started[0][1] == (9003,)
 
 

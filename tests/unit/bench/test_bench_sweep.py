@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from prefixroute.bench import cli, sweep, upper_bound, virtual_run, workloads
+from prefixroute.bench import capacity, cli, sweep, sweep_report, upper_bound, virtual_run, workloads
 from prefixroute.extproc.routing.settings import POLICIES
 from prefixroute.model_servers.virtual_fleet import SimRequest, VirtualFleet
 
@@ -41,12 +41,12 @@ def test_throughput_figure_is_fleet_prefill_over_uncached_tokens_per_request():
     wl = _wl()
     spec = virtual_run.engine_spec()
     ub = upper_bound.upper_bound(wl)
-    per_server = sweep.prefill_capacity_tokens_per_s(spec)
+    per_server = capacity.prefill_capacity_tokens_per_s(spec)
     assert 5_000 < per_server < 200_000
-    cap = sweep.throughput_capacity_rps(wl, ub.hit_ratio, spec, 4)
+    cap = capacity.throughput_capacity_rps(wl, ub.hit_ratio, spec, 4)
     mean_uncached = ub.prompt_tokens / ub.num_requests * (1 - ub.hit_ratio)
     assert cap == pytest.approx(4 * per_server / mean_uncached)
-    assert sweep.throughput_capacity_rps(wl, ub.hit_ratio, spec, 8) == pytest.approx(2 * cap)
+    assert capacity.throughput_capacity_rps(wl, ub.hit_ratio, spec, 8) == pytest.approx(2 * cap)
 
 
 def test_idle_prefill_is_what_a_lone_request_takes_on_the_fleet():
@@ -62,38 +62,38 @@ def test_idle_prefill_is_what_a_lone_request_takes_on_the_fleet():
     results = VirtualFleet(spec, 1).run(sims, lambda _r, _f: 0)
     first, second = sorted(results, key=lambda r: r.arrival_s)
     assert first.cached_tokens == 0 and second.cached_tokens > 8500
-    assert first.ttft_s == pytest.approx(sweep.idle_prefill_s(spec, first.prompt_tokens), rel=1e-6)
+    assert first.ttft_s == pytest.approx(capacity.idle_prefill_s(spec, first.prompt_tokens), rel=1e-6)
     assert second.ttft_s == pytest.approx(
-        sweep.idle_prefill_s(spec, second.prompt_tokens - second.cached_tokens, second.cached_tokens), rel=1e-6)
-    assert sweep.idle_prefill_s(spec, second.prompt_tokens) > 3 * second.ttft_s
+        capacity.idle_prefill_s(spec, second.prompt_tokens - second.cached_tokens, second.cached_tokens), rel=1e-6)
+    assert capacity.idle_prefill_s(spec, second.prompt_tokens) > 3 * second.ttft_s
 
 
 def test_capacity_search_brackets_the_criterion_and_is_deterministic():
     wl = _wl(num_requests=120)
     spec = virtual_run.engine_spec(PROFILE)
-    cap = sweep.find_capacity(wl, spec, 3, seed=4)
+    cap = capacity.find_capacity(wl, spec, 3, seed=4)
     sims = virtual_run.build_sim_requests(workloads.apply_arrivals(wl, "poisson", rate_rps=1.0), spec)
-    assert cap.typical_prompt_tokens == sweep.typical_prompt_tokens(sims)
-    assert cap.cold_prefill_s == pytest.approx(sweep.idle_prefill_s(spec, cap.typical_prompt_tokens))
-    p50, _ = sweep.oracle_queueing(wl, sims, spec, 3, cap.rps, seed=4)
+    assert cap.typical_prompt_tokens == capacity.typical_prompt_tokens(sims)
+    assert cap.cold_prefill_s == pytest.approx(capacity.idle_prefill_s(spec, cap.typical_prompt_tokens))
+    p50, _ = capacity.oracle_queueing(wl, sims, spec, 3, cap.rps, seed=4)
     assert p50 <= cap.cold_prefill_s  # the criterion holds at the capacity ...
-    p50_above, _ = sweep.oracle_queueing(wl, sims, spec, 3, 1.25 * cap.rps, seed=4)
+    p50_above, _ = capacity.oracle_queueing(wl, sims, spec, 3, 1.25 * cap.rps, seed=4)
     assert p50_above > cap.cold_prefill_s  # ... and fails 25% above it
     # Below the throughput figure (it ignores queueing), and the search says how it got there.
     assert cap.rps < cap.throughput_rps
     assert any(s["holds"] for s in cap.search) and not all(s["holds"] for s in cap.search)
-    sweep._CAPACITY_CACHE.clear()
-    again = sweep.find_capacity(wl, spec, 3, seed=4)
+    capacity._CAPACITY_CACHE.clear()
+    again = capacity.find_capacity(wl, spec, 3, seed=4)
     assert again.rps == cap.rps and again.search == cap.search
 
 
 def test_slower_gpus_lower_the_capacity_in_proportion():
     # --server-args=--time-scale=2 (as a real sweep passes it) doubles every step: the same search, rates halved.
     wl = _wl(num_requests=80)
-    fast = sweep.find_capacity(wl, virtual_run.engine_spec(PROFILE), 2)
+    fast = capacity.find_capacity(wl, virtual_run.engine_spec(PROFILE), 2)
     slow_spec = virtual_run.engine_spec(PROFILE, ["--time-scale=2"])
     assert slow_spec.config.time_scale == 2.0
-    slow = sweep.find_capacity(wl, slow_spec, 2)
+    slow = capacity.find_capacity(wl, slow_spec, 2)
     assert slow.rps == pytest.approx(fast.rps / 2, rel=1e-6)
     assert slow.cold_prefill_s == pytest.approx(2 * fast.cold_prefill_s)
     # A real sweep's capacity tolerates failure injection the virtual fleet does not simulate.
@@ -138,10 +138,10 @@ def test_virtual_sweep_document_report_and_plots(tmp_path):
     wl = _wl()
     spec = virtual_run.engine_spec(PROFILE)
     doc = sweep.run_virtual_sweep(wl, routers, num_servers=4, spec=spec, load_percents=(50, 150), log=_quiet)
-    cap = sweep.find_capacity(wl, spec, 4)
+    cap = capacity.find_capacity(wl, spec, 4)
     assert doc["kind"] == "sweep" and doc["virtual"] is True
     assert doc["capacity_rps"] == pytest.approx(cap.rps, rel=1e-3)
-    assert doc["capacity"]["definition"] == sweep.CAPACITY_DEFINITION
+    assert doc["capacity"]["definition"] == capacity.CAPACITY_DEFINITION
     assert doc["capacity"]["throughput_rps"] > doc["capacity_rps"]
     assert list(doc["skipped"]) == ["sglang-router"]
     assert [p["load_percent"] for p in doc["points"]] == [50, 150]
@@ -162,7 +162,7 @@ def test_virtual_sweep_document_report_and_plots(tmp_path):
     assert hot["sim:oracle"]["ttft_ms"]["p90"] > cold["sim:oracle"]["ttft_ms"]["p90"]  # load shows
     assert hot["sim:oracle"]["ttft_ms"]["p50"] <= hot["prefixroute:random"]["ttft_ms"]["p50"]
 
-    files = sweep.write_sweep_outputs(tmp_path, doc, command="prefixroute bench --sweep-load-percents 50,150")
+    files = sweep_report.write_sweep_outputs(tmp_path, doc, command="prefixroute bench --sweep-load-percents 50,150")
     back = json.loads((tmp_path / "results.json").read_text())
     assert back["points"][1]["runs"]["sim:oracle"]["ttft_ms"] == hot["sim:oracle"]["ttft_ms"]
     assert back["command"].startswith("prefixroute bench")
@@ -171,7 +171,7 @@ def test_virtual_sweep_document_report_and_plots(tmp_path):
     assert len(rows) == 2 * 4
     assert f"{doc['capacity_rps']:.3f} req/s" in md and "prediction MAPE" in md and "(all)" in md
     assert "--sweep-load-percents 50,150" in md and "sglang-router" in md  # the command; the skipped peer
-    for name in sweep.PLOT_FILES:
+    for name in sweep_report.PLOT_FILES:
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG" and (tmp_path / name) in files.values()
 
 
@@ -219,8 +219,8 @@ def test_cli_sweep_defaults(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sweep, "run_virtual_sweep", fake)
     monkeypatch.setattr(sweep, "run_real_sweep", lambda wl, routers, fleet, out, **kw: fake(wl, routers))
-    monkeypatch.setattr(sweep, "write_sweep_outputs", lambda *a, **k: {})
-    monkeypatch.setattr(sweep, "render_report", lambda *a, **k: "")
+    monkeypatch.setattr(sweep_report, "write_sweep_outputs", lambda *a, **k: {})
+    monkeypatch.setattr(sweep_report, "render_report", lambda *a, **k: "")
     _run("--virtual", "--sweep-load-percents", "50", "--out", str(tmp_path))
     _run("--virtual", "--sweep-load-percents", "50", "--num-requests", "40", "--out", str(tmp_path))
     _run("--sweep-load-percents", "50", "--out", str(tmp_path))
@@ -244,7 +244,7 @@ def test_retimed_keeps_tokens_and_takes_the_new_arrivals():
     spec = virtual_run.engine_spec()
     sims = virtual_run.build_sim_requests(workloads.apply_arrivals(wl, "poisson", rate_rps=1.0), spec)
     later = workloads.apply_arrivals(wl, "poisson", rate_rps=4.0)
-    out = sweep.retimed(sims, later)
+    out = capacity.retimed(sims, later)
     at = {str(r.index): r.arrival_s for r in later.requests}
     assert [s.arrival_s for s in out] == sorted(at.values())
     assert all(s.arrival_s == at[s.request_id] for s in out)

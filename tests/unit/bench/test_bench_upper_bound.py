@@ -7,6 +7,7 @@ import pytest
 
 from prefixroute.bench import upper_bound as ub
 from prefixroute.bench import workloads as w
+from prefixroute.bench.traces import TraceRecord, trace_workload
 
 
 @pytest.mark.parametrize("lengths_and_prefixes,expected", [
@@ -58,8 +59,8 @@ def test_shared_prompts_bound_matches_counting_by_hand():
 
 
 def test_trace_bound_counts_shared_trace_blocks(tmp_path):
-    recs = [w.TraceRecord(0, 1024, 1, (1, 2)), w.TraceRecord(1, 1024, 1, (1, 2)), w.TraceRecord(2, 600, 1, (3, 4))]
-    wl = w.trace_workload(recs, api="completions")
+    recs = [TraceRecord(0, 1024, 1, (1, 2)), TraceRecord(1, 1024, 1, (1, 2)), TraceRecord(2, 600, 1, (3, 4))]
+    wl = trace_workload(recs, api="completions")
     bound = ub.upper_bound(wl)
     assert bound.prompt_tokens == 1024 + 1024 + 600
     assert bound.cached_tokens == 1024 - 16  # identical 2nd prompt: all but the last block

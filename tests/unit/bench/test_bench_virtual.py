@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from prefixroute.bench import results, upper_bound, virtual_run, workloads
+from prefixroute.bench.traces import TraceRecord, trace_workload, write_trace
 from prefixroute.model_servers.virtual_fleet import SimRequest
 
 
@@ -102,9 +103,9 @@ def test_a_turn_is_sent_only_after_the_previous_turn_finished(arrival):
 
 
 def test_prompt_longer_than_the_context_window_is_the_servers_400_not_a_crash():
-    recs = [workloads.TraceRecord(0, 600, 4, (1, 2)), workloads.TraceRecord(10, 600, 4, (1, 3)),
-            workloads.TraceRecord(20, 100, 4, (1,))]
-    wl = workloads.trace_workload(recs)
+    recs = [TraceRecord(0, 600, 4, (1, 2)), TraceRecord(10, 600, 4, (1, 3)),
+            TraceRecord(20, 100, 4, (1,))]
+    wl = trace_workload(recs)
     spec = virtual_run.engine_spec(server_args=("--num-gpu-blocks", "36"))
     res, _, _ = virtual_run.simulate_policy(wl, "prefix", num_servers=2, spec=spec)
     # 36 blocks x 16 tokens = 576-token window: a 600-token prompt does not fit; the server says so (routed first).
@@ -155,7 +156,7 @@ def test_cli_rejects_unsimulated_server_args_with_exit_2(tmp_path):
 
 def test_cli_virtual_trace_writes_outputs(tmp_path):
     trace = tmp_path / "t.jsonl"
-    workloads.write_trace(trace, [workloads.TraceRecord(i * 100, 700 + i, 8, (0, 10 + i % 3)) for i in range(30)])
+    write_trace(trace, [TraceRecord(i * 100, 700 + i, 8, (0, 10 + i % 3)) for i in range(30)])
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "prefixroute", "bench", "--virtual", "--trace", str(trace),
                            "--trace-stop", "20", "--trace-time-scale", "0.5", "--servers", "8", "--routers",
@@ -283,7 +284,8 @@ def test_tenant_header_reaches_the_router_and_keeps_tenants_apart(recording):
 def test_our_router_starts_from_the_simulated_fleets_own_speed(monkeypatch):
     """`prefixroute bench` configures our time model's prior from the fleet it starts (profile, --time-scale),
     as an operator sets --ttft-prior-tokens-per-s for their GPUs; the environment's setting wins."""
-    from prefixroute.bench.runner import FleetConfig, prior_gateway_args
+    from prefixroute.bench.fleet import FleetConfig
+    from prefixroute.bench.runner import prior_gateway_args
 
     for name in ("PREFIXROUTE_TTFT_PRIOR_TOKENS_PER_S", "PREFIXROUTE_TTFT_PRIOR_BASE_S"):
         monkeypatch.delenv(name, raising=False)

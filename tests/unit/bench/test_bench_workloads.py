@@ -9,13 +9,16 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from prefixroute.bench import workloads as w
+from prefixroute.bench.synthetic_text import block_text
+from prefixroute.bench.traces import TraceFormatError, TraceRecord, load_trace, parse_trace_line, slice_trace, trace_prompt, trace_workload, write_trace
+from prefixroute.bench.workload_spec import CHARS_PER_TOKEN, RequestSpec
 
 
 def _common_prefix_len(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
 
-def _text(r: w.RequestSpec) -> str:
+def _text(r: RequestSpec) -> str:
     return r.prompt if r.prompt is not None else "".join(m["content"] for m in r.messages)
 
 
@@ -35,7 +38,7 @@ def test_same_seed_same_requests_other_seed_differs(name):
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 16, 100, 512])
 def test_block_text_length_is_exactly_four_chars_per_token(num_tokens):
-    assert len(w.block_text(0, "x", 1, num_tokens)) == num_tokens * w.CHARS_PER_TOKEN
+    assert len(block_text(0, "x", 1, num_tokens)) == num_tokens * CHARS_PER_TOKEN
 
 
 @given(a=st.integers(0, 10**6), b=st.integers(0, 10**6))
@@ -44,7 +47,7 @@ def test_distinct_block_ids_share_less_than_one_cache_block(a, b):
     if a == b:
         return
     # 16 tokens = 64 chars: two different blocks must never share a whole cache block of text.
-    assert _common_prefix_len(w.block_text(0, "h", a, 32), w.block_text(0, "h", b, 32)) < 64
+    assert _common_prefix_len(block_text(0, "h", a, 32), block_text(0, "h", b, 32)) < 64
 
 
 def test_shared_prompts_structure():
@@ -67,7 +70,7 @@ def test_multi_turn_resends_growing_conversation():
     wl = w.multi_turn(num_sessions=3, num_turns=4, system_tokens=32, user_tokens=8, output_tokens=8,
                       max_active_sessions=2, seed=0)
     assert len(wl.requests) == 12
-    last: dict[str, w.RequestSpec] = {}
+    last: dict[str, RequestSpec] = {}
     for r in wl.requests:
         prev = last.get(r.session_id)
         if prev is None:
@@ -88,7 +91,7 @@ def test_documents_zipf_makes_first_document_most_popular():
     counts: dict[str, int] = {}
     for r in wl.requests:
         counts[r.group_id] = counts.get(r.group_id, 0) + 1
-        assert r.messages[1]["content"].startswith(w.block_text(2, "doc", int(r.group_id[4:]), 64))
+        assert r.messages[1]["content"].startswith(block_text(2, "doc", int(r.group_id[4:]), 64))
     assert max(counts, key=counts.get) == "doc-0"
     assert counts["doc-0"] > 400 / 10 * 2
 
@@ -121,11 +124,11 @@ def trace_file(tmp_path):
 
 
 def test_trace_mapping_blocks_and_partial_last_block(trace_file):
-    recs = w.load_trace(trace_file)
+    recs = load_trace(trace_file)
     assert len(recs) == 4
-    wl = w.trace_workload(recs, seed=9)
+    wl = trace_workload(recs, seed=9)
     texts = [_text(r) for r in wl.requests]
-    blk = lambda h: w.block_text(9, "h", h, 512)  # noqa: E731
+    blk = lambda h: block_text(9, "h", h, 512)  # noqa: E731
     # Lengths follow input_length exactly (4 chars per token), last block partial.
     assert [len(t) for t in texts] == [r["input_length"] * 4 for r in RECORDS]
     assert texts[0] == blk(0) + blk(1) + blk(2)[: (1100 - 1024) * 4]
@@ -141,7 +144,7 @@ def test_trace_mapping_blocks_and_partial_last_block(trace_file):
 @pytest.mark.parametrize("scale,expected", [(1.0, [0.0, 1.0, 2.5, 4.0]), (0.5, [0.0, 0.5, 1.25, 2.0]),
                                             (2.0, [0.0, 2.0, 5.0, 8.0])])
 def test_trace_time_scaling(trace_file, scale, expected):
-    wl = w.trace_workload(w.load_trace(trace_file), time_scale=scale)
+    wl = trace_workload(load_trace(trace_file), time_scale=scale)
     assert [r.arrival_s for r in wl.requests] == pytest.approx(expected)
 
 
@@ -153,12 +156,12 @@ def test_trace_time_scaling(trace_file, scale, expected):
     (dict(start_s=10.0), []),
 ])
 def test_trace_slicing(trace_file, kw, expected_ts):
-    recs = w.slice_trace(w.load_trace(trace_file), **kw)
+    recs = slice_trace(load_trace(trace_file), **kw)
     assert [r.timestamp_ms for r in recs] == expected_ts
 
 
 def test_sliced_trace_arrivals_start_at_zero(trace_file):
-    wl = w.trace_workload(w.slice_trace(w.load_trace(trace_file), start=2))
+    wl = trace_workload(slice_trace(load_trace(trace_file), start=2))
     assert [r.arrival_s for r in wl.requests] == pytest.approx([0.0, 1.5])
 
 
@@ -178,15 +181,15 @@ def test_sliced_trace_arrivals_start_at_zero(trace_file):
     ("not json", "line 7: not JSON"),
 ])
 def test_bad_trace_lines_name_the_line(line, fragment):
-    with pytest.raises(w.TraceFormatError, match=fragment):
-        w.parse_trace_line(line, 7)
+    with pytest.raises(TraceFormatError, match=fragment):
+        parse_trace_line(line, 7)
 
 
 def test_write_trace_round_trips(tmp_path, trace_file):
-    recs = w.load_trace(trace_file)
+    recs = load_trace(trace_file)
     out = tmp_path / "copy.jsonl"
-    w.write_trace(out, recs)
-    assert w.load_trace(out) == recs
+    write_trace(out, recs)
+    assert load_trace(out) == recs
 
 
 # --------------------------------------------------------------------------------------------- arrivals
@@ -203,7 +206,7 @@ def test_poisson_arrivals_are_seeded_and_have_the_rate():
 
 
 def test_closed_arrivals_clear_times_and_trace_arrivals_need_a_trace(trace_file):
-    wl = w.trace_workload(w.load_trace(trace_file))
+    wl = trace_workload(load_trace(trace_file))
     assert all(r.arrival_s is None for r in w.apply_arrivals(wl, "closed").requests)
     assert w.apply_arrivals(wl, "trace") is wl
     with pytest.raises(ValueError, match="trace workload"):
@@ -232,7 +235,7 @@ def trace_records(draw):
     n = draw(st.integers(1, 6))
     ids = tuple(draw(st.lists(st.integers(0, 50), min_size=n, max_size=n)))
     length = draw(st.integers(512 * (n - 1) + 1, 512 * n))
-    return w.TraceRecord(float(draw(st.integers(0, 10**7))), length, draw(st.integers(0, 2000)), ids)
+    return TraceRecord(float(draw(st.integers(0, 10**7))), length, draw(st.integers(0, 2000)), ids)
 
 
 @given(rec=trace_records())
@@ -240,13 +243,13 @@ def trace_records(draw):
 def test_any_valid_record_round_trips_and_maps_to_exact_length(rec):
     line = json.dumps({"timestamp": int(rec.timestamp_ms), "input_length": rec.input_length,
                        "output_length": rec.output_length, "hash_ids": list(rec.hash_ids)})
-    assert w.parse_trace_line(line) == rec
-    text = w.trace_prompt(rec, seed=1)
-    assert len(text) == rec.input_length * w.CHARS_PER_TOKEN
+    assert parse_trace_line(line) == rec
+    text = trace_prompt(rec, seed=1)
+    assert len(text) == rec.input_length * CHARS_PER_TOKEN
     # Block k of the text is the block of hash id k (the last one possibly cut).
     for k, h in enumerate(rec.hash_ids):
         chunk = text[k * 2048:(k + 1) * 2048]
-        assert w.block_text(1, "h", h, 512).startswith(chunk)
+        assert block_text(1, "h", h, 512).startswith(chunk)
 
 
 @given(a=trace_records(), b=trace_records())
@@ -255,7 +258,7 @@ def test_shared_leading_ids_share_exactly_that_text(a, b):
     k = 0
     while k < min(len(a.hash_ids), len(b.hash_ids)) and a.hash_ids[k] == b.hash_ids[k]:
         k += 1
-    ta, tb = w.trace_prompt(a), w.trace_prompt(b)
+    ta, tb = trace_prompt(a), trace_prompt(b)
     common = _common_prefix_len(ta, tb)
     # Full shared blocks are shared text (up to the shorter prompt); a differing block adds < 64 chars.
     assert common >= min(k * 2048, len(ta), len(tb))
@@ -267,8 +270,8 @@ def test_shared_leading_ids_share_exactly_that_text(a, b):
 @settings(max_examples=100, deadline=None)
 def test_parser_never_raises_anything_but_trace_format_error(junk):
     try:
-        w.parse_trace_line(junk, 3)
-    except w.TraceFormatError as exc:
+        parse_trace_line(junk, 3)
+    except TraceFormatError as exc:
         assert "line 3" in str(exc)
 
 
@@ -281,8 +284,8 @@ _json_values = st.recursive(st.none() | st.booleans() | st.integers(-10, 2000) |
 @settings(max_examples=200, deadline=None)
 def test_parser_on_wrong_field_types_raises_only_trace_format_error(obj):
     try:
-        rec = w.parse_trace_line(json.dumps(obj), 5)
-    except w.TraceFormatError as exc:
+        rec = parse_trace_line(json.dumps(obj), 5)
+    except TraceFormatError as exc:
         assert "line 5" in str(exc)
     else:
         assert 512 * (len(rec.hash_ids) - 1) < rec.input_length <= 512 * len(rec.hash_ids)
@@ -291,8 +294,8 @@ def test_parser_on_wrong_field_types_raises_only_trace_format_error(obj):
 def test_other_block_sizes_map_the_same_way(tmp_path):
     p = tmp_path / "t16.jsonl"
     p.write_text('{"timestamp": 0, "input_length": 20, "output_length": 2, "hash_ids": [7, 8]}\n')
-    with pytest.raises(w.TraceFormatError, match="does not fit"):
-        w.load_trace(p)  # 20 tokens do not fill 2 blocks of 512
-    recs = w.load_trace(p, block_tokens=16)
-    (r,) = w.trace_workload(recs, block_tokens=16, api="completions").requests
-    assert r.prompt == w.block_text(0, "h", 7, 16) + w.block_text(0, "h", 8, 16)[:16]
+    with pytest.raises(TraceFormatError, match="does not fit"):
+        load_trace(p)  # 20 tokens do not fill 2 blocks of 512
+    recs = load_trace(p, block_tokens=16)
+    (r,) = trace_workload(recs, block_tokens=16, api="completions").requests
+    assert r.prompt == block_text(0, "h", 7, 16) + block_text(0, "h", 8, 16)[:16]

@@ -11,7 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from prefixroute.dashboard import bench_results as BR
 from prefixroute.dashboard import data as D
+from prefixroute.dashboard import router_metrics as RM
+from prefixroute.dashboard import tables as T
 
 
 @pytest.mark.parametrize("window_s, expected", [
@@ -128,7 +131,7 @@ def test_endpoint_frame_merges_live_figures_and_sorts():
     rows = [{"endpoint": "h:10", "num_requests": 3, "share_ratio": 0.75, "actual_hit_ratio": 0.5},
             {"endpoint": "h:9", "num_requests": 1, "share_ratio": 0.25, "actual_hit_ratio": None}]
     f = D.endpoint_frame(rows, mean_in_flight={"h:9": 0.5},
-                         live={"h:10": D.EndpointLive(kv_cache_usage_ratio=0.3, num_requests_running=2)})
+                         live={"h:10": RM.EndpointLive(kv_cache_usage_ratio=0.3, num_requests_running=2)})
     assert list(f["endpoint"]) == ["h:9", "h:10"]
     assert f["mean_in_flight"].iloc[0] == 0.5 and math.isnan(f["mean_in_flight"].iloc[1])
     assert f["kv_cache_usage_ratio"].iloc[1] == 0.3 and math.isnan(f["kv_cache_usage_ratio"].iloc[0])
@@ -145,7 +148,7 @@ def test_shares_leave_unrouted_requests_out_and_count_idle_endpoints_of_the_flee
     assert s.fair_share_ratio == 0.5 and s.balance_ratio == pytest.approx(6 / 8 * 2)
     assert s.share_ratio("h:10") == 0.75
     # An endpoint the router reports that served nothing is part of the fleet: fair share 1/3, not 1/2.
-    s = D.endpoint_shares(rows, live={"h:11": D.EndpointLive(healthy=True)})
+    s = D.endpoint_shares(rows, live={"h:11": RM.EndpointLive(healthy=True)})
     assert s.endpoints == ("h:9", "h:10", "h:11") and s.fair_share_ratio == pytest.approx(1 / 3)
     assert s.balance_ratio == pytest.approx(6 / 8 * 3)
     assert D.endpoint_shares([{"endpoint": None, "num_requests": 3}]).balance_ratio is None
@@ -154,15 +157,15 @@ def test_shares_leave_unrouted_requests_out_and_count_idle_endpoints_of_the_flee
 
 def test_endpoint_frame_has_a_row_per_fleet_endpoint_and_none_for_the_unrouted():
     rows = [{"endpoint": "a:1", "num_requests": 3, "share_ratio": 0.3}, {"endpoint": None, "num_requests": 7}]
-    f = D.endpoint_frame(rows, live={"b:2": D.EndpointLive(kv_cache_usage_ratio=500 / 70_000)})
+    f = D.endpoint_frame(rows, live={"b:2": RM.EndpointLive(kv_cache_usage_ratio=500 / 70_000)})
     assert list(f["endpoint"]) == ["a:1", "b:2"] and D.UNKNOWN_ENDPOINT not in set(f["endpoint"])
     assert list(f["num_requests"]) == [3, 0]
     assert list(f["share_ratio"]) == [1.0, 0.0]  # of the routed requests, not of all ten
-    assert list(D.endpoint_table(f).columns[:3]) == ["endpoint", "requests", "share"]
-    table = D.endpoint_table(f, D.LIVE_TABLE_COLUMNS)
+    assert list(T.endpoint_table(f).columns[:3]) == ["endpoint", "requests", "share"]
+    table = T.endpoint_table(f, T.LIVE_TABLE_COLUMNS)
     assert table["KV usage"].iloc[1] == "0.7\u00a0%"  # 500 blocks of 70,000: not "0 %"
     assert table["KV usage"].iloc[0] == "–" and "running" not in table.columns  # a column with no value: left out
-    assert list(D.endpoint_table(D.endpoint_frame(rows), D.LIVE_TABLE_COLUMNS).columns) == ["endpoint"]
+    assert list(T.endpoint_table(D.endpoint_frame(rows), T.LIVE_TABLE_COLUMNS).columns) == ["endpoint"]
 
 
 def test_unrouted_sentence_says_what_they_were():
@@ -195,9 +198,9 @@ def test_recent_frame_computes_each_request_hit_ratio():
 
 
 @pytest.mark.parametrize("fn, value, text", [
-    (D.format_ratio, None, "–"), (D.format_ratio, 0.8234, "82.3 %"), (D.format_ratio, 1.0, "100.0 %"),
-    (D.format_ms, 3.14159, "3.1 ms"), (D.format_ms, 1234.5, "1,234 ms"), (D.format_ms, None, "–"),
-    (D.format_us, 250.0, "250 µs"), (D.format_us, 2500.0, "2.50 ms"), (D.format_us, None, "–"),
+    (T.format_ratio, None, "–"), (T.format_ratio, 0.8234, "82.3 %"), (T.format_ratio, 1.0, "100.0 %"),
+    (T.format_ms, 3.14159, "3.1 ms"), (T.format_ms, 1234.5, "1,234 ms"), (T.format_ms, None, "–"),
+    (T.format_us, 250.0, "250 µs"), (T.format_us, 2500.0, "2.50 ms"), (T.format_us, None, "–"),
 ])
 def test_formatting(fn, value, text):
     assert fn(value) == text
@@ -216,10 +219,10 @@ def test_parse_router_metrics_from_the_router_own_metrics():
               EndpointState('odd"name\\:1', healthy=False))
     m = RouterMetrics(endpoint_states=lambda: states, in_flight=lambda: {"10.0.0.9:1": 5})
     m.observe_decision(Decision(("10.0.0.7:1",), "cold", "prefix"), 10.0)
-    live = D.parse_router_metrics(generate_latest(m.registry).decode())
-    assert live == {"10.0.0.1:8000": D.EndpointLive(kv_cache_usage_ratio=0.42, num_requests_running=3.0,
+    live = RM.parse_router_metrics(generate_latest(m.registry).decode())
+    assert live == {"10.0.0.1:8000": RM.EndpointLive(kv_cache_usage_ratio=0.42, num_requests_running=3.0,
                                                     num_requests_waiting=1.0, healthy=True),
-                    'odd"name\\:1': D.EndpointLive(healthy=False)}
+                    'odd"name\\:1': RM.EndpointLive(healthy=False)}
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -227,10 +230,10 @@ def test_parse_router_metrics_from_the_router_own_metrics():
     ("vllm:kv_cache_usage_perc 0.5\n", {}),  # a model server's names are not the router's
     ('prefixroute_endpoint_kv_cache_usage_ratio{endpoint="a:1"} NaN\n', {}),
     ('prefixroute_endpoint_healthy{endpoint="a:1"} 1\nthis is { not prometheus\n',
-     {"a:1": D.EndpointLive(healthy=True)}),
+     {"a:1": RM.EndpointLive(healthy=True)}),
 ])
 def test_parse_router_metrics_edge_cases(text, expected):
-    assert D.parse_router_metrics(text) == expected
+    assert RM.parse_router_metrics(text) == expected
 
 
 BENCH = {"workload": {"name": "shared-prompts", "num_requests": 300}, "upper_bound_hit_ratio": 0.9,
@@ -250,15 +253,15 @@ def test_bench_results_found_newest_first_and_parsed(tmp_path):
         p.parent.mkdir(parents=True)
         p.write_text(json.dumps(BENCH))
         os.utime(p, (1000 + i, 1000 + i))
-    assert D.find_bench_results(tmp_path) == [str(new), str(old)]
-    assert D.find_bench_results(tmp_path / "missing") == []
-    res = D.load_bench_result(str(new))
+    assert BR.find_bench_results(tmp_path) == [str(new), str(old)]
+    assert BR.find_bench_results(tmp_path / "missing") == []
+    res = BR.load_bench_result(str(new))
     assert res.upper_bound_hit_ratio == 0.9 and res.label == "run-new · shared-prompts"
-    f = D.bench_frame(res)
+    f = BR.bench_frame(res)
     assert list(f["router"]) == ["prefixroute:random", "prefixroute:prefix"]
     assert list(f["ttft_ms_p50"]) == [800.0, 100.0]
     assert f["balance_ratio"].tolist() == [pytest.approx(1.0), pytest.approx(1.6)]
-    long = D.bench_ttft_long(f)
+    long = BR.bench_ttft_long(f)
     assert len(long) == 6 and set(long["percentile"]) == {"p50", "p90", "p99"}
 
 
@@ -268,7 +271,7 @@ def test_bad_bench_files_are_rejected_with_a_reason(tmp_path, content, message):
     p = tmp_path / "results.json"
     p.write_text(content)
     with pytest.raises(ValueError, match=message):
-        D.load_bench_result(str(p))
+        BR.load_bench_result(str(p))
 
 
 @pytest.mark.parametrize("refresh_s, window_s, expected", [
@@ -291,7 +294,7 @@ def test_the_index_column_shows_why_an_events_endpoint_is_not_matched_by_its_eve
             "d:1": {"source": "feedback", "events_state": "down", "connected": False},
             "e:1": {"source": "feedback"}}  # publishes no events
     m = RouterMetrics(index_info=lambda: info)
-    live = D.parse_router_metrics(generate_latest(m.registry).decode())
+    live = RM.parse_router_metrics(generate_latest(m.registry).decode())
     rows = [{"endpoint": ep, "num_requests": 1} for ep in info]
     frame = D.endpoint_frame(rows, live=live)
     assert dict(zip(frame["endpoint"], frame["index_source"])) == {

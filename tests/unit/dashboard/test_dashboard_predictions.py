@@ -13,6 +13,7 @@ from streamlit.testing.v1 import AppTest
 from helpers.dashboard import (expected_predictions as expected, metric, prediction_records as make_records,
                                run_app, write)
 from prefixroute.dashboard import data as D
+from prefixroute.dashboard import tables as T
 
 pytestmark = pytest.mark.usefixtures("dashboard_env")  # conftest.py
 
@@ -41,12 +42,12 @@ def test_prediction_frame_long_and_table():
     long = D.prediction_long(frame)
     assert sorted(map(tuple, long[["endpoint", "kind", "ttft_ms"]].values.tolist())) == [
         ("h:10", "actual", 250.0), ("h:10", "predicted", 40.0), ("h:9", "actual", 80.0), ("h:9", "predicted", 100.0)]
-    table = D.prediction_table(frame)
+    table = T.prediction_table(frame)
     assert list(table.index) == ["h:9", "h:10"]
     assert table.loc["h:10"].tolist() == ["2", "40.0 ms", "250 ms", "84.0 %", "+525.0\u00a0%", "–"]
     assert table.loc["h:9"].tolist() == ["1", "100 ms", "80.0 ms", "25.0 %", "-20.0\u00a0%", "610 ms"]
     empty = D.prediction_frame({"num_predicted": 0, "fleet": None, "endpoints": []})
-    assert len(empty) == 0 and len(D.prediction_long(empty)) == 0 and len(D.prediction_table(empty)) == 0
+    assert len(empty) == 0 and len(D.prediction_long(empty)) == 0 and len(T.prediction_table(empty)) == 0
 
 
 # --- the app -------------------------------------------------------------------------------------------
@@ -70,8 +71,8 @@ def test_panel_shows_predicted_vs_actual_per_endpoint(tmp_path, monkeypatch):
     for ep, row in table.iterrows():
         w = want[ep]
         assert row["requests"] == f"{w['n']:,}"
-        assert row["predicted p50"] == D.format_ms(w["pred"]) and row["actual p50"] == D.format_ms(w["actual"])
-        assert row["abs. error p50"] == D.format_ratio(w["ape"])
+        assert row["predicted p50"] == T.format_ms(w["pred"]) and row["actual p50"] == T.format_ms(w["actual"])
+        assert row["abs. error p50"] == T.format_ratio(w["ape"])
     scored = sum(w["n"] for w in want.values())
     assert metric(at, "Requests with a prediction") == f"{scored:,}"
     assert "No TTFT predictions" not in "\n".join(i.value for i in at.info)

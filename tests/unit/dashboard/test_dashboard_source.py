@@ -11,7 +11,8 @@ import pytest
 
 from prefixroute.dashboard.source import DataSource
 from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store import StoreMissing, TelemetryStore
+from prefixroute.telemetry.store import TelemetryStore
+from prefixroute.telemetry.store_schema import StoreMissing
 
 NOW = 1_800_000_000.0
 
@@ -33,17 +34,17 @@ def test_missing_store_then_created_then_deleted_then_recreated(tmp_path):
     db = tmp_path / "t.db"
     src = DataSource(db=str(db))
     with pytest.raises(StoreMissing):
-        src.call("num_requests")
+        src.query(lambda q: q.num_requests())
     write(db, [rec(1, NOW - 5, 100)])
-    assert src.call("num_requests") == 1
+    assert src.query(lambda q: q.num_requests()) == 1
     # Deleted: the open connection would still read the unlinked file; the source must notice.
     for suffix in ("", "-wal", "-shm"):
         if os.path.exists(f"{db}{suffix}"):
             os.remove(f"{db}{suffix}")
     with pytest.raises(StoreMissing):
-        src.call("num_requests")
+        src.query(lambda q: q.num_requests())
     write(db, [rec(i, NOW - 5, 100) for i in range(2, 5)])
-    assert src.call("num_requests") == 3
+    assert src.query(lambda q: q.num_requests()) == 3
     src.close()
 
 
@@ -51,18 +52,18 @@ def test_replaced_file_is_reopened(tmp_path):
     db = tmp_path / "t.db"
     write(db, [rec(1, NOW - 5, 100)])
     src = DataSource(db=str(db))
-    assert src.call("num_requests") == 1
+    assert src.query(lambda q: q.num_requests()) == 1
     other = tmp_path / "other.db"
     write(other, [rec(i, NOW - 5, 100) for i in range(2, 9)])
     os.replace(other, db)  # a new inode at the same path
-    assert src.call("num_requests") == 7
+    assert src.query(lambda q: q.num_requests()) == 7
 
 
 def test_not_a_database_reads_as_missing_not_a_crash(tmp_path):
     db = tmp_path / "t.db"
     db.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(StoreMissing, match="not readable"):
-        DataSource(db=str(db)).call("summary", 60.0, now=NOW)
+        DataSource(db=str(db)).query(lambda q: q.summary(60.0, now=NOW))
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -88,7 +89,7 @@ def test_mean_in_flight_is_none_for_a_url_source():
 
 @pytest.mark.parametrize("bucket_s", [1.0, 10.0, 60.0])
 def test_endpoint_series_agrees_with_the_store_timeseries(tmp_path, bucket_s):
-    from prefixroute.telemetry.store import StoreReader
+    from prefixroute.telemetry.store_reader import StoreReader
 
     rnd = random.Random(int(bucket_s))
     records = []

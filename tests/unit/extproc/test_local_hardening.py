@@ -15,7 +15,8 @@ from helpers.waiting import until
 from prefixroute import identity
 from prefixroute.extproc.gateway import GATEWAY_DIR_PREFIX, OWNER_FILE, _owner_line, remove_stale_gateway_dirs
 from prefixroute.extproc.peers.server import nats_config
-from prefixroute.telemetry.receiver import ReceiverStats, StoreWriter, envoy_rows
+from prefixroute.telemetry.otlp_decode import envoy_rows
+from prefixroute.telemetry.receiver import ReceiverStats, StoreWriter
 
 
 def _folder(root: Path, name: str, owner: str | None) -> Path:

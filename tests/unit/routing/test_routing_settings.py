@@ -38,7 +38,7 @@ def test_every_field_is_documented():
 def test_every_declared_policy_is_accepted_and_listed_wherever_policies_are_listed():
     import dataclasses
 
-    from prefixroute.bench.runner import parse_router
+    from prefixroute.bench.routers import parse_router
     from prefixroute.bench.settings import DEFAULT_ROUTERS, BenchSettings
     from prefixroute.extproc.routing.settings import POLICIES
 

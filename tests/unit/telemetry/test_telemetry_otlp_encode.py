@@ -64,7 +64,7 @@ def test_varint(n, encoded):
 def test_any_value_round_trips(value):
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-    from prefixroute.telemetry.receiver import any_value as decode
+    from prefixroute.telemetry.otlp_decode import any_value as decode
 
     got = decode(AnyValue.FromString(any_value(value)))
     assert got == (list(value) if isinstance(value, tuple) else value)

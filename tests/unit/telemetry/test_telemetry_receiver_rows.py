@@ -12,15 +12,15 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from prefixroute.telemetry.recorder import _SpanFactory
-from prefixroute.telemetry.receiver import request_rows
+from prefixroute.telemetry.otlp_decode import request_rows
+from prefixroute.telemetry.record_spans import SpanFactory
 from prefixroute.telemetry.records import RECORD_FIELDS, RequestRecord
 
 RESOURCE = Resource.create({"service.name": "router-under-test"})
 
 
 def encode(records):
-    factory = _SpanFactory(RESOURCE)
+    factory = SpanFactory(RESOURCE)
     return encode_spans([factory.span(r) for r in records])
 
 
@@ -82,7 +82,7 @@ def test_any_sender_is_capped_at_the_receiver():
     from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
     from prefixroute.telemetry.attributes import MAX_ATTRIBUTE_BYTES, MAX_ATTRIBUTES
-    from prefixroute.telemetry.receiver import MAX_ATTRS_JSON_BYTES
+    from prefixroute.telemetry.otlp_decode import MAX_ATTRS_JSON_BYTES
 
     huge = "x" * 1_000_000
     span = Span(trace_id=b"\x01" * 40, span_id=b"\x02" * 20, name="prefixroute.route",

@@ -12,7 +12,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from helpers.waiting import until
-from prefixroute.telemetry.recorder import TelemetryRecorder, record_attributes
+from prefixroute.telemetry.record_spans import record_attributes
+from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.tracecontext import child_context
 

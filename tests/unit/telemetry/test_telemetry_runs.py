@@ -7,7 +7,9 @@ from __future__ import annotations
 import sqlite3
 
 from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store import SCHEMA_VERSION, StoreReader, TelemetryStore
+from prefixroute.telemetry.store import TelemetryStore
+from prefixroute.telemetry.store_reader import StoreReader
+from prefixroute.telemetry.store_schema import SCHEMA_VERSION
 
 NOW = 1_800_000_000.0
 
@@ -98,6 +100,6 @@ def test_retention_forgets_runs_left_without_rows_but_not_the_current_one(tmp_pa
 
 
 def _row(r: RequestRecord) -> dict:
-    from prefixroute.telemetry.store import record_to_row
+    from prefixroute.telemetry.store_schema import record_to_row
 
     return record_to_row(r)

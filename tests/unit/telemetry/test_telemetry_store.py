@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store import StoreMissing, StoreReader, TelemetryStore, record_to_row
+from prefixroute.telemetry.store import TelemetryStore
+from prefixroute.telemetry.store_reader import StoreReader
+from prefixroute.telemetry.store_schema import StoreMissing, record_to_row
 
 NOW = 1_800_000_000.0
 ENDPOINTS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")

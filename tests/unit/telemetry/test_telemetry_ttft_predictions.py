@@ -24,10 +24,13 @@ from prefixroute.telemetry import attributes as A
 from prefixroute.telemetry.client import HttpStoreClient
 from prefixroute.telemetry.http_api import start_http_api
 from prefixroute.telemetry.metrics import RouterMetrics
-from prefixroute.telemetry.receiver import request_rows
-from prefixroute.telemetry.recorder import TelemetryRecorder, record_attributes
+from prefixroute.telemetry.otlp_decode import request_rows
+from prefixroute.telemetry.record_spans import record_attributes
+from prefixroute.telemetry.recorder import TelemetryRecorder
 from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store import SCHEMA_VERSION, StoreReader, TelemetryStore
+from prefixroute.telemetry.store import TelemetryStore
+from prefixroute.telemetry.store_reader import StoreReader
+from prefixroute.telemetry.store_schema import SCHEMA_VERSION
 from helpers.metrics import scrape
 
 

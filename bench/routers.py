@@ -1,0 +1,85 @@
+"""The routers a benchmark compares, by name: `parse_router` turns ``prefixroute:POLICY[@SOURCE][#N]``,
+``sglang-router[:POLICY]`` or ``vllm-router[:POLICY]`` (each with an optional ``/chat`` or ``/responses``
+suffix) into a `RouterSpec`.
+
+Shared by the real bench (bench/runner.py starts the router a spec names) and the virtual one
+(bench/virtual_run.py runs its policy on the virtual fleet); it imports neither, so they do not import each
+other. `PRIOR_ENV` names the environment variables that set our gateway's time-model prior: when one is set,
+both benches leave the prior to it (the operator's wins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prefixroute.extproc.routing.settings import INDEX_SOURCES, POLICIES
+
+PEER_POLICIES = {"sglang-router": ("cache_aware", "round_robin", "random", "power_of_two"),
+                 "vllm-router": ("cache_aware", "round_robin", "random", "power_of_two", "consistent_hash")}
+
+PRIOR_ENV = ("PREFIXROUTE_TTFT_PRIOR_TOKENS_PER_S", "PREFIXROUTE_TTFT_PRIOR_BASE_S")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSpec:
+    """A router to benchmark: ``kind`` prefixroute / sglang-router / vllm-router, its policy and, for our gateway,
+    the prefix index's source (``--index-source``; "" = the gateway's default)."""
+
+    name: str
+    kind: str
+    policy: str
+    index_source: str = ""
+    replicas: int = 1
+    """Our gateway's ext_proc replicas (``#N`` in the name; 1 by default, whatever the machine's cores, so runs on
+    different machines compare)."""
+    api: str = ""
+    """The API a workload with a Responses form (agents) is sent in: "responses" or "chat"; "" = the router's
+    default (`default_api`)."""
+
+    @property
+    def workload_api(self) -> str:
+        """"responses" or "chat": what the client sends requests that have both forms in."""
+        return self.api or default_api(self.kind)
+
+
+API_SUFFIXES = ("chat", "responses")
+
+
+def default_api(kind: str) -> str:
+    """Our gateway routes Responses requests (affinity to the endpoint holding the previous response); peers
+    forward /v1/responses without knowing it (sglang-router 0.3.2, vllm-router 0.1.17), so by default they get the
+    chat equivalent of the same conversations, which they do route on."""
+    return "responses" if kind == "prefixroute" else "chat"
+
+
+def parse_router(name: str) -> RouterSpec:
+    """``prefixroute:POLICY[@SOURCE][#REPLICAS]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16 ext_proc replicas
+    sharing their picks through an embedded NATS), ``sglang-router[:POLICY]``,
+    ``vllm-router[:POLICY]``, each with an optional ``/chat`` or ``/responses`` suffix (the API of the agents
+    workload, `RouterSpec.api`; the suffix stays in the name); ValueError otherwise."""
+    base, slash, api = name.strip().partition("/")
+    if slash and api not in API_SUFFIXES:
+        raise ValueError(f"router {name!r}: the suffix after / must be one of {', '.join(API_SUFFIXES)}")
+    spec = _parse_router_base(base)
+    return dataclasses.replace(spec, name=f"{spec.name}/{api}" if slash else spec.name, api=api)
+
+
+def _parse_router_base(name: str) -> RouterSpec:
+    kind, _, policy = name.strip().partition(":")
+    if kind == "prefixroute":
+        policy, hash_, replicas = policy.partition("#")
+        if hash_ and not (replicas.isdigit() and 1 <= int(replicas) <= 16):
+            raise ValueError(f"router {name!r}: replicas (after #) must be a count 1-16")
+        policy, at, source = policy.partition("@")
+        if policy not in POLICIES:
+            raise ValueError(f"router {name!r}: policy must be one of {', '.join(POLICIES)}")
+        if at and source not in INDEX_SOURCES:
+            raise ValueError(f"router {name!r}: index source (after @) must be one of {', '.join(INDEX_SOURCES)}")
+        return RouterSpec(name.strip(), kind, policy, source, replicas=int(replicas) if hash_ else 1)
+    if kind in PEER_POLICIES:
+        policy = policy or "cache_aware"
+        if policy not in PEER_POLICIES[kind]:
+            raise ValueError(f"router {name!r}: policy must be one of {', '.join(PEER_POLICIES[kind])}")
+        return RouterSpec(name if ":" in name else kind, kind, policy)
+    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE], sglang-router[:POLICY] or "
+                     f"vllm-router[:POLICY]")
