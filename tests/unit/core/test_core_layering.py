@@ -39,11 +39,7 @@ and the root package that its modules may import."""
 
 EXEMPT = frozenset({"prefixroute.cli"})
 
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # bench/runner.py <-> bench/virtual_run.py (RouterSpec, parse_router, PRIOR_ENV): broken by helper split2 in
-    # the same pass (issue 23), which moves them to a small module. Remove this entry when merging that branch.
-    frozenset({"prefixroute.bench.runner", "prefixroute.bench.virtual_run"}),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 """Import cycles tolerated for now, each exactly as found (a larger cycle through them fails)."""
 
 
