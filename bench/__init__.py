@@ -29,7 +29,7 @@ Modules (pure logic separate from I/O):
 Imports between them go one way (no cycle): both benches take router names from `routers`; `runner` imports
 `virtual_run` (the fleet's own speed as the gateway's time-model prior), never the reverse.
 
-Reproduce the README tables (real processes; ~1 min per router for the first, ~4 min per router for the
+Reproduce the tables of docs/benchmarks.md (real processes; ~1 min per router for the first, ~4 min per router for the
 second)::
 
     prefixroute bench --workload shared-prompts --out bench-results/shared-prompts

@@ -17,7 +17,7 @@ from prefixroute.settings import Settings, render_markdown
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
 DOC = "docs/configuration.md"
-"""Where the reference lives, relative to the repository root (the README links it)."""
+"""Where the reference lives, relative to the repository root (the README and docs/ link it)."""
 
 # (module, settings class), in the order a user meets them. The commands in each heading are found from the
 # real command-line parsers (`commands_taking`), so a heading names exactly the commands that take those flags.

@@ -2,7 +2,7 @@
 servers' publisher and the router's subscriber. Pure data and codecs; no sockets here.
 
 Every form a vLLM or SGLang release publishes decodes (golden payloads of the releases' own code in
-tests/data/kv_events/, the table in the README). The forms, detected per batch (`BatchDecoder`):
+tests/data/kv_events/, the table in docs/engines.md). The forms, detected per batch (`BatchDecoder`):
 
 ==========  ===================================================  ==============================================
 form        wire shape                                           published by

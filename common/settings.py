@@ -5,7 +5,7 @@ field's help text in ``field(metadata={"help": ...})``. From that single declara
 
 - `add_arguments` adds ``--field-name`` flags to an argparse parser,
 - `from_namespace` builds the instance with precedence CLI flag > env var > default,
-- `render_markdown` writes the configuration reference (README) so docs cannot drift.
+- `render_markdown` writes the configuration reference (docs/configuration.md) so docs cannot drift.
 
 The env var of a field is ``{ENV_PREFIX}{FIELD_NAME}`` upper-cased, e.g. ``PREFIXROUTE_EXTPROC_PORT``.
 Supported field types: str, int, float, bool, Optional[...] of those, tuple[str, ...] (comma-separated).

@@ -2,7 +2,7 @@
 
 Why: the official encoder builds a Python protobuf object per attribute; run on the export thread it
 holds the GIL long enough to delay the asyncio loop that carries the token stream at high request
-rates. Writing the wire format directly is much cheaper (figures: README, `python -m
+rates. Writing the wire format directly is much cheaper (figures: docs/benchmarks.md, `python -m
 prefixroute.bench.recorder`), and the export thread yields the GIL between spans. The bytes are parsed once by
 upb (C) into an ``ExportTraceServiceRequest`` and sent by `RecordSpanExporter`, a subclass of the
 official OTLPSpanExporter, so endpoint/TLS/headers/compression/timeout handling and every

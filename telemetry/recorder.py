@@ -10,7 +10,7 @@ GIL every few spans, so the export thread does not stall the event loop that car
 stream; a custom `exporter` (any SDK SpanExporter) gets SDK ReadableSpans instead.
 
 Why not the SDK's tracer + BatchSpanProcessor on the hot path: creating, filling and ending an SDK
-span with ~25 attributes costs two orders of magnitude more than queueing the record (figures: README,
+span with ~25 attributes costs two orders of magnitude more than queueing the record (figures: docs/benchmarks.md,
 ``python -m prefixroute.bench.recorder``).
 
 Failure behaviour (each tested):

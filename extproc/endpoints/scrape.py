@@ -6,7 +6,7 @@ only those lines. Several samples of one gauge (data-parallel engines, several m
 and averaged for ratios; a sample with a non-empty ``priority`` label is a per-priority breakdown beside the
 total (SGLang 0.5.23 with priority scheduling: the total under ``priority=""``) and is not added in.
 
-The names, checked against the releases' own metrics code (tests/data/engines/, README "Engine releases
+The names, checked against the releases' own metrics code (tests/data/engines/, docs/engines.md "Engine releases
 checked"): vLLM 0.33 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
 (``vllm:gpu_cache_usage_perc`` before 0.10), ``vllm:cache_config_info`` (labels ``block_size``,
 ``num_gpu_blocks``); SGLang 0.5.23 ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,

@@ -25,7 +25,7 @@ RECORD_ATTRIBUTES = {
     "prefixroute.status": "%RESPONSE_CODE%", "prefixroute.latency_ms": "%DURATION%",
     "prefixroute.start_time": "%START_TIME(%s.%6f)%", "prefixroute.endpoint": "%UPSTREAM_HOST%",
     "prefixroute.response_flags": "%RESPONSE_FLAGS%", "prefixroute.route": "%ROUTE_NAME%"}
-"""What Envoy's record of a request says (telemetry/receiver.py `envoy_log_to_row` reads these names)."""
+"""What Envoy's record of a request says (telemetry/otlp_decode.py `envoy_log_to_row` reads these names)."""
 
 
 def records_access_log(s: EnvoySettings) -> tuple[list[AccessLog], Cluster | None, Secret | None]:

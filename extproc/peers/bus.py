@@ -1,4 +1,4 @@
-"""`PeerBus`: one replica's connection to the others through NATS (README: Several replicas: what they share).
+"""`PeerBus`: one replica's connection to the others through NATS (docs/operating.md: Several replicas: what they share).
 
 Publishing (the request path): `publish(message)` appends to a buffer and, the first time in an event-loop
 tick, wakes the sender task; it never awaits, never does I/O and never raises. The sender encodes what the

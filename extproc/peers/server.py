@@ -2,7 +2,7 @@
 
 Start it with `prefixroute.procs.ManagedProcess(name, nats_server_argv(port), ports=(port,),
 ready=lambda: tcp_open(port))`; it keeps nothing on disk (no JetStream): the replicas' shared state is
-ephemeral by design (README: Several replicas).
+ephemeral by design (docs/operating.md: Several replicas).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Invariants:
   relies on hashes being chained from a seed: a block's hash is a head (position 0) in every prompt or in none.
 
 Not thread-safe: use from one thread (the router's event loop), except `num_entries_by_endpoint`. Memory
-grows with (block, endpoint) entries, bounded by each endpoint's capacity (README: per-entry cost).
+grows with (block, endpoint) entries, bounded by each endpoint's capacity (docs/benchmarks.md: Inter-token latency, decision time, prefix index memory).
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class RouterCore:
             sessions.record(request.tenant, skey, primary, request.block_hashes, now_s)  # type: ignore[arg-type]
         return decision
 
-    # --- other replicas' picks (extproc/peers; README: Several replicas) -------------------------------------
+    # --- other replicas' picks (extproc/peers; docs/operating.md: Several replicas) -------------------------------------
     def pending_tokens_of(self, request: InferenceRequest) -> float | None:
         """The prefill the policy queued for `request` at its pick, None when it keeps no queue (what a pick
         message to the other replicas carries)."""

@@ -305,7 +305,7 @@ def _check_nothing_cut_off(page, width: int) -> None:
 
 
 def _check_screenshot_command(port: int) -> None:
-    """`prefixroute dashboard-screenshot` (the README's way to a real picture) captures the drawn page, not the
+    """`prefixroute dashboard-screenshot` (the docs' way to a real picture) captures the drawn page, not the
     loading skeleton Chromium's own --screenshot gets: a full page much taller than its viewport."""
     import struct
 

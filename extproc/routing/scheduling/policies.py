@@ -119,7 +119,7 @@ class Policy:
         there still get their `on_release`. No-op by default (the prefix index is the router's, cleared by
         `RouterCore.on_cache_cleared`)."""
 
-    # --- other replicas' picks (extproc/peers; README: Several replicas) -------------------------------------
+    # --- other replicas' picks (extproc/peers; docs/operating.md: Several replicas) -------------------------------------
     def pending_tokens_of(self, request: InferenceRequest) -> float | None:
         """The uncached prefill this policy queued for `request` at its pick (None: it keeps no queue, or the
         request is no longer pending): what another replica is told to queue. None by default."""
