@@ -1,0 +1,81 @@
+"""Flow control's figures on the router's /metrics (issue 24). Names:
+
+- ``prefixroute_flow_queue_length{priority,fairness_id}``: requests held now, by class and tenant;
+- ``prefixroute_flow_held_total``, ``prefixroute_flow_admitted_total``: requests held, and admitted at once;
+- ``prefixroute_flow_released_total{reason}``: held requests released, by the event that freed capacity
+  (first_token, release, scrape, arrival);
+- ``prefixroute_flow_shed_total{reason,code}``: requests answered 429/503, by reason (deadline,
+  predicted_deadline, queue_full, evicted, no_endpoint);
+- ``prefixroute_flow_dropped_total``: held requests whose client left;
+- ``prefixroute_flow_wait_seconds``: histogram of the time held requests waited (released or shed);
+- ``prefixroute_flow_saturation``: the detector's last signal (>= 1 saturated; inf: no healthy endpoint);
+- ``prefixroute_flow_queue_bytes``: request bytes held now.
+
+Read by the metrics thread: plain integers and copies, a torn read costs at most one count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .control import WAIT_BUCKETS_S, FlowControl
+
+QUEUE_LENGTH = "prefixroute_flow_queue_length"
+HELD = "prefixroute_flow_held"
+ADMITTED = "prefixroute_flow_admitted"
+RELEASED = "prefixroute_flow_released"
+SHED = "prefixroute_flow_shed"
+DROPPED = "prefixroute_flow_dropped"
+WAIT = "prefixroute_flow_wait_seconds"
+SATURATION = "prefixroute_flow_saturation"
+QUEUE_BYTES = "prefixroute_flow_queue_bytes"
+
+
+def metrics_families(control: FlowControl) -> Iterable[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    stats = control.stats
+    lengths = GaugeMetricFamily(QUEUE_LENGTH, "Requests held in the gateway queue now, by priority class and "
+                                "fairness id.", labels=["priority", "fairness_id"])
+    for (priority, tenant), n in sorted(control.queue.lengths().items()):
+        lengths.add_metric([str(priority), tenant], n)
+    yield lengths
+    yield GaugeMetricFamily(QUEUE_BYTES, "Request body bytes held in the gateway queue now.",
+                            value=control.queue.num_bytes)
+    yield CounterMetricFamily(HELD, "Requests held in the gateway queue (the fleet was saturated).",
+                              value=stats.num_held)
+    yield CounterMetricFamily(ADMITTED, "Requests admitted at once (some endpoint had room).",
+                              value=stats.num_admitted)
+    released = CounterMetricFamily(RELEASED, "Held requests released, by the event that freed capacity.",
+                                   labels=["reason"])
+    for reason, n in sorted(dict(stats.released).items()):
+        released.add_metric([reason], n)
+    yield released
+    shed = CounterMetricFamily(SHED, "Requests shed with 429 (503: no healthy endpoint), by reason.",
+                               labels=["reason", "code"])
+    for (reason, status), n in sorted(dict(stats.shed).items()):
+        shed.add_metric([reason, str(status)], n)
+    yield shed
+    yield CounterMetricFamily(DROPPED, "Held requests whose client left before release.", value=stats.num_dropped)
+    # observe_wait counts a wait in every bucket it fits under: the counts are already cumulative
+    buckets = [(str(bound), n) for bound, n in zip(WAIT_BUCKETS_S, list(stats.wait_buckets))]
+    buckets.append(("+Inf", stats.wait_count))
+    yield HistogramMetricFamily(WAIT, "Seconds held requests waited in the gateway queue (released or shed).",
+                                buckets=buckets, sum_value=stats.wait_sum_s)
+    yield GaugeMetricFamily(SATURATION, "The saturation detector's last signal: the least loaded healthy "
+                            "endpoint's largest load figure over its bound (>= 1: saturated).",
+                            value=stats.saturation_signal)
+
+
+class FlowCollector:
+    """A prometheus_client collector of `metrics_families` (register it on the router's metrics registry)."""
+
+    def __init__(self, control: FlowControl) -> None:
+        self.control = control
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):  # noqa: ANN201
+        yield from metrics_families(self.control)

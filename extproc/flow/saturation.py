@@ -1,0 +1,88 @@
+"""The saturation detector (issue 24): can some endpoint start a request soon? Pure: the caller hands it one
+`EndpointLoad` per endpoint of the pool, built from the time model and the last scrape.
+
+An endpoint has room when all of its known signals are under their bounds:
+
+- ``queued_s``: the time model's predicted queueing there (the prefill ahead of a new request, in seconds at
+  the endpoint's learned rate, decoding load included) under ``max_queued_s``;
+- ``num_waiting``: the server's own waiting count (``vllm:num_requests_waiting``) under ``max_waiting``
+  (GIE's detector: queue depth 5);
+- ``kv_usage_ratio``: the server's KV-cache usage (``vllm:kv_cache_usage_perc``, 0-1) under ``max_kv_usage_ratio``
+  (GIE: 0.8).
+
+A scraped figure that is unknown (None: never scraped, or stale) is left out, as the time model's figure always
+exists. The pool is saturated when no healthy endpoint has room; the signal is the least loaded healthy
+endpoint's largest figure over its bound (>= 1: saturated; 0: idle), so it is one number for /metrics. With no
+healthy endpoint the signal is infinite and `Saturation.num_healthy` is 0 (the answer to a shed is then 503).
+
+Contract: below saturation (`saturated` False) the gate never holds a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+from prefixroute.types import EndpointId
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EndpointLoad:
+    """One endpoint's load now. ``queued_s`` >= 0 from the time model; ``num_waiting`` and ``kv_usage_ratio``
+    from its last fresh scrape, None when unknown; ``healthy`` False for an endpoint the pool will not pick."""
+
+    endpoint: EndpointId
+    queued_s: float
+    num_waiting: int | None = None
+    kv_usage_ratio: float | None = None
+    healthy: bool = True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Saturation:
+    """The detector's answer: ``signal`` (>= 0; >= 1 saturated, inf with no healthy endpoint), ``num_healthy``
+    and ``num_with_room`` (endpoints whose figures are all under their bounds)."""
+
+    signal: float
+    num_healthy: int
+    num_with_room: int
+
+    @property
+    def saturated(self) -> bool:
+        return self.num_with_room == 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaturationDetector:
+    """Bounds (module docstring): each > 0; a bound of inf turns its signal off."""
+
+    max_queued_s: float = 0.25
+    max_waiting: float = 5.0
+    max_kv_usage_ratio: float = 0.8
+
+    def __post_init__(self) -> None:
+        if not (self.max_queued_s > 0 and self.max_waiting > 0 and self.max_kv_usage_ratio > 0):
+            raise ValueError("saturation bounds must be > 0")
+
+    def load_ratio(self, load: EndpointLoad) -> float:
+        """`load`'s largest figure over its bound (< 1: room)."""
+        ratio = max(0.0, load.queued_s) / self.max_queued_s
+        if load.num_waiting is not None:
+            ratio = max(ratio, load.num_waiting / self.max_waiting)
+        if load.kv_usage_ratio is not None:
+            ratio = max(ratio, load.kv_usage_ratio / self.max_kv_usage_ratio)
+        return ratio
+
+    def detect(self, loads: Iterable[EndpointLoad]) -> Saturation:
+        signal = math.inf
+        num_healthy = num_with_room = 0
+        for load in loads:
+            if not load.healthy:
+                continue
+            num_healthy += 1
+            r = self.load_ratio(load)
+            if r < 1.0:
+                num_with_room += 1
+            signal = min(signal, r)
+        return Saturation(signal, num_healthy, num_with_room)

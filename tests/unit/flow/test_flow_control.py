@@ -1,0 +1,203 @@
+"""Flow control's decisions (extproc/flow/saturation.py, control.py, settings.py; issue 24): the detector's table,
+admission below and past saturation, shedding (deadline, predicted deadline, full queue, eviction of lower
+classes, 429 vs 503, Retry-After from the drain rate), and the header classification."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from prefixroute.extproc.flow.control import (
+    MAX_RETRY_AFTER_S, DrainRate, FlowControl, ReleaseReason, ShedReason, Verdict,
+)
+from prefixroute.extproc.flow.queue import QueuedRequest
+from prefixroute.extproc.flow.saturation import EndpointLoad, Saturation, SaturationDetector
+from prefixroute.extproc.flow.settings import DEFAULT_FAIRNESS_ID, Classifier, FlowSettings
+from prefixroute.types import EndpointId
+
+E1, E2 = EndpointId("a:1"), EndpointId("b:1")
+SATURATED = Saturation(signal=2.0, num_healthy=2, num_with_room=0)
+ROOM = Saturation(signal=0.5, num_healthy=2, num_with_room=1)
+NONE_HEALTHY = Saturation(signal=math.inf, num_healthy=0, num_with_room=0)
+
+
+@pytest.mark.parametrize(("loads", "saturated", "signal"), [
+    ([EndpointLoad(E1, 0.1), EndpointLoad(E2, 1.0)], False, 0.4),  # one endpoint has room
+    ([EndpointLoad(E1, 0.5), EndpointLoad(E2, 1.0)], True, 2.0),  # both past 0.25 s of queueing
+    ([EndpointLoad(E1, 0.0, num_waiting=5)], True, 1.0),  # GIE: queue depth 5 is saturated
+    ([EndpointLoad(E1, 0.0, num_waiting=4, kv_usage_ratio=0.4)], False, 0.8),
+    ([EndpointLoad(E1, 0.0, kv_usage_ratio=0.9)], True, 1.125),  # past 0.8 KV usage
+    ([EndpointLoad(E1, 0.0, num_waiting=None, kv_usage_ratio=None)], False, 0.0),  # unknown scrape: left out
+    ([EndpointLoad(E1, 0.0, healthy=False), EndpointLoad(E2, 1.0)], True, 4.0),  # unhealthy is not room
+    ([EndpointLoad(E1, 0.0, healthy=False)], True, math.inf),
+    ([], True, math.inf),
+])
+def test_detector(loads, saturated, signal) -> None:
+    s = SaturationDetector(max_queued_s=0.25, max_waiting=5, max_kv_usage_ratio=0.8).detect(loads)
+    assert s.saturated is saturated
+    assert s.signal == pytest.approx(signal)
+
+
+def _entry(key, at=0.0, priority=0, cost=1.0, nbytes=10, deadline=30.0, tenant="t") -> QueuedRequest:
+    return QueuedRequest(key, priority, tenant, cost, nbytes, at, at + deadline)
+
+
+def test_below_saturation_nothing_is_held() -> None:
+    fc = FlowControl(FlowSettings())
+    for i in range(100):
+        assert fc.offer(_entry(i), ROOM, float(i)).verdict is Verdict.ADMIT
+    assert len(fc.queue) == 0 and fc.stats.num_admitted == 100
+
+
+def test_past_saturation_requests_are_held_and_released_when_room_appears() -> None:
+    fc = FlowControl(FlowSettings())
+    for i in range(3):
+        assert fc.offer(_entry(i, cost=3 - i), SATURATED, 0.0).verdict is Verdict.HOLD
+    assert fc.release(SATURATED, 1.0, ReleaseReason.FIRST_TOKEN) is None  # still no room
+    e = fc.release(ROOM, 1.0, ReleaseReason.FIRST_TOKEN)
+    assert e.key == 2  # the cheapest
+    assert fc.stats.released == {"first_token": 1} and fc.stats.wait_count == 1 and fc.stats.wait_sum_s == 1.0
+
+
+def test_no_healthy_endpoint_is_503() -> None:
+    fc = FlowControl(FlowSettings())
+    o = fc.offer(_entry(1), NONE_HEALTHY, 0.0)
+    assert o.verdict is Verdict.SHED and o.error.status == 503 and o.reason is ShedReason.NO_ENDPOINT
+    assert b'"code":503' in o.error.body() and b"ServiceUnavailableError" in o.error.body()
+
+
+def test_full_queue_sheds_with_429_or_evicts_a_lower_class() -> None:
+    fc = FlowControl(FlowSettings(max_queued_requests=2))
+    assert fc.offer(_entry("low", priority=-1), SATURATED, 0.0).verdict is Verdict.HOLD
+    assert fc.offer(_entry("std"), SATURATED, 0.0).verdict is Verdict.HOLD
+    o = fc.offer(_entry("std2"), SATURATED, 0.0)  # evicts the sheddable one
+    assert o.verdict is Verdict.HOLD and [e.key for e in o.evicted] == ["low"]
+    o = fc.offer(_entry("std3"), SATURATED, 0.0)  # nothing lower left: shed itself
+    assert o.verdict is Verdict.SHED and o.error.status == 429 and o.reason is ShedReason.QUEUE_FULL
+    assert b"RateLimitError" in o.error.body() and o.error.retry_after_s >= 1
+    assert fc.stats.shed[("queue_full", 429)] == 1
+
+
+def test_full_queue_in_bytes() -> None:
+    fc = FlowControl(FlowSettings(max_queued_mb=1.0))
+    assert fc.offer(_entry("a", nbytes=700_000), SATURATED, 0.0).verdict is Verdict.HOLD
+    assert fc.offer(_entry("b", nbytes=400_000), SATURATED, 0.0).verdict is Verdict.SHED
+    assert fc.offer(_entry("c", nbytes=300_000), SATURATED, 0.0).verdict is Verdict.HOLD
+
+
+def test_deadline_passes_while_held() -> None:
+    fc = FlowControl(FlowSettings())
+    fc.offer(_entry("short", deadline=1.0), SATURATED, 0.0)
+    fc.offer(_entry("long", deadline=10.0), SATURATED, 0.0)
+    assert fc.expire(SATURATED, 0.5) == []
+    assert fc.next_deadline_s() == 1.0
+    out = fc.expire(SATURATED, 1.0)
+    assert [(e.key, err.status, err.reason) for e, err in out] == [("short", 429, ShedReason.DEADLINE)]
+    assert [e.key for e in fc.queue] == ["long"]
+
+
+def test_predicted_deadline_sheds_at_arrival_only_when_the_drain_says_so() -> None:
+    fc = FlowControl(FlowSettings())
+    for i in range(10):
+        fc.offer(_entry(i, cost=1.0), SATURATED, 0.0)
+    for t in range(5):  # drain: one release a second
+        fc.offer(_entry(100 + t, cost=1.0), SATURATED, float(t))
+        fc.release(ROOM, float(t), ReleaseReason.RELEASE)
+    assert fc.drain.per_s(4.0) == pytest.approx(1.0)
+    # 10 of equal cost ahead at 1/s: 2 s is too short, but a cheap one goes first and makes it
+    assert fc.offer(_entry("late", at=4.0, cost=1.0, deadline=2.0), SATURATED, 4.0).reason is \
+        ShedReason.PREDICTED_DEADLINE
+    assert fc.offer(_entry("cheap", at=4.0, cost=0.1, deadline=2.0), SATURATED, 4.0).verdict is Verdict.HOLD
+
+
+def test_retry_after_follows_the_drain_rate() -> None:
+    fc = FlowControl(FlowSettings())
+    assert fc.retry_after_s(0.0) == 1  # unknown drain
+    for i in range(20):
+        fc.offer(_entry(i), SATURATED, 0.0)
+    for t in range(6):  # 2 releases a second
+        fc.release(ROOM, t / 2, ReleaseReason.RELEASE)
+    assert fc.retry_after_s(2.5) == math.ceil((14 + 1) / 2.0)
+
+
+@hsettings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0, 100), min_size=2, max_size=80), st.integers(0, 10_000))
+def test_retry_after_is_bounded(times, held) -> None:
+    fc = FlowControl(FlowSettings())
+    for t in sorted(times):
+        fc.drain.record(t)
+    for i in range(held % 50):
+        fc.queue.push(_entry(i))
+    assert 1 <= fc.retry_after_s(max(times)) <= MAX_RETRY_AFTER_S
+
+
+def test_drain_rate() -> None:
+    d = DrainRate(window=4)
+    assert d.per_s(0.0) is None
+    for t in (0.0, 1.0, 2.0, 3.0, 4.0):
+        d.record(t)
+    assert d.per_s(4.0) == pytest.approx(3 / 3.0)
+    assert d.per_s(7.0) == pytest.approx(3 / 6.0)  # no release since: slowing down
+
+
+def test_drop_leaves_the_queue() -> None:
+    fc = FlowControl(FlowSettings())
+    e = _entry("gone")
+    fc.offer(e, SATURATED, 0.0)
+    assert fc.drop(e) and not fc.drop(e)
+    assert len(fc.queue) == 0 and fc.stats.num_dropped == 1 and fc.expire(SATURATED, 100.0) == []
+
+
+@pytest.mark.parametrize(("headers", "priority", "fairness", "deadline"), [
+    ({}, 0, DEFAULT_FAIRNESS_ID, 30.0),
+    ({"x-prefixroute-priority": "7"}, 7, DEFAULT_FAIRNESS_ID, 30.0),
+    ({"x-prefixroute-priority": "nope"}, 0, DEFAULT_FAIRNESS_ID, 30.0),  # malformed: default, no 400
+    ({"x-gateway-inference-objective": "batch"}, -1, DEFAULT_FAIRNESS_ID, 30.0),
+    ({"x-gateway-inference-objective": "unknown"}, 0, DEFAULT_FAIRNESS_ID, 30.0),
+    ({"x-gateway-inference-objective": "batch", "x-prefixroute-priority": "3"}, 3, DEFAULT_FAIRNESS_ID, 30.0),
+    ({"x-gateway-inference-fairness-id": "team-a", "x-prefixroute-tenant": "b"}, 0, "team-a", 30.0),
+    ({"x-prefixroute-tenant": "b"}, 0, "b", 30.0),
+    ({"x-prefixroute-deadline-ms": "2500"}, 0, DEFAULT_FAIRNESS_ID, 2.5),
+    ({"x-prefixroute-deadline-ms": "-5"}, 0, DEFAULT_FAIRNESS_ID, 30.0),
+    ({"x-prefixroute-deadline-ms": "inf"}, 0, DEFAULT_FAIRNESS_ID, 30.0),
+])
+def test_classifier(headers, priority, fairness, deadline) -> None:
+    c = Classifier(FlowSettings(objective_priorities=("critical=100", "batch=-1")),
+                   tenant_header="x-prefixroute-tenant").classify(headers)
+    assert (c.priority, c.fairness_id, c.deadline_s) == (priority, fairness, deadline)
+
+
+@pytest.mark.parametrize("kw", [
+    {"objective_priorities": ("nope",)}, {"objective_priorities": ("a=x",)}, {"saturation_queued_s": 0.0},
+    {"max_queued_requests": 0}, {"deadline_s": 0.0}, {"max_wait_ratio": 0.5},
+])
+def test_settings_reject_nonsense(kw) -> None:
+    with pytest.raises(ValueError):
+        FlowSettings(**kw)
+
+
+def test_metrics_show_queue_per_class_and_tenant_wait_released_shed_and_saturation() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from prefixroute.extproc.flow.metrics import FlowCollector
+
+    fc = FlowControl(FlowSettings(max_queued_requests=3))
+    fc.offer(_entry("a", tenant="x", priority=1), SATURATED, 0.0)
+    fc.offer(_entry("b", tenant="y"), SATURATED, 0.0)
+    fc.offer(_entry("c", tenant="y"), SATURATED, 0.0)
+    fc.offer(_entry("d", tenant="y"), SATURATED, 0.0)  # full: shed
+    fc.release(ROOM, 0.3, ReleaseReason.FIRST_TOKEN)
+    registry = CollectorRegistry()
+    registry.register(FlowCollector(fc))
+    text = generate_latest(registry).decode()
+    assert 'prefixroute_flow_queue_length{fairness_id="y",priority="0"} 2.0' in text
+    assert 'prefixroute_flow_queue_length{fairness_id="x"' not in text  # released: its row is gone
+    assert 'prefixroute_flow_released_total{reason="first_token"} 1.0' in text
+    assert 'prefixroute_flow_shed_total{code="429",reason="queue_full"} 1.0' in text
+    assert 'prefixroute_flow_wait_seconds_bucket{le="0.25"} 0.0' in text
+    assert 'prefixroute_flow_wait_seconds_bucket{le="0.5"} 1.0' in text
+    assert "prefixroute_flow_wait_seconds_sum 0.3" in text
+    assert "prefixroute_flow_saturation 0.5" in text
+    assert "prefixroute_flow_held_total 3.0" in text
