@@ -22,7 +22,10 @@ the 400/404 refusals), so the engine sees what a server would. API for benchmark
     results[0].ttft_s, .e2e_s, .prompt_tokens, .cached_tokens, .completion_tokens, .server, .endpoint, .status
 
 `route` may also return an `EndpointId` string, or raise `OpenAIError` to refuse the request (a router's
-4xx/5xx: no server sees it). A request the server refuses (`SimRequest.error`) is routed, then answered with
+4xx/5xx: no server sees it), or return None to hold it (a gateway queue, issue 24): the router later calls
+`fleet.dispatch(request_id, target)` or `fleet.refuse(request_id, error)` from a timer, ``on_step`` or
+``on_finish``; its TTFT then counts the wait from its arrival. `run(..., on_step=fn)` calls ``fn(fleet, i)``
+after each step (or decode run) of engine i ends: where a router learns that capacity freed. A request the server refuses (`SimRequest.error`) is routed, then answered with
 that error at once, as the HTTP server does. `fleet.call_at(t, fn)` runs a callback at a virtual time (a
 simulated router's periodic scrapes, bench/sim_pool.py). `fleet.cached_prefix_tokens(req)` gives each
 server's true prefix-cache hit for an oracle router. `run` can be called again to continue (the clock, caches
@@ -159,6 +162,13 @@ class VirtualFleet:
         self._injected: list[tuple[float, int, SimRequest]] = []
         self._inj_seq = 0
         self._on_finish: Callable[[SimResult, VirtualFleet], Iterable[SimRequest] | None] | None = None
+        self._on_step: Callable[[VirtualFleet, int], None] | None = None
+        self._held: dict[str, tuple[SimRequest, int]] = {}  # request id -> (request, order slot): route said None
+
+    @property
+    def num_held(self) -> int:
+        """Requests the router holds (its route returned None; not dispatched or refused yet)."""
+        return len(self._held)
 
     @property
     def num_servers(self) -> int:
@@ -227,6 +237,7 @@ class VirtualFleet:
     def run(self, requests: Iterable[SimRequest], route: Callable[[SimRequest, VirtualFleet], int | str],
             *, drain: bool = True,
             on_finish: Callable[[SimResult, VirtualFleet], Iterable[SimRequest] | None] | None = None,
+            on_step: Callable[[VirtualFleet, int], None] | None = None,
             ) -> list[SimResult]:
         """Simulate `requests` (sorted by arrival_s) routed by `route`; returns results in arrival order.
 
@@ -244,6 +255,7 @@ class VirtualFleet:
         timers = self._timers
         injected = self._injected = []  # follow-ups from on_finish: (arrival_s, seq, request)
         self._on_finish = on_finish
+        self._on_step = on_step
         inf = float("inf")
         it = iter(requests)
         nxt = next(it, None)
@@ -304,11 +316,14 @@ class VirtualFleet:
             k = r.sink
             self._finished(SimResult(order[k], i, ep, r.arrival_s, r.first_token_s, t, r.num_prompt_tokens,
                                      r.num_cached_tokens, r.num_output, r.num_preemptions), k, t)
+        if self._on_step is not None:
+            self._on_step(self, i)
 
-    def _refuse(self, req: SimRequest, k: int, i: int, exc: OpenAIError) -> None:
-        t = req.arrival_s
-        self._finished(SimResult(req.request_id, i, self.endpoint_ids[i] if i >= 0 else None, t, None, t, 0, 0, 0,
-                                 0, status=exc.status, error=exc.body().decode()), k, t)
+    def _refuse(self, req: SimRequest, k: int, i: int, exc: OpenAIError, t: float | None = None) -> None:
+        """Answer `req` with `exc` at `t` (default its arrival: a held request answered later waited until t)."""
+        t = req.arrival_s if t is None else t
+        self._finished(SimResult(req.request_id, i, self.endpoint_ids[i] if i >= 0 else None, req.arrival_s, None,
+                                 t, 0, 0, 0, 0, status=exc.status, error=exc.body().decode()), k, t)
 
     def _admit(self, req: SimRequest, route: Callable[[SimRequest, VirtualFleet], int | str]) -> None:
         """`req` arrives now: route it (a refusal is its result), then add it to the engine picked."""
@@ -323,9 +338,27 @@ class VirtualFleet:
         except OpenAIError as exc:
             self._refuse(req, k, -1, exc)
             return
+        if target is None:
+            self._held[req.request_id] = (req, k)
+            return
+        self._place(req, k, target)
+
+    def dispatch(self, request_id: str, target: int | str) -> None:
+        """A held request (its route returned None) goes to server `target` now (``now_s``)."""
+        req, k = self._held.pop(request_id)
+        self._place(req, k, target, self.now_s)
+
+    def refuse(self, request_id: str, error: OpenAIError) -> None:
+        """A held request is answered with `error` now (the router shed it, or its client left)."""
+        req, k = self._held.pop(request_id)
+        self._refuse(req, k, -1, error, self.now_s)
+
+    def _place(self, req: SimRequest, k: int, target: int | str, now_s: float | None = None) -> None:
+        """Add `req` (order slot k) to the engine `target` names, at `now_s` (default its arrival)."""
+        t = req.arrival_s if now_s is None else now_s
         i = self._index[target] if isinstance(target, str) else int(target)
         if req.error is not None:
-            self._refuse(req, k, i, req.error)
+            self._refuse(req, k, i, req.error, t)
             return
         if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
             raise ValueError(f"request {req.request_id}: prompt + max_tokens exceeds {self.max_model_len}")
@@ -334,6 +367,6 @@ class VirtualFleet:
         self.engines[i].add_request(er)
         plan = self._plans[i]
         if plan is None:
-            self._start_step(i, req.arrival_s)
+            self._start_step(i, t)
         elif isinstance(plan, DecodeRun):
-            self._interrupt_run(i, req.arrival_s)
+            self._interrupt_run(i, t)

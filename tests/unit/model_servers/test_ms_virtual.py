@@ -229,3 +229,27 @@ def test_on_finish_injects_follow_up_turns():
         assert by_id[f"{c}/1"].arrival_s == pytest.approx(by_id[f"{c}/0"].arrival_s + by_id[f"{c}/0"].e2e_s)
         assert by_id[f"{c}/1"].cached_tokens >= by_id[f"{c}/0"].prompt_tokens - 16
         assert by_id[f"{c}/2"].cached_tokens > by_id[f"{c}/1"].cached_tokens
+
+
+def test_a_held_request_is_dispatched_or_refused_later_and_its_ttft_counts_the_wait():
+    """route returning None holds a request (a gateway queue): dispatched from on_step once the engine is done
+    with the first one, its TTFT includes the wait; a refused one finishes then with its error."""
+    reqs = [completion(f"r{i}", 0.0, f"prompt {i} " * 200, max_tokens=4) for i in range(3)]
+    steps: list[int] = []
+
+    def route(req, fleet):
+        return 0 if req.request_id == "r0" else None
+
+    def on_step(fleet, i):
+        steps.append(i)
+        if fleet.num_held and not fleet.engines[0].running and not fleet.engines[0].waiting:
+            fleet.dispatch("r1", 0)
+            fleet.refuse("r2", OpenAIError(429, "shed"))
+
+    fleet = VirtualFleet(SPEC, 1)
+    res = {r.request_id: r for r in fleet.run(reqs, route, on_step=on_step)}
+    assert steps and fleet.num_held == 0
+    assert res["r1"].status == 200 and res["r1"].arrival_s == 0.0
+    assert res["r1"].first_token_s > res["r0"].finished_s  # it started only after r0 ended
+    assert res["r2"].status == 429 and res["r2"].finished_s == res["r0"].finished_s
+    assert res["r2"].first_token_s is None
