@@ -138,7 +138,8 @@ class OracleFlow:
                 own = self.own_tokens(r.request_id)
                 queued += r.num_prompt_tokens if own is None else own
             queued_s = self.time_s(queued, decoding) - self._base_s if queued else 0.0
-            out.append(EndpointLoad(ep, queued_s, len(core.waiting), core.cache.usage_ratio))
+            out.append(EndpointLoad(ep, queued_s, len(core.waiting), core.cache.usage_ratio,
+                                    num_in_flight=len(core.running) + len(core.waiting)))
         return out
 
     def cost_of(self, req: SimRequest) -> float:

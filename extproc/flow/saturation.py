@@ -11,7 +11,9 @@ An endpoint has room when all of its known signals are under their bounds:
   (GIE: 0.8).
 
 A scraped figure that is unknown (None: never scraped, or stale) is left out, as the time model's figure always
-exists. The pool is saturated when no healthy endpoint has room; the signal is the least loaded healthy
+exists. An endpoint with nothing in flight (``num_in_flight`` 0: the router's own count) has room whatever the
+other figures say: an idle engine can start a request now, so a stale or wrong figure (a pending entry whose
+first token was never reported, a KV figure stuck high) can never hold requests in front of an idle fleet. The pool is saturated when no healthy endpoint has room; the signal is the least loaded healthy
 endpoint's largest figure over its bound (>= 1: saturated; 0: idle), so it is one number for /metrics. With no
 healthy endpoint the signal is infinite and `Saturation.num_healthy` is 0 (the answer to a shed is then 503).
 
@@ -30,13 +32,15 @@ from prefixroute.types import EndpointId
 @dataclasses.dataclass(frozen=True, slots=True)
 class EndpointLoad:
     """One endpoint's load now. ``queued_s`` >= 0 from the time model; ``num_waiting`` and ``kv_usage_ratio``
-    from its last fresh scrape, None when unknown; ``healthy`` False for an endpoint the pool will not pick."""
+    from its last fresh scrape, None when unknown; ``healthy`` False for an endpoint the pool will not pick;
+    ``num_in_flight`` the router's requests in flight there (None: unknown)."""
 
     endpoint: EndpointId
     queued_s: float
     num_waiting: int | None = None
     kv_usage_ratio: float | None = None
     healthy: bool = True
+    num_in_flight: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,7 +70,9 @@ class SaturationDetector:
             raise ValueError("saturation bounds must be > 0")
 
     def load_ratio(self, load: EndpointLoad) -> float:
-        """`load`'s largest figure over its bound (< 1: room)."""
+        """`load`'s largest figure over its bound (< 1: room; 0 for an endpoint with nothing in flight)."""
+        if load.num_in_flight == 0:
+            return 0.0
         ratio = max(0.0, load.queued_s) / self.max_queued_s
         if load.num_waiting is not None:
             ratio = max(ratio, load.num_waiting / self.max_waiting)

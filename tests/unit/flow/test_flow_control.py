@@ -32,6 +32,8 @@ NONE_HEALTHY = Saturation(signal=math.inf, num_healthy=0, num_with_room=0)
     ([EndpointLoad(E1, 0.0, num_waiting=None, kv_usage_ratio=None)], False, 0.0),  # unknown scrape: left out
     ([EndpointLoad(E1, 0.0, healthy=False), EndpointLoad(E2, 1.0)], True, 4.0),  # unhealthy is not room
     ([EndpointLoad(E1, 0.0, healthy=False)], True, math.inf),
+    ([EndpointLoad(E1, 9.0, 50, 0.99, num_in_flight=0)], False, 0.0),  # idle: room, whatever the figures say
+    ([EndpointLoad(E1, 9.0, num_in_flight=3)], True, 36.0),
     ([], True, math.inf),
 ])
 def test_detector(loads, saturated, signal) -> None:

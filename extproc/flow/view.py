@@ -1,0 +1,53 @@
+"""What flow control reads of the router (issue 24): each endpoint's load for the saturation detector, and a
+request's predicted service for the queue's order, from the time model, the pool's last scrapes and the router's
+in-flight counts. Pure functions over those objects; they change nothing (one event loop, like the router).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from prefixroute.extproc.routing.timemodel import TimeModel
+from prefixroute.types import EndpointId, EndpointState
+
+from .saturation import EndpointLoad
+
+
+def endpoint_loads(snapshot: Sequence[EndpointState], in_flight: Mapping[EndpointId, int], model: TimeModel | None,
+                   now_s: float, *, stale_after_s: float) -> list[EndpointLoad]:
+    """One `EndpointLoad` per endpoint of `snapshot`: ``queued_s`` is the time model's work ahead of a new
+    request there (its prefill backlog at `now_s` and the decoding requests' share of the steps, at the
+    endpoint's priced rate; 0 without a time model: a baseline policy is held by the scrapes alone); the scraped
+    waiting count and KV usage only while the scrape is at most `stale_after_s` old (`now_s` and
+    ``scraped_at_s`` on one clock)."""
+    out = []
+    get = in_flight.get
+    for s in snapshot:
+        ep = s.endpoint
+        n = get(ep, 0)
+        queued_s = 0.0
+        if model is not None:
+            rate = model.priced(ep)[0]
+            decoding = max(0, n - model.num_pending(ep))
+            queued_s = model.work_tokens(model.queued_at(ep, now_s), 0.0, decoding) / rate
+        fresh = s.scraped_at_s is not None and now_s - s.scraped_at_s <= stale_after_s
+        out.append(EndpointLoad(ep, queued_s, s.num_requests_waiting if fresh else None,
+                                s.kv_cache_usage_ratio if fresh else None, s.healthy, n))
+    return out
+
+
+def cheapest_prefill_s(model: TimeModel | None, prompt_tokens: float, tokens_per_block: float,
+                       endpoints: Sequence[EndpointId], matches: Mapping[EndpointId, int]) -> float:
+    """A request's predicted service for the queue's order: its least uncached prefill over `endpoints`
+    (``prompt_tokens`` less the leading blocks each holds, `matches`: the prefix index's and the pending
+    prefixes'), in seconds at that endpoint's priced rate; without a time model, in tokens / 10,000 (the order
+    is what matters). >= 0; `prompt_tokens` when nothing matches."""
+    best = float("inf")
+    for ep in endpoints:
+        own = max(0.0, prompt_tokens - matches.get(ep, 0) * tokens_per_block)
+        rate = model.priced(ep)[0] if model is not None else 10_000.0
+        best = min(best, own / rate)
+    if best == float("inf"):
+        rate = model.default_fit[0] if model is not None else 10_000.0
+        best = prompt_tokens / rate
+    return best
