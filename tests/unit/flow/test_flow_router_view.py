@@ -1,0 +1,45 @@
+"""Flow control's view of the live router (extproc/flow/router.py, issue 24): a real PoolRouter over a simulated
+pool; a pick shows as queued seconds on its endpoint, and a second request of the same prefix costs less than
+a cold one once the first is placed (its prefix is pending there)."""
+
+from __future__ import annotations
+
+import orjson
+
+from prefixroute.bench.sim_pool import SimulatedPool
+from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.flow.router import RouterView
+from prefixroute.extproc.routing.request import parse_request
+from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.service import PoolRouter
+from prefixroute.model_servers.virtual_fleet import VirtualFleet
+
+HEADERS = {"content-type": "application/json"}
+
+
+def _body(system: str, question: str) -> bytes:
+    return orjson.dumps({"messages": [{"role": "system", "content": system},
+                                                     {"role": "user", "content": question}]})
+
+
+def test_loads_and_costs_follow_the_router() -> None:
+    fleet = VirtualFleet(num_servers=2)
+    pool = SimulatedPool(fleet, PoolSettings(), seed=0)
+    settings = RoutingSettings(policy="prefix", ttft_prior_tokens_per_s=10_000.0, ttft_prior_base_s=0.0, rng_seed=0)
+    router = PoolRouter(RouterCore(settings, track_prefill=True), pool, clock=lambda: fleet.now_s)
+    view = RouterView(router, stale_after_s=1.0)
+    assert [x.queued_s for x in view.loads()] == [0.0, 0.0]
+    system = "You are a careful assistant. " * 400
+    first = parse_request("POST", "/v1/chat/completions", HEADERS, _body(system, "q1"), router.settings)
+    sibling = parse_request("POST", "/v1/chat/completions", HEADERS, _body(system, "q2"), router.settings)
+    cold = parse_request("POST", "/v1/chat/completions", HEADERS, _body("Other. " * 1700, "q3"), router.settings)
+    assert view.group_of(first) == view.group_of(sibling) != view.group_of(cold)
+    before = view.cost_of(sibling)
+    pick = router.route("POST", "/v1/chat/completions", HEADERS, first)
+    loads = {x.endpoint: x for x in view.loads()}
+    held = loads[pick.endpoint_ids[0]]
+    assert held.queued_s > 0.2 and held.num_in_flight == 1  # ~12k characters of prefill at 10k tokens/s
+    assert sum(x.queued_s for x in loads.values()) == held.queued_s
+    assert view.cost_of(sibling) < 0.1 * before  # its prefix is now pending on the first one's endpoint
+    assert view.cost_of(cold) > 0.5 * before
