@@ -49,6 +49,14 @@ class EnvoySettings(Settings):
     extproc_message_timeout_ms: int = setting(500, "How long Envoy waits for one ext_proc answer before applying "
                                               "failure_mode (decisions take ~1 ms; 500 ms absorbs GC pauses and "
                                               "CPU contention yet fails open fast when the picker hangs).")
+    extproc_max_hold_s: float = setting(
+        90.0, "Longest Envoy lets the ext_proc service extend one answer (its max_message_timeout): while the fleet "
+        "is saturated the service holds a request in its queue (flow control) and asks Envoy, per request, to wait "
+        "up to that request's queue deadline (override_message_timeout); every other answer keeps "
+        "extproc_message_timeout_ms. 90 s is above the default queue deadline (30 s) and any deadline header a "
+        "client may send beyond it is cut here; it must stay under request_timeout_s, which also runs while a "
+        "request is held. 0 = no extension (flow control's holds then fail over after extproc_message_timeout_ms: "
+        "turn flow control off).")
     max_request_body_bytes: int = setting(8 * 1024 * 1024, "Largest request body; larger gets 413 (8 MiB, the "
                                           "routing core's max_body_bytes: a 128k-token prompt many times over, "
                                           "while bounding what Envoy buffers per request).")

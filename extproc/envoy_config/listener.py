@@ -58,6 +58,9 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
             failure_mode_allow=s.failure_mode == "open",
             status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
             message_timeout=duration(s.extproc_message_timeout_ms / 1000),
+            # Flow control: a held request's answer may take up to its queue deadline; the service asks for it
+            # per request (override_message_timeout), so a hung picker still fails over after message_timeout.
+            **({"max_message_timeout": duration(s.extproc_max_hold_s)} if s.extproc_max_hold_s > 0 else {}),
             processing_mode=ProcessingMode(
                 # Headers must be sent (and answered at once) for the body to reach us before routing.
                 request_header_mode=HeaderSendMode.SEND,

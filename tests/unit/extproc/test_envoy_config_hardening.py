@@ -208,3 +208,19 @@ def test_envoy_config_out_is_private_when_it_holds_a_token(tmp_path: Path, monke
     assert cli.main(["envoy-config", "--out", str(out)]) == 0
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
     assert "inline_string: env-token" in out.read_text()
+
+
+def test_a_held_request_may_extend_its_answer_up_to_max_hold_but_nothing_else_waits_longer() -> None:
+    """Flow control (issue 24): Envoy lets the service extend one answer up to extproc_max_hold_s
+    (max_message_timeout) while every answer still times out after extproc_message_timeout_ms unless extended;
+    a hold fits within request_timeout_s, which runs while the request is held."""
+    def routing_filter(s: EnvoySettings) -> ExternalProcessor:
+        hcm = _hcm(build_config(s))
+        return next(f for f in hcm.http_filters if f.name == ROUTING_FILTER).typed_config.unpack()
+
+    s = EnvoySettings()
+    ext = routing_filter(s)
+    assert ext.message_timeout.total_seconds() == s.extproc_message_timeout_ms / 1000 < 1.0
+    assert ext.max_message_timeout.total_seconds() == s.extproc_max_hold_s
+    assert s.extproc_max_hold_s < s.request_timeout_s
+    assert routing_filter(EnvoySettings(extproc_max_hold_s=0)).max_message_timeout is None

@@ -11,6 +11,7 @@ speak the wire format Envoy's classes do.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib
 import types
 import typing
@@ -38,7 +39,10 @@ def _betterproto_message(descriptor) -> type | None:  # noqa: ANN001 - a message
 def _betterproto_name(cls: type) -> str:
     """Full proto name of an envoy-data-plane class: messages are registered in its pool; enums are named
     <package module>.<nested names joined> (HeaderValueOption.HeaderAppendAction ->
-    HeaderValueOptionHeaderAppendAction)."""
+    HeaderValueOptionHeaderAppendAction). Well-known types it unwraps to Python's own are named as the proto
+    type they stand for (a Duration field is a `datetime.timedelta` there)."""
+    if cls is datetime.timedelta:
+        return "google.protobuf.Duration"
     url = default_message_pool.type_to_url.get(cls)
     if url is not None:
         return url.removeprefix("type.googleapis.com/")
