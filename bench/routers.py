@@ -1,4 +1,4 @@
-"""The routers a benchmark compares, by name: `parse_router` turns ``prefixroute:POLICY[@SOURCE][#N]``,
+"""The routers a benchmark compares, by name: `parse_router` turns ``prefixroute:POLICY[@SOURCE][#N][+flow|-flow]``,
 ``sglang-router[:POLICY]`` or ``vllm-router[:POLICY]`` (each with an optional ``/chat`` or ``/responses``
 suffix) into a `RouterSpec`.
 
@@ -32,6 +32,9 @@ class RouterSpec:
     replicas: int = 1
     """Our gateway's ext_proc replicas (``#N`` in the name; 1 by default, whatever the machine's cores, so runs on
     different machines compare)."""
+    flow: bool | None = None
+    """Our gateway's flow control (issue 24): ``+flow`` on, ``-flow`` off, None (no suffix) the gateway's
+    default (on)."""
     api: str = ""
     """The API a workload with a Responses form (agents) is sent in: "responses" or "chat"; "" = the router's
     default (`default_api`)."""
@@ -53,8 +56,9 @@ def default_api(kind: str) -> str:
 
 
 def parse_router(name: str) -> RouterSpec:
-    """``prefixroute:POLICY[@SOURCE][#REPLICAS]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16 ext_proc replicas
-    sharing their picks through an embedded NATS), ``sglang-router[:POLICY]``,
+    """``prefixroute:POLICY[@SOURCE][#REPLICAS][+flow|-flow]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16 ext_proc
+    replicas sharing their picks through an embedded NATS; +flow / -flow: flow control on / off, else the
+    gateway's default), ``sglang-router[:POLICY]``,
     ``vllm-router[:POLICY]``, each with an optional ``/chat`` or ``/responses`` suffix (the API of the agents
     workload, `RouterSpec.api`; the suffix stays in the name); ValueError otherwise."""
     base, slash, api = name.strip().partition("/")
@@ -67,6 +71,10 @@ def parse_router(name: str) -> RouterSpec:
 def _parse_router_base(name: str) -> RouterSpec:
     kind, _, policy = name.strip().partition(":")
     if kind == "prefixroute":
+        flow = None
+        for suffix, on in (("+flow", True), ("-flow", False)):
+            if policy.endswith(suffix):
+                policy, flow = policy.removesuffix(suffix), on
         policy, hash_, replicas = policy.partition("#")
         if hash_ and not (replicas.isdigit() and 1 <= int(replicas) <= 16):
             raise ValueError(f"router {name!r}: replicas (after #) must be a count 1-16")
@@ -75,11 +83,11 @@ def _parse_router_base(name: str) -> RouterSpec:
             raise ValueError(f"router {name!r}: policy must be one of {', '.join(POLICIES)}")
         if at and source not in INDEX_SOURCES:
             raise ValueError(f"router {name!r}: index source (after @) must be one of {', '.join(INDEX_SOURCES)}")
-        return RouterSpec(name.strip(), kind, policy, source, replicas=int(replicas) if hash_ else 1)
+        return RouterSpec(name.strip(), kind, policy, source, replicas=int(replicas) if hash_ else 1, flow=flow)
     if kind in PEER_POLICIES:
         policy = policy or "cache_aware"
         if policy not in PEER_POLICIES[kind]:
             raise ValueError(f"router {name!r}: policy must be one of {', '.join(PEER_POLICIES[kind])}")
         return RouterSpec(name if ":" in name else kind, kind, policy)
-    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE], sglang-router[:POLICY] or "
+    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE][+flow|-flow], sglang-router[:POLICY] or "
                      f"vllm-router[:POLICY]")

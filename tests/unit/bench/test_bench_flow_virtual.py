@@ -80,3 +80,17 @@ def test_a_short_deadline_sheds_with_429_after_waiting(setup) -> None:
         assert r.finished_s - r.arrival_s == pytest.approx(flow.waits_s.get(r.request_id, 0.0))
         assert r.finished_s - r.arrival_s <= 0.2 + 1e-9
     assert '"RateLimitError"' in shed[0].error
+
+
+@pytest.mark.parametrize(("name", "flow", "policy", "source", "replicas"), [
+    ("prefixroute:prefix", None, "prefix", "", 1),
+    ("prefixroute:prefix+flow", True, "prefix", "", 1),
+    ("prefixroute:prefix-flow", False, "prefix", "", 1),
+    ("prefixroute:prefix@events#2+flow", True, "prefix", "events", 2),
+    ("prefixroute:random-flow", False, "random", "", 1),
+])
+def test_router_names_say_whether_flow_control_runs(name, flow, policy, source, replicas) -> None:
+    from prefixroute.bench.routers import parse_router
+
+    r = parse_router(name)
+    assert (r.flow, r.policy, r.index_source, r.replicas, r.name) == (flow, policy, source, replicas, name)
