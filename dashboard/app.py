@@ -23,6 +23,7 @@ from prefixroute import settings
 from prefixroute.dashboard import bench_results as BR
 from prefixroute.dashboard import charts as C
 from prefixroute.dashboard import data as D
+from prefixroute.dashboard import flow_panel
 from prefixroute.dashboard import tables as T
 from prefixroute.dashboard.cli import DashboardSettings
 from prefixroute.dashboard.router_metrics import EndpointLive
@@ -211,7 +212,7 @@ def live_panels(window_s: float, run_choice: str) -> None:
     if state.kind != "live":
         _quiet_window(state, run, runs, run_text)
         return
-    live = source.endpoint_live()  # the router's own /metrics only: never a URL named in span data
+    live, flow = source.router_live()  # the router's own /metrics only: never a URL named in span data
     # One computation for every figure of how requests spread (tile, header, fair-share line, table).
     shares = D.endpoint_shares(snap["ep_rows"], live)
     colors = _colors(list(shares.endpoints))  # endpoints only: a chart's legend lists every colour it is given
@@ -222,6 +223,7 @@ def live_panels(window_s: float, run_choice: str) -> None:
     _latency_panels(snap)
     _traffic_panels(snap, colors, shares)
     _endpoint_panels(snap, live, shares, colors)
+    flow_panel.render(st, flow)
     prediction_panel(snap.get("ttft_pred"), colors)
     _routing_panels(snap)
 

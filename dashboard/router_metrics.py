@@ -61,3 +61,67 @@ def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
     except ValueError:  # the parser's answer to a malformed line
         pass
     return {name: EndpointLive(**fields) for name, fields in found.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowLive:
+    """The router's gateway queue now (flow control, issue 24; its ``prefixroute_flow_*`` families): requests held
+    per (priority, fairness id), counts since the router started, the mean wait of held requests, and the
+    saturation signal (>= 1: no endpoint had room at the last decision)."""
+
+    queue: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    num_held_total: float = 0.0
+    num_admitted_total: float = 0.0
+    released: dict[str, float] = dataclasses.field(default_factory=dict)  # reason -> count
+    shed: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)  # (reason, code) -> count
+    num_dropped_total: float = 0.0
+    wait_count: float = 0.0
+    wait_sum_s: float = 0.0
+    saturation: float | None = None
+
+    @property
+    def num_held(self) -> float:
+        return sum(self.queue.values())
+
+    @property
+    def mean_wait_s(self) -> float | None:
+        return self.wait_sum_s / self.wait_count if self.wait_count else None
+
+
+def parse_flow_metrics(text: str) -> FlowLive | None:
+    """The router's gateway queue from its Prometheus text; None when the router exports no flow family (flow
+    control off, or a router older than it). A malformed text gives what was parsed before the bad line."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    seen = False
+    f: dict[str, Any] = {"queue": {}, "released": {}, "shed": {}}
+    try:
+        for fam in text_string_to_metric_families(text):
+            if not fam.name.startswith("prefixroute_flow_"):
+                continue
+            seen = True
+            for s in fam.samples:
+                if math.isnan(s.value):
+                    continue
+                name, labels = s.name, s.labels
+                if name == "prefixroute_flow_queue_length" and len(f["queue"]) < MAX_LIVE_ENDPOINTS:
+                    f["queue"][(labels.get("priority", ""), labels.get("fairness_id", "")[:64])] = s.value
+                elif name == "prefixroute_flow_released_total":
+                    f["released"][labels.get("reason", "")[:32]] = s.value
+                elif name == "prefixroute_flow_shed_total":
+                    f["shed"][(labels.get("reason", "")[:32], labels.get("code", "")[:3])] = s.value
+                elif name in _FLOW_SCALARS:
+                    f[_FLOW_SCALARS[name]] = s.value
+    except ValueError:
+        pass
+    return FlowLive(**f) if seen else None
+
+
+_FLOW_SCALARS = {
+    "prefixroute_flow_held_total": "num_held_total",
+    "prefixroute_flow_admitted_total": "num_admitted_total",
+    "prefixroute_flow_dropped_total": "num_dropped_total",
+    "prefixroute_flow_wait_seconds_count": "wait_count",
+    "prefixroute_flow_wait_seconds_sum": "wait_sum_s",
+    "prefixroute_flow_saturation": "saturation",
+}

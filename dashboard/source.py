@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from prefixroute.dashboard.data import bucket_for_window, effective_span_s, has_traffic
-from prefixroute.dashboard.router_metrics import EndpointLive, parse_router_metrics
+from prefixroute.dashboard.router_metrics import EndpointLive, FlowLive, parse_flow_metrics, parse_router_metrics
 from prefixroute.telemetry.client import HttpStoreClient, TelemetryUnavailable
 from prefixroute.telemetry.store_reader import StoreQueries, StoreReader
 from prefixroute.telemetry.store_schema import StoreMissing
@@ -172,13 +172,20 @@ class DataSource:
     def endpoint_live(self, fetch: Callable[[str, float], str] | None = None) -> dict[str, EndpointLive]:
         """Endpoint -> live figures from the router's /metrics (the only URL this opens, and only the
         configured one); empty when it is not configured or does not answer within metrics_timeout_s."""
+        return self.router_live(fetch)[0]
+
+    def router_live(self, fetch: Callable[[str, float], str] | None = None
+                    ) -> tuple[dict[str, EndpointLive], FlowLive | None]:
+        """`endpoint_live` and the router's gateway queue (`parse_flow_metrics`: None when it exports none), from
+        one read of its /metrics; ({}, None) when it is not configured or does not answer."""
         if self.router_metrics_url is None:
-            return {}
+            return {}, None
         fetch = fetch or _fetch_text
         try:
-            return parse_router_metrics(fetch(self.router_metrics_url, self.metrics_timeout_s))
+            text = fetch(self.router_metrics_url, self.metrics_timeout_s)
         except Exception:  # noqa: BLE001 - a router that does not answer just leaves the live columns out
-            return {}
+            return {}, None
+        return parse_router_metrics(text), parse_flow_metrics(text)
 
     def close(self) -> None:
         with self._lock:
