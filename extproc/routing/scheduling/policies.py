@@ -21,14 +21,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import operator
 import random
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
+import numpy as np
+
 from prefixroute.extproc.routing.hashing import seed_for
 from prefixroute.extproc.routing.request import InferenceRequest
-from prefixroute.extproc.routing.scheduling import filters, pickers
+from prefixroute.extproc.routing.scheduling import filters, pickers, scorers
+from prefixroute.extproc.routing.scheduling.scorers import Scored
 from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
 from prefixroute.extproc.routing.timemodel import TimeModel
 from prefixroute.types import BlockHash, Decision, DecisionReason, EndpointId, EndpointState
@@ -216,22 +218,6 @@ class ConsistentHashPolicy(Policy):
         return _decision([s.endpoint for s in ranked[:self._k]], "policy", self.name, inp)
 
 
-SIGNIFICANT_MATCH_RATIO = 0.3
-SIGNIFICANT_MATCH_TOKENS = 1024.0
-"""A match under SIGNIFICANT_MATCH_RATIO of a request's hashed blocks *and* under SIGNIFICANT_MATCH_TOKENS
-tokens is not a reason to choose its holders (sglang-router's cache_aware threshold is the same 0.3): the
-request is scored as if cached nowhere and placed as a new prefix, keyed past the common part (its predicted
-TTFT still counts the match). A short shared instruction before distinct documents matches every endpoint that
-ever served one, and its few blocks of saved prefill pulled every new document onto the first endpoint
-(capacity pressure, 4 x 8B: request shares 4/13/95/188 of 300, hit ratio 0.30; with the rule 0.42)."""
-TTFT_TIE_S = 0.001
-TTFT_TIE_RATIO = 0.05
-"""Scores within 5% + 1 ms of the best are a tie (then: the longest match, then rendezvous order). Rates
-learned on identical GPUs differ by a few percent (noise of ~64 responses), and without a relative margin the
-endpoint that happens to look fastest took every cold prefix of an idle fleet (1.6x its fair share at 20% load
-in the shared-prompts sweep); within 5% placement stays rendezvous and affinity stays with the holder."""
-
-
 MAX_AWAITING_USAGE = 4096
 """Picks kept for a report still to come (between first token and usage; or released before the first
 token's report arrived, the observing stream lagging the routing stream's end): more than a replica has in
@@ -242,9 +228,6 @@ stream, a non-streamed response) are dropped, oldest first."""
 MAX_PEER_PICKS = 65536
 """Other replicas' picks kept pending at most (oldest out): far more than a fleet has prefilling at once (a
 replica's MAX_AWAITING_USAGE x 16 replicas), so only a flood of messages that never end is cut."""
-
-
-_score = operator.itemgetter(0)
 
 
 @dataclasses.dataclass(slots=True)
@@ -266,7 +249,7 @@ class PrefixPolicy(Policy):
     unhashed rest as cached too, less one block), its pending prefill queue, its decoding requests (in flight
     less pending) at ``decode_cost_tokens`` per engine step each. Score = predicted TTFT + ``ttft_work_weight`` x the request's
     own prefill seconds there (the work it adds for later requests). Lowest score wins; scores within
-    `TTFT_TIE_RATIO` + `TTFT_TIE_S` of it tie, broken by the longest match (the holder), then rendezvous order
+    `pickers.TTFT_TIE_RATIO` + `pickers.TTFT_TIE_S` of it tie, broken by the longest match (the holder), then rendezvous order
     on the prefix key; a prefix seen nowhere first goes to the fewest in flight among the tied (at equal load
     it lands where `ConsistentHashPolicy` would put it); a request without hashed blocks has no prefix to keep
     together: its ties go to the fewest in flight, then at random.
@@ -297,9 +280,8 @@ class PrefixPolicy(Policy):
         self.model = TimeModel(settings.ttft_prior_tokens_per_s, settings.ttft_prior_base_s,
                                decode_cost_tokens=settings.decode_cost_tokens,
                                step_tokens=settings.ttft_step_tokens, window=settings.ttft_rate_window)
+        self.scorer = scorers.TtftScorer(settings, self.model)
         self._tpc = 1.0 / settings.chars_per_token
-        self._tpb = settings.tokens_per_block
-        self._kvb = float(settings.kv_block_tokens)
         # Keyed by `InferenceRequest.key` (unique, never reused): entries are a few small numbers each, so the
         # tables cost ~200 bytes per request whatever the client sent.
         self._picks: dict[int, _TtftPick] = {}  # request key -> its pick, until first token or release
@@ -315,182 +297,84 @@ class PrefixPolicy(Policy):
         # Other replicas' pending picks (key -> expiry, oldest first): in `model` as non-local pendings.
         self._peer_expiry: collections.OrderedDict[tuple, float] = collections.OrderedDict()
 
-    def _uncached(self, prompt_tokens: float, matched: int, num_hashed: int, tpb: float | None = None,
-                  max_blocks: int | None = None) -> float:
-        """Uncached prefill tokens with `matched` leading blocks held, of `num_hashed` hashed (`tpb` tokens per
-        block: text blocks by default, the KV block size for token blocks)."""
-        tpb = self._tpb if tpb is None else tpb
-        if matched <= 0:
-            return prompt_tokens
-        if matched >= num_hashed and num_hashed >= (self._settings.max_blocks if max_blocks is None else max_blocks):
-            return min(prompt_tokens, tpb)
-        return max(0.0, prompt_tokens - matched * tpb)
-
     def decide(self, inp: PolicyInput) -> Decision:
-        st = self._settings
-        k = self._k
+        """A composition (GIE's Filter -> Scorer -> Picker): the matches merged with the time model's pending
+        prefixes, the candidates (`filters.sample_candidates` in a pool over ``max_scored_endpoints``), their
+        scores (`scorers.TtftScorer`: one time-model call), the primary among the tied best
+        (`pickers.tied_best`, `pickers.pick_tied`), the fallbacks by score; the pick joins the time model's
+        pending queue (with `track_prefill`)."""
         req = inp.request
         hashes = req.block_hashes
-        eligible = inp.eligible
-        matches = inp.matches
-        model = self.model
-        # Pending prefixes (usually the same endpoints the index names: it records each pick at once).
-        pend = model.pending_matches(hashes) if hashes else None
-        if pend:
-            names = inp.view.position if inp.view is not None and inp.view.endpoints is eligible else {
-                s.endpoint for s in eligible}
-            merged = dict(matches)
-            for ep, m in pend.items():
-                if m > merged.get(ep, 0) and ep in names:
-                    merged[ep] = m
-            matches = merged
-        limit_n = st.max_scored_endpoints
-        top = None  # the rendezvous top-k for this prefix, in order, when the pool is sampled
-        n_eligible = len(eligible)
-        if limit_n and n_eligible > limit_n:
-            view = inp.view if inp.view is not None and inp.view.endpoints is eligible else filters.EligibleView(
-                eligible)
-            holders = inp.holders if len(matches) == len(inp.holders) else [
-                s for s in eligible if s.endpoint in matches]
-            # The first 1 + num_fallbacks in rendezvous order are always scored: on an idle fleet a cold
-            # prefix goes where rendezvous puts it, whichever sample is drawn.
-            top = view.rendezvous_top(prefix_key(req, st.cold_key_blocks), k)
-            candidates = [*holders, *(s for s in top if s.endpoint not in matches)]
-            taken = {s.endpoint for s in candidates}
-            sess_ep = inp.session_endpoint
-            if sess_ep is not None and sess_ep not in taken and sess_ep in view.position:
-                candidates.append(view.endpoints[view.position[sess_ep]])  # credited nothing, still scored
-                taken.add(sess_ep)
-            # Then a window of the pool in scan order, rotating per decision (power-of-d choices).
-            scan = view.scan_order
-            want = limit_n - len(candidates)
-            if want > 0:
-                start = self._scan_offset % n_eligible
-                window = scan[start:start + want + len(taken)]
-                if len(window) < want + len(taken):
-                    window += scan[:want + len(taken) - len(window)]
-                self._scan_offset = start + want
-                for s in window:
-                    if s.endpoint not in taken:
-                        candidates.append(s)
-                        want -= 1
-                        if not want:
-                            break
+        pend = self.model.pending_matches(hashes) if hashes else None
+        matches = self._with_pending(inp, pend) if pend else inp.matches
+        limit_n = self._settings.max_scored_endpoints
+        top, candidates = self._sample(inp, matches) if limit_n and len(inp.eligible) > limit_n else \
+            (None, inp.eligible)
+        scored, insignificant = self.scorer.score(req, candidates, matches, inp.in_flight, inp.now_s)
+        tied = pickers.tied_best(scored, matches, longest=bool(matches) and not insignificant)
+        if len(tied) == 1:
+            primary = tied[0]
         else:
-            candidates = eligible
-        n_tok = req.num_prompt_tokens
-        if n_tok is not None:  # token blocks: exact prompt tokens, KV-block-sized blocks
-            prompt_tokens = float(n_tok)
-            tpb, cap = self._kvb, st.max_token_blocks
-        else:
-            prompt_tokens = req.num_prompt_chars * self._tpc
-            tpb, cap = self._tpb, st.max_blocks
-        n_hashed = len(hashes)
-        in_flight = inp.in_flight
-        w = st.ttft_work_weight
-        decode_cost = model.decode_cost_tokens
-        per_step = 1.0 / model.step_tokens
-        prior = model.default_fit
-        get_fit = model.fits.get
-        get_queued = model.queued_tokens.get
-        get_backlog = model.backlog.get
-        now = inp.now_s
-        get_pending = model.queued_counts.get
-        get_match = matches.get
-        get_in_flight = in_flight.get
-        scored: list[tuple[float, float, EndpointState, float, int]] = []
-        cold_own = prompt_tokens
-        # Matches below this many blocks are scored as none (SIGNIFICANT_MATCH_TOKENS).
-        sig = min(SIGNIFICANT_MATCH_RATIO * n_hashed, SIGNIFICANT_MATCH_TOKENS / tpb) if matches else 0.0
-        insignificant = bool(matches) and max(matches.values()) < sig
-        for s in candidates:
-            ep = s.endpoint
-            m = get_match(ep, 0)
-            own = self._uncached(prompt_tokens, m, n_hashed, tpb, cap) if m else cold_own
-            rate, base = get_fit(ep, prior)
-            decoding = get_in_flight(ep, 0) - get_pending(ep, 0)
-            if decoding < 0:
-                decoding = 0
-            # = model.predict(ep, own, decoding), inlined
-            queued = get_queued(ep, 0.0)
-            if queued and now is not None:  # = model.queued_at(ep, now)
-                b = get_backlog(ep)
-                if b is not None:
-                    left = b[0] - rate * (now - b[1])
-                    if left < queued:
-                        queued = left if left > 0.0 else 0.0
-            prefill = queued + own
-            pred = base + (prefill + decode_cost * decoding * (1.0 + prefill * per_step)) / rate
-            if insignificant and m:  # chosen as if cached nowhere (SIGNIFICANT_MATCH_TOKENS)
-                cold = queued + cold_own
-                score = base + (cold + decode_cost * decoding * (1.0 + cold * per_step)) / rate + w * cold_own / rate
-            else:
-                score = pred + w * own / rate
-            scored.append((score, pred, s, own, decoding))
-        scored.sort(key=_score)
-        best = scored[0][0]
-        bound = best * (1.0 + TTFT_TIE_RATIO) + TTFT_TIE_S
-        tied = [x for x in scored if x[0] <= bound]  # a prefix of the sorted list: usually one or few
-        cold_key_at = 0  # > 0: place as a cold prefix keyed at this many blocks (past an insignificant match)
-        if insignificant:
-            cold_key_at = min(max(matches.values()) + st.cold_key_blocks, n_hashed)
-        elif len(tied) > 1 and matches:
-            longest = max(get_match(x[2].endpoint, 0) for x in tied)
-            tied = [x for x in tied if get_match(x[2].endpoint, 0) == longest]
-        primary = tied[0]
-        if len(tied) > 1:
-            # The first of the tied in rendezvous order (as `RendezvousTable.ranked`): in a sampled pool the
-            # rendezvous top-k was scored, and when one of them is tied it is the answer (no weights needed).
-            found = None
-            sess = inp.session_endpoint
-            if sess is not None:
-                # A tie keeps a session where it is: its endpoint is as fast as any, and staying keeps its next
-                # turns together there too (they extend this prompt).
-                for x in tied:
-                    if x[2].endpoint == sess:
-                        found = x
-                        break
-            if found is not None:
-                pass
-            elif not hashes:
-                # No prefix to keep together: the fewest in flight, then at random (as `least_load_order`).
-                rand = self._rng.random
-                found = min(tied, key=lambda x: (get_in_flight(x[2].endpoint, 0), rand()))
-            elif not matches or cold_key_at:
-                # A prefix seen nowhere: the fewest in flight among the tied (rendezvous alone let new
-                # prefixes bunch on one endpoint in short runs: mix, 200 requests at 80% load, P50 2.7x
-                # sglang-router's model; with this, 0.8x), then rendezvous order.
-                least = min(get_in_flight(x[2].endpoint, 0) for x in tied)
-                tied = [x for x in tied if get_in_flight(x[2].endpoint, 0) == least]
-                if len(tied) == 1:
-                    found = tied[0]
-            elif top is not None:
-                tied_names = {x[2].endpoint: x for x in tied}
-                for s in top:
-                    found = tied_names.get(s.endpoint)
-                    if found is not None:
-                        break
-            if found is None:
-                table = inp.rendezvous()
-                weights = table.weights(hashes[cold_key_at - 1] if cold_key_at else prefix_key(req, st.cold_key_blocks))
-                pos = inp.view.position if inp.view is not None and inp.view.endpoints is table.endpoints else {
-                    s.endpoint: i for i, s in enumerate(table.endpoints)}
-                found = max(tied, key=lambda x: (int(weights[pos[x[2].endpoint]]), pos[x[2].endpoint]))
-            primary = found
+            # > 0: placed as a cold prefix keyed at this many blocks (past an insignificant match)
+            cold_key_at = min(max(matches.values()) + self._settings.cold_key_blocks, len(hashes)) \
+                if insignificant else 0
+            primary = pickers.pick_tied(
+                tied, session=inp.session_endpoint, has_prefix=bool(hashes), cold=not matches or bool(cold_key_at),
+                top=top, in_flight=inp.in_flight, rng=self._rng,
+                rendezvous=lambda: self._weights(inp, hashes[cold_key_at - 1] if cold_key_at else
+                                                 prefix_key(req, self._settings.cold_key_blocks)))
         # One more than the fallbacks when there are none: the best alternative explains the decision.
-        others: list[tuple[float, float, EndpointState, float, int]] = []
-        need = max(k - 1, 1)
+        others: list[Scored] = []
+        need = max(self._k - 1, 1)
         for x in scored:
             if x is not primary:
                 others.append(x)
                 if len(others) == need:
                     break
-        rest = others[:k - 1]
-        order = [primary[2].endpoint, *(x[2].endpoint for x in rest)]
+        order = [primary[scorers.STATE].endpoint, *(x[scorers.STATE].endpoint for x in others[:self._k - 1])]
         if self.track_prefill:
             key = req.key
-            queued = model.add_pending(key, order[0], primary[3], hashes, now)
-            self._picks[key] = _TtftPick(req.num_prompt_chars, order[0], queued, primary[4], primary[1], primary[3])
+            queued = self.model.add_pending(key, order[0], primary[scorers.OWN_TOKENS], hashes, inp.now_s)
+            self._picks[key] = _TtftPick(req.num_prompt_chars, order[0], queued, primary[scorers.NUM_DECODING],
+                                         primary[scorers.PREDICTED_S], primary[scorers.OWN_TOKENS])
+        return self._prefix_decision(req, order, matches, insignificant, primary, others, pend)
+
+    def _with_pending(self, inp: PolicyInput, pend: Mapping[EndpointId, int]) -> dict[EndpointId, int]:
+        """`inp.matches` with the eligible endpoints' pending prefixes where longer (usually the same endpoints
+        the index names: it records each pick at once)."""
+        eligible = inp.eligible
+        names = inp.view.position if inp.view is not None and inp.view.endpoints is eligible else {
+            s.endpoint for s in eligible}
+        merged = dict(inp.matches)
+        for ep, m in pend.items():
+            if m > merged.get(ep, 0) and ep in names:
+                merged[ep] = m
+        return merged
+
+    def _sample(self, inp: PolicyInput, matches: Mapping[EndpointId, int],
+                ) -> tuple[tuple[EndpointState, ...], Sequence[EndpointState]]:
+        """A pool over ``max_scored_endpoints``: (the rendezvous top-k, the endpoints to score)."""
+        eligible = inp.eligible
+        limit_n = self._settings.max_scored_endpoints
+        view = inp.view if inp.view is not None and inp.view.endpoints is eligible else filters.EligibleView(eligible)
+        holders = inp.holders if len(matches) == len(inp.holders) else [s for s in eligible if s.endpoint in matches]
+        top = view.rendezvous_top(prefix_key(inp.request, self._settings.cold_key_blocks), self._k)
+        candidates, self._scan_offset = filters.sample_candidates(view, holders, matches, top, inp.session_endpoint,
+                                                                  limit_n, self._scan_offset)
+        return top, candidates
+
+    @staticmethod
+    def _weights(inp: PolicyInput, key: int) -> tuple[np.ndarray, Mapping[EndpointId, int]]:
+        """The rendezvous weights of the eligible endpoints for `key`, and their positions in the table."""
+        table = inp.rendezvous()
+        pos = inp.view.position if inp.view is not None and inp.view.endpoints is table.endpoints else {
+            s.endpoint: i for i, s in enumerate(table.endpoints)}
+        return table.weights(key), pos
+
+    def _prefix_decision(self, req: InferenceRequest, order: list[EndpointId], matches: Mapping[EndpointId, int],
+                         insignificant: bool, primary: Scored, others: list[Scored],
+                         pend: Mapping[EndpointId, int] | None) -> Decision:
+        hashes = req.block_hashes
         if not hashes:
             reason: DecisionReason = "load"
         elif not matches or insignificant:
@@ -504,9 +388,9 @@ class PrefixPolicy(Policy):
         alt = others[0] if others else None
         return Decision(endpoints=tuple(order), reason=reason, policy=self.name, matched_blocks=matched,
                         total_blocks=n_total, predicted_hit_ratio=matched / n_total if n_total else 0.0,
-                        predicted_ttft_ms=primary[1] * 1000.0,
-                        alternative_endpoint=alt[2].endpoint if alt is not None else None,
-                        alternative_ttft_ms=alt[1] * 1000.0 if alt is not None else None,
+                        predicted_ttft_ms=primary[scorers.PREDICTED_S] * 1000.0,
+                        alternative_endpoint=alt[scorers.STATE].endpoint if alt is not None else None,
+                        alternative_ttft_ms=alt[scorers.PREDICTED_S] * 1000.0 if alt is not None else None,
                         pending_blocks=pend.get(order[0], 0) if pend else 0)
 
     def pending_tokens_of(self, request: InferenceRequest) -> float | None:

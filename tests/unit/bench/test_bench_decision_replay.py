@@ -7,7 +7,7 @@ import json
 
 from prefixroute.bench import decision_replay
 from prefixroute.extproc.routing import router
-from prefixroute.extproc.routing.scheduling import policies
+from prefixroute.extproc.routing.scheduling import pickers
 
 
 def test_a_recording_replays_identically_and_covers_every_policy(tmp_path, capsys):
@@ -28,7 +28,7 @@ def test_a_changed_tie_break_or_feedback_rule_differs(tmp_path, monkeypatch, cap
     path = tmp_path / "golden.json"
     assert decision_replay.main(["record", str(path), "--scale", "0.1"]) == 0
     with monkeypatch.context() as m:
-        m.setattr(policies, "TTFT_TIE_RATIO", 1.0)  # every score within 2x of the best ties
+        m.setattr(pickers, "TTFT_TIE_RATIO", 1.0)  # every score within 2x of the best ties
         assert decision_replay.main(["check", str(path), "--only", "service/prefix"]) == 1
     with monkeypatch.context() as m:
         m.setattr(router, "FEEDBACK_SHRINK_RATIO", 0.5)
