@@ -3,7 +3,7 @@
 Contract with the servicer (`servicer.RouterService`):
 - `route(method, path, headers, body)` parses the request (`parse_request`), asks `RouterCore.route` for a
   `Decision` over the pool's snapshot and in-flight counts, counts the primary as in flight, and returns a
-  `RoutePick` whose ``endpoints`` are *addresses* (``ip:port``, what Envoy's ORIGINAL_DST needs), primary
+  `lifecycle.Pick` (the request's one record, extproc/lifecycle.py) whose ``endpoints`` are *addresses* (``ip:port``, what Envoy's ORIGINAL_DST needs), primary
   first. Raises `OpenAIError` (400/404/405/413/503) to refuse.
 - `served(pick, served)`: Envoy's ``x-gateway-destination-endpoint-served``. When a different endpoint
   served (the primary refused the connection and a fallback took it): the primary, and any fallback tried
@@ -75,12 +75,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Protocol
 
 from prefixroute.extproc.endpoints import Pool
+from prefixroute.extproc.lifecycle import Lifecycle, LifecycleListener, Phase, Pick
+from prefixroute.extproc.lifecycle_listeners import (IndexListener, PeerPublisher, PeersListener, PoolListener,
+                                                     ResponsesListener, TimeModelListener)
 from prefixroute.extproc.peers import codec
-from prefixroute.extproc.response_directory import NeedsLookup, ResponseDirectory, ResponseLookup, response_key
-from prefixroute.extproc.routing.sessions import session_id
+from prefixroute.extproc.response_directory import NeedsLookup, ResponseDirectory, ResponseLookup
 from prefixroute.extproc.routing.request import InferenceRequest, clip, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.tokens import PromptHasher
@@ -104,41 +105,6 @@ class NeedsParse(NeedsLookup):
 
     def __init__(self) -> None:
         super().__init__(None)  # type: ignore[arg-type]
-
-
-class PeerPublisher(Protocol):
-    """What `PoolRouter` sends the other replicas through (`peers.bus.PeerBus`): `publish` never awaits, never
-    blocks and never raises."""
-
-    def publish(self, message: codec.Message) -> None: ...
-
-
-class RoutePick:
-    """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
-
-    __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
-                 "failover_reported", "first_token_reported", "usage_reported", "usage_observed", "index_source",
-                 "response_id", "response_endpoint", "peer_seq", "peer_pending", "peer_seq_any")
-
-    def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
-                 request: InferenceRequest, decision: Decision, decision_us: float) -> None:
-        self.endpoints = endpoints
-        self.endpoint_ids = endpoint_ids
-        self.request = request
-        self.decision = decision
-        self.decision_us = decision_us  # parse + schedule, microseconds
-        self.counted: EndpointId = endpoint_ids[0]
-        self.released = False
-        self.failover_reported = False  # a served-elsewhere report was taken for this pick (only one counts)
-        self.first_token_reported = False
-        self.usage_reported = False
-        self.usage_observed = False  # the hit statistics / feedback took this pick's usage
-        self.index_source = ""  # where the primary's match came from (RouterCore.index_source_of), for telemetry
-        self.response_id: str | None = None  # the Responses API id of this pick's response, once seen
-        self.response_endpoint: EndpointId | None = None  # the endpoint holding `response_id`
-        self.peer_seq: int | None = None  # set while the other replicas count this pick in flight (a Release due)
-        self.peer_pending = False  # the other replicas count it pending (a Done due at the first token)
-        self.peer_seq_any: int | None = None  # its number on the bus, kept after its Release (for its response id)
 
 
 class PoolRouter:
@@ -165,12 +131,15 @@ class PoolRouter:
                                      max_in_flight=s.max_response_lookups, retry_after_s=core.retry_after_s)
         self._states: dict[EndpointId, EndpointState] = {}
         self._states_of: object = None  # the snapshot `_states` was built from (its identity)
-        # The other replicas (extproc/peers): None = this replica routes alone (no message, no cost).
-        self.peers: PeerPublisher | None = None
+        # One dispatcher of each request's phases (extproc/lifecycle.py) to the listeners, in this order.
+        self.lifecycle = Lifecycle()
+        self._peers = PeersListener(core)
+        for listener in (PoolListener(pool), ResponsesListener(self.responses, self._set_known_prefix),
+                         IndexListener(core), TimeModelListener(core), self._peers):
+            self.lifecycle.add(listener)
         self.peer_pending_ttl_s = 30.0  # PeerSettings.pending_ttl_s, set with `peers`
         self.peer_in_flight_ttl_s = 660.0  # PeerSettings.in_flight_ttl_s
         self.peer_timeout_s = 5.0  # PeerSettings.peer_timeout_s
-        self._peer_seq = 0
         # Other replicas' requests in flight here: (replica, incarnation, seq) -> [endpoint, expiry], oldest
         # first; counted in the pool's in-flight counts (so every replica prices the fleet's load), and when
         # each origin was last heard from.
@@ -184,6 +153,20 @@ class PoolRouter:
         # Large bodies parsed off the loop (extproc/parse_offload.py): None = every body here.
         self.offload = None
         pool.add_listener(self._on_pool_change)
+
+    @property
+    def peers(self) -> PeerPublisher | None:
+        """Where picks are published to the other replicas (extproc/peers); None (the default): this replica
+        routes alone (no message, no cost)."""
+        return self._peers.publisher
+
+    @peers.setter
+    def peers(self, publisher: PeerPublisher | None) -> None:
+        self._peers.publisher = publisher
+
+    def add_listener(self, listener: LifecycleListener) -> None:
+        """Register another lifecycle listener (extproc/lifecycle.py), told after the router's own."""
+        self.lifecycle.add(listener)
 
     def _on_pool_change(self, snapshot: Sequence[EndpointState]) -> None:
         """Structural pool change (the pool calls this on every address change, among others)."""
@@ -210,7 +193,7 @@ class PoolRouter:
         return self._id_of_addr.get(address)
 
     def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | InferenceRequest,
-              subset: Collection[str] | None = None) -> RoutePick:
+              subset: Collection[str] | None = None) -> Pick:
         """See the module docstring. `body`: the request body, or the `InferenceRequest` `parse_off_loop` made of
         it. `subset`: the gateway's subset hint (GIE's ``x-gateway-destination-endpoint-subset``): pick only
         among the endpoints whose address (``ip:port``, or a bare ``ip``: every port of it) it lists; 503 when
@@ -232,12 +215,10 @@ class PoolRouter:
         decision = self.core.route(request, snapshot, pool.in_flight, self.clock())
         decision_us = (time.perf_counter() - t0) * 1e6
         ids = decision.endpoints
-        pick = RoutePick(self._addresses(ids), ids, request, decision, decision_us)
+        pick = Pick(self._addresses(ids), ids, request, decision, decision_us)
         pick.index_source = self.core.index_source_of(decision)
         pool.acquire(ids[0])
-        peers = self.peers
-        if peers is not None and request.kind != "other":
-            self._publish_pick(peers, pick)
+        self.lifecycle.decided(pick)
         return pick
 
     async def parse_off_loop(self, method: str, path: str, headers: Mapping[str, str],
@@ -245,35 +226,6 @@ class PoolRouter:
         """After `route` raised `NeedsParse`: `body` parsed in a worker (raises its `OpenAIError`), for `route`."""
         assert self.offload is not None
         return await self.offload.parse(method, path, headers, body, self._adapters)
-
-    def _publish_pick(self, peers: PeerPublisher, pick: RoutePick) -> None:
-        request = pick.request
-        pending = self.core.pending_tokens_of(request)
-        hashes = request.block_hashes
-        if pending is None and not hashes:
-            return  # nothing another replica would do with it
-        self._peer_seq += 1
-        pick.peer_seq = pick.peer_seq_any = self._peer_seq
-        pick.peer_pending = pending is not None
-        peers.publish(codec.Pick(self._peer_seq, pick.endpoint_ids[0], hashes, pending, self._session_of(request)))
-
-    def _session_of(self, request: InferenceRequest) -> bytes | None:
-        """What the other replicas know a request's session by: its digest, never the client's key."""
-        if request.session_key is None or self.core.sessions is None:
-            return None
-        return session_id(request.tenant, request.session_key)
-
-    def _publish_done(self, pick: RoutePick) -> None:
-        if pick.peer_pending and self.peers is not None:
-            pick.peer_pending = False
-            self.peers.publish(codec.Done(pick.peer_seq))  # type: ignore[arg-type]
-
-    def _publish_release(self, pick: RoutePick) -> None:
-        seq = pick.peer_seq
-        if seq is not None and self.peers is not None:
-            pick.peer_seq = None
-            pick.peer_pending = False
-            self.peers.publish(codec.Release(seq))
 
     # --- other replicas (extproc/peers: PeerBus calls these on the event loop) ----------------------------
     def apply_peer_batch(self, origin: tuple[str, int], messages: Sequence[codec.Message], now_s: float) -> None:
@@ -432,20 +384,16 @@ class PoolRouter:
         auth = headers.get("authorization")
         return await self.lookup.resolve(response_id, candidates, {"authorization": auth} if auth else None)
 
-    def learn_response(self, pick: RoutePick, response_id: str, served: str | None = None) -> None:
+    def learn_response(self, pick: Pick, response_id: str, served: str | None = None) -> None:
         """`pick`'s response carries `response_id` (the observing stream read it): the endpoint that served it
         holds it. `served`: Envoy's served address when known; as in `served`, only an endpoint of this pick
         counts (else the primary, or the fallback a counted failover report named)."""
         ep = self._id_of_addr.get(served) if served else None
         if ep is None or ep not in pick.endpoint_ids:
             ep = pick.counted
-        self.responses.learn(response_id, ep)
-        pick.response_id = response_id
-        pick.response_endpoint = ep
-        if self.peers is not None and pick.peer_seq_any is not None:
-            self.peers.publish(codec.Response(pick.peer_seq_any, response_key(response_id), ep, None))
+        self.lifecycle.response_id(pick, response_id, ep)
 
-    def served(self, pick: RoutePick, served: str | None, status: int | None = None) -> None:
+    def served(self, pick: Pick, served: str | None, status: int | None = None) -> None:
         """The served-endpoint report for `pick` (module docstring: the trust rule); `status`: the response's
         HTTP status when the caller knows it. A pinned pick (Responses follow-up) has no fallback, so when its
         holder refuses or resets the connection Envoy answers 503 itself with the holder as the served host:
@@ -453,8 +401,8 @@ class PoolRouter:
         get the router's own 503 naming the response within milliseconds rather than after the next
         scheduled probes."""
         if not served or served == pick.endpoints[0]:
-            if status == 503 and pick.request.response_ref is not None and not pick.failover_reported:
-                pick.failover_reported = True
+            if status == 503 and pick.request.response_ref is not None and Phase.SERVED_REPORT not in pick.phases:
+                pick.phases |= Phase.SERVED_REPORT
                 self.pool.report_failure(pick.endpoint_ids[0])
             return
         try:
@@ -462,66 +410,27 @@ class PoolRouter:
         except ValueError:
             self.num_ignored_reports += 1  # not a fallback of this pick: "-" on a local reply, fail-open, forged
             return
-        if pick.failover_reported:
+        if Phase.SERVED_REPORT in pick.phases:
             self.num_ignored_reports += 1
             return
-        pick.failover_reported = True
-        served_id = pick.endpoint_ids[k]
+        pick.phases |= Phase.SERVED_REPORT
         self.num_failovers += 1
         # Envoy tried the list in order: every endpoint before the one that served refused or reset.
         for ep in pick.endpoint_ids[:k]:
             self.pool.report_failure(ep)
-        self.core.record_failover(pick.request, served_id)
-        if self.peers is not None and pick.peer_seq is not None:
-            r = pick.request
-            self.peers.publish(codec.Failover(pick.peer_seq, served_id, r.block_hashes, self._session_of(r)))
-        if not pick.released:
-            self.pool.release(pick.counted)
-            self.pool.acquire(served_id)
-            pick.counted = served_id
+        self.lifecycle.failed_over(pick, pick.endpoint_ids[k])
 
-    def first_token(self, pick: RoutePick, ttft_s: float) -> None:
+    def first_token(self, pick: Pick, ttft_s: float) -> None:
         """`pick`'s response produced its first token `ttft_s` after the request arrived (module docstring).
         At most one report per pick counts; it may come after `release`."""
-        if pick.first_token_reported:
-            return
-        pick.first_token_reported = True
-        self.core.on_first_token(pick.request, pick.decision, ttft_s)
-        self._publish_done(pick)
-        self._publish_observations()
+        self.lifecycle.first_token(pick, ttft_s)
 
-    def usage(self, pick: RoutePick, prompt_tokens: int | None, cached_tokens: int | None) -> None:
-        """`pick`'s response ended with these usage figures (module docstring), once. The policy learns a rate
-        only after a `first_token` report (from a TTFT); the hit statistics and feedback take every report."""
-        if pick.response_id is not None and prompt_tokens:
-            self.responses.set_prompt_tokens(pick.response_id, prompt_tokens)
-            if self.peers is not None and pick.response_endpoint is not None and pick.peer_seq_any is not None:
-                self.peers.publish(codec.Response(pick.peer_seq_any, response_key(pick.response_id),
-                                                  pick.response_endpoint, prompt_tokens))
-        if pick.request.known_prefix_tokens is None and pick.request.response_ref is not None:
-            # The previous response's usage often arrives just after the client, which saw its end, sent this
-            # follow-up: take it now, for the prediction the statistics compare with this usage.
-            self._set_known_prefix(pick.request)
-        if not pick.usage_observed:
-            pick.usage_observed = True
-            self.core.observe_usage(pick.request, pick.decision, prompt_tokens, cached_tokens, pick.counted)
-        if not pick.first_token_reported or pick.usage_reported:
-            return
-        pick.usage_reported = True
-        self.core.on_usage(pick.request, pick.decision, prompt_tokens, cached_tokens)
-        self._publish_observations()
+    def usage(self, pick: Pick, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        """`pick`'s response ended with these usage figures (module docstring), once. The time model learns a
+        rate only after a `first_token` report (from a TTFT); the hit statistics and feedback take every
+        report."""
+        self.lifecycle.usage(pick, prompt_tokens, cached_tokens)
 
-    def _publish_observations(self) -> None:
-        """What the policy just learned from a response goes to the other replicas (codec.Observed)."""
-        peers = self.peers
-        if peers is not None:
-            for o in self.core.take_observations():
-                peers.publish(codec.Observed(*o))
-
-    def release(self, pick: RoutePick) -> None:
-        if not pick.released:
-            pick.released = True
-            self.pool.release(pick.counted)
-            # Outstanding-prefill tracking (cold placement prefers endpoints with less prefill queued).
-            self.core.on_release(pick.request, pick.decision)
-            self._publish_release(pick)
+    def release(self, pick: Pick) -> None:
+        """Once per pick, when the HTTP request ends for any reason (repeats are ignored)."""
+        self.lifecycle.released(pick)
