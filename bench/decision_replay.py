@@ -49,7 +49,7 @@ from prefixroute.bench.virtual_run import simulate_policy
 from prefixroute.extproc.endpoints import Listener
 from prefixroute.extproc.peers import codec
 from prefixroute.extproc.response_directory import NeedsLookup
-from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.factory import build_router
 from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.openai_errors import OpenAIError
@@ -62,8 +62,7 @@ SERVICE_SOURCES = ("approximate", "feedback")
 
 # --- the one place that builds a router (follow the code's factory here) -----------------------------------------
 def _build_router(routing: RoutingSettings, pool: ReplayPool, clock: Callable[[], float]) -> PoolRouter:
-    core = RouterCore(routing, track_prefill=True)
-    return PoolRouter(core, pool, clock=clock)
+    return build_router(routing, pool, clock=clock)
 
 
 class ReplayPool:
@@ -80,6 +79,7 @@ class ReplayPool:
         self._in_flight = {ep: 0 for ep in self._order}
         self._listeners: list[Listener] = []
         self.failures: list[EndpointId] = []
+        self.adapters = None  # no LoRA adapters
 
     def snapshot(self) -> tuple[EndpointState, ...]:
         return self._snapshot

@@ -119,7 +119,7 @@ class PoolRouter:
         self.settings = core.settings
         # Token mode (``--tokenizer``): built once; a tokenizer that cannot load fails startup (TokenizerLoadError).
         self.hasher = PromptHasher.from_settings(core.settings)
-        self._adapters = getattr(pool, "adapters", None)  # the pool's live set of LoRA adapter names
+        self._adapters = pool.adapters  # the pool's live set of LoRA adapter names (None: it lists none)
         self._addr: dict[EndpointId, str] = {}
         self._id_of_addr: dict[str, EndpointId] = {}
         self._addrs_cache: dict[tuple[EndpointId, ...], tuple[str, ...]] = {}

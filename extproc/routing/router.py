@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing import index_sources, memory
@@ -61,11 +61,14 @@ class RouterCore:
 
     def __init__(self, settings: RoutingSettings, *, rng: random.Random | None = None,
                  index: PrefixIndex | None = None, retry_after_s: int = DEFAULT_RETRY_AFTER_S,
-                 track_prefill: bool = False, event_index: BlockIndex | None = None) -> None:
+                 track_prefill: bool = False, event_index: BlockIndex | None = None,
+                 note_routed: Callable[[EndpointId, BlockHash, float | None], None] | None = None) -> None:
         """`track_prefill`: the caller will call `on_release` for every routed request (finished, failed or
         cancelled), so the prefix policy may count the prefill tokens outstanding per endpoint. Off by
         default: without releases the counts would only grow. `event_index`: the KV-events index the caller
-        feeds (extproc/kv_events); endpoints named by `set_event_endpoints` are matched against it."""
+        feeds (extproc/kv_events); endpoints named by `set_event_endpoints` are matched against it.
+        `note_routed(endpoint, first block hash, now_s)`: told of every pick with token blocks (the events
+        index's check that the server hashes tokens as the router does: `KVEventIndex.note_routed`)."""
         self.settings = settings
         self.index = index if index is not None else PrefixIndex(settings.default_index_capacity_blocks)
         src = settings.index_source
@@ -73,7 +76,7 @@ class RouterCore:
                "auto": index_sources.FEEDBACK}[src]
         self.sourced = SourcedIndex(self.index, event_index, own_source=own)
         self.event_index = event_index
-        self._note_routed = getattr(event_index, "note_routed", None)  # KVEventIndex's tokenization check
+        self._note_routed = note_routed
         self.hit_stats: dict[EndpointId, HitRatioStats] = {}
         self._ceiling: dict[EndpointId, int] = {}  # feedback: LRU capacity ceiling (from the scrape)
         self._fb_capacity: dict[EndpointId, float] = {}  # feedback: the current learned capacity

@@ -23,7 +23,7 @@ import dataclasses
 import itertools
 import random
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -153,6 +153,16 @@ class Policy:
     def num_peer_picks(self) -> int:
         """Peers' picks pending here (a metric)."""
         return 0
+
+
+class PredictsTtft(Protocol):
+    """Capability of a policy that predicts each request's TTFT with a time model (`PrefixPolicy`): what the
+    benchmarks (predicted vs actual) and /metrics (the model's figures) read. Declared by `Scheduler.ttft` (the
+    policy when it has it, else None), never probed."""
+
+    predictions: collections.deque[tuple[float, float]]
+
+    def time_model_figures(self) -> dict[EndpointId, tuple[float, float, float, int]]: ...
 
 
 def _decision(order: Sequence[EndpointId], reason: DecisionReason, policy: str, inp: PolicyInput) -> Decision:

@@ -15,6 +15,8 @@ import pytest
 from prefixroute.bench import results, upper_bound, virtual_run, workloads
 from prefixroute.bench.traces import TraceRecord, trace_workload, write_trace
 from prefixroute.model_servers.virtual_fleet import SimRequest
+from prefixroute.extproc import factory
+from prefixroute.extproc.service import PoolRouter
 
 
 def _wl(num_requests=60, rate=20.0, **kw):
@@ -210,7 +212,7 @@ def test_sglang_model_runs_by_name_in_a_virtual_bench():
         virtual_run.run_virtual(wl, None, ["sim:nope"], num_servers=2, log=lambda _m: None)
 
 
-class _RecordingRouter(virtual_run.PoolRouter):
+class _RecordingRouter(PoolRouter):
     """The live PoolRouter, recording what it was asked and what its pool counted at each pick."""
 
     made: list[_RecordingRouter] = []
@@ -231,7 +233,7 @@ class _RecordingRouter(virtual_run.PoolRouter):
 @pytest.fixture
 def recording(monkeypatch):
     _RecordingRouter.made = []
-    monkeypatch.setattr(virtual_run, "PoolRouter", _RecordingRouter)
+    monkeypatch.setattr(factory, "PoolRouter", _RecordingRouter)  # what the one factory builds
     return _RecordingRouter.made
 
 

@@ -10,7 +10,7 @@ import orjson
 from helpers.picks import make_pick
 from prefixroute.bench.decision_replay import ReplayPool
 from prefixroute.extproc.lifecycle import Lifecycle, LifecycleListener, Phase, Pick
-from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.factory import build_router
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.types import EndpointId
@@ -84,8 +84,7 @@ def test_a_usage_before_the_first_token_is_no_sample_and_a_later_report_complete
 
 def _router(seed: int = 1) -> tuple[PoolRouter, ReplayPool]:
     pool = ReplayPool([f"10.0.0.{i}:8000" for i in range(3)])
-    core = RouterCore(RoutingSettings(policy="prefix", rng_seed=seed), track_prefill=True)
-    return PoolRouter(core, pool, clock=lambda: 0.0), pool
+    return build_router(RoutingSettings(policy="prefix", rng_seed=seed), pool, clock=lambda: 0.0), pool
 
 
 def _chat(i: int) -> bytes:
