@@ -228,6 +228,25 @@ class ConsistentHashPolicy(Policy):
         return _decision([s.endpoint for s in ranked[:self._k]], "policy", self.name, inp)
 
 
+class ScoredPolicy(Policy):
+    """A policy made of one scorer (GIE's Scorer -> Picker): subclasses define `score`, one number per eligible
+    endpoint, lower is better. Contract of `decide`: the eligible endpoints by score, equal scores in rendezvous
+    order on the request's prefix key (`prefix_key`: requests of one prefix break ties the same way), the
+    first ``1 + num_fallbacks``; reason "policy"; the decision reports the primary's match. Subclasses keep
+    `score` pure (no state, no I/O); a new one is one file plus its registration (docs/extending.md)."""
+
+    def score(self, inp: PolicyInput) -> Sequence[float]:
+        """One score per endpoint of ``inp.eligible``, in that order; lower is better."""
+        raise NotImplementedError
+
+    def decide(self, inp: PolicyInput) -> Decision:
+        scores = self.score(inp)
+        ranked = inp.rendezvous().ranked(prefix_key(inp.request, self._settings.cold_key_blocks))
+        tie = {s.endpoint: i for i, s in enumerate(ranked)}
+        order = sorted(range(len(inp.eligible)), key=lambda i: (scores[i], tie[inp.eligible[i].endpoint]))
+        return _decision([inp.eligible[i].endpoint for i in order[:self._k]], "policy", self.name, inp)
+
+
 MAX_AWAITING_USAGE = 4096
 """Picks kept for a report still to come (between first token and usage; or released before the first
 token's report arrived, the observing stream lagging the routing stream's end): more than a replica has in
