@@ -229,69 +229,78 @@ class PoolRouter:
 
     # --- other replicas (extproc/peers: PeerBus calls these on the event loop) ----------------------------
     def apply_peer_batch(self, origin: tuple[str, int], messages: Sequence[codec.Message], now_s: float) -> None:
-        """Apply another replica's messages (`origin`: its (replica id, incarnation)), in order: picks and
-        failovers to the core (index, sessions, the policy's queues), responses to the directory."""
-        core = self.core
-        pool = self.pool
-        flying = self._peer_in_flight
-        counts = self._peer_counts
+        """Apply another replica's messages (`origin`: its (replica id, incarnation)), in order, each by its
+        type's method (`_PEER_APPLY`): picks and failovers through the core's one apply path (the same
+        `RouterCore.apply_pick` / `apply_failover` as this replica's own), responses to the directory. A
+        message outside what that peer could know is ignored and counted (module docstring: trust)."""
         seen = self._peer_seen
         if origin not in seen and len(seen) >= 256:  # a flood of invented senders: the oldest are forgotten
             self._forget_origin(next(iter(seen)))
         seen.pop(origin, None)
         seen[origin] = now_s  # an empty batch is a heartbeat; most recent last
-        expires_s = now_s + self.peer_pending_ttl_s
-        max_tokens = self.core.settings.max_input_chars  # no prompt has more tokens than characters
         ignored = 0
+        apply = _PEER_APPLY
         for m in messages:
-            t = type(m)
-            if t is codec.Pick:
-                key = (*origin, m.seq)
-                pending = m.pending_tokens
-                if key in flying or counts.get(origin, 0) >= self.max_in_flight_per_peer or (
-                        pending is not None and not 0.0 <= pending <= max_tokens) or \
-                        len(m.block_hashes) > core.memory.max_blocks_per_request:
-                    ignored += 1  # a repeat, more in flight than a replica routes, or figures out of range
-                    continue
-                if core.apply_peer_pick(key, m.endpoint, m.block_hashes, pending, m.session, now_s, expires_s):
-                    pool.acquire(m.endpoint)
-                    flying[key] = [m.endpoint, now_s + self.peer_in_flight_ttl_s]
-                    counts[origin] = counts.get(origin, 0) + 1
-            elif t is codec.Done:
-                core.apply_peer_done((*origin, m.seq))
-            elif t is codec.Release:
-                key = (*origin, m.seq)
-                core.apply_peer_done(key)
-                self._end_peer_pick(key)
-            elif t is codec.Failover:
-                entry = flying.get((*origin, m.seq))
-                if entry is None or not core.knows(m.endpoint) or \
-                        len(m.block_hashes) > core.memory.max_blocks_per_request:
-                    ignored += 1  # only a pick of its in flight here can have failed over
-                    continue
-                core.apply_peer_failover(m.endpoint, m.block_hashes, m.session)
-                if entry[0] != m.endpoint:
-                    pool.release(entry[0])
-                    pool.acquire(m.endpoint)
-                    entry[0] = m.endpoint
-            elif t is codec.Response:
-                key = (*origin, m.seq)
-                entry = flying.get(key)
-                ep = entry[0] if entry is not None else self._peer_recent.get(key)
-                if ep != m.endpoint or (m.prompt_tokens is not None and not 0 <= m.prompt_tokens <= max_tokens) or \
-                        not self.responses.apply_peer(m.key, m.endpoint, m.prompt_tokens):
-                    ignored += 1  # not where that peer's pick went, or known here elsewhere
-            elif t is codec.Observed:
-                if not (0.0 < m.ttft_s <= MAX_PEER_TTFT_S
-                        and 0.0 <= m.cached_tokens <= m.prompt_tokens <= MAX_PEER_TOKENS
-                        and 0.0 <= m.queued_tokens <= MAX_PEER_TOKENS and 0 <= m.num_decoding <= 1_000_000):
-                    ignored += 1
-                    continue
-                core.apply_peer_observation(m.endpoint, m.prompt_tokens, m.cached_tokens, m.ttft_s,
-                                            m.queued_tokens, m.num_decoding)
+            if not apply[type(m)](self, origin, m, now_s):
+                ignored += 1
         self.num_ignored_peer_messages += ignored
+        flying = self._peer_in_flight
         while len(flying) > self.max_peer_in_flight:
             self._end_peer_pick(next(iter(flying)))
+
+    def _peer_pick(self, origin: tuple[str, int], m: codec.Pick, now_s: float) -> bool:
+        key = (*origin, m.seq)
+        pending = m.pending_tokens
+        counts = self._peer_counts
+        core = self.core
+        if key in self._peer_in_flight or counts.get(origin, 0) >= self.max_in_flight_per_peer or (
+                pending is not None and not 0.0 <= pending <= core.settings.max_input_chars) or \
+                len(m.block_hashes) > core.memory.max_blocks_per_request:
+            return False  # a repeat, more in flight than a replica routes, or figures out of range
+        if core.apply_peer_pick(key, m.endpoint, m.block_hashes, pending, m.session, now_s,
+                                now_s + self.peer_pending_ttl_s):
+            self.pool.acquire(m.endpoint)
+            self._peer_in_flight[key] = [m.endpoint, now_s + self.peer_in_flight_ttl_s]
+            counts[origin] = counts.get(origin, 0) + 1
+        return True
+
+    def _peer_done(self, origin: tuple[str, int], m: codec.Done, now_s: float) -> bool:
+        self.core.apply_peer_done((*origin, m.seq))
+        return True
+
+    def _peer_release(self, origin: tuple[str, int], m: codec.Release, now_s: float) -> bool:
+        key = (*origin, m.seq)
+        self.core.apply_peer_done(key)
+        self._end_peer_pick(key)
+        return True
+
+    def _peer_failover(self, origin: tuple[str, int], m: codec.Failover, now_s: float) -> bool:
+        entry = self._peer_in_flight.get((*origin, m.seq))
+        core = self.core
+        if entry is None or not core.knows(m.endpoint) or len(m.block_hashes) > core.memory.max_blocks_per_request:
+            return False  # only a pick of its in flight here can have failed over
+        core.apply_peer_failover(m.endpoint, m.block_hashes, m.session)
+        if entry[0] != m.endpoint:
+            self.pool.release(entry[0])
+            self.pool.acquire(m.endpoint)
+            entry[0] = m.endpoint
+        return True
+
+    def _peer_response(self, origin: tuple[str, int], m: codec.Response, now_s: float) -> bool:
+        key = (*origin, m.seq)
+        entry = self._peer_in_flight.get(key)
+        ep = entry[0] if entry is not None else self._peer_recent.get(key)
+        # not where that peer's pick went, or known here elsewhere: ignored
+        return ep == m.endpoint and (m.prompt_tokens is None or 0 <= m.prompt_tokens <= self.settings.max_input_chars) \
+            and self.responses.apply_peer(m.key, m.endpoint, m.prompt_tokens)
+
+    def _peer_observed(self, origin: tuple[str, int], m: codec.Observed, now_s: float) -> bool:
+        if not (0.0 < m.ttft_s <= MAX_PEER_TTFT_S and 0.0 <= m.cached_tokens <= m.prompt_tokens <= MAX_PEER_TOKENS
+                and 0.0 <= m.queued_tokens <= MAX_PEER_TOKENS and 0 <= m.num_decoding <= 1_000_000):
+            return False
+        self.core.apply_peer_observation(m.endpoint, m.prompt_tokens, m.cached_tokens, m.ttft_s, m.queued_tokens,
+                                         m.num_decoding)
+        return True
 
     def _end_peer_pick(self, key: tuple) -> None:
         """A peer's pick ended (its Release, expiry, or its sender gone): out of the in-flight counts; its
@@ -434,3 +443,12 @@ class PoolRouter:
     def release(self, pick: Pick) -> None:
         """Once per pick, when the HTTP request ends for any reason (repeats are ignored)."""
         self.lifecycle.released(pick)
+
+
+_PEER_APPLY: dict[type, Callable[[PoolRouter, tuple[str, int], codec.Message, float], bool]] = {
+    codec.Pick: PoolRouter._peer_pick, codec.Done: PoolRouter._peer_done, codec.Release: PoolRouter._peer_release,
+    codec.Failover: PoolRouter._peer_failover, codec.Response: PoolRouter._peer_response,
+    codec.Observed: PoolRouter._peer_observed,
+}
+"""How each message type of another replica is applied (`PoolRouter.apply_peer_batch`); True: applied (or
+absorbed), False: ignored as outside what that peer could know."""

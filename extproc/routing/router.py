@@ -16,7 +16,7 @@ from prefixroute.extproc.routing.prefix_index import PrefixIndex
 from prefixroute.extproc.routing.request import InferenceRequest, clip
 from prefixroute.extproc.routing.scheduling import filters, pickers
 from prefixroute.extproc.routing.scheduling.scheduler import Scheduler
-from prefixroute.extproc.routing.sessions import SessionTable
+from prefixroute.extproc.routing.sessions import SessionId, SessionTable, session_id
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.types import BlockHash, Decision, EndpointId, EndpointState
 
@@ -138,14 +138,33 @@ class RouterCore:
             what = f"serving model `{clip(request.model)}`" if request.model else ""
             raise OpenAIError(503, f"no healthy endpoint {what}".strip(), retry_after_s=self.retry_after_s)
         primary = decision.endpoints[0]
-        if request.block_hashes and self._records(primary):
-            self.index.record(request.block_hashes, primary)
+        self.apply_pick(primary, request.block_hashes,
+                        session_id(request.tenant, skey) if sessions is not None else None, now_s)  # type: ignore[arg-type]
         if self._note_routed is not None and request.block_hashes and request.num_prompt_tokens is not None:
             # Lets the events index check the server hashes tokens as the router does (token_mismatch).
             self._note_routed(primary, request.block_hashes[0], now_s)
-        if sessions is not None:
-            sessions.record(request.tenant, skey, primary, request.block_hashes, now_s)  # type: ignore[arg-type]
         return decision
+
+    # --- one apply path for this replica's picks and other replicas' (extproc/peers) ----------------------------
+    def apply_pick(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash], session: SessionId | None,
+                   now_s: float | None) -> None:
+        """A request with `block_hashes` (a turn of `session`, None: no session) was routed to `endpoint`, by
+        this replica (`route`) or another (`apply_peer_pick`): the own index records it where it learns from
+        picks (not for an endpoint whose KV events tell the truth), the session records its turn."""
+        if block_hashes and self._records(endpoint):
+            self.index.record(block_hashes, endpoint)
+        if session is not None and self.sessions is not None:
+            self.sessions.record_id(session, endpoint, block_hashes, now_s)
+
+    def apply_failover(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
+                       session: SessionId | None) -> None:
+        """A request with `block_hashes` was served by `endpoint`, a fallback, here (`record_failover`) or on
+        another replica (`apply_peer_failover`): recorded there too, so the next request of this prefix finds
+        the cache where it really is; its session, if this was still its last turn, follows it."""
+        if block_hashes and self._records(endpoint):
+            self.index.record(block_hashes, endpoint)
+        if session is not None and self.sessions is not None:
+            self.sessions.moved_id(session, endpoint, block_hashes)
 
     # --- other replicas' picks (extproc/peers; docs/operating.md: Several replicas) -------------------------------------
     def pending_tokens_of(self, request: InferenceRequest) -> float | None:
@@ -164,10 +183,7 @@ class RouterCore:
         know (not in its pool)."""
         if endpoint not in self._known:
             return False
-        if block_hashes and self._records(endpoint):
-            self.index.record(block_hashes, endpoint)
-        if session is not None and self.sessions is not None:
-            self.sessions.record_id(session, endpoint, block_hashes, now_s)
+        self.apply_pick(endpoint, block_hashes, session, now_s)
         if pending_tokens is not None:
             self.scheduler.policy.apply_peer_pick(key, endpoint, pending_tokens, block_hashes, now_s, expires_s)
         return True
@@ -183,12 +199,8 @@ class RouterCore:
     def apply_peer_failover(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
                             session: bytes | None) -> None:
         """Another replica's request was served by `endpoint`, a fallback (`record_failover` there)."""
-        if endpoint not in self._known:
-            return
-        if block_hashes and self._records(endpoint):
-            self.index.record(block_hashes, endpoint)
-        if session is not None and self.sessions is not None:
-            self.sessions.moved_id(session, endpoint, block_hashes)
+        if endpoint in self._known:
+            self.apply_failover(endpoint, block_hashes, session)
 
     def expire_peers(self, now_s: float) -> int:
         """Drop other replicas' pending picks past their expiry; how many."""
@@ -323,10 +335,9 @@ class RouterCore:
         """The request was served by a fallback (Envoy's ``x-gateway-destination-endpoint-served``): record it
         there too, so the next request of this prefix can find the cache where it really is; its session, if
         this request is still the session's last turn, follows it there."""
-        if request.block_hashes and self._records(served_by):
-            self.index.record(request.block_hashes, served_by)
-        if request.session_key is not None and self.sessions is not None:
-            self.sessions.moved(request.tenant, request.session_key, served_by, request.block_hashes)
+        key = request.session_key
+        self.apply_failover(served_by, request.block_hashes,
+                            session_id(request.tenant, key) if key is not None and self.sessions is not None else None)
 
     # --- pool changes -----------------------------------------------------------------------------------
     def capacity_blocks(self, state: EndpointState) -> int:
