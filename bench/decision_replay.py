@@ -43,7 +43,6 @@ from typing import Any
 
 import orjson
 
-from prefixroute import settings as settings_mod
 from prefixroute.bench import workloads
 from prefixroute.bench.virtual_run import simulate_policy
 from prefixroute.extproc.endpoints import Listener

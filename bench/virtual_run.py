@@ -425,8 +425,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
 
         # The policy's own record of (predicted, actual) TTFT pairs (a policy that predicts TTFT), tagged here
         # with the primary endpoint.
-        ttft = router.core.scheduler.ttft
-        own_predictions = ttft.predictions if ttft is not None and predictions is not None else None
+        learner = router.core.learner
+        own_predictions = learner.predictions if learner is not None and predictions is not None else None
 
         def first_token(rid: str, pick: Pick, now_s: float, first_token_s: float, prompt_tokens: int,
                         cached_tokens: int) -> None:

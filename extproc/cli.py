@@ -113,8 +113,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                                               index_size=lambda: {**core.index.num_entries_by_endpoint(), **(
                                                   event_index.num_blocks_by_endpoint() if event_index else {})},
                                               endpoint_states=pool.snapshot,
-                                              time_model=core.scheduler.ttft.time_model_figures
-                                              if core.scheduler.ttft is not None else None,
+                                              time_model=core.learner.time_model_figures
+                                              if core.learner is not None else None,
                                               index_info=lambda: events.info)
     tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
                              max_body_bytes=routing.max_body_bytes, on_first_token=router.first_token,
@@ -128,7 +128,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     if peer_settings is not None and peer_settings.url:
         bus = PeerBus(peer_settings, router)
         share_with_peers(router, bus, peer_settings)
-        telemetry.metrics.registry.register(PeersCollector(bus, core.scheduler.policy.num_peer_picks,
+        telemetry.metrics.registry.register(PeersCollector(bus, core.learner.num_peer_picks if core.learner
+                                                           else lambda: 0,
                                                            router.num_peer_in_flight,
                                                            lambda: router.num_ignored_peer_messages))
     await pool.start()

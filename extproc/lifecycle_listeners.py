@@ -26,6 +26,7 @@ from prefixroute.extproc.response_directory import ResponseDirectory, response_k
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.sessions import session_id
+from prefixroute.extproc.routing.ttft_learner import TtftLearner
 from prefixroute.types import EndpointId
 
 
@@ -88,20 +89,20 @@ class IndexListener(LifecycleListener):
 
 
 class TimeModelListener(LifecycleListener):
-    """The policy's time model (routing/timemodel.py through the prefix policy; a no-op for the baselines): the
-    pick leaves the pending queue at its first token or release; the rate learns from (TTFT, usage)."""
+    """The prefix policy's time model (`ttft_learner.TtftLearner`; registered only for a policy that has one):
+    the pick leaves the pending queue at its first token or release; the rate learns from (TTFT, usage)."""
 
-    def __init__(self, core: RouterCore) -> None:
-        self.policy = core.scheduler.policy
+    def __init__(self, learner: TtftLearner) -> None:
+        self.learner = learner
 
     def on_first_token(self, pick: Pick) -> None:
-        self.policy.on_first_token(pick.request, pick.decision, pick.ttft_s)  # type: ignore[arg-type]
+        self.learner.on_first_token(pick.request, pick.decision, pick.ttft_s)  # type: ignore[arg-type]
 
     def on_ttft_sample(self, pick: Pick) -> None:
-        self.policy.on_usage(pick.request, pick.decision, pick.prompt_tokens, pick.cached_tokens)
+        self.learner.on_usage(pick.request, pick.decision, pick.prompt_tokens, pick.cached_tokens)
 
     def on_released(self, pick: Pick) -> None:
-        self.policy.on_release(pick.request, pick.decision)
+        self.learner.on_release(pick.request, pick.decision)
 
 
 class PeersListener(LifecycleListener):
@@ -118,7 +119,8 @@ class PeersListener(LifecycleListener):
         request = pick.request
         if peers is None or request.kind == "other":
             return
-        pending = self.core.pending_tokens_of(request)
+        learner = self.core.learner
+        pending = learner.pending_tokens_of(request) if learner is not None else None
         hashes = request.block_hashes
         if pending is None and not hashes:
             return  # nothing another replica would do with it
@@ -169,6 +171,7 @@ class PeersListener(LifecycleListener):
     def _publish_observations(self) -> None:
         """What the time model just learned from a response goes to the other replicas (codec.Observed)."""
         peers = self.publisher
-        if peers is not None:
-            for o in self.core.take_observations():
+        learner = self.core.learner
+        if peers is not None and learner is not None:
+            for o in learner.take_observations():
                 peers.publish(codec.Observed(*o))

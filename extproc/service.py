@@ -85,7 +85,7 @@ from prefixroute.extproc.response_directory import NeedsLookup, ResponseDirector
 from prefixroute.extproc.routing.request import InferenceRequest, clip, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.tokens import PromptHasher
-from prefixroute.types import Decision, EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 from prefixroute.openai_errors import OpenAIError
 from prefixroute import responses_prompt
 
@@ -135,7 +135,8 @@ class PoolRouter:
         self.lifecycle = Lifecycle()
         self._peers = PeersListener(core)
         for listener in (PoolListener(pool), ResponsesListener(self.responses, self._set_known_prefix),
-                         IndexListener(core), TimeModelListener(core), self._peers):
+                         IndexListener(core), *([TimeModelListener(core.learner)] if core.learner else []),
+                         self._peers):
             self.lifecycle.add(listener)
         self.peer_pending_ttl_s = 30.0  # PeerSettings.pending_ttl_s, set with `peers`
         self.peer_in_flight_ttl_s = 660.0  # PeerSettings.in_flight_ttl_s
@@ -265,14 +266,19 @@ class PoolRouter:
         return True
 
     def _peer_done(self, origin: tuple[str, int], m: codec.Done, now_s: float) -> bool:
-        self.core.apply_peer_done((*origin, m.seq))
+        self._peer_pending_done((*origin, m.seq))
         return True
 
     def _peer_release(self, origin: tuple[str, int], m: codec.Release, now_s: float) -> bool:
         key = (*origin, m.seq)
-        self.core.apply_peer_done(key)
+        self._peer_pending_done(key)
         self._end_peer_pick(key)
         return True
+
+    def _peer_pending_done(self, key: tuple) -> None:
+        """Another replica's pick `key` got its first token or ended: it leaves the time model's queue."""
+        if self.core.learner is not None:
+            self.core.learner.apply_peer_done(key)
 
     def _peer_failover(self, origin: tuple[str, int], m: codec.Failover, now_s: float) -> bool:
         entry = self._peer_in_flight.get((*origin, m.seq))
@@ -298,8 +304,9 @@ class PoolRouter:
         if not (0.0 < m.ttft_s <= MAX_PEER_TTFT_S and 0.0 <= m.cached_tokens <= m.prompt_tokens <= MAX_PEER_TOKENS
                 and 0.0 <= m.queued_tokens <= MAX_PEER_TOKENS and 0 <= m.num_decoding <= 1_000_000):
             return False
-        self.core.apply_peer_observation(m.endpoint, m.prompt_tokens, m.cached_tokens, m.ttft_s, m.queued_tokens,
-                                         m.num_decoding)
+        if self.core.learner is not None:
+            self.core.learner.apply_peer_observation(m.endpoint, m.prompt_tokens, m.cached_tokens, m.ttft_s,
+                                                     m.queued_tokens, m.num_decoding)
         return True
 
     def _end_peer_pick(self, key: tuple) -> None:
@@ -323,20 +330,21 @@ class PoolRouter:
     def _forget_origin(self, origin: tuple[str, int]) -> None:
         self._peer_seen.pop(origin, None)
         for key in [k for k in self._peer_in_flight if k[:2] == origin]:
-            self.core.apply_peer_done(key)
+            self._peer_pending_done(key)
             self._end_peer_pick(key)
 
     def expire_peers(self, now_s: float) -> None:
         """The bus calls this every second: drop the other replicas' pending picks older than their TTL, their
         in-flight requests older than theirs (a lost Release), and everything of a replica not heard from for
         `peer_timeout_s` (it died, or this replica lost NATS: their Releases would not reach it)."""
-        self.core.expire_peers(now_s)
+        if self.core.learner is not None:
+            self.core.learner.expire_peers(now_s)
         flying = self._peer_in_flight
         gone = {o for o, t in self._peer_seen.items() if now_s - t > self.peer_timeout_s}
         for o in gone:
             del self._peer_seen[o]
         for key in [k for k, (_, exp) in flying.items() if exp <= now_s or k[:2] in gone]:
-            self.core.apply_peer_done(key)
+            self._peer_pending_done(key)
             self._end_peer_pick(key)
 
     def num_peer_in_flight(self) -> int:

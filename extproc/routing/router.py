@@ -63,8 +63,9 @@ class RouterCore:
                  index: PrefixIndex | None = None, retry_after_s: int = DEFAULT_RETRY_AFTER_S,
                  track_prefill: bool = False, event_index: BlockIndex | None = None,
                  note_routed: Callable[[EndpointId, BlockHash, float | None], None] | None = None) -> None:
-        """`track_prefill`: the caller will call `on_release` for every routed request (finished, failed or
-        cancelled), so the prefix policy may count the prefill tokens outstanding per endpoint. Off by
+        """`track_prefill`: the caller will release every routed request (finished, failed or cancelled:
+        ``learner.on_release``, the router service's lifecycle does), so the prefix policy's learner may count the
+        prefill tokens outstanding per endpoint. Off by
         default: without releases the counts would only grow. `event_index`: the KV-events index the caller
         feeds (extproc/kv_events); endpoints named by `set_event_endpoints` are matched against it.
         `note_routed(endpoint, first block hash, now_s)`: told of every pick with token blocks (the events
@@ -81,6 +82,9 @@ class RouterCore:
         self._ceiling: dict[EndpointId, int] = {}  # feedback: LRU capacity ceiling (from the scrape)
         self._fb_capacity: dict[EndpointId, float] = {}  # feedback: the current learned capacity
         self.scheduler = Scheduler(settings, rng, track_prefill=track_prefill)
+        # The prefix policy's time model and the picks it waits on (None for the baselines): the router
+        # service's lifecycle listener tells it each pick's first token, usage and release.
+        self.learner = self.scheduler.learner
         # Chat sessions (issue 14): only for a policy that uses them (prefix; `Policy.uses_sessions`).
         self.memory = memory.plan(settings)
         self.sessions: SessionTable | None = SessionTable(self.memory.max_sessions, settings.session_ttl_s) \
@@ -167,11 +171,6 @@ class RouterCore:
             self.sessions.moved_id(session, endpoint, block_hashes)
 
     # --- other replicas' picks (extproc/peers; docs/operating.md: Several replicas) -------------------------------------
-    def pending_tokens_of(self, request: InferenceRequest) -> float | None:
-        """The prefill the policy queued for `request` at its pick, None when it keeps no queue (what a pick
-        message to the other replicas carries)."""
-        return self.scheduler.policy.pending_tokens_of(request)
-
     def apply_peer_pick(self, key: tuple, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
                         pending_tokens: float | None, session: bytes | None,
                         now_s: float, expires_s: float) -> bool:
@@ -184,38 +183,19 @@ class RouterCore:
         if endpoint not in self._known:
             return False
         self.apply_pick(endpoint, block_hashes, session, now_s)
-        if pending_tokens is not None:
-            self.scheduler.policy.apply_peer_pick(key, endpoint, pending_tokens, block_hashes, now_s, expires_s)
+        if pending_tokens is not None and self.learner is not None:
+            self.learner.apply_peer_pick(key, endpoint, pending_tokens, block_hashes, now_s, expires_s)
         return True
 
     def knows(self, endpoint: EndpointId) -> bool:
         """Whether `endpoint` is in the pool this router last synced with (`sync_endpoints`)."""
         return endpoint in self._known
 
-    def apply_peer_done(self, key: tuple) -> None:
-        """Another replica's pick `key` got its first token or ended (`on_first_token` / `on_release` there)."""
-        self.scheduler.policy.apply_peer_done(key)
-
     def apply_peer_failover(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
                             session: bytes | None) -> None:
         """Another replica's request was served by `endpoint`, a fallback (`record_failover` there)."""
         if endpoint in self._known:
             self.apply_failover(endpoint, block_hashes, session)
-
-    def expire_peers(self, now_s: float) -> int:
-        """Drop other replicas' pending picks past their expiry; how many."""
-        return self.scheduler.policy.expire_peers(now_s)
-
-    def take_observations(self) -> list[tuple[EndpointId, float, float, float, float, int]]:
-        """The policy's rate observations since the last call, for the other replicas (`Policy.take_observations`)."""
-        return self.scheduler.policy.take_observations()
-
-    def apply_peer_observation(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float,
-                               ttft_s: float, queued_tokens: float, num_decoding: int) -> None:
-        """Another replica learned this rate observation at `endpoint` (ignored for an endpoint not in the pool)."""
-        if endpoint in self._known:
-            self.scheduler.policy.apply_peer_observation(endpoint, prompt_tokens, cached_tokens, ttft_s,
-                                                         queued_tokens, num_decoding)
 
     def _records(self, endpoint: EndpointId) -> bool:
         """Whether the own index learns from picks at `endpoint` (not when its events tell the truth)."""
@@ -305,25 +285,6 @@ class RouterCore:
         self._fb_capacity[ep] = cap
         self.index.set_capacity(ep, max(1, int(cap)))
 
-    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """`request`, routed by `decision` (what `route` returned), finished, failed or was cancelled: call
-        once per routed request, when its response ends (where the gateway releases its in-flight count).
-        A no-op unless constructed with ``track_prefill=True`` or for a policy without prefill tracking."""
-        self.scheduler.policy.on_release(request, decision)
-
-    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
-                       prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
-        """`request`'s first token came `ttft_s` after it arrived; usage figures when already known (a
-        simulation), else later by `on_usage`. At most once, before or after its `on_release` (see
-        `Policy.on_first_token`)."""
-        self.scheduler.policy.on_first_token(request, decision, ttft_s, prompt_tokens, cached_tokens)
-
-    def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
-                 cached_tokens: int | None) -> None:
-        """`request`'s response ended with these usage figures (None: none reported), after its
-        `on_first_token`, before or after its `on_release` (see `Policy.on_usage`)."""
-        self.scheduler.policy.on_usage(request, decision, prompt_tokens, cached_tokens)
-
     def observe_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
                       cached_tokens: int | None, served_by: EndpointId | None = None) -> None:
         """`request`'s response reported these usage figures (at most once per decision, first token or not):
@@ -366,7 +327,8 @@ class RouterCore:
         self.hit_stats.pop(endpoint, None)
         self._ceiling.pop(endpoint, None)
         self._fb_capacity.pop(endpoint, None)
-        self.scheduler.policy.on_endpoint_removed(endpoint)
+        if self.learner is not None:
+            self.learner.on_endpoint_removed(endpoint)
         self._known.discard(endpoint)
         self._capacity_from.pop(endpoint, None)
         self._restart_epoch.pop(endpoint, None)
@@ -382,7 +344,8 @@ class RouterCore:
         self.index.clear_endpoint(endpoint)
         if self.sessions is not None:  # they were credited with what its cache held
             self.sessions.forget_endpoint(endpoint)
-        self.scheduler.policy.on_cache_cleared(endpoint)
+        if self.learner is not None:
+            self.learner.on_cache_cleared(endpoint)
         self.num_caches_cleared += 1
 
     def sync_endpoints(self, snapshot: Sequence[EndpointState]) -> None:

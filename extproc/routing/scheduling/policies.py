@@ -18,12 +18,11 @@ prices produce, not a rule that overrides them.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import random
 from collections.abc import Mapping, Sequence
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import numpy as np
 
@@ -32,7 +31,7 @@ from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters, pickers, scorers
 from prefixroute.extproc.routing.scheduling.scorers import Scored
 from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
-from prefixroute.extproc.routing.timemodel import TimeModel
+from prefixroute.extproc.routing.ttft_learner import TtftLearner
 from prefixroute.types import BlockHash, Decision, DecisionReason, EndpointId, EndpointState
 
 
@@ -62,14 +61,11 @@ class PolicyInput:
 
 
 class Policy:
-    """Base of every policy: `decide` per request, and lifecycle hooks that are no-ops unless a policy keeps
-    per-endpoint or per-request state. Built once per router (`make_policy`); not thread-safe (one event loop).
-
-    `track_prefill`: the caller calls `on_release` exactly once for every decision of this policy (as
-    `RouterCore(track_prefill=True)` promises), so a policy may keep per-request state that releases undo
-    (the prefix policy's outstanding prefill tokens). When False, `on_release` may never come: a policy then
-    keeps nothing that only a release would remove.
-    """
+    """Base of every policy: `decide`, per request, and nothing else (what happens to a request after its
+    decision is the router service's lifecycle, extproc/lifecycle.py; the prefix policy's time model learns
+    from it through its `ttft_learner.TtftLearner`). Built once per router (`make_policy`); not thread-safe
+    (one event loop). `track_prefill`: the caller releases every pick (`RouterCore(track_prefill=True)`), so
+    the prefix policy's picks may join its time model's pending queue."""
 
     name: ClassVar[str]
     """A key of `settings.POLICIES`: what `RoutingSettings.policy` selects and `Decision.policy` reports."""
@@ -89,80 +85,6 @@ class Policy:
         ``1 + num_fallbacks``, and is never empty (`inp.eligible` is not). May update this policy's own state
         (counters, recent shares), nothing else; the caller records the pick in the prefix index."""
         raise NotImplementedError
-
-    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """Contract: `request`, routed by `decision` (from this policy's `decide`), ended: finished, failed or
-        was cancelled. At most once per decision, exactly once when `track_prefill`; it may come after the
-        primary left the pool (`on_endpoint_removed`) and must then be absorbed. No-op by default."""
-
-    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
-                       prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
-        """Contract: `request`, routed by `decision`, got its first token `ttft_s` after its arrival. The usage
-        figures of the serving endpoint come with it when the caller already knows them (a simulation) and
-        otherwise later through `on_usage` (the live gateway learns them at the end of the response). At most
-        once per decision, before or after its `on_release` (the gateway's two streams report in no fixed
-        order); it may never come (a caller that cannot see first tokens, a non-streamed response, a failed
-        request), so a policy must also undo on `on_release` what this would have undone, and bound what it
-        keeps for a late report. No-op by default."""
-
-    def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
-                 cached_tokens: int | None) -> None:
-        """Contract: the response of `request` (which had its `on_first_token` without usage) ended, with the
-        serving endpoint's prompt and cached tokens (None: it reported none). At most once, before or after
-        its `on_release`; it may never come, so what waits for it must be bounded. No-op by default."""
-
-    def on_endpoint_removed(self, endpoint: EndpointId) -> None:
-        """Contract: `endpoint` left the pool; what this policy keeps for it goes (an endpoint of that name
-        joining later starts from nothing), and late releases for it are absorbed. No-op by default."""
-
-    def on_cache_cleared(self, endpoint: EndpointId) -> None:
-        """Contract: `endpoint` stays in the pool but its KV cache is empty (a restart the pool detected; later
-        also KV events' AllBlocksCleared): what this policy believes cached there goes. Requests in flight
-        there still get their `on_release`. No-op by default (the prefix index is the router's, cleared by
-        `RouterCore.on_cache_cleared`)."""
-
-    # --- other replicas' picks (extproc/peers; docs/operating.md: Several replicas) -------------------------------------
-    def pending_tokens_of(self, request: InferenceRequest) -> float | None:
-        """The uncached prefill this policy queued for `request` at its pick (None: it keeps no queue, or the
-        request is no longer pending): what another replica is told to queue. None by default."""
-        return None
-
-    def apply_peer_pick(self, key: tuple, endpoint: EndpointId, pending_tokens: float,
-                        block_hashes: Sequence[BlockHash], now_s: float, expires_s: float) -> None:
-        """Another replica picked `endpoint` for a request (named `key`, never a local request's key) with
-        `pending_tokens` to prefill: queue it as a local pick would be (its blocks a pending prefix there)
-        until `apply_peer_done(key)` or `expire_peers` past `expires_s`. No-op by default."""
-
-    def apply_peer_done(self, key: tuple) -> None:
-        """Another replica's pick `key` got its first token or ended: it leaves the queue. Unknown keys (expired,
-        never seen) are absorbed. No-op by default."""
-
-    def expire_peers(self, now_s: float) -> int:
-        """Drop peers' picks whose `expires_s` passed (their replica died or their end was lost); how many."""
-        return 0
-
-    def take_observations(self) -> list[tuple[EndpointId, float, float, float, float, int]]:
-        """What the policy learned from this replica's responses since the last call (`TimeModel.observe`'s
-        arguments), for the other replicas; cleared. Empty for a policy that learns nothing."""
-        return []
-
-    def apply_peer_observation(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float,
-                               ttft_s: float, queued_tokens: float, num_decoding: int) -> None:
-        """Another replica's policy learned this from one of its responses: learn it too. No-op by default."""
-
-    def num_peer_picks(self) -> int:
-        """Peers' picks pending here (a metric)."""
-        return 0
-
-
-class PredictsTtft(Protocol):
-    """Capability of a policy that predicts each request's TTFT with a time model (`PrefixPolicy`): what the
-    benchmarks (predicted vs actual) and /metrics (the model's figures) read. Declared by `Scheduler.ttft` (the
-    policy when it has it, else None), never probed."""
-
-    predictions: collections.deque[tuple[float, float]]
-
-    def time_model_figures(self) -> dict[EndpointId, tuple[float, float, float, int]]: ...
 
 
 def _decision(order: Sequence[EndpointId], reason: DecisionReason, policy: str, inp: PolicyInput) -> Decision:
@@ -247,28 +169,6 @@ class ScoredPolicy(Policy):
         return _decision([inp.eligible[i].endpoint for i in order[:self._k]], "policy", self.name, inp)
 
 
-MAX_AWAITING_USAGE = 4096
-"""Picks kept for a report still to come (between first token and usage; or released before the first
-token's report arrived, the observing stream lagging the routing stream's end): more than a replica has in
-flight at once (Envoy's default of 1,024 connections per cluster), so only reports that never come (a cut
-stream, a non-streamed response) are dropped, oldest first."""
-
-
-MAX_PEER_PICKS = 65536
-"""Other replicas' picks kept pending at most (oldest out): far more than a fleet has prefilling at once (a
-replica's MAX_AWAITING_USAGE x 16 replicas), so only a flood of messages that never end is cut."""
-
-
-@dataclasses.dataclass(slots=True)
-class _TtftPick:
-    num_prompt_chars: int  # of its request: all `_learn` needs (the request itself is not kept: its hashes)
-    endpoint: EndpointId
-    queued_tokens: float
-    num_decoding: int
-    predicted_s: float
-    own_tokens: float
-
-
 class PrefixPolicy(Policy):
     """Least predicted time-to-first-token, priced with `timemodel.TimeModel` (module docstring).
 
@@ -296,8 +196,9 @@ class PrefixPolicy(Policy):
     1 + num_fallbacks in rendezvous order and a window of the pool (`EligibleView.scan_order`, rotating
     per decision) up to ``max_scored_endpoints`` in all.
 
-    State (only with `track_prefill`: pending entries need their release): the time model's per-endpoint
-    rates, learned from `on_first_token`, and pending requests (added at the pick, removed at first token or
+    State (`learner`, a `ttft_learner.TtftLearner`; pending entries only with `track_prefill`, as they need
+    their release): the time model's per-endpoint rates, learned from first tokens, and pending requests
+    (added at the pick, removed at first token or
     release). Without `track_prefill` the model keeps its priors and sees no queue (pure prefix + rendezvous).
     `predictions` keeps the last (predicted, actual) TTFT pairs of the primaries, for benchmarks."""
 
@@ -306,25 +207,11 @@ class PrefixPolicy(Policy):
 
     def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
         super().__init__(settings, rng, track_prefill=track_prefill)
-        self.model = TimeModel(settings.ttft_prior_tokens_per_s, settings.ttft_prior_base_s,
-                               decode_cost_tokens=settings.decode_cost_tokens,
-                               step_tokens=settings.ttft_step_tokens, window=settings.ttft_rate_window)
+        # The time model and the picks it waits on (their first token, usage, release): the lifecycle's.
+        self.learner = TtftLearner(settings, track_prefill=track_prefill)
+        self.model = self.learner.model
         self.scorer = scorers.TtftScorer(settings, self.model)
-        self._tpc = 1.0 / settings.chars_per_token
-        # Keyed by `InferenceRequest.key` (unique, never reused): entries are a few small numbers each, so the
-        # tables cost ~200 bytes per request whatever the client sent.
-        self._picks: dict[int, _TtftPick] = {}  # request key -> its pick, until first token or release
-        # request key -> (pick, ttft_s) between a first token without usage and its usage report.
-        self._awaiting: collections.OrderedDict[int, tuple[_TtftPick, float]] = collections.OrderedDict()
-        # request key -> pick, released before any first-token report (which may still come).
-        self._released: collections.OrderedDict[int, _TtftPick] = collections.OrderedDict()
-        self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
-        # What `_learn` learned, for the other replicas (`take_observations`); a router that shares nothing
-        # keeps at most MAX_AWAITING_USAGE of them.
-        self._observed_out: list[tuple[EndpointId, float, float, float, float, int]] = []
         self._scan_offset = 0  # where the next sampling window of a large pool starts (`decide`)
-        # Other replicas' pending picks (key -> expiry, oldest first): in `model` as non-local pendings.
-        self._peer_expiry: collections.OrderedDict[tuple, float] = collections.OrderedDict()
 
     def decide(self, inp: PolicyInput) -> Decision:
         """A composition (GIE's Filter -> Scorer -> Picker): the matches merged with the time model's pending
@@ -361,11 +248,8 @@ class PrefixPolicy(Policy):
                 if len(others) == need:
                     break
         order = [primary[scorers.STATE].endpoint, *(x[scorers.STATE].endpoint for x in others[:self._k - 1])]
-        if self.track_prefill:
-            key = req.key
-            queued = self.model.add_pending(key, order[0], primary[scorers.OWN_TOKENS], hashes, inp.now_s)
-            self._picks[key] = _TtftPick(req.num_prompt_chars, order[0], queued, primary[scorers.NUM_DECODING],
-                                         primary[scorers.PREDICTED_S], primary[scorers.OWN_TOKENS])
+        self.learner.add_pick(req, order[0], primary[scorers.OWN_TOKENS], primary[scorers.NUM_DECODING],
+                              primary[scorers.PREDICTED_S], inp.now_s)
         return self._prefix_decision(req, order, matches, insignificant, primary, others, pend)
 
     def _with_pending(self, inp: PolicyInput, pend: Mapping[EndpointId, int]) -> dict[EndpointId, int]:
@@ -421,142 +305,6 @@ class PrefixPolicy(Policy):
                         alternative_endpoint=alt[scorers.STATE].endpoint if alt is not None else None,
                         alternative_ttft_ms=alt[scorers.PREDICTED_S] * 1000.0 if alt is not None else None,
                         pending_blocks=pend.get(order[0], 0) if pend else 0)
-
-    def pending_tokens_of(self, request: InferenceRequest) -> float | None:
-        p = self._picks.get(request.key)
-        return p.own_tokens if p is not None else None
-
-    def apply_peer_pick(self, key: tuple, endpoint: EndpointId, pending_tokens: float,
-                        block_hashes: Sequence[BlockHash], now_s: float, expires_s: float) -> None:
-        if not self.track_prefill:
-            return  # no releases, no queue: the peers' picks would have nothing to empty them either
-        self.model.add_pending(key, endpoint, pending_tokens, block_hashes, now_s)
-        peers = self._peer_expiry
-        peers.pop(key, None)
-        peers[key] = expires_s  # insertion order is expiry order: one TTL, a monotonic clock
-        if len(peers) > MAX_PEER_PICKS:
-            old, _ = peers.popitem(last=False)
-            self.model.remove_pending(old)
-
-    def apply_peer_done(self, key: tuple) -> None:
-        if self._peer_expiry.pop(key, None) is not None:
-            self.model.remove_pending(key)
-
-    def expire_peers(self, now_s: float) -> int:
-        peers = self._peer_expiry
-        n = 0
-        while peers:
-            key, expires_s = next(iter(peers.items()))
-            if expires_s > now_s:
-                break
-            del peers[key]
-            self.model.remove_pending(key)
-            n += 1
-        return n
-
-    def num_peer_picks(self) -> int:
-        return len(self._peer_expiry)
-
-    def time_model_figures(self) -> dict[EndpointId, tuple[float, float, float, int]]:
-        """Per endpoint the model knows (learned or with requests pending): (rate tokens/s, base s, pending
-        prefill tokens, responses learned from). Built from copies (``dict(d)`` is one C call under the GIL),
-        so the metrics thread may call it while the event loop routes."""
-        m = self.model
-        fits, tokens = dict(m.fits), dict(m.queued_tokens)
-        learned = m.num_observations_by_endpoint()
-        prior = m.default_fit
-        return {ep: (*fits.get(ep, prior), tokens.get(ep, 0.0), learned.get(ep, 0))
-                for ep in {*fits, *tokens, *learned}}
-
-    def outstanding_prefill_tokens(self) -> dict[EndpointId, float]:
-        """Estimated uncached prefill tokens picked and not yet past their first token (or released), per
-        endpoint (a copy; absent = 0): the time model's queues."""
-        m = self.model
-        return {ep: float(m.pending_tokens(ep)) for ep in m.pending_queue_endpoints()}
-
-    def predicted_ttft_s(self, request: InferenceRequest) -> float | None:
-        """The predicted TTFT of `request`'s primary at its pick (None once it left the pending set)."""
-        p = self._picks.get(request.key)
-        return p.predicted_s if p is not None else None
-
-    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
-                       prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
-        """The request's prefill leaves its endpoint's queue; the endpoint's rate learns from it now (usage
-        given) or at `on_usage` (the pick waits there, at most MAX_AWAITING_USAGE of them)."""
-        key = request.key
-        p = self._picks.pop(key, None)
-        if p is None:
-            p = self._released.pop(key, None)  # the routing stream closed first (a short response)
-            if p is None:
-                return
-        self.model.remove_pending(key)
-        if prompt_tokens is not None:
-            self._learn(p, ttft_s, prompt_tokens, cached_tokens)
-            return
-        awaiting = self._awaiting
-        awaiting[key] = (p, ttft_s)
-        if len(awaiting) > MAX_AWAITING_USAGE:
-            awaiting.popitem(last=False)  # the oldest lost its usage report (stream cut, telemetry stalled)
-
-    def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
-                 cached_tokens: int | None) -> None:
-        """The rate learns from the TTFT `on_first_token` reported, with these usage figures."""
-        got = self._awaiting.pop(request.key, None)
-        if got is not None:
-            self._learn(got[0], got[1], prompt_tokens, cached_tokens)
-
-    def _learn(self, p: _TtftPick, ttft_s: float, prompt_tokens: int | None, cached_tokens: int | None) -> None:
-        # In the router's units: its prompt estimate, with the uncached share the endpoint reported (the
-        # router's own estimate of it when the response reported no cached tokens: vLLM reports them only
-        # with --enable-prompt-tokens-details, and a stream only with stream_options.include_usage).
-        est = p.num_prompt_chars * self._tpc
-        if prompt_tokens is not None and prompt_tokens > 0 and cached_tokens is not None:
-            share = max(0.0, min(1.0, (prompt_tokens - cached_tokens) / prompt_tokens))
-            cached = est * (1.0 - share)
-        else:
-            cached = est - p.own_tokens
-        self.model.observe(p.endpoint, est, cached, ttft_s, p.queued_tokens, p.num_decoding)
-        self.predictions.append((p.predicted_s, ttft_s))
-        out = self._observed_out
-        if len(out) < MAX_AWAITING_USAGE:  # bounded when no one takes them
-            out.append((p.endpoint, est, cached, ttft_s, p.queued_tokens, p.num_decoding))
-
-    def take_observations(self) -> list[tuple[EndpointId, float, float, float, float, int]]:
-        out = self._observed_out
-        if not out:
-            return []
-        self._observed_out = []
-        return out
-
-    def apply_peer_observation(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float,
-                               ttft_s: float, queued_tokens: float, num_decoding: int) -> None:
-        self.model.observe(endpoint, prompt_tokens, cached_tokens, ttft_s, queued_tokens, num_decoding)
-
-    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """The request ended: if no first token was reported, it leaves the queue, and its pick waits (at most
-        MAX_AWAITING_USAGE of them) for a first token that may still come: the observing stream reports in
-        no fixed order with the routing stream's end. A pick awaiting its usage report keeps waiting too."""
-        key = request.key
-        p = self._picks.pop(key, None)
-        if p is not None:
-            self.model.remove_pending(key)
-            released = self._released
-            released[key] = p
-            if len(released) > MAX_AWAITING_USAGE:
-                released.popitem(last=False)
-
-    def on_endpoint_removed(self, endpoint: EndpointId) -> None:
-        self.model.forget_endpoint(endpoint)
-        for key in [key for key, p in self._picks.items() if p.endpoint == endpoint]:
-            del self._picks[key]
-        for key in [key for key, (p, _) in self._awaiting.items() if p.endpoint == endpoint]:
-            del self._awaiting[key]
-        for key in [key for key, p in self._released.items() if p.endpoint == endpoint]:
-            del self._released[key]
-
-    def on_cache_cleared(self, endpoint: EndpointId) -> None:
-        self.model.clear_prefixes(endpoint)
-
 
 _CLASSES_BY_NAME = {p.name: p for p in (PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy,
                                          RoundRobinPolicy, RandomPolicy)}

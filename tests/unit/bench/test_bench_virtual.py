@@ -226,7 +226,7 @@ class _RecordingRouter(PoolRouter):
         pick = super().route(method, path, headers, body)
         self.calls.append((method, path, dict(headers), body, pick.request))
         self.in_flight_at_pick.append(sum(self.pool.in_flight.values()))
-        self.prefill_at_pick.append(sum(self.core.scheduler.policy.outstanding_prefill_tokens().values()))
+        self.prefill_at_pick.append(sum(self.core.learner.outstanding_prefill_tokens().values()))
         return pick
 
 
@@ -248,7 +248,7 @@ def test_every_pick_is_counted_in_flight_and_released_when_it_finishes(recording
     assert max(router.in_flight_at_pick) == (4 if arrival == "closed" else _max_overlap(res))
     assert max(router.prefill_at_pick) > 512  # at least one uncached 512-token system prompt was outstanding
     assert dict(router.pool.in_flight) == {"sim-0:8000": 0, "sim-1:8000": 0}
-    assert router.core.scheduler.policy.outstanding_prefill_tokens() == {}
+    assert router.core.learner.outstanding_prefill_tokens() == {}
 
 
 def test_the_router_parses_the_bytes_and_headers_a_live_client_sends(recording):

@@ -288,7 +288,7 @@ async def test_after_a_move_the_old_address_still_maps_for_requests_in_flight() 
 
 async def test_release_returns_outstanding_prefill_to_zero(router: PoolRouter) -> None:
     tracked = PoolRouter(RouterCore(router.settings, track_prefill=True), router.pool)
-    policy = tracked.core.scheduler.policy
+    policy = tracked.core.learner
     picks = [tracked.route(*POST, {}, _chat(f"cold prompt {i} " * 200)) for i in range(3)]
     assert sum(policy.outstanding_prefill_tokens().values()) > 0
     for pick in picks:
