@@ -23,6 +23,9 @@ Modules (pure logic separate from I/O):
 - `cli`: ``prefixroute bench``.
 - `overhead` (+ `http_load`, `fast_upstream`): ``prefixroute overhead-bench``, Envoy with vs without ext_proc.
 - `decision`: ``python -m prefixroute.bench.decision``, parse + hash + schedule time per request.
+- `decision_replay`: ``python -m prefixroute.bench.decision_replay record|check FILE``, every pick of ~20,000
+  seeded decisions (every policy and index source, the service and the virtual fleet) recorded, then replayed
+  on changed code: "N identical, M differ".
 - `recorder`: ``python -m prefixroute.bench.recorder``, the telemetry recorder's cost on the event loop.
 - `model_server`: ``prefixroute model-server-bench``, the simulated server's own CPU cost.
 

@@ -43,6 +43,7 @@ class SimulatedPool:
     def __init__(self, fleet: VirtualFleet, settings: PoolSettings | None = None, *, seed: int = 0) -> None:
         """`seed` draws the scrape phases (reproducible runs)."""
         self.settings = settings or PoolSettings()
+        self.adapters = None  # simulated servers serve no LoRA adapters
         self._fleet = fleet
         self._order = fleet.endpoint_ids
         n = len(self._order)

@@ -57,9 +57,9 @@ from prefixroute.bench.workload_spec import RequestSpec, Workload
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.routing.prefix_index import num_leading_held
 from prefixroute.extproc.kv_events import KVEventIndex
-from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.service import PoolRouter
+from prefixroute.extproc.factory import build_router, uses_kv_events
+from prefixroute.extproc.lifecycle import Pick
 from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.server import ServerSettings
 from prefixroute.model_servers.virtual_fleet import SimRequest, SimResult, VirtualFleet
@@ -410,27 +410,25 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         # KV events in process: each engine's events reach the router's events index at the step's virtual time
         # (a live router gets them over ZMQ about a millisecond later).
         event_index = None
-        if routing.tokenizer and routing.index_source in ("auto", "events"):
+        if uses_kv_events(routing):
             event_index = KVEventIndex(routing.kv_block_tokens)
             apply_events = event_index.apply_events
             fleet.publish_kv_events(lambda ep, events: collections.deque(apply_events(ep, events), maxlen=0))
-        # track_prefill: every pick is released (below), as the gateway releases each one.
-        core = RouterCore(routing, track_prefill=True, event_index=event_index)
-        if event_index is not None:
-            core.set_event_endpoints(fleet.endpoint_ids)
-        router = PoolRouter(core, pool, clock=lambda: fleet.now_s)
-        picks: dict[str, Any] = {}  # request id -> its pick, until the response ends
+        # Every pick is released (below), as the gateway releases each one.
+        router = build_router(routing, pool, event_index=event_index, event_endpoints=fleet.endpoint_ids,
+                              clock=lambda: fleet.now_s)
+        picks: dict[str, Pick] = {}  # request id -> its pick, until the response ends
         # First-token events: the fleet reports a request only when it ends, so the requests routed and not
         # yet past their first token are checked at each decision (all a policy can act on) and at the end.
-        no_token: dict[str, Any] = {}  # request id -> pick, first token not yet delivered
+        no_token: dict[str, Pick] = {}  # request id -> pick, first token not yet delivered
         engine_of = {ep: fleet.engines[i] for i, ep in enumerate(fleet.endpoint_ids)}
 
-        # A policy's own record of (predicted, actual) TTFT pairs, tagged here with the primary endpoint.
-        own_predictions = getattr(router.core.scheduler.policy, "predictions", None)
-        if predictions is None:
-            own_predictions = None
+        # The policy's own record of (predicted, actual) TTFT pairs (a policy that predicts TTFT), tagged here
+        # with the primary endpoint.
+        learner = router.core.learner
+        own_predictions = learner.predictions if learner is not None and predictions is not None else None
 
-        def first_token(rid: str, pick: Any, now_s: float, first_token_s: float, prompt_tokens: int,
+        def first_token(rid: str, pick: Pick, now_s: float, first_token_s: float, prompt_tokens: int,
                         cached_tokens: int) -> None:
             del no_token[rid]
             last = own_predictions[-1] if own_predictions else None

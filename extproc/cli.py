@@ -33,9 +33,8 @@ from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.parse_offload import ParseOffload
 from prefixroute.extproc.response_directory import ResponsesCollector
-from prefixroute.extproc.service import PoolRouter
+from prefixroute.extproc.factory import build_router, share_with_peers, uses_kv_events
 from prefixroute.extproc.tracking import RequestTracker
-from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.sessions import SessionsCollector
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher, TokenizerLoadError
@@ -83,7 +82,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         await discovery.refresh()
         pool.set_endpoints(discovery.endpoints)
     # KV events: only when requests are matched by token blocks (a tokenizer) and the source allows them.
-    use_events = bool(routing.tokenizer) and routing.index_source in ("auto", "events")
+    use_events = uses_kv_events(routing)
     static_addresses = event_addresses_from_settings(pool_settings) if use_events else {}
 
     def addresses_of(endpoints: list[str]) -> dict[str, tuple[str, str | None]]:
@@ -96,9 +95,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     addresses = addresses_of(list(pool.endpoints))
     discovers_events = discovery is not None and use_events and pool_settings.kv_events_port_offset > 0
     event_index = KVEventIndex(routing.kv_block_tokens) if addresses or discovers_events else None
-    # track_prefill: PoolRouter.release calls core.on_release once per routed request.
-    core = RouterCore(routing, track_prefill=True, event_index=event_index)
-    router = PoolRouter(core, pool)
+    router = build_router(routing, pool, event_index=event_index)
+    core = router.core
     log.info("%s", core.memory.describe())
     if routing.parse_workers:  # large bodies parsed off the event loop (issue 27)
         router.offload = ParseOffload(routing)
@@ -115,7 +113,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                                               index_size=lambda: {**core.index.num_entries_by_endpoint(), **(
                                                   event_index.num_blocks_by_endpoint() if event_index else {})},
                                               endpoint_states=pool.snapshot,
-                                              time_model=getattr(core.scheduler.policy, "time_model_figures", None),
+                                              time_model=core.learner.time_model_figures
+                                              if core.learner is not None else None,
                                               index_info=lambda: events.info)
     tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
                              max_body_bytes=routing.max_body_bytes, on_first_token=router.first_token,
@@ -128,12 +127,9 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     bus = None
     if peer_settings is not None and peer_settings.url:
         bus = PeerBus(peer_settings, router)
-        router.peers = bus
-        router.peer_pending_ttl_s = peer_settings.pending_ttl_s
-        router.peer_in_flight_ttl_s = peer_settings.in_flight_ttl_s
-        router.peer_timeout_s = peer_settings.peer_timeout_s
-        router.max_in_flight_per_peer = peer_settings.max_in_flight_per_peer
-        telemetry.metrics.registry.register(PeersCollector(bus, core.scheduler.policy.num_peer_picks,
+        share_with_peers(router, bus, peer_settings)
+        telemetry.metrics.registry.register(PeersCollector(bus, core.learner.num_peer_picks if core.learner
+                                                           else lambda: 0,
                                                            router.num_peer_in_flight,
                                                            lambda: router.num_ignored_peer_messages))
     await pool.start()

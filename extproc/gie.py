@@ -53,6 +53,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc import wire
 from prefixroute.extproc.answers import header_option, immediate_response, lookup_changed, with_traceparent
 from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, SERVED_HEADER, SUBSET_KEY,
@@ -161,7 +162,7 @@ class GieStream:
         self.num_body_bytes = 0
         self.body_seen = False
         self.subset: list[str] | None = None
-        self.pick: Any = None
+        self.pick: Pick | None = None
         self.st: Tracked = UNTRACKED
         self.obs: Tracked | None = None
         self.traceparent: str | None = None

@@ -3,7 +3,7 @@
 Contract with the servicer (`servicer.RouterService`):
 - `route(method, path, headers, body)` parses the request (`parse_request`), asks `RouterCore.route` for a
   `Decision` over the pool's snapshot and in-flight counts, counts the primary as in flight, and returns a
-  `RoutePick` whose ``endpoints`` are *addresses* (``ip:port``, what Envoy's ORIGINAL_DST needs), primary
+  `lifecycle.Pick` (the request's one record, extproc/lifecycle.py) whose ``endpoints`` are *addresses* (``ip:port``, what Envoy's ORIGINAL_DST needs), primary
   first. Raises `OpenAIError` (400/404/405/413/503) to refuse.
 - `served(pick, served)`: Envoy's ``x-gateway-destination-endpoint-served``. When a different endpoint
   served (the primary refused the connection and a fallback took it): the primary, and any fallback tried
@@ -75,16 +75,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Protocol
 
 from prefixroute.extproc.endpoints import Pool
+from prefixroute.extproc.lifecycle import Lifecycle, LifecycleListener, Phase, Pick
+from prefixroute.extproc.lifecycle_listeners import (IndexListener, PeerPublisher, PeersListener, PoolListener,
+                                                     ResponsesListener, TimeModelListener)
 from prefixroute.extproc.peers import codec
-from prefixroute.extproc.response_directory import NeedsLookup, ResponseDirectory, ResponseLookup, response_key
-from prefixroute.extproc.routing.sessions import session_id
+from prefixroute.extproc.response_directory import NeedsLookup, ResponseDirectory, ResponseLookup
 from prefixroute.extproc.routing.request import InferenceRequest, clip, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.tokens import PromptHasher
-from prefixroute.types import Decision, EndpointId, EndpointState
+from prefixroute.types import EndpointId, EndpointState
 from prefixroute.openai_errors import OpenAIError
 from prefixroute import responses_prompt
 
@@ -106,41 +107,6 @@ class NeedsParse(NeedsLookup):
         super().__init__(None)  # type: ignore[arg-type]
 
 
-class PeerPublisher(Protocol):
-    """What `PoolRouter` sends the other replicas through (`peers.bus.PeerBus`): `publish` never awaits, never
-    blocks and never raises."""
-
-    def publish(self, message: codec.Message) -> None: ...
-
-
-class RoutePick:
-    """One routed request: addresses for Envoy, and which endpoint holds its in-flight count."""
-
-    __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "released",
-                 "failover_reported", "first_token_reported", "usage_reported", "usage_observed", "index_source",
-                 "response_id", "response_endpoint", "peer_seq", "peer_pending", "peer_seq_any")
-
-    def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
-                 request: InferenceRequest, decision: Decision, decision_us: float) -> None:
-        self.endpoints = endpoints
-        self.endpoint_ids = endpoint_ids
-        self.request = request
-        self.decision = decision
-        self.decision_us = decision_us  # parse + schedule, microseconds
-        self.counted: EndpointId = endpoint_ids[0]
-        self.released = False
-        self.failover_reported = False  # a served-elsewhere report was taken for this pick (only one counts)
-        self.first_token_reported = False
-        self.usage_reported = False
-        self.usage_observed = False  # the hit statistics / feedback took this pick's usage
-        self.index_source = ""  # where the primary's match came from (RouterCore.index_source_of), for telemetry
-        self.response_id: str | None = None  # the Responses API id of this pick's response, once seen
-        self.response_endpoint: EndpointId | None = None  # the endpoint holding `response_id`
-        self.peer_seq: int | None = None  # set while the other replicas count this pick in flight (a Release due)
-        self.peer_pending = False  # the other replicas count it pending (a Done due at the first token)
-        self.peer_seq_any: int | None = None  # its number on the bus, kept after its Release (for its response id)
-
-
 class PoolRouter:
     """RouterCore + a `Pool` behind the servicer's `RouterService` interface (see module docstring). Requests
     are parsed with the core's own settings (``core.settings``): one settings object parses and routes."""
@@ -153,7 +119,7 @@ class PoolRouter:
         self.settings = core.settings
         # Token mode (``--tokenizer``): built once; a tokenizer that cannot load fails startup (TokenizerLoadError).
         self.hasher = PromptHasher.from_settings(core.settings)
-        self._adapters = getattr(pool, "adapters", None)  # the pool's live set of LoRA adapter names
+        self._adapters = pool.adapters  # the pool's live set of LoRA adapter names (None: it lists none)
         self._addr: dict[EndpointId, str] = {}
         self._id_of_addr: dict[str, EndpointId] = {}
         self._addrs_cache: dict[tuple[EndpointId, ...], tuple[str, ...]] = {}
@@ -165,12 +131,16 @@ class PoolRouter:
                                      max_in_flight=s.max_response_lookups, retry_after_s=core.retry_after_s)
         self._states: dict[EndpointId, EndpointState] = {}
         self._states_of: object = None  # the snapshot `_states` was built from (its identity)
-        # The other replicas (extproc/peers): None = this replica routes alone (no message, no cost).
-        self.peers: PeerPublisher | None = None
+        # One dispatcher of each request's phases (extproc/lifecycle.py) to the listeners, in this order.
+        self.lifecycle = Lifecycle()
+        self._peers = PeersListener(core)
+        for listener in (PoolListener(pool), ResponsesListener(self.responses, self._set_known_prefix),
+                         IndexListener(core), *([TimeModelListener(core.learner)] if core.learner else []),
+                         self._peers):
+            self.lifecycle.add(listener)
         self.peer_pending_ttl_s = 30.0  # PeerSettings.pending_ttl_s, set with `peers`
         self.peer_in_flight_ttl_s = 660.0  # PeerSettings.in_flight_ttl_s
         self.peer_timeout_s = 5.0  # PeerSettings.peer_timeout_s
-        self._peer_seq = 0
         # Other replicas' requests in flight here: (replica, incarnation, seq) -> [endpoint, expiry], oldest
         # first; counted in the pool's in-flight counts (so every replica prices the fleet's load), and when
         # each origin was last heard from.
@@ -184,6 +154,20 @@ class PoolRouter:
         # Large bodies parsed off the loop (extproc/parse_offload.py): None = every body here.
         self.offload = None
         pool.add_listener(self._on_pool_change)
+
+    @property
+    def peers(self) -> PeerPublisher | None:
+        """Where picks are published to the other replicas (extproc/peers); None (the default): this replica
+        routes alone (no message, no cost)."""
+        return self._peers.publisher
+
+    @peers.setter
+    def peers(self, publisher: PeerPublisher | None) -> None:
+        self._peers.publisher = publisher
+
+    def add_listener(self, listener: LifecycleListener) -> None:
+        """Register another lifecycle listener (extproc/lifecycle.py), told after the router's own."""
+        self.lifecycle.add(listener)
 
     def _on_pool_change(self, snapshot: Sequence[EndpointState]) -> None:
         """Structural pool change (the pool calls this on every address change, among others)."""
@@ -210,7 +194,7 @@ class PoolRouter:
         return self._id_of_addr.get(address)
 
     def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | InferenceRequest,
-              subset: Collection[str] | None = None) -> RoutePick:
+              subset: Collection[str] | None = None) -> Pick:
         """See the module docstring. `body`: the request body, or the `InferenceRequest` `parse_off_loop` made of
         it. `subset`: the gateway's subset hint (GIE's ``x-gateway-destination-endpoint-subset``): pick only
         among the endpoints whose address (``ip:port``, or a bare ``ip``: every port of it) it lists; 503 when
@@ -232,12 +216,10 @@ class PoolRouter:
         decision = self.core.route(request, snapshot, pool.in_flight, self.clock())
         decision_us = (time.perf_counter() - t0) * 1e6
         ids = decision.endpoints
-        pick = RoutePick(self._addresses(ids), ids, request, decision, decision_us)
+        pick = Pick(self._addresses(ids), ids, request, decision, decision_us)
         pick.index_source = self.core.index_source_of(decision)
         pool.acquire(ids[0])
-        peers = self.peers
-        if peers is not None and request.kind != "other":
-            self._publish_pick(peers, pick)
+        self.lifecycle.decided(pick)
         return pick
 
     async def parse_off_loop(self, method: str, path: str, headers: Mapping[str, str],
@@ -246,100 +228,86 @@ class PoolRouter:
         assert self.offload is not None
         return await self.offload.parse(method, path, headers, body, self._adapters)
 
-    def _publish_pick(self, peers: PeerPublisher, pick: RoutePick) -> None:
-        request = pick.request
-        pending = self.core.pending_tokens_of(request)
-        hashes = request.block_hashes
-        if pending is None and not hashes:
-            return  # nothing another replica would do with it
-        self._peer_seq += 1
-        pick.peer_seq = pick.peer_seq_any = self._peer_seq
-        pick.peer_pending = pending is not None
-        peers.publish(codec.Pick(self._peer_seq, pick.endpoint_ids[0], hashes, pending, self._session_of(request)))
-
-    def _session_of(self, request: InferenceRequest) -> bytes | None:
-        """What the other replicas know a request's session by: its digest, never the client's key."""
-        if request.session_key is None or self.core.sessions is None:
-            return None
-        return session_id(request.tenant, request.session_key)
-
-    def _publish_done(self, pick: RoutePick) -> None:
-        if pick.peer_pending and self.peers is not None:
-            pick.peer_pending = False
-            self.peers.publish(codec.Done(pick.peer_seq))  # type: ignore[arg-type]
-
-    def _publish_release(self, pick: RoutePick) -> None:
-        seq = pick.peer_seq
-        if seq is not None and self.peers is not None:
-            pick.peer_seq = None
-            pick.peer_pending = False
-            self.peers.publish(codec.Release(seq))
-
     # --- other replicas (extproc/peers: PeerBus calls these on the event loop) ----------------------------
     def apply_peer_batch(self, origin: tuple[str, int], messages: Sequence[codec.Message], now_s: float) -> None:
-        """Apply another replica's messages (`origin`: its (replica id, incarnation)), in order: picks and
-        failovers to the core (index, sessions, the policy's queues), responses to the directory."""
-        core = self.core
-        pool = self.pool
-        flying = self._peer_in_flight
-        counts = self._peer_counts
+        """Apply another replica's messages (`origin`: its (replica id, incarnation)), in order, each by its
+        type's method (`_PEER_APPLY`): picks and failovers through the core's one apply path (the same
+        `RouterCore.apply_pick` / `apply_failover` as this replica's own), responses to the directory. A
+        message outside what that peer could know is ignored and counted (module docstring: trust)."""
         seen = self._peer_seen
         if origin not in seen and len(seen) >= 256:  # a flood of invented senders: the oldest are forgotten
             self._forget_origin(next(iter(seen)))
         seen.pop(origin, None)
         seen[origin] = now_s  # an empty batch is a heartbeat; most recent last
-        expires_s = now_s + self.peer_pending_ttl_s
-        max_tokens = self.core.settings.max_input_chars  # no prompt has more tokens than characters
         ignored = 0
+        apply = _PEER_APPLY
         for m in messages:
-            t = type(m)
-            if t is codec.Pick:
-                key = (*origin, m.seq)
-                pending = m.pending_tokens
-                if key in flying or counts.get(origin, 0) >= self.max_in_flight_per_peer or (
-                        pending is not None and not 0.0 <= pending <= max_tokens) or \
-                        len(m.block_hashes) > core.memory.max_blocks_per_request:
-                    ignored += 1  # a repeat, more in flight than a replica routes, or figures out of range
-                    continue
-                if core.apply_peer_pick(key, m.endpoint, m.block_hashes, pending, m.session, now_s, expires_s):
-                    pool.acquire(m.endpoint)
-                    flying[key] = [m.endpoint, now_s + self.peer_in_flight_ttl_s]
-                    counts[origin] = counts.get(origin, 0) + 1
-            elif t is codec.Done:
-                core.apply_peer_done((*origin, m.seq))
-            elif t is codec.Release:
-                key = (*origin, m.seq)
-                core.apply_peer_done(key)
-                self._end_peer_pick(key)
-            elif t is codec.Failover:
-                entry = flying.get((*origin, m.seq))
-                if entry is None or not core.knows(m.endpoint) or \
-                        len(m.block_hashes) > core.memory.max_blocks_per_request:
-                    ignored += 1  # only a pick of its in flight here can have failed over
-                    continue
-                core.apply_peer_failover(m.endpoint, m.block_hashes, m.session)
-                if entry[0] != m.endpoint:
-                    pool.release(entry[0])
-                    pool.acquire(m.endpoint)
-                    entry[0] = m.endpoint
-            elif t is codec.Response:
-                key = (*origin, m.seq)
-                entry = flying.get(key)
-                ep = entry[0] if entry is not None else self._peer_recent.get(key)
-                if ep != m.endpoint or (m.prompt_tokens is not None and not 0 <= m.prompt_tokens <= max_tokens) or \
-                        not self.responses.apply_peer(m.key, m.endpoint, m.prompt_tokens):
-                    ignored += 1  # not where that peer's pick went, or known here elsewhere
-            elif t is codec.Observed:
-                if not (0.0 < m.ttft_s <= MAX_PEER_TTFT_S
-                        and 0.0 <= m.cached_tokens <= m.prompt_tokens <= MAX_PEER_TOKENS
-                        and 0.0 <= m.queued_tokens <= MAX_PEER_TOKENS and 0 <= m.num_decoding <= 1_000_000):
-                    ignored += 1
-                    continue
-                core.apply_peer_observation(m.endpoint, m.prompt_tokens, m.cached_tokens, m.ttft_s,
-                                            m.queued_tokens, m.num_decoding)
+            if not apply[type(m)](self, origin, m, now_s):
+                ignored += 1
         self.num_ignored_peer_messages += ignored
+        flying = self._peer_in_flight
         while len(flying) > self.max_peer_in_flight:
             self._end_peer_pick(next(iter(flying)))
+
+    def _peer_pick(self, origin: tuple[str, int], m: codec.Pick, now_s: float) -> bool:
+        key = (*origin, m.seq)
+        pending = m.pending_tokens
+        counts = self._peer_counts
+        core = self.core
+        if key in self._peer_in_flight or counts.get(origin, 0) >= self.max_in_flight_per_peer or (
+                pending is not None and not 0.0 <= pending <= core.settings.max_input_chars) or \
+                len(m.block_hashes) > core.memory.max_blocks_per_request:
+            return False  # a repeat, more in flight than a replica routes, or figures out of range
+        if core.apply_peer_pick(key, m.endpoint, m.block_hashes, pending, m.session, now_s,
+                                now_s + self.peer_pending_ttl_s):
+            self.pool.acquire(m.endpoint)
+            self._peer_in_flight[key] = [m.endpoint, now_s + self.peer_in_flight_ttl_s]
+            counts[origin] = counts.get(origin, 0) + 1
+        return True
+
+    def _peer_done(self, origin: tuple[str, int], m: codec.Done, now_s: float) -> bool:
+        self._peer_pending_done((*origin, m.seq))
+        return True
+
+    def _peer_release(self, origin: tuple[str, int], m: codec.Release, now_s: float) -> bool:
+        key = (*origin, m.seq)
+        self._peer_pending_done(key)
+        self._end_peer_pick(key)
+        return True
+
+    def _peer_pending_done(self, key: tuple) -> None:
+        """Another replica's pick `key` got its first token or ended: it leaves the time model's queue."""
+        if self.core.learner is not None:
+            self.core.learner.apply_peer_done(key)
+
+    def _peer_failover(self, origin: tuple[str, int], m: codec.Failover, now_s: float) -> bool:
+        entry = self._peer_in_flight.get((*origin, m.seq))
+        core = self.core
+        if entry is None or not core.knows(m.endpoint) or len(m.block_hashes) > core.memory.max_blocks_per_request:
+            return False  # only a pick of its in flight here can have failed over
+        core.apply_peer_failover(m.endpoint, m.block_hashes, m.session)
+        if entry[0] != m.endpoint:
+            self.pool.release(entry[0])
+            self.pool.acquire(m.endpoint)
+            entry[0] = m.endpoint
+        return True
+
+    def _peer_response(self, origin: tuple[str, int], m: codec.Response, now_s: float) -> bool:
+        key = (*origin, m.seq)
+        entry = self._peer_in_flight.get(key)
+        ep = entry[0] if entry is not None else self._peer_recent.get(key)
+        # not where that peer's pick went, or known here elsewhere: ignored
+        return ep == m.endpoint and (m.prompt_tokens is None or 0 <= m.prompt_tokens <= self.settings.max_input_chars) \
+            and self.responses.apply_peer(m.key, m.endpoint, m.prompt_tokens)
+
+    def _peer_observed(self, origin: tuple[str, int], m: codec.Observed, now_s: float) -> bool:
+        if not (0.0 < m.ttft_s <= MAX_PEER_TTFT_S and 0.0 <= m.cached_tokens <= m.prompt_tokens <= MAX_PEER_TOKENS
+                and 0.0 <= m.queued_tokens <= MAX_PEER_TOKENS and 0 <= m.num_decoding <= 1_000_000):
+            return False
+        if self.core.learner is not None:
+            self.core.learner.apply_peer_observation(m.endpoint, m.prompt_tokens, m.cached_tokens, m.ttft_s,
+                                                     m.queued_tokens, m.num_decoding)
+        return True
 
     def _end_peer_pick(self, key: tuple) -> None:
         """A peer's pick ended (its Release, expiry, or its sender gone): out of the in-flight counts; its
@@ -362,20 +330,21 @@ class PoolRouter:
     def _forget_origin(self, origin: tuple[str, int]) -> None:
         self._peer_seen.pop(origin, None)
         for key in [k for k in self._peer_in_flight if k[:2] == origin]:
-            self.core.apply_peer_done(key)
+            self._peer_pending_done(key)
             self._end_peer_pick(key)
 
     def expire_peers(self, now_s: float) -> None:
         """The bus calls this every second: drop the other replicas' pending picks older than their TTL, their
         in-flight requests older than theirs (a lost Release), and everything of a replica not heard from for
         `peer_timeout_s` (it died, or this replica lost NATS: their Releases would not reach it)."""
-        self.core.expire_peers(now_s)
+        if self.core.learner is not None:
+            self.core.learner.expire_peers(now_s)
         flying = self._peer_in_flight
         gone = {o for o, t in self._peer_seen.items() if now_s - t > self.peer_timeout_s}
         for o in gone:
             del self._peer_seen[o]
         for key in [k for k, (_, exp) in flying.items() if exp <= now_s or k[:2] in gone]:
-            self.core.apply_peer_done(key)
+            self._peer_pending_done(key)
             self._end_peer_pick(key)
 
     def num_peer_in_flight(self) -> int:
@@ -432,20 +401,16 @@ class PoolRouter:
         auth = headers.get("authorization")
         return await self.lookup.resolve(response_id, candidates, {"authorization": auth} if auth else None)
 
-    def learn_response(self, pick: RoutePick, response_id: str, served: str | None = None) -> None:
+    def learn_response(self, pick: Pick, response_id: str, served: str | None = None) -> None:
         """`pick`'s response carries `response_id` (the observing stream read it): the endpoint that served it
         holds it. `served`: Envoy's served address when known; as in `served`, only an endpoint of this pick
         counts (else the primary, or the fallback a counted failover report named)."""
         ep = self._id_of_addr.get(served) if served else None
         if ep is None or ep not in pick.endpoint_ids:
             ep = pick.counted
-        self.responses.learn(response_id, ep)
-        pick.response_id = response_id
-        pick.response_endpoint = ep
-        if self.peers is not None and pick.peer_seq_any is not None:
-            self.peers.publish(codec.Response(pick.peer_seq_any, response_key(response_id), ep, None))
+        self.lifecycle.response_id(pick, response_id, ep)
 
-    def served(self, pick: RoutePick, served: str | None, status: int | None = None) -> None:
+    def served(self, pick: Pick, served: str | None, status: int | None = None) -> None:
         """The served-endpoint report for `pick` (module docstring: the trust rule); `status`: the response's
         HTTP status when the caller knows it. A pinned pick (Responses follow-up) has no fallback, so when its
         holder refuses or resets the connection Envoy answers 503 itself with the holder as the served host:
@@ -453,8 +418,8 @@ class PoolRouter:
         get the router's own 503 naming the response within milliseconds rather than after the next
         scheduled probes."""
         if not served or served == pick.endpoints[0]:
-            if status == 503 and pick.request.response_ref is not None and not pick.failover_reported:
-                pick.failover_reported = True
+            if status == 503 and pick.request.response_ref is not None and Phase.SERVED_REPORT not in pick.phases:
+                pick.phases |= Phase.SERVED_REPORT
                 self.pool.report_failure(pick.endpoint_ids[0])
             return
         try:
@@ -462,66 +427,36 @@ class PoolRouter:
         except ValueError:
             self.num_ignored_reports += 1  # not a fallback of this pick: "-" on a local reply, fail-open, forged
             return
-        if pick.failover_reported:
+        if Phase.SERVED_REPORT in pick.phases:
             self.num_ignored_reports += 1
             return
-        pick.failover_reported = True
-        served_id = pick.endpoint_ids[k]
+        pick.phases |= Phase.SERVED_REPORT
         self.num_failovers += 1
         # Envoy tried the list in order: every endpoint before the one that served refused or reset.
         for ep in pick.endpoint_ids[:k]:
             self.pool.report_failure(ep)
-        self.core.record_failover(pick.request, served_id)
-        if self.peers is not None and pick.peer_seq is not None:
-            r = pick.request
-            self.peers.publish(codec.Failover(pick.peer_seq, served_id, r.block_hashes, self._session_of(r)))
-        if not pick.released:
-            self.pool.release(pick.counted)
-            self.pool.acquire(served_id)
-            pick.counted = served_id
+        self.lifecycle.failed_over(pick, pick.endpoint_ids[k])
 
-    def first_token(self, pick: RoutePick, ttft_s: float) -> None:
+    def first_token(self, pick: Pick, ttft_s: float) -> None:
         """`pick`'s response produced its first token `ttft_s` after the request arrived (module docstring).
         At most one report per pick counts; it may come after `release`."""
-        if pick.first_token_reported:
-            return
-        pick.first_token_reported = True
-        self.core.on_first_token(pick.request, pick.decision, ttft_s)
-        self._publish_done(pick)
-        self._publish_observations()
+        self.lifecycle.first_token(pick, ttft_s)
 
-    def usage(self, pick: RoutePick, prompt_tokens: int | None, cached_tokens: int | None) -> None:
-        """`pick`'s response ended with these usage figures (module docstring), once. The policy learns a rate
-        only after a `first_token` report (from a TTFT); the hit statistics and feedback take every report."""
-        if pick.response_id is not None and prompt_tokens:
-            self.responses.set_prompt_tokens(pick.response_id, prompt_tokens)
-            if self.peers is not None and pick.response_endpoint is not None and pick.peer_seq_any is not None:
-                self.peers.publish(codec.Response(pick.peer_seq_any, response_key(pick.response_id),
-                                                  pick.response_endpoint, prompt_tokens))
-        if pick.request.known_prefix_tokens is None and pick.request.response_ref is not None:
-            # The previous response's usage often arrives just after the client, which saw its end, sent this
-            # follow-up: take it now, for the prediction the statistics compare with this usage.
-            self._set_known_prefix(pick.request)
-        if not pick.usage_observed:
-            pick.usage_observed = True
-            self.core.observe_usage(pick.request, pick.decision, prompt_tokens, cached_tokens, pick.counted)
-        if not pick.first_token_reported or pick.usage_reported:
-            return
-        pick.usage_reported = True
-        self.core.on_usage(pick.request, pick.decision, prompt_tokens, cached_tokens)
-        self._publish_observations()
+    def usage(self, pick: Pick, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        """`pick`'s response ended with these usage figures (module docstring), once. The time model learns a
+        rate only after a `first_token` report (from a TTFT); the hit statistics and feedback take every
+        report."""
+        self.lifecycle.usage(pick, prompt_tokens, cached_tokens)
 
-    def _publish_observations(self) -> None:
-        """What the policy just learned from a response goes to the other replicas (codec.Observed)."""
-        peers = self.peers
-        if peers is not None:
-            for o in self.core.take_observations():
-                peers.publish(codec.Observed(*o))
+    def release(self, pick: Pick) -> None:
+        """Once per pick, when the HTTP request ends for any reason (repeats are ignored)."""
+        self.lifecycle.released(pick)
 
-    def release(self, pick: RoutePick) -> None:
-        if not pick.released:
-            pick.released = True
-            self.pool.release(pick.counted)
-            # Outstanding-prefill tracking (cold placement prefers endpoints with less prefill queued).
-            self.core.on_release(pick.request, pick.decision)
-            self._publish_release(pick)
+
+_PEER_APPLY: dict[type, Callable[[PoolRouter, tuple[str, int], codec.Message, float], bool]] = {
+    codec.Pick: PoolRouter._peer_pick, codec.Done: PoolRouter._peer_done, codec.Release: PoolRouter._peer_release,
+    codec.Failover: PoolRouter._peer_failover, codec.Response: PoolRouter._peer_response,
+    codec.Observed: PoolRouter._peer_observed,
+}
+"""How each message type of another replica is applied (`PoolRouter.apply_peer_batch`); True: applied (or
+absorbed), False: ignored as outside what that peer could know."""

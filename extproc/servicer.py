@@ -64,20 +64,10 @@ from prefixroute.extproc.gie import GieResponses, GieStream
 from prefixroute.extproc.headers import (DESTINATION_HEADER, EXT_PROC_ATTRIBUTES_KEY, LB_METADATA_NAMESPACE,
                                          MAX_FALLBACKS, OBSERVE_ATTRIBUTES, REFUSED_HEADER, REPLICA_HEADER,
                                          SERVED_HEADER, fallback_header)
+from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.response_directory import NeedsLookup
 from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
-
-
-class Pick(Protocol):
-    """A routing decision held until its HTTP request ends."""
-
-    endpoints: tuple[str, ...]  # primary first, then fallbacks; never empty
-    # For telemetry (read only by a RequestTracker): the routing.types.Decision, the time spent deciding
-    # (parse + schedule, microseconds) and the parsed routing.request.InferenceRequest.
-    decision: Any
-    decision_us: float
-    request: Any
 
 
 class RouterService(Protocol):

@@ -72,11 +72,13 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from prefixroute.extproc.headers import OBSERVED_METADATA, TRACEPARENT_HEADER
+from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.wire import header_dict, header_value
 from prefixroute.telemetry.records import RequestRecord, tenant_hash
 from prefixroute.telemetry.tracecontext import (SAMPLED_FLAG, RouterSpanContext, child_context, format_traceparent,
                                                 new_trace_id, parse_traceparent)
 from prefixroute.telemetry.usage import StreamUsageTail, usage_from_body
+from prefixroute.types import Decision
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest non-stream response body kept to read its usage (a completion JSON is KBs; bigger ones, e.g.
@@ -145,7 +147,7 @@ class Tracked:
         self.body_bytes = 0
         self.served_addr: str | None = None
         self.timer: asyncio.TimerHandle | None = None
-        self.pick: Any = None  # the router's pick, for reporting the served endpoint from the observing stream
+        self.pick: Pick | None = None  # the router's pick, for reporting the served endpoint from the observing stream
         self.served_reported = False
         self.expect_obs = False  # Envoy announced an observing filter for this request (gRPC initial metadata)
         self.id_scan: bytearray | None = None  # a Responses response's first bytes, until its id is found
@@ -173,12 +175,13 @@ class Tracker(Protocol):
 
     def begin(self, headers: Mapping[str, str], grpc_metadata: GrpcMetadata = tuple
               ) -> tuple[Tracked, str | None]: ...
-    def decided(self, st: Tracked, pick: Any) -> None: ...
+    def decided(self, st: Tracked, pick: Pick) -> None: ...
     def refused(self, st: Tracked, status: int, message: str) -> None: ...
     def routing_response_headers(self, st: Tracked, headers: Any, served: str | None) -> bool: ...
     def routing_closed(self, st: Tracked) -> None: ...
     def observe(self, request_headers: Any) -> Tracked | None: ...
-    def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> Any: ...
+    def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str
+                             ) -> Pick | None: ...
     def obs_body(self, st: Tracked, chunk: bytes, end_of_stream: bool) -> None: ...
     def obs_closed(self, st: Tracked) -> None: ...
     def inline(self, st: Tracked) -> Tracked | None: ...
@@ -194,7 +197,7 @@ class NullTracker:
     def begin(self, headers: Mapping[str, str], grpc_metadata: GrpcMetadata = tuple) -> tuple[Tracked, None]:
         return _NOTHING_BEGUN
 
-    def decided(self, st: Tracked, pick: Any) -> None:
+    def decided(self, st: Tracked, pick: Pick) -> None:
         pass
 
     def refused(self, st: Tracked, status: int, message: str) -> None:
@@ -234,11 +237,11 @@ class RequestTracker:
     endpoint id (None if unknown).
     """
 
-    def __init__(self, on_decision: Callable[[Any, float], None], on_response: Callable[[RequestRecord], None],
+    def __init__(self, on_decision: Callable[[Decision, float], None], on_response: Callable[[RequestRecord], None],
                  endpoint_of: Callable[[str], str | None], *, max_body_bytes: int | None = None,
-                 obs_grace_s: float = 2.0, on_first_token: Callable[[Any, float], None] | None = None,
-                 on_usage: Callable[[Any, int | None, int | None], None] | None = None,
-                 on_response_id: Callable[[Any, str, str | None], None] | None = None,
+                 obs_grace_s: float = 2.0, on_first_token: Callable[[Pick, float], None] | None = None,
+                 on_usage: Callable[[Pick, int | None, int | None], None] | None = None,
+                 on_response_id: Callable[[Pick, str, str | None], None] | None = None,
                  propagate: bool = True) -> None:
         """`on_first_token(pick, ttft_s)` and `on_usage(pick, prompt_tokens, cached_tokens)`: the router's
         `PoolRouter.first_token` / `usage` (its time model learns from them), called for attached streamed
@@ -292,7 +295,7 @@ class RequestTracker:
         self.pending[st.key] = st
         return st, traceparent
 
-    def decided(self, st: Tracked, pick: Any) -> None:
+    def decided(self, st: Tracked, pick: Pick) -> None:
         """The router picked: copy the decision into the record and count it in the metrics."""
         st.decided = True
         st.pick = pick
@@ -307,7 +310,7 @@ class RequestTracker:
         rec.predicted_ttft_ms = d.predicted_ttft_ms
         rec.alternative_endpoint = d.alternative_endpoint
         rec.alternative_ttft_ms = d.alternative_ttft_ms
-        rec.index_source = getattr(pick, "index_source", "") or None
+        rec.index_source = pick.index_source or None
         rec.decision_us = pick.decision_us
         req = pick.request
         rec.model = req.model
@@ -412,7 +415,8 @@ class RequestTracker:
         st.routing_done = st.obs_attached = True
         return st
 
-    def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str) -> Any:
+    def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str
+                             ) -> Pick | None:
         """The router's pick when the servicer should report `st.served_addr` to the router for it, else
         None: the routing filter skips response headers when the observing filter is configured, so passive
         failure detection relies on this stream."""
@@ -432,7 +436,7 @@ class RequestTracker:
         else:
             st.body = []
         pick = st.pick
-        if pick is not None and getattr(pick.request, "kind", None) == "responses":
+        if pick is not None and pick.request.kind == "responses":
             st.token_events = streamed
             if status == "200" and self.on_response_id is not None:
                 st.id_scan = bytearray()
@@ -516,10 +520,10 @@ class RequestTracker:
         # Responses API: a non-streamed response's usage counts too (its prompt size is what the next follow-up
         # is predicted to find cached; PoolRouter learns no rate from it without a first token).
         if pick is not None and self.on_usage is not None and rec.ttft_ms is not None and (
-                streamed or getattr(pick.request, "kind", None) == "responses"):
+                streamed or pick.request.kind == "responses"):
             if usage is not None:
                 self.on_usage(pick, usage.prompt_tokens, usage.cached_tokens)
-                known = getattr(pick.request, "known_prefix_tokens", None)
+                known = pick.request.known_prefix_tokens
                 if known is not None and usage.prompt_tokens:
                     # A pinned follow-up's prediction is completed by its previous response's usage, which may
                     # arrive after the decision (PoolRouter.usage): the record carries the completed one.

@@ -9,7 +9,7 @@ over a virtual-time fleet), so a simulation runs the live router's code path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Protocol
 
 from prefixroute.types import EndpointId, EndpointState
@@ -32,6 +32,10 @@ class Pool(Protocol):
     - ``EndpointState.restart_epoch`` goes up when the implementation detects that the endpoint restarted
       (its KV cache is empty); that is a structural change. A pool that cannot tell leaves it at 0.
     """
+
+    adapters: Container[str] | None
+    """LoRA adapter names the endpoints serve, a live set (None: this pool does not list adapters; requests are
+    then parsed without adapter names)."""
 
     def snapshot(self) -> tuple[EndpointState, ...]:
         """The current states (see the class contract)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing import index_sources, memory
@@ -16,7 +16,7 @@ from prefixroute.extproc.routing.prefix_index import PrefixIndex
 from prefixroute.extproc.routing.request import InferenceRequest, clip
 from prefixroute.extproc.routing.scheduling import filters, pickers
 from prefixroute.extproc.routing.scheduling.scheduler import Scheduler
-from prefixroute.extproc.routing.sessions import SessionTable
+from prefixroute.extproc.routing.sessions import SessionId, SessionTable, session_id
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.types import BlockHash, Decision, EndpointId, EndpointState
 
@@ -61,11 +61,15 @@ class RouterCore:
 
     def __init__(self, settings: RoutingSettings, *, rng: random.Random | None = None,
                  index: PrefixIndex | None = None, retry_after_s: int = DEFAULT_RETRY_AFTER_S,
-                 track_prefill: bool = False, event_index: BlockIndex | None = None) -> None:
-        """`track_prefill`: the caller will call `on_release` for every routed request (finished, failed or
-        cancelled), so the prefix policy may count the prefill tokens outstanding per endpoint. Off by
+                 track_prefill: bool = False, event_index: BlockIndex | None = None,
+                 note_routed: Callable[[EndpointId, BlockHash, float | None], None] | None = None) -> None:
+        """`track_prefill`: the caller will release every routed request (finished, failed or cancelled:
+        ``learner.on_release``, the router service's lifecycle does), so the prefix policy's learner may count the
+        prefill tokens outstanding per endpoint. Off by
         default: without releases the counts would only grow. `event_index`: the KV-events index the caller
-        feeds (extproc/kv_events); endpoints named by `set_event_endpoints` are matched against it."""
+        feeds (extproc/kv_events); endpoints named by `set_event_endpoints` are matched against it.
+        `note_routed(endpoint, first block hash, now_s)`: told of every pick with token blocks (the events
+        index's check that the server hashes tokens as the router does: `KVEventIndex.note_routed`)."""
         self.settings = settings
         self.index = index if index is not None else PrefixIndex(settings.default_index_capacity_blocks)
         src = settings.index_source
@@ -73,11 +77,14 @@ class RouterCore:
                "auto": index_sources.FEEDBACK}[src]
         self.sourced = SourcedIndex(self.index, event_index, own_source=own)
         self.event_index = event_index
-        self._note_routed = getattr(event_index, "note_routed", None)  # KVEventIndex's tokenization check
+        self._note_routed = note_routed
         self.hit_stats: dict[EndpointId, HitRatioStats] = {}
         self._ceiling: dict[EndpointId, int] = {}  # feedback: LRU capacity ceiling (from the scrape)
         self._fb_capacity: dict[EndpointId, float] = {}  # feedback: the current learned capacity
         self.scheduler = Scheduler(settings, rng, track_prefill=track_prefill)
+        # The prefix policy's time model and the picks it waits on (None for the baselines): the router
+        # service's lifecycle listener tells it each pick's first token, usage and release.
+        self.learner = self.scheduler.learner
         # Chat sessions (issue 14): only for a policy that uses them (prefix; `Policy.uses_sessions`).
         self.memory = memory.plan(settings)
         self.sessions: SessionTable | None = SessionTable(self.memory.max_sessions, settings.session_ttl_s) \
@@ -135,21 +142,35 @@ class RouterCore:
             what = f"serving model `{clip(request.model)}`" if request.model else ""
             raise OpenAIError(503, f"no healthy endpoint {what}".strip(), retry_after_s=self.retry_after_s)
         primary = decision.endpoints[0]
-        if request.block_hashes and self._records(primary):
-            self.index.record(request.block_hashes, primary)
+        self.apply_pick(primary, request.block_hashes,
+                        session_id(request.tenant, skey) if sessions is not None else None, now_s)  # type: ignore[arg-type]
         if self._note_routed is not None and request.block_hashes and request.num_prompt_tokens is not None:
             # Lets the events index check the server hashes tokens as the router does (token_mismatch).
             self._note_routed(primary, request.block_hashes[0], now_s)
-        if sessions is not None:
-            sessions.record(request.tenant, skey, primary, request.block_hashes, now_s)  # type: ignore[arg-type]
         return decision
 
-    # --- other replicas' picks (extproc/peers; docs/operating.md: Several replicas) -------------------------------------
-    def pending_tokens_of(self, request: InferenceRequest) -> float | None:
-        """The prefill the policy queued for `request` at its pick, None when it keeps no queue (what a pick
-        message to the other replicas carries)."""
-        return self.scheduler.policy.pending_tokens_of(request)
+    # --- one apply path for this replica's picks and other replicas' (extproc/peers) ----------------------------
+    def apply_pick(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash], session: SessionId | None,
+                   now_s: float | None) -> None:
+        """A request with `block_hashes` (a turn of `session`, None: no session) was routed to `endpoint`, by
+        this replica (`route`) or another (`apply_peer_pick`): the own index records it where it learns from
+        picks (not for an endpoint whose KV events tell the truth), the session records its turn."""
+        if block_hashes and self._records(endpoint):
+            self.index.record(block_hashes, endpoint)
+        if session is not None and self.sessions is not None:
+            self.sessions.record_id(session, endpoint, block_hashes, now_s)
 
+    def apply_failover(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
+                       session: SessionId | None) -> None:
+        """A request with `block_hashes` was served by `endpoint`, a fallback, here (`record_failover`) or on
+        another replica (`apply_peer_failover`): recorded there too, so the next request of this prefix finds
+        the cache where it really is; its session, if this was still its last turn, follows it."""
+        if block_hashes and self._records(endpoint):
+            self.index.record(block_hashes, endpoint)
+        if session is not None and self.sessions is not None:
+            self.sessions.moved_id(session, endpoint, block_hashes)
+
+    # --- other replicas' picks (extproc/peers; docs/operating.md: Several replicas) -------------------------------------
     def apply_peer_pick(self, key: tuple, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
                         pending_tokens: float | None, session: bytes | None,
                         now_s: float, expires_s: float) -> bool:
@@ -161,46 +182,20 @@ class RouterCore:
         know (not in its pool)."""
         if endpoint not in self._known:
             return False
-        if block_hashes and self._records(endpoint):
-            self.index.record(block_hashes, endpoint)
-        if session is not None and self.sessions is not None:
-            self.sessions.record_id(session, endpoint, block_hashes, now_s)
-        if pending_tokens is not None:
-            self.scheduler.policy.apply_peer_pick(key, endpoint, pending_tokens, block_hashes, now_s, expires_s)
+        self.apply_pick(endpoint, block_hashes, session, now_s)
+        if pending_tokens is not None and self.learner is not None:
+            self.learner.apply_peer_pick(key, endpoint, pending_tokens, block_hashes, now_s, expires_s)
         return True
 
     def knows(self, endpoint: EndpointId) -> bool:
         """Whether `endpoint` is in the pool this router last synced with (`sync_endpoints`)."""
         return endpoint in self._known
 
-    def apply_peer_done(self, key: tuple) -> None:
-        """Another replica's pick `key` got its first token or ended (`on_first_token` / `on_release` there)."""
-        self.scheduler.policy.apply_peer_done(key)
-
     def apply_peer_failover(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash],
                             session: bytes | None) -> None:
         """Another replica's request was served by `endpoint`, a fallback (`record_failover` there)."""
-        if endpoint not in self._known:
-            return
-        if block_hashes and self._records(endpoint):
-            self.index.record(block_hashes, endpoint)
-        if session is not None and self.sessions is not None:
-            self.sessions.moved_id(session, endpoint, block_hashes)
-
-    def expire_peers(self, now_s: float) -> int:
-        """Drop other replicas' pending picks past their expiry; how many."""
-        return self.scheduler.policy.expire_peers(now_s)
-
-    def take_observations(self) -> list[tuple[EndpointId, float, float, float, float, int]]:
-        """The policy's rate observations since the last call, for the other replicas (`Policy.take_observations`)."""
-        return self.scheduler.policy.take_observations()
-
-    def apply_peer_observation(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float,
-                               ttft_s: float, queued_tokens: float, num_decoding: int) -> None:
-        """Another replica learned this rate observation at `endpoint` (ignored for an endpoint not in the pool)."""
         if endpoint in self._known:
-            self.scheduler.policy.apply_peer_observation(endpoint, prompt_tokens, cached_tokens, ttft_s,
-                                                         queued_tokens, num_decoding)
+            self.apply_failover(endpoint, block_hashes, session)
 
     def _records(self, endpoint: EndpointId) -> bool:
         """Whether the own index learns from picks at `endpoint` (not when its events tell the truth)."""
@@ -290,25 +285,6 @@ class RouterCore:
         self._fb_capacity[ep] = cap
         self.index.set_capacity(ep, max(1, int(cap)))
 
-    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """`request`, routed by `decision` (what `route` returned), finished, failed or was cancelled: call
-        once per routed request, when its response ends (where the gateway releases its in-flight count).
-        A no-op unless constructed with ``track_prefill=True`` or for a policy without prefill tracking."""
-        self.scheduler.policy.on_release(request, decision)
-
-    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
-                       prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
-        """`request`'s first token came `ttft_s` after it arrived; usage figures when already known (a
-        simulation), else later by `on_usage`. At most once, before or after its `on_release` (see
-        `Policy.on_first_token`)."""
-        self.scheduler.policy.on_first_token(request, decision, ttft_s, prompt_tokens, cached_tokens)
-
-    def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
-                 cached_tokens: int | None) -> None:
-        """`request`'s response ended with these usage figures (None: none reported), after its
-        `on_first_token`, before or after its `on_release` (see `Policy.on_usage`)."""
-        self.scheduler.policy.on_usage(request, decision, prompt_tokens, cached_tokens)
-
     def observe_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
                       cached_tokens: int | None, served_by: EndpointId | None = None) -> None:
         """`request`'s response reported these usage figures (at most once per decision, first token or not):
@@ -320,10 +296,9 @@ class RouterCore:
         """The request was served by a fallback (Envoy's ``x-gateway-destination-endpoint-served``): record it
         there too, so the next request of this prefix can find the cache where it really is; its session, if
         this request is still the session's last turn, follows it there."""
-        if request.block_hashes and self._records(served_by):
-            self.index.record(request.block_hashes, served_by)
-        if request.session_key is not None and self.sessions is not None:
-            self.sessions.moved(request.tenant, request.session_key, served_by, request.block_hashes)
+        key = request.session_key
+        self.apply_failover(served_by, request.block_hashes,
+                            session_id(request.tenant, key) if key is not None and self.sessions is not None else None)
 
     # --- pool changes -----------------------------------------------------------------------------------
     def capacity_blocks(self, state: EndpointState) -> int:
@@ -352,7 +327,8 @@ class RouterCore:
         self.hit_stats.pop(endpoint, None)
         self._ceiling.pop(endpoint, None)
         self._fb_capacity.pop(endpoint, None)
-        self.scheduler.policy.on_endpoint_removed(endpoint)
+        if self.learner is not None:
+            self.learner.on_endpoint_removed(endpoint)
         self._known.discard(endpoint)
         self._capacity_from.pop(endpoint, None)
         self._restart_epoch.pop(endpoint, None)
@@ -368,7 +344,8 @@ class RouterCore:
         self.index.clear_endpoint(endpoint)
         if self.sessions is not None:  # they were credited with what its cache held
             self.sessions.forget_endpoint(endpoint)
-        self.scheduler.policy.on_cache_cleared(endpoint)
+        if self.learner is not None:
+            self.learner.on_cache_cleared(endpoint)
         self.num_caches_cleared += 1
 
     def sync_endpoints(self, snapshot: Sequence[EndpointState]) -> None:

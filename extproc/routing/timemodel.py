@@ -281,6 +281,33 @@ class TimeModel:
                                 num_decoding)
         return Seconds(base + work / rate)
 
+    def predict_many(self, endpoints: Sequence[EndpointId], own_tokens: Sequence[float],
+                     in_flight: Mapping[EndpointId, int], now_s: float | None = None,
+                     ) -> list[tuple[float, float, int]]:
+        """`predict` for many candidates at once, as a scheduler scores them: for each endpoint (with the
+        request's uncached prefill there, `own_tokens`, in the same order) its (predicted TTFT s, priced rate
+        tokens/s, decoding requests). Decoding = `in_flight` there less its pending requests (>= 0); the queue
+        ahead is `queued_at(ep, now_s)`, the work `work_tokens`: the figures of `predict`, in one loop over local
+        lookups (the hot path of every prefix decision)."""
+        get_fit = self.fits.get
+        prior = self.default_fit
+        get_tokens = self._tokens.get
+        get_count = self._count.get
+        get_in_flight = in_flight.get
+        queued_at = self.queued_at
+        work_tokens = self.work_tokens
+        out: list[tuple[float, float, int]] = []
+        for ep, own in zip(endpoints, own_tokens):
+            rate, base = get_fit(ep, prior)
+            decoding = get_in_flight(ep, 0) - get_count(ep, 0)
+            if decoding < 0:
+                decoding = 0
+            queued = get_tokens(ep, 0.0)
+            if queued and now_s is not None:
+                queued = queued_at(ep, now_s)
+            out.append((base + work_tokens(queued, own, decoding) / rate, rate, decoding))
+        return out
+
     def work_tokens(self, queued_tokens: float, own_tokens: float, num_decoding: int) -> float:
         """Prefill-token equivalents until a request's first token (module docstring): the prefill ahead and
         its own, plus each decoding request's share of every step they take. >= 0."""

@@ -23,6 +23,7 @@ class StaticPool:
         self._snapshot = tuple(EndpointState(ep, address=str(ep)) for ep in endpoints)
         self._in_flight: dict[EndpointId, int] = {}
         self._listeners: list = []
+        self.adapters = None  # no LoRA adapters
 
     def snapshot(self) -> tuple[EndpointState, ...]:
         return self._snapshot

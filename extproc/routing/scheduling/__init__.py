@@ -1,8 +1,11 @@
 """Scheduling, pure: filters -> a score per candidate -> picker, composed by policies (GIE-like split).
 
-- filters.py: which endpoints may take a request at all (healthy, serves the model).
-- the score of the default `prefix` policy is a predicted TTFT from routing/timemodel.py (seconds).
-- pickers.py: max score with ties broken by load then randomly; rendezvous (HRW) ordering; sampling.
+- filters.py: which endpoints may take a request at all (healthy, serves the model), and the subset of a large
+  pool that is scored (`sample_candidates`).
+- scorers.py: `TtftScorer`, the default `prefix` policy's score: a predicted TTFT from ONE
+  `timemodel.TimeModel.predict_many` call over the candidates (seconds).
+- pickers.py: the tie rule and the primary among the tied (`tied_best`, `pick_tied`); least-load and
+  rendezvous (HRW) ordering.
 - policies.py: the `Policy` base and the selectable policies (names: `routing.settings.POLICIES`).
 - scheduler.py: `Scheduler(settings).schedule(request, endpoints, in_flight, index) -> Decision`.
 

@@ -113,3 +113,36 @@ class EligibleCache:
                 self._views.clear()
             v = self._views[model] = EligibleView(eligible(endpoints, model))
         return v
+
+
+def sample_candidates(view: EligibleView, holders: Sequence[EndpointState], matches: Mapping[EndpointId, int],
+                      top: Sequence[EndpointState], session: EndpointId | None, limit_n: int,
+                      scan_offset: int) -> tuple[list[EndpointState], int]:
+    """The subset filter of a pool larger than ``max_scored_endpoints`` (`limit_n`): (candidates, next scan
+    offset). Contract: the candidates are distinct eligible endpoints, at most `limit_n` unless the holders
+    alone are more; always the holders (endpoints in `matches`), then the rendezvous top-k `top` (so on an
+    idle fleet a cold prefix goes where rendezvous puts it, whichever sample is drawn), then the session's
+    endpoint (credited nothing, still scored), then a window of `view.scan_order` starting at `scan_offset`
+    (power-of-d choices; the caller keeps the returned offset for its next decision, so the window rotates and
+    visits every endpoint in len / window decisions). Pure."""
+    candidates = [*holders, *(s for s in top if s.endpoint not in matches)]
+    taken = {s.endpoint for s in candidates}
+    if session is not None and session not in taken and session in view.position:
+        candidates.append(view.endpoints[view.position[session]])
+        taken.add(session)
+    scan = view.scan_order
+    want = limit_n - len(candidates)
+    if want <= 0:
+        return candidates, scan_offset
+    n = len(view.endpoints)
+    start = scan_offset % n
+    window = scan[start:start + want + len(taken)]
+    if len(window) < want + len(taken):
+        window += scan[:want + len(taken) - len(window)]
+    for s in window:
+        if s.endpoint not in taken:
+            candidates.append(s)
+            want -= 1
+            if not want:
+                break
+    return candidates, start + (limit_n - len(taken))

@@ -18,19 +18,20 @@ prices produce, not a rule that overrides them.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
-import operator
 import random
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
+import numpy as np
+
 from prefixroute.extproc.routing.hashing import seed_for
 from prefixroute.extproc.routing.request import InferenceRequest
-from prefixroute.extproc.routing.scheduling import filters, pickers
+from prefixroute.extproc.routing.scheduling import filters, pickers, scorers
+from prefixroute.extproc.routing.scheduling.scorers import Scored
 from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
-from prefixroute.extproc.routing.timemodel import TimeModel
+from prefixroute.extproc.routing.ttft_learner import TtftLearner
 from prefixroute.types import BlockHash, Decision, DecisionReason, EndpointId, EndpointState
 
 
@@ -60,14 +61,11 @@ class PolicyInput:
 
 
 class Policy:
-    """Base of every policy: `decide` per request, and lifecycle hooks that are no-ops unless a policy keeps
-    per-endpoint or per-request state. Built once per router (`make_policy`); not thread-safe (one event loop).
-
-    `track_prefill`: the caller calls `on_release` exactly once for every decision of this policy (as
-    `RouterCore(track_prefill=True)` promises), so a policy may keep per-request state that releases undo
-    (the prefix policy's outstanding prefill tokens). When False, `on_release` may never come: a policy then
-    keeps nothing that only a release would remove.
-    """
+    """Base of every policy: `decide`, per request, and nothing else (what happens to a request after its
+    decision is the router service's lifecycle, extproc/lifecycle.py; the prefix policy's time model learns
+    from it through its `ttft_learner.TtftLearner`). Built once per router (`make_policy`); not thread-safe
+    (one event loop). `track_prefill`: the caller releases every pick (`RouterCore(track_prefill=True)`), so
+    the prefix policy's picks may join its time model's pending queue."""
 
     name: ClassVar[str]
     """A key of `settings.POLICIES`: what `RoutingSettings.policy` selects and `Decision.policy` reports."""
@@ -87,70 +85,6 @@ class Policy:
         ``1 + num_fallbacks``, and is never empty (`inp.eligible` is not). May update this policy's own state
         (counters, recent shares), nothing else; the caller records the pick in the prefix index."""
         raise NotImplementedError
-
-    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """Contract: `request`, routed by `decision` (from this policy's `decide`), ended: finished, failed or
-        was cancelled. At most once per decision, exactly once when `track_prefill`; it may come after the
-        primary left the pool (`on_endpoint_removed`) and must then be absorbed. No-op by default."""
-
-    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
-                       prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
-        """Contract: `request`, routed by `decision`, got its first token `ttft_s` after its arrival. The usage
-        figures of the serving endpoint come with it when the caller already knows them (a simulation) and
-        otherwise later through `on_usage` (the live gateway learns them at the end of the response). At most
-        once per decision, before or after its `on_release` (the gateway's two streams report in no fixed
-        order); it may never come (a caller that cannot see first tokens, a non-streamed response, a failed
-        request), so a policy must also undo on `on_release` what this would have undone, and bound what it
-        keeps for a late report. No-op by default."""
-
-    def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
-                 cached_tokens: int | None) -> None:
-        """Contract: the response of `request` (which had its `on_first_token` without usage) ended, with the
-        serving endpoint's prompt and cached tokens (None: it reported none). At most once, before or after
-        its `on_release`; it may never come, so what waits for it must be bounded. No-op by default."""
-
-    def on_endpoint_removed(self, endpoint: EndpointId) -> None:
-        """Contract: `endpoint` left the pool; what this policy keeps for it goes (an endpoint of that name
-        joining later starts from nothing), and late releases for it are absorbed. No-op by default."""
-
-    def on_cache_cleared(self, endpoint: EndpointId) -> None:
-        """Contract: `endpoint` stays in the pool but its KV cache is empty (a restart the pool detected; later
-        also KV events' AllBlocksCleared): what this policy believes cached there goes. Requests in flight
-        there still get their `on_release`. No-op by default (the prefix index is the router's, cleared by
-        `RouterCore.on_cache_cleared`)."""
-
-    # --- other replicas' picks (extproc/peers; docs/operating.md: Several replicas) -------------------------------------
-    def pending_tokens_of(self, request: InferenceRequest) -> float | None:
-        """The uncached prefill this policy queued for `request` at its pick (None: it keeps no queue, or the
-        request is no longer pending): what another replica is told to queue. None by default."""
-        return None
-
-    def apply_peer_pick(self, key: tuple, endpoint: EndpointId, pending_tokens: float,
-                        block_hashes: Sequence[BlockHash], now_s: float, expires_s: float) -> None:
-        """Another replica picked `endpoint` for a request (named `key`, never a local request's key) with
-        `pending_tokens` to prefill: queue it as a local pick would be (its blocks a pending prefix there)
-        until `apply_peer_done(key)` or `expire_peers` past `expires_s`. No-op by default."""
-
-    def apply_peer_done(self, key: tuple) -> None:
-        """Another replica's pick `key` got its first token or ended: it leaves the queue. Unknown keys (expired,
-        never seen) are absorbed. No-op by default."""
-
-    def expire_peers(self, now_s: float) -> int:
-        """Drop peers' picks whose `expires_s` passed (their replica died or their end was lost); how many."""
-        return 0
-
-    def take_observations(self) -> list[tuple[EndpointId, float, float, float, float, int]]:
-        """What the policy learned from this replica's responses since the last call (`TimeModel.observe`'s
-        arguments), for the other replicas; cleared. Empty for a policy that learns nothing."""
-        return []
-
-    def apply_peer_observation(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float,
-                               ttft_s: float, queued_tokens: float, num_decoding: int) -> None:
-        """Another replica's policy learned this from one of its responses: learn it too. No-op by default."""
-
-    def num_peer_picks(self) -> int:
-        """Peers' picks pending here (a metric)."""
-        return 0
 
 
 def _decision(order: Sequence[EndpointId], reason: DecisionReason, policy: str, inp: PolicyInput) -> Decision:
@@ -216,45 +150,23 @@ class ConsistentHashPolicy(Policy):
         return _decision([s.endpoint for s in ranked[:self._k]], "policy", self.name, inp)
 
 
-SIGNIFICANT_MATCH_RATIO = 0.3
-SIGNIFICANT_MATCH_TOKENS = 1024.0
-"""A match under SIGNIFICANT_MATCH_RATIO of a request's hashed blocks *and* under SIGNIFICANT_MATCH_TOKENS
-tokens is not a reason to choose its holders (sglang-router's cache_aware threshold is the same 0.3): the
-request is scored as if cached nowhere and placed as a new prefix, keyed past the common part (its predicted
-TTFT still counts the match). A short shared instruction before distinct documents matches every endpoint that
-ever served one, and its few blocks of saved prefill pulled every new document onto the first endpoint
-(capacity pressure, 4 x 8B: request shares 4/13/95/188 of 300, hit ratio 0.30; with the rule 0.42)."""
-TTFT_TIE_S = 0.001
-TTFT_TIE_RATIO = 0.05
-"""Scores within 5% + 1 ms of the best are a tie (then: the longest match, then rendezvous order). Rates
-learned on identical GPUs differ by a few percent (noise of ~64 responses), and without a relative margin the
-endpoint that happens to look fastest took every cold prefix of an idle fleet (1.6x its fair share at 20% load
-in the shared-prompts sweep); within 5% placement stays rendezvous and affinity stays with the holder."""
+class ScoredPolicy(Policy):
+    """A policy made of one scorer (GIE's Scorer -> Picker): subclasses define `score`, one number per eligible
+    endpoint, lower is better. Contract of `decide`: the eligible endpoints by score, equal scores in rendezvous
+    order on the request's prefix key (`prefix_key`: requests of one prefix break ties the same way), the
+    first ``1 + num_fallbacks``; reason "policy"; the decision reports the primary's match. Subclasses keep
+    `score` pure (no state, no I/O); a new one is one file plus its registration (docs/extending.md)."""
 
+    def score(self, inp: PolicyInput) -> Sequence[float]:
+        """One score per endpoint of ``inp.eligible``, in that order; lower is better."""
+        raise NotImplementedError
 
-MAX_AWAITING_USAGE = 4096
-"""Picks kept for a report still to come (between first token and usage; or released before the first
-token's report arrived, the observing stream lagging the routing stream's end): more than a replica has in
-flight at once (Envoy's default of 1,024 connections per cluster), so only reports that never come (a cut
-stream, a non-streamed response) are dropped, oldest first."""
-
-
-MAX_PEER_PICKS = 65536
-"""Other replicas' picks kept pending at most (oldest out): far more than a fleet has prefilling at once (a
-replica's MAX_AWAITING_USAGE x 16 replicas), so only a flood of messages that never end is cut."""
-
-
-_score = operator.itemgetter(0)
-
-
-@dataclasses.dataclass(slots=True)
-class _TtftPick:
-    num_prompt_chars: int  # of its request: all `_learn` needs (the request itself is not kept: its hashes)
-    endpoint: EndpointId
-    queued_tokens: float
-    num_decoding: int
-    predicted_s: float
-    own_tokens: float
+    def decide(self, inp: PolicyInput) -> Decision:
+        scores = self.score(inp)
+        ranked = inp.rendezvous().ranked(prefix_key(inp.request, self._settings.cold_key_blocks))
+        tie = {s.endpoint: i for i, s in enumerate(ranked)}
+        order = sorted(range(len(inp.eligible)), key=lambda i: (scores[i], tie[inp.eligible[i].endpoint]))
+        return _decision([inp.eligible[i].endpoint for i in order[:self._k]], "policy", self.name, inp)
 
 
 class PrefixPolicy(Policy):
@@ -266,7 +178,7 @@ class PrefixPolicy(Policy):
     unhashed rest as cached too, less one block), its pending prefill queue, its decoding requests (in flight
     less pending) at ``decode_cost_tokens`` per engine step each. Score = predicted TTFT + ``ttft_work_weight`` x the request's
     own prefill seconds there (the work it adds for later requests). Lowest score wins; scores within
-    `TTFT_TIE_RATIO` + `TTFT_TIE_S` of it tie, broken by the longest match (the holder), then rendezvous order
+    `pickers.TTFT_TIE_RATIO` + `pickers.TTFT_TIE_S` of it tie, broken by the longest match (the holder), then rendezvous order
     on the prefix key; a prefix seen nowhere first goes to the fewest in flight among the tied (at equal load
     it lands where `ConsistentHashPolicy` would put it); a request without hashed blocks has no prefix to keep
     together: its ties go to the fewest in flight, then at random.
@@ -284,8 +196,9 @@ class PrefixPolicy(Policy):
     1 + num_fallbacks in rendezvous order and a window of the pool (`EligibleView.scan_order`, rotating
     per decision) up to ``max_scored_endpoints`` in all.
 
-    State (only with `track_prefill`: pending entries need their release): the time model's per-endpoint
-    rates, learned from `on_first_token`, and pending requests (added at the pick, removed at first token or
+    State (`learner`, a `ttft_learner.TtftLearner`; pending entries only with `track_prefill`, as they need
+    their release): the time model's per-endpoint rates, learned from first tokens, and pending requests
+    (added at the pick, removed at first token or
     release). Without `track_prefill` the model keeps its priors and sees no queue (pure prefix + rendezvous).
     `predictions` keeps the last (predicted, actual) TTFT pairs of the primaries, for benchmarks."""
 
@@ -294,203 +207,87 @@ class PrefixPolicy(Policy):
 
     def __init__(self, settings: RoutingSettings, rng: random.Random, *, track_prefill: bool = False) -> None:
         super().__init__(settings, rng, track_prefill=track_prefill)
-        self.model = TimeModel(settings.ttft_prior_tokens_per_s, settings.ttft_prior_base_s,
-                               decode_cost_tokens=settings.decode_cost_tokens,
-                               step_tokens=settings.ttft_step_tokens, window=settings.ttft_rate_window)
-        self._tpc = 1.0 / settings.chars_per_token
-        self._tpb = settings.tokens_per_block
-        self._kvb = float(settings.kv_block_tokens)
-        # Keyed by `InferenceRequest.key` (unique, never reused): entries are a few small numbers each, so the
-        # tables cost ~200 bytes per request whatever the client sent.
-        self._picks: dict[int, _TtftPick] = {}  # request key -> its pick, until first token or release
-        # request key -> (pick, ttft_s) between a first token without usage and its usage report.
-        self._awaiting: collections.OrderedDict[int, tuple[_TtftPick, float]] = collections.OrderedDict()
-        # request key -> pick, released before any first-token report (which may still come).
-        self._released: collections.OrderedDict[int, _TtftPick] = collections.OrderedDict()
-        self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=100_000)
-        # What `_learn` learned, for the other replicas (`take_observations`); a router that shares nothing
-        # keeps at most MAX_AWAITING_USAGE of them.
-        self._observed_out: list[tuple[EndpointId, float, float, float, float, int]] = []
+        # The time model and the picks it waits on (their first token, usage, release): the lifecycle's.
+        self.learner = TtftLearner(settings, track_prefill=track_prefill)
+        self.model = self.learner.model
+        self.scorer = scorers.TtftScorer(settings, self.model)
         self._scan_offset = 0  # where the next sampling window of a large pool starts (`decide`)
-        # Other replicas' pending picks (key -> expiry, oldest first): in `model` as non-local pendings.
-        self._peer_expiry: collections.OrderedDict[tuple, float] = collections.OrderedDict()
-
-    def _uncached(self, prompt_tokens: float, matched: int, num_hashed: int, tpb: float | None = None,
-                  max_blocks: int | None = None) -> float:
-        """Uncached prefill tokens with `matched` leading blocks held, of `num_hashed` hashed (`tpb` tokens per
-        block: text blocks by default, the KV block size for token blocks)."""
-        tpb = self._tpb if tpb is None else tpb
-        if matched <= 0:
-            return prompt_tokens
-        if matched >= num_hashed and num_hashed >= (self._settings.max_blocks if max_blocks is None else max_blocks):
-            return min(prompt_tokens, tpb)
-        return max(0.0, prompt_tokens - matched * tpb)
 
     def decide(self, inp: PolicyInput) -> Decision:
-        st = self._settings
-        k = self._k
+        """A composition (GIE's Filter -> Scorer -> Picker): the matches merged with the time model's pending
+        prefixes, the candidates (`filters.sample_candidates` in a pool over ``max_scored_endpoints``), their
+        scores (`scorers.TtftScorer`: one time-model call), the primary among the tied best
+        (`pickers.tied_best`, `pickers.pick_tied`), the fallbacks by score; the pick joins the time model's
+        pending queue (with `track_prefill`)."""
         req = inp.request
         hashes = req.block_hashes
-        eligible = inp.eligible
-        matches = inp.matches
-        model = self.model
-        # Pending prefixes (usually the same endpoints the index names: it records each pick at once).
-        pend = model.pending_matches(hashes) if hashes else None
-        if pend:
-            names = inp.view.position if inp.view is not None and inp.view.endpoints is eligible else {
-                s.endpoint for s in eligible}
-            merged = dict(matches)
-            for ep, m in pend.items():
-                if m > merged.get(ep, 0) and ep in names:
-                    merged[ep] = m
-            matches = merged
-        limit_n = st.max_scored_endpoints
-        top = None  # the rendezvous top-k for this prefix, in order, when the pool is sampled
-        n_eligible = len(eligible)
-        if limit_n and n_eligible > limit_n:
-            view = inp.view if inp.view is not None and inp.view.endpoints is eligible else filters.EligibleView(
-                eligible)
-            holders = inp.holders if len(matches) == len(inp.holders) else [
-                s for s in eligible if s.endpoint in matches]
-            # The first 1 + num_fallbacks in rendezvous order are always scored: on an idle fleet a cold
-            # prefix goes where rendezvous puts it, whichever sample is drawn.
-            top = view.rendezvous_top(prefix_key(req, st.cold_key_blocks), k)
-            candidates = [*holders, *(s for s in top if s.endpoint not in matches)]
-            taken = {s.endpoint for s in candidates}
-            sess_ep = inp.session_endpoint
-            if sess_ep is not None and sess_ep not in taken and sess_ep in view.position:
-                candidates.append(view.endpoints[view.position[sess_ep]])  # credited nothing, still scored
-                taken.add(sess_ep)
-            # Then a window of the pool in scan order, rotating per decision (power-of-d choices).
-            scan = view.scan_order
-            want = limit_n - len(candidates)
-            if want > 0:
-                start = self._scan_offset % n_eligible
-                window = scan[start:start + want + len(taken)]
-                if len(window) < want + len(taken):
-                    window += scan[:want + len(taken) - len(window)]
-                self._scan_offset = start + want
-                for s in window:
-                    if s.endpoint not in taken:
-                        candidates.append(s)
-                        want -= 1
-                        if not want:
-                            break
+        pend = self.model.pending_matches(hashes) if hashes else None
+        matches = self._with_pending(inp, pend) if pend else inp.matches
+        limit_n = self._settings.max_scored_endpoints
+        top, candidates = self._sample(inp, matches) if limit_n and len(inp.eligible) > limit_n else \
+            (None, inp.eligible)
+        scored, insignificant = self.scorer.score(req, candidates, matches, inp.in_flight, inp.now_s)
+        tied = pickers.tied_best(scored, matches, longest=bool(matches) and not insignificant)
+        if len(tied) == 1:
+            primary = tied[0]
         else:
-            candidates = eligible
-        n_tok = req.num_prompt_tokens
-        if n_tok is not None:  # token blocks: exact prompt tokens, KV-block-sized blocks
-            prompt_tokens = float(n_tok)
-            tpb, cap = self._kvb, st.max_token_blocks
-        else:
-            prompt_tokens = req.num_prompt_chars * self._tpc
-            tpb, cap = self._tpb, st.max_blocks
-        n_hashed = len(hashes)
-        in_flight = inp.in_flight
-        w = st.ttft_work_weight
-        decode_cost = model.decode_cost_tokens
-        per_step = 1.0 / model.step_tokens
-        prior = model.default_fit
-        get_fit = model.fits.get
-        get_queued = model.queued_tokens.get
-        get_backlog = model.backlog.get
-        now = inp.now_s
-        get_pending = model.queued_counts.get
-        get_match = matches.get
-        get_in_flight = in_flight.get
-        scored: list[tuple[float, float, EndpointState, float, int]] = []
-        cold_own = prompt_tokens
-        # Matches below this many blocks are scored as none (SIGNIFICANT_MATCH_TOKENS).
-        sig = min(SIGNIFICANT_MATCH_RATIO * n_hashed, SIGNIFICANT_MATCH_TOKENS / tpb) if matches else 0.0
-        insignificant = bool(matches) and max(matches.values()) < sig
-        for s in candidates:
-            ep = s.endpoint
-            m = get_match(ep, 0)
-            own = self._uncached(prompt_tokens, m, n_hashed, tpb, cap) if m else cold_own
-            rate, base = get_fit(ep, prior)
-            decoding = get_in_flight(ep, 0) - get_pending(ep, 0)
-            if decoding < 0:
-                decoding = 0
-            # = model.predict(ep, own, decoding), inlined
-            queued = get_queued(ep, 0.0)
-            if queued and now is not None:  # = model.queued_at(ep, now)
-                b = get_backlog(ep)
-                if b is not None:
-                    left = b[0] - rate * (now - b[1])
-                    if left < queued:
-                        queued = left if left > 0.0 else 0.0
-            prefill = queued + own
-            pred = base + (prefill + decode_cost * decoding * (1.0 + prefill * per_step)) / rate
-            if insignificant and m:  # chosen as if cached nowhere (SIGNIFICANT_MATCH_TOKENS)
-                cold = queued + cold_own
-                score = base + (cold + decode_cost * decoding * (1.0 + cold * per_step)) / rate + w * cold_own / rate
-            else:
-                score = pred + w * own / rate
-            scored.append((score, pred, s, own, decoding))
-        scored.sort(key=_score)
-        best = scored[0][0]
-        bound = best * (1.0 + TTFT_TIE_RATIO) + TTFT_TIE_S
-        tied = [x for x in scored if x[0] <= bound]  # a prefix of the sorted list: usually one or few
-        cold_key_at = 0  # > 0: place as a cold prefix keyed at this many blocks (past an insignificant match)
-        if insignificant:
-            cold_key_at = min(max(matches.values()) + st.cold_key_blocks, n_hashed)
-        elif len(tied) > 1 and matches:
-            longest = max(get_match(x[2].endpoint, 0) for x in tied)
-            tied = [x for x in tied if get_match(x[2].endpoint, 0) == longest]
-        primary = tied[0]
-        if len(tied) > 1:
-            # The first of the tied in rendezvous order (as `RendezvousTable.ranked`): in a sampled pool the
-            # rendezvous top-k was scored, and when one of them is tied it is the answer (no weights needed).
-            found = None
-            sess = inp.session_endpoint
-            if sess is not None:
-                # A tie keeps a session where it is: its endpoint is as fast as any, and staying keeps its next
-                # turns together there too (they extend this prompt).
-                for x in tied:
-                    if x[2].endpoint == sess:
-                        found = x
-                        break
-            if found is not None:
-                pass
-            elif not hashes:
-                # No prefix to keep together: the fewest in flight, then at random (as `least_load_order`).
-                rand = self._rng.random
-                found = min(tied, key=lambda x: (get_in_flight(x[2].endpoint, 0), rand()))
-            elif not matches or cold_key_at:
-                # A prefix seen nowhere: the fewest in flight among the tied (rendezvous alone let new
-                # prefixes bunch on one endpoint in short runs: mix, 200 requests at 80% load, P50 2.7x
-                # sglang-router's model; with this, 0.8x), then rendezvous order.
-                least = min(get_in_flight(x[2].endpoint, 0) for x in tied)
-                tied = [x for x in tied if get_in_flight(x[2].endpoint, 0) == least]
-                if len(tied) == 1:
-                    found = tied[0]
-            elif top is not None:
-                tied_names = {x[2].endpoint: x for x in tied}
-                for s in top:
-                    found = tied_names.get(s.endpoint)
-                    if found is not None:
-                        break
-            if found is None:
-                table = inp.rendezvous()
-                weights = table.weights(hashes[cold_key_at - 1] if cold_key_at else prefix_key(req, st.cold_key_blocks))
-                pos = inp.view.position if inp.view is not None and inp.view.endpoints is table.endpoints else {
-                    s.endpoint: i for i, s in enumerate(table.endpoints)}
-                found = max(tied, key=lambda x: (int(weights[pos[x[2].endpoint]]), pos[x[2].endpoint]))
-            primary = found
+            # > 0: placed as a cold prefix keyed at this many blocks (past an insignificant match)
+            cold_key_at = min(max(matches.values()) + self._settings.cold_key_blocks, len(hashes)) \
+                if insignificant else 0
+            primary = pickers.pick_tied(
+                tied, session=inp.session_endpoint, has_prefix=bool(hashes), cold=not matches or bool(cold_key_at),
+                top=top, in_flight=inp.in_flight, rng=self._rng,
+                rendezvous=lambda: self._weights(inp, hashes[cold_key_at - 1] if cold_key_at else
+                                                 prefix_key(req, self._settings.cold_key_blocks)))
         # One more than the fallbacks when there are none: the best alternative explains the decision.
-        others: list[tuple[float, float, EndpointState, float, int]] = []
-        need = max(k - 1, 1)
+        others: list[Scored] = []
+        need = max(self._k - 1, 1)
         for x in scored:
             if x is not primary:
                 others.append(x)
                 if len(others) == need:
                     break
-        rest = others[:k - 1]
-        order = [primary[2].endpoint, *(x[2].endpoint for x in rest)]
-        if self.track_prefill:
-            key = req.key
-            queued = model.add_pending(key, order[0], primary[3], hashes, now)
-            self._picks[key] = _TtftPick(req.num_prompt_chars, order[0], queued, primary[4], primary[1], primary[3])
+        order = [primary[scorers.STATE].endpoint, *(x[scorers.STATE].endpoint for x in others[:self._k - 1])]
+        self.learner.add_pick(req, order[0], primary[scorers.OWN_TOKENS], primary[scorers.NUM_DECODING],
+                              primary[scorers.PREDICTED_S], inp.now_s)
+        return self._prefix_decision(req, order, matches, insignificant, primary, others, pend)
+
+    def _with_pending(self, inp: PolicyInput, pend: Mapping[EndpointId, int]) -> dict[EndpointId, int]:
+        """`inp.matches` with the eligible endpoints' pending prefixes where longer (usually the same endpoints
+        the index names: it records each pick at once)."""
+        eligible = inp.eligible
+        names = inp.view.position if inp.view is not None and inp.view.endpoints is eligible else {
+            s.endpoint for s in eligible}
+        merged = dict(inp.matches)
+        for ep, m in pend.items():
+            if m > merged.get(ep, 0) and ep in names:
+                merged[ep] = m
+        return merged
+
+    def _sample(self, inp: PolicyInput, matches: Mapping[EndpointId, int],
+                ) -> tuple[tuple[EndpointState, ...], Sequence[EndpointState]]:
+        """A pool over ``max_scored_endpoints``: (the rendezvous top-k, the endpoints to score)."""
+        eligible = inp.eligible
+        limit_n = self._settings.max_scored_endpoints
+        view = inp.view if inp.view is not None and inp.view.endpoints is eligible else filters.EligibleView(eligible)
+        holders = inp.holders if len(matches) == len(inp.holders) else [s for s in eligible if s.endpoint in matches]
+        top = view.rendezvous_top(prefix_key(inp.request, self._settings.cold_key_blocks), self._k)
+        candidates, self._scan_offset = filters.sample_candidates(view, holders, matches, top, inp.session_endpoint,
+                                                                  limit_n, self._scan_offset)
+        return top, candidates
+
+    @staticmethod
+    def _weights(inp: PolicyInput, key: int) -> tuple[np.ndarray, Mapping[EndpointId, int]]:
+        """The rendezvous weights of the eligible endpoints for `key`, and their positions in the table."""
+        table = inp.rendezvous()
+        pos = inp.view.position if inp.view is not None and inp.view.endpoints is table.endpoints else {
+            s.endpoint: i for i, s in enumerate(table.endpoints)}
+        return table.weights(key), pos
+
+    def _prefix_decision(self, req: InferenceRequest, order: list[EndpointId], matches: Mapping[EndpointId, int],
+                         insignificant: bool, primary: Scored, others: list[Scored],
+                         pend: Mapping[EndpointId, int] | None) -> Decision:
+        hashes = req.block_hashes
         if not hashes:
             reason: DecisionReason = "load"
         elif not matches or insignificant:
@@ -504,146 +301,10 @@ class PrefixPolicy(Policy):
         alt = others[0] if others else None
         return Decision(endpoints=tuple(order), reason=reason, policy=self.name, matched_blocks=matched,
                         total_blocks=n_total, predicted_hit_ratio=matched / n_total if n_total else 0.0,
-                        predicted_ttft_ms=primary[1] * 1000.0,
-                        alternative_endpoint=alt[2].endpoint if alt is not None else None,
-                        alternative_ttft_ms=alt[1] * 1000.0 if alt is not None else None,
+                        predicted_ttft_ms=primary[scorers.PREDICTED_S] * 1000.0,
+                        alternative_endpoint=alt[scorers.STATE].endpoint if alt is not None else None,
+                        alternative_ttft_ms=alt[scorers.PREDICTED_S] * 1000.0 if alt is not None else None,
                         pending_blocks=pend.get(order[0], 0) if pend else 0)
-
-    def pending_tokens_of(self, request: InferenceRequest) -> float | None:
-        p = self._picks.get(request.key)
-        return p.own_tokens if p is not None else None
-
-    def apply_peer_pick(self, key: tuple, endpoint: EndpointId, pending_tokens: float,
-                        block_hashes: Sequence[BlockHash], now_s: float, expires_s: float) -> None:
-        if not self.track_prefill:
-            return  # no releases, no queue: the peers' picks would have nothing to empty them either
-        self.model.add_pending(key, endpoint, pending_tokens, block_hashes, now_s)
-        peers = self._peer_expiry
-        peers.pop(key, None)
-        peers[key] = expires_s  # insertion order is expiry order: one TTL, a monotonic clock
-        if len(peers) > MAX_PEER_PICKS:
-            old, _ = peers.popitem(last=False)
-            self.model.remove_pending(old)
-
-    def apply_peer_done(self, key: tuple) -> None:
-        if self._peer_expiry.pop(key, None) is not None:
-            self.model.remove_pending(key)
-
-    def expire_peers(self, now_s: float) -> int:
-        peers = self._peer_expiry
-        n = 0
-        while peers:
-            key, expires_s = next(iter(peers.items()))
-            if expires_s > now_s:
-                break
-            del peers[key]
-            self.model.remove_pending(key)
-            n += 1
-        return n
-
-    def num_peer_picks(self) -> int:
-        return len(self._peer_expiry)
-
-    def time_model_figures(self) -> dict[EndpointId, tuple[float, float, float, int]]:
-        """Per endpoint the model knows (learned or with requests pending): (rate tokens/s, base s, pending
-        prefill tokens, responses learned from). Built from copies (``dict(d)`` is one C call under the GIL),
-        so the metrics thread may call it while the event loop routes."""
-        m = self.model
-        fits, tokens = dict(m.fits), dict(m.queued_tokens)
-        learned = m.num_observations_by_endpoint()
-        prior = m.default_fit
-        return {ep: (*fits.get(ep, prior), tokens.get(ep, 0.0), learned.get(ep, 0))
-                for ep in {*fits, *tokens, *learned}}
-
-    def outstanding_prefill_tokens(self) -> dict[EndpointId, float]:
-        """Estimated uncached prefill tokens picked and not yet past their first token (or released), per
-        endpoint (a copy; absent = 0): the time model's queues."""
-        m = self.model
-        return {ep: float(m.pending_tokens(ep)) for ep in m.pending_queue_endpoints()}
-
-    def predicted_ttft_s(self, request: InferenceRequest) -> float | None:
-        """The predicted TTFT of `request`'s primary at its pick (None once it left the pending set)."""
-        p = self._picks.get(request.key)
-        return p.predicted_s if p is not None else None
-
-    def on_first_token(self, request: InferenceRequest, decision: Decision, ttft_s: float,
-                       prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
-        """The request's prefill leaves its endpoint's queue; the endpoint's rate learns from it now (usage
-        given) or at `on_usage` (the pick waits there, at most MAX_AWAITING_USAGE of them)."""
-        key = request.key
-        p = self._picks.pop(key, None)
-        if p is None:
-            p = self._released.pop(key, None)  # the routing stream closed first (a short response)
-            if p is None:
-                return
-        self.model.remove_pending(key)
-        if prompt_tokens is not None:
-            self._learn(p, ttft_s, prompt_tokens, cached_tokens)
-            return
-        awaiting = self._awaiting
-        awaiting[key] = (p, ttft_s)
-        if len(awaiting) > MAX_AWAITING_USAGE:
-            awaiting.popitem(last=False)  # the oldest lost its usage report (stream cut, telemetry stalled)
-
-    def on_usage(self, request: InferenceRequest, decision: Decision, prompt_tokens: int | None,
-                 cached_tokens: int | None) -> None:
-        """The rate learns from the TTFT `on_first_token` reported, with these usage figures."""
-        got = self._awaiting.pop(request.key, None)
-        if got is not None:
-            self._learn(got[0], got[1], prompt_tokens, cached_tokens)
-
-    def _learn(self, p: _TtftPick, ttft_s: float, prompt_tokens: int | None, cached_tokens: int | None) -> None:
-        # In the router's units: its prompt estimate, with the uncached share the endpoint reported (the
-        # router's own estimate of it when the response reported no cached tokens: vLLM reports them only
-        # with --enable-prompt-tokens-details, and a stream only with stream_options.include_usage).
-        est = p.num_prompt_chars * self._tpc
-        if prompt_tokens is not None and prompt_tokens > 0 and cached_tokens is not None:
-            share = max(0.0, min(1.0, (prompt_tokens - cached_tokens) / prompt_tokens))
-            cached = est * (1.0 - share)
-        else:
-            cached = est - p.own_tokens
-        self.model.observe(p.endpoint, est, cached, ttft_s, p.queued_tokens, p.num_decoding)
-        self.predictions.append((p.predicted_s, ttft_s))
-        out = self._observed_out
-        if len(out) < MAX_AWAITING_USAGE:  # bounded when no one takes them
-            out.append((p.endpoint, est, cached, ttft_s, p.queued_tokens, p.num_decoding))
-
-    def take_observations(self) -> list[tuple[EndpointId, float, float, float, float, int]]:
-        out = self._observed_out
-        if not out:
-            return []
-        self._observed_out = []
-        return out
-
-    def apply_peer_observation(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float,
-                               ttft_s: float, queued_tokens: float, num_decoding: int) -> None:
-        self.model.observe(endpoint, prompt_tokens, cached_tokens, ttft_s, queued_tokens, num_decoding)
-
-    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """The request ended: if no first token was reported, it leaves the queue, and its pick waits (at most
-        MAX_AWAITING_USAGE of them) for a first token that may still come: the observing stream reports in
-        no fixed order with the routing stream's end. A pick awaiting its usage report keeps waiting too."""
-        key = request.key
-        p = self._picks.pop(key, None)
-        if p is not None:
-            self.model.remove_pending(key)
-            released = self._released
-            released[key] = p
-            if len(released) > MAX_AWAITING_USAGE:
-                released.popitem(last=False)
-
-    def on_endpoint_removed(self, endpoint: EndpointId) -> None:
-        self.model.forget_endpoint(endpoint)
-        for key in [key for key, p in self._picks.items() if p.endpoint == endpoint]:
-            del self._picks[key]
-        for key in [key for key, (p, _) in self._awaiting.items() if p.endpoint == endpoint]:
-            del self._awaiting[key]
-        for key in [key for key, p in self._released.items() if p.endpoint == endpoint]:
-            del self._released[key]
-
-    def on_cache_cleared(self, endpoint: EndpointId) -> None:
-        self.model.clear_prefixes(endpoint)
-
 
 _CLASSES_BY_NAME = {p.name: p for p in (PrefixPolicy, ConsistentHashPolicy, LeastLoadPolicy,
                                          RoundRobinPolicy, RandomPolicy)}

@@ -9,8 +9,9 @@ from collections.abc import Mapping, Sequence
 from prefixroute.extproc.routing.index_sources import BlockIndex
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters
-from prefixroute.extproc.routing.scheduling.policies import Policy, PolicyInput, make_policy
+from prefixroute.extproc.routing.scheduling.policies import Policy, PolicyInput, PrefixPolicy, make_policy
 from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.ttft_learner import TtftLearner
 from prefixroute.types import Decision, EndpointId, EndpointState
 
 
@@ -28,6 +29,8 @@ class Scheduler:
         self.settings = settings
         self.rng = rng if rng is not None else random.Random(settings.rng_seed)
         self.policy: Policy = make_policy(settings, self.rng, track_prefill=track_prefill)
+        # The prefix policy's time model and the picks it waits on (None: a baseline, which learns nothing).
+        self.learner: TtftLearner | None = self.policy.learner if isinstance(self.policy, PrefixPolicy) else None
         self.eligible_cache = filters.EligibleCache()
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[EndpointState],

@@ -65,12 +65,12 @@ async def test_two_replicas_share_through_nats_survive_its_death_and_reconnect(t
         pick = a.route(*POST, {}, chat("system " * 400, "doc one " * 300))
         ep = pick.endpoint_ids[0]
         t0 = time.monotonic()
-        await until_async(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S, interval_s=0.005)
+        await until_async(lambda: b.core.learner.num_peer_picks() == 1, AGREE_S, interval_s=0.005)
         waited = time.monotonic() - t0
         assert b.pool.in_flight == {ep: 1}
-        assert a.core.scheduler.policy.num_peer_picks() == 0  # its own message is not applied to itself
+        assert a.core.learner.num_peer_picks() == 0  # its own message is not applied to itself
         a.release(pick)
-        await until_async(lambda: b.pool.in_flight == {} and b.core.scheduler.policy.num_peer_picks() == 0, AGREE_S)
+        await until_async(lambda: b.pool.in_flight == {} and b.core.learner.num_peer_picks() == 0, AGREE_S)
         print(f"agreed after {waited * 1000:.1f} ms")
 
         nats.kill()
@@ -81,13 +81,13 @@ async def test_two_replicas_share_through_nats_survive_its_death_and_reconnect(t
         assert bus_a.num_dropped["pick"] >= 1 and bus_a.num_dropped["release"] >= 1
         assert 'prefixroute_peer_messages_total{direction="dropped",kind="pick"} 1.0' in _metrics(bus_a)
         await asyncio.sleep(0.3)  # lets time pass on purpose: nothing may arrive meanwhile
-        assert b.core.scheduler.policy.num_peer_picks() == 0  # nothing arrived
+        assert b.core.learner.num_peer_picks() == 0  # nothing arrived
 
         nats = _nats(port, tmp_path)  # back on the same port
         await until_async(lambda: bus_a.connected and bus_b.connected, 10.0)
         await _subscribed(bus_a, bus_b)  # the resubscriptions reached the server
         p3 = a.route(*POST, {}, chat("system " * 400, "doc three " * 300))
-        await until_async(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S)
+        await until_async(lambda: b.core.learner.num_peer_picks() == 1, AGREE_S)
         assert b.pool.in_flight == {p3.endpoint_ids[0]: 1}
         assert "prefixroute_peer_connected 1.0" in _metrics(bus_b)
     finally:
@@ -110,7 +110,7 @@ async def test_nats_down_at_start_routes_alone_then_connects(tmp_path):
         await until_async(lambda: bus_a.connected and bus_b.connected, 10.0)
         await _subscribed(bus_a, bus_b)
         a.route(*POST, {}, chat("system " * 400, "doc again " * 300))
-        await until_async(lambda: b.core.scheduler.policy.num_peer_picks() == 1, AGREE_S)
+        await until_async(lambda: b.core.learner.num_peer_picks() == 1, AGREE_S)
     finally:
         await bus_a.close()
         await bus_b.close()

@@ -15,6 +15,8 @@ import pytest
 from prefixroute.bench import results, upper_bound, virtual_run, workloads
 from prefixroute.bench.traces import TraceRecord, trace_workload, write_trace
 from prefixroute.model_servers.virtual_fleet import SimRequest
+from prefixroute.extproc import factory
+from prefixroute.extproc.service import PoolRouter
 
 
 def _wl(num_requests=60, rate=20.0, **kw):
@@ -210,7 +212,7 @@ def test_sglang_model_runs_by_name_in_a_virtual_bench():
         virtual_run.run_virtual(wl, None, ["sim:nope"], num_servers=2, log=lambda _m: None)
 
 
-class _RecordingRouter(virtual_run.PoolRouter):
+class _RecordingRouter(PoolRouter):
     """The live PoolRouter, recording what it was asked and what its pool counted at each pick."""
 
     made: list[_RecordingRouter] = []
@@ -224,14 +226,14 @@ class _RecordingRouter(virtual_run.PoolRouter):
         pick = super().route(method, path, headers, body)
         self.calls.append((method, path, dict(headers), body, pick.request))
         self.in_flight_at_pick.append(sum(self.pool.in_flight.values()))
-        self.prefill_at_pick.append(sum(self.core.scheduler.policy.outstanding_prefill_tokens().values()))
+        self.prefill_at_pick.append(sum(self.core.learner.outstanding_prefill_tokens().values()))
         return pick
 
 
 @pytest.fixture
 def recording(monkeypatch):
     _RecordingRouter.made = []
-    monkeypatch.setattr(virtual_run, "PoolRouter", _RecordingRouter)
+    monkeypatch.setattr(factory, "PoolRouter", _RecordingRouter)  # what the one factory builds
     return _RecordingRouter.made
 
 
@@ -246,7 +248,7 @@ def test_every_pick_is_counted_in_flight_and_released_when_it_finishes(recording
     assert max(router.in_flight_at_pick) == (4 if arrival == "closed" else _max_overlap(res))
     assert max(router.prefill_at_pick) > 512  # at least one uncached 512-token system prompt was outstanding
     assert dict(router.pool.in_flight) == {"sim-0:8000": 0, "sim-1:8000": 0}
-    assert router.core.scheduler.policy.outstanding_prefill_tokens() == {}
+    assert router.core.learner.outstanding_prefill_tokens() == {}
 
 
 def test_the_router_parses_the_bytes_and_headers_a_live_client_sends(recording):

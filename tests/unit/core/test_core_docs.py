@@ -18,13 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 README_MAX_LINES = 300
 
-# Pages another helper of issue 23 writes on its own branch (helper "core": docs/extending.md and
-# docs/architecture-lifecycle.md). Links to them are allowed to dangle until the lead merges that branch;
-# THE LEAD EMPTIES THIS LIST AT THAT MERGE, after which a missing page is a dead link like any other.
-ALLOWED_MISSING: frozenset[str] = frozenset({
-    "docs/extending.md",
-    "docs/architecture-lifecycle.md",
-})
+# Pages a helper writes on its own branch, allowed to dangle until the lead merges that branch (empty now: a
+# missing page is a dead link like any other).
+ALLOWED_MISSING: frozenset[str] = frozenset()
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")

@@ -26,6 +26,9 @@ from prefixroute.types import Decision
 from prefixroute.extproc.server import ExtprocSettings, start_server
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.openai_errors import OpenAIError
+from helpers.picks import make_pick
+from helpers.waiting import until_async
+from prefixroute.extproc.lifecycle import Pick
 
 EPS = ("10.0.0.1:8000", "10.0.0.2:8000")
 POST = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
@@ -33,12 +36,10 @@ FULL_DUPLEX = pb.ProtocolConfiguration(request_body_mode=pb.FULL_DUPLEX_STREAMED
                                        response_body_mode=pb.FULL_DUPLEX_STREAMED)
 
 
-class _Pick:
-    def __init__(self, endpoints: tuple[str, ...], stream: bool = True) -> None:
-        self.endpoints = endpoints
-        self.decision = Decision(endpoints=("a:1", "b:2"), reason="cold", policy="prefix")
-        self.decision_us = 10.0
-        self.request = InferenceRequest(kind="chat", path="/v1/chat/completions", model="m", stream=stream)
+def _pick(endpoints: tuple[str, ...], stream: bool = True) -> Pick:
+    """A real router pick of a chat request whose decision names a:1 and b:2 (the tracker's endpoint ids)."""
+    return make_pick(endpoints, Decision(endpoints=("a:1", "b:2"), reason="cold", policy="prefix"),
+                     InferenceRequest(kind="chat", path="/v1/chat/completions", model="m", stream=stream))
 
 
 class RecordingRouter:
@@ -48,24 +49,24 @@ class RecordingRouter:
     def __init__(self) -> None:
         self.routed: list[tuple[str, str, bytes, object]] = []
         self.served_calls: list[tuple[str | None, int | None]] = []
-        self.released: list[_Pick] = []
+        self.released: list[Pick] = []
         self.resolved: list[str] = []
 
-    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes, **kw: object) -> _Pick:
+    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes, **kw: object) -> Pick:
         self.routed.append((method, path, body, kw.get("subset")))
         if b"refuse-503" in body:
             raise OpenAIError(503, "no healthy endpoint", retry_after_s=2)
         if b"lookup" in body and not self.resolved:
             raise NeedsLookup("resp_1")
-        return _Pick(EPS)
+        return _pick(EPS)
 
     async def resolve(self, response_id: str, headers: Mapping[str, str]) -> None:
         self.resolved.append(response_id)
 
-    def served(self, pick: _Pick, served: str | None, status: int | None = None) -> None:
+    def served(self, pick: Pick, served: str | None, status: int | None = None) -> None:
         self.served_calls.append((served, status))
 
-    def release(self, pick: _Pick) -> None:
+    def release(self, pick: Pick) -> None:
         self.released.append(pick)
 
 
@@ -119,11 +120,6 @@ async def _run(process: grpc.aio.StreamStreamMultiCallable, msgs: list, *, close
         out.append(r)
 
 
-async def _until(cond, timeout_s: float = 2.0) -> None:  # noqa: ANN001
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -165,7 +161,7 @@ async def test_a_streamed_body_is_decided_whole_then_headers_then_the_body_in_62
     assert [len(s.body) for s in streamed] == [MAX_CHUNK_BYTES, MAX_CHUNK_BYTES, len(body) - 2 * MAX_CHUNK_BYTES]
     assert [s.end_of_stream for s in streamed] == [False, False, True]
     assert b"".join(s.body for s in streamed) == body
-    await _until(lambda: len(router.released) == 1)
+    await until_async(lambda: len(router.released) == 1, 2.0)
 
 
 async def test_without_protocol_config_auto_keeps_prefixroutes_own_protocol(picker) -> None:  # noqa: ANN001
@@ -222,7 +218,7 @@ async def test_a_body_over_the_limit_gets_an_openai_413_and_is_never_routed(pick
     # Declared too large: refused at the headers, before any body byte is held.
     answers = await _run(process, [_request_headers({**POST, "content-length": "100001"})], close=False)
     assert answers[0].immediate_response.status.code == 413
-    await _until(lambda: len(records) == 2)
+    await until_async(lambda: len(records) == 2, 2.0)
     assert [r.status for r in records] == [413, 413]
 
 
@@ -281,7 +277,7 @@ async def test_the_response_is_passed_back_unchanged_and_measured(picker) -> Non
     assert [e.body for e in echoed] == chunks and [e.end_of_stream for e in echoed] == [False, False, True]
     # The served endpoint from metadata_context (envoy.lb), reported once, with the status.
     assert router.served_calls == [(EPS[1], 200)]
-    await _until(lambda: len(records) == 1)
+    await until_async(lambda: len(records) == 1, 2.0)
     rec = records[0]
     assert (rec.status, rec.endpoint, rec.reason, rec.prompt_tokens, rec.cached_tokens) == (200, "b:2", "failover", 9, 4)
     assert rec.ttft_ms is not None and rec.ttft_ms <= rec.latency_ms
@@ -294,7 +290,7 @@ async def test_without_a_served_report_the_record_names_the_primary_and_the_rout
                          _response_headers({":status": "200", "content-type": "application/json"}),
                          _response_body(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 1}}', True)])
     assert router.served_calls == [(None, 200)]
-    await _until(lambda: len(records) == 1)
+    await until_async(lambda: len(records) == 1, 2.0)
     assert (records[0].endpoint, records[0].reason, records[0].prompt_tokens) == ("a:1", "cold", 3)
 
 
@@ -339,7 +335,7 @@ async def test_a_reset_stream_releases_its_pick_once(picker) -> None:  # noqa: A
     await call.read()
     assert router.released == []
     call.cancel()
-    await _until(lambda: len(router.released) == 1)
+    await until_async(lambda: len(router.released) == 1, 2.0)
     await asyncio.sleep(0.1)
     assert len(router.released) == 1
 

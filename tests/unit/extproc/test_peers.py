@@ -116,7 +116,7 @@ def test_rate_observations_are_shared_so_every_replica_prices_endpoints_alike():
     assert mb.num_observations_by_endpoint() == ma.num_observations_by_endpoint()
     for ep in ma.num_observations_by_endpoint():
         assert mb.priced(ep) == pytest.approx(ma.priced(ep))
-    assert a.core.take_observations() == []  # taken once: nothing is sent twice
+    assert a.core.learner.take_observations() == []  # taken once: nothing is sent twice
 
 
 def test_done_ends_the_peer_pending_and_ttl_expires_a_lost_one():
@@ -128,7 +128,7 @@ def test_done_ends_the_peer_pending_and_ttl_expires_a_lost_one():
     first = a.route(*POST, {}, chat(SYSTEMS[0], DOCS[0]))
     second = a.route(*POST, {}, chat(SYSTEMS[1], DOCS[1]))
     wire.deliver(b)
-    policy = b.core.scheduler.policy
+    policy = b.core.learner
     assert policy.num_peer_picks() == 2
     a.first_token(first, 0.1)
     assert [type(m) for m in wire.messages] == [codec.Done]
@@ -180,7 +180,7 @@ def test_unknown_endpoint_is_ignored():
     b = replica()
     b.apply_peer_batch(("a", 1), [codec.Pick(1, "10.9.9.9:1", [1, 2, 3], 500.0, None),
                                   codec.Response(1, response_key("resp_x"), "10.9.9.9:1", 10)], b.clock())
-    assert b.core.scheduler.policy.num_peer_picks() == 0
+    assert b.core.learner.num_peer_picks() == 0
     assert b.core.index.match([1, 2, 3]) == {}
     assert b.responses.endpoint_of("resp_x") is None
 

@@ -13,6 +13,8 @@ from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.types import Decision
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.telemetry.usage import StreamUsageTail, usage_from_body
+from helpers.picks import make_pick
+from prefixroute.extproc.lifecycle import Pick as Pick_
 
 ADDR = {"10.0.0.1:80": "a:80", "10.0.0.2:80": "b:80"}
 RID = "resp_0123456789abcdef0123456789abcdef"
@@ -20,11 +22,10 @@ USAGE = {"input_tokens": 900, "input_tokens_details": {"cached_tokens": 640}, "o
          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 908}
 
 
-class Pick:
-    def __init__(self) -> None:
-        self.decision = Decision(endpoints=("a:80",), reason="affinity", policy="prefix")
-        self.decision_us = 1.0
-        self.request = InferenceRequest(kind="responses", path="/v1/responses", model="m", stream=True)
+def Pick() -> Pick_:  # noqa: N802 - reads as the record it makes
+    """A real router pick (`lifecycle.Pick`) of a streamed Responses API request routed to a:80."""
+    return make_pick(("a:80",), Decision(endpoints=("a:80",), reason="affinity", policy="prefix"),
+                     InferenceRequest(kind="responses", path="/v1/responses", model="m", stream=True), decision_us=1.0)
 
 
 def _hv(pairs: dict[str, str]) -> list:

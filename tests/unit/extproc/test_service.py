@@ -18,6 +18,7 @@ from prefixroute.extproc.service import PoolRouter
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
+from helpers.waiting import until_async
 
 MODEL = "m"
 FAST = PoolSettings(resolve_interval_s=0.05, probe_interval_s=0.05, failure_probe_delay_s=0.05)
@@ -43,11 +44,6 @@ async def _endpoint(host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunn
     return runner, f"{host}:{port}"
 
 
-async def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -108,7 +104,7 @@ async def test_served_elsewhere_marks_a_dead_primary_down_at_once_and_moves_in_f
     assert router.num_failovers == 1
     assert router.pool.in_flight[primary] == 0 and router.pool.in_flight[fallback] == 1
     # The report's confirming probe finds it dead: down well before two regular probes (1 s apart) could.
-    await _until(lambda: not _health(router)[primary], timeout_s=0.8)
+    await until_async(lambda: not _health(router)[primary], timeout_s=0.8)
     assert time.monotonic() - t0 < 0.8 and _health(router)[fallback]
     router.release(pick)
     assert router.pool.in_flight[fallback] == 0
@@ -122,7 +118,7 @@ async def test_a_report_against_a_live_endpoint_is_not_confirmed_and_marks_nothi
     pick = router.route(*POST, {}, _chat("forged failover " * 100))
     primary = pick.endpoint_ids[0]
     router.served(pick, pick.endpoints[1])  # what a forged stream (or a one-off reset) reports
-    await _until(lambda: router.pool.num_unconfirmed_failures == 1)
+    await until_async(lambda: router.pool.num_unconfirmed_failures == 1, 5.0)
     assert _health(router)[primary]
     # Within the quiet period further reports cost no probe.
     again = router.route(*POST, {}, _chat("forged failover " * 100))
@@ -139,7 +135,7 @@ async def test_every_endpoint_tried_before_the_one_that_served_is_marked_down(ro
     await _stop(router, pick.endpoint_ids[0])
     await _stop(router, pick.endpoint_ids[1])
     router.served(pick, pick.endpoints[2])
-    await _until(lambda: [_health(router)[ep] for ep in pick.endpoint_ids] == [False, False, True], timeout_s=0.8)
+    await until_async(lambda: [_health(router)[ep] for ep in pick.endpoint_ids] == [False, False, True], timeout_s=0.8)
     assert router.pool.in_flight[pick.endpoint_ids[2]] == 1
     router.release(pick)
 
@@ -275,7 +271,7 @@ async def test_after_a_move_the_old_address_still_maps_for_requests_in_flight() 
         before = router.route(*POST, {}, _chat("moving " * 100))
         assert before.endpoints == (old,)
         current[:] = ["127.0.0.2"]
-        await _until(lambda: pool.snapshot()[0].address == new and pool.snapshot()[0].healthy)
+        await until_async(lambda: pool.snapshot()[0].address == new and pool.snapshot()[0].healthy, 5.0)
         after = router.route(*POST, {}, _chat("moving " * 100))
         assert after.endpoints == (new,)
         assert router.endpoint_of(old) == name and router.endpoint_of(new) == name
@@ -292,7 +288,7 @@ async def test_after_a_move_the_old_address_still_maps_for_requests_in_flight() 
 
 async def test_release_returns_outstanding_prefill_to_zero(router: PoolRouter) -> None:
     tracked = PoolRouter(RouterCore(router.settings, track_prefill=True), router.pool)
-    policy = tracked.core.scheduler.policy
+    policy = tracked.core.learner
     picks = [tracked.route(*POST, {}, _chat(f"cold prompt {i} " * 200)) for i in range(3)]
     assert sum(policy.outstanding_prefill_tokens().values()) > 0
     for pick in picks:

@@ -22,11 +22,9 @@ from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.types import Decision
 from prefixroute.telemetry.tracecontext import parse_traceparent
 from helpers.extproc_calls import exchange as _exchange
-
-
-class _Pick:
-    def __init__(self, endpoints: tuple[str, ...]) -> None:
-        self.endpoints = endpoints
+from helpers.picks import make_pick
+from helpers.waiting import until_async
+from prefixroute.extproc.lifecycle import Pick
 
 
 class RecordingRouter:
@@ -36,20 +34,20 @@ class RecordingRouter:
         self.endpoints = endpoints
         self.routed: list[tuple[str, str, dict[str, str], bytes]] = []
         self.served_calls: list[str | None] = []
-        self.released: list[_Pick] = []
+        self.released: list[Pick] = []
 
-    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> _Pick:
+    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Pick:
         self.routed.append((method, path, dict(headers), body))
         if b"refuse-503" in body:
             raise OpenAIError(503, "no healthy endpoint", retry_after_s=2)
         if b"refuse-400" in body:
             raise OpenAIError(400, "bad", param="messages")
-        return _Pick(self.endpoints)
+        return make_pick(self.endpoints)
 
-    def served(self, pick: _Pick, served_endpoint: str | None, status: int | None = None) -> None:
+    def served(self, pick: Pick, served_endpoint: str | None, status: int | None = None) -> None:
         self.served_calls.append(served_endpoint)
 
-    def release(self, pick: _Pick) -> None:
+    def release(self, pick: Pick) -> None:
         self.released.append(pick)
 
 
@@ -88,11 +86,6 @@ async def served() -> AsyncIterator[tuple[RecordingRouter, grpc.aio.StreamStream
         await server.stop(None)
 
 
-async def _until(cond, timeout_s: float = 2.0) -> None:  # noqa: ANN001
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def test_body_request_continues_at_headers_then_routes_on_the_body(served) -> None:  # noqa: ANN001
@@ -113,7 +106,7 @@ async def test_body_request_continues_at_headers_then_routes_on_the_body(served)
     assert r_resp.WhichOneof("response") == "response_headers"
     assert router.routed == [("POST", "/v1/chat/completions", POST, body)]
     assert router.served_calls == [EPS[0]]
-    await _until(lambda: len(router.released) == 1)
+    await until_async(lambda: len(router.released) == 1, 2.0)
 
 
 async def test_body_larger_than_grpc_default_message_limit_is_routed(served) -> None:  # noqa: ANN001
@@ -131,7 +124,7 @@ async def test_request_without_body_is_decided_at_headers(served) -> None:  # no
     assert _set_headers(r.request_headers.response)[DESTINATION_HEADER] == EPS[0]
     assert r.request_headers.response.clear_route_cache
     assert router.routed[0][:2] == ("GET", "/v1/models") and router.routed[0][3] == b""
-    await _until(lambda: len(router.released) == 1)
+    await until_async(lambda: len(router.released) == 1, 2.0)
 
 
 @pytest.mark.parametrize(("marker", "status", "retry_after"), [(b"refuse-503", 503, "2"), (b"refuse-400", 400, None)])
@@ -159,23 +152,17 @@ async def test_release_happens_once_when_envoy_resets_the_stream(served) -> None
     await call.read()
     assert router.released == []  # still in flight: the response has not ended
     call.cancel()  # what Envoy does when the client goes away
-    await _until(lambda: len(router.released) == 1)
+    await until_async(lambda: len(router.released) == 1, 2.0)
     await asyncio.sleep(0.1)
     assert len(router.released) == 1
 
 
-class _TrackedPick(_Pick):
-    def __init__(self, endpoints: tuple[str, ...]) -> None:
-        super().__init__(endpoints)
-        self.decision = Decision(endpoints=("a:1", "b:2"), reason="cold", policy="prefix")
-        self.decision_us = 10.0
-        self.request = InferenceRequest(kind="chat", path="/v1/chat/completions", model="m", stream=True)
-
-
 class TrackedRouter(RecordingRouter):
-    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> _Pick:
+    """`RecordingRouter` whose picks carry a decision naming a:1 and b:2 (the tracker's endpoint ids)."""
+
+    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Pick:
         pick = super().route(method, path, headers, body)
-        return _TrackedPick(pick.endpoints)
+        return make_pick(pick.endpoints, Decision(endpoints=("a:1", "b:2"), reason="cold", policy="prefix"))
 
 
 async def test_routing_sets_traceparent_and_the_observing_stream_completes_the_record() -> None:
@@ -206,7 +193,7 @@ async def test_routing_sets_traceparent_and_the_observing_stream_completes_the_r
         assert await obs.read() is grpc.aio.EOF  # nothing answered
         await routing.done_writing()
         assert await routing.read() is grpc.aio.EOF
-        await _until(lambda: len(records) == 1)
+        await until_async(lambda: len(records) == 1, 2.0)
         rec = records[0]
         assert rec.span_id == parse_traceparent(tp).span_id
         assert (rec.status, rec.endpoint, rec.reason, rec.prompt_tokens) == (200, "b:2", "failover", 9)
@@ -238,4 +225,4 @@ async def test_trailers_and_response_body_are_answered_with_continue(served) -> 
     assert [r.WhichOneof("response") for r in replies] == [
         "request_headers", "response_body", "request_trailers", "response_trailers"]
     assert not replies[1].response_body.response.header_mutation.set_headers
-    await _until(lambda: len(router.released) == 1)
+    await until_async(lambda: len(router.released) == 1, 2.0)

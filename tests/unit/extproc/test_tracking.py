@@ -13,18 +13,19 @@ from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.types import Decision
 from prefixroute.telemetry.records import RequestRecord, tenant_hash
 from prefixroute.telemetry.tracecontext import parse_traceparent
+from helpers.picks import make_pick
+from prefixroute.extproc.lifecycle import Pick as Pick_
 
 ADDR = {"10.0.0.1:80": "a:80", "10.0.0.2:80": "b:80"}
 USAGE = {"prompt_tokens": 100, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 64}}
 
 
-class Pick:
-    def __init__(self) -> None:
-        self.decision = Decision(endpoints=("a:80", "b:80"), reason="affinity", policy="prefix", matched_blocks=4,
-                                 total_blocks=5, predicted_hit_ratio=0.8)
-        self.decision_us = 42.0
-        self.request = InferenceRequest(kind="chat", path="/v1/chat/completions", model="m", tenant="t1",
-                                        stream=True, request_id="rid-1")
+def Pick() -> Pick_:  # noqa: N802 - reads as the record it makes
+    """A real router pick (`lifecycle.Pick`) of a streamed chat request routed to a:80 with b:80 as fallback."""
+    return make_pick(("a:80", "b:80"), Decision(endpoints=("a:80", "b:80"), reason="affinity", policy="prefix",
+                                                 matched_blocks=4, total_blocks=5, predicted_hit_ratio=0.8),
+                     InferenceRequest(kind="chat", path="/v1/chat/completions", model="m", tenant="t1", stream=True,
+                                      request_id="rid-1"), decision_us=42.0)
 
 
 def _hv(pairs: dict[str, str]) -> list:

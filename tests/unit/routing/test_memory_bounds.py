@@ -94,7 +94,7 @@ def test_peer_picks_cost_at_most_what_the_budget_assumes():
     def fill():
         for i in range(n):
             hashes = [rng.getrandbits(64) for _ in range(blocks)]
-            policy.apply_peer_pick(("r", 1, i), EndpointId(f"10.0.0.{i % 4}:8000"), 1000.0, hashes, 1.0, 100.0)
+            policy.learner.apply_peer_pick(("r", 1, i), EndpointId(f"10.0.0.{i % 4}:8000"), 1000.0, hashes, 1.0, 100.0)
         return policy
 
     per = _grown(fill) / n
@@ -117,7 +117,7 @@ def test_released_requests_are_not_kept_by_the_policy():
         return r
 
     grown = _grown(fill)
-    policy = r.core.scheduler.policy
+    policy = r.core.learner
     assert len(policy._released) == 300 and len(r.core.sessions) == 300  # waiting picks and sessions...
     assert grown < 300 * 4096, grown  # ...that cost at most a few KB each, not 1 MiB
 

@@ -110,7 +110,7 @@ def test_on_release_returns_outstanding_prefill_to_zero(track_prefill):
     core = RouterCore(S, track_prefill=track_prefill)
     states = [EndpointState(A), EndpointState(B), EndpointState(C)]
     routed = [(r, core.route(r, states, {})) for r in (chat(), chat(content="another prompt " * 80), chat())]
-    outstanding = core.scheduler.policy.outstanding_prefill_tokens()
+    outstanding = core.learner.outstanding_prefill_tokens()
     if track_prefill:
         # first request: its whole prompt; second: another prompt; third: the first one's cached blocks saved
         first, _ = routed[0]
@@ -118,15 +118,15 @@ def test_on_release_returns_outstanding_prefill_to_zero(track_prefill):
     else:
         assert outstanding == {}
     for r, d in routed:
-        core.on_release(r, d)
-    assert core.scheduler.policy.outstanding_prefill_tokens() == {}
+        core.learner.on_release(r, d)
+    assert core.learner.outstanding_prefill_tokens() == {}
 
 
 @pytest.mark.parametrize("policy", ["least-load", "round-robin", "random", "consistent-hash"])
 def test_releases_and_removals_do_not_change_policies_without_tracking(policy):
-    # The base hooks are no-ops: a core told of every release and of a removed endpoint decides exactly as
-    # its twin that is told nothing (same seed, same requests); the tie breaks draw on the shared rng, so a
-    # hook that drew from it or touched the policy's counters would make the two diverge.
+    # A baseline has no time model to tell of releases (no learner), and a core told of a removed endpoint
+    # decides exactly as its twin that is told nothing (same seed, same requests); the tie breaks draw on the
+    # shared rng, so a hook that drew from it or touched the policy's counters would make the two diverge.
     settings = RoutingSettings(policy=policy, rng_seed=5)
     told, twin = RouterCore(settings, track_prefill=True), RouterCore(settings, track_prefill=True)
     states = [EndpointState(EndpointId(f"127.0.0.1:{9000 + i}")) for i in range(4)]
@@ -134,7 +134,7 @@ def test_releases_and_removals_do_not_change_policies_without_tracking(policy):
     for i in range(40):
         r = chat(content=f"prompt {i % 6} " * 40)
         d = told.route(r, states, {})
-        told.on_release(r, d)
+        assert told.learner is None
         told.on_endpoint_removed(EndpointId("127.0.0.1:1"))  # never in the pool: nothing for the index either
         got.append(d.endpoints)
         want.append(twin.route(r, states, {}).endpoints)
@@ -149,12 +149,12 @@ def test_removed_endpoint_drops_its_outstanding_prefill():
     d = core.route(r, states, {})
     core.route(chat(content="another prompt " * 80), states, {})
     gone = d.endpoints[0]
-    assert gone in core.scheduler.policy.outstanding_prefill_tokens()
+    assert gone in core.learner.outstanding_prefill_tokens()
     core.sync_endpoints(states)
     core.sync_endpoints([s for s in states if s.endpoint != gone])
-    assert gone not in core.scheduler.policy.outstanding_prefill_tokens()
-    core.on_release(r, d)  # a late release for the removed endpoint is absorbed
-    assert gone not in core.scheduler.policy.outstanding_prefill_tokens()
+    assert gone not in core.learner.outstanding_prefill_tokens()
+    core.learner.on_release(r, d)  # a late release for the removed endpoint is absorbed
+    assert gone not in core.learner.outstanding_prefill_tokens()
 
 
 def test_a_restart_epoch_change_clears_that_endpoint_only_and_keeps_its_capacity():

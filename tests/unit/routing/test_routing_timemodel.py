@@ -165,7 +165,7 @@ def test_idle_holder_keeps_its_prefix_and_busy_holder_spills_only_when_it_pays()
     req = _req8k(1)  # every hashed block held by A
     d = _decide(p, req, eps, {A: 256})
     assert d.endpoints[0] == A and d.reason == "affinity"
-    p.on_release(req, d)
+    p.learner.on_release(req, d)
     # A has one cold 8k prefill queued (0.8 s): moving costs a full 8k prefill (0.8 s + its work) elsewhere.
     p.model.add_pending("other-1", A, 8000)
     d = _decide(p, _req8k(1), eps, {A: 256})
@@ -197,7 +197,7 @@ def test_heterogeneous_rates_send_a_cold_prompt_to_the_fast_endpoint():
     for prefix in range(20):  # whatever the rendezvous order says
         r = _req(100 + prefix, 60)
         d = _decide(p, r, eps)
-        p.on_release(r, d)
+        p.learner.on_release(r, d)
         assert d.endpoints[0] == B
 
 
@@ -250,39 +250,39 @@ def test_first_token_empties_the_queue_and_teaches_the_rate():
     reqs = [_req8k(9) for _ in range(3)]
     decs = [_decide(p, r, eps) for r in reqs]
     ep = decs[0].endpoints[0]
-    assert p.model.num_pending(ep) == 3 and p.predicted_ttft_s(reqs[0]) is not None
+    assert p.model.num_pending(ep) == 3 and p.learner.predicted_ttft_s(reqs[0]) is not None
     for r, d in zip(reqs, decs):
-        p.on_first_token(r, d, 3.0, 8000, 0)  # much slower than the prior predicts
-        p.on_release(r, d)
+        p.learner.on_first_token(r, d, 3.0, 8000, 0)  # much slower than the prior predicts
+        p.learner.on_release(r, d)
     assert p.model.num_pending(ep) == 0 and p.model.pending_match(ep, reqs[0].block_hashes) == 0
-    assert p.model.rate(ep) < RATE and len(p.predictions) == 3
+    assert p.model.rate(ep) < RATE and len(p.learner.predictions) == 3
     # a release without a first token also leaves the queue; a late first token is still learned, once
     r = _req(10, 10)
     d = _decide(p, r, eps)
-    p.on_release(r, d)
+    p.learner.on_release(r, d)
     assert p.model.num_pending(d.endpoints[0]) == 0
-    p.on_first_token(r, d, 1.0, 160, 0)
-    p.on_first_token(r, d, 1.0, 160, 0)
-    assert p.model.num_pending(d.endpoints[0]) == 0 and len(p.predictions) == 4
+    p.learner.on_first_token(r, d, 1.0, 160, 0)
+    p.learner.on_first_token(r, d, 1.0, 160, 0)
+    assert p.model.num_pending(d.endpoints[0]) == 0 and len(p.learner.predictions) == 4
 
 
 def test_without_track_prefill_nothing_is_kept():
     p = PrefixPolicy(_settings(), random.Random(0), track_prefill=False)
     _decide(p, _req(1, 20), _states(A, B))
-    assert p.model.pending_endpoints() == [] and p.predictions.maxlen and not p._picks
+    assert p.model.pending_endpoints() == [] and p.learner.predictions.maxlen and not p.learner._picks
 
 
 def test_endpoint_removed_and_cache_cleared():
     p = PrefixPolicy(_settings(), random.Random(0), track_prefill=True)
     r = _req(3, 20)
     d = _decide(p, r, _states(A))
-    p.on_cache_cleared(A)
+    p.learner.on_cache_cleared(A)
     assert p.model.pending_match(A, r.block_hashes) == 0 and p.model.num_pending(A) == 1
-    p.on_endpoint_removed(A)
+    p.learner.on_endpoint_removed(A)
     assert p.model.num_pending(A) == 0
-    p.on_release(r, d)  # late release absorbed
-    p.on_first_token(r, d, 1.0, 320, 0)
-    assert not p.predictions and p.model.estimate(A).num_observations == 0  # nothing learned for a gone endpoint
+    p.learner.on_release(r, d)  # late release absorbed
+    p.learner.on_first_token(r, d, 1.0, 320, 0)
+    assert not p.learner.predictions and p.model.estimate(A).num_observations == 0  # nothing learned for a gone endpoint
 
 
 def test_pool_router_first_token_and_usage_reach_the_policy_once_in_either_order_with_release():
@@ -301,18 +301,18 @@ def test_pool_router_first_token_and_usage_reach_the_policy_once_in_either_order
     assert policy.model.num_pending(ep) == 1
     router.first_token(pick, 0.2)
     router.first_token(pick, 9.0)  # a second report is ignored
-    assert policy.model.num_pending(ep) == 0 and not policy.predictions  # learning waits for the usage
+    assert policy.model.num_pending(ep) == 0 and not policy.learner.predictions  # learning waits for the usage
     router.release(pick)  # the routing stream may close before the observing stream reports the usage
     router.usage(pick, 300, 0)
     router.usage(pick, 300, 0)  # once
-    assert [x[1] for x in policy.predictions] == [0.2] and policy.model.estimate(ep).num_observations == 1
+    assert [x[1] for x in policy.learner.predictions] == [0.2] and policy.model.estimate(ep).num_observations == 1
     pick2 = router.route("POST", "/v1/chat/completions", {"content-type": "application/json"}, body)
     router.usage(pick2, 300, 0)  # without a first token: ignored
     router.release(pick2)  # a short response: the routing stream closed before the first token's report
     assert policy.model.num_pending(pick2.endpoint_ids[0]) == 0
     router.first_token(pick2, 1.0)  # still learned from, once its usage comes
     router.usage(pick2, 300, 0)
-    assert [x[1] for x in policy.predictions] == [0.2, 1.0] and policy.model.num_pending(pick2.endpoint_ids[0]) == 0
+    assert [x[1] for x in policy.learner.predictions] == [0.2, 1.0] and policy.model.num_pending(pick2.endpoint_ids[0]) == 0
 
 
 @pytest.mark.parametrize("prompt,cached,expected_cached_est", [
@@ -329,24 +329,24 @@ def test_learning_uses_the_reported_cached_share_or_the_routers_estimate(prompt,
     seen = []
     p.model.observe = lambda ep, est, cached_est, ttft, queued, decoding: seen.append((ep, est, cached_est, ttft))
     d = _decide(p, _req(77, 1), eps)  # another request: its own pick is not the one reported below
-    p.on_first_token(r, d, 0.4)
-    p.on_usage(r, d, prompt, cached)
+    p.learner.on_first_token(r, d, 0.4)
+    p.learner.on_usage(r, d, prompt, cached)
     assert seen == [(A, 8000.0, pytest.approx(expected_cached_est), 0.4)]
 
 
 def test_picks_awaiting_usage_are_bounded():
-    from prefixroute.extproc.routing.scheduling import policies
+    from prefixroute.extproc.routing import ttft_learner
 
     p = PrefixPolicy(_settings(), random.Random(0), track_prefill=True)
-    reqs = [_req(i, 2) for i in range(policies.MAX_AWAITING_USAGE + 10)]
+    reqs = [_req(i, 2) for i in range(ttft_learner.MAX_AWAITING_USAGE + 10)]
     for r in reqs:
         d = _decide(p, r, _states(A))
-        p.on_first_token(r, d, 0.1)
-        p.on_release(r, d)
-    assert len(p._awaiting) == policies.MAX_AWAITING_USAGE and not p._picks
-    p.on_usage(reqs[0], d, 32, 0)  # dropped as the oldest: nothing learned
-    p.on_usage(reqs[-1], d, 32, 0)
-    assert len(p.predictions) == 1
+        p.learner.on_first_token(r, d, 0.1)
+        p.learner.on_release(r, d)
+    assert len(p.learner._awaiting) == ttft_learner.MAX_AWAITING_USAGE and not p.learner._picks
+    p.learner.on_usage(reqs[0], d, 32, 0)  # dropped as the oldest: nothing learned
+    p.learner.on_usage(reqs[-1], d, 32, 0)
+    assert len(p.learner.predictions) == 1
 
 
 def test_pending_matches_finds_every_endpoint_sharing_the_first_block():

@@ -378,10 +378,10 @@ def _run(settings: RoutingSettings, steps_, track: bool) -> list:
             continue
         out.append(d)
         open_.append((req, d))
-        if event == 3 and track:
+        if event == 3 and track and core.learner is not None:
             r, dd = open_.pop(0)
-            core.on_first_token(r, dd, 0.1, 100, 0)
-            core.on_release(r, dd)
+            core.learner.on_first_token(r, dd, 0.1, 100, 0)
+            core.learner.on_release(r, dd)
     out.append(core.rng.random())  # the same random draws were made
     return out
 

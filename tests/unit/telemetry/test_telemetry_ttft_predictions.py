@@ -32,6 +32,8 @@ from prefixroute.telemetry.store import TelemetryStore
 from prefixroute.telemetry.store_reader import StoreReader
 from prefixroute.telemetry.store_schema import SCHEMA_VERSION
 from helpers.metrics import scrape
+from helpers.picks import make_pick
+from prefixroute.extproc.lifecycle import Pick as Pick_
 
 
 NOW = 1_800_000_000.0
@@ -55,11 +57,11 @@ def rec(i: int = 0, **kw) -> RequestRecord:
 
 # --- tracker: decided() copies the decision's predictions --------------------------------------------------
 
-class Pick:
-    def __init__(self, decision: Decision) -> None:
-        self.decision = decision
-        self.decision_us = 42.0
-        self.request = InferenceRequest(kind="chat", path="/v1/chat/completions", model="m", stream=False)
+def Pick(decision: Decision) -> Pick_:  # noqa: N802 - reads as the record it makes
+    """A real router pick (`lifecycle.Pick`) of a non-streamed chat request routed by `decision`."""
+    return make_pick(tuple(decision.endpoints), decision,
+                     InferenceRequest(kind="chat", path="/v1/chat/completions", model="m", stream=False),
+                     decision_us=42.0)
 
 
 def _hv(pairs: dict[str, str]) -> list:
