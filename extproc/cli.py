@@ -34,6 +34,9 @@ from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.parse_offload import ParseOffload
 from prefixroute.extproc.response_directory import ResponsesCollector
 from prefixroute.extproc.factory import build_router, share_with_peers, uses_kv_events
+from prefixroute.extproc.flow.hold import build_flow
+from prefixroute.extproc.flow.metrics import FlowCollector
+from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.routing.sessions import SessionsCollector
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -68,11 +71,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, PoolSettings)
     settings.add_arguments(parser, RouterTelemetrySettings)
     settings.add_arguments(parser, PeerSettings)
+    settings.add_arguments(parser, FlowSettings)
 
 
 async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: PoolSettings,
                 stop: asyncio.Event, tele: RouterTelemetrySettings | None = None,
-                peer_settings: PeerSettings | None = None) -> None:
+                peer_settings: PeerSettings | None = None, flow_settings: FlowSettings | None = None) -> None:
     """Run until `stop` is set. `peer_settings` with a url: share picks with the other replicas over NATS."""
     pool = EndpointPool(pool_settings)
     # --endpoints-dns: the first lookup round gives the starting membership; later rounds follow pods.
@@ -124,6 +128,11 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
     if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
         telemetry.metrics.registry.register(SessionsCollector(core.sessions))
+    flow = flow_settings or FlowSettings(flow_control=False)
+    if flow.flow_control:  # hold, order and shed past saturation (extproc/flow; prefixroute_flow_* on /metrics)
+        control = build_flow(router, flow, tick_s=pool_settings.scrape_interval_s,
+                             stale_after_s=pool_settings.metrics_stale_after_s, tenant_header=routing.tenant_header)
+        telemetry.metrics.registry.register(FlowCollector(control))
     bus = None
     if peer_settings is not None and peer_settings.url:
         bus = PeerBus(peer_settings, router)
@@ -152,7 +161,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         gc.freeze()
         gc.set_threshold(20_000, 20, 100)
         ready = readiness(pool, routing, events)
-        server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes)
+        server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,
+                                          can_hold=router.flow is not None)
         health_server = await start_health_server(ext, ready)
         healthy = sum(1 for s in pool.snapshot() if s.healthy)
         ms = telemetry.metrics_server
@@ -192,6 +202,7 @@ def main(args: argparse.Namespace) -> int:
         pool_settings = settings.from_namespace(PoolSettings, args)
         tele = settings.from_namespace(RouterTelemetrySettings, args)
         peer_settings = settings.from_namespace(PeerSettings, args)
+        flow_settings = settings.from_namespace(FlowSettings, args)
         # Validate endpoints, TLS files, the token and the tokenizer before starting anything (exit 2).
         EndpointPool(pool_settings)
         event_addresses_from_settings(pool_settings)
@@ -208,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        loop.run_until_complete(serve(ext, routing, pool_settings, stop, tele, peer_settings))
+        loop.run_until_complete(serve(ext, routing, pool_settings, stop, tele, peer_settings, flow_settings))
     except OSError as exc:
         print(f"prefixroute extproc: {exc}", file=sys.stderr)
         return 1

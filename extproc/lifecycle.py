@@ -62,7 +62,7 @@ class Pick:
 
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "phases",
                  "index_source", "ttft_s", "prompt_tokens", "cached_tokens", "response_id", "response_endpoint",
-                 "peer_seq", "peer_pending", "peer_seq_any")
+                 "peer_seq", "peer_pending", "peer_seq_any", "flow_wait_s", "flow_released_by")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -78,6 +78,10 @@ class Pick:
         self.prompt_tokens: int | None = None  # USAGE: the serving endpoint's figures (None: not reported)
         self.cached_tokens: int | None = None
         self.response_id: str | None = None  # RESPONSE_ID: the Responses API id of this pick's response
+        # Flow control (extproc/flow): seconds this request was held in the gateway queue, and the event that
+        # released it (first_token, release, scrape, arrival); 0 / None: routed at once.
+        self.flow_wait_s = 0.0
+        self.flow_released_by: str | None = None
         self.response_endpoint: EndpointId | None = None  # the endpoint holding `response_id`
         self.peer_seq: int | None = None  # set while the other replicas count this pick in flight (a Release due)
         self.peer_pending = False  # the other replicas count it pending (a Done due at the first token)

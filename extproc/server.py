@@ -101,13 +101,14 @@ def server_credentials(s: ExtprocSettings) -> grpc.ServerCredentials | None:
 
 
 async def start_server(router: RouterService, s: ExtprocSettings, tracker: Tracker = NULL_TRACKER, *,
-                       ready: Callable[[], bool] = _always, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-                       ) -> tuple[grpc.aio.Server, int]:
+                       ready: Callable[[], bool] = _always, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                       can_hold: bool = False) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the started server (call `stop(grace)` on it) and its port (port 0 = any).
     Telemetry: a `RequestTracker`, or the default `NULL_TRACKER` for none. TLS and the bearer token per `s`
     (module doc); ValueError/OSError when their settings or files are wrong. The gRPC health service
     (health.py) is served beside ext_proc, over `ready` (the picker can route), without the bearer token.
-    `max_body_bytes`: GIE streams' body limit (RoutingSettings.max_body_bytes)."""
+    `max_body_bytes`: GIE streams' body limit (RoutingSettings.max_body_bytes). `can_hold`: the router holds
+    requests past saturation (flow control: `ExtProcServicer`)."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
     interceptors = ([BearerTokenInterceptor(token, label="ext_proc", exempt=frozenset({wire.HEALTH_CHECK_PATH}))]
@@ -128,7 +129,7 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     replica = s.replica_index if s.replica_index >= 0 else None
     wire.add_to_server(server, ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
                                                gie_fallback_list=s.gie_fallback_list,
-                                               max_body_bytes=max_body_bytes).Process)
+                                               max_body_bytes=max_body_bytes, can_hold=can_hold).Process)
     wire.add_health_to_server(server, HealthServicer(ready).Check)
     address = f"{s.listen_address}:{s.port}"
     bound = (server.add_secure_port(address, credentials) if credentials is not None

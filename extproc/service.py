@@ -75,8 +75,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Protocol
 
 from prefixroute.extproc.endpoints import Pool
+from prefixroute.extproc.flow.control import NeedsHold
 from prefixroute.extproc.lifecycle import Lifecycle, LifecycleListener, Phase, Pick
 from prefixroute.extproc.lifecycle_listeners import (IndexListener, PeerPublisher, PeersListener, PoolListener,
                                                      ResponsesListener, TimeModelListener)
@@ -105,6 +107,18 @@ class NeedsParse(NeedsLookup):
 
     def __init__(self) -> None:
         super().__init__(None)  # type: ignore[arg-type]
+
+
+class FlowPort(Protocol):
+    """What the router service asks of flow control (extproc/flow/hold.py `FlowHold`)."""
+
+    def admits_now(self) -> bool: ...
+
+    async def hold(self, request: InferenceRequest, headers: Mapping[str, str]) -> Any: ...
+
+    def placed(self, ticket: Any) -> None: ...
+
+    def deadline_s(self, headers: Mapping[str, str]) -> float: ...
 
 
 class PoolRouter:
@@ -153,6 +167,8 @@ class PoolRouter:
         self.num_ignored_peer_messages = 0
         # Large bodies parsed off the loop (extproc/parse_offload.py): None = every body here.
         self.offload = None
+        # Flow control (extproc/flow/hold.py): None = every request is routed at once.
+        self.flow: FlowPort | None = None
         pool.add_listener(self._on_pool_change)
 
     @property
@@ -194,11 +210,13 @@ class PoolRouter:
         return self._id_of_addr.get(address)
 
     def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | InferenceRequest,
-              subset: Collection[str] | None = None) -> Pick:
+              subset: Collection[str] | None = None, *, can_hold: bool = False, ticket: Any = None) -> Pick:
         """See the module docstring. `body`: the request body, or the `InferenceRequest` `parse_off_loop` made of
         it. `subset`: the gateway's subset hint (GIE's ``x-gateway-destination-endpoint-subset``): pick only
         among the endpoints whose address (``ip:port``, or a bare ``ip``: every port of it) it lists; 503 when
-        none of them is healthy. None: the whole pool."""
+        none of them is healthy. None: the whole pool. `can_hold`: the caller can hold the request (it awaits
+        `hold` on `NeedsHold`); with flow control on and the fleet saturated, `NeedsHold` is raised. `ticket`:
+        the request was held and released (`hold`'s ticket): routed now, and the gate told it is placed."""
         t0 = time.perf_counter()
         if type(body) is InferenceRequest:
             request = body
@@ -206,6 +224,29 @@ class PoolRouter:
             raise NeedsParse()
         else:
             request = parse_request(method, path, headers, body, self.settings, self.hasher, self._adapters)
+        flow = self.flow
+        if flow is not None:
+            if ticket is not None:
+                try:
+                    return self._route(request, subset, t0, ticket)
+                finally:
+                    flow.placed(ticket)  # placed or refused: the next held request may go
+            if can_hold and request.kind != "other" and not flow.admits_now():
+                raise NeedsHold(request)
+        return self._route(request, subset, t0, None)
+
+    async def hold(self, request: InferenceRequest, headers: Mapping[str, str]) -> Any:
+        """After `route` raised `NeedsHold`: wait in the gateway queue (flow control). Returns the ticket to route
+        with; raises the shed answer (`OpenAIError` 429/503 with retry_after_s)."""
+        assert self.flow is not None
+        return await self.flow.hold(request, headers)
+
+    def hold_deadline_s(self, headers: Mapping[str, str]) -> float:
+        """The longest a request with these headers may be held (its queue deadline)."""
+        assert self.flow is not None
+        return self.flow.deadline_s(headers)
+
+    def _route(self, request: InferenceRequest, subset: Collection[str] | None, t0: float, ticket: Any) -> Pick:
         pool = self.pool
         snapshot = pool.snapshot()
         if request.response_ref is not None:
@@ -218,6 +259,8 @@ class PoolRouter:
         ids = decision.endpoints
         pick = Pick(self._addresses(ids), ids, request, decision, decision_us)
         pick.index_source = self.core.index_source_of(decision)
+        if ticket is not None and ticket.held:
+            pick.flow_wait_s, pick.flow_released_by = ticket.wait_s, ticket.released_by.value
         pool.acquire(ids[0])
         self.lifecycle.decided(pick)
         return pick

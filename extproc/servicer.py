@@ -65,6 +65,7 @@ from prefixroute.extproc.headers import (DESTINATION_HEADER, EXT_PROC_ATTRIBUTES
                                          MAX_FALLBACKS, OBSERVE_ATTRIBUTES, REFUSED_HEADER, REPLICA_HEADER,
                                          SERVED_HEADER, fallback_header)
 from prefixroute.extproc.lifecycle import Pick
+from prefixroute.extproc.flow.control import NeedsHold
 from prefixroute.extproc.response_directory import NeedsLookup
 from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
@@ -86,6 +87,14 @@ class RouterService(Protocol):
     async def resolve(self, response_id: str, headers: Mapping[str, str]) -> Any:
         """After `route` raised `NeedsLookup`: locate `response_id` (raises `OpenAIError` 404/503). Only
         routers that raise `NeedsLookup` are asked."""
+
+    async def hold(self, request: Any, headers: Mapping[str, str]) -> Any:
+        """After `route(..., can_hold=True)` raised `NeedsHold` (flow control): wait in the gateway queue; returns
+        the ticket to route with (``route(..., ticket=...)``) or raises its shed answer (`OpenAIError`). Only
+        asked when the servicer was built with ``can_hold``."""
+
+    def hold_deadline_s(self, headers: Mapping[str, str]) -> float:
+        """The longest a request with these headers may be held (Envoy is asked to wait that long for it)."""
 
 
 _CONTINUE_REQUEST_HEADERS = wire.ProcessingResponse(request_headers=wire.HeadersResponse())
@@ -113,6 +122,10 @@ def _warn_partial_body() -> None:
 
 _NEEDS_LOOKUP = object()
 """A routing handler's answer when the decision waits for a response-id lookup (`_RoutingStream.lookup`)."""
+_NEEDS_HOLD = object()
+"""A routing handler's answer when the request waits in the gateway queue (flow control: `_RoutingStream.hold`)."""
+HOLD_MARGIN_S = 2.0
+"""Envoy waits a held request's deadline plus this for its answer: the shed answer itself must get through."""
 
 _MAX_CACHED = 4096  # distinct endpoint lists kept pre-built; beyond it the cache is reset (cheap rebuild)
 
@@ -169,7 +182,7 @@ class _RoutingStream:
     """One routing stream's state; each handler answers one ProcessingRequest kind (module docstring)."""
 
     __slots__ = ("router", "tracker", "responses", "grpc_metadata", "headers", "pick", "st", "traceparent",
-                 "pending_lookup")
+                 "pending_lookup", "can_hold", "pending_hold")
 
     def __init__(self, servicer: ExtProcServicer, grpc_metadata: Callable[[], Any]) -> None:
         self.router = servicer.router
@@ -181,6 +194,8 @@ class _RoutingStream:
         self.st: Tracked = UNTRACKED
         self.traceparent: str | None = None
         self.pending_lookup: tuple[str, str, bytes, bool, str] | None = None
+        self.can_hold = servicer.can_hold
+        self.pending_hold: tuple[str, str, Any, bool] | None = None
 
     def request_headers(self, req: Any) -> Any:
         rh = req.request_headers
@@ -209,12 +224,18 @@ class _RoutingStream:
                 self.router.served(pick, served, int(status) if status and status.isdigit() else None)
         return _CONTINUE_RESPONSE_HEADERS
 
-    def _decide(self, method: str, path: str, body: bytes, at_headers: bool) -> Any:
+    def _decide(self, method: str, path: str, body: Any, at_headers: bool, ticket: Any = None) -> Any:
         try:
-            pick = self.router.route(method, path, self.headers, body)
+            if self.can_hold:
+                pick = self.router.route(method, path, self.headers, body, can_hold=ticket is None, ticket=ticket)
+            else:
+                pick = self.router.route(method, path, self.headers, body)
         except OpenAIError as err:
             self.tracker.refused(self.st, err.status, err.message)
             return immediate_response(err)
+        except NeedsHold as need:
+            self.pending_hold = (method, path, need.request, at_headers)
+            return _NEEDS_HOLD
         except NeedsLookup as need:
             self.pending_lookup = (method, path, body, at_headers, need.response_id)
             return _NEEDS_LOOKUP
@@ -251,6 +272,27 @@ class _RoutingStream:
             self.tracker.refused(self.st, err.status, err.message)
             return immediate_response(err)
         return resp
+
+
+    def extend_timeout(self) -> Any:
+        """The message that asks Envoy to wait for a held request's answer (its deadline and a margin)."""
+        msg = wire.ProcessingResponse()
+        msg.override_message_timeout.FromMilliseconds(
+            int((self.router.hold_deadline_s(self.headers) + HOLD_MARGIN_S) * 1000))
+        return msg
+
+    async def hold(self) -> Any:
+        """Answer a decision that waits in the gateway queue (`_decide` returned `_NEEDS_HOLD`): route it when it
+        is released, or answer its 429/503. A client that leaves cancels the wait (its request leaves the queue)."""
+        assert self.pending_hold is not None
+        method, path, request, at_headers = self.pending_hold
+        self.pending_hold = None
+        try:
+            ticket = await self.router.hold(request, self.headers)
+        except OpenAIError as err:
+            self.tracker.refused(self.st, err.status, err.message)
+            return immediate_response(err)
+        return self._decide(method, path, request, at_headers, ticket)
 
 
 _ROUTING_HANDLERS: dict[str | None, Callable[[_RoutingStream, Any], Any]] = {
@@ -307,10 +349,12 @@ class ExtProcServicer:
 
     def __init__(self, router: RouterService, tracker: Tracker = NULL_TRACKER, *,
                  replica_index: int | None = None, protocol: str = "auto", gie_fallback_list: bool = False,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, can_hold: bool = False) -> None:
         """`replica_index`: see `ResponseCache` (one of several replicas behind one Envoy). `protocol`: which
         protocol each routing stream speaks (PROTOCOLS: "auto" reads it from the stream's first message).
-        `gie_fallback_list`, `max_body_bytes`: GIE streams' destination list and body limit (gie.py)."""
+        `gie_fallback_list`, `max_body_bytes`: GIE streams' destination list and body limit (gie.py).
+        `can_hold`: the router holds requests past saturation (flow control; our own protocol's streams only:
+        GIE streams are routed at once)."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
         self.router = router
@@ -320,6 +364,7 @@ class ExtProcServicer:
         self.max_body_bytes = max_body_bytes
         self._gie_always = protocol == "gie"
         self._gie_auto = protocol == "auto"
+        self.can_hold = can_hold
 
     async def Process(self, request_iterator: AsyncIterator[Any],  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> None:
@@ -348,6 +393,9 @@ class ExtProcServicer:
                     resp = handler(stream, req)
                     if resp is _NEEDS_LOOKUP:
                         resp = await stream.lookup()
+                    if resp is _NEEDS_HOLD:
+                        await write(stream.extend_timeout())
+                        resp = await stream.hold()
                     await write(resp)
                 req = await read()
         finally:

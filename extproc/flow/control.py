@@ -60,6 +60,15 @@ class ReleaseReason(str, enum.Enum):
     ARRIVAL = "arrival"  # a new arrival found room (the queue drains before it)
 
 
+class NeedsHold(Exception):  # noqa: N818 - a control-flow signal, like NeedsLookup
+    """Raised by the router service's `route(..., can_hold=True)` past saturation: the caller awaits its
+    ``hold(request, headers)`` (the queue), then routes the request with the ticket it returns (servicer.py)."""
+
+    def __init__(self, request: object) -> None:
+        super().__init__("held in the gateway queue")
+        self.request = request
+
+
 class Shed(OpenAIError):
     """A shed request's answer (429, or 503 with no healthy endpoint), with why it was shed."""
 

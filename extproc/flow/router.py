@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from prefixroute.extproc.routing.request import InferenceRequest
-from prefixroute.extproc.routing.scheduling.policies import PrefixPolicy
 from prefixroute.extproc.routing.timemodel import TimeModel
 from prefixroute.extproc.service import PoolRouter
 
@@ -24,9 +23,9 @@ class RouterView:
     def __init__(self, router: PoolRouter, *, stale_after_s: float) -> None:
         """`stale_after_s`: the pool's metrics_stale_after_s (older scrapes say nothing)."""
         self.router = router
-        policy = router.core.scheduler.policy
+        learner = router.core.learner
         # The prefix policy's time model; a baseline policy has none (held on the servers' scrapes alone).
-        self.model: TimeModel | None = policy.model if isinstance(policy, PrefixPolicy) else None
+        self.model: TimeModel | None = learner.model if learner is not None else None
         self.stale_after_s = stale_after_s
 
     def loads(self) -> list[EndpointLoad]:

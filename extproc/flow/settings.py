@@ -53,6 +53,10 @@ class FlowSettings(Settings):
         "Default most seconds a request may wait in the gateway queue: it is shed (429 with Retry-After) when its "
         "deadline passes while held, or at once when the queue's drain rate says it would. The deadline_header "
         "overrides it per request. 30 s: past it most interactive clients have given up.")
+    max_deadline_s: float = setting(
+        60.0,
+        "Most seconds any request may wait in the gateway queue, whatever its deadline header asks: Envoy waits "
+        "for a held answer only up to its extproc_max_hold_s (90 s by default), so this stays under it.")
     deadline_header: str = setting(
         "x-prefixroute-deadline-ms",
         "Request header (lower case): most milliseconds this request may wait in the gateway queue.")
@@ -85,8 +89,8 @@ class FlowSettings(Settings):
             raise ValueError("saturation bounds must be > 0")
         if self.max_queued_requests < 1 or self.max_queued_mb <= 0:
             raise ValueError("max_queued_requests must be >= 1 and max_queued_mb > 0")
-        if not self.deadline_s > 0:
-            raise ValueError("deadline_s must be > 0")
+        if not 0 < self.deadline_s <= self.max_deadline_s:
+            raise ValueError("deadline_s must be > 0 and at most max_deadline_s")
         if self.max_wait_ratio < 1 or self.aging_min_s < 0:
             raise ValueError("max_wait_ratio must be >= 1 and aging_min_s >= 0")
         self.objectives()  # validates the pairs
@@ -141,7 +145,7 @@ class Classifier:
         deadline_s = s.deadline_s
         ms = _float(headers.get(s.deadline_header)) if s.deadline_header else None
         if ms is not None and ms > 0:
-            deadline_s = ms / 1000.0
+            deadline_s = min(ms / 1000.0, s.max_deadline_s)
         return FlowClass(priority, fairness.strip()[:256] or DEFAULT_FAIRNESS_ID, deadline_s)
 
 
