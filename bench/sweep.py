@@ -104,14 +104,30 @@ def _entry(summary: Mapping[str, Any]) -> dict[str, Any]:
             "throughput_rps": summary.get("throughput_rps")}
 
 
+GOODPUT_SLO_COLD_PREFILLS = 5.0
+"""Goodput (issue 24): the share of requests whose TTFT is within 5 cold prefills of the workload's median
+prompt (the capacity's ``cold_prefill_s``); a shed or failed request is a miss."""
+
+
+def goodput_ratio(results: Sequence[Any], slo_ms: float) -> float | None:
+    """Share of `results` (RequestResult) served with TTFT <= `slo_ms`; None when there are none."""
+    if not results:
+        return None
+    good = sum(1 for r in results if r.ok and r.ttft_ms is not None and r.ttft_ms <= slo_ms)
+    return round(good / len(results), 4)
+
+
 def _add_gaps(runs: Mapping[str, dict], reference: str = "sim:oracle") -> None:
-    ref = runs.get(reference)
-    if not ref:
-        return
-    for e in runs.values():
-        e["gap_to_oracle"] = {q: (round((v - ref["ttft_ms"][q]) / ref["ttft_ms"][q], 4)
-                                  if v is not None and ref["ttft_ms"].get(q) else None)
-                              for q, v in e["ttft_ms"].items()}
+    """Each run's gap per percentile to `reference` (``gap_to_oracle``) and, when it ran, to the oracle behind
+    the gateway queue (``gap_to_oracle_flow``: the reference for routers with flow control, issue 24)."""
+    for ref_name, key in ((reference, "gap_to_oracle"), ("sim:oracle+flow", "gap_to_oracle_flow")):
+        ref = runs.get(ref_name)
+        if not ref:
+            continue
+        for e in runs.values():
+            e[key] = {q: (round((v - ref["ttft_ms"][q]) / ref["ttft_ms"][q], 4)
+                          if v is not None and ref["ttft_ms"].get(q) else None)
+                      for q, v in e["ttft_ms"].items()}
 
 
 def _document(workload: Workload, *, virtual: bool, spec: EngineSpec, num_servers: int, server_args: Sequence[str],
@@ -149,6 +165,7 @@ def run_virtual_sweep(workload: Workload, routers: Sequence[str], *, num_servers
     doc["prediction_error_definition"] = PREDICTION_DEFINITION
     skipped: dict[str, str] = {}
     policies: dict[str, str] = {}
+    flows: dict[str, Any] = {}  # name -> its FlowSettings (None: flow control off)
     for name in routers:
         if name.startswith("sim:"):
             if name not in SIM_ROUTERS:
@@ -161,6 +178,7 @@ def run_virtual_sweep(workload: Workload, routers: Sequence[str], *, num_servers
             log(f"sweep: skipping {name}: {skipped[name]}")
             continue
         policies[name] = r.policy
+        flows[name] = virtual_run.flow_settings_for(r)
     t_start = time.perf_counter()
     for k, pct in enumerate(load_percents):
         rate = cap.rps * pct / 100.0
@@ -172,8 +190,10 @@ def run_virtual_sweep(workload: Workload, routers: Sequence[str], *, num_servers
             predictions: list[tuple[str, float, float]] = []
             res, endpoints, _ = virtual_run.simulate_policy(wl, policy, num_servers=num_servers, spec=spec, seed=seed,
                                                         sims=sims, endpoint_ids=endpoint_ids,
-                                                        predictions=predictions)
+                                                        predictions=predictions, flow=flows.get(name))
             entry = _entry(bench_results.summarize_run(name, res, endpoints))
+            entry["num_shed"] = sum(1 for r in res if r.status in (429, 503))
+            entry["goodput_ratio"] = goodput_ratio(res, GOODPUT_SLO_COLD_PREFILLS * cap.cold_prefill_s * 1000.0)
             entry["wall_s"] = round(time.perf_counter() - t0, 2)
             if predictions:
                 err, scope, n = prediction_error(predictions)

@@ -51,6 +51,7 @@ import orjson
 from prefixroute import settings as settings_mod
 from prefixroute.bench import results as bench_results
 from prefixroute.bench.client import RequestResult
+from prefixroute.bench.flow_virtual import FleetFlow, OracleFlow, Route
 from prefixroute.bench.routers import PRIOR_ENV, RouterSpec, parse_router
 from prefixroute.bench.sim_pool import SimulatedPool
 from prefixroute.bench.workload_spec import RequestSpec, Workload
@@ -59,7 +60,11 @@ from prefixroute.extproc.routing.prefix_index import num_leading_held
 from prefixroute.extproc.kv_events import KVEventIndex
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.factory import build_router, uses_kv_events
+from prefixroute.extproc.flow.router import RouterView
+from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.lifecycle import Pick
+from prefixroute.extproc.routing.request import InferenceRequest, parse_request
+from prefixroute.extproc.service import PoolRouter
 from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.server import ServerSettings
 from prefixroute.model_servers.virtual_fleet import SimRequest, SimResult, VirtualFleet
@@ -281,11 +286,14 @@ class OracleModel:
 SIM_ROUTERS: dict[str, Callable[[Sequence[str]], Any]] = {
     "sim:sglang-cache-aware": SglangCacheAwareModel,
     "sim:oracle": OracleModel,
+    "sim:oracle+flow": OracleModel,
 }
 """Models of other routers that --virtual can run by name (``sim:NAME``). ``sim:oracle`` is built on the fleet
 itself (`ORACLES`), the others on its endpoint ids."""
 
-ORACLES = frozenset({"sim:oracle"})
+ORACLES = frozenset({"sim:oracle", "sim:oracle+flow"})
+FLOW_SIM_ROUTERS = frozenset({"sim:oracle+flow"})
+"""``sim:`` routers that run behind flow control (the gateway's queue with the oracle's true view)."""
 
 
 class _Arrivals:
@@ -350,7 +358,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
                     routing: RoutingSettings | None = None, pool_settings: PoolSettings | None = None,
                     endpoint_ids: Sequence[str] | None = None,
                     predictions: list[tuple[str, float, float]] | None = None, index_source: str = "",
-                    ) -> tuple[list[RequestResult], list[str], float]:
+                    flow: FlowSettings | None = None) -> tuple[list[RequestResult], list[str], float]:
     """Route `workload` with one of our policies through `PoolRouter` (or with a ``sim:`` model of another
     router, see `SIM_ROUTERS`) on a fresh virtual fleet of `spec` (default: `engine_spec()`).
 
@@ -363,13 +371,18 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     predicted TTFT s, actual TTFT s) for each first token, in first-token order, from any policy object with a
     ``predictions`` attribute (a sequence of (predicted_s, actual_s) it appends to at each first token); it
     stays empty for the other policies and the ``sim:`` models. `index_source` (a router name's ``@SOURCE``) sets
-    the default routing's prefix-index source; "" = its default.
+    the default routing's prefix-index source; "" = its default. `flow`: flow control in front of the router
+    (the live gateway's queue, bench/flow_virtual.py: our policies judge saturation with the router's own view,
+    the oracle with its true one); None: off (``sim:oracle+flow`` turns it on with the defaults).
     """
     spec = spec or engine_spec()
     fleet = VirtualFleet(spec, num_servers, endpoint_ids=endpoint_ids)
     if sims is None:
         sims = build_sim_requests(workload, spec)
     pool = SimulatedPool(fleet, pool_settings or settings_mod.from_namespace(PoolSettings), seed=seed)
+    if policy in FLOW_SIM_ROUTERS and flow is None:
+        flow = FlowSettings()
+    flow_view: Callable[[Route], FleetFlow] | None = None
     if policy.startswith("sim:"):
         if policy not in SIM_ROUTERS:
             raise ValueError(f"unknown simulated router {policy!r}; choose one of {', '.join(SIM_ROUTERS)}")
@@ -382,6 +395,13 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
                 i = oracle.choose(req)
                 pool.acquire(ids[i])
                 return i
+
+            if flow is not None:
+                view = OracleFlow(fleet, oracle._time_s, oracle._own.get)  # noqa: SLF001 - its own pricing
+
+                def flow_view(place: Route) -> FleetFlow:
+                    return FleetFlow(fleet, place, flow, loads=view.loads, cost_of=view.cost_of,
+                                     group_of=view.group_of)
         else:
             model = SIM_ROUTERS[policy](fleet.endpoint_ids)
 
@@ -452,9 +472,11 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
                         first_token(r.request_id, rids[r.request_id], now_s, r.first_token_s,
                                     r.num_prompt_tokens, r.num_cached_tokens)
 
+        parsed: dict[str, InferenceRequest] = {}  # held requests, parsed once for their cost and their route
+
         def route(req: SimRequest, fl: VirtualFleet) -> str:
             deliver_first_tokens(fl.now_s)
-            pick = router.route("POST", req.path, req.headers, req.body)
+            pick = router.route("POST", req.path, req.headers, parsed.pop(req.request_id, None) or req.body)
             picks[req.request_id] = pick
             no_token[req.request_id] = pick
             pick_time[req.request_id] = fl.now_s
@@ -472,6 +494,13 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
                 pick_time.pop(result.request_id, None)
                 router.release(pick)
 
+        if flow is not None:
+            flow_view = _router_flow(router, pool, fleet, flow, parsed, deliver_first_tokens)
+
+    on_step = None
+    if flow_view is not None:
+        gate = flow_view(route)
+        route, on_step = gate.route, gate.on_step  # type: ignore[assignment]
     arrivals = _Arrivals(workload, sims, concurrency)
 
     def on_finish(result: SimResult, fl: VirtualFleet) -> list[SimRequest]:
@@ -479,11 +508,47 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         return arrivals.on_finish(result, fl)
 
     t0 = time.process_time()
-    sim_results = fleet.run(arrivals.initial(), route, on_finish=on_finish)
+    sim_results = fleet.run(arrivals.initial(), route, on_finish=on_finish, on_step=on_step)
     cpu_s = time.process_time() - t0
     by_id = {r.request_id: r for r in sim_results}
     out = [_request_result(req, by_id.get(str(req.index))) for req in workload.requests]
     return out, list(fleet.endpoint_ids), cpu_s
+
+
+def flow_settings_for(router: RouterSpec) -> FlowSettings | None:
+    """Flow control for one of our routers in a virtual run, as the gateway would run it: its settings from the
+    ``PREFIXROUTE_*`` environment (on by default), ``+flow`` / ``-flow`` in the name (`RouterSpec.flow`) turning
+    it on or off; None when off."""
+    if router.kind != "prefixroute":
+        return None
+    overrides = {} if router.flow is None else {"flow_control": router.flow}
+    s = settings_mod.from_namespace(FlowSettings, **overrides)
+    return s if s.flow_control else None
+
+
+def _router_flow(router: PoolRouter, pool: SimulatedPool, fleet: VirtualFleet, flow: FlowSettings,
+                 parsed: dict[str, InferenceRequest], deliver_first_tokens: Callable[[float], None],
+                 ) -> Callable[[Route], FleetFlow]:
+    """Flow control in front of our router on the fleet: saturation and costs from the router's own view
+    (`RouterView`: its time model, index and scrapes, first tokens delivered first, as a live router hears them
+    as they come), held requests parsed once (`parsed`, which the route function takes them from)."""
+    view = RouterView(router, stale_after_s=pool.settings.metrics_stale_after_s)
+
+    def parse(req: SimRequest) -> InferenceRequest:
+        p = parsed.get(req.request_id)
+        if p is None:
+            p = parsed[req.request_id] = parse_request("POST", req.path, req.headers, req.body, router.settings,
+                                                       router.hasher, None)
+        return p
+
+    def loads() -> list:
+        deliver_first_tokens(fleet.now_s)
+        return view.loads()
+
+    def make(place: Route) -> FleetFlow:
+        return FleetFlow(fleet, place, flow, loads=loads, cost_of=lambda req: view.cost_of(parse(req)),
+                         group_of=lambda req: view.group_of(parse(req)), tenant_header=router.settings.tenant_header)
+    return make
 
 
 def _request_result(req: RequestSpec, r: SimResult | None) -> RequestResult:
@@ -527,7 +592,8 @@ def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers
         t0 = time.perf_counter()
         res, endpoints, cpu_s = simulate_policy(workload, router.policy, num_servers=num_servers, spec=spec,
                                                 seed=seed, sims=sims, concurrency=concurrency or 16,
-                                                endpoint_ids=endpoint_ids, index_source=router.index_source)
+                                                endpoint_ids=endpoint_ids, index_source=router.index_source,
+                                                flow=flow_settings_for(router))
         wall_s = time.perf_counter() - t0
         log(f"{router.name}: simulated {len(res)} requests on {num_servers} servers in {wall_s:.1f}s")
         runs.append(bench_results.summarize_run(router.name, res, endpoints, extra={
