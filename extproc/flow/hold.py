@@ -40,11 +40,14 @@ class FlowHold:
     def admits_now(self) -> bool:
         """Whether a new request is routed at once (some endpoint has room). Counts it as admitted if so."""
         gate = self.gate
-        saturation = gate.saturation()
         control = gate.control
-        control.stats.saturation_signal = saturation.signal
-        if saturation.saturated:
+        # The first endpoint with room answers (not the whole pool): below saturation this costs one or a few
+        # endpoints' figures per decision. The signal shown is then that endpoint's ratio, not the pool's least.
+        room = self.view.room_ratio(gate.detector)
+        if room is None:
+            control.stats.saturation_signal = gate.saturation().signal
             return False
+        control.stats.saturation_signal = room
         control.stats.num_admitted += 1
         if gate.num_held:
             gate.pump(ReleaseReason.ARRIVAL)

@@ -13,8 +13,8 @@ from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.timemodel import TimeModel
 from prefixroute.extproc.service import PoolRouter
 
-from .saturation import EndpointLoad
-from .view import cheapest_prefill_s, endpoint_loads
+from .saturation import EndpointLoad, SaturationDetector
+from .view import cheapest_prefill_s, endpoint_loads, first_room_ratio
 
 
 class RouterView:
@@ -32,6 +32,12 @@ class RouterView:
         r = self.router
         return endpoint_loads(r.pool.snapshot(), r.pool.in_flight, self.model, r.clock(),
                               stale_after_s=self.stale_after_s)
+
+    def room_ratio(self, detector: SaturationDetector) -> float | None:
+        """`view.first_room_ratio` over the router's pool now: < 1 when some endpoint has room, else None."""
+        r = self.router
+        return first_room_ratio(r.pool.snapshot(), r.pool.in_flight, self.model, r.clock(), detector,
+                                stale_after_s=self.stale_after_s)
 
     def cost_of(self, request: InferenceRequest) -> float:
         """The request's least uncached prefill over the pool (seconds): what the index holds of its prefix, or

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from prefixroute.extproc.routing.timemodel import TimeModel
 from prefixroute.types import EndpointId, EndpointState
 
-from .saturation import EndpointLoad
+from .saturation import EndpointLoad, SaturationDetector
 
 
 def endpoint_loads(snapshot: Sequence[EndpointState], in_flight: Mapping[EndpointId, int], model: TimeModel | None,
@@ -51,3 +51,28 @@ def cheapest_prefill_s(model: TimeModel | None, prompt_tokens: float, tokens_per
         rate = model.default_fit[0] if model is not None else 10_000.0
         best = prompt_tokens / rate
     return best
+
+
+def first_room_ratio(snapshot: Sequence[EndpointState], in_flight: Mapping[EndpointId, int],
+                     model: TimeModel | None, now_s: float, detector: SaturationDetector, *,
+                     stale_after_s: float) -> float | None:
+    """The load ratio (< 1) of the first healthy endpoint of `snapshot` with room, or None when none has room:
+    `endpoint_loads` + `SaturationDetector.detect`'s answer to "saturated?", stopping at the first endpoint with
+    room, so a decision below saturation costs one or a few endpoints' figures, not the pool's."""
+    get = in_flight.get
+    for s in snapshot:
+        if not s.healthy:
+            continue
+        ep = s.endpoint
+        n = get(ep, 0)
+        queued_s = 0.0
+        if model is not None and n:
+            rate = model.priced(ep)[0]
+            decoding = max(0, n - model.num_pending(ep))
+            queued_s = model.work_tokens(model.queued_at(ep, now_s), 0.0, decoding) / rate
+        fresh = s.scraped_at_s is not None and now_s - s.scraped_at_s <= stale_after_s
+        r = detector.load_ratio(EndpointLoad(ep, queued_s, s.num_requests_waiting if fresh else None,
+                                             s.kv_cache_usage_ratio if fresh else None, True, n))
+        if r < 1.0:
+            return r
+    return None

@@ -163,6 +163,7 @@ def test_drop_leaves_the_queue() -> None:
     ({"x-prefixroute-tenant": "b"}, 0, "b", 30.0),
     ({"x-prefixroute-deadline-ms": "2500"}, 0, DEFAULT_FAIRNESS_ID, 2.5),
     ({"x-prefixroute-deadline-ms": "-5"}, 0, DEFAULT_FAIRNESS_ID, 30.0),
+    ({"x-prefixroute-deadline-ms": "3600000"}, 0, DEFAULT_FAIRNESS_ID, 60.0),  # capped: Envoy waits no longer
     ({"x-prefixroute-deadline-ms": "inf"}, 0, DEFAULT_FAIRNESS_ID, 30.0),
 ])
 def test_classifier(headers, priority, fairness, deadline) -> None:

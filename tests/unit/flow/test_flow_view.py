@@ -42,3 +42,20 @@ def test_cheapest_prefill_prefers_the_best_hit() -> None:
     assert cheapest_prefill_s(model, 8_000.0, 16.0, [A, B], {}) == pytest.approx(0.8)
     assert cheapest_prefill_s(model, 8_000.0, 16.0, [A, B], {B: 480}) == pytest.approx(0.032)
     assert cheapest_prefill_s(model, 8_000.0, 16.0, [], {}) == pytest.approx(0.8)
+
+
+def test_first_room_ratio_agrees_with_the_detector_and_stops_early() -> None:
+    from prefixroute.extproc.flow.view import first_room_ratio
+
+    model = TimeModel(10_000.0, 0.0, decode_cost_tokens=0.0)
+    det = SaturationDetector(max_queued_s=0.25)
+    model.add_pending("r1", A, 5_000.0, now_s=0.0)
+    model.add_pending("r2", B, 5_000.0, now_s=0.0)
+    states = [_state(A), _state(B)]
+    busy = {A: 1, B: 1}
+    assert first_room_ratio(states, busy, model, 0.0, det, stale_after_s=2.0) is None
+    assert det.detect(endpoint_loads(states, busy, model, 0.0, stale_after_s=2.0)).saturated
+    assert first_room_ratio(states, busy, model, 0.4, det, stale_after_s=2.0) == pytest.approx(0.4)  # drained
+    states.append(_state(EndpointId("c:1")))
+    assert first_room_ratio(states, busy, model, 0.0, det, stale_after_s=2.0) == 0.0  # idle c has room
+    assert first_room_ratio([_state(A, healthy=False)], {}, model, 0.0, det, stale_after_s=2.0) is None
