@@ -114,7 +114,9 @@ def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Seq
         # A fixed seed makes the random policy and tie breaks replayable (unless --gateway-args sets one).
         settings_mod.from_namespace(RoutingSettings, ns, **({} if ns.rng_seed is not None else {"rng_seed": seed})),
         settings_mod.from_namespace(PoolSettings, ns), log_dir=log_dir,
-        peers=settings_mod.from_namespace(PeerSettings, ns))
+        peers=settings_mod.from_namespace(PeerSettings, ns),
+        # +flow / -flow in the router's name: the ext_proc's flow control on / off (else its default: on).
+        extra_extproc_args=[] if spec.flow is None else ["--flow-control" if spec.flow else "--no-flow-control"])
     # Registered before start (stop is idempotent): a stop signal in between still stops both children.
     stack.callback(procs.stop)
     try:
