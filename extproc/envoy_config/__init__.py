@@ -130,7 +130,7 @@ from prefixroute.extproc.envoy_config.common import (DIRECT_CLUSTER, EXTPROC_CLU
                                                      UNAVAILABLE_STATEFUL_ROUTE, extproc_addresses)
 from prefixroute.extproc.envoy_config.envoy_settings import (DEFAULT_ALLOWED_PATH_PREFIXES, DEFAULT_ALLOWED_PATHS,
                                                              EnvoySettings)
-from prefixroute.extproc.envoy_config.listener import (ROUTER_FILTER, connection_manager, gateway_listener,
+from prefixroute.extproc.envoy_config.listener import (connection_manager, gateway_listener,
                                                        http_filters, overload_manager)
 from prefixroute.extproc.envoy_config.records import (RECORD_ATTRIBUTES, RECORDS_CLUSTER, RECORDS_TOKEN_SECRET,
                                                       records_access_log)
@@ -166,7 +166,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
     allowed = allowed_path_matches(s)
     token_secret = extproc_token_secret(s)
     filters = http_filters(s, len(replicas))
-    routes = gateway_routes(s, allowed, len(replicas), [f.name for f in filters if f.name != ROUTER_FILTER])
+    routes = gateway_routes(s, allowed, len(replicas),
+                            [f.name for f in filters if f.name in (ROUTING_FILTER, OBSERVE_FILTER)])
     records_log, records_cluster, records_secret = records_access_log(s)
     hcm = connection_manager(s, routes, filters, records_log)
     clusters = gateway_clusters(s, replicas, token_secret, records_cluster)
