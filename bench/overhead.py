@@ -82,8 +82,8 @@ class OverheadBenchSettings(Settings):
                                   "file reaches it over TLS; this departure, for measuring only, tells the "
                                   "protocol's cost from TLS's): a row 'gie-plain'.")
     variants: tuple[str, ...] = setting((), "Also measure these variants of the routed gateway in the same rounds "
-                                        "(issue 26): 'timing' (Envoy's request records with the first-token Lua "
-                                        "filter, as under `up`), 'lua-facts' (no observing ext_proc filter: a Lua "
+                                        "(issue 26): 'records' (Envoy's request records, no Lua filter), 'timing' "
+                                        "(records and the first-token Lua filter, as under `up`), 'lua-facts' (no observing ext_proc filter: a Lua "
                                         "filter takes first body byte, usage and response id into Envoy's record, "
                                         "once per request; a prototype the router does not read), 'no-observe' "
                                         "(the routing filter alone: the floor). Records go to a closed local port.")
@@ -107,6 +107,7 @@ def _body(num_bytes: int, stream_tokens: int = 0) -> bytes:
 
 
 VARIANTS = {
+    "records": {"records": True, "first_token_lua": False},
     "timing": {"records": True},
     "lua-facts": {"records": True, "response_facts_lua": True, "observe_responses": False, "report_served": False},
     "no-observe": {"observe_responses": False, "report_served": False},

@@ -125,6 +125,11 @@ class EnvoySettings(Settings):
         "the request's own only when the router's never comes (the router was down or was killed while the request "
         "ran), so every request served has a record. Set: a Lua filter stamps a Responses API stream's first token "
         "(docs/telemetry.md). Empty: none.")
+    first_token_lua: bool = setting(
+        True, "With records_otlp_address, a Lua filter stamps the time of a Responses API stream's first token event "
+        "into Envoy's record (its opening events precede any token, so its first body byte is too early a TTFT). "
+        "It reads only the first chunk of any other response (measured: docs/benchmarks.md, Router overhead). Off: "
+        "a Responses stream's TTFT is its first body byte.")
     response_facts_lua: bool = setting(
         False, "PROTOTYPE, for `prefixroute overhead-bench --variants` only: with records_otlp_address, a Lua filter "
         "takes each response's facts (first body byte time, usage with cached tokens, response id) in Envoy into "

@@ -102,7 +102,7 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
                 response_trailer_mode=HeaderSendMode.SKIP,
             ),
         ))))
-    if s.records_otlp_address:
+    if s.records_otlp_address and (s.first_token_lua or s.response_facts_lua):
         # Last before the router: on the response path it sees each chunk first (timing.py).
         http_filters.append(timing_filter(s.response_facts_lua))
     http_filters.append(HttpFilter(name=ROUTER_FILTER, typed_config=ProtoAny.pack(Router())))

@@ -13,6 +13,8 @@ def test_the_timing_filter_runs_last_before_the_router_and_only_when_records_are
     on = [f.name for f in http_filters(EnvoySettings(records_otlp_address="127.0.0.1:4317"), 1)]
     assert on[-2:] == [TIMING_FILTER, ROUTER_FILTER]
     assert TIMING_FILTER not in [f.name for f in http_filters(EnvoySettings(), 1)]
+    off = EnvoySettings(records_otlp_address="127.0.0.1:4317", first_token_lua=False)
+    assert TIMING_FILTER not in [f.name for f in http_filters(off, 1)]
 
 
 def test_the_record_reads_the_stamp_the_lua_script_sets() -> None:
