@@ -281,13 +281,18 @@ def render_bounds_by_router(runs: Sequence[Mapping[str, Any]], bounds: Mapping[s
     if bounds.get("belady_gpu_cpu_hit_ratio"):
         cols += [("pooled LRU (GPU+CPU)", "lru_pooled_gpu_cpu_hit_ratio"),
                  ("MIN (GPU+CPU)", "belady_gpu_cpu_hit_ratio")]
+    tiered = any("hit_ratio_by_tier" in (r.get("extra") or {}) for r in runs)
     lines = ["Bounds beside each router (hit ratio; in brackets the router's share of the gap from pooled LRU to "
              "MIN at the same capacity that it closed):", "",
-             "| router | hit ratio | " + " | ".join(f"{name} {_fmt(bounds.get(key), 3)}" for name, key in cols) + " |",
-             "| --- " * (2 + len(cols)) + "|"]
+             "| router | hit ratio | " + ("GPU / CPU tier | " if tiered else "")
+             + " | ".join(f"{name} {_fmt(bounds.get(key), 3)}" for name, key in cols) + " |",
+             "| --- " * (2 + tiered + len(cols)) + "|"]
     for r in runs:
         hr = r["hit_ratio"]
         cells = []
+        if tiered:
+            t = (r.get("extra") or {}).get("hit_ratio_by_tier") or {}
+            cells.append(f"{_fmt(t.get('gpu'), 3)} / {_fmt(t.get('cpu'), 3)}" if t else "-")
         for name, key in cols:
             v = bounds.get(key)
             if hr is None or not v:
