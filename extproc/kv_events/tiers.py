@@ -17,7 +17,7 @@ publishes them with ``medium: "CPU"`` (SGLang's HiCache: ``"CPU_PINNED"``), many
   can no longer be trusted for either).
 - `match(hashes)`: per endpoint, its GPU leading blocks g (the base index), then the CPU-resident blocks that
   follow them, c (what vLLM's offloading connector loads for the request), credited as ``g + c x weight``
-  blocks, weight = `tier_pricing.cpu_block_weight` at the endpoint's rate in the router's time model
+  blocks (rounded), weight = `tier_pricing.cpu_block_weight` at the endpoint's rate in the router's time model
   (`price_with`): the time model then prices the CPU part at its load time, not as a miss and not as a GPU hit.
   `tiers(hashes)` gives the unweighted (g, c) per endpoint, for telemetry.
 
@@ -29,7 +29,6 @@ Not thread-safe (the router's event loop), like `KVEventIndex`.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice, takewhile
@@ -44,6 +43,7 @@ from prefixroute.types import BlockHash, EndpointId
 
 CPU_MEDIA = frozenset({"CPU", "cpu", "CPU_PINNED"})
 """``medium`` values of host-memory tiers (vLLM's offloading connector, SGLang's HiCache)."""
+_MASK64 = (1 << 64) - 1
 RECENT_REMOVED = 1 << 17
 """GPU-removed (server hash -> router hash) pairs kept per endpoint to resolve later CPU placeholders."""
 
@@ -62,7 +62,8 @@ class _CPUState:
     def __init__(self) -> None:
         self.s2r: dict[int, BlockHash] = {}  # CPU-resident server hash -> router hash
         self.held: dict[BlockHash, int] = {}  # router hash -> number of CPU server hashes mapped to it
-        self.recent: collections.OrderedDict[int, BlockHash] = collections.OrderedDict()
+        # GPU-removed server hash -> router hash, oldest first (kept only once the endpoint has a CPU tier)
+        self.recent: dict[int, BlockHash] = {}
         self.counters = TierCounters()
 
 
@@ -110,7 +111,8 @@ class TieredKVEventIndex(KVEventIndex):
         return out
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[EndpointId, int]:  # type: ignore[override]
-        """Endpoint -> GPU leading blocks + following CPU blocks x `cpu_weight` (a float when weighted)."""
+        """Endpoint -> GPU leading blocks + following CPU blocks x `cpu_weight`, rounded to whole blocks (an
+        endpoint credited 0 is absent, as the base index's contract)."""
         out = super().match(block_hashes)
         cpu = self._cpu
         if not cpu or not block_hashes:
@@ -124,7 +126,10 @@ class TieredKVEventIndex(KVEventIndex):
             if g >= n or block_hashes[g] not in held:
                 continue
             c = sum(1 for _ in takewhile(held.__contains__, islice(block_hashes, g, None)))
-            out[ep] = g + c * self.cpu_weight(ep)  # type: ignore[assignment]
+            # whole blocks (the match contract): the credit rounded to the nearest block
+            credited = g + int(c * self.cpu_weight(ep) + 0.5)
+            if credited > 0:
+                out[ep] = credited
         return out
 
     def num_cpu_blocks(self, endpoint: EndpointId) -> int:
@@ -146,28 +151,70 @@ class TieredKVEventIndex(KVEventIndex):
     # --- updates -------------------------------------------------------------------------------------------
     def apply_events(self, endpoint: EndpointId, events: Iterable[Any], chunk_blocks: int = 256) -> Iterator[int]:
         """The CPU side of `events` first (against the GPU map as before them), then the base index's GPU side;
-        CPU stores unresolved then are tried again after it (a GPU store in the same batch)."""
+        CPU stores unresolved then are tried again after it (a GPU store in the same batch). Yields like the
+        base index: blocks applied since the last yield, about `chunk_blocks` at most."""
         events = events if isinstance(events, list) else list(events)
         retry: list[BlockStored] = []
-        for ev in events:
-            t = type(ev)
-            if t is BlockRemoved:
-                if ev.medium in GPU_MEDIA:
-                    self._remember_removed(endpoint, ev.block_hashes)
-                elif ev.medium in CPU_MEDIA:
-                    self._cpu_remove(endpoint, ev.block_hashes)
-            elif t is BlockStored and ev.medium in CPU_MEDIA and ev.group_idx in (None, 0):
-                if not self._cpu_store(endpoint, ev, final=False):
-                    retry.append(ev)
+        yield from self._cpu_pass(endpoint, events, chunk_blocks, retry)
         yield from super().apply_events(endpoint, events, chunk_blocks)
         for ev in retry:
             self._cpu_store(endpoint, ev, final=True)
+
+    def _cpu_pass(self, endpoint: EndpointId, events: list, chunk_blocks: int,
+                  retry: list[BlockStored]) -> Iterator[int]:
+        """Apply the CPU-medium events, remember the GPU removals (once the endpoint has a CPU tier); a single-hash
+        placeholder (what vLLM 0.33 and our servers send per offloaded block) takes a fast path."""
+        cs = self._cpu.get(endpoint)
+        st = self._eps.get(endpoint)
+        n = 0
+        for ev in events:
+            t = type(ev)
+            if t is BlockStored:
+                if ev.medium not in CPU_MEDIA or ev.group_idx not in (None, 0):
+                    continue
+                if cs is None:
+                    cs = self._state(endpoint)
+                hs = ev.block_hashes
+                n += len(hs)
+                h = hs[0] if len(hs) == 1 else None
+                if type(h) is int and ev.is_placeholder:  # noqa: E721
+                    s = h & _MASK64
+                    s2r = cs.s2r
+                    if s in s2r:
+                        continue
+                    r = st.s2r.get(s) if st is not None else None
+                    if r is None:
+                        r = cs.recent.get(s)
+                    if r is None:
+                        retry.append(ev)
+                        continue
+                    s2r[s] = r
+                    held = cs.held
+                    held[r] = held.get(r, 0) + 1
+                    c = cs.counters
+                    c.num_cpu_stored_blocks += 1
+                    c.num_cpu_placeholder_blocks += 1
+                elif not self._cpu_store(endpoint, ev, final=False):
+                    retry.append(ev)
+            elif t is BlockRemoved:
+                if ev.medium in GPU_MEDIA:
+                    if cs is not None and st is not None:
+                        self._remember_removed(st.s2r, cs.recent, ev.block_hashes)
+                        n += len(ev.block_hashes)
+                elif ev.medium in CPU_MEDIA:
+                    self._cpu_remove(endpoint, ev.block_hashes)
+                    n += len(ev.block_hashes)
+            if n >= chunk_blocks:
+                yield n
+                n = 0
+        if n:
+            yield n
 
     def clear_endpoint(self, endpoint: EndpointId) -> None:
         super().clear_endpoint(endpoint)
         if endpoint in self._cpu:
             cs = self._cpu[endpoint]
-            cs.s2r, cs.held, cs.recent = {}, {}, collections.OrderedDict()
+            cs.s2r, cs.held, cs.recent = {}, {}, {}
 
     def remove_endpoint(self, endpoint: EndpointId) -> None:
         super().remove_endpoint(endpoint)
@@ -180,24 +227,21 @@ class TieredKVEventIndex(KVEventIndex):
             cs = self._cpu[endpoint] = _CPUState()
         return cs
 
-    def _remember_removed(self, endpoint: EndpointId, hashes: Sequence[Any]) -> None:
-        st = self._eps.get(endpoint)
-        if st is None or not st.s2r:
-            return
+    @staticmethod
+    def _remember_removed(gpu_s2r: dict[int, BlockHash], recent: dict[int, BlockHash], hashes: Sequence[Any]) -> None:
         try:
             server = _server_hashes(hashes)
         except KVEventsDecodeError:
             return
-        recent = self._state(endpoint).recent
-        get = st.s2r.get
+        get = gpu_s2r.get
         for s in server:
             r = get(s)
             if r is not None:
                 recent[s] = r
-                recent.move_to_end(s)
         over = len(recent) - RECENT_REMOVED
-        for _ in range(over if over > 0 else 0):
-            recent.popitem(last=False)
+        if over > 0:
+            for s in list(islice(recent, over)):
+                del recent[s]
 
     def _resolve(self, endpoint: EndpointId, cs: _CPUState, s: int) -> BlockHash | None:
         st = self._eps.get(endpoint)
