@@ -292,7 +292,10 @@ def render_bounds_by_router(runs: Sequence[Mapping[str, Any]], bounds: Mapping[s
         cells = []
         if tiered:
             t = (r.get("extra") or {}).get("hit_ratio_by_tier") or {}
-            cells.append(f"{_fmt(t.get('gpu'), 3)} / {_fmt(t.get('cpu'), 3)}" if t else "-")
+            pred = t.get("predicted")
+            cells.append((f"{_fmt(t.get('gpu'), 3)} / {_fmt(t.get('cpu'), 3)}"
+                          + (f" (predicted {_fmt(pred['gpu'], 3)} / {_fmt(pred['cpu'], 3)})" if pred else ""))
+                         if t else "-")
         for name, key in cols:
             v = bounds.get(key)
             if hr is None or not v:

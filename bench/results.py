@@ -61,6 +61,10 @@ def endpoint_share(results: Sequence[RequestResult], endpoints: Sequence[str] = 
     return {e: round(counts.get(e, 0) / total, 6) if total else 0.0 for e in names}
 
 
+BLOCK_TOKENS = 16
+"""The servers' KV block size (the tier prediction's unit)."""
+
+
 def hit_ratio_by_tier(ok: Sequence[RequestResult]) -> dict[str, Any]:
     """``{"hit_ratio_by_tier": {"gpu": r, "cpu": r}}`` (cached prompt tokens from each tier / prompt tokens) when
     the requests know their CPU-tier hits (the virtual fleet's servers with ``--kv-offloading-size``); else {}."""
@@ -70,7 +74,19 @@ def hit_ratio_by_tier(ok: Sequence[RequestResult]) -> dict[str, Any]:
     if not known or not prompt or not cpu:
         return {}
     gpu = sum(r.cached_tokens or 0 for r in known) - cpu
-    return {"hit_ratio_by_tier": {"gpu": round(gpu / prompt, 6), "cpu": round(cpu / prompt, 6)}}
+    out: dict[str, Any] = {"gpu": round(gpu / prompt, 6), "cpu": round(cpu / prompt, 6)}
+    pred = [r for r in known if r.predicted_tier_blocks is not None]
+    if pred:  # the router's prediction at its pick, in the server's accounting (whole blocks, n - 1 tokens at most)
+        p_prompt = sum(r.prompt_tokens for r in pred)
+        p_gpu = p_cpu = 0
+        for r in pred:
+            g, c = r.predicted_tier_blocks  # type: ignore[misc]
+            cap = max(0, (r.prompt_tokens - 1) // BLOCK_TOKENS)
+            g = min(g, cap)
+            p_gpu += g * BLOCK_TOKENS
+            p_cpu += min(c, cap - g) * BLOCK_TOKENS
+        out["predicted"] = {"gpu": round(p_gpu / p_prompt, 6), "cpu": round(p_cpu / p_prompt, 6)}
+    return {"hit_ratio_by_tier": out}
 
 
 def summarize_run(router: str, results: Sequence[RequestResult], endpoints: Sequence[str] = (),

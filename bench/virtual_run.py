@@ -371,6 +371,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     if sims is None:
         sims = build_sim_requests(workload, spec)
     pool = SimulatedPool(fleet, pool_settings or settings_mod.from_namespace(PoolSettings), seed=seed)
+    tier_pred: dict[str, tuple[int, int]] = {}  # request id -> the router's (GPU, CPU) blocks at its pick
     if policy.startswith("sim:"):
         if policy not in SIM_ROUTERS:
             raise ValueError(f"unknown simulated router {policy!r}; choose one of {', '.join(SIM_ROUTERS)}")
@@ -459,6 +460,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         def route(req: SimRequest, fl: VirtualFleet) -> str:
             deliver_first_tokens(fl.now_s)
             pick = router.route("POST", req.path, req.headers, req.body)
+            if isinstance(event_index, TieredKVEventIndex) and pick.endpoint_ids:
+                tier_pred[req.request_id] = event_index.last_tiers(pick.endpoint_ids[0])
             picks[req.request_id] = pick
             no_token[req.request_id] = pick
             pick_time[req.request_id] = fl.now_s
@@ -487,6 +490,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     cpu_s = time.process_time() - t0
     by_id = {r.request_id: r for r in sim_results}
     out = [_request_result(req, by_id.get(str(req.index))) for req in workload.requests]
+    for r in out if tier_pred else ():
+        r.predicted_tier_blocks = tier_pred.get(str(r.index))
     return out, list(fleet.endpoint_ids), cpu_s
 
 

@@ -12,7 +12,7 @@ endpoints and does two things at once, as the router does:
   evicted blocks (one placeholder BlockStored per block, medium CPU) and a CPU BlockRemoved of as many older
   ones (a full host tier): about twice the event rate;
 - decisions at Poisson times (`--decisions-per-s`): each is a `match` of a 256-block prompt (the costliest: two
-  endpoints hold it, on the GPU in one phase, half of it on the CPU of a third in the tiered phase), measured
+  endpoints hold it on the GPU, a third its first half, and in the tiered phase its second half on the CPU), measured
   from its scheduled time to the end of the match: what a request from Envoy would wait behind ingestion, plus
   the match itself.
 
@@ -93,12 +93,36 @@ def seed_prompt(index: TieredKVEventIndex, endpoints: list[str], tiered: bool) -
     stored = BlockStored(server, None, tokens, BS, None, "GPU")
     for ep in ("holder-0", "holder-1", "holder-2"):
         index.apply_batch(ep, EventBatch(0.0, [stored]))
-    if tiered:  # the third holder moved its second half to the host tier
-        index.apply_batch("holder-2", EventBatch(0.0, [BlockRemoved(server[128:], "GPU")]
-                                                 + [BlockStored([h], None, [], 0, None, "CPU") for h in server[128:]]))
-    else:
-        index.apply_batch("holder-2", EventBatch(0.0, [BlockRemoved(server, "GPU")]))
+    # the third holder evicted its second half from the GPU: gone (GPU-only) or moved to its host tier (tiered)
+    events: list = [BlockRemoved(server[128:], "GPU")]
+    if tiered:
+        events += [BlockStored([h], None, [], 0, None, "CPU") for h in server[128:]]
+    index.apply_batch("holder-2", EventBatch(0.0, events))
     return hash_token_blocks(token_bytes(tokens), BS, token_seed_for(None, None))
+
+
+def stretches_and_match(args: argparse.Namespace, tiered: bool, batches: list[bytes]) -> dict:
+    """Without sockets or timers (free of scheduler noise): each stretch of loop time ingestion holds between two
+    yields (decode included: what a decision can wait behind), and the match's own time."""
+    endpoints = [f"ep-{i}" for i in range(args.endpoints)]
+    index = TieredKVEventIndex(BS)
+    prompt = seed_prompt(index, endpoints, tiered)
+    stretch: list[float] = []
+    for k in range(2000):
+        t0 = time.perf_counter()
+        batch = decode_batch(batches[(k // len(endpoints)) % len(batches)])
+        for _ in index.apply_events(endpoints[k % len(endpoints)], batch.events, args.chunk_blocks):
+            t1 = time.perf_counter()
+            stretch.append(t1 - t0)
+            t0 = t1
+    match = []
+    for _ in range(2000):
+        t0 = time.perf_counter()
+        index.match(prompt)
+        match.append(time.perf_counter() - t0)
+    return {"stretch_p50_us": round(pct(stretch, 0.5) * 1e6, 1), "stretch_p99_us": round(pct(stretch, 0.99) * 1e6, 1),
+            "stretch_max_us": round(max(stretch) * 1e6, 1), "match_p50_us": round(pct(match, 0.5) * 1e6, 1),
+            "match_p99_us": round(pct(match, 0.99) * 1e6, 1)}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -123,6 +147,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         out[name] = {"decisions": len(lat), "p50_ms": round(pct(lat, 0.5) * 1e3, 4),
                      "p99_ms": round(pct(lat, 0.99) * 1e3, 4), "max_ms": round(max(lat) * 1e3, 4)}
     out["p99_ratio_tiered_over_gpu"] = round(out["tiered"]["p99_ms"] / out["gpu"]["p99_ms"], 3)
+    for name in ("gpu", "tiered"):
+        out[name]["in_process"] = stretches_and_match(args, name == "tiered", batches[name])
     out["p50_ratio_tiered_over_gpu"] = round(out["tiered"]["p50_ms"] / out["gpu"]["p50_ms"], 3)
     return out
 

@@ -70,7 +70,7 @@ class _CPUState:
 class TieredKVEventIndex(KVEventIndex):
     """`KVEventIndex` with each endpoint's CPU tier (module docstring)."""
 
-    __slots__ = ("_cpu", "load_s_per_token", "_model", "_fixed_weight")
+    __slots__ = ("_cpu", "load_s_per_token", "_model", "_fixed_weight", "_last_gpu", "_last_cpu")
 
     def __init__(self, block_size: int = 16, load_us_per_token: float = DEFAULT_LOAD_US_PER_TOKEN, *,
                  cpu_weight: float | None = None) -> None:
@@ -81,6 +81,8 @@ class TieredKVEventIndex(KVEventIndex):
         self.load_s_per_token = load_us_per_token * 1e-6
         self._model: Any = None
         self._fixed_weight = cpu_weight
+        self._last_gpu: dict[EndpointId, int] = {}  # the last `match`: GPU leading blocks per endpoint
+        self._last_cpu: dict[EndpointId, int] = {}  # and the CPU blocks after them, where any
 
     def price_with(self, model: Any) -> None:
         """Price CPU blocks with `model` (a `timemodel.TimeModel`: its ``cpu_block_weight``); None: weight 1."""
@@ -106,14 +108,15 @@ class TieredKVEventIndex(KVEventIndex):
             g = gpu.get(ep, 0)
             if g >= n or block_hashes[g] not in cs.held:
                 continue
-            c = sum(1 for _ in takewhile(cs.held.__contains__, islice(block_hashes, g, None)))
-            out[ep] = (g, c)
+            out[ep] = (g, _leading(cs.held, block_hashes, g))
         return out
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[EndpointId, int]:  # type: ignore[override]
         """Endpoint -> GPU leading blocks + following CPU blocks x `cpu_weight`, rounded to whole blocks (an
         endpoint credited 0 is absent, as the base index's contract)."""
-        out = super().match(block_hashes)
+        gpu = out = super().match(block_hashes)
+        self._last_gpu = gpu
+        self._last_cpu = {}
         cpu = self._cpu
         if not cpu or not block_hashes:
             return out
@@ -122,15 +125,23 @@ class TieredKVEventIndex(KVEventIndex):
             held = cs.held
             if not held:
                 continue
-            g = out.get(ep, 0)
+            g = gpu.get(ep, 0)
             if g >= n or block_hashes[g] not in held:
                 continue
-            c = sum(1 for _ in takewhile(held.__contains__, islice(block_hashes, g, None)))
+            c = _leading(held, block_hashes, g)
+            self._last_cpu[ep] = c
             # whole blocks (the match contract): the credit rounded to the nearest block
             credited = g + int(c * self.cpu_weight(ep) + 0.5)
             if credited > 0:
+                if out is gpu:
+                    out = dict(gpu)
                 out[ep] = credited
         return out
+
+    def last_tiers(self, endpoint: EndpointId) -> tuple[int, int]:
+        """(GPU blocks, CPU blocks) the last `match` found for `endpoint`: what its server should serve from each
+        tier if the request goes there now (the router's prediction by tier)."""
+        return self._last_gpu.get(endpoint, 0), self._last_cpu.get(endpoint, 0)
 
     def num_cpu_blocks(self, endpoint: EndpointId) -> int:
         cs = self._cpu.get(endpoint)
@@ -319,6 +330,15 @@ class TieredKVEventIndex(KVEventIndex):
             else:
                 del held[r]
         cs.counters.num_cpu_removed_blocks += n
+
+
+def _leading(held: dict, block_hashes: Sequence[BlockHash], start: int) -> int:
+    """How many of `block_hashes[start:]` are in `held`, from the first on (C-level passes, as the base index)."""
+    has = held.__contains__
+    rest = block_hashes[start:]
+    if has(rest[-1]) and all(map(has, rest)):
+        return len(rest)
+    return len(list(takewhile(has, rest)))
 
 
 def attach(index: Any, core: Any) -> None:

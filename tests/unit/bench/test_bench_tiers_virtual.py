@@ -29,4 +29,6 @@ def test_tier_aware_index_keeps_prefixes_where_the_host_tier_holds_them():
     assert aware["errors"] == 0 and blind["errors"] == 0
     tiers = aware["extra"]["hit_ratio_by_tier"]
     assert tiers["cpu"] > 0 and abs(tiers["gpu"] + tiers["cpu"] - aware["hit_ratio"]) < 1e-3
+    # the router's prediction by tier at its picks (issue 25: within 3 points of the actual)
+    assert abs(tiers["predicted"]["gpu"] - tiers["gpu"]) < 0.03 and abs(tiers["predicted"]["cpu"] - tiers["cpu"]) < 0.03
     assert aware["hit_ratio"] > blind["hit_ratio"] + 0.05

@@ -12,7 +12,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from prefixroute.kv_events_wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from prefixroute.kv_events_wire import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch,
+                                        encode_batch)
 from prefixroute.model_servers import metrics
 from prefixroute.model_servers.cost_model import fit
 from prefixroute.model_servers.cpu_tier import CPUTier, num_cpu_blocks
