@@ -56,7 +56,8 @@ from prefixroute.bench.sim_pool import SimulatedPool
 from prefixroute.bench.workload_spec import RequestSpec, Workload
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.routing.prefix_index import num_leading_held
-from prefixroute.extproc.kv_events import KVEventIndex
+from prefixroute.extproc.kv_events import tiers
+from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.service import PoolRouter
@@ -370,6 +371,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     if sims is None:
         sims = build_sim_requests(workload, spec)
     pool = SimulatedPool(fleet, pool_settings or settings_mod.from_namespace(PoolSettings), seed=seed)
+    tier_pred: dict[str, tuple[int, int]] = {}  # request id -> the router's (GPU, CPU) blocks at its pick
     if policy.startswith("sim:"):
         if policy not in SIM_ROUTERS:
             raise ValueError(f"unknown simulated router {policy!r}; choose one of {', '.join(SIM_ROUTERS)}")
@@ -411,13 +413,14 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         # (a live router gets them over ZMQ about a millisecond later).
         event_index = None
         if routing.tokenizer and routing.index_source in ("auto", "events"):
-            event_index = KVEventIndex(routing.kv_block_tokens)
+            event_index = TieredKVEventIndex(routing.kv_block_tokens, routing.kv_cpu_load_us_per_token)
             apply_events = event_index.apply_events
             fleet.publish_kv_events(lambda ep, events: collections.deque(apply_events(ep, events), maxlen=0))
         # track_prefill: every pick is released (below), as the gateway releases each one.
         core = RouterCore(routing, track_prefill=True, event_index=event_index)
         if event_index is not None:
             core.set_event_endpoints(fleet.endpoint_ids)
+            tiers.attach(event_index, core)
         router = PoolRouter(core, pool, clock=lambda: fleet.now_s)
         picks: dict[str, Any] = {}  # request id -> its pick, until the response ends
         # First-token events: the fleet reports a request only when it ends, so the requests routed and not
@@ -457,6 +460,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         def route(req: SimRequest, fl: VirtualFleet) -> str:
             deliver_first_tokens(fl.now_s)
             pick = router.route("POST", req.path, req.headers, req.body)
+            if isinstance(event_index, TieredKVEventIndex) and pick.endpoint_ids:
+                tier_pred[req.request_id] = event_index.last_tiers(pick.endpoint_ids[0])
             picks[req.request_id] = pick
             no_token[req.request_id] = pick
             pick_time[req.request_id] = fl.now_s
@@ -485,6 +490,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     cpu_s = time.process_time() - t0
     by_id = {r.request_id: r for r in sim_results}
     out = [_request_result(req, by_id.get(str(req.index))) for req in workload.requests]
+    for r in out if tier_pred else ():
+        r.predicted_tier_blocks = tier_pred.get(str(r.index))
     return out, list(fleet.endpoint_ids), cpu_s
 
 
@@ -502,7 +509,8 @@ def _request_result(req: RequestSpec, r: SimResult | None) -> RequestResult:
     mean_gap_ms = (r.finished_s - r.first_token_s) * 1000.0 / (n - 1) if n > 1 else None
     return RequestResult(**base, status=200, ttft_ms=(r.first_token_s - r.arrival_s) * 1000.0,
                          itl_ms=[mean_gap_ms] * (n - 1) if mean_gap_ms else [], e2e_ms=r.e2e_s * 1000.0,
-                         prompt_tokens=r.prompt_tokens, completion_tokens=n, cached_tokens=r.cached_tokens)
+                         prompt_tokens=r.prompt_tokens, completion_tokens=n, cached_tokens=r.cached_tokens,
+                         cpu_cached_tokens=r.cpu_cached_tokens)
 
 
 def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers: Sequence[str], *,

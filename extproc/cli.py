@@ -27,7 +27,8 @@ from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
                                         start_health_server, start_server)
-from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
+from prefixroute.extproc.kv_events import KVEventsManager, tiers
+from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 from prefixroute.extproc.kv_events.link import KVEventsLink
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.settings import PeerSettings
@@ -95,9 +96,11 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
 
     addresses = addresses_of(list(pool.endpoints))
     discovers_events = discovery is not None and use_events and pool_settings.kv_events_port_offset > 0
-    event_index = KVEventIndex(routing.kv_block_tokens) if addresses or discovers_events else None
+    event_index = TieredKVEventIndex(routing.kv_block_tokens, routing.kv_cpu_load_us_per_token) \
+        if addresses or discovers_events else None
     # track_prefill: PoolRouter.release calls core.on_release once per routed request.
     core = RouterCore(routing, track_prefill=True, event_index=event_index)
+    tiers.attach(event_index, core)
     router = PoolRouter(core, pool)
     log.info("%s", core.memory.describe())
     if routing.parse_workers:  # large bodies parsed off the event loop (issue 27)
