@@ -56,9 +56,9 @@ from prefixroute.bench.sim_pool import SimulatedPool
 from prefixroute.bench.workload_spec import RequestSpec, Workload
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.routing.prefix_index import num_leading_held
-from prefixroute.extproc.kv_events import KVEventIndex
+from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.factory import build_router, uses_kv_events
+from prefixroute.extproc.factory import build_router, new_event_index, uses_kv_events
 from prefixroute.extproc.lifecycle import LifecycleListener, Pick
 from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.server import ServerSettings
@@ -372,13 +372,16 @@ class _FleetRouting:
         # time (a live router gets them over ZMQ about a millisecond later).
         event_index = None
         if uses_kv_events(routing):
-            event_index = KVEventIndex(routing.kv_block_tokens)
+            event_index = new_event_index(routing)
             apply_events = event_index.apply_events
             fleet.publish_kv_events(lambda ep, events: collections.deque(apply_events(ep, events), maxlen=0))
         self.router = build_router(routing, pool, event_index=event_index, event_endpoints=fleet.endpoint_ids,
                                    clock=lambda: fleet.now_s)
         if predictions is not None:
             self.router.add_listener(_TtftPredictions(predictions))
+        self.event_index = event_index
+        # request id -> the router's (GPU, CPU) blocks at its pick (a tier-aware events index only)
+        self.tier_pred: dict[str, tuple[int, int]] = {}
         self.picks: dict[str, Pick] = {}  # request id -> its pick, until the response ends
         self.no_token: dict[str, Pick] = {}  # request id -> pick, first token not yet delivered
         self.pick_time: dict[str, float] = {}
@@ -405,6 +408,8 @@ class _FleetRouting:
     def route(self, req: SimRequest, fl: VirtualFleet) -> str:
         self._deliver_first_tokens()
         pick = self.router.route("POST", req.path, req.headers, req.body)
+        if isinstance(self.event_index, TieredKVEventIndex) and pick.endpoint_ids:
+            self.tier_pred[req.request_id] = self.event_index.last_tiers(pick.endpoint_ids[0])
         self.picks[req.request_id] = pick
         self.no_token[req.request_id] = pick
         self.pick_time[req.request_id] = fl.now_s
@@ -449,6 +454,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     if sims is None:
         sims = build_sim_requests(workload, spec)
     pool = SimulatedPool(fleet, pool_settings or settings_mod.from_namespace(PoolSettings), seed=seed)
+    tier_pred: dict[str, tuple[int, int]] = {}  # request id -> the router's (GPU, CPU) blocks at its pick
     if policy.startswith("sim:"):
         if policy not in SIM_ROUTERS:
             raise ValueError(f"unknown simulated router {policy!r}; choose one of {', '.join(SIM_ROUTERS)}")
@@ -488,6 +494,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
                                                   **tok)
         driver = _FleetRouting(fleet, pool, routing, predictions)
         route, release = driver.route, driver.release
+        tier_pred = driver.tier_pred
 
     arrivals = _Arrivals(workload, sims, concurrency)
 
@@ -500,6 +507,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     cpu_s = time.process_time() - t0
     by_id = {r.request_id: r for r in sim_results}
     out = [_request_result(req, by_id.get(str(req.index))) for req in workload.requests]
+    for r in out if tier_pred else ():
+        r.predicted_tier_blocks = tier_pred.get(str(r.index))
     return out, list(fleet.endpoint_ids), cpu_s
 
 
@@ -517,7 +526,8 @@ def _request_result(req: RequestSpec, r: SimResult | None) -> RequestResult:
     mean_gap_ms = (r.finished_s - r.first_token_s) * 1000.0 / (n - 1) if n > 1 else None
     return RequestResult(**base, status=200, ttft_ms=(r.first_token_s - r.arrival_s) * 1000.0,
                          itl_ms=[mean_gap_ms] * (n - 1) if mean_gap_ms else [], e2e_ms=r.e2e_s * 1000.0,
-                         prompt_tokens=r.prompt_tokens, completion_tokens=n, cached_tokens=r.cached_tokens)
+                         prompt_tokens=r.prompt_tokens, completion_tokens=n, cached_tokens=r.cached_tokens,
+                         cpu_cached_tokens=r.cpu_cached_tokens)
 
 
 def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers: Sequence[str], *,

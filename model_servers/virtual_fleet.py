@@ -113,6 +113,7 @@ class SimResult:
     num_preemptions: int
     status: int = 200
     error: str | None = None
+    cpu_cached_tokens: int = 0  # of cached_tokens, those loaded from the CPU tier
 
     @property
     def ttft_s(self) -> float | None:
@@ -303,7 +304,8 @@ class VirtualFleet:
         for r in done:
             k = r.sink
             self._finished(SimResult(order[k], i, ep, r.arrival_s, r.first_token_s, t, r.num_prompt_tokens,
-                                     r.num_cached_tokens, r.num_output, r.num_preemptions), k, t)
+                                     r.num_cached_tokens, r.num_output, r.num_preemptions,
+                                     cpu_cached_tokens=r.num_cpu_cached_tokens), k, t)
 
     def _refuse(self, req: SimRequest, k: int, i: int, exc: OpenAIError) -> None:
         t = req.arrival_s
