@@ -52,6 +52,8 @@ class RequestResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int | None = None  # None = the server did not report prompt_tokens_details
+    cpu_cached_tokens: int | None = None  # of cached_tokens, loaded from a CPU tier (virtual fleet only; None: unknown)
+    predicted_tier_blocks: tuple[int, int] | None = None  # the router's (GPU, CPU) blocks at its pick (virtual)
     endpoint: str | None = None
     send_lag_ms: float | None = None  # open loop, no dependency: actual send - scheduled arrival (client lag)
     turn: int = 0

@@ -48,11 +48,15 @@ from prefixroute.bench.virtual_run import simulate_policy
 from prefixroute.extproc.endpoints import Listener
 from prefixroute.extproc.peers import codec
 from prefixroute.extproc.response_directory import NeedsLookup
-from prefixroute.extproc.factory import build_router
 from prefixroute.extproc.routing.settings import POLICIES, RoutingSettings
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.types import EndpointId, EndpointState
+
+try:  # the record side may run on code from before the factory (see `_build_router`)
+    from prefixroute.extproc.factory import build_router
+except ImportError:  # pragma: no cover - only on older code
+    build_router = None  # type: ignore[assignment]
 
 FORMAT_VERSION = 1
 VIRTUAL_SOURCES = ("approximate", "feedback", "events", "auto")
@@ -61,6 +65,9 @@ SERVICE_SOURCES = ("approximate", "feedback")
 
 # --- the one place that builds a router (follow the code's factory here) -----------------------------------------
 def _build_router(routing: RoutingSettings, pool: ReplayPool, clock: Callable[[], float]) -> PoolRouter:
+    if build_router is None:  # code from before the one factory (extproc/factory.py): what it wired
+        from prefixroute.extproc.routing.router import RouterCore
+        return PoolRouter(RouterCore(routing, track_prefill=True), pool, clock=clock)
     return build_router(routing, pool, clock=clock)
 
 
@@ -233,6 +240,8 @@ class ServiceDriver:
         else:
             self._schedule(self.now_s + ttft, "first_token", n)
             self._schedule(self.now_s + end, "release", n)
+        if 0.95 < fate:
+            self._schedule(self.now_s + ttft * 0.25, "usage", n)  # a usage report before the first token's
         if fate > 0.05:
             self._schedule(self.now_s + end + 0.001, "usage", n)
 

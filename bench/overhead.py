@@ -81,6 +81,14 @@ class OverheadBenchSettings(Settings):
     gie_plaintext: bool = setting(False, "With --gie, also measure GIE mode with the picker reached without TLS (GIE's "
                                   "file reaches it over TLS; this departure, for measuring only, tells the "
                                   "protocol's cost from TLS's): a row 'gie-plain'.")
+    variants: tuple[str, ...] = setting((), "Also measure these variants of the routed gateway in the same rounds "
+                                        "(issue 26): 'records' (Envoy's request records, no Lua filter), 'timing' "
+                                        "(records and the first-token Lua filter, as under `up`), 'lua-facts' (no observing ext_proc filter: a Lua "
+                                        "filter takes first body byte, usage and response id into Envoy's record, "
+                                        "once per request; a prototype the router does not read), 'no-observe' "
+                                        "(the routing filter alone: the floor). Records go to a closed local port.")
+    stream_tokens: int = setting(0, "Latency mode with streamed responses of this many token events (the upstream "
+                                 "sends one every --itl-ms): what per-chunk work costs; 0 = the small JSON answer.")
     mode: str = setting("all", "'latency' (added latency and req/s), 'itl' (inter-token latency with telemetry "
                         "on vs off) or 'all'.")
     itl_streams: int = setting(20, "Streamed requests per round and configuration in the ITL mode (x tokens x "
@@ -90,11 +98,22 @@ class OverheadBenchSettings(Settings):
                             "jitter stands out rather than hides in a long interval).")
 
 
-def _body(num_bytes: int) -> bytes:
+def _body(num_bytes: int, stream_tokens: int = 0) -> bytes:
     words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
     text = " ".join(words[i % len(words)] + str(i) for i in range(num_bytes // 7))[:num_bytes]
-    return orjson.dumps({"model": MODEL, "max_tokens": 16, "messages": [
+    stream = {"stream": True, "stream_options": {"include_usage": True}} if stream_tokens else {}
+    return orjson.dumps({"model": MODEL, "max_tokens": stream_tokens or 16, **stream, "messages": [
         {"role": "system", "content": text}, {"role": "user", "content": "Summarise the above."}]})
+
+
+VARIANTS = {
+    "records": {"records": True, "first_token_lua": False},
+    "timing": {"records": True},
+    "lua-facts": {"records": True, "response_facts_lua": True, "observe_responses": False, "report_served": False},
+    "no-observe": {"observe_responses": False, "report_served": False},
+}
+"""Routed gateway variants (--variants): Envoy settings over the routed configuration's; "records" sends Envoy's
+request records (to a closed local port: Envoy builds and batches them, the export fails)."""
 
 
 def _cpu_s(pid: int) -> float:
@@ -213,15 +232,19 @@ def run(s: OverheadBenchSettings) -> int:
         if not counts or any(not 1 <= n <= 16 for n in counts) or len(set(counts)) != len(counts):
             raise ValueError(f"replicas must be distinct counts 1-16, got {','.join(s.replicas)}")
         with contextlib.ExitStack() as started:
-            configs, pids = _start_configurations(s, started, counts, endpoint, tmp)
+            envoy_pids = {"baseline": baseline.pid}
+            configs, pids = _start_configurations(s, started, counts, endpoint, tmp, envoy_pids)
             _wait_listening(base_port, baseline, "baseline Envoy exited")
             configs = {"baseline": base_port, **configs}
             print(f"overhead-bench: Envoy 1 worker each, policy {s.policy}, report_served {s.report_served}, "
                   f"telemetry {s.telemetry}, replicas {','.join(map(str, counts))}{', gie' if 'gie' in pids else ''}, "
-                  f"{s.num_rounds} rounds x {s.num_requests} requests, load average {os.getloadavg()[0]:.2f}")
+                  f"variants {','.join(s.variants) or 'none'}, "
+                  f"{'streamed %d tokens every %g ms' % (s.stream_tokens, s.itl_ms) if s.stream_tokens else 'JSON'}"
+                  f" responses, {s.num_rounds} rounds x {s.num_requests} requests, "
+                  f"load average {os.getloadavg()[0]:.2f}")
             print(f"{'prompt':>7} {'config':>11} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
             for kb in s.prompt_kb:
-                _measure_prompt_size(s, kb, configs, pids, _routed_name(counts[0], counts))
+                _measure_prompt_size(s, kb, configs, pids, _routed_name(counts[0], counts), envoy_pids)
             print(f"load average after: {os.getloadavg()[0]:.2f}")
         if s.mode == "all":
             _itl(s, endpoint, tmp)
@@ -247,19 +270,37 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes], failure: str, time
 
 
 def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStack, counts: list[int],
-                          endpoint: str, tmp: Path) -> tuple[dict[str, int], dict[str, list[int]]]:
-    """Start the routed gateways (one per replica count) and, with --gie, GIE mode's; all stop with `started`.
-    Returns (configuration -> gateway port, configuration -> its router processes' pids), routed first."""
-    gws = {n: GatewayProcesses(
+                          endpoint: str, tmp: Path,
+                          envoy_pids: dict[str, int]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Start the routed gateways (one per replica count, then one per --variants name) and, with --gie, GIE mode's;
+    all stop with `started`. Returns (configuration -> gateway port, configuration -> its router processes' pids),
+    routed first; fills `envoy_pids` (configuration -> its Envoy's pid) for our own gateways."""
+    gws: dict[int | str, GatewayProcesses] = {n: GatewayProcesses(
         GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry,
                         extproc_replicas=n, embedded_nats=s.peers),
         RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
         log_dir=tmp / f"replicas-{n}", envoy_overrides={"report_served": s.report_served},
         extra_extproc_args=_span_sink_args()) for n in counts}
+    for name in s.variants:
+        if name not in VARIANTS:
+            raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
+        over = {k: v for k, v in VARIANTS[name].items() if k != "records"}
+        if VARIANTS[name].get("records"):
+            over["records_otlp_address"] = f"127.0.0.1:{free_port()}"
+        gws[name] = GatewayProcesses(
+            GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry,
+                            extproc_replicas=1, embedded_nats=s.peers),
+            RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)), log_dir=tmp / f"variant-{name}",
+            envoy_overrides={"report_served": s.report_served, **over}, extra_extproc_args=_span_sink_args())
     for gw in gws.values():
         started.enter_context(gw)
-    configs = {_routed_name(n, counts): gw.gateway.port for n, gw in gws.items()}
-    pids = {_routed_name(n, counts): [p.pid for p in gw.extprocs if p.pid] for n, gw in gws.items()}
+
+    def label(n: int | str) -> str:
+        return n if isinstance(n, str) else _routed_name(n, counts)
+
+    configs = {label(n): gw.gateway.port for n, gw in gws.items()}
+    pids = {label(n): [p.pid for p in gw.extprocs if p.pid] for n, gw in gws.items()}
+    envoy_pids.update({label(n): gw.envoy.pid for n, gw in gws.items() if gw.envoy is not None and gw.envoy.pid})
     if s.gie:
         configs["gie"], gie_pid = _start_gie(s, endpoint, tmp, started)
         pids["gie"] = [gie_pid]
@@ -270,18 +311,23 @@ def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStac
 
 
 def _measure_prompt_size(s: OverheadBenchSettings, kb: str, configs: dict[str, int], pids: dict[str, list[int]],
-                         first: str) -> None:
+                         first: str, envoy_pids: dict[str, int]) -> None:
     """Latency (rounds alternating every configuration) and req/s of each configuration at a `kb` KiB prompt,
-    printed with what routing adds to the baseline (and GIE mode beside `first`, the first routed one)."""
-    req = build_request("/v1/chat/completions", _body(int(kb) * 1024))
+    printed with what routing adds to the baseline (and GIE mode beside `first`, the first routed one), and the
+    CPU per request of each configuration's ext_proc processes and Envoy (in the latency rounds)."""
+    req = build_request("/v1/chat/completions", _body(int(kb) * 1024, s.stream_tokens))
     lat: dict[str, list[float]] = {name: [] for name in configs}
     cpu_s = {name: 0.0 for name in pids}
+    envoy_cpu_s = {name: 0.0 for name in envoy_pids}
     for _ in range(s.num_rounds):
         for name, port in configs.items():
             c0 = sum(_cpu_s(p) for p in pids.get(name, ()))
+            e0 = _cpu_s(envoy_pids[name]) if name in envoy_pids else 0.0
             lat[name] += latency_ms(port, req, s.num_requests, num_warmup=0)
             if name in pids:
                 cpu_s[name] += sum(_cpu_s(p) for p in pids[name]) - c0
+            if name in envoy_pids:
+                envoy_cpu_s[name] += _cpu_s(envoy_pids[name]) - e0
     rates = {name: max_rate(port, req, s.num_connections, s.rate_duration_s) for name, port in configs.items()}
     fig = {name: (_pct(v, 0.5), _pct(v, 0.99), rates[name][0]) for name, v in lat.items()}
     for name in configs:
@@ -296,7 +342,19 @@ def _measure_prompt_size(s: OverheadBenchSettings, kb: str, configs: dict[str, i
         print(f"{kb + ' KB':>7} {'added':>11} {r50 - b50:8.3f} {r99 - b99:8.3f}   {name}: "
               f"ratio p50 x{r50 / b50:.1f}, p99 x{r99 / b99:.1f}, req/s x{rrps / brps:.2f}{vs_first}; "
               f"mean {statistics.fmean(lat[name]):.3f} ms; "
-              f"ext_proc CPU {cpu_s[name] / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request")
+              f"ext_proc CPU {cpu_s[name] / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request"
+              + (f", Envoy CPU {envoy_cpu_s[name] / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request"
+                 f" (baseline {envoy_cpu_s['baseline'] / (s.num_rounds * s.num_requests) * 1e6:.0f})"
+                 if name in envoy_cpu_s else ""))
+    for name in pids:
+        if name != first and name in envoy_pids and first in envoy_pids:
+            n = s.num_rounds * s.num_requests
+            added50 = (fig[name][0] - b50) / max(fig[first][0] - b50, 1e-6)
+            added99 = (fig[name][1] - b99) / max(fig[first][1] - b99, 1e-6)
+            print(f"{kb + ' KB':>7} {name + '/' + first:>11} added p50 x{added50:.2f}, added p99 x{added99:.2f}, "
+                  f"ext_proc CPU x{cpu_s[name] / max(cpu_s[first], 1e-9):.2f}, "
+                  f"Envoy CPU x{envoy_cpu_s[name] / max(envoy_cpu_s[first], 1e-9):.2f} "
+                  f"({(envoy_cpu_s[name] - envoy_cpu_s[first]) / n * 1e6:+.0f} us/request)")
     for gname in ("gie", "gie-plain"):
         if gname in fig:
             f50, f99, frps = fig[first]

@@ -262,9 +262,52 @@ def render_bounds(bounds: Mapping[str, Any] | None) -> list[str]:
         lines.append(f"Upper bound at fleet capacity (Belady MIN on one cache of {bounds['capacity_blocks']:,} "
                      f"blocks): hit ratio {_fmt(bounds['belady_hit_ratio'], 3)}; for reference, one pooled LRU "
                      f"cache of that size: {_fmt(bounds['lru_pooled_hit_ratio'], 3)}.")
+    if bounds.get("gpu_cpu_capacity_blocks"):
+        lines.append(f"With the CPU tier ({bounds['num_servers']} x {bounds['num_cpu_blocks']:,} host blocks): Belady "
+                     f"MIN on one cache of {bounds['gpu_cpu_capacity_blocks']:,} blocks (GPU + CPU): hit ratio "
+                     f"{_fmt(bounds['belady_gpu_cpu_hit_ratio'], 3)}; one pooled LRU of that size: "
+                     f"{_fmt(bounds['lru_pooled_gpu_cpu_hit_ratio'], 3)}.")
     if bounds.get("note"):
         lines.append(bounds["note"])
     return [" ".join(x for x in lines if x), ""]
+
+
+def render_bounds_by_router(runs: Sequence[Mapping[str, Any]], bounds: Mapping[str, Any] | None) -> list[str]:
+    """Each router's hit ratio beside the capacity bounds: one pooled LRU and Belady MIN at the fleet's GPU
+    capacity, and at GPU + CPU capacity when the servers have a CPU tier. Empty without capacity bounds."""
+    if not bounds or not bounds.get("belady_hit_ratio"):
+        return []
+    cols = [("pooled LRU (GPU)", "lru_pooled_hit_ratio"), ("MIN (GPU)", "belady_hit_ratio")]
+    if bounds.get("belady_gpu_cpu_hit_ratio"):
+        cols += [("pooled LRU (GPU+CPU)", "lru_pooled_gpu_cpu_hit_ratio"),
+                 ("MIN (GPU+CPU)", "belady_gpu_cpu_hit_ratio")]
+    tiered = any("hit_ratio_by_tier" in (r.get("extra") or {}) for r in runs)
+    lines = ["Bounds beside each router (hit ratio; in brackets the router's share of the gap from pooled LRU to "
+             "MIN at the same capacity that it closed):", "",
+             "| router | hit ratio | " + ("GPU / CPU tier | " if tiered else "")
+             + " | ".join(f"{name} {_fmt(bounds.get(key), 3)}" for name, key in cols) + " |",
+             "| --- " * (2 + tiered + len(cols)) + "|"]
+    for r in runs:
+        hr = r["hit_ratio"]
+        cells = []
+        if tiered:
+            t = (r.get("extra") or {}).get("hit_ratio_by_tier") or {}
+            pred = t.get("predicted")
+            cells.append((f"{_fmt(t.get('gpu'), 3)} / {_fmt(t.get('cpu'), 3)}"
+                          + (f" (predicted {_fmt(pred['gpu'], 3)} / {_fmt(pred['cpu'], 3)})" if pred else ""))
+                         if t else "-")
+        for name, key in cols:
+            v = bounds.get(key)
+            if hr is None or not v:
+                cells.append("-")
+            elif key.startswith("belady"):
+                lru = bounds.get(key.replace("belady", "lru_pooled"))
+                gap = f" ({(hr - lru) / (v - lru):+.0%} of gap)" if lru is not None and v > lru else ""
+                cells.append(f"{hr / v:.0%} of it{gap}")
+            else:
+                cells.append(f"{hr / v:.2f}x")
+        lines.append(f"| {r['router']} | {_fmt(hr, 3)} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
@@ -301,6 +344,7 @@ def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
     lines += ["", "hit ratio = server-reported cached prompt tokens / prompt tokens; of MIN bound = of Belady's "
               "optimal eviction on one cache of the fleet's KV capacity; max share / fair = the "
               "busiest endpoint's share of requests over 1/num_endpoints; ratios < 1 are better than random.", ""]
+    lines += render_bounds_by_router(runs, bounds)
     lines += render_agents(doc)
     sourced = [r for r in runs if "index_source" in (r.get("extra") or {})]
     if sourced:

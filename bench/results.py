@@ -61,6 +61,34 @@ def endpoint_share(results: Sequence[RequestResult], endpoints: Sequence[str] = 
     return {e: round(counts.get(e, 0) / total, 6) if total else 0.0 for e in names}
 
 
+BLOCK_TOKENS = 16
+"""The servers' KV block size (the tier prediction's unit)."""
+
+
+def hit_ratio_by_tier(ok: Sequence[RequestResult]) -> dict[str, Any]:
+    """``{"hit_ratio_by_tier": {"gpu": r, "cpu": r}}`` (cached prompt tokens from each tier / prompt tokens) when
+    the requests know their CPU-tier hits (the virtual fleet's servers with ``--kv-offloading-size``); else {}."""
+    known = [r for r in ok if r.cpu_cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in known)
+    cpu = sum(r.cpu_cached_tokens or 0 for r in known)
+    if not known or not prompt or not cpu:
+        return {}
+    gpu = sum(r.cached_tokens or 0 for r in known) - cpu
+    out: dict[str, Any] = {"gpu": round(gpu / prompt, 6), "cpu": round(cpu / prompt, 6)}
+    pred = [r for r in known if r.predicted_tier_blocks is not None]
+    if pred:  # the router's prediction at its pick, in the server's accounting (whole blocks, n - 1 tokens at most)
+        p_prompt = sum(r.prompt_tokens for r in pred)
+        p_gpu = p_cpu = 0
+        for r in pred:
+            g, c = r.predicted_tier_blocks  # type: ignore[misc]
+            cap = max(0, (r.prompt_tokens - 1) // BLOCK_TOKENS)
+            g = min(g, cap)
+            p_gpu += g * BLOCK_TOKENS
+            p_cpu += min(c, cap - g) * BLOCK_TOKENS
+        out["predicted"] = {"gpu": round(p_gpu / p_prompt, 6), "cpu": round(p_cpu / p_prompt, 6)}
+    return {"hit_ratio_by_tier": out}
+
+
 def summarize_run(router: str, results: Sequence[RequestResult], endpoints: Sequence[str] = (),
                   extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One entry of results.json ``runs`` (see module doc for every definition)."""
@@ -88,6 +116,7 @@ def summarize_run(router: str, results: Sequence[RequestResult], endpoints: Sequ
             "error_kinds": dict(error_kinds),
             # How late the client sent open-loop requests (large = the client, not the router, was the limit).
             "send_lag_ms": percentiles([r.send_lag_ms for r in results if r.send_lag_ms is not None], (50, 99)),
+            **hit_ratio_by_tier(ok),
             **(extra or {}),
         },
     }

@@ -36,7 +36,7 @@ from prefixroute.bench.fleet import FleetConfig, distinct_free_ports
 from prefixroute.bench.routers import parse_router
 from prefixroute.bench.runner import host_cpu_times, run_bench
 from prefixroute.bench.settings import DEFAULT_ROUTERS
-from prefixroute.bench.upper_bound import upper_bound
+from prefixroute.bench.upper_bound import fleet_bounds, upper_bound
 from prefixroute.bench.virtual_run import SIM_ROUTERS
 from prefixroute.bench.workload_spec import Workload
 from prefixroute.extproc.routing.settings import DEFAULT_POLICY
@@ -101,7 +101,8 @@ def _entry(summary: Mapping[str, Any]) -> dict[str, Any]:
     extra = summary.get("extra") or {}
     return {"requests": summary["requests"], "errors": summary["errors"], "ttft_ms": summary["ttft_ms"],
             "hit_ratio": summary["hit_ratio"], "max_share_over_fair": extra.get("max_share_over_fair"),
-            "throughput_rps": summary.get("throughput_rps")}
+            "throughput_rps": summary.get("throughput_rps"),
+            **({"hit_ratio_by_tier": extra["hit_ratio_by_tier"]} if "hit_ratio_by_tier" in extra else {})}
 
 
 GOODPUT_SLO_COLD_PREFILLS = 5.0
@@ -138,7 +139,8 @@ def _document(workload: Workload, *, virtual: bool, spec: EngineSpec, num_server
             "num_requests_per_point": num_requests, "num_servers": num_servers, "profile": spec.profile.name,
             "server_args": list(server_args), "time_scale": spec.config.time_scale, "seed": seed,
             "upper_bound_hit_ratio": round(bound, 4), "capacity_rps": round(capacity.rps, 3),
-            "capacity": capacity.describe(), "points": []}
+            "capacity": capacity.describe(), "points": [],
+            "bounds": fleet_bounds(workload, num_servers, spec.profile.name, server_args)}
 
 
 # --------------------------------------------------------------------------------------------- virtual

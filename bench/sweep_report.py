@@ -10,9 +10,27 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from prefixroute.bench.report import render_bounds, render_bounds_by_router
 from prefixroute.bench.sweep import PREDICTION_DEFINITION, seconds_text
 
 PLOT_FILES = ("ttft_vs_load.png", "hit_ratio_vs_load.png")
+
+
+def _bounds_lines(doc: Mapping[str, Any]) -> list[str]:
+    """The capacity bounds (MIN and one pooled LRU, at GPU and at GPU + CPU capacity) and, per load point, every
+    router beside them (`report.render_bounds_by_router`)."""
+    bounds = doc.get("bounds")
+    if not bounds:
+        return []
+    lines = render_bounds(bounds)
+    for p in doc["points"]:
+        runs = [{"router": name, "hit_ratio": e["hit_ratio"],
+                 "extra": {"hit_ratio_by_tier": e["hit_ratio_by_tier"]} if "hit_ratio_by_tier" in e else {}}
+                for name, e in p["runs"].items()]
+        table = render_bounds_by_router(runs, bounds)
+        if table:
+            lines += [f"At {p['load_percent']:g}% load. " + table[0]] + table[1:]
+    return lines
 
 
 def render_report(doc: Mapping[str, Any], command: str = "") -> str:
@@ -67,6 +85,7 @@ def render_report(doc: Mapping[str, Any], command: str = "") -> str:
                         "-" if e.get("host_cpu_busy_ratio") is None else f"{e['host_cpu_busy_ratio']:.0%}"]
             lines.append("| " + " | ".join(row) + " |")
     lines.append("")
+    lines += _bounds_lines(doc)
     if gaps:
         lines += ["gap = (router - sim:oracle) / sim:oracle per percentile: negative is better than the oracle "
                   "(a greedy router with true state, not a proven optimum).", ""]

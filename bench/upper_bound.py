@@ -323,6 +323,10 @@ def fleet_bounds(workload: Workload, num_servers: int, profile: str = "",
     capacity_over_working_set, infinite_cache_hit_ratio, belady_hit_ratio (MIN at capacity_blocks: the
     capacity-aware upper bound), belady_leading_hit_ratio, lru_pooled_hit_ratio, and note. When the servers'
     capacity is unknown (flags this fleet's spec cannot parse) the capacity figures are None and note says why.
+    With a CPU tier (``--kv-offloading-size`` in the server args): num_cpu_blocks per server,
+    gpu_cpu_capacity_blocks = num_servers x (num_gpu_blocks + num_cpu_blocks), belady_gpu_cpu_hit_ratio (MIN
+    at that capacity: a bound on any router in front of tiered servers, CPU-tier hits counted as hits) and
+    lru_pooled_gpu_cpu_hit_ratio (one pooled LRU of that size); None without a tier.
     """
     from prefixroute.bench.virtual_run import engine_spec
 
@@ -330,9 +334,10 @@ def fleet_bounds(workload: Workload, num_servers: int, profile: str = "",
     try:
         spec = engine_spec(profile, tuple(server_args), allow_unsimulated=True)
         num_gpu_blocks: int | None = spec.config.num_gpu_blocks
+        num_cpu_blocks = spec.config.num_cpu_blocks
         block_tokens = spec.config.block_size
     except ValueError as exc:
-        num_gpu_blocks, block_tokens = None, CACHE_BLOCK_TOKENS
+        num_gpu_blocks, num_cpu_blocks, block_tokens = None, 0, CACHE_BLOCK_TOKENS
         note = f"KV capacity unknown, capacity bound skipped: {exc}"
     source = ("--num-gpu-blocks" if any(a.startswith("--num-gpu-blocks") for a in server_args)
               else "profile default")
@@ -346,6 +351,8 @@ def fleet_bounds(workload: Workload, num_servers: int, profile: str = "",
                  "shared_working_set_blocks": ws.shared_blocks, "capacity_over_working_set": None,
                  "infinite_cache_hit_ratio": round(inf_cached / total, 6) if total else 0.0,
                  "belady_hit_ratio": None, "belady_leading_hit_ratio": None, "lru_pooled_hit_ratio": None,
+                 "num_cpu_blocks": num_cpu_blocks or None, "gpu_cpu_capacity_blocks": None,
+                 "belady_gpu_cpu_hit_ratio": None, "lru_pooled_gpu_cpu_hit_ratio": None,
                  "tokenizer": TOKENIZER, "note": note}
     if num_gpu_blocks:
         cap = num_servers * num_gpu_blocks
@@ -355,6 +362,12 @@ def fleet_bounds(workload: Workload, num_servers: int, profile: str = "",
                    belady_hit_ratio=round(min(b.hit_ratio, out["infinite_cache_hit_ratio"]), 6),
                    belady_leading_hit_ratio=round(b.leading_hit_ratio, 6),
                    lru_pooled_hit_ratio=round(b.lru_hit_ratio, 6))
+        if num_cpu_blocks:
+            cap2 = num_servers * (num_gpu_blocks + num_cpu_blocks)
+            b2 = capacity_bound(reqs, cap2, block_tokens)
+            out.update(gpu_cpu_capacity_blocks=cap2,
+                       belady_gpu_cpu_hit_ratio=round(min(b2.hit_ratio, out["infinite_cache_hit_ratio"]), 6),
+                       lru_pooled_gpu_cpu_hit_ratio=round(b2.lru_hit_ratio, 6))
     return out
 
 

@@ -57,12 +57,12 @@ from prefixroute.bench.sim_pool import SimulatedPool
 from prefixroute.bench.workload_spec import RequestSpec, Workload
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.routing.prefix_index import num_leading_held
-from prefixroute.extproc.kv_events import KVEventIndex
+from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.factory import build_router, uses_kv_events
+from prefixroute.extproc.factory import build_router, new_event_index, uses_kv_events
 from prefixroute.extproc.flow.router import RouterView
 from prefixroute.extproc.flow.settings import FlowSettings
-from prefixroute.extproc.lifecycle import Pick
+from prefixroute.extproc.lifecycle import LifecycleListener, Pick
 from prefixroute.extproc.routing.request import InferenceRequest, parse_request
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.model_servers.profiles import EngineSpec
@@ -353,6 +353,91 @@ class _Arrivals:
         return out
 
 
+class _TtftPredictions(LifecycleListener):
+    """(primary endpoint, predicted TTFT s, actual TTFT s) of every pick with a prediction (the prefix policy's),
+    at its TTFT sample (first token, then usage): a listener of the router's lifecycle, in first-token order."""
+
+    def __init__(self, out: list[tuple[str, float, float]]) -> None:
+        self.out = out
+
+    def on_ttft_sample(self, pick: Pick) -> None:
+        predicted_ms = pick.decision.predicted_ttft_ms
+        if predicted_ms is not None and pick.ttft_s is not None:
+            self.out.append((pick.endpoint_ids[0], predicted_ms / 1000.0, pick.ttft_s))
+
+
+class _FleetRouting:
+    """The live router service (`extproc.factory.build_router`) routing a virtual fleet: each request's pick,
+    its first token (with its usage: the fleet knows both at once; live, the usage comes at the end) and its
+    release, through the router service's one lifecycle (extproc/lifecycle.py), as the gateway reports them.
+    The fleet reports a request only when it ends, so the requests routed and not yet past their first token
+    are checked at each decision (all a policy can act on) and at their end."""
+
+    def __init__(self, fleet: VirtualFleet, pool: SimulatedPool, routing: RoutingSettings,
+                 predictions: list[tuple[str, float, float]] | None) -> None:
+        self.fleet = fleet
+        # KV events in process: each engine's events reach the router's events index at the step's virtual
+        # time (a live router gets them over ZMQ about a millisecond later).
+        event_index = None
+        if uses_kv_events(routing):
+            event_index = new_event_index(routing)
+            apply_events = event_index.apply_events
+            fleet.publish_kv_events(lambda ep, events: collections.deque(apply_events(ep, events), maxlen=0))
+        self.router = build_router(routing, pool, event_index=event_index, event_endpoints=fleet.endpoint_ids,
+                                   clock=lambda: fleet.now_s)
+        if predictions is not None:
+            self.router.add_listener(_TtftPredictions(predictions))
+        self.event_index = event_index
+        # request id -> the router's (GPU, CPU) blocks at its pick (a tier-aware events index only)
+        self.tier_pred: dict[str, tuple[int, int]] = {}
+        self.picks: dict[str, Pick] = {}  # request id -> its pick, until the response ends
+        self.no_token: dict[str, Pick] = {}  # request id -> pick, first token not yet delivered
+        self.pick_time: dict[str, float] = {}
+        self.engine_of = {ep: fleet.engines[i] for i, ep in enumerate(fleet.endpoint_ids)}
+        self.parsed: dict[str, InferenceRequest] = {}  # held requests, parsed once for their cost and route
+
+    def _first_token(self, rid: str, pick: Pick, first_token_s: float, prompt_tokens: int,
+                     cached_tokens: int) -> None:
+        del self.no_token[rid]
+        self.router.first_token(pick, first_token_s - self.pick_time[rid])
+        self.router.usage(pick, prompt_tokens, cached_tokens)
+
+    def deliver_first_tokens(self) -> None:
+        if not self.no_token:
+            return
+        waiting_on: dict[str, dict[str, Pick]] = {}
+        for rid, pick in self.no_token.items():
+            waiting_on.setdefault(pick.counted, {})[rid] = pick
+        for ep, rids in waiting_on.items():
+            for r in self.engine_of[ep].running:
+                if r.first_token_s is not None and r.request_id in rids:
+                    self._first_token(r.request_id, rids[r.request_id], r.first_token_s, r.num_prompt_tokens,
+                                      r.num_cached_tokens)
+
+    def route(self, req: SimRequest, fl: VirtualFleet) -> str:
+        self.deliver_first_tokens()
+        pick = self.router.route("POST", req.path, req.headers, self.parsed.pop(req.request_id, None) or req.body)
+        if isinstance(self.event_index, TieredKVEventIndex) and pick.endpoint_ids:
+            self.tier_pred[req.request_id] = self.event_index.last_tiers(pick.endpoint_ids[0])
+        self.picks[req.request_id] = pick
+        self.no_token[req.request_id] = pick
+        self.pick_time[req.request_id] = fl.now_s
+        return pick.endpoint_ids[0]
+
+    def release(self, result: SimResult) -> None:
+        pick = self.picks.pop(result.request_id, None)
+        if pick is None:  # the router refused it (nothing was counted)
+            return
+        if result.request_id in self.no_token:
+            if result.first_token_s is not None and result.status == 200:
+                self._first_token(result.request_id, pick, result.first_token_s, result.prompt_tokens,
+                                  result.cached_tokens)
+            else:
+                del self.no_token[result.request_id]
+        self.pick_time.pop(result.request_id, None)
+        self.router.release(pick)
+
+
 def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: EngineSpec | None = None,
                     seed: int = 0, sims: list[SimRequest] | None = None, concurrency: int = 16,
                     routing: RoutingSettings | None = None, pool_settings: PoolSettings | None = None,
@@ -368,18 +453,19 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     (and the environment); `pool_settings` to the defaults (and the environment), as the gateway reads them.
     `endpoint_ids` names the servers (default ``sim-I:8000``): a real run's ids give the same rendezvous
     placement, so endpoint shares compare too. `predictions`, when given, receives (primary endpoint,
-    predicted TTFT s, actual TTFT s) for each first token, in first-token order, from any policy object with a
-    ``predictions`` attribute (a sequence of (predicted_s, actual_s) it appends to at each first token); it
-    stays empty for the other policies and the ``sim:`` models. `index_source` (a router name's ``@SOURCE``) sets
-    the default routing's prefix-index source; "" = its default. `flow`: flow control in front of the router
-    (the live gateway's queue, bench/flow_virtual.py: our policies judge saturation with the router's own view,
-    the oracle with its true one); None: off (``sim:oracle+flow`` turns it on with the defaults).
+    predicted TTFT s, actual TTFT s) for each first token, in first-token order, of a policy that predicts TTFT
+    (a lifecycle listener, `_TtftPredictions`); it stays empty for the other policies and the ``sim:`` models.
+    `index_source` (a router name's ``@SOURCE``) sets the default routing's prefix-index source; "" = its
+    default. `flow`: flow control in front of the router (the live gateway's queue, bench/flow_virtual.py: our
+    policies judge saturation with the router's own view, the oracle with its true one); None: off
+    (``sim:oracle+flow`` turns it on with the defaults).
     """
     spec = spec or engine_spec()
     fleet = VirtualFleet(spec, num_servers, endpoint_ids=endpoint_ids)
     if sims is None:
         sims = build_sim_requests(workload, spec)
     pool = SimulatedPool(fleet, pool_settings or settings_mod.from_namespace(PoolSettings), seed=seed)
+    tier_pred: dict[str, tuple[int, int]] = {}  # request id -> the router's (GPU, CPU) blocks at its pick
     if policy in FLOW_SIM_ROUTERS and flow is None:
         flow = FlowSettings()
     flow_view: Callable[[Route], FleetFlow] | None = None
@@ -427,75 +513,13 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
             tok = {} if index_source == "approximate" else {"tokenizer": "sim"}
             routing = settings_mod.from_namespace(RoutingSettings, policy=policy, rng_seed=seed, **prior, **source,
                                                   **tok)
-        # KV events in process: each engine's events reach the router's events index at the step's virtual time
-        # (a live router gets them over ZMQ about a millisecond later).
-        event_index = None
-        if uses_kv_events(routing):
-            event_index = KVEventIndex(routing.kv_block_tokens)
-            apply_events = event_index.apply_events
-            fleet.publish_kv_events(lambda ep, events: collections.deque(apply_events(ep, events), maxlen=0))
-        # Every pick is released (below), as the gateway releases each one.
-        router = build_router(routing, pool, event_index=event_index, event_endpoints=fleet.endpoint_ids,
-                              clock=lambda: fleet.now_s)
-        picks: dict[str, Pick] = {}  # request id -> its pick, until the response ends
-        # First-token events: the fleet reports a request only when it ends, so the requests routed and not
-        # yet past their first token are checked at each decision (all a policy can act on) and at the end.
-        no_token: dict[str, Pick] = {}  # request id -> pick, first token not yet delivered
-        engine_of = {ep: fleet.engines[i] for i, ep in enumerate(fleet.endpoint_ids)}
-
-        # The policy's own record of (predicted, actual) TTFT pairs (a policy that predicts TTFT), tagged here
-        # with the primary endpoint.
-        learner = router.core.learner
-        own_predictions = learner.predictions if learner is not None and predictions is not None else None
-
-        def first_token(rid: str, pick: Pick, now_s: float, first_token_s: float, prompt_tokens: int,
-                        cached_tokens: int) -> None:
-            del no_token[rid]
-            last = own_predictions[-1] if own_predictions else None
-            router.first_token(pick, first_token_s - pick_time[rid])
-            router.usage(pick, prompt_tokens, cached_tokens)  # the fleet knows it already (live: at the end)
-            if own_predictions and own_predictions[-1] is not last:  # identity: a bounded deque stays full
-                predicted_s, actual_s = own_predictions[-1]
-                predictions.append((pick.endpoint_ids[0], predicted_s, actual_s))  # type: ignore[union-attr]
-
-        pick_time: dict[str, float] = {}
-
-        def deliver_first_tokens(now_s: float) -> None:
-            if not no_token:
-                return
-            waiting_on = {}
-            for rid, pick in no_token.items():
-                waiting_on.setdefault(pick.counted, {})[rid] = pick
-            for ep, rids in waiting_on.items():
-                for r in engine_of[ep].running:
-                    if r.first_token_s is not None and r.request_id in rids:
-                        first_token(r.request_id, rids[r.request_id], now_s, r.first_token_s,
-                                    r.num_prompt_tokens, r.num_cached_tokens)
-
-        parsed: dict[str, InferenceRequest] = {}  # held requests, parsed once for their cost and their route
-
-        def route(req: SimRequest, fl: VirtualFleet) -> str:
-            deliver_first_tokens(fl.now_s)
-            pick = router.route("POST", req.path, req.headers, parsed.pop(req.request_id, None) or req.body)
-            picks[req.request_id] = pick
-            no_token[req.request_id] = pick
-            pick_time[req.request_id] = fl.now_s
-            return pick.endpoint_ids[0]
-
-        def release(result: SimResult) -> None:
-            pick = picks.pop(result.request_id, None)
-            if pick is not None:  # None: the router refused it (nothing was counted)
-                if result.request_id in no_token:
-                    if result.first_token_s is not None and result.status == 200:
-                        first_token(result.request_id, pick, result.finished_s, result.first_token_s,
-                                    result.prompt_tokens, result.cached_tokens)
-                    else:
-                        del no_token[result.request_id]
-                pick_time.pop(result.request_id, None)
-                router.release(pick)
+        driver = _FleetRouting(fleet, pool, routing, predictions)
+        route, release = driver.route, driver.release
+        tier_pred = driver.tier_pred
 
         if flow is not None:
-            flow_view = _router_flow(router, pool, fleet, flow, parsed, deliver_first_tokens)
+            flow_view = _router_flow(driver.router, pool, fleet, flow, driver.parsed,
+                                     lambda now_s: driver.deliver_first_tokens())
 
     on_step = None
     if flow_view is not None:
@@ -512,6 +536,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     cpu_s = time.process_time() - t0
     by_id = {r.request_id: r for r in sim_results}
     out = [_request_result(req, by_id.get(str(req.index))) for req in workload.requests]
+    for r in out if tier_pred else ():
+        r.predicted_tier_blocks = tier_pred.get(str(r.index))
     return out, list(fleet.endpoint_ids), cpu_s
 
 
@@ -565,7 +591,8 @@ def _request_result(req: RequestSpec, r: SimResult | None) -> RequestResult:
     mean_gap_ms = (r.finished_s - r.first_token_s) * 1000.0 / (n - 1) if n > 1 else None
     return RequestResult(**base, status=200, ttft_ms=(r.first_token_s - r.arrival_s) * 1000.0,
                          itl_ms=[mean_gap_ms] * (n - 1) if mean_gap_ms else [], e2e_ms=r.e2e_s * 1000.0,
-                         prompt_tokens=r.prompt_tokens, completion_tokens=n, cached_tokens=r.cached_tokens)
+                         prompt_tokens=r.prompt_tokens, completion_tokens=n, cached_tokens=r.cached_tokens,
+                         cpu_cached_tokens=r.cpu_cached_tokens)
 
 
 def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers: Sequence[str], *,

@@ -27,13 +27,13 @@ from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
                                         start_health_server, start_server)
-from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
+from prefixroute.extproc.kv_events import KVEventsManager
 from prefixroute.extproc.kv_events.link import KVEventsLink
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.parse_offload import ParseOffload
 from prefixroute.extproc.response_directory import ResponsesCollector
-from prefixroute.extproc.factory import build_router, share_with_peers, uses_kv_events
+from prefixroute.extproc.factory import build_router, new_event_index, share_with_peers, uses_kv_events
 from prefixroute.extproc.flow.hold import build_flow
 from prefixroute.extproc.flow.metrics import FlowCollector
 from prefixroute.extproc.flow.settings import FlowSettings
@@ -98,7 +98,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
 
     addresses = addresses_of(list(pool.endpoints))
     discovers_events = discovery is not None and use_events and pool_settings.kv_events_port_offset > 0
-    event_index = KVEventIndex(routing.kv_block_tokens) if addresses or discovers_events else None
+    event_index = new_event_index(routing) if addresses or discovers_events else None
     router = build_router(routing, pool, event_index=event_index)
     core = router.core
     log.info("%s", core.memory.describe())

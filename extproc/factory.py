@@ -5,8 +5,9 @@ way.
 
 What it wires: the routing core (`RouterCore`: the policy, its time model, the prefix index, sessions) with
 prefill tracking on (the router service releases every pick, `lifecycle.Lifecycle.released`), the KV-events
-index when the settings use one (`uses_kv_events`; the caller feeds it: ZMQ subscribers live, the fleet's
-events in a simulation) with its tokenization check (`KVEventIndex.note_routed`), and the router service
+index when the settings use one (`uses_kv_events`, `new_event_index`; the caller feeds it: ZMQ subscribers
+live, the fleet's events in a simulation) with its tokenization check (`KVEventIndex.note_routed`) and its
+CPU-tier pricing (`tiers.attach`), and the router service
 (`PoolRouter`) over the caller's `Pool` with its lifecycle listeners. `share_with_peers` adds the other
 replicas (extproc/peers) with their limits.
 """
@@ -17,7 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from prefixroute.extproc.endpoints import Pool
-from prefixroute.extproc.kv_events import KVEventIndex
+from prefixroute.extproc.kv_events import KVEventIndex, tiers
+from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 from prefixroute.extproc.lifecycle_listeners import PeerPublisher
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.routing.router import RouterCore
@@ -32,6 +34,12 @@ def uses_kv_events(routing: RoutingSettings) -> bool:
     return bool(routing.tokenizer) and routing.index_source in ("auto", "events")
 
 
+def new_event_index(routing: RoutingSettings) -> TieredKVEventIndex:
+    """The KV-events index a router with `routing` matches against (`uses_kv_events`): tier-aware, its CPU-tier
+    blocks priced at ``kv_cpu_load_us_per_token`` (extproc/kv_events/tiers.py)."""
+    return TieredKVEventIndex(routing.kv_block_tokens, routing.kv_cpu_load_us_per_token)
+
+
 def build_router(routing: RoutingSettings, pool: Pool, *, event_index: KVEventIndex | None = None,
                  event_endpoints: Sequence[EndpointId] = (),
                  clock: Callable[[], float] = time.monotonic) -> PoolRouter:
@@ -42,6 +50,7 @@ def build_router(routing: RoutingSettings, pool: Pool, *, event_index: KVEventIn
                       note_routed=event_index.note_routed if event_index is not None else None)
     if event_index is not None and event_endpoints:
         core.set_event_endpoints(event_endpoints)
+    tiers.attach(event_index, core)  # CPU-tier blocks priced with the prefix policy's time model
     return PoolRouter(core, pool, clock=clock)
 
 

@@ -31,6 +31,13 @@ and vLLM's per-block extra keys: the adapter name on every block, the cache_salt
 `BlockRemoved`, a prefix-cache reset `AllBlocksCleared`. Each `plan_step` (and `finish_decode_run`,
 `reset_prefix_cache`) that changed the cache hands its events, in order, to `on_kv_events` as one list (one
 `EventBatch`). Off, the only cost is one attribute test per registration and per step.
+
+CPU tier (``EngineConfig.num_cpu_blocks`` > 0: vLLM's ``--kv-offloading-size``, see cpu_tier.py): hashes the GPU
+evicts go to the host tier; a request admitted with a GPU prefix hit of k blocks then loads the next blocks of
+its chain that the host holds into fresh GPU blocks (registered, so they are GPU-cached again and published
+as GPU `BlockStored`), and counts them as cached tokens (vLLM's ``cached_tokens`` includes a connector's
+hits); the step that admits it lasts the transfer time longer (``num_blocks x cpu_load_s_per_block x
+time_scale``). The tier's own events (medium "CPU") follow the GPU events of the same step in its batch.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import numpy as np
 
 from prefixroute.kv_events_wire import MEDIUM_GPU, BlockStored
 from prefixroute.model_servers.cost_model import CostModel
+from prefixroute.model_servers.cpu_tier import CPUTier
 from prefixroute.model_servers.kv_cache import KVCache, hash_blocks
 
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -59,7 +67,7 @@ class EngineRequest:
     __slots__ = ("request_id", "prompt_ids", "block_hashes", "num_prompt_tokens", "max_tokens", "arrival_s",
                  "num_computed", "num_output", "blocks", "num_registered", "num_cached_tokens", "first_token_s",
                  "finished_s", "status", "num_preemptions", "sink", "first_scheduled", "num_tokens", "lora_name",
-                 "lora_id", "cache_salt")
+                 "lora_id", "cache_salt", "num_cpu_cached_tokens")
 
     def __init__(self, request_id: str, prompt_ids: np.ndarray, max_tokens: int, *, block_size: int,
                  root: int, arrival_s: float = 0.0, sink: Any = None, lora_name: str | None = None,
@@ -76,6 +84,7 @@ class EngineRequest:
         self.blocks: list[int] = []
         self.num_registered = 0
         self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission (reported in usage)
+        self.num_cpu_cached_tokens = 0  # of which loaded from the CPU tier
         self.first_scheduled = False
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
@@ -136,7 +145,10 @@ class EngineStats:
     """Cumulative counters (the /metrics counters) of one engine."""
 
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission (vllm:prefix_cache_queries)
-    prefix_cache_hits: int = 0  # of which served from cache (vllm:prefix_cache_hits)
+    prefix_cache_hits: int = 0  # of which served from the GPU cache (vllm:prefix_cache_hits)
+    external_prefix_cache_queries: int = 0  # prompt tokens looked up with a CPU tier (vllm:external_prefix_cache_*)
+    external_prefix_cache_hits: int = 0  # of which loaded from the CPU tier
+    kv_offload_load_s: float = 0.0  # modelled host-to-device transfer time (vllm:kv_offload_load_time)
     prompt_tokens: int = 0  # prompt tokens of finished+running requests at first admission
     generation_tokens: int = 0
     num_finished: int = 0
@@ -167,6 +179,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     time_scale: float = 1.0
+    num_cpu_blocks: int = 0  # CPU tier capacity (0: no offloading)
+    cpu_load_s_per_block: float = 0.0  # host-to-device time of one block
+    cpu_bytes_per_block: int = 0  # bytes one block moves per TP rank (metrics)
 
 
 class EngineCore:
@@ -184,15 +199,25 @@ class EngineCore:
         self._step_cost = cost.step_time_s
         self._time_scale = config.time_scale
         self._on_kv_events = on_kv_events
+        self.tier: CPUTier | None = None
+        self._load_s = 0.0  # transfer time of this step's CPU loads
+        if config.num_cpu_blocks > 0:
+            self.tier = CPUTier(config.num_cpu_blocks, config.cpu_load_s_per_block, config.cpu_bytes_per_block)
+            self.cache.evicted = []
         if on_kv_events is not None:
-            self.cache.enable_events()
+            self._enable_events()
+
+    def _enable_events(self) -> None:
+        self.cache.enable_events()
+        if self.tier is not None:
+            self.tier.enable_events()
 
     def set_kv_events_sink(self, on_kv_events: Callable[[list], Any] | None) -> None:
         """Hand each step's KV events to `on_kv_events` from now on (None: stop); recording starts now, so
         a consumer that starts here sees every block stored after this call (none before)."""
         self._on_kv_events = on_kv_events
         if on_kv_events is not None:
-            self.cache.enable_events()
+            self._enable_events()
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -283,9 +308,46 @@ class EngineCore:
             record(BlockStored(req.block_hashes[s:e], req.block_hashes[s - 1] if s else None,
                                req.prompt_ids[s * bs:e * bs], bs, req.lora_id, MEDIUM_GPU, lora, extra))
 
+    def _drain_evicted(self) -> None:
+        """Hand the hashes the GPU evicted to the CPU tier (no-op without one)."""
+        evicted = self.cache.evicted
+        if evicted:
+            self.tier.offload(evicted)  # type: ignore[union-attr]
+            evicted.clear()
+
     def _flush_kv_events(self) -> None:
+        tier = self.tier
+        if tier is not None:
+            self._drain_evicted()
+            if self._on_kv_events is not None and (self.cache.has_events() or tier.events):
+                self._on_kv_events(self.cache.take_events() + tier.take_events())
+            return
         if self._on_kv_events is not None and self.cache.has_events():
             self._on_kv_events(self.cache.take_events())
+
+    def _load_from_cpu(self, req: EngineRequest, start: int, max_hit: int) -> int:
+        """Load the blocks of req's chain from `start` on that the CPU tier holds (at most up to `max_hit`) into
+        new GPU blocks appended to req.blocks; returns how many (0 when the tier holds none or the GPU has no
+        room). Their transfer time is added to this step."""
+        self._drain_evicted()  # blocks this step already evicted are host-resident now
+        tier = self.tier
+        hashes = req.block_hashes[start:max_hit]
+        k = tier.num_leading(hashes)  # type: ignore[union-attr]
+        if not k:
+            return 0
+        got = self.cache.allocate(k)
+        if got is None:
+            return 0
+        hashes = hashes[:k]
+        n = self.cache.register_many(got, hashes)
+        if n and self._on_kv_events is not None:
+            self._record_stored(req, start, start + k, got, hashes, n)
+        req.blocks.extend(got)
+        tier.num_loaded_blocks += k  # type: ignore[union-attr]
+        load_s = tier.load_time_s(k)  # type: ignore[union-attr]
+        self._load_s += load_s
+        self.stats.kv_offload_load_s += load_s
+        return k
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's prefix-cache reset: drop every cached hash, only when no block is held (False otherwise).
@@ -297,6 +359,9 @@ class EngineCore:
             for req in reversed(running):  # appendleft in reverse keeps their admission order
                 self._preempt(req)
         ok = self.cache.reset_prefix_cache()
+        if ok and self.tier is not None:
+            self.cache.evicted.clear()  # type: ignore[union-attr]
+            self.tier.clear()
         self._flush_kv_events()
         return ok
 
@@ -346,11 +411,13 @@ class EngineCore:
             i += 1
         if not preempted:
             budget, n_sum, attn, kv = self._admit_waiting(scheduled, budget, n_sum, attn, kv)
-        if self._on_kv_events is not None and self.cache.has_events():
-            self._on_kv_events(self.cache.take_events())
+        self._flush_kv_events()
         if not scheduled:
             return None
         duration = self._step_cost(n_sum, attn, kv, len(scheduled)) * self._time_scale
+        if self._load_s:
+            duration += self._load_s * self._time_scale
+            self._load_s = 0.0
         self.stats.num_steps += 1
         self.stats.busy_s += duration
         return StepPlan(scheduled, duration, n_sum)
@@ -367,12 +434,15 @@ class EngineCore:
         while waiting and budget > 0 and len(running) < max_seqs:
             req = waiting[0]
             known = req.num_tokens
+            loaded = 0
             if not req.blocks:
                 max_hit = min((known - 1) // bs, len(req.block_hashes))
                 hit = cache.take_prefix(req.block_hashes[:max_hit]) if max_hit else []
                 req.blocks = hit
-                req.num_computed = len(hit) * bs
-                req.num_registered = len(hit)
+                if self.tier is not None and len(hit) < max_hit:
+                    loaded = self._load_from_cpu(req, len(hit), max_hit) * bs
+                req.num_computed = len(req.blocks) * bs
+                req.num_registered = len(req.blocks)
             n = known - req.num_computed
             if n > budget:
                 n = budget
@@ -387,10 +457,14 @@ class EngineCore:
             running.append(req)
             st = self.stats
             st.prefix_cache_queries += known
-            st.prefix_cache_hits += req.num_computed
+            st.prefix_cache_hits += req.num_computed - loaded
+            if self.tier is not None:
+                st.external_prefix_cache_queries += known
+                st.external_prefix_cache_hits += loaded
             if not req.first_scheduled:
                 req.first_scheduled = True
                 req.num_cached_tokens = req.num_computed
+                req.num_cpu_cached_tokens = loaded
                 st.prompt_tokens += req.num_prompt_tokens
             c = req.num_computed
             self._register(req, n)

@@ -116,7 +116,8 @@ class KVCache:
     COMPACT_SLACK = 1024  # stale run entries tolerated beyond 2 x num_blocks before compacting
 
     __slots__ = ("num_blocks", "block_size", "ref", "block_hash", "cached", "next_unused", "num_held",
-                 "num_evictions", "_tick", "_free_tick", "_runs", "_run_entries", "_empty", "events", "_removed")
+                 "num_evictions", "_tick", "_free_tick", "_runs", "_run_entries", "_empty", "events", "_removed",
+                 "evicted")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -136,6 +137,7 @@ class KVCache:
         self._empty: list[int] = []  # free blocks holding no hash: reused first (they hold nothing)
         self.events: list | None = None  # KV events recorded since the last take_events (None: not recording)
         self._removed: list[int] | None = None  # evicted hashes not yet in an event (batched into one)
+        self.evicted: list[int] | None = None  # evicted hashes for a lower tier to take (None: no lower tier)
 
     # -- KV events ----------------------------------------------------------------------------------
     def enable_events(self) -> None:
@@ -220,7 +222,7 @@ class KVCache:
         out: list[int] = []
         runs, ref, ftick = self._runs, self.ref, self._free_tick
         block_hash, cached = self.block_hash, self.cached
-        removed = self._removed
+        removed, evicted = self._removed, self.evicted
         while len(out) < n:
             run = runs[0]
             ids, ticks, pos = run
@@ -245,6 +247,8 @@ class KVCache:
                         del cached[h]
                         if removed is not None:
                             removed.append(h)
+                        if evicted is not None:
+                            evicted.append(h)
                     block_hash[b] = None
                     self.num_evictions += 1
                 out.append(b)

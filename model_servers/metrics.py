@@ -59,6 +59,8 @@ def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_r
     `responses_store` the Responses API store's gauges and eviction counter."""
     page = _Page(model_name)
     _engine_samples(page, core, slow_client_aborts, num_http_requests_failed)
+    if core.tier is not None:
+        _offload_samples(page, core)
     if kv_publisher is not None:
         _publisher_samples(page, kv_publisher)
     if responses_store is not None:
@@ -106,6 +108,28 @@ def _engine_samples(page: _Page, core: EngineCore, slow_client_aborts: Mapping[s
           "events holds, once it has applied every published batch).", len(core.cache.cached))
 
 
+def _offload_samples(page: _Page, core: EngineCore) -> None:
+    """The CPU tier (vLLM 0.33's connector prefix-cache counters and offloading transfer counters, and the
+    tier's occupancy under our own prefix)."""
+    gauge, counter, st, tier = page.gauge, page.counter, core.stats, core.tier
+    assert tier is not None
+    counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance "
+            "cache sharing, in terms of number of queried tokens.", st.external_prefix_cache_queries)
+    counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache "
+            "sharing, in terms of number of cached tokens.", st.external_prefix_cache_hits)
+    counter("vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU.",
+            tier.num_loaded_blocks * tier.bytes_per_block)
+    counter("vllm:kv_offload_load_time", "Total load time from offload storage to GPU, in seconds.",
+            st.kv_offload_load_s)
+    counter("vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage.",
+            tier.num_stored_blocks * tier.bytes_per_block)
+    counter("vllm:kv_offload_store_time", "Total store time from GPU to offload storage, in seconds (stores "
+            "overlap compute: modelled at the host-link rate).", tier.num_stored_blocks * tier.load_s_per_block)
+    gauge("prefixroute:kv_offload_cpu_usage_perc", "CPU-tier usage (blocks held / capacity), 0-1.", tier.usage_ratio)
+    gauge("prefixroute:kv_offload_cpu_blocks", "Blocks held in the CPU tier (what a consumer of the medium CPU "
+          "KV events holds).", len(tier))
+
+
 def _publisher_samples(page: _Page, pub: ZmqEventPublisher) -> None:
     """What the KV-event publisher sent and dropped."""
     counter = page.counter
@@ -149,6 +173,10 @@ def _config_and_ttft(page: _Page, core: EngineCore) -> None:
                "# TYPE vllm:cache_config_info gauge\n"
                f'vllm:cache_config_info{{block_size="{cfg.block_size}",enable_prefix_caching="True",'
                f'engine="0",num_gpu_blocks="{cfg.num_gpu_blocks}"}} 1.0')
+    if cfg.num_cpu_blocks:
+        out.append("# HELP vllm:kv_offload_config_info Static configuration of the KV offload managers of this "
+                   "engine instance.\n# TYPE vllm:kv_offload_config_info gauge\n"
+                   f'vllm:kv_offload_config_info{{{lbl},medium="CPU",num_blocks="{cfg.num_cpu_blocks}"}} 1.0')
     name = "vllm:time_to_first_token_seconds"
     lines = [f"# HELP {name} Histogram of time to first token in seconds.", f"# TYPE {name} histogram"]
     cum = 0

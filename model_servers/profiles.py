@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from prefixroute.model_servers import protocol
 from prefixroute.model_servers.cost_model import CostModel, TensorParallel, fit
+from prefixroute.model_servers.cpu_tier import H200_HOST_TO_DEVICE_BYTES_PER_S, num_cpu_blocks
 from prefixroute.model_servers.engine import EngineConfig, EngineCore
 
 H200_MEMORY_BYTES = 141e9
@@ -46,6 +47,10 @@ class Profile:
     def num_gpu_blocks(self, block_size: int = 16) -> int:
         free = H200_MEMORY_BYTES * GPU_MEMORY_UTILIZATION - self.weight_bytes / self.tp_degree
         return int(free // (self.kv_bytes_per_token / self.tp_degree * block_size))
+
+    def kv_bytes_per_block_per_rank(self, block_size: int = 16) -> int:
+        """Bytes of one KV block on one TP rank (what one rank's host link moves to load it)."""
+        return self.kv_bytes_per_token // self.tp_degree * block_size
 
     def cost_model(self) -> CostModel:
         return fit(self.calibration_model, self.tensor_parallel)
@@ -85,6 +90,7 @@ class SpecSettings(Protocol):
     served_model_name: str
     lora_modules: tuple[str, ...]
     default_max_tokens: int
+    kv_offloading_size: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +111,13 @@ class EngineSpec:
         """The spec of a server started with settings `s` (ValueError for an unknown profile)."""
         profile = get_profile(s.profile)
         num_blocks = s.num_gpu_blocks or profile.num_gpu_blocks(s.block_size)
+        block_bytes = profile.kv_bytes_per_block_per_rank(s.block_size)
         return cls(profile=profile,
                    config=EngineConfig(num_blocks, s.block_size, s.max_num_seqs, s.max_num_batched_tokens,
-                                       s.time_scale),
+                                       s.time_scale,
+                                       num_cpu_blocks(s.kv_offloading_size, profile.kv_bytes_per_token,
+                                                      s.block_size),
+                                       block_bytes / H200_HOST_TO_DEVICE_BYTES_PER_S, block_bytes),
                    cost_model=profile.cost_model(),
                    served_model_name=s.served_model_name or profile.served_model_name,
                    lora_modules=tuple(s.lora_modules),

@@ -27,6 +27,14 @@ class ServerSettings(Settings):
     num_gpu_blocks: int | None = setting(None, "KV cache capacity in blocks (default: from the profile's GPU "
                                               "memory after weights, e.g. 52,852 for the 8B profile).")
     block_size: int = setting(16, "Tokens per KV block (vLLM's default on CUDA).")
+    kv_offloading_size: float | None = setting(None, "Host-memory (CPU) KV tier in GiB, vLLM's "
+                                                    "--kv-offloading-size (total over TP ranks): blocks the GPU "
+                                                    "evicts are kept there under their own LRU, loaded back on a "
+                                                    "prefix hit at the H200's host-link bandwidth (55 GB/s), and "
+                                                    "published as KV events with medium CPU. Empty = no "
+                                                    "offloading (vLLM's default).")
+    kv_offloading_backend: str = setting("native", "vLLM's --kv-offloading-backend: only 'native' (vLLM's own "
+                                                   "CPU offloading) is simulated.")
     max_num_seqs: int = setting(256, "Most requests running at once (vLLM's default).")
     max_num_batched_tokens: int = setting(8192, "Token budget per engine step, chunked prefill above it "
                                                 "(vLLM's default for online serving on an H100/H200).")
@@ -97,5 +105,10 @@ class ServerSettings(Settings):
 
     def __post_init__(self) -> None:
         kv_events_publisher.parse_config(self.kv_events_config)  # a bad config fails at startup, with its reason
+        if self.kv_offloading_backend != "native":
+            raise ValueError(f"--kv-offloading-backend {self.kv_offloading_backend!r} is not simulated; only "
+                             "'native'")
+        if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
+            raise ValueError(f"--kv-offloading-size must be >= 0 GiB; got {self.kv_offloading_size}")
         if self.responses_store_max_entries < 1 or self.responses_store_max_bytes < 1:
             raise ValueError("responses_store_max_entries and responses_store_max_bytes must be >= 1")

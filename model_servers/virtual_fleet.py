@@ -116,6 +116,7 @@ class SimResult:
     num_preemptions: int
     status: int = 200
     error: str | None = None
+    cpu_cached_tokens: int = 0  # of cached_tokens, those loaded from the CPU tier
 
     @property
     def ttft_s(self) -> float | None:
@@ -315,7 +316,8 @@ class VirtualFleet:
         for r in done:
             k = r.sink
             self._finished(SimResult(order[k], i, ep, r.arrival_s, r.first_token_s, t, r.num_prompt_tokens,
-                                     r.num_cached_tokens, r.num_output, r.num_preemptions), k, t)
+                                     r.num_cached_tokens, r.num_output, r.num_preemptions,
+                                     cpu_cached_tokens=r.num_cpu_cached_tokens), k, t)
         if self._on_step is not None:
             self._on_step(self, i)
 

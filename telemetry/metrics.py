@@ -215,6 +215,8 @@ KV_EVENT_STATS: tuple[tuple[str, str, str], ...] = (
      "first token block among the blocks its events stored (the server tokenizes as the router does), else 0."),
     ("blocks", "prefixroute_kv_event_index_blocks", "Blocks the endpoint's KV events say it holds (the events "
      "index)."),
+    ("cpu_blocks", "prefixroute_kv_event_index_cpu_blocks", "Blocks the endpoint's KV events say its host-memory "
+     "(CPU) tier holds: vLLM's native KV offloading (the tier-aware events index)."),
 )
 
 
@@ -229,11 +231,12 @@ def _index_families(info: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
                               "(all but live: matched by the router's own index, feedback).",
                               labels=["endpoint", "state"])
     media = CounterMetricFamily("prefixroute_kv_events_other_media_blocks", "Blocks the endpoint's KV events "
-                                "stored or removed on a medium other than the GPU (CPU offload, disk: counted, "
-                                "not indexed).", labels=["endpoint", "medium", "event"])
+                                "stored or removed on a medium other than the GPU (CPU offload, disk; the CPU "
+                                "tier is indexed too: prefixroute_kv_event_index_cpu_blocks).",
+                                labels=["endpoint", "medium", "event"])
     fams: dict[str, Any] = {}
     for key, name, help_ in KV_EVENT_STATS:
-        cls = GaugeMetricFamily if key in ("connected", "last_seq", "blocks", "tokens_verified") else \
+        cls = GaugeMetricFamily if key in ("connected", "last_seq", "blocks", "cpu_blocks", "tokens_verified") else \
             CounterMetricFamily
         fams[key] = cls(name, help_, labels=["endpoint"])
     for ep, d in info.items():

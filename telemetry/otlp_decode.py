@@ -20,6 +20,7 @@ from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from prefixroute.telemetry import attributes as A
+from prefixroute.telemetry.tracecontext import parse_traceparent
 
 _STATUS_CODE_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 
@@ -124,6 +125,7 @@ def span_to_row(span: Span, resource_attrs: Mapping[str, Any]) -> dict[str, Any]
         error = A.cap_str(span.status.message) or "error"
     status = _int(attrs.get(F["status"], attrs.get(A.STATUS)))
     stream = attrs.get(F["stream"])
+    ttft_ms = _float(attrs.get(F["ttft_ms"]))
     return {
         # OTLP ids are 16 and 8 bytes; a sender's longer bytes are cut, not stored whole.
         "trace_id": span.trace_id[:16].hex(),
@@ -146,7 +148,7 @@ def span_to_row(span: Span, resource_attrs: Mapping[str, Any]) -> dict[str, Any]
         "alternative_ttft_ms": _float(attrs.get(F["alternative_ttft_ms"])),
         "index_source": _str(attrs.get(F["index_source"])),
         "decision_us": _float(attrs.get(F["decision_us"])),
-        "ttft_ms": _float(attrs.get(F["ttft_ms"])),
+        "ttft_ms": ttft_ms,
         "latency_ms": latency_ms,
         "prompt_tokens": _int(attrs.get(F["prompt_tokens"])),
         "completion_tokens": _int(attrs.get(F["completion_tokens"])),
@@ -157,12 +159,18 @@ def span_to_row(span: Span, resource_attrs: Mapping[str, Any]) -> dict[str, Any]
         "path": _str(attrs.get(F["path"])),
         "service_name": _str(resource_attrs.get("service.name")),
         "attrs": _attrs_json(resource_attrs, attrs),
+        # The sender's own figures; Envoy's record may replace ttft_ms / latency_ms later (`join_envoy_timing`).
+        "router_ttft_ms": ttft_ms, "router_latency_ms": latency_ms, "timing_source": "router",
     }
 
 
 def envoy_log_to_row(record: LogRecord) -> dict[str, Any] | None:
     """A store row for one of Envoy's request records (envoy_config.RECORD_ATTRIBUTES), None for any other log
-    record. Ids are derived from the request id (one row per request, whoever sends it twice)."""
+    record. Ids are derived from the request id (one row per request, whoever sends it twice). TTFT and latency are
+    Envoy's (envoy_config/timing.py): the Responses API's first token event when stamped, else the first upstream
+    body byte; latency to the last byte sent (microseconds), else Envoy's whole-millisecond ``%DURATION%``. The row
+    also holds ``router_span``: the (trace id, span id) of the routing filter's traceparent, or None (not a
+    column: `join_envoy_timing` matches it against the router's row)."""
     attrs = attributes_dict(record.attributes)
     if attrs.get("prefixroute.envoy_record") != "1":
         return None
@@ -171,7 +179,7 @@ def envoy_log_to_row(record: LogRecord) -> dict[str, Any] | None:
         return None
     digest = hashlib.blake2b(rid.encode("utf-8", "replace"), digest_size=24).hexdigest()
     start = _float(attrs.get("prefixroute.start_time"))
-    latency = _float(attrs.get("prefixroute.latency_ms"))
+    ttft, latency = envoy_timing_ms(attrs, start)
     flags = _str(attrs.get("prefixroute.response_flags"))
     endpoint = _str(attrs.get("prefixroute.endpoint"))
     status = _int(attrs.get("prefixroute.status"))
@@ -182,13 +190,68 @@ def envoy_log_to_row(record: LogRecord) -> dict[str, Any] | None:
         "model": None, "tenant_hash": None, "policy": "", "reason": "unrouted",
         "endpoint": None if endpoint in (None, "-") else endpoint, "endpoints": "[]", "matched_blocks": 0,
         "total_blocks": 0, "predicted_hit_ratio": 0.0, "predicted_ttft_ms": None, "alternative_endpoint": None,
-        "alternative_ttft_ms": None, "index_source": None, "decision_us": 0.0, "ttft_ms": None,
+        "alternative_ttft_ms": None, "index_source": None, "decision_us": 0.0, "ttft_ms": ttft,
         "latency_ms": latency, "prompt_tokens": None, "completion_tokens": None, "cached_tokens": None,
         "stream": None, "status": status,
         "error": None if not flags or flags == "-" else f"envoy: {A.cap_str(flags)}",
         "path": _str(attrs.get("prefixroute.path")), "service_name": "envoy",
         "attrs": _attrs_json({}, {"prefixroute.route": attrs.get("prefixroute.route"), "source": "envoy"}),
+        "router_ttft_ms": None, "router_latency_ms": None, "timing_source": "envoy",
+        "router_span": _span_key(attrs.get("prefixroute.traceparent")),
     }
+
+
+def _micros_ms(v: Any) -> float | None:
+    """Envoy's ``%COMMON_DURATION(...:us)%`` (a whole number of microseconds, ``-`` when a time point is missing)
+    in milliseconds."""
+    us = _int(v) if isinstance(v, str) and v.isdigit() else None
+    return None if us is None else us / 1000.0
+
+
+def envoy_timing_ms(attrs: Mapping[str, Any], start_s: float | None) -> tuple[float | None, float | None]:
+    """(TTFT ms, latency ms) of Envoy's record attributes (see `envoy_log_to_row`); None where Envoy had none (no
+    response body: no TTFT). A stamped first token time before the start, or after the end, is ignored."""
+    latency = _micros_ms(attrs.get("prefixroute.duration_us"))
+    if latency is None:
+        latency = _float(attrs.get("prefixroute.latency_ms"))
+    ttft = _micros_ms(attrs.get("prefixroute.ttft_us"))
+    first_us = _micros_ms(attrs.get("prefixroute.first_token_us"))
+    if first_us is not None and start_s is not None:
+        stamped = first_us - start_s * 1000.0  # both from Envoy's system clock (START_TIME and the Lua stamp)
+        if 0.0 <= stamped and (latency is None or stamped <= latency + 1.0):
+            ttft = stamped
+    return ttft, latency
+
+
+def _span_key(traceparent: Any) -> tuple[str, str] | None:
+    tp = parse_traceparent(traceparent) if isinstance(traceparent, str) else None
+    return None if tp is None else (tp.trace_id, tp.span_id)
+
+
+def join_envoy_timing(router_row: dict[str, Any], envoy_row: Mapping[str, Any]) -> bool:
+    """Put Envoy's TTFT and latency (and end time) of a request into the router's row of it, keeping the router's
+    own in ``router_ttft_ms`` / ``router_latency_ms``; ``timing_source`` becomes "envoy". Envoy's figure wins where
+    it has one; the router's stays where Envoy has none (no body: no TTFT). False (nothing changed) when the two
+    are not the same request: Envoy's record names another router span (a client reused an ``x-request-id``)."""
+    key = envoy_row.get("router_span")
+    if key is not None and key != (router_row.get("trace_id"), router_row.get("span_id")):
+        return False
+    router_row.update(timing_update(envoy_row, router_row["trace_id"], router_row["span_id"], router_row))
+    router_row["timing_source"] = "envoy"
+    return True
+
+
+def timing_update(envoy_row: Mapping[str, Any], trace_id: str, span_id: str,
+                  router_row: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The columns Envoy's record sets on the router's row (store_schema.TIMING_UPDATE_SQL's parameters); with
+    `router_row`, None values fall back to that row's."""
+    out = {"trace_id": trace_id, "span_id": span_id, "ttft_ms": envoy_row.get("ttft_ms"),
+           "latency_ms": envoy_row.get("latency_ms"), "end_time": envoy_row.get("end_time")}
+    if router_row is not None:
+        for k in ("ttft_ms", "latency_ms", "end_time"):
+            if out[k] is None:
+                out[k] = router_row.get(k)
+    return out
 
 
 def envoy_rows(req: ExportLogsServiceRequest) -> list[dict[str, Any]]:

@@ -13,6 +13,16 @@ OpenTelemetry SDK or Collector can export to it:
   (reason "unrouted", service "envoy") only if the router's own record of the same ``x-request-id`` did not
   arrive meanwhile: requests that ran while the router was down, or was killed, keep a record.
 
+Timing (issue 26): when both records of a request arrive, in either order, the stored row's ``ttft_ms`` and
+``latency_ms`` are Envoy's (its clock: the first upstream body byte holding a token, the last byte sent;
+envoy_config/timing.py), ``timing_source`` "envoy", and the router's own figures (taken when its event loop got to
+the observing stream's messages: tens of ms late under load) stay in ``router_ttft_ms`` / ``router_latency_ms``.
+Without Envoy's record (no `records_otlp_address`, or it came after the router's record left the `MAX_HELD`
+window) the row keeps the router's figures, ``timing_source`` "router". The two are the same request when their
+``x-request-id`` match and Envoy's record names the router's span in its traceparent (a client reusing a request id
+gets no other request's timing). The router's learning (its time model) never reads any of this: it learns from
+its own observation, in its own process.
+
 The gRPC handler only enqueues the decoded request; one writer thread converts spans to rows,
 inserts them in batches (one transaction per drain) and enforces retention every
 `retention_interval_s`. When the writer falls behind by `max_pending_batches` requests, new
@@ -48,7 +58,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from prefixroute.grpc_auth import BearerTokenInterceptor, server_credentials
 from prefixroute.telemetry.http_api import ApiStats, start_http_api
-from prefixroute.telemetry.otlp_decode import envoy_rows, request_rows
+from prefixroute.telemetry.otlp_decode import envoy_rows, join_envoy_timing, request_rows, timing_update
 from prefixroute.telemetry.store import DEFAULT_MAX_BYTES, TelemetryStore
 
 log = logging.getLogger(__name__)
@@ -70,6 +80,7 @@ class ReceiverStats(ApiStats):
         self.num_log_records = 0
         self.num_envoy_records = 0  # Envoy's request records received
         self.num_envoy_records_stored = 0  # ...stored: the router's own record never came
+        self.num_envoy_timings_joined = 0  # ...whose timing went into the router's record of the request
 
     def count_unauthenticated(self) -> None:
         self.num_unauthenticated += 1
@@ -97,9 +108,9 @@ class StoreWriter:
         self.stats = stats
         self.envoy_record_hold_s = envoy_record_hold_s
         # Envoy's records waiting for the router's (request id -> (due, row)), and the request ids the router's
-        # records carried lately: both bounded (MAX_HELD), oldest out.
+        # records carried lately (-> their row's (trace id, span id)): both bounded (MAX_HELD), oldest out.
         self._held: collections.OrderedDict[str, tuple[float, dict[str, Any]]] = collections.OrderedDict()
-        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self.retention_interval_s = retention_interval_s
         self.max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0  # wire size of the queued requests (updated under _bytes_lock)
@@ -138,6 +149,7 @@ class StoreWriter:
             except queue.Empty:
                 pass
             rows: list[dict[str, Any]] = []
+            updates: list[dict[str, Any]] = []  # Envoy's timing for router rows stored in earlier drains
             for item in reqs:
                 if item is _STOP:
                     stopping = True
@@ -147,7 +159,7 @@ class StoreWriter:
                     self._pending_bytes -= num_bytes
                 try:
                     if isinstance(r, logs_service_pb2.ExportLogsServiceRequest):
-                        self._hold(envoy_rows(r))
+                        updates.extend(self._hold(envoy_rows(r)))
                         continue
                     got, ignored = request_rows(r)
                 except Exception:  # one odd export must not stop the writer
@@ -162,6 +174,11 @@ class StoreWriter:
                 except Exception:
                     log.exception("failed to store %d request rows", len(rows))
                     self.stats.num_rows_failed += len(rows)
+            if updates:
+                try:
+                    self.stats.num_envoy_timings_joined += self.store.update_timing(updates)
+                except Exception:
+                    log.exception("failed to set Envoy's timing on %d request rows", len(updates))
             now = time.monotonic()
             if now >= next_retention or stopping:
                 try:
@@ -173,26 +190,37 @@ class StoreWriter:
                 self._idle.set()
         self.store.close()
 
-    def _hold(self, rows: list[dict[str, Any]]) -> None:
+    def _hold(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Hold Envoy's records whose router record has not come; return the timing updates of those whose has
+        (stored already: module docstring)."""
         due = time.monotonic() + self.envoy_record_hold_s
+        updates = []
         for row in rows:
             self.stats.num_envoy_records += 1
             rid = row["request_id"]
-            if rid in self._seen or rid in self._held:
-                continue  # the router's record is in already (or Envoy sent it twice)
+            key = self._seen.get(rid)
+            if key is not None:  # the router's record is in already: Envoy's timing goes onto it
+                if row["router_span"] in (None, key):
+                    updates.append(timing_update(row, *key))
+                continue
+            if rid in self._held:
+                continue  # Envoy sent it twice
             self._held[rid] = (due, row)
             if len(self._held) > MAX_HELD:
                 self._settle_one(*self._held.popitem(last=False))
+        return updates
 
     def _settle(self, router_rows: list[dict[str, Any]], now: float, flush: bool) -> list[dict[str, Any]]:
-        """Note the request ids of the router's rows (their Envoy records are dropped); return Envoy's records
-        whose hold is over (all of them when `flush`)."""
+        """Note the request ids of the router's rows (Envoy's records of them give them their timing, then are
+        dropped); return Envoy's records whose hold is over (all of them when `flush`)."""
         seen, held = self._seen, self._held
         for row in router_rows:
             rid = row.get("request_id")
             if rid:
-                held.pop(rid, None)
-                seen[rid] = None
+                envoy = held.pop(rid, None)
+                if envoy is not None and join_envoy_timing(row, envoy[1]):
+                    self.stats.num_envoy_timings_joined += 1
+                seen[rid] = (row["trace_id"], row["span_id"])
                 seen.move_to_end(rid)
         while len(seen) > MAX_HELD:
             seen.popitem(last=False)

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prefixroute.telemetry.records import RequestRecord
-from prefixroute.telemetry.store_schema import (ADDED_COLUMNS, INSERT_SQL, SCHEMA_SQL, SCHEMA_VERSION, complete_row,
-                                                record_to_row)
+from prefixroute.telemetry.store_schema import (ADDED_COLUMNS, INSERT_SQL, SCHEMA_SQL, SCHEMA_VERSION,
+                                                TIMING_UPDATE_SQL, complete_row, record_to_row)
 
 DEFAULT_MAX_BYTES = 1 << 30
 """Default byte cap of the store (1 GiB): what the default row cap (500,000) really held at the ~2.2 KB a
@@ -100,6 +100,15 @@ class TelemetryStore:
         with _transaction(self._conn):
             self._conn.executemany(INSERT_SQL, rows)
         return len(rows)
+
+    def update_timing(self, updates: Iterable[Mapping[str, Any]]) -> int:
+        """Set Envoy's timing (``ttft_ms``, ``latency_ms``, ``end_time``; a None keeps the row's) on stored rows
+        (by ``trace_id`` + ``span_id``), in one transaction; returns how many rows changed."""
+        updates = list(updates)
+        if not updates:
+            return 0
+        with _transaction(self._conn):
+            return self._conn.executemany(TIMING_UPDATE_SQL, updates).rowcount
 
     def insert_records(self, records: Iterable[RequestRecord]) -> int:
         return self.insert_rows(record_to_row(r) for r in records)

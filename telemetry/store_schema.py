@@ -27,6 +27,11 @@ Schema (table ``requests``; the record fields are those of `records.RequestRecor
     service_name        TEXT                  -- resource service.name of the sender
     attrs               TEXT NOT NULL         -- JSON object: every span + resource attribute (drill-down)
     run_id              TEXT                  -- the run of the stack that stored it (NULL: stored before v4)
+    router_ttft_ms, router_latency_ms  REAL   -- the router's own measurement (its event loop's clock; NULL in
+                                                 Envoy-only rows and rows stored before v5)
+    timing_source       TEXT                  -- whose clock ttft_ms / latency_ms are: "envoy" (Envoy's record of
+                                                 the request, joined by the router's traceparent / request id) or
+                                                 "router" (no Envoy record: telemetry/receiver.py); NULL before v5
     UNIQUE (trace_id, span_id)                -- an OTLP retry re-sending a batch replaces, never duplicates
 
     indexes: requests_start_time (start_time), requests_endpoint_start (endpoint, start_time),
@@ -39,7 +44,8 @@ their requests' time span, so a reader can show one run: the store has one write
 not overlap in time and a run's rows are the rows of its time span.
 
 Schema versions (meta ``schema_version``): 2 added predicted_ttft_ms, alternative_endpoint and
-alternative_ttft_ms; 3 added index_source; 4 added run_id and the runs table. Opening an older file with
+alternative_ttft_ms; 3 added index_source; 4 added run_id and the runs table; 5 added router_ttft_ms,
+router_latency_ms and timing_source (issue 26: ttft_ms and latency_ms from Envoy's clock). Opening an older file with
 `TelemetryStore` adds the missing columns in place (ALTER TABLE ADD COLUMN: old rows read NULL, nothing is
 rewritten); a `StoreReader` on a file no writer has upgraded yet reads those columns as NULL.
 
@@ -66,7 +72,7 @@ from typing import Any
 
 from prefixroute.telemetry.records import RECORD_FIELDS, RequestRecord
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -114,13 +120,21 @@ CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, started_at REAL NOT NU
 # adds the missing ones to an older file; `StoreReader` reads a missing one as NULL.
 ADDED_COLUMNS: tuple[tuple[str, str], ...] = (
     ("predicted_ttft_ms", "REAL"), ("alternative_endpoint", "TEXT"), ("alternative_ttft_ms", "REAL"),
-    ("index_source", "TEXT"), ("run_id", "TEXT"))
+    ("index_source", "TEXT"), ("run_id", "TEXT"), ("router_ttft_ms", "REAL"), ("router_latency_ms", "REAL"),
+    ("timing_source", "TEXT"))
 
-ROW_COLUMNS: tuple[str, ...] = RECORD_FIELDS + ("end_time", "service_name", "attrs", "run_id")
+TIMING_COLUMNS: tuple[str, ...] = ("router_ttft_ms", "router_latency_ms", "timing_source")
+"""Columns of a row's timing provenance (v5): the router's own figures and whose clock ttft_ms/latency_ms are."""
+ROW_COLUMNS: tuple[str, ...] = RECORD_FIELDS + ("end_time", "service_name", "attrs", "run_id") + TIMING_COLUMNS
 INSERT_SQL = (f"INSERT OR REPLACE INTO requests ({', '.join(ROW_COLUMNS)}) "
            f"VALUES ({', '.join(':' + c for c in ROW_COLUMNS)})")
 # Columns returned for one request (dump / recent requests): the record fields + end_time.
-RECORD_COLUMNS = RECORD_FIELDS + ("end_time",)
+RECORD_COLUMNS = RECORD_FIELDS + ("end_time",) + TIMING_COLUMNS
+
+TIMING_UPDATE_SQL = (
+    "UPDATE requests SET ttft_ms = COALESCE(:ttft_ms, ttft_ms), latency_ms = COALESCE(:latency_ms, latency_ms), "
+    "end_time = COALESCE(:end_time, end_time), timing_source = 'envoy' WHERE trace_id = :trace_id AND span_id = :span_id")
+"""Envoy's timing onto a router's row already stored (receiver.py: Envoy's record came after the router's)."""
 
 REFUSED_SQL = "(CASE WHEN status >= 400 AND status < 500 THEN 1 ELSE 0 END)"
 ERROR_SQL = ("(CASE WHEN status >= 400 AND status < 500 THEN 0 "

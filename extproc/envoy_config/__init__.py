@@ -8,8 +8,8 @@ rendering with default settings (a test asserts equality, so it cannot drift).
 
 The package's modules, one concern each: envoy_settings.py (`EnvoySettings`), listener.py (the listener, its HTTP
 connection manager and filters), routes.py, clusters.py, replies.py (Envoy's own replies), auth.py (the ext_proc
-token secret and TLS), admin.py, records.py (Envoy's request records), common.py (names and small builders);
-`build_config` composes them.
+token secret and TLS), admin.py, records.py (Envoy's request records), timing.py (their TTFT and latency on
+Envoy's clock), common.py (names and small builders); `build_config` composes them.
 
 Only what renders the configuration imports this package (this command, `prefixroute gateway`, the overhead
 bench): envoy-data-plane is slow to import and to build the first time (pydantic schemas), so the ext_proc
@@ -23,6 +23,8 @@ Request path through Envoy:
              -> ext_proc filter in observability mode (telemetry; observe_responses): response headers
                 (the request's traceparent, id and path as attributes) and response body STREAMED, sent
                 without waiting for answers
+             -> Lua filter (with records_otlp_address and first_token_lua): stamps a Responses API stream's
+                first token time for Envoy's request record (timing.py)
              -> router: route on the header the picker set, else the ext_proc-down route
 
 Telemetry (extproc/tracking.py): the picker also sets ``traceparent`` (its own span, a child
@@ -130,7 +132,7 @@ from prefixroute.extproc.envoy_config.common import (DIRECT_CLUSTER, EXTPROC_CLU
                                                      UNAVAILABLE_STATEFUL_ROUTE, extproc_addresses)
 from prefixroute.extproc.envoy_config.envoy_settings import (DEFAULT_ALLOWED_PATH_PREFIXES, DEFAULT_ALLOWED_PATHS,
                                                              EnvoySettings)
-from prefixroute.extproc.envoy_config.listener import (ROUTER_FILTER, connection_manager, gateway_listener,
+from prefixroute.extproc.envoy_config.listener import (connection_manager, gateway_listener,
                                                        http_filters, overload_manager)
 from prefixroute.extproc.envoy_config.records import (RECORD_ATTRIBUTES, RECORDS_CLUSTER, RECORDS_TOKEN_SECRET,
                                                       records_access_log)
@@ -166,7 +168,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
     allowed = allowed_path_matches(s)
     token_secret = extproc_token_secret(s)
     filters = http_filters(s, len(replicas))
-    routes = gateway_routes(s, allowed, len(replicas), [f.name for f in filters if f.name != ROUTER_FILTER])
+    routes = gateway_routes(s, allowed, len(replicas),
+                            [f.name for f in filters if f.name in (ROUTING_FILTER, OBSERVE_FILTER)])
     records_log, records_cluster, records_secret = records_access_log(s)
     hcm = connection_manager(s, routes, filters, records_log)
     clusters = gateway_clusters(s, replicas, token_secret, records_cluster)

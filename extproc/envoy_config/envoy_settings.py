@@ -128,9 +128,21 @@ class EnvoySettings(Settings):
         "buffered separately up to max_request_body_bytes.")
     records_otlp_address: str = setting(
         "", "host:port of an OTLP/gRPC receiver (`prefixroute telemetry`) Envoy sends one log record per routed "
-        "request to (its id, path, status, duration, served endpoint, response flags): the receiver keeps it as "
-        "the request's record only when the router's own record never comes (the router was down or was killed "
-        "while the request ran), so every request served has a record. Empty: none.")
+        "request to (its id, path, status, served endpoint, response flags, and TTFT and latency on Envoy's clock): "
+        "the receiver gives the router's record of the request Envoy's TTFT and latency, and keeps Envoy's record as "
+        "the request's own only when the router's never comes (the router was down or was killed while the request "
+        "ran), so every request served has a record. Set: a Lua filter stamps a Responses API stream's first token "
+        "(docs/telemetry.md). Empty: none.")
+    first_token_lua: bool = setting(
+        True, "With records_otlp_address, a Lua filter stamps the time of a Responses API stream's first token event "
+        "into Envoy's record (its opening events precede any token, so its first body byte is too early a TTFT). "
+        "It reads only the first chunk of any other response (measured: docs/benchmarks.md, Router overhead). Off: "
+        "a Responses stream's TTFT is its first body byte.")
+    response_facts_lua: bool = setting(
+        False, "PROTOTYPE, for `prefixroute overhead-bench --variants` only: with records_otlp_address, a Lua filter "
+        "takes each response's facts (first body byte time, usage with cached tokens, response id) in Envoy into "
+        "its request record, in place of the first-token filter; measured as what could replace the observing "
+        "ext_proc filter's per-chunk messages. The router does not read these records.")
     records_otlp_token_file: str = setting(
         "", "File holding the bearer token the OTLP receiver of records_otlp_address requires (read by Envoy, "
         "never written into the configuration).")

@@ -35,6 +35,7 @@ from prefixroute.extproc.envoy_config.common import (EXTPROC_CLUSTER, OBSERVE_FI
                                                      duration)
 from prefixroute.extproc.envoy_config.replies import local_reply_config
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
+from prefixroute.extproc.envoy_config.timing import timing_filter
 from prefixroute.extproc.headers import (LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES, OBSERVED_METADATA,
                                          REPLICA_HEADER, SERVED_HEADER, route_headers)
 
@@ -104,6 +105,9 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
                 response_trailer_mode=HeaderSendMode.SKIP,
             ),
         ))))
+    if s.records_otlp_address and (s.first_token_lua or s.response_facts_lua):
+        # Last before the router: on the response path it sees each chunk first (timing.py).
+        http_filters.append(timing_filter(s.response_facts_lua))
     http_filters.append(HttpFilter(name=ROUTER_FILTER, typed_config=ProtoAny.pack(Router())))
     return http_filters
 

@@ -17,6 +17,7 @@ from prefixroute.extproc.envoy_config.auth import credential_filters
 from prefixroute.extproc.envoy_config.clusters import strict_dns_cluster
 from prefixroute.extproc.envoy_config.common import duration
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
+from prefixroute.extproc.envoy_config.timing import FACTS_ATTRIBUTES, TIMING_ATTRIBUTES
 
 RECORDS_CLUSTER = "prefixroute_records_otlp"
 RECORDS_TOKEN_SECRET = "prefixroute_records_token"
@@ -24,8 +25,9 @@ RECORD_ATTRIBUTES = {
     "prefixroute.envoy_record": "1", "prefixroute.request_id": "%REQ(X-REQUEST-ID)%", "prefixroute.path": "%PATH%",
     "prefixroute.status": "%RESPONSE_CODE%", "prefixroute.latency_ms": "%DURATION%",
     "prefixroute.start_time": "%START_TIME(%s.%6f)%", "prefixroute.endpoint": "%UPSTREAM_HOST%",
-    "prefixroute.response_flags": "%RESPONSE_FLAGS%", "prefixroute.route": "%ROUTE_NAME%"}
-"""What Envoy's record of a request says (telemetry/otlp_decode.py `envoy_log_to_row` reads these names)."""
+    "prefixroute.response_flags": "%RESPONSE_FLAGS%", "prefixroute.route": "%ROUTE_NAME%", **TIMING_ATTRIBUTES}
+"""What Envoy's record of a request says (telemetry/otlp_decode.py `envoy_log_to_row` reads these names); the
+timing ones (TTFT and duration from Envoy's clock) are described in timing.py."""
 
 
 def records_access_log(s: EnvoySettings) -> tuple[list[AccessLog], Cluster | None, Secret | None]:
@@ -44,8 +46,8 @@ def records_access_log(s: EnvoySettings) -> tuple[list[AccessLog], Cluster | Non
     config = OpenTelemetryAccessLogConfig(
         log_name="prefixroute.requests", buffer_flush_interval=duration(1),
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=RECORDS_CLUSTER)),
-        attributes=KeyValueList(values=[KeyValue(key=k, value=AnyValue(string_value=v))
-                                        for k, v in RECORD_ATTRIBUTES.items()]))
+        attributes=KeyValueList(values=[KeyValue(key=k, value=AnyValue(string_value=v)) for k, v in (
+            RECORD_ATTRIBUTES | (FACTS_ATTRIBUTES if s.response_facts_lua else {})).items()]))
     skip = " || ".join(f"xds.route_name == '{r}'" for r in ("gateway_health", "path_not_allowed",
                                                             "connect_not_allowed"))
     log = AccessLog(name="envoy.access_loggers.open_telemetry", typed_config=ProtoAny.pack(config),

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prefixroute.extproc.kv_events.subscriber import KVEventsManager
+from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 
 log = logging.getLogger("prefixroute.extproc")
 
@@ -180,6 +181,7 @@ class KVEventsLink:
         self._check_block_sizes()
         index = self.core.event_index
         blocks = index.num_blocks_by_endpoint() if index is not None else {}
+        cpu_blocks = index.num_cpu_blocks_by_endpoint() if isinstance(index, TieredKVEventIndex) else {}
         sources = self.core.index_sources(self.endpoints)
         info: dict[str, dict[str, object]] = {}
         for ep in self.endpoints:
@@ -191,7 +193,7 @@ class KVEventsLink:
                          num_batches=st.num_batches, num_events=st.num_events, num_gaps=st.num_gaps,
                          num_replays=st.num_replays, num_clears=st.num_clears,
                          num_decode_errors=st.num_decode_errors, num_unknown_events=st.num_unknown_events,
-                         blocks=blocks.get(ep, 0), form=st.form,
+                         blocks=blocks.get(ep, 0), cpu_blocks=cpu_blocks.get(ep, 0), form=st.form,
                          tokens_verified=int(index.is_verified(ep)) if index is not None else None,
                          stored_blocks_by_medium=st.stored_blocks_by_medium,
                          removed_blocks_by_medium=st.removed_blocks_by_medium)

@@ -62,6 +62,12 @@ class RoutingSettings(Settings):
         "Tokens per KV block when hashing token blocks: the servers' block size (vLLM's default on CUDA is 16; "
         "checked against each endpoint's vllm:cache_config_info and its events, a mismatch is logged and the "
         "endpoint's events are not matched).")
+    kv_cpu_load_us_per_token: float = setting(
+        2.38,
+        "Host-to-device load time of one token's KV from the servers' CPU tier (vLLM --kv-offloading-size), in "
+        "microseconds: KV bytes per token per TP rank / host-link bandwidth. 2.38 = Llama-3.1-8B (128 KiB) over an "
+        "H200's PCIe Gen5 x16 link (55 GB/s); a 70B at TP 4 (80 KiB per rank) is 1.49. Blocks the events say are "
+        "in the CPU tier are priced at this load time (extproc/routing/tier_pricing.py).")
     max_token_blocks: int = setting(
         1024,
         "Most token blocks hashed per request when the router tokenizes (1024 x 16 = 16k tokens): the prompt "

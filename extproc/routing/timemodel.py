@@ -42,6 +42,7 @@ import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 from typing import NewType
 
+from prefixroute.extproc.routing.tier_pricing import cpu_block_weight as _cpu_block_weight
 from prefixroute.types import BlockHash, EndpointId
 
 Seconds = NewType("Seconds", float)
@@ -267,6 +268,10 @@ class TimeModel:
         every learned endpoint's price against it; `fits` is replaced whole (the metrics thread reads a copy)."""
         self.default_fit = self._pooled._fit()
         self.fits = {ep: self._class_fit(r) for ep, r in self._rates.items() if r.num_observations > 0}
+
+    def cpu_block_weight(self, endpoint: EndpointId, load_s_per_token: float) -> float:
+        """A CPU-tier block of `endpoint` as a fraction of a GPU hit, at its priced rate (tier_pricing.py)."""
+        return _cpu_block_weight(load_s_per_token, self.priced(endpoint)[0])
 
     def priced(self, endpoint: EndpointId) -> tuple[float, float]:
         """(rate tokens/s, base s) predictions use for `endpoint` (module docstring: rate classes)."""
