@@ -21,13 +21,13 @@ import sys
 from collections.abc import Callable
 
 from prefixroute import settings
-from prefixroute.extproc.endpoints.discovery import discovery_from_settings
+from prefixroute.extproc.endpoints.discovery import DnsDiscovery, discovery_from_settings
 from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_from_settings
 from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
                                         start_health_server, start_server)
-from prefixroute.extproc.kv_events import KVEventsManager
+from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.kv_events.link import KVEventsLink
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.settings import PeerSettings
@@ -38,6 +38,7 @@ from prefixroute.extproc.flow.hold import build_flow
 from prefixroute.extproc.flow.metrics import FlowCollector
 from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.tracking import RequestTracker
+from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.routing.sessions import SessionsCollector
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher, TokenizerLoadError
@@ -112,35 +113,13 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                                                                          ep, reason),
                                   on_state=lambda ep, state: events.on_state(ep, state))
     events = KVEventsLink(core, manager, addresses, pool.snapshot)
-    telemetry = RouterTelemetry.from_settings(tele or RouterTelemetrySettings(metrics_port=-1),
-                                              in_flight=lambda: pool.in_flight,
-                                              index_size=lambda: {**core.index.num_entries_by_endpoint(), **(
-                                                  event_index.num_blocks_by_endpoint() if event_index else {})},
-                                              endpoint_states=pool.snapshot,
-                                              time_model=core.learner.time_model_figures
-                                              if core.learner is not None else None,
-                                              index_info=lambda: events.info)
-    tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
-                             max_body_bytes=routing.max_body_bytes, on_first_token=router.first_token,
-                             on_usage=router.usage, on_response_id=router.learn_response,
-                             propagate=bool(telemetry.recorder.enabled))
-    # Responses API: the response-id directory and its lookups on /metrics (prefixroute_response_*).
-    telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
-    if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
-        telemetry.metrics.registry.register(SessionsCollector(core.sessions))
+    telemetry, tracker = _telemetry_for(router, pool, event_index, events, routing, tele)
     flow = flow_settings or FlowSettings(flow_control=False)
     if flow.flow_control:  # hold, order and shed past saturation (extproc/flow; prefixroute_flow_* on /metrics)
         control = build_flow(router, flow, tick_s=pool_settings.scrape_interval_s,
                              stale_after_s=pool_settings.metrics_stale_after_s, tenant_header=routing.tenant_header)
         telemetry.metrics.registry.register(FlowCollector(control))
-    bus = None
-    if peer_settings is not None and peer_settings.url:
-        bus = PeerBus(peer_settings, router)
-        share_with_peers(router, bus, peer_settings)
-        telemetry.metrics.registry.register(PeersCollector(bus, core.learner.num_peer_picks if core.learner
-                                                           else lambda: 0,
-                                                           router.num_peer_in_flight,
-                                                           lambda: router.num_ignored_peer_messages))
+    bus = _peer_bus(router, telemetry, peer_settings)
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
     if bus is not None:
@@ -164,32 +143,84 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,
                                           can_hold=router.flow is not None)
         health_server = await start_health_server(ext, ready)
-        healthy = sum(1 for s in pool.snapshot() if s.healthy)
-        ms = telemetry.metrics_server
-        metrics = f"http://{ms.server_address[0]}:{ms.server_address[1]}/metrics" if ms is not None else "off"
-        index = (f"index events {events.summary()} + {core.sourced.own_source}" if addresses
-                 else f"index {core.sourced.own_source}")
-        peers = f", peers {bus.replica_id} via {peer_settings.url}" if bus is not None else ""  # type: ignore[union-attr]
-        print(f"{READY_PREFIX}{ext.listen_address}:{port} (policy {routing.policy}{peers}, {index}, "
-              f"{healthy}/{len(pool.endpoints)} endpoints healthy{'' if all_up else ', still probing'}, "
-              f"metrics {metrics}, traces {'on' if telemetry.recorder.enabled else 'off'}"
-              f"{': ' + telemetry.recorder.disabled_reason if telemetry.recorder.disabled_reason else ''})", flush=True)
+        print(_ready_line(ext, routing, router, port, pool, telemetry, events, bool(addresses), bus, all_up),
+              flush=True)
         await stop.wait()
         if health_server is not None:
             await health_server.stop(grace=None)
         await server.stop(grace=1.0)
     finally:
-        if discovery is not None:
-            await discovery.close()
-        await events.close()
-        if bus is not None:
-            await bus.close()
-        await router.lookup.close()
-        if router.offload is not None:
-            router.offload.close()
-        await pool.close()
-        # Off the loop: flushing waits on the exporter (bounded), the loop must not stall meanwhile.
-        await asyncio.get_running_loop().run_in_executor(None, telemetry.close, 2.0)
+        await _shutdown(router, pool, events, telemetry, discovery, bus)
+
+
+async def _shutdown(router: PoolRouter, pool: EndpointPool, events: KVEventsLink, telemetry: RouterTelemetry,
+                    discovery: DnsDiscovery | None, bus: PeerBus | None) -> None:
+    """Close what `serve` started, the network first, the telemetry flush last."""
+    if discovery is not None:
+        await discovery.close()
+    await events.close()
+    if bus is not None:
+        await bus.close()
+    await router.lookup.close()
+    if router.offload is not None:
+        router.offload.close()
+    await pool.close()
+    # Off the loop: flushing waits on the exporter (bounded), the loop must not stall meanwhile.
+    await asyncio.get_running_loop().run_in_executor(None, telemetry.close, 2.0)
+
+
+def _peer_bus(router: PoolRouter, telemetry: RouterTelemetry, peer_settings: PeerSettings | None) -> PeerBus | None:
+    """The replica's bus to the others (NATS), with its figures on /metrics; None without a url."""
+    if peer_settings is None or not peer_settings.url:
+        return None
+    bus = PeerBus(peer_settings, router)
+    share_with_peers(router, bus, peer_settings)
+    learner = router.core.learner
+    telemetry.metrics.registry.register(PeersCollector(bus, learner.num_peer_picks if learner else lambda: 0,
+                                                       router.num_peer_in_flight,
+                                                       lambda: router.num_ignored_peer_messages))
+    return bus
+
+
+def _telemetry_for(router: PoolRouter, pool: EndpointPool, event_index: KVEventIndex | None, events: KVEventsLink,
+                   routing: RoutingSettings, tele: RouterTelemetrySettings | None
+                   ) -> tuple[RouterTelemetry, RequestTracker]:
+    """The router's telemetry (metrics, traces, records) and the tracker of its streams. The tracker feeds the
+    router's own learning (first tokens, usages, response ids) whether or not telemetry exports anything."""
+    core = router.core
+    telemetry = RouterTelemetry.from_settings(tele or RouterTelemetrySettings(metrics_port=-1),
+                                              in_flight=lambda: pool.in_flight,
+                                              index_size=lambda: {**core.index.num_entries_by_endpoint(), **(
+                                                  event_index.num_blocks_by_endpoint() if event_index else {})},
+                                              endpoint_states=pool.snapshot,
+                                              time_model=core.learner.time_model_figures
+                                              if core.learner is not None else None,
+                                              index_info=lambda: events.info)
+    tracker = RequestTracker(telemetry.on_decision, telemetry.on_response, router.endpoint_of,
+                             max_body_bytes=routing.max_body_bytes, on_first_token=router.first_token,
+                             on_usage=router.usage, on_response_id=router.learn_response,
+                             propagate=bool(telemetry.recorder.enabled))
+    # Responses API: the response-id directory and its lookups on /metrics (prefixroute_response_*).
+    telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
+    if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
+        telemetry.metrics.registry.register(SessionsCollector(core.sessions))
+    return telemetry, tracker
+
+
+def _ready_line(ext: ExtprocSettings, routing: RoutingSettings, router: PoolRouter, port: int,
+                pool: EndpointPool, telemetry: RouterTelemetry, events: KVEventsLink, has_event_addresses: bool,
+                bus: PeerBus | None, all_up: bool) -> str:
+    """The one line that says the replica serves (`READY_PREFIX`; launchers wait for it)."""
+    core_source = router.core.sourced.own_source
+    healthy = sum(1 for s in pool.snapshot() if s.healthy)
+    ms = telemetry.metrics_server
+    metrics = f"http://{ms.server_address[0]}:{ms.server_address[1]}/metrics" if ms is not None else "off"
+    index = f"index events {events.summary()} + {core_source}" if has_event_addresses else f"index {core_source}"
+    peers = f", peers {bus.replica_id} via {bus.settings.url}" if bus is not None else ""
+    return (f"{READY_PREFIX}{ext.listen_address}:{port} (policy {routing.policy}{peers}, {index}, "
+            f"{healthy}/{len(pool.endpoints)} endpoints healthy{'' if all_up else ', still probing'}, "
+            f"metrics {metrics}, traces {'on' if telemetry.recorder.enabled else 'off'}"
+            f"{': ' + telemetry.recorder.disabled_reason if telemetry.recorder.disabled_reason else ''})")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import time
 from collections.abc import Container, Mapping
-from typing import Any
 
 from prefixroute.extproc.routing.request import (CHAT_PATH, COMPLETION_PATH, InferenceRequest, next_request_key,
                                                  parse_request)
