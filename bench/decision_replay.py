@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import heapq
 import json
 import os
@@ -39,7 +40,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -370,6 +371,11 @@ def _isolated_environment() -> None:
         del os.environ[name]
 
 
+def _open(path: str, mode: str) -> IO[str]:
+    """The file as text; gzip-compressed when its name ends in ``.gz`` (the committed golden is)."""
+    return gzip.open(path, mode) if path.endswith(".gz") else open(path, mode[0])
+
+
 def record(path: str, scale: float) -> int:
     _isolated_environment()
     doc: dict[str, Any] = {"version": FORMAT_VERSION, "scale": scale, "scenarios": {}}
@@ -380,7 +386,7 @@ def record(path: str, scale: float) -> int:
         doc["scenarios"][name] = json.loads(json.dumps(rows))
         total += len(rows)
         print(f"{name}: {len(rows)} rows in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    with open(path, "w") as f:
+    with _open(path, "wt") as f:
         json.dump(doc, f, separators=(",", ":"))
     print(f"recorded {total} rows in {len(doc['scenarios'])} scenarios to {path}")
     return 0
@@ -389,7 +395,7 @@ def record(path: str, scale: float) -> int:
 def check(path: str, *, only: str = "", show: int = 5) -> int:
     """Replay every scenario of the file and compare row by row; 0 when all are identical."""
     _isolated_environment()
-    with open(path) as f:
+    with _open(path, "rt") as f:
         doc = json.load(f)
     if doc.get("version") != FORMAT_VERSION:
         print(f"{path}: format version {doc.get('version')}, this tool writes {FORMAT_VERSION}")
