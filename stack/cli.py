@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import ClassVar, NoReturn
 
 from prefixroute import identity, settings
+from prefixroute.bench.workloads import WORKLOAD_NAMES
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import PORT_MODES, GatewayProcesses, GatewaySettings, resolve_replicas
 from prefixroute.extproc.peers.settings import PeerSettings
@@ -102,6 +103,12 @@ class StackSettings(Settings):
                                   "whole stop stays within ~10 s).")
     start_timeout_s: float = setting(60.0, "How long to wait for each component to serve (Streamlit's first "
                                      "start takes several seconds on a small machine).")
+
+    def __post_init__(self) -> None:
+        # A misspelt workload would otherwise only show as the traffic child's crash loop after start-up.
+        if self.traffic and self.traffic not in WORKLOAD_NAMES:
+            raise ValueError(f"--traffic must be a workload ({', '.join(WORKLOAD_NAMES)}) or empty for none, "
+                             f"got {self.traffic!r}")
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -86,3 +86,11 @@ def test_without_simulated_servers_up_listens_on_no_server_port() -> None:
     assert lay.server_ports == () and lay.event_ports == ()
     lay = resolve_layout(dataclasses.replace(StackSettings(), kv_events=False), GatewaySettings(), simulated=True)
     assert lay.event_ports == ()
+
+
+@pytest.mark.parametrize("traffic", ["none", "shared_prompts", "off"])
+def test_an_unknown_traffic_workload_is_refused_before_start(traffic: str) -> None:
+    with pytest.raises(ValueError, match=f"--traffic must be a workload .* got '{traffic}'"):
+        StackSettings(traffic=traffic)
+    assert StackSettings(traffic="").traffic == ""  # empty: no demo load, as documented
+    assert StackSettings(traffic="mix").traffic == "mix"
