@@ -470,11 +470,18 @@ def write_outputs(out_dir: str | Path, doc: Mapping[str, Any], ttfts_ms: Mapping
     """Write results.json, report.md and the plots into out_dir (created if missing)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    return write_files(out, doc, render_markdown(doc, command), lambda: plot(out, doc, ttfts_ms))
+
+
+def write_files(out: Path, doc: Mapping[str, Any], markdown: str, plots: Callable[[], list[Path]]
+                ) -> dict[str, Path]:
+    """`out`/results.json (`doc`), `out`/report.md (`markdown`) and the files `plots()` draws (skipped, with a
+    note on stderr, without matplotlib); returns the paths by stem. `out` must exist."""
     files = {"results": out / "results.json", "report": out / "report.md"}
     files["results"].write_text(json.dumps(doc, indent=2) + "\n")
-    files["report"].write_text(render_markdown(doc, command))
+    files["report"].write_text(markdown)
     try:
-        paths = plot(out, doc, ttfts_ms)
+        paths = plots()
     except ImportError as exc:  # matplotlib comes with the [bench] extra; the numbers do not need it
         print(f"no plots: {exc} (pip install 'prefixroute[bench]')", file=sys.stderr)
         paths = []

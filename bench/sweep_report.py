@@ -4,13 +4,11 @@ one line per router) and DIR/hit_ratio_vs_load.png (`plot_sweep`)."""
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from prefixroute.bench.report import render_bounds, render_bounds_by_router
+from prefixroute.bench.report import render_bounds, render_bounds_by_router, write_files
 from prefixroute.bench.sweep import PREDICTION_DEFINITION, seconds_text
 
 PLOT_FILES = ("ttft_vs_load.png", "hit_ratio_vs_load.png")
@@ -163,14 +161,4 @@ def write_sweep_outputs(out_dir: str | Path, doc: dict, command: str = "") -> di
     out.mkdir(parents=True, exist_ok=True)
     if command:
         doc["command"] = command
-    files = {"results": out / "results.json", "report": out / "report.md"}
-    files["results"].write_text(json.dumps(doc, indent=2) + "\n")
-    files["report"].write_text(render_report(doc, command))
-    try:
-        paths = plot_sweep(out, doc)
-    except ImportError as exc:  # matplotlib comes with the [bench] extra; the numbers do not need it
-        print(f"no plots: {exc} (pip install 'prefixroute[bench]')", file=sys.stderr)
-        paths = []
-    for p in paths:
-        files[p.stem] = p
-    return files
+    return write_files(out, doc, render_report(doc, command), lambda: plot_sweep(out, doc))
