@@ -254,8 +254,13 @@ def test_a_gateway_walking_gies_fallback_list_fails_over_and_reports_the_served_
     address, and the served endpoint comes back in metadata_context."""
     eps = gie.fleet.endpoints
     subset_ids = {"g0", "g1"}
+    base = sum(_served_count(gie.override_metrics_port, ep) for ep in eps)
     answers = [post(gie.override, "/v1/chat/completions", chat(_text(2000, f"sub{k}x"))) for k in range(8)]
     assert all(a.status == 200 for a in answers) and {a.server for a in answers} <= subset_ids
+    # The picker files a request under its served endpoint when the response's end reaches it, which can be
+    # after the client has its answer: let this batch settle before the baseline, or a late one counts below.
+    until(lambda: sum(_served_count(gie.override_metrics_port, ep) for ep in eps) - base >= 8, 5, interval_s=0.1,
+          message="the first 8 requests filed")
     before = {ep: _served_count(gie.override_metrics_port, ep) for ep in eps}
     down = gie.fleet.servers[eps[0]]
     down.kill()
