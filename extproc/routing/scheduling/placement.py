@@ -102,22 +102,16 @@ class FrequencySketch:
         return np.minimum.reduce(rows).astype(np.float64)
 
 
-class Placement:
-    """The placement costs of the prefix policy (module docstring). Built by `PrefixPolicy` when any is on."""
+class VictimScorer:
+    """``placement_victims``: the reuse value of what a candidate's new blocks evict there, in seconds (module
+    docstring). Owns the frequency sketch (`observe` counts each request once, after scoring it)."""
 
-    def __init__(self, settings: RoutingSettings, model: TimeModel) -> None:
-        self._settings = settings
-        self._model = model
-        self.victims = settings.placement_victims
-        self.victim_weight = settings.placement_victim_weight
-        self.replica_weight = settings.placement_replica_weight
+    def __init__(self, settings: RoutingSettings) -> None:
+        self.mode = settings.placement_victims
+        self.weight = settings.placement_victim_weight
         self.sketch = FrequencySketch(window_requests=settings.placement_window_requests)
+        self._cold_key_blocks = settings.cold_key_blocks
         self._kvb = float(settings.kv_block_tokens)
-
-    @staticmethod
-    def enabled(settings: RoutingSettings) -> bool:
-        return (settings.placement_victims != "off" and settings.placement_victim_weight > 0) or \
-            settings.placement_replica_weight > 0
 
     def seen_before(self, request: InferenceRequest) -> float:
         """The sketch's count of the request's prefix before this request: its block halfway (past the first
@@ -125,43 +119,25 @@ class Placement:
         hashes = request.block_hashes
         if not hashes:
             return 0.0
-        i = min(len(hashes) - 1, max(self._settings.cold_key_blocks, len(hashes) // 2))
+        i = min(len(hashes) - 1, max(self._cold_key_blocks, len(hashes) // 2))
         return float(self.sketch.estimate([hashes[i]])[0])
 
-    def adjust(self, request: InferenceRequest, scored: list[Scored], matches: Mapping[EndpointId, int],
-               order: EvictionOrder | None) -> list[Scored]:
-        """`scored` with each candidate's placement cost added to its score, re-sorted (module docstring)."""
-        victims_on = self.victims != "off" and self.victim_weight > 0 and order is not None
-        if victims_on and self.victims == "oneoff" and self.seen_before(request) > 0:
-            victims_on = False
-        best = max(matches.values()) if matches and self.replica_weight > 0 else 0
-        if not victims_on and not best:
-            return scored
-        own_set: frozenset[BlockHash] | None = None
-        costs: list[float] = []
-        for x in scored:
+    def costs(self, request: InferenceRequest, scored: Sequence[Scored], matches: Mapping[EndpointId, int],
+              order: EvictionOrder | None, block_s: Sequence[float]) -> list[float] | None:
+        """One cost (s, >= 0) per candidate of `scored`, or None when this request pays none."""
+        if order is None or (self.mode == "oneoff" and self.seen_before(request) > 0):
+            return None
+        own_set = frozenset(request.block_hashes)
+        out = []
+        for x, bs in zip(scored, block_s):
             state = x[STATE]
-            ep = state.endpoint
-            block_s = self._kvb / self._model.priced(ep)[0]
-            cost = 0.0
-            if best:
-                m = matches.get(ep, 0)
-                if m < best:
-                    cost += self.replica_weight * (best - m) * block_s
-            if victims_on and state.num_gpu_blocks:
-                if own_set is None:
-                    own_set = frozenset(request.block_hashes)
-                cost += self.victim_weight * block_s * self._victim_value(
-                    order, ep, state.num_gpu_blocks, x[OWN_TOKENS], matches.get(ep, 0), own_set)  # type: ignore[arg-type]
-            costs.append(cost)
-        if not any(costs):
-            return scored
-        out = [(x[SCORE] + c, *x[1:]) if c else x for x, c in zip(scored, costs)]
-        out.sort(key=lambda x: x[SCORE])
+            v = self._value(order, state.endpoint, state.num_gpu_blocks, x[OWN_TOKENS],
+                            matches.get(state.endpoint, 0), own_set) if state.num_gpu_blocks else 0.0
+            out.append(self.weight * bs * v)
         return out
 
-    def _victim_value(self, order: EvictionOrder, ep: EndpointId, num_gpu_blocks: int, own_tokens: float,
-                      matched: int, own_set: frozenset[BlockHash]) -> float:
+    def _value(self, order: EvictionOrder, ep: EndpointId, num_gpu_blocks: int, own_tokens: float,
+               matched: int, own_set: frozenset[BlockHash]) -> float:
         """The reuse value (in blocks' worth of re-prefill) of what `own_tokens` of new blocks evict on `ep`."""
         need = int(own_tokens // self._kvb)
         held = order.num_held_blocks(ep)
@@ -177,9 +153,63 @@ class Placement:
         return float(np.minimum(self.sketch.estimate(old), REUSE_MAX_COUNT).sum()) / REUSE_UNIT
 
     def observe(self, request: InferenceRequest) -> None:
-        """Count the request's blocks in the sketch (after `adjust`, so its own prefix reads as before it)."""
+        """Count the request's blocks in the sketch (after scoring it, so its own prefix reads as before it)."""
         if request.block_hashes:
             self.sketch.add(request.block_hashes)
+
+
+class ReplicaScorer:
+    """``placement_replica_weight``: the blocks a candidate would duplicate of the best holder's prefix, in
+    seconds of their prefill x the weight (module docstring)."""
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        self.weight = settings.placement_replica_weight
+
+    def costs(self, request: InferenceRequest, scored: Sequence[Scored], matches: Mapping[EndpointId, int],
+              order: EvictionOrder | None, block_s: Sequence[float]) -> list[float] | None:
+        if not matches:
+            return None
+        best = max(matches.values())
+        get = matches.get
+        return [self.weight * max(0, best - get(x[STATE].endpoint, 0)) * bs for x, bs in zip(scored, block_s)]
+
+
+class Placement:
+    """The placement scorers of the prefix policy, each on when its setting is (module docstring); built by
+    `PrefixPolicy` when any is. Their costs add up."""
+
+    def __init__(self, settings: RoutingSettings, model: TimeModel) -> None:
+        self._model = model
+        self._kvb = float(settings.kv_block_tokens)
+        self.victims = VictimScorer(settings) if _victims_on(settings) else None
+        self.scorers: list[VictimScorer | ReplicaScorer] = [
+            *([self.victims] if self.victims is not None else []),
+            *([ReplicaScorer(settings)] if settings.placement_replica_weight > 0 else [])]
+
+    @staticmethod
+    def enabled(settings: RoutingSettings) -> bool:
+        return _victims_on(settings) or settings.placement_replica_weight > 0
+
+    def adjust(self, request: InferenceRequest, scored: list[Scored], matches: Mapping[EndpointId, int],
+               order: EvictionOrder | None) -> list[Scored]:
+        """`scored` with each candidate's placement cost added to its score, re-sorted (module docstring)."""
+        priced = self._model.priced
+        block_s = [self._kvb / priced(x[STATE].endpoint)[0] for x in scored]
+        total: list[float] | None = None
+        for scorer in self.scorers:
+            c = scorer.costs(request, scored, matches, order, block_s)
+            if c is not None:
+                total = c if total is None else [a + b for a, b in zip(total, c)]
+        if total is None or not any(total):
+            return scored
+        out = [(x[SCORE] + c, *x[1:]) if c else x for x, c in zip(scored, total)]
+        out.sort(key=lambda x: x[SCORE])
+        return out
+
+    def observe(self, request: InferenceRequest) -> None:
+        """After `adjust`, once per request: the sketch counts it."""
+        if self.victims is not None:
+            self.victims.observe(request)
 
     @staticmethod
     def on_pick(request: InferenceRequest, endpoint: EndpointId, order: EvictionOrder | None) -> None:
@@ -187,3 +217,6 @@ class Placement:
         if order is not None and request.block_hashes:
             order.touch(endpoint, request.block_hashes)
 
+
+def _victims_on(settings: RoutingSettings) -> bool:
+    return settings.placement_victims != "off" and settings.placement_victim_weight > 0

@@ -114,7 +114,7 @@ def test_a_new_prompt_goes_where_it_evicts_blocks_nobody_reused(placement):
 
 def test_oneoff_mode_leaves_a_prompt_seen_before_to_load():
     sched, idx, pool = _fleet("oneoff")
-    sketch = sched.policy.placement.sketch  # type: ignore[attr-defined]
+    sketch = sched.policy.placement.victims.sketch  # type: ignore[attr-defined]
     new = [sched.schedule(request(tokens(200 + k, 32)), pool, {}, idx).endpoints[0] for k in range(12)]
     assert new == [B] * 12  # never seen: placed where the victims are worth nothing
     for k in range(12):
@@ -135,3 +135,20 @@ def test_placement_settings_are_validated():
         RoutingSettings(placement_victims="some")
     with pytest.raises(ValueError, match="placement_replica_weight"):
         RoutingSettings(placement_replica_weight=-1)
+
+
+def test_a_replica_pays_for_the_blocks_it_duplicates():
+    from prefixroute.extproc.routing.scheduling.placement import Placement
+    from prefixroute.extproc.routing.timemodel import TimeModel
+    settings = RoutingSettings(kv_block_tokens=BS, placement_replica_weight=2.0)
+    model = TimeModel(12_800.0)
+    placement = Placement(settings, model)
+    a, b = EndpointState(A), EndpointState(B)
+    block_s = BS / 12_800.0
+    # B is predicted 10 ms faster, but would duplicate the 40 blocks A holds: 2 x 40 x 1.25 ms = 100 ms more
+    scored = [(0.50, 0.50, b, 32 * BS, 0), (0.51, 0.51, a, 0.0, 0)]
+    out = placement.adjust(request(tokens(1, 40)), scored, {A: 40}, None)
+    assert [x[2].endpoint for x in out] == [A, B]
+    assert out[1][0] == pytest.approx(0.50 + 2.0 * 40 * block_s) and out[1][1] == 0.50  # the prediction stays
+    # nobody holds it: no replica to pay for, the order stays
+    assert placement.adjust(request(tokens(2, 40)), scored, {}, None) == scored
