@@ -101,6 +101,7 @@ class SimulatedPool:
         return EndpointState(ep, healthy=self._healthy[i], models=self._fleet.models, num_requests_running=figures[0],
                              num_requests_waiting=figures[1], kv_cache_usage_ratio=figures[2],
                              num_gpu_blocks=cfg.num_gpu_blocks, block_size=cfg.block_size,
+                             num_cpu_blocks=cfg.num_cpu_blocks or None,
                              scraped_at_s=self._fleet.now_s, address=ep)
 
     def _tick(self, i: int) -> None:

@@ -9,7 +9,8 @@ total (SGLang 0.5.23 with priority scheduling: the total under ``priority=""``) 
 The names, checked against the releases' own metrics code (tests/data/engines/, docs/engines.md "Engine releases
 checked"): vLLM 0.33 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
 (``vllm:gpu_cache_usage_perc`` before 0.10), ``vllm:cache_config_info`` (labels ``block_size``,
-``num_gpu_blocks``); SGLang 0.5.23 ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+``num_gpu_blocks``), ``vllm:kv_offload_config_info`` (labels ``medium``, ``num_blocks``: the native offloading's
+host tier, ``--kv-offloading-size``); SGLang 0.5.23 ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
 ``sglang:token_usage``, and for the KV capacity (it has no cache_config_info) ``sglang:page_size`` and
 ``sglang:num_pages``.
 
@@ -36,6 +37,8 @@ RUNNING_NAMES = (b"vllm:num_requests_running", b"sglang:num_running_reqs")
 WAITING_NAMES = (b"vllm:num_requests_waiting", b"sglang:num_queue_reqs")
 KV_USAGE_NAMES = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc", b"sglang:token_usage")
 CACHE_CONFIG_NAME = b"vllm:cache_config_info"
+OFFLOAD_CONFIG_NAME = b"vllm:kv_offload_config_info"
+CPU_MEDIA = (b"CPU", b"cpu", b"CPU_PINNED")
 SGLANG_PAGE_SIZE_NAME = b"sglang:page_size"
 SGLANG_NUM_PAGES_NAME = b"sglang:num_pages"
 START_TIME_NAME = b"process_start_time_seconds"
@@ -58,6 +61,7 @@ class ScrapedMetrics:
     kv_cache_usage_ratio: float | None = None
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    num_cpu_blocks: int | None = None  # vllm:kv_offload_config_info{medium="CPU",num_blocks}: the host KV tier
     process_start_time_s: float | None = None  # process_start_time_seconds (Unix time), restart detection
     counter_totals: tuple[float | None, ...] = ()  # per COUNTER_NAMES (None: absent; () none), restart detection
 
@@ -129,6 +133,15 @@ def parse_metrics(data: bytes) -> ScrapedMetrics:
         pages, size = _gauge(data, (SGLANG_NUM_PAGES_NAME,)), _gauge(data, (SGLANG_PAGE_SIZE_NAME,))
         if pages and size and size[0] > 0 and sum(pages) > 0:
             num_gpu_blocks, block_size = int(sum(pages)), int(size[0])
+    num_cpu_blocks = None
+    for line in _samples(data, OFFLOAD_CONFIG_NAME):
+        labels = {k: v for k, v in _LABEL_RE.findall(line)}
+        try:
+            nb = int(float(labels[b"num_blocks"]))
+        except (KeyError, ValueError):
+            continue
+        if labels.get(b"medium") in CPU_MEDIA and nb > 0:
+            num_cpu_blocks = (num_cpu_blocks or 0) + nb
     start = _gauge(data, (START_TIME_NAME,))
     totals = []
     for name in COUNTER_NAMES:
@@ -140,6 +153,7 @@ def parse_metrics(data: bytes) -> ScrapedMetrics:
         kv_cache_usage_ratio=min(1.0, max(0.0, sum(kv) / len(kv))) if kv else None,
         num_gpu_blocks=num_gpu_blocks,
         block_size=block_size,
+        num_cpu_blocks=num_cpu_blocks,
         process_start_time_s=start[0] if start else None,
         counter_totals=tuple(totals) if any(t is not None for t in totals) else (),
     )
