@@ -1,8 +1,9 @@
 """Placement under cache pressure (issue 25, part 3): where a request's *new* blocks go, priced by what they evict.
 
 The servers evict by LRU whatever the router does; what the router controls is where each request's uncached
-blocks are written, hence which blocks they push out. Two costs, each added to the prefix policy's score
-(`scorers.TtftScorer`, seconds) of a candidate endpoint, each behind its own setting so it can be measured alone:
+blocks are written, hence which blocks they push out. Two costs, one scorer each (`VictimScorer`,
+`ReplicaScorer`, composed by `Placement`), added to the prefix policy's score (`scorers.TtftScorer`, seconds) of
+a candidate endpoint before the tie rule, each behind its own setting so it can be measured alone:
 
 - **Victim cost** (``placement_victims``: ``all`` / ``oneoff`` / ``off``; weight ``placement_victim_weight``):
   the request needs ``own`` more blocks on the endpoint; past its free blocks (``num_gpu_blocks`` scraped, less
