@@ -6,7 +6,8 @@ import dataclasses
 import random
 from collections.abc import Mapping, Sequence
 
-from prefixroute.extproc.routing.index_sources import BlockIndex
+from prefixroute.extproc.kv_events.index import KVEventIndex
+from prefixroute.extproc.routing.index_sources import BlockIndex, SourcedIndex
 from prefixroute.extproc.routing.scheduling.placement import EvictionOrder
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters
@@ -37,8 +38,9 @@ class Scheduler:
     @staticmethod
     def _eviction_order(index: BlockIndex) -> EvictionOrder | None:
         """The KV-events index behind `index` when it keeps eviction order (placement reads it), else None."""
-        events = getattr(index, "events", None)
-        return events if events is not None and hasattr(events, "lru_oldest") else None
+        if isinstance(index, SourcedIndex) and isinstance(index.events, KVEventIndex):
+            return index.events
+        return None
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[EndpointState],
                  in_flight: Mapping[EndpointId, int], index: BlockIndex, now_s: float | None = None,
