@@ -101,6 +101,10 @@ class SimulatedPool:
         return EndpointState(ep, healthy=self._healthy[i], models=self._fleet.models, num_requests_running=figures[0],
                              num_requests_waiting=figures[1], kv_cache_usage_ratio=figures[2],
                              num_gpu_blocks=cfg.num_gpu_blocks, block_size=cfg.block_size,
+                             num_cpu_blocks=cfg.num_cpu_blocks or None,
+                             prefix_cache_tokens=(float(core.stats.prefix_cache_queries),
+                                                  float(core.stats.prefix_cache_hits),
+                                                  float(core.stats.external_prefix_cache_hits)),
                              scraped_at_s=self._fleet.now_s, address=ep)
 
     def _tick(self, i: int) -> None:

@@ -23,7 +23,7 @@ from prefixroute import settings
 from prefixroute.dashboard import bench_results as BR
 from prefixroute.dashboard import charts as C
 from prefixroute.dashboard import data as D
-from prefixroute.dashboard import flow_panel
+from prefixroute.dashboard import flow_panel, tiers_panel
 from prefixroute.dashboard import tables as T
 from prefixroute.dashboard.cli import DashboardSettings
 from prefixroute.dashboard.router_metrics import EndpointLive
@@ -223,6 +223,7 @@ def live_panels(window_s: float, run_choice: str) -> None:
     _latency_panels(snap)
     _traffic_panels(snap, colors, shares)
     _endpoint_panels(snap, live, shares, colors)
+    tiers_panel.render(st, live)
     flow_panel.render(st, flow)
     prediction_panel(snap.get("ttft_pred"), colors)
     _routing_panels(snap)

@@ -20,6 +20,11 @@ class EndpointLive:
     index_source: str | None = None  # where the router's prefix index learns this endpoint (events, feedback, ...)
     kv_events_connected: bool | None = None  # for an events endpoint: its subscriber receives
     kv_events_state: str | None = None  # for an events endpoint: live, syncing, down, undecodable, ... (link.py)
+    # the server's own prefix-cache counters (prompt tokens since it started): queried, found on the GPU, loaded
+    # from its CPU tier (issue 25: the hit ratio by tier)
+    queried_tokens: float | None = None
+    gpu_hit_tokens: float | None = None
+    cpu_hit_tokens: float | None = None
 
 
 
@@ -31,7 +36,9 @@ _ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
     "prefixroute_kv_events_connected": "kv_events_connected",
     "prefixroute_index_source_info": "index_source",  # the value is the `source` label
     "prefixroute_kv_events_state": "kv_events_state",  # the value is the `state` label
+    "prefixroute_endpoint_prefix_cache_tokens": "prefix_cache",  # the `kind` label names the field
 }
+_CACHE_KINDS = {"queried": "queried_tokens", "gpu_hit": "gpu_hit_tokens", "cpu_hit": "cpu_hit_tokens"}
 MAX_LIVE_ENDPOINTS = 1024  # a fleet's worth; bounds what an odd metrics text can make the page draw
 
 
@@ -50,6 +57,11 @@ def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
             for sample in fam.samples:
                 name = sample.labels.get("endpoint")
                 if not name or math.isnan(sample.value) or (name not in found and len(found) >= MAX_LIVE_ENDPOINTS):
+                    continue
+                if field == "prefix_cache":
+                    kind = _CACHE_KINDS.get(sample.labels.get("kind", ""))
+                    if kind is not None and sample.value >= 0:
+                        found.setdefault(name, {})[kind] = sample.value
                     continue
                 if field in ("index_source", "kv_events_state"):
                     label = "source" if field == "index_source" else "state"

@@ -20,6 +20,8 @@ Metric families (``prefixroute_`` prefix; seconds and tokens in base units as Pr
     prefixroute_endpoint_requests_waiting{endpoint}           gauge    (callback, pool snapshot) scraped waiting
     prefixroute_endpoint_kv_cache_usage_ratio{endpoint}       gauge    (callback, pool snapshot) scraped KV usage 0-1
     prefixroute_endpoint_scrape_age_seconds{endpoint}         gauge    (callback, pool snapshot) age of those figures
+    prefixroute_endpoint_prefix_cache_tokens_total{endpoint,kind}  counter  (callback, pool snapshot) the server's
+                                                              prompt tokens queried / gpu_hit / cpu_hit (by tier)
     prefixroute_endpoint_prefill_tokens_per_second{endpoint}  gauge    (callback, time model) learned prefill rate
     prefixroute_endpoint_base_ttft_seconds{endpoint}          gauge    (callback, time model) TTFT at zero work
     prefixroute_endpoint_queued_prefill_tokens{endpoint}      gauge    (callback, time model) prefill picked, no token
@@ -160,6 +162,10 @@ def _endpoint_families(states: Iterable[EndpointState]) -> Iterator[GaugeMetricF
                            "(scraped: vllm:kv_cache_usage_perc / sglang:token_usage).", labels=["endpoint"])
     age = GaugeMetricFamily("prefixroute_endpoint_scrape_age_seconds", "Age of the endpoint's scraped figures.",
                             labels=["endpoint"])
+    cache = CounterMetricFamily("prefixroute_endpoint_prefix_cache_tokens", "The endpoint's own prefix-cache "
+                                "counters as last scraped: prompt tokens queried, found on the GPU (gpu_hit), loaded "
+                                "from its CPU tier (cpu_hit; vllm:prefix_cache_queries / _hits, "
+                                "vllm:external_prefix_cache_hits): its hit ratio by tier.", labels=["endpoint", "kind"])
     now = time.monotonic()
     for st in states:
         ep = [str(st.endpoint)]
@@ -172,7 +178,10 @@ def _endpoint_families(states: Iterable[EndpointState]) -> Iterator[GaugeMetricF
             kv.add_metric(ep, st.kv_cache_usage_ratio)
         if st.scraped_at_s is not None:
             age.add_metric(ep, max(0.0, now - st.scraped_at_s))
-    yield from (healthy, running, waiting, kv, age)
+        if st.prefix_cache_tokens is not None:
+            for kind, v in zip(("queried", "gpu_hit", "cpu_hit"), st.prefix_cache_tokens):
+                cache.add_metric([*ep, kind], v)
+    yield from (healthy, running, waiting, kv, age, cache)
 
 
 def _time_model_families(figures: Mapping[str, tuple[float, float, float, int]]) -> Iterator[Any]:

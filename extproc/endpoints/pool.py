@@ -345,12 +345,14 @@ class EndpointPool:
         w.fresh = fresh
         if not fresh:
             return EndpointState(ep, healthy=w.healthy, models=w.models, num_gpu_blocks=m.num_gpu_blocks,
-                                 block_size=m.block_size, scraped_at_s=w.scraped_at_s, address=w.address,
+                                 block_size=m.block_size, num_cpu_blocks=m.num_cpu_blocks, scraped_at_s=w.scraped_at_s,
+                                 address=w.address,
                                  restart_epoch=w.restart_epoch)
         return EndpointState(ep, healthy=w.healthy, models=w.models, num_requests_running=m.num_requests_running,
                              num_requests_waiting=m.num_requests_waiting, kv_cache_usage_ratio=m.kv_cache_usage_ratio,
-                             num_gpu_blocks=m.num_gpu_blocks, block_size=m.block_size, scraped_at_s=w.scraped_at_s,
-                             address=w.address, restart_epoch=w.restart_epoch)
+                             num_gpu_blocks=m.num_gpu_blocks, block_size=m.block_size, num_cpu_blocks=m.num_cpu_blocks,
+                             prefix_cache_tokens=m.prefix_cache_tokens, scraped_at_s=w.scraped_at_s, address=w.address,
+                             restart_epoch=w.restart_epoch)
 
     def _publish(self, w: _Watch | None = None, *, structural: bool) -> None:
         """Replace the snapshot: rebuild `w`'s state only (a scrape landed: O(1) Python work plus a C-speed

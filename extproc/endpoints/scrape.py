@@ -9,7 +9,9 @@ total (SGLang 0.5.23 with priority scheduling: the total under ``priority=""``) 
 The names, checked against the releases' own metrics code (tests/data/engines/, docs/engines.md "Engine releases
 checked"): vLLM 0.33 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
 (``vllm:gpu_cache_usage_perc`` before 0.10), ``vllm:cache_config_info`` (labels ``block_size``,
-``num_gpu_blocks``); SGLang 0.5.23 ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+``num_gpu_blocks``), ``vllm:kv_offload_config_info`` (labels ``medium``, ``num_blocks``: the native offloading's
+host tier, ``--kv-offloading-size``), ``vllm:prefix_cache_queries`` / ``_hits`` and
+``vllm:external_prefix_cache_hits`` (counters: the hit ratio by tier); SGLang 0.5.23 ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
 ``sglang:token_usage``, and for the KV capacity (it has no cache_config_info) ``sglang:page_size`` and
 ``sglang:num_pages``.
 
@@ -36,6 +38,11 @@ RUNNING_NAMES = (b"vllm:num_requests_running", b"sglang:num_running_reqs")
 WAITING_NAMES = (b"vllm:num_requests_waiting", b"sglang:num_queue_reqs")
 KV_USAGE_NAMES = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc", b"sglang:token_usage")
 CACHE_CONFIG_NAME = b"vllm:cache_config_info"
+OFFLOAD_CONFIG_NAME = b"vllm:kv_offload_config_info"
+CPU_MEDIA = (b"CPU", b"cpu", b"CPU_PINNED")
+PREFIX_CACHE_NAMES = (b"vllm:prefix_cache_queries_total", b"vllm:prefix_cache_hits_total",
+                      b"vllm:external_prefix_cache_hits_total")
+"""Prompt tokens looked up, found on the GPU, loaded from a connector's tier (the native offloading's CPU tier)."""
 SGLANG_PAGE_SIZE_NAME = b"sglang:page_size"
 SGLANG_NUM_PAGES_NAME = b"sglang:num_pages"
 START_TIME_NAME = b"process_start_time_seconds"
@@ -58,6 +65,10 @@ class ScrapedMetrics:
     kv_cache_usage_ratio: float | None = None
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    num_cpu_blocks: int | None = None  # vllm:kv_offload_config_info{medium="CPU",num_blocks}: the host KV tier
+    # (queried, GPU hit, CPU-tier hit) prompt tokens since the server started (`PREFIX_CACHE_NAMES`; a missing
+    # tier counter counts 0); None without vllm:prefix_cache_queries
+    prefix_cache_tokens: tuple[float, float, float] | None = None
     process_start_time_s: float | None = None  # process_start_time_seconds (Unix time), restart detection
     counter_totals: tuple[float | None, ...] = ()  # per COUNTER_NAMES (None: absent; () none), restart detection
 
@@ -129,6 +140,17 @@ def parse_metrics(data: bytes) -> ScrapedMetrics:
         pages, size = _gauge(data, (SGLANG_NUM_PAGES_NAME,)), _gauge(data, (SGLANG_PAGE_SIZE_NAME,))
         if pages and size and size[0] > 0 and sum(pages) > 0:
             num_gpu_blocks, block_size = int(sum(pages)), int(size[0])
+    num_cpu_blocks = None
+    for line in _samples(data, OFFLOAD_CONFIG_NAME):
+        labels = {k: v for k, v in _LABEL_RE.findall(line)}
+        try:
+            nb = int(float(labels[b"num_blocks"]))
+        except (KeyError, ValueError):
+            continue
+        if labels.get(b"medium") in CPU_MEDIA and nb > 0:
+            num_cpu_blocks = (num_cpu_blocks or 0) + nb
+    cache = [sum(_gauge(data, (name,))) for name in PREFIX_CACHE_NAMES]
+    prefix_cache_tokens = (cache[0], cache[1], cache[2]) if _gauge(data, PREFIX_CACHE_NAMES[:1]) else None
     start = _gauge(data, (START_TIME_NAME,))
     totals = []
     for name in COUNTER_NAMES:
@@ -140,6 +162,8 @@ def parse_metrics(data: bytes) -> ScrapedMetrics:
         kv_cache_usage_ratio=min(1.0, max(0.0, sum(kv) / len(kv))) if kv else None,
         num_gpu_blocks=num_gpu_blocks,
         block_size=block_size,
+        num_cpu_blocks=num_cpu_blocks,
+        prefix_cache_tokens=prefix_cache_tokens,
         process_start_time_s=start[0] if start else None,
         counter_totals=tuple(totals) if any(t is not None for t in totals) else (),
     )

@@ -68,7 +68,7 @@ import sys
 import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import takewhile
+from itertools import islice, takewhile
 from typing import Any
 
 import msgspec
@@ -230,6 +230,35 @@ class KVEventIndex:
         except KVEventsDecodeError:
             return None
 
+    # --- eviction order (placement, routing/scheduling/placement.py) ---------------------------------------------------
+    def touch(self, endpoint: EndpointId, block_hashes: Sequence[BlockHash]) -> None:
+        """A request with `block_hashes` was routed to `endpoint`: the blocks it holds of them become its most
+        recently used, the first block last (vLLM frees a request's blocks tail first). KV events carry no
+        hits, so the router's picks are what keeps this mirror of the server's LRU in order. O(len)."""
+        st = self._eps.get(endpoint)
+        if st is None or not st.held:
+            return
+        held = st.held
+        pop = held.pop
+        for r in reversed(block_hashes):
+            k = pop(r, None)
+            if k is not None:
+                held[r] = k
+
+    def lru_oldest(self, endpoint: EndpointId, num_blocks: int) -> list[BlockHash]:
+        """The `num_blocks` router hashes `endpoint` holds that it would evict first (least recently stored or
+        touched first), as far as events and picks tell: the victims of a request that needs that many more
+        blocks of a full cache. O(num_blocks)."""
+        st = self._eps.get(endpoint)
+        if st is None or num_blocks <= 0:
+            return []
+        return list(islice(st.held, num_blocks))
+
+    def num_held_blocks(self, endpoint: EndpointId) -> int:
+        """Distinct router hashes `endpoint` holds on the GPU."""
+        st = self._eps.get(endpoint)
+        return len(st.held) if st else 0
+
     # --- mismatch detectors (module docstring) -------------------------------------------------------------
     def block_size_mismatch(self, endpoint: EndpointId) -> int | None:
         """The block size of `endpoint`'s latest GPU store when it is not `block_size`, else None."""
@@ -362,7 +391,9 @@ class KVEventIndex:
         if routed is None:
             return
         s2r, held, refs = st.s2r, st.held, st.refs
-        for s, r in zip(server, routed):
+        # Tail first: ``held``'s order is the endpoint's eviction order (`lru_oldest`), and vLLM frees a
+        # request's blocks tail first, so a chain's last block is the first of it to go.
+        for s, r in zip(reversed(server), reversed(routed)):
             if s in s2r:  # a duplicate block (module docstring): one more reference, the first key stays
                 refs[s] = refs.get(s, 1) + 1
             else:

@@ -92,7 +92,7 @@ class RouterCore:
         self.rng = self.scheduler.rng
         self.retry_after_s = retry_after_s
         self._known: set[EndpointId] = set()
-        self._capacity_from: dict[EndpointId, tuple[int | None, int | None]] = {}
+        self._capacity_from: dict[EndpointId, tuple[int | None, int | None, int | None]] = {}
         self._restart_epoch: dict[EndpointId, int] = {}
         self.num_caches_cleared = 0
 
@@ -302,13 +302,15 @@ class RouterCore:
 
     # --- pool changes -----------------------------------------------------------------------------------
     def capacity_blocks(self, state: EndpointState) -> int:
-        """Index capacity for `state` in router blocks: scraped num_gpu_blocks x block_size tokens / tokens per
-        router block (token blocks: num_gpu_blocks when the block sizes agree), else
-        ``default_index_capacity_blocks``."""
-        if state.num_gpu_blocks and state.block_size and self.settings.tokenizer:
-            return max(1, math.floor(state.num_gpu_blocks * state.block_size / self.settings.kv_block_tokens))
-        if state.num_gpu_blocks and state.block_size:
-            return max(1, math.floor(state.num_gpu_blocks * state.block_size / self.settings.tokens_per_block))
+        """Index capacity for `state` in router blocks: scraped num_gpu_blocks (plus its host tier's
+        num_cpu_blocks: a prefix offloaded there is still a hit, so the own index must not forget it; feedback
+        shrinks the LRU when the tiers hold less) x block_size tokens / tokens per router block (token blocks:
+        the blocks when the block sizes agree), else ``default_index_capacity_blocks``."""
+        num_blocks = (state.num_gpu_blocks or 0) + (state.num_cpu_blocks or 0) if state.num_gpu_blocks else 0
+        if num_blocks and state.block_size and self.settings.tokenizer:
+            return max(1, math.floor(num_blocks * state.block_size / self.settings.kv_block_tokens))
+        if num_blocks and state.block_size:
+            return max(1, math.floor(num_blocks * state.block_size / self.settings.tokens_per_block))
         return self.settings.default_index_capacity_blocks
 
     def set_capacity(self, endpoint: EndpointId, num_blocks: int) -> None:
@@ -358,7 +360,7 @@ class RouterCore:
             self.on_endpoint_removed(ep)
         epochs = self._restart_epoch
         for s in snapshot:
-            src = (s.num_gpu_blocks, s.block_size)
+            src = (s.num_gpu_blocks, s.block_size, s.num_cpu_blocks)
             if self._capacity_from.get(s.endpoint) != src:
                 self._capacity_from[s.endpoint] = src
                 self.set_capacity(s.endpoint, self.capacity_blocks(s))

@@ -30,6 +30,10 @@ INDEX_SOURCES: dict[str, str] = {
 """Where the prefix index learns what each endpoint holds, name -> note for the help text."""
 
 
+PLACEMENT_VICTIMS = ("off", "all", "oneoff")
+"""`RoutingSettings.placement_victims`: which requests pay for what their new blocks evict (routing/scheduling/placement.py)."""
+
+
 SESSION_KEY_SOURCES = ("header", "user", "prompt_cache_key", "off")
 """Where `RoutingSettings.session_key` takes a chat request's session key from."""
 
@@ -245,6 +249,27 @@ class RoutingSettings(Settings):
         "2: in the virtual sweeps (4 x 70B; shared-prompts of 300 x 8k-token prompts, and mix) 0.5 spilled hot "
         "prefixes (hit ratio -0.01 to -0.02) and lost 10-60% of P50 at 80-100% load; 2 to 8 were alike on "
         "shared-prompts, and 4 traded P90/P99 for P50 on mix.")
+    placement_victims: str = setting(
+        "off",
+        "Placement under cache pressure (routing/scheduling/placement.py): price what a request's new blocks would evict on "
+        "each endpoint (its least recently used blocks, from KV events and picks, valued by how often recent "
+        "requests used them: a count-min sketch with aging) and add it to the score. all: every request; oneoff: "
+        "only a request whose prefix was not seen before; off. Needs KV events (index_source events or auto) and "
+        "each endpoint's scraped num_gpu_blocks.")
+    placement_victim_weight: float = setting(
+        0.3,
+        "Placement: the score added per evicted block is its prefill seconds x its reuse value (uses by recent "
+        "requests / 4, at most 16) x this. In the virtual capacity-pressure sets 1 lost up to 1.56x P90 at 80% load "
+        "for little more hit ratio; 0.3 kept TTFT within a few percent (docs/benchmarks.md, placement).")
+    placement_replica_weight: float = setting(
+        0.0,
+        "Placement: score added per block a candidate would duplicate of the best holder's prefix, in that "
+        "block's prefill seconds times this: a second copy of a warm prefix must win this much more in TTFT. "
+        "0 = off.")
+    placement_window_requests: int = setting(
+        2048,
+        "Placement: requests after which the frequency sketch halves every count (TinyLFU's aging), so a count "
+        "is about the uses in the last one or two windows.")
     rng_seed: int | None = setting(
         None,
         "Seed of the random generator used for tie breaks and the random policy; unset = from the OS. Set it "
@@ -286,7 +311,13 @@ class RoutingSettings(Settings):
             raise ValueError("ttft_prior_tokens_per_s must be > 0 and ttft_rate_window >= 1")
         if self.ttft_step_tokens < 1:
             raise ValueError(f"ttft_step_tokens must be >= 1; got {self.ttft_step_tokens}")
-        for name in ("ttft_prior_base_s", "ttft_work_weight", "decode_cost_tokens"):
+        if self.placement_victims not in PLACEMENT_VICTIMS:
+            raise ValueError(f"placement_victims must be one of {', '.join(PLACEMENT_VICTIMS)}; "
+                             f"got {self.placement_victims!r}")
+        if self.placement_window_requests < 1:
+            raise ValueError(f"placement_window_requests must be >= 1; got {self.placement_window_requests}")
+        for name in ("ttft_prior_base_s", "ttft_work_weight", "decode_cost_tokens", "placement_victim_weight",
+                     "placement_replica_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
 

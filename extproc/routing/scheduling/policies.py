@@ -27,6 +27,7 @@ from typing import ClassVar
 import numpy as np
 
 from prefixroute.extproc.routing.hashing import seed_for
+from prefixroute.extproc.routing.scheduling.placement import EvictionOrder, Placement
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters, pickers, scorers
 from prefixroute.extproc.routing.scheduling.scorers import Scored
@@ -52,6 +53,8 @@ class PolicyInput:
     # The endpoint that served the request's session's previous turn, whose prompt this request extends (its
     # credit is already in `matches`): eligible, given only to policies with `uses_sessions`; None without.
     session_endpoint: EndpointId | None = None
+    # Each endpoint's blocks in eviction order (the KV-events index), for placement; None: not known.
+    order: EvictionOrder | None = None
 
     def rendezvous(self) -> pickers.RendezvousTable:
         """The rendezvous table of `eligible` (memoised per snapshot when `view` is given)."""
@@ -212,6 +215,8 @@ class PrefixPolicy(Policy):
         self.model = self.learner.model
         self.scorer = scorers.TtftScorer(settings, self.model)
         self._scan_offset = 0  # where the next sampling window of a large pool starts (`decide`)
+        # Placement under cache pressure (routing/scheduling/placement.py), when a placement setting is on.
+        self.placement = Placement(settings, self.model) if Placement.enabled(settings) else None
 
     def decide(self, inp: PolicyInput) -> Decision:
         """A composition (GIE's Filter -> Scorer -> Picker): the matches merged with the time model's pending
@@ -227,6 +232,10 @@ class PrefixPolicy(Policy):
         top, candidates = self._sample(inp, matches) if limit_n and len(inp.eligible) > limit_n else \
             (None, inp.eligible)
         scored, insignificant = self.scorer.score(req, candidates, matches, inp.in_flight, inp.now_s)
+        placement = self.placement
+        if placement is not None:
+            scored = placement.adjust(req, scored, {} if insignificant else matches, inp.order)
+            placement.observe(req)
         tied = pickers.tied_best(scored, matches, longest=bool(matches) and not insignificant)
         if len(tied) == 1:
             primary = tied[0]
@@ -248,6 +257,8 @@ class PrefixPolicy(Policy):
                 if len(others) == need:
                     break
         order = [primary[scorers.STATE].endpoint, *(x[scorers.STATE].endpoint for x in others[:self._k - 1])]
+        if placement is not None:
+            placement.on_pick(req, order[0], inp.order)
         self.learner.add_pick(req, order[0], primary[scorers.OWN_TOKENS], primary[scorers.NUM_DECODING],
                               primary[scorers.PREDICTED_S], inp.now_s)
         return self._prefix_decision(req, order, matches, insignificant, primary, others, pend)

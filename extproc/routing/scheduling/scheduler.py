@@ -6,7 +6,9 @@ import dataclasses
 import random
 from collections.abc import Mapping, Sequence
 
-from prefixroute.extproc.routing.index_sources import BlockIndex
+from prefixroute.extproc.kv_events.index import KVEventIndex
+from prefixroute.extproc.routing.index_sources import BlockIndex, SourcedIndex
+from prefixroute.extproc.routing.scheduling.placement import EvictionOrder
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters
 from prefixroute.extproc.routing.scheduling.policies import Policy, PolicyInput, PrefixPolicy, make_policy
@@ -32,6 +34,13 @@ class Scheduler:
         # The prefix policy's time model and the picks it waits on (None: a baseline, which learns nothing).
         self.learner: TtftLearner | None = self.policy.learner if isinstance(self.policy, PrefixPolicy) else None
         self.eligible_cache = filters.EligibleCache()
+
+    @staticmethod
+    def _eviction_order(index: BlockIndex) -> EvictionOrder | None:
+        """The KV-events index behind `index` when it keeps eviction order (placement reads it), else None."""
+        if isinstance(index, SourcedIndex) and isinstance(index.events, KVEventIndex):
+            return index.events
+        return None
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[EndpointState],
                  in_flight: Mapping[EndpointId, int], index: BlockIndex, now_s: float | None = None,
@@ -73,7 +82,8 @@ class Scheduler:
                 holders = view.in_pool_order(matches)
         decision = self.policy.decide(PolicyInput(request=request, eligible=eligible, in_flight=in_flight,
                                                   matches=matches, holders=holders, view=view, now_s=now_s,
-                                                  session_endpoint=session_ep))
+                                                  session_endpoint=session_ep,
+                                                  order=self._eviction_order(index)))
         if credit > indexed and decision.endpoints[0] == session_ep:
             extra = min(credit, decision.matched_blocks) - indexed
             if extra > 0:

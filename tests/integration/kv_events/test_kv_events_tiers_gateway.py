@@ -94,3 +94,15 @@ def test_router_follows_each_servers_cpu_tier_through_envoy(tmp_path):
         assert sum(server_metric(ep, "vllm:external_prefix_cache_hits_total") for ep, _ in servers) > 0
         media = _samples(_get(metrics_url), "prefixroute_kv_events_other_media_blocks_total")
         assert any(dict(k)["medium"] == "CPU" for k in media)
+
+        # the pool scraped each server's tier counters and host-tier size; the router exports them per endpoint
+        # (the dashboard's KV tiers panel reads them there)
+        def tier_counters_in_sync() -> bool:
+            got = {(dict(k)["endpoint"], dict(k)["kind"]): v
+                   for k, v in _samples(_get(metrics_url), "prefixroute_endpoint_prefix_cache_tokens_total").items()}
+            return all(got.get((ep, "cpu_hit")) == server_metric(ep, "vllm:external_prefix_cache_hits_total")
+                       and got.get((ep, "gpu_hit")) == server_metric(ep, "vllm:prefix_cache_hits_total")
+                       and got.get((ep, "queried")) == server_metric(ep, "vllm:prefix_cache_queries_total")
+                       for ep, _ in servers)
+        until(tier_counters_in_sync, 10, message=lambda: _samples(
+            _get(metrics_url), "prefixroute_endpoint_prefix_cache_tokens_total"))

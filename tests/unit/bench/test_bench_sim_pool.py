@@ -43,9 +43,10 @@ def test_a_scrape_shows_what_the_servers_metrics_page_shows():
             for state, core in zip(SimulatedPool(f).snapshot(), f.engines):
                 page = parse_metrics(metrics.render(core, model_name=f.served).encode())
                 seen.append(((state.num_requests_running, state.num_requests_waiting, state.kv_cache_usage_ratio,
-                              state.num_gpu_blocks, state.block_size),
+                              state.num_gpu_blocks, state.block_size, state.num_cpu_blocks,
+                              state.prefix_cache_tokens),
                              (page.num_requests_running, page.num_requests_waiting, page.kv_cache_usage_ratio,
-                              page.num_gpu_blocks, page.block_size)))
+                              page.num_gpu_blocks, page.block_size, page.num_cpu_blocks, page.prefix_cache_tokens)))
                 assert (state.healthy, state.address, state.models) == (True, state.endpoint, {SPEC.served_model_name,
                                                                                                  "sql"})
         return int(req.request_id) % 2

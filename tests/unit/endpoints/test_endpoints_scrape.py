@@ -155,3 +155,21 @@ def test_restart_reason_names_the_signal():
     assert "process_start_time_seconds" in restart_reason(a, parse_metrics(process_exposition(T0 + 9, 100.0)))
     # one engine of two restarted: the sum went backwards
     assert "vllm:prompt_tokens_total" in restart_reason(a, parse_metrics(process_exposition(T0, 150.0)))
+
+
+def test_the_host_kv_tier_is_read_from_the_offload_config():
+    from prefixroute.model_servers import metrics
+    from prefixroute.model_servers.profiles import EngineSpec
+    from prefixroute.model_servers.server_settings import ServerSettings
+    tiered = EngineSpec.from_settings(ServerSettings(kv_offloading_size=4.0))
+    page = parse_metrics(metrics.render(tiered.new_engine(), model_name="m", process=False).encode())
+    assert page.num_cpu_blocks == tiered.config.num_cpu_blocks == 2048
+    assert page.num_gpu_blocks == tiered.config.num_gpu_blocks
+    plain = EngineSpec.from_settings(ServerSettings()).new_engine()
+    assert parse_metrics(metrics.render(plain, model_name="m", process=False).encode()).num_cpu_blocks is None
+    # another medium (a disk tier) is not host memory; several CPU managers add up
+    text = (b'vllm:kv_offload_config_info{engine="0",medium="DISK",num_blocks="900"} 1.0\n'
+            b'vllm:kv_offload_config_info{engine="0",medium="CPU",num_blocks="100"} 1.0\n'
+            b'vllm:kv_offload_config_info{engine="1",medium="CPU",num_blocks="50"} 1.0\n'
+            b'vllm:kv_offload_config_info{engine="2",medium="CPU",num_blocks="None"} 1.0\n')
+    assert parse_metrics(text).num_cpu_blocks == 150

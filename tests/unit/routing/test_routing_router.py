@@ -93,6 +93,19 @@ def test_capacity_from_scrape_follows_chars_per_token():
     assert core.capacity_blocks(EndpointState(A, num_gpu_blocks=100, block_size=16)) == 50
 
 
+def test_a_host_kv_tier_adds_to_the_capacity_the_own_index_remembers():
+    # feedback / approximate: a prefix the GPU offloaded to the host tier is still a hit there (issue 25); the
+    # events index follows the tiers itself
+    core = RouterCore(RoutingSettings(tokenizer="sim", kv_block_tokens=16))
+    assert core.capacity_blocks(EndpointState(A, num_gpu_blocks=100, block_size=16, num_cpu_blocks=400)) == 500
+    assert core.capacity_blocks(EndpointState(A, num_gpu_blocks=100, block_size=16)) == 100
+    assert core.capacity_blocks(EndpointState(A, num_cpu_blocks=400)) == S.default_index_capacity_blocks
+    core.sync_endpoints([EndpointState(A, num_gpu_blocks=100, block_size=16)])
+    assert core.index.capacity(A) == 100
+    core.sync_endpoints([EndpointState(A, num_gpu_blocks=100, block_size=16, num_cpu_blocks=400)])  # tier seen
+    assert core.index.capacity(A) == 500
+
+
 def test_record_failover_teaches_the_index_where_the_cache_is():
     core = RouterCore(S)
     states = [EndpointState(A), EndpointState(B)]
