@@ -53,10 +53,11 @@ class _Page:
 def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_requests_failed: int = 0,
            runner: AsyncEngine | None = None, slow_client_aborts: Mapping[str, int] | None = None,
            process: bool = True, kv_publisher: ZmqEventPublisher | None = None,
-           responses_store: ResponseStore | None = None) -> str:
+           responses_store: ResponseStore | None = None, max_model_len: int = 0, tp_degree: int = 1) -> str:
     """The /metrics page. `runner` adds real-time step-lag counters; `slow_client_aborts` (reason -> count) the
     backpressure aborts; `process` the process collector's gauges; `kv_publisher` the KV-event counters;
-    `responses_store` the Responses API store's gauges and eviction counter."""
+    `responses_store` the Responses API store's gauges and eviction counter. `max_model_len` (0: not known)
+    and `tp_degree` size the CPU tier's ``vllm:kv_offload_config_info`` in tokens and bytes."""
     page = _Page(model_name)
     _engine_samples(page, core, slow_client_aborts, num_http_requests_failed)
     if core.tier is not None:
@@ -67,7 +68,7 @@ def render(core: EngineCore, *, model_name: str, server_id: str = "", num_http_r
         _store_samples(page, responses_store)
     if runner is not None:
         _runner_samples(page, runner)
-    _config_and_ttft(page, core)
+    _config_and_ttft(page, core, max_model_len, tp_degree)
     text = "\n".join(page.out) + "\n"
     if process:
         text += generate_latest(_PROCESS).decode()
@@ -165,8 +166,38 @@ def _runner_samples(page: _Page, runner: AsyncEngine) -> None:
     gauge("prefixroute:engine_step_lag_max_seconds", "Largest step lag so far.", runner.lag_max_s)
 
 
-def _config_and_ttft(page: _Page, core: EngineCore) -> None:
-    """The cache configuration (an info gauge) and the TTFT histogram."""
+OFFLOAD_INFO_HELP = (
+    "Static configuration of the KV offload managers of this engine instance. The configured offloading spec "
+    "declares the label names, and each manager fills the values, so a series appears from the first scheduler "
+    "step of its engine. A manager reports one series for each configuration it holds, and a label of its own "
+    "tells the series apart. Each engine reports its own configuration, not the instance total.")
+"""vLLM 0.33/0.34's help of ``vllm:kv_offload_config_info`` (offloading/metrics.py ``_INFO_METRIC_HELP``)."""
+OFFLOAD_BLOCKS_PER_CHUNK = 1
+"""GPU blocks per offloaded chunk: vLLM's default (offloading/config.py: ``blocks_per_chunk = 1`` unless
+``kv_connector_extra_config`` sets ``blocks_per_chunk`` or ``block_size``); this tier stores single blocks."""
+HOST_PAGE_BYTES = 4096
+"""vLLM pads each chunk to ``SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT`` (``mmap.PAGESIZE``)."""
+
+
+def offload_config_labels(num_cpu_blocks: int, kv_bytes_per_block: int, block_size: int,
+                          max_model_len: int) -> str:
+    """The labels vLLM's ``CPUOffloadingInfo.from_config`` gives a tier of `num_cpu_blocks` chunks of
+    `OFFLOAD_BLOCKS_PER_CHUNK` block(s) of `kv_bytes_per_block` bytes (all TP ranks together), one KV-cache
+    group, in prometheus_client's order (sorted; the page's own labels follow): ``cpu_kv_cache_size_tokens`` is
+    ``"None"`` when `max_model_len` is not known (<= 0), as vLLM writes it."""
+    chunk_bytes = -(-kv_bytes_per_block * OFFLOAD_BLOCKS_PER_CHUNK // HOST_PAGE_BYTES) * HOST_PAGE_BYTES
+    tokens: int | None = None
+    if max_model_len > 0:
+        chunks_per_request = -(-max_model_len // (block_size * OFFLOAD_BLOCKS_PER_CHUNK))
+        tokens = num_cpu_blocks * max_model_len // chunks_per_request
+    return (f'cpu_blocks_per_chunk="{OFFLOAD_BLOCKS_PER_CHUNK}",'
+            f'cpu_kv_cache_size_bytes="{num_cpu_blocks * chunk_bytes}",'
+            f'cpu_kv_cache_size_tokens="{tokens}",cpu_num_chunks="{num_cpu_blocks}"')
+
+
+def _config_and_ttft(page: _Page, core: EngineCore, max_model_len: int, tp_degree: int) -> None:
+    """The cache configuration (info gauges: vLLM's GPU cache, and its offloading connector's CPU tier, exactly
+    as vLLM 0.33/0.34 write them, tests/data/engines/) and the TTFT histogram."""
     lbl, out, st = page.labels, page.out, core.stats
     cfg = core.config
     out.append("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
@@ -174,9 +205,11 @@ def _config_and_ttft(page: _Page, core: EngineCore) -> None:
                f'vllm:cache_config_info{{block_size="{cfg.block_size}",enable_prefix_caching="True",'
                f'engine="0",num_gpu_blocks="{cfg.num_gpu_blocks}"}} 1.0')
     if cfg.num_cpu_blocks:
-        out.append("# HELP vllm:kv_offload_config_info Static configuration of the KV offload managers of this "
-                   "engine instance.\n# TYPE vllm:kv_offload_config_info gauge\n"
-                   f'vllm:kv_offload_config_info{{{lbl},medium="CPU",num_blocks="{cfg.num_cpu_blocks}"}} 1.0')
+        info = offload_config_labels(cfg.num_cpu_blocks, cfg.cpu_bytes_per_block * tp_degree, cfg.block_size,
+                                     max_model_len)
+        out.append(f"# HELP vllm:kv_offload_config_info {OFFLOAD_INFO_HELP}\n"
+                   "# TYPE vllm:kv_offload_config_info gauge\n"
+                   f"vllm:kv_offload_config_info{{{info},{lbl}}} 1.0")
     name = "vllm:time_to_first_token_seconds"
     lines = [f"# HELP {name} Histogram of time to first token in seconds.", f"# TYPE {name} histogram"]
     cum = 0

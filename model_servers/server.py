@@ -360,7 +360,8 @@ class ModelServer:
         text = metrics.render(self.core, model_name=self.served, server_id=self.server_id,
                               num_http_requests_failed=self.num_failed, runner=self.engine,
                               slow_client_aborts=self.slow_client_aborts, kv_publisher=self.kv_publisher,
-                              responses_store=self.responses)
+                              responses_store=self.responses, max_model_len=self.max_model_len,
+                              tp_degree=self.profile.tp_degree)
         conn.respond(200, text.encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
 
     def h_tokenize(self, conn: HttpConnection, body: bytes) -> None:

@@ -9,8 +9,9 @@ total (SGLang 0.5.23 with priority scheduling: the total under ``priority=""``) 
 The names, checked against the releases' own metrics code (tests/data/engines/, docs/engines.md "Engine releases
 checked"): vLLM 0.33 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
 (``vllm:gpu_cache_usage_perc`` before 0.10), ``vllm:cache_config_info`` (labels ``block_size``,
-``num_gpu_blocks``), ``vllm:kv_offload_config_info`` (labels ``medium``, ``num_blocks``: the native offloading's
-host tier, ``--kv-offloading-size``), ``vllm:prefix_cache_queries`` / ``_hits`` and
+``num_gpu_blocks``), ``vllm:kv_offload_config_info`` (the native offloading's host tier, ``--kv-offloading-size``:
+labels ``cpu_num_chunks`` and ``cpu_blocks_per_chunk``, vLLM 0.33 and 0.34's ``CPUOffloadingInfo``; the tier holds
+their product in GPU blocks), ``vllm:prefix_cache_queries`` / ``_hits`` and
 ``vllm:external_prefix_cache_hits`` (counters: the hit ratio by tier); SGLang 0.5.23 ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
 ``sglang:token_usage``, and for the KV capacity (it has no cache_config_info) ``sglang:page_size`` and
 ``sglang:num_pages``.
@@ -39,7 +40,12 @@ WAITING_NAMES = (b"vllm:num_requests_waiting", b"sglang:num_queue_reqs")
 KV_USAGE_NAMES = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc", b"sglang:token_usage")
 CACHE_CONFIG_NAME = b"vllm:cache_config_info"
 OFFLOAD_CONFIG_NAME = b"vllm:kv_offload_config_info"
-CPU_MEDIA = (b"CPU", b"cpu", b"CPU_PINNED")
+OFFLOAD_NUM_CHUNKS_LABEL = b"cpu_num_chunks"
+OFFLOAD_BLOCKS_PER_CHUNK_LABEL = b"cpu_blocks_per_chunk"
+"""The labels of vLLM's CPU tier on `OFFLOAD_CONFIG_NAME` (``vllm/v1/kv_offload/cpu/common.py``
+``CPUOffloadingInfo``): chunk slots, and GPU blocks per chunk. A series whose values are empty (a tiering
+connector's secondary tier: the labels are declared for every tier, filled by the CPU one only) or ``"None"``
+says nothing about a CPU tier and is skipped."""
 PREFIX_CACHE_NAMES = (b"vllm:prefix_cache_queries_total", b"vllm:prefix_cache_hits_total",
                       b"vllm:external_prefix_cache_hits_total")
 """Prompt tokens looked up, found on the GPU, loaded from a connector's tier (the native offloading's CPU tier)."""
@@ -65,7 +71,7 @@ class ScrapedMetrics:
     kv_cache_usage_ratio: float | None = None
     num_gpu_blocks: int | None = None
     block_size: int | None = None
-    num_cpu_blocks: int | None = None  # vllm:kv_offload_config_info{medium="CPU",num_blocks}: the host KV tier
+    num_cpu_blocks: int | None = None  # the host KV tier in GPU blocks: cpu_num_chunks x cpu_blocks_per_chunk
     # (queried, GPU hit, CPU-tier hit) prompt tokens since the server started (`PREFIX_CACHE_NAMES`; a missing
     # tier counter counts 0); None without vllm:prefix_cache_queries
     prefix_cache_tokens: tuple[float, float, float] | None = None
@@ -120,6 +126,23 @@ def _gauge(data: bytes, names: Iterable[bytes]) -> list[float]:
     return []
 
 
+def _num_cpu_blocks(data: bytes) -> int | None:
+    """The CPU tier's size in GPU blocks from ``vllm:kv_offload_config_info`` (`OFFLOAD_NUM_CHUNKS_LABEL` x
+    `OFFLOAD_BLOCKS_PER_CHUNK_LABEL`), summed over the series (each engine of a data-parallel server reports
+    its own tier); None when no series gives both as positive integers."""
+    total = None
+    for line in _samples(data, OFFLOAD_CONFIG_NAME):
+        labels = dict(_LABEL_RE.findall(line))
+        try:
+            chunks = int(labels[OFFLOAD_NUM_CHUNKS_LABEL])
+            per_chunk = int(labels[OFFLOAD_BLOCKS_PER_CHUNK_LABEL])
+        except (KeyError, ValueError):  # absent, "" (not filled) or "None"
+            continue
+        if chunks > 0 and per_chunk > 0:
+            total = (total or 0) + chunks * per_chunk
+    return total
+
+
 def parse_metrics(data: bytes) -> ScrapedMetrics:
     """Parse the needed vLLM or SGLang gauges out of a Prometheus text exposition (never raises on bad text)."""
     running = _gauge(data, RUNNING_NAMES)
@@ -140,15 +163,7 @@ def parse_metrics(data: bytes) -> ScrapedMetrics:
         pages, size = _gauge(data, (SGLANG_NUM_PAGES_NAME,)), _gauge(data, (SGLANG_PAGE_SIZE_NAME,))
         if pages and size and size[0] > 0 and sum(pages) > 0:
             num_gpu_blocks, block_size = int(sum(pages)), int(size[0])
-    num_cpu_blocks = None
-    for line in _samples(data, OFFLOAD_CONFIG_NAME):
-        labels = {k: v for k, v in _LABEL_RE.findall(line)}
-        try:
-            nb = int(float(labels[b"num_blocks"]))
-        except (KeyError, ValueError):
-            continue
-        if labels.get(b"medium") in CPU_MEDIA and nb > 0:
-            num_cpu_blocks = (num_cpu_blocks or 0) + nb
+    num_cpu_blocks = _num_cpu_blocks(data)
     cache = [sum(_gauge(data, (name,))) for name in PREFIX_CACHE_NAMES]
     prefix_cache_tokens = (cache[0], cache[1], cache[2]) if _gauge(data, PREFIX_CACHE_NAMES[:1]) else None
     start = _gauge(data, (START_TIME_NAME,))

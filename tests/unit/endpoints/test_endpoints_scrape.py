@@ -167,9 +167,17 @@ def test_the_host_kv_tier_is_read_from_the_offload_config():
     assert page.num_gpu_blocks == tiered.config.num_gpu_blocks
     plain = EngineSpec.from_settings(ServerSettings()).new_engine()
     assert parse_metrics(metrics.render(plain, model_name="m", process=False).encode()).num_cpu_blocks is None
-    # another medium (a disk tier) is not host memory; several CPU managers add up
-    text = (b'vllm:kv_offload_config_info{engine="0",medium="DISK",num_blocks="900"} 1.0\n'
-            b'vllm:kv_offload_config_info{engine="0",medium="CPU",num_blocks="100"} 1.0\n'
-            b'vllm:kv_offload_config_info{engine="1",medium="CPU",num_blocks="50"} 1.0\n'
-            b'vllm:kv_offload_config_info{engine="2",medium="CPU",num_blocks="None"} 1.0\n')
-    assert parse_metrics(text).num_cpu_blocks == 150
+    # vLLM 0.33/0.34's form (CPUOffloadingInfo): chunks x blocks per chunk, summed over engines; a tiering
+    # connector's secondary tier (cpu_* labels empty), "None", a missing label and the old medium/num_blocks form
+    # (which no release wrote) say nothing
+    text = (b'vllm:kv_offload_config_info{cpu_blocks_per_chunk="1",cpu_kv_cache_size_bytes="209715200",'
+            b'cpu_kv_cache_size_tokens="1600",cpu_num_chunks="100",engine="0",model_name="m"} 1.0\n'
+            b'vllm:kv_offload_config_info{cpu_blocks_per_chunk="4",cpu_kv_cache_size_bytes="1",'
+            b'cpu_kv_cache_size_tokens="None",cpu_num_chunks="50",engine="1",model_name="m"} 1.0\n'
+            b'vllm:kv_offload_config_info{cpu_blocks_per_chunk="",cpu_kv_cache_size_bytes="",'
+            b'cpu_kv_cache_size_tokens="",cpu_num_chunks="",engine="0",model_name="m",tier="fs"} 1.0\n'
+            b'vllm:kv_offload_config_info{cpu_blocks_per_chunk="None",cpu_num_chunks="7",engine="2"} 1.0\n'
+            b'vllm:kv_offload_config_info{cpu_num_chunks="7",engine="3"} 1.0\n'
+            b'vllm:kv_offload_config_info{engine="4",medium="CPU",num_blocks="100"} 1.0\n')
+    assert parse_metrics(text).num_cpu_blocks == 100 + 50 * 4
+    assert parse_metrics(b'vllm:kv_offload_config_info{engine="0",model_name="m"} 1.0\n').num_cpu_blocks is None

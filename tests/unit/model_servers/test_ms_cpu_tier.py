@@ -172,3 +172,8 @@ def test_flags_metrics_and_sizes():
         assert name in page
     plain = metrics.render(EngineSpec.from_settings(ServerSettings()).new_engine(), model_name="m", process=False)
     assert "kv_offload" not in plain
+    # the tier's info gauge in vLLM 0.33/0.34's own form (CPUOffloadingInfo, one block per chunk: vLLM's default)
+    page = metrics.render(core, model_name="m", process=False, max_model_len=131072)
+    assert ('vllm:kv_offload_config_info{cpu_blocks_per_chunk="1",cpu_kv_cache_size_bytes="4294967296",'
+            'cpu_kv_cache_size_tokens="32768",cpu_num_chunks="2048",engine="0",model_name="m"} 1.0') in page
+    assert 'cpu_kv_cache_size_tokens="None"' in metrics.render(core, model_name="m", process=False)
