@@ -331,8 +331,9 @@ def load_engine(release: str, src: Path, *, bytes_hashes: bool = False) -> Engin
             files[base_rel] = digest(src / base_rel)
             base = slice_module("vllm.v1.kv_offload.base", src / base_rel, {
                 "OffloadKey", "make_offload_key", "get_offload_block_hash", "get_offload_group_idx", "Medium",
-                "Locality", "OffloadingEvent", "OffloadingKVEventsConfig"})
-            stub("vllm.v1.kv_cache_interface", KVCacheGroupSpec=object,
+                "Locality", "OffloadingEvent", "OffloadingKVEventsConfig"},
+                exclude={"ReqContext"})  # 0.34: OffloadingEvent.req_context (None here: stores from snapshots)
+            stub("vllm.v1.kv_cache_interface", KVCacheGroupSpec=object, MambaSpec=type("MambaSpec", (), {}),
                  get_kv_cache_spec_kind=lambda spec: None, get_kv_cache_spec_sliding_window=lambda spec: None)
             stub("vllm.v1.request", Request=object)
             tracker = real("vllm.distributed.kv_transfer.kv_connector.v1.offloading.events", tracker_rel)
@@ -569,7 +570,7 @@ def _offloading_batches(eng: Engine, tokens: list[int], chain: tuple[list[bytes]
     tracker = tracker_mod.OffloadingEventsTracker(cfg, specs)
     group = types.SimpleNamespace(hashes_per_chunk=2, tokens_per_chunk=2 * BS, tokens_per_block=BS,
                                   sliding_window_size_in_chunks=None, group_idx=0,
-                                  kv_event_group_spec=specs[0])
+                                  kv_event_group_spec=specs[0], kv_cache_spec=None)  # 0.34: read for Mamba
     req = types.SimpleNamespace(block_hashes=list(raws), all_token_ids=list(tokens), lora_request=None)
     keys = [base.make_offload_key(raws[2 * c + 1], 0) for c in range(3)]
     tracker.record_store(req, group, 0, keys[0])
@@ -589,7 +590,20 @@ def _offloading_batches(eng: Engine, tokens: list[int], chain: tuple[list[bytes]
     removals = list(tracker.take_events([
         base.OffloadingEvent(keys=[keys[0]], medium=base.Medium.CPU, removed=True, locality=loc),
         base.OffloadingEvent(keys=[keys[2]], medium=base.Medium.CPU, removed=True)]))
-    return [stores, placeholders, removals]
+    if not hasattr(tracker_mod, "describes_group"):
+        return [stores, placeholders, removals]
+    # vLLM 0.34: a recurrent (Mamba) group's chunk is a state checkpoint: its last hash only, chained to the hash
+    # before, no token ids, kv_cache_spec_kind "mamba" (group 1 here: not the router's attention blocks).
+    mamba_spec = tracker_mod.OffloadingEventGroupSpec("mamba", None)
+    mamba = types.SimpleNamespace(hashes_per_chunk=2, tokens_per_chunk=2 * BS, tokens_per_block=BS,
+                                  sliding_window_size_in_chunks=1, group_idx=1, kv_event_group_spec=mamba_spec,
+                                  kv_cache_spec=sys.modules["vllm.v1.kv_cache_interface"].MambaSpec())
+    mamba_tracker = tracker_mod.OffloadingEventsTracker(cfg, {0: specs[0], 1: mamba_spec})
+    mamba_key = base.make_offload_key(raws[1], 1)
+    mamba_tracker.record_store(req, mamba, 0, mamba_key)
+    checkpoints = list(mamba_tracker.take_events([
+        base.OffloadingEvent(keys=[mamba_key], medium=base.Medium.CPU, removed=False)]))
+    return [stores, placeholders, removals, checkpoints]
 
 
 def _sglang_recorder_scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
@@ -686,7 +700,12 @@ class _NoneNS(types.SimpleNamespace):
 
 
 RECORDED = {"running": 3, "waiting": 2, "kv_usage": 0.42, "block_size": 16, "num_gpu_blocks": 1234,
-            "prefix_queries": 100, "prefix_hits": 40}
+            "prefix_queries": 100, "prefix_hits": 40,
+            # the native offloading's CPU tier, per engine (vLLM >= 0.33: vllm:kv_offload_config_info): engine 1
+            # with 4 blocks per chunk and max_model_len unknown (its size in tokens reads "None")
+            "offload": [{"engine": 0, "num_chunks": 2048, "blocks_per_chunk": 1, "max_model_len": 4096},
+                        {"engine": 1, "num_chunks": 500, "blocks_per_chunk": 4, "max_model_len": 0}],
+            "num_cpu_blocks": 2048 * 1 + 500 * 4}
 """What `surface` makes the release's metrics code record (a test checks the router's scraper reads it back)."""
 
 
@@ -729,7 +748,69 @@ def _vllm_metrics(src: Path, files: dict[str, str]) -> str:
     st.prefix_cache_stats.queries = RECORDED["prefix_queries"]
     st.prefix_cache_stats.hits = RECORDED["prefix_hits"]
     logger.record(st, None)
+    if (src / OFFLOAD_METRICS).exists():
+        _vllm_offload_metrics(src, files)
     return generate_latest(REGISTRY).decode()
+
+
+OFFLOAD_METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py"
+
+
+def _vllm_offload_metrics(src: Path, files: dict[str, str]) -> None:
+    """vLLM's own offloading connector metrics (``OffloadPromMetrics``, with the CPU spec's label names and
+    metric definitions, ``CPUOffloadingSpec``) observing what each engine's scheduler sends once: its
+    ``OffloadingConnectorStats.set_info`` of the CPU manager's config info, ``CPUOffloadingInfo.from_config``
+    over the release's ``OffloadingConfig`` (`RECORDED` ``offload``). Registers into prometheus_client's
+    default registry, as vLLM does."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    rels = {"math": "vllm/utils/math_utils.py", "base": "vllm/v1/kv_offload/base.py",
+            "config": "vllm/v1/kv_offload/config.py", "common": "vllm/v1/kv_offload/cpu/common.py",
+            "spec": "vllm/v1/kv_offload/cpu/spec.py", "conn": "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py",
+            "metrics": OFFLOAD_METRICS}
+    for rel in rels.values():
+        files[rel] = digest(src / rel)
+    slice_module("vllm.utils.math_utils", src / rels["math"], {"cdiv", "round_up"})
+    config = load_real("vllm.v1.kv_offload.config", src / rels["config"])
+    base = slice_module("vllm.v1.kv_offload.base", src / rels["base"], {
+        "ConfigInfoMapping", "ConfigInfo", "OffloadingMetricMetadata", "OffloadingCounterMetadata",
+        "OffloadingGaugeMetadata", "OffloadingHistogramMetadata"})
+    for name in ("OffloadingSpec", "OffloadingManager", "OffloadingWorker", "CanonicalKVCaches",
+                 "BlockIDsLoadStoreSpec"):  # what the spec and common import beside them; not run here
+        setattr(base, name, type(name, (), {}))
+    common = slice_module("vllm.v1.kv_offload.cpu.common", src / rels["common"],
+                          {"CPUOffloadingInfo", "CPUOffloadingMetrics", "_kv_cache_size_tokens"})
+    spec = slice_module("vllm.v1.kv_offload.cpu.spec", src / rels["spec"], {"CPUOffloadingSpec"})
+    stub("vllm.v1.kv_offload.factory", OffloadingSpecFactory=types.SimpleNamespace(
+        get_spec_cls=lambda extra_config: spec.CPUOffloadingSpec))
+    slice_module("vllm.distributed.kv_transfer.kv_connector.v1.metrics", src / rels["conn"],
+                 {"KVConnectorStats", "KVConnectorPromMetrics", "PromMetric", "PromMetricT"})
+    mod = slice_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics", src / rels["metrics"],
+                       {"OffloadPromMetrics", "OffloadingConnectorStats"}, closure=True)
+    extra = {"cpu_bytes_to_use": 8 << 30}
+    engines = RECORDED["offload"]
+    prom = mod.OffloadPromMetrics(_NoneNS(kv_transfer_config=_NoneNS(kv_connector_extra_config=extra)),
+                                  {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, ["model_name", "engine"],
+                                  {e["engine"]: ["m", str(e["engine"])] for e in engines})
+    bs = RECORDED["block_size"]
+    for e in engines:
+        cfg = config.OffloadingConfig(
+            groups=(config.OffloadingGroupConfig(tokens_per_block=bs, layer_names=("layer.0",), group_id=0),),
+            worker_kv_bytes_per_block=bs * 128 * 1024, enable_kv_cache_events=False, extra_config=extra,
+            engine_id=f"engine-{e['engine']}",
+            model=config.OffloadingModelConfig(name="m", dtype="bfloat16", max_model_len=e["max_model_len"]),
+            cache=config.OffloadingCacheConfig(tokens_per_hash=bs, blocks_per_chunk=e["blocks_per_chunk"]),
+            parallel=_NoneNS(rank=0, world_size=1))
+        info = common.CPUOffloadingInfo.from_config(cfg, e["num_chunks"], bs * 128 * 1024 * e["blocks_per_chunk"])
+        stats = mod.OffloadingConnectorStats()
+        stats.set_info([info.as_config_info()])  # CPUOffloadingManager.config_info(): [its info's mapping]
+        names = mod._TransferMetricName  # one load and one store of 8 blocks, as the worker reports them
+        for name, value in ((names.LOAD_BYTES, 16 << 20), (names.LOAD_TIME, 0.0003), (names.STORE_BYTES, 16 << 20),
+                            (names.STORE_TIME, 0.0003)):
+            stats.increase_counter(name, value)
+        for name in (names.LOAD_SIZE, names.STORE_SIZE):
+            stats.observe_histogram(name, 16 << 20)
+        prom.observe(stats.data, engine_idx=e["engine"])
 
 
 def _vllm_models(src: Path, files: dict[str, str]) -> dict[str, Any]:

@@ -47,6 +47,8 @@ RELEASES: tuple[Release, ...] = (
     Release("vllm-0.26.0", "vllm", "0.26.0", "locality; replay frames (topic, seq, payload), end (b'', END, b'')"),
     Release("vllm-0.33.0", "vllm", "0.33.0", "ownership, session_id, lookahead_token_ids; the offloading "
             "connector's per-medium events and placeholders; also captured with bytes hashes"),
+    Release("vllm-0.34.0", "vllm", "0.34.0", "newest checked: same KV-event, metrics and model forms as 0.33 "
+            "(docs/engines.md); its offloading connector's vllm:kv_offload_config_info in the surface"),
     Release("sglang-0.5.10", "sglang", "0.5.10", "SGLang all-array form with attn_dp_rank and medium"),
     Release("sglang-0.5.23", "sglang", "0.5.23", "SGLang mixed form: signed int64 hashes, cache_salt, session_id, "
             "lora_name, one event per page from its KVCacheEventRecorder, CPU_PINNED medium"),
@@ -63,10 +65,13 @@ FILES = (
     "vllm/v1/metrics/prometheus.py", "vllm/v1/metrics/stats.py", "vllm/v1/metrics/cache_hit_source.py",
     "vllm/v1/engine/__init__.py", "vllm/config/cache.py", "vllm/entrypoints/serve/engine/protocol.py",
     "vllm/entrypoints/generate/base/protocol.py", "vllm/entrypoints/openai/responses/protocol.py",
+    "vllm/utils/math_utils.py", "vllm/v1/kv_offload/config.py", "vllm/v1/kv_offload/cpu/common.py",
+    "vllm/v1/kv_offload/cpu/spec.py", "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py",
     "sglang/srt/observability/metrics_collector.py", "sglang/srt/observability/utils.py",
     "sglang/srt/observability/scheduler_stage_metrics.py", "sglang/srt/utils/gauge_histogram.py",
 )
-SURFACE_RELEASES = ("vllm-0.33.0", "sglang-0.5.23")
+SURFACE_RELEASES = ("vllm-0.33.0", "vllm-0.34.0", "sglang-0.5.23")
 """The releases whose /metrics (and, vLLM, error and Responses models) `surface` checks."""
 SURFACE_DIR = REPO / "tests" / "data" / "engines"
 

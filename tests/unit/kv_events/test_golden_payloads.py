@@ -32,8 +32,10 @@ def _frames(msg: list[str]) -> list[bytes]:
 
 def test_the_releases_the_issue_names_are_all_captured():
     names = {p.parent.name for p in CAPTURES}
-    assert {"vllm-0.9.0", "vllm-0.23.0", "vllm-0.24.0", "vllm-0.26.0", "vllm-0.33.0", "sglang-0.5.23"} <= names
+    assert {"vllm-0.9.0", "vllm-0.23.0", "vllm-0.24.0", "vllm-0.26.0", "vllm-0.33.0", "vllm-0.34.0",
+            "sglang-0.5.23"} <= names
     assert (DATA / "vllm-0.33.0" / "capture-bytes-hashes.json").exists()
+    assert (DATA / "vllm-0.34.0" / "capture-bytes-hashes.json").exists()
 
 
 @pytest.mark.parametrize("path", CAPTURES, ids=[f"{p.parent.name}/{p.stem}" for p in CAPTURES])
@@ -62,7 +64,7 @@ def test_golden_payloads_decode_and_rebuild_the_engines_gpu_blocks(path):
     assert decoder.num_unknown_events == 0
     c = index.counters(EP)
     assert c.num_malformed_events == 0 and c.num_block_size_mismatch_blocks == 0
-    if release == "vllm-0.33.0":  # the offloading connector's CPU and STORAGE tiers, placeholders among them
+    if release in ("vllm-0.33.0", "vllm-0.34.0"):  # the offloading connector's CPU and STORAGE tiers, placeholders
         assert other_media == {"CPU", "STORAGE"}
     elif release == "sglang-0.5.23":
         assert other_media == {"CPU_PINNED"}
@@ -83,17 +85,34 @@ def test_golden_replays_carry_the_live_payloads(path):
         assert got == list(enumerate(live))[start:]
 
 
-def test_vllm_033_placeholders_and_bytes_hashes_are_what_the_release_sends():
-    cap = _load(DATA / "vllm-0.33.0" / "capture.json")
+@pytest.mark.parametrize("release", ["vllm-0.33.0", "vllm-0.34.0"])
+def test_vllm_033_placeholders_and_bytes_hashes_are_what_the_release_sends(release):
+    cap = _load(DATA / release / "capture.json")
     events = [e for m in cap["live"] for e in BatchDecoder().decode(_frames(m)[2]).events]
-    placeholders = [e for e in events if type(e) is BlockStored and e.is_placeholder]
+    placeholders = [e for e in events if type(e) is BlockStored and e.is_placeholder
+                    and e.kv_cache_spec_kind != "mamba"]  # 0.34's state checkpoint: below
     assert placeholders and all(e.block_size == 0 and e.token_ids == [] and e.medium == "CPU" for e in placeholders)
     assert any(type(e) is BlockStored and e.locality == "REMOTE" and e.ownership == "tier-2" for e in events)
     assert any(type(e) is BlockStored and e.lookahead_token_ids for e in events)
     assert all(e.session_id == "sess-1" for e in events if type(e) is BlockStored and e.medium == "GPU")
-    raw = _load(DATA / "vllm-0.33.0" / "capture-bytes-hashes.json")
+    raw = _load(DATA / release / "capture-bytes-hashes.json")
     stored = [e for m in raw["live"] for e in BatchDecoder().decode(_frames(m)[2]).events if type(e) is BlockStored]
     assert all(isinstance(h, bytes) and len(h) == 32 for e in stored for h in e.block_hashes)
+
+
+def test_vllm_034_same_bytes_as_033_and_a_mamba_state_checkpoint():
+    """vLLM 0.34 sends the scenario 0.33 sends byte for byte (its kv_events.py is 0.33's); new in its offloading
+    tracker: a recurrent group's chunk is a state checkpoint (last hash, parent, no tokens, block_size the
+    group's, kind "mamba"), in its own group: not the router's attention blocks."""
+    old, new = _load(DATA / "vllm-0.33.0" / "capture.json"), _load(DATA / "vllm-0.34.0" / "capture.json")
+    assert new["live"][:len(old["live"]) - 2] == old["live"][:-2]  # frames: topic, seq, payload (its timestamp)
+    events = [[BatchDecoder().decode(_frames(m)[2]).events for m in c["live"][-2:]] for c in (new, old)]
+    assert events[0] == events[1]
+    extra = new["live"][len(old["live"]) - 2]
+    (ev,) = BatchDecoder().decode(_frames(extra)[2]).events
+    assert type(ev) is BlockStored and ev.kv_cache_spec_kind == "mamba" and ev.group_idx == 1
+    assert len(ev.block_hashes) == 1 and ev.parent_block_hash is not None
+    assert ev.token_ids == [] and ev.block_size == 16 and ev.medium == "CPU" and ev.is_placeholder
 
 
 def test_sglang_hashes_are_signed_int64():

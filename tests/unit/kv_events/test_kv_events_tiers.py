@@ -24,7 +24,7 @@ from prefixroute.model_servers.engine import EngineConfig, EngineCore, EngineReq
 from prefixroute.model_servers.kv_cache import root_hash
 from prefixroute.model_servers.kv_events_publisher import materialize
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "kv_events" / "vllm-0.33.0"
+DATA = Path(__file__).resolve().parents[2] / "data" / "kv_events"
 EP = "10.0.0.1:8000"
 
 
@@ -32,9 +32,10 @@ def _router_hashes(tokens, lora=None, salt=None):
     return hash_token_blocks(token_bytes(list(tokens)), 16, token_seed_for(lora, salt))
 
 
+@pytest.mark.parametrize("release", ["vllm-0.33.0", "vllm-0.34.0"])  # 0.34: also a Mamba group's checkpoint
 @pytest.mark.parametrize("name", ["capture.json", "capture-bytes-hashes.json"])
-def test_vllm_033_offloading_stream_gives_gpu_and_cpu_residency(name):
-    cap = json.loads((DATA / name).read_text())
+def test_vllm_033_offloading_stream_gives_gpu_and_cpu_residency(name, release):
+    cap = json.loads((DATA / release / name).read_text())
     decoder = BatchDecoder()
     index = TieredKVEventIndex(16)
     for msg in cap["live"]:
