@@ -12,7 +12,7 @@ others bind only wildcard endpoints, so theirs becomes ``tcp://*:P`` (vLLM's doc
 
 What runs is the release's code, unchanged: its event classes (``BlockStored`` ...), its batch class and its
 ``ZmqEventPublisher`` (threads, sockets, replay buffer: the bytes on the wire are the release's), and for vLLM
-0.33 its offloading connector's ``OffloadingEventsTracker``, for SGLang 0.5.23 its ``KVCacheEventRecorder``
+>= 0.33 its offloading connector's ``OffloadingEventsTracker`` (0.34: also a Mamba group's state checkpoint), for SGLang 0.5.23 its ``KVCacheEventRecorder``
 (radix-cache events, one per page). Its other imports (torch, vllm.config, the logger, network helpers) are
 replaced by the smallest stubs; where a module also holds functions the events need (``kv_cache_utils``,
 ``kv_offload/base.py``, SGLang's ``mem_cache/utils.py``) those functions are *sliced* out of the release's own
@@ -28,7 +28,8 @@ Modes:
 - ``bridge``: subscribe to a simulated server's publisher (prefixroute's format) and republish every batch
   through the release's classes and publisher (hashes as the release would send them), so a router faces the
   release's bytes for a real server's cache. Prints ``READY``; runs until stdin closes.
-- ``surface``: the release's own metrics code (vLLM's ``PrometheusStatLogger``, SGLang's
+- ``surface``: the release's own metrics code (vLLM's ``PrometheusStatLogger`` and, from 0.33, its offloading
+  connector's ``OffloadPromMetrics`` with the CPU spec's labels; SGLang's
   ``SchedulerMetricsCollector``) records known figures; prints its /metrics text and (vLLM) the JSON schemas
   of its ``ErrorResponse`` and ``ResponsesResponse`` models. ``validate``: validates JSON bodies by those
   models.

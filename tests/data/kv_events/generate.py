@@ -6,16 +6,17 @@
     PREFIXROUTE_ENGINE_WHEELS=/some/dir .venv/bin/python tests/data/kv_events/generate.py
 
 For each release named in ``tests/helpers/engines.py`` (RELEASES: vLLM 0.9.0, 0.11.0, 0.17.0, 0.23.0, 0.24.0,
-0.26.0, 0.33.0; SGLang 0.5.10, 0.5.23): find its wheel (``--download``: ``pip download --no-deps`` into
+0.26.0, 0.33.0, 0.34.0; SGLang 0.5.10, 0.5.23): find its wheel (``--download``: ``pip download --no-deps`` into
 ``.cache/engine-wheels``, ignored by git), extract its KV-event modules, run ``tests/helpers/engine_driver.py
 capture`` (the release's event classes and ``ZmqEventPublisher``, with stubs for its other imports) and write
 ``<release>/capture.json``: the live frames (topic, seq, payload) and two replays, base64, the sha256 of every
 release file that ran, and the expected outcome (the GPU block set after each batch, the prompts the router
-must match). vLLM 0.33.0 is also captured with bytes block hashes (``capture-bytes-hashes.json``).
+must match). vLLM >= 0.33 is also captured with bytes block hashes (``capture-bytes-hashes.json``).
 
-For vLLM 0.33.0 and SGLang 0.5.23 it also writes ``tests/data/engines/<release>/surface.json``: the /metrics
-text their own metrics code produces for known figures (vLLM's ``PrometheusStatLogger``, SGLang's
-``SchedulerMetricsCollector``) and, for vLLM, the JSON schemas of its own ``ErrorResponse`` and
+For vLLM 0.33.0, 0.34.0 and SGLang 0.5.23 (SURFACE_RELEASES) it also writes
+``tests/data/engines/<release>/surface.json``: the /metrics text their own metrics code produces for known
+figures (vLLM's ``PrometheusStatLogger`` and its offloading connector's ``OffloadPromMetrics`` with
+``vllm:kv_offload_config_info``, SGLang's ``SchedulerMetricsCollector``) and, for vLLM, the JSON schemas of its own ``ErrorResponse`` and
 ``ResponsesResponse`` models (tests/unit/engines/test_engine_surface.py checks our scraper and bodies against
 them).
 tests/unit/kv_events/test_golden_payloads.py decodes them all; a release's wheel is ~350 MB (vLLM), so the
