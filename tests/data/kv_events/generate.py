@@ -16,9 +16,9 @@ must match). vLLM >= 0.33 is also captured with bytes block hashes (``capture-by
 For vLLM 0.33.0, 0.34.0 and SGLang 0.5.23 (SURFACE_RELEASES) it also writes
 ``tests/data/engines/<release>/surface.json``: the /metrics text their own metrics code produces for known
 figures (vLLM's ``PrometheusStatLogger`` and its offloading connector's ``OffloadPromMetrics`` with
-``vllm:kv_offload_config_info``, SGLang's ``SchedulerMetricsCollector``) and, for vLLM, the JSON schemas of its own ``ErrorResponse`` and
-``ResponsesResponse`` models (tests/unit/engines/test_engine_surface.py checks our scraper and bodies against
-them).
+``vllm:kv_offload_config_info``, SGLang's ``SchedulerMetricsCollector``) and, for vLLM, the JSON schemas of
+its own ``ErrorResponse`` and ``ResponsesResponse`` models (tests/unit/engines/test_engine_surface.py checks our
+scraper and bodies against them).
 tests/unit/kv_events/test_golden_payloads.py decodes them all; a release's wheel is ~350 MB (vLLM), so the
 files are committed and CI never downloads.
 """
