@@ -13,10 +13,11 @@ others bind only wildcard endpoints, so theirs becomes ``tcp://*:P`` (vLLM's doc
 What runs is the release's code, unchanged: its event classes (``BlockStored`` ...), its batch class and its
 ``ZmqEventPublisher`` (threads, sockets, replay buffer: the bytes on the wire are the release's), and for vLLM
 >= 0.33 its offloading connector's ``OffloadingEventsTracker`` (0.34: also a Mamba group's state checkpoint),
-for SGLang 0.5.23 its ``KVCacheEventRecorder`` (radix-cache events, one per page). Its other imports (torch, vllm.config, the logger, network helpers) are
-replaced by the smallest stubs; where a module also holds functions the events need (``kv_cache_utils``,
-``kv_offload/base.py``, SGLang's ``mem_cache/utils.py``) those functions are *sliced* out of the release's own
-file (`slice_module`: its top-level definitions by name, executed as written) rather than rewritten.
+for SGLang 0.5.23 its ``KVCacheEventRecorder`` (radix-cache events, one per page). Its other imports (torch,
+vllm.config, the logger, network helpers) are replaced by the smallest stubs; where a module also holds functions
+the events need (``kv_cache_utils``, ``kv_offload/base.py``, SGLang's ``mem_cache/utils.py``) those functions are
+*sliced* out of the release's own file (`slice_module`: its top-level definitions by name, executed as written)
+rather than rewritten.
 
 Modes:
 - ``capture``: publish the scenario (`scenario`) to an ``inproc://`` socket, read every live frame and two
