@@ -41,7 +41,7 @@ class EndpointState:
     kv_cache_usage_ratio: float | None = None  # scraped (vllm:kv_cache_usage_perc / sglang:token_usage), 0-1
     num_gpu_blocks: int | None = None  # scraped from vllm:cache_config_info, sizes the prefix-index LRU
     block_size: int | None = None  # tokens per KV block, from vllm:cache_config_info
-    # blocks of the endpoint's host-memory KV tier (vllm:kv_offload_config_info, medium CPU); None: none known
+    # blocks of the endpoint's host-memory KV tier (vllm:kv_offload_config_info: cpu_num_chunks x cpu_blocks_per_chunk); None: none known
     num_cpu_blocks: int | None = None
     # (queried, GPU hit, CPU-tier hit) prompt tokens the endpoint counted since it started (vllm:prefix_cache_*,
     # vllm:external_prefix_cache_hits): its hit ratio by tier; None when it does not export them

@@ -63,7 +63,7 @@ class RoutingSettings(Settings):
         "canonical text in block_chars blocks (no KV events possible).")
     kv_block_tokens: int = setting(
         16,
-        "Tokens per KV block when hashing token blocks: the servers' block size (vLLM's default on CUDA is 16; "
+        "Tokens per KV block when hashing token blocks: the servers' block size (vLLM's default on CUDA is 16 up to 0.33 and 64 from 0.34: pass vLLM --block-size 16 or set this to 64; "
         "checked against each endpoint's vllm:cache_config_info and its events, a mismatch is logged and the "
         "endpoint's events are not matched).")
     kv_cpu_load_us_per_token: float = setting(
