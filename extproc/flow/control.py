@@ -75,6 +75,15 @@ class Shed(OpenAIError):
     def __init__(self, status: int, message: str, reason: ShedReason, retry_after_s: int) -> None:
         super().__init__(status, message, retry_after_s=retry_after_s)
         self.reason = reason
+        self.wait_s = 0.0  # how long it was held before it was shed (0: shed on arrival); set by the gate
+
+
+def gateway_outcome(error: Exception) -> tuple[float, str | None]:
+    """A refusal's gateway wait (ms) and outcome for its record: ``(wait_ms, "shed:REASON")`` for a `Shed`,
+    ``(0.0, None)`` for any other refusal (never held)."""
+    if isinstance(error, Shed):
+        return error.wait_s * 1000.0, f"shed:{error.reason.value}"
+    return 0.0, None
 
 
 @dataclasses.dataclass(slots=True)
