@@ -20,9 +20,12 @@ from .view import cheapest_prefill_s, endpoint_loads, first_room_ratio
 class RouterView:
     """`loads()` for the saturation detector, `cost_of(request)` and `group_of(request)` for the queue."""
 
-    def __init__(self, router: PoolRouter, *, stale_after_s: float) -> None:
-        """`stale_after_s`: the pool's metrics_stale_after_s (older scrapes say nothing)."""
+    def __init__(self, router: PoolRouter, *, stale_after_s: float, drain: bool = False) -> None:
+        """`stale_after_s`: the pool's metrics_stale_after_s (older scrapes say nothing); `drain`: the
+        settings' saturation_drain (predicted queueing drains at the predicted rate; default: it stays until
+        first tokens are reported)."""
         self.router = router
+        self.drain = drain
         learner = router.core.learner
         # The prefix policy's time model; a baseline policy has none (held on the servers' scrapes alone).
         self.model: TimeModel | None = learner.model if learner is not None else None
@@ -31,13 +34,13 @@ class RouterView:
     def loads(self) -> list[EndpointLoad]:
         r = self.router
         return endpoint_loads(r.pool.snapshot(), r.pool.in_flight, self.model, r.clock(),
-                              stale_after_s=self.stale_after_s)
+                              stale_after_s=self.stale_after_s, drain=self.drain)
 
     def room_ratio(self, detector: SaturationDetector) -> float | None:
         """`view.first_room_ratio` over the router's pool now: < 1 when some endpoint has room, else None."""
         r = self.router
         return first_room_ratio(r.pool.snapshot(), r.pool.in_flight, self.model, r.clock(), detector,
-                                stale_after_s=self.stale_after_s)
+                                stale_after_s=self.stale_after_s, drain=self.drain)
 
     def cost_of(self, request: InferenceRequest) -> float:
         """The request's least uncached prefill over the pool (seconds): what the index holds of its prefix, or
