@@ -148,7 +148,13 @@ def _counts_text(counts: Mapping[str, int]) -> str:
 def render_flow_counts(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     """The gateway queue's counters of each real run of ours with flow control (the router's /metrics scraped at
     the end: `runner.parse_router_metrics`'s ``flow``); no lines when none has them."""
-    rows = [(r["router"], ((r.get("extra") or {}).get("router_metrics") or {}).get("flow")) for r in runs]
+    return flow_count_lines([(r["router"], ((r.get("extra") or {}).get("router_metrics") or {}).get("flow"))
+                             for r in runs])
+
+
+def flow_count_lines(rows: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[str]:
+    """The gateway-queue table of (label, flow counters or None) rows (those with None left out); no lines when
+    none has counters. Shared by report.md and a real sweep's report.md (label: load and router)."""
     rows = [(name, f) for name, f in rows if f]
     if not rows:
         return []

@@ -418,6 +418,9 @@ def _real_entry(summary: Mapping[str, Any], wall_s: float, busy_with_startup: fl
              host_cpu_busy_ratio=extra.get("host_cpu_busy_ratio"))
     if busy_with_startup is not None:
         e["host_cpu_busy_ratio_with_startup"] = busy_with_startup
+    flow = (extra.get("router_metrics") or {}).get("flow")
+    if flow:  # flow control's counters, scraped from the router at the end of the run
+        e["flow"] = flow
     if planned.get("ttft_ms") is not None:
         e["virtual_estimate"] = {"model": planned["model"], "ttft_ms": planned["ttft_ms"],
                                  "hit_ratio": planned["hit_ratio"]}

@@ -46,3 +46,16 @@ def test_the_bench_scrape_keeps_held_released_and_shed_counts_and_the_report_sho
     assert any(line.startswith("| prefixroute:prefix+flow | 2 | 4 | first_token 2 | queue_full 2 | queued_s 4 | 0 |")
                for line in lines)
     assert report.render_flow_counts(runs[1:]) == []
+
+
+def test_a_real_sweeps_entry_and_report_carry_the_counters() -> None:
+    from prefixroute.bench import sweep, sweep_report
+
+    flow = {"num_held": 3, "num_admitted": 7, "num_dropped": 0, "released": {"first_token": 3}, "shed": {},
+            "held_by_bound": {"queued_s": 3}}
+    summary = {"ttft_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0}, "hit_ratio": 0.5, "errors": 0, "requests": 10,
+               "extra": {"router_metrics": {"flow": flow}}}
+    entry = sweep._real_entry(summary, 1.0, None, {})
+    assert entry["flow"] == flow
+    lines = sweep_report.flow_count_lines([("110% prefixroute:prefix+flow", entry["flow"]), ("110% sglang", None)])
+    assert lines[2].startswith("| router |") and len([x for x in lines if x.startswith("| 110%")]) == 1
