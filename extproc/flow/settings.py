@@ -34,9 +34,10 @@ class FlowSettings(Settings):
         "(a few engine steps), little enough that the order is decided here, where a cache hit can go first.")
     saturation_drain: bool = setting(
         False,
-        "How the detector reads an endpoint's predicted queueing. Off (default): the prefill of every request sent "
-        "there and not yet at its first token counts as queued until that first token (or its end) is reported, "
-        "so the gate reopens only when the server shows progress. On: the old estimate, that queued prefill "
+        "How the detector reads an endpoint's predicted queueing. Off (default): the prefill of every streamed "
+        "request sent there counts as queued until its first token (or its end) is reported, so the gate reopens "
+        "only when the server shows progress (a non-streamed response reports no first token: its prefill drains "
+        "at the predicted rate). On: the old estimate for every request, that queued prefill "
         "drains at the time model's predicted rate between events; it reopens the gate early (releasing work into "
         "a still full engine queue) whenever the real server is slower than predicted.")
     saturation_waiting: int = setting(
