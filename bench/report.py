@@ -141,6 +141,32 @@ def index_source_checks(doc: Mapping[str, Any], policy: str = "prefix") -> list[
     return out
 
 
+def _counts_text(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v) or "-"
+
+
+def render_flow_counts(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The gateway queue's counters of each real run of ours with flow control (the router's /metrics scraped at
+    the end: `runner.parse_router_metrics`'s ``flow``); no lines when none has them."""
+    return flow_count_lines([(r["router"], ((r.get("extra") or {}).get("router_metrics") or {}).get("flow"))
+                             for r in runs])
+
+
+def flow_count_lines(rows: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[str]:
+    """The gateway-queue table of (label, flow counters or None) rows (those with None left out); no lines when
+    none has counters. Shared by report.md and a real sweep's report.md (label: load and router)."""
+    rows = [(name, f) for name, f in rows if f]
+    if not rows:
+        return []
+    lines = ["Gateway queue (flow control; the router's /metrics at the end of the run):", "",
+             "| router | admitted at once | held | released (by event) | shed (by reason) | held by bound | dropped |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, f in rows:
+        lines.append(f"| {name} | {f['num_admitted']} | {f['num_held']} | {_counts_text(f['released'])} | "
+                     f"{_counts_text(f['shed'])} | {_counts_text(f['held_by_bound'])} | {f['num_dropped']} |")
+    return lines + [""]
+
+
 def _agents(run: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return (run.get("extra") or {}).get("agents")
 
@@ -361,6 +387,7 @@ def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
             diff = f"{(pred - act) * 100:+.1f} points" if pred is not None and act is not None else "-"
             lines.append(f"| {r['router']} | {src} | {_fmt(pred, 3)} | {_fmt(act, 3)} | {diff} |")
         lines.append("")
+    lines += render_flow_counts(runs)
     checks13 = index_source_checks(doc)
     if checks13:
         lines += ["Issue 13 targets (index sources):", "", "| target | measured | met |", "| --- | --- | --- |"]

@@ -41,6 +41,7 @@ from prefixroute.bench.fleet import (FleetConfig, KVEventsPlan, distinct_free_po
 from prefixroute.bench.routers import PRIOR_ENV, RouterSpec, parse_router
 from prefixroute.bench.virtual_run import engine_spec
 from prefixroute.bench.workload_spec import RequestSpec, Workload
+from prefixroute.extproc.flow.metrics import parse_flow_counts
 from prefixroute.procs import LOOPBACK as HOST
 from prefixroute.procs import ProcessGroup, StartupError, free_port, http_get
 
@@ -194,7 +195,8 @@ _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 def parse_router_metrics(text: str) -> dict[str, Any]:
     """From our router's /metrics text: prompt, predicted-hit and actual-hit tokens summed over endpoints, the
     predicted and actual hit ratios they give (None without prompt tokens), and, where the router exposes one,
-    the index source per endpoint (a ``prefixroute_*index_source*{endpoint, source}`` series at 1)."""
+    the index source per endpoint (a ``prefixroute_*index_source*{endpoint, source}`` series at 1), and flow
+    control's counters (``flow``: `extproc.flow.metrics.parse_flow_counts`) when it ran."""
     sums: dict[str, float] = {}
     for m in _ROUTER_METRIC_RE.finditer(text):
         key = m.group(1).removeprefix("prefixroute_").removesuffix("_total")
@@ -213,6 +215,9 @@ def parse_router_metrics(text: str) -> dict[str, Any]:
             sources[labels.get("endpoint", "")] = labels["source"]
     if sources:
         out["index_source_by_endpoint"] = sources
+    flow = parse_flow_counts(text)  # flow control's held / released / shed counts (issue 24), when it ran
+    if flow is not None:
+        out["flow"] = flow
     return out
 
 

@@ -33,7 +33,7 @@ from prefixroute.bench import virtual_run
 from prefixroute.bench import workloads as wl_mod
 from prefixroute.bench.capacity import CAPACITY_DEFINITION, Capacity, find_capacity, retimed
 from prefixroute.bench.fleet import FleetConfig, distinct_free_ports
-from prefixroute.bench.routers import parse_router
+from prefixroute.bench.routers import RouterSpec, parse_router
 from prefixroute.bench.runner import host_cpu_times, run_bench
 from prefixroute.bench.settings import DEFAULT_ROUTERS
 from prefixroute.bench.upper_bound import fleet_bounds, upper_bound
@@ -166,33 +166,30 @@ def run_virtual_sweep(workload: Workload, routers: Sequence[str], *, num_servers
                     capacity=cap, bound=bound, num_requests=len(workload.requests), seed=seed)
     doc["prediction_error_definition"] = PREDICTION_DEFINITION
     skipped: dict[str, str] = {}
-    policies: dict[str, str] = {}
-    flows: dict[str, Any] = {}  # name -> its FlowSettings (None: flow control off)
+    policies: dict[str, VirtualModel] = {}
     for name in routers:
         if name.startswith("sim:"):
             if name not in SIM_ROUTERS:
                 raise ValueError(f"unknown simulated router {name!r}; choose one of {', '.join(SIM_ROUTERS)}")
-            policies[name] = name
+            policies[name] = VirtualModel(name)
             continue
         r = parse_router(name)
         if r.kind != "prefixroute":
             skipped[name] = "an external program: not simulated in --virtual (run without --virtual)"
             log(f"sweep: skipping {name}: {skipped[name]}")
             continue
-        policies[name] = r.policy
-        flows[name] = virtual_run.flow_settings_for(r)
+        policies[name] = VirtualModel.of(r)
     t_start = time.perf_counter()
     for k, pct in enumerate(load_percents):
         rate = cap.rps * pct / 100.0
         wl = wl_mod.apply_arrivals(workload, "poisson", rate_rps=rate, seed=seed)
         sims = retimed(sims0, wl)
         runs: dict[str, dict] = {}
-        for name, policy in policies.items():
+        for name, model in policies.items():
             t0 = time.perf_counter()
             predictions: list[tuple[str, float, float]] = []
-            res, endpoints, _ = virtual_run.simulate_policy(wl, policy, num_servers=num_servers, spec=spec, seed=seed,
-                                                        sims=sims, endpoint_ids=endpoint_ids,
-                                                        predictions=predictions, flow=flows.get(name))
+            res, endpoints, _ = model.simulate(wl, num_servers=num_servers, spec=spec, seed=seed, sims=sims,
+                                               endpoint_ids=endpoint_ids, predictions=predictions)
             entry = _entry(bench_results.summarize_run(name, res, endpoints))
             entry["num_shed"] = sum(1 for r in res if r.status in (429, 503))
             entry["goodput_ratio"] = goodput_ratio(res, GOODPUT_SLO_COLD_PREFILLS * cap.cold_prefill_s * 1000.0)
@@ -221,13 +218,32 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def _virtual_model_of(name: str) -> str | None:
-    """The policy (or ``sim:`` model) the virtual fleet runs for a real router, None if it has none."""
+@dataclasses.dataclass(frozen=True)
+class VirtualModel:
+    """What the virtual fleet runs for a router name: the policy (or ``sim:`` model) and, for ours, the whole
+    name's ``@SOURCE`` (prefix-index source) and ``+flow`` / ``-flow`` (flow control), so a sweep of
+    ``prefixroute:prefix@feedback+flow`` simulates exactly that router, not its bare policy."""
+
+    policy: str
+    index_source: str = ""
+    flow: Any = None  # FlowSettings, None: flow control off (a ``sim:`` model's own default applies)
+
+    @classmethod
+    def of(cls, router: RouterSpec) -> VirtualModel:
+        return cls(router.policy, router.index_source, virtual_run.flow_settings_for(router))
+
+    def simulate(self, wl: Workload, **kw: Any) -> tuple[list, list[str], float]:
+        """`virtual_run.simulate_policy` of this model (keyword arguments passed on)."""
+        return virtual_run.simulate_policy(wl, self.policy, index_source=self.index_source, flow=self.flow, **kw)
+
+
+def _virtual_model_of(name: str) -> VirtualModel | None:
+    """The model the virtual fleet runs for a real router, None if it has none."""
     r = parse_router(name)
     if r.kind == "prefixroute":
-        return r.policy
+        return VirtualModel.of(r)
     if r.kind == "sglang-router" and r.policy == "cache_aware":
-        return "sim:sglang-cache-aware"
+        return VirtualModel("sim:sglang-cache-aware")
     return None
 
 
@@ -247,10 +263,10 @@ def plan_real_sweep(workload: Workload, routers: Sequence[str], rates: Sequence[
             if model is None:
                 row.append({"router": name, "est_s": None, "ttft_ms": None, "hit_ratio": None})
                 continue
-            res, _, _ = virtual_run.simulate_policy(wl, model, num_servers=num_servers, spec=spec, seed=seed, sims=sm)
+            res, _, _ = model.simulate(wl, num_servers=num_servers, spec=spec, seed=seed, sims=sm)
             finish = max((r.start_s + (r.e2e_ms or 0.0) / 1000.0 for r in res if r.ok), default=span)
             s = bench_results.summarize_run(name, res)
-            row.append({"router": name, "model": model, "est_s": round(finish, 2), "ttft_ms": s["ttft_ms"],
+            row.append({"router": name, "model": model.policy, "est_s": round(finish, 2), "ttft_ms": s["ttft_ms"],
                         "hit_ratio": s["hit_ratio"]})
         known = [c["est_s"] for c in row if c["est_s"] is not None]
         for c in row:
@@ -402,6 +418,9 @@ def _real_entry(summary: Mapping[str, Any], wall_s: float, busy_with_startup: fl
              host_cpu_busy_ratio=extra.get("host_cpu_busy_ratio"))
     if busy_with_startup is not None:
         e["host_cpu_busy_ratio_with_startup"] = busy_with_startup
+    flow = (extra.get("router_metrics") or {}).get("flow")
+    if flow:  # flow control's counters, scraped from the router at the end of the run
+        e["flow"] = flow
     if planned.get("ttft_ms") is not None:
         e["virtual_estimate"] = {"model": planned["model"], "ttft_ms": planned["ttft_ms"],
                                  "hit_ratio": planned["hit_ratio"]}

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from prefixroute.bench.report import render_bounds, render_bounds_by_router, write_files
+from prefixroute.bench.report import flow_count_lines, render_bounds, render_bounds_by_router, write_files
 from prefixroute.bench.sweep import PREDICTION_DEFINITION, seconds_text
 
 PLOT_FILES = ("ttft_vs_load.png", "hit_ratio_vs_load.png")
@@ -83,6 +83,8 @@ def render_report(doc: Mapping[str, Any], command: str = "") -> str:
                         "-" if e.get("host_cpu_busy_ratio") is None else f"{e['host_cpu_busy_ratio']:.0%}"]
             lines.append("| " + " | ".join(row) + " |")
     lines.append("")
+    lines += flow_count_lines([(f"{p['load_percent']:g}% {name}", e.get("flow"))
+                               for p in doc["points"] for name, e in p["runs"].items()])
     lines += _bounds_lines(doc)
     if gaps:
         lines += ["gap = (router - sim:oracle) / sim:oracle per percentile: negative is better than the oracle "

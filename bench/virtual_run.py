@@ -390,7 +390,7 @@ def _router_flow(router: PoolRouter, pool: SimulatedPool, fleet: VirtualFleet, f
     """Flow control in front of our router on the fleet: saturation and costs from the router's own view
     (`RouterView`: its time model, index and scrapes, first tokens delivered first, as a live router hears them
     as they come), held requests parsed once (`parsed`, which the route function takes them from)."""
-    view = RouterView(router, stale_after_s=pool.settings.metrics_stale_after_s)
+    view = RouterView(router, stale_after_s=pool.settings.metrics_stale_after_s, drain=flow.saturation_drain)
 
     def parse(req: SimRequest) -> InferenceRequest:
         p = parsed.get(req.request_id)

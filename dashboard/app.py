@@ -462,6 +462,8 @@ def requests_table(run_choice: str) -> None:
                              "alternative_endpoint": st.column_config.TextColumn("alternative"),
                              "alternative_ttft_ms": st.column_config.NumberColumn("alternative TTFT (ms)",
                                                                                   format="%.1f"),
+                             "gateway_wait_ms": st.column_config.NumberColumn("gateway wait (ms)", format="%.1f"),
+                             "gateway_outcome": st.column_config.TextColumn("gateway queue"),
                              "latency_ms": st.column_config.NumberColumn("latency (ms)", format="%.1f"),
                              "hit_ratio": st.column_config.NumberColumn("hit (actual)", format="percent"),
                              "predicted_hit_ratio": st.column_config.NumberColumn("hit (predicted)",

@@ -395,7 +395,7 @@ def prediction_long(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 RECENT_COLUMNS = ("time", "endpoint", "reason", "status", "ttft_ms", "predicted_ttft_ms", "alternative_endpoint",
-                  "alternative_ttft_ms", "latency_ms", "prompt_tokens",
+                  "alternative_ttft_ms", "gateway_wait_ms", "gateway_outcome", "latency_ms", "prompt_tokens",
                   "cached_tokens", "hit_ratio", "predicted_hit_ratio", "decision_us", "policy", "model", "trace_id")
 
 
@@ -409,6 +409,8 @@ def recent_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
                     "predicted_ttft_ms": r.get("predicted_ttft_ms"),
                     "alternative_endpoint": r.get("alternative_endpoint") or "",
                     "alternative_ttft_ms": r.get("alternative_ttft_ms"),
+                    # flow control: time held in the gateway queue and why it left it (None: never held)
+                    "gateway_wait_ms": r.get("gateway_wait_ms"), "gateway_outcome": r.get("gateway_outcome") or "",
                     "latency_ms": r.get("latency_ms"), "prompt_tokens": prompt, "cached_tokens": cached,
                     "hit_ratio": cached / prompt if prompt and cached is not None else None,
                     "predicted_hit_ratio": r.get("predicted_hit_ratio"), "decision_us": r.get("decision_us"),

@@ -65,7 +65,7 @@ from prefixroute.extproc.headers import (DESTINATION_HEADER, EXT_PROC_ATTRIBUTES
                                          MAX_FALLBACKS, OBSERVE_ATTRIBUTES, REFUSED_HEADER, REPLICA_HEADER,
                                          SERVED_HEADER, fallback_header)
 from prefixroute.extproc.lifecycle import Pick
-from prefixroute.extproc.flow.control import NeedsHold
+from prefixroute.extproc.flow.control import NeedsHold, gateway_outcome
 from prefixroute.extproc.response_directory import NeedsLookup
 from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
@@ -290,7 +290,7 @@ class _RoutingStream:
         try:
             ticket = await self.router.hold(request, self.headers)
         except OpenAIError as err:
-            self.tracker.refused(self.st, err.status, err.message)
+            self.tracker.refused(self.st, err.status, err.message, *gateway_outcome(err))
             return immediate_response(err)
         return self._decide(method, path, request, at_headers, ticket)
 

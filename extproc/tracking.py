@@ -176,7 +176,8 @@ class Tracker(Protocol):
     def begin(self, headers: Mapping[str, str], grpc_metadata: GrpcMetadata = tuple
               ) -> tuple[Tracked, str | None]: ...
     def decided(self, st: Tracked, pick: Pick) -> None: ...
-    def refused(self, st: Tracked, status: int, message: str) -> None: ...
+    def refused(self, st: Tracked, status: int, message: str, wait_ms: float = 0.0,
+                outcome: str | None = None) -> None: ...
     def routing_response_headers(self, st: Tracked, headers: Any, served: str | None) -> bool: ...
     def routing_closed(self, st: Tracked) -> None: ...
     def observe(self, request_headers: Any) -> Tracked | None: ...
@@ -200,7 +201,8 @@ class NullTracker:
     def decided(self, st: Tracked, pick: Pick) -> None:
         pass
 
-    def refused(self, st: Tracked, status: int, message: str) -> None:
+    def refused(self, st: Tracked, status: int, message: str, wait_ms: float = 0.0,
+                outcome: str | None = None) -> None:
         pass
 
     def routing_response_headers(self, st: Tracked, headers: Any, served: str | None) -> bool:
@@ -312,6 +314,9 @@ class RequestTracker:
         rec.alternative_ttft_ms = d.alternative_ttft_ms
         rec.index_source = pick.index_source or None
         rec.decision_us = pick.decision_us
+        if pick.flow_released_by is not None:  # held in the gateway queue, then released
+            rec.gateway_wait_ms = pick.flow_wait_s * 1000.0
+            rec.gateway_outcome = "released:" + pick.flow_released_by
         req = pick.request
         rec.model = req.model
         rec.stream = req.stream
@@ -321,11 +326,15 @@ class RequestTracker:
             rec.request_id = req.request_id
         self.on_decision(d, pick.decision_us)
 
-    def refused(self, st: Tracked, status: int, message: str) -> None:
-        """The router answered the request itself (4xx/503): no endpoint, the error is the outcome."""
+    def refused(self, st: Tracked, status: int, message: str, wait_ms: float = 0.0,
+                outcome: str | None = None) -> None:
+        """The router answered the request itself (4xx/503): no endpoint, the error is the outcome. A request
+        shed by flow control passes its gateway wait and outcome (``shed:REASON``)."""
         rec = st.rec
         rec.status = status
         rec.error = message
+        rec.gateway_wait_ms = wait_ms
+        rec.gateway_outcome = outcome
         rec.latency_ms = (time.perf_counter() - st.t0) * 1000.0
 
     def routing_response_headers(self, st: Tracked, headers: Any, served: str | None) -> bool:

@@ -39,6 +39,9 @@ FIELD_ATTRIBUTES: dict[str, str] = {
     "status": "http.response.status_code",
     "error": "error.type",
     "path": "url.path",
+    # Flow control (issue 24): the gateway queue's wait and outcome (records.py).
+    "gateway_wait_ms": "prefixroute.gateway_wait_ms",
+    "gateway_outcome": "prefixroute.gateway_outcome",
 }
 
 # Extra keys written for generic tooling (derived from the fields above).

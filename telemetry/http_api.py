@@ -5,10 +5,11 @@ OpenAI error format, a missing store -> 503, an unknown route -> 404):
 
     /api/summary?window_s=300                          -> StoreReader.summary
     /api/timeseries?window_s=300&bucket_s=5&by_endpoint=0|1 -> StoreReader.timeseries
-    /api/breakdown?window_s=300&by=endpoint            -> StoreReader.breakdown
+    /api/breakdown?window_s=300&by=endpoint            -> StoreReader.breakdown (by=gateway_outcome: flow control)
     /api/endpoints?window_s=300                        -> StoreReader.endpoints
     /api/reasons?window_s=300[&bucket_s=5]             -> StoreReader.reasons
     /api/histogram?window_s=300&column=ttft_ms[&bin_width=10&num_bins=30] -> StoreReader.histogram
+                                                          (column=gateway_wait_ms: time held in the gateway queue)
     /api/ttft_predictions?window_s=300                 -> StoreReader.ttft_predictions
     /api/requests?since_s=60                           -> StoreReader.iter_requests (oldest first), JSON array
     /api/recent?limit=100[&endpoint=host:port][&run_id=ID] -> StoreReader.recent_requests (newest first)
@@ -16,6 +17,9 @@ OpenAI error format, a missing store -> 503, an unknown route -> 404):
     /api/request?trace_id=HEX(required)[&span_id=HEX]  -> StoreReader.request (404 when absent)
     /api/stats                                         -> receiver counters + num_requests in the store
     /healthz                                           -> {"status": "ok"}
+
+Request rows (/api/requests, /api/recent, /api/request) carry every record column, among them
+``gateway_wait_ms`` and ``gateway_outcome`` (flow control: store_schema.py).
 
 Every query route accepts ``now=`` (unix s) to query a fixed instant, like the reader methods.
 

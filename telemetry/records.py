@@ -27,7 +27,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "trace_id", "span_id", "parent_span_id", "request_id", "start_time", "model", "tenant_hash", "policy",
     "reason", "endpoint", "endpoints", "matched_blocks", "total_blocks", "predicted_hit_ratio", "predicted_ttft_ms",
     "alternative_endpoint", "alternative_ttft_ms", "decision_us", "ttft_ms", "latency_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "stream", "status", "error",
-    "path", "index_source",
+    "path", "index_source", "gateway_wait_ms", "gateway_outcome",
 )
 
 
@@ -78,6 +78,11 @@ class RequestRecord:
     status: int = 0
     error: str | None = None  # short failure or refusal description (upstream reset, 5xx or 4xx message, ...)
     path: str = ""  # request path, e.g. /v1/chat/completions
+    # Flow control (issue 24): how long the request was held in the gateway queue (0: never held) and why it
+    # left it: "released:REASON" (first_token, release, scrape, arrival) or "shed:REASON" (deadline,
+    # predicted_deadline, queue_full, evicted, no_endpoint); None when it was never held nor shed.
+    gateway_wait_ms: float = 0.0
+    gateway_outcome: str | None = None
 
     @property
     def end_time(self) -> float:

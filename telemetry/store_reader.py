@@ -22,7 +22,8 @@ from prefixroute.telemetry.records import RECORD_FIELDS
 from prefixroute.telemetry.store_schema import (COMPARABLE_PREDICTION_SQL, ERROR_SQL, PERCENTILES, RECORD_COLUMNS,
                                                 REFUSED_SQL, USAGE_OK_SQL, StoreMissing)
 
-_BREAKDOWN_COLUMNS = ("endpoint", "reason", "policy", "model", "path", "status", "service_name")
+_BREAKDOWN_COLUMNS = ("endpoint", "reason", "policy", "model", "path", "status", "service_name", "gateway_outcome")
+_HISTOGRAM_COLUMNS = ("ttft_ms", "latency_ms", "decision_us", "gateway_wait_ms")
 
 MAX_OVERLAP_S = 3600.0
 """Requests last at most minutes; rows that started this long before a window may still overlap it."""
@@ -191,7 +192,8 @@ class StoreReader(StoreQueries):
         return [_finish_agg(r, bucket_s) for r in rows]
 
     def breakdown(self, window_s: float, by: str = "endpoint", *, now: float | None = None) -> list[dict[str, Any]]:
-        """Per value of column `by` (endpoint, reason, policy, model, path, status, service_name),
+        """Per value of column `by` (endpoint, reason, policy, model, path, status, service_name,
+        gateway_outcome: flow control's released:/shed: reasons, NULL for requests never held),
         most requests first. Each row: <by>, num_requests, share_ratio (of the window's requests),
         num_errors, error_ratio, num_refused, refused_ratio, requests_per_s, prompt_tokens, cached_tokens,
         completion_tokens, actual_hit_ratio, predicted_hit_ratio, ttft_ms_p50/p90/p99, latency_ms_p50/p90/p99,
@@ -234,13 +236,14 @@ class StoreReader(StoreQueries):
 
     def histogram(self, window_s: float, column: str = "ttft_ms", *, bin_width: float | None = None,
                   num_bins: int = 30, now: float | None = None) -> list[dict[str, Any]]:
-        """Distribution of `column` (ttft_ms, latency_ms or decision_us) over the window, counted in SQL.
+        """Distribution of `column` (ttft_ms, latency_ms, decision_us or gateway_wait_ms) over the window,
+        counted in SQL.
 
         Rows {bin_start, bin_end, num_requests} for non-empty bins, ascending. Without `bin_width`
         the width is the window's max / num_bins rounded up to 1, 2 or 5 x 10^k.
         """
-        if column not in ("ttft_ms", "latency_ms", "decision_us"):
-            raise ValueError("column must be ttft_ms, latency_ms or decision_us")
+        if column not in _HISTOGRAM_COLUMNS:
+            raise ValueError(f"column must be one of {', '.join(_HISTOGRAM_COLUMNS)}")
         w = self._window(window_s, now)
         if bin_width is None:
             top = self._conn.execute(f"SELECT MAX({column}) FROM requests WHERE start_time >= :t0 "

@@ -32,6 +32,10 @@ Schema (table ``requests``; the record fields are those of `records.RequestRecor
     timing_source       TEXT                  -- whose clock ttft_ms / latency_ms are: "envoy" (Envoy's record of
                                                  the request, joined by the router's traceparent / request id) or
                                                  "router" (no Envoy record: telemetry/receiver.py); NULL before v5
+    gateway_wait_ms     REAL                  -- flow control: ms held in the gateway queue (0: never held; NULL
+                                                 in Envoy-only rows and rows stored before v6)
+    gateway_outcome     TEXT                  -- why it left the queue: "released:REASON" / "shed:REASON"; NULL
+                                                 when never held (records.py)
     UNIQUE (trace_id, span_id)                -- an OTLP retry re-sending a batch replaces, never duplicates
 
     indexes: requests_start_time (start_time), requests_endpoint_start (endpoint, start_time),
@@ -45,7 +49,8 @@ not overlap in time and a run's rows are the rows of its time span.
 
 Schema versions (meta ``schema_version``): 2 added predicted_ttft_ms, alternative_endpoint and
 alternative_ttft_ms; 3 added index_source; 4 added run_id and the runs table; 5 added router_ttft_ms,
-router_latency_ms and timing_source (issue 26: ttft_ms and latency_ms from Envoy's clock). Opening an older file with
+router_latency_ms and timing_source (issue 26: ttft_ms and latency_ms from Envoy's clock); 6 added
+gateway_wait_ms and gateway_outcome (issue 24: the gateway queue). Opening an older file with
 `TelemetryStore` adds the missing columns in place (ALTER TABLE ADD COLUMN: old rows read NULL, nothing is
 rewritten); a `StoreReader` on a file no writer has upgraded yet reads those columns as NULL.
 
@@ -72,7 +77,7 @@ from typing import Any
 
 from prefixroute.telemetry.records import RECORD_FIELDS, RequestRecord
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -106,6 +111,8 @@ CREATE TABLE IF NOT EXISTS requests (
     error TEXT,
     path TEXT,
     index_source TEXT,
+    gateway_wait_ms REAL,
+    gateway_outcome TEXT,
     service_name TEXT,
     attrs TEXT NOT NULL DEFAULT '{}',
     UNIQUE (trace_id, span_id)
@@ -121,7 +128,7 @@ CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, started_at REAL NOT NU
 ADDED_COLUMNS: tuple[tuple[str, str], ...] = (
     ("predicted_ttft_ms", "REAL"), ("alternative_endpoint", "TEXT"), ("alternative_ttft_ms", "REAL"),
     ("index_source", "TEXT"), ("run_id", "TEXT"), ("router_ttft_ms", "REAL"), ("router_latency_ms", "REAL"),
-    ("timing_source", "TEXT"))
+    ("timing_source", "TEXT"), ("gateway_wait_ms", "REAL"), ("gateway_outcome", "TEXT"))
 
 TIMING_COLUMNS: tuple[str, ...] = ("router_ttft_ms", "router_latency_ms", "timing_source")
 """Columns of a row's timing provenance (v5): the router's own figures and whose clock ttft_ms/latency_ms are."""

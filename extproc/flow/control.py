@@ -9,8 +9,9 @@ the live router (`gate.FlowGate`, asyncio) and the virtual fleet run the same co
 - `expire` / `drop`: a held request whose deadline passed is shed (429, or 503 when no endpoint is healthy); one
   whose client left is dropped.
 
-Every shed answer carries ``retry_after_s``, the time the queue's recent drain rate needs to release what is
-held now (1-60 s): what the OpenAI SDK's retry honours. Not thread-safe (one event loop).
+Every shed answer carries ``retry_after_s``, the time the queue's drain rate (measured since the queue last
+emptied) needs to release what is held now (1-60 s): what the OpenAI SDK's retry honours. Not thread-safe (one
+event loop).
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ class Shed(OpenAIError):
     def __init__(self, status: int, message: str, reason: ShedReason, retry_after_s: int) -> None:
         super().__init__(status, message, retry_after_s=retry_after_s)
         self.reason = reason
+        self.wait_s = 0.0  # how long it was held before it was shed (0: shed on arrival); set by the gate
+
+
+def gateway_outcome(error: Exception) -> tuple[float, str | None]:
+    """A refusal's gateway wait (ms) and outcome for its record: ``(wait_ms, "shed:REASON")`` for a `Shed`,
+    ``(0.0, None)`` for any other refusal (never held)."""
+    if isinstance(error, Shed):
+        return error.wait_s * 1000.0, f"shed:{error.reason.value}"
+    return 0.0, None
 
 
 @dataclasses.dataclass(slots=True)
@@ -98,6 +108,10 @@ class DrainRate:
     def record(self, now_s: float) -> None:
         self._times.append(now_s)
 
+    def restart(self) -> None:
+        """Forget the releases so far: the queue emptied, and the next busy period is measured on its own."""
+        self._times.clear()
+
     def per_s(self, now_s: float) -> float | None:
         if len(self._times) < 2:
             return None
@@ -112,6 +126,7 @@ class FlowStats:
 
     num_admitted: int = 0  # admitted at once, never held
     num_held: int = 0
+    held_by_bound: Counter = dataclasses.field(default_factory=Counter)  # saturation.BOUND_* -> requests held
     released: Counter = dataclasses.field(default_factory=Counter)  # ReleaseReason value -> count
     shed: Counter = dataclasses.field(default_factory=Counter)  # (ShedReason value, status) -> count
     num_dropped: int = 0  # held requests whose client left
@@ -181,9 +196,14 @@ class FlowControl:
                 return Offer(Verdict.SHED, self.shed_error(reason, saturation, now_s), reason, evicted)
             self.queue.remove(victim)
             evicted.append(victim)
+        if not len(self.queue):
+            # A busy period starts: the rate of the last one (its span running to now, through the idle spell
+            # since) would read as a crawl and shed this burst on a stale figure.
+            self.drain.restart()
         self.queue.push(entry)
         heapq.heappush(self._deadlines, (entry.deadline_s, next(self._rows), entry))
         self.stats.num_held += 1
+        self.stats.held_by_bound[saturation.bound or "none"] += 1
         return Offer(Verdict.HOLD, evicted=evicted)
 
     def evicted_error(self, saturation: Saturation, now_s: float) -> Shed:

@@ -168,4 +168,5 @@ class FlowGate:
     def _fail(self, entry: QueuedRequest, error: Shed) -> None:
         fut = self._futures.get(entry)
         if fut is not None and not fut.done():
+            error.wait_s = entry.waited_s(asyncio.get_running_loop().time())
             fut.set_exception(error)

@@ -103,7 +103,7 @@ def build_flow(router, settings, *, tick_s: float, stale_after_s: float, tenant_
     from .control import FlowControl
     from .saturation import SaturationDetector
 
-    view = RouterView(router, stale_after_s=stale_after_s)
+    view = RouterView(router, stale_after_s=stale_after_s, drain=settings.saturation_drain)
     control = FlowControl(settings)
     detector = SaturationDetector(settings.saturation_queued_s, settings.saturation_waiting,
                                   settings.saturation_kv_usage_ratio)

@@ -2,6 +2,8 @@
 
 - ``prefixroute_flow_queue_length{priority,fairness_id}``: requests held now, by class and tenant;
 - ``prefixroute_flow_held_total``, ``prefixroute_flow_admitted_total``: requests held, and admitted at once;
+- ``prefixroute_flow_held_by_bound_total{bound}``: requests held, by the detector's bound that held them
+  (queued_s: the time model's predicted queueing; num_waiting / kv_usage: the servers' scraped figures);
 - ``prefixroute_flow_released_total{reason}``: held requests released, by the event that freed capacity
   (first_token, release, scrape, arrival);
 - ``prefixroute_flow_shed_total{reason,code}``: requests answered 429/503, by reason (deadline,
@@ -16,6 +18,7 @@ Read by the metrics thread: plain integers and copies, a torn read costs at most
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,6 +26,7 @@ from .control import WAIT_BUCKETS_S, FlowControl
 
 QUEUE_LENGTH = "prefixroute_flow_queue_length"
 HELD = "prefixroute_flow_held"
+HELD_BY_BOUND = "prefixroute_flow_held_by_bound"
 ADMITTED = "prefixroute_flow_admitted"
 RELEASED = "prefixroute_flow_released"
 SHED = "prefixroute_flow_shed"
@@ -45,6 +49,12 @@ def metrics_families(control: FlowControl) -> Iterable[Any]:
                             value=control.queue.num_bytes)
     yield CounterMetricFamily(HELD, "Requests held in the gateway queue (the fleet was saturated).",
                               value=stats.num_held)
+    by_bound = CounterMetricFamily(HELD_BY_BOUND, "Requests held in the gateway queue, by the saturation bound "
+                                   "that held them (the least loaded endpoint's figure over its bound).",
+                                   labels=["bound"])
+    for bound, n in sorted(dict(stats.held_by_bound).items()):
+        by_bound.add_metric([bound], n)
+    yield by_bound
     yield CounterMetricFamily(ADMITTED, "Requests admitted at once (some endpoint had room).",
                               value=stats.num_admitted)
     released = CounterMetricFamily(RELEASED, "Held requests released, by the event that freed capacity.",
@@ -66,6 +76,31 @@ def metrics_families(control: FlowControl) -> Iterable[Any]:
     yield GaugeMetricFamily(SATURATION, "The saturation detector's last signal: the least loaded healthy "
                             "endpoint's largest load figure over its bound (>= 1: saturated).",
                             value=stats.saturation_signal)
+
+
+_COUNTER_RE = re.compile(r'^prefixroute_flow_(held|held_by_bound|admitted|released|shed|dropped)_total'
+                         r'(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.M)
+_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_LABEL_OF = {"held_by_bound": "bound", "released": "reason", "shed": "reason"}
+
+
+def parse_flow_counts(text: str) -> dict[str, Any] | None:
+    """Flow control's counters from /metrics text (several replicas' texts joined add up): ``num_held``,
+    ``num_admitted``, ``num_dropped``, ``released`` / ``shed`` (reason -> count; shed summed over codes) and
+    ``held_by_bound`` (bound -> count). None when the text has no flow counter (flow control off)."""
+    out: dict[str, Any] = {"num_held": 0, "num_admitted": 0, "num_dropped": 0, "released": {}, "shed": {},
+                           "held_by_bound": {}}
+    found = False
+    for m in _COUNTER_RE.finditer(text):
+        found = True
+        name, value = m.group(1), int(float(m.group(3)))
+        label = _LABEL_OF.get(name)
+        if label is None:
+            out[f"num_{name}"] += value
+            continue
+        key = dict(_LABEL_RE.findall(m.group(2) or "")).get(label, "")
+        out[name][key] = out[name].get(key, 0) + value
+    return out if found else None
 
 
 class FlowCollector:

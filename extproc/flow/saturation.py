@@ -29,6 +29,10 @@ from collections.abc import Iterable
 from prefixroute.types import EndpointId
 
 
+BOUND_QUEUED, BOUND_WAITING, BOUND_KV = "queued_s", "num_waiting", "kv_usage"
+"""The detector's bounds, as /metrics names them (``prefixroute_flow_held_by_bound_total{bound}``)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EndpointLoad:
     """One endpoint's load now. ``queued_s`` >= 0 from the time model; ``num_waiting`` and ``kv_usage_ratio``
@@ -51,6 +55,9 @@ class Saturation:
     signal: float
     num_healthy: int
     num_with_room: int
+    bound: str | None = None
+    """Which bound gives the signal (``queued_s``, ``num_waiting`` or ``kv_usage``: the least loaded healthy
+    endpoint's largest figure), None with no healthy endpoint: what holds a request when saturated."""
 
     @property
     def saturated(self) -> bool:
@@ -80,15 +87,28 @@ class SaturationDetector:
             ratio = max(ratio, load.kv_usage_ratio / self.max_kv_usage_ratio)
         return ratio
 
+    def load_bound(self, load: EndpointLoad) -> tuple[float, str]:
+        """`load_ratio` and the bound it comes from (``queued_s``, ``num_waiting`` or ``kv_usage``)."""
+        if load.num_in_flight == 0:
+            return 0.0, BOUND_QUEUED
+        ratio, bound = max(0.0, load.queued_s) / self.max_queued_s, BOUND_QUEUED
+        if load.num_waiting is not None and load.num_waiting / self.max_waiting > ratio:
+            ratio, bound = load.num_waiting / self.max_waiting, BOUND_WAITING
+        if load.kv_usage_ratio is not None and load.kv_usage_ratio / self.max_kv_usage_ratio > ratio:
+            ratio, bound = load.kv_usage_ratio / self.max_kv_usage_ratio, BOUND_KV
+        return ratio, bound
+
     def detect(self, loads: Iterable[EndpointLoad]) -> Saturation:
         signal = math.inf
         num_healthy = num_with_room = 0
+        bound = None
         for load in loads:
             if not load.healthy:
                 continue
             num_healthy += 1
-            r = self.load_ratio(load)
+            r, b = self.load_bound(load)
             if r < 1.0:
                 num_with_room += 1
-            signal = min(signal, r)
-        return Saturation(signal, num_healthy, num_with_room)
+            if r < signal:
+                signal, bound = r, b
+        return Saturation(signal, num_healthy, num_with_room, bound)

@@ -32,6 +32,14 @@ class FlowSettings(Settings):
         "An endpoint has room while the time model predicts less than this many seconds of queueing (prefill "
         "ahead, decoding load included) there: enough work queued on each engine to keep it busy between releases "
         "(a few engine steps), little enough that the order is decided here, where a cache hit can go first.")
+    saturation_drain: bool = setting(
+        False,
+        "How the detector reads an endpoint's predicted queueing. Off (default): the prefill of every streamed "
+        "request sent there counts as queued until its first token (or its end) is reported, so the gate reopens "
+        "only when the server shows progress (a non-streamed response reports no first token: its prefill drains "
+        "at the predicted rate). On: the old estimate for every request, that queued prefill "
+        "drains at the time model's predicted rate between events; it reopens the gate early (releasing work into "
+        "a still full engine queue) whenever the real server is slower than predicted.")
     saturation_waiting: int = setting(
         5,
         "An endpoint has room only while its scraped vllm:num_requests_waiting is under this (GIE's saturation "

@@ -13,23 +13,39 @@ from prefixroute.types import EndpointId, EndpointState
 from .saturation import EndpointLoad, SaturationDetector
 
 
+def queued_s_of(model: TimeModel, ep: EndpointId, n: int, now_s: float, drain: bool,
+                streamed: Mapping[EndpointId, float] | None = None) -> float:
+    """The time model's work ahead of a new request on `ep` (`n` in flight there), in seconds at its priced rate:
+    the prefill of the requests sent there and not yet at their first token, plus the decoding requests' share of
+    the steps (settings.saturation_drain). ``drain``: that prefill as it drains at the predicted rate since the
+    last pick (`TimeModel.queued_at`). Otherwise, all of it until first tokens; with `streamed` (the
+    `router.StreamedPrefill` figures: only streamed responses report a first token), the larger of the streamed
+    requests' outstanding prefill and the draining backlog of all (so a non-streamed request, whose first token
+    is never reported, is not counted until it ends)."""
+    rate = model.priced(ep)[0]
+    decoding = max(0, n - model.num_pending(ep))
+    if drain:
+        queued = model.queued_at(ep, now_s)
+    elif streamed is None:
+        queued = model.queued_at(ep, None)
+    else:
+        queued = max(model.queued_at(ep, now_s), streamed.get(ep, 0.0))
+    return model.work_tokens(queued, 0.0, decoding) / rate
+
+
 def endpoint_loads(snapshot: Sequence[EndpointState], in_flight: Mapping[EndpointId, int], model: TimeModel | None,
-                   now_s: float, *, stale_after_s: float) -> list[EndpointLoad]:
+                   now_s: float, *, stale_after_s: float, drain: bool = False,
+                   streamed: Mapping[EndpointId, float] | None = None) -> list[EndpointLoad]:
     """One `EndpointLoad` per endpoint of `snapshot`: ``queued_s`` is the time model's work ahead of a new
-    request there (its prefill backlog at `now_s` and the decoding requests' share of the steps, at the
-    endpoint's priced rate; 0 without a time model: a baseline policy is held by the scrapes alone); the scraped
-    waiting count and KV usage only while the scrape is at most `stale_after_s` old (`now_s` and
+    request there (`queued_s_of`; 0 without a time model: a baseline policy is held by the scrapes alone); the
+    scraped waiting count and KV usage only while the scrape is at most `stale_after_s` old (`now_s` and
     ``scraped_at_s`` on one clock)."""
     out = []
     get = in_flight.get
     for s in snapshot:
         ep = s.endpoint
         n = get(ep, 0)
-        queued_s = 0.0
-        if model is not None:
-            rate = model.priced(ep)[0]
-            decoding = max(0, n - model.num_pending(ep))
-            queued_s = model.work_tokens(model.queued_at(ep, now_s), 0.0, decoding) / rate
+        queued_s = queued_s_of(model, ep, n, now_s, drain, streamed) if model is not None else 0.0
         fresh = s.scraped_at_s is not None and now_s - s.scraped_at_s <= stale_after_s
         out.append(EndpointLoad(ep, queued_s, s.num_requests_waiting if fresh else None,
                                 s.kv_cache_usage_ratio if fresh else None, s.healthy, n))
@@ -55,7 +71,8 @@ def cheapest_prefill_s(model: TimeModel | None, prompt_tokens: float, tokens_per
 
 def first_room_ratio(snapshot: Sequence[EndpointState], in_flight: Mapping[EndpointId, int],
                      model: TimeModel | None, now_s: float, detector: SaturationDetector, *,
-                     stale_after_s: float) -> float | None:
+                     stale_after_s: float, drain: bool = False,
+                     streamed: Mapping[EndpointId, float] | None = None) -> float | None:
     """The load ratio (< 1) of the first healthy endpoint of `snapshot` with room, or None when none has room:
     `endpoint_loads` + `SaturationDetector.detect`'s answer to "saturated?", stopping at the first endpoint with
     room, so a decision below saturation costs one or a few endpoints' figures, not the pool's."""
@@ -65,11 +82,7 @@ def first_room_ratio(snapshot: Sequence[EndpointState], in_flight: Mapping[Endpo
             continue
         ep = s.endpoint
         n = get(ep, 0)
-        queued_s = 0.0
-        if model is not None and n:
-            rate = model.priced(ep)[0]
-            decoding = max(0, n - model.num_pending(ep))
-            queued_s = model.work_tokens(model.queued_at(ep, now_s), 0.0, decoding) / rate
+        queued_s = queued_s_of(model, ep, n, now_s, drain, streamed) if model is not None and n else 0.0
         fresh = s.scraped_at_s is not None and now_s - s.scraped_at_s <= stale_after_s
         r = detector.load_ratio(EndpointLoad(ep, queued_s, s.num_requests_waiting if fresh else None,
                                              s.kv_cache_usage_ratio if fresh else None, True, n))

@@ -2,7 +2,8 @@
 (slow GPUs, so a burst saturates two of them). Held requests wait past Envoy's 500 ms answer timeout (the service
 asks Envoy to wait: override_message_timeout; failure mode closed, so a timeout would be a 503) and are served;
 the router's /metrics counts them; a request whose deadline is shorter than the queue gets 429 in the OpenAI
-format with Retry-After."""
+format with Retry-After. Each request's record (exported to a real receiver) says how long it waited in the gateway
+and why it left the queue (``released:REASON`` / ``shed:deadline``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers.fleet import MODEL, start_fleet, start_gateway
+from helpers.receiver import start_receiver
 from prefixroute.extproc.gateway import GatewayProcesses
 
 pytestmark = pytest.mark.integration
@@ -45,9 +47,12 @@ def _metric(gw: GatewayProcesses, name: str) -> float:
 
 def test_a_burst_past_saturation_is_held_served_and_counted(tmp_path: Path) -> None:
     with ExitStack() as stack:
+        rcv = start_receiver(tmp_path / "telemetry.db")
+        stack.callback(rcv.stop)
         fleet = start_fleet(stack, 2, tmp_path, "s", "--time-scale", "3")
         gw = start_gateway(stack, list(fleet.endpoints), tmp_path, failure_mode="closed",
-                           extra_extproc_args=["--saturation-queued-s", "0.05", "--deadline-s", "40"])
+                           extra_extproc_args=["--saturation-queued-s", "0.05", "--deadline-s", "40",
+                                               "--otlp-endpoint", rcv.otlp_url])
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda i: _post(gw, i), range(16)))
         assert [r[0] for r in results] == [200] * 16, [r[2][:200] for r in results if r[0] != 200]
@@ -66,3 +71,17 @@ def test_a_burst_past_saturation_is_held_served_and_counted(tmp_path: Path) -> N
         error = json.loads(body)["error"]
         assert error["type"] == "RateLimitError" and error["code"] == 429
         assert _metric(gw, "prefixroute_flow_shed_total") >= len(shed)
+
+        # The records: a held request says how long it waited and what released it; a shed one, why it was shed.
+        rcv.wait_rows(32, timeout_s=30.0)
+        rows = rcv.api("/api/recent?limit=100")[1]
+        assert len(rows) == 32
+        released = [r for r in rows if (r["gateway_outcome"] or "").startswith("released:")]
+        assert released and all(r["gateway_wait_ms"] > 0 and r["status"] == 200 for r in released)
+        assert {r["gateway_outcome"] for r in released} <= {f"released:{x}" for x in
+                                                            ("first_token", "release", "scrape", "arrival")}
+        never_held = [r for r in rows if r["gateway_outcome"] is None]
+        assert all(r["gateway_wait_ms"] == 0 and r["status"] == 200 for r in never_held)
+        shed_rows = [r for r in rows if r["status"] == 429]
+        assert len(shed_rows) == len(shed) and all((r["gateway_outcome"] or "").startswith("shed:") for r in shed_rows)
+        assert any(r["gateway_outcome"] == "shed:deadline" and r["gateway_wait_ms"] > 0 for r in shed_rows)

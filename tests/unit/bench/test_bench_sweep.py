@@ -249,3 +249,26 @@ def test_retimed_keeps_tokens_and_takes_the_new_arrivals():
     assert [s.arrival_s for s in out] == sorted(at.values())
     assert all(s.arrival_s == at[s.request_id] for s in out)
     assert all(isinstance(s, SimRequest) for s in out) and sims[1].arrival_s != at[sims[1].request_id]
+
+
+def test_a_sweep_simulates_the_whole_router_name_source_and_flow(monkeypatch):
+    """``prefixroute:POLICY@SOURCE+flow``: the virtual sweep and the real sweep's plan run that router, its index
+    source and flow control included, not the bare policy (they used to drop both suffixes)."""
+    calls: list[tuple[str, str, bool]] = []
+    real = virtual_run.simulate_policy
+
+    def recording(wl, policy, **kw):
+        calls.append((policy, kw.get("index_source", ""), kw.get("flow") is not None))
+        return real(wl, policy, **kw)
+
+    monkeypatch.setattr(virtual_run, "simulate_policy", recording)
+    wl = _wl(num_requests=30)
+    spec = virtual_run.engine_spec(PROFILE)
+    routers = ["prefixroute:prefix@feedback+flow", "prefixroute:prefix@approximate-flow"]
+    sweep.run_virtual_sweep(wl, routers, num_servers=2, spec=spec, load_percents=(120,), log=_quiet)
+    ours = [c for c in calls if not c[0].startswith("sim:")]
+    assert ours == [("prefix", "feedback", True), ("prefix", "approximate", False)]
+    calls.clear()
+    sims = virtual_run.build_sim_requests(workloads.apply_arrivals(wl, "poisson", rate_rps=1.0, seed=0), spec)
+    sweep.plan_real_sweep(wl, routers, [5.0], num_servers=2, spec=spec, sims=sims)
+    assert calls == [("prefix", "feedback", True), ("prefix", "approximate", False)]

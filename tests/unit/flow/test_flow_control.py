@@ -204,3 +204,50 @@ def test_metrics_show_queue_per_class_and_tenant_wait_released_shed_and_saturati
     assert "prefixroute_flow_wait_seconds_sum 0.3" in text
     assert "prefixroute_flow_saturation 0.5" in text
     assert "prefixroute_flow_held_total 3.0" in text
+
+
+@pytest.mark.parametrize(("loads", "bound"), [
+    ([EndpointLoad(E1, 0.5), EndpointLoad(E2, 1.0)], "queued_s"),
+    ([EndpointLoad(E1, 0.1, num_waiting=9)], "num_waiting"),
+    ([EndpointLoad(E1, 0.1, num_waiting=1, kv_usage_ratio=0.95)], "kv_usage"),
+    # the least loaded endpoint names the bound: b's queueing is worse, a's KV usage holds it
+    ([EndpointLoad(E1, 0.1, kv_usage_ratio=0.9), EndpointLoad(E2, 2.0)], "kv_usage"),
+    ([EndpointLoad(E1, 0.0, healthy=False)], None),
+])
+def test_detector_names_the_bound_that_holds(loads, bound) -> None:
+    assert SaturationDetector(0.25, 5, 0.8).detect(loads).bound == bound
+
+
+def test_held_requests_are_counted_by_bound_and_exported() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from prefixroute.extproc.flow.metrics import FlowCollector
+
+    fc = FlowControl(FlowSettings())
+    det = SaturationDetector(0.25, 5, 0.8)
+    fc.offer(_entry(1), det.detect([EndpointLoad(E1, 1.0)]), 0.0)
+    fc.offer(_entry(2), det.detect([EndpointLoad(E1, 0.1, num_waiting=7)]), 0.0)
+    fc.offer(_entry(3), det.detect([EndpointLoad(E1, 0.1, num_waiting=7)]), 0.0)
+    fc.offer(_entry(4), ROOM, 0.0)  # admitted: not counted
+    registry = CollectorRegistry()
+    registry.register(FlowCollector(fc))
+    text = generate_latest(registry).decode()
+    assert 'prefixroute_flow_held_by_bound_total{bound="queued_s"} 1.0' in text
+    assert 'prefixroute_flow_held_by_bound_total{bound="num_waiting"} 2.0' in text
+
+
+def test_the_drain_rate_restarts_when_the_queue_empties() -> None:
+    """A burst after an idle spell is judged by its own drain, not by the last busy period's rate read over the
+    idle spell (that rate reads as a crawl and would shed the burst as predicted_deadline at once)."""
+    fc = FlowControl(FlowSettings())
+    for i in range(64):  # a busy period: 64 held at once, released one a second until the queue empties
+        assert fc.offer(_entry(("a", i), deadline=100.0), SATURATED, 0.0).verdict is Verdict.HOLD
+    for i in range(64):
+        assert fc.release(ROOM, 1.0 + i, ReleaseReason.FIRST_TOKEN) is not None
+    assert len(fc.queue) == 0 and fc.drain.per_s(1000.0) == pytest.approx(63 / 999)
+    verdicts = [fc.offer(_entry(("b", i), at=1000.0), SATURATED, 1000.0).verdict for i in range(40)]
+    assert verdicts == [Verdict.HOLD] * 40  # nothing shed on the stale rate
+    assert fc.drain.per_s(1000.0) is None and fc.retry_after_s(1000.0) == 1
+    for t in (1000.5, 1001.0, 1001.5):
+        fc.release(ROOM, t, ReleaseReason.FIRST_TOKEN)
+    assert fc.drain.per_s(1001.5) == pytest.approx(2.0)  # the new burst's own rate

@@ -43,3 +43,39 @@ def test_loads_and_costs_follow_the_router() -> None:
     assert sum(x.queued_s for x in loads.values()) == held.queued_s
     assert view.cost_of(sibling) < 0.1 * before  # its prefix is now pending on the first one's endpoint
     assert view.cost_of(cold) > 0.5 * before
+
+
+def _one_pick(stream: bool, drain: bool):
+    now = [0.0]
+    fleet = VirtualFleet(num_servers=2)
+    pool = SimulatedPool(fleet, PoolSettings(), seed=0)
+    settings = RoutingSettings(policy="prefix", ttft_prior_tokens_per_s=10_000.0, ttft_prior_base_s=0.0, rng_seed=0)
+    router = PoolRouter(RouterCore(settings, track_prefill=True), pool, clock=lambda: now[0])
+    view = RouterView(router, stale_after_s=1.0, drain=drain)
+    body = orjson.dumps({"messages": [{"role": "user", "content": "Tell me more. " * 800}], "stream": stream})
+    pick = router.route("POST", "/v1/chat/completions", HEADERS,
+                        parse_request("POST", "/v1/chat/completions", HEADERS, body, router.settings))
+    return router, view, pick, now
+
+
+def _queued(view: RouterView, pick) -> float:
+    return {x.endpoint: x.queued_s for x in view.loads()}[pick.endpoint_ids[0]]
+
+
+def test_a_streamed_picks_prefill_stays_outstanding_until_its_first_token() -> None:
+    router, view, pick, now = _one_pick(stream=True, drain=False)
+    assert _queued(view, pick) > 0.2
+    now[0] = 30.0  # far past its predicted prefill: a slow server has not reported a first token yet
+    assert _queued(view, pick) > 0.2
+    router.first_token(pick, 30.0)
+    assert _queued(view, pick) < 0.001  # only its decoding share of the steps is left
+
+
+def test_a_non_streamed_pick_and_the_drain_setting_drain_at_the_predicted_rate() -> None:
+    # A non-streamed response reports no first token: its prefill drains as predicted instead of holding the
+    # gate until the response ends. --saturation-drain drains every pick so.
+    for stream, drain in ((False, False), (True, True)):
+        router, view, pick, now = _one_pick(stream=stream, drain=drain)
+        assert _queued(view, pick) > 0.2
+        now[0] = 30.0
+        assert _queued(view, pick) == 0.0, (stream, drain)
