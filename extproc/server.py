@@ -74,6 +74,10 @@ class ExtprocSettings(Settings):
                                       "override_host load balancing policy). Off: the primary alone, which GIE's "
                                       "reference Envoy (an ORIGINAL_DST cluster on the header) needs: it answers "
                                       "503 to a list.")
+    grpc_options: tuple[str, ...] = setting((), "gRPC server channel arguments over the defaults (GRPC_OPTIONS), "
+                                            "each NAME=VALUE, e.g. grpc.max_concurrent_streams=1000 or "
+                                            "grpc.http2.lookahead_bytes=65536 (an integer VALUE is passed as one); "
+                                            "for measuring (overhead-bench --extproc-variants) and tuning.")
     health_port: int = setting(-1, "Also serve the gRPC health service (grpc.health.v1: liveness, readiness, "
                                "envoy.service.ext_proc.v3.ExternalProcessor) on this plaintext port, for kubelet "
                                "grpc probes, which speak neither TLS nor bearer tokens (9003 in GIE's charts). "
@@ -82,6 +86,36 @@ class ExtprocSettings(Settings):
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {self.protocol!r}")
+        grpc_options(self.grpc_options)  # ValueError now, not at start
+
+
+GRPC_OPTIONS: dict[str, int | str] = {
+    # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
+    "grpc.max_concurrent_streams": 100000,
+    # Bodies arrive whole (BUFFERED): gRPC's default 4 MiB cap would fail bodies Envoy already accepted
+    # (its own limit, max_request_body_bytes, is the one that answers 413).
+    "grpc.max_receive_message_length": -1,
+    "grpc.so_reuseport": 0,
+    # Request bodies arrive as one message: a stream window above the largest body avoids flow-control
+    # round trips (the 64 KiB default stalls every 64 KB prompt), and makes BDP probing pointless.
+    "grpc.http2.lookahead_bytes": 16 * 1024 * 1024,
+    "grpc.http2.bdp_probe": 0,
+    "grpc.optimization_target": "latency",
+}
+"""The ext_proc server's gRPC channel arguments (ExtprocSettings.grpc_options overrides or adds to them)."""
+
+
+def grpc_options(overrides: tuple[str, ...]) -> list[tuple[str, int | str]]:
+    """`GRPC_OPTIONS` with `overrides` ("NAME=VALUE"; an integer VALUE as an int) applied; ValueError on an
+    entry without "=" or a NAME outside the ``grpc.`` namespace (a typo would be silently ignored by gRPC)."""
+    options = dict(GRPC_OPTIONS)
+    for entry in overrides:
+        name, sep, value = entry.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name.startswith("grpc.") or not value:
+            raise ValueError(f"grpc_options: expected grpc.NAME=VALUE, got {entry!r}")
+        options[name] = int(value) if value.lstrip("-").isdigit() else value
+    return list(options.items())
 
 
 
@@ -113,19 +147,7 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     credentials = server_credentials(s)
     interceptors = ([BearerTokenInterceptor(token, label="ext_proc", exempt=frozenset({wire.HEALTH_CHECK_PATH}))]
                     if token else None)
-    server = grpc.aio.server(interceptors=interceptors, options=[
-        # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
-        ("grpc.max_concurrent_streams", 100000),
-        # Bodies arrive whole (BUFFERED): gRPC's default 4 MiB cap would fail bodies Envoy already accepted
-        # (its own limit, max_request_body_bytes, is the one that answers 413).
-        ("grpc.max_receive_message_length", -1),
-        ("grpc.so_reuseport", 0),
-        # Request bodies arrive as one message: a stream window above the largest body avoids flow-control
-        # round trips (the 64 KiB default stalls every 64 KB prompt), and makes BDP probing pointless.
-        ("grpc.http2.lookahead_bytes", 16 * 1024 * 1024),
-        ("grpc.http2.bdp_probe", 0),
-        ("grpc.optimization_target", "latency"),
-    ])
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(s.grpc_options))
     replica = s.replica_index if s.replica_index >= 0 else None
     wire.add_to_server(server, ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
                                                gie_fallback_list=s.gie_fallback_list,
