@@ -6,8 +6,8 @@ Authentication (both optional, independent, and invisible to the servicer):
 - Bearer token: with `auth_token` (or `auth_token_file`) set, every stream must carry gRPC metadata
   ``authorization: Bearer <token>`` (Envoy's ``extproc_auth_token`` on both ext_proc filters); any other stream
   is refused with UNAUTHENTICATED before it reaches the servicer, so it can neither route nor report. The check
-  is one metadata scan and a constant-time compare per stream, never per message (`prefixroute.grpc_auth`,
-shared with the OTLP receiver). The gRPC health check (``/grpc.health.v1.Health/Check``) is exempt: Envoy's
+  is one metadata scan and a constant-time compare per stream, never per message, done by the stream handler
+  itself (`StreamAuth`; no grpc.aio interceptor, which would cost every call a round through its chain). The gRPC health check (``/grpc.health.v1.Health/Check``) is exempt: Envoy's
 health checker and kubelet probes carry no token, and it answers only serving / not serving.
 
 Protocols: one server speaks prefixroute's own ext_proc protocol and the Gateway API Inference Extension's,
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
-from typing import ClassVar
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
 
 import grpc
 
@@ -29,8 +30,10 @@ from prefixroute.extproc import wire
 from prefixroute.extproc.health import HealthServicer
 from prefixroute.extproc.servicer import DEFAULT_MAX_BODY_BYTES, PROTOCOLS, ExtProcServicer, RouterService
 from prefixroute.extproc.tracking import NULL_TRACKER, Tracker
-from prefixroute.grpc_auth import BearerTokenInterceptor, read_token
+from prefixroute.grpc_auth import bearer_matches, read_token
 from prefixroute.settings import Settings, setting
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +122,42 @@ def grpc_options(overrides: tuple[str, ...]) -> list[tuple[str, int | str]]:
 
 
 
+class StreamAuth:
+    """The bearer-token check of ext_proc streams, done in the stream handler itself: the same check as
+    `grpc_auth.BearerTokenInterceptor` (one metadata scan and a constant-time compare per stream; a refused
+    stream gets UNAUTHENTICATED before its first message is read, so it never reaches the servicer), without a
+    grpc.aio interceptor, which costs every call a coroutine round through the interceptor chain. The health
+    service is simply not wrapped (exempt)."""
+
+    def __init__(self, token: str, label: str = "ext_proc") -> None:
+        if not token:
+            raise ValueError("empty bearer token")
+        self._token = token.encode()
+        self._label = label
+        self.num_refused = 0
+
+    def allows(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization":
+                return bearer_matches(value, self._token)
+        return False
+
+    def guard(self, process: Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]) -> Callable[..., Any]:
+        """`process` (a stream handler), refusing streams without the token."""
+        allows = self.allows
+
+        async def guarded(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+            if allows(context.invocation_metadata()):
+                await process(request_iterator, context)
+                return
+            self.num_refused += 1
+            if self.num_refused in (1, 10, 100) or self.num_refused % 1000 == 0:
+                log.warning("%s: refused %d stream(s) without the right bearer token", self._label, self.num_refused)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        return guarded
+
+
 def _always() -> bool:
     return True
 
@@ -145,13 +184,12 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     requests past saturation (flow control: `ExtProcServicer`)."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
-    interceptors = ([BearerTokenInterceptor(token, label="ext_proc", exempt=frozenset({wire.HEALTH_CHECK_PATH}))]
-                    if token else None)
-    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(s.grpc_options))
+    server = grpc.aio.server(options=grpc_options(s.grpc_options))
     replica = s.replica_index if s.replica_index >= 0 else None
-    wire.add_to_server(server, ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
-                                               gie_fallback_list=s.gie_fallback_list,
-                                               max_body_bytes=max_body_bytes, can_hold=can_hold).Process)
+    process = ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
+                              gie_fallback_list=s.gie_fallback_list, max_body_bytes=max_body_bytes,
+                              can_hold=can_hold).Process
+    wire.add_to_server(server, StreamAuth(token).guard(process) if token else process)
     wire.add_health_to_server(server, HealthServicer(ready).Check)
     address = f"{s.listen_address}:{s.port}"
     bound = (server.add_secure_port(address, credentials) if credentials is not None
