@@ -87,6 +87,13 @@ class OverheadBenchSettings(Settings):
                                         "filter takes first body byte, usage and response id into Envoy's record, "
                                         "once per request; a prototype the router does not read), 'no-observe' "
                                         "(the routing filter alone: the floor). Records go to a closed local port.")
+    # --- ext_proc process variants (issue 26 part 3: the hot path's settings, measured in the same rounds) ---
+    extproc_variants: tuple[str, ...] = setting((), "Also measure routed gateways whose ext_proc process runs with "
+                                                "other settings, in the same rounds: a name of EXTPROC_VARIANTS "
+                                                "('asyncio': no uvloop; 'grpc-throughput': gRPC's throughput "
+                                                "optimization target; 'grpc-window-64k': gRPC's default 64 KiB "
+                                                "stream window; 'grpc-streams-100': 100 concurrent streams), or "
+                                                "'grpc:NAME=VALUE' for any gRPC server option (--grpc-options).")
     stream_tokens: int = setting(0, "Latency mode with streamed responses of this many token events (the upstream "
                                  "sends one every --itl-ms): what per-chunk work costs; 0 = the small JSON answer.")
     mode: str = setting("all", "'latency' (added latency and req/s), 'itl' (inter-token latency with telemetry "
@@ -114,6 +121,26 @@ VARIANTS = {
 }
 """Routed gateway variants (--variants): Envoy settings over the routed configuration's; "records" sends Envoy's
 request records (to a closed local port: Envoy builds and batches them, the export fails)."""
+
+
+# --- ext_proc process variants (--extproc-variants) ---
+EXTPROC_VARIANTS: dict[str, list[str]] = {
+    "asyncio": ["--no-uvloop"],
+    "grpc-throughput": ["--grpc-options", "grpc.optimization_target=throughput"],
+    "grpc-window-64k": ["--grpc-options", "grpc.http2.lookahead_bytes=65536,grpc.http2.bdp_probe=1"],
+    "grpc-streams-100": ["--grpc-options", "grpc.max_concurrent_streams=100"],
+}
+"""--extproc-variants names -> extra `prefixroute extproc` arguments of that routed gateway (one replica)."""
+
+
+def extproc_variant_args(name: str) -> list[str]:
+    """The `prefixroute extproc` arguments of an --extproc-variants entry; ValueError for an unknown name."""
+    if name.startswith("grpc:"):
+        return ["--grpc-options", name.removeprefix("grpc:")]
+    if name not in EXTPROC_VARIANTS:
+        raise ValueError(f"unknown ext_proc variant {name!r}: choose from {', '.join(EXTPROC_VARIANTS)} or "
+                         "grpc:NAME=VALUE")
+    return EXTPROC_VARIANTS[name]
 
 
 def _cpu_s(pid: int) -> float:
@@ -239,6 +266,7 @@ def run(s: OverheadBenchSettings) -> int:
             print(f"overhead-bench: Envoy 1 worker each, policy {s.policy}, report_served {s.report_served}, "
                   f"telemetry {s.telemetry}, replicas {','.join(map(str, counts))}{', gie' if 'gie' in pids else ''}, "
                   f"variants {','.join(s.variants) or 'none'}, "
+                  f"ext_proc variants {','.join(s.extproc_variants) or 'none'}, "
                   f"{'streamed %d tokens every %g ms' % (s.stream_tokens, s.itl_ms) if s.stream_tokens else 'JSON'}"
                   f" responses, {s.num_rounds} rounds x {s.num_requests} requests, "
                   f"load average {os.getloadavg()[0]:.2f}")
@@ -292,6 +320,13 @@ def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStac
                             extproc_replicas=1, embedded_nats=s.peers),
             RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)), log_dir=tmp / f"variant-{name}",
             envoy_overrides={"report_served": s.report_served, **over}, extra_extproc_args=_span_sink_args())
+    for name in s.extproc_variants:  # --extproc-variants: the routed gateway, its ext_proc run otherwise
+        gws[name] = GatewayProcesses(
+            GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry,
+                            extproc_replicas=1, embedded_nats=s.peers),
+            RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
+            log_dir=tmp / f"extproc-variant-{len(gws)}", envoy_overrides={"report_served": s.report_served},
+            extra_extproc_args=[*_span_sink_args(), *extproc_variant_args(name)])
     for gw in gws.values():
         started.enter_context(gw)
 

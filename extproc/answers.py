@@ -17,13 +17,74 @@ def header_option(key: str, value: str) -> Any:
                                   append_action=wire.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
-def with_traceparent(cached: Any, at_headers: bool, traceparent: str) -> Any:
-    """A copy of a cached routing response that also sets ``traceparent`` (the router span) upstream."""
-    resp = wire.ProcessingResponse()
-    resp.CopyFrom(cached)
-    common = resp.request_headers.response if at_headers else resp.request_body.response
-    common.header_mutation.set_headers.append(header_option(TRACEPARENT_HEADER, traceparent))
-    return resp
+_MAX_SERIALIZED = 4096
+_serialized: dict[int, tuple[Any, bytes]] = {}
+"""Cached routing responses' wire bytes, keyed by the response object's id. The entry holds the object itself,
+so its id cannot be reused by another object while the entry lives (checked with `is` all the same)."""
+
+
+def serialized(cached: Any) -> bytes:
+    """The wire bytes of a cached (never mutated) response, serialized once."""
+    entry = _serialized.get(id(cached))
+    if entry is None or entry[0] is not cached:
+        if len(_serialized) >= _MAX_SERIALIZED:
+            _serialized.clear()
+        entry = _serialized[id(cached)] = (cached, cached.SerializeToString())
+    return entry[1]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+_TRACEPARENT_KEY = _field(1, TRACEPARENT_HEADER.encode())  # HeaderValue.key
+_OVERWRITE = _varint(3 << 3) + _varint(2)  # HeaderValueOption.append_action = OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _suffix_around(at_headers: bool, value_len: int) -> tuple[bytes, bytes]:
+    """The bytes before and after a traceparent value of `value_len` bytes in `traceparent_suffix`."""
+    marker = b"\0" * value_len
+    option = _field(1, _TRACEPARENT_KEY + _field(3, marker)) + _OVERWRITE
+    common = _field(2, _field(1, option))  # CommonResponse.header_mutation.set_headers[0]
+    whole = _field(1 if at_headers else 3, _field(1, common))  # request_headers / request_body .response
+    at = whole.index(_field(3, marker)) + len(_field(3, marker)) - value_len
+    return whole[:at], whole[at + value_len:]
+
+
+_SUFFIX_TEMPLATES: dict[tuple[bool, int], tuple[bytes, bytes]] = {}
+
+
+def traceparent_suffix(at_headers: bool, traceparent: str) -> bytes:
+    """A ProcessingResponse holding only `traceparent` as a header to set, at the request headers
+    (`at_headers`) or the request body, as wire bytes. Appended to a serialized response it adds that header to
+    its set_headers: protobuf parses concatenated messages as one merged message (embedded messages merge,
+    repeated fields append), which Envoy's parser and ours both do (tests/unit/extproc/test_answers_wire.py).
+    The bytes around the value depend only on its length (always 55 for W3C version 00): built once per length."""
+    value = traceparent.encode("latin-1")
+    key = (at_headers, len(value))
+    around = _SUFFIX_TEMPLATES.get(key)
+    if around is None:
+        if len(_SUFFIX_TEMPLATES) >= 64:
+            _SUFFIX_TEMPLATES.clear()
+        around = _SUFFIX_TEMPLATES[key] = _suffix_around(at_headers, len(value))
+    return around[0] + value + around[1]
+
+
+def with_traceparent(cached: Any, at_headers: bool, traceparent: str) -> bytes:
+    """A cached routing response that also sets ``traceparent`` (the router span) upstream, as wire bytes (the
+    gRPC serializer, wire.serialize, passes bytes through): the cached response's bytes, serialized once, and
+    the header appended at the byte level, so no message is copied or built per request."""
+    return serialized(cached) + traceparent_suffix(at_headers, traceparent)
 
 
 def immediate_response(err: OpenAIError) -> Any:

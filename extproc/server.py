@@ -6,8 +6,8 @@ Authentication (both optional, independent, and invisible to the servicer):
 - Bearer token: with `auth_token` (or `auth_token_file`) set, every stream must carry gRPC metadata
   ``authorization: Bearer <token>`` (Envoy's ``extproc_auth_token`` on both ext_proc filters); any other stream
   is refused with UNAUTHENTICATED before it reaches the servicer, so it can neither route nor report. The check
-  is one metadata scan and a constant-time compare per stream, never per message (`prefixroute.grpc_auth`,
-shared with the OTLP receiver). The gRPC health check (``/grpc.health.v1.Health/Check``) is exempt: Envoy's
+  is one metadata scan and a constant-time compare per stream, never per message, done by the stream handler
+  itself (`StreamAuth`; no grpc.aio interceptor, which would cost every call a round through its chain). The gRPC health check (``/grpc.health.v1.Health/Check``) is exempt: Envoy's
 health checker and kubelet probes carry no token, and it answers only serving / not serving.
 
 Protocols: one server speaks prefixroute's own ext_proc protocol and the Gateway API Inference Extension's,
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
-from typing import ClassVar
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
 
 import grpc
 
@@ -29,8 +30,10 @@ from prefixroute.extproc import wire
 from prefixroute.extproc.health import HealthServicer
 from prefixroute.extproc.servicer import DEFAULT_MAX_BODY_BYTES, PROTOCOLS, ExtProcServicer, RouterService
 from prefixroute.extproc.tracking import NULL_TRACKER, Tracker
-from prefixroute.grpc_auth import BearerTokenInterceptor, read_token
+from prefixroute.grpc_auth import bearer_matches, read_token
 from prefixroute.settings import Settings, setting
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,10 @@ class ExtprocSettings(Settings):
                                       "override_host load balancing policy). Off: the primary alone, which GIE's "
                                       "reference Envoy (an ORIGINAL_DST cluster on the header) needs: it answers "
                                       "503 to a list.")
+    grpc_options: tuple[str, ...] = setting((), "gRPC server channel arguments over the defaults (GRPC_OPTIONS), "
+                                            "each NAME=VALUE, e.g. grpc.max_concurrent_streams=1000 or "
+                                            "grpc.http2.lookahead_bytes=65536 (an integer VALUE is passed as one); "
+                                            "for measuring (overhead-bench --extproc-variants) and tuning.")
     health_port: int = setting(-1, "Also serve the gRPC health service (grpc.health.v1: liveness, readiness, "
                                "envoy.service.ext_proc.v3.ExternalProcessor) on this plaintext port, for kubelet "
                                "grpc probes, which speak neither TLS nor bearer tokens (9003 in GIE's charts). "
@@ -82,7 +89,73 @@ class ExtprocSettings(Settings):
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {self.protocol!r}")
+        grpc_options(self.grpc_options)  # ValueError now, not at start
 
+
+GRPC_OPTIONS: dict[str, int | str] = {
+    # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
+    "grpc.max_concurrent_streams": 100000,
+    # Bodies arrive whole (BUFFERED): gRPC's default 4 MiB cap would fail bodies Envoy already accepted
+    # (its own limit, max_request_body_bytes, is the one that answers 413).
+    "grpc.max_receive_message_length": -1,
+    "grpc.so_reuseport": 0,
+    # Request bodies arrive as one message: a stream window above the largest body avoids flow-control
+    # round trips (the 64 KiB default stalls every 64 KB prompt), and makes BDP probing pointless.
+    "grpc.http2.lookahead_bytes": 16 * 1024 * 1024,
+    "grpc.http2.bdp_probe": 0,
+    "grpc.optimization_target": "latency",
+}
+"""The ext_proc server's gRPC channel arguments (ExtprocSettings.grpc_options overrides or adds to them)."""
+
+
+def grpc_options(overrides: tuple[str, ...]) -> list[tuple[str, int | str]]:
+    """`GRPC_OPTIONS` with `overrides` ("NAME=VALUE"; an integer VALUE as an int) applied; ValueError on an
+    entry without "=" or a NAME outside the ``grpc.`` namespace (a typo would be silently ignored by gRPC)."""
+    options = dict(GRPC_OPTIONS)
+    for entry in overrides:
+        name, sep, value = entry.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name.startswith("grpc.") or not value:
+            raise ValueError(f"grpc_options: expected grpc.NAME=VALUE, got {entry!r}")
+        options[name] = int(value) if value.lstrip("-").isdigit() else value
+    return list(options.items())
+
+
+
+class StreamAuth:
+    """The bearer-token check of ext_proc streams, done in the stream handler itself: the same check as
+    `grpc_auth.BearerTokenInterceptor` (one metadata scan and a constant-time compare per stream; a refused
+    stream gets UNAUTHENTICATED before its first message is read, so it never reaches the servicer), without a
+    grpc.aio interceptor, which costs every call a coroutine round through the interceptor chain. The health
+    service is simply not wrapped (exempt)."""
+
+    def __init__(self, token: str, label: str = "ext_proc") -> None:
+        if not token:
+            raise ValueError("empty bearer token")
+        self._token = token.encode()
+        self._label = label
+        self.num_refused = 0
+
+    def allows(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization":
+                return bearer_matches(value, self._token)
+        return False
+
+    def guard(self, process: Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]) -> Callable[..., Any]:
+        """`process` (a stream handler), refusing streams without the token."""
+        allows = self.allows
+
+        async def guarded(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+            if allows(context.invocation_metadata()):
+                await process(request_iterator, context)
+                return
+            self.num_refused += 1
+            if self.num_refused in (1, 10, 100) or self.num_refused % 1000 == 0:
+                log.warning("%s: refused %d stream(s) without the right bearer token", self._label, self.num_refused)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        return guarded
 
 
 def _always() -> bool:
@@ -111,25 +184,12 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     requests past saturation (flow control: `ExtProcServicer`)."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
-    interceptors = ([BearerTokenInterceptor(token, label="ext_proc", exempt=frozenset({wire.HEALTH_CHECK_PATH}))]
-                    if token else None)
-    server = grpc.aio.server(interceptors=interceptors, options=[
-        # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
-        ("grpc.max_concurrent_streams", 100000),
-        # Bodies arrive whole (BUFFERED): gRPC's default 4 MiB cap would fail bodies Envoy already accepted
-        # (its own limit, max_request_body_bytes, is the one that answers 413).
-        ("grpc.max_receive_message_length", -1),
-        ("grpc.so_reuseport", 0),
-        # Request bodies arrive as one message: a stream window above the largest body avoids flow-control
-        # round trips (the 64 KiB default stalls every 64 KB prompt), and makes BDP probing pointless.
-        ("grpc.http2.lookahead_bytes", 16 * 1024 * 1024),
-        ("grpc.http2.bdp_probe", 0),
-        ("grpc.optimization_target", "latency"),
-    ])
+    server = grpc.aio.server(options=grpc_options(s.grpc_options))
     replica = s.replica_index if s.replica_index >= 0 else None
-    wire.add_to_server(server, ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
-                                               gie_fallback_list=s.gie_fallback_list,
-                                               max_body_bytes=max_body_bytes, can_hold=can_hold).Process)
+    process = ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
+                              gie_fallback_list=s.gie_fallback_list, max_body_bytes=max_body_bytes,
+                              can_hold=can_hold).Process
+    wire.add_to_server(server, StreamAuth(token).guard(process) if token else process)
     wire.add_health_to_server(server, HealthServicer(ready).Check)
     address = f"{s.listen_address}:{s.port}"
     bound = (server.add_secure_port(address, credentials) if credentials is not None

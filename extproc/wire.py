@@ -110,11 +110,17 @@ def header_dict(headers: Iterable[Any]) -> dict[str, str]:
     return out
 
 
+def serialize(message: Any) -> bytes:
+    """A ProcessingResponse's wire bytes; bytes pass through unchanged (answers.with_traceparent builds answers
+    at the byte level)."""
+    return message if message.__class__ is bytes else message.SerializeToString()
+
+
 def add_to_server(server: grpc.aio.Server, process: Callable[..., Any]) -> None:
     """Serve `process(request_iterator, context)` as ExternalProcessor.Process (a stream both ways).
     Registered by name, so gRPC matches the method without a per-call handler lookup."""
     handler = grpc.stream_stream_rpc_method_handler(process, request_deserializer=ProcessingRequest.FromString,
-                                                    response_serializer=ProcessingResponse.SerializeToString)
+                                                    response_serializer=serialize)
     server.add_registered_method_handlers(SERVICE_NAME, {PROCESS_METHOD: handler})
 
 
