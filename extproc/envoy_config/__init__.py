@@ -134,6 +134,7 @@ from prefixroute.extproc.envoy_config.envoy_settings import (DEFAULT_ALLOWED_PAT
                                                              EnvoySettings)
 from prefixroute.extproc.envoy_config.listener import (connection_manager, gateway_listener,
                                                        http_filters, overload_manager)
+from prefixroute.extproc.envoy_config.facts import facts_access_logs
 from prefixroute.extproc.envoy_config.records import (RECORD_ATTRIBUTES, RECORDS_CLUSTER, RECORDS_TOKEN_SECRET,
                                                       records_access_log)
 from prefixroute.extproc.envoy_config.replies import ENVOY_OWN_REPLY
@@ -171,7 +172,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
     routes = gateway_routes(s, allowed, len(replicas),
                             [f.name for f in filters if f.name in (ROUTING_FILTER, OBSERVE_FILTER)])
     records_log, records_cluster, records_secret = records_access_log(s)
-    hcm = connection_manager(s, routes, filters, records_log)
+    hcm = connection_manager(s, routes, filters, records_log + facts_access_logs(s, replicas))
     clusters = gateway_clusters(s, replicas, token_secret, records_cluster)
     return Bootstrap(
         admin=admin(s),
