@@ -40,8 +40,9 @@ SERVER_ID = "x-prefixroute-server-id"
 def start_facts_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, **gateway: object
                         ) -> GatewayProcesses:
     gw = GatewayProcesses(
-        GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1",
-                        envoy_log_level="info", response_path="facts", **gateway),  # type: ignore[arg-type]
+        GatewaySettings(**{"port": free_port(), "ports": "random", "extproc_replicas": 1,  # type: ignore[arg-type]
+                           "listen_address": "127.0.0.1", "envoy_log_level": "info", "response_path": "facts",
+                           **gateway}),
         RoutingSettings(), PoolSettings(endpoints=tuple(endpoints)), log_dir=log_dir)
     stack.enter_context(gw)
     return gw
@@ -184,3 +185,23 @@ def test_a_pick_whose_facts_never_come_is_recorded_and_counted(tmp_path: Path) -
         until(lambda: facts(gw, "missing") >= 1, 5.0, message=lambda: "missing facts metric")
         assert facts(gw, "matched") == 0
         assert dump(rcv.db)[s.trace_id]["endpoint"] is not None  # the decision's primary stays named
+
+
+def test_with_two_replicas_each_gets_the_facts_of_its_own_picks(tmp_path: Path) -> None:
+    """One facts logger per replica, filtered on the replica's route: every record reaches the replica that
+    routed the request (matched), none the other (unmatched)."""
+    with ExitStack() as stack:
+        fleet = start_fleet(stack, 2, tmp_path)
+        gw = start_facts_gateway(stack, fleet.endpoints, tmp_path, extproc_replicas=2)
+        for i in range(16):
+            assert send(gw, f"replica facts {i} " + "lorem ipsum " * 30, stream=i % 2 == 0).status == 200
+
+        def counts(outcome: str) -> list[float]:
+            out = []
+            for port in gw.metrics_ports:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    out.append(metric_value(r.read().decode(), "prefixroute_response_facts_total", outcome=outcome))
+            return out
+
+        until(lambda: sum(counts("matched")) >= 16, 5.0, message=lambda: f"matched {counts('matched')}")
+        assert sum(counts("unmatched")) == 0 and sum(counts("missing")) == 0
