@@ -19,6 +19,8 @@ Field names: extproc/facts_fields.py (shared with the receiver).
 
 from __future__ import annotations
 
+import warnings
+
 from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog, AccessLogFilter, ExtensionFilter
 from envoy_data_plane.envoy.config.core.v3 import ApiVersion, GrpcService, GrpcServiceEnvoyGrpc
 from envoy_data_plane.envoy.extensions.access_loggers.filters.cel.v3 import ExpressionFilter
@@ -115,12 +117,15 @@ def facts_access_logs(s: EnvoySettings, replicas: tuple[str, ...]) -> list[Acces
         expression = "xds.route_name.startsWith('picked_endpoint ')"
         if several:
             expression += f" && xds.route_name.endsWith(' replica {k}')"
-        config = OpenTelemetryAccessLogConfig(
-            common_config=CommonGrpcAccessLogConfig(
-                log_name=FACTS_LOG_NAME, transport_api_version=ApiVersion.V3,
-                grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=cluster)),
-                buffer_flush_interval=duration(s.facts_flush_interval_ms / 1000)),
-            attributes=attributes)
+        with warnings.catch_warnings():
+            # Deprecated in the API, but Envoy 1.40 honours only this flush interval (module docstring).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            config = OpenTelemetryAccessLogConfig(
+                common_config=CommonGrpcAccessLogConfig(
+                    log_name=FACTS_LOG_NAME, transport_api_version=ApiVersion.V3,
+                    grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=cluster)),
+                    buffer_flush_interval=duration(s.facts_flush_interval_ms / 1000)),
+                attributes=attributes)
         logs.append(AccessLog(name="envoy.access_loggers.open_telemetry", typed_config=ProtoAny.pack(config),
                               filter=AccessLogFilter(extension_filter=ExtensionFilter(
                                   name="envoy.access_loggers.extension_filters.cel",

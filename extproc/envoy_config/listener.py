@@ -67,10 +67,10 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
             processing_mode=ProcessingMode(
                 # Headers must be sent (and answered at once) for the body to reach us before routing.
                 request_header_mode=HeaderSendMode.SEND,
-                # The served header is needed once: the observing filter, when present, sees it without making
-                # Envoy wait, so this filter's blocking response-headers round trip is skipped then.
-                response_header_mode=HeaderSendMode.SEND if s.report_served and not s.observe_responses
-                else HeaderSendMode.SKIP,
+                # The served header is needed once: the observing filter or the facts record, when present, carries
+                # it without making Envoy wait, so this filter's blocking response-headers round trip is skipped.
+                response_header_mode=HeaderSendMode.SEND if s.report_served and not (
+                    s.observe_responses or s.response_facts_lua) else HeaderSendMode.SKIP,
                 # BUFFERED, measured faster here than FULL_DUPLEX_STREAMED (which saves the CONTINUE round
                 # trip but makes the picker hand the whole body back). send_body_without_waiting_for_
                 # header_response has no effect with BUFFERED in Envoy 1.40 (checked): not set.
