@@ -51,6 +51,10 @@ scanning the event lines of the chunks until it comes. The response id (``"id":"
 (``on_response_id(pick, id, served address)``: `PoolRouter.learn_response`), which pins follow-ups to the
 endpoint that served it.
 
+The facts path (``--response-path facts``, envoy_facts.py): Envoy has no observing filter; the routing stream's
+OBSERVED_METADATA says ``facts`` (`Tracked.facts`), and Envoy's one record per request is applied at its end
+(`finish`), or the record is emitted `obs_grace_s` after the routing stream closed with "response facts missing".
+
 GIE's gateway configuration (gie.py) has no observing filter: its one stream carries the response too, and
 `inline` attaches that same stream's state as its observation (the same calls measure it: TTFT, usage, the
 Responses id). ``traceparent`` goes to the model server only when traces are exported (`propagate`) or our
