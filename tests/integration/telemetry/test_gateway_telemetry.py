@@ -13,25 +13,21 @@ import os
 import socket
 import sqlite3
 import statistics
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from prefixroute.extproc.gateway import GatewayProcesses
-from prefixroute.telemetry.tracecontext import format_traceparent, new_span_id, new_trace_id, parse_traceparent
+from prefixroute.telemetry.tracecontext import parse_traceparent
 from helpers.fleet import MODEL, start_fleet, start_gateway
 from helpers.procs import free_port
 from helpers.receiver import ReceiverProc, start_receiver
 from helpers.waiting import until
-from helpers.gateway_requests import Sent, client_usage, dump, send, wait_records  # noqa: F401
+from helpers.gateway_requests import Sent, client_usage, send, wait_records
 
 pytestmark = pytest.mark.integration
 
