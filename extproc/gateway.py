@@ -343,6 +343,15 @@ class GatewayProcesses:
             "extproc_tls_key_file": self.gateway.extproc_tls_client_key_file,
             **self.envoy_overrides})
 
+    def _envoy_quiet_argv(self) -> list[str]:
+        """The facts loggers set their flush interval in `common_config`, deprecated in Envoy 1.40's API but the only
+        one it honours (envoy_config/facts.py): Envoy warns of it at every start (component ``misc``, which logs
+        deprecated options). A clean start logs no warning, so that component logs errors only then, unless the
+        operator asked for debug or trace."""
+        quiet = self.response_path == "facts" and self.gateway.telemetry
+        return ["--component-log-level", "misc:error"] if quiet and self.gateway.envoy_log_level in (
+            "info", "warning") else []
+
     def _extproc_tls_argv(self) -> list[str]:
         g = self.gateway
         if not (g.extproc_tls_ca_file or g.extproc_tls_server_cert_file or g.extproc_tls_client_cert_file):
@@ -468,7 +477,8 @@ class GatewayProcesses:
                       "private", file=sys.stderr, flush=True)
             self.envoy = self._child(
                 "envoy", [envoy_binary(), "-c", str(self.config_path), "--disable-hot-restart",
-                          "--concurrency", str(self.envoy_concurrency), "-l", self.gateway.envoy_log_level],
+                          "--concurrency", str(self.envoy_concurrency), "-l", self.gateway.envoy_log_level,
+                          *self._envoy_quiet_argv()],
                 ready=self._envoy_ready, live=self._envoy_ready,
                 ports=(self.gateway.port, *([self.admin_port] if self.gateway.envoy_admin == "loopback" else ())))
             children = [*([self.nats] if self.nats is not None else []), *self.extprocs, self.envoy]
