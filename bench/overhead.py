@@ -83,9 +83,9 @@ class OverheadBenchSettings(Settings):
                                   "protocol's cost from TLS's): a row 'gie-plain'.")
     variants: tuple[str, ...] = setting((), "Also measure these variants of the routed gateway in the same rounds "
                                         "(issue 26): 'records' (Envoy's request records, no Lua filter), 'timing' "
-                                        "(records and the first-token Lua filter, as under `up`), 'lua-facts' (no observing ext_proc filter: a Lua "
-                                        "filter takes first body byte, usage and response id into Envoy's record, "
-                                        "once per request; a prototype the router does not read), 'no-observe' "
+                                        "(records and the first-token Lua filter: `up` before the facts path), 'lua-facts' (no observing ext_proc filter: a Lua "
+                                        "filter takes first body byte, usage and response id, once per request, to the router), 'facts' (the "
+                                        "facts path as `up` runs it), 'no-observe' "
                                         "(the routing filter alone: the floor). Records go to a closed local port.")
     # --- ext_proc process variants (issue 26 part 3: the hot path's settings, measured in the same rounds) ---
     extproc_variants: tuple[str, ...] = setting((), "Also measure routed gateways whose ext_proc process runs with "
@@ -119,6 +119,9 @@ VARIANTS = {
     "lua-facts": {"records": True, "response_facts_lua": True, "observe_responses": False, "report_served": False},
     "no-observe": {"observe_responses": False, "report_served": False},
 }
+# Issue 26 part 1, the facts path as `prefixroute up` runs it (records on, facts Lua + facts logger to the ext_proc
+# replica, no observing filter); compare with "timing" (records + the observing filter: `up` before it).
+VARIANTS["facts"] = {"records": True, "response_facts_lua": True, "observe_responses": False}
 """Routed gateway variants (--variants): Envoy settings over the routed configuration's; "records" sends Envoy's
 request records (to a closed local port: Envoy builds and batches them, the export fails)."""
 

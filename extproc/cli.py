@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable
 
 from prefixroute import settings
+from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver
+from prefixroute.extproc.envoy_facts import add_to_server as add_facts_service
 from prefixroute.extproc.endpoints.discovery import DnsDiscovery, discovery_from_settings
 from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_from_settings
 from prefixroute.extproc.endpoints.scrape import event_addresses
@@ -140,8 +142,11 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         gc.freeze()
         gc.set_threshold(20_000, 20, 100)
         ready = readiness(pool, routing, events)
+        facts = FactsReceiver(tracker, router.served)
+        telemetry.metrics.registry.register(FactsCollector(facts))
         server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,
-                                          can_hold=router.flow is not None)
+                                          can_hold=router.flow is not None,
+                                          add_services=lambda srv: add_facts_service(srv, facts))
         health_server = await start_health_server(ext, ready)
         print(_ready_line(ext, routing, router, port, pool, telemetry, events, bool(addresses), bus, all_up),
               flush=True)

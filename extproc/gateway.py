@@ -106,6 +106,17 @@ class GatewaySettings(Settings):
     telemetry: bool = setting(True, "Per-request telemetry: the observing Envoy filter (gateway TTFT, latency, "
                               "usage) and OTLP span export (per the OTEL_* variables, inherited by the ext_proc "
                               "child); false omits both (metrics of decisions remain).")
+    response_path: str = setting(
+        "auto", "How the router learns each response's facts (first token time, usage with cached tokens, served "
+        "endpoint, Responses id), with telemetry on: 'facts' = Envoy takes them (a Lua filter) and sends one OTLP "
+        "record per request to the ext_proc replica, nothing per body chunk crosses gRPC, and they arrive at the "
+        "stream's end plus facts_flush_interval_ms; 'observe' = the observing ext_proc filter streams every response "
+        "chunk to the router (facts at the first token, ~95 us of ext_proc CPU per chunk); 'auto' = facts when "
+        "Envoy's request records are on (`prefixroute up`), observe otherwise. GIE mode keeps its own protocol.")
+    facts_flush_interval_ms: int = setting(
+        50, "With the facts path: how long Envoy holds facts records before sending them to the ext_proc replica "
+        "(50 ms: one gRPC message carries many requests under load; a fact reaches the router at most this long "
+        "after its stream ended).")
     ready_timeout_s: float = setting(30.0, "How long to wait for both processes to serve before giving up "
                                      "(Envoy starts in ~1 s; endpoints get their first probe within ~1 s).")
     extproc_auth: bool = setting(True, "Draw a random bearer token per run that Envoy must present on every ext_proc "
@@ -120,6 +131,7 @@ class GatewaySettings(Settings):
     extproc_tls_client_key_file: str = setting("", "PEM private key of extproc_tls_client_cert_file.")
 
 
+RESPONSE_PATHS = ("facts", "observe", "auto")
 MAX_EXTPROC_REPLICAS = 16
 HEALTH_PATH = "/healthz"
 """Envoy's own health route on the gateway listener (envoy_config `health_path`)."""
@@ -258,6 +270,7 @@ class GatewayProcesses:
         gateway = resolve_ports(gateway)
         self.gateway = gateway
         self.records_to = records_to
+        self.response_path  # noqa: B018 (validates the setting before anything starts)
         self.routing = routing
         self.pool = pool
         self.endpoints = endpoints_from_settings(pool)
@@ -287,6 +300,16 @@ class GatewayProcesses:
         self._peer_env: dict[str, str] = {}  # the embedded NATS's token and the bus key, for the replicas
 
     @property
+    def response_path(self) -> str:
+        """'facts' or 'observe': `response_path` with 'auto' resolved (facts when Envoy's records are on)."""
+        path = self.gateway.response_path
+        if path not in RESPONSE_PATHS:
+            raise ValueError(f"response_path must be one of {', '.join(RESPONSE_PATHS)}, got {path!r}")
+        if path == "auto":
+            return "facts" if self.records_to is not None else "observe"
+        return path
+
+    @property
     def url(self) -> str:
         return f"http://{self._client_host}:{self.gateway.port}"
 
@@ -308,7 +331,10 @@ class GatewayProcesses:
             "endpoints": tuple(self.endpoints), "failure_mode": self.gateway.failure_mode,
             "max_request_body_bytes": self.routing.max_body_bytes,
             "num_fallbacks": min(self.routing.num_fallbacks, MAX_FALLBACKS),
-            "report_served": self.gateway.report_served, "observe_responses": self.gateway.telemetry,
+            "report_served": self.gateway.report_served,
+            "observe_responses": self.gateway.telemetry and self.response_path == "observe",
+            "response_facts_lua": self.gateway.telemetry and self.response_path == "facts",
+            "facts_flush_interval_ms": self.gateway.facts_flush_interval_ms,
             "extproc_auth_token_file": str(self.token_path) if self.token_path is not None else "",
             "records_otlp_address": self.records_to[0] if self.records_to else "",
             "records_otlp_token_file": str(self._tmp / "records.token") if self.records_to and self._tmp else "",
@@ -316,6 +342,15 @@ class GatewayProcesses:
             "extproc_tls_cert_file": self.gateway.extproc_tls_client_cert_file,
             "extproc_tls_key_file": self.gateway.extproc_tls_client_key_file,
             **self.envoy_overrides})
+
+    def _envoy_quiet_argv(self) -> list[str]:
+        """The facts loggers set their flush interval in `common_config`, deprecated in Envoy 1.40's API but the only
+        one it honours (envoy_config/facts.py): Envoy warns of it at every start (component ``misc``, which logs
+        deprecated options). A clean start logs no warning, so that component logs errors only then, unless the
+        operator asked for debug or trace."""
+        quiet = self.response_path == "facts" and self.gateway.telemetry
+        return ["--component-log-level", "misc:error"] if quiet and self.gateway.envoy_log_level in (
+            "info", "warning") else []
 
     def _extproc_tls_argv(self) -> list[str]:
         g = self.gateway
@@ -442,7 +477,8 @@ class GatewayProcesses:
                       "private", file=sys.stderr, flush=True)
             self.envoy = self._child(
                 "envoy", [envoy_binary(), "-c", str(self.config_path), "--disable-hot-restart",
-                          "--concurrency", str(self.envoy_concurrency), "-l", self.gateway.envoy_log_level],
+                          "--concurrency", str(self.envoy_concurrency), "-l", self.gateway.envoy_log_level,
+                          *self._envoy_quiet_argv()],
                 ready=self._envoy_ready, live=self._envoy_ready,
                 ports=(self.gateway.port, *([self.admin_port] if self.gateway.envoy_admin == "loopback" else ())))
             children = [*([self.nats] if self.nats is not None else []), *self.extprocs, self.envoy]

@@ -175,13 +175,15 @@ def server_credentials(s: ExtprocSettings) -> grpc.ServerCredentials | None:
 
 async def start_server(router: RouterService, s: ExtprocSettings, tracker: Tracker = NULL_TRACKER, *,
                        ready: Callable[[], bool] = _always, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                       can_hold: bool = False) -> tuple[grpc.aio.Server, int]:
+                       can_hold: bool = False, add_services: Callable[[grpc.aio.Server], None] | None = None
+                       ) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the started server (call `stop(grace)` on it) and its port (port 0 = any).
     Telemetry: a `RequestTracker`, or the default `NULL_TRACKER` for none. TLS and the bearer token per `s`
     (module doc); ValueError/OSError when their settings or files are wrong. The gRPC health service
     (health.py) is served beside ext_proc, over `ready` (the picker can route), without the bearer token.
     `max_body_bytes`: GIE streams' body limit (RoutingSettings.max_body_bytes). `can_hold`: the router holds
-    requests past saturation (flow control: `ExtProcServicer`)."""
+    requests past saturation (flow control: `ExtProcServicer`). `add_services`: adds other services to the
+    server before it starts (Envoy's response facts receiver: envoy_facts.py)."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
     server = grpc.aio.server(options=grpc_options(s.grpc_options))
@@ -191,6 +193,8 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
                               can_hold=can_hold).Process
     wire.add_to_server(server, StreamAuth(token).guard(process) if token else process)
     wire.add_health_to_server(server, HealthServicer(ready).Check)
+    if add_services is not None:
+        add_services(server)
     address = f"{s.listen_address}:{s.port}"
     bound = (server.add_secure_port(address, credentials) if credentials is not None
              else server.add_insecure_port(address))

@@ -34,6 +34,9 @@ usage. An observing stream reaches the router only through the pick whose ungues
 its traceparent carries (tracking.py); any other is telemetry at most. Both streams are served by `Process`; the first message's ``observability_mode`` flag
 tells them apart. Each stream's messages are dispatched per kind (``WhichOneof("request")``) to a handler.
 
+On the facts path (envoy_facts.py) Envoy has no observing filter: the response's facts come once per request as an
+OTLP log record to this same port's ``LogsService.Export``, served beside ext_proc (server.py `add_services`).
+
 Messages are prefixroute's own ext_proc classes (wire.py: upb protobuf, private descriptor pool).
 
 Two protocols, chosen per routing stream (`PROTOCOLS`, ``--protocol``): the flow above is prefixroute's own

@@ -51,6 +51,10 @@ scanning the event lines of the chunks until it comes. The response id (``"id":"
 (``on_response_id(pick, id, served address)``: `PoolRouter.learn_response`), which pins follow-ups to the
 endpoint that served it.
 
+The facts path (``--response-path facts``, envoy_facts.py): Envoy has no observing filter; the routing stream's
+OBSERVED_METADATA says ``facts`` (`Tracked.facts`), and Envoy's one record per request is applied at its end
+(`finish`), or the record is emitted `obs_grace_s` after the routing stream closed with "response facts missing".
+
 GIE's gateway configuration (gie.py) has no observing filter: its one stream carries the response too, and
 `inline` attaches that same stream's state as its observation (the same calls measure it: TTFT, usage, the
 Responses id). ``traceparent`` goes to the model server only when traces are exported (`propagate`) or our
@@ -71,13 +75,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
+from prefixroute.extproc.facts_fields import OBSERVED_FACTS
 from prefixroute.extproc.headers import OBSERVED_METADATA, TRACEPARENT_HEADER
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.wire import header_dict, header_value
 from prefixroute.telemetry.records import RequestRecord, tenant_hash
 from prefixroute.telemetry.tracecontext import (SAMPLED_FLAG, RouterSpanContext, child_context, format_traceparent,
                                                 new_trace_id, parse_traceparent)
-from prefixroute.telemetry.usage import StreamUsageTail, usage_from_body
+from prefixroute.telemetry.usage import StreamUsageTail, Usage, usage_from_body
 from prefixroute.types import Decision
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -130,7 +135,7 @@ class Tracked:
 
     __slots__ = ("rec", "t0", "key", "content_length", "decided", "routing_done", "obs_attached", "obs_done",
                  "emitted", "tail", "body", "body_bytes", "served_addr", "timer", "pick", "served_reported",
-                 "expect_obs", "id_scan", "token_events", "line_start")
+                 "expect_obs", "id_scan", "token_events", "line_start", "facts")
 
     def __init__(self, rec: RequestRecord, t0: float) -> None:
         self.rec = rec
@@ -153,6 +158,7 @@ class Tracked:
         self.id_scan: bytearray | None = None  # a Responses response's first bytes, until its id is found
         self.token_events = False  # a Responses stream: TTFT at its first token event, not its first chunk
         self.line_start = True  # the next chunk starts a line (the previous one ended with a newline)
+        self.facts = False  # the observation comes as Envoy's facts record (envoy_facts.py), not a stream
 
 
 def _untracked() -> Tracked:
@@ -269,6 +275,7 @@ class RequestTracker:
         self.num_emitted = 0
         self.num_untracked = 0
         self.num_unattached_observations = 0  # observing streams that named no pending request (unrouted/forged)
+        self.num_facts_missing = 0  # facts-path picks whose Envoy record did not come within obs_grace_s
         self._span_ids = SpanIds()
 
     # --- routing stream -------------------------------------------------------------------------------
@@ -280,7 +287,8 @@ class RequestTracker:
         (nothing is emitted for it) but the traceparent is still given (when one is given at all)."""
         t0 = time.perf_counter()
         ctx = router_context(headers.get(TRACEPARENT_HEADER), self._span_ids)
-        expect_obs = any(k == OBSERVED_METADATA for k, _ in grpc_metadata() or ())
+        observed = [v for k, v in grpc_metadata() or () if k == OBSERVED_METADATA]
+        expect_obs = bool(observed)
         traceparent = ctx.traceparent if self.propagate or expect_obs else None
         if len(self.pending) >= MAX_PENDING:
             self.num_untracked += 1
@@ -291,6 +299,7 @@ class RequestTracker:
                             path=path.split("?", 1)[0])
         st = Tracked(rec, t0)
         st.expect_obs = expect_obs
+        st.facts = expect_obs and observed[0] == OBSERVED_FACTS
         cl = headers.get("content-length")
         if cl and cl.isdigit():
             st.content_length = int(cl)
@@ -356,7 +365,7 @@ class RequestTracker:
             return
         st.routing_done = True
         rec = st.rec
-        if not st.decided and rec.status == 0 and rec.error is None and st.expect_obs:
+        if not st.decided and rec.status == 0 and rec.error is None and st.expect_obs and not st.facts:
             # Ended before any decision (Envoy answered, e.g. 413, or the client left): the observing filter
             # saw whatever reply went out and reports it as an unrouted request (`attach_unrouted`).
             st.emitted = True
@@ -511,9 +520,6 @@ class RequestTracker:
     def _obs_finished(self, st: Tracked, now: float) -> None:
         if st.obs_done:
             return
-        st.obs_done = True
-        rec = st.rec
-        rec.latency_ms = (now - st.t0) * 1000.0
         usage = None
         if st.tail is not None:
             usage = st.tail.usage()
@@ -521,6 +527,14 @@ class RequestTracker:
             usage = usage_from_body(b"".join(st.body))
         streamed = st.tail is not None
         st.tail = st.body = None
+        self.finish(st, (now - st.t0) * 1000.0, usage, streamed)
+
+    def finish(self, st: Tracked, latency_ms: float, usage: Usage | None, streamed: bool) -> None:
+        """The response ended (observing stream, or Envoy's facts record: envoy_facts.py): its latency and usage
+        into the record, the usage to the router, and the record emitted once the routing stream has closed."""
+        st.obs_done = True
+        rec = st.rec
+        rec.latency_ms = latency_ms
         if usage is not None:
             rec.prompt_tokens = usage.prompt_tokens
             rec.completion_tokens = usage.completion_tokens
@@ -548,7 +562,11 @@ class RequestTracker:
         stream opens at the response headers, so a routed request that never got one was cut short."""
         st.timer = None
         rec = st.rec
-        if st.decided and not st.obs_attached and rec.status == 0 and rec.error is None:
+        if st.facts and not st.obs_attached:
+            # Envoy's facts record never came (logger down, record lost; envoy_facts.py): counted, and said.
+            self.num_facts_missing += 1
+            rec.error = rec.error or "response facts missing"
+        elif st.decided and not st.obs_attached and rec.status == 0 and rec.error is None:
             rec.error = "response incomplete"
         self._emit(st)
 

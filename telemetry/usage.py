@@ -127,3 +127,7 @@ def _last_usage_object(buf: bytes) -> Usage | None:
             if found is not None:
                 return found
         end = i
+
+
+last_usage_object = _last_usage_object
+"""Public name: the facts path parses the usage text Envoy's Lua filter took (extproc/envoy_facts.py)."""

@@ -9,7 +9,7 @@ rendering with default settings (a test asserts equality, so it cannot drift).
 The package's modules, one concern each: envoy_settings.py (`EnvoySettings`), listener.py (the listener, its HTTP
 connection manager and filters), routes.py, clusters.py, replies.py (Envoy's own replies), auth.py (the ext_proc
 token secret and TLS), admin.py, records.py (Envoy's request records), timing.py (their TTFT and latency on
-Envoy's clock), common.py (names and small builders); `build_config` composes them.
+Envoy's clock), facts.py (the facts path: the router's response facts from Envoy), common.py (names and small builders); `build_config` composes them.
 
 Only what renders the configuration imports this package (this command, `prefixroute gateway`, the overhead
 bench): envoy-data-plane is slow to import and to build the first time (pydantic schemas), so the ext_proc
@@ -24,7 +24,9 @@ Request path through Envoy:
                 (the request's traceparent, id and path as attributes) and response body STREAMED, sent
                 without waiting for answers
              -> Lua filter (with records_otlp_address and first_token_lua): stamps a Responses API stream's
-                first token time for Envoy's request record (timing.py)
+                first token time for Envoy's request record (timing.py); on the facts path (response_facts_lua,
+                in place of the observing filter) the facts filter, which also takes each response's usage and
+                id for one OTLP facts record per request to the replica that routed it (facts.py)
              -> router: route on the header the picker set, else the ext_proc-down route
 
 Telemetry (extproc/tracking.py): the picker also sets ``traceparent`` (its own span, a child
@@ -134,6 +136,7 @@ from prefixroute.extproc.envoy_config.envoy_settings import (DEFAULT_ALLOWED_PAT
                                                              EnvoySettings)
 from prefixroute.extproc.envoy_config.listener import (connection_manager, gateway_listener,
                                                        http_filters, overload_manager)
+from prefixroute.extproc.envoy_config.facts import facts_access_logs
 from prefixroute.extproc.envoy_config.records import (RECORD_ATTRIBUTES, RECORDS_CLUSTER, RECORDS_TOKEN_SECRET,
                                                       records_access_log)
 from prefixroute.extproc.envoy_config.replies import ENVOY_OWN_REPLY
@@ -171,7 +174,7 @@ def build_config(s: EnvoySettings) -> Bootstrap:
     routes = gateway_routes(s, allowed, len(replicas),
                             [f.name for f in filters if f.name in (ROUTING_FILTER, OBSERVE_FILTER)])
     records_log, records_cluster, records_secret = records_access_log(s)
-    hcm = connection_manager(s, routes, filters, records_log)
+    hcm = connection_manager(s, routes, filters, records_log + facts_access_logs(s, replicas))
     clusters = gateway_clusters(s, replicas, token_secret, records_cluster)
     return Bootstrap(
         admin=admin(s),

@@ -70,7 +70,7 @@ def gateway_clusters(s: EnvoySettings, replicas: Sequence[str], token_secret: Se
         clusters.append(strict_dns_cluster(EXTPROC_CLUSTER, replicas, 0.25, **grpc_fields))
         if len(replicas) > 1:
             clusters += [strict_dns_cluster(f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{k}", [a], 0.25, **grpc_fields)
-                         for k, a in enumerate(replicas) if s.observe_responses]
+                         for k, a in enumerate(replicas) if s.observe_responses or s.response_facts_lua]
     if s.extproc_enabled:  # the unavailable routes' target: no endpoint, so Envoy answers 503 (mapped below)
         clusters.append(Cluster(name=UNAVAILABLE_CLUSTER, type=ClusterDiscoveryType.STATIC,
                                 connect_timeout=duration(s.connect_timeout_s),

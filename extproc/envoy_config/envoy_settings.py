@@ -139,10 +139,15 @@ class EnvoySettings(Settings):
         "It reads only the first chunk of any other response (measured: docs/benchmarks.md, Router overhead). Off: "
         "a Responses stream's TTFT is its first body byte.")
     response_facts_lua: bool = setting(
-        False, "PROTOTYPE, for `prefixroute overhead-bench --variants` only: with records_otlp_address, a Lua filter "
-        "takes each response's facts (first body byte time, usage with cached tokens, response id) in Envoy into "
-        "its request record, in place of the first-token filter; measured as what could replace the observing "
-        "ext_proc filter's per-chunk messages. The router does not read these records.")
+        False, "The facts path (docs/architecture.md, Response facts): a Lua filter takes each response's facts in "
+        "Envoy (first token time, usage with cached tokens, response id) and one OTLP log record per request carries "
+        "them, with status, served endpoint and Envoy's timing, to the ext_proc replica that routed it; nothing per "
+        "body chunk crosses gRPC. Use with observe_responses false (the observing filter's per-chunk stream is what "
+        "it replaces); `prefixroute gateway` sets both from --response-path.")
+    facts_flush_interval_ms: int = setting(
+        50, "How long Envoy's facts logger holds records before sending them to the ext_proc replica (ms): a "
+        "response's facts reach the router its stream's end plus up to this. 50 ms: one gRPC message carries many "
+        "requests under load, and the router learns a first token well within the time its follow-ups take.")
     records_otlp_token_file: str = setting(
         "", "File holding the bearer token the OTLP receiver of records_otlp_address requires (read by Envoy, "
         "never written into the configuration).")

@@ -36,6 +36,7 @@ from prefixroute.extproc.envoy_config.common import (EXTPROC_CLUSTER, OBSERVE_FI
 from prefixroute.extproc.envoy_config.replies import local_reply_config
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.envoy_config.timing import timing_filter
+from prefixroute.extproc.facts_fields import OBSERVED_FACTS
 from prefixroute.extproc.headers import (LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES, OBSERVED_METADATA,
                                          REPLICA_HEADER, SERVED_HEADER, route_headers)
 
@@ -55,7 +56,8 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
                 envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
                 # The GrpcService's own policy (EnvoyGrpc.retry_policy is for xDS streams only).
                 retry_policy=extproc_retry_policy(num_replicas),
-                initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value="1")] if s.observe_responses else []),
+                initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS if s.response_facts_lua
+                                              else "1")] if s.observe_responses or s.response_facts_lua else []),
             failure_mode_allow=s.failure_mode == "open",
             status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
             message_timeout=duration(s.extproc_message_timeout_ms / 1000),
@@ -65,10 +67,10 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
             processing_mode=ProcessingMode(
                 # Headers must be sent (and answered at once) for the body to reach us before routing.
                 request_header_mode=HeaderSendMode.SEND,
-                # The served header is needed once: the observing filter, when present, sees it without making
-                # Envoy wait, so this filter's blocking response-headers round trip is skipped then.
-                response_header_mode=HeaderSendMode.SEND if s.report_served and not s.observe_responses
-                else HeaderSendMode.SKIP,
+                # The served header is needed once: the observing filter or the facts record, when present, carries
+                # it without making Envoy wait, so this filter's blocking response-headers round trip is skipped.
+                response_header_mode=HeaderSendMode.SEND if s.report_served and not (
+                    s.observe_responses or s.response_facts_lua) else HeaderSendMode.SKIP,
                 # BUFFERED, measured faster here than FULL_DUPLEX_STREAMED (which saves the CONTINUE round
                 # trip but makes the picker hand the whole body back). send_body_without_waiting_for_
                 # header_response has no effect with BUFFERED in Envoy 1.40 (checked): not set.
@@ -105,7 +107,7 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
                 response_trailer_mode=HeaderSendMode.SKIP,
             ),
         ))))
-    if s.records_otlp_address and (s.first_token_lua or s.response_facts_lua):
+    if (s.records_otlp_address and s.first_token_lua) or (s.extproc_enabled and s.response_facts_lua):
         # Last before the router: on the response path it sees each chunk first (timing.py).
         http_filters.append(timing_filter(s.response_facts_lua))
     http_filters.append(HttpFilter(name=ROUTER_FILTER, typed_config=ProtoAny.pack(Router())))

@@ -17,7 +17,7 @@ from prefixroute.extproc.envoy_config.auth import credential_filters
 from prefixroute.extproc.envoy_config.clusters import strict_dns_cluster
 from prefixroute.extproc.envoy_config.common import duration
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
-from prefixroute.extproc.envoy_config.timing import FACTS_ATTRIBUTES, TIMING_ATTRIBUTES
+from prefixroute.extproc.envoy_config.timing import TIMING_ATTRIBUTES
 
 RECORDS_CLUSTER = "prefixroute_records_otlp"
 RECORDS_TOKEN_SECRET = "prefixroute_records_token"
@@ -47,7 +47,7 @@ def records_access_log(s: EnvoySettings) -> tuple[list[AccessLog], Cluster | Non
         log_name="prefixroute.requests", buffer_flush_interval=duration(1),
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=RECORDS_CLUSTER)),
         attributes=KeyValueList(values=[KeyValue(key=k, value=AnyValue(string_value=v)) for k, v in (
-            RECORD_ATTRIBUTES | (FACTS_ATTRIBUTES if s.response_facts_lua else {})).items()]))
+            RECORD_ATTRIBUTES).items()]))
     skip = " || ".join(f"xds.route_name == '{r}'" for r in ("gateway_health", "path_not_allowed",
                                                             "connect_not_allowed"))
     log = AccessLog(name="envoy.access_loggers.open_telemetry", typed_config=ProtoAny.pack(config),

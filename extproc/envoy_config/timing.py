@@ -16,10 +16,8 @@ do. It never buffers (``bodyChunks`` hands each chunk on at once) and stops at t
 response that is not a Responses API stream (content type ``text/event-stream`` and a first line ``event:``), so a
 chat stream costs it one coroutine and a 6-byte read, and nothing per later chunk.
 
-`RESPONSE_FACTS_LUA` is a prototype measured by `prefixroute overhead-bench --variants lua-facts` (docs/benchmarks.md,
-"Router overhead"): the facts the observing ext_proc filter now sends to the router chunk by chunk (first body byte
-time, usage with cached tokens, response id), taken in Envoy and written once into its request record. The router
-does not read them: that is the router-side work it would need (docs/benchmarks.md).
+On the facts path (`response_facts_lua`) the facts filter of facts.py takes this filter's place: it stamps the same
+first token time, and takes the rest of a response's facts for the router.
 """
 
 from __future__ import annotations
@@ -29,9 +27,10 @@ from envoy_data_plane.envoy.extensions.filters.http.lua.v3 import Lua
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import HttpFilter
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
+from prefixroute.extproc.envoy_config.facts import RESPONSE_FACTS_LUA
+from prefixroute.extproc.facts_fields import FIRST_TOKEN_KEY, TIMING_NAMESPACE
+
 TIMING_FILTER = "prefixroute.first_token_time"
-TIMING_NAMESPACE = "prefixroute.timing"
-FIRST_TOKEN_KEY = "first_token_us"
 
 FIRST_TOKEN_LUA = f"""
 -- Stamps the time the first token event of a Responses API stream passed (see extproc/envoy_config/timing.py).
@@ -63,44 +62,6 @@ function envoy_on_response(h)
 end
 """
 
-FACTS_NAMESPACE = "prefixroute.facts"
-RESPONSE_FACTS_LUA = f"""
--- PROTOTYPE (overhead-bench --variants lua-facts): a response's facts taken in Envoy, once per request.
-function envoy_on_response(h)
-  -- Fetched at each use: a stream info object does not outlive a yield (the next body chunk).
-  local function set(key, value)
-    h:streamInfo():dynamicMetadata():set("{FACTS_NAMESPACE}", key, value)
-  end
-  local tail = nil
-  for chunk in h:bodyChunks() do
-    local n = chunk:length()
-    if n > 0 then
-      local text = chunk:getBytes(0, n)
-      if tail == nil then
-        set("first_body_us", h:timestampString(EnvoyTimestampResolution.MICROSECOND))
-        local id = string.match(text, '"id":"([^"]+)"')
-        if id ~= nil then
-          set("response_id", id)
-        end
-        tail = ""
-      end
-      -- The usage event is the stream's last but [DONE]: the last 1 KiB holds it.
-      tail = string.sub(tail .. text, -1024)
-    end
-  end
-  if tail ~= nil then
-    local p = string.match(tail, '"prompt_tokens":(%d+)')
-    if p ~= nil then
-      set("prompt_tokens", p)
-      set("cached_tokens", string.match(tail, '"cached_tokens":(%d+)') or "0")
-    end
-  end
-end
-"""
-FACTS_ATTRIBUTES = {f"prefixroute.{k}": f"%DYNAMIC_METADATA({FACTS_NAMESPACE}:{k})%"
-                    for k in ("first_body_us", "response_id", "prompt_tokens", "cached_tokens")}
-"""Envoy's record attributes of the facts prototype (`RESPONSE_FACTS_LUA`)."""
-
 TIMING_ATTRIBUTES = {
     "prefixroute.ttft_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
     "prefixroute.first_token_us": f"%DYNAMIC_METADATA({TIMING_NAMESPACE}:{FIRST_TOKEN_KEY})%",
@@ -113,7 +74,7 @@ TIMING_ATTRIBUTES = {
 
 def timing_filter(response_facts: bool = False) -> HttpFilter:
     """The Lua filter that stamps a Responses API stream's first token time (module docstring); with
-    `response_facts`, the prototype that takes every response's facts instead (`RESPONSE_FACTS_LUA`)."""
+    `response_facts`, the facts path's filter that takes every response's facts as well (facts.py)."""
     code = RESPONSE_FACTS_LUA if response_facts else FIRST_TOKEN_LUA
     return HttpFilter(name=TIMING_FILTER, typed_config=ProtoAny.pack(Lua(default_source_code=DataSource(
         inline_string=code))))

@@ -32,6 +32,9 @@ COMBINATIONS = {
     "no-endpoints": {"endpoints": ()},
     "no-observe": {"observe_responses": False},
     "no-observe-no-report-served": {"observe_responses": False, "report_served": False},
+    "facts": {"observe_responses": False, "response_facts_lua": True},
+    "facts-replicas": {"observe_responses": False, "response_facts_lua": True,
+                       "extproc_replica_addresses": ("127.0.0.1:50051", "127.0.0.1:50052")},
     "no-retry-on-reset-no-timeout": {"retry_on_reset": False, "upstream_timeout_s": 0.0, "connect_timeout_s": 0.25},
 }
 
@@ -45,7 +48,7 @@ def test_real_envoy_accepts_the_rendering(tmp_path: Path, overrides: dict) -> No
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", ["default", "fail-closed", "four-fallbacks", "no-extproc",
+@pytest.mark.parametrize("name", ["default", "fail-closed", "four-fallbacks", "no-extproc", "facts",
                                   "no-observe-no-report-served", "no-retry-on-reset-no-timeout"])
 def test_real_envoy_runs_exactly_the_built_bootstrap(tmp_path: Path, name: str) -> None:
     # What proves the serialisation (PyYAML's quoting, Envoy's YAML typing, the proto3 JSON mapping) changes

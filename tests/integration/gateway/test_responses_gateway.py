@@ -340,7 +340,8 @@ def test_without_telemetry_follow_ups_find_their_ids_by_lookup(rig: tuple[Fleet,
                           RoutingSettings(), PoolSettings(endpoints=tuple(fleet.endpoints)), log_dir=tmp_path)
     with gw:
         # No observing filter in Envoy's configuration: nothing but the lookups can learn an id.
-        assert "prefixroute.observe_responses" not in gw.config_path.read_text()  # type: ignore[union-attr]
+        text = gw.config_path.read_text()  # type: ignore[union-attr]
+        assert "prefixroute.observe_responses" not in text and "prefixroute.facts" not in text
         c = client(gw)
         convs = [Conversation(100 + k, stream=k % 2 == 0) for k in range(4)]
         for _ in range(3):

@@ -1,0 +1,65 @@
+"""The response facts' names, shared by the Envoy side (envoy_config/facts.py: the Lua filter and the facts
+logger) and the router side (envoy_facts.py: the receiver). A leaf module: the ext_proc process imports it
+without the typed Envoy configuration classes.
+
+The facts path (docs/architecture.md, "Response facts"): a Lua filter in Envoy takes a response's facts while
+its chunks pass (never buffering a body) and writes them as dynamic metadata in `FACTS_NAMESPACE`; at the
+request's end Envoy's ``envoy.access_loggers.open_telemetry`` logger puts them, with Envoy's own stream timing, in
+one OTLP log record (`FACTS_ATTRIBUTES`) and sends it to the ext_proc replica that routed the request, whose gRPC
+port also serves OTLP ``LogsService.Export``. Nothing per body chunk crosses gRPC.
+"""
+
+from __future__ import annotations
+
+FACTS_NAMESPACE = "prefixroute.facts"
+"""Dynamic metadata namespace the facts Lua filter writes."""
+TIMING_NAMESPACE = "prefixroute.timing"
+FIRST_TOKEN_KEY = "first_token_us"
+"""A Responses API stream's first token event (unix microseconds, Envoy's clock), in `TIMING_NAMESPACE`: the
+telemetry records read it too (envoy_config/timing.py)."""
+USAGE_KEY = "usage"
+"""The response's last ``"usage": {...}`` object as text (at most `MAX_USAGE_CHARS`), from its last bytes."""
+RESPONSE_ID_KEY = "response_id"
+"""The first ``"id": "resp..."`` of a response (Responses API), from its first `MAX_ID_SCAN_BYTES`."""
+MAX_USAGE_CHARS = 1024
+MAX_ID_SCAN_BYTES = 64 * 1024
+TAIL_BYTES = 4096
+"""Last bytes of a response the Lua filter keeps to find its usage: the final usage event of a stream
+(+ ``[DONE]``), or the end of a JSON body (usage comes near its end: OpenAI's field order, vLLM)."""
+
+FACTS_MARK = "prefixroute.facts"
+"""Attribute that marks a facts record (value "1"), so a facts receiver ignores any other log record."""
+A_TRACEPARENT = "tp"
+A_STATUS = "status"
+A_UPSTREAM = "upstream"
+A_CONTENT_TYPE = "ctype"
+A_TTFT_US = "ttft_us"
+A_DURATION_US = "duration_us"
+A_START = "start"
+A_FIRST_TOKEN_US = "first_token_us"
+A_USAGE = "usage"
+A_RESPONSE_ID = "response_id"
+
+FACTS_ATTRIBUTES: dict[str, str] = {
+    FACTS_MARK: "1",
+    # The routing filter's traceparent: its span id is the key of the router's pick (tracking.py).
+    A_TRACEPARENT: "%REQ(TRACEPARENT)%",
+    A_STATUS: "%RESPONSE_CODE%",
+    A_UPSTREAM: "%UPSTREAM_HOST%",
+    A_CONTENT_TYPE: "%RESP(CONTENT-TYPE)%",
+    # Envoy's clock: from the first request byte to the first upstream response body byte, and to the last byte
+    # sent to the client (microseconds; "-" when a time point is missing).
+    A_TTFT_US: "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
+    A_DURATION_US: "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
+    A_START: "%START_TIME(%s.%6f)%",
+    A_FIRST_TOKEN_US: f"%DYNAMIC_METADATA({TIMING_NAMESPACE}:{FIRST_TOKEN_KEY})%",
+    A_USAGE: f"%DYNAMIC_METADATA({FACTS_NAMESPACE}:{USAGE_KEY})%",
+    A_RESPONSE_ID: f"%DYNAMIC_METADATA({FACTS_NAMESPACE}:{RESPONSE_ID_KEY})%",
+}
+"""The facts record's attributes: short keys (they travel once per request), Envoy format strings as values."""
+
+FACTS_LOG_NAME = "prefixroute.facts"
+OBSERVED_FACTS = "facts"
+"""Value of the routing stream's OBSERVED_METADATA (headers.py) when the request's facts come as a record
+(the facts path) instead of an observing stream ("1")."""
+DEFAULT_FLUSH_INTERVAL_MS = 50

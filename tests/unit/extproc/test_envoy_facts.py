@@ -1,0 +1,196 @@
+"""The facts path's Lua-free parts: decoding Envoy's facts records (`facts_of`) and correlating them with the
+tracker's picks (`FactsReceiver`): matched, unmatched, missing; the router calls the observing stream makes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, ResourceLogs, ScopeLogs
+
+from helpers.picks import make_pick
+from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver, facts_of
+from prefixroute.extproc.facts_fields import FACTS_ATTRIBUTES, OBSERVED_FACTS
+from prefixroute.extproc.headers import OBSERVED_METADATA
+from prefixroute.extproc.routing.request import InferenceRequest
+from prefixroute.extproc.tracking import RequestTracker
+from prefixroute.telemetry.records import RequestRecord
+from prefixroute.telemetry.tracecontext import parse_traceparent
+from prefixroute.types import Decision
+
+ADDR = {"10.0.0.1:80": "a:80", "10.0.0.2:80": "b:80"}
+CHAT_USAGE = '"usage":{"prompt_tokens":100,"completion_tokens":7,"prompt_tokens_details":{"cached_tokens":64}}}'
+
+
+def pick(kind: str = "chat", stream: bool = True):  # noqa: ANN201
+    path = "/v1/responses" if kind == "responses" else "/v1/chat/completions"
+    return make_pick(("a:80", "b:80"), Decision(endpoints=("a:80", "b:80"), reason="affinity", policy="prefix"),
+                     InferenceRequest(kind=kind, path=path, model="m", stream=stream))
+
+
+def record(traceparent: str, **attrs: str) -> LogRecord:
+    values = {"prefixroute.facts": "1", "tp": traceparent, "status": "200", "upstream": "10.0.0.1:80",
+              "ctype": "text/event-stream", "ttft_us": "12500", "duration_us": "80000", "start": "1700000000.000000",
+              "first_token_us": "-", "usage": CHAT_USAGE, "response_id": "-", **attrs}
+    return LogRecord(attributes=[KeyValue(key=k, value=AnyValue(string_value=v)) for k, v in values.items()])
+
+
+def export(*records: LogRecord) -> ExportLogsServiceRequest:
+    return ExportLogsServiceRequest(resource_logs=[ResourceLogs(scope_logs=[ScopeLogs(log_records=list(records))])])
+
+
+class Router:
+    """The router calls the tracker and receiver make (PoolRouter's names), recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def first_token(self, p, ttft_s: float) -> None:  # noqa: ANN001
+        self.calls.append(("first_token", ttft_s))
+
+    def usage(self, p, prompt: int | None, cached: int | None) -> None:  # noqa: ANN001
+        self.calls.append(("usage", prompt, cached))
+
+    def learn_response(self, p, rid: str, served: str | None) -> None:  # noqa: ANN001
+        self.calls.append(("learn_response", rid, served))
+
+    def served(self, p, served: str | None, status: int | None) -> None:  # noqa: ANN001
+        self.calls.append(("served", served, status))
+
+
+@pytest.fixture
+def rig() -> tuple[RequestTracker, FactsReceiver, Router, list[RequestRecord]]:
+    out: list[RequestRecord] = []
+    router = Router()
+    t = RequestTracker(lambda d, us: None, out.append, ADDR.get, obs_grace_s=0.05, on_first_token=router.first_token,
+                       on_usage=router.usage, on_response_id=router.learn_response, propagate=False)
+    return t, FactsReceiver(t, router.served), router, out
+
+
+def begin(t: RequestTracker, p=None):  # noqa: ANN001, ANN202
+    st, tp = t.begin({":path": "/v1/chat/completions"}, lambda: [(OBSERVED_METADATA, OBSERVED_FACTS)])
+    t.decided(st, p or pick())
+    return st, tp
+
+
+def test_the_attribute_names_are_the_receivers() -> None:
+    # One place for the names: the Envoy side's attributes are what `facts_of` reads.
+    assert {k for k in FACTS_ATTRIBUTES} == {"prefixroute.facts", "tp", "status", "upstream", "ctype", "ttft_us",
+                                             "duration_us", "start", "first_token_us", "usage", "response_id"}
+
+
+def test_facts_of_decodes_envoys_record() -> None:
+    tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    f = facts_of(record(tp))
+    assert f is not None and f.span_id == "cd" * 8
+    assert (f.status, f.upstream, f.streamed, f.ttft_ms, f.latency_ms) == (200, "10.0.0.1:80", True, 12.5, 80.0)
+    assert (f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.cached_tokens) == (100, 7, 64)
+    assert f.first_token_ms is None and f.response_id is None
+    # A Responses stream: its stamped first token event, from the start; its usage names.
+    g = facts_of(record(tp, first_token_us="1700000000030000", response_id="resp_1",
+                        usage='"usage":{"input_tokens":50,"output_tokens":3,"input_tokens_details":{"cached_tokens":32}}'))
+    assert g.first_token_ms == 30.0 and g.response_id == "resp_1" and g.usage.cached_tokens == 32
+    # A stamp outside the request is ignored; "-" figures are absent; other records and bad keys are not facts.
+    assert facts_of(record(tp, first_token_us="1600000000000000")).first_token_ms is None
+    h = facts_of(record(tp, ttft_us="-", duration_us="-", usage="-", status="0", upstream="-"))
+    assert (h.ttft_ms, h.latency_ms, h.usage, h.status, h.upstream) == (None, None, None, 0, None)
+    assert facts_of(record(tp, **{"prefixroute.facts": "0"})) is None
+    assert facts_of(record("-")) is None and facts_of(record("garbage")) is None
+    assert facts_of(record(tp, usage='"usage":{"prompt_tokens":1')).usage is None  # cut off: unknown, no error
+
+
+async def test_a_record_completes_its_pick_with_the_observing_streams_calls(rig) -> None:
+    t, rx, router, out = rig
+    st, tp = begin(t)
+    t.routing_closed(st)
+    assert out == []  # waits for the facts
+    rx.export(export(record(tp)))
+    assert router.calls == [("served", "10.0.0.1:80", 200), ("first_token", 0.0125), ("usage", 100, 64)]
+    assert len(out) == 1 and t.pending == {}
+    rec = out[0]
+    assert (rec.status, rec.endpoint, rec.ttft_ms, rec.latency_ms, rec.error) == (200, "a:80", 12.5, 80.0, None)
+    assert (rec.prompt_tokens, rec.cached_tokens) == (100, 64)
+    assert rx.counts() == {"matched": 1, "unmatched": 0, "missing": 0}
+    await asyncio.sleep(0.1)
+    assert len(out) == 1  # no second emission from the timer
+
+
+def test_a_record_before_the_routing_stream_closes_waits_for_it(rig) -> None:
+    t, rx, _, out = rig
+    st, tp = begin(t)
+    assert rx.apply(facts_of(record(tp)))
+    assert out == []
+    t.routing_closed(st)
+    assert len(out) == 1 and out[0].endpoint == "a:80"
+
+
+async def test_a_failover_is_reported_from_the_record(rig) -> None:
+    t, rx, router, out = rig
+    st, tp = begin(t)
+    t.routing_closed(st)
+    rx.export(export(record(tp, upstream="10.0.0.2:80", ctype="application/json", usage="-")))
+    assert router.calls[0] == ("served", "10.0.0.2:80", 200)
+    assert ("first_token", 0.0125) not in router.calls  # a JSON body: no first token for the time model
+    assert out[0].endpoint == "b:80" and out[0].reason == "failover"
+
+
+async def test_a_responses_stream_learns_its_id_and_its_first_token_event(rig) -> None:
+    t, rx, router, out = rig
+    st, tp = begin(t, pick("responses"))
+    t.routing_closed(st)
+    rx.export(export(record(tp, first_token_us="1700000000030000", response_id="resp_9")))
+    assert ("learn_response", "resp_9", "10.0.0.1:80") in router.calls
+    assert ("first_token", 0.03) in router.calls and out[0].ttft_ms == 30.0
+    # Without a stamp a Responses stream has no TTFT (its first bytes precede any token).
+    st2, tp2 = begin(t, pick("responses"))
+    t.routing_closed(st2)
+    rx.export(export(record(tp2, response_id="resp_10")))
+    assert out[1].ttft_ms is None and ("learn_response", "resp_10", "10.0.0.1:80") in router.calls
+
+
+async def test_a_chat_response_id_is_not_learned(rig) -> None:
+    t, rx, router, _ = rig
+    st, tp = begin(t)
+    t.routing_closed(st)
+    rx.export(export(record(tp, response_id="resp_x")))
+    assert not [c for c in router.calls if c[0] == "learn_response"]
+
+
+def test_records_without_a_pending_pick_are_counted_unmatched(rig) -> None:
+    t, rx, router, out = rig
+    stranger = "00-" + "ab" * 16 + "-" + "ef" * 8 + "-01"
+    st, tp = begin(t)
+    rx.export(export(record(stranger), record(tp), record(tp)))  # unknown key, then a duplicate
+    assert rx.counts() == {"matched": 1, "unmatched": 2, "missing": 0}
+    assert [c for c in router.calls if c[0] == "served"] == [("served", "10.0.0.1:80", 200)]
+
+
+async def test_a_pick_whose_facts_never_come_is_emitted_after_the_timeout_and_counted(rig) -> None:
+    t, rx, router, out = rig
+    st, tp = begin(t)
+    t.routing_closed(st)
+    await asyncio.sleep(0.1)
+    assert len(out) == 1 and out[0].error == "response facts missing" and t.pending == {}
+    assert rx.counts()["missing"] == 1 and router.calls == []
+    rx.export(export(record(tp)))  # late: counted, not applied
+    assert rx.counts() == {"matched": 0, "unmatched": 1, "missing": 1} and len(out) == 1
+    samples = {s.labels["outcome"]: s.value for fam in FactsCollector(rx).collect() for s in fam.samples}
+    assert samples == {"matched": 0, "unmatched": 1, "missing": 1}
+
+
+def test_a_request_envoy_answered_itself_is_recorded_by_the_routing_stream(rig) -> None:
+    # The facts logger sends only picked routes' records: an undecided request must not wait for one.
+    t, _, _, out = rig
+    st, _ = t.begin({":path": "/v1/chat/completions"}, lambda: [(OBSERVED_METADATA, OBSERVED_FACTS)])
+    t.routing_closed(st)
+    assert len(out) == 1 and out[0].error == "request ended before the routing decision"
+
+
+def test_the_traceparent_is_given_on_the_facts_path_with_traces_off(rig) -> None:
+    t, *_ = rig
+    st, tp = begin(t)
+    assert parse_traceparent(tp).span_id == st.key
+    assert st.facts and orjson.dumps(sorted(FACTS_ATTRIBUTES))  # the key travels in the record's "tp"

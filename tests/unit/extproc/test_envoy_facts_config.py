@@ -1,0 +1,80 @@
+"""The facts path's Envoy configuration (envoy_config/facts.py) and its choice by `--response-path` (gateway.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixroute.extproc.envoy_config import EnvoySettings, build_config
+from prefixroute.extproc.envoy_config.common import OBSERVE_FILTER, ROUTING_FILTER
+from prefixroute.extproc.envoy_config.facts import RESPONSE_FACTS_LUA, facts_access_logs
+from prefixroute.extproc.envoy_config.listener import ROUTER_FILTER, http_filters
+from prefixroute.extproc.envoy_config.timing import TIMING_FILTER
+from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.facts_fields import (FACTS_NAMESPACE, FIRST_TOKEN_KEY, OBSERVED_FACTS, RESPONSE_ID_KEY,
+                                              TIMING_NAMESPACE, USAGE_KEY)
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
+from prefixroute.extproc.headers import OBSERVED_METADATA
+from prefixroute.extproc.routing.settings import RoutingSettings
+
+FACTS = {"observe_responses": False, "response_facts_lua": True}
+
+
+def test_the_facts_filter_replaces_the_observing_one_and_runs_last_before_the_router() -> None:
+    names = [f.name for f in http_filters(EnvoySettings(**FACTS), 1)]
+    assert names == [ROUTING_FILTER, TIMING_FILTER, ROUTER_FILTER] and OBSERVE_FILTER not in names
+    routing = http_filters(EnvoySettings(**FACTS), 1)[0]
+    text = str(routing.typed_config.value)
+    assert OBSERVED_METADATA in text and OBSERVED_FACTS in text  # the service waits for a record, not a stream
+
+
+def test_the_lua_script_writes_the_keys_the_record_reads() -> None:
+    assert f'set("{TIMING_NAMESPACE}", "{FIRST_TOKEN_KEY}"' in RESPONSE_FACTS_LUA
+    for key in (USAGE_KEY, RESPONSE_ID_KEY):
+        assert f'set("{FACTS_NAMESPACE}", "{key}"' in RESPONSE_FACTS_LUA
+    assert "bodyChunks" in RESPONSE_FACTS_LUA and "body()" not in RESPONSE_FACTS_LUA  # never buffers a body
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_one_facts_logger_per_replica_to_its_own_port_with_the_flush_in_common_config(replicas: int) -> None:
+    addresses = tuple(f"127.0.0.1:{50051 + k}" for k in range(replicas))
+    s = EnvoySettings(**FACTS, facts_flush_interval_ms=20,
+                      extproc_replica_addresses=addresses if replicas > 1 else ())
+    logs = facts_access_logs(s, addresses)
+    assert len(logs) == replicas
+    text = [log.to_json() for log in logs]
+    for k, t in enumerate(text):
+        assert "0.020s" in t and "commonConfig" in t
+        if replicas > 1:
+            assert f"prefixroute_extproc_replica_{k}" in t and f"replica {k}" in t
+        else:
+            assert "prefixroute_extproc" in t
+    assert facts_access_logs(EnvoySettings(), addresses) == []
+    with pytest.raises(ValueError, match="facts_flush_interval_ms"):
+        facts_access_logs(EnvoySettings(**FACTS, facts_flush_interval_ms=0), addresses)
+    assert build_config(s)  # the whole bootstrap builds
+
+
+def test_the_routing_filter_skips_response_headers_on_the_facts_path() -> None:
+    # The served endpoint comes in the record: no blocking response-headers round trip.
+    routing = http_filters(EnvoySettings(**FACTS, report_served=True), 1)[0].to_json()
+    assert "SEND" not in routing.split("responseHeaderMode", 1)[1][:20]
+
+
+@pytest.mark.parametrize(("path", "records", "expected"), [
+    ("auto", True, "facts"), ("auto", False, "observe"), ("facts", False, "facts"), ("observe", True, "observe")])
+def test_response_path_resolves(path: str, records: bool, expected: str) -> None:
+    gw = GatewayProcesses(GatewaySettings(response_path=path), RoutingSettings(),
+                          PoolSettings(endpoints=("127.0.0.1:9",)),
+                          records_to=("127.0.0.1:4317", "t") if records else None)
+    s = gw.envoy_settings()
+    assert gw.response_path == expected
+    assert (s.response_facts_lua, s.observe_responses) == (expected == "facts", expected == "observe")
+    off = GatewayProcesses(GatewaySettings(response_path=path, telemetry=False), RoutingSettings(),
+                           PoolSettings(endpoints=("127.0.0.1:9",))).envoy_settings()
+    assert not off.response_facts_lua and not off.observe_responses
+
+
+def test_an_unknown_response_path_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="response_path must be one of facts, observe, auto"):
+        GatewayProcesses(GatewaySettings(response_path="chunks"), RoutingSettings(),
+                         PoolSettings(endpoints=("127.0.0.1:9",)))
