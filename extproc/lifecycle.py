@@ -62,7 +62,8 @@ class Pick:
 
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "phases",
                  "index_source", "ttft_s", "prompt_tokens", "cached_tokens", "response_id", "response_endpoint",
-                 "peer_seq", "peer_pending", "peer_seq_any", "flow_wait_s", "flow_released_by")
+                 "peer_seq", "peer_pending", "peer_seq_any", "flow_wait_s", "flow_released_by",
+                 "first_token_live")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -82,6 +83,9 @@ class Pick:
         # released it (first_token, release, scrape, arrival); 0 / None: routed at once.
         self.flow_wait_s = 0.0
         self.flow_released_by: str | None = None
+        # Whether a streamed response's first token is reported when it happens (the observing stream, GIE) or
+        # only with the request's end (the facts path: Envoy's record comes once per request, after its end).
+        self.first_token_live = True
         self.response_endpoint: EndpointId | None = None  # the endpoint holding `response_id`
         self.peer_seq: int | None = None  # set while the other replicas count this pick in flight (a Release due)
         self.peer_pending = False  # the other replicas count it pending (a Done due at the first token)

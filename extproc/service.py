@@ -210,13 +210,16 @@ class PoolRouter:
         return self._id_of_addr.get(address)
 
     def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | InferenceRequest,
-              subset: Collection[str] | None = None, *, can_hold: bool = False, ticket: Any = None) -> Pick:
+              subset: Collection[str] | None = None, *, can_hold: bool = False, ticket: Any = None,
+              first_token_live: bool = True) -> Pick:
         """See the module docstring. `body`: the request body, or the `InferenceRequest` `parse_off_loop` made of
         it. `subset`: the gateway's subset hint (GIE's ``x-gateway-destination-endpoint-subset``): pick only
         among the endpoints whose address (``ip:port``, or a bare ``ip``: every port of it) it lists; 503 when
         none of them is healthy. None: the whole pool. `can_hold`: the caller can hold the request (it awaits
         `hold` on `NeedsHold`); with flow control on and the fleet saturated, `NeedsHold` is raised. `ticket`:
-        the request was held and released (`hold`'s ticket): routed now, and the gate told it is placed."""
+        the request was held and released (`hold`'s ticket): routed now, and the gate told it is placed.
+        `first_token_live`: False when a streamed response's first token will be reported only at the request's
+        end (the facts path), so flow control does not wait on it (`Pick.first_token_live`)."""
         t0 = time.perf_counter()
         if type(body) is InferenceRequest:
             request = body
@@ -228,12 +231,12 @@ class PoolRouter:
         if flow is not None:
             if ticket is not None:
                 try:
-                    return self._route(request, subset, t0, ticket)
+                    return self._route(request, subset, t0, ticket, first_token_live)
                 finally:
                     flow.placed(ticket)  # placed or refused: the next held request may go
             if can_hold and request.kind != "other" and not flow.admits_now():
                 raise NeedsHold(request)
-        return self._route(request, subset, t0, None)
+        return self._route(request, subset, t0, None, first_token_live)
 
     async def hold(self, request: InferenceRequest, headers: Mapping[str, str]) -> Any:
         """After `route` raised `NeedsHold`: wait in the gateway queue (flow control). Returns the ticket to route
@@ -246,7 +249,8 @@ class PoolRouter:
         assert self.flow is not None
         return self.flow.deadline_s(headers)
 
-    def _route(self, request: InferenceRequest, subset: Collection[str] | None, t0: float, ticket: Any) -> Pick:
+    def _route(self, request: InferenceRequest, subset: Collection[str] | None, t0: float, ticket: Any,
+               first_token_live: bool = True) -> Pick:
         pool = self.pool
         snapshot = pool.snapshot()
         if request.response_ref is not None:
@@ -259,6 +263,7 @@ class PoolRouter:
         ids = decision.endpoints
         pick = Pick(self._addresses(ids), ids, request, decision, decision_us)
         pick.index_source = self.core.index_source_of(decision)
+        pick.first_token_live = first_token_live
         if ticket is not None and ticket.held:
             pick.flow_wait_s, pick.flow_released_by = ticket.wait_s, ticket.released_by.value
         pool.acquire(ids[0])

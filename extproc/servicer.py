@@ -230,7 +230,8 @@ class _RoutingStream:
     def _decide(self, method: str, path: str, body: Any, at_headers: bool, ticket: Any = None) -> Any:
         try:
             if self.can_hold:
-                pick = self.router.route(method, path, self.headers, body, can_hold=ticket is None, ticket=ticket)
+                pick = self.router.route(method, path, self.headers, body, can_hold=ticket is None, ticket=ticket,
+                                         first_token_live=not self.st.facts)
             else:
                 pick = self.router.route(method, path, self.headers, body)
         except OpenAIError as err:

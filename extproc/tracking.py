@@ -292,7 +292,9 @@ class RequestTracker:
         traceparent = ctx.traceparent if self.propagate or expect_obs else None
         if len(self.pending) >= MAX_PENDING:
             self.num_untracked += 1
-            return _untracked(), traceparent
+            st = _untracked()
+            st.facts = expect_obs and observed[0] == OBSERVED_FACTS
+            return st, traceparent
         path = headers.get(":path", "")
         rec = RequestRecord(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_span_id=ctx.parent_span_id,
                             start_time=time.time(), request_id=headers.get("x-request-id", ""),

@@ -31,7 +31,7 @@ class StreamedPrefill(LifecycleListener):
 
     def on_decided(self, pick: Pick) -> None:
         req = pick.request
-        if not req.stream:
+        if not req.stream or not pick.first_token_live:  # no first token before its end: left to the drain
             return
         own = self.learner.pending_tokens_of(req)
         if not own or own <= 0:

@@ -45,7 +45,7 @@ def test_loads_and_costs_follow_the_router() -> None:
     assert view.cost_of(cold) > 0.5 * before
 
 
-def _one_pick(stream: bool, drain: bool):
+def _one_pick(stream: bool, drain: bool, first_token_live: bool = True):
     now = [0.0]
     fleet = VirtualFleet(num_servers=2)
     pool = SimulatedPool(fleet, PoolSettings(), seed=0)
@@ -54,7 +54,8 @@ def _one_pick(stream: bool, drain: bool):
     view = RouterView(router, stale_after_s=1.0, drain=drain)
     body = orjson.dumps({"messages": [{"role": "user", "content": "Tell me more. " * 800}], "stream": stream})
     pick = router.route("POST", "/v1/chat/completions", HEADERS,
-                        parse_request("POST", "/v1/chat/completions", HEADERS, body, router.settings))
+                        parse_request("POST", "/v1/chat/completions", HEADERS, body, router.settings),
+                        first_token_live=first_token_live)
     return router, view, pick, now
 
 
@@ -79,3 +80,12 @@ def test_a_non_streamed_pick_and_the_drain_setting_drain_at_the_predicted_rate()
         assert _queued(view, pick) > 0.2
         now[0] = 30.0
         assert _queued(view, pick) == 0.0, (stream, drain)
+
+
+def test_on_the_facts_path_a_streamed_pick_drains_at_the_predicted_rate() -> None:
+    # The facts path reports a first token only with the request's end (Envoy's record): waiting on it would
+    # hold the gate through every decode, so such a pick drains as predicted.
+    router, view, pick, now = _one_pick(stream=True, drain=False, first_token_live=False)
+    assert not pick.first_token_live and _queued(view, pick) > 0.2
+    now[0] = 30.0
+    assert _queued(view, pick) == 0.0
