@@ -301,3 +301,37 @@ async def test_the_report_is_served_as_a_grpc_unary_call_beside_otlp() -> None:
         await server.stop(None)
     assert [c[0] for c in router.calls] == ["first_token"] and rx.first_token_counts["unmatched"] == 1
     assert facts_of(record(tp)) is not None and frame(tp.encode())[4] == len(tp)
+
+
+class _Routed(Exception):
+    pass
+
+
+class _CapturingRouter:
+    """`route`'s first_token_live, then stops the stream (what follows a pick is not under test here)."""
+
+    def __init__(self) -> None:
+        self.live: list[bool] = []
+
+    def route(self, method, path, headers, body, **kw):  # noqa: ANN001, ANN003, ANN201
+        self.live.append(kw["first_token_live"])
+        raise _Routed
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_facts_path_picks_are_first_token_live_with_the_early_report(early: bool) -> None:
+    from prefixroute.extproc.servicer import ExtProcServicer, _RoutingStream
+    from prefixroute.extproc.tracking import UNTRACKED
+
+    t, *_ = early_rig()
+    router = _CapturingRouter()
+    servicer = ExtProcServicer(router, t, can_hold=True, facts_first_token_live=early)  # type: ignore[arg-type]
+    for facts in (True, False):
+        stream = _RoutingStream(servicer, lambda: [])
+        if facts:
+            stream.st, _ = begin_early(t)
+        assert stream.st.facts == facts and (facts or stream.st is UNTRACKED)
+        with pytest.raises(_Routed):
+            stream._decide("POST", "/v1/chat/completions", b"{}", True)
+    # On the facts path a pick's first token is live only with the early report; off it, always.
+    assert router.live == [early, True]
