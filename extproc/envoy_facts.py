@@ -19,10 +19,11 @@ facts_fields.py) to the ext_proc replica that routed it; that replica's gRPC por
   2 s after the routing stream closed, which is when Envoy ended the HTTP stream, with the error "response facts
   missing").
 
-What arrives later than on the observing path: every fact comes at the stream's end plus the flush interval
-(50 ms), not at the first token. The in-flight count is unaffected (released when the routing stream closes, as
-before); the time model's pending prefill of a pick ends at its release instead of its first token (it learns the
-same TTFT, Envoy's clock, later); a failover is counted at the response's end.
+What arrives later than on the observing path: every fact but the first token (reported early, below) comes at
+the stream's end plus the flush interval (50 ms); without the early report (its call lost, or
+``facts_first_token`` end) the first token comes with them, and the time model's pending prefill of the pick then
+ends at its release instead of its first token (it learns Envoy's TTFT later). The in-flight count is unaffected
+(released when the routing stream closes, as before); a failover is counted at the response's end.
 
 The early first token report (`FIRST_TOKEN_METHOD`, facts_fields.py): at a streamed response's first token the Lua
 filter sends the routing filter's traceparent to the replica that routed the request, in one asynchronous gRPC unary
