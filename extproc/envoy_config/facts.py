@@ -9,6 +9,12 @@
   event, or the end of a JSON body). Per chunk: one copy of the chunk (kept until the kept bytes outgrow 8 KiB,
   then cut to the last 4 KiB: no per-chunk concatenation, measured to cost ~0.3 ms of Envoy CPU on a 32-token
   stream).
+- The early first token report (facts_fields.py, `FIRST_TOKEN_METHOD`): the same filter keeps the request's
+  traceparent (set by the routing filter before it) in dynamic metadata, and at a stream's first token (a chat
+  stream's first chunk, a Responses stream's first token event) makes one asynchronous ``httpCall`` (Envoy does not
+  wait) to the replica that routed it: its cluster from the route's name (``... replica k``; the only replica's
+  otherwise), whose upstream filters add the bearer token; the body is one hand-built gRPC frame holding the
+  traceparent. Only for routes the router picked (``picked_endpoint ...``) and ``text/event-stream`` responses.
 - `facts_access_logs`: one ``envoy.access_loggers.open_telemetry`` logger per ext_proc replica, each sending the
   records of the requests that replica routed (a CEL filter on the route name: replica k's picks take the route
   ``picked_endpoint ... replica k``) to that replica's own gRPC port (the replica's ext_proc cluster, with its bearer
