@@ -142,7 +142,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         gc.freeze()
         gc.set_threshold(20_000, 20, 100)
         ready = readiness(pool, routing, events)
-        facts = FactsReceiver(tracker, router.served)
+        facts = FactsReceiver(tracker, router.served, early_first_token=ext.facts_first_token == "early")
         telemetry.metrics.registry.register(FactsCollector(facts))
         server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,
                                           can_hold=router.flow is not None,

@@ -19,10 +19,23 @@ facts_fields.py) to the ext_proc replica that routed it; that replica's gRPC por
   2 s after the routing stream closed, which is when Envoy ended the HTTP stream, with the error "response facts
   missing").
 
-What arrives later than on the observing path: every fact comes at the stream's end plus the flush interval
-(50 ms), not at the first token. The in-flight count is unaffected (released when the routing stream closes, as
-before); the time model's pending prefill of a pick ends at its release instead of its first token (it learns the
-same TTFT, Envoy's clock, later); a failover is counted at the response's end.
+What arrives later than on the observing path: every fact but the first token (reported early, below) comes at
+the stream's end plus the flush interval (50 ms); without the early report (its call lost, or
+``facts_first_token`` end) the first token comes with them, and the time model's pending prefill of the pick then
+ends at its release instead of its first token (it learns Envoy's TTFT later). The in-flight count is unaffected
+(released when the routing stream closes, as before); a failover is counted at the response's end.
+
+The early first token report (`FIRST_TOKEN_METHOD`, facts_fields.py): at a streamed response's first token the Lua
+filter sends the routing filter's traceparent to the replica that routed the request, in one asynchronous gRPC unary
+call (`decode_first_token`: one gRPC frame of ASCII text). `FactsReceiver.first_token` times it on the router's
+clock at arrival (as the observing stream times a first chunk) and reports it (``on_first_token``), so flow control
+sees the prefill end when it happens (its picks are `Pick.first_token_live` with `early_first_token`); the facts
+record then reports no first token again (the record's TTFT still becomes Envoy's figure). A call that fails or
+never comes changes nothing else: the record reports the first token at the stream's end, as without it. Like the
+records, the call carries no secret of its own (Envoy adds the ext_proc bearer token; the service does not check
+it here): a forged call must guess a pending pick's span id (from the OS's CSPRNG). Counted in
+``prefixroute_facts_first_token_total{outcome}``: ``early`` (a pick took it), ``unmatched`` (no pending
+facts-path streamed pick: late, unknown or forged), ``ignored`` (`early_first_token` off).
 
 Runs on the ext_proc event loop (grpc.aio), like the servicer; nothing blocks.
 """
@@ -30,6 +43,7 @@ Runs on the ext_proc event loop (grpc.aio), like the servicer; nothing blocks.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +53,7 @@ from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service
 
 from prefixroute.extproc.facts_fields import (A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_RESPONSE_ID, A_START,
                                               A_STATUS, A_TRACEPARENT, A_TTFT_US, A_UPSTREAM, A_USAGE, FACTS_MARK,
-                                              MAX_USAGE_CHARS)
+                                              FIRST_TOKEN_METHOD, MAX_USAGE_CHARS)
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.telemetry.tracecontext import parse_traceparent
@@ -48,6 +62,7 @@ from prefixroute.telemetry.usage import Usage, last_usage_object
 log = logging.getLogger(__name__)
 
 OUTCOMES = ("matched", "unmatched", "missing")
+FIRST_TOKEN_OUTCOMES = ("early", "unmatched", "ignored")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,20 +133,57 @@ def facts_in(request: Any) -> Iterable[ResponseFacts]:
                     yield f
 
 
+def decode_first_token(message: bytes) -> str | None:
+    """The span id of an early first token report's message (the routing filter's traceparent, ASCII); None when
+    it is no valid traceparent."""
+    if len(message) > 128:
+        return None
+    try:
+        tp = parse_traceparent(message.decode("ascii"))
+    except UnicodeDecodeError:
+        return None
+    return tp.span_id if tp is not None else None
+
+
 class FactsReceiver:
     """Correlates facts with the tracker's pending picks and reports them (module docstring).
-    `served(pick, address, status)`: the router's `PoolRouter.served`."""
+    `served(pick, address, status)`: the router's `PoolRouter.served`. `early_first_token`: take the early first
+    token reports (the router's picks on the facts path are then `Pick.first_token_live`); off, they are counted
+    ``ignored`` and the first token comes with the facts record."""
 
-    def __init__(self, tracker: RequestTracker, served: Callable[[Pick, str | None, int | None], None]) -> None:
+    def __init__(self, tracker: RequestTracker, served: Callable[[Pick, str | None, int | None], None], *,
+                 early_first_token: bool = True) -> None:
         self.tracker = tracker
         self.served = served
+        self.early_first_token = early_first_token
         self.num_matched = 0
         self.num_unmatched = 0
+        self.first_token_counts = dict.fromkeys(FIRST_TOKEN_OUTCOMES, 0)
 
     def counts(self) -> dict[str, int]:
         """Records per outcome (`OUTCOMES`), for ``prefixroute_response_facts_total``."""
         return {"matched": self.num_matched, "unmatched": self.num_unmatched,
                 "missing": self.tracker.num_facts_missing}
+
+    def first_token(self, span_id: str | None, now: float | None = None) -> bool:
+        """An early first token report for the pick keyed `span_id`, arrived at `now` (time.perf_counter());
+        True when it was reported. At most once per pick: a repeat, like a report for a pick that is not a pending
+        streamed facts-path pick, is counted unmatched."""
+        if not self.early_first_token:
+            self.first_token_counts["ignored"] += 1
+            return False
+        tracker = self.tracker
+        st = tracker.pending.get(span_id) if span_id is not None else None
+        pick = st.pick if st is not None else None
+        if pick is None or not st.facts or st.emitted or not pick.request.stream or st.rec.ttft_ms is not None:
+            self.first_token_counts["unmatched"] += 1
+            return False
+        ttft_s = (time.perf_counter() if now is None else now) - st.t0
+        st.rec.ttft_ms = ttft_s * 1000.0  # the router's figure until the record brings Envoy's
+        self.first_token_counts["early"] += 1
+        if tracker.on_first_token is not None:
+            tracker.on_first_token(pick, ttft_s)
+        return True
 
     def export(self, request: Any) -> None:
         for f in facts_in(request):
@@ -159,9 +211,10 @@ class FactsReceiver:
         # A Responses stream's first bytes precede any token: its TTFT is the stamped first token event, or none.
         ttft_ms = f.first_token_ms if f.first_token_ms is not None else (
             None if responses and f.streamed else f.ttft_ms)
+        early = rec.ttft_ms is not None  # the early report came: its first token is reported already
         if ttft_ms is not None:
             rec.ttft_ms = ttft_ms
-            if f.streamed and pick is not None and tracker.on_first_token is not None:
+            if f.streamed and pick is not None and not early and tracker.on_first_token is not None:
                 tracker.on_first_token(pick, ttft_ms / 1000.0)
         if responses and f.status == 200 and f.response_id and f.response_id.startswith("resp") and \
                 tracker.on_response_id is not None:
@@ -186,9 +239,27 @@ class FactsLogsService(logs_service_pb2_grpc.LogsServiceServicer):
         return logs_service_pb2.ExportLogsServiceResponse()
 
 
+def first_token_handler(receiver: FactsReceiver) -> grpc.GenericRpcHandler:
+    """`FIRST_TOKEN_METHOD` (unary, raw bytes in and out): `receiver.first_token`; answers an empty message at
+    once, whatever it found (Envoy reads no answer)."""
+
+    async def first_token(message: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            receiver.first_token(decode_first_token(message))
+        except Exception:  # a report must not fail the call; the record reports the first token anyway
+            log.exception("response facts: an early first token report could not be applied")
+        return b""
+
+    service, _, method = FIRST_TOKEN_METHOD[1:].partition("/")
+    return grpc.method_handlers_generic_handler(service, {method: grpc.unary_unary_rpc_method_handler(
+        first_token, request_deserializer=None, response_serializer=None)})
+
+
 def add_to_server(server: grpc.aio.Server, receiver: FactsReceiver) -> None:
-    """Serve `FactsLogsService` on `server` (before it starts)."""
+    """Serve `FactsLogsService` and the early first token report (`first_token_handler`) on `server` (before it
+    starts)."""
     logs_service_pb2_grpc.add_LogsServiceServicer_to_server(FactsLogsService(receiver), server)
+    server.add_generic_rpc_handlers((first_token_handler(receiver),))
 
 
 class FactsCollector:
@@ -209,3 +280,9 @@ class FactsCollector:
         for outcome, n in self.receiver.counts().items():
             family.add_metric([outcome], n)
         yield family
+        early = CounterMetricFamily("prefixroute_facts_first_token", "Envoy's early first token reports by outcome: "
+                                    "early (a pick took it), unmatched (no pending streamed pick: late, repeated or "
+                                    "unknown), ignored (early_first_token off)", labels=["outcome"])
+        for outcome, n in self.receiver.first_token_counts.items():
+            early.add_metric([outcome], n)
+        yield early

@@ -63,3 +63,15 @@ OBSERVED_FACTS = "facts"
 """Value of the routing stream's OBSERVED_METADATA (headers.py) when the request's facts come as a record
 (the facts path) instead of an observing stream ("1")."""
 DEFAULT_FLUSH_INTERVAL_MS = 50
+
+# The early first token report (`facts_first_token_early`): at a streamed response's first token the facts Lua
+# filter makes one asynchronous gRPC unary call to the replica that routed the request (Envoy does not wait for
+# its answer), so the router learns the first token when it happens, not at the stream's end.
+FIRST_TOKEN_METHOD = "/prefixroute.facts.v1.Facts/FirstToken"
+"""The call's gRPC method. Request: the routing filter's ``traceparent`` as ASCII text (the pick's key); answer:
+empty. The router times the first token at the call's arrival (its own clock, as the observing stream does)."""
+TRACEPARENT_KEY = "tp"
+"""The request's traceparent (after the routing filter set it), kept by the Lua filter in `FACTS_NAMESPACE` for its
+response side, which has no request headers."""
+FIRST_TOKEN_TIMEOUT_MS = 1000
+"""The call's timeout: nothing waits on it; a call that fails leaves the first token to the facts record."""

@@ -85,12 +85,22 @@ class ExtprocSettings(Settings):
                                "envoy.service.ext_proc.v3.ExternalProcessor) on this plaintext port, for kubelet "
                                "grpc probes, which speak neither TLS nor bearer tokens (9003 in GIE's charts). "
                                "-1 = only on the ext_proc port (where Envoy's health check calls it).")
+    facts_first_token: str = setting(
+        "early", "On the facts path (Envoy's facts records), when the router learns a streamed response's first "
+        "token: 'early' = when it happens (the facts Lua filter's asynchronous report to this port: flow control "
+        "waits on it, as on the observing path); 'end' = with the request's facts record (the early reports are "
+        "ignored, counted; flow control drains a pick's prefill at the predicted rate instead). docs/telemetry.md.")
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {self.protocol!r}")
+        if self.facts_first_token not in FACTS_FIRST_TOKEN:
+            raise ValueError(f"facts_first_token must be one of {', '.join(FACTS_FIRST_TOKEN)}; "
+                             f"got {self.facts_first_token!r}")
         grpc_options(self.grpc_options)  # ValueError now, not at start
 
+
+FACTS_FIRST_TOKEN = ("early", "end")
 
 GRPC_OPTIONS: dict[str, int | str] = {
     # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
@@ -190,7 +200,7 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     replica = s.replica_index if s.replica_index >= 0 else None
     process = ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
                               gie_fallback_list=s.gie_fallback_list, max_body_bytes=max_body_bytes,
-                              can_hold=can_hold).Process
+                              can_hold=can_hold, facts_first_token_live=s.facts_first_token == "early").Process
     wire.add_to_server(server, StreamAuth(token).guard(process) if token else process)
     wire.add_health_to_server(server, HealthServicer(ready).Check)
     if add_services is not None:

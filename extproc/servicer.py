@@ -185,7 +185,7 @@ class _RoutingStream:
     """One routing stream's state; each handler answers one ProcessingRequest kind (module docstring)."""
 
     __slots__ = ("router", "tracker", "responses", "grpc_metadata", "headers", "pick", "st", "traceparent",
-                 "pending_lookup", "can_hold", "pending_hold")
+                 "pending_lookup", "can_hold", "pending_hold", "facts_first_token_live")
 
     def __init__(self, servicer: ExtProcServicer, grpc_metadata: Callable[[], Any]) -> None:
         self.router = servicer.router
@@ -198,6 +198,7 @@ class _RoutingStream:
         self.traceparent: str | None = None
         self.pending_lookup: tuple[str, str, bytes, bool, str] | None = None
         self.can_hold = servicer.can_hold
+        self.facts_first_token_live = servicer.facts_first_token_live
         self.pending_hold: tuple[str, str, Any, bool] | None = None
 
     def request_headers(self, req: Any) -> Any:
@@ -231,7 +232,7 @@ class _RoutingStream:
         try:
             if self.can_hold:
                 pick = self.router.route(method, path, self.headers, body, can_hold=ticket is None, ticket=ticket,
-                                         first_token_live=not self.st.facts)
+                                         first_token_live=not self.st.facts or self.facts_first_token_live)
             else:
                 pick = self.router.route(method, path, self.headers, body)
         except OpenAIError as err:
@@ -353,12 +354,14 @@ class ExtProcServicer:
 
     def __init__(self, router: RouterService, tracker: Tracker = NULL_TRACKER, *,
                  replica_index: int | None = None, protocol: str = "auto", gie_fallback_list: bool = False,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, can_hold: bool = False) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, can_hold: bool = False,
+                 facts_first_token_live: bool = True) -> None:
         """`replica_index`: see `ResponseCache` (one of several replicas behind one Envoy). `protocol`: which
         protocol each routing stream speaks (PROTOCOLS: "auto" reads it from the stream's first message).
         `gie_fallback_list`, `max_body_bytes`: GIE streams' destination list and body limit (gie.py).
         `can_hold`: the router holds requests past saturation (flow control; our own protocol's streams only:
-        GIE streams are routed at once)."""
+        GIE streams are routed at once). `facts_first_token_live`: a streamed pick on the facts path reports its
+        first token when it happens (Envoy's early report, envoy_facts.py), not only at its end."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
         self.router = router
@@ -369,6 +372,7 @@ class ExtProcServicer:
         self._gie_always = protocol == "gie"
         self._gie_auto = protocol == "auto"
         self.can_hold = can_hold
+        self.facts_first_token_live = facts_first_token_live
 
     async def Process(self, request_iterator: AsyncIterator[Any],  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> None:

@@ -9,6 +9,12 @@
   event, or the end of a JSON body). Per chunk: one copy of the chunk (kept until the kept bytes outgrow 8 KiB,
   then cut to the last 4 KiB: no per-chunk concatenation, measured to cost ~0.3 ms of Envoy CPU on a 32-token
   stream).
+- The early first token report (facts_fields.py, `FIRST_TOKEN_METHOD`): the same filter keeps the request's
+  traceparent (set by the routing filter before it) in dynamic metadata, and at a stream's first token (a chat
+  stream's first chunk, a Responses stream's first token event) makes one asynchronous ``httpCall`` (Envoy does not
+  wait) to the replica that routed it: its cluster from the route's name (``... replica k``; the only replica's
+  otherwise), whose upstream filters add the bearer token; the body is one hand-built gRPC frame holding the
+  traceparent. Only for routes the router picked (``picked_endpoint ...``) and ``text/event-stream`` responses.
 - `facts_access_logs`: one ``envoy.access_loggers.open_telemetry`` logger per ext_proc replica, each sending the
   records of the requests that replica routed (a CEL filter on the route name: replica k's picks take the route
   ``picked_endpoint ... replica k``) to that replica's own gRPC port (the replica's ext_proc cluster, with its bearer
@@ -34,11 +40,39 @@ from envoy_data_plane.opentelemetry.proto.common.v1 import AnyValue, KeyValue, K
 from prefixroute.extproc.envoy_config.common import EXTPROC_CLUSTER, EXTPROC_REPLICA_CLUSTER_PREFIX, duration
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.facts_fields import (FACTS_ATTRIBUTES, FACTS_LOG_NAME, FACTS_NAMESPACE, FIRST_TOKEN_KEY,
-                                              MAX_ID_SCAN_BYTES, MAX_USAGE_CHARS, RESPONSE_ID_KEY, TAIL_BYTES,
-                                              TIMING_NAMESPACE, USAGE_KEY)
+                                              FIRST_TOKEN_METHOD, FIRST_TOKEN_TIMEOUT_MS, MAX_ID_SCAN_BYTES,
+                                              MAX_USAGE_CHARS, RESPONSE_ID_KEY, TAIL_BYTES, TIMING_NAMESPACE,
+                                              TRACEPARENT_KEY, USAGE_KEY)
 
 RESPONSE_FACTS_LUA = f"""
 -- A response's facts, taken once per request (extproc/envoy_config/facts.py).
+function envoy_on_request(h)
+  -- After the routing filter: its traceparent (the pick's key), for the early first token report.
+  local tp = h:headers():get("traceparent")
+  if tp ~= nil then
+    h:streamInfo():dynamicMetadata():set("{FACTS_NAMESPACE}", "{TRACEPARENT_KEY}", tp)
+  end
+end
+
+-- The replica that routed the request (its route's name) and its key, or nil: the early first token report's
+-- target (a gRPC unary call, sent asynchronously: Envoy waits for no answer).
+local function first_token_call(h)
+  local route = h:streamInfo():routeName() or ""
+  if string.sub(route, 1, 16) ~= "picked_endpoint " then return nil end
+  local md = h:streamInfo():dynamicMetadata():get("{FACTS_NAMESPACE}")
+  local tp = md and md["{TRACEPARENT_KEY}"]
+  if tp == nil or #tp > 128 then return nil end
+  local k = string.match(route, " replica (%d+)$")
+  local cluster = k and ("{EXTPROC_REPLICA_CLUSTER_PREFIX}" .. k) or "{EXTPROC_CLUSTER}"
+  -- A gRPC frame: uncompressed, 4-byte big-endian length (under 256 here), then the message.
+  local frame = string.char(0, 0, 0, 0, #tp) .. tp
+  return function()
+    h:httpCall(cluster, {{[":method"] = "POST", [":path"] = "{FIRST_TOKEN_METHOD}",
+      [":authority"] = cluster, ["content-type"] = "application/grpc", ["te"] = "trailers"}},
+      frame, {FIRST_TOKEN_TIMEOUT_MS}, true)
+  end
+end
+
 function envoy_on_response(h)
   -- Fetched at each use: a stream info object does not outlive a yield (the next body chunk).
   local function set(ns, key, value)
@@ -46,6 +80,8 @@ function envoy_on_response(h)
   end
   local ct = h:headers():get("content-type") or ""
   local sse = string.find(ct, "text/event-stream", 1, true) ~= nil
+  -- A streamed response the router picked for: its first token is reported at once (then nil).
+  local report = sse and first_token_call(h) or nil
   local first = true
   local events = nil  -- a Responses stream before its first token event: the last bytes seen
   local head = nil    -- the first bytes, while the response id is searched for
@@ -61,6 +97,11 @@ function envoy_on_response(h)
         local ev = string.sub(text, 1, 6) == "event:"
         if sse and ev then events = "" end
         if ev or not sse then head = "" end
+        -- A chat stream's first chunk is its first token (as on the observing stream): report it now.
+        if report ~= nil and events == nil then
+          report()
+          report = nil
+        end
       end
       if events ~= nil then
         -- An event line may straddle two chunks: keep the last bytes of the previous one.
@@ -68,6 +109,10 @@ function envoy_on_response(h)
         if string.find(t, ".delta\\n", 1, true) ~= nil then
           set("{TIMING_NAMESPACE}", "{FIRST_TOKEN_KEY}", h:timestampString(EnvoyTimestampResolution.MICROSECOND))
           events = nil
+          if report ~= nil then
+            report()
+            report = nil
+          end
         else
           events = string.sub(t, -24)
         end

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import orjson
 import pytest
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
@@ -12,8 +13,9 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, ResourceLogs, ScopeLogs
 
 from helpers.picks import make_pick
-from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver, facts_of
-from prefixroute.extproc.facts_fields import FACTS_ATTRIBUTES, OBSERVED_FACTS
+from prefixroute.extproc.envoy_config.facts import RESPONSE_FACTS_LUA
+from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver, add_to_server, decode_first_token, facts_of
+from prefixroute.extproc.facts_fields import FACTS_ATTRIBUTES, FIRST_TOKEN_METHOD, OBSERVED_FACTS, TRACEPARENT_KEY
 from prefixroute.extproc.headers import OBSERVED_METADATA
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.tracking import RequestTracker
@@ -177,7 +179,8 @@ async def test_a_pick_whose_facts_never_come_is_emitted_after_the_timeout_and_co
     assert rx.counts()["missing"] == 1 and router.calls == []
     rx.export(export(record(tp)))  # late: counted, not applied
     assert rx.counts() == {"matched": 0, "unmatched": 1, "missing": 1} and len(out) == 1
-    samples = {s.labels["outcome"]: s.value for fam in FactsCollector(rx).collect() for s in fam.samples}
+    samples = {s.labels["outcome"]: s.value for fam in FactsCollector(rx).collect() for s in fam.samples
+               if fam.name == "prefixroute_response_facts"}
     assert samples == {"matched": 0, "unmatched": 1, "missing": 1}
 
 
@@ -194,3 +197,141 @@ def test_the_traceparent_is_given_on_the_facts_path_with_traces_off(rig) -> None
     st, tp = begin(t)
     assert parse_traceparent(tp).span_id == st.key
     assert st.facts and orjson.dumps(sorted(FACTS_ATTRIBUTES))  # the key travels in the record's "tp"
+
+
+# The early first token report (envoy_facts.py module docstring).
+
+def early_rig(early: bool = True) -> tuple[RequestTracker, FactsReceiver, Router, list[RequestRecord]]:
+    out: list[RequestRecord] = []
+    router = Router()
+    t = RequestTracker(lambda d, us: None, out.append, ADDR.get, obs_grace_s=0.05, on_first_token=router.first_token,
+                       on_usage=router.usage, on_response_id=router.learn_response, propagate=False)
+    return t, FactsReceiver(t, router.served, early_first_token=early), router, out
+
+
+def begin_early(t: RequestTracker, stream: bool = True):  # noqa: ANN202
+    st, tp = t.begin({":path": "/v1/chat/completions"}, lambda: [(OBSERVED_METADATA, OBSERVED_FACTS)])
+    t.decided(st, pick(stream=stream))
+    return st, tp
+
+
+def frame(message: bytes) -> bytes:
+    """The Lua filter's gRPC frame, as it builds it (one flag byte, 4-byte big-endian length)."""
+    return bytes([0, 0, 0, 0, len(message)]) + message
+
+
+def test_decode_first_token_takes_a_traceparent_only() -> None:
+    tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    assert decode_first_token(tp.encode()) == "cd" * 8
+    assert decode_first_token(b"") is None and decode_first_token(b"garbage") is None
+    assert decode_first_token(b"\xff" * 10) is None and decode_first_token(tp.encode() * 3) is None
+
+
+def test_the_lua_filter_frames_the_traceparent_it_kept_and_calls_the_routing_replica() -> None:
+    # The request side keeps the routing filter's traceparent; the response side calls the replica's cluster
+    # with a gRPC frame built by hand (LuaJIT has no string.pack); Envoy is not waited for (asynchronous).
+    assert f'"{TRACEPARENT_KEY}", tp' in RESPONSE_FACTS_LUA and "function envoy_on_request(h)" in RESPONSE_FACTS_LUA
+    assert f'[":path"] = "{FIRST_TOKEN_METHOD}"' in RESPONSE_FACTS_LUA
+    assert "string.char(0, 0, 0, 0, #tp) .. tp" in RESPONSE_FACTS_LUA and ", true)" in RESPONSE_FACTS_LUA
+    assert '" replica (%d+)$"' in RESPONSE_FACTS_LUA
+
+
+async def test_an_early_report_reports_the_first_token_once_and_the_record_does_not_repeat_it() -> None:
+    t, rx, router, out = early_rig()
+    st, tp = begin_early(t)
+    span = decode_first_token(tp.encode())
+    assert rx.first_token(span, now=st.t0 + 0.02)
+    assert router.calls == [("first_token", pytest.approx(0.02))]
+    assert not rx.first_token(span)  # a repeat
+    t.routing_closed(st)
+    rx.export(export(record(tp)))  # the record: Envoy's TTFT for the stored record, no second first token
+    assert [c for c in router.calls if c[0] == "first_token"] == [("first_token", pytest.approx(0.02))]
+    assert ("usage", 100, 64) in router.calls
+    assert len(out) == 1 and out[0].ttft_ms == 12.5
+    assert rx.first_token_counts == {"early": 1, "unmatched": 1, "ignored": 0}
+    samples = {s.labels["outcome"]: s.value for fam in FactsCollector(rx).collect() for s in fam.samples
+               if fam.name == "prefixroute_facts_first_token"}
+    assert samples == {"early": 1, "unmatched": 1, "ignored": 0}
+
+
+async def test_reports_that_match_no_streamed_pick_change_nothing() -> None:
+    t, rx, router, out = early_rig()
+    stranger = decode_first_token(("00-" + "ab" * 16 + "-" + "ef" * 8 + "-01").encode())
+    assert not rx.first_token(stranger) and not rx.first_token(None)
+    st, tp = begin_early(t, stream=False)  # a JSON body has no first token to report
+    assert not rx.first_token(decode_first_token(tp.encode()))
+    assert router.calls == [] and rx.first_token_counts["unmatched"] == 3
+    t.routing_closed(st)
+    rx.export(export(record(tp, ctype="application/json")))
+    assert out[0].ttft_ms == 12.5
+
+
+async def test_a_lost_early_report_leaves_the_first_token_to_the_record() -> None:
+    t, rx, router, out = early_rig()
+    st, tp = begin_early(t)
+    t.routing_closed(st)
+    rx.export(export(record(tp)))
+    assert ("first_token", 0.0125) in router.calls and out[0].ttft_ms == 12.5
+    assert not rx.first_token(decode_first_token(tp.encode()))  # after the record: too late, counted
+
+
+async def test_with_early_reports_off_they_are_ignored() -> None:
+    t, rx, router, out = early_rig(early=False)
+    st, tp = begin_early(t)
+    assert not rx.first_token(decode_first_token(tp.encode()))
+    assert router.calls == [] and rx.first_token_counts == {"early": 0, "unmatched": 0, "ignored": 1}
+    t.routing_closed(st)
+    rx.export(export(record(tp)))
+    assert ("first_token", 0.0125) in router.calls
+
+
+async def test_the_report_is_served_as_a_grpc_unary_call_beside_otlp() -> None:
+    t, rx, router, _ = early_rig()
+    st, tp = begin_early(t)
+    server = grpc.aio.server()
+    add_to_server(server, rx)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = ch.unary_unary(FIRST_TOKEN_METHOD, request_serializer=None, response_deserializer=None)
+            assert await call(tp.encode(), timeout=5) == b""
+            assert await call(b"not a traceparent", timeout=5) == b""  # answered; counted unmatched
+    finally:
+        await server.stop(None)
+    assert [c[0] for c in router.calls] == ["first_token"] and rx.first_token_counts["unmatched"] == 1
+    assert facts_of(record(tp)) is not None and frame(tp.encode())[4] == len(tp)
+
+
+class _Routed(Exception):
+    pass
+
+
+class _CapturingRouter:
+    """`route`'s first_token_live, then stops the stream (what follows a pick is not under test here)."""
+
+    def __init__(self) -> None:
+        self.live: list[bool] = []
+
+    def route(self, method, path, headers, body, **kw):  # noqa: ANN001, ANN003, ANN201
+        self.live.append(kw["first_token_live"])
+        raise _Routed
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_facts_path_picks_are_first_token_live_with_the_early_report(early: bool) -> None:
+    from prefixroute.extproc.servicer import ExtProcServicer, _RoutingStream
+    from prefixroute.extproc.tracking import UNTRACKED
+
+    t, *_ = early_rig()
+    router = _CapturingRouter()
+    servicer = ExtProcServicer(router, t, can_hold=True, facts_first_token_live=early)  # type: ignore[arg-type]
+    for facts in (True, False):
+        stream = _RoutingStream(servicer, lambda: [])
+        if facts:
+            stream.st, _ = begin_early(t)
+        assert stream.st.facts == facts and (facts or stream.st is UNTRACKED)
+        with pytest.raises(_Routed):
+            stream._decide("POST", "/v1/chat/completions", b"{}", True)
+    # On the facts path a pick's first token is live only with the early report; off it, always.
+    assert router.live == [early, True]
