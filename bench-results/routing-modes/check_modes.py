@@ -26,11 +26,13 @@ from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.procs import free_port, http_get, stop_group
 
 
-def _clusters(admin: int) -> tuple[int, int]:
-    _, text = http_get(f"http://127.0.0.1:{admin}/stats?filter=upstream_rq_total$", timeout_s=2)
+def _clusters(admin: int) -> tuple[int, int, int]:
+    """(requests sent by the pick, by the round robin, routing-filter gRPC streams started) so far."""
+    _, text = http_get(f"http://127.0.0.1:{admin}/stats?filter=(upstream_rq_total|streams_started)$", timeout_s=2)
     stats = dict(line.split(": ") for line in text.decode().splitlines() if ": " in line)
     return (int(stats.get("cluster.picked_endpoint_0.upstream_rq_total", 0)),
-            int(stats.get("cluster.endpoint_pool_round_robin.upstream_rq_total", 0)))
+            int(stats.get("cluster.endpoint_pool_round_robin.upstream_rq_total", 0)),
+            int(stats.get("http.gateway.ext_proc.streams_started", 0)))
 
 
 def _send(port: int, request: bytes, pause_at: int | None = None, pause_s: float = 0.0) -> int:
@@ -54,12 +56,12 @@ def _send(port: int, request: bytes, pause_at: int | None = None, pause_s: float
 
 
 def _check(gw: GatewayProcesses, name: str, request: bytes, **kw: object) -> str:
-    p0, r0 = _clusters(gw.admin_port)
+    p0, r0, s0 = _clusters(gw.admin_port)
     status = _send(gw.gateway.port, request, **kw)  # type: ignore[arg-type]
     time.sleep(0.2)
-    p1, r1 = _clusters(gw.admin_port)
+    p1, r1, s1 = _clusters(gw.admin_port)
     how = "picked" if p1 > p0 else "round-robin" if r1 > r0 else "no upstream"
-    return f"{name}: {status} {how}"
+    return f"{name}: {status} {how}" + ("" if s1 > s0 else " (no routing stream)")
 
 
 def check(mode: str, endpoint: str, tmp: Path) -> list[str]:
