@@ -86,7 +86,11 @@ class OverheadBenchSettings(Settings):
                                         "(records and the first-token Lua filter: `up` before the facts path), 'lua-facts' (no observing ext_proc filter: a Lua "
                                         "filter takes first body byte, usage and response id, once per request, to the router), 'facts' (the "
                                         "facts path as `up` runs it), 'no-observe' "
-                                        "(the routing filter alone: the floor). Records go to a closed local port.")
+                                        "(the routing filter alone: the floor), 'routing-buffered' (the default again: "
+                                        "an A/A control), 'routing-buffered-partial', 'routing-full-duplex', "
+                                        "'routing-streamed-early', 'routing-skip-headers' (the routing filter's other "
+                                        "processing modes: EnvoySettings.routing_processing). Records go to a closed "
+                                        "local port.")
     # --- ext_proc process variants (issue 26 part 3: the hot path's settings, measured in the same rounds) ---
     extproc_variants: tuple[str, ...] = setting((), "Also measure routed gateways whose ext_proc process runs with "
                                                 "other settings, in the same rounds: a name of EXTPROC_VARIANTS "
@@ -122,6 +126,11 @@ VARIANTS = {
 # Issue 26 part 1, the facts path as `prefixroute up` runs it (records on, facts Lua + facts logger to the ext_proc
 # replica, no observing filter); compare with "timing" (records + the observing filter: `up` before it).
 VARIANTS["facts"] = {"records": True, "response_facts_lua": True, "observe_responses": False}
+# Issue 26 part 2, the routing filter's processing options on Envoy 1.40 (listener.routing_processing; measured and
+# checked in bench-results/routing-modes/): each against "routed" ('buffered', the default) in the same rounds;
+# "routing-buffered" is the default again under another name (an A/A control: the rounds' noise and order bias).
+VARIANTS.update({f"routing-{mode}": {"routing_processing": mode} for mode in
+                 ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers")})
 """Routed gateway variants (--variants): Envoy settings over the routed configuration's; "records" sends Envoy's
 request records (to a closed local port: Envoy builds and batches them, the export fails)."""
 

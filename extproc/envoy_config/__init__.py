@@ -57,7 +57,8 @@ Endpoint selection and failover (Gateway API Inference Extension endpoint-picker
 
 Processing modes (measured with `prefixroute overhead-bench`): request headers SEND (answered at once,
 or decided there when the request has no body), request body BUFFERED (FULL_DUPLEX_STREAMED saves the
-CONTINUE round trip but makes the picker hand the body back: slower here), response headers SEND only
+CONTINUE round trip but makes the picker hand the body back: slower here; every Envoy 1.40 option is named by
+routing_processing and measured in bench-results/routing-modes/), response headers SEND only
 for the served header when no observing filter carries it (report_served; a blocking round trip per
 request: turn it off and health probes alone find dead endpoints), response body NONE so streams flow
 unbuffered.

@@ -84,6 +84,16 @@ class EnvoySettings(Settings):
                                       "waits for it) that streams response headers and body chunks to the ext_proc "
                                       "service for gateway TTFT, latency and token usage per request; false omits "
                                       "it (records then lack TTFT and usage).")
+    routing_processing: str = setting(
+        "buffered", "How the routing ext_proc filter sends a request (issue 26; every option Envoy 1.40 offers, "
+        "measured and checked in bench-results/routing-modes/): 'buffered' (request headers, answered at once, then "
+        "the whole body: two round trips, correct for any body up to max_request_body_bytes and any upload speed). "
+        "The others exist to measure them and are not correct as a gateway: 'buffered-partial' (BUFFERED_PARTIAL: "
+        "a body above the buffer limit is routed on its first part instead of refused), 'full-duplex' (body "
+        "FULL_DUPLEX_STREAMED, served by the GIE protocol: no fallback or replica headers, a slow upload fails "
+        "over), 'streamed-early' (body STREAMED with send_body_without_waiting_for_header_response: routed on the "
+        "first chunk), 'skip-headers' (request headers SKIP, body BUFFERED, path and headers asked as "
+        "request_attributes: Envoy 1.40 routes at the headers, before the router answers).")
     allowed_paths: tuple[str, ...] = setting(
         DEFAULT_ALLOWED_PATHS,
         "Request paths (exact, case-sensitive, query string aside) the gateway routes to endpoints: the OpenAI "

@@ -64,22 +64,7 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
             # Flow control: a held request's answer may take up to its queue deadline; the service asks for it
             # per request (override_message_timeout), so a hung picker still fails over after message_timeout.
             **({"max_message_timeout": duration(s.extproc_max_hold_s)} if s.extproc_max_hold_s > 0 else {}),
-            processing_mode=ProcessingMode(
-                # Headers must be sent (and answered at once) for the body to reach us before routing.
-                request_header_mode=HeaderSendMode.SEND,
-                # The served header is needed once: the observing filter or the facts record, when present, carries
-                # it without making Envoy wait, so this filter's blocking response-headers round trip is skipped.
-                response_header_mode=HeaderSendMode.SEND if s.report_served and not (
-                    s.observe_responses or s.response_facts_lua) else HeaderSendMode.SKIP,
-                # BUFFERED, measured faster here than FULL_DUPLEX_STREAMED (which saves the CONTINUE round
-                # trip but makes the picker hand the whole body back). send_body_without_waiting_for_
-                # header_response has no effect with BUFFERED in Envoy 1.40 (checked): not set.
-                request_body_mode=BodySendMode.BUFFERED,
-                # Responses (incl. SSE streams) flow through unbuffered and unseen.
-                response_body_mode=BodySendMode.NONE,
-                request_trailer_mode=HeaderSendMode.SKIP,
-                response_trailer_mode=HeaderSendMode.SKIP,
-            ),
+            **routing_processing(s),
             metadata_options=MetadataOptions(
                 receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[LB_METADATA_NAMESPACE])),
         ))))
@@ -112,6 +97,49 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
         http_filters.append(timing_filter(s.response_facts_lua))
     http_filters.append(HttpFilter(name=ROUTER_FILTER, typed_config=ProtoAny.pack(Router())))
     return http_filters
+
+
+ROUTING_PROCESSING = ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers")
+"""`EnvoySettings.routing_processing` choices; only 'buffered' is correct as a gateway (bench-results/routing-modes/)."""
+ROUTING_REQUEST_ATTRIBUTES = ("request.url_path", "request.method", "request.headers", "request.id")
+"""What 'skip-headers' asks Envoy for in place of the request headers message."""
+
+
+def routing_processing(s: EnvoySettings) -> dict[str, object]:
+    """The routing filter's processing mode and the body-send options that go with it (`routing_processing`).
+
+    'buffered' (the default): headers sent and answered at once (CONTINUE), then the whole body, on which the
+    router decides: two round trips. Measured on Envoy 1.40 against every alternative (overhead-bench --variants
+    buffered-partial,full-duplex,streamed-early,skip-headers): none is both faster beyond noise and correct for
+    large bodies, slow uploads and failover (bench-results/routing-modes/README.md). Mode override is not among
+    them: Envoy takes `mode_override` only from the answer to the headers message, so it cannot save that trip."""
+    if s.routing_processing not in ROUTING_PROCESSING:
+        raise ValueError(f"routing_processing must be one of {', '.join(ROUTING_PROCESSING)}; "
+                         f"got {s.routing_processing!r}")
+    mode = s.routing_processing
+    body = {"buffered": BodySendMode.BUFFERED, "buffered-partial": BodySendMode.BUFFERED_PARTIAL,
+            "full-duplex": BodySendMode.FULL_DUPLEX_STREAMED, "streamed-early": BodySendMode.STREAMED,
+            "skip-headers": BodySendMode.BUFFERED}[mode]
+    extra: dict[str, object] = {}
+    if mode == "streamed-early":
+        # Only STREAMED honours it (BUFFERED ignores it in Envoy 1.40: checked).
+        extra["send_body_without_waiting_for_header_response"] = True
+    if mode == "skip-headers":
+        extra["request_attributes"] = list(ROUTING_REQUEST_ATTRIBUTES)
+    return {**extra, "processing_mode": ProcessingMode(
+        # Headers must be sent (and answered at once) for the body to reach us before routing.
+        request_header_mode=HeaderSendMode.SKIP if mode == "skip-headers" else HeaderSendMode.SEND,
+        # The served header is needed once: the observing filter or the facts record, when present, carries
+        # it without making Envoy wait, so this filter's blocking response-headers round trip is skipped.
+        response_header_mode=HeaderSendMode.SEND if s.report_served and not (
+            s.observe_responses or s.response_facts_lua) else HeaderSendMode.SKIP,
+        request_body_mode=body,
+        # Responses (incl. SSE streams) flow through unbuffered and unseen.
+        response_body_mode=BodySendMode.NONE,
+        # FULL_DUPLEX_STREAMED requires its trailers sent (Envoy refuses the configuration otherwise).
+        request_trailer_mode=HeaderSendMode.SEND if mode == "full-duplex" else HeaderSendMode.SKIP,
+        response_trailer_mode=HeaderSendMode.SKIP,
+    )}
 
 
 def connection_manager(s: EnvoySettings, routes: list[Route], filters: list[HttpFilter],

@@ -36,6 +36,9 @@ COMBINATIONS = {
     "facts-replicas": {"observe_responses": False, "response_facts_lua": True,
                        "extproc_replica_addresses": ("127.0.0.1:50051", "127.0.0.1:50052")},
     "no-retry-on-reset-no-timeout": {"retry_on_reset": False, "upstream_timeout_s": 0.0, "connect_timeout_s": 0.25},
+    # The routing filter's other processing options (measured, not correct as a gateway: bench-results/routing-modes/).
+    **{f"routing-{mode}": {"routing_processing": mode}
+       for mode in ("buffered-partial", "full-duplex", "streamed-early", "skip-headers")},
 }
 
 

@@ -111,7 +111,7 @@ def test_failure_mode_open_round_robins_over_configured_endpoints_and_closed_ans
 
 @pytest.mark.parametrize("bad", [{"failure_mode": "sometimes"}, {"extproc_address": "no-port"},
                                  {"num_fallbacks": MAX_FALLBACKS + 1}, {"num_fallbacks": -1},
-                                 {"endpoints": ("host-without-port",)}])
+                                 {"endpoints": ("host-without-port",)}, {"routing_processing": "streamed"}])
 def test_invalid_settings_are_rejected(bad: dict) -> None:
     with pytest.raises(ValueError):
         build_config(EnvoySettings(**bad))
@@ -163,3 +163,22 @@ def test_observing_filter_follows_the_routing_filter_in_observability_mode(overr
                 mode.request_body_mode) == (HeaderSendMode.SKIP, HeaderSendMode.SEND, BodySendMode.STREAMED,
                                             BodySendMode.NONE)
         assert "request.headers['traceparent']" in obs.response_attributes
+
+
+@pytest.mark.parametrize(("processing", "header", "body", "trailer", "early", "attributes"), [
+    ("buffered", HeaderSendMode.SEND, BodySendMode.BUFFERED, HeaderSendMode.SKIP, False, False),
+    ("buffered-partial", HeaderSendMode.SEND, BodySendMode.BUFFERED_PARTIAL, HeaderSendMode.SKIP, False, False),
+    ("full-duplex", HeaderSendMode.SEND, BodySendMode.FULL_DUPLEX_STREAMED, HeaderSendMode.SEND, False, False),
+    ("streamed-early", HeaderSendMode.SEND, BodySendMode.STREAMED, HeaderSendMode.SKIP, True, False),
+    ("skip-headers", HeaderSendMode.SKIP, BodySendMode.BUFFERED, HeaderSendMode.SKIP, False, True)])
+def test_routing_processing_sets_the_routing_filters_modes_and_buffered_is_the_default(
+        processing: str, header: HeaderSendMode, body: BodySendMode, trailer: HeaderSendMode, early: bool,
+        attributes: bool) -> None:
+    """Each `routing_processing` choice (measured and checked: bench-results/routing-modes/) renders the filter
+    options it names; the default is the one measured correct."""
+    assert EnvoySettings().routing_processing == "buffered"
+    routing = _ext_proc(_filters(build_config(EnvoySettings(routing_processing=processing)))[0])
+    mode = routing.processing_mode
+    assert (mode.request_header_mode, mode.request_body_mode, mode.request_trailer_mode) == (header, body, trailer)
+    assert routing.send_body_without_waiting_for_header_response is early
+    assert bool(routing.request_attributes) is attributes
