@@ -73,3 +73,19 @@ def unix_http_get(socket_path: str | Path, path: str, *, method: str = "GET",
         return r.status, r.read()
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def environ_set(values: dict[str, str]) -> Iterator[None]:
+    """Set these environment variables for the block (children started in it inherit them), then restore each
+    to its former value or absence. For module-scoped fixtures, where pytest's monkeypatch is not available."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

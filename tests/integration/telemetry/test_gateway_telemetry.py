@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import sqlite3
 import statistics
@@ -24,7 +23,7 @@ import pytest
 from prefixroute.extproc.gateway import GatewayProcesses
 from prefixroute.telemetry.tracecontext import parse_traceparent
 from helpers.fleet import MODEL, start_fleet, start_gateway
-from helpers.procs import free_port
+from helpers.procs import environ_set, free_port
 from helpers.receiver import ReceiverProc, start_receiver
 from helpers.waiting import until
 from helpers.gateway_requests import Sent, client_usage, send, wait_records
@@ -46,17 +45,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ReceiverProc
         rcv = start_receiver(tmp / "telemetry.db")
         stack.callback(rcv.stop)
         fleet = start_fleet(stack, 3, tmp)
-        saved = {k: os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_BSP_SCHEDULE_DELAY")}
-        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = rcv.otlp_url  # inherited by the ext_proc child
-        os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
-        try:
+        # inherited by the ext_proc child
+        with environ_set({"OTEL_EXPORTER_OTLP_ENDPOINT": rcv.otlp_url, "OTEL_BSP_SCHEDULE_DELAY": "100"}):
             gw = start_gateway(stack, fleet.endpoints, tmp)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         yield rcv, gw, fleet.endpoints
 
 

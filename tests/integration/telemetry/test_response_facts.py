@@ -31,6 +31,7 @@ from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.procs import free_port
 from helpers.gateway_requests import client_usage, dump, send, wait_records
+from helpers.procs import environ_set
 
 pytestmark = pytest.mark.integration
 
@@ -64,17 +65,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ReceiverProc
         rcv = start_receiver(tmp / "telemetry.db")
         stack.callback(rcv.stop)
         fleet = start_fleet(stack, 3, tmp)
-        saved = {k: os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_BSP_SCHEDULE_DELAY")}
-        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = rcv.otlp_url  # inherited by the ext_proc child
-        os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
-        try:
+        # inherited by the ext_proc child
+        with environ_set({"OTEL_EXPORTER_OTLP_ENDPOINT": rcv.otlp_url, "OTEL_BSP_SCHEDULE_DELAY": "100"}):
             gw = start_facts_gateway(stack, fleet.endpoints, tmp)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         yield rcv, gw, fleet
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import time
 import urllib.request
 from contextlib import ExitStack
@@ -23,7 +22,7 @@ import pytest
 from prefixroute.telemetry.client import HttpStoreClient
 from prefixroute.telemetry.tracecontext import format_traceparent, new_span_id, new_trace_id
 from helpers.fleet import MODEL, start_fleet, start_gateway
-from helpers.procs import free_port
+from helpers.procs import environ_set, free_port
 from helpers.receiver import start_receiver
 from helpers.tls import make_pki
 from helpers.waiting import until
@@ -56,16 +55,8 @@ def stack(tmp_path_factory):
     with ExitStack() as es:
         es.callback(lambda: state["rcv"].stop())
         fleet = start_fleet(es, 2, tmp)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # inherited by the ext_proc child
-        try:
+        with environ_set(env):  # inherited by the ext_proc child
             gw = start_gateway(es, fleet.endpoints, tmp)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         yield state, restart, gw, fleet.endpoints
 
 
