@@ -9,7 +9,6 @@ from typing import Any
 from prefixroute.extproc import wire
 from prefixroute.extproc.headers import REFUSED_HEADER, TRACEPARENT_HEADER
 from prefixroute.openai_errors import OpenAIError
-from prefixroute.telemetry.otlp_encode import varint
 
 
 def header_option(key: str, value: str) -> Any:
@@ -34,13 +33,25 @@ def serialized(cached: Any) -> bytes:
     return entry[1]
 
 
+def _varint(n: int) -> bytes:
+    # Kept here rather than imported from telemetry.otlp_encode: that module imports the OTLP exporter, which
+    # a broken opentelemetry install (xds-protos over opentelemetry-proto) cannot import, and the router must
+    # still start then (tests/integration/telemetry/test_telemetry_exporter_broken.py).
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 def _field(number: int, payload: bytes) -> bytes:
     """A length-delimited protobuf field (wire type 2)."""
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 _TRACEPARENT_KEY = _field(1, TRACEPARENT_HEADER.encode())  # HeaderValue.key
-_OVERWRITE = varint(3 << 3) + varint(2)  # HeaderValueOption.append_action = OVERWRITE_IF_EXISTS_OR_ADD
+_OVERWRITE = _varint(3 << 3) + _varint(2)  # HeaderValueOption.append_action = OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def _suffix_around(at_headers: bool, value_len: int) -> tuple[bytes, bytes]:
