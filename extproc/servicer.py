@@ -129,6 +129,20 @@ _NEEDS_HOLD = object()
 """A routing handler's answer when the request waits in the gateway queue (flow control: `_RoutingStream.hold`)."""
 HOLD_MARGIN_S = 2.0
 """Envoy waits a held request's deadline plus this for its answer: the shed answer itself must get through."""
+PARSE_EXTENSION_S = 5.0
+"""Envoy waits this long for the answer to a body parsed in a worker (parse_offload.py), instead of its message
+timeout: on a loaded host a large body's parse can pass 0.5 s, and Envoy would then fail the request open (sent,
+unvetted, to an endpoint: a body of 200,000 messages reached a server instead of getting its 400). The worker's
+own queue bound (MAX_WAIT_S) and the parse budgets keep the real wait far below this. Where Envoy allows no
+extension (extproc_max_hold_s 0, or a gateway of another project) the message is ignored: the former behaviour."""
+
+
+
+def _parse_extension() -> Any:
+    msg = wire.ProcessingResponse()
+    msg.override_message_timeout.FromMilliseconds(int(PARSE_EXTENSION_S * 1000))
+    return msg
+
 
 _MAX_CACHED = 4096  # distinct endpoint lists kept pre-built; beyond it the cache is reset (cheap rebuild)
 
@@ -400,6 +414,8 @@ class ExtProcServicer:
                 if handler is not None:
                     resp = handler(stream, req)
                     if resp is _NEEDS_LOOKUP:
+                        if stream.pending_lookup[4] is None:  # parsed off the loop: may pass Envoy's timeout
+                            await write(_parse_extension())
                         resp = await stream.lookup()
                     if resp is _NEEDS_HOLD:
                         await write(stream.extend_timeout())

@@ -26,11 +26,13 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 def gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, *, replicas: int = 1,
-            routing: RoutingSettings | None = None, **gateway_settings) -> GatewayProcesses:  # noqa: ANN003
+            routing: RoutingSettings | None = None, envoy_overrides: dict | None = None,
+            **gateway_settings) -> GatewayProcesses:  # noqa: ANN003
     gw = GatewayProcesses(
         GatewaySettings(port=free_port(), ports="random", extproc_replicas=replicas, listen_address="127.0.0.1",
                         **gateway_settings),
-        routing or RoutingSettings(), PoolSettings(endpoints=tuple(endpoints)), log_dir=log_dir, peers=PeerSettings())
+        routing or RoutingSettings(), PoolSettings(endpoints=tuple(endpoints)), log_dir=log_dir, peers=PeerSettings(),
+        envoy_overrides=envoy_overrides)
     stack.enter_context(gw)
     return gw
 

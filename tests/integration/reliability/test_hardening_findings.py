@@ -213,6 +213,24 @@ def test_slow_to_parse_bodies_beside_normal_traffic(tmp_path: Path) -> None:
         assert not [s for s in client.samples if s[0] == "attack" and s[4] != 200]
 
 
+def test_a_body_parsed_past_envoys_answer_timeout_is_refused_not_failed_open(tmp_path: Path) -> None:
+    """Envoy's answer timeout at 40 ms (default 500) stands in for a host loaded enough that a large body's trip
+    to the worker and parse pass it (CI saw 10 of 30 floods of 6.4 MB do so at 500 ms). The router asks Envoy
+    to wait for that answer (servicer.PARSE_EXTENSION_S), so the 1.6 MB flood still gets its 400. Before: Envoy
+    failed it open after the timeout, and the body, unvetted, reached the server (its own 400 on context length,
+    which names no budget). Measured here: without the extension 0 of 2 runs passed, with it 6 of 6 (4 beside a
+    busy core). The body's own delivery must fit in the timeout: 3.2 MB did not at 40 ms."""
+    flood = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 50_000})
+    with ExitStack() as stack:
+        fleet = start_fleet(stack, 1, tmp_path)
+        gw = gateway(stack, fleet.endpoints, tmp_path, envoy_overrides={"extproc_message_timeout_ms": 40})
+        assert post(gw.gateway.port, "/v1/chat/completions", chat("warm"))[0] == 200
+        for _ in range(3):
+            status, _, data = post(gw.gateway.port, "/v1/chat/completions", flood)
+            assert (status, b"max_messages" in data) == (400, True), data[:300]
+        assert post(gw.gateway.port, "/v1/chat/completions", chat("after"))[0] == 200
+
+
 # --- MED 1: the messaging bus ---------------------------------------------------------------------------------
 def test_the_bus_needs_the_credential_and_forged_messages_change_nothing(tmp_path: Path) -> None:
     import nats

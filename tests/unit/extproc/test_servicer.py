@@ -16,6 +16,8 @@ import pytest
 from prefixroute.extproc import wire as pb
 from prefixroute.extproc.headers import DESTINATION_HEADER, MAX_FALLBACKS, SERVED_HEADER, fallback_header
 from prefixroute.extproc.server import ExtprocSettings, start_server
+from prefixroute.extproc.service import NeedsParse
+from prefixroute.extproc.servicer import PARSE_EXTENSION_S
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.routing.request import InferenceRequest
@@ -107,6 +109,44 @@ async def test_body_request_continues_at_headers_then_routes_on_the_body(served)
     assert router.routed == [("POST", "/v1/chat/completions", POST, body)]
     assert router.served_calls == [EPS[0]]
     await until_async(lambda: len(router.released) == 1, 2.0)
+
+
+class ParsingRouter(RecordingRouter):
+    """Hands every body to `parse_off_loop` (as PoolRouter does a large one), which refuses or parses it."""
+
+    def route(self, method: str, path: str, headers: Mapping[str, str], body) -> Pick:  # noqa: ANN001
+        if isinstance(body, bytes):
+            raise NeedsParse
+        return make_pick(self.endpoints)
+
+    async def parse_off_loop(self, method: str, path: str, headers: Mapping[str, str], body: bytes):  # noqa: ANN201
+        await asyncio.sleep(0.05)
+        if b"refuse-400" in body:
+            raise OpenAIError(400, "'messages' has too many items (max_messages)", param="messages")
+        return InferenceRequest(kind="chat", path=path)
+
+
+@pytest.mark.parametrize("marker, last", [(b"refuse-400", "immediate_response"), (b"ok", "request_body")])
+async def test_a_body_parsed_off_the_loop_first_asks_envoy_to_wait(marker: bytes, last: str) -> None:
+    """Before awaiting a worker's parse, the servicer extends Envoy's answer timeout (PARSE_EXTENSION_S): a parse
+    past the 500 ms default on a loaded host must not fail the request open. Then the answer itself."""
+    router = ParsingRouter(EPS)
+    server, port = await start_server(router, ExtprocSettings(port=0, listen_address="127.0.0.1"))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        call = pb.process_call(channel)()
+        await call.write(_headers(POST, end_of_stream=False))
+        assert (await call.read()).WhichOneof("response") == "request_headers"
+        await call.write(_body(orjson.dumps({"model": "m", "x": marker.decode()})))
+        wait = await call.read()
+        assert wait.WhichOneof("response") is None
+        assert wait.override_message_timeout.ToMilliseconds() == int(PARSE_EXTENSION_S * 1000) > 500
+        answer = await call.read()
+        assert answer.WhichOneof("response") == last
+        await call.done_writing()
+    finally:
+        await channel.close()
+        await server.stop(None)
 
 
 async def test_body_larger_than_grpc_default_message_limit_is_routed(served) -> None:  # noqa: ANN001

@@ -13,8 +13,10 @@ import asyncio
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from prefixroute.extproc.parse_offload import ParseOffload
+from prefixroute.extproc.parse_offload import ParseOffload, precheck_lists
 from prefixroute.extproc.routing.request import parse_request
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.openai_errors import OpenAIError
@@ -136,3 +138,46 @@ def test_a_full_parse_queue_answers_503_at_once():
         assert info.value.status == 503 and info.value.retry_after_s == 1 and off.num_refused == 1
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("body, path", [
+    ({"messages": [{"role": "user", "content": "a"}] * 51}, CHAT),
+    ({"messages": ["not an object"] * 51}, CHAT),  # refused for its count first, as parse_request does
+    ({"input": [{"role": "user", "content": "a"}] * 51}, RESP),
+    ({"prompt": ["a"] * 51}, COMP),
+    ({"prompt": [[1, 2]] * 51}, COMP),
+])
+def test_the_workers_precheck_refuses_exactly_what_the_parse_refuses_for_its_count(body, path):
+    """The worker skims the top-level list's length before the full parse (parse_offload.precheck_lists): its
+    400 is the parse's own, word for word."""
+    data = orjson.dumps({"model": "m", **body})
+    with pytest.raises(OpenAIError) as info:
+        precheck_lists(path, {}, data, S)
+    full = _err({"model": "m", **body}, path)
+    assert (info.value.status, info.value.param, info.value.message) == (full.status, full.param, full.message)
+
+
+@pytest.mark.parametrize("data, path, headers", [
+    (orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}] * 50}), CHAT, {}),  # at the limit
+    (orjson.dumps({"model": "m", "prompt": [1] * 51}), COMP, {}),  # token ids: max_input_tokens' business
+    (orjson.dumps({"model": "m", "input": "a string"}), RESP, {}),
+    (orjson.dumps({"model": "m", "messages": {"role": "user"}}), CHAT, {}),  # the parse names the wrong type
+    (b'{"model": "m", "messages": [' + b'{},' * 60, CHAT, {}),  # truncated JSON: the parse's 400
+    (orjson.dumps({"model": "m", "messages": [{}] * 60}), CHAT, {"content-encoding": "gzip"}),  # not decoded here
+    (orjson.dumps({"model": "m", "messages": [{}] * 60}), "/v1/models", {}),
+])
+def test_the_workers_precheck_leaves_every_other_body_to_the_parse(data, path, headers):
+    precheck_lists(path, headers, data, S)  # no exception
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(-2**40, 2**40), st.text(max_size=3), st.dictionaries(st.text(max_size=3), st.integers(0, 9),
+                                                                              max_size=2)), max_size=60),
+       st.sampled_from(["messages", "input", "prompt"]), st.sampled_from([CHAT, RESP, COMP]))
+def test_the_precheck_never_refuses_a_body_the_parse_accepts(items, key, path):
+    data = orjson.dumps({"model": "m", key: items})
+    try:
+        precheck_lists(path, {}, data, S)
+    except OpenAIError as err:
+        full = _err({"model": "m", key: items}, path)
+        assert full.status == 400 and "max_messages" in err.message
