@@ -3,7 +3,8 @@ time (``now_s``: the router's loop time, or a simulation's virtual time) and the
 the live router (`gate.FlowGate`, asyncio) and the virtual fleet run the same code.
 
 - `offer`: below saturation a request is admitted at once (never held while an endpoint could start it); past
-  it, it is held, unless no endpoint is healthy (503), its predicted wait exceeds its deadline (429), or the
+  it, it is held, unless no endpoint is healthy (503), its predicted wait exceeds its deadline (429; judged
+  only once the drain rate is measured over `MIN_PREDICT_RELEASES` releases), or the
   queue is full in count or bytes and holds nothing of a lower priority class to evict (429).
 - `release`: while some endpoint has room, the next held request in the queue's order (`queue.FlowQueue`).
 - `expire` / `drop`: a held request whose deadline passed is shed (429, or 503 when no endpoint is healthy); one
@@ -35,6 +36,13 @@ MAX_RETRY_AFTER_S = 60
 
 DRAIN_WINDOW = 64
 """Releases the drain rate is measured over: at saturation a few seconds of traffic."""
+
+MIN_PREDICT_RELEASES = 16
+"""Releases a busy period must have measured before its drain rate may shed a request at arrival
+(`ShedReason.PREDICTED_DEADLINE`). Its first releases understate the drain: the engines still hold the work
+admitted before the pool saturated, so only a few held requests go out at first (5-6 releases in 2-4 s read as
+1 req/s on a fleet serving 6-9; the virtual mix sweep shed requests at 80% load on that reading). A held request
+whose deadline really passes is shed all the same (`expire`)."""
 
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Histogram bounds of the gateway wait (seconds), for /metrics."""
@@ -111,6 +119,10 @@ class DrainRate:
     def restart(self) -> None:
         """Forget the releases so far: the queue emptied, and the next busy period is measured on its own."""
         self._times.clear()
+
+    def __len__(self) -> int:
+        """Releases measured (at most the window)."""
+        return len(self._times)
 
     def per_s(self, now_s: float) -> float | None:
         if len(self._times) < 2:
@@ -210,10 +222,11 @@ class FlowControl:
         return self.shed_error(ShedReason.EVICTED, saturation, now_s)
 
     def _predicted_late(self, entry: QueuedRequest, now_s: float) -> bool:
-        """True when the drain rate says the requests that would go before `entry` take longer to release than
-        its deadline allows. The cheap bound (everything of its class or above) is tried first; the exact count
-        (a scan of its class) only when that bound is past the deadline."""
-        rate = self.drain.per_s(now_s)
+        """True when the drain rate, once measured over `MIN_PREDICT_RELEASES` releases, says the requests that
+        would go before `entry` take longer to release than its deadline allows. The cheap bound (everything of
+        its class or above) is tried first; the exact count (a scan of its class) only when that bound is past
+        the deadline."""
+        rate = self.drain.per_s(now_s) if len(self.drain) >= MIN_PREDICT_RELEASES else None
         if rate is None:
             return False
         allowed_s = entry.deadline_s - now_s

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from prefixroute.extproc.flow.control import (
-    MAX_RETRY_AFTER_S, DrainRate, FlowControl, ReleaseReason, ShedReason, Verdict,
+    MAX_RETRY_AFTER_S, MIN_PREDICT_RELEASES, DrainRate, FlowControl, ReleaseReason, ShedReason, Verdict,
 )
 from prefixroute.extproc.flow.queue import QueuedRequest
 from prefixroute.extproc.flow.saturation import EndpointLoad, Saturation, SaturationDetector
@@ -100,18 +100,38 @@ def test_deadline_passes_while_held() -> None:
     assert [e.key for e in fc.queue] == ["long"]
 
 
-def test_predicted_deadline_sheds_at_arrival_only_when_the_drain_says_so() -> None:
+def _draining(num_releases: int) -> FlowControl:
+    """10 held, then `num_releases` seconds of one arrival and one release a second: 10 still held."""
     fc = FlowControl(FlowSettings())
     for i in range(10):
         fc.offer(_entry(i, cost=1.0), SATURATED, 0.0)
-    for t in range(5):  # drain: one release a second
+    for t in range(num_releases):
         fc.offer(_entry(100 + t, cost=1.0), SATURATED, float(t))
         fc.release(ROOM, float(t), ReleaseReason.RELEASE)
-    assert fc.drain.per_s(4.0) == pytest.approx(1.0)
+    return fc
+
+
+def test_predicted_deadline_sheds_at_arrival_only_when_the_drain_says_so() -> None:
+    n = MIN_PREDICT_RELEASES
+    fc = _draining(n)
+    assert fc.drain.per_s(n - 1.0) == pytest.approx(1.0)
     # 10 of equal cost ahead at 1/s: 2 s is too short, but a cheap one goes first and makes it
-    assert fc.offer(_entry("late", at=4.0, cost=1.0, deadline=2.0), SATURATED, 4.0).reason is \
+    assert fc.offer(_entry("late", at=n - 1.0, cost=1.0, deadline=2.0), SATURATED, n - 1.0).reason is \
         ShedReason.PREDICTED_DEADLINE
-    assert fc.offer(_entry("cheap", at=4.0, cost=0.1, deadline=2.0), SATURATED, 4.0).verdict is Verdict.HOLD
+    assert fc.offer(_entry("cheap", at=n - 1.0, cost=0.1, deadline=2.0), SATURATED, n - 1.0).verdict is \
+        Verdict.HOLD
+
+
+@pytest.mark.parametrize("num_releases", [0, 2, 5, 15])
+def test_a_young_drain_rate_never_sheds_at_arrival(num_releases: int) -> None:
+    """A busy period's first releases understate its drain (the engines still hold what was admitted before
+    saturation): a request is held on such a rate, and shed only if its deadline really passes."""
+    assert num_releases < MIN_PREDICT_RELEASES
+    fc = _draining(num_releases)
+    now = max(0.0, num_releases - 1.0)
+    offer = fc.offer(_entry("late", at=now, cost=1.0, deadline=2.0), SATURATED, now)
+    assert offer.verdict is Verdict.HOLD
+    assert [(e.key, err.reason) for e, err in fc.expire(SATURATED, now + 2.0)] == [("late", ShedReason.DEADLINE)]
 
 
 def test_retry_after_follows_the_drain_rate() -> None:
