@@ -113,6 +113,7 @@ def test_a_responses_follow_up_goes_to_the_endpoint_that_holds_it(env, stream: b
     text = router_metrics(gw)
     learned0 = metric_value(text, "prefixroute_response_ids_learned_total")
     lookups0 = metric_value(text, "prefixroute_response_lookup_requests_total")
+    matched0 = metric_value(text, "prefixroute_response_facts_total", outcome="matched")
     homes = []
     for k in range(4):
         raw = c.responses.with_raw_response.create(
@@ -133,6 +134,9 @@ def test_a_responses_follow_up_goes_to_the_endpoint_that_holds_it(env, stream: b
         assert raw.headers[SERVER_ID] == home
     # Pinned from the directory: no fan-out lookup was needed.
     assert metric_value(router_metrics(gw), "prefixroute_response_lookup_requests_total") == lookups0
+    # Every fact of this test is in before the next one reads its baseline: the follow-ups' ids arrive after
+    # their answers, and would otherwise count as the next test's ids learned while its own are still on the way.
+    until(lambda: facts(gw, "matched") >= matched0 + 8, 5.0, message=lambda: "this test's facts matched")
 
 
 def test_a_responses_stream_ttft_is_its_first_token_event(env) -> None:
