@@ -457,6 +457,8 @@ def requests_table(run_choice: str) -> None:
                          height=420, column_config={
                              "time": st.column_config.DatetimeColumn("time (UTC)", format="HH:mm:ss.SSS"),
                              "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.1f"),
+                             "timing_source": st.column_config.TextColumn("TTFT clock"),
+                             "router_ttft_ms": st.column_config.NumberColumn("router's TTFT (ms)", format="%.1f"),
                              "predicted_ttft_ms": st.column_config.NumberColumn("predicted TTFT (ms)",
                                                                                 format="%.1f"),
                              "alternative_endpoint": st.column_config.TextColumn("alternative"),

@@ -394,7 +394,8 @@ def prediction_long(frame: pd.DataFrame) -> pd.DataFrame:
     return long.reset_index(drop=True)
 
 
-RECENT_COLUMNS = ("time", "endpoint", "reason", "status", "ttft_ms", "predicted_ttft_ms", "alternative_endpoint",
+RECENT_COLUMNS = ("time", "endpoint", "reason", "status", "ttft_ms", "timing_source", "router_ttft_ms",
+                  "predicted_ttft_ms", "alternative_endpoint",
                   "alternative_ttft_ms", "gateway_wait_ms", "gateway_outcome", "latency_ms", "prompt_tokens",
                   "cached_tokens", "hit_ratio", "predicted_hit_ratio", "decision_us", "policy", "model", "trace_id")
 
@@ -406,6 +407,9 @@ def recent_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
         prompt, cached = r.get("prompt_tokens"), r.get("cached_tokens")
         out.append({"time": r["start_time"], "endpoint": r.get("endpoint") or UNKNOWN_ENDPOINT,
                     "reason": r.get("reason") or "", "status": r.get("status"), "ttft_ms": r.get("ttft_ms"),
+                    # whose clock ttft_ms is ("envoy": Envoy's record; "router": its own, no Envoy record joined),
+                    # and the router's own figure beside Envoy's (what its time model saw, late under load)
+                    "timing_source": r.get("timing_source") or "", "router_ttft_ms": r.get("router_ttft_ms"),
                     "predicted_ttft_ms": r.get("predicted_ttft_ms"),
                     "alternative_endpoint": r.get("alternative_endpoint") or "",
                     "alternative_ttft_ms": r.get("alternative_ttft_ms"),

@@ -17,6 +17,8 @@ from prefixroute.telemetry import attributes as A
 from prefixroute.telemetry.otlp_decode import envoy_rows, envoy_timing_ms
 from prefixroute.telemetry.receiver import ReceiverStats, StoreWriter
 from prefixroute.telemetry.store import TelemetryStore
+from prefixroute.telemetry.store_reader import StoreReader
+from prefixroute.dashboard.data import recent_frame
 
 TRACE, SPAN = "ab" * 16, "cd" * 8
 
@@ -107,6 +109,11 @@ def test_the_stored_row_has_envoys_timing_and_keeps_the_routers(tmp_path: Path, 
         assert _rows(db) == [("other", 5.0, 6.0, 5.0, 6.0, "router", None),
                              ("r1", 31.25, 80.42, 12.0, 70.0, "envoy", None)]
         assert stats.num_envoy_timings_joined == 1 and stats.num_envoy_records_stored == 0
+        # The dashboard's recent-requests table shows whose clock each TTFT is, and the router's own beside it.
+        with StoreReader(db) as reader:
+            frame = recent_frame(reader.recent_requests(10))
+        shown = {(r.ttft_ms, r.timing_source, r.router_ttft_ms) for r in frame.itertuples()}
+        assert shown == {(31.25, "envoy", 12.0), (5.0, "router", 5.0)}
     finally:
         w.stop()
 
