@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 from prefixroute.model_servers import protocol
 from prefixroute.model_servers.cost_model import CostModel, TensorParallel, fit
-from prefixroute.model_servers.cpu_tier import H200_HOST_TO_DEVICE_BYTES_PER_S, num_cpu_blocks
+from prefixroute.hardware import H200_HOST_TO_DEVICE_BYTES_PER_S
+from prefixroute.model_servers.cpu_tier import num_cpu_blocks
 from prefixroute.model_servers.engine import EngineConfig, EngineCore
 
 H200_MEMORY_BYTES = 141e9

@@ -16,9 +16,8 @@ llm-d credits a CPU hit 0.8 of a GPU hit, Dynamo 0.75, as constants. Pure functi
 
 from __future__ import annotations
 
-H200_HOST_TO_DEVICE_BYTES_PER_S = 55e9
-"""H200 SXM, PCIe Gen5 x16 host link, pinned memory: the published figure (NVIDIA's datasheet gives 64 GB/s each
-way; ~85% is reached in practice); the same figure as the simulated servers' (model_servers/cpu_tier.py)."""
+from prefixroute.hardware import H200_HOST_TO_DEVICE_BYTES_PER_S
+
 DEFAULT_LOAD_US_PER_TOKEN = 128 * 1024 / H200_HOST_TO_DEVICE_BYTES_PER_S * 1e6
 """Llama-3.1-8B (128 KiB of KV per token, bf16) over one H200's host link: ~2.38 us per token."""
 
