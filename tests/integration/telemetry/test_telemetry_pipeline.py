@@ -165,8 +165,12 @@ def test_receiver_enforces_retention_periodically(receiver_factory):
                                       request_id=f"ret-{i}", status=200))
     recorder.shutdown(10)
     def retained() -> dict | None:
+        # The rows leave the store (num_requests, a count of the table) a moment before the writer thread adds
+        # what it deleted to num_rows_deleted, so /api/stats may show 3 rows and 0 deleted in between: wait for
+        # all three counters, not the first.
         stats = r.api("/api/stats")[1]
-        return stats if stats["num_rows_written"] == 10 and stats["num_requests"] == 3 else None
+        return stats if (stats["num_rows_written"], stats["num_requests"], stats["num_rows_deleted"]) \
+            == (10, 3, 7) else None
 
     stats = until(retained, 10, interval_s=0.1, message=lambda: r.api("/api/stats")[1])
     assert (stats["num_rows_written"], stats["num_requests"], stats["num_rows_deleted"]) == (10, 3, 7)
