@@ -41,6 +41,17 @@ Invariants (tested in tests/unit/kv_events/test_kv_events_index.py against a bru
   (in that order of tests: a CPU placeholder is a skipped block, not a block-size mismatch), never mixed in.
 - The salt of a prompt's first block: SGLang's ``cache_salt`` field when present, else vLLM's extra keys (above).
 
+Server blocks k times the router's (vLLM 0.34 defaults to 64-token blocks, the router to 16): every event is
+first rewritten in the router's block size (`split_events`, pure): a server block ``s`` of ``k x block_size``
+tokens becomes k sub-blocks whose server hashes are ``sub_block_hash(s, 0..k-2)`` then ``s`` itself (so a
+child's ``parent_block_hash`` names its parent's *last* sub-block, the one its chain continues from), its extra
+keys on the first sub-block; a `BlockRemoved` of ``s`` removes all k. The endpoint's k is learned from its GPU
+stores with tokens (a removal or placeholder carries no size) and is 1 until then. A server then holds whole
+server blocks only, so a request sharing L tokens with a stored prompt is credited up to ``k x block_size - 1``
+tokens more than the server will hit (under 64 of thousands, for vLLM 0.34's default): the price of matching at
+the router's granularity, which is what lets one router hash requests once for a fleet of mixed block sizes. A
+server block size that is not a multiple of the router's stays a ``block_size_mismatch``.
+
 Mismatch detectors (cheap, read by the KV-events link to stop trusting an endpoint's events):
 - `block_size_mismatch`: the latest GPU store's block size, when it is not the router's (the router hashes
   ``kv_block_tokens``-token blocks: none of that publisher's blocks can ever match).
@@ -89,7 +100,8 @@ _extras_encoder = msgspec.msgpack.Encoder()
 
 @dataclasses.dataclass
 class IndexCounters:
-    """Per-endpoint counts of what the index did with the endpoint's events (cumulative; cleared never)."""
+    """Per-endpoint counts of what the index did with the endpoint's events (cumulative; cleared never), in the
+    index's blocks: a server block split into k sub-blocks (module docstring) counts k."""
 
     num_stored_blocks: int = 0  # blocks keyed and held (duplicates included)
     num_removed_blocks: int = 0  # removals applied
@@ -104,7 +116,7 @@ class IndexCounters:
 
 
 class _Endpoint:
-    __slots__ = ("s2r", "refs", "held", "heads", "block_size_seen", "counters", "verified", "pending",
+    __slots__ = ("s2r", "refs", "held", "heads", "block_size_seen", "split", "counters", "verified", "pending",
                  "num_routed_unverified", "first_routed_s")
 
     def __init__(self) -> None:
@@ -112,7 +124,8 @@ class _Endpoint:
         self.refs: dict[int, int] = {}  # server hash -> reference count, only when > 1
         self.held: dict[BlockHash, int] = {}  # router hash -> number of server hashes mapped to it
         self.heads: set[BlockHash] = set()  # held router hashes that start a prompt (mirror of _heads)
-        self.block_size_seen: int | None = None
+        self.block_size_seen: int | None = None  # the server's, before `split_events`
+        self.split = 1  # router blocks per server block (module docstring: server blocks k times the router's)
         self.counters = IndexCounters()
         self.verified = False  # a request's block was found stored here (module docstring: tokens_unverified)
         self.pending: dict[BlockHash, None] = {}  # first blocks of requests routed here while unverified
@@ -185,11 +198,11 @@ class KVEventIndex:
         """Distinct server block hashes `endpoint` is known to hold (what its prefix cache reports, less the
         blocks the index could not key)."""
         st = self._eps.get(endpoint)
-        return len(st.s2r) if st else 0
+        return len(st.s2r) // st.split if st else 0
 
     def num_blocks_by_endpoint(self) -> dict[EndpointId, int]:
         """`num_blocks` per endpoint that holds any. Safe from another thread (single C calls under the GIL)."""
-        return {ep: len(st.s2r) for ep, st in list(self._eps.items()) if st.s2r}
+        return {ep: len(st.s2r) // st.split for ep, st in list(self._eps.items()) if st.s2r}
 
     def counters(self, endpoint: EndpointId) -> IndexCounters:
         """A copy of `endpoint`'s counters (zeros for an endpoint never seen)."""
@@ -206,7 +219,8 @@ class KVEventIndex:
         return st.counters.num_all_cleared if st else 0
 
     def block_size_seen(self, endpoint: EndpointId) -> int | None:
-        """The block size of `endpoint`'s latest `BlockStored` event (None before any)."""
+        """The block size of `endpoint`'s latest GPU `BlockStored` event with tokens, as the server published it
+        (None before any)."""
         st = self._eps.get(endpoint)
         return st.block_size_seen if st else None
 
@@ -217,7 +231,12 @@ class KVEventIndex:
         """The server block hashes (`block_hash_int`) `endpoint` holds on the GPU, as far as its events said
         (a copy; O(blocks))."""
         st = self._eps.get(endpoint)
-        return set(st.s2r) if st else set()
+        if st is None:
+            return set()
+        held = set(st.s2r)
+        if st.split > 1:  # less the sub-blocks `split_events` named
+            held.difference_update(h for s in list(held) for h in sub_block_hashes(s, st.split))
+        return held
 
     def router_hash_of(self, endpoint: EndpointId, server_hash: Any) -> BlockHash | None:
         """The router hash of a server block hash `endpoint` holds on the GPU (int or bytes, as published);
@@ -261,11 +280,17 @@ class KVEventIndex:
 
     # --- mismatch detectors (module docstring) -------------------------------------------------------------
     def block_size_mismatch(self, endpoint: EndpointId) -> int | None:
-        """The block size of `endpoint`'s latest GPU store when it is not `block_size`, else None."""
+        """The block size of `endpoint`'s latest GPU store when it is not a multiple of `block_size` (module
+        docstring: those are split), else None."""
         st = self._eps.get(endpoint)
-        if st is None or st.block_size_seen is None or st.block_size_seen == self.block_size:
+        if st is None or st.block_size_seen is None or st.block_size_seen % self.block_size == 0:
             return None
         return st.block_size_seen
+
+    def split_of(self, endpoint: EndpointId) -> int:
+        """Router blocks per server block at `endpoint` (1 until a GPU store of a multiple size is seen)."""
+        st = self._eps.get(endpoint)
+        return st.split if st else 1
 
     def note_routed(self, endpoint: EndpointId, first_block: BlockHash, now_s: float | None = None) -> None:
         """A request whose first token block hashes to `first_block` was routed to `endpoint` (call once per
@@ -313,8 +338,25 @@ class KVEventIndex:
         """Apply `events` in order, yielding the number of blocks applied since the last yield, at most
         `chunk_blocks` each time (an AllBlocksCleared counts as the blocks it drops), so a caller on the event
         loop can let other work run in between. A `BlockStored` or `BlockRemoved` of more blocks is applied in
-        pieces (exactly equivalent: each stored piece's parent is the last block of the piece before)."""
+        pieces (exactly equivalent: each stored piece's parent is the last block of the piece before). Server
+        blocks a multiple of `block_size` are split first (`split_events`)."""
         st = self._endpoint(endpoint)
+        return self._apply(endpoint, st, self._split(st, events), chunk_blocks)
+
+    def _split(self, st: _Endpoint, events: Iterable[Any]) -> list[Any]:
+        """`events` in this index's block size (`split_events`), learning the endpoint's server block size from
+        its GPU stores with tokens first."""
+        events = events if isinstance(events, list) else list(events)
+        bs = self.block_size
+        for ev in events:
+            if type(ev) is BlockStored and ev.medium in _GPU_MEDIA and ev.group_idx in (None, 0) \
+                    and ev.block_size > 0 and len(ev.token_ids):
+                st.block_size_seen = ev.block_size
+                if ev.block_size % bs == 0:
+                    st.split = ev.block_size // bs
+        return events if st.split == 1 and st.block_size_seen in (None, bs) else split_events(events, bs, st.split)
+
+    def _apply(self, endpoint: EndpointId, st: _Endpoint, events: list[Any], chunk_blocks: int) -> Iterator[int]:
         pending = 0
         for ev in events:
             t = type(ev)
@@ -423,7 +465,6 @@ class KVEventIndex:
         if ev.block_size <= 0 or len(ev.token_ids) == 0:  # (token ids may be a numpy array in-process)
             c.num_placeholder_blocks += n
             return False
-        st.block_size_seen = ev.block_size
         if ev.block_size != self.block_size:
             c.num_block_size_mismatch_blocks += n
             return False
@@ -553,3 +594,54 @@ def _pieces(ev: BlockStored, size: int, block_size: int) -> Iterator[BlockStored
                           group_idx=ev.group_idx, kv_cache_spec_kind=ev.kv_cache_spec_kind,
                           kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window, cache_salt=ev.cache_salt)
         parent = hashes[-1]
+
+
+_SUB_SEEDS = tuple(range(0x5B5B_0001, 0x5B5B_0001 + 4096))
+
+
+def sub_block_hashes(server_hash: int, k: int) -> list[int]:
+    """The server hashes `split_events` gives the first ``k - 1`` router-sized sub-blocks of the server block
+    `server_hash` (a non-negative int; the last sub-block keeps `server_hash`): ``xxh3_64(hash, seed)`` with a
+    seed per position, so distinct from every real hash but with probability ~2**-64 per pair. Pure."""
+    data = server_hash.to_bytes(8, "little")
+    return [_xxh3(data, _SUB_SEEDS[j]) for j in range(k - 1)]
+
+
+def _split_hashes(hashes: Sequence[Any], k: int) -> list[int]:
+    out: list[int] = []
+    for s in _server_hashes(hashes):
+        out += sub_block_hashes(s, k)
+        out.append(s)
+    return out
+
+
+def split_events(events: Sequence[Any], block_size: int, k: int) -> list[Any]:
+    """`events` rewritten in `block_size`-token blocks (module docstring: server blocks k times the router's).
+    A GPU or CPU `BlockStored` with tokens is split by its own size when that is a multiple of `block_size`
+    (left as it is otherwise: a mismatch the index counts); a placeholder (no tokens, no size) and every
+    `BlockRemoved` by the endpoint's `k`. Hashes that do not decode leave the event as it is (the index counts
+    it malformed). Pure; returns a new list, the events themselves untouched."""
+    out: list[Any] = []
+    for ev in events:
+        t = type(ev)
+        try:
+            if t is BlockStored:
+                if ev.block_size > 0 and len(ev.token_ids):
+                    m = ev.block_size // block_size if ev.block_size % block_size == 0 else 1
+                    if m > 1:
+                        extra = None
+                        if ev.extra_keys:
+                            extra = []
+                            for keys in ev.extra_keys:
+                                extra.append(keys)
+                                extra += [None] * (m - 1)
+                        ev = msgspec.structs.replace(ev, block_hashes=_split_hashes(ev.block_hashes, m),
+                                                     block_size=block_size, extra_keys=extra)
+                elif k > 1:
+                    ev = msgspec.structs.replace(ev, block_hashes=_split_hashes(ev.block_hashes, k))
+            elif t is BlockRemoved and k > 1:
+                ev = msgspec.structs.replace(ev, block_hashes=_split_hashes(ev.block_hashes, k))
+        except KVEventsDecodeError:
+            pass
+        out.append(ev)
+    return out

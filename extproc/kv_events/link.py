@@ -12,7 +12,8 @@ is. Its *events state* says why:
 ``syncing``          subscribed; rebuilding from the replay socket (late join, reconnect)
 ``down``             not connected to its publisher
 ``undecodable``      its batches do not decode (subscriber: 2 in a row, or 4 of the last 16)
-``block_size_mismatch`` its GPU blocks are not ``--kv-block-tokens`` tokens long
+``block_size_mismatch`` its GPU blocks are not a multiple of ``--kv-block-tokens`` tokens long (a multiple
+                     is split into router blocks: `KVEventIndex` module docstring)
 ``token_mismatch``   16 requests routed there over 10 s or more, and none found its blocks stored there
 ==================== ========================================================================================
 
@@ -194,6 +195,7 @@ class KVEventsLink:
                          num_replays=st.num_replays, num_clears=st.num_clears,
                          num_decode_errors=st.num_decode_errors, num_unknown_events=st.num_unknown_events,
                          blocks=blocks.get(ep, 0), cpu_blocks=cpu_blocks.get(ep, 0), form=st.form,
+                         server_block_tokens=index.block_size_seen(ep) if index is not None else None,
                          tokens_verified=int(index.is_verified(ep)) if index is not None else None,
                          stored_blocks_by_medium=st.stored_blocks_by_medium,
                          removed_blocks_by_medium=st.removed_blocks_by_medium)
@@ -201,17 +203,23 @@ class KVEventsLink:
         self.info = info
 
     def _check_block_sizes(self) -> None:
-        """Token blocks only match a server whose KV block size is --kv-block-tokens: say so once per endpoint
-        whose scraped vllm:cache_config_info differs (its events' blocks are skipped and counted too)."""
+        """Token blocks only match a server whose KV block size is a multiple of --kv-block-tokens: say so once
+        per endpoint whose scraped vllm:cache_config_info is not (its events' blocks are skipped and counted
+        too); a multiple is said once at INFO (its blocks are split into the router's)."""
         want = self.core.settings.kv_block_tokens
         if self.snapshot is None or not self.core.settings.tokenizer:
             return
         for s in self.snapshot():
             if s.block_size and s.block_size != want and s.endpoint not in self._size_warned:
                 self._size_warned.add(s.endpoint)
-                log.warning("%s: KV block size %d (vllm:cache_config_info) differs from --kv-block-tokens %d: its "
-                            "prefix matches will not find its blocks; set --kv-block-tokens %d", s.endpoint,
-                            s.block_size, want, s.block_size)
+                if s.block_size % want == 0:
+                    log.info("%s: KV block size %d (vllm:cache_config_info) = %d x --kv-block-tokens %d: its "
+                             "blocks are matched as %d-token sub-blocks", s.endpoint, s.block_size,
+                             s.block_size // want, want, want)
+                    continue
+                log.warning("%s: KV block size %d (vllm:cache_config_info) is not a multiple of --kv-block-tokens "
+                            "%d: its prefix matches will not find its blocks; set --kv-block-tokens to %d or a "
+                            "divisor of it", s.endpoint, s.block_size, want, s.block_size)
 
     async def close(self) -> None:
         if self._task is not None:

@@ -15,7 +15,7 @@ endpoint is matched by the router's own index, *feedback*, as when it publishes 
   `UNDECODABLE_WINDOW`, did not decode (a publisher speaking a form no release we know speaks). Logged once as an
   ERROR naming the endpoint, the payload's first bytes and the decoder's message. Ends after `RECOVER_AFTER`
   batches in a row decode.
-- ``block_size_mismatch``: the publisher's GPU blocks are not the router's ``kv_block_tokens`` long (none of
+- ``block_size_mismatch``: the publisher's GPU blocks are not a multiple of the router's ``kv_block_tokens`` (none of
   them can match a request); ends when a GPU store of the right size arrives.
 (The link adds ``token_mismatch``, a tokenization that never matches: `KVEventIndex.tokens_unverified`.)
 
@@ -209,8 +209,8 @@ class EndpointSubscriber:
         if self._undecodable:
             return "undecodable", self._undecodable_detail
         if self._size_mismatch is not None:
-            return "block_size_mismatch", (f"its GPU blocks hold {self._size_mismatch} tokens; the router hashes "
-                                           f"{self.index.block_size}-token blocks (--kv-block-tokens)")
+            return "block_size_mismatch", (f"its GPU blocks hold {self._size_mismatch} tokens, not a multiple of "
+                                           f"the router's {self.index.block_size}-token blocks (--kv-block-tokens)")
         if self._syncing:
             return "syncing", ""
         if not st.connected:
@@ -482,11 +482,11 @@ class EndpointSubscriber:
         if mismatch != self._size_mismatch:
             self._size_mismatch = mismatch
             if mismatch is not None:
-                log.error("KV events of %s (%s): its GPU blocks hold %d tokens, the router hashes %d-token blocks "
-                          "(--kv-block-tokens): none can match a request; its prefix matches come from the "
-                          "router's own index (feedback) until they agree (set --kv-block-tokens %d, or the "
-                          "server's block/page size to %d)", self.endpoint, self.pub_address, mismatch,
-                          index.block_size, mismatch, index.block_size)
+                log.error("KV events of %s (%s): its GPU blocks hold %d tokens, not a multiple of the router's "
+                          "%d-token blocks (--kv-block-tokens): none can match a request; its prefix matches come "
+                          "from the router's own index (feedback) until they agree (set --kv-block-tokens to %d or "
+                          "a divisor of it, or the server's block/page size to a multiple of %d)", self.endpoint,
+                          self.pub_address, mismatch, index.block_size, mismatch, index.block_size)
             self._report_state()
 
     def _undecodable_batch(self, seq: int, payload: bytes, exc: KVEventsDecodeError) -> None:

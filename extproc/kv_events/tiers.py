@@ -144,12 +144,13 @@ class TieredKVEventIndex(KVEventIndex):
         return self._last_gpu.get(endpoint, 0), self._last_cpu.get(endpoint, 0)
 
     def num_cpu_blocks(self, endpoint: EndpointId) -> int:
+        """Server blocks `endpoint`'s CPU tier holds (its sub-blocks counted once: `index.split_events`)."""
         cs = self._cpu.get(endpoint)
-        return len(cs.s2r) if cs else 0
+        return len(cs.s2r) // self.split_of(endpoint) if cs else 0
 
     def num_cpu_blocks_by_endpoint(self) -> dict[EndpointId, int]:
         """Safe from another thread (single C calls under the GIL)."""
-        return {ep: len(cs.s2r) for ep, cs in list(self._cpu.items()) if cs.s2r}
+        return {ep: len(cs.s2r) // self.split_of(ep) for ep, cs in list(self._cpu.items()) if cs.s2r}
 
     def tier_counters(self, endpoint: EndpointId) -> TierCounters:
         cs = self._cpu.get(endpoint)
@@ -160,14 +161,14 @@ class TieredKVEventIndex(KVEventIndex):
         return cs is not None and block_hash in cs.held
 
     # --- updates -------------------------------------------------------------------------------------------
-    def apply_events(self, endpoint: EndpointId, events: Iterable[Any], chunk_blocks: int = 256) -> Iterator[int]:
-        """The CPU side of `events` first (against the GPU map as before them), then the base index's GPU side;
-        CPU stores unresolved then are tried again after it (a GPU store in the same batch). Yields like the
-        base index: blocks applied since the last yield, about `chunk_blocks` at most."""
-        events = events if isinstance(events, list) else list(events)
+    def _apply(self, endpoint: EndpointId, st: Any, events: list[Any], chunk_blocks: int) -> Iterator[int]:
+        """(`apply_events`, after the split into router-sized blocks.) The CPU side of `events` first (against
+        the GPU map as before them), then the base index's GPU side; CPU stores unresolved then are tried again
+        after it (a GPU store in the same batch). Yields like the base index: blocks applied since the last
+        yield, about `chunk_blocks` at most."""
         retry: list[BlockStored] = []
         yield from self._cpu_pass(endpoint, events, chunk_blocks, retry)
-        yield from super().apply_events(endpoint, events, chunk_blocks)
+        yield from super()._apply(endpoint, st, events, chunk_blocks)
         for ev in retry:
             self._cpu_store(endpoint, ev, final=True)
 

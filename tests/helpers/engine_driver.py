@@ -1035,6 +1035,11 @@ def bridge(eng: Engine, source: str, endpoint: str, replay: str, topic: str) -> 
     sub.close(linger=0)
 
 
+def _set_block_size(n: int) -> None:
+    global BS
+    BS = n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--release", required=True, help="e.g. vllm-0.33.0, sglang-0.5.23")
@@ -1045,7 +1050,9 @@ def main() -> None:
     ap.add_argument("--endpoint", default="")
     ap.add_argument("--replay", default="")
     ap.add_argument("--from", dest="source", default="")
+    ap.add_argument("--block-size", type=int, default=BS, help="capture: tokens per block (vLLM 0.34's default: 64)")
     args = ap.parse_args()
+    _set_block_size(args.block_size)
     if args.mode == "surface":
         print(json.dumps(surface(args.release, args.src)))
         os._exit(0)

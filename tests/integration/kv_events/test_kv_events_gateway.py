@@ -56,13 +56,14 @@ def _chat(url: str, doc: int, q: int) -> tuple[str, int, int]:
 
 
 class _Server:
-    def __init__(self, group: ProcessGroup, name: str, pub: int) -> None:
+    def __init__(self, group: ProcessGroup, name: str, pub: int, block_size: int = 16) -> None:
         self.group, self.name, self.pub = group, name, pub
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.proc = group.start(name, prefixroute_argv(
             "model-server", "--port", str(self.port), "--id", name, "--time-scale", "0.02",
-            "--num-gpu-blocks", str(NUM_GPU_BLOCKS), "--kv-events-config", config_json(pub)),
+            "--num-gpu-blocks", str(NUM_GPU_BLOCKS * 16 // block_size), "--block-size", str(block_size),
+            "--kv-events-config", config_json(pub)),
             ready=lambda: http_ok(f"http://{self.endpoint}/health", timeout_s=1.0))
 
     def restart(self) -> None:
@@ -126,3 +127,47 @@ def test_events_index_matches_the_servers_caches_through_envoy(tmp_path):
         for i in range(6):
             _chat(gw.url, i, 100 + i)
         until(in_sync, 10, message=lambda: (router_blocks(), [s.cached_blocks() for s in servers]))
+
+
+def test_servers_at_64_token_blocks_are_matched_by_a_router_at_16(tmp_path):
+    """vLLM 0.34's default block size (64) in front of the router's default (16): the endpoints stay on their
+    events (not block_size_mismatch), the index counts the servers' own blocks through evictions, and the
+    predicted cached tokens follow what the servers report (the router credits whole 16-token sub-blocks, a
+    server whole 64-token blocks: at most 48 tokens more per request)."""
+    with ExitStack() as stack:
+        group = stack.enter_context(ProcessGroup(tmp_path, ready_timeout_s=20.0))
+        servers = [_Server(group, f"s{i}", pub, block_size=64) for i, (pub, _) in enumerate(free_port_pairs(2))]
+        gw = GatewayProcesses(
+            GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1"),
+            RoutingSettings(tokenizer="sim"),
+            PoolSettings(endpoints=tuple(f"{s.endpoint}@tcp://127.0.0.1:{s.pub}" for s in servers)),
+            log_dir=tmp_path)
+        stack.enter_context(gw)
+        metrics_url = f"http://127.0.0.1:{gw.metrics_port}/metrics"
+
+        def router_blocks() -> dict[str, float]:
+            return {dict(k)["endpoint"]: v for k, v in _samples(_get(metrics_url),
+                                                                 "prefixroute_kv_event_index_blocks").items()}
+
+        def states() -> dict[str, str]:
+            return {dict(k)["endpoint"]: dict(k)["state"] for k, v in _samples(
+                _get(metrics_url), "prefixroute_kv_events_state").items() if v}
+
+        def in_sync() -> bool:
+            blocks = router_blocks()
+            return all(blocks.get(s.endpoint) == s.cached_blocks() for s in servers)
+
+        until(lambda: set(states().values()) == {"live"}, 10, message=lambda: states())
+        outcomes = [_chat(gw.url, d, 0) for d in range(6)]
+        with ThreadPoolExecutor(4) as pool:
+            outcomes += list(pool.map(lambda i: _chat(gw.url, (i * 7) % 6, i + 1), range(48)))
+        until(in_sync, 10, message=lambda: (router_blocks(), [s.cached_blocks() for s in servers]))
+        assert sum(p // 64 for _, p, _ in outcomes) > 2 * NUM_GPU_BLOCKS // 4, "the servers must have evicted"
+        assert set(states().values()) == {"live"}, states()
+        text = _get(metrics_url)
+        prompt = sum(_samples(text, "prefixroute_prompt_tokens_total").values())
+        predicted = sum(_samples(text, "prefixroute_predicted_hit_tokens_total").values())
+        actual = sum(_samples(text, "prefixroute_actual_hit_tokens_total").values())
+        print(f"prompt {prompt:.0f}, predicted {predicted:.0f}, actual {actual:.0f} tokens")
+        assert prompt > 0 and actual / prompt > 0.3, (prompt, actual)
+        assert abs(predicted - actual) / prompt <= 0.03, (predicted, actual, prompt)

@@ -92,7 +92,7 @@ def test_untrusted_events_are_feedback_and_say_why(tmp_path):
         pa.publish([_stored(1)], send=False)  # history in the replay buffers (a warm, quiet publisher)
         pb.publish_raw(FUTURE, send=False)
         pb.publish_raw(FUTURE, send=False)
-        pc.publish([_stored(3, block_size=32)], send=False)
+        pc.publish([_stored(3, block_size=24)], send=False)  # 64 would be split, 24 cannot
         pd.publish([_stored(4)], send=False)
         metrics_port = free_port()
         spec = ",".join(f"{ep}@tcp://127.0.0.1:{p}" for ep, (p, _) in zip((a, b, c, d), ports))

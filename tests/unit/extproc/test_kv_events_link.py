@@ -114,13 +114,19 @@ def test_a_verified_endpoint_is_never_a_token_mismatch():
 
 
 def test_block_sizes_from_the_scrape_are_checked_once(caplog):
-    snap = (EndpointState(A, block_size=16), EndpointState(B, block_size=32))
+    """A size that is not a multiple of the router's is a WARNING, once; a multiple (vLLM 0.34's 64) an INFO,
+    once: its blocks are split, so its events are matched."""
+    snap = (EndpointState(A, block_size=16), EndpointState(B, block_size=24), EndpointState(C, block_size=64))
     core, mgr, link, _ = _link(snap)
-    with caplog.at_level(logging.WARNING, logger="prefixroute.extproc"):
+    with caplog.at_level(logging.INFO, logger="prefixroute.extproc"):
         link.check()
         link.check()
-    size_warnings = [r for r in caplog.records if "KV block size 32" in r.getMessage()]
+    size_warnings = [r for r in caplog.records if "KV block size 24" in r.getMessage()]
     assert len(size_warnings) == 1 and B in size_warnings[0].getMessage()
+    assert size_warnings[0].levelno == logging.WARNING
+    split = [r for r in caplog.records if "KV block size 64" in r.getMessage()]
+    assert len(split) == 1 and C in split[0].getMessage() and split[0].levelno == logging.INFO
+    assert "4 x --kv-block-tokens 16" in split[0].getMessage()
 
 
 def test_a_start_up_race_is_no_warning_but_losing_a_live_publisher_is_one_at_once(caplog):

@@ -120,3 +120,33 @@ def test_sglang_hashes_are_signed_int64():
     hashes = [h for m in cap["live"] for e in BatchDecoder().decode(_frames(m)[2]).events
               if type(e) is BlockStored for h in e.block_hashes]
     assert any(h < 0 for h in hashes) and all(-(1 << 63) <= h < (1 << 63) for h in hashes)
+
+
+SPLIT_CAPTURES = [p for p in CAPTURES if _load(p)["block_size"] > 16]
+
+
+def test_a_release_at_its_default_64_token_blocks_is_captured():
+    assert [f"{p.parent.name}/{p.name}" for p in SPLIT_CAPTURES] == ["vllm-0.34.0/capture-block-64.json"]
+
+
+@pytest.mark.parametrize("path", SPLIT_CAPTURES, ids=[f"{p.parent.name}/{p.stem}" for p in SPLIT_CAPTURES])
+def test_a_router_at_16_token_blocks_follows_an_engine_at_64(path):
+    """vLLM 0.34's own publisher at its default 64-token blocks, into an index hashing the router's default 16:
+    after every batch it holds the engine's GPU blocks, and each prompt matches exactly k = 4 router blocks per
+    engine block the engine holds for it (the sub-blocks `KVEventIndex` splits them into)."""
+    cap = _load(path)
+    exp = cap["expected"]
+    k = cap["block_size"] // 16
+    decoder = BatchDecoder()
+    index = KVEventIndex(16)
+    for n, (frames, check) in enumerate(zip((_frames(m) for m in cap["live"]), exp["checkpoints"])):
+        index.apply_batch(EP, decoder.decode(frames[2]))
+        assert index.server_hashes(EP) == set(check["gpu_blocks"]), f"after batch {n}"
+        assert index.num_blocks(EP) == len(check["gpu_blocks"])
+        for name, want in check["prompts"].items():
+            p = exp["prompts"][name]
+            hashes = hash_token_blocks(p["tokens"], 16, token_seed_for(p["lora_name"], p["cache_salt"]))
+            assert index.match(hashes).get(EP, 0) == k * want, f"prompt {name} after batch {n}"
+    c = index.counters(EP)
+    assert c.num_malformed_events == 0 and c.num_block_size_mismatch_blocks == 0 and c.num_orphan_blocks == 0
+    assert index.block_size_seen(EP) == 64 and index.block_size_mismatch(EP) is None and index.split_of(EP) == k

@@ -151,9 +151,9 @@ def test_multimodal_extra_keys_are_folded_so_text_requests_never_match_them():
 def test_other_block_sizes_media_and_groups_are_skipped_and_counted():
     idx = KVEventIndex(BS)
     toks = list(range(64))
-    idx.apply_batch(EP, batch(BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=toks[:32],
-                                          block_size=16, lora_id=None, medium="GPU", lora_name=None)))
-    assert idx.counters(EP).num_block_size_mismatch_blocks == 2 and idx.block_size_seen(EP) == 16
+    idx.apply_batch(EP, batch(BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=toks[:20],
+                                          block_size=10, lora_id=None, medium="GPU", lora_name=None)))
+    assert idx.counters(EP).num_block_size_mismatch_blocks == 2 and idx.block_size_seen(EP) == 10
     idx.apply_batch(EP, batch(stored(TOKS, medium="CPU"), stored(TOKS, group_idx=1)))
     assert idx.counters(EP).num_skipped_blocks == 16
     bad = stored(TOKS)
@@ -305,8 +305,8 @@ def test_media_are_tested_before_placeholders_before_block_sizes():
     assert idx.block_size_seen(EP) is None and idx.block_size_mismatch(EP) is None
     idx.apply_batch(EP, batch(BlockStored([2], None, [], 0, None, "GPU", None)))
     assert idx.counters(EP).num_placeholder_blocks == 1 and idx.block_size_mismatch(EP) is None
-    idx.apply_batch(EP, batch(stored(TOKS[:32], block_size=8)))
-    assert idx.block_size_mismatch(EP) == 8
+    idx.apply_batch(EP, batch(stored(TOKS[:30], block_size=6)))  # not a multiple of BS: never split
+    assert idx.block_size_mismatch(EP) == 6
     idx.apply_batch(EP, batch(stored(TOKS)))
     assert idx.block_size_mismatch(EP) is None, "the latest GPU store has the router's block size"
 
@@ -371,3 +371,102 @@ def test_the_sourced_index_never_returns_an_untrusted_endpoints_events_entries()
     assert sourced.match(chain(TOKS)) == {EP: 8, EP2: 2}, "EP2 from the own index only"
     sourced.event_endpoints = frozenset()
     assert sourced.match(chain(TOKS)) == {EP2: 2}
+
+
+# --- server blocks a multiple of the router's (vLLM 0.34: 64 tokens; the router: 16) -----------------------------
+K = 3  # router blocks per server block in these tests
+KB = K * BS
+
+
+def kstored(tokens, first=0, last=None, medium="GPU", extra_keys=None):
+    """BlockStored of server blocks [first, last) of `tokens` at KB tokens per block, chained like vLLM."""
+    n = len(tokens) // KB
+    last = n if last is None else last
+    hashes = [srv(tuple(tokens[:(i + 1) * KB])) for i in range(first, last)]
+    parent = srv(tuple(tokens[:first * KB])) if first else None
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(tokens[first * KB:last * KB]),
+                       block_size=KB, lora_id=None, medium=medium, lora_name=None, extra_keys=extra_keys)
+
+
+def kremoved(tokens, blocks, medium="GPU"):
+    return BlockRemoved(block_hashes=[srv(tuple(tokens[:(i + 1) * KB])) for i in blocks], medium=medium)
+
+
+KPROMPTS = st.lists(st.lists(st.integers(0, 1), min_size=KB, max_size=4 * KB).map(lambda t: t[:len(t) // KB * KB]),
+                    min_size=1, max_size=4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(KPROMPTS, OPS)
+def test_server_blocks_k_times_the_routers_match_their_sub_blocks_exactly(prompts, ops):
+    """A router hashing BS-token blocks, fed a server's KB-token events, holds exactly the BS-token sub-blocks of
+    the server blocks held (brute force: each held server block's path, hashed at BS), and counts the server's
+    blocks as an index at KB does."""
+    idx, at_kb = KVEventIndex(BS), KVEventIndex(KB)
+    refs: dict[str, dict[tuple, int]] = {EP: {}, EP2: {}}  # held server blocks by their token path
+    eps = [EP, EP2]
+    for kind, e, p, a, b in ops:
+        ep, tokens = eps[e], prompts[p % len(prompts)]
+        n = len(tokens) // KB
+        if kind == "store":
+            first = a % n
+            last = min(n, first + b)
+            ev = batch(kstored(tokens, first, last))
+            if not first or refs[ep].get(tuple(tokens[:first * KB]), 0):
+                for i in range(first, last):
+                    path = tuple(tokens[:(i + 1) * KB])
+                    refs[ep][path] = refs[ep].get(path, 0) + 1
+        elif kind == "remove":
+            blocks = list(range(a % n, min(n, a % n + b)))
+            ev = batch(kremoved(tokens, blocks))
+            for i in blocks:
+                path = tuple(tokens[:(i + 1) * KB])
+                if refs[ep].get(path):
+                    refs[ep][path] -= 1
+                    if not refs[ep][path]:
+                        del refs[ep][path]
+        else:
+            ev = batch(AllBlocksCleared())
+            refs[ep] = {}
+        idx.apply_batch(ep, ev)
+        at_kb.apply_batch(ep, ev)
+        held = {ep: {h for path in r for h in chain(list(path))[-K:]} for ep, r in refs.items()}
+        for q in prompts:
+            for cut in range(BS, len(q) + 1, BS):
+                hashes = chain(q[:cut])
+                want = {}
+                for ep, hs in held.items():
+                    m = 0
+                    while m < len(hashes) and hashes[m] in hs:
+                        m += 1
+                    if m:
+                        want[ep] = m
+                assert idx.match(hashes) == want
+    for ep in eps:
+        assert idx.num_blocks(ep) == at_kb.num_blocks(ep) == len(refs[ep])
+        assert idx.server_hashes(ep) == at_kb.server_hashes(ep)
+        assert idx.block_size_mismatch(ep) is None
+
+
+def test_a_server_block_size_not_a_multiple_is_a_mismatch_and_a_multiple_is_split():
+    idx = KVEventIndex(BS)
+    toks = list(range(40))
+    idx.apply_batch(EP, batch(BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=toks[:12],
+                                          block_size=6, lora_id=None, medium="GPU", lora_name=None)))
+    assert idx.block_size_mismatch(EP) == 6 and idx.counters(EP).num_block_size_mismatch_blocks == 2
+    assert idx.num_blocks(EP) == 0
+    idx.apply_batch(EP2, batch(kstored(toks[:2 * KB])))
+    assert (idx.block_size_seen(EP2), idx.block_size_mismatch(EP2), idx.split_of(EP2)) == (KB, None, K)
+    assert idx.match(chain(toks[:2 * KB])) == {EP2: 2 * K} and idx.num_blocks(EP2) == 2
+    # A removal carries no block size: it takes the server block's K sub-blocks, by the endpoint's K.
+    idx.apply_batch(EP2, batch(kremoved(toks[:2 * KB], [1])))
+    assert idx.match(chain(toks[:2 * KB])) == {EP2: K} and idx.num_blocks(EP2) == 1
+    assert idx.router_hash_of(EP2, srv(tuple(toks[:KB]))) == chain(toks[:KB])[-1]
+
+
+def test_split_extra_keys_keep_the_salt_on_the_first_sub_block():
+    idx = KVEventIndex(BS)
+    toks = list(range(50, 50 + 2 * KB))
+    idx.apply_batch(EP, batch(kstored(toks, extra_keys=[["tenant-7"], None])))
+    assert idx.match(chain(toks, None, "tenant-7")) == {EP: 2 * K}
+    assert idx.match(chain(toks)) == {}

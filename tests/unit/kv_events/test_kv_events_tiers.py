@@ -32,10 +32,13 @@ def _router_hashes(tokens, lora=None, salt=None):
     return hash_token_blocks(token_bytes(list(tokens)), 16, token_seed_for(lora, salt))
 
 
-@pytest.mark.parametrize("release", ["vllm-0.33.0", "vllm-0.34.0"])  # 0.34: also a Mamba group's checkpoint
-@pytest.mark.parametrize("name", ["capture.json", "capture-bytes-hashes.json"])
+@pytest.mark.parametrize(("release", "name"), [
+    ("vllm-0.33.0", "capture.json"), ("vllm-0.33.0", "capture-bytes-hashes.json"),
+    ("vllm-0.34.0", "capture.json"), ("vllm-0.34.0", "capture-bytes-hashes.json"),  # 0.34: a Mamba group too
+    ("vllm-0.34.0", "capture-block-64.json")])  # its default 64-token blocks, split into the router's 16
 def test_vllm_033_offloading_stream_gives_gpu_and_cpu_residency(name, release):
     cap = json.loads((DATA / release / name).read_text())
+    k = cap["block_size"] // 16  # router blocks per engine block
     decoder = BatchDecoder()
     index = TieredKVEventIndex(16)
     for msg in cap["live"]:
@@ -44,13 +47,13 @@ def test_vllm_033_offloading_stream_gives_gpu_and_cpu_residency(name, release):
     hashes = _router_hashes(e["tokens"])
     # GPU: blocks 0-1 (2-3 evicted after their offload, 4-5 evicted); CPU: chunks 0-1 and 2-3 stored (with tokens),
     # block 5 and 3 as placeholders; then chunk 0-1 and block 5 removed from the CPU: 2-3 stay host-resident.
-    assert index.tiers(hashes)[EP] == (2, 2)
+    assert index.tiers(hashes)[EP] == (2 * k, 2 * k)
     assert index.num_cpu_blocks(EP) == 2
     c = index.tier_counters(EP)
-    assert c.num_cpu_placeholder_blocks == 1 and c.num_cpu_unresolved_blocks == 0  # block 5 (3 was stored already)
+    assert c.num_cpu_placeholder_blocks == k and c.num_cpu_unresolved_blocks == 0  # block 5 (3 was stored already)
     # the base index's GPU view is unchanged by the CPU events
     assert index.server_hashes(EP) == set(cap["expected"]["checkpoints"][-1]["gpu_blocks"])
-    assert index.match(hashes)[EP] == 4  # unpriced: weight 1
+    assert index.match(hashes)[EP] == 4 * k  # unpriced: weight 1
 
 
 def test_cpu_store_is_not_gpu_and_gpu_removal_keeps_cpu_copy():
@@ -84,33 +87,39 @@ def KVEventIndexMatch(index: TieredKVEventIndex, hashes) -> dict:
     return super(TieredKVEventIndex, index).match(hashes)
 
 
+@pytest.mark.parametrize("server_block_size", [16, 64])  # 64: vLLM 0.34's default, split into the router's 16
 @pytest.mark.parametrize("seed", range(4))
-def test_index_predicts_what_a_tiered_engine_loads(seed):
+def test_index_predicts_what_a_tiered_engine_loads(seed, server_block_size):
     """A simulated engine with a CPU tier, its events over the wire into the index: for every prompt, the index's
-    (GPU, CPU) blocks equal the engine's GPU prefix hit and the CPU blocks it would load after it."""
+    (GPU, CPU) blocks equal the engine's GPU prefix hit and the CPU blocks it would load after it, in the router's
+    16-token blocks (k of them per server block)."""
     rng = random.Random(seed)
     nrng = np.random.default_rng(seed)
     index = TieredKVEventIndex(16)
+    bs = server_block_size
+    k = bs // 16
 
     def sink(events):
         index.apply_batch(EP, decode_batch(encode_batch(EventBatch(1.0, materialize(events), 0))))
 
-    core = EngineCore(EngineConfig(64, 16, 8, 4096, 1.0, 96, 1e-5, 1 << 20), fit("llama-3.1-8b"), sink)
+    core = EngineCore(EngineConfig(64, bs, 8, 4096 * k, 1.0, 96, 1e-5, 1 << 20),
+                      fit("llama-3.1-8b"), sink)
     root = root_hash(("m", None))
-    prompts = [nrng.integers(0, 100000, rng.randint(3, 12) * 16 + 1) for _ in range(10)]
+    prompts = [nrng.integers(0, 100000, rng.randint(3, 12) * bs + 1) for _ in range(10)]
     for i in range(120):
         ids = prompts[rng.randrange(len(prompts))]
-        core.add_request(EngineRequest(f"r{i}", ids, 2, block_size=16, root=root))
+        core.add_request(EngineRequest(f"r{i}", ids, 2, block_size=bs, root=root))
         while core.has_work():
             core.finish_step(core.plan_step(), 1.0)
         for p in prompts:
-            er = EngineRequest("q", p, 1, block_size=16, root=root)
-            max_hit = (len(p) - 1) // 16
+            er = EngineRequest("q", p, 1, block_size=bs, root=root)
+            max_hit = (len(p) - 1) // bs
             g = core.cache.num_cached_prefix_blocks(er.block_hashes[:max_hit])
             c = sum(1 for _ in takewhile(core.tier.lru.__contains__, er.block_hashes[g:max_hit]))
-            got = index.tiers(_router_hashes(p)[:max_hit]).get(EP, (0, 0))
-            assert got == (g, c), (i, got, (g, c))
+            got = index.tiers(_router_hashes(p)[:max_hit * k]).get(EP, (0, 0))
+            assert got == (g * k, c * k), (i, got, (g, c))
     assert index.tier_counters(EP).num_cpu_placeholder_blocks > 0
+    assert index.num_cpu_blocks(EP) == len(core.tier.lru) and index.split_of(EP) == k
 
 
 def test_cpu_blocks_are_priced_at_their_load_time():
