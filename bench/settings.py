@@ -19,10 +19,11 @@ class BenchSettings(Settings):
 
     # --- what to send
     workload: str = setting("shared-prompts", "Synthetic workload: shared-prompts, multi-turn, documents, mix, "
-                            "capacity-pressure or agents (ignored with --trace). shared-prompts is issue 7's "
-                            "headline workload; capacity-pressure (a working set about twice the fleet's KV "
+                            "capacity-pressure, agents or tenants (ignored with --trace). shared-prompts is issue "
+                            "7's headline workload; capacity-pressure (a working set about twice the fleet's KV "
                             "cache) issue 13's; agents (tool-calling agents over the Responses API, the chat "
-                            "equivalent for routers that speak chat) issue 14's.")
+                            "equivalent for routers that speak chat) issue 14's; tenants (Zipf-popular tenants' "
+                            "system prompts + multi-turn sessions: mostly short cache hits) issue 26's.")
     trace: str = setting("", "Mooncake-format JSONL trace to replay instead of a synthetic workload "
                          "(timestamp ms, input_length, output_length, hash_ids per 512-token block).")
     trace_block_tokens: int = setting(512, "Tokens per hash id in the trace (Mooncake: 512; other traces of "

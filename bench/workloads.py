@@ -3,7 +3,7 @@
 A workload (bench/workload_spec.py) is a tuple of `RequestSpec` in send order plus the parameters that made
 it. The same parameters and seed always give byte-identical requests, so every router in a bench run sees
 the same sequence. Nothing here does I/O. The synthetic workloads are here (shared-prompts, multi-turn,
-documents, mix, capacity-pressure); agents in bench/agents_workload.py; trace replays in bench/traces.py.
+documents, mix, capacity-pressure, tenants); agents in bench/agents_workload.py; trace replays in bench/traces.py.
 Their text is bench/synthetic_text.py's: requests share a text prefix exactly when they share leading
 blocks.
 
@@ -32,7 +32,7 @@ from prefixroute.bench.workload_spec import RequestSpec, Workload, check_positiv
 
 ArrivalKind = Literal["trace", "poisson", "closed"]
 
-WORKLOAD_NAMES = ("shared-prompts", "multi-turn", "documents", "mix", "capacity-pressure", "agents")
+WORKLOAD_NAMES = ("shared-prompts", "multi-turn", "documents", "mix", "capacity-pressure", "agents", "tenants")
 
 
 def shared_prompts(*, num_groups: int = 8, prefix_tokens: int = 2048, question_tokens: int = 64,
@@ -209,6 +209,74 @@ def capacity_pressure(*, num_groups: int = 128, min_prefix_tokens: int = 2048, m
                                           "zipf_s": zipf_s, "seed": seed}, tuple(reqs))
 
 
+def tenants(*, num_tenants: int = 24, min_system_tokens: int = 1024, max_system_tokens: int = 4096,
+            zipf_s: float = 1.1, mean_turns: float = 3.0, max_turns: int = 8, question_tokens: int = 96,
+            output_tokens: int = 32, num_requests: int = 300, max_active_sessions: int = 16,
+            seed: int = 0) -> Workload:
+    """A multi-tenant chat service (issue 26's "tenants" request set, rebuilt: its exact sequence is not
+    ours): T tenants, each with its own system prompt of min..max_system_tokens (uniform, seeded) and a
+    popularity of 1/(rank + 1)^zipf_s (ranks shuffled against the lengths: a few tenants carry most traffic);
+    users open sessions of a tenant drawn by popularity, each of 1..max_turns turns (geometric, mean
+    mean_turns), and turn k resends the tenant's system prompt + the k earlier (question, synthetic answer)
+    pairs + the next question. At most `max_active_sessions` sessions are interleaved (round-robin), so a
+    session's next turn comes after other users' requests, as on a real service; turn k+1 has after_index =
+    turn k. What it tests: a hot tenant's system prompt is wanted on several endpoints at once (load), a cold
+    tenant's should go where it is cached, and a session's history only where the session was served: most
+    requests are cache hits of a few hundred milliseconds at most, so the router's own per-request overhead
+    shows in the median. At the defaults (seed 0): 300 requests in ~100 sessions over 24 tenants, ~3,000
+    prompt tokens on average.
+    """
+    check_positive(num_tenants=num_tenants, min_system_tokens=min_system_tokens,
+                    max_system_tokens=max_system_tokens, zipf_s=zipf_s, mean_turns=mean_turns, max_turns=max_turns,
+                    question_tokens=question_tokens, output_tokens=output_tokens, num_requests=num_requests,
+                    num_active=max_active_sessions)
+    if max_system_tokens < min_system_tokens:
+        raise ValueError(f"max_system_tokens ({max_system_tokens}) < min_system_tokens ({min_system_tokens})")
+    if mean_turns < 1:
+        raise ValueError(f"mean_turns ({mean_turns}) must be >= 1")
+    rng = random.Random(f"{seed}:tenants")
+    lengths = [rng.randint(min_system_tokens, max_system_tokens) for _ in range(num_tenants)]
+    ranks = list(range(num_tenants))
+    rng.shuffle(ranks)
+    weights = [1.0 / (ranks[t] + 1) ** zipf_s for t in range(num_tenants)]
+    p_end = 1.0 / mean_turns  # geometric number of turns: P(end after each turn)
+    reqs: list[RequestSpec] = []
+    active: list[list[int]] = []  # [session, tenant, turn, turns]
+    last_index: dict[int, int] = {}
+    num_sessions = 0
+    while len(reqs) < num_requests:
+        while len(active) < max_active_sessions:
+            tenant = rng.choices(range(num_tenants), weights=weights)[0]
+            turns = 1
+            while turns < max_turns and rng.random() >= p_end:
+                turns += 1
+            active.append([num_sessions, tenant, 0, turns])
+            num_sessions += 1
+        for entry in list(active):
+            if len(reqs) >= num_requests:
+                break
+            sess, tenant, k, turns = entry
+            msgs: list[dict[str, str]] = [{"role": "system",
+                                           "content": block_text(seed, "tsys", tenant, lengths[tenant])}]
+            for j in range(k + 1):
+                msgs.append({"role": "user", "content": block_text(seed, f"tq{sess}.", j, question_tokens)})
+                if j < k:
+                    msgs.append({"role": "assistant", "content": block_text(seed, f"ta{sess}.", j, output_tokens)})
+            i = len(reqs)
+            reqs.append(RequestSpec(index=i, max_tokens=output_tokens, messages=tuple(msgs),
+                                    group_id=f"tenant-{tenant}", session_id=f"session-{sess}", turn=k,
+                                    after_index=last_index.get(sess)))
+            last_index[sess] = i
+            entry[2] += 1
+            if entry[2] == turns:
+                active.remove(entry)
+    return Workload("tenants", {"num_tenants": num_tenants, "min_system_tokens": min_system_tokens,
+                                "max_system_tokens": max_system_tokens, "zipf_s": zipf_s, "mean_turns": mean_turns,
+                                "max_turns": max_turns, "question_tokens": question_tokens,
+                                "output_tokens": output_tokens, "max_active_sessions": max_active_sessions,
+                                "assistant_text": "synthetic", "seed": seed}, tuple(reqs))
+
+
 # -------------------------------------------------------------------------------------------- arrivals
 
 
@@ -269,6 +337,8 @@ def make_workload(name: str, *, num_requests: int, seed: int, output_tokens: int
                       max_active_agents=agent_max_active or num_agents,
                       min_tool_output_tokens=agent_tool_output_tokens[0],
                       max_tool_output_tokens=agent_tool_output_tokens[1])
+    if name == "tenants":
+        return tenants(num_requests=num_requests, output_tokens=output_tokens, seed=seed)
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
 
 

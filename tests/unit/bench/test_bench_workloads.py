@@ -299,3 +299,26 @@ def test_other_block_sizes_map_the_same_way(tmp_path):
     recs = load_trace(p, block_tokens=16)
     (r,) = trace_workload(recs, block_tokens=16, api="completions").requests
     assert r.prompt == block_text(0, "h", 7, 16) + block_text(0, "h", 8, 16)[:16]
+
+
+def test_tenants_sessions_resend_their_tenants_prompt_and_history_and_popularity_is_skewed():
+    wl = w.tenants(num_tenants=12, min_system_tokens=64, max_system_tokens=256, question_tokens=8, output_tokens=8,
+                   num_requests=400, max_active_sessions=6, seed=1)
+    assert len(wl.requests) == 400
+    last: dict[str, RequestSpec] = {}
+    system_of: dict[str, str] = {}
+    for r in wl.requests:
+        assert system_of.setdefault(r.group_id, r.messages[0]["content"]) == r.messages[0]["content"]
+        assert 64 * CHARS_PER_TOKEN <= len(r.messages[0]["content"]) <= 256 * CHARS_PER_TOKEN
+        prev = last.get(r.session_id)
+        if prev is None:
+            assert r.turn == 0 and r.after_index is None and len(r.messages) == 2
+        else:
+            assert r.group_id == prev.group_id and r.turn == prev.turn + 1 and r.after_index == prev.index
+            assert r.messages[: len(prev.messages)] == prev.messages
+            assert [m["role"] for m in r.messages[len(prev.messages):]] == ["assistant", "user"]
+        last[r.session_id] = r
+    assert len(set(system_of.values())) == len(system_of)  # one distinct prompt per tenant
+    counts = sorted((sum(r.group_id == g for r in wl.requests) for g in system_of), reverse=True)
+    assert counts[0] > 3 * 400 / 12, counts  # Zipf: the top tenant carries several times its even share
+    assert max(r.turn for r in wl.requests) >= 2 and len(last) > 400 / 8  # multi-turn, many sessions
