@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from helpers.peers import POST, chat, replica
 from helpers.waiting import until_async
+from prefixroute.extproc.peers import bus as bus_module
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.server import nats_server_argv, nats_url
 from prefixroute.extproc.peers.settings import PeerSettings
@@ -116,3 +117,40 @@ async def test_nats_down_at_start_routes_alone_then_connects(tmp_path):
         await bus_b.close()
         if nats is not None:
             nats.stop()
+
+
+async def test_a_linger_sends_several_requests_in_one_nats_message_and_nothing_echoes(tmp_path, monkeypatch):
+    """Picks made within --peers-linger-ms of each other travel in one NATS message (the receivers pay its
+    per-message cost once), and the server does not send a replica its own batches back (no_echo)."""
+    monkeypatch.setattr(bus_module, "EXPIRE_INTERVAL_S", 3600.0)  # no heartbeat batches in the counts
+    port = free_ports(1)[0]
+    nats = _nats(port, tmp_path)
+    buses = []
+    routers = []
+    try:
+        for name in ("r1", "r2"):
+            r = replica()
+            bus = PeerBus(PeerSettings(url=nats_url(port), replica_id=name, linger_ms=100.0), r, clock=r.clock)
+            r.peers = bus
+            await bus.start()
+            routers.append(r)
+            buses.append(bus)
+        a, b = routers
+        bus_a, bus_b = buses
+        await until_async(lambda: bus_a.connected and bus_b.connected, 10.0)
+        await _subscribed(bus_a, bus_b)
+        sent0, recv_b0, recv_a0 = bus_a.num_batches_sent, bus_b.num_batches_received, bus_a.num_batches_received
+        for i in range(8):  # 8 requests over ~8 ticks, well within one linger
+            a.route(*POST, {}, chat("system " * 50, f"doc {i} " * 50))
+            await asyncio.sleep(0)
+        await until_async(lambda: b.core.learner.num_peer_picks() == 8, AGREE_S, interval_s=0.005)
+        assert bus_a.num_batches_sent - sent0 == 1, "8 picks within the linger: one NATS message"
+        await bus_a._nc.flush()  # noqa: SLF001 - anything echoed would have arrived before the PONG
+        assert bus_b.num_batches_received - recv_b0 == 1
+        assert bus_a.num_batches_received - recv_a0 == 0, "the server echoed the replica's own batch"
+        text = _metrics(bus_a)
+        assert 'prefixroute_peer_batches_total{direction="sent"}' in text
+    finally:
+        for bus in buses:
+            await bus.close()
+        nats.stop()
