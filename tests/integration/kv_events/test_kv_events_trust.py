@@ -136,5 +136,5 @@ def test_untrusted_events_are_feedback_and_say_why(tmp_path):
         lines = [e for e in errors if f"KV events of {ep} " in e and "do not decode" in e]
         assert len(lines) == 1, errors
         assert FUTURE[:24].hex() in lines[0] and "missing required field `ts`" in lines[0], lines[0]
-    assert len([e for e in errors if f"KV events of {c} " in e and "32 tokens" in e]) == 1, errors
+    assert len([e for e in errors if f"KV events of {c} " in e and "24 tokens" in e]) == 1, errors
     assert not [e for e in errors if a in e], errors
