@@ -226,6 +226,9 @@ KV_EVENT_STATS: tuple[tuple[str, str, str], ...] = (
      "index)."),
     ("cpu_blocks", "prefixroute_kv_event_index_cpu_blocks", "Blocks the endpoint's KV events say its host-memory "
      "(CPU) tier holds: vLLM's native KV offloading (the tier-aware events index)."),
+    ("server_block_tokens", "prefixroute_kv_events_block_tokens", "Tokens per KV block of the endpoint's latest GPU "
+     "store with tokens, as the server published it (vLLM 0.34's default: 64). A multiple of --kv-block-tokens is "
+     "split into the router's blocks; any other size is block_size_mismatch."),
 )
 
 
@@ -245,8 +248,8 @@ def _index_families(info: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
                                 labels=["endpoint", "medium", "event"])
     fams: dict[str, Any] = {}
     for key, name, help_ in KV_EVENT_STATS:
-        cls = GaugeMetricFamily if key in ("connected", "last_seq", "blocks", "cpu_blocks", "tokens_verified") else \
-            CounterMetricFamily
+        cls = GaugeMetricFamily if key in ("connected", "last_seq", "blocks", "cpu_blocks", "tokens_verified",
+                                           "server_block_tokens") else CounterMetricFamily
         fams[key] = cls(name, help_, labels=["endpoint"])
     for ep, d in info.items():
         source.add_metric([str(ep), str(d.get("source", ""))], 1.0)

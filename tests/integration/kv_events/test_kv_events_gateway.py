@@ -165,6 +165,8 @@ def test_servers_at_64_token_blocks_are_matched_by_a_router_at_16(tmp_path):
         assert sum(p // 64 for _, p, _ in outcomes) > 2 * NUM_GPU_BLOCKS // 4, "the servers must have evicted"
         assert set(states().values()) == {"live"}, states()
         text = _get(metrics_url)
+        assert {dict(k)["endpoint"]: v for k, v in _samples(text, "prefixroute_kv_events_block_tokens").items()} \
+            == {s.endpoint: 64.0 for s in servers}
         prompt = sum(_samples(text, "prefixroute_prompt_tokens_total").values())
         predicted = sum(_samples(text, "prefixroute_predicted_hit_tokens_total").values())
         actual = sum(_samples(text, "prefixroute_actual_hit_tokens_total").values())
