@@ -43,18 +43,18 @@ Invariants (tested in tests/unit/kv_events/test_kv_events_index.py against a bru
 
 Server blocks k times the router's (vLLM 0.34 defaults to 64-token blocks, the router to 16): every event is
 first rewritten in the router's block size (`split_events`, pure): a server block ``s`` of ``k x block_size``
-tokens becomes k sub-blocks whose server hashes are ``sub_block_hash(s, 0..k-2)`` then ``s`` itself (so a
+tokens becomes k sub-blocks whose server hashes are ``sub_block_hashes(s, k)`` then ``s`` itself (so a
 child's ``parent_block_hash`` names its parent's *last* sub-block, the one its chain continues from), its extra
 keys on the first sub-block; a `BlockRemoved` of ``s`` removes all k. The endpoint's k is learned from its GPU
 stores with tokens (a removal or placeholder carries no size) and is 1 until then. A server then holds whole
-server blocks only, so a request sharing L tokens with a stored prompt is credited up to ``k x block_size - 1``
-tokens more than the server will hit (under 64 of thousands, for vLLM 0.34's default): the price of matching at
+server blocks only, so a request sharing L tokens with a stored prompt is credited up to ``(k - 1) x block_size``
+tokens more than the server will hit (48 of thousands, for vLLM 0.34's default): the price of matching at
 the router's granularity, which is what lets one router hash requests once for a fleet of mixed block sizes. A
 server block size that is not a multiple of the router's stays a ``block_size_mismatch``.
 
 Mismatch detectors (cheap, read by the KV-events link to stop trusting an endpoint's events):
-- `block_size_mismatch`: the latest GPU store's block size, when it is not the router's (the router hashes
-  ``kv_block_tokens``-token blocks: none of that publisher's blocks can ever match).
+- `block_size_mismatch`: the latest GPU store's block size, when it is not a multiple of the router's (the
+  router hashes ``kv_block_tokens``-token blocks: none of that publisher's blocks can ever match).
 - `tokens_unverified`: the router tokenizes and hashes requests itself; if the server tokenizes differently
   (another tokenizer, chat template or BOS handling), no stored block ever equals a request's block. Every
   request routed to an endpoint (`note_routed`, one dict lookup) *verifies* the endpoint when its first block is
@@ -281,11 +281,12 @@ class KVEventIndex:
     # --- mismatch detectors (module docstring) -------------------------------------------------------------
     def block_size_mismatch(self, endpoint: EndpointId) -> int | None:
         """The block size of `endpoint`'s latest GPU store when it is not a multiple of `block_size` (module
-        docstring: those are split), else None."""
+        docstring: those are split) or more than `MAX_SPLIT` times it, else None."""
         st = self._eps.get(endpoint)
-        if st is None or st.block_size_seen is None or st.block_size_seen % self.block_size == 0:
+        seen = None if st is None else st.block_size_seen
+        if seen is None or (seen % self.block_size == 0 and seen // self.block_size <= MAX_SPLIT):
             return None
-        return st.block_size_seen
+        return seen
 
     def split_of(self, endpoint: EndpointId) -> int:
         """Router blocks per server block at `endpoint` (1 until a GPU store of a multiple size is seen)."""
@@ -352,7 +353,7 @@ class KVEventIndex:
             if type(ev) is BlockStored and ev.medium in _GPU_MEDIA and ev.group_idx in (None, 0) \
                     and ev.block_size > 0 and len(ev.token_ids):
                 st.block_size_seen = ev.block_size
-                if ev.block_size % bs == 0:
+                if ev.block_size % bs == 0 and ev.block_size // bs <= MAX_SPLIT:
                     st.split = ev.block_size // bs
         return events if st.split == 1 and st.block_size_seen in (None, bs) else split_events(events, bs, st.split)
 
@@ -596,7 +597,11 @@ def _pieces(ev: BlockStored, size: int, block_size: int) -> Iterator[BlockStored
         parent = hashes[-1]
 
 
-_SUB_SEEDS = tuple(range(0x5B5B_0001, 0x5B5B_0001 + 4096))
+MAX_SPLIT = 1024
+"""Most router blocks one server block is split into (a 16,384-token block at the default 16; vLLM's largest
+attention block sizes are a few hundred tokens). A larger ratio is left unsplit, a ``block_size_mismatch``: a
+publisher cannot make one hash cost the index thousands of entries."""
+_SUB_SEEDS = tuple(range(0x5B5B_0001, 0x5B5B_0001 + MAX_SPLIT))
 
 
 def sub_block_hashes(server_hash: int, k: int) -> list[int]:
@@ -628,7 +633,7 @@ def split_events(events: Sequence[Any], block_size: int, k: int) -> list[Any]:
             if t is BlockStored:
                 if ev.block_size > 0 and len(ev.token_ids):
                     m = ev.block_size // block_size if ev.block_size % block_size == 0 else 1
-                    if m > 1:
+                    if 1 < m <= MAX_SPLIT:
                         extra = None
                         if ev.extra_keys:
                             extra = []

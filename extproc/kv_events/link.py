@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from prefixroute.extproc.kv_events.index import MAX_SPLIT
 from prefixroute.extproc.kv_events.subscriber import KVEventsManager
 from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 
@@ -212,7 +213,7 @@ class KVEventsLink:
         for s in self.snapshot():
             if s.block_size and s.block_size != want and s.endpoint not in self._size_warned:
                 self._size_warned.add(s.endpoint)
-                if s.block_size % want == 0:
+                if s.block_size % want == 0 and s.block_size // want <= MAX_SPLIT:
                     log.info("%s: KV block size %d (vllm:cache_config_info) = %d x --kv-block-tokens %d: its "
                              "blocks are matched as %d-token sub-blocks", s.endpoint, s.block_size,
                              s.block_size // want, want, want)

@@ -464,6 +464,18 @@ def test_a_server_block_size_not_a_multiple_is_a_mismatch_and_a_multiple_is_spli
     assert idx.router_hash_of(EP2, srv(tuple(toks[:KB]))) == chain(toks[:KB])[-1]
 
 
+def test_a_block_over_max_split_times_the_routers_is_a_mismatch_not_thousands_of_entries():
+    from prefixroute.extproc.kv_events.index import MAX_SPLIT
+
+    idx = KVEventIndex(BS)
+    size = (MAX_SPLIT + 1) * BS
+    idx.apply_batch(EP, batch(BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[1] * size,
+                                          block_size=size, lora_id=None, medium="GPU", lora_name=None),
+                              BlockRemoved(block_hashes=[7], medium="GPU")))
+    assert idx.block_size_mismatch(EP) == size and idx.split_of(EP) == 1
+    assert idx.counters(EP).num_block_size_mismatch_blocks == 1 and idx.num_blocks(EP) == 0
+
+
 def test_split_extra_keys_keep_the_salt_on_the_first_sub_block():
     idx = KVEventIndex(BS)
     toks = list(range(50, 50 + 2 * KB))
