@@ -65,5 +65,7 @@ if __name__ == "__main__":
             s1 = cpu_of(p.pid)
             p.terminate(); p.join()
             lat.sort()
-            print(f"round {rnd+1} {label:4s}: round trip p50 {statistics.median(lat)*1e6:6.1f} us p99 {lat[int(len(lat)*0.99)]*1e6:6.1f} us; "
-                  f"per request (stream + 2 round trips): client CPU {ccpu/n*1e6:6.1f} us, server CPU {(s1-s0)/n*1e6:6.1f} us, wall {wall/n*1e6:6.1f} us")
+            p99 = lat[int(len(lat) * 0.99)]
+            print(f"round {rnd + 1} {label:4s}: round trip p50 {statistics.median(lat) * 1e6:6.1f} us p99 "
+                  f"{p99 * 1e6:6.1f} us; per request (stream + 2 round trips): client CPU {ccpu / n * 1e6:6.1f} us, "
+                  f"server CPU {(s1 - s0) / n * 1e6:6.1f} us, wall {wall / n * 1e6:6.1f} us")

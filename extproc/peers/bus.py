@@ -6,10 +6,10 @@ send, wakes the sender task; it never awaits, never does I/O and never raises. T
 ``max_batch_messages`` per NATS message) and publishes it on ``PREFIX.routing.REPLICA``: a NATS message costs
 every receiver a recv, nats-py's parse and a task wake-up whatever it carries (~70-100 us measured here), so
 batching several requests' messages is what lets replicas add throughput. The connection asks the server not
-to echo this replica's own messages back (``no_echo``). While NATS is not connected, messages are dropped at once (counted
-``direction="dropped"``), not queued: what they said (a pick's pending prefill) is stale within a second, and
-the other replicas expire what they miss (`PeerSettings.pending_ttl_s`). Beyond ``max_buffered_messages``
-waiting, new messages are dropped too.
+to echo this replica's own messages back (``no_echo``). While NATS is not connected, messages are dropped at
+once (counted ``direction="dropped"``), not queued: what they said (a pick's pending prefill) is stale within a
+second, and the other replicas expire what they miss (`PeerSettings.pending_ttl_s`). Beyond
+``max_buffered_messages`` waiting, new messages are dropped too.
 
 Receiving: subscribed to ``PREFIX.routing.*``; a batch from this replica's own subject is skipped; others are
 decoded and handed to the sink's ``apply_peer_batch(origin, messages, now_s)`` on the event loop (synchronous:
