@@ -56,6 +56,19 @@ def shared_prompts(*, num_groups: int = 8, prefix_tokens: int = 2048, question_t
                                        "seed": seed}, tuple(reqs))
 
 
+def _session_turn(seed: int, system: str, user_kind: str, assistant_kind: str, k: int, user_tokens: int,
+                  output_tokens: int) -> list[dict[str, str]]:
+    """Turn `k` (from 0) of a chat session: `system`, the k earlier (question, synthetic answer) pairs, then the
+    next question; question j is ``block_text(seed, user_kind, j, user_tokens)``, answer j the same of
+    `assistant_kind` (module docstring: synthetic answers keep the sequence identical across routers)."""
+    msgs = [{"role": "system", "content": system}]
+    for j in range(k + 1):
+        msgs.append({"role": "user", "content": block_text(seed, user_kind, j, user_tokens)})
+        if j < k:
+            msgs.append({"role": "assistant", "content": block_text(seed, assistant_kind, j, output_tokens)})
+    return msgs
+
+
 def multi_turn(*, num_sessions: int = 16, num_turns: int = 6, system_tokens: int = 256, user_tokens: int = 128,
                output_tokens: int = 64, max_active_sessions: int = 8, seed: int = 0) -> Workload:
     """Chat sessions; turn k resends system + all earlier (user, assistant) pairs + the k-th question.
@@ -80,12 +93,8 @@ def multi_turn(*, num_sessions: int = 16, num_turns: int = 6, system_tokens: int
             active.append(pending.pop(0))
         for s in list(active):
             k = turn_of[s]
-            msgs: list[dict[str, str]] = [{"role": "system", "content": block_text(seed, "sys", systems[s],
-                                                                                  system_tokens)}]
-            for j in range(k + 1):
-                msgs.append({"role": "user", "content": block_text(seed, f"u{s}.", j, user_tokens)})
-                if j < k:
-                    msgs.append({"role": "assistant", "content": block_text(seed, f"a{s}.", j, output_tokens)})
+            msgs = _session_turn(seed, block_text(seed, "sys", systems[s], system_tokens), f"u{s}.", f"a{s}.", k,
+                                 user_tokens, output_tokens)
             i = len(reqs)
             reqs.append(RequestSpec(index=i, max_tokens=output_tokens, messages=tuple(msgs),
                                     group_id=f"session-{s}", session_id=f"session-{s}", turn=k,
@@ -256,12 +265,8 @@ def tenants(*, num_tenants: int = 24, min_system_tokens: int = 1024, max_system_
             if len(reqs) >= num_requests:
                 break
             sess, tenant, k, turns = entry
-            msgs: list[dict[str, str]] = [{"role": "system",
-                                           "content": block_text(seed, "tsys", tenant, lengths[tenant])}]
-            for j in range(k + 1):
-                msgs.append({"role": "user", "content": block_text(seed, f"tq{sess}.", j, question_tokens)})
-                if j < k:
-                    msgs.append({"role": "assistant", "content": block_text(seed, f"ta{sess}.", j, output_tokens)})
+            msgs = _session_turn(seed, block_text(seed, "tsys", tenant, lengths[tenant]), f"tq{sess}.", f"ta{sess}.",
+                                 k, question_tokens, output_tokens)
             i = len(reqs)
             reqs.append(RequestSpec(index=i, max_tokens=output_tokens, messages=tuple(msgs),
                                     group_id=f"tenant-{tenant}", session_id=f"session-{sess}", turn=k,
