@@ -173,6 +173,16 @@ def mix(*, num_requests: int = 300, seed: int = 0, **sizes: int) -> Workload:
                             "output_tokens": out_tokens, "seed": seed}, tuple(reqs))
 
 
+def _zipf_prefixes(rng: random.Random, n: int, min_tokens: int, max_tokens: int,
+                   zipf_s: float) -> tuple[list[int], list[float]]:
+    """n prefix lengths (uniform in min..max_tokens) and popularity weights 1/(rank + 1)^zipf_s, drawn from `rng`
+    in that order. The ranks are shuffled against the lengths, so hot prefixes are not all long (or short)."""
+    lengths = [rng.randint(min_tokens, max_tokens) for _ in range(n)]
+    ranks = list(range(n))
+    rng.shuffle(ranks)
+    return lengths, [1.0 / (ranks[i] + 1) ** zipf_s for i in range(n)]
+
+
 def capacity_pressure(*, num_groups: int = 128, min_prefix_tokens: int = 2048, max_prefix_tokens: int = 8192,
                       question_tokens: int = 64, num_requests: int = 300, output_tokens: int = 32,
                       zipf_s: float = 0.8, instruction_tokens: int = 64, seed: int = 0) -> Workload:
@@ -199,11 +209,7 @@ def capacity_pressure(*, num_groups: int = 128, min_prefix_tokens: int = 2048, m
     if max_prefix_tokens < min_prefix_tokens:
         raise ValueError(f"max_prefix_tokens ({max_prefix_tokens}) < min_prefix_tokens ({min_prefix_tokens})")
     rng = random.Random(f"{seed}:capacity-pressure")
-    lengths = [rng.randint(min_prefix_tokens, max_prefix_tokens) for _ in range(num_groups)]
-    # Popularity ranks are shuffled against the lengths, so hot prefixes are not all long (or short).
-    ranks = list(range(num_groups))
-    rng.shuffle(ranks)
-    weights = [1.0 / (ranks[g] + 1) ** zipf_s for g in range(num_groups)]
+    lengths, weights = _zipf_prefixes(rng, num_groups, min_prefix_tokens, max_prefix_tokens, zipf_s)
     instructions = block_text(seed, "cpi", 0, instruction_tokens)
     picks = rng.choices(range(num_groups), weights=weights, k=num_requests)
     reqs = []
@@ -244,10 +250,7 @@ def tenants(*, num_tenants: int = 24, min_system_tokens: int = 1024, max_system_
     if mean_turns < 1:
         raise ValueError(f"mean_turns ({mean_turns}) must be >= 1")
     rng = random.Random(f"{seed}:tenants")
-    lengths = [rng.randint(min_system_tokens, max_system_tokens) for _ in range(num_tenants)]
-    ranks = list(range(num_tenants))
-    rng.shuffle(ranks)
-    weights = [1.0 / (ranks[t] + 1) ** zipf_s for t in range(num_tenants)]
+    lengths, weights = _zipf_prefixes(rng, num_tenants, min_system_tokens, max_system_tokens, zipf_s)
     p_end = 1.0 / mean_turns  # geometric number of turns: P(end after each turn)
     reqs: list[RequestSpec] = []
     active: list[list[int]] = []  # [session, tenant, turn, turns]
