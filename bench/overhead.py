@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import orjson
 
@@ -41,8 +41,8 @@ from prefixroute import settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
 from prefixroute.extproc import gie_reference
-from prefixroute.procs import (ProcessGroup, free_port, free_ports, http_get, parent_death_preexec, prefixroute_argv,
-                               stop_group, tcp_open)
+from prefixroute.procs import (ManagedProcess, ProcessGroup, free_port, free_ports, http_get, parent_death_preexec,
+                               prefixroute_argv, stop_group, tcp_open)
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, envoy_binary
 from prefixroute.bench.http_load import build_request, latency_ms, max_rate, stream_token_times
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -97,7 +97,10 @@ class OverheadBenchSettings(Settings):
                                                 "('asyncio': no uvloop; 'grpc-throughput': gRPC's throughput "
                                                 "optimization target; 'grpc-window-64k': gRPC's default 64 KiB "
                                                 "stream window; 'grpc-streams-100': 100 concurrent streams), or "
-                                                "'grpc:NAME=VALUE' for any gRPC server option (--grpc-options).")
+                                                "'grpc:NAME=VALUE' for any gRPC server option (--grpc-options); "
+                                                "'floor': the facts path's Envoy in front of a grpc.aio ext_proc "
+                                                "that does no routing work (bench/floor_extproc.py), beside "
+                                                "--variants facts: the router's own CPU is the difference.")
     stream_tokens: int = setting(0, "Latency mode with streamed responses of this many token events (the upstream "
                                  "sends one every --itl-ms): what per-chunk work costs; 0 = the small JSON answer.")
     mode: str = setting("all", "'latency' (added latency and req/s), 'itl' (inter-token latency with telemetry "
@@ -145,13 +148,39 @@ EXTPROC_VARIANTS: dict[str, list[str]] = {
 """--extproc-variants names -> extra `prefixroute extproc` arguments of that routed gateway (one replica)."""
 
 
+FLOOR_VARIANT = "floor"
+"""--extproc-variants name of the Python ext_proc's floor: the facts path's Envoy (as `prefixroute up` runs it) in
+front of bench/floor_extproc.py, a grpc.aio server that answers each routing stream with pre-built bytes and does
+no routing work. Measured beside --variants facts, the difference is the router's own work per request."""
+
+
+class _FloorGateway(GatewayProcesses):
+    """A gateway whose ext_proc replica is bench/floor_extproc.py, routing every request to `endpoint`."""
+
+    def __init__(self, endpoint: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._floor_endpoint = endpoint
+
+    def _extproc_child(self, k: int) -> ManagedProcess:
+        port = self.extproc_ports[k]
+        return self._child("extproc-floor", [sys.executable, "-m", "prefixroute.bench.floor_extproc", str(port),
+                                             self._floor_endpoint], ready=lambda: tcp_open(port), ports=(port,))
+
+
+def _facts_overrides() -> dict[str, Any]:
+    """The Envoy settings of the "facts" variant, its records sent to a closed local port."""
+    over: dict[str, Any] = {k: v for k, v in VARIANTS["facts"].items() if k != "records"}
+    over["records_otlp_address"] = f"127.0.0.1:{free_port()}"
+    return over
+
+
 def extproc_variant_args(name: str) -> list[str]:
     """The `prefixroute extproc` arguments of an --extproc-variants entry; ValueError for an unknown name."""
     if name.startswith("grpc:"):
         return ["--grpc-options", name.removeprefix("grpc:")]
     if name not in EXTPROC_VARIANTS:
-        raise ValueError(f"unknown ext_proc variant {name!r}: choose from {', '.join(EXTPROC_VARIANTS)} or "
-                         "grpc:NAME=VALUE")
+        raise ValueError(f"unknown ext_proc variant {name!r}: choose from {', '.join(EXTPROC_VARIANTS)}, "
+                         f"{FLOOR_VARIANT} or grpc:NAME=VALUE")
     return EXTPROC_VARIANTS[name]
 
 
@@ -333,6 +362,13 @@ def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStac
             RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)), log_dir=tmp / f"variant-{name}",
             envoy_overrides={"report_served": s.report_served, **over}, extra_extproc_args=_span_sink_args())
     for name in s.extproc_variants:  # --extproc-variants: the routed gateway, its ext_proc run otherwise
+        if name == FLOOR_VARIANT:
+            gws[name] = _FloorGateway(
+                endpoint, GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1",
+                                          telemetry=s.telemetry, extproc_replicas=1, embedded_nats=False),
+                RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)), log_dir=tmp / "floor",
+                envoy_overrides={"report_served": s.report_served, **_facts_overrides()})
+            continue
         gws[name] = GatewayProcesses(
             GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry,
                             extproc_replicas=1, embedded_nats=s.peers),
@@ -402,6 +438,12 @@ def _measure_prompt_size(s: OverheadBenchSettings, kb: str, configs: dict[str, i
                   f"ext_proc CPU x{cpu_s[name] / max(cpu_s[first], 1e-9):.2f}, "
                   f"Envoy CPU x{envoy_cpu_s[name] / max(envoy_cpu_s[first], 1e-9):.2f} "
                   f"({(envoy_cpu_s[name] - envoy_cpu_s[first]) / n * 1e6:+.0f} us/request)")
+    if FLOOR_VARIANT in pids and "facts" in pids:
+        n = s.num_rounds * s.num_requests
+        own = (cpu_s["facts"] - cpu_s[FLOOR_VARIANT]) / n * 1e6
+        print(f"{kb + ' KB':>7} {'facts-floor':>11} the router's own work: added p50 "
+              f"{fig['facts'][0] - fig[FLOOR_VARIANT][0]:+.3f} ms, added p99 {fig['facts'][1] - fig[FLOOR_VARIANT][1]:+.3f} "
+              f"ms, ext_proc CPU {own:+.0f} us/request (the floor's {cpu_s[FLOOR_VARIANT] / n * 1e6:.0f})")
     for gname in ("gie", "gie-plain"):
         if gname in fig:
             f50, f99, frps = fig[first]

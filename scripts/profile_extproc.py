@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from prefixroute.bench.http_load import build_request, latency_ms
-from prefixroute.bench.overhead import _body, _cpu_s, _detached, _span_sink_args, _wait_listening
+from prefixroute.bench.overhead import _body, _cpu_s, _detached, _facts_overrides, _span_sink_args, _wait_listening
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
 from prefixroute.extproc.routing.settings import RoutingSettings
@@ -119,6 +119,7 @@ def profile(args: argparse.Namespace) -> int:
             GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=args.telemetry,
                             extproc_replicas=1, embedded_nats=False),
             RoutingSettings(policy=args.policy), PoolSettings(endpoints=(endpoint,)), log_dir=tmp / "gateway",
+            envoy_overrides=_facts_overrides() if args.facts else {},
             extra_extproc_args=[*_span_sink_args(), *args.extproc_arg])
         with contextlib.ExitStack() as stack:
             stack.enter_context(gw)
@@ -150,7 +151,8 @@ def _report(args: argparse.Namespace, out: Path, cpu_s: float, wall_s: float, la
     layers = read_collapsed(out)
     total = sum(layers.values()) or 1
     per_req_us = cpu_s / args.num_requests * 1e6
-    print(f"ext_proc profile: {args.prompt_kb} KB prompts, {args.num_requests} sequential requests, telemetry "
+    print(f"ext_proc profile: {'facts' if args.facts else 'observing'} path, {args.prompt_kb} KB prompts, "
+          f"{args.num_requests} sequential requests, telemetry "
           f"{'on' if args.telemetry else 'off'}, py-spy {'--native ' if args.native else ''}at {args.rate} Hz "
           f"over the same number of requests after one without it (the CPU figure's), load average {os.getloadavg()[0]:.2f}")
     print(f"ext_proc CPU {per_req_us:.0f} us/request ({cpu_s:.2f} s over {wall_s:.1f} s); request latency p50 "
@@ -207,6 +209,8 @@ def main() -> int:
                         help="native (C) frames too: tells grpcio's C core and the event loop apart")
     parser.add_argument("--extproc-arg", action="append", default=[],
                         help="extra argument for `prefixroute extproc` (repeat), e.g. --extproc-arg=--no-uvloop")
+    parser.add_argument("--facts", action=argparse.BooleanOptionalAction, default=True,
+                        help="the facts path's Envoy, as `prefixroute up` runs it (--no-facts: the observing filter)")
     parser.add_argument("--num-top", type=int, default=20)
     parser.add_argument("--answers-only", action="store_true",
                         help="only the answers micro-benchmark (objects vs bytes), no gateway, no py-spy")
