@@ -50,7 +50,11 @@ stores with tokens (a removal or placeholder carries no size) and is 1 until the
 server blocks only, so a request sharing L tokens with a stored prompt is credited up to ``(k - 1) x block_size``
 tokens more than the server will hit (48 of thousands, for vLLM 0.34's default): the price of matching at
 the router's granularity, which is what lets one router hash requests once for a fleet of mixed block sizes. A
-server block size that is not a multiple of the router's stays a ``block_size_mismatch``.
+server block size that is neither a multiple of the router's nor a divisor of it stays a ``block_size_mismatch``.
+
+Server pages a divisor of the router's block (SGLang's default page of 1 token): every event is first rewritten by
+the endpoint's `merge.PageMerger`, which keeps each page's chain state so a branch may start at any page, and hands
+on the router blocks the server holds whole (its module docstring). `num_blocks` then counts pages.
 
 Mismatch detectors (cheap, read by the KV-events link to stop trusting an endpoint's events):
 - `block_size_mismatch`: the latest GPU store's block size, when it is not a multiple of the router's (the
@@ -69,7 +73,8 @@ subscriber passes every decoded batch, all media and placeholders included, to i
 
 Not thread-safe: use from one thread (the router's event loop), except `num_blocks_by_endpoint` and
 `counters_by_endpoint`, readable from the metrics thread like `PrefixIndex.num_entries_by_endpoint`.
-Memory: per held block one entry in each of two dicts (~200 bytes), i.e. ~100 MB for 500k blocks.
+Memory: per held block one entry in each of two dicts (~200 bytes), i.e. ~100 MB for 500k blocks; a merged
+endpoint also ~90-100 bytes per cached page (`merge`).
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ from typing import Any
 import msgspec
 import xxhash
 
+from prefixroute.extproc.kv_events.merge import PageMerger
 from prefixroute.extproc.routing.prefix_index import drop_holder
 from prefixroute.extproc.routing.hashing import hash_token_blocks, token_bytes, token_seed_for
 from prefixroute.types import BlockHash, EndpointId
@@ -116,8 +122,8 @@ class IndexCounters:
 
 
 class _Endpoint:
-    __slots__ = ("s2r", "refs", "held", "heads", "block_size_seen", "split", "counters", "verified", "pending",
-                 "num_routed_unverified", "first_routed_s")
+    __slots__ = ("s2r", "refs", "held", "heads", "block_size_seen", "split", "merger", "counters", "verified",
+                 "pending", "num_routed_unverified", "first_routed_s")
 
     def __init__(self) -> None:
         self.s2r: dict[int, BlockHash] = {}  # server hash -> router hash
@@ -126,6 +132,7 @@ class _Endpoint:
         self.heads: set[BlockHash] = set()  # held router hashes that start a prompt (mirror of _heads)
         self.block_size_seen: int | None = None  # the server's, before `split_events`
         self.split = 1  # router blocks per server block (module docstring: server blocks k times the router's)
+        self.merger: PageMerger | None = None  # server pages smaller than the router's block (module docstring)
         self.counters = IndexCounters()
         self.verified = False  # a request's block was found stored here (module docstring: tokens_unverified)
         self.pending: dict[BlockHash, None] = {}  # first blocks of requests routed here while unverified
@@ -198,11 +205,11 @@ class KVEventIndex:
         """Distinct server block hashes `endpoint` is known to hold (what its prefix cache reports, less the
         blocks the index could not key)."""
         st = self._eps.get(endpoint)
-        return len(st.s2r) // st.split if st else 0
+        return _num_server_blocks(st) if st else 0
 
     def num_blocks_by_endpoint(self) -> dict[EndpointId, int]:
         """`num_blocks` per endpoint that holds any. Safe from another thread (single C calls under the GIL)."""
-        return {ep: len(st.s2r) // st.split for ep, st in list(self._eps.items()) if st.s2r}
+        return {ep: n for ep, st in list(self._eps.items()) if (n := _num_server_blocks(st))}
 
     def counters(self, endpoint: EndpointId) -> IndexCounters:
         """A copy of `endpoint`'s counters (zeros for an endpoint never seen)."""
@@ -233,6 +240,9 @@ class KVEventIndex:
         st = self._eps.get(endpoint)
         if st is None:
             return set()
+        merger = st.merger
+        if merger is not None:
+            return set(merger.where)
         held = set(st.s2r)
         if st.split > 1:  # less the sub-blocks `split_events` named
             held.difference_update(h for s in list(held) for h in sub_block_hashes(s, st.split))
@@ -280,16 +290,18 @@ class KVEventIndex:
 
     # --- mismatch detectors (module docstring) -------------------------------------------------------------
     def block_size_mismatch(self, endpoint: EndpointId) -> int | None:
-        """The block size of `endpoint`'s latest GPU store when it is not a multiple of `block_size` (module
-        docstring: those are split) or more than `MAX_SPLIT` times it, else None."""
+        """The block size of `endpoint`'s latest GPU store when it is neither a multiple of `block_size` up to
+        `MAX_SPLIT` times it (split) nor a divisor of it (merged: module docstring), else None."""
         st = self._eps.get(endpoint)
         seen = None if st is None else st.block_size_seen
-        if seen is None or (seen % self.block_size == 0 and seen // self.block_size <= MAX_SPLIT):
+        bs = self.block_size
+        if seen is None or (seen % bs == 0 and seen // bs <= MAX_SPLIT) or bs % seen == 0:
             return None
         return seen
 
     def split_of(self, endpoint: EndpointId) -> int:
-        """Router blocks per server block at `endpoint` (1 until a GPU store of a multiple size is seen)."""
+        """Router blocks per server block at `endpoint` (1 until a GPU store of a multiple size is seen; 1 for a
+        server whose pages are merged)."""
         st = self._eps.get(endpoint)
         return st.split if st else 1
 
@@ -340,13 +352,14 @@ class KVEventIndex:
         `chunk_blocks` each time (an AllBlocksCleared counts as the blocks it drops), so a caller on the event
         loop can let other work run in between. A `BlockStored` or `BlockRemoved` of more blocks is applied in
         pieces (exactly equivalent: each stored piece's parent is the last block of the piece before). Server
-        blocks a multiple of `block_size` are split first (`split_events`)."""
+        blocks a multiple of `block_size` are split first (`split_events`), pages a divisor of it merged
+        (`merge.PageMerger`)."""
         st = self._endpoint(endpoint)
         return self._apply(endpoint, st, self._split(st, events), chunk_blocks)
 
     def _split(self, st: _Endpoint, events: Iterable[Any]) -> list[Any]:
-        """`events` in this index's block size (`split_events`), learning the endpoint's server block size from
-        its GPU stores with tokens first."""
+        """`events` in this index's block size (`split_events`, or `merge.PageMerger` for pages smaller than a
+        router block), learning the endpoint's server block size from its GPU stores with tokens first."""
         events = events if isinstance(events, list) else list(events)
         bs = self.block_size
         for ev in events:
@@ -355,7 +368,13 @@ class KVEventIndex:
                 st.block_size_seen = ev.block_size
                 if ev.block_size % bs == 0 and ev.block_size // bs <= MAX_SPLIT:
                     st.split = ev.block_size // bs
-        return events if st.split == 1 and st.block_size_seen in (None, bs) else split_events(events, bs, st.split)
+        seen = st.block_size_seen
+        if seen is not None and seen < bs and bs % seen == 0:
+            if st.merger is None or st.merger.page_size != seen:
+                st.merger = PageMerger(bs, seen)  # a new page size: a restarted server, whose cache is empty
+            return st.merger.merge(events, st.counters)
+        st.merger = None
+        return events if st.split == 1 and seen in (None, bs) else split_events(events, bs, st.split)
 
     def _apply(self, endpoint: EndpointId, st: _Endpoint, events: list[Any], chunk_blocks: int) -> Iterator[int]:
         pending = 0
@@ -398,6 +417,8 @@ class KVEventIndex:
         if st is None:
             return
         st.counters.num_clears += 1
+        if st.merger is not None:
+            st.merger.clear()
         self._drop_heads(endpoint, st.heads)
         # Fresh dicts rather than .clear(): a reader on another thread iterating the old ones stays valid.
         st.s2r, st.refs, st.held, st.heads = {}, {}, {}, set()
@@ -557,6 +578,12 @@ class KVEventIndex:
                         del self._heads[r]
         c.num_unknown_removed_blocks += unknown
         c.num_removed_blocks += len(server) - unknown
+
+
+def _num_server_blocks(st: _Endpoint) -> int:
+    """The server blocks `st` holds, in the server's own units (pages when merged; sub-blocks counted once)."""
+    merger = st.merger
+    return merger.num_pages if merger is not None else len(st.s2r) // st.split
 
 
 def _server_hashes(hashes: Sequence[Any]) -> Sequence[int]:

@@ -12,8 +12,9 @@ is. Its *events state* says why:
 ``syncing``          subscribed; rebuilding from the replay socket (late join, reconnect)
 ``down``             not connected to its publisher
 ``undecodable``      its batches do not decode (subscriber: 2 in a row, or 4 of the last 16)
-``block_size_mismatch`` its GPU blocks are not a multiple of ``--kv-block-tokens`` tokens long (a multiple
-                     is split into router blocks: `KVEventIndex` module docstring)
+``block_size_mismatch`` its GPU blocks are neither a multiple of ``--kv-block-tokens`` tokens long nor a
+                     divisor of it (a multiple is split into router blocks, a divisor such as SGLang's 1-token
+                     pages merged into them: `KVEventIndex` module docstring)
 ``token_mismatch``   16 requests routed there over 10 s or more, and none found its blocks stored there
 ==================== ========================================================================================
 
@@ -204,9 +205,10 @@ class KVEventsLink:
         self.info = info
 
     def _check_block_sizes(self) -> None:
-        """Token blocks only match a server whose KV block size is a multiple of --kv-block-tokens: say so once
-        per endpoint whose scraped vllm:cache_config_info is not (its events' blocks are skipped and counted
-        too); a multiple is said once at INFO (its blocks are split into the router's)."""
+        """Token blocks only match a server whose KV block size is a multiple or a divisor of --kv-block-tokens:
+        say so once per endpoint whose scraped block or page size is neither (its events' blocks are skipped and
+        counted too); a multiple or a divisor is said once at INFO (its blocks are split into the router's, its
+        pages merged into them)."""
         want = self.core.settings.kv_block_tokens
         if self.snapshot is None or not self.core.settings.tokenizer:
             return
@@ -218,9 +220,15 @@ class KVEventsLink:
                              "blocks are matched as %d-token sub-blocks", s.endpoint, s.block_size,
                              s.block_size // want, want, want)
                     continue
-                log.warning("%s: KV block size %d (vllm:cache_config_info) is not a multiple of --kv-block-tokens "
-                            "%d: its prefix matches will not find its blocks; set --kv-block-tokens to %d or a "
-                            "divisor of it", s.endpoint, s.block_size, want, s.block_size)
+                if want % s.block_size == 0:
+                    log.info("%s: KV block size %d (its scraped block or page size) divides --kv-block-tokens %d: "
+                             "its pages are merged into %d-token blocks (~100 bytes of router memory per cached "
+                             "page)", s.endpoint, s.block_size, want, want)
+                    continue
+                log.warning("%s: KV block size %d (its scraped block or page size) is neither a multiple nor a "
+                            "divisor of --kv-block-tokens %d: its prefix matches will not find its blocks; set "
+                            "--kv-block-tokens to %d or a divisor of it", s.endpoint, s.block_size, want,
+                            s.block_size)
 
     async def close(self) -> None:
         if self._task is not None:

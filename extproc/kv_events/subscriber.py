@@ -482,8 +482,8 @@ class EndpointSubscriber:
         if mismatch != self._size_mismatch:
             self._size_mismatch = mismatch
             if mismatch is not None:
-                log.error("KV events of %s (%s): its GPU blocks hold %d tokens, not a multiple of the router's "
-                          "%d-token blocks (--kv-block-tokens): none can match a request; its prefix matches come "
+                log.error("KV events of %s (%s): its GPU blocks hold %d tokens, neither a multiple nor a divisor "
+                          "of the router's %d-token blocks (--kv-block-tokens): none can match a request; its prefix matches come "
                           "from the router's own index (feedback) until they agree (set --kv-block-tokens to %d or "
                           "a divisor of it, or the server's block/page size to a multiple of %d)", self.endpoint,
                           self.pub_address, mismatch, index.block_size, mismatch, index.block_size)

@@ -63,12 +63,13 @@ class RoutingSettings(Settings):
         "canonical text in block_chars blocks (no KV events possible).")
     kv_block_tokens: int = setting(
         16,
-        "Tokens per KV block when hashing token blocks: the servers' block size or a divisor of it. 16 divides "
-        "vLLM's CUDA defaults (16 up to 0.33, 64 from 0.34): a server's larger blocks are split into 16-token "
-        "sub-blocks as its events arrive, so one router matches both. Checked against each endpoint's "
-        "vllm:cache_config_info and its events: a size that is not a multiple is logged and that endpoint's "
-        "events are not matched. A larger value hashes fewer blocks per request (less router CPU on long "
-        "prompts) but only matches servers whose size it divides.")
+        "Tokens per KV block when hashing token blocks: the servers' block size, a divisor or a multiple of it. "
+        "16 divides vLLM's CUDA defaults (16 up to 0.33, 64 from 0.34): a server's larger blocks are split into "
+        "16-token sub-blocks as its events arrive, so one router matches both; SGLang's default 1-token pages "
+        "are merged into 16-token blocks (~100 bytes of router memory per cached token). Checked against each "
+        "endpoint's scraped block or page size and its events: a size that is neither a multiple nor a divisor "
+        "is logged and that endpoint's events are not matched. A larger value hashes fewer blocks per request "
+        "(less router CPU on long prompts) but only matches servers whose size it divides.")
     kv_cpu_load_us_per_token: float = setting(
         2.38,
         "Host-to-device load time of one token's KV from the servers' CPU tier (vLLM --kv-offloading-size), in "

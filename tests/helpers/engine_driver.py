@@ -60,6 +60,7 @@ import msgspec
 import zmq
 
 BS = 16  # tokens per block in every scenario (the router's default)
+PAGE_SIZE = BS  # SGLang's tokens per page (--page-size: smaller than BS in the page scenario)
 
 
 # --- loading a release's modules --------------------------------------------------------------------------
@@ -376,7 +377,7 @@ def load_engine(release: str, src: Path, *, bytes_hashes: bool = False) -> Engin
             stub("sglang.srt.mem_cache")
             utils = slice_module("sglang.srt.mem_cache.utils", src / utils_rel, {
                 "storage_namespace_seed", "get_storage_hash_str", "hash_str_to_int64", "compute_node_hash_values",
-                "compute_node_event_hash_values"}, {"get_hash_str": get_hash_str})
+                "compute_node_event_hash_values", "split_node_hash_value"}, {"get_hash_str": get_hash_str})
             utils.get_hash_str = get_hash_str
             eng.recorder = real("sglang.srt.mem_cache.events", events_rel)
             eng.utils = utils
@@ -463,7 +464,7 @@ def scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
     AllBlocksCleared, and for the releases that have them: a second KV-cache group, non-GPU media
     (offloading), locality/ownership/session ids, lookahead token ids, placeholders."""
     if eng.kind == "sglang" and eng.recorder is not None:
-        return _sglang_recorder_scenario(eng)
+        return _sglang_page_scenario(eng) if PAGE_SIZE < BS else _sglang_recorder_scenario(eng)
     sc = _Script()
     have = set(eng.fields(eng.mod.BlockStored))
     gpu = "GPU"
@@ -680,6 +681,103 @@ def _sglang_recorder_scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
     f_tok = _tokens(14, 3)
     store(Node(Key(f_tok), root))
     sc.prompt("f", f_tok, 3)
+    sc.batch(recorder.take())
+    return sc.batches, sc.expected()
+
+
+def _sglang_page_scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
+    """SGLang 0.5.23's own `KVCacheEventRecorder` at pages of `PAGE_SIZE` tokens, smaller than the router's `BS`
+    (SGLang's default page is 1 token): a radix node's pages coalesced into one BlockStored; a branch forking
+    inside a router block, its node split by the release's own ``split_node_hash_value`` (a split publishes
+    nothing: the branch's parent is a page in the middle of an earlier event); a chain extended across nodes;
+    leaf-first removals per node; a salted prompt; a host (CPU_PINNED) copy; AllBlocksCleared. The expected
+    prompts are in router blocks: the complete `BS`-token blocks of the longest prefix the tree holds."""
+    page = PAGE_SIZE
+    recorder = eng.recorder.KVCacheEventRecorder(enabled=True, page_size=page)
+    medium_cls = eng.mod.StorageMedium
+    to_int = eng.utils.hash_str_to_int64
+    sc = _Script()
+
+    class Key:  # the parts of SGLang's RadixKey the recorder reads
+        def __init__(self, tokens: list[int], cache_salt: str | None = None) -> None:
+            self.token_ids, self.cache_salt, self.extra_key, self.is_bigram = tokens, cache_salt, None, False
+
+        def __len__(self) -> int:
+            return len(self.token_ids)
+
+    class Node:  # the parts of SGLang's TreeNode the recorder and its split read
+        def __init__(self, key: Key, parent: Node | None) -> None:
+            self.key, self.parent, self.hash_value, self.event_hash_value = key, parent, None, None
+
+    root = Node(Key([]), None)
+    root.hash_value = []
+
+    def published(node: Node) -> list[int]:
+        seed = recorder._namespace_seed(node)
+        return [eng.mod.namespaced_block_hash(to_int(v), namespace_seed=seed)
+                for v in recorder._node_event_hash_values(node)]
+
+    def store(node: Node, medium: Any = None) -> None:
+        recorder.record_store(node, medium, session_id="sess-1")
+        if medium is None:
+            sc.store(published(node))
+
+    def remove(node: Node, medium: Any = None) -> None:
+        recorder.record_remove(node, medium)
+        if medium is None:
+            sc.remove(published(node))
+
+    def split(child: Node, split_len: int) -> Node:
+        """RadixCache._split_node's tree surgery, its hash values split by the release's function."""
+        top = Node(Key(child.key.token_ids[:split_len], child.key.cache_salt), child.parent)
+        child.key = Key(child.key.token_ids[split_len:], child.key.cache_salt)
+        child.parent = top
+        top.hash_value, child.hash_value = eng.utils.split_node_hash_value(child.hash_value, split_len, page)
+        top.event_hash_value, child.event_hash_value = eng.utils.split_node_hash_value(
+            child.event_hash_value, split_len, page)
+        return top
+
+    a_tok = _tokens(21, 4)[:52]  # 3 router blocks and 4 tokens
+    a = Node(Key(a_tok), root)
+    store(a)
+    s_tok = _tokens(22, 3)[:40]
+    salted = Node(Key(s_tok, cache_salt="tenant-7"), root)
+    store(salted)
+    sc.prompt("a", a_tok, 3)
+    sc.prompt("salted", s_tok, 2, cache_salt="tenant-7")
+    sc.prompt("salted-without-salt", s_tok, 0)
+    sc.batch(recorder.take())
+    b_tok = a_tok[:20] + _tokens(23, 2)[:30]  # forks from a at token 20: inside the second router block
+    top = split(a, 20)
+    b = Node(Key(b_tok[20:]), top)
+    store(b)
+    sc.prompt("branch", b_tok, 3)
+    sc.batch(recorder.take())
+    c_tok = a_tok + _tokens(24, 1)  # extends a: its fourth router block spans a's last 4 tokens and c's first 12
+    c = Node(Key(c_tok[len(a_tok):]), a)
+    store(c)
+    sc.prompt("a-long", c_tok, 4)
+    sc.batch(recorder.take())
+    remove(b)
+    sc.prompt("branch", b_tok, 1)
+    sc.batch(recorder.take())
+    store(a, medium_cls.CPU)  # a host copy of a, then a leaves the GPU, leaf first
+    remove(c)
+    remove(a)
+    sc.prompt("a", a_tok, 1)
+    sc.prompt("a-long", c_tok, 1)
+    sc.batch(recorder.take())
+    remove(top)
+    sc.prompt("a", a_tok, 0)
+    sc.prompt("a-long", c_tok, 0)
+    sc.prompt("branch", b_tok, 0)
+    sc.batch(recorder.take())
+    recorder.record_all_cleared()
+    sc.clear()
+    sc.batch(recorder.take())
+    f_tok = _tokens(25, 3)[:33]
+    store(Node(Key(f_tok), root))
+    sc.prompt("f", f_tok, 2)
     sc.batch(recorder.take())
     return sc.batches, sc.expected()
 
@@ -958,7 +1056,8 @@ def capture(eng: Engine) -> dict[str, Any]:
     pub.shutdown()
     sub.close(linger=0)
     return {"release": eng.release, "kind": eng.kind, "bytes_hashes": eng.bytes_hashes, "topic": topic,
-            "block_size": BS, "files": eng.files, "expected": expected,
+            "block_size": BS, **({"page_size": PAGE_SIZE} if PAGE_SIZE != BS else {}), "files": eng.files,
+            "expected": expected,
             "live": [_b64(f) for f in live], "replay_from_0": [_b64(f) for f in replay_all],
             "replay_from_mid": {"start": len(batches) // 2, "messages": [_b64(f) for f in replay_mid]}}
 
@@ -1035,9 +1134,10 @@ def bridge(eng: Engine, source: str, endpoint: str, replay: str, topic: str) -> 
     sub.close(linger=0)
 
 
-def _set_block_size(n: int) -> None:
-    global BS
+def _set_block_size(n: int, page_size: int = 0) -> None:
+    global BS, PAGE_SIZE
     BS = n
+    PAGE_SIZE = page_size or n
 
 
 def main() -> None:
@@ -1051,8 +1151,10 @@ def main() -> None:
     ap.add_argument("--replay", default="")
     ap.add_argument("--from", dest="source", default="")
     ap.add_argument("--block-size", type=int, default=BS, help="capture: tokens per block (vLLM 0.34's default: 64)")
+    ap.add_argument("--page-size", type=int, default=0,
+                    help="capture, SGLang: tokens per page when smaller than --block-size (SGLang's default: 1)")
     args = ap.parse_args()
-    _set_block_size(args.block_size)
+    _set_block_size(args.block_size, args.page_size)
     if args.mode == "surface":
         print(json.dumps(surface(args.release, args.src)))
         os._exit(0)

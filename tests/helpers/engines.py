@@ -147,11 +147,12 @@ def driver_argv(release: Release, src: Path, mode: str, *args: str, bytes_hashes
             *(["--bytes-hashes"] if bytes_hashes else []), mode, *args]
 
 
-def capture(release: Release, src: Path, *, bytes_hashes: bool = False, block_size: int = 16,
+def capture(release: Release, src: Path, *, bytes_hashes: bool = False, block_size: int = 16, page_size: int = 0,
             timeout_s: float = 60.0) -> dict:
-    """Run the scenario through the release's own publisher, its blocks `block_size` tokens long; its frames and
-    the expected outcome."""
+    """Run the scenario through the release's own publisher, its blocks `block_size` tokens long (SGLang: its pages
+    `page_size`, when smaller); its frames and the expected outcome."""
     out = subprocess.run(driver_argv(release, src, "capture", "--block-size", str(block_size),
+                                     *(["--page-size", str(page_size)] if page_size else []),
                                      bytes_hashes=bytes_hashes), capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"{release.name} driver failed ({out.returncode}):\n{out.stderr[-4000:]}")

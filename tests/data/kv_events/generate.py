@@ -12,7 +12,8 @@ capture`` (the release's event classes and ``ZmqEventPublisher``, with stubs for
 ``<release>/capture.json``: the live frames (topic, seq, payload) and two replays, base64, the sha256 of every
 release file that ran, and the expected outcome (the GPU block set after each batch, the prompts the router
 must match). vLLM >= 0.33 is also captured with bytes block hashes (``capture-bytes-hashes.json``), and vLLM
-0.34.0 with its default 64-token blocks (``capture-block-64.json``).
+0.34.0 with its default 64-token blocks (``capture-block-64.json``), SGLang 0.5.23 at its default page of 1 token
+(``capture-page-1.json``).
 
 For vLLM 0.33.0, 0.34.0 and SGLang 0.5.23 (SURFACE_RELEASES) it also writes
 ``tests/data/engines/<release>/surface.json``: the /metrics text their own metrics code produces for known
@@ -59,11 +60,15 @@ def main() -> int:
             out_dir = engines.DATA_DIR / name
             out_dir.mkdir(parents=True, exist_ok=True)
             since_033 = release.dist == "vllm" and tuple(map(int, release.version.split("."))) >= (0, 33)
-            variants = [("capture.json", False, 16)] + ([("capture-bytes-hashes.json", True, 16)] if since_033 else [])
+            variants = [("capture.json", False, 16, 0)] + (
+                [("capture-bytes-hashes.json", True, 16, 0)] if since_033 else [])
             if name == "vllm-0.34.0":  # its default block size on CUDA: 64 (the router hashes 16-token blocks)
-                variants.append(("capture-block-64.json", False, 64))
-            for filename, bytes_hashes, block_size in variants:
-                cap = engines.capture(release, src, bytes_hashes=bytes_hashes, block_size=block_size)
+                variants.append(("capture-block-64.json", False, 64, 0))
+            if name == "sglang-0.5.23":  # its default page: 1 token (merged into the router's 16-token blocks)
+                variants.append(("capture-page-1.json", False, 16, 1))
+            for filename, bytes_hashes, block_size, page_size in variants:
+                cap = engines.capture(release, src, bytes_hashes=bytes_hashes, block_size=block_size,
+                                      page_size=page_size)
                 cap["requirement"] = release.requirement
                 cap["why"] = release.why
                 cap["wheel"] = wheel.name

@@ -114,9 +114,12 @@ def test_a_verified_endpoint_is_never_a_token_mismatch():
 
 
 def test_block_sizes_from_the_scrape_are_checked_once(caplog):
-    """A size that is not a multiple of the router's is a WARNING, once; a multiple (vLLM 0.34's 64) an INFO,
-    once: its blocks are split, so its events are matched."""
-    snap = (EndpointState(A, block_size=16), EndpointState(B, block_size=24), EndpointState(C, block_size=64))
+    """A size that is neither a multiple nor a divisor of the router's is a WARNING, once; a multiple (vLLM 0.34's
+    64) or a divisor (SGLang's page of 1) an INFO, once: its blocks are split or merged, so its events are
+    matched."""
+    d = "10.0.0.4:8000"
+    snap = (EndpointState(A, block_size=16), EndpointState(B, block_size=24), EndpointState(C, block_size=64),
+            EndpointState(d, block_size=1))
     core, mgr, link, _ = _link(snap)
     with caplog.at_level(logging.INFO, logger="prefixroute.extproc"):
         link.check()
@@ -127,6 +130,9 @@ def test_block_sizes_from_the_scrape_are_checked_once(caplog):
     split = [r for r in caplog.records if "KV block size 64" in r.getMessage()]
     assert len(split) == 1 and C in split[0].getMessage() and split[0].levelno == logging.INFO
     assert "4 x --kv-block-tokens 16" in split[0].getMessage()
+    merged = [r for r in caplog.records if "KV block size 1 " in r.getMessage()]
+    assert len(merged) == 1 and d in merged[0].getMessage() and merged[0].levelno == logging.INFO
+    assert "merged into 16-token blocks" in merged[0].getMessage()
 
 
 def test_a_start_up_race_is_no_warning_but_losing_a_live_publisher_is_one_at_once(caplog):

@@ -150,3 +150,30 @@ def test_a_router_at_16_token_blocks_follows_an_engine_at_64(path):
     c = index.counters(EP)
     assert c.num_malformed_events == 0 and c.num_block_size_mismatch_blocks == 0 and c.num_orphan_blocks == 0
     assert index.block_size_seen(EP) == 64 and index.block_size_mismatch(EP) is None and index.split_of(EP) == k
+
+
+def test_sglang_at_its_default_page_of_1_token_is_merged_into_router_blocks():
+    """SGLang 0.5.23's own recorder at page 1 (its default): a node's pages come as one event of n hashes and n
+    tokens, and a branch forking inside a router block names a page in the middle of an earlier event as its
+    parent (the split published nothing). The index at 16 follows it: pages held, prompts matched in whole router
+    blocks, nothing orphaned or mismatched."""
+    cap = _load(DATA / "sglang-0.5.23" / "capture-page-1.json")
+    assert (cap["block_size"], cap["page_size"]) == (16, 1)
+    batches = [BatchDecoder().decode(_frames(m)[2]) for m in cap["live"]]
+    gpu_stores = [e for b in batches for e in b.events if type(e) is BlockStored and e.medium == "GPU"]
+    assert all(e.block_size == 1 and len(e.token_ids) == len(e.block_hashes) > 1 for e in gpu_stores)
+    earlier = [h for e in gpu_stores[:2] for h in e.block_hashes]
+    fork = gpu_stores[2].parent_block_hash
+    assert fork in earlier and fork != gpu_stores[0].block_hashes[-1] and earlier.index(fork) % 16 != 15
+    index = KVEventIndex(16)
+    for batch, check in zip(batches, cap["expected"]["checkpoints"]):
+        index.apply_batch(EP, batch)
+        assert index.num_blocks(EP) == len(check["gpu_blocks"])
+        held = set()  # the router blocks the engine holds whole: each prompt's first `want` (shared ones once)
+        for name, want in check["prompts"].items():
+            p = cap["expected"]["prompts"][name]
+            held.update(hash_token_blocks(p["tokens"], 16, token_seed_for(p["lora_name"], p["cache_salt"]))[:want])
+        assert index.num_held_blocks(EP) == len(held)
+    c = index.counters(EP)
+    assert (c.num_orphan_blocks, c.num_unknown_removed_blocks, c.num_block_size_mismatch_blocks) == (0, 0, 0)
+    assert index.block_size_seen(EP) == 1 and index.block_size_mismatch(EP) is None
