@@ -355,11 +355,38 @@ class KVEventIndex:
         blocks a multiple of `block_size` are split first (`split_events`), pages a divisor of it merged
         (`merge.PageMerger`)."""
         st = self._endpoint(endpoint)
-        return self._apply(endpoint, st, self._split(st, events), chunk_blocks)
+        events = self._split(st, events)
+        if st.merger is not None:
+            return self._apply_merged(endpoint, st, events, chunk_blocks)
+        return self._apply(endpoint, st, events, chunk_blocks)
+
+    def _apply_merged(self, endpoint: EndpointId, st: _Endpoint, events: list[Any],
+                      chunk_blocks: int) -> Iterator[int]:
+        """`_apply` for an endpoint whose pages are merged: merged and applied a group at a time (a page store of
+        more than ``chunk_blocks`` router blocks cut into pieces, each its own group), so a long prompt's
+        thousands of pages never hold the caller's event loop for the whole merge. Exactly equivalent: the merge
+        depends on the events' order only, and a piece's parent is the page before it."""
+        merger = st.merger
+        assert merger is not None
+        group: list[Any] = []
+        max_pages = chunk_blocks * merger.m
+        for ev in events:
+            if type(ev) is BlockStored and len(ev.block_hashes) > max_pages \
+                    and len(ev.token_ids) == len(ev.block_hashes) * ev.block_size:
+                if group:
+                    yield from self._apply(endpoint, st, merger.merge(group, st.counters), chunk_blocks)
+                    group = []
+                for piece in _pieces(ev, max_pages, ev.block_size):
+                    yield from self._apply(endpoint, st, merger.merge([piece], st.counters), chunk_blocks)
+            else:
+                group.append(ev)
+        if group:
+            yield from self._apply(endpoint, st, merger.merge(group, st.counters), chunk_blocks)
 
     def _split(self, st: _Endpoint, events: Iterable[Any]) -> list[Any]:
-        """`events` in this index's block size (`split_events`, or `merge.PageMerger` for pages smaller than a
-        router block), learning the endpoint's server block size from its GPU stores with tokens first."""
+        """`events` in this index's block size (`split_events`), learning the endpoint's server block size from
+        its GPU stores with tokens first; for pages smaller than a router block, `events` as they are, the
+        endpoint's `merge.PageMerger` set (`_apply_merged` merges them)."""
         events = events if isinstance(events, list) else list(events)
         bs = self.block_size
         for ev in events:
@@ -372,7 +399,7 @@ class KVEventIndex:
         if seen is not None and seen < bs and bs % seen == 0:
             if st.merger is None or st.merger.page_size != seen:
                 st.merger = PageMerger(bs, seen)  # a new page size: a restarted server, whose cache is empty
-            return st.merger.merge(events, st.counters)
+            return events  # merged as they are applied (`_apply_merged`)
         st.merger = None
         return events if st.split == 1 and seen in (None, bs) else split_events(events, bs, st.split)
 

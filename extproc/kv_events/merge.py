@@ -34,9 +34,10 @@ longest prefix it caches.
 
 Memory: one dict entry per cached page (its key is the event's own int, shared with the run): about 90-100 bytes per
 token at page 1, so ~40 MB per endpoint for a 400k-token cache (the index's own entries are per router block:
-1/16 of that). That is the price of following a server that names every token. Time: ~0.3 us per page on this
+1/16 of that). That is the price of following a server that names every token. Time: ~0.2-0.3 us per page on this
 2-core host (an 8k-token node ~2.5 ms to store, ~1.4 ms to remove), against ~0.04 us per token at 16-token
-blocks. Pure Python, not thread-safe: the index's thread only.
+blocks; `KVEventIndex` merges a long node in pieces of ``chunk_blocks`` router blocks (4,096 pages at the
+subscriber's 256: ~1.6 ms at most between two yields to the event loop). Pure Python, not thread-safe: the index's thread only.
 """
 
 from __future__ import annotations

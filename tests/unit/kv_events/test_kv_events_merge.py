@@ -143,8 +143,9 @@ OPS = st.lists(st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from([1, 2, 4, 8]), OPS, st.sampled_from([None, "tenant-7"]))
-def test_merged_index_holds_exactly_the_router_blocks_the_server_holds_whole(page, ops, salt):
+@given(st.sampled_from([1, 2, 4, 8]), OPS, st.sampled_from([None, "tenant-7"]), st.sampled_from([1, 2, 256]))
+def test_merged_index_holds_exactly_the_router_blocks_the_server_holds_whole(page, ops, salt, chunk_blocks):
+    """`chunk_blocks` 1 and 2 cut most stores into pieces of 16 or 32 pages' worth (`_apply_merged`)."""
     idx, model, seen = KVEventIndex(BS), RadixModel(page, salt), []
     for op, arg in ops:
         if op == "insert":
@@ -156,7 +157,8 @@ def test_merged_index_holds_exactly_the_router_blocks_the_server_holds_whole(pag
                 model.evict(leaves[arg % len(leaves)])
         else:
             model.clear()
-        idx.apply_batch(EP, model.take())
+        for _ in idx.apply_events(EP, model.take().events, chunk_blocks):
+            pass
         check(idx, model, seen)
     c = idx.counters(EP)
     assert (c.num_orphan_blocks, c.num_unknown_removed_blocks, c.num_malformed_events,
@@ -220,3 +222,20 @@ def test_a_restart_at_another_page_size_starts_a_new_merger_and_clear_forgets_pa
 def test_merger_refuses_page_sizes_that_do_not_divide_the_block(page, block):
     with pytest.raises(ValueError):
         PageMerger(block, page)
+
+
+def test_a_long_prompts_pages_are_merged_a_piece_at_a_time():
+    """A 20,000-token node (one event) is merged and applied in pieces of `chunk_blocks` router blocks' worth, a
+    yield after each (the subscriber lets routing decisions run there), with the same outcome as at once."""
+    model = RadixModel(1)
+    long = list(range(20_000))
+    model.insert(long)
+    model.insert(long[:10_007] + [7] * 40)  # a fork in the middle of the long node
+    events = model.take().events
+    at_once, pieces = KVEventIndex(BS), KVEventIndex(BS)
+    assert len(list(at_once.apply_events(EP, events, chunk_blocks=10_000))) == 1
+    yields = list(pieces.apply_events(EP, events, chunk_blocks=64))
+    assert len(yields) >= 20_000 // (64 * BS) and max(yields) <= 64
+    for idx in (at_once, pieces):
+        assert idx.match(blocks(long)) == {EP: 1250} and idx.match(blocks(long[:10_007] + [7] * 40)) == {EP: (10_007 + 40) // BS}
+        assert idx.num_blocks(EP) == 20_040 and idx.counters(EP).num_orphan_blocks == 0
