@@ -609,58 +609,70 @@ def _offloading_batches(eng: Engine, tokens: list[int], chain: tuple[list[bytes]
     return [stores, placeholders, removals, checkpoints]
 
 
+class _Key:  # the parts of SGLang's RadixKey its recorder reads
+    def __init__(self, tokens: list[int], cache_salt: str | None = None) -> None:
+        self.token_ids, self.cache_salt, self.extra_key, self.is_bigram = tokens, cache_salt, None, False
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class _Node:  # the parts of SGLang's TreeNode its recorder and its node split read
+    def __init__(self, key: _Key, parent: _Node | None) -> None:
+        self.key, self.parent, self.hash_value, self.event_hash_value = key, parent, None, None
+
+
+class _SglangTree:
+    """SGLang's own `KVCacheEventRecorder` at `page_size`, a tree root, and store/remove of a node that also tell
+    the scenario's `_Script` (GPU only) the hashes the recorder publishes for it."""
+
+    def __init__(self, eng: Engine, page_size: int) -> None:
+        self.eng = eng
+        self.recorder = eng.recorder.KVCacheEventRecorder(enabled=True, page_size=page_size)
+        self.medium_cls = eng.mod.StorageMedium
+        self.sc = _Script()
+        self.root = _Node(_Key([]), None)
+        self.root.hash_value = []
+
+    def published(self, node: _Node) -> list[int]:
+        seed = self.recorder._namespace_seed(node)
+        to_int = self.eng.utils.hash_str_to_int64
+        return [self.eng.mod.namespaced_block_hash(to_int(v), namespace_seed=seed)
+                for v in self.recorder._node_event_hash_values(node)]
+
+    def store(self, node: _Node, medium: Any = None) -> None:
+        self.recorder.record_store(node, medium, session_id="sess-1")
+        if medium is None:
+            self.sc.store(self.published(node))
+
+    def remove(self, node: _Node, medium: Any = None) -> None:
+        self.recorder.record_remove(node, medium)
+        if medium is None:
+            self.sc.remove(self.published(node))
+
+
 def _sglang_recorder_scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
     """SGLang 0.5.23's own `KVCacheEventRecorder` on radix-tree nodes (key, parent, hash values): one
     BlockStored per 16-token page, coalesced along a node; signed int64 hashes; ``cache_salt`` namespacing;
     host-memory (CPU_PINNED) stores; removals per node; AllBlocksCleared."""
-    recorder = eng.recorder.KVCacheEventRecorder(enabled=True, page_size=BS)
-    medium_cls = eng.mod.StorageMedium
-    to_int = eng.utils.hash_str_to_int64
-    sc = _Script()
-
-    class Key:  # the parts of SGLang's RadixKey the recorder reads
-        def __init__(self, tokens: list[int], cache_salt: str | None = None) -> None:
-            self.token_ids, self.cache_salt, self.extra_key, self.is_bigram = tokens, cache_salt, None, False
-
-        def __len__(self) -> int:
-            return len(self.token_ids)
-
-    class Node:  # the parts of SGLang's TreeNode the recorder reads
-        def __init__(self, key: Key, parent: Node | None) -> None:
-            self.key, self.parent, self.hash_value, self.event_hash_value = key, parent, None, None
-
-    root = Node(Key([]), None)
-    root.hash_value = []
-
-    def published(node: Node) -> list[int]:
-        seed = recorder._namespace_seed(node)
-        return [eng.mod.namespaced_block_hash(to_int(v), namespace_seed=seed)
-                for v in recorder._node_event_hash_values(node)]
-
-    def store(node: Node, medium: Any = None) -> None:
-        recorder.record_store(node, medium, session_id="sess-1")
-        if medium is None:
-            sc.store(published(node))
-
-    def remove(node: Node, medium: Any = None) -> None:
-        recorder.record_remove(node, medium)
-        if medium is None:
-            sc.remove(published(node))
+    tree = _SglangTree(eng, BS)
+    recorder, medium_cls, sc, root, store, remove = (tree.recorder, tree.medium_cls, tree.sc, tree.root,
+                                                     tree.store, tree.remove)
 
     a_tok = _tokens(11, 5)
-    a = Node(Key(a_tok[:3 * BS]), root)
+    a = _Node(_Key(a_tok[:3 * BS]), root)
     store(a)
     s_tok = _tokens(12, 2)
-    store(Node(Key(s_tok, cache_salt="tenant-7"), root))
+    store(_Node(_Key(s_tok, cache_salt="tenant-7"), root))
     sc.prompt("a", a_tok, 3)
     sc.prompt("salted", s_tok, 2, cache_salt="tenant-7")
     sc.prompt("salted-without-salt", s_tok, 0)
     sc.batch(recorder.take())
-    store(Node(Key(a_tok[3 * BS:]), a))
+    store(_Node(_Key(a_tok[3 * BS:]), a))
     sc.prompt("a", a_tok, 5)
     sc.batch(recorder.take())
     b_tok = a_tok[:3 * BS] + _tokens(13, 1)
-    b = Node(Key(b_tok[3 * BS:]), a)  # a sibling branch under a: stored, then evicted
+    b = _Node(_Key(b_tok[3 * BS:]), a)  # a sibling branch under a: stored, then evicted
     store(b)
     sc.prompt("branch", b_tok, 4)
     sc.batch(recorder.take())
@@ -679,7 +691,7 @@ def _sglang_recorder_scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
     sc.clear()
     sc.batch(recorder.take())
     f_tok = _tokens(14, 3)
-    store(Node(Key(f_tok), root))
+    store(_Node(_Key(f_tok), root))
     sc.prompt("f", f_tok, 3)
     sc.batch(recorder.take())
     return sc.batches, sc.expected()
@@ -693,44 +705,14 @@ def _sglang_page_scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
     leaf-first removals per node; a salted prompt; a host (CPU_PINNED) copy; AllBlocksCleared. The expected
     prompts are in router blocks: the complete `BS`-token blocks of the longest prefix the tree holds."""
     page = PAGE_SIZE
-    recorder = eng.recorder.KVCacheEventRecorder(enabled=True, page_size=page)
-    medium_cls = eng.mod.StorageMedium
-    to_int = eng.utils.hash_str_to_int64
-    sc = _Script()
+    tree = _SglangTree(eng, page)
+    recorder, medium_cls, sc, root, store, remove = (tree.recorder, tree.medium_cls, tree.sc, tree.root,
+                                                     tree.store, tree.remove)
 
-    class Key:  # the parts of SGLang's RadixKey the recorder reads
-        def __init__(self, tokens: list[int], cache_salt: str | None = None) -> None:
-            self.token_ids, self.cache_salt, self.extra_key, self.is_bigram = tokens, cache_salt, None, False
-
-        def __len__(self) -> int:
-            return len(self.token_ids)
-
-    class Node:  # the parts of SGLang's TreeNode the recorder and its split read
-        def __init__(self, key: Key, parent: Node | None) -> None:
-            self.key, self.parent, self.hash_value, self.event_hash_value = key, parent, None, None
-
-    root = Node(Key([]), None)
-    root.hash_value = []
-
-    def published(node: Node) -> list[int]:
-        seed = recorder._namespace_seed(node)
-        return [eng.mod.namespaced_block_hash(to_int(v), namespace_seed=seed)
-                for v in recorder._node_event_hash_values(node)]
-
-    def store(node: Node, medium: Any = None) -> None:
-        recorder.record_store(node, medium, session_id="sess-1")
-        if medium is None:
-            sc.store(published(node))
-
-    def remove(node: Node, medium: Any = None) -> None:
-        recorder.record_remove(node, medium)
-        if medium is None:
-            sc.remove(published(node))
-
-    def split(child: Node, split_len: int) -> Node:
+    def split(child: _Node, split_len: int) -> _Node:
         """RadixCache._split_node's tree surgery, its hash values split by the release's function."""
-        top = Node(Key(child.key.token_ids[:split_len], child.key.cache_salt), child.parent)
-        child.key = Key(child.key.token_ids[split_len:], child.key.cache_salt)
+        top = _Node(_Key(child.key.token_ids[:split_len], child.key.cache_salt), child.parent)
+        child.key = _Key(child.key.token_ids[split_len:], child.key.cache_salt)
         child.parent = top
         top.hash_value, child.hash_value = eng.utils.split_node_hash_value(child.hash_value, split_len, page)
         top.event_hash_value, child.event_hash_value = eng.utils.split_node_hash_value(
@@ -738,10 +720,10 @@ def _sglang_page_scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
         return top
 
     a_tok = _tokens(21, 4)[:52]  # 3 router blocks and 4 tokens
-    a = Node(Key(a_tok), root)
+    a = _Node(_Key(a_tok), root)
     store(a)
     s_tok = _tokens(22, 3)[:40]
-    salted = Node(Key(s_tok, cache_salt="tenant-7"), root)
+    salted = _Node(_Key(s_tok, cache_salt="tenant-7"), root)
     store(salted)
     sc.prompt("a", a_tok, 3)
     sc.prompt("salted", s_tok, 2, cache_salt="tenant-7")
@@ -749,12 +731,12 @@ def _sglang_page_scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
     sc.batch(recorder.take())
     b_tok = a_tok[:20] + _tokens(23, 2)[:30]  # forks from a at token 20: inside the second router block
     top = split(a, 20)
-    b = Node(Key(b_tok[20:]), top)
+    b = _Node(_Key(b_tok[20:]), top)
     store(b)
     sc.prompt("branch", b_tok, 3)
     sc.batch(recorder.take())
     c_tok = a_tok + _tokens(24, 1)  # extends a: its fourth router block spans a's last 4 tokens and c's first 12
-    c = Node(Key(c_tok[len(a_tok):]), a)
+    c = _Node(_Key(c_tok[len(a_tok):]), a)
     store(c)
     sc.prompt("a-long", c_tok, 4)
     sc.batch(recorder.take())
@@ -776,7 +758,7 @@ def _sglang_page_scenario(eng: Engine) -> tuple[list[list], dict[str, Any]]:
     sc.clear()
     sc.batch(recorder.take())
     f_tok = _tokens(25, 3)[:33]
-    store(Node(Key(f_tok), root))
+    store(_Node(_Key(f_tok), root))
     sc.prompt("f", f_tok, 2)
     sc.batch(recorder.take())
     return sc.batches, sc.expected()
