@@ -68,8 +68,8 @@ class RadixModel:
         if i >= len(tokens):
             return
         new = tokens[i:]
-        leaf = _Node(new, [page_hash(tuple(tokens[:j + self.page]), self.salt) for j in range(i, len(tokens), self.page)],
-                     node)
+        hashes = [page_hash(tuple(tokens[:j + self.page]), self.salt) for j in range(i, len(tokens), self.page)]
+        leaf = _Node(new, hashes, node)
         node.children[self.key(new)] = leaf
         self.events.append(BlockStored(block_hashes=list(leaf.hashes),
                                        parent_block_hash=node.hashes[-1] if node.parent is not None else None,
@@ -237,5 +237,6 @@ def test_a_long_prompts_pages_are_merged_a_piece_at_a_time():
     yields = list(pieces.apply_events(EP, events, chunk_blocks=64))
     assert len(yields) >= 20_000 // (64 * BS) and max(yields) <= 64
     for idx in (at_once, pieces):
-        assert idx.match(blocks(long)) == {EP: 1250} and idx.match(blocks(long[:10_007] + [7] * 40)) == {EP: (10_007 + 40) // BS}
+        assert idx.match(blocks(long)) == {EP: 1250}
+        assert idx.match(blocks(long[:10_007] + [7] * 40)) == {EP: (10_007 + 40) // BS}
         assert idx.num_blocks(EP) == 20_040 and idx.counters(EP).num_orphan_blocks == 0
