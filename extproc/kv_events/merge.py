@@ -32,13 +32,13 @@ batch, the index holds exactly the router blocks every token of which the server
 own chained hash of their tokens, so `KVEventIndex.match` gives each endpoint the complete router blocks of the
 longest prefix it caches.
 
-Memory: one dict entry per cached page (its key is the event's own int, shared with the run) and 4 bytes of token:
-97 bytes per cached token at page 1 (tracemalloc, the events freed), so ~40 MB per endpoint for a 400k-token
-cache, against 9.3 bytes per token for the index at 16-token blocks. That is the price of following a server that names every token. Time: ~0.2-0.3 us per page on this
-2-core host (an 8k-token node ~2.5 ms to store, ~1.4 ms to remove), against ~0.04 us per token at 16-token
-blocks; `KVEventIndex` merges a long node in pieces of ``chunk_blocks`` router blocks (4,096 pages at the
-subscriber's 256: ~1.6 ms at most between two yields to the event loop). Pure Python, not thread-safe: the
-index's thread only.
+Memory: one dict entry per cached page (its key is the event's own int, shared with the run) and 4 bytes of
+token: 97 bytes per cached token at page 1 (tracemalloc, the events freed), so ~40 MB per endpoint for a
+400k-token cache, against 9.3 bytes per token for the index at 16-token blocks: the price of following a server
+that names every token. Time: ~0.2-0.3 us per page on this 2-core host (an 8k-token node ~2.6 ms to store, ~1.4 ms
+to remove), against ~0.04 us per token at 16-token blocks; `KVEventIndex` merges a long node in pieces of
+``chunk_blocks`` router blocks (4,096 pages at the subscriber's 256: ~1.6 ms at most between two yields to the
+event loop). Pure Python, not thread-safe: the index's thread only.
 """
 
 from __future__ import annotations
