@@ -167,11 +167,20 @@ class _FloorGateway(GatewayProcesses):
                                              self._floor_endpoint], ready=lambda: tcp_open(port), ports=(port,))
 
 
-def _facts_overrides() -> dict[str, Any]:
-    """The Envoy settings of the "facts" variant, its records sent to a closed local port."""
-    over: dict[str, Any] = {k: v for k, v in VARIANTS["facts"].items() if k != "records"}
-    over["records_otlp_address"] = f"127.0.0.1:{free_port()}"
+def variant_overrides(name: str) -> dict[str, Any]:
+    """The Envoy settings of --variants `name` (ValueError when unknown); records, when on, go to a closed local
+    port (Envoy builds and batches them, the export fails)."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
+    over: dict[str, Any] = {k: v for k, v in VARIANTS[name].items() if k != "records"}
+    if VARIANTS[name].get("records"):
+        over["records_otlp_address"] = f"127.0.0.1:{free_port()}"
     return over
+
+
+def _facts_overrides() -> dict[str, Any]:
+    """The Envoy settings of the "facts" variant: the gateway as `prefixroute up` runs it."""
+    return variant_overrides("facts")
 
 
 def extproc_variant_args(name: str) -> list[str]:
@@ -351,11 +360,7 @@ def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStac
         log_dir=tmp / f"replicas-{n}", envoy_overrides={"report_served": s.report_served},
         extra_extproc_args=_span_sink_args()) for n in counts}
     for name in s.variants:
-        if name not in VARIANTS:
-            raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
-        over = {k: v for k, v in VARIANTS[name].items() if k != "records"}
-        if VARIANTS[name].get("records"):
-            over["records_otlp_address"] = f"127.0.0.1:{free_port()}"
+        over = variant_overrides(name)
         gws[name] = GatewayProcesses(
             GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry,
                             extproc_replicas=1, embedded_nats=s.peers),
