@@ -41,6 +41,7 @@ from prefixroute import settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
 from prefixroute.extproc import gie_reference
+from prefixroute.grpc_runtime import GRPC_EXPERIMENTS_ENV, grpc_child_env
 from prefixroute.procs import (ManagedProcess, ProcessGroup, free_port, free_ports, http_get, parent_death_preexec,
                                prefixroute_argv, stop_group, tcp_open)
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, envoy_binary
@@ -96,7 +97,9 @@ class OverheadBenchSettings(Settings):
                                                 "other settings, in the same rounds: a name of EXTPROC_VARIANTS "
                                                 "('asyncio': no uvloop; 'grpc-throughput': gRPC's throughput "
                                                 "optimization target; 'grpc-window-64k': gRPC's default 64 KiB "
-                                                "stream window; 'grpc-streams-100': 100 concurrent streams), or "
+                                                "stream window; 'grpc-streams-100': 100 concurrent streams; "
+                                                "'grpc-event-engine-listener': gRPC's own default listener, which "
+                                                "prefixroute turns off: common/grpc_runtime.py), or "
                                                 "'grpc:NAME=VALUE' for any gRPC server option (--grpc-options); "
                                                 "'floor': the facts path's Envoy in front of a grpc.aio ext_proc "
                                                 "that does no routing work (bench/floor_extproc.py), beside "
@@ -139,13 +142,20 @@ request records (to a closed local port: Envoy builds and batches them, the expo
 
 
 # --- ext_proc process variants (--extproc-variants) ---
+GRPC_EE_LISTENER_VARIANT = "grpc-event-engine-listener"
 EXTPROC_VARIANTS: dict[str, list[str]] = {
     "asyncio": ["--no-uvloop"],
     "grpc-throughput": ["--grpc-options", "grpc.optimization_target=throughput"],
     "grpc-window-64k": ["--grpc-options", "grpc.http2.lookahead_bytes=65536,grpc.http2.bdp_probe=1"],
     "grpc-streams-100": ["--grpc-options", "grpc.max_concurrent_streams=100"],
+    GRPC_EE_LISTENER_VARIANT: [],
 }
 """--extproc-variants names -> extra `prefixroute extproc` arguments of that routed gateway (one replica)."""
+EXTPROC_VARIANT_ENV: dict[str, dict[str, str]] = {
+    # gRPC's own defaults: its EventEngine listener, which prefixroute turns off (common/grpc_runtime.py).
+    GRPC_EE_LISTENER_VARIANT: {GRPC_EXPERIMENTS_ENV: ""},
+}
+"""--extproc-variants names -> variables added to that ext_proc replica's environment."""
 
 
 FLOOR_VARIANT = "floor"
@@ -319,6 +329,7 @@ def run(s: OverheadBenchSettings) -> int:
                   f"ext_proc variants {','.join(s.extproc_variants) or 'none'}, "
                   f"{'streamed %d tokens every %g ms' % (s.stream_tokens, s.itl_ms) if s.stream_tokens else 'JSON'}"
                   f" responses, {s.num_rounds} rounds x {s.num_requests} requests, "
+                  f"ext_proc GRPC_EXPERIMENTS {grpc_child_env()[GRPC_EXPERIMENTS_ENV]!r}, "
                   f"load average {os.getloadavg()[0]:.2f}")
             print(f"{'prompt':>7} {'config':>11} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
             for kb in s.prompt_kb:
@@ -379,7 +390,8 @@ def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStac
                             extproc_replicas=1, embedded_nats=s.peers),
             RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
             log_dir=tmp / f"extproc-variant-{len(gws)}", envoy_overrides={"report_served": s.report_served},
-            extra_extproc_args=[*_span_sink_args(), *extproc_variant_args(name)])
+            extra_extproc_args=[*_span_sink_args(), *extproc_variant_args(name)],
+            extra_extproc_env=EXTPROC_VARIANT_ENV.get(name))
     for gw in gws.values():
         started.enter_context(gw)
 

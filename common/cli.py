@@ -16,6 +16,8 @@ import argparse
 import importlib
 import sys
 
+from prefixroute.grpc_runtime import apply_grpc_defaults
+
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "model-server": ("prefixroute.model_servers.cli", "Run a simulated vLLM-like GPU model server."),
@@ -48,6 +50,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before any command module imports grpc, which reads its settings once (grpc_runtime.py).
+    apply_grpc_defaults()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)

@@ -41,11 +41,12 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 from prefixroute import settings
+from prefixroute.grpc_runtime import grpc_child_env
 from prefixroute.procs import (ManagedProcess, ProcessGroup, Stopped, check_ports_free, free_port, free_ports, http_get,
                                prefixroute_argv, stop_on_signals, tcp_open)
 from prefixroute.supervisor import RestartPolicy, Supervisor
@@ -264,9 +265,11 @@ class GatewayProcesses:
     def __init__(self, gateway: GatewaySettings, routing: RoutingSettings, pool: PoolSettings, *,
                  log_dir: Path | None = None, extra_extproc_args: list[str] | None = None,
                  envoy_overrides: dict[str, Any] | None = None, group: ProcessGroup | None = None,
-                 peers: PeerSettings | None = None, records_to: tuple[str, str] | None = None) -> None:
+                 peers: PeerSettings | None = None, records_to: tuple[str, str] | None = None,
+                 extra_extproc_env: Mapping[str, str] | None = None) -> None:
         """`records_to`: (host:port, bearer token) of the OTLP receiver Envoy sends its own record of every
-        request to (envoy_config `records_otlp_address`: kept when the router's record never comes)."""
+        request to (envoy_config `records_otlp_address`: kept when the router's record never comes).
+        `extra_extproc_env`: variables added to each replica's environment (overhead-bench's variants)."""
         gateway = resolve_ports(gateway)
         self.gateway = gateway
         self.records_to = records_to
@@ -276,6 +279,7 @@ class GatewayProcesses:
         self.endpoints = endpoints_from_settings(pool)
         self.log_dir = log_dir
         self.extra_extproc_args = extra_extproc_args or []
+        self.extra_extproc_env = dict(extra_extproc_env or {})
         self.envoy_overrides = envoy_overrides or {}
         self.group = group if group is not None else ProcessGroup(log_dir)
         self.num_replicas = resolve_replicas(gateway.extproc_replicas)
@@ -405,7 +409,7 @@ class GatewayProcesses:
                 *settings_argv(self.routing), *settings_argv(self.pool), *settings_argv(peers),
                 *self.extra_extproc_args),
             ready=lambda: tcp_open(port), ports=(port, metrics) if metrics > 0 else (port,),
-            env={"PREFIXROUTE_EXTPROC_AUTH_TOKEN": self.auth_token, **self._peer_env})
+            env={**grpc_child_env(), **self.extra_extproc_env, "PREFIXROUTE_EXTPROC_AUTH_TOKEN": self.auth_token, **self._peer_env})
 
     def fixed_listeners(self) -> list[tuple[str, int, str]]:
         """(component, port, flag) of every port this gateway will listen on that its settings fix (those at 0

@@ -25,6 +25,7 @@ from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, envoy
 from prefixroute.extproc.headers import DESTINATION_HEADER, SERVED_HEADER
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.server import ExtprocSettings, start_server
+from prefixroute.grpc_runtime import GRPC_EXPERIMENTS_DEFAULT, GRPC_EXPERIMENTS_ENV
 from prefixroute.procs import free_port
 
 from helpers.canary import Canary
@@ -138,6 +139,9 @@ def test_gateway_tokens_differ_between_runs(stack: ExitStack, log_dir: Path, can
 def test_mutual_tls_and_token_through_real_envoy(stack: ExitStack, tmp_path: Path, canary: Canary) -> None:
     pki, other = make_pki(tmp_path / "pki"), make_pki(tmp_path / "other-ca")
     gw = start_gateway(stack, canary, tmp_path / "logs", failure_mode="closed", **tls_gateway_settings(pki))
+    # The replica serves on the gRPC listener prefixroute chooses (common/grpc_runtime.py), mTLS included.
+    environ = Path(f"/proc/{gw.extproc.pid}/environ").read_bytes().split(b"\0")
+    assert f"{GRPC_EXPERIMENTS_ENV}={GRPC_EXPERIMENTS_DEFAULT}".encode() in environ
     for _ in range(3):
         status, headers, body = post_chat(gw)
         assert status == 200, body  # fail-closed: a 200 means ext_proc answered over mTLS with the token
