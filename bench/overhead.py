@@ -410,6 +410,71 @@ def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStac
     return configs, pids
 
 
+PROJECTED_REPLICAS = (2, 4, 8)
+"""Replica counts the --replicas projection is printed for (issue 26: what 8 would give on a larger machine)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaProjection:
+    """What N replicas would route on a machine with cores enough for all, from CPU per request measured here.
+
+    Model (each routed request is picked by one replica and applied, from the pick bus, by each of the N - 1
+    others): the replicas together spend ``route_us + (N - 1) * apply_us`` per request, Envoy ``envoy_us``.
+    `rps_core_each` = N * 1e6 / replicas' CPU per request: what N replicas route with a core each (the replicas
+    the limit, as on a 2-core host), and `envoy_cores` the cores Envoy then needs; `rps_per_core` = 1e6 /
+    (replicas' + Envoy's CPU per request): routed requests per second per core the gateway is given, all
+    processes counted; `cores_at_1k_rps`: the cores a gateway routing 1,000 req/s needs.
+    Assumes CPU per request stays as measured (no contention between processes, an idle pick bus otherwise)
+    and Envoy's workers scale; measured on one machine, not a larger one: a projection, named as such."""
+
+    num_replicas: int
+    replicas_us: float
+    envoy_us: float
+
+    @property
+    def rps_core_each(self) -> float:
+        return self.num_replicas * 1e6 / self.replicas_us
+
+    @property
+    def envoy_cores(self) -> float:
+        return self.rps_core_each * self.envoy_us / 1e6
+
+    @property
+    def rps_per_core(self) -> float:
+        return 1e6 / (self.replicas_us + self.envoy_us)
+
+    @property
+    def cores_at_1k_rps(self) -> float:
+        return (self.replicas_us + self.envoy_us) / 1e3
+
+
+def project_replicas(route_us: float, apply_us: float, envoy_us: float,
+                     counts: tuple[int, ...] = PROJECTED_REPLICAS) -> list[ReplicaProjection]:
+    """`ReplicaProjection` for each of `counts` (each >= 1): `route_us` is one replica's ext_proc CPU per
+    request alone, `apply_us` (>= 0; a negative measurement, noise, is taken as 0) what each further replica
+    adds per request, `envoy_us` Envoy's CPU per request."""
+    apply_us = max(apply_us, 0.0)
+    return [ReplicaProjection(n, route_us + (n - 1) * apply_us, envoy_us) for n in counts]
+
+
+def _print_projection(kb: str, counts: list[int], cpu_us: dict[str, float], envoy_us: dict[str, float]) -> None:
+    """With --replicas 1,N: each further replica's CPU per request, and `project_replicas` for 2, 4, 8."""
+    if 1 not in counts or len(counts) < 2:
+        return
+    one = _routed_name(1, counts)
+    n = max(c for c in counts if c != 1)
+    many = _routed_name(n, counts)
+    apply_us = (cpu_us[many] - cpu_us[one]) / (n - 1)
+    print(f"{kb + ' KB':>7} {'replicas':>11} one replica {cpu_us[one]:.0f} us/request of ext_proc CPU, each further "
+          f"replica +{apply_us:.0f} (from x{n}), Envoy {envoy_us[one]:.0f}; projected, cores enough for all:")
+    alone = 1e6 / cpu_us[one]
+    for p in project_replicas(cpu_us[one], apply_us, envoy_us[one]):
+        print(f"{kb + ' KB':>7} {'x' + str(p.num_replicas):>11} replicas {p.replicas_us:.0f} + Envoy {p.envoy_us:.0f} "
+              f"us/request: a core per replica {p.rps_core_each:.0f} req/s (x{p.rps_core_each / alone:.2f} one "
+              f"replica's), Envoy then {p.envoy_cores:.1f} cores; {p.rps_per_core:.0f} req/s per core in all, "
+              f"{p.cores_at_1k_rps:.1f} cores at 1,000 req/s")
+
+
 def _measure_prompt_size(s: OverheadBenchSettings, kb: str, configs: dict[str, int], pids: dict[str, list[int]],
                          first: str, envoy_pids: dict[str, int]) -> None:
     """Latency (rounds alternating every configuration) and req/s of each configuration at a `kb` KiB prompt,
@@ -461,6 +526,9 @@ def _measure_prompt_size(s: OverheadBenchSettings, kb: str, configs: dict[str, i
         print(f"{kb + ' KB':>7} {'facts-floor':>11} the router's own work: added p50 "
               f"{fig['facts'][0] - fig[FLOOR_VARIANT][0]:+.3f} ms, added p99 {fig['facts'][1] - fig[FLOOR_VARIANT][1]:+.3f} "
               f"ms, ext_proc CPU {own:+.0f} us/request (the floor's {cpu_s[FLOOR_VARIANT] / n * 1e6:.0f})")
+    n = s.num_rounds * s.num_requests
+    _print_projection(kb, [int(c) for c in s.replicas], {k: v / n * 1e6 for k, v in cpu_s.items()},
+                      {k: v / n * 1e6 for k, v in envoy_cpu_s.items()})
     for gname in ("gie", "gie-plain"):
         if gname in fig:
             f50, f99, frps = fig[first]

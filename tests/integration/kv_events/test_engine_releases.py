@@ -3,7 +3,8 @@ SGLang's ``ZmqEventPublisher`` and event classes, run from their wheels by tests
 
 Each release publishes its scenario before anyone subscribes (a warm server whose publisher is then quiet):
 the subscriber must rebuild the server's GPU block set from the replay socket alone, then follow the same
-scenario published live. A release whose wheel is not here (not in $PREFIXROUTE_ENGINE_WHEELS,
+scenario published live. SGLang 0.5.23 runs it at 16-token pages and at its default page of 1 token (merged
+into 16-token router blocks by the index). A release whose wheel is not here (not in $PREFIXROUTE_ENGINE_WHEELS,
 .cache/engine-wheels, pip's find-links or pip's cache) is skipped, saying so: CI does not download 350 MB
 wheels; `tests/data/kv_events/generate.py --download` fetches them.
 """
@@ -43,8 +44,13 @@ def _assert_matches_expected(index: KVEventIndex, expected: dict, release: str) 
         assert index.match(hashes).get(EP, 0) == p["blocks"], f"{release}: prompt {name}"
 
 
-@pytest.mark.parametrize("name", [r.name for r in engines.RELEASES])
-async def test_a_release_publisher_late_join_then_live(name, extracted, tmp_path):
+PAGE_CASES = [(r.name, 0) for r in engines.RELEASES] + [("sglang-0.5.23", 1)]
+"""(release, its tokens per page; 0: the scenario's 16-token blocks). SGLang at its default page of 1 token: the
+index merges its pages into 16-token router blocks (extproc/kv_events/merge.py)."""
+
+
+@pytest.mark.parametrize("name, page_size", PAGE_CASES)
+async def test_a_release_publisher_late_join_then_live(name, page_size, extracted, tmp_path):
     src = extracted[name]
     if src is None:
         pytest.skip(f"{engines.BY_NAME[name].requirement} wheel not found here (PREFIXROUTE_ENGINE_WHEELS, "
@@ -54,6 +60,7 @@ async def test_a_release_publisher_late_join_then_live(name, extracted, tmp_path
     # Loopback where the release can bind it (SGLang 0.5.2x's bind=True), else its wildcard form (tcp://*:P).
     proc = engines.EngineProcess(release, src, "serve", "--endpoint", f"tcp://127.0.0.1:{pub_port}", "--replay",
                                  f"tcp://127.0.0.1:{replay_port}", "--topic", TOPIC,
+                                 *(["--page-size", str(page_size)] if page_size else []),
                                  log_path=tmp_path / "driver.log").start()
     index = KVEventIndex(16)
     manager = KVEventsManager(index, topic=TOPIC, replay_timeout_s=2.0, heartbeat_s=0.5)
@@ -66,6 +73,10 @@ async def test_a_release_publisher_late_join_then_live(name, extracted, tmp_path
         await until_async(lambda: stats().state == "live" and stats().last_seq == n - 1, 10, message="late join")
         _assert_matches_expected(index, expected, name)
         assert stats().num_decode_errors == 0 and stats().num_batches == n
+        if page_size:  # its pages, merged: none refused as a block-size mismatch, none orphaned
+            assert index.block_size_seen(EP) == page_size and index.block_size_mismatch(EP) is None
+            c = index.counters(EP)
+            assert (c.num_orphan_blocks, c.num_block_size_mismatch_blocks) == (0, 0), c
         # The same scenario live (it clears the cache half-way, so it ends in the same state).
         # A fixed wait on purpose: the SUB connection is up (live), and ZMQ says nothing when the subscription has
         # reached the release's PUB socket (the slow joiner)
