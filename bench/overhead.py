@@ -458,17 +458,21 @@ def project_replicas(route_us: float, apply_us: float, envoy_us: float,
 
 
 def _print_projection(kb: str, counts: list[int], cpu_us: dict[str, float], envoy_us: dict[str, float]) -> None:
-    """With --replicas 1,N: each further replica's CPU per request, and `project_replicas` for 2, 4, 8."""
+    """With --replicas 1,N: each further replica's CPU per request, and `project_replicas` for 2, 4, 8. The one
+    replica's own cost is the facts path's when --variants facts ran too (the gateway as `up` runs it), else the
+    routed configuration's; what a further replica adds (applying the others' picks) is the routed one's."""
     if 1 not in counts or len(counts) < 2:
         return
     one = _routed_name(1, counts)
     n = max(c for c in counts if c != 1)
     many = _routed_name(n, counts)
     apply_us = (cpu_us[many] - cpu_us[one]) / (n - 1)
-    print(f"{kb + ' KB':>7} {'replicas':>11} one replica {cpu_us[one]:.0f} us/request of ext_proc CPU, each further "
-          f"replica +{apply_us:.0f} (from x{n}), Envoy {envoy_us[one]:.0f}; projected, cores enough for all:")
-    alone = 1e6 / cpu_us[one]
-    for p in project_replicas(cpu_us[one], apply_us, envoy_us[one]):
+    base = "facts" if "facts" in cpu_us and "facts" in envoy_us else one
+    print(f"{kb + ' KB':>7} {'replicas':>11} one replica ({base}) {cpu_us[base]:.0f} us/request of ext_proc CPU, "
+          f"each further replica +{apply_us:.0f} (x{n} against x1), Envoy {envoy_us[base]:.0f}; projected, cores "
+          f"enough for all:")
+    alone = 1e6 / cpu_us[base]
+    for p in project_replicas(cpu_us[base], apply_us, envoy_us[base]):
         print(f"{kb + ' KB':>7} {'x' + str(p.num_replicas):>11} replicas {p.replicas_us:.0f} + Envoy {p.envoy_us:.0f} "
               f"us/request: a core per replica {p.rps_core_each:.0f} req/s (x{p.rps_core_each / alone:.2f} one "
               f"replica's), Envoy then {p.envoy_cores:.1f} cores; {p.rps_per_core:.0f} req/s per core in all, "
