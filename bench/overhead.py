@@ -424,8 +424,8 @@ class ReplicaProjection:
     the limit, as on a 2-core host), and `envoy_cores` the cores Envoy then needs; `rps_per_core` = 1e6 /
     (replicas' + Envoy's CPU per request): routed requests per second per core the gateway is given, all
     processes counted; `cores_at_1k_rps`: the cores a gateway routing 1,000 req/s needs.
-    Assumes CPU per request stays as measured (no contention between processes, an idle pick bus otherwise)
-    and Envoy's workers scale; measured on one machine, not a larger one: a projection, named as such."""
+    Assumes each process's CPU per request stays as measured here (contention for this host's cores included)
+    and Envoy's workers scale; fed with one machine's figures, not run on a larger one: a projection."""
 
     num_replicas: int
     replicas_us: float
@@ -485,6 +485,7 @@ def _measure_prompt_size(s: OverheadBenchSettings, kb: str, configs: dict[str, i
     printed with what routing adds to the baseline (and GIE mode beside `first`, the first routed one), and the
     CPU per request of each configuration's ext_proc processes and Envoy (in the latency rounds)."""
     req = build_request("/v1/chat/completions", _body(int(kb) * 1024, s.stream_tokens))
+    n = s.num_rounds * s.num_requests  # requests per configuration over the latency rounds
     lat: dict[str, list[float]] = {name: [] for name in configs}
     cpu_s = {name: 0.0 for name in pids}
     envoy_cpu_s = {name: 0.0 for name in envoy_pids}
@@ -511,13 +512,12 @@ def _measure_prompt_size(s: OverheadBenchSettings, kb: str, configs: dict[str, i
         print(f"{kb + ' KB':>7} {'added':>11} {r50 - b50:8.3f} {r99 - b99:8.3f}   {name}: "
               f"ratio p50 x{r50 / b50:.1f}, p99 x{r99 / b99:.1f}, req/s x{rrps / brps:.2f}{vs_first}; "
               f"mean {statistics.fmean(lat[name]):.3f} ms; "
-              f"ext_proc CPU {cpu_s[name] / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request"
-              + (f", Envoy CPU {envoy_cpu_s[name] / (s.num_rounds * s.num_requests) * 1e6:.0f} us/request"
-                 f" (baseline {envoy_cpu_s['baseline'] / (s.num_rounds * s.num_requests) * 1e6:.0f})"
+              f"ext_proc CPU {cpu_s[name] / n * 1e6:.0f} us/request"
+              + (f", Envoy CPU {envoy_cpu_s[name] / n * 1e6:.0f} us/request"
+                 f" (baseline {envoy_cpu_s['baseline'] / n * 1e6:.0f})"
                  if name in envoy_cpu_s else ""))
     for name in pids:
         if name != first and name in envoy_pids and first in envoy_pids:
-            n = s.num_rounds * s.num_requests
             added50 = (fig[name][0] - b50) / max(fig[first][0] - b50, 1e-6)
             added99 = (fig[name][1] - b99) / max(fig[first][1] - b99, 1e-6)
             print(f"{kb + ' KB':>7} {name + '/' + first:>11} added p50 x{added50:.2f}, added p99 x{added99:.2f}, "
@@ -525,12 +525,10 @@ def _measure_prompt_size(s: OverheadBenchSettings, kb: str, configs: dict[str, i
                   f"Envoy CPU x{envoy_cpu_s[name] / max(envoy_cpu_s[first], 1e-9):.2f} "
                   f"({(envoy_cpu_s[name] - envoy_cpu_s[first]) / n * 1e6:+.0f} us/request)")
     if FLOOR_VARIANT in pids and "facts" in pids:
-        n = s.num_rounds * s.num_requests
         own = (cpu_s["facts"] - cpu_s[FLOOR_VARIANT]) / n * 1e6
         print(f"{kb + ' KB':>7} {'facts-floor':>11} the router's own work: added p50 "
               f"{fig['facts'][0] - fig[FLOOR_VARIANT][0]:+.3f} ms, added p99 {fig['facts'][1] - fig[FLOOR_VARIANT][1]:+.3f} "
               f"ms, ext_proc CPU {own:+.0f} us/request (the floor's {cpu_s[FLOOR_VARIANT] / n * 1e6:.0f})")
-    n = s.num_rounds * s.num_requests
     _print_projection(kb, [int(c) for c in s.replicas], {k: v / n * 1e6 for k, v in cpu_s.items()},
                       {k: v / n * 1e6 for k, v in envoy_cpu_s.items()})
     for gname in ("gie", "gie-plain"):
