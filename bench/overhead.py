@@ -173,8 +173,10 @@ class _FloorGateway(GatewayProcesses):
 
     def _extproc_child(self, k: int) -> ManagedProcess:
         port = self.extproc_ports[k]
+        # The same gRPC settings as the router's replicas (grpc_child_env), whoever launched the bench.
         return self._child("extproc-floor", [sys.executable, "-m", "prefixroute.bench.floor_extproc", str(port),
-                                             self._floor_endpoint], ready=lambda: tcp_open(port), ports=(port,))
+                                             self._floor_endpoint], ready=lambda: tcp_open(port), ports=(port,),
+                           env={**grpc_child_env(), **self.extra_extproc_env})
 
 
 def variant_overrides(name: str) -> dict[str, Any]:
