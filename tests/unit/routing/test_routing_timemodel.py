@@ -377,3 +377,49 @@ def test_a_saturated_window_cannot_make_an_idle_endpoint_look_slow():
     assert 0.0 <= r.base_s <= bound * 1.01 < 0.1
     assert r.base_s + 100.0 / r.rate < 0.1  # an idle endpoint: a step, not seconds
     assert r.rate < RATE  # the shortfall shows up as a slower rate instead
+
+
+def _chain(seed: int, n: int) -> list[BlockHash]:
+    """n chained block hashes: block i names the whole prefix (seed, 0..i), as hash_blocks' are."""
+    return [BlockHash(hash((seed, i)) & 0xFFFF_FFFF_FFFF) for i in range(n)]
+
+
+@hsettings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 40), st.sampled_from("AB")),
+                min_size=1, max_size=300))
+def test_pending_match_equals_a_linear_scan_over_the_live_prefixes(ops):
+    """Adds and removes in any order (compaction included: 40-block prefixes, up to 300 operations) leave
+    `pending_match` equal to the first block no live pending prefix of that endpoint holds."""
+    m = TimeModel(RATE)
+    live: dict[int, tuple[str, list[BlockHash]]] = {}
+    for k, (add, seed, n, ep) in enumerate(ops):
+        if add or not live:
+            hashes = _chain(seed, n)
+            m.add_pending(k, ep, 16 * n, hashes)
+            live[k] = (ep, hashes)
+        else:
+            key = sorted(live)[k % len(live)]
+            m.remove_pending(key)
+            del live[key]
+        for query_seed in range(4):
+            query = _chain(query_seed, 40)
+            for e in "AB":
+                held = {h for ep2, hs in live.values() if ep2 == e for h in hs}
+                expected = next((i for i, h in enumerate(query) if h not in held), len(query))
+                assert m.pending_match(e, query) == expected
+    for key in list(live):
+        m.remove_pending(key)
+    assert m.pending_endpoints() == []
+
+
+def test_a_busy_endpoints_pending_blocks_stay_bounded():
+    """An endpoint that never empties (one request always pending) is compacted: its counts stay within a
+    constant factor of the live blocks, however many requests pass."""
+    m = TimeModel(RATE)
+    m.add_pending("anchor", A, 16, _chain(-1, 8))
+    for k in range(2000):
+        m.add_pending(k, A, 16 * 64, _chain(k, 64))
+        m.remove_pending(k)
+    pre = m._prefixes[A]
+    assert len(pre.added) <= 4 * 8 + 1024 + 64 + 8
+    assert m.pending_match(A, _chain(-1, 8)) == 8 and m.pending_match(A, _chain(5, 64)) == 0
