@@ -32,14 +32,14 @@ Single event loop; not thread-safe.
 
 from __future__ import annotations
 
-import enum
-
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.types import Decision, EndpointId
 
 
-class Phase(enum.IntFlag):
-    """What happened to a request so far (module docstring); a `Pick` holds the union."""
+class Phase:
+    """What happened to a request so far (module docstring): bits, a `Pick` holds their union (an int). Plain
+    ints, not an ``enum.IntFlag``: every ``|`` or ``in`` of an IntFlag runs Python code in `enum` (~1 us), and
+    a request takes several."""
 
     DECIDED = 1
     FAILED_OVER = 2
@@ -73,7 +73,7 @@ class Pick:
         self.decision = decision
         self.decision_us = decision_us  # parse + schedule, microseconds
         self.counted: EndpointId = endpoint_ids[0]
-        self.phases = Phase(0)
+        self.phases = 0  # Phase bits
         self.index_source = ""  # where the primary's match came from (RouterCore.index_source_of), for telemetry
         self.ttft_s: float | None = None  # FIRST_TOKEN: seconds from arrival
         self.prompt_tokens: int | None = None  # USAGE: the serving endpoint's figures (None: not reported)
@@ -93,7 +93,7 @@ class Pick:
 
     @property
     def released(self) -> bool:
-        return Phase.RELEASED in self.phases
+        return bool(self.phases & Phase.RELEASED)
 
 
 class LifecycleListener:
@@ -142,7 +142,7 @@ class Lifecycle:
 
     def failed_over(self, pick: Pick, served: EndpointId) -> bool:
         """The first counted failover report of `pick`; False (nothing told) for a later one."""
-        if Phase.FAILED_OVER in pick.phases:
+        if pick.phases & Phase.FAILED_OVER:
             return False
         pick.phases |= Phase.FAILED_OVER
         for listener in self.listeners:
@@ -150,7 +150,7 @@ class Lifecycle:
         return True
 
     def first_token(self, pick: Pick, ttft_s: float) -> None:
-        if Phase.FIRST_TOKEN in pick.phases:
+        if pick.phases & Phase.FIRST_TOKEN:
             return
         pick.phases |= Phase.FIRST_TOKEN
         pick.ttft_s = ttft_s
@@ -161,8 +161,8 @@ class Lifecycle:
         """The first usage report is USAGE (`on_usage`); the first one after a first token is also the TTFT
         sample (`on_ttft_sample`): a report that came before any first token (a non-streamed response) has no
         TTFT to learn from, and only a later report can complete the pair."""
-        new = Phase.USAGE not in pick.phases
-        sample = Phase.FIRST_TOKEN in pick.phases and Phase.TTFT_SAMPLE not in pick.phases
+        new = not pick.phases & Phase.USAGE
+        sample = bool(pick.phases & Phase.FIRST_TOKEN) and not pick.phases & Phase.TTFT_SAMPLE
         if not (new or sample):
             return
         pick.prompt_tokens = prompt_tokens
@@ -184,7 +184,7 @@ class Lifecycle:
             listener.on_response_id(pick)
 
     def released(self, pick: Pick) -> None:
-        if Phase.RELEASED in pick.phases:
+        if pick.phases & Phase.RELEASED:
             return
         pick.phases |= Phase.RELEASED
         for listener in self.listeners:

@@ -466,7 +466,7 @@ class PoolRouter:
         get the router's own 503 naming the response within milliseconds rather than after the next
         scheduled probes."""
         if not served or served == pick.endpoints[0]:
-            if status == 503 and pick.request.response_ref is not None and Phase.SERVED_REPORT not in pick.phases:
+            if status == 503 and pick.request.response_ref is not None and not pick.phases & Phase.SERVED_REPORT:
                 pick.phases |= Phase.SERVED_REPORT
                 self.pool.report_failure(pick.endpoint_ids[0])
             return
@@ -475,7 +475,7 @@ class PoolRouter:
         except ValueError:
             self.num_ignored_reports += 1  # not a fallback of this pick: "-" on a local reply, fail-open, forged
             return
-        if Phase.SERVED_REPORT in pick.phases:
+        if pick.phases & Phase.SERVED_REPORT:
             self.num_ignored_reports += 1
             return
         pick.phases |= Phase.SERVED_REPORT

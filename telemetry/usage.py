@@ -106,13 +106,14 @@ class StreamUsageTail:
 
 
 _USAGE_KEY = b'"usage":'
+_DECODER = json.JSONDecoder()  # stateless once built; building one costs more than decoding a usage object
 
 
 def _last_usage_object(buf: bytes) -> Usage | None:
     """The last ``"usage": {...}`` object in `buf` that decodes (module docstring: an event longer than the
     tail). JSON escaping keeps a ``"usage":`` inside a string value from matching (its quotes are escaped)."""
     end = len(buf)
-    decoder = json.JSONDecoder()
+    decoder = _DECODER
     while True:
         i = buf.rfind(_USAGE_KEY, 0, end)
         if i < 0:
