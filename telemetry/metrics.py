@@ -53,9 +53,11 @@ counters give the mean: predicted rate(prefixroute_predicted_ttft_seconds_total)
 Hit ratio over a window in PromQL: ``rate(prefixroute_actual_hit_tokens_total[1m]) /
 rate(prefixroute_prompt_tokens_total[1m])``.
 
-Cost: labelled children are cached in dicts, so a request costs one dict lookup + inc/observe per
-metric. Thread safety: prometheus_client's metrics are thread-safe; the child caches are
-plain dicts (benign races: at worst a child looked up twice).
+Cost: the per-request series are telemetry/series.py's (prometheus_client's exposition, an attribute add or a
+C bisect per call instead of its locked, Python-looped ones), and labelled children are cached in dicts, so a
+request costs one dict lookup + inc/observe per metric. Thread safety: the event loop is the one writer; the
+scrape thread reads (series.py); the child caches are plain dicts (benign races: at worst a child looked up
+twice).
 """
 
 from __future__ import annotations
@@ -64,11 +66,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prefixroute.types import Decision, EndpointState
 from prefixroute.telemetry.records import RequestRecord
+from prefixroute.telemetry.series import FastCounter, FastHistogram
 
 # Decisions take microseconds to a millisecond; requests' TTFT milliseconds to tens of seconds.
 DECISION_BUCKETS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3)
@@ -293,31 +296,33 @@ class RouterMetrics:
         self.time_model = time_model
         self.index_info = index_info
         r = self.registry
-        self.decisions = Counter("prefixroute_decisions", "Routing decisions by primary endpoint, policy, reason.",
+        self.decisions = FastCounter("prefixroute_decisions", "Routing decisions by primary endpoint, policy, reason.",
                                  ["endpoint", "policy", "reason"], registry=r)
-        self.decision_duration = Histogram("prefixroute_decision_duration_seconds", "Time spent deciding.",
+        self.decision_duration = FastHistogram("prefixroute_decision_duration_seconds", "Time spent deciding.",
                                            buckets=DECISION_BUCKETS_S, registry=r)
-        self.requests = Counter("prefixroute_requests", "Finished requests by served endpoint and status class.",
+        self.requests = FastCounter("prefixroute_requests", "Finished requests by served endpoint and status class.",
                                 ["endpoint", "status_class"], registry=r)
-        self.ttft = Histogram("prefixroute_ttft_seconds", "Gateway time to first token (arrival to first body "
+        self.ttft = FastHistogram("prefixroute_ttft_seconds", "Gateway time to first token (arrival to first body "
                               "byte).", ["endpoint"], buckets=TTFT_BUCKETS_S, registry=r)
-        self.latency = Histogram("prefixroute_request_duration_seconds", "Gateway request latency.", ["endpoint"],
+        self.latency = FastHistogram("prefixroute_request_duration_seconds", "Gateway request latency.", ["endpoint"],
                                  buckets=LATENCY_BUCKETS_S, registry=r)
-        self.prompt_tokens = Counter("prefixroute_prompt_tokens", "Prompt tokens of requests that reported usage.",
+        self.prompt_tokens = FastCounter("prefixroute_prompt_tokens", "Prompt tokens of requests that reported usage.",
                                      ["endpoint"], registry=r)
-        self.predicted_hit_tokens = Counter("prefixroute_predicted_hit_tokens", "Prompt tokens the router "
+        self.predicted_hit_tokens = FastCounter("prefixroute_predicted_hit_tokens", "Prompt tokens the router "
                                             "predicted cached (predicted_hit_ratio x prompt tokens).", ["endpoint"],
                                             registry=r)
-        self.actual_hit_tokens = Counter("prefixroute_actual_hit_tokens", "Prompt tokens the model server reported "
+        self.actual_hit_tokens = FastCounter("prefixroute_actual_hit_tokens", "Prompt tokens the model server reported "
                                          "cached (usage cached_tokens).", ["endpoint"], registry=r)
-        self.prediction_error = Histogram(
+        self.prediction_error = FastHistogram(
             "prefixroute_ttft_prediction_error_ratio", "TTFT prediction error of the primary, (actual - predicted) "
             "/ predicted (predicted floored at 1 ms), for successful requests the primary served.", ["endpoint"],
             buckets=PREDICTION_ERROR_BUCKETS, registry=r)
-        self.predicted_ttft = Counter("prefixroute_predicted_ttft_seconds", "Predicted TTFT summed over the requests "
-                                      "scored in prefixroute_ttft_prediction_error_ratio.", ["endpoint"], registry=r)
-        self.compared_ttft = Counter("prefixroute_compared_ttft_seconds", "Measured TTFT summed over the requests "
-                                     "scored in prefixroute_ttft_prediction_error_ratio.", ["endpoint"], registry=r)
+        self.predicted_ttft = FastCounter("prefixroute_predicted_ttft_seconds", "Predicted TTFT summed over the "
+                                          "requests scored in prefixroute_ttft_prediction_error_ratio.", ["endpoint"],
+                                          registry=r)
+        self.compared_ttft = FastCounter("prefixroute_compared_ttft_seconds", "Measured TTFT summed over the "
+                                         "requests scored in prefixroute_ttft_prediction_error_ratio.", ["endpoint"],
+                                         registry=r)
         r.register(_CallbackCollector(self))
         self._decision_children: dict[tuple[str, str, str], Any] = {}
         self._endpoint_children: dict[str, tuple[Any, ...]] = {}
