@@ -184,6 +184,31 @@ async def test_a_pick_whose_facts_never_come_is_emitted_after_the_timeout_and_co
     assert samples == {"matched": 0, "unmatched": 1, "missing": 1}
 
 
+async def test_picks_closed_at_different_times_each_wait_their_own_grace() -> None:
+    """One sweeper serves every pick's grace: each is emitted obs_grace_s (0.4 s here) after its own close, in
+    order; one whose record comes meanwhile is emitted once, with its facts. (Margins of 0.1 s each side.)"""
+    out: list[RequestRecord] = []
+    router = Router()
+    t = RequestTracker(lambda d, us: None, out.append, ADDR.get, obs_grace_s=0.4, on_first_token=router.first_token,
+                       on_usage=router.usage, on_response_id=router.learn_response, propagate=False)
+    rx = FactsReceiver(t, router.served)
+    first, _ = begin(t)
+    t.routing_closed(first)
+    await asyncio.sleep(0.2)
+    second, tp2 = begin(t)
+    third, _ = begin(t)
+    t.routing_closed(second)
+    t.routing_closed(third)
+    rx.export(export(record(tp2)))  # the second one's facts came
+    assert [r.span_id for r in out] == [second.key]
+    await asyncio.sleep(0.3)  # 0.5 s: the first one's grace is over (0.4), not the third's (0.6)
+    assert [r.span_id for r in out] == [second.key, first.key]
+    await asyncio.sleep(0.2)
+    assert [r.span_id for r in out] == [second.key, first.key, third.key]
+    assert [r.error for r in out] == [None, "response facts missing", "response facts missing"]
+    assert rx.counts() == {"matched": 1, "unmatched": 0, "missing": 2} and t.pending == {}
+
+
 def test_a_request_envoy_answered_itself_is_recorded_by_the_routing_stream(rig) -> None:
     # The facts logger sends only picked routes' records: an undecided request must not wait for one.
     t, _, _, out = rig
