@@ -578,7 +578,9 @@ class RequestTracker:
         """Expire the states whose grace ended (the queue's front), then sleep until the next one's end."""
         self._grace_timer = None
         grace = self._grace
-        now = asyncio.get_running_loop().time()
+        # A timer may fire a little early (uvloop counts whole milliseconds): what is due within 1 ms is
+        # expired now rather than re-armed for a moment.
+        now = asyncio.get_running_loop().time() + 0.001
         while grace:
             key, (deadline, st) = next(iter(grace.items()))
             if deadline > now:
