@@ -296,33 +296,38 @@ class RouterMetrics:
         self.time_model = time_model
         self.index_info = index_info
         r = self.registry
-        self.decisions = FastCounter("prefixroute_decisions", "Routing decisions by primary endpoint, policy, reason.",
-                                 ["endpoint", "policy", "reason"], registry=r)
-        self.decision_duration = FastHistogram("prefixroute_decision_duration_seconds", "Time spent deciding.",
-                                           buckets=DECISION_BUCKETS_S, registry=r)
-        self.requests = FastCounter("prefixroute_requests", "Finished requests by served endpoint and status class.",
-                                ["endpoint", "status_class"], registry=r)
-        self.ttft = FastHistogram("prefixroute_ttft_seconds", "Gateway time to first token (arrival to first body "
-                              "byte).", ["endpoint"], buckets=TTFT_BUCKETS_S, registry=r)
-        self.latency = FastHistogram("prefixroute_request_duration_seconds", "Gateway request latency.", ["endpoint"],
-                                 buckets=LATENCY_BUCKETS_S, registry=r)
-        self.prompt_tokens = FastCounter("prefixroute_prompt_tokens", "Prompt tokens of requests that reported usage.",
-                                     ["endpoint"], registry=r)
-        self.predicted_hit_tokens = FastCounter("prefixroute_predicted_hit_tokens", "Prompt tokens the router "
-                                            "predicted cached (predicted_hit_ratio x prompt tokens).", ["endpoint"],
-                                            registry=r)
-        self.actual_hit_tokens = FastCounter("prefixroute_actual_hit_tokens", "Prompt tokens the model server reported "
-                                         "cached (usage cached_tokens).", ["endpoint"], registry=r)
+        self.decisions = FastCounter(
+            "prefixroute_decisions", "Routing decisions by primary endpoint, policy, reason.",
+            ["endpoint", "policy", "reason"], registry=r)
+        self.decision_duration = FastHistogram(
+            "prefixroute_decision_duration_seconds", "Time spent deciding.", buckets=DECISION_BUCKETS_S, registry=r)
+        self.requests = FastCounter(
+            "prefixroute_requests", "Finished requests by served endpoint and status class.",
+            ["endpoint", "status_class"], registry=r)
+        self.ttft = FastHistogram(
+            "prefixroute_ttft_seconds", "Gateway time to first token (arrival to first body byte).", ["endpoint"],
+            buckets=TTFT_BUCKETS_S, registry=r)
+        self.latency = FastHistogram(
+            "prefixroute_request_duration_seconds", "Gateway request latency.", ["endpoint"],
+            buckets=LATENCY_BUCKETS_S, registry=r)
+        self.prompt_tokens = FastCounter(
+            "prefixroute_prompt_tokens", "Prompt tokens of requests that reported usage.", ["endpoint"], registry=r)
+        self.predicted_hit_tokens = FastCounter(
+            "prefixroute_predicted_hit_tokens", "Prompt tokens the router predicted cached (predicted_hit_ratio x "
+            "prompt tokens).", ["endpoint"], registry=r)
+        self.actual_hit_tokens = FastCounter(
+            "prefixroute_actual_hit_tokens", "Prompt tokens the model server reported cached (usage cached_tokens).",
+            ["endpoint"], registry=r)
         self.prediction_error = FastHistogram(
             "prefixroute_ttft_prediction_error_ratio", "TTFT prediction error of the primary, (actual - predicted) "
             "/ predicted (predicted floored at 1 ms), for successful requests the primary served.", ["endpoint"],
             buckets=PREDICTION_ERROR_BUCKETS, registry=r)
-        self.predicted_ttft = FastCounter("prefixroute_predicted_ttft_seconds", "Predicted TTFT summed over the "
-                                          "requests scored in prefixroute_ttft_prediction_error_ratio.", ["endpoint"],
-                                          registry=r)
-        self.compared_ttft = FastCounter("prefixroute_compared_ttft_seconds", "Measured TTFT summed over the "
-                                         "requests scored in prefixroute_ttft_prediction_error_ratio.", ["endpoint"],
-                                         registry=r)
+        self.predicted_ttft = FastCounter(
+            "prefixroute_predicted_ttft_seconds", "Predicted TTFT summed over the requests scored in "
+            "prefixroute_ttft_prediction_error_ratio.", ["endpoint"], registry=r)
+        self.compared_ttft = FastCounter(
+            "prefixroute_compared_ttft_seconds", "Measured TTFT summed over the requests scored in "
+            "prefixroute_ttft_prediction_error_ratio.", ["endpoint"], registry=r)
         r.register(_CallbackCollector(self))
         self._decision_children: dict[tuple[str, str, str], Any] = {}
         self._endpoint_children: dict[str, tuple[Any, ...]] = {}
