@@ -580,11 +580,12 @@ class RequestTracker:
         grace = self._grace
         # A timer may fire a little early (uvloop counts whole milliseconds): what is due within 1 ms is
         # expired now rather than re-armed for a moment.
-        now = asyncio.get_running_loop().time() + 0.001
+        loop = asyncio.get_running_loop()
+        now = loop.time() + 0.001
         while grace:
             key, (deadline, st) = next(iter(grace.items()))
             if deadline > now:
-                self._grace_timer = asyncio.get_running_loop().call_at(deadline, self._sweep_grace)
+                self._grace_timer = loop.call_at(deadline, self._sweep_grace)
                 return
             self._grace_expired(st)  # emits it, which takes it out of the queue
             grace.pop(key, None)
