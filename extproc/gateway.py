@@ -112,8 +112,8 @@ class GatewaySettings(Settings):
         "endpoint, Responses id), with telemetry on: 'facts' = Envoy takes them (a Lua filter) and sends one OTLP "
         "record per request to the ext_proc replica, nothing per body chunk crosses gRPC, and they arrive at the "
         "stream's end plus facts_flush_interval_ms; 'observe' = the observing ext_proc filter streams every response "
-        "chunk to the router (facts at the first token, ~95 us of ext_proc CPU per chunk); 'auto' = facts when "
-        "Envoy's request records are on (`prefixroute up`), observe otherwise. GIE mode keeps its own protocol.")
+        "chunk to the router (facts at the first token, ~95 us of ext_proc CPU per chunk); 'auto' = facts (kept "
+        "as a name: it once meant observe without Envoy's request records). GIE mode keeps its own protocol.")
     facts_flush_interval_ms: int = setting(
         50, "With the facts path: how long Envoy holds facts records before sending them to the ext_proc replica "
         "(50 ms: one gRPC message carries many requests under load; a fact reaches the router at most this long "
@@ -305,13 +305,12 @@ class GatewayProcesses:
 
     @property
     def response_path(self) -> str:
-        """'facts' or 'observe': `response_path` with 'auto' resolved (facts when Envoy's records are on)."""
+        """'facts' or 'observe': `response_path` with 'auto' resolved (facts, with or without Envoy's records:
+        nothing per response chunk crosses gRPC unless the operator asks for the observing stream)."""
         path = self.gateway.response_path
         if path not in RESPONSE_PATHS:
             raise ValueError(f"response_path must be one of {', '.join(RESPONSE_PATHS)}, got {path!r}")
-        if path == "auto":
-            return "facts" if self.records_to is not None else "observe"
-        return path
+        return "facts" if path == "auto" else path
 
     @property
     def url(self) -> str:

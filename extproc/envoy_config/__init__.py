@@ -20,19 +20,21 @@ Request path through Envoy:
 
     listener -> HCM early header mutation: strip every routing header a client may have sent
              -> ext_proc filter (our picker): headers SEND, request body BUFFERED, response headers SEND
-             -> ext_proc filter in observability mode (telemetry; observe_responses): response headers
+                (SKIP on the facts path, whose record names the served endpoint)
+             -> ext_proc filter in observability mode (observe_responses, off by default): response headers
                 (the request's traceparent, id and path as attributes) and response body STREAMED, sent
                 without waiting for answers
              -> Lua filter (with records_otlp_address and first_token_lua): stamps a Responses API stream's
                 first token time for Envoy's request record (timing.py); on the facts path (response_facts_lua,
-                in place of the observing filter) the facts filter, which also takes each response's usage and
+                the default, in place of the observing filter) the facts filter, which also takes each response's usage and
                 id for one OTLP facts record per request to the replica that routed it (facts.py)
              -> router: route on the header the picker set, else the ext_proc-down route
 
 Telemetry (extproc/tracking.py): the picker also sets ``traceparent`` (its own span, a child
-of the client's) on the request; the observing filter sees it in its request headers, which correlates
-its stream with the picker's, then reports the response's first body chunk (gateway TTFT), its end
-(latency) and its usage. Observability mode means Envoy forwards every chunk to the client at once.
+of the client's) on the request; the facts record carries it back, which correlates the record with the pick
+(envoy_facts.py). With observe_responses instead, the observing filter sees it in its request headers,
+which correlates its stream with the picker's, then reports the response's first body chunk (gateway TTFT),
+its end (latency) and its usage; observability mode means Envoy forwards every chunk to the client at once.
 
 Endpoint selection and failover (Gateway API Inference Extension endpoint-picker protocol):
 - The picker sets `x-gateway-destination-endpoint: ip:port` (primary; also dynamic metadata
@@ -142,6 +144,7 @@ from prefixroute.extproc.envoy_config.records import (RECORD_ATTRIBUTES, RECORDS
                                                       records_access_log)
 from prefixroute.extproc.envoy_config.replies import ENVOY_OWN_REPLY
 from prefixroute.extproc.envoy_config.routes import allowed_path_matches, gateway_routes
+from prefixroute.extproc.envoy_config.timing import TIMING_FILTER
 from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, MAX_FALLBACKS,  # noqa: F401
                                          OBSERVE_ATTRIBUTES, OBSERVED_METADATA, REPLICA_HEADER, SERVED_HEADER,
                                          fallback_header, route_headers)
@@ -168,12 +171,18 @@ def build_config(s: EnvoySettings) -> Bootstrap:
     if s.connection_buffer_bytes < 16 * 1024:
         raise ValueError(f"connection_buffer_bytes must be at least 16384 (Envoy's flow-control chunk), got "
                          f"{s.connection_buffer_bytes}")
+    if s.observe_responses and s.response_facts_lua:
+        # Two takers of the same facts: each pick would be reported twice, and the per-chunk stream the facts
+        # path exists to remove would still run.
+        raise ValueError("observe_responses and response_facts_lua are two ways to take the same response facts: "
+                         "set one (envoy-config --observe-responses --no-response-facts-lua for the observing "
+                         "filter)")
     replicas = extproc_addresses(s)
     allowed = allowed_path_matches(s)
     token_secret = extproc_token_secret(s)
     filters = http_filters(s, len(replicas))
     routes = gateway_routes(s, allowed, len(replicas),
-                            [f.name for f in filters if f.name in (ROUTING_FILTER, OBSERVE_FILTER)])
+                            [f.name for f in filters if f.name in (ROUTING_FILTER, OBSERVE_FILTER, TIMING_FILTER)])
     records_log, records_cluster, records_secret = records_access_log(s)
     hcm = connection_manager(s, routes, filters, records_log + facts_access_logs(s, replicas))
     clusters = gateway_clusters(s, replicas, token_secret, records_cluster)
@@ -195,8 +204,9 @@ this file equals the rendering. See extproc/envoy_config.py for the design:
 - early header mutation strips client-supplied routing headers (a client never picks an address);
 - ext_proc (our endpoint picker) sets x-gateway-destination-endpoint + ordered fallback headers, and
   traceparent (its span) for the model server;
-- a second ext_proc filter in observability mode (never waited on) streams the response to the picker
-  for per-request telemetry: gateway TTFT, latency, token usage, served endpoint;
+- a Lua filter takes each response's facts in Envoy (first token time, usage with cached tokens, response id)
+  and one OTLP log record per request carries them, with status, served endpoint and Envoy's timing, to the
+  picker that routed it: nothing per response chunk reaches the picker;
 - route `picked_endpoint` (only when that header is present) -> composite cluster: attempt k goes to
   the ORIGINAL_DST sub-cluster keyed on the k-th header; retried only before any response byte;
 - ext_proc down: fail-open to round-robin over the configured endpoints (failure_mode=open),

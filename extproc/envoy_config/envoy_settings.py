@@ -80,10 +80,11 @@ class EnvoySettings(Settings):
                                               "process can route).")
     extproc_enabled: bool = setting(True, "Insert the ext_proc filter (false = plain round-robin, used by the "
                                     "overhead benchmark as the baseline).")
-    observe_responses: bool = setting(True, "Insert the observing ext_proc filter (observability mode: Envoy never "
-                                      "waits for it) that streams response headers and body chunks to the ext_proc "
-                                      "service for gateway TTFT, latency and token usage per request; false omits "
-                                      "it (records then lack TTFT and usage).")
+    observe_responses: bool = setting(False, "Insert the observing ext_proc filter (observability mode: Envoy never "
+                                      "waits for it) that streams response headers and every body chunk to the "
+                                      "ext_proc service for gateway TTFT, latency and token usage per request (~95 us "
+                                      "of ext_proc CPU per chunk). Off by default: response_facts_lua takes the same "
+                                      "facts in Envoy, once per request. Use one or the other.")
     routing_processing: str = setting(
         "buffered", "How the routing ext_proc filter sends a request (issue 26; every option Envoy 1.40 offers, "
         "measured and checked in bench-results/routing-modes/): 'buffered' (request headers, answered at once, then "
@@ -149,11 +150,12 @@ class EnvoySettings(Settings):
         "It reads only the first chunk of any other response (measured: docs/benchmarks.md, Router overhead). Off: "
         "a Responses stream's TTFT is its first body byte.")
     response_facts_lua: bool = setting(
-        False, "The facts path (docs/architecture.md, Response facts): a Lua filter takes each response's facts in "
-        "Envoy (first token time, usage with cached tokens, response id) and one OTLP log record per request carries "
-        "them, with status, served endpoint and Envoy's timing, to the ext_proc replica that routed it; nothing per "
-        "body chunk crosses gRPC. Use with observe_responses false (the observing filter's per-chunk stream is what "
-        "it replaces); `prefixroute gateway` sets both from --response-path.")
+        True, "The facts path (docs/architecture.md, Response facts; the default): a Lua filter takes each "
+        "response's facts in Envoy (first token time, usage with cached tokens, response id) and one OTLP log record "
+        "per request carries them, with status, served endpoint and Envoy's timing, to the ext_proc replica that "
+        "routed it; nothing per body chunk crosses gRPC. Use with observe_responses false (the observing filter's "
+        "per-chunk stream is what it replaces); `prefixroute gateway` sets both from --response-path. False (and "
+        "observe_responses false): the router learns only the served endpoint, from the response headers.")
     facts_flush_interval_ms: int = setting(
         50, "How long Envoy's facts logger holds records before sending them to the ext_proc replica (ms): a "
         "response's facts reach the router its stream's end plus up to this. 50 ms: one gRPC message carries many "

@@ -14,6 +14,7 @@ from envoy_data_plane.envoy.config.route.v3 import (DirectResponseAction, Header
                                                     RetryPolicyRetryBackOff, RetryPolicyRetryHostPredicate, Route,
                                                     RouteAction, RouteMatch, RouteMatchConnectMatcher)
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ExtProcOverrides, ExtProcPerRoute
+from envoy_data_plane.envoy.extensions.filters.http.lua.v3 import LuaPerRoute
 from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import PreviousHostsPredicate
 from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
 from envoy_data_plane.google.protobuf import Any as ProtoAny
@@ -22,6 +23,7 @@ from prefixroute.extproc.envoy_config.common import (EXTPROC_REPLICA_CLUSTER_PRE
                                                      POOL_CLUSTER, UNAVAILABLE_CLOSED_ROUTE, UNAVAILABLE_CLUSTER,
                                                      UNAVAILABLE_STATEFUL_ROUTE, duration, error_json, set_header)
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
+from prefixroute.extproc.envoy_config.timing import TIMING_FILTER
 from prefixroute.extproc.headers import DESTINATION_HEADER, REPLICA_HEADER, SERVED_HEADER
 from prefixroute.responses_prompt import RESPONSES_PATH, RESPONSES_PREFIX
 
@@ -34,7 +36,8 @@ def gateway_routes(s: EnvoySettings, allowed: Sequence[RouteMatch], num_replicas
                    ext_proc_filters: Sequence[str]) -> list[Route]:
     """The virtual host's routes, first match wins. Every route that reaches an endpoint matches one allowlisted
     path (exact or prefix, on the normalised path, query string aside), so only those are ever forwarded, whether
-    or not ext_proc answered; `ext_proc_filters` are disabled on the routes Envoy answers itself."""
+    or not ext_proc answered; `ext_proc_filters` (the ext_proc filters and the Lua filter of timing.py or facts.py)
+    are disabled on the routes Envoy answers itself."""
     if s.extproc_enabled:
         # The picked route first: it matches only once the picker has set its header.
         per_replica = range(num_replicas) if num_replicas > 1 else ()
@@ -145,8 +148,8 @@ def match_text(m: RouteMatch) -> str:
 
 
 def not_found_route(name: str, match: RouteMatch, status: int, message: str, filters: Sequence[str]) -> Route:
-    # Answered by Envoy with neither ext_proc filter running: the router never spends a decision (or a
-    # telemetry record) on a path it does not serve.
+    # Answered by Envoy with neither ext_proc filter nor the Lua filter running: the router never spends a
+    # decision (or a telemetry record) on a path it does not serve.
     return direct_route(name, match, status, error_json(status, message), filters)
 
 
@@ -155,5 +158,6 @@ def direct_route(name: str, match: RouteMatch, status: int, body: str, filters: 
         name=name, match=match,
         direct_response=DirectResponseAction(status=status, body=DataSource(inline_string=body)),
         response_headers_to_add=[set_header("content-type", "application/json")],
-        typed_per_filter_config={f: ProtoAny.pack(ExtProcPerRoute(disabled=True)) for f in filters},
+        typed_per_filter_config={f: ProtoAny.pack(LuaPerRoute(disabled=True) if f == TIMING_FILTER
+                                                  else ExtProcPerRoute(disabled=True)) for f in filters},
     )

@@ -30,11 +30,13 @@ COMBINATIONS = {
     "no-extproc": {"extproc_enabled": False},
     "fail-closed-no-extproc": {"failure_mode": "closed", "extproc_enabled": False},
     "no-endpoints": {"endpoints": ()},
-    "no-observe": {"observe_responses": False},
-    "no-observe-no-report-served": {"observe_responses": False, "report_served": False},
-    "facts": {"observe_responses": False, "response_facts_lua": True},
-    "facts-replicas": {"observe_responses": False, "response_facts_lua": True,
-                       "extproc_replica_addresses": ("127.0.0.1:50051", "127.0.0.1:50052")},
+    "observe": {"observe_responses": True, "response_facts_lua": False},
+    "observe-replicas": {"observe_responses": True, "response_facts_lua": False,
+                         "extproc_replica_addresses": ("127.0.0.1:50051", "127.0.0.1:50052")},
+    "no-facts": {"response_facts_lua": False},
+    "no-facts-no-report-served": {"response_facts_lua": False, "report_served": False},
+    "facts-replicas": {"extproc_replica_addresses": ("127.0.0.1:50051", "127.0.0.1:50052")},
+    "facts-records": {"records_otlp_address": "127.0.0.1:4317"},
     "no-retry-on-reset-no-timeout": {"retry_on_reset": False, "upstream_timeout_s": 0.0, "connect_timeout_s": 0.25},
     # The routing filter's other processing options (measured, not correct as a gateway: bench-results/routing-modes/).
     **{f"routing-{mode}": {"routing_processing": mode}
@@ -51,8 +53,8 @@ def test_real_envoy_accepts_the_rendering(tmp_path: Path, overrides: dict) -> No
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", ["default", "fail-closed", "four-fallbacks", "no-extproc", "facts",
-                                  "no-observe-no-report-served", "no-retry-on-reset-no-timeout"])
+@pytest.mark.parametrize("name", ["default", "fail-closed", "four-fallbacks", "no-extproc", "observe",
+                                  "no-facts-no-report-served", "no-retry-on-reset-no-timeout"])
 def test_real_envoy_runs_exactly_the_built_bootstrap(tmp_path: Path, name: str) -> None:
     # What proves the serialisation (PyYAML's quoting, Envoy's YAML typing, the proto3 JSON mapping) changes
     # nothing: the running Envoy's own dump of its bootstrap, parsed back into the typed message, equals it.

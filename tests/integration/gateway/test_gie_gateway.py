@@ -83,7 +83,7 @@ def gie(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gie]:
         ports = new_ports()
         ours = EnvoySettings(gateway_port=ports.gateway, listen_address="127.0.0.1", admin_port=ports.admin,
                              extproc_address=f"127.0.0.1:{port}", extproc_tls_ca_file=str(pki.ca_cert),
-                             endpoints=tuple(eps), observe_responses=False)
+                             endpoints=tuple(eps), response_facts_lua=False)
         import yaml
 
         envoys["ours"] = start_envoy(group, "ours", yaml.safe_load(render(ours)), ports, log_dir)

@@ -22,6 +22,10 @@ from prefixroute.extproc.gateway import settings_argv
 
 REPO = Path(__file__).resolve().parents[3]
 
+# The two other ways the router learns each response (the default is the facts path: envoy_config/facts.py).
+OBSERVE = {"observe_responses": True, "response_facts_lua": False}
+NO_FACTS = {"observe_responses": False, "response_facts_lua": False}
+
 
 def _hcm(cfg) -> HttpConnectionManager:
     return cfg.static_resources.listeners[0].filter_chains[0].filters[0].typed_config.unpack()
@@ -133,7 +137,7 @@ def test_settings_argv_reproduces_non_default_fields(settings: EnvoySettings, ar
 
 
 @pytest.mark.parametrize(("overrides", "served_on_routing_filter"), [
-    ({}, False), ({"observe_responses": False}, True), ({"observe_responses": False, "report_served": False}, False)])
+    ({}, False), (OBSERVE, False), (NO_FACTS, True), ({**NO_FACTS, "report_served": False}, False)])
 def test_routing_filter_blocks_on_response_headers_only_when_nothing_else_reports_the_served_endpoint(
         overrides: dict, served_on_routing_filter: bool) -> None:
     mode = _ext_proc(_filters(build_config(EnvoySettings(**overrides)))[0]).processing_mode
@@ -143,7 +147,7 @@ def test_routing_filter_blocks_on_response_headers_only_when_nothing_else_report
 
 
 @pytest.mark.parametrize(("overrides", "observed"), [
-    ({}, True), ({"observe_responses": False}, False), ({"extproc_enabled": False}, False)])
+    (OBSERVE, True), (NO_FACTS, False), ({**OBSERVE, "extproc_enabled": False}, False)])
 def test_observing_filter_follows_the_routing_filter_in_observability_mode(overrides: dict, observed: bool) -> None:
     filters = _filters(build_config(EnvoySettings(**overrides)))
     names = [f.name for f in filters]

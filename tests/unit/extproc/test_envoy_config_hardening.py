@@ -28,7 +28,8 @@ COMBINATIONS = {
     "default": {}, "fail-closed": {"failure_mode": "closed"}, "no-fallback": {"num_fallbacks": 0},
     "no-extproc": {"extproc_enabled": False},
     "fail-closed-no-extproc": {"failure_mode": "closed", "extproc_enabled": False},
-    "no-endpoints": {"endpoints": ()}, "no-observe": {"observe_responses": False},
+    "no-endpoints": {"endpoints": ()}, "no-facts": {"response_facts_lua": False},
+    "observe": {"observe_responses": True, "response_facts_lua": False},
 }
 ALL = {**COMBINATIONS, "extra-paths": {"allowed_paths": ("/v1/audio/transcriptions",), "allowed_path_prefixes": ()},
        "token": {"extproc_auth_token": "tok"}}
@@ -144,9 +145,10 @@ def test_token_is_a_secret_every_ext_proc_cluster_injects(tmp_path: Path, observ
     token_file = tmp_path / "token"
     token_file.write_text("file-token")
     addresses = {"extproc_replica_addresses": ("127.0.0.1:1", "127.0.0.1:2")} if replicas > 1 else {}
-    for s, source in ((EnvoySettings(observe_responses=observe, extproc_auth_token="t0k", **addresses),
+    for s, source in ((EnvoySettings(observe_responses=observe, response_facts_lua=False, extproc_auth_token="t0k", **addresses),
                        {"inline_string": "t0k"}),
-                      (EnvoySettings(observe_responses=observe, extproc_auth_token_file=str(token_file), **addresses),
+                      (EnvoySettings(observe_responses=observe, response_facts_lua=False,
+                                     extproc_auth_token_file=str(token_file), **addresses),
                        {"filename": str(token_file)})):
         cfg = build_config(s)
         for f in _filters(cfg).values():
@@ -164,7 +166,7 @@ def test_token_is_a_secret_every_ext_proc_cluster_injects(tmp_path: Path, observ
             assert codec.name == "envoy.filters.http.upstream_codec"
         assert "t0k" not in render(s) or "inline_string: t0k" in render(s)  # only ever inside the secret
         assert "file-token" not in render(s)  # a file's token never enters the configuration
-    cfg = build_config(EnvoySettings(observe_responses=observe))
+    cfg = build_config(EnvoySettings(observe_responses=observe, response_facts_lua=False))
     assert not cfg.static_resources.secrets
 
 

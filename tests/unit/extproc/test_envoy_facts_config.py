@@ -48,7 +48,8 @@ def test_one_facts_logger_per_replica_to_its_own_port_with_the_flush_in_common_c
             assert f"prefixroute_extproc_replica_{k}" in t and f"replica {k}" in t
         else:
             assert "prefixroute_extproc" in t
-    assert facts_access_logs(EnvoySettings(), addresses) == []
+    assert facts_access_logs(EnvoySettings(response_facts_lua=False), addresses) == []
+    assert len(facts_access_logs(EnvoySettings(), addresses)) == replicas  # the default path
     with pytest.raises(ValueError, match="facts_flush_interval_ms"):
         facts_access_logs(EnvoySettings(**FACTS, facts_flush_interval_ms=0), addresses)
     assert build_config(s)  # the whole bootstrap builds
@@ -61,7 +62,8 @@ def test_the_routing_filter_skips_response_headers_on_the_facts_path() -> None:
 
 
 @pytest.mark.parametrize(("path", "records", "expected"), [
-    ("auto", True, "facts"), ("auto", False, "observe"), ("facts", False, "facts"), ("observe", True, "observe")])
+    ("auto", True, "facts"), ("auto", False, "facts"), ("facts", False, "facts"), ("observe", True, "observe"),
+    ("observe", False, "observe")])
 def test_response_path_resolves(path: str, records: bool, expected: str) -> None:
     gw = GatewayProcesses(GatewaySettings(response_path=path), RoutingSettings(),
                           PoolSettings(endpoints=("127.0.0.1:9",)),

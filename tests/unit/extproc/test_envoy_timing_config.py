@@ -10,10 +10,11 @@ from prefixroute.extproc.envoy_config.timing import FIRST_TOKEN_KEY, FIRST_TOKEN
 
 
 def test_the_timing_filter_runs_last_before_the_router_and_only_when_records_are_sent() -> None:
-    on = [f.name for f in http_filters(EnvoySettings(records_otlp_address="127.0.0.1:4317"), 1)]
+    # Without the facts path (whose filter takes this one's place: test_envoy_facts_config.py).
+    on = [f.name for f in http_filters(EnvoySettings(records_otlp_address="127.0.0.1:4317", response_facts_lua=False), 1)]
     assert on[-2:] == [TIMING_FILTER, ROUTER_FILTER]
-    assert TIMING_FILTER not in [f.name for f in http_filters(EnvoySettings(), 1)]
-    off = EnvoySettings(records_otlp_address="127.0.0.1:4317", first_token_lua=False)
+    assert TIMING_FILTER not in [f.name for f in http_filters(EnvoySettings(response_facts_lua=False), 1)]
+    off = EnvoySettings(records_otlp_address="127.0.0.1:4317", first_token_lua=False, response_facts_lua=False)
     assert TIMING_FILTER not in [f.name for f in http_filters(off, 1)]
 
 
