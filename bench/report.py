@@ -336,6 +336,27 @@ def render_bounds_by_router(runs: Sequence[Mapping[str, Any]], bounds: Mapping[s
     return lines + [""]
 
 
+CPU_ROLES = ("router", "envoy", "servers", "client", "other")
+
+
+def render_cpu(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The CPU each kind of process took per request while the requests ran (runner.process_cpu_s), one row per
+    run that measured it; nothing when none did."""
+    rows = [(r["router"], (r.get("extra") or {}).get("cpu_ms_per_request")) for r in runs]
+    rows = [(name, cpu) for name, cpu in rows if cpu]
+    if not rows:
+        return []
+    lines = ["CPU per request while the requests ran, ms of all cores (router: the router's own processes, our "
+             "ext_proc replicas or the peer's; envoy: our gateway's Envoy; servers: the model servers, /metrics "
+             "scrapes and KV events included; client: the load generator):", "",
+             "| router | " + " | ".join(CPU_ROLES) + " | all | host busy |", "| --- " * (len(CPU_ROLES) + 3) + "|"]
+    for (name, cpu), r in zip(rows, (r for r in runs if (r.get("extra") or {}).get("cpu_ms_per_request"))):
+        busy = (r.get("extra") or {}).get("host_cpu_busy_ratio")
+        lines.append(f"| {name} | " + " | ".join(_fmt(cpu.get(k, 0.0), 2) for k in CPU_ROLES)
+                     + f" | {_fmt(sum(cpu.values()), 2)} | {'-' if busy is None else f'{busy:.0%}'} |")
+    return lines + [""]
+
+
 def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
     """report.md: workload, upper bound, one table row per run, ratios vs random where present."""
     wl = doc["workload"]
@@ -371,6 +392,7 @@ def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
               "optimal eviction on one cache of the fleet's KV capacity; max share / fair = the "
               "busiest endpoint's share of requests over 1/num_endpoints; ratios < 1 are better than random.", ""]
     lines += render_bounds_by_router(runs, bounds)
+    lines += render_cpu(runs)
     lines += render_agents(doc)
     sourced = [r for r in runs if "index_source" in (r.get("extra") or {})]
     if sourced:

@@ -249,6 +249,81 @@ def host_cpu_times() -> tuple[float, float] | None:
     return sum(fields[:8]) - idle, sum(fields[:8])  # guest time is already counted in user
 
 
+def _process_role(argv: list[str]) -> str:
+    """The bench role of one process from its argv: ``servers`` (model servers), ``envoy``, ``router`` (our
+    ext_proc replicas and the peers' router processes), ``other`` (anything else below the bench)."""
+    head = " ".join(argv[:4])
+    if "model-server" in head:
+        return "servers"
+    if argv and os.path.basename(argv[0]).startswith("envoy"):
+        return "envoy"
+    # sglang-router's process renames itself "sglang::router" once started.
+    if "extproc" in head or "sglang" in head or "vllm-router" in head or "vllm_router" in head:
+        return "router"
+    return "other"
+
+
+def process_cpu_s() -> dict[int, tuple[str, float]]:
+    """{pid: (role, user+system CPU seconds)} of this process (role ``client``) and every process below it
+    (/proc; empty where there is none). A process whose own argv names no role takes its nearest ancestor's (a
+    router's worker processes are the router's). Two readings, per pid, give each role's CPU in between; a
+    process that started or exited in between counts from or up to the reading that saw it."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    me = os.getpid()
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, ValueError, IndexError):
+            continue
+    own: dict[int, str] = {me: "client"}
+
+    def role_of(pid: int) -> str | None:
+        """The role of `pid`, None when it is not below this process."""
+        chain = []
+        while pid not in own:
+            if pid not in stats or len(chain) > 64:
+                for q in chain:
+                    own[q] = ""
+                return None
+            chain.append(pid)
+            pid = stats[pid][0]
+        inherited = own[pid]
+        for q in reversed(chain):  # from the nearest known ancestor down
+            if not inherited:
+                own[q] = ""
+                continue
+            try:
+                argv = Path(f"/proc/{q}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                argv = []
+            mine = _process_role(argv)
+            inherited = own[q] = mine if mine != "other" or inherited == "client" else inherited
+        return own[chain[0]] if chain else own[pid] or None
+
+    out: dict[int, tuple[str, float]] = {}
+    for pid, (_ppid, cpu_s) in stats.items():
+        role = role_of(pid)
+        if role:
+            out[pid] = (role, cpu_s)
+    return out
+
+
+def cpu_by_role_ms(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                   num_requests: int) -> dict[str, float] | None:
+    """Each role's CPU between two `process_cpu_s` readings, in ms per request (None: no requests or no
+    readings)."""
+    if not num_requests or not after:
+        return None
+    roles: dict[str, float] = {}
+    for pid, (role, cpu_s) in after.items():
+        roles[role] = roles.get(role, 0.0) + cpu_s - (before[pid][1] if pid in before else 0.0)
+    return {role: round(v / num_requests * 1e3, 3) for role, v in sorted(roles.items())}
+
+
 @dataclasses.dataclass
 class RunOutput:
     summary: dict[str, Any]
@@ -288,13 +363,13 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
                               gateway_endpoints=events.gateway_endpoints(endpoints) if events else None)
         base = handle.base_url
         bar = bench_client.Progress(len(requests), label=f"{spec.name:<28}", enabled=progress)
-        cpu0 = host_cpu_times()
+        cpu0, procs0 = host_cpu_times(), process_cpu_s()
         t0 = time.perf_counter()
         res = asyncio.run(bench_client.run_workload(
             base, requests, model=model, concurrency=concurrency, max_connections=max_connections,
             timeout_s=request_timeout_s, max_duration_s=max_duration_s, progress=bar, api=spec.workload_api))
         wall_s = time.perf_counter() - t0
-        cpu1 = host_cpu_times()
+        cpu1, procs1 = host_cpu_times(), process_cpu_s()
         counters = scrape_server_counters(endpoints)
         router_metrics = scrape_router_metrics(handle.metrics_urls)
     # Attribute requests to endpoints from the response headers; peers that drop them fall back to the
@@ -316,6 +391,7 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         "server_requests": {ep: c.get("request_success") for ep, c in counters.items()},
         "host_cpu_busy_ratio": (round((cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]), 3)
                                 if cpu0 and cpu1 and cpu1[1] > cpu0[1] else None),
+        "cpu_ms_per_request": cpu_by_role_ms(procs0, procs1, len(res)),
         "kv_events": bool(fleet.kv_events),
         **({"index_source": spec.index_source or "auto"} if spec.kind == "prefixroute" else {}),
         **({"router_metrics": router_metrics} if router_metrics is not None else {}),

@@ -52,6 +52,10 @@ def test_real_sweep_two_points_two_routers(tmp_path):
         # Each point's own run document and logs, per router.
         point = json.loads((out / "points" / f"{p['load_percent']:g}pct" / "results.json").read_text())
         assert [r["router"] for r in point["runs"]] == list(ROUTERS)
+        for r in point["runs"]:
+            # Where the run's CPU went, by process (our gateway: its ext_proc and Envoy; the servers; the client).
+            cpu = r["extra"]["cpu_ms_per_request"]
+            assert all(cpu[k] > 0 for k in ("router", "envoy", "servers", "client")), cpu
         assert point["workload"]["rate_rps"] == pytest.approx(p["rate_rps"], rel=1e-3)
         assert {r["ttft_ms"]["p50"] for r in point["runs"]} == {e["ttft_ms"]["p50"] for e in p["runs"].values()}
         assert (out / "points" / f"{p['load_percent']:g}pct" / "logs").is_dir()
