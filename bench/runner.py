@@ -171,8 +171,11 @@ def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterS
         def ready() -> bool:
             return http_get(f"{base}/readiness")[0] == 200 and http_get(f"{base}/v1/models")[0] == 200
     else:
+        # Its Prometheus exporter's own port too (default 29000, which sglang-router's takes as well): a busy
+        # default port makes it exit at start.
         argv = [_venv_script("vllm-router") or "vllm-router", "--host", HOST, "--port", str(port),
-                "--worker-urls", *urls, "--policy", spec.policy]
+                "--worker-urls", *urls, "--policy", spec.policy, "--prometheus-host", HOST,
+                "--prometheus-port", str(free_port())]
         proc = group.start(name, argv, wait=False)
 
         def ready() -> bool:
