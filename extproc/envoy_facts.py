@@ -37,6 +37,12 @@ it here): a forged call must guess a pending pick's span id (from the OS's CSPRN
 ``prefixroute_facts_first_token_total{outcome}``: ``early`` (a pick took it), ``unmatched`` (no pending
 facts-path streamed pick: late, unknown or forged), ``ignored`` (`early_first_token` off).
 
+Responses ids, early (`decode_early_report`): a Responses stream's first token report also carries its response id
+(its ``response.created`` event precedes any token) and Envoy's served address, and a JSON Responses answer's id
+comes alone at once (`RESPONSE_ID_METHOD`); `FactsReceiver` learns it then (``on_response_id``), so a follow-up
+sent the moment its previous response ended is pinned, not found by the directory's lookup fan-out. The record's
+copy of the id is then not learned again. Counted in ``prefixroute_facts_early_response_id_total{outcome}``.
+
 Runs on the ext_proc event loop (grpc.aio), like the servicer; nothing blocks.
 """
 
@@ -53,7 +59,7 @@ from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service
 
 from prefixroute.extproc.facts_fields import (A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_RESPONSE_ID, A_START,
                                               A_STATUS, A_TRACEPARENT, A_TTFT_US, A_UPSTREAM, A_USAGE, FACTS_MARK,
-                                              FIRST_TOKEN_METHOD, MAX_USAGE_CHARS)
+                                              FIRST_TOKEN_METHOD, MAX_USAGE_CHARS, RESPONSE_ID_METHOD)
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.telemetry.tracecontext import parse_traceparent
@@ -63,6 +69,7 @@ log = logging.getLogger(__name__)
 
 OUTCOMES = ("matched", "unmatched", "missing")
 FIRST_TOKEN_OUTCOMES = ("early", "unmatched", "ignored")
+EARLY_ID_OUTCOMES = ("learned", "unmatched")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,16 +140,43 @@ def facts_in(request: Any) -> Iterable[ResponseFacts]:
                     yield f
 
 
-def decode_first_token(message: bytes) -> str | None:
-    """The span id of an early first token report's message (the routing filter's traceparent, ASCII); None when
-    it is no valid traceparent."""
-    if len(message) > 128:
+MAX_EARLY_REPORT_BYTES = 128 + 1 + 128 + 1 + 64
+"""Largest early report message: a traceparent (the Lua filter sends none over 128 bytes), a response id (at most
+128) and a served address (cut at 64), newline-separated."""
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyReport:
+    """An early report's message (facts_fields.py, `FIRST_TOKEN_METHOD`): the pick's span id and, for a
+    Responses answer, its response id and Envoy's served address (None: not sent, or empty)."""
+
+    span_id: str
+    response_id: str | None = None
+    served: str | None = None
+
+
+def decode_early_report(message: bytes) -> EarlyReport | None:
+    """An early report's message: ``traceparent`` or ``traceparent\nresponse_id\nserved`` (ASCII); None when it
+    is longer than `MAX_EARLY_REPORT_BYTES`, not ASCII, or its first line is no valid traceparent. A response id
+    that does not start with ``resp`` (the OpenAI form, which the record's id must also have) is dropped."""
+    if len(message) > MAX_EARLY_REPORT_BYTES:
         return None
     try:
-        tp = parse_traceparent(message.decode("ascii"))
+        text = message.decode("ascii")
     except UnicodeDecodeError:
         return None
-    return tp.span_id if tp is not None else None
+    first, _, rest = text.partition("\n")
+    tp = parse_traceparent(first)
+    if tp is None:
+        return None
+    rid, _, served = rest.partition("\n")
+    return EarlyReport(tp.span_id, rid if rid.startswith("resp") and "\n" not in served else None, served or None)
+
+
+def decode_first_token(message: bytes) -> str | None:
+    """The span id of an early report's message (`decode_early_report`); None when it is not one."""
+    report = decode_early_report(message)
+    return report.span_id if report is not None else None
 
 
 class FactsReceiver:
@@ -159,21 +193,26 @@ class FactsReceiver:
         self.num_matched = 0
         self.num_unmatched = 0
         self.first_token_counts = dict.fromkeys(FIRST_TOKEN_OUTCOMES, 0)
+        self.early_id_counts = dict.fromkeys(EARLY_ID_OUTCOMES, 0)
 
     def counts(self) -> dict[str, int]:
         """Records per outcome (`OUTCOMES`), for ``prefixroute_response_facts_total``."""
         return {"matched": self.num_matched, "unmatched": self.num_unmatched,
                 "missing": self.tracker.num_facts_missing}
 
-    def first_token(self, span_id: str | None, now: float | None = None) -> bool:
+    def first_token(self, span_id: str | None, now: float | None = None, response_id: str | None = None,
+                    served: str | None = None) -> bool:
         """An early first token report for the pick keyed `span_id`, arrived at `now` (time.perf_counter());
         True when it was reported. At most once per pick: a repeat, like a report for a pick that is not a pending
-        streamed facts-path pick, is counted unmatched."""
+        streamed facts-path pick, is counted unmatched. `response_id` (a Responses stream's, with Envoy's `served`
+        address): learned at once (`response_id`), whether or not the first token is taken."""
+        tracker = self.tracker
+        st = tracker.pending.get(span_id) if span_id is not None else None
+        if response_id is not None:
+            self._learn_id(st, response_id, served)
         if not self.early_first_token:
             self.first_token_counts["ignored"] += 1
             return False
-        tracker = self.tracker
-        st = tracker.pending.get(span_id) if span_id is not None else None
         pick = st.pick if st is not None else None
         if pick is None or not st.facts or st.emitted or not pick.request.stream or st.rec.ttft_ms is not None:
             self.first_token_counts["unmatched"] += 1
@@ -183,6 +222,26 @@ class FactsReceiver:
         self.first_token_counts["early"] += 1
         if tracker.on_first_token is not None:
             tracker.on_first_token(pick, ttft_s)
+        return True
+
+    def response_id(self, span_id: str | None, response_id: str | None, served: str | None = None) -> bool:
+        """An early response id report (a JSON Responses answer's id, `RESPONSE_ID_METHOD`) for the pick keyed
+        `span_id`: True when the id was learned."""
+        st = self.tracker.pending.get(span_id) if span_id is not None else None
+        return response_id is not None and self._learn_id(st, response_id, served)
+
+    def _learn_id(self, st: Any, response_id: str, served: str | None) -> bool:
+        """Learn `response_id` for the pending facts-path Responses pick of `st` (once: the record's copy of the id
+        is then not learned again). Counted in `early_id_counts`."""
+        pick = st.pick if st is not None else None
+        if pick is None or not st.facts or st.emitted or pick.request.kind != "responses" or \
+                pick.response_id is not None or self.tracker.on_response_id is None:
+            self.early_id_counts["unmatched"] += 1
+            return False
+        if served is not None:
+            st.served_addr = served  # Envoy's: a failover's id is the fallback's (the record's address agrees)
+        self.tracker.on_response_id(pick, response_id, st.served_addr)
+        self.early_id_counts["learned"] += 1
         return True
 
     def export(self, request: Any) -> None:
@@ -217,7 +276,7 @@ class FactsReceiver:
             if f.streamed and pick is not None and not early and tracker.on_first_token is not None:
                 tracker.on_first_token(pick, ttft_ms / 1000.0)
         if responses and f.status == 200 and f.response_id and f.response_id.startswith("resp") and \
-                tracker.on_response_id is not None:
+                tracker.on_response_id is not None and pick.response_id != f.response_id:  # early: learned
             tracker.on_response_id(pick, f.response_id, st.served_addr)  # type: ignore[arg-type]
         latency = f.latency_ms if f.latency_ms is not None else rec.latency_ms
         tracker.finish(st, latency if latency is not None else 0.0, f.usage, f.streamed)
@@ -240,19 +299,35 @@ class FactsLogsService(logs_service_pb2_grpc.LogsServiceServicer):
 
 
 def first_token_handler(receiver: FactsReceiver) -> grpc.GenericRpcHandler:
-    """`FIRST_TOKEN_METHOD` (unary, raw bytes in and out): `receiver.first_token`; answers an empty message at
-    once, whatever it found (Envoy reads no answer)."""
+    """`FIRST_TOKEN_METHOD` and `RESPONSE_ID_METHOD` (unary, raw bytes in and out): `receiver.first_token` and
+    `receiver.response_id`; each answers an empty message at once, whatever it found (Envoy reads no answer)."""
 
     async def first_token(message: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            receiver.first_token(decode_first_token(message))
+            r = decode_early_report(message)
+            receiver.first_token(r.span_id if r else None, None, r.response_id if r else None, r.served if r else None)
         except Exception:  # a report must not fail the call; the record reports the first token anyway
             log.exception("response facts: an early first token report could not be applied")
         return b""
 
+    async def response_id(message: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            r = decode_early_report(message)
+            if r is not None:
+                receiver.response_id(r.span_id, r.response_id, r.served)
+            else:
+                receiver.early_id_counts["unmatched"] += 1
+        except Exception:  # the record brings the id anyway
+            log.exception("response facts: an early response id report could not be applied")
+        return b""
+
     service, _, method = FIRST_TOKEN_METHOD[1:].partition("/")
-    return grpc.method_handlers_generic_handler(service, {method: grpc.unary_unary_rpc_method_handler(
-        first_token, request_deserializer=None, response_serializer=None)})
+    id_service, _, id_method = RESPONSE_ID_METHOD[1:].partition("/")
+    assert id_service == service  # one generic handler serves both methods
+    return grpc.method_handlers_generic_handler(service, {
+        method: grpc.unary_unary_rpc_method_handler(first_token, request_deserializer=None, response_serializer=None),
+        id_method: grpc.unary_unary_rpc_method_handler(response_id, request_deserializer=None,
+                                                       response_serializer=None)})
 
 
 def add_to_server(server: grpc.aio.Server, receiver: FactsReceiver) -> None:
@@ -286,3 +361,9 @@ class FactsCollector:
         for outcome, n in self.receiver.first_token_counts.items():
             early.add_metric([outcome], n)
         yield early
+        ids = CounterMetricFamily("prefixroute_facts_early_response_id", "Responses ids carried by Envoy's early "
+                                  "reports, by outcome: learned (a pending Responses pick took it before its record), "
+                                  "unmatched (no such pick, or its id known already)", labels=["outcome"])
+        for outcome, n in self.receiver.early_id_counts.items():
+            ids.add_metric([outcome], n)
+        yield ids

@@ -68,8 +68,13 @@ DEFAULT_FLUSH_INTERVAL_MS = 50
 # filter makes one asynchronous gRPC unary call to the replica that routed the request (Envoy does not wait for
 # its answer), so the router learns the first token when it happens, not at the stream's end.
 FIRST_TOKEN_METHOD = "/prefixroute.facts.v1.Facts/FirstToken"
-"""The call's gRPC method. Request: the routing filter's ``traceparent`` as ASCII text (the pick's key); answer:
-empty. The router times the first token at the call's arrival (its own clock, as the observing stream does)."""
+"""The call's gRPC method. Request: the routing filter's ``traceparent`` as ASCII text (the pick's key), then, for
+a Responses stream answered 200, ``\n`` + its response id + ``\n`` + the served address (Envoy's served header,
+empty when absent); answer: empty. The router times the first token at the call's arrival (its own clock, as the
+observing stream does) and learns the id then."""
+RESPONSE_ID_METHOD = "/prefixroute.facts.v1.Facts/ResponseId"
+"""The early response id report of a JSON (not streamed) Responses answer: the same message, sent when the facts
+Lua filter sees the id in the body's first bytes, so a follow-up sent at once finds its pin."""
 TRACEPARENT_KEY = "tp"
 """The request's traceparent (after the routing filter set it), kept by the Lua filter in `FACTS_NAMESPACE` for its
 response side, which has no request headers."""

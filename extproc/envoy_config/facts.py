@@ -14,7 +14,14 @@
   stream's first chunk, a Responses stream's first token event) makes one asynchronous ``httpCall`` (Envoy does not
   wait) to the replica that routed it: its cluster from the route's name (``... replica k``; the only replica's
   otherwise), whose upstream filters add the bearer token; the body is one hand-built gRPC frame holding the
-  traceparent. Only for routes the router picked (``picked_endpoint ...``) and ``text/event-stream`` responses.
+  traceparent and, for a Responses stream answered 200, its response id (its ``response.created`` event precedes
+  any token) and the served address. Only for routes the router picked (``picked_endpoint ...``) and
+  ``text/event-stream`` responses.
+- The early response id report (`RESPONSE_ID_METHOD`): a JSON Responses answer (not streamed) has no first token
+  to report, so its id goes alone, in the same message, as soon as the filter sees it in the body's first bytes.
+  Both reports let the router pin a follow-up sent the moment its previous response ended, before the record
+  (which comes up to the flush interval later) arrives; without them such a follow-up was found by the
+  directory's lookup fan-out instead.
 - `facts_access_logs`: one ``envoy.access_loggers.open_telemetry`` logger per ext_proc replica, each sending the
   records of the requests that replica routed (a CEL filter on the route name: replica k's picks take the route
   ``picked_endpoint ... replica k``) to that replica's own gRPC port (the replica's ext_proc cluster, with its bearer
@@ -41,8 +48,9 @@ from prefixroute.extproc.envoy_config.common import EXTPROC_CLUSTER, EXTPROC_REP
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.facts_fields import (FACTS_ATTRIBUTES, FACTS_LOG_NAME, FACTS_NAMESPACE, FIRST_TOKEN_KEY,
                                               FIRST_TOKEN_METHOD, FIRST_TOKEN_TIMEOUT_MS, MAX_ID_SCAN_BYTES,
-                                              MAX_USAGE_CHARS, RESPONSE_ID_KEY, TAIL_BYTES, TIMING_NAMESPACE,
-                                              TRACEPARENT_KEY, USAGE_KEY)
+                                              MAX_USAGE_CHARS, RESPONSE_ID_KEY, RESPONSE_ID_METHOD, TAIL_BYTES,
+                                              TIMING_NAMESPACE, TRACEPARENT_KEY, USAGE_KEY)
+from prefixroute.extproc.headers import SERVED_HEADER
 
 RESPONSE_FACTS_LUA = f"""
 -- A response's facts, taken once per request (extproc/envoy_config/facts.py).
@@ -54,9 +62,10 @@ function envoy_on_request(h)
   end
 end
 
--- The replica that routed the request (its route's name) and its key, or nil: the early first token report's
--- target (a gRPC unary call, sent asynchronously: Envoy waits for no answer).
-local function first_token_call(h)
+-- The early reports' sender for a request the router picked, or nil: report(method, id) makes one gRPC unary call,
+-- sent asynchronously (Envoy waits for no answer), to the replica that routed it (its route's name). The message
+-- is the traceparent (the pick's key), then, with a response id of a 200 answer, that id and the served address.
+local function early_reporter(h)
   local route = h:streamInfo():routeName() or ""
   if string.sub(route, 1, 16) ~= "picked_endpoint " then return nil end
   local md = h:streamInfo():dynamicMetadata():get("{FACTS_NAMESPACE}")
@@ -64,10 +73,16 @@ local function first_token_call(h)
   if tp == nil or #tp > 128 then return nil end
   local k = string.match(route, " replica (%d+)$")
   local cluster = k and ("{EXTPROC_REPLICA_CLUSTER_PREFIX}" .. k) or "{EXTPROC_CLUSTER}"
-  -- A gRPC frame: uncompressed, 4-byte big-endian length (under 256 here), then the message.
-  local frame = string.char(0, 0, 0, 0, #tp) .. tp
-  return function()
-    h:httpCall(cluster, {{[":method"] = "POST", [":path"] = "{FIRST_TOKEN_METHOD}",
+  -- Read now: the headers object does not outlive a yield.
+  local ok = h:headers():get(":status") == "200"
+  local served = string.sub(h:headers():get("{SERVED_HEADER}") or "", 1, 64)
+  return function(method, id)
+    local msg = tp
+    if id ~= nil and ok and #id <= 128 then msg = tp .. "\\n" .. id .. "\\n" .. served end
+    -- A gRPC frame: uncompressed, 4-byte big-endian length (under 64 KiB here), then the message.
+    local n = #msg
+    local frame = string.char(0, 0, 0, math.floor(n / 256), n % 256) .. msg
+    h:httpCall(cluster, {{[":method"] = "POST", [":path"] = method,
       [":authority"] = cluster, ["content-type"] = "application/grpc", ["te"] = "trailers"}},
       frame, {FIRST_TOKEN_TIMEOUT_MS}, true)
   end
@@ -80,8 +95,10 @@ function envoy_on_response(h)
   end
   local ct = h:headers():get("content-type") or ""
   local sse = string.find(ct, "text/event-stream", 1, true) ~= nil
+  local reporter = early_reporter(h)
   -- A streamed response the router picked for: its first token is reported at once (then nil).
-  local report = sse and first_token_call(h) or nil
+  local report = sse and reporter or nil
+  local found = nil   -- the response id, once found
   local first = true
   local events = nil  -- a Responses stream before its first token event: the last bytes seen
   local head = nil    -- the first bytes, while the response id is searched for
@@ -99,8 +116,26 @@ function envoy_on_response(h)
         if ev or not sse then head = "" end
         -- A chat stream's first chunk is its first token (as on the observing stream): report it now.
         if report ~= nil and events == nil then
-          report()
+          report("{FIRST_TOKEN_METHOD}", nil)
           report = nil
+        end
+      end
+      -- Before the first token check: a Responses stream's id (response.created) precedes its first token, and
+      -- the first token report carries it (the router pins follow-ups before the record comes).
+      if head ~= nil then
+        local t = head .. text
+        local id = string.match(t, '"id"%s*:%s*"(resp[^"]*)"')
+        scanned = scanned + n
+        if id ~= nil then
+          found = string.sub(id, 1, 256)
+          set("{FACTS_NAMESPACE}", "{RESPONSE_ID_KEY}", found)
+          head = nil
+          -- A JSON answer has no first token to report: its id goes alone, as soon as it is seen.
+          if not sse and reporter ~= nil then reporter("{RESPONSE_ID_METHOD}", found) end
+        elseif scanned >= {MAX_ID_SCAN_BYTES} then
+          head = nil
+        else
+          head = string.sub(t, -300)
         end
       end
       if events ~= nil then
@@ -110,24 +145,11 @@ function envoy_on_response(h)
           set("{TIMING_NAMESPACE}", "{FIRST_TOKEN_KEY}", h:timestampString(EnvoyTimestampResolution.MICROSECOND))
           events = nil
           if report ~= nil then
-            report()
+            report("{FIRST_TOKEN_METHOD}", found)
             report = nil
           end
         else
           events = string.sub(t, -24)
-        end
-      end
-      if head ~= nil then
-        local t = head .. text
-        local id = string.match(t, '"id"%s*:%s*"(resp[^"]*)"')
-        scanned = scanned + n
-        if id ~= nil then
-          set("{FACTS_NAMESPACE}", "{RESPONSE_ID_KEY}", string.sub(id, 1, 256))
-          head = nil
-        elseif scanned >= {MAX_ID_SCAN_BYTES} then
-          head = nil
-        else
-          head = string.sub(t, -300)
         end
       end
       nparts = nparts + 1

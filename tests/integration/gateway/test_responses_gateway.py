@@ -223,6 +223,11 @@ def test_router_restart_mid_conversation_finds_ids_by_lookup(
     final = lookups(gw)
     assert final["requests"] == after["requests"], (after, final)
     assert final["hits"] == 2 * len(picked)
+    # Each new turn's id came in Envoy's early report (streamed: with its first token; JSON: alone), before its
+    # record: a follow-up sent at once never waits on the record's flush (facts_fields.py, RESPONSE_ID_METHOD).
+    text = router_metrics(gw)
+    assert metric_value(text, "prefixroute_facts_early_response_id_total", outcome="learned") == 2 * len(picked)
+    assert {conv.stream for conv in picked} == {True, False}
 
 
 def test_unknown_id_is_a_404_naming_it_and_nothing_generates(rig: tuple[Fleet, GatewayProcesses, Path]) -> None:

@@ -8,14 +8,18 @@ import asyncio
 import grpc
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, ResourceLogs, ScopeLogs
 
 from helpers.picks import make_pick
 from prefixroute.extproc.envoy_config.facts import RESPONSE_FACTS_LUA
-from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver, add_to_server, decode_first_token, facts_of
-from prefixroute.extproc.facts_fields import FACTS_ATTRIBUTES, FIRST_TOKEN_METHOD, OBSERVED_FACTS, TRACEPARENT_KEY
+from prefixroute.extproc.envoy_facts import (MAX_EARLY_REPORT_BYTES, EarlyReport, FactsCollector, FactsReceiver,
+                                             add_to_server, decode_early_report, decode_first_token, facts_of)
+from prefixroute.extproc.facts_fields import (FACTS_ATTRIBUTES, FIRST_TOKEN_METHOD, OBSERVED_FACTS, RESPONSE_ID_METHOD,
+                                             TRACEPARENT_KEY)
 from prefixroute.extproc.headers import OBSERVED_METADATA
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.tracking import RequestTracker
@@ -58,6 +62,7 @@ class Router:
 
     def learn_response(self, p, rid: str, served: str | None) -> None:  # noqa: ANN001
         self.calls.append(("learn_response", rid, served))
+        p.response_id = rid  # as PoolRouter's does (Lifecycle.response_id)
 
     def served(self, p, served: str | None, status: int | None) -> None:  # noqa: ANN001
         self.calls.append(("served", served, status))
@@ -242,7 +247,31 @@ def begin_early(t: RequestTracker, stream: bool = True):  # noqa: ANN202
 
 def frame(message: bytes) -> bytes:
     """The Lua filter's gRPC frame, as it builds it (one flag byte, 4-byte big-endian length)."""
-    return bytes([0, 0, 0, 0, len(message)]) + message
+    return bytes([0, 0, 0, len(message) // 256, len(message) % 256]) + message
+
+
+TP = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    (TP, EarlyReport("cd" * 8)),
+    (f"{TP}\nresp_123\n10.0.0.2:80", EarlyReport("cd" * 8, "resp_123", "10.0.0.2:80")),
+    (f"{TP}\nresp_123\n", EarlyReport("cd" * 8, "resp_123", None)),  # Envoy had no served header
+    (f"{TP}\nchatcmpl-1\n10.0.0.2:80", EarlyReport("cd" * 8, None, "10.0.0.2:80")),  # not a Responses id
+    (f"{TP}\nresp_1\na\nb", EarlyReport("cd" * 8, None, "a\nb")),  # a fourth line: the id is not trusted
+    ("garbage\nresp_1\na", None), ("", None),
+    (f"{TP}\nresp_{'x' * 300}\na", None),  # over MAX_EARLY_REPORT_BYTES
+])
+def test_decode_early_report(message: str, expected: EarlyReport | None) -> None:
+    assert decode_early_report(message.encode()) == expected
+
+
+@given(st.binary(max_size=MAX_EARLY_REPORT_BYTES + 8))
+def test_decode_early_report_never_raises_and_keys_only_a_traceparent(message: bytes) -> None:
+    r = decode_early_report(message)
+    if r is not None:
+        assert parse_traceparent(message.split(b"\n", 1)[0].decode("ascii")).span_id == r.span_id
+        assert r.response_id is None or r.response_id.startswith("resp")
 
 
 def test_decode_first_token_takes_a_traceparent_only() -> None:
@@ -256,9 +285,13 @@ def test_the_lua_filter_frames_the_traceparent_it_kept_and_calls_the_routing_rep
     # The request side keeps the routing filter's traceparent; the response side calls the replica's cluster
     # with a gRPC frame built by hand (LuaJIT has no string.pack); Envoy is not waited for (asynchronous).
     assert f'"{TRACEPARENT_KEY}", tp' in RESPONSE_FACTS_LUA and "function envoy_on_request(h)" in RESPONSE_FACTS_LUA
-    assert f'[":path"] = "{FIRST_TOKEN_METHOD}"' in RESPONSE_FACTS_LUA
-    assert "string.char(0, 0, 0, 0, #tp) .. tp" in RESPONSE_FACTS_LUA and ", true)" in RESPONSE_FACTS_LUA
-    assert '" replica (%d+)$"' in RESPONSE_FACTS_LUA
+    assert f'report("{FIRST_TOKEN_METHOD}", found)' in RESPONSE_FACTS_LUA  # a Responses stream's, with its id
+    assert f'report("{FIRST_TOKEN_METHOD}", nil)' in RESPONSE_FACTS_LUA  # a chat stream's
+    assert f'reporter("{RESPONSE_ID_METHOD}", found)' in RESPONSE_FACTS_LUA  # a JSON Responses answer's id
+    assert "string.char(0, 0, 0, math.floor(n / 256), n % 256) .. msg" in RESPONSE_FACTS_LUA
+    assert ", true)" in RESPONSE_FACTS_LUA and '" replica (%d+)$"' in RESPONSE_FACTS_LUA
+    # The id is searched before the first token event of the same chunk is looked for.
+    assert RESPONSE_FACTS_LUA.index("local id = string.match") < RESPONSE_FACTS_LUA.index('".delta')
 
 
 async def test_an_early_report_reports_the_first_token_once_and_the_record_does_not_repeat_it() -> None:
@@ -360,3 +393,70 @@ def test_facts_path_picks_are_first_token_live_with_the_early_report(early: bool
             stream._decide("POST", "/v1/chat/completions", b"{}", True)
     # On the facts path a pick's first token is live only with the early report; off it, always.
     assert router.live == [early, True]
+
+
+# Responses ids, early (envoy_facts.py module docstring): pinned before the record comes.
+
+def begin_responses(t: RequestTracker, stream: bool = True):  # noqa: ANN202
+    st_, tp = t.begin({":path": "/v1/responses"}, lambda: [(OBSERVED_METADATA, OBSERVED_FACTS)])
+    t.decided(st_, pick("responses", stream=stream))
+    return st_, tp
+
+
+async def test_a_responses_streams_first_token_report_carries_its_id_learned_once() -> None:
+    t, rx, router, out = early_rig()
+    st_, tp = begin_responses(t)
+    r = decode_early_report(f"{tp}\nresp_abc\n10.0.0.2:80".encode())
+    assert rx.first_token(r.span_id, st_.t0 + 0.03, r.response_id, r.served)
+    # Learned at once, at the address Envoy served it from (a failover's id is the fallback's).
+    assert router.calls == [("learn_response", "resp_abc", "10.0.0.2:80"), ("first_token", pytest.approx(0.03))]
+    t.routing_closed(st_)
+    rx.export(export(record(tp, response_id="resp_abc", upstream="10.0.0.2:80", first_token_us="30000")))
+    assert [c for c in router.calls if c[0] == "learn_response"] == [("learn_response", "resp_abc", "10.0.0.2:80")]
+    assert rx.early_id_counts == {"learned": 1, "unmatched": 0} and out[0].ttft_ms == pytest.approx(30.0)
+    samples = {s.labels["outcome"]: s.value for fam in FactsCollector(rx).collect() for s in fam.samples
+               if fam.name == "prefixroute_facts_early_response_id"}
+    assert samples == {"learned": 1, "unmatched": 0}
+
+
+async def test_a_json_responses_answer_s_id_comes_alone_and_a_chat_pick_takes_none() -> None:
+    t, rx, router, out = early_rig()
+    st_, tp = begin_responses(t, stream=False)
+    r = decode_early_report(f"{tp}\nresp_json\n".encode())
+    assert rx.response_id(r.span_id, r.response_id, r.served)
+    assert router.calls == [("learn_response", "resp_json", None)]  # no first token: a JSON answer has none
+    assert not rx.response_id(r.span_id, "resp_other")  # one id per pick
+    chat, ctp = begin_early(t, stream=False)
+    assert not rx.response_id(decode_early_report(ctp.encode()).span_id, "resp_x")  # not a Responses pick
+    assert not rx.response_id("ef" * 8, "resp_y") and not rx.response_id(None, "resp_z")
+    assert rx.early_id_counts == {"learned": 1, "unmatched": 4}
+    t.routing_closed(st_)
+    rx.export(export(record(tp, response_id="resp_json", ctype="application/json")))
+    assert [c[1] for c in router.calls if c[0] == "learn_response"] == ["resp_json"]  # not again
+
+
+async def test_without_an_early_id_the_record_teaches_it() -> None:
+    t, rx, router, out = early_rig()
+    st_, tp = begin_responses(t)
+    assert rx.first_token(decode_first_token(tp.encode()))  # an old filter's report: the traceparent only
+    t.routing_closed(st_)
+    rx.export(export(record(tp, response_id="resp_late", first_token_us="20000")))
+    assert ("learn_response", "resp_late", "10.0.0.1:80") in router.calls and rx.early_id_counts["learned"] == 0
+
+
+async def test_the_id_report_is_served_beside_the_first_token_report() -> None:
+    t, rx, router, _ = early_rig()
+    st_, tp = begin_responses(t, stream=False)
+    server = grpc.aio.server()
+    add_to_server(server, rx)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = ch.unary_unary(RESPONSE_ID_METHOD, request_serializer=None, response_deserializer=None)
+            assert await call(f"{tp}\nresp_rpc\n10.0.0.1:80".encode(), timeout=5) == b""
+            assert await call(b"not a report", timeout=5) == b""  # answered; counted unmatched
+    finally:
+        await server.stop(None)
+    assert router.calls == [("learn_response", "resp_rpc", "10.0.0.1:80")]
+    assert rx.early_id_counts == {"learned": 1, "unmatched": 1}
