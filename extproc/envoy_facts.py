@@ -338,7 +338,8 @@ def add_to_server(server: grpc.aio.Server, receiver: FactsReceiver) -> None:
 
 
 class FactsCollector:
-    """``prefixroute_response_facts_total{outcome}`` for /metrics (a prometheus_client custom collector)."""
+    """``prefixroute_response_facts_total{outcome}``, ``prefixroute_facts_first_token_total{outcome}`` and
+    ``prefixroute_facts_early_response_id_total{outcome}`` for /metrics (a prometheus_client custom collector)."""
 
     def __init__(self, receiver: FactsReceiver) -> None:
         self.receiver = receiver
@@ -349,21 +350,17 @@ class FactsCollector:
     def collect(self) -> Iterable[Any]:
         from prometheus_client.core import CounterMetricFamily
 
-        family = CounterMetricFamily("prefixroute_response_facts", "Envoy's response facts records by outcome: "
-                                     "matched (a pick took it), unmatched (no pending pick: late or unknown), "
-                                     "missing (a pick whose record never came)", labels=["outcome"])
-        for outcome, n in self.receiver.counts().items():
-            family.add_metric([outcome], n)
-        yield family
-        early = CounterMetricFamily("prefixroute_facts_first_token", "Envoy's early first token reports by outcome: "
-                                    "early (a pick took it), unmatched (no pending streamed pick: late, repeated or "
-                                    "unknown), ignored (early_first_token off)", labels=["outcome"])
-        for outcome, n in self.receiver.first_token_counts.items():
-            early.add_metric([outcome], n)
-        yield early
-        ids = CounterMetricFamily("prefixroute_facts_early_response_id", "Responses ids carried by Envoy's early "
-                                  "reports, by outcome: learned (a pending Responses pick took it before its record), "
-                                  "unmatched (no such pick, or its id known already)", labels=["outcome"])
-        for outcome, n in self.receiver.early_id_counts.items():
-            ids.add_metric([outcome], n)
-        yield ids
+        r = self.receiver
+        for name, doc, counts in (
+                ("prefixroute_response_facts", "Envoy's response facts records by outcome: matched (a pick took it), "
+                 "unmatched (no pending pick: late or unknown), missing (a pick whose record never came)", r.counts()),
+                ("prefixroute_facts_first_token", "Envoy's early first token reports by outcome: early (a pick took "
+                 "it), unmatched (no pending streamed pick: late, repeated or unknown), ignored (early_first_token "
+                 "off)", r.first_token_counts),
+                ("prefixroute_facts_early_response_id", "Responses ids carried by Envoy's early reports, by outcome: "
+                 "learned (a pending Responses pick took it before its record), unmatched (no such pick, or its id "
+                 "known already)", r.early_id_counts)):
+            family = CounterMetricFamily(name, doc, labels=["outcome"])
+            for outcome, n in counts.items():
+                family.add_metric([outcome], n)
+            yield family
