@@ -16,8 +16,9 @@ requests per second over many connections, with ratios. The machine is shared an
 and rerun when the load average is high (it is printed).
 
 Inter-token latency (``--mode itl`` or ``all``): streamed responses (the upstream sends a token event every
-``itl_ms``) through two real gateways on the same upstream, telemetry on (the observing ext_proc filter
-sees every body chunk, spans exported) and telemetry off (no observing filter, no export), interleaved;
+``itl_ms``) through two real gateways on the same upstream, telemetry on (the gateway's default facts path:
+the Lua filter scans every body chunk, one record and one early report per request, spans exported) and
+telemetry off (neither, no export), interleaved;
 prints ITL p50/p99 per configuration and the on/off ratios. Telemetry must leave ITL unchanged within noise.
 """
 
@@ -75,7 +76,7 @@ class OverheadBenchSettings(Settings):
     report_served: bool = setting(True, "Routed configuration sends response headers to ext_proc (the gateway "
                                   "default); --no-report-served measures without that message.")
     telemetry: bool = setting(True, "Routed configuration with per-request telemetry (the gateway default: "
-                              "observing filter + span export); --no-telemetry measures routing alone.")
+                              "the facts path + span export); --no-telemetry measures routing alone.")
     gie: bool = setting(False, "Also measure GIE mode in the same rounds: GIE's reference Envoy configuration (bodies "
                         "FULL_DUPLEX_STREAMED, the picker over TLS) in front of a picker in GIE mode; its added latency "
                         "and req/s beside the routed configuration's.")
@@ -83,11 +84,13 @@ class OverheadBenchSettings(Settings):
                                   "file reaches it over TLS; this departure, for measuring only, tells the "
                                   "protocol's cost from TLS's): a row 'gie-plain'.")
     variants: tuple[str, ...] = setting((), "Also measure these variants of the routed gateway in the same rounds "
-                                        "(issue 26): 'records' (Envoy's request records, no Lua filter), 'timing' "
-                                        "(records and the first-token Lua filter: `up` before the facts path), 'lua-facts' (no observing ext_proc filter: a Lua "
+                                        "(issue 26): 'observe' (the observing ext_proc filter instead of the facts "
+                                        "path: the gateway before 2026-12-05), 'records' (that, with Envoy's request "
+                                        "records, no Lua filter), 'timing' (that, with records and the first-token "
+                                        "Lua filter: `up` before the facts path), 'lua-facts' (no observing ext_proc filter: a Lua "
                                         "filter takes first body byte, usage and response id, once per request, to the router), 'facts' (the "
                                         "facts path as `up` runs it), 'no-observe' "
-                                        "(the routing filter alone: the floor), 'routing-buffered' (the default again: "
+                                        "(the routing filter alone, no facts: the floor), 'routing-buffered' (the default again: "
                                         "an A/A control), 'routing-buffered-partial', 'routing-full-duplex', "
                                         "'routing-streamed-early', 'routing-skip-headers' (the routing filter's other "
                                         "processing modes: EnvoySettings.routing_processing). Records go to a closed "
@@ -123,11 +126,15 @@ def _body(num_bytes: int, stream_tokens: int = 0) -> bytes:
         {"role": "system", "content": text}, {"role": "user", "content": "Summarise the above."}]})
 
 
+# The observing path, by name: the routed configuration is the gateway's default (the facts path, since
+# 2026-12-05), and these variants are what `up` and `gateway` ran before it.
+_OBSERVE = {"observe_responses": True, "response_facts_lua": False}
 VARIANTS = {
-    "records": {"records": True, "first_token_lua": False},
-    "timing": {"records": True},
+    "records": {"records": True, "first_token_lua": False, **_OBSERVE},
+    "timing": {"records": True, **_OBSERVE},
+    "observe": dict(_OBSERVE),
     "lua-facts": {"records": True, "response_facts_lua": True, "observe_responses": False, "report_served": False},
-    "no-observe": {"observe_responses": False, "report_served": False},
+    "no-observe": {"observe_responses": False, "response_facts_lua": False, "report_served": False},
 }
 # Issue 26 part 1, the facts path as `prefixroute up` runs it (records on, facts Lua + facts logger to the ext_proc
 # replica, no observing filter); compare with "timing" (records + the observing filter: `up` before it).

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """What does a Python gRPC server cost per routed request, whatever it does? (issue 26: the ext_proc's floor.)
 
-    .venv/bin/python scripts/bench_grpc_servers.py 2000 [aio,uvloop,uvloop-rw,sync,grpclib]
+    .venv/bin/python scripts/bench_grpc_servers.py 2000 [aio,uvloop,uvloop-rw,sync,grpclib] [GAP_MS]
 
 Per simulated request one bidirectional stream with 2 round trips (4 KB up, 200 B down: the routing stream's
 headers and body messages), from a grpc.aio client in another process, 3 rounds alternating the servers. Servers:
 grpc.aio on asyncio ("aio"), on uvloop ("uvloop", as the router runs; "uvloop-rw": context.read/write instead of
 the iterator), grpcio's threaded server ("sync"), and grpclib (pure-Python HTTP/2 on uvloop; only when installed:
 `pip install grpclib`). Printed per server: round-trip p50/p99 and the server's CPU per request (/proc). The
-servers echo and do nothing else, so the CPU is the floor any Python ext_proc on that stack pays."""
+servers echo and do nothing else, so the CPU is the floor any Python ext_proc on that stack pays. GAP_MS (default 0:
+back to back) idles the client that long after each request, as a gateway at a few requests per second per
+process does: the round trips then include each server's wake-up from idle."""
 from __future__ import annotations
 
 import asyncio
@@ -104,6 +106,7 @@ def serve(kind: str, port: int, ready) -> None:
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
     kinds = (sys.argv[2] if len(sys.argv) > 2 else "aio,uvloop,uvloop-rw,sync,grpclib").split(",")
+    gap_s = float(sys.argv[3]) / 1e3 if len(sys.argv) > 3 else 0.0
     try:
         import grpclib  # noqa: F401
     except ImportError:
@@ -119,7 +122,7 @@ if __name__ == "__main__":
             addr = f"127.0.0.1:{port}"
             asyncio.run(client(addr, 200, 1))  # warm
             s0 = cpu_of(p.pid)
-            lat, _, wall = asyncio.run(client(addr, n, 1))
+            lat, _, wall = asyncio.run(client(addr, n, 1, gap_s))
             s1 = cpu_of(p.pid)
             p.terminate()
             p.join()

@@ -28,7 +28,8 @@ def serve(addr, ready):
         await server.wait_for_termination()
     asyncio.run(main())
 
-async def client(addr, n, streams):
+async def client(addr, n, streams, gap_s=0.0):
+    # gap_s: idle time after each request (0: back to back), the shape a gateway at a few requests per second sees
     async with grpc.aio.insecure_channel(addr) as ch:
         call_factory = ch.stream_stream("/bench.Echo/Stream")
         payload = b"y" * 4096
@@ -44,6 +45,8 @@ async def client(addr, n, streams):
                 lat.append(time.perf_counter() - s)
             await call.done_writing()
             await call.code()
+            if gap_s:
+                await asyncio.sleep(gap_s)
         return lat, time.process_time() - c0, time.perf_counter() - t0
 
 def cpu_of(pid):
