@@ -282,30 +282,22 @@ def process_cpu_s() -> dict[int, tuple[str, float]]:
             stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
         except (OSError, ValueError, IndexError):
             continue
-    own: dict[int, str] = {me: "client"}
+    roles: dict[int, str | None] = {me: "client"}  # None: not below this process
 
-    def role_of(pid: int) -> str | None:
-        """The role of `pid`, None when it is not below this process."""
-        chain = []
-        while pid not in own:
-            if pid not in stats or len(chain) > 64:
-                for q in chain:
-                    own[q] = ""
-                return None
-            chain.append(pid)
-            pid = stats[pid][0]
-        inherited = own[pid]
-        for q in reversed(chain):  # from the nearest known ancestor down
-            if not inherited:
-                own[q] = ""
-                continue
+    def role_of(pid: int, depth: int = 0) -> str | None:
+        if pid in roles:
+            return roles[pid]
+        parent = role_of(stats[pid][0], depth + 1) if pid in stats and depth < 64 else None
+        role = None
+        if parent is not None:
             try:
-                argv = Path(f"/proc/{q}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 argv = []
             mine = _process_role(argv)
-            inherited = own[q] = mine if mine != "other" or inherited == "client" else inherited
-        return own[chain[0]] if chain else own[pid] or None
+            role = parent if mine == "other" and parent != "client" else mine
+        roles[pid] = role
+        return role
 
     out: dict[int, tuple[str, float]] = {}
     for pid, (_ppid, cpu_s) in stats.items():

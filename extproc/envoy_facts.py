@@ -148,9 +148,10 @@ MAX_EARLY_REPORT_BYTES = 128 + 1 + 128 + 1 + 64
 @dataclass(frozen=True, slots=True)
 class EarlyReport:
     """An early report's message (facts_fields.py, `FIRST_TOKEN_METHOD`): the pick's span id and, for a
-    Responses answer, its response id and Envoy's served address (None: not sent, or empty)."""
+    Responses answer, its response id and Envoy's served address (None: not sent, or empty). A decoded message
+    always has a span id; `_NO_REPORT` (none) stands for one that did not decode."""
 
-    span_id: str
+    span_id: str | None
     response_id: str | None = None
     served: str | None = None
 
@@ -171,6 +172,10 @@ def decode_early_report(message: bytes) -> EarlyReport | None:
         return None
     rid, _, served = rest.partition("\n")
     return EarlyReport(tp.span_id, rid if rid.startswith("resp") and "\n" not in served else None, served or None)
+
+
+_NO_REPORT = EarlyReport(span_id=None)
+"""What an undecodable message reports: no pick, no id (counted unmatched by the receiver)."""
 
 
 def decode_first_token(message: bytes) -> str | None:
@@ -227,8 +232,10 @@ class FactsReceiver:
     def response_id(self, span_id: str | None, response_id: str | None, served: str | None = None) -> bool:
         """An early response id report (a JSON Responses answer's id, `RESPONSE_ID_METHOD`) for the pick keyed
         `span_id`: True when the id was learned."""
-        st = self.tracker.pending.get(span_id) if span_id is not None else None
-        return response_id is not None and self._learn_id(st, response_id, served)
+        if response_id is None:
+            self.early_id_counts["unmatched"] += 1
+            return False
+        return self._learn_id(self.tracker.pending.get(span_id) if span_id is not None else None, response_id, served)
 
     def _learn_id(self, st: Any, response_id: str, served: str | None) -> bool:
         """Learn `response_id` for the pending facts-path Responses pick of `st` (once: the record's copy of the id
@@ -304,19 +311,16 @@ def first_token_handler(receiver: FactsReceiver) -> grpc.GenericRpcHandler:
 
     async def first_token(message: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            r = decode_early_report(message)
-            receiver.first_token(r.span_id if r else None, None, r.response_id if r else None, r.served if r else None)
+            r = decode_early_report(message) or _NO_REPORT
+            receiver.first_token(r.span_id, None, r.response_id, r.served)
         except Exception:  # a report must not fail the call; the record reports the first token anyway
             log.exception("response facts: an early first token report could not be applied")
         return b""
 
     async def response_id(message: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            r = decode_early_report(message)
-            if r is not None:
-                receiver.response_id(r.span_id, r.response_id, r.served)
-            else:
-                receiver.early_id_counts["unmatched"] += 1
+            r = decode_early_report(message) or _NO_REPORT
+            receiver.response_id(r.span_id, r.response_id, r.served)
         except Exception:  # the record brings the id anyway
             log.exception("response facts: an early response id report could not be applied")
         return b""
