@@ -167,10 +167,13 @@ def _follows_servers_at(tmp_path, block_size: int) -> None:
         # Never block_size_mismatch; a subscriber may be syncing a moment after a gap replay under load.
         until(lambda: set(states().values()) == {"live"}, 10, message=lambda: states())
         text = _get(metrics_url)
-        # An endpoint that served nothing published no store, so it has no block size: say where requests went.
+        # Each endpoint that served a request published its stores' block size; one that served none (the
+        # router may keep six cold documents and their follow-ups on one endpoint: its tie breaks are random)
+        # published no store and has no block size, which is right, not a failure.
         served = {ep: sum(1 for o in outcomes if o[0] == ep) for ep in {o[0] for o in outcomes}}
-        assert fleet.by_endpoint("prefixroute_kv_events_block_tokens") == {s.endpoint: float(block_size)
-                                                                          for s in servers}, served
+        assert served and set(served) <= {s.endpoint for s in servers}, served
+        assert fleet.by_endpoint("prefixroute_kv_events_block_tokens") == {ep: float(block_size)
+                                                                          for ep in served}, served
         prompt = sum(_samples(text, "prefixroute_prompt_tokens_total").values())
         predicted = sum(_samples(text, "prefixroute_predicted_hit_tokens_total").values())
         actual = sum(_samples(text, "prefixroute_actual_hit_tokens_total").values())
