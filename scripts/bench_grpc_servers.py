@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
 """What does a Python gRPC server cost per routed request, whatever it does? (issue 26: the ext_proc's floor.)
 
-    .venv/bin/python scripts/bench_grpc_servers.py 2000 [aio,uvloop,uvloop-rw,sync,grpclib] [GAP_MS]
+    .venv/bin/python scripts/bench_grpc_servers.py 2000 [aio,uvloop,uvloop-rw,uvloop-spin,sync,grpclib] [GAP_MS]
 
 Per simulated request one bidirectional stream with 2 round trips (4 KB up, 200 B down: the routing stream's
 headers and body messages), from a grpc.aio client in another process, 3 rounds alternating the servers. Servers:
 grpc.aio on asyncio ("aio"), on uvloop ("uvloop", as the router runs; "uvloop-rw": context.read/write instead of
-the iterator), grpcio's threaded server ("sync"), and grpclib (pure-Python HTTP/2 on uvloop; only when installed:
+the iterator; "uvloop-spin": the event loop kept busy for SPIN_US microseconds, default 300, after each
+answer, by a task that yields without sleeping: whether keeping the loop warm saves the wake-up from idle),
+grpcio's threaded server ("sync"), and grpclib (pure-Python HTTP/2 on uvloop; only when installed:
 `pip install grpclib`). Printed per server: round-trip p50/p99 and the server's CPU per request (/proc). The
 servers echo and do nothing else, so the CPU is the floor any Python ext_proc on that stack pays. GAP_MS (default 0:
 back to back) idles the client that long after each request, as a gateway at a few requests per second per
-process does: the round trips then include each server's wake-up from idle."""
+process does: the round trips then include each server's wake-up from idle. The p50 of each stream's first and
+second round trip is printed apart: the idle time before a stream falls on its first."""
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -27,6 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_grpc_transport import client, cpu_of  # noqa: E402
 
 REPLY = b"x" * 200
+SPIN_US = float(os.environ.get("SPIN_US", "300"))
+_spin_until = [0.0]  # perf_counter() until which "uvloop-spin" keeps its loop busy
+
+
+async def _spinner() -> None:
+    while True:
+        # sleep(0) polls the loop's selector with no timeout: the loop thread never blocks while it spins
+        await asyncio.sleep(0 if time.perf_counter() < _spin_until[0] else 0.001)
 
 
 def _handler(kind: str) -> grpc.GenericRpcHandler:
@@ -38,6 +50,11 @@ def _handler(kind: str) -> grpc.GenericRpcHandler:
         async def stream(it, ctx):
             while (await ctx.read()) is not grpc.aio.EOF:
                 await ctx.write(REPLY)
+    elif kind.endswith("-spin"):
+        async def stream(it, ctx):
+            async for _ in it:
+                yield REPLY
+                _spin_until[0] = time.perf_counter() + SPIN_US / 1e6
     else:
         async def stream(it, ctx):
             async for _ in it:
@@ -94,6 +111,8 @@ def serve(kind: str, port: int, ready) -> None:
         server.add_generic_rpc_handlers((_handler(kind),))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
+        if kind.endswith("-spin"):
+            spinner = asyncio.get_running_loop().create_task(_spinner())  # noqa: F841 (held while serving)
         ready.set()
         await server.wait_for_termination()
     if kind.startswith("uvloop"):
@@ -126,7 +145,9 @@ if __name__ == "__main__":
             s1 = cpu_of(p.pid)
             p.terminate()
             p.join()
+            first, second = statistics.median(lat[0::2]), statistics.median(lat[1::2])
             lat.sort()
-            print(f"round {rnd + 1} {kind:9s}: round trip p50 {statistics.median(lat) * 1e6:6.1f} us p99 "
-                  f"{lat[int(len(lat) * 0.99)] * 1e6:6.1f} us; server CPU {(s1 - s0) / n * 1e6:6.1f} us/request, "
-                  f"wall {wall / n * 1e6:6.1f} us/request", flush=True)
+            print(f"round {rnd + 1} {kind:11s}: round trip p50 {statistics.median(lat) * 1e6:6.1f} us (first "
+                  f"{first * 1e6:6.1f}, second {second * 1e6:6.1f}) p99 {lat[int(len(lat) * 0.99)] * 1e6:6.1f} us; "
+                  f"server CPU {(s1 - s0) / n * 1e6:7.1f} us/request, wall {wall / n * 1e6:7.1f} us/request",
+                  flush=True)
