@@ -71,6 +71,9 @@ class OverheadBenchSettings(Settings):
                                         "gateway measured in the same rounds (e.g. 1,2: the routed req/s of two "
                                         "replicas against one, same run); replicas share picks through an "
                                         "embedded NATS.")
+    routing_filter: str = setting("ext_proc", "The routed gateways' routing filter (gateway --routing-filter): "
+                                  "'ext_proc' (the default) or 'ext_authz' (Envoy's ext_authz filter, one unary Check "
+                                  "per request); with --replicas 1,2 it says how each scales.")
     peers: bool = setting(True, "Replicas share their picks through the embedded NATS (the gateway default); "
                           "--no-peers measures them sharing nothing (the bus's own cost).")
     report_served: bool = setting(True, "Routed configuration sends response headers to ext_proc (the gateway "
@@ -92,9 +95,10 @@ class OverheadBenchSettings(Settings):
                                         "facts path as `up` runs it), 'no-observe' "
                                         "(the routing filter alone, no facts: the floor), 'routing-buffered' (the default again: "
                                         "an A/A control), 'routing-buffered-partial', 'routing-full-duplex', "
-                                        "'routing-streamed-early', 'routing-skip-headers' (the routing filter's other "
-                                        "processing modes: EnvoySettings.routing_processing). Records go to a closed "
-                                        "local port.")
+                                        "'routing-streamed-early', 'routing-skip-headers', 'routing-authz' (the "
+                                        "routing filter's other processing modes: EnvoySettings.routing_processing; "
+                                        "'authz' is Envoy's ext_authz filter), 'authz-facts' ('facts' routed by "
+                                        "ext_authz). Records go to a closed local port.")
     # --- ext_proc process variants (issue 26 part 3: the hot path's settings, measured in the same rounds) ---
     extproc_variants: tuple[str, ...] = setting((), "Also measure routed gateways whose ext_proc process runs with "
                                                 "other settings, in the same rounds: a name of EXTPROC_VARIANTS "
@@ -143,7 +147,9 @@ VARIANTS["facts"] = {"records": True, "response_facts_lua": True, "observe_respo
 # checked in bench-results/routing-modes/): each against "routed" ('buffered', the default) in the same rounds;
 # "routing-buffered" is the default again under another name (an A/A control: the rounds' noise and order bias).
 VARIANTS.update({f"routing-{mode}": {"routing_processing": mode} for mode in
-                 ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers")})
+                 ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers", "authz")})
+# The same with Envoy's request records on, as `prefixroute up` runs it (VARIANTS["facts"]), routed by ext_authz.
+VARIANTS["authz-facts"] = {**VARIANTS["facts"], "routing_processing": "authz"}
 """Routed gateway variants (--variants): Envoy settings over the routed configuration's; "records" sends Envoy's
 request records (to a closed local port: Envoy builds and batches them, the export fails)."""
 
@@ -333,7 +339,8 @@ def run(s: OverheadBenchSettings) -> int:
             _wait_listening(base_port, baseline, "baseline Envoy exited")
             configs = {"baseline": base_port, **configs}
             print(f"overhead-bench: Envoy 1 worker each, policy {s.policy}, report_served {s.report_served}, "
-                  f"telemetry {s.telemetry}, replicas {','.join(map(str, counts))}{', gie' if 'gie' in pids else ''}, "
+                  f"telemetry {s.telemetry}, routing filter {s.routing_filter}, "
+                  f"replicas {','.join(map(str, counts))}{', gie' if 'gie' in pids else ''}, "
                   f"variants {','.join(s.variants) or 'none'}, "
                   f"ext_proc variants {','.join(s.extproc_variants) or 'none'}, "
                   f"{'streamed %d tokens every %g ms' % (s.stream_tokens, s.itl_ms) if s.stream_tokens else 'JSON'}"
@@ -375,7 +382,7 @@ def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStac
     routed first; fills `envoy_pids` (configuration -> its Envoy's pid) for our own gateways."""
     gws: dict[int | str, GatewayProcesses] = {n: GatewayProcesses(
         GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry,
-                        extproc_replicas=n, embedded_nats=s.peers),
+                        extproc_replicas=n, embedded_nats=s.peers, routing_filter=s.routing_filter),
         RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)),
         log_dir=tmp / f"replicas-{n}", envoy_overrides={"report_served": s.report_served},
         extra_extproc_args=_span_sink_args()) for n in counts}

@@ -1,4 +1,4 @@
-"""The routers a benchmark compares, by name: `parse_router` turns ``prefixroute:POLICY[@SOURCE][#N][+flow|-flow]``,
+"""The routers a benchmark compares, by name: `parse_router` turns ``prefixroute:POLICY[@SOURCE][#N][+flow|-flow][+authz]``,
 ``sglang-router[:POLICY]`` or ``vllm-router[:POLICY]`` (each with an optional ``/chat`` or ``/responses``
 suffix) into a `RouterSpec`.
 
@@ -35,6 +35,9 @@ class RouterSpec:
     flow: bool | None = None
     """Our gateway's flow control (issue 24): ``+flow`` on, ``-flow`` off, None (no suffix) the gateway's
     default (on)."""
+    authz: bool = False
+    """Our gateway routed by Envoy's ext_authz filter (``+authz``: ``--routing-filter ext_authz``) instead of its
+    default ext_proc filter (issue 26: one unary Check per request)."""
     api: str = ""
     """The API a workload with a Responses form (agents) is sent in: "responses" or "chat"; "" = the router's
     default (`default_api`)."""
@@ -56,9 +59,9 @@ def default_api(kind: str) -> str:
 
 
 def parse_router(name: str) -> RouterSpec:
-    """``prefixroute:POLICY[@SOURCE][#REPLICAS][+flow|-flow]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16 ext_proc
-    replicas sharing their picks through an embedded NATS; +flow / -flow: flow control on / off, else the
-    gateway's default), ``sglang-router[:POLICY]``,
+    """``prefixroute:POLICY[@SOURCE][#REPLICAS][+flow|-flow][+authz]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16
+    ext_proc replicas sharing their picks through an embedded NATS; +flow / -flow: flow control on / off, else the
+    gateway's default; +authz: routed by Envoy's ext_authz filter), ``sglang-router[:POLICY]``,
     ``vllm-router[:POLICY]``, each with an optional ``/chat`` or ``/responses`` suffix (the API of the agents
     workload, `RouterSpec.api`; the suffix stays in the name); ValueError otherwise."""
     base, slash, api = name.strip().partition("/")
@@ -72,6 +75,8 @@ def _parse_router_base(name: str) -> RouterSpec:
     kind, _, policy = name.strip().partition(":")
     if kind == "prefixroute":
         flow = None
+        authz = policy.endswith("+authz")
+        policy = policy.removesuffix("+authz")
         for suffix, on in (("+flow", True), ("-flow", False)):
             if policy.endswith(suffix):
                 policy, flow = policy.removesuffix(suffix), on
@@ -83,11 +88,12 @@ def _parse_router_base(name: str) -> RouterSpec:
             raise ValueError(f"router {name!r}: policy must be one of {', '.join(POLICIES)}")
         if at and source not in INDEX_SOURCES:
             raise ValueError(f"router {name!r}: index source (after @) must be one of {', '.join(INDEX_SOURCES)}")
-        return RouterSpec(name.strip(), kind, policy, source, replicas=int(replicas) if hash_ else 1, flow=flow)
+        return RouterSpec(name.strip(), kind, policy, source, replicas=int(replicas) if hash_ else 1, flow=flow,
+                          authz=authz)
     if kind in PEER_POLICIES:
         policy = policy or "cache_aware"
         if policy not in PEER_POLICIES[kind]:
             raise ValueError(f"router {name!r}: policy must be one of {', '.join(PEER_POLICIES[kind])}")
         return RouterSpec(name if ":" in name else kind, kind, policy)
-    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE][+flow|-flow], sglang-router[:POLICY] or "
+    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE][+flow|-flow][+authz], sglang-router[:POLICY] or "
                      f"vllm-router[:POLICY]")

@@ -146,7 +146,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         telemetry.metrics.registry.register(FactsCollector(facts))
         server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,
                                           can_hold=router.flow is not None,
-                                          add_services=lambda srv: add_facts_service(srv, facts))
+                                          add_services=lambda srv: add_facts_service(srv, facts), facts=facts)
         health_server = await start_health_server(ext, ready)
         print(_ready_line(ext, routing, router, port, pool, telemetry, events, bool(addresses), bus, all_up),
               flush=True)

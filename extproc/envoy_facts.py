@@ -199,6 +199,10 @@ class FactsReceiver:
         self.num_unmatched = 0
         self.first_token_counts = dict.fromkeys(FIRST_TOKEN_OUTCOMES, 0)
         self.early_id_counts = dict.fromkeys(EARLY_ID_OUTCOMES, 0)
+        # authz.UnaryPicks.close, when Envoy routes by ext_authz: each record (matched or not) ends its pick,
+        # after `apply` reported it. Set once before serving.
+        self.closes: Callable[[str | None], bool] | None = None
+        self.unary_picks: Any = None  # that authz.UnaryPicks (its figures on /metrics)
 
     def counts(self) -> dict[str, int]:
         """Records per outcome (`OUTCOMES`), for ``prefixroute_response_facts_total``."""
@@ -252,8 +256,13 @@ class FactsReceiver:
         return True
 
     def export(self, request: Any) -> None:
+        closes = self.closes
         for f in facts_in(request):
-            self.apply(f)
+            try:
+                self.apply(f)
+            finally:
+                if closes is not None:  # a unary pick (ext_authz, authz.py): its record is its end
+                    closes(f.span_id)
 
     def apply(self, f: ResponseFacts) -> bool:
         """Report `f` for its pick; False (counted unmatched) when no pending facts-path pick has its key."""
@@ -368,3 +377,12 @@ class FactsCollector:
             for outcome, n in counts.items():
                 family.add_metric([outcome], n)
             yield family
+        picks = r.unary_picks
+        if picks is not None:
+            from prometheus_client.core import GaugeMetricFamily
+            yield GaugeMetricFamily("prefixroute_authz_picks_pending", "Picks made by Envoy's ext_authz Check "
+                                    "(routing_processing 'authz') waiting for their facts record, which releases "
+                                    "them", value=len(picks))
+            yield CounterMetricFamily("prefixroute_authz_picks_expired", "ext_authz picks released without their "
+                                      "facts record, release_after_s after their decision (the record was lost)",
+                                      value=picks.num_expired)

@@ -114,6 +114,14 @@ class GatewaySettings(Settings):
         "stream's end plus facts_flush_interval_ms; 'observe' = the observing ext_proc filter streams every response "
         "chunk to the router (facts at the first token, ~95 us of ext_proc CPU per chunk); 'auto' = facts (kept "
         "as a name: it once meant observe without Envoy's request records). GIE mode keeps its own protocol.")
+    routing_filter: str = setting(
+        "ext_proc", "Envoy's filter that asks the router where a request goes: 'ext_proc' (the external processing "
+        "filter: the request headers, answered at once, then the whole body: two round trips on one stream held "
+        "until the response ends; every protocol and feature) or 'ext_authz' (the external authorization filter: "
+        "one unary Check with the headers and whole body; measured ~0.2-0.3 ms less added latency and ~35% less "
+        "router CPU per request, bench-results/routing-authz/). ext_authz needs the facts path (telemetry on, "
+        "response_path facts or auto: each request's facts record releases its pick) and does not hold requests "
+        "past saturation (flow control routes them at once).")
     facts_flush_interval_ms: int = setting(
         50, "With the facts path: how long Envoy holds facts records before sending them to the ext_proc replica "
         "(50 ms: one gRPC message carries many requests under load; a fact reaches the router at most this long "
@@ -133,6 +141,7 @@ class GatewaySettings(Settings):
 
 
 RESPONSE_PATHS = ("facts", "observe", "auto")
+ROUTING_FILTERS = ("ext_proc", "ext_authz")
 MAX_EXTPROC_REPLICAS = 16
 HEALTH_PATH = "/healthz"
 """Envoy's own health route on the gateway listener (envoy_config `health_path`)."""
@@ -321,7 +330,15 @@ class GatewayProcesses:
         return "127.0.0.1" if self.gateway.listen_address in ("0.0.0.0", "::") else self.gateway.listen_address
 
     def envoy_settings(self) -> EnvoySettings:
-        """Envoy's settings for this gateway; `envoy_overrides` win over every derived field."""
+        """Envoy's settings for this gateway; `envoy_overrides` win over every derived field. ValueError for a
+        routing filter that is not one of ROUTING_FILTERS, or ext_authz without the facts path."""
+        if self.gateway.routing_filter not in ROUTING_FILTERS:
+            raise ValueError(f"routing_filter must be one of {', '.join(ROUTING_FILTERS)}, got "
+                             f"{self.gateway.routing_filter!r}")
+        if self.gateway.routing_filter == "ext_authz" and not (self.gateway.telemetry and
+                                                               self.response_path == "facts"):
+            raise ValueError("routing_filter ext_authz needs the facts path (telemetry on, response_path facts or "
+                             "auto): each request's facts record is what releases its pick")
         admin = self.gateway.envoy_admin
         return EnvoySettings(**{
             "gateway_port": self.gateway.port, "listen_address": self.gateway.listen_address,
@@ -338,6 +355,7 @@ class GatewayProcesses:
             "observe_responses": self.gateway.telemetry and self.response_path == "observe",
             "response_facts_lua": self.gateway.telemetry and self.response_path == "facts",
             "facts_flush_interval_ms": self.gateway.facts_flush_interval_ms,
+            **({"routing_processing": "authz"} if self.gateway.routing_filter == "ext_authz" else {}),
             "extproc_auth_token_file": str(self.token_path) if self.token_path is not None else "",
             "records_otlp_address": self.records_to[0] if self.records_to else "",
             "records_otlp_token_file": str(self._tmp / "records.token") if self.records_to and self._tmp else "",

@@ -28,6 +28,8 @@ import grpc
 from prefixroute import grpc_auth
 from prefixroute.extproc import wire
 from prefixroute.extproc.health import HealthServicer
+from prefixroute.extproc.authz import RELEASE_AFTER_S, AuthzServicer, UnaryPicks
+from prefixroute.extproc.authz import add_to_server as add_authz_to_server
 from prefixroute.extproc.servicer import DEFAULT_MAX_BODY_BYTES, PROTOCOLS, ExtProcServicer, RouterService
 from prefixroute.extproc.tracking import NULL_TRACKER, Tracker
 from prefixroute.grpc_auth import bearer_matches, read_token
@@ -85,6 +87,11 @@ class ExtprocSettings(Settings):
                                "envoy.service.ext_proc.v3.ExternalProcessor) on this plaintext port, for kubelet "
                                "grpc probes, which speak neither TLS nor bearer tokens (9003 in GIE's charts). "
                                "-1 = only on the ext_proc port (where Envoy's health check calls it).")
+    authz_release_after_s: float = setting(
+        RELEASE_AFTER_S, "When Envoy routes by ext_authz (gateway --routing-filter ext_authz): the longest a pick "
+        "waits for its facts record, which releases it, before it is released anyway and counted in "
+        "prefixroute_authz_picks_expired_total (660 s: Envoy's 600 s whole-response timeout and a margin, so only a "
+        "lost record waits this long).")
     facts_first_token: str = setting(
         "early", "On the facts path (Envoy's facts records), when the router learns a streamed response's first "
         "token: 'early' = when it happens (the facts Lua filter's asynchronous report to this port: flow control "
@@ -185,23 +192,32 @@ def server_credentials(s: ExtprocSettings) -> grpc.ServerCredentials | None:
 
 async def start_server(router: RouterService, s: ExtprocSettings, tracker: Tracker = NULL_TRACKER, *,
                        ready: Callable[[], bool] = _always, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                       can_hold: bool = False, add_services: Callable[[grpc.aio.Server], None] | None = None
-                       ) -> tuple[grpc.aio.Server, int]:
+                       can_hold: bool = False, add_services: Callable[[grpc.aio.Server], None] | None = None,
+                       facts: Any = None) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the started server (call `stop(grace)` on it) and its port (port 0 = any).
     Telemetry: a `RequestTracker`, or the default `NULL_TRACKER` for none. TLS and the bearer token per `s`
     (module doc); ValueError/OSError when their settings or files are wrong. The gRPC health service
     (health.py) is served beside ext_proc, over `ready` (the picker can route), without the bearer token.
     `max_body_bytes`: GIE streams' body limit (RoutingSettings.max_body_bytes). `can_hold`: the router holds
     requests past saturation (flow control: `ExtProcServicer`). `add_services`: adds other services to the
-    server before it starts (Envoy's response facts receiver: envoy_facts.py)."""
+    server before it starts (Envoy's response facts receiver: envoy_facts.py). `facts`: that receiver
+    (envoy_facts.FactsReceiver); given, Envoy's ext_authz ``Check`` is served too (authz.py: a unary pick is
+    released by its facts record, so there is no ext_authz routing without them)."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
     server = grpc.aio.server(options=grpc_options(s.grpc_options))
     replica = s.replica_index if s.replica_index >= 0 else None
-    process = ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
-                              gie_fallback_list=s.gie_fallback_list, max_body_bytes=max_body_bytes,
-                              can_hold=can_hold, facts_first_token_live=s.facts_first_token == "early").Process
+    servicer = ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
+                               gie_fallback_list=s.gie_fallback_list, max_body_bytes=max_body_bytes,
+                               can_hold=can_hold, facts_first_token_live=s.facts_first_token == "early")
+    process = servicer.Process
     wire.add_to_server(server, StreamAuth(token).guard(process) if token else process)
+    if facts is not None:
+        picks = UnaryPicks(router.release, tracker.routing_closed, s.authz_release_after_s)
+        facts.closes = picks.close
+        facts.unary_picks = picks
+        add_authz_to_server(server, AuthzServicer(servicer, picks, StreamAuth(token).allows if token else None,
+                                                  replica).Check)
     wire.add_health_to_server(server, HealthServicer(ready).Check)
     if add_services is not None:
         add_services(server)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -52,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gap-ms", type=float, default=10.0, help="Idle time between two requests.")
     p.add_argument("--gateway-args", default="", help="Extra `prefixroute gateway` flags, comma-separated "
                    "(e.g. --response-path=observe), as `prefixroute bench --gateway-args` takes them.")
+    p.add_argument("--compare-gateway-args", action="append", default=[], metavar="ARGS",
+                   help="Another gateway measured in the same rounds, with these extra flags (comma-separated; "
+                   "repeatable; with '=' since the value starts with a dash): e.g. "
+                   "--compare-gateway-args=--routing-filter=ext_authz beside the default.")
     p.add_argument("--log-dir", type=Path, default=None, help="Children's logs (default: a temporary folder).")
     return p.parse_args(argv)
 
@@ -91,15 +96,23 @@ def main(argv: list[str] | None = None) -> int:
         gateway = runner.start_router(group, stack, parse_router("prefixroute:prefix"), [endpoint], seed=1,
                                       gateway_args=[x for x in a.gateway_args.split(",") if x])
         urls = {"direct": f"http://{endpoint}", "bare-envoy": f"http://127.0.0.1:{port}", "gateway": gateway.base_url}
+        for i, args in enumerate(a.compare_gateway_args, 1):
+            # its own name: the logs of each gateway in a folder of their own
+            router = dataclasses.replace(parse_router("prefixroute:prefix"), name=f"prefixroute:prefix-compare{i}")
+            urls[f"gateway {args}"] = runner.start_router(group, stack, router, [endpoint], seed=1,
+                                                          gateway_args=[x for x in args.split(",") if x]).base_url
+        targets = tuple(urls)
         for url in urls.values():  # warm: the prompt cached, connections and the router's tables made
             asyncio.run(_ttfts(url, spec, model, 5, a.gap_ms / 1e3))
         print(f"{a.prompt_kb} KB streamed chat requests, one at a time, {a.gap_ms:g} ms apart; median client TTFT, ms")
         for rnd in range(a.num_rounds):
             med = {name: statistics.median(asyncio.run(_ttfts(urls[name], spec, model, a.num_requests,
-                                                                a.gap_ms / 1e3))) for name in TARGETS}
-            print(f"  round {rnd}: " + ", ".join(f"{name} {med[name]:.2f}" for name in TARGETS)
+                                                                a.gap_ms / 1e3))) for name in targets}
+            print(f"  round {rnd}: " + ", ".join(f"{name} {med[name]:.2f}" for name in targets)
                   + f"; Envoy's hop {med['bare-envoy'] - med['direct']:+.2f}, the router's "
-                  f"{med['gateway'] - med['bare-envoy']:+.2f}", flush=True)
+                  f"{med['gateway'] - med['bare-envoy']:+.2f}"
+                  + "".join(f", the router's with {name[8:]} {med[name] - med['bare-envoy']:+.2f}"
+                            for name in targets[len(TARGETS):]), flush=True)
     return 0
 
 

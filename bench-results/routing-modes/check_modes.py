@@ -1,4 +1,5 @@
-"""Correctness of each routing-filter processing mode (EnvoySettings.routing_processing) on Envoy 1.40.
+"""Correctness of each routing-filter processing mode (EnvoySettings.routing_processing) on Envoy 1.40 ('authz':
+Envoy's ext_authz filter in place of ext_proc; its answered Check calls count as its routing streams).
 
 For every mode: a real gateway (Envoy + `prefixroute extproc`, telemetry on) on one fast upstream, then
 - 64 KiB and 1 MiB bodies: status, and whether Envoy sent them by the router's pick (cluster picked_endpoint) or by
@@ -28,11 +29,14 @@ from prefixroute.procs import free_port, http_get, stop_group
 
 def _clusters(admin: int) -> tuple[int, int, int]:
     """(requests sent by the pick, by the round robin, routing-filter gRPC streams started) so far."""
-    _, text = http_get(f"http://127.0.0.1:{admin}/stats?filter=(upstream_rq_total|streams_started)$", timeout_s=2)
+    _, text = http_get(f"http://127.0.0.1:{admin}/stats?filter=(upstream_rq_total|streams_started|ext_authz.*)$",
+                       timeout_s=2)
     stats = dict(line.split(": ") for line in text.decode().splitlines() if ": " in line)
+    # 'authz' (Envoy's ext_authz filter, stat prefix "routing"): its Check calls answered, allowed or denied
+    checks = sum(int(stats.get(f"http.gateway.ext_authz.routing.{k}", 0)) for k in ("ok", "denied"))
     return (int(stats.get("cluster.picked_endpoint_0.upstream_rq_total", 0)),
             int(stats.get("cluster.endpoint_pool_round_robin.upstream_rq_total", 0)),
-            int(stats.get("http.gateway.ext_proc.streams_started", 0)))
+            int(stats.get("http.gateway.ext_proc.streams_started", 0)) + checks)
 
 
 def _send(port: int, request: bytes, pause_at: int | None = None, pause_s: float = 0.0) -> int:

@@ -131,7 +131,7 @@ from prefixroute import settings
 from prefixroute.extproc.envoy_config.admin import ADMIN_READ_ONLY_PATHS, admin
 from prefixroute.extproc.envoy_config.auth import EXTPROC_TOKEN_SECRET, extproc_auth_token, extproc_token_secret
 from prefixroute.extproc.envoy_config.clusters import gateway_clusters
-from prefixroute.extproc.envoy_config.common import (DIRECT_CLUSTER, EXTPROC_CLUSTER, EXTPROC_REPLICA_CLUSTER_PREFIX,
+from prefixroute.extproc.envoy_config.common import (AUTHZ_FILTER, DIRECT_CLUSTER, EXTPROC_CLUSTER, EXTPROC_REPLICA_CLUSTER_PREFIX,
                                                      OBSERVE_FILTER, PICKED_CLUSTER, POOL_CLUSTER, ROUTING_FILTER,
                                                      UNAVAILABLE_CLOSED_ROUTE, UNAVAILABLE_CLUSTER,
                                                      UNAVAILABLE_STATEFUL_ROUTE, extproc_addresses)
@@ -182,7 +182,8 @@ def build_config(s: EnvoySettings) -> Bootstrap:
     token_secret = extproc_token_secret(s)
     filters = http_filters(s, len(replicas))
     routes = gateway_routes(s, allowed, len(replicas),
-                            [f.name for f in filters if f.name in (ROUTING_FILTER, OBSERVE_FILTER, TIMING_FILTER)])
+                            [f.name for f in filters if f.name in (ROUTING_FILTER, AUTHZ_FILTER, OBSERVE_FILTER,
+                                                                           TIMING_FILTER)])
     records_log, records_cluster, records_secret = records_access_log(s)
     hcm = connection_manager(s, routes, filters, records_log + facts_access_logs(s, replicas))
     clusters = gateway_clusters(s, replicas, token_secret, records_cluster)

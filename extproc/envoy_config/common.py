@@ -24,6 +24,8 @@ UNAVAILABLE_STATEFUL_ROUTE = "extproc_unavailable_stateful"
 UNAVAILABLE_CLOSED_ROUTE = "extproc_unavailable_fail_closed"
 OBSERVE_FILTER = "prefixroute.observe_responses"
 ROUTING_FILTER = "envoy.filters.http.ext_proc"
+AUTHZ_FILTER = "envoy.filters.http.ext_authz"
+"""The routing filter when it is Envoy's ext_authz (EnvoySettings.routing_processing 'authz')."""
 
 
 def duration(seconds: float) -> timedelta:

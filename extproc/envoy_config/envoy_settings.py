@@ -94,7 +94,10 @@ class EnvoySettings(Settings):
         "FULL_DUPLEX_STREAMED, served by the GIE protocol: no fallback or replica headers, a slow upload fails "
         "over), 'streamed-early' (body STREAMED with send_body_without_waiting_for_header_response: routed on the "
         "first chunk), 'skip-headers' (request headers SKIP, body BUFFERED, path and headers asked as "
-        "request_attributes: Envoy 1.40 routes at the headers, before the router answers).")
+        "request_attributes: Envoy 1.40 routes at the headers, before the router answers). 'authz' is correct too and "
+        "routes by Envoy's ext_authz filter instead: one unary Check with the headers and whole body (one round trip, "
+        "about half the router's gRPC CPU per request: bench-results/routing-authz/); it needs the facts path "
+        "(response_facts_lua: the facts record releases each pick) and does not hold requests past saturation.")
     allowed_paths: tuple[str, ...] = setting(
         DEFAULT_ALLOWED_PATHS,
         "Request paths (exact, case-sensitive, query string aside) the gateway routes to endpoints: the OpenAI "

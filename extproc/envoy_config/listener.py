@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
+from envoy_data_plane.envoy.config.core.v3 import ApiVersion
 from envoy_data_plane.envoy.config.core.v3 import BackoffStrategy as CoreBackoffStrategy
 from envoy_data_plane.envoy.config.core.v3 import (GrpcService, GrpcServiceEnvoyGrpc, HeaderValue,
                                                    Http1ProtocolOptions, Http2ProtocolOptions, TypedExtensionConfig)
@@ -15,6 +16,7 @@ from envoy_data_plane.envoy.config.core.v3 import RetryPolicyRetryHostPredicate 
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
 from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
 from envoy_data_plane.envoy.config.route.v3 import Route, RouteConfiguration, VirtualHost
+from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import BufferSettings, ExtAuthz
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (ExternalProcessor, MetadataOptions,
                                                                         MetadataOptionsMetadataNamespaces,
                                                                         ProcessingMode)
@@ -31,8 +33,8 @@ from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import Previ
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
-from prefixroute.extproc.envoy_config.common import (EXTPROC_CLUSTER, OBSERVE_FILTER, ROUTING_FILTER, address,
-                                                     duration)
+from prefixroute.extproc.envoy_config.common import (AUTHZ_FILTER, EXTPROC_CLUSTER, OBSERVE_FILTER, ROUTING_FILTER,
+                                                     address, duration)
 from prefixroute.extproc.envoy_config.replies import local_reply_config
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.envoy_config.timing import timing_filter
@@ -47,7 +49,9 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
     """The HTTP filters in order: the routing ext_proc filter (our picker), the observing one (observability mode,
     never waited on), the router."""
     http_filters: list[HttpFilter] = []
-    if s.extproc_enabled:
+    if s.extproc_enabled and s.routing_processing == "authz":
+        http_filters.append(authz_filter(s, num_replicas))
+    elif s.extproc_enabled:
         http_filters.append(HttpFilter(name=ROUTING_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
             # No grpc_service timeout: one stream lives as long as its HTTP request (long streams);
             # message_timeout bounds each answer instead. The initial metadata tells the service that an
@@ -99,8 +103,37 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
     return http_filters
 
 
-ROUTING_PROCESSING = ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers")
-"""`EnvoySettings.routing_processing` choices; only 'buffered' is correct as a gateway (bench-results/routing-modes/)."""
+ROUTING_PROCESSING = ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers", "authz")
+"""`EnvoySettings.routing_processing` choices; 'buffered' (ext_proc) and 'authz' (ext_authz) are correct as a gateway
+(bench-results/routing-modes/, bench-results/routing-authz/)."""
+AUTHZ_MIN_TIMEOUT_S = 5.0
+"""The least the ext_authz filter waits for the router: its timeout is one figure (ext_proc's answers may ask for
+more per request, ext_authz's cannot), and a large body parsed off the router's loop may take this long on a loaded
+host (servicer.PARSE_EXTENSION_S); a shorter wait would fail such a request open, unvetted."""
+
+
+def authz_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
+    """The routing filter as Envoy's ext_authz (routing_processing 'authz', extproc/authz.py): one unary Check per
+    request with its headers and whole body, answered with the routing headers; ``clear_route_cache`` routes it
+    again by them. Only with the facts path: the facts record is what releases a unary pick."""
+    if not s.response_facts_lua:
+        raise ValueError("routing_processing 'authz' needs the facts path (response_facts_lua): a request's facts "
+                         "record is what ends its pick when Envoy routes by ext_authz")
+    return HttpFilter(name=AUTHZ_FILTER, typed_config=ProtoAny.pack(ExtAuthz(
+        grpc_service=GrpcService(
+            envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+            timeout=duration(max(s.extproc_message_timeout_ms / 1000, AUTHZ_MIN_TIMEOUT_S)),
+            retry_policy=extproc_retry_policy(num_replicas),
+            initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS)]),
+        transport_api_version=ApiVersion.V3,
+        failure_mode_allow=s.failure_mode == "open",
+        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
+        clear_route_cache=True,
+        # The whole body as bytes (413 above the limit, as the ext_proc filter's buffer gives).
+        with_request_body=BufferSettings(max_request_bytes=s.max_request_body_bytes, allow_partial_message=False,
+                                         pack_as_bytes=True),
+        stat_prefix="routing",
+    )))
 ROUTING_REQUEST_ATTRIBUTES = ("request.url_path", "request.method", "request.headers", "request.id")
 """What 'skip-headers' asks Envoy for in place of the request headers message."""
 
@@ -113,7 +146,7 @@ def routing_processing(s: EnvoySettings) -> dict[str, object]:
     buffered-partial,full-duplex,streamed-early,skip-headers): none is both faster beyond noise and correct for
     large bodies, slow uploads and failover (bench-results/routing-modes/README.md). Mode override is not among
     them: Envoy takes `mode_override` only from the answer to the headers message, so it cannot save that trip."""
-    if s.routing_processing not in ROUTING_PROCESSING:
+    if s.routing_processing not in ROUTING_PROCESSING or s.routing_processing == "authz":
         raise ValueError(f"routing_processing must be one of {', '.join(ROUTING_PROCESSING)}; "
                          f"got {s.routing_processing!r}")
     mode = s.routing_processing

@@ -16,10 +16,11 @@ from prefixroute.extproc.envoy_config.common import (UNAVAILABLE_CLOSED_ROUTE, U
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 
 # Local replies that are Envoy's own: not the router's (an ext_proc ImmediateResponse, whose details the
-# servicer sets to "prefixroute_<status>", already carries its OpenAI body) and not a route's direct_response
-# (written in OpenAI format here). CEL runs only when Envoy composes a local reply, never on routed traffic.
+# servicer sets to "prefixroute_<status>", or an ext_authz denied answer, which only the router gives: both already
+# carry their OpenAI body) and not a route's direct_response (written in OpenAI format here). CEL runs only when
+# Envoy composes a local reply, never on routed traffic.
 ENVOY_OWN_REPLY = ("!(response.code_details.startsWith('prefixroute_') || "
-                   "response.code_details == 'direct_response')")
+                   "response.code_details == 'ext_authz_denied' || response.code_details == 'direct_response')")
 
 
 def cel_filter(expression: str) -> AccessLogFilter:

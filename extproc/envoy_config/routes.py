@@ -13,13 +13,14 @@ from envoy_data_plane.envoy.config.core.v3 import DataSource, GrpcService, GrpcS
 from envoy_data_plane.envoy.config.route.v3 import (DirectResponseAction, HeaderMatcher, RetryPolicy,
                                                     RetryPolicyRetryBackOff, RetryPolicyRetryHostPredicate, Route,
                                                     RouteAction, RouteMatch, RouteMatchConnectMatcher)
+from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import ExtAuthzPerRoute
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ExtProcOverrides, ExtProcPerRoute
 from envoy_data_plane.envoy.extensions.filters.http.lua.v3 import LuaPerRoute
 from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import PreviousHostsPredicate
 from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
-from prefixroute.extproc.envoy_config.common import (EXTPROC_REPLICA_CLUSTER_PREFIX, OBSERVE_FILTER, PICKED_CLUSTER,
+from prefixroute.extproc.envoy_config.common import (AUTHZ_FILTER, EXTPROC_REPLICA_CLUSTER_PREFIX, OBSERVE_FILTER, PICKED_CLUSTER,
                                                      POOL_CLUSTER, UNAVAILABLE_CLOSED_ROUTE, UNAVAILABLE_CLUSTER,
                                                      UNAVAILABLE_STATEFUL_ROUTE, duration, error_json, set_header)
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
@@ -159,5 +160,6 @@ def direct_route(name: str, match: RouteMatch, status: int, body: str, filters: 
         direct_response=DirectResponseAction(status=status, body=DataSource(inline_string=body)),
         response_headers_to_add=[set_header("content-type", "application/json")],
         typed_per_filter_config={f: ProtoAny.pack(LuaPerRoute(disabled=True) if f == TIMING_FILTER
+                                                  else ExtAuthzPerRoute(disabled=True) if f == AUTHZ_FILTER
                                                   else ExtProcPerRoute(disabled=True)) for f in filters},
     )

@@ -1,4 +1,5 @@
-"""Requests through a gateway and the telemetry store's records of them (the gateway telemetry tests)."""
+"""Requests through a gateway and the telemetry store's records of them (the gateway telemetry tests), and the
+facts-path gateway those tests start."""
 
 from __future__ import annotations
 
@@ -7,14 +8,38 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixroute.extproc.gateway import GatewayProcesses
+from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.procs import free_port
 from prefixroute.telemetry.tracecontext import format_traceparent, new_span_id, new_trace_id
 from helpers.fleet import MODEL
 from helpers.receiver import ReceiverProc
 from helpers.waiting import until
+
+
+def start_facts_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, **gateway: object
+                        ) -> GatewayProcesses:
+    """A gateway on the facts path (one replica, random ports) in front of `endpoints`, stopped with `stack`;
+    `gateway` overrides GatewaySettings' fields."""
+    gw = GatewayProcesses(
+        GatewaySettings(**{"port": free_port(), "ports": "random", "extproc_replicas": 1,  # type: ignore[arg-type]
+                           "listen_address": "127.0.0.1", "envoy_log_level": "info", "response_path": "facts",
+                           **gateway}),
+        RoutingSettings(), PoolSettings(endpoints=tuple(endpoints)), log_dir=log_dir)
+    stack.enter_context(gw)
+    return gw
+
+
+def router_metrics(gw: GatewayProcesses) -> str:
+    """The gateway's (first) router's /metrics text."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{gw.metrics_port}/metrics", timeout=5) as r:
+        return r.read().decode()
 
 
 @dataclass

@@ -26,32 +26,14 @@ from helpers.fleet import MODEL, Fleet, start_fleet
 from helpers.receiver import ReceiverProc, start_receiver
 from helpers.stack import metric_value
 from helpers.waiting import until
-from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
-from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.procs import free_port
-from helpers.gateway_requests import client_usage, dump, send, wait_records
+from prefixroute.extproc.gateway import GatewayProcesses
+from helpers.gateway_requests import (client_usage, dump, router_metrics, send, start_facts_gateway,
+                                      wait_records)
 from helpers.procs import environ_set
 
 pytestmark = pytest.mark.integration
 
 SERVER_ID = "x-prefixroute-server-id"
-
-
-def start_facts_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, **gateway: object
-                        ) -> GatewayProcesses:
-    gw = GatewayProcesses(
-        GatewaySettings(**{"port": free_port(), "ports": "random", "extproc_replicas": 1,  # type: ignore[arg-type]
-                           "listen_address": "127.0.0.1", "envoy_log_level": "info", "response_path": "facts",
-                           **gateway}),
-        RoutingSettings(), PoolSettings(endpoints=tuple(endpoints)), log_dir=log_dir)
-    stack.enter_context(gw)
-    return gw
-
-
-def router_metrics(gw: GatewayProcesses) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{gw.metrics_port}/metrics", timeout=5) as r:
-        return r.read().decode()
 
 
 def facts(gw: GatewayProcesses, outcome: str) -> float:

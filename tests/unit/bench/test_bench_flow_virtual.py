@@ -94,3 +94,16 @@ def test_router_names_say_whether_flow_control_runs(name, flow, policy, source, 
 
     r = parse_router(name)
     assert (r.flow, r.policy, r.index_source, r.replicas, r.name) == (flow, policy, source, replicas, name)
+
+
+@pytest.mark.parametrize(("name", "authz", "flow", "policy"), [
+    ("prefixroute:prefix", False, None, "prefix"),
+    ("prefixroute:prefix+authz", True, None, "prefix"),
+    ("prefixroute:prefix-flow+authz", True, False, "prefix"),
+    ("prefixroute:prefix@events#2+flow+authz", True, True, "prefix"),
+])
+def test_router_names_say_whether_envoy_routes_by_ext_authz(name, authz, flow, policy) -> None:
+    from prefixroute.bench.routers import parse_router
+
+    r = parse_router(name)
+    assert (r.authz, r.flow, r.policy, r.name) == (authz, flow, policy, name)

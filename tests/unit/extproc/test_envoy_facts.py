@@ -10,10 +10,8 @@ import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, ResourceLogs, ScopeLogs
 
+from helpers.facts_records import CHAT_USAGE, export, record
 from helpers.picks import make_pick
 from prefixroute.extproc.envoy_config.facts import RESPONSE_FACTS_LUA
 from prefixroute.extproc.envoy_facts import (MAX_EARLY_REPORT_BYTES, EarlyReport, FactsCollector, FactsReceiver,
@@ -28,24 +26,12 @@ from prefixroute.telemetry.tracecontext import parse_traceparent
 from prefixroute.types import Decision
 
 ADDR = {"10.0.0.1:80": "a:80", "10.0.0.2:80": "b:80"}
-CHAT_USAGE = '"usage":{"prompt_tokens":100,"completion_tokens":7,"prompt_tokens_details":{"cached_tokens":64}}}'
 
 
 def pick(kind: str = "chat", stream: bool = True):  # noqa: ANN201
     path = "/v1/responses" if kind == "responses" else "/v1/chat/completions"
     return make_pick(("a:80", "b:80"), Decision(endpoints=("a:80", "b:80"), reason="affinity", policy="prefix"),
                      InferenceRequest(kind=kind, path=path, model="m", stream=stream))
-
-
-def record(traceparent: str, **attrs: str) -> LogRecord:
-    values = {"prefixroute.facts": "1", "tp": traceparent, "status": "200", "upstream": "10.0.0.1:80",
-              "ctype": "text/event-stream", "ttft_us": "12500", "duration_us": "80000", "start": "1700000000.000000",
-              "first_token_us": "-", "usage": CHAT_USAGE, "response_id": "-", **attrs}
-    return LogRecord(attributes=[KeyValue(key=k, value=AnyValue(string_value=v)) for k, v in values.items()])
-
-
-def export(*records: LogRecord) -> ExportLogsServiceRequest:
-    return ExportLogsServiceRequest(resource_logs=[ResourceLogs(scope_logs=[ScopeLogs(log_records=list(records))])])
 
 
 class Router:

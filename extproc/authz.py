@@ -1,0 +1,217 @@
+"""The router behind Envoy's ext_authz filter: one unary ``Authorization.Check`` per request (issue 26, part 2).
+
+Envoy's ext_authz filter, with ``with_request_body`` (whole body, ``pack_as_bytes``), buffers the request and
+sends its headers and body in one ``CheckRequest``; the ``OkHttpResponse`` sets the routing headers and
+``clear_route_cache`` makes Envoy route again by them. One message each way and a call that ends at once, against
+the ext_proc routing stream's two round trips (headers answered CONTINUE, then the body) and a stream held open
+until the response ends: on a bare gRPC server half the CPU per request and ~0.3 ms less added latency
+(bench-results/routing-authz/). Chosen by ``EnvoySettings.routing_processing = 'authz'``; the router serves both
+services on its port whatever Envoy is configured with.
+
+Contract, beside the ext_proc servicer's (servicer.py), which this reuses for the decision itself (the same
+`_RoutingStream._decide`, lookups, holds and telemetry calls):
+
+- A routed request gets ``ok_response`` with the headers the ext_proc answer sets (destination, fallbacks,
+  replica, ``traceparent``), pre-built per endpoint list; a refusal (`OpenAIError`) gets ``denied_response`` with
+  its status, JSON body, ``content-type`` and ``retry-after``, as the ext_proc ImmediateResponse has them.
+- Nothing tells a unary call when the response ends, so a pick is released by the request's facts record (the
+  facts path, envoy_facts.py: Envoy sends it at the end of every HTTP stream, reset or not), which also closes its
+  telemetry record. A pick whose record never comes (the facts logger down, a record lost) is released
+  `release_after_s` after its decision and its record emitted with "response facts missing": until then the
+  endpoint's in-flight count holds it. The Envoy configuration refuses 'authz' without the facts path.
+- Envoy's ext_authz timeout is one figure per filter: it cannot be extended per request as ext_proc's
+  ``override_message_timeout`` is, so the configuration sets it to cover a held request's deadline and a large
+  body's parse (envoy_config/listener.py); a hung router is then failed open after that long.
+- The bearer token, when set, is checked on every call (UNAUTHENTICATED without it), as on ext_proc streams.
+
+Async safety: runs on the router's event loop (grpc.aio), like the servicer; nothing blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from prefixroute.extproc import wire
+from prefixroute.extproc.answers import _field, header_option
+from prefixroute.extproc.headers import REFUSED_HEADER, TRACEPARENT_HEADER
+from prefixroute.extproc.lifecycle import Pick
+from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ExtProcServicer, ResponseCache, _RoutingStream
+from prefixroute.extproc.tracking import Tracked
+from prefixroute.telemetry.tracecontext import parse_traceparent
+
+log = logging.getLogger(__name__)
+
+RELEASE_AFTER_S = 660.0
+"""Longest a unary pick waits for its facts record before it is released anyway: Envoy's whole-response timeout
+(EnvoySettings.upstream_timeout_s, 600 s) and a margin for the record's flush and a retry's connect. A response
+cannot outlast it through our Envoy configuration, so only a lost record waits this long."""
+_PERMISSION_DENIED = 7  # google.rpc.Code: the CheckResponse status of a refusal (Envoy answers its HTTP status)
+
+_MAX_CACHED = 4096
+
+
+class AuthzResponses:
+    """Pre-built ``CheckResponse`` wire bytes per endpoint list: the ext_proc answer's headers (ResponseCache), in
+    an ``ok_response``. `with_traceparent` appends the per-request ``traceparent`` at the byte level (protobuf
+    merges concatenated messages: the header joins ``ok_response.headers``), so nothing is built per request."""
+
+    def __init__(self, replica_index: int | None = None) -> None:
+        self._headers = ResponseCache(replica_index)
+        self._cache: dict[tuple[str, ...], bytes] = {}
+        self._around: dict[int, tuple[bytes, bytes]] = {}
+
+    def ok(self, endpoints: tuple[str, ...]) -> bytes:
+        cached = self._cache.get(endpoints)
+        if cached is None:
+            if len(self._cache) >= _MAX_CACHED:
+                self._cache.clear()
+            routed = self._headers.routing_response(endpoints, False)
+            headers = _as_values(routed.request_body.response.header_mutation.set_headers)
+            cached = self._cache[endpoints] = wire.CheckResponse(
+                status=wire.Status(code=0), ok_response=wire.OkHttpResponse(headers=headers)).SerializeToString()
+        return cached
+
+    def with_traceparent(self, endpoints: tuple[str, ...], traceparent: str) -> bytes:
+        value = traceparent.encode("latin-1")
+        around = self._around.get(len(value))
+        if around is None:
+            marker = b"\0" * len(value)
+            whole = wire.CheckResponse(ok_response=wire.OkHttpResponse(
+                headers=_as_values([header_option(TRACEPARENT_HEADER, "\0" * len(value))]))).SerializeToString()
+            at = whole.index(_field(2, marker)) + 2  # the value's first byte (its tag and a 1-byte length)
+            around = self._around[len(value)] = (whole[:at], whole[at + len(value):])
+        return self.ok(endpoints) + around[0] + value + around[1]
+
+
+def _as_values(options: Any) -> list[Any]:
+    """Header options with the value in ``HeaderValue.value``: the field Envoy 1.40's ext_authz reads (its ext_proc
+    takes ``raw_value``, which the shared answers set)."""
+    return [wire.HeaderValueOption(header=wire.HeaderValue(key=o.header.key, value=o.header.raw_value.decode(
+        "latin-1") if o.header.raw_value else o.header.value), append_action=o.append_action) for o in options]
+
+
+def denied(immediate: Any) -> bytes:
+    """An ext_proc ImmediateResponse answer (answers.immediate_response: a refusal) as a ``denied_response``."""
+    ir = immediate.immediate_response
+    body = ir.body
+    return wire.CheckResponse(
+        status=wire.Status(code=_PERMISSION_DENIED, message=ir.details),
+        denied_response=wire.DeniedHttpResponse(status=wire.HttpStatus(code=ir.status.code),
+                                                headers=_as_values(ir.headers.set_headers),
+                                                body=body.decode() if isinstance(body, bytes) else body),
+    ).SerializeToString()
+
+
+class UnaryPicks:
+    """Picks made by a unary Check, each until its facts record closes it or `release_after_s` passes (module
+    docstring), keyed by the router span id of its ``traceparent`` (what the record carries). One timer for all:
+    one timeout, so insertion order is deadline order. Not thread-safe: the event loop's thread only."""
+
+    def __init__(self, release: Callable[[Pick], None], closed: Callable[[Tracked], None],
+                 release_after_s: float = RELEASE_AFTER_S) -> None:
+        self._release = release
+        self._closed = closed
+        self.release_after_s = release_after_s
+        self._pending: dict[str, tuple[float, Tracked, Pick]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.num_expired = 0
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, span_id: str, st: Tracked, pick: Pick) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.release_after_s
+        self._pending[span_id] = (deadline, st, pick)
+        if self._timer is None or self._loop is not loop:
+            self._loop = loop
+            self._timer = loop.call_at(deadline, self._sweep)
+
+    def close(self, span_id: str | None) -> bool:
+        """The facts record of `span_id` came: release its pick and close its record. False when none waits."""
+        entry = self._pending.pop(span_id, None) if span_id is not None else None
+        if entry is None:
+            return False
+        _, st, pick = entry
+        self._release(pick)
+        self._closed(st)
+        return True
+
+    def _sweep(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time() + 0.001
+        pending = self._pending
+        while pending:
+            span_id, (deadline, st, pick) = next(iter(pending.items()))
+            if deadline > now:
+                self._timer = loop.call_at(deadline, self._sweep)
+                return
+            del pending[span_id]
+            self.num_expired += 1
+            self._release(pick)
+            self._closed(st)  # no record: the tracker says "response facts missing" after its grace
+
+
+class AuthzServicer:
+    """Envoy ext_authz ``Check`` -> the router's decision (module docstring). Serve with `add_to_server`."""
+
+    def __init__(self, servicer: ExtProcServicer, picks: UnaryPicks, token_allows: Callable[[Any], bool] | None,
+                 replica_index: int | None = None) -> None:
+        self.servicer = servicer
+        self.tracker = servicer.tracker
+        self.picks = picks
+        self.responses = AuthzResponses(replica_index)
+        self._allows = token_allows
+        self.num_unreleasable = 0
+
+    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802 (gRPC name)
+        if self._allows is not None and not self._allows(context.invocation_metadata()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        http = request.attributes.request.http
+        headers = dict(http.headers)
+        method = headers.get(":method") or http.method
+        path = headers.get(":path") or http.path
+        stream = _RoutingStream(self.servicer, context.invocation_metadata)
+        # Envoy's ext_authz timeout cannot be extended per request: a hold past it would fail the request open
+        # (unrouted), so flow control routes ext_authz requests at once.
+        stream.can_hold = False
+        stream.headers = headers
+        st, traceparent = self.tracker.begin(headers, context.invocation_metadata)
+        stream.st = st
+        stream.traceparent = traceparent
+        resp = stream._decide(method, path, http.raw_body, False)
+        if resp is _NEEDS_LOOKUP:
+            resp = await stream.lookup()
+        if resp is _NEEDS_HOLD:
+            resp = await stream.hold()
+        pick = stream.pick
+        if pick is None:  # refused: the router answered
+            self.tracker.routing_closed(st)
+            return denied(resp)
+        span = parse_traceparent(traceparent) if traceparent is not None else None
+        if span is None or span.span_id != st.key and st.key:
+            # Envoy sent no facts metadata (a configuration other than ours): no record will close this pick.
+            self.num_unreleasable += 1
+            if self.num_unreleasable in (1, 100) or self.num_unreleasable % 10_000 == 0:
+                log.warning("ext_authz Check without the facts path (no records): %d pick(s) released at their "
+                            "decision, so endpoints' in-flight counts miss them", self.num_unreleasable)
+            self.servicer.router.release(pick)
+            self.tracker.routing_closed(st)
+            return self.responses.ok(pick.endpoints)
+        self.picks.add(span.span_id, st, pick)
+        return self.responses.with_traceparent(pick.endpoints, traceparent)
+
+
+def add_to_server(server: grpc.aio.Server, check: Callable[..., Any]) -> None:
+    """Serve `check(request, context)` as envoy.service.auth.v3.Authorization/Check (unary; its answer is
+    CheckResponse wire bytes)."""
+    handler = grpc.unary_unary_rpc_method_handler(check, request_deserializer=wire.CheckRequest.FromString,
+                                                  response_serializer=wire.serialize)
+    server.add_registered_method_handlers(wire.AUTHZ_SERVICE_NAME, {"Check": handler})

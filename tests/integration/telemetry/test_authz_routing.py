@@ -1,0 +1,189 @@
+"""Routing by Envoy's ext_authz filter (`prefixroute gateway --routing-filter ext_authz`, issue 26 part 2): real Envoy
+1.40 with its ext_authz filter in place of the routing ext_proc filter, real `prefixroute extproc` serving
+``envoy.service.auth.v3.Authorization/Check`` beside ext_proc, the facts path, simulated model servers and a real
+`prefixroute telemetry` receiver.
+
+What must hold: Envoy sends every request where the router picked (its picked route, not the fail-open round
+robin), a follow-up of a conversation goes where its prefix is cached, each pick is released by its facts record
+(in-flight back to zero, no pick left pending) and its telemetry record gets Envoy's facts; a malformed body gets
+the router's OpenAI-format 400 through the denied answer; a body over the limit gets Envoy's 413; with the router
+down requests fail open to the round robin; a pick whose record never comes is released after its timeout.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from helpers.fleet import MODEL, Fleet, start_fleet
+from helpers.gateway_requests import (client_usage, router_metrics, send, start_facts_gateway,
+                                      wait_records)
+from helpers.procs import environ_set
+from helpers.receiver import ReceiverProc, start_receiver
+from helpers.stack import metric_value
+from helpers.waiting import until
+from prefixroute.extproc.gateway import GatewayProcesses
+from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.procs import http_get
+
+pytestmark = pytest.mark.integration
+
+SERVER_ID = "x-prefixroute-server-id"
+
+
+def start_authz_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, **gateway: object
+                        ) -> GatewayProcesses:
+    return start_facts_gateway(stack, endpoints, log_dir, routing_filter="ext_authz", envoy_admin="loopback",
+                               envoy_log_level="warning", **gateway)
+
+
+def envoy_stats(gw: GatewayProcesses) -> dict[str, int]:
+    _, text = http_get(f"http://127.0.0.1:{gw.admin_port}/stats?filter=(upstream_rq_total|ext_authz.*)$",
+                       timeout_s=5)
+    return {k: int(v) for k, v in (line.split(": ") for line in text.decode().splitlines() if ": " in line)}
+
+
+def in_flight(gw: GatewayProcesses) -> float:
+    text = router_metrics(gw)
+    return sum(v for line in text.splitlines() if line.startswith("prefixroute_endpoint_in_flight{")
+               for v in [float(line.rsplit(" ", 1)[1])])
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ReceiverProc, GatewayProcesses, Fleet]]:
+    tmp = tmp_path_factory.mktemp("authz-routing")
+    with ExitStack() as stack:
+        rcv = start_receiver(tmp / "telemetry.db")
+        stack.callback(rcv.stop)
+        fleet = start_fleet(stack, 3, tmp)
+        with environ_set({"OTEL_EXPORTER_OTLP_ENDPOINT": rcv.otlp_url, "OTEL_BSP_SCHEDULE_DELAY": "100"}):
+            gw = start_authz_gateway(stack, fleet.endpoints, tmp)
+        yield rcv, gw, fleet
+
+
+def test_the_routing_filter_is_ext_authz_with_the_whole_body(env) -> None:
+    _, gw, _ = env
+    text = gw.config_path.read_text()  # type: ignore[union-attr]
+    assert "envoy.filters.http.ext_authz" in text and "pack_as_bytes: true" in text
+    assert "envoy.filters.http.ext_proc" not in text and "prefixroute.facts" in text
+
+
+def test_requests_go_where_the_router_picked_and_follow_ups_find_their_prefix(env) -> None:
+    rcv, gw, fleet = env
+    s0 = envoy_stats(gw)
+    matched0 = metric_value(router_metrics(gw), "prefixroute_response_facts_total", outcome="matched")
+    homes: dict[int, set[str]] = {}
+    sent = []
+    conn = http.client.HTTPConnection(gw.url.split("//", 1)[1], timeout=30)
+    for i in range(12):
+        conversation = i % 3
+        prompt = f"conversation {conversation}: " + "the quick brown fox jumps over the lazy dog " * 40 + f"turn {i}"
+        s = send(gw, prompt, stream=i % 2 == 0, conn=conn)
+        sent.append(s)
+        assert s.status == 200, s.body[:300]
+        homes.setdefault(conversation, set()).add(s.headers[SERVER_ID])
+    conn.close()
+    s1 = envoy_stats(gw)
+    # Every request took the picked route (Envoy's ORIGINAL_DST cluster by the router's header), none the
+    # fail-open round robin, and each was one Check answered OK.
+    assert s1.get("cluster.picked_endpoint_0.upstream_rq_total", 0) - s0.get(
+        "cluster.picked_endpoint_0.upstream_rq_total", 0) == 12, (s0, s1)
+    assert s1.get("cluster.endpoint_pool_round_robin.upstream_rq_total", 0) == s0.get(
+        "cluster.endpoint_pool_round_robin.upstream_rq_total", 0)
+    assert s1["http.gateway.ext_authz.routing.ok"] - s0.get("http.gateway.ext_authz.routing.ok", 0) == 12
+    # Prefix affinity: each conversation stayed on one endpoint (its cached prefix).
+    assert all(len(h) == 1 for h in homes.values()), homes
+    got = wait_records(rcv, [s.trace_id for s in sent])
+    for s in sent:
+        r, u = got[s.trace_id], client_usage(s)
+        assert r["error"] is None and r["status"] == 200, r
+        assert r["endpoint"] == s.headers[SERVER_ID] or r["endpoint"] in fleet.endpoints
+        assert (r["prompt_tokens"], r["cached_tokens"]) == (u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])
+        assert r["ttft_ms"] is not None and 0 < r["ttft_ms"] <= r["latency_ms"] + 1e-6
+    assert any(got[s.trace_id]["cached_tokens"] > 0 for s in sent)
+    # Each pick was released by its facts record: nothing in flight, nothing pending, nothing expired.
+    until(lambda: metric_value(router_metrics(gw), "prefixroute_response_facts_total", outcome="matched")
+          >= matched0 + 12, 5.0, message=lambda: "facts matched")
+    until(lambda: in_flight(gw) == 0, 5.0, message=lambda: f"in flight {in_flight(gw)}")
+    text = router_metrics(gw)
+    assert metric_value(text, "prefixroute_authz_picks_pending") == 0
+    assert metric_value(text, "prefixroute_authz_picks_expired_total") == 0
+
+
+def test_in_flight_counts_a_pick_until_its_response_ends(env) -> None:
+    """A slow streamed response holds its endpoint's in-flight count until it ends (the record releases it), as
+    the ext_proc stream's close did."""
+    _, gw, _ = env
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count slowly " * 50}], "max_tokens": 400,
+            "stream": True}
+    conn = http.client.HTTPConnection(gw.url.split("//", 1)[1], timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    r.read(64)  # the stream has started
+    assert in_flight(gw) == 1
+    assert metric_value(router_metrics(gw), "prefixroute_authz_picks_pending") == 1
+    r.read()
+    conn.close()
+    until(lambda: in_flight(gw) == 0, 5.0, message=lambda: f"in flight {in_flight(gw)}")
+
+
+def test_a_malformed_body_gets_the_routers_openai_400(env) -> None:
+    _, gw, _ = env
+    s = send(gw, "", raw_body=b'{"model": "m", "messages": [')
+    assert s.status == 400
+    err = json.loads(s.body)["error"]
+    assert err["code"] == 400 and "JSON" in err["message"], err
+    assert s.headers["content-type"] == "application/json"
+    s = send(gw, "", raw_body=json.dumps({"model": MODEL, "messages": "not a list"}).encode())
+    assert s.status == 400 and json.loads(s.body)["error"]["param"] == "messages", s.body
+
+
+def test_a_body_over_the_limit_gets_envoys_413(env) -> None:
+    _, gw, _ = env
+    limit = RoutingSettings().max_body_bytes
+    s = send(gw, "x" * (limit + 1024))
+    assert s.status == 413
+    assert json.loads(s.body)["error"]["code"] == 413
+
+
+def test_a_pick_whose_facts_never_come_is_released_after_its_timeout(tmp_path: Path) -> None:
+    """Envoy's facts logger holds its records 60 s (as if it were down); the router's release timeout is 1 s
+    (PREFIXROUTE_EXTPROC_AUTHZ_RELEASE_AFTER_S): the pick is released and counted expired, its record says the facts are
+    missing."""
+    with ExitStack() as stack:
+        rcv = start_receiver(tmp_path / "telemetry.db")
+        stack.callback(rcv.stop)
+        fleet = start_fleet(stack, 2, tmp_path)
+        with environ_set({"OTEL_EXPORTER_OTLP_ENDPOINT": rcv.otlp_url, "PREFIXROUTE_EXTPROC_AUTHZ_RELEASE_AFTER_S": "1"}):
+            gw = start_authz_gateway(stack, fleet.endpoints, tmp_path, facts_flush_interval_ms=60_000)
+        s = send(gw, "lost facts " * 40, stream=True)
+        assert s.status == 200
+        assert in_flight(gw) == 1  # the response ended, its record has not come
+        until(lambda: metric_value(router_metrics(gw), "prefixroute_authz_picks_expired_total") == 1, 10.0,
+              message=lambda: "expired pick")
+        assert in_flight(gw) == 0
+        rec = wait_records(rcv, [s.trace_id])[s.trace_id]
+        assert rec["error"] == "response facts missing"
+
+
+def test_with_the_router_down_requests_fail_open_to_the_round_robin(tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        fleet = start_fleet(stack, 2, tmp_path)
+        gw = start_authz_gateway(stack, fleet.endpoints, tmp_path)
+        assert send(gw, "warm " * 20).status == 200
+        assert gw.extproc is not None
+        gw.extproc.kill()
+        time.sleep(0.3)
+        s0 = envoy_stats(gw)
+        s = send(gw, "while the router is down " * 20)
+        assert s.status == 200
+        s1 = envoy_stats(gw)
+        assert s1["cluster.endpoint_pool_round_robin.upstream_rq_total"] - s0.get(
+            "cluster.endpoint_pool_round_robin.upstream_rq_total", 0) == 1
