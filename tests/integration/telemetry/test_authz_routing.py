@@ -187,3 +187,27 @@ def test_with_the_router_down_requests_fail_open_to_the_round_robin(tmp_path: Pa
         s1 = envoy_stats(gw)
         assert s1["cluster.endpoint_pool_round_robin.upstream_rq_total"] - s0.get(
             "cluster.endpoint_pool_round_robin.upstream_rq_total", 0) == 1
+
+
+def test_with_two_replicas_each_releases_its_own_picks(tmp_path: Path) -> None:
+    """Each replica's ok answer names it (x-prefixroute-replica): its picks' facts records come back to it, so
+    every pick is released by the replica that made it, none expires and no record goes to the other."""
+    with ExitStack() as stack:
+        fleet = start_fleet(stack, 2, tmp_path)
+        gw = start_authz_gateway(stack, fleet.endpoints, tmp_path, extproc_replicas=2)
+        for i in range(16):
+            assert send(gw, f"replica picks {i} " + "lorem ipsum " * 30, stream=i % 2 == 0).status == 200
+
+        def per_replica(name: str, **labels: str) -> list[float]:
+            out = []
+            for port in gw.metrics_ports:
+                _, text = http_get(f"http://127.0.0.1:{port}/metrics", timeout_s=5)
+                out.append(metric_value(text.decode(), name, **labels))
+            return out
+
+        until(lambda: sum(per_replica("prefixroute_response_facts_total", outcome="matched")) >= 16, 5.0,
+              message=lambda: f"matched {per_replica('prefixroute_response_facts_total', outcome='matched')}")
+        assert all(n > 0 for n in per_replica("prefixroute_response_facts_total", outcome="matched"))
+        assert sum(per_replica("prefixroute_response_facts_total", outcome="unmatched")) == 0
+        assert per_replica("prefixroute_authz_picks_pending") == [0.0, 0.0]
+        assert per_replica("prefixroute_authz_picks_expired_total") == [0.0, 0.0]
