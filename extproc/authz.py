@@ -37,8 +37,8 @@ from typing import Any
 import grpc
 
 from prefixroute.extproc import wire
-from prefixroute.extproc.answers import _field, header_option
-from prefixroute.extproc.headers import REFUSED_HEADER, TRACEPARENT_HEADER
+from prefixroute.extproc.answers import header_option
+from prefixroute.extproc.headers import TRACEPARENT_HEADER
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ExtProcServicer, ResponseCache, _RoutingStream
 from prefixroute.extproc.tracking import Tracked
@@ -83,7 +83,7 @@ class AuthzResponses:
             marker = b"\0" * len(value)
             whole = wire.CheckResponse(ok_response=wire.OkHttpResponse(
                 headers=_as_values([header_option(TRACEPARENT_HEADER, "\0" * len(value))]))).SerializeToString()
-            at = whole.index(_field(2, marker)) + 2  # the value's first byte (its tag and a 1-byte length)
+            at = whole.index(marker)  # the value's first byte: no other run of zero bytes that long precedes it
             around = self._around[len(value)] = (whole[:at], whole[at + len(value):])
         return self.ok(endpoints) + around[0] + value + around[1]
 

@@ -75,7 +75,9 @@ def test_an_ok_answer_sets_the_routing_headers_and_a_traceparent_appended_at_the
     assert _headers(ok) == {DESTINATION_HEADER: EPS[0], **{fallback_header(k): EPS[1]
                                                             for k in range(1, MAX_FALLBACKS + 1)}}
     assert all(h.append_action == pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD for h in ok.ok_response.headers)
-    for tp in (TP, "00-" + "c" * 32 + "-" + "d" * 16 + "-00", "cc-" + "e" * 32 + "-" + "f" * 16 + "-01-extra"):
+    # A longer value (a future version's traceparent) takes a two-byte length: placed all the same.
+    for tp in (TP, "00-" + "c" * 32 + "-" + "d" * 16 + "-00", "cc-" + "e" * 32 + "-" + "f" * 16 + "-01-extra",
+               "cc-" + "e" * 32 + "-" + "f" * 16 + "-01-" + "x" * 100):
         with_tp = pb.CheckResponse.FromString(r.with_traceparent(EPS, tp))
         assert _headers(with_tp) == {**_headers(ok), "traceparent": tp}
 
