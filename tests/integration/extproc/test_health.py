@@ -70,7 +70,7 @@ async def test_the_health_check_needs_no_token_while_ext_proc_does() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                 await call.write(wire.ProcessingRequest(request_headers=wire.HttpHeaders()))
                 await call.done_writing()  # without the check the stream would end OK here
-            assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert await asyncio.wait_for(call.code(), 5.0) == grpc.StatusCode.UNAUTHENTICATED
     finally:
         await server.stop(None)
 
