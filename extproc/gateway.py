@@ -283,6 +283,12 @@ class GatewayProcesses:
         self.gateway = gateway
         self.records_to = records_to
         self.response_path  # noqa: B018 (validates the setting before anything starts)
+        if gateway.routing_filter not in ROUTING_FILTERS:
+            raise ValueError(f"routing_filter must be one of {', '.join(ROUTING_FILTERS)}, got "
+                             f"{gateway.routing_filter!r}")
+        if gateway.routing_filter == "ext_authz" and not (gateway.telemetry and self.response_path == "facts"):
+            raise ValueError("routing_filter ext_authz needs the facts path (telemetry on, response_path facts or "
+                             "auto): each request's facts record is what releases its pick")
         self.routing = routing
         self.pool = pool
         self.endpoints = endpoints_from_settings(pool)
@@ -330,15 +336,7 @@ class GatewayProcesses:
         return "127.0.0.1" if self.gateway.listen_address in ("0.0.0.0", "::") else self.gateway.listen_address
 
     def envoy_settings(self) -> EnvoySettings:
-        """Envoy's settings for this gateway; `envoy_overrides` win over every derived field. ValueError for a
-        routing filter that is not one of ROUTING_FILTERS, or ext_authz without the facts path."""
-        if self.gateway.routing_filter not in ROUTING_FILTERS:
-            raise ValueError(f"routing_filter must be one of {', '.join(ROUTING_FILTERS)}, got "
-                             f"{self.gateway.routing_filter!r}")
-        if self.gateway.routing_filter == "ext_authz" and not (self.gateway.telemetry and
-                                                               self.response_path == "facts"):
-            raise ValueError("routing_filter ext_authz needs the facts path (telemetry on, response_path facts or "
-                             "auto): each request's facts record is what releases its pick")
+        """Envoy's settings for this gateway; `envoy_overrides` win over every derived field."""
         admin = self.gateway.envoy_admin
         return EnvoySettings(**{
             "gateway_port": self.gateway.port, "listen_address": self.gateway.listen_address,

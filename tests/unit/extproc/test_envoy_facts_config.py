@@ -80,3 +80,24 @@ def test_an_unknown_response_path_is_refused_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="response_path must be one of facts, observe, auto"):
         GatewayProcesses(GatewaySettings(response_path="chunks"), RoutingSettings(),
                          PoolSettings(endpoints=("127.0.0.1:9",)))
+
+
+@pytest.mark.parametrize(("gateway", "message"), [
+    ({"routing_filter": "ext_proxy"}, "routing_filter must be one of ext_proc, ext_authz"),
+    ({"routing_filter": "ext_authz", "telemetry": False}, "routing_filter ext_authz needs the facts path"),
+    ({"routing_filter": "ext_authz", "response_path": "observe"}, "routing_filter ext_authz needs the facts path"),
+])
+def test_a_routing_filter_that_cannot_work_is_refused_before_anything_starts(gateway: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GatewayProcesses(GatewaySettings(**gateway), RoutingSettings(), PoolSettings(endpoints=("127.0.0.1:9",)))
+
+
+def test_the_ext_authz_routing_filter_renders_envoys_ext_authz_in_place_of_ext_proc() -> None:
+    gw = GatewayProcesses(GatewaySettings(routing_filter="ext_authz"), RoutingSettings(),
+                          PoolSettings(endpoints=("127.0.0.1:9",)))
+    s = gw.envoy_settings()
+    assert s.routing_processing == "authz" and s.response_facts_lua
+    names = [f.name for f in http_filters(s, 1)]
+    assert names[0] == "envoy.filters.http.ext_authz" and "envoy.filters.http.ext_proc" not in names
+    with pytest.raises(ValueError, match="needs the facts path"):  # the Envoy setting alone, without facts
+        http_filters(EnvoySettings(routing_processing="authz", response_facts_lua=False), 1)
