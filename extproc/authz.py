@@ -195,8 +195,7 @@ class AuthzServicer:
         if pick is None:  # refused: the router answered
             self.tracker.routing_closed(st)
             return denied(resp)
-        span = parse_traceparent(traceparent) if traceparent is not None else None
-        if span is None or span.span_id != st.key and st.key:
+        if traceparent is None or not st.facts:
             # Envoy sent no facts metadata (a configuration other than ours): no record will close this pick.
             self.num_unreleasable += 1
             if self.num_unreleasable in (1, 100) or self.num_unreleasable % 10_000 == 0:
@@ -205,7 +204,9 @@ class AuthzServicer:
             self.servicer.router.release(pick)
             self.tracker.routing_closed(st)
             return self.responses.ok(pick.endpoints)
-        self.picks.add(span.span_id, st, pick)
+        # The record is keyed by the router span of this traceparent: the state's key, or (a state past the
+        # tracker's bound, which has none) read back from the traceparent the tracker drew.
+        self.picks.add(st.key or parse_traceparent(traceparent).span_id, st, pick)  # type: ignore[union-attr]
         return self.responses.with_traceparent(pick.endpoints, traceparent)
 
 

@@ -199,10 +199,9 @@ class FactsReceiver:
         self.num_unmatched = 0
         self.first_token_counts = dict.fromkeys(FIRST_TOKEN_OUTCOMES, 0)
         self.early_id_counts = dict.fromkeys(EARLY_ID_OUTCOMES, 0)
-        # authz.UnaryPicks.close, when Envoy routes by ext_authz: each record (matched or not) ends its pick,
-        # after `apply` reported it. Set once before serving.
-        self.closes: Callable[[str | None], bool] | None = None
-        self.unary_picks: Any = None  # that authz.UnaryPicks (its figures on /metrics)
+        # authz.UnaryPicks, when Envoy may route by ext_authz: each record (matched or not) closes its pick there,
+        # after `apply` reported it; its figures are on /metrics. Set once before serving.
+        self.unary_picks: Any = None
 
     def counts(self) -> dict[str, int]:
         """Records per outcome (`OUTCOMES`), for ``prefixroute_response_facts_total``."""
@@ -256,13 +255,13 @@ class FactsReceiver:
         return True
 
     def export(self, request: Any) -> None:
-        closes = self.closes
+        picks = self.unary_picks
         for f in facts_in(request):
             try:
                 self.apply(f)
             finally:
-                if closes is not None:  # a unary pick (ext_authz, authz.py): its record is its end
-                    closes(f.span_id)
+                if picks is not None:  # a unary pick (ext_authz, authz.py): its record is its end
+                    picks.close(f.span_id)
 
     def apply(self, f: ResponseFacts) -> bool:
         """Report `f` for its pick; False (counted unmatched) when no pending facts-path pick has its key."""

@@ -214,7 +214,6 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     wire.add_to_server(server, StreamAuth(token).guard(process) if token else process)
     if facts is not None:
         picks = UnaryPicks(router.release, tracker.routing_closed, s.authz_release_after_s)
-        facts.closes = picks.close
         facts.unary_picks = picks
         add_authz_to_server(server, AuthzServicer(servicer, picks, StreamAuth(token).allows if token else None,
                                                   replica).Check)
