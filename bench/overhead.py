@@ -72,8 +72,9 @@ class OverheadBenchSettings(Settings):
                                         "replicas against one, same run); replicas share picks through an "
                                         "embedded NATS.")
     routing_filter: str = setting("ext_proc", "The routed gateways' routing filter (gateway --routing-filter): "
-                                  "'ext_proc' (the default) or 'ext_authz' (Envoy's ext_authz filter, one unary Check "
-                                  "per request); with --replicas 1,2 it says how each scales.")
+                                  "'ext_proc' (the default), 'ext_authz' (Envoy's ext_authz filter, one unary Check "
+                                  "per request) or 'ext_authz_http' (the same over HTTP); with --replicas 1,2 it says "
+                                  "how each scales.")
     peers: bool = setting(True, "Replicas share their picks through the embedded NATS (the gateway default); "
                           "--no-peers measures them sharing nothing (the bus's own cost).")
     report_served: bool = setting(True, "Routed configuration sends response headers to ext_proc (the gateway "
@@ -98,7 +99,9 @@ class OverheadBenchSettings(Settings):
                                         "'routing-streamed-early', 'routing-skip-headers', 'routing-authz' (the "
                                         "routing filter's other processing modes: EnvoySettings.routing_processing; "
                                         "'authz' is Envoy's ext_authz filter), 'authz-facts' ('facts' routed by "
-                                        "ext_authz). Records go to a closed local port.")
+                                        "ext_authz), 'routing-authz-http' and 'authz-http-facts' (the same "
+                                        "over HTTP: gateway --routing-filter ext_authz_http). Records go to a "
+                                        "closed local port.")
     # --- ext_proc process variants (issue 26 part 3: the hot path's settings, measured in the same rounds) ---
     extproc_variants: tuple[str, ...] = setting((), "Also measure routed gateways whose ext_proc process runs with "
                                                 "other settings, in the same rounds: a name of EXTPROC_VARIANTS "
@@ -150,6 +153,9 @@ VARIANTS.update({f"routing-{mode}": {"routing_processing": mode} for mode in
                  ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers", "authz")})
 # The same with Envoy's request records on, as `prefixroute up` runs it (VARIANTS["facts"]), routed by ext_authz.
 VARIANTS["authz-facts"] = {**VARIANTS["facts"], "routing_processing": "authz"}
+# ext_authz over HTTP (authz_http.py): a gateway setting, since the router then serves a port of its own.
+VARIANTS["routing-authz-http"] = {"routing_filter": "ext_authz_http"}
+VARIANTS["authz-http-facts"] = {**VARIANTS["facts"], "routing_filter": "ext_authz_http"}
 """Routed gateway variants (--variants): Envoy settings over the routed configuration's; "records" sends Envoy's
 request records (to a closed local port: Envoy builds and batches them, the export fails)."""
 
@@ -197,7 +203,7 @@ def variant_overrides(name: str) -> dict[str, Any]:
     port (Envoy builds and batches them, the export fails)."""
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
-    over: dict[str, Any] = {k: v for k, v in VARIANTS[name].items() if k != "records"}
+    over: dict[str, Any] = {k: v for k, v in VARIANTS[name].items() if k not in ("records", "routing_filter")}
     if VARIANTS[name].get("records"):
         over["records_otlp_address"] = f"127.0.0.1:{free_port()}"
     return over
@@ -390,7 +396,8 @@ def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStac
         over = variant_overrides(name)
         gws[name] = GatewayProcesses(
             GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry,
-                            extproc_replicas=1, embedded_nats=s.peers),
+                            extproc_replicas=1, embedded_nats=s.peers,
+                            routing_filter=VARIANTS[name].get("routing_filter", "ext_proc")),
             RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)), log_dir=tmp / f"variant-{name}",
             envoy_overrides={"report_served": s.report_served, **over}, extra_extproc_args=_span_sink_args())
     for name in s.extproc_variants:  # --extproc-variants: the routed gateway, its ext_proc run otherwise

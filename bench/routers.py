@@ -1,4 +1,4 @@
-"""The routers a benchmark compares, by name: `parse_router` turns ``prefixroute:POLICY[@SOURCE][#N][+flow|-flow][+authz]``,
+"""The routers a benchmark compares, by name: `parse_router` turns ``prefixroute:POLICY[@SOURCE][#N][+flow|-flow][+authz|+authz-http]``,
 ``sglang-router[:POLICY]`` or ``vllm-router[:POLICY]`` (each with an optional ``/chat`` or ``/responses``
 suffix) into a `RouterSpec`.
 
@@ -35,9 +35,10 @@ class RouterSpec:
     flow: bool | None = None
     """Our gateway's flow control (issue 24): ``+flow`` on, ``-flow`` off, None (no suffix) the gateway's
     default (on)."""
-    authz: bool = False
-    """Our gateway routed by Envoy's ext_authz filter (``+authz``: ``--routing-filter ext_authz``) instead of its
-    default ext_proc filter (issue 26: one unary Check per request)."""
+    routing_filter: str = ""
+    """Our gateway's routing filter (``--routing-filter``): "ext_authz" (``+authz``: Envoy's ext_authz filter, one
+    unary gRPC Check per request), "ext_authz_http" (``+authz-http``: the same over HTTP), "" = the gateway's
+    default (ext_proc) (issue 26)."""
     api: str = ""
     """The API a workload with a Responses form (agents) is sent in: "responses" or "chat"; "" = the router's
     default (`default_api`)."""
@@ -59,9 +60,9 @@ def default_api(kind: str) -> str:
 
 
 def parse_router(name: str) -> RouterSpec:
-    """``prefixroute:POLICY[@SOURCE][#REPLICAS][+flow|-flow][+authz]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16
+    """``prefixroute:POLICY[@SOURCE][#REPLICAS][+flow|-flow][+authz|+authz-http]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16
     ext_proc replicas sharing their picks through an embedded NATS; +flow / -flow: flow control on / off, else the
-    gateway's default; +authz: routed by Envoy's ext_authz filter), ``sglang-router[:POLICY]``,
+    gateway's default; +authz / +authz-http: routed by Envoy's ext_authz filter over gRPC / HTTP), ``sglang-router[:POLICY]``,
     ``vllm-router[:POLICY]``, each with an optional ``/chat`` or ``/responses`` suffix (the API of the agents
     workload, `RouterSpec.api`; the suffix stays in the name); ValueError otherwise."""
     base, slash, api = name.strip().partition("/")
@@ -75,8 +76,11 @@ def _parse_router_base(name: str) -> RouterSpec:
     kind, _, policy = name.strip().partition(":")
     if kind == "prefixroute":
         flow = None
-        authz = policy.endswith("+authz")
-        policy = policy.removesuffix("+authz")
+        routing_filter = ""
+        for suffix, filt in (("+authz-http", "ext_authz_http"), ("+authz", "ext_authz")):
+            if policy.endswith(suffix):
+                policy, routing_filter = policy.removesuffix(suffix), filt
+                break
         for suffix, on in (("+flow", True), ("-flow", False)):
             if policy.endswith(suffix):
                 policy, flow = policy.removesuffix(suffix), on
@@ -89,11 +93,11 @@ def _parse_router_base(name: str) -> RouterSpec:
         if at and source not in INDEX_SOURCES:
             raise ValueError(f"router {name!r}: index source (after @) must be one of {', '.join(INDEX_SOURCES)}")
         return RouterSpec(name.strip(), kind, policy, source, replicas=int(replicas) if hash_ else 1, flow=flow,
-                          authz=authz)
+                          routing_filter=routing_filter)
     if kind in PEER_POLICIES:
         policy = policy or "cache_aware"
         if policy not in PEER_POLICIES[kind]:
             raise ValueError(f"router {name!r}: policy must be one of {', '.join(PEER_POLICIES[kind])}")
         return RouterSpec(name if ":" in name else kind, kind, policy)
-    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE][+flow|-flow][+authz], sglang-router[:POLICY] or "
+    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE][+flow|-flow][+authz|+authz-http], sglang-router[:POLICY] or "
                      f"vllm-router[:POLICY]")

@@ -108,7 +108,7 @@ def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Seq
     try:
         ns = parser.parse_args(["--port", str(port), "--ports", "random", "--endpoints", ",".join(endpoints), "--policy", spec.policy,
                                 "--extproc-replicas", str(spec.replicas),
-                                *(["--routing-filter", "ext_authz"] if spec.authz else []), *gateway_args])
+                                *(["--routing-filter", spec.routing_filter] if spec.routing_filter else []), *gateway_args])
     except SystemExit:
         raise StartupError(f"bad --gateway-args {list(gateway_args)}") from None
     procs = gateway.GatewayProcesses(

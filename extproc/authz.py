@@ -19,9 +19,14 @@ Contract, beside the ext_proc servicer's (servicer.py), which this reuses for th
   telemetry record. A pick whose record never comes (the facts logger down, a record lost) is released
   `release_after_s` after its decision and its record emitted with "response facts missing": until then the
   endpoint's in-flight count holds it. The Envoy configuration refuses 'authz' without the facts path.
-- Envoy's ext_authz timeout is one figure per filter: it cannot be extended per request as ext_proc's
-  ``override_message_timeout`` is, so the configuration sets it to cover a held request's deadline and a large
-  body's parse (envoy_config/listener.py); a hung router is then failed open after that long.
+- Envoy's ext_authz timeout is one figure per filter (the ext_proc filter's message timeout, 0.5 s): it cannot be
+  extended per request as ext_proc's ``override_message_timeout`` is. So a request that may wait longer, one flow
+  control would hold or a large body parsed off the loop, is handed off: answered with ``x-prefixroute-handoff:
+  ext_proc`` alone, which Envoy's handoff route matches, where the ext_proc routing filter runs and the router
+  decides again on its stream, extending Envoy's wait as it needs (`AuthzServicer.start`; the check's own state is
+  discarded, the stream records the request). Only when the check says the route exists (HANDOFF_HEADER in its
+  metadata, as our configuration sends); otherwise such a request is routed at once (no hold) and a large body
+  parsed within the check.
 - The bearer token, when set, is checked on every call (UNAUTHENTICATED without it), as on ext_proc streams.
 
 Async safety: runs on the router's event loop (grpc.aio), like the servicer; nothing blocks.
@@ -38,7 +43,7 @@ import grpc
 
 from prefixroute.extproc import wire
 from prefixroute.extproc.answers import header_option
-from prefixroute.extproc.headers import TRACEPARENT_HEADER
+from prefixroute.extproc.headers import HANDOFF_HEADER, HANDOFF_VALUE, TRACEPARENT_HEADER
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ExtProcServicer, ResponseCache, _RoutingStream
 from prefixroute.extproc.tracking import Tracked
@@ -50,6 +55,8 @@ RELEASE_AFTER_S = 660.0
 """Longest a unary pick waits for its facts record before it is released anyway: Envoy's whole-response timeout
 (EnvoySettings.upstream_timeout_s, 600 s) and a margin for the record's flush and a retry's connect. A response
 cannot outlast it through our Envoy configuration, so only a lost record waits this long."""
+HANDOFF = object()
+"""`AuthzServicer.start`'s answer for a request handed to the ext_proc filter."""
 _PERMISSION_DENIED = 7  # google.rpc.Code: the CheckResponse status of a refusal (Envoy answers its HTTP status)
 
 _MAX_CACHED = 4096
@@ -64,6 +71,9 @@ class AuthzResponses:
         self._headers = ResponseCache(replica_index)
         self._cache: dict[tuple[str, ...], bytes] = {}
         self._around: dict[int, tuple[bytes, bytes]] = {}
+        self.handoff = wire.CheckResponse(status=wire.Status(code=0), ok_response=wire.OkHttpResponse(
+            headers=_as_values([header_option(HANDOFF_HEADER, HANDOFF_VALUE)]))).SerializeToString()
+        """The answer that hands a request to the ext_proc filter (`AuthzServicer.start`)."""
 
     def ok(self, endpoints: tuple[str, ...]) -> bytes:
         cached = self._cache.get(endpoints)
@@ -121,6 +131,9 @@ class UnaryPicks:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.num_expired = 0
+        self.num_handoffs = {"hold": 0, "parse": 0}
+        """Checks handed to the ext_proc filter, by reason (`AuthzServicer.start`): counted here, beside the picks,
+        for /metrics."""
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -171,30 +184,51 @@ class AuthzServicer:
         self._allows = token_allows
         self.num_unreleasable = 0
 
-    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802 (gRPC name)
-        if self._allows is not None and not self._allows(context.invocation_metadata()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        http = request.attributes.request.http
-        headers = dict(http.headers)
-        method = headers.get(":method") or http.method
-        path = headers.get(":path") or http.path
-        stream = _RoutingStream(self.servicer, context.invocation_metadata)
-        # Envoy's ext_authz timeout cannot be extended per request: a hold past it would fail the request open
-        # (unrouted), so flow control routes ext_authz requests at once.
-        stream.can_hold = False
+    def start(self, headers: dict[str, str], method: str, path: str, body: Any,
+              grpc_metadata: Callable[[], Any], handoff: bool = False) -> tuple[_RoutingStream, Any]:
+        """Decide one check's request at once where it can: (its stream, the answer), where the answer may be
+        `HANDOFF` (answer with `HANDOFF_HEADER`), or `_NEEDS_LOOKUP` / `_NEEDS_HOLD`, then awaited with `finish`;
+        `settle` turns the answer into the outcome. Split so that a transport can answer a decision made at once
+        without a coroutine (authz_http.py). `grpc_metadata`: the call's metadata pairs (the facts path's
+        OBSERVED_METADATA, by the tracker). `handoff`: Envoy's configuration has the handoff route (the check
+        carried HANDOFF_HEADER): a request flow control would hold, or a large body to parse off the loop, is
+        handed to the ext_proc filter, whose answers may extend Envoy's wait; without it such a request is
+        routed at once, and a large body parsed within the check."""
+        stream = _RoutingStream(self.servicer, grpc_metadata)
+        stream.can_hold = handoff and stream.can_hold
         stream.headers = headers
-        st, traceparent = self.tracker.begin(headers, context.invocation_metadata)
+        st, traceparent = self.tracker.begin(headers, grpc_metadata)
         stream.st = st
         stream.traceparent = traceparent
-        resp = stream._decide(method, path, http.raw_body, False)
+        resp = stream._decide(method, path, body, False)
+        if handoff and (resp is _NEEDS_HOLD or (resp is _NEEDS_LOOKUP and stream.pending_lookup is not None
+                                                and stream.pending_lookup[4] is None)):
+            reason = "hold" if resp is _NEEDS_HOLD else "parse"
+            self.picks.num_handoffs[reason] += 1
+            stream.pending_hold = stream.pending_lookup = None
+            self.tracker.discard(st)  # the ext_proc stream records it
+            return stream, HANDOFF
+        return stream, resp
+
+    @staticmethod
+    async def finish(stream: _RoutingStream, resp: Any) -> Any:
+        """The answer of a decision `start` could not make at once (a response-id lookup, a parse off the loop)."""
         if resp is _NEEDS_LOOKUP:
             resp = await stream.lookup()
         if resp is _NEEDS_HOLD:
             resp = await stream.hold()
+        return resp
+
+    def settle(self, stream: _RoutingStream, resp: Any) -> tuple[tuple[str, ...] | None, Any]:
+        """The outcome of a decided check: (endpoints, traceparent: str or None) when routed, the pick then held
+        until its facts record (or released now, off the facts path); (None, the ext_proc ImmediateResponse of
+        the refusal) when refused."""
         pick = stream.pick
+        st = stream.st
         if pick is None:  # refused: the router answered
             self.tracker.routing_closed(st)
-            return denied(resp)
+            return None, resp
+        traceparent = stream.traceparent
         if traceparent is None or not st.facts:
             # Envoy sent no facts metadata (a configuration other than ours): no record will close this pick.
             self.num_unreleasable += 1
@@ -203,11 +237,31 @@ class AuthzServicer:
                             "decision, so endpoints' in-flight counts miss them", self.num_unreleasable)
             self.servicer.router.release(pick)
             self.tracker.routing_closed(st)
-            return self.responses.ok(pick.endpoints)
+            return pick.endpoints, None
         # The record is keyed by the router span of this traceparent: the state's key, or (a state past the
         # tracker's bound, which has none) read back from the traceparent the tracker drew.
         self.picks.add(st.key or parse_traceparent(traceparent).span_id, st, pick)  # type: ignore[union-attr]
-        return self.responses.with_traceparent(pick.endpoints, traceparent)
+        return pick.endpoints, traceparent
+
+    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802 (gRPC name)
+        if self._allows is not None and not self._allows(context.invocation_metadata()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        http = request.attributes.request.http
+        headers = dict(http.headers)
+        metadata = context.invocation_metadata()
+        handoff = any(k == HANDOFF_HEADER for k, _ in metadata or ())
+        stream, resp = self.start(headers, headers.get(":method") or http.method, headers.get(":path") or http.path,
+                                  http.raw_body, lambda: metadata, handoff)
+        if resp is HANDOFF:
+            return self.responses.handoff
+        if resp is _NEEDS_LOOKUP or resp is _NEEDS_HOLD:
+            resp = await self.finish(stream, resp)
+        endpoints, outcome = self.settle(stream, resp)
+        if endpoints is None:
+            return denied(outcome)
+        if outcome is None:
+            return self.responses.ok(endpoints)
+        return self.responses.with_traceparent(endpoints, outcome)
 
 
 def add_to_server(server: grpc.aio.Server, check: Callable[..., Any]) -> None:

@@ -28,7 +28,7 @@ from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_fro
 from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
-                                        start_health_server, start_server)
+                                        start_authz_http, start_health_server, start_server)
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.kv_events.link import KVEventsLink
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
@@ -148,9 +148,12 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                                           can_hold=router.flow is not None,
                                           add_services=lambda srv: add_facts_service(srv, facts), facts=facts)
         health_server = await start_health_server(ext, ready)
-        print(_ready_line(ext, routing, router, port, pool, telemetry, events, bool(addresses), bus, all_up),
-              flush=True)
+        authz_http = await start_authz_http(server, ext, ready, routing.max_body_bytes)
+        print(_ready_line(ext, routing, router, port, pool, telemetry, events, bool(addresses), bus, all_up,
+                          authz_http[1] if authz_http is not None else None), flush=True)
         await stop.wait()
+        if authz_http is not None:
+            authz_http[0].close()
         if health_server is not None:
             await health_server.stop(grace=None)
         await server.stop(grace=1.0)
@@ -214,7 +217,7 @@ def _telemetry_for(router: PoolRouter, pool: EndpointPool, event_index: KVEventI
 
 def _ready_line(ext: ExtprocSettings, routing: RoutingSettings, router: PoolRouter, port: int,
                 pool: EndpointPool, telemetry: RouterTelemetry, events: KVEventsLink, has_event_addresses: bool,
-                bus: PeerBus | None, all_up: bool) -> str:
+                bus: PeerBus | None, all_up: bool, authz_http_port: int | None = None) -> str:
     """The one line that says the replica serves (`READY_PREFIX`; launchers wait for it)."""
     core_source = router.core.sourced.own_source
     healthy = sum(1 for s in pool.snapshot() if s.healthy)
@@ -222,7 +225,8 @@ def _ready_line(ext: ExtprocSettings, routing: RoutingSettings, router: PoolRout
     metrics = f"http://{ms.server_address[0]}:{ms.server_address[1]}/metrics" if ms is not None else "off"
     index = f"index events {events.summary()} + {core_source}" if has_event_addresses else f"index {core_source}"
     peers = f", peers {bus.replica_id} via {bus.settings.url}" if bus is not None else ""
-    return (f"{READY_PREFIX}{ext.listen_address}:{port} (policy {routing.policy}{peers}, {index}, "
+    http = f", ext_authz HTTP on port {authz_http_port}" if authz_http_port is not None else ""
+    return (f"{READY_PREFIX}{ext.listen_address}:{port} (policy {routing.policy}{peers}{http}, {index}, "
             f"{healthy}/{len(pool.endpoints)} endpoints healthy{'' if all_up else ', still probing'}, "
             f"metrics {metrics}, traces {'on' if telemetry.recorder.enabled else 'off'}"
             f"{': ' + telemetry.recorder.disabled_reason if telemetry.recorder.disabled_reason else ''})")

@@ -380,8 +380,15 @@ class FactsCollector:
         if picks is not None:
             from prometheus_client.core import GaugeMetricFamily
             yield GaugeMetricFamily("prefixroute_authz_picks_pending", "Picks made by Envoy's ext_authz Check "
-                                    "(routing_processing 'authz') waiting for their facts record, which releases "
+                                    "(routing_processing 'authz' or 'authz-http') waiting for their facts record, which releases "
                                     "them", value=len(picks))
             yield CounterMetricFamily("prefixroute_authz_picks_expired", "ext_authz picks released without their "
                                       "facts record, release_after_s after their decision (the record was lost)",
                                       value=picks.num_expired)
+            handoffs = CounterMetricFamily("prefixroute_authz_handoffs", "ext_authz checks handed to the ext_proc "
+                                           "routing filter (the handoff route), by reason: hold (flow control would "
+                                           "hold the request), parse (a large body parsed off the loop)",
+                                           labels=["reason"])
+            for reason, n in picks.num_handoffs.items():
+                handoffs.add_metric([reason], n)
+            yield handoffs

@@ -117,11 +117,16 @@ class GatewaySettings(Settings):
     routing_filter: str = setting(
         "ext_proc", "Envoy's filter that asks the router where a request goes: 'ext_proc' (the external processing "
         "filter: the request headers, answered at once, then the whole body: two round trips on one stream held "
-        "until the response ends; every protocol and feature) or 'ext_authz' (the external authorization filter: "
-        "one unary Check with the headers and whole body; measured ~0.2-0.3 ms less added latency and ~35% less "
-        "router CPU per request, bench-results/routing-authz/). ext_authz needs the facts path (telemetry on, "
-        "response_path facts or auto: each request's facts record releases its pick) and does not hold requests "
+        "until the response ends; every protocol and feature), 'ext_authz' (the external authorization filter: "
+        "one gRPC Check with the headers and whole body; ~0.2-0.3 ms less added latency and ~35% less router CPU "
+        "per request, bench-results/routing-authz/) or 'ext_authz_http' (the same filter and decision over plain "
+        "HTTP/1.1 to the router's authz_http_port: no gRPC on the request path; the least added latency and router "
+        "CPU measured, bench-results/routing-authz-http/). Both ext_authz filters need the facts path (telemetry "
+        "on, response_path facts or auto: each request's facts record releases its pick) and do not hold requests "
         "past saturation (flow control routes them at once).")
+    authz_http_port: int = setting(
+        9004, "With routing_filter ext_authz_http: the port on 127.0.0.1 where the ext_proc service answers Envoy's "
+        "ext_authz checks over HTTP (0 = any free port); replica k's is authz_http_port + k.")
     facts_flush_interval_ms: int = setting(
         50, "With the facts path: how long Envoy holds facts records before sending them to the ext_proc replica "
         "(50 ms: one gRPC message carries many requests under load; a fact reaches the router at most this long "
@@ -141,7 +146,9 @@ class GatewaySettings(Settings):
 
 
 RESPONSE_PATHS = ("facts", "observe", "auto")
-ROUTING_FILTERS = ("ext_proc", "ext_authz")
+ROUTING_FILTERS = ("ext_proc", "ext_authz", "ext_authz_http")
+_ROUTING_PROCESSING = {"ext_authz": "authz", "ext_authz_http": "authz-http"}
+"""routing_filter -> EnvoySettings.routing_processing (ext_proc: Envoy's default, 'buffered')."""
 MAX_EXTPROC_REPLICAS = 16
 HEALTH_PATH = "/healthz"
 """Envoy's own health route on the gateway listener (envoy_config `health_path`)."""
@@ -200,7 +207,7 @@ def resolve_replicas(n: int) -> int:
 
 
 PORT_MODES = ("fixed", "random")
-_RANDOM_PORT_FIELDS = ("admin_port", "extproc_port", "metrics_port", "nats_port")
+_RANDOM_PORT_FIELDS = ("admin_port", "extproc_port", "metrics_port", "nats_port", "authz_http_port")
 
 
 def resolve_ports(g: GatewaySettings) -> GatewaySettings:
@@ -286,8 +293,8 @@ class GatewayProcesses:
         if gateway.routing_filter not in ROUTING_FILTERS:
             raise ValueError(f"routing_filter must be one of {', '.join(ROUTING_FILTERS)}, got "
                              f"{gateway.routing_filter!r}")
-        if gateway.routing_filter == "ext_authz" and not (gateway.telemetry and self.response_path == "facts"):
-            raise ValueError("routing_filter ext_authz needs the facts path (telemetry on, response_path facts or "
+        if gateway.routing_filter in _ROUTING_PROCESSING and not (gateway.telemetry and self.response_path == "facts"):
+            raise ValueError(f"routing_filter {gateway.routing_filter} needs the facts path (telemetry on, response_path facts or "
                              "auto): each request's facts record is what releases its pick")
         self.routing = routing
         self.pool = pool
@@ -305,6 +312,7 @@ class GatewayProcesses:
         self.peers_url = ""
         self.extprocs: list[ManagedProcess] = []
         self.extproc_ports: list[int] = []
+        self.authz_http_ports: list[int] = []  # routing_filter ext_authz_http: each replica's check port
         self.metrics_ports: list[int] = []
         self.nats: ManagedProcess | None = None
         self.extproc: ManagedProcess | None = None
@@ -353,7 +361,9 @@ class GatewayProcesses:
             "observe_responses": self.gateway.telemetry and self.response_path == "observe",
             "response_facts_lua": self.gateway.telemetry and self.response_path == "facts",
             "facts_flush_interval_ms": self.gateway.facts_flush_interval_ms,
-            **({"routing_processing": "authz"} if self.gateway.routing_filter == "ext_authz" else {}),
+            **({"routing_processing": _ROUTING_PROCESSING[self.gateway.routing_filter]}
+               if self.gateway.routing_filter in _ROUTING_PROCESSING else {}),
+            "extproc_authz_http_addresses": tuple(f"127.0.0.1:{p}" for p in self.authz_http_ports),
             "extproc_auth_token_file": str(self.token_path) if self.token_path is not None else "",
             "records_otlp_address": self.records_to[0] if self.records_to else "",
             "records_otlp_token_file": str(self._tmp / "records.token") if self.records_to and self._tmp else "",
@@ -412,6 +422,9 @@ class GatewayProcesses:
         n = self.num_replicas
         port, metrics = self.extproc_ports[k], self.metrics_ports[k]
         replica_argv = ["--replica-index", str(k)] if n > 1 else []
+        http = self.authz_http_ports[k] if self.authz_http_ports else -1
+        if http >= 0:
+            replica_argv += ["--authz-http-port", str(http)]
         peers = self.peers
         if n > 1 and self.peers_url:
             # Named after this launcher (hostname-pid) unless told: two gateways on one NATS never share a name.
@@ -423,7 +436,7 @@ class GatewayProcesses:
                 *([] if self.gateway.telemetry else ["--no-traces"]), *replica_argv, *self._extproc_tls_argv(),
                 *settings_argv(self.routing), *settings_argv(self.pool), *settings_argv(peers),
                 *self.extra_extproc_args),
-            ready=lambda: tcp_open(port), ports=(port, metrics) if metrics > 0 else (port,),
+            ready=lambda: tcp_open(port), ports=(port, *([metrics] if metrics > 0 else []), *([http] if http > 0 else [])),
             env={**grpc_child_env(), **self.extra_extproc_env, "PREFIXROUTE_EXTPROC_AUTH_TOKEN": self.auth_token, **self._peer_env})
 
     def fixed_listeners(self) -> list[tuple[str, int, str]]:
@@ -439,6 +452,8 @@ class GatewayProcesses:
             out += [(name("ext_proc", k), g.extproc_port + k, "--extproc-port") for k in range(n)]
         if g.metrics_port > 0:
             out += [(name("ext_proc metrics", k), g.metrics_port + k, "--metrics-port") for k in range(n)]
+        if g.routing_filter == "ext_authz_http" and g.authz_http_port > 0:
+            out += [(name("ext_authz HTTP", k), g.authz_http_port + k, "--authz-http-port") for k in range(n)]
         if n > 1 and not self.peers.url and g.embedded_nats and g.nats_port > 0:
             out.append(("embedded nats-server", g.nats_port, "--nats-port"))
         return out
@@ -471,6 +486,8 @@ class GatewayProcesses:
             self.extproc_ports = self._ports(self.gateway.extproc_port, n)
             self.metrics_ports = self._ports(self.gateway.metrics_port, n)
             self.extproc_port, self.metrics_port = self.extproc_ports[0], self.metrics_ports[0]
+            if self.gateway.routing_filter == "ext_authz_http":
+                self.authz_http_ports = self._ports(self.gateway.authz_http_port, n)
             if self.gateway.envoy_admin not in ("off", "unix", "loopback"):
                 raise ValueError(f"envoy_admin must be off, unix or loopback, got {self.gateway.envoy_admin!r}")
             if self.gateway.envoy_admin == "loopback" and not self.admin_port:

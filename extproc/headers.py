@@ -28,6 +28,30 @@ request goes to the endpoint."""
 OBSERVED_METADATA = "x-prefixroute-observed"
 """gRPC initial metadata of the routing filter's stream when an observing filter follows it (so the service
 waits for that stream's report before emitting a record)."""
+AUTHZ_CHECK_PATH_PREFIX = "/check"
+"""Envoy's ext_authz HTTP ``path_prefix`` (extproc/authz_http.py): a check's path is this and the client's path, so
+the router's own paths (``/health``) can never be a client's."""
+AUTHZ_TOKEN_HEADER = "x-prefixroute-router-token"
+"""Where Envoy puts the router's bearer token on an ext_authz HTTP check (its credential injector): not
+``authorization``, which carries the client's own key to the Responses API lookups."""
+HANDOFF_HEADER = "x-prefixroute-handoff"
+"""ext_authz routing (authz.py): on a check, Envoy says with it (value ``ext_proc``) that its configuration has the
+handoff route; on the router's answer, the request is handed to the ext_proc routing filter, which that route runs
+(a request flow control would hold, or a large body parsed off the router's loop: both may outlast the ext_authz
+timeout, which cannot be extended per request). Stripped from client requests; removed before the endpoint."""
+HANDOFF_VALUE = "ext_proc"
+TRANSPORTED_5XX = (500, 501, 502, 503, 504)
+"""The 5xx refusals that travel as `transport_status`; Envoy's local reply mapping restores each. Another 5xx
+(none is raised today) travels as 500's."""
+
+
+def transport_status(status: int) -> int:
+    """The status a refusal travels with from the router to Envoy: a 5xx as 470 + its last digit (Envoy would
+    take a 5xx for the service's failure), any other as itself."""
+    if status < 500:
+        return status
+    return 470 + (status - 500 if status in TRANSPORTED_5XX else 0)
+
 
 EXT_PROC_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
 """Key of `ProcessingRequest.attributes` under which Envoy's ext_proc filter sends the attributes it was told to."""

@@ -186,6 +186,7 @@ class Tracker(Protocol):
                 outcome: str | None = None) -> None: ...
     def routing_response_headers(self, st: Tracked, headers: Any, served: str | None) -> bool: ...
     def routing_closed(self, st: Tracked) -> None: ...
+    def discard(self, st: Tracked) -> None: ...
     def observe(self, request_headers: Any) -> Tracked | None: ...
     def obs_response_headers(self, st: Tracked, headers: Any, end_of_stream: bool, served_header: str
                              ) -> Pick | None: ...
@@ -215,6 +216,9 @@ class NullTracker:
         return True
 
     def routing_closed(self, st: Tracked) -> None:
+        pass
+
+    def discard(self, st: Tracked) -> None:
         pass
 
     def observe(self, request_headers: Any) -> None:
@@ -367,6 +371,13 @@ class RequestTracker:
             return False
         st.served_reported = True
         return True
+
+    def discard(self, st: Tracked) -> None:
+        """Forget a state that `begin` made without a record: the request is handed to another routing stream
+        (an ext_authz check handed off to the ext_proc filter, authz.py), which begins its own."""
+        if not st.emitted:
+            st.emitted = True
+            self.pending.pop(st.key, None)
 
     def routing_closed(self, st: Tracked) -> None:
         if st.emitted:  # untracked

@@ -57,20 +57,21 @@ def extproc_token_secret(s: EnvoySettings) -> Secret | None:
     return None
 
 
-def credential_filters(secret: str = EXTPROC_TOKEN_SECRET) -> list[HttpFilter]:
-    """Upstream filters of a gRPC cluster: the token `secret` as ``authorization: Bearer ...`` on every stream
-    (credential_injector), then the codec (which must come last)."""
+def credential_filters(secret: str = EXTPROC_TOKEN_SECRET, header: str = "authorization") -> list[HttpFilter]:
+    """Upstream filters of a router cluster: the token `secret` as ``<header>: Bearer ...`` on every stream or
+    request (credential_injector), then the codec (which must come last). `header`: ``authorization`` on gRPC; the
+    ext_authz HTTP checks use their own (authz_http.TOKEN_HEADER), since theirs carries the client's key."""
     return [
         HttpFilter(name="envoy.filters.http.credential_injector", typed_config=ProtoAny.pack(CredentialInjector(
             overwrite=True,
             credential=TypedExtensionConfig(name="envoy.http.injected_credentials.generic", typed_config=ProtoAny.pack(
-                GenericCredential(credential=SdsSecretConfig(name=secret), header="authorization",
+                GenericCredential(credential=SdsSecretConfig(name=secret), header=header,
                                   header_value_prefix="Bearer ")))))),
         HttpFilter(name="envoy.filters.http.upstream_codec", typed_config=ProtoAny.pack(UpstreamCodec())),
     ]
 
 
-def extproc_transport_socket(s: EnvoySettings) -> TransportSocket | None:
+def extproc_transport_socket(s: EnvoySettings, alpn: tuple[str, ...] = ("h2",)) -> TransportSocket | None:
     if not (s.extproc_tls_ca_file or s.extproc_tls_cert_file or s.extproc_tls_key_file):
         return None
     if not s.extproc_tls_ca_file:
@@ -85,8 +86,8 @@ def extproc_transport_socket(s: EnvoySettings) -> TransportSocket | None:
     except ValueError:
         san_type = SubjectAltNameMatcherSanType.DNS
     common = CommonTlsContext(
-        # gRPC servers negotiate HTTP/2 by ALPN.
-        alpn_protocols=["h2"],
+        # gRPC servers negotiate HTTP/2 by ALPN (the ext_authz HTTP port: HTTP/1.1).
+        alpn_protocols=list(alpn),
         tls_certificates=[TlsCertificate(certificate_chain=DataSource(filename=s.extproc_tls_cert_file),
                                          private_key=DataSource(filename=s.extproc_tls_key_file))]
         if s.extproc_tls_cert_file else [],

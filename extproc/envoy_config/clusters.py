@@ -11,7 +11,8 @@ from envoy_data_plane.envoy.config.cluster.v3 import (CircuitBreakers, CircuitBr
                                                       ClusterCustomClusterType, ClusterDiscoveryType, ClusterLbPolicy,
                                                       ClusterOriginalDstLbConfig, OutlierDetection)
 from envoy_data_plane.envoy.config.core.v3 import Http2ProtocolOptions, RoutingPriority
-from envoy_data_plane.envoy.config.core.v3 import HealthCheck, HealthCheckGrpcHealthCheck
+from envoy_data_plane.envoy.config.core.v3 import (HealthCheck, HealthCheckGrpcHealthCheck, HealthCheckHttpHealthCheck,
+                                                   Http1ProtocolOptions)
 from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
 from envoy_data_plane.envoy.extensions.clusters.composite.v3 import ClusterConfig as CompositeClusterConfig
 from envoy_data_plane.envoy.extensions.clusters.composite.v3 import ClusterConfigClusterEntry
@@ -21,10 +22,11 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (HttpProtocolOpt
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
 from prefixroute.extproc.envoy_config.auth import credential_filters, extproc_transport_socket
-from prefixroute.extproc.envoy_config.common import (EXTPROC_CLUSTER, EXTPROC_REPLICA_CLUSTER_PREFIX, PICKED_CLUSTER,
-                                                     POOL_CLUSTER, UNAVAILABLE_CLUSTER, address, duration)
+from prefixroute.extproc.envoy_config.common import (AUTHZ_HTTP_CLUSTER, EXTPROC_CLUSTER, EXTPROC_REPLICA_CLUSTER_PREFIX,
+                                                     PICKED_CLUSTER, POOL_CLUSTER, UNAVAILABLE_CLUSTER, address,
+                                                     authz_http_addresses, duration)
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
-from prefixroute.extproc.headers import route_headers
+from prefixroute.extproc.headers import AUTHZ_TOKEN_HEADER, route_headers
 
 
 def gateway_clusters(s: EnvoySettings, replicas: Sequence[str], token_secret: Secret | None,
@@ -71,6 +73,8 @@ def gateway_clusters(s: EnvoySettings, replicas: Sequence[str], token_secret: Se
         if len(replicas) > 1:
             clusters += [strict_dns_cluster(f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{k}", [a], 0.25, **grpc_fields)
                          for k, a in enumerate(replicas) if s.observe_responses or s.response_facts_lua]
+        if s.routing_processing == "authz-http":
+            clusters.append(authz_http_cluster(s, token_secret is not None))
     if s.extproc_enabled:  # the unavailable routes' target: no endpoint, so Envoy answers 503 (mapped below)
         clusters.append(Cluster(name=UNAVAILABLE_CLUSTER, type=ClusterDiscoveryType.STATIC,
                                 connect_timeout=duration(s.connect_timeout_s),
@@ -84,6 +88,34 @@ def gateway_clusters(s: EnvoySettings, replicas: Sequence[str], token_secret: Se
                                            per_connection_buffer_limit_bytes=s.connection_buffer_bytes))
 
     return clusters
+
+
+def authz_http_cluster(s: EnvoySettings, with_token: bool) -> Cluster:
+    """The replicas' ext_authz HTTP ports (routing_processing 'authz-http'): HTTP/1.1 kept-alive connections, the
+    token in its own header (the check's ``authorization`` is the client's), the same TLS as the gRPC cluster; with
+    several replicas the same balancing and ejection, and an HTTP health check of each one's /health (200 while it
+    can route)."""
+    addresses = authz_http_addresses(s)
+    tls_socket = extproc_transport_socket(s, alpn=("http/1.1",))
+    fields: dict[str, Any] = {
+        **({"transport_socket": tls_socket} if tls_socket is not None else {}),
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": ProtoAny.pack(HttpProtocolOptions(
+                explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
+                    http_protocol_options=Http1ProtocolOptions()),
+                http_filters=credential_filters(header=AUTHZ_TOKEN_HEADER) if with_token else []))}}
+    if len(addresses) > 1:
+        fields |= {
+            "lb_policy": ClusterLbPolicy.LEAST_REQUEST,
+            "outlier_detection": OutlierDetection(
+                split_external_local_origin_errors=True, consecutive_local_origin_failure=2,
+                enforcing_consecutive_local_origin_failure=100, interval=duration(0.25),
+                base_ejection_time=duration(10), max_ejection_time=duration(30), max_ejection_percent=100),
+            "health_checks": [HealthCheck(timeout=duration(0.25), interval=duration(0.25),
+                                          no_traffic_interval=duration(0.25), unhealthy_threshold=1,
+                                          healthy_threshold=1,
+                                          http_health_check=HealthCheckHttpHealthCheck(path="/health"))]}
+    return strict_dns_cluster(AUTHZ_HTTP_CLUSTER, addresses, 0.25, **fields)
 
 
 def extproc_health_check() -> HealthCheck:

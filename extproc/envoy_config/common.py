@@ -25,7 +25,14 @@ UNAVAILABLE_CLOSED_ROUTE = "extproc_unavailable_fail_closed"
 OBSERVE_FILTER = "prefixroute.observe_responses"
 ROUTING_FILTER = "envoy.filters.http.ext_proc"
 AUTHZ_FILTER = "envoy.filters.http.ext_authz"
-"""The routing filter when it is Envoy's ext_authz (EnvoySettings.routing_processing 'authz')."""
+"""The routing filter when it is Envoy's ext_authz (EnvoySettings.routing_processing 'authz' or 'authz-http')."""
+AUTHZ_PROCESSING = ("authz", "authz-http")
+"""The routing_processing modes that route by Envoy's ext_authz filter (with the ext_proc filter on the handoff
+route)."""
+AUTHZ_HTTP_CLUSTER = "prefixroute_authz_http"
+"""The replicas' ext_authz HTTP ports (routing_processing 'authz-http'; extproc/authz_http.py)."""
+DEFAULT_AUTHZ_HTTP_PORT = 9004
+"""The replicas' ext_authz HTTP port when `extproc_authz_http_addresses` is not given (the ext_proc hosts')."""
 
 
 def duration(seconds: float) -> timedelta:
@@ -58,3 +65,17 @@ def error_json(status: int, message: str) -> str:
 def extproc_addresses(s: EnvoySettings) -> tuple[str, ...]:
     """The ext_proc replicas' addresses, replica index order: `extproc_replica_addresses`, else `extproc_address`."""
     return s.extproc_replica_addresses or (s.extproc_address,)
+
+
+def authz_http_addresses(s: EnvoySettings) -> tuple[str, ...]:
+    """The replicas' ext_authz HTTP addresses, replica index order: `extproc_authz_http_addresses`, else each
+    ext_proc replica's host at `DEFAULT_AUTHZ_HTTP_PORT`. ValueError when their number differs from the replicas'
+    (the records of a request must go back to the replica that routed it: the same index)."""
+    replicas = extproc_addresses(s)
+    given = s.extproc_authz_http_addresses
+    if not given:
+        return tuple(f"{a.rpartition(':')[0]}:{DEFAULT_AUTHZ_HTTP_PORT}" for a in replicas)
+    if len(given) != len(replicas):
+        raise ValueError(f"extproc_authz_http_addresses names {len(given)} address(es) for {len(replicas)} ext_proc "
+                         "replica(s): one per replica, in the same order")
+    return given

@@ -39,6 +39,9 @@ class EnvoySettings(Settings):
         "refused or dead replica retried on another) and sends each request's observing stream to the replica "
         "that routed it (the x-prefixroute-replica header it sets selects the route). Empty = extproc_address "
         "alone.")
+    extproc_authz_http_addresses: tuple[str, ...] = setting(
+        (), "host:port of each replica's ext_authz HTTP port (the service's authz_http_port), in replica index order, "
+        "for routing_processing 'authz-http'. Empty = each ext_proc address's host at port 9004.")
     endpoints: tuple[str, ...] = setting(
         ("127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003", "127.0.0.1:8004"),
         "Model-server endpoints host:port for the fail-open round-robin route (the same list the ext_proc "
@@ -97,7 +100,9 @@ class EnvoySettings(Settings):
         "request_attributes: Envoy 1.40 routes at the headers, before the router answers). 'authz' is correct too and "
         "routes by Envoy's ext_authz filter instead: one unary Check with the headers and whole body (one round trip, "
         "about half the router's gRPC CPU per request: bench-results/routing-authz/); it needs the facts path "
-        "(response_facts_lua: the facts record releases each pick) and does not hold requests past saturation.")
+        "(response_facts_lua: the facts record releases each pick) and does not hold requests past saturation. "
+        "'authz-http' is the same filter and decision over plain HTTP/1.1 to the service's authz_http_port "
+        "(extproc_authz_http_addresses) instead of gRPC: the fastest measured (bench-results/routing-authz-http/).")
     allowed_paths: tuple[str, ...] = setting(
         DEFAULT_ALLOWED_PATHS,
         "Request paths (exact, case-sensitive, query string aside) the gateway routes to endpoints: the OpenAI "

@@ -4,6 +4,8 @@ and the overload manager that bounds client connections."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
 from envoy_data_plane.envoy.config.core.v3 import ApiVersion
@@ -16,7 +18,10 @@ from envoy_data_plane.envoy.config.core.v3 import RetryPolicyRetryHostPredicate 
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
 from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
 from envoy_data_plane.envoy.config.route.v3 import Route, RouteConfiguration, VirtualHost
-from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import BufferSettings, ExtAuthz
+from envoy_data_plane.envoy.config.core.v3 import HttpUri
+from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import (AuthorizationRequest, AuthorizationResponse,
+                                                                        BufferSettings, ExtAuthz, HttpService)
+from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, RegexMatcher, StringMatcher
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (ExternalProcessor, MetadataOptions,
                                                                         MetadataOptionsMetadataNamespaces,
                                                                         ProcessingMode)
@@ -33,14 +38,16 @@ from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import Previ
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
-from prefixroute.extproc.envoy_config.common import (AUTHZ_FILTER, EXTPROC_CLUSTER, OBSERVE_FILTER, ROUTING_FILTER,
-                                                     address, duration)
+from prefixroute.extproc.envoy_config.common import (AUTHZ_FILTER, AUTHZ_HTTP_CLUSTER, AUTHZ_PROCESSING,
+                                                     EXTPROC_CLUSTER, OBSERVE_FILTER, ROUTING_FILTER, address,
+                                                     duration)
 from prefixroute.extproc.envoy_config.replies import local_reply_config
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.envoy_config.timing import timing_filter
 from prefixroute.extproc.facts_fields import OBSERVED_FACTS
-from prefixroute.extproc.headers import (LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES, OBSERVED_METADATA,
-                                         REPLICA_HEADER, SERVED_HEADER, route_headers)
+from prefixroute.extproc.headers import (AUTHZ_CHECK_PATH_PREFIX, HANDOFF_HEADER, HANDOFF_VALUE, LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES, OBSERVED_METADATA,
+                                         REFUSED_HEADER, REPLICA_HEADER, SERVED_HEADER, TRACEPARENT_HEADER,
+                                         route_headers)
 
 ROUTER_FILTER = "envoy.filters.http.router"
 
@@ -49,29 +56,16 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
     """The HTTP filters in order: the routing ext_proc filter (our picker), the observing one (observability mode,
     never waited on), the router."""
     http_filters: list[HttpFilter] = []
-    if s.extproc_enabled and s.routing_processing == "authz":
-        http_filters.append(authz_filter(s, num_replicas))
+    if s.extproc_enabled and s.routing_processing in AUTHZ_PROCESSING:
+        http_filters.append(authz_filter(s, num_replicas) if s.routing_processing == "authz"
+                            else authz_http_filter(s, num_replicas))
+        # The handoff route's routing filter (disabled on every other route): a request the router would hold, or
+        # a large body it parses off its loop, is handed to it (authz.py), since only its answers extend Envoy's
+        # wait.
+        http_filters.append(extproc_routing_filter(dataclasses.replace(s, routing_processing="buffered"),
+                                                   num_replicas))
     elif s.extproc_enabled:
-        http_filters.append(HttpFilter(name=ROUTING_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
-            # No grpc_service timeout: one stream lives as long as its HTTP request (long streams);
-            # message_timeout bounds each answer instead. The initial metadata tells the service that an
-            # observing filter follows (so it waits for that stream's report before emitting a record).
-            grpc_service=GrpcService(
-                envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
-                # The GrpcService's own policy (EnvoyGrpc.retry_policy is for xDS streams only).
-                retry_policy=extproc_retry_policy(num_replicas),
-                initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS if s.response_facts_lua
-                                              else "1")] if s.observe_responses or s.response_facts_lua else []),
-            failure_mode_allow=s.failure_mode == "open",
-            status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
-            message_timeout=duration(s.extproc_message_timeout_ms / 1000),
-            # Flow control: a held request's answer may take up to its queue deadline; the service asks for it
-            # per request (override_message_timeout), so a hung picker still fails over after message_timeout.
-            **({"max_message_timeout": duration(s.extproc_max_hold_s)} if s.extproc_max_hold_s > 0 else {}),
-            **routing_processing(s),
-            metadata_options=MetadataOptions(
-                receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[LB_METADATA_NAMESPACE])),
-        ))))
+        http_filters.append(extproc_routing_filter(s, num_replicas))
     if s.extproc_enabled and s.observe_responses:
         http_filters.append(HttpFilter(name=OBSERVE_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
             grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
@@ -103,13 +97,34 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
     return http_filters
 
 
-ROUTING_PROCESSING = ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers", "authz")
-"""`EnvoySettings.routing_processing` choices; 'buffered' (ext_proc) and 'authz' (ext_authz) are correct as a gateway
-(bench-results/routing-modes/, bench-results/routing-authz/)."""
-AUTHZ_MIN_TIMEOUT_S = 5.0
-"""The least the ext_authz filter waits for the router: its timeout is one figure (ext_proc's answers may ask for
-more per request, ext_authz's cannot), and a large body parsed off the router's loop may take this long on a loaded
-host (servicer.PARSE_EXTENSION_S); a shorter wait would fail such a request open, unvetted."""
+ROUTING_PROCESSING = ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers", "authz",
+                      "authz-http")
+"""`EnvoySettings.routing_processing` choices; 'buffered' (ext_proc), 'authz' and 'authz-http' (ext_authz over gRPC
+or HTTP) are correct as a gateway (bench-results/routing-modes/, routing-authz/, routing-authz-http/)."""
+
+
+def extproc_routing_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
+    """The routing ext_proc filter (`routing_processing`'s mode)."""
+    return HttpFilter(name=ROUTING_FILTER, typed_config=ProtoAny.pack(ExternalProcessor(
+        # No grpc_service timeout: one stream lives as long as its HTTP request (long streams);
+        # message_timeout bounds each answer instead. The initial metadata tells the service that an
+        # observing filter follows (so it waits for that stream's report before emitting a record).
+        grpc_service=GrpcService(
+            envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+            # The GrpcService's own policy (EnvoyGrpc.retry_policy is for xDS streams only).
+            retry_policy=extproc_retry_policy(num_replicas),
+            initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS if s.response_facts_lua
+                                          else "1")] if s.observe_responses or s.response_facts_lua else []),
+        failure_mode_allow=s.failure_mode == "open",
+        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
+        message_timeout=duration(s.extproc_message_timeout_ms / 1000),
+        # Flow control: a held request's answer may take up to its queue deadline; the service asks for it
+        # per request (override_message_timeout), so a hung picker still fails over after message_timeout.
+        **({"max_message_timeout": duration(s.extproc_max_hold_s)} if s.extproc_max_hold_s > 0 else {}),
+        **routing_processing(s),
+        metadata_options=MetadataOptions(
+            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[LB_METADATA_NAMESPACE])),
+    )))
 
 
 def authz_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
@@ -122,9 +137,13 @@ def authz_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
     return HttpFilter(name=AUTHZ_FILTER, typed_config=ProtoAny.pack(ExtAuthz(
         grpc_service=GrpcService(
             envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
-            timeout=duration(max(s.extproc_message_timeout_ms / 1000, AUTHZ_MIN_TIMEOUT_S)),
+            # The ext_proc filter's answer timeout: what could take longer (a hold, a large body's parse) is
+            # handed off to that filter (authz.py), whose answers extend it.
+            timeout=duration(s.extproc_message_timeout_ms / 1000),
             retry_policy=extproc_retry_policy(num_replicas),
-            initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS)]),
+            # The facts path is on, and the handoff route exists.
+            initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS),
+                              HeaderValue(key=HANDOFF_HEADER, value=HANDOFF_VALUE)]),
         transport_api_version=ApiVersion.V3,
         failure_mode_allow=s.failure_mode == "open",
         status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
@@ -134,6 +153,61 @@ def authz_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
                                          pack_as_bytes=True),
         stat_prefix="routing",
     )))
+HOP_BY_HOP_HEADERS = ("connection", "keep-alive", "proxy-connection", "te", "transfer-encoding", "upgrade", "expect")
+"""Client headers a check over HTTP must not carry: they describe the client's connection, not the request (the
+check has its own length and framing)."""
+
+
+def authz_http_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
+    """The routing filter as Envoy's ext_authz over HTTP/1.1 (routing_processing 'authz-http',
+    extproc/authz_http.py): each request's method, path (under ``/check``), headers and whole body as one HTTP
+    request to a replica; a 200's routing headers are set on the request and route it again
+    (``clear_route_cache``); a refusal's status, body and headers go to the client. Only with the facts path."""
+    if not s.response_facts_lua:
+        raise ValueError("routing_processing 'authz-http' needs the facts path (response_facts_lua): a request's facts "
+                         "record is what ends its pick when Envoy routes by ext_authz")
+    exact = (lambda names: ListStringMatcher(patterns=[StringMatcher(exact=n) for n in names]))
+    return HttpFilter(name=AUTHZ_FILTER, typed_config=ProtoAny.pack(ExtAuthz(
+        http_service=HttpService(
+            # As the gRPC filter's: the ext_proc filter's answer timeout (holds and large bodies are handed off).
+            server_uri=HttpUri(uri=f"http://{AUTHZ_HTTP_CLUSTER}", cluster=AUTHZ_HTTP_CLUSTER,
+                               timeout=duration(s.extproc_message_timeout_ms / 1000)),
+            path_prefix=AUTHZ_CHECK_PATH_PREFIX,
+            # Say the facts path is on and the handoff route exists (the gRPC filter's initial metadata);
+            # they overwrite a client's copies.
+            authorization_request=AuthorizationRequest(
+                headers_to_add=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS),
+                                HeaderValue(key=HANDOFF_HEADER, value=HANDOFF_VALUE)]),
+            authorization_response=AuthorizationResponse(
+                # Set on the request, overwriting (a client's copies are stripped before any filter anyway).
+                allowed_upstream_headers=exact([*route_headers(MAX_FALLBACKS), REPLICA_HEADER, TRACEPARENT_HEADER,
+                                                HANDOFF_HEADER]),
+                # A refusal's headers for the client (Envoy adds status and content-length itself).
+                allowed_client_headers=exact(["content-type", "retry-after", REFUSED_HEADER])),
+            retry_policy=authz_http_retry_policy(num_replicas)),
+        transport_api_version=ApiVersion.V3,
+        failure_mode_allow=s.failure_mode == "open",
+        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
+        clear_route_cache=True,
+        # Every client header, as the ext_proc filter sends them (session, tenant, the client's key for the
+        # Responses API lookups), but those of the client's connection.
+        allowed_headers=ListStringMatcher(patterns=[StringMatcher(safe_regex=RegexMatcher(regex=".*"))]),
+        disallowed_headers=exact(HOP_BY_HOP_HEADERS),
+        # The whole body, as the HTTP request's body (413 above the limit, as the ext_proc filter's buffer gives).
+        with_request_body=BufferSettings(max_request_bytes=s.max_request_body_bytes, allow_partial_message=False),
+        stat_prefix="routing",
+    )))
+
+
+def authz_http_retry_policy(num_replicas: int) -> CoreRetryPolicy | None:
+    """A check that cannot reach one replica (refused, reset before the answer: it died or is restarting) is sent
+    to another, as a routing stream is (`extproc_retry_policy`)."""
+    policy = extproc_retry_policy(num_replicas)
+    if policy is not None:
+        policy.retry_on = "connect-failure,refused-stream,reset"
+    return policy
+
+
 ROUTING_REQUEST_ATTRIBUTES = ("request.url_path", "request.method", "request.headers", "request.id")
 """What 'skip-headers' asks Envoy for in place of the request headers message."""
 
@@ -146,7 +220,7 @@ def routing_processing(s: EnvoySettings) -> dict[str, object]:
     buffered-partial,full-duplex,streamed-early,skip-headers): none is both faster beyond noise and correct for
     large bodies, slow uploads and failover (bench-results/routing-modes/README.md). Mode override is not among
     them: Envoy takes `mode_override` only from the answer to the headers message, so it cannot save that trip."""
-    if s.routing_processing not in ROUTING_PROCESSING or s.routing_processing == "authz":
+    if s.routing_processing not in ROUTING_PROCESSING or s.routing_processing in AUTHZ_PROCESSING:
         raise ValueError(f"routing_processing must be one of {', '.join(ROUTING_PROCESSING)}; "
                          f"got {s.routing_processing!r}")
     mode = s.routing_processing
@@ -179,7 +253,8 @@ def connection_manager(s: EnvoySettings, routes: list[Route], filters: list[Http
                        access_log: list[AccessLog]) -> HttpConnectionManager:
     """The gateway's HTTP connection manager: client-supplied routing headers stripped before any filter runs (a
     client never picks an address), `routes` on the normalised path, `filters`, Envoy's replies in OpenAI format."""
-    stripped = [*route_headers(MAX_FALLBACKS), SERVED_HEADER, REPLICA_HEADER, "x-envoy-original-dst-host"]
+    stripped = [*route_headers(MAX_FALLBACKS), SERVED_HEADER, REPLICA_HEADER, HANDOFF_HEADER,
+                "x-envoy-original-dst-host"]
     return HttpConnectionManager(
         access_log=access_log,
         stat_prefix="gateway",

@@ -14,6 +14,7 @@ from envoy_data_plane.google.protobuf import Any as ProtoAny
 from prefixroute.extproc.envoy_config.common import (UNAVAILABLE_CLOSED_ROUTE, UNAVAILABLE_STATEFUL_ROUTE, error_json,
                                                      set_header)
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
+from prefixroute.extproc.headers import TRANSPORTED_5XX, transport_status
 
 # Local replies that are Envoy's own: not the router's (an ext_proc ImmediateResponse, whose details the
 # servicer sets to "prefixroute_<status>", or an ext_authz denied answer, which only the router gives: both already
@@ -82,7 +83,21 @@ def local_reply_config(s: EnvoySettings) -> LocalReplyConfig:
     # The first mapper that matches wins: reason-specific ones first (the routing-unavailable routes' own 503s,
     # then Envoy's details). %RESPONSE_CODE_DETAILS% / %RESPONSE_FLAGS% are Envoy's short reason tokens (e.g.
     # http1.codec_error, UF), kept in parentheses for the operator after a sentence for the client.
+    def restored(status: int) -> ResponseMapper:
+        # ext_authz over HTTP: the router's 5xx refusal travels at a transport status (authz_http.transport_status:
+        # Envoy would take a 5xx for the service's failure); only that filter's denial can carry it. Body and
+        # headers (the router's own) are kept.
+        return ResponseMapper(
+            filter=AccessLogFilter(and_filter=AndFilter(filters=[
+                AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+                    op=ComparisonFilterOp.EQ, value=RuntimeUInt32(
+                        default_value=transport_status(status),
+                        runtime_key=f"prefixroute.local_reply.authz_{status}")))),
+                cel_filter("response.code_details == 'ext_authz_denied'")])),
+            status_code=status)
+
     return LocalReplyConfig(mappers=[
+        *(restored(status) for status in TRANSPORTED_5XX if s.routing_processing == "authz-http"),
         unavailable(UNAVAILABLE_STATEFUL_ROUTE, "The routing service is unavailable and a Responses API request must "
                     "reach the endpoint that holds its conversation; retry shortly."),
         unavailable(UNAVAILABLE_CLOSED_ROUTE, "The routing service is unavailable; retry shortly."),

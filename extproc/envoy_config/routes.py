@@ -20,12 +20,13 @@ from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import Previ
 from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
 from envoy_data_plane.google.protobuf import Any as ProtoAny
 
-from prefixroute.extproc.envoy_config.common import (AUTHZ_FILTER, EXTPROC_REPLICA_CLUSTER_PREFIX, OBSERVE_FILTER, PICKED_CLUSTER,
-                                                     POOL_CLUSTER, UNAVAILABLE_CLOSED_ROUTE, UNAVAILABLE_CLUSTER,
+from prefixroute.extproc.envoy_config.common import (AUTHZ_FILTER, AUTHZ_PROCESSING, EXTPROC_REPLICA_CLUSTER_PREFIX,
+                                                     OBSERVE_FILTER, PICKED_CLUSTER, POOL_CLUSTER, ROUTING_FILTER,
+                                                     UNAVAILABLE_CLOSED_ROUTE, UNAVAILABLE_CLUSTER,
                                                      UNAVAILABLE_STATEFUL_ROUTE, duration, error_json, set_header)
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.envoy_config.timing import TIMING_FILTER
-from prefixroute.extproc.headers import DESTINATION_HEADER, REPLICA_HEADER, SERVED_HEADER
+from prefixroute.extproc.headers import DESTINATION_HEADER, HANDOFF_HEADER, REPLICA_HEADER, SERVED_HEADER
 from prefixroute.responses_prompt import RESPONSES_PATH, RESPONSES_PREFIX
 
 # Characters an allowlisted path may hold: RFC 3986 pchar without '%' (an escaped form never matches a
@@ -43,7 +44,9 @@ def gateway_routes(s: EnvoySettings, allowed: Sequence[RouteMatch], num_replicas
         # The picked route first: it matches only once the picker has set its header.
         per_replica = range(num_replicas) if num_replicas > 1 else ()
         routes = [r for m in allowed
-                  for r in (*(picked_route(s, m, k) for k in per_replica), picked_route(s, m), unpicked_route(s, m))]
+                  for r in (*(picked_route(s, m, k) for k in per_replica), picked_route(s, m),
+                            *([handoff_route(s, m)] if s.routing_processing in AUTHZ_PROCESSING else []),
+                            unpicked_route(s, m))]
     else:
         routes = [Route(name=f"direct {match_text(m)}", match=m,
                         route=RouteAction(cluster=POOL_CLUSTER, timeout=duration(s.upstream_timeout_s)),
@@ -76,7 +79,7 @@ def picked_route(s: EnvoySettings, match: RouteMatch, replica: int | None = None
     # request headers, after the routing filter's header mutation cleared the route cache, so the observing
     # stream reaches the replica holding the pick it reports on (tracking.py correlates only its own picks).
     headers = [HeaderMatcher(name=DESTINATION_HEADER, present_match=True)]
-    per_filter: dict[str, ProtoAny] = {}
+    per_filter: dict[str, ProtoAny] = _handoff_only(s)
     name = f"picked_endpoint {match_text(match)}"
     if replica is not None:
         headers.append(HeaderMatcher(name=REPLICA_HEADER, string_match=StringMatcher(exact=str(replica))))
@@ -91,8 +94,32 @@ def picked_route(s: EnvoySettings, match: RouteMatch, replica: int | None = None
         route=RouteAction(cluster=PICKED_CLUSTER, timeout=duration(s.upstream_timeout_s),
                           retry_policy=retry_policy(s, s.num_fallbacks)),
         response_headers_to_add=_served_header(),
-        request_headers_to_remove=[REPLICA_HEADER] if replica is not None else [],
+        request_headers_to_remove=[*([REPLICA_HEADER] if replica is not None else []),
+                                   *([HANDOFF_HEADER] if s.routing_processing in AUTHZ_PROCESSING else [])],
         typed_per_filter_config=per_filter,
+    )
+
+
+def _handoff_only(s: EnvoySettings) -> dict[str, ProtoAny]:
+    """Routed by ext_authz, the ext_proc routing filter runs on the handoff route alone: disabled on the others
+    (Envoy reads it when the filter's turn comes, after ext_authz's answer routed the request again)."""
+    if s.routing_processing not in AUTHZ_PROCESSING:
+        return {}
+    return {ROUTING_FILTER: ProtoAny.pack(ExtProcPerRoute(disabled=True))}
+
+
+def handoff_route(s: EnvoySettings, match: RouteMatch) -> Route:
+    """Routed by ext_authz: the route of a request the router handed to the ext_proc routing filter (its answer
+    set HANDOFF_HEADER alone: a request flow control holds, or a large body parsed off its loop; authz.py). That
+    filter runs here, answers with the routing headers and routes the request again (to its picked route); if it
+    fails, the request takes what an unpicked one would (round robin or 503, per failure_mode)."""
+    unpicked = unpicked_route(s, match)
+    return Route(
+        name=f"handoff {match_text(match)}",
+        match=RouteMatch(path=match.path, prefix=match.prefix,
+                         headers=[HeaderMatcher(name=HANDOFF_HEADER, present_match=True)]),
+        route=unpicked.route,
+        response_headers_to_add=unpicked.response_headers_to_add,
     )
 
 
@@ -106,7 +133,7 @@ def unpicked_route(s: EnvoySettings, match: RouteMatch) -> Route:
     # 503 that Envoy then answers gets its message from the local reply mapper of its route (UNAVAILABLE_*).
     if stateful:  # module docstring: the Responses API fails closed whatever failure_mode says
         return Route(name=f"{UNAVAILABLE_STATEFUL_ROUTE} {match_text(match)}", match=match,
-                     route=RouteAction(cluster=UNAVAILABLE_CLUSTER))
+                     route=RouteAction(cluster=UNAVAILABLE_CLUSTER), typed_per_filter_config=_handoff_only(s))
     if s.failure_mode == "open" and s.endpoints:
         return Route(
             name=f"extproc_unavailable_round_robin {match_text(match)}",
@@ -118,9 +145,10 @@ def unpicked_route(s: EnvoySettings, match: RouteMatch) -> Route:
                     typed_config=ProtoAny.pack(PreviousHostsPredicate()))],
                 host_selection_retry_max_attempts=5)),
             response_headers_to_add=_served_header(),
+            typed_per_filter_config=_handoff_only(s),
         )
     return Route(name=f"{UNAVAILABLE_CLOSED_ROUTE} {match_text(match)}", match=match,
-                 route=RouteAction(cluster=UNAVAILABLE_CLUSTER))
+                 route=RouteAction(cluster=UNAVAILABLE_CLUSTER), typed_per_filter_config=_handoff_only(s))
 
 
 def retry_policy(s: EnvoySettings, num_retries: int, **fields: Any) -> RetryPolicy:

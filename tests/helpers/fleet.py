@@ -47,12 +47,14 @@ def start_fleet(stack: ExitStack, n: int, log_dir: Path, prefix: str = "s", *ext
 
 
 def start_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, *, failure_mode: str = "open",
-                  extra_extproc_args: list[str] | None = None, pool_overrides: dict | None = None
-                  ) -> GatewayProcesses:
-    """Start Envoy + ext_proc in front of `endpoints` (logs in `log_dir`/envoy.log, extproc.log)."""
+                  extra_extproc_args: list[str] | None = None, pool_overrides: dict | None = None,
+                  **gateway: object) -> GatewayProcesses:
+    """Start Envoy + ext_proc in front of `endpoints` (logs in `log_dir`/envoy.log, extproc.log); `gateway`
+    overrides GatewaySettings' fields."""
     gw = GatewayProcesses(
-        GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1", failure_mode=failure_mode,
-                        envoy_log_level="info"),
+        GatewaySettings(**{"port": free_port(), "ports": "random", "extproc_replicas": 1,  # type: ignore[arg-type]
+                           "listen_address": "127.0.0.1", "failure_mode": failure_mode, "envoy_log_level": "info",
+                           **gateway}),
         RoutingSettings(max_body_bytes=MAX_BODY_BYTES),
         PoolSettings(endpoints=tuple(endpoints), **(pool_overrides or {})),
         log_dir=log_dir, extra_extproc_args=extra_extproc_args)

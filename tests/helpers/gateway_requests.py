@@ -56,7 +56,7 @@ class Sent:
 
 def send(gw: GatewayProcesses, prompt: str, *, stream: bool = False, include_usage: bool = True,
          max_tokens: int = 12, model: str = MODEL, raw_body: bytes | None = None, method: str = "POST",
-         conn: http.client.HTTPConnection | None = None) -> Sent:
+         conn: http.client.HTTPConnection | None = None, path: str = "/v1/chat/completions") -> Sent:
     """One request; TTFT = request sent to the first response body bytes received (what a client sees)."""
     trace_id, span_id = new_trace_id(), new_span_id()
     body: dict = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -65,7 +65,7 @@ def send(gw: GatewayProcesses, prompt: str, *, stream: bool = False, include_usa
         body["stream_options"] = {"include_usage": True}
     c = conn or http.client.HTTPConnection(gw.url.split("//", 1)[1], timeout=30)
     t0 = time.perf_counter()
-    c.request(method, "/v1/chat/completions", raw_body if raw_body is not None else json.dumps(body),
+    c.request(method, path, raw_body if raw_body is not None else json.dumps(body),
               {"content-type": "application/json", "traceparent": format_traceparent(trace_id, span_id)})
     r = c.getresponse()
     first = r.read1(1 << 20)

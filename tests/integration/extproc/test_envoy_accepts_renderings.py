@@ -45,6 +45,12 @@ COMBINATIONS = {
     "routing-authz": {"routing_processing": "authz"},
     "routing-authz-replicas-records": {"routing_processing": "authz", "records_otlp_address": "127.0.0.1:4317",
                                        "extproc_replica_addresses": ("127.0.0.1:50051", "127.0.0.1:50052")},
+    # The same over HTTP (bench-results/routing-authz-http/): one replica, then two with the token, TLS and records.
+    "routing-authz-http": {"routing_processing": "authz-http"},
+    "routing-authz-http-replicas-records": {
+        "routing_processing": "authz-http", "records_otlp_address": "127.0.0.1:4317", "failure_mode": "closed",
+        "extproc_replica_addresses": ("127.0.0.1:50051", "127.0.0.1:50052"),
+        "extproc_authz_http_addresses": ("127.0.0.1:50061", "127.0.0.1:50062")},
 }
 
 
@@ -58,7 +64,8 @@ def test_real_envoy_accepts_the_rendering(tmp_path: Path, overrides: dict) -> No
 
 
 @pytest.mark.parametrize("name", ["default", "fail-closed", "four-fallbacks", "no-extproc", "observe",
-                                  "no-facts-no-report-served", "no-retry-on-reset-no-timeout", "routing-authz"])
+                                  "no-facts-no-report-served", "no-retry-on-reset-no-timeout", "routing-authz",
+                                  "routing-authz-http"])
 def test_real_envoy_runs_exactly_the_built_bootstrap(tmp_path: Path, name: str) -> None:
     # What proves the serialisation (PyYAML's quoting, Envoy's YAML typing, the proto3 JSON mapping) changes
     # nothing: the running Envoy's own dump of its bootstrap, parsed back into the typed message, equals it.
@@ -84,10 +91,11 @@ def test_real_envoy_runs_exactly_the_built_bootstrap(tmp_path: Path, name: str) 
     assert parts(running) == parts(built)
 
 
-def test_real_envoy_accepts_the_tls_and_token_rendering(tmp_path: Path) -> None:
+@pytest.mark.parametrize("processing", ["buffered", "authz-http"])
+def test_real_envoy_accepts_the_tls_and_token_rendering(tmp_path: Path, processing: str) -> None:
     pki = make_pki(tmp_path / "pki")
     path = tmp_path / "envoy.yaml"
-    path.write_text(render(EnvoySettings(extproc_tls_ca_file=str(pki.ca_cert),
+    path.write_text(render(EnvoySettings(routing_processing=processing, extproc_tls_ca_file=str(pki.ca_cert),
                                          extproc_tls_cert_file=str(pki.client_cert),
                                          extproc_tls_key_file=str(pki.client_key), extproc_auth_token="tok",
                                          allowed_paths=(*DEFAULT_ALLOWED_PATHS, "/v1/audio/transcriptions"))))

@@ -45,12 +45,15 @@ def _metric(gw: GatewayProcesses, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
-def test_a_burst_past_saturation_is_held_served_and_counted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("routing_filter", ["ext_proc", "ext_authz_http", "ext_authz"])
+def test_a_burst_past_saturation_is_held_served_and_counted(tmp_path: Path, routing_filter: str) -> None:
+    """Behind either ext_authz filter too: a request to hold is handed off to the ext_proc filter on its handoff
+    route (authz.py), which holds it; its record is the ext_proc stream's alone (32 records for 32 requests)."""
     with ExitStack() as stack:
         rcv = start_receiver(tmp_path / "telemetry.db")
         stack.callback(rcv.stop)
         fleet = start_fleet(stack, 2, tmp_path, "s", "--time-scale", "3")
-        gw = start_gateway(stack, list(fleet.endpoints), tmp_path, failure_mode="closed",
+        gw = start_gateway(stack, list(fleet.endpoints), tmp_path, failure_mode="closed", routing_filter=routing_filter,
                            extra_extproc_args=["--saturation-queued-s", "0.05", "--deadline-s", "40",
                                                "--otlp-endpoint", rcv.otlp_url])
         with ThreadPoolExecutor(16) as pool:

@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import os
+import ssl
 import secrets
 import stat
 import time
@@ -22,7 +23,7 @@ from prefixroute.cli import main as cli_main
 from prefixroute.extproc import wire as pb
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings, envoy_binary
-from prefixroute.extproc.headers import DESTINATION_HEADER, SERVED_HEADER
+from prefixroute.extproc.headers import AUTHZ_TOKEN_HEADER, DESTINATION_HEADER, SERVED_HEADER
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.server import ExtprocSettings, start_server
 from prefixroute.grpc_runtime import GRPC_EXPERIMENTS_DEFAULT, GRPC_EXPERIMENTS_ENV
@@ -154,6 +155,50 @@ def test_mutual_tls_and_token_through_real_envoy(stack: ExitStack, tmp_path: Pat
                       cert=(other.client_cert, other.client_key)) == grpc.StatusCode.UNAVAILABLE  # another CA
     assert raw_stream(port, ca=pki.ca_cert, cert=mine) == grpc.StatusCode.UNAUTHENTICATED  # cert but no token
     assert raw_stream(port, token=token, ca=pki.ca_cert, cert=mine) == "answered"
+
+
+def _authz_http_check(port: int, *, token: str | None, ca: Path | None = None,
+                      cert: tuple[Path, Path] | None = None) -> int | str:
+    """One check on the router's ext_authz HTTP port: its status, or the failure of the connection."""
+    ctx = None
+    if ca is not None:
+        ctx = ssl.create_default_context(cafile=str(ca))
+        ctx.check_hostname = False
+        if cert is not None:
+            ctx.load_cert_chain(str(cert[0]), str(cert[1]))
+    conn = (http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=5) if ctx is not None
+            else http.client.HTTPConnection("127.0.0.1", port, timeout=5))
+    try:
+        conn.request("POST", "/check/v1/chat/completions", body=CHAT, headers={
+            "content-type": "application/json", **({AUTHZ_TOKEN_HEADER: f"Bearer {token}"} if token else {})})
+        return conn.getresponse().status
+    except (OSError, http.client.HTTPException) as exc:
+        return type(exc).__name__
+    finally:
+        conn.close()
+
+
+def test_mutual_tls_and_token_through_real_envoy_routed_by_ext_authz_over_http(
+        stack: ExitStack, tmp_path: Path, canary: Canary) -> None:
+    """The router's ext_authz HTTP port takes the gRPC port's TLS files and token: Envoy reaches it over mutual TLS
+    with the token in its own header; anyone else is refused at the handshake or gets a 500 (Envoy's failure mode,
+    never a routing answer)."""
+    pki, other = make_pki(tmp_path / "pki"), make_pki(tmp_path / "other-ca")
+    gw = start_gateway(stack, canary, tmp_path / "logs", failure_mode="closed", routing_filter="ext_authz_http",
+                       **tls_gateway_settings(pki))
+    for _ in range(3):
+        status, headers, body = post_chat(gw)
+        assert status == 200, body  # fail-closed: a 200 means the check was answered over mTLS with the token
+        assert canary.seen[-1].headers.get(DESTINATION_HEADER) == canary.endpoint  # routed by the picker
+    port, token = gw.authz_http_ports[0], gw.auth_token
+    mine = (pki.client_cert, pki.client_key)
+    assert isinstance(_authz_http_check(port, token=token), str)  # plaintext to a TLS port
+    assert isinstance(_authz_http_check(port, token=token, ca=pki.ca_cert), str)  # no client certificate
+    assert isinstance(_authz_http_check(port, token=token, ca=pki.ca_cert,
+                                        cert=(other.client_cert, other.client_key)), str)  # another CA
+    assert _authz_http_check(port, token=None, ca=pki.ca_cert, cert=mine) == 500  # cert but no token
+    assert _authz_http_check(port, token="guessed", ca=pki.ca_cert, cert=mine) == 500
+    assert _authz_http_check(port, token=token, ca=pki.ca_cert, cert=mine) == 200
 
 
 def test_envoy_with_a_client_certificate_from_another_ca_is_refused(

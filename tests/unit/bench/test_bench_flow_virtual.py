@@ -96,14 +96,16 @@ def test_router_names_say_whether_flow_control_runs(name, flow, policy, source, 
     assert (r.flow, r.policy, r.index_source, r.replicas, r.name) == (flow, policy, source, replicas, name)
 
 
-@pytest.mark.parametrize(("name", "authz", "flow", "policy"), [
-    ("prefixroute:prefix", False, None, "prefix"),
-    ("prefixroute:prefix+authz", True, None, "prefix"),
-    ("prefixroute:prefix-flow+authz", True, False, "prefix"),
-    ("prefixroute:prefix@events#2+flow+authz", True, True, "prefix"),
+@pytest.mark.parametrize(("name", "routing_filter", "flow", "policy"), [
+    ("prefixroute:prefix", "", None, "prefix"),
+    ("prefixroute:prefix+authz", "ext_authz", None, "prefix"),
+    ("prefixroute:prefix-flow+authz", "ext_authz", False, "prefix"),
+    ("prefixroute:prefix@events#2+flow+authz", "ext_authz", True, "prefix"),
+    ("prefixroute:prefix+authz-http", "ext_authz_http", None, "prefix"),
+    ("prefixroute:prefix-flow+authz-http", "ext_authz_http", False, "prefix"),
 ])
-def test_router_names_say_whether_envoy_routes_by_ext_authz(name, authz, flow, policy) -> None:
+def test_router_names_say_whether_envoy_routes_by_ext_authz(name, routing_filter, flow, policy) -> None:
     from prefixroute.bench.routers import parse_router
 
     r = parse_router(name)
-    assert (r.authz, r.flow, r.policy, r.name) == (authz, flow, policy, name)
+    assert (r.routing_filter, r.flow, r.policy, r.name) == (routing_filter, flow, policy, name)

@@ -8,12 +8,13 @@ from prefixroute.extproc.envoy_config import EnvoySettings, build_config
 from prefixroute.extproc.envoy_config.common import OBSERVE_FILTER, ROUTING_FILTER
 from prefixroute.extproc.envoy_config.facts import RESPONSE_FACTS_LUA, facts_access_logs
 from prefixroute.extproc.envoy_config.listener import ROUTER_FILTER, http_filters
+from prefixroute.extproc.envoy_config.routes import allowed_path_matches, gateway_routes
 from prefixroute.extproc.envoy_config.timing import TIMING_FILTER
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.facts_fields import (FACTS_NAMESPACE, FIRST_TOKEN_KEY, OBSERVED_FACTS, RESPONSE_ID_KEY,
                                               TIMING_NAMESPACE, USAGE_KEY)
 from prefixroute.extproc.gateway import GatewayProcesses, GatewaySettings
-from prefixroute.extproc.headers import OBSERVED_METADATA
+from prefixroute.extproc.headers import HANDOFF_HEADER, OBSERVED_METADATA
 from prefixroute.extproc.routing.settings import RoutingSettings
 
 FACTS = {"observe_responses": False, "response_facts_lua": True}
@@ -86,18 +87,40 @@ def test_an_unknown_response_path_is_refused_before_anything_starts() -> None:
     ({"routing_filter": "ext_proxy"}, "routing_filter must be one of ext_proc, ext_authz"),
     ({"routing_filter": "ext_authz", "telemetry": False}, "routing_filter ext_authz needs the facts path"),
     ({"routing_filter": "ext_authz", "response_path": "observe"}, "routing_filter ext_authz needs the facts path"),
+    ({"routing_filter": "ext_authz_http", "telemetry": False}, "routing_filter ext_authz_http needs the facts path"),
 ])
 def test_a_routing_filter_that_cannot_work_is_refused_before_anything_starts(gateway: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         GatewayProcesses(GatewaySettings(**gateway), RoutingSettings(), PoolSettings(endpoints=("127.0.0.1:9",)))
 
 
-def test_the_ext_authz_routing_filter_renders_envoys_ext_authz_in_place_of_ext_proc() -> None:
-    gw = GatewayProcesses(GatewaySettings(routing_filter="ext_authz"), RoutingSettings(),
+@pytest.mark.parametrize(("routing_filter", "processing"), [("ext_authz", "authz"), ("ext_authz_http", "authz-http")])
+def test_the_ext_authz_routing_filter_renders_envoys_ext_authz_and_ext_proc_for_the_handoff_route(
+        routing_filter: str, processing: str) -> None:
+    gw = GatewayProcesses(GatewaySettings(routing_filter=routing_filter), RoutingSettings(),
                           PoolSettings(endpoints=("127.0.0.1:9",)))
+    gw.authz_http_ports = [9104]
     s = gw.envoy_settings()
-    assert s.routing_processing == "authz" and s.response_facts_lua
+    assert s.routing_processing == processing and s.response_facts_lua
     names = [f.name for f in http_filters(s, 1)]
-    assert names[0] == "envoy.filters.http.ext_authz" and "envoy.filters.http.ext_proc" not in names
-    with pytest.raises(ValueError, match="needs the facts path"):  # the Envoy setting alone, without facts
-        http_filters(EnvoySettings(routing_processing="authz", response_facts_lua=False), 1)
+    # ext_authz first; the ext_proc routing filter after it, for the handoff route alone.
+    assert names[:2] == ["envoy.filters.http.ext_authz", "envoy.filters.http.ext_proc"]
+    routes = gateway_routes(s, allowed_path_matches(s), 1, names)
+    by_name = {r.name: r for r in routes}
+    handoff = by_name["handoff /v1/chat/completions"]
+    assert [h.name for h in handoff.match.headers] == [HANDOFF_HEADER]
+    assert "envoy.filters.http.ext_proc" not in handoff.typed_per_filter_config
+    for name in ("picked_endpoint /v1/chat/completions", "extproc_unavailable_round_robin /v1/chat/completions"):
+        per_route = by_name[name].typed_per_filter_config["envoy.filters.http.ext_proc"]
+        assert per_route.unpack().disabled, name
+    assert HANDOFF_HEADER in by_name["picked_endpoint /v1/chat/completions"].request_headers_to_remove
+    # The handoff route comes after the picked one (the ext_proc filter's answer routes it there) and before the
+    # unpicked one (which would match it too).
+    order = [r.name for r in routes]
+    assert order.index("picked_endpoint /v1/chat/completions") < order.index("handoff /v1/chat/completions") < \
+        order.index("extproc_unavailable_round_robin /v1/chat/completions")
+    if processing == "authz-http":
+        assert s.extproc_authz_http_addresses == ("127.0.0.1:9104",)
+    for mode in ("authz", "authz-http"):  # the Envoy setting alone, without facts
+        with pytest.raises(ValueError, match="needs the facts path"):
+            http_filters(EnvoySettings(routing_processing=mode, response_facts_lua=False), 1)
