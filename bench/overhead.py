@@ -71,9 +71,10 @@ class OverheadBenchSettings(Settings):
                                         "gateway measured in the same rounds (e.g. 1,2: the routed req/s of two "
                                         "replicas against one, same run); replicas share picks through an "
                                         "embedded NATS.")
-    routing_filter: str = setting("ext_proc", "The routed gateways' routing filter (gateway --routing-filter): "
-                                  "'ext_proc' (the default), 'ext_authz' (Envoy's ext_authz filter, one unary Check "
-                                  "per request) or 'ext_authz_http' (the same over HTTP); with --replicas 1,2 it says "
+    routing_filter: str = setting("auto", "The routed gateways' routing filter (gateway --routing-filter): 'auto' "
+                                  "(the gateway's default: ext_authz_http with telemetry on, else ext_proc), "
+                                  "'ext_proc', 'ext_authz' (Envoy's ext_authz filter, one unary gRPC Check per "
+                                  "request) or 'ext_authz_http' (the same over HTTP); with --replicas 1,2 it says "
                                   "how each scales.")
     peers: bool = setting(True, "Replicas share their picks through the embedded NATS (the gateway default); "
                           "--no-peers measures them sharing nothing (the bus's own cost).")
@@ -100,8 +101,10 @@ class OverheadBenchSettings(Settings):
                                         "routing filter's other processing modes: EnvoySettings.routing_processing; "
                                         "'authz' is Envoy's ext_authz filter), 'authz-facts' ('facts' routed by "
                                         "ext_authz), 'routing-authz-http' and 'authz-http-facts' (the same "
-                                        "over HTTP: gateway --routing-filter ext_authz_http). Records go to a "
-                                        "closed local port.")
+                                        "over HTTP: gateway --routing-filter ext_authz_http), 'routing-extproc' and "
+                                        "'extproc-facts' (routed by the ext_proc filter). 'facts' and the routed "
+                                        "configuration take the gateway's default routing filter (--routing-filter "
+                                        "auto). Records go to a closed local port.")
     # --- ext_proc process variants (issue 26 part 3: the hot path's settings, measured in the same rounds) ---
     extproc_variants: tuple[str, ...] = setting((), "Also measure routed gateways whose ext_proc process runs with "
                                                 "other settings, in the same rounds: a name of EXTPROC_VARIANTS "
@@ -156,6 +159,9 @@ VARIANTS["authz-facts"] = {**VARIANTS["facts"], "routing_processing": "authz"}
 # ext_authz over HTTP (authz_http.py): a gateway setting, since the router then serves a port of its own.
 VARIANTS["routing-authz-http"] = {"routing_filter": "ext_authz_http"}
 VARIANTS["authz-http-facts"] = {**VARIANTS["facts"], "routing_filter": "ext_authz_http"}
+# The ext_proc routing filter, the gateway's default before ext_authz_http (with telemetry on).
+VARIANTS["routing-extproc"] = {"routing_filter": "ext_proc"}
+VARIANTS["extproc-facts"] = {**VARIANTS["facts"], "routing_filter": "ext_proc"}
 """Routed gateway variants (--variants): Envoy settings over the routed configuration's; "records" sends Envoy's
 request records (to a closed local port: Envoy builds and batches them, the export fails)."""
 
@@ -397,7 +403,7 @@ def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStac
         gws[name] = GatewayProcesses(
             GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=s.telemetry,
                             extproc_replicas=1, embedded_nats=s.peers,
-                            routing_filter=VARIANTS[name].get("routing_filter", "ext_proc")),
+                            routing_filter=VARIANTS[name].get("routing_filter", "auto")),
             RoutingSettings(policy=s.policy), PoolSettings(endpoints=(endpoint,)), log_dir=tmp / f"variant-{name}",
             envoy_overrides={"report_served": s.report_served, **over}, extra_extproc_args=_span_sink_args())
     for name in s.extproc_variants:  # --extproc-variants: the routed gateway, its ext_proc run otherwise

@@ -48,6 +48,7 @@ Runs on the ext_proc event loop (grpc.aio), like the servicer; nothing blocks.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -140,6 +141,9 @@ def facts_in(request: Any) -> Iterable[ResponseFacts]:
                     yield f
 
 
+EXPORT_SLICE_RECORDS = 8
+"""Records applied between two yields to the event loop (`FactsReceiver.export_sliced`): ~0.2-0.4 ms of work at
+64 KB prompts (a record with its pick's release), so a routing decision waits at most that long behind a batch."""
 MAX_EARLY_REPORT_BYTES = 128 + 1 + 128 + 1 + 64
 """Largest early report message: a traceparent (the Lua filter sends none over 128 bytes), a response id (at most
 128) and a served address (cut at 64), newline-separated."""
@@ -255,13 +259,27 @@ class FactsReceiver:
         return True
 
     def export(self, request: Any) -> None:
-        picks = self.unary_picks
         for f in facts_in(request):
-            try:
-                self.apply(f)
-            finally:
-                if picks is not None:  # a unary pick (ext_authz, authz.py): its record is its end
-                    picks.close(f.span_id)
+            self._one(f)
+
+    async def export_sliced(self, request: Any, slice_records: int = EXPORT_SLICE_RECORDS) -> None:
+        """`export`, yielding to the event loop after every `slice_records` records: a batch of a flush interval
+        (50 ms: ~50 records at 1,000 req/s, each also releasing its pick behind ext_authz) would otherwise hold the
+        loop ~1-2 ms at once, and every request arriving meanwhile would wait for it (the p99 at 64 KB)."""
+        n = 0
+        for f in facts_in(request):
+            self._one(f)
+            n += 1
+            if n % slice_records == 0:
+                await asyncio.sleep(0)
+
+    def _one(self, f: ResponseFacts) -> None:
+        try:
+            self.apply(f)
+        finally:
+            picks = self.unary_picks
+            if picks is not None:  # a unary pick (ext_authz, authz.py): its record is its end
+                picks.close(f.span_id)
 
     def apply(self, f: ResponseFacts) -> bool:
         """Report `f` for its pick; False (counted unmatched) when no pending facts-path pick has its key."""
@@ -307,7 +325,7 @@ class FactsLogsService(logs_service_pb2_grpc.LogsServiceServicer):
 
     async def Export(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802 (gRPC name)
         try:
-            self.receiver.export(request)
+            await self.receiver.export_sliced(request)
         except Exception:  # a bad record must not fail the others' batch; Envoy would only retry it
             log.exception("response facts: a record could not be applied")
         return logs_service_pb2.ExportLogsServiceResponse()

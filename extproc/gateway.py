@@ -115,15 +115,15 @@ class GatewaySettings(Settings):
         "chunk to the router (facts at the first token, ~95 us of ext_proc CPU per chunk); 'auto' = facts (kept "
         "as a name: it once meant observe without Envoy's request records). GIE mode keeps its own protocol.")
     routing_filter: str = setting(
-        "ext_proc", "Envoy's filter that asks the router where a request goes: 'ext_proc' (the external processing "
-        "filter: the request headers, answered at once, then the whole body: two round trips on one stream held "
-        "until the response ends; every protocol and feature), 'ext_authz' (the external authorization filter: "
-        "one gRPC Check with the headers and whole body; ~0.2-0.3 ms less added latency and ~35% less router CPU "
-        "per request, bench-results/routing-authz/) or 'ext_authz_http' (the same filter and decision over plain "
-        "HTTP/1.1 to the router's authz_http_port: no gRPC on the request path; the least added latency and router "
-        "CPU measured, bench-results/routing-authz-http/). Both ext_authz filters need the facts path (telemetry "
-        "on, response_path facts or auto: each request's facts record releases its pick) and do not hold requests "
-        "past saturation (flow control routes them at once).")
+        "auto", "Envoy's filter that asks the router where a request goes: 'ext_authz_http' (Envoy's external "
+        "authorization filter over plain HTTP/1.1 to the router's authz_http_port: one check with the headers and "
+        "whole body, no gRPC on the request path; the least added latency and router CPU measured, "
+        "bench-results/routing-authz-http/), 'ext_authz' (the same filter over gRPC: one unary Check), 'ext_proc' "
+        "(the external processing filter: the request headers, answered at once, then the whole body, on a stream "
+        "held until the response ends) or 'auto' = ext_authz_http on the facts path (telemetry on, response_path "
+        "facts or auto), else ext_proc. Both ext_authz filters need the facts path (each request's facts record "
+        "releases its pick) and hand a request to hold past saturation, or a large body to parse, to the ext_proc "
+        "filter on a route of its own (whose answers may extend Envoy's wait).")
     authz_http_port: int = setting(
         9004, "With routing_filter ext_authz_http: the port on 127.0.0.1 where the ext_proc service answers Envoy's "
         "ext_authz checks over HTTP (0 = any free port); replica k's is authz_http_port + k.")
@@ -146,7 +146,7 @@ class GatewaySettings(Settings):
 
 
 RESPONSE_PATHS = ("facts", "observe", "auto")
-ROUTING_FILTERS = ("ext_proc", "ext_authz", "ext_authz_http")
+ROUTING_FILTERS = ("auto", "ext_proc", "ext_authz", "ext_authz_http")
 _ROUTING_PROCESSING = {"ext_authz": "authz", "ext_authz_http": "authz-http"}
 """routing_filter -> EnvoySettings.routing_processing (ext_proc: Envoy's default, 'buffered')."""
 MAX_EXTPROC_REPLICAS = 16
@@ -293,8 +293,11 @@ class GatewayProcesses:
         if gateway.routing_filter not in ROUTING_FILTERS:
             raise ValueError(f"routing_filter must be one of {', '.join(ROUTING_FILTERS)}, got "
                              f"{gateway.routing_filter!r}")
-        if gateway.routing_filter in _ROUTING_PROCESSING and not (gateway.telemetry and self.response_path == "facts"):
-            raise ValueError(f"routing_filter {gateway.routing_filter} needs the facts path (telemetry on, response_path facts or "
+        self.envoy_overrides = envoy_overrides or {}
+        self.routing_filter = self._resolved_routing_filter()
+        """`routing_filter` with 'auto' resolved."""
+        if self.routing_filter in _ROUTING_PROCESSING and not (gateway.telemetry and self.response_path == "facts"):
+            raise ValueError(f"routing_filter {self.routing_filter} needs the facts path (telemetry on, response_path facts or "
                              "auto): each request's facts record is what releases its pick")
         self.routing = routing
         self.pool = pool
@@ -302,7 +305,6 @@ class GatewayProcesses:
         self.log_dir = log_dir
         self.extra_extproc_args = extra_extproc_args or []
         self.extra_extproc_env = dict(extra_extproc_env or {})
-        self.envoy_overrides = envoy_overrides or {}
         self.group = group if group is not None else ProcessGroup(log_dir)
         self.num_replicas = resolve_replicas(gateway.extproc_replicas)
         if gateway.envoy_concurrency < 0:
@@ -325,6 +327,17 @@ class GatewayProcesses:
         self.auth_token = ""  # drawn by start() when gateway.extproc_auth
         self.token_path: Path | None = None  # the token's 0600 file, which Envoy reads
         self._peer_env: dict[str, str] = {}  # the embedded NATS's token and the bus key, for the replicas
+
+    def _resolved_routing_filter(self) -> str:
+        """'auto': ext_authz_http when the request's facts come by the facts path (and no Envoy override chose
+        another routing filter or response path: overhead-bench's variants), else ext_proc."""
+        chosen = self.gateway.routing_filter
+        if chosen != "auto":
+            return chosen
+        o = self.envoy_overrides
+        facts = (self.gateway.telemetry and self.response_path == "facts" and o.get("response_facts_lua", True)
+                 and not o.get("observe_responses", False) and "routing_processing" not in o)
+        return "ext_authz_http" if facts else "ext_proc"
 
     @property
     def response_path(self) -> str:
@@ -361,8 +374,8 @@ class GatewayProcesses:
             "observe_responses": self.gateway.telemetry and self.response_path == "observe",
             "response_facts_lua": self.gateway.telemetry and self.response_path == "facts",
             "facts_flush_interval_ms": self.gateway.facts_flush_interval_ms,
-            **({"routing_processing": _ROUTING_PROCESSING[self.gateway.routing_filter]}
-               if self.gateway.routing_filter in _ROUTING_PROCESSING else {}),
+            **({"routing_processing": _ROUTING_PROCESSING[self.routing_filter]}
+               if self.routing_filter in _ROUTING_PROCESSING else {}),
             "extproc_authz_http_addresses": tuple(f"127.0.0.1:{p}" for p in self.authz_http_ports),
             "extproc_auth_token_file": str(self.token_path) if self.token_path is not None else "",
             "records_otlp_address": self.records_to[0] if self.records_to else "",
@@ -452,7 +465,7 @@ class GatewayProcesses:
             out += [(name("ext_proc", k), g.extproc_port + k, "--extproc-port") for k in range(n)]
         if g.metrics_port > 0:
             out += [(name("ext_proc metrics", k), g.metrics_port + k, "--metrics-port") for k in range(n)]
-        if g.routing_filter == "ext_authz_http" and g.authz_http_port > 0:
+        if self.routing_filter == "ext_authz_http" and g.authz_http_port > 0:
             out += [(name("ext_authz HTTP", k), g.authz_http_port + k, "--authz-http-port") for k in range(n)]
         if n > 1 and not self.peers.url and g.embedded_nats and g.nats_port > 0:
             out.append(("embedded nats-server", g.nats_port, "--nats-port"))
@@ -486,7 +499,7 @@ class GatewayProcesses:
             self.extproc_ports = self._ports(self.gateway.extproc_port, n)
             self.metrics_ports = self._ports(self.gateway.metrics_port, n)
             self.extproc_port, self.metrics_port = self.extproc_ports[0], self.metrics_ports[0]
-            if self.gateway.routing_filter == "ext_authz_http":
+            if self.routing_filter == "ext_authz_http":
                 self.authz_http_ports = self._ports(self.gateway.authz_http_port, n)
             if self.gateway.envoy_admin not in ("off", "unix", "loopback"):
                 raise ValueError(f"envoy_admin must be off, unix or loopback, got {self.gateway.envoy_admin!r}")

@@ -69,11 +69,13 @@ def _check(gw: GatewayProcesses, name: str, request: bytes, **kw: object) -> str
 
 
 def check(mode: str, endpoint: str, tmp: Path) -> list[str]:
+    # 'authz-http' is a gateway setting (the router serves a port of its own); the others are Envoy's alone.
+    gateway = {"routing_filter": "ext_authz_http"} if mode == "authz-http" else {}
     gw = GatewayProcesses(
-        GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=True,
-                        extproc_replicas=1, embedded_nats=False, envoy_admin="loopback"),
+        GatewaySettings(port=free_port(), ports="random", listen_address="127.0.0.1", telemetry=True,  # type: ignore[arg-type]
+                        extproc_replicas=1, embedded_nats=False, envoy_admin="loopback", **gateway),
         RoutingSettings(), PoolSettings(endpoints=(endpoint,)), log_dir=tmp / mode,
-        envoy_overrides={"routing_processing": mode},
+        envoy_overrides={} if gateway else {"routing_processing": mode},
         extra_extproc_args=["--otlp-endpoint", f"http://127.0.0.1:{free_port()}"])
     out = []
     with gw:

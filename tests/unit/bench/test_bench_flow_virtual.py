@@ -103,6 +103,7 @@ def test_router_names_say_whether_flow_control_runs(name, flow, policy, source, 
     ("prefixroute:prefix@events#2+flow+authz", "ext_authz", True, "prefix"),
     ("prefixroute:prefix+authz-http", "ext_authz_http", None, "prefix"),
     ("prefixroute:prefix-flow+authz-http", "ext_authz_http", False, "prefix"),
+    ("prefixroute:prefix+extproc", "ext_proc", None, "prefix"),
 ])
 def test_router_names_say_whether_envoy_routes_by_ext_authz(name, routing_filter, flow, policy) -> None:
     from prefixroute.bench.routers import parse_router

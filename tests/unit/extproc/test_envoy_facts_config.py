@@ -83,8 +83,30 @@ def test_an_unknown_response_path_is_refused_before_anything_starts() -> None:
                          PoolSettings(endpoints=("127.0.0.1:9",)))
 
 
+@pytest.mark.parametrize(("gateway", "overrides", "resolved"), [
+    ({}, {}, "ext_authz_http"),  # the default: telemetry on, the facts path
+    ({"telemetry": False}, {}, "ext_proc"),
+    ({"response_path": "observe"}, {}, "ext_proc"),
+    ({}, {"response_facts_lua": False}, "ext_proc"),  # overhead-bench's variants: Envoy's own response path
+    ({}, {"observe_responses": True, "response_facts_lua": False}, "ext_proc"),
+    ({}, {"routing_processing": "skip-headers"}, "ext_proc"),
+    ({"routing_filter": "ext_proc"}, {}, "ext_proc"),
+    ({"routing_filter": "ext_authz"}, {}, "ext_authz"),
+])
+def test_the_auto_routing_filter_is_ext_authz_over_http_on_the_facts_path(gateway: dict, overrides: dict,
+                                                                          resolved: str) -> None:
+    gw = GatewayProcesses(GatewaySettings(**gateway), RoutingSettings(), PoolSettings(endpoints=("127.0.0.1:9",)),
+                          envoy_overrides=overrides)
+    assert gw.routing_filter == resolved
+    gw.authz_http_ports = [9104] if resolved == "ext_authz_http" else []
+    s = gw.envoy_settings()
+    assert s.routing_processing == overrides.get("routing_processing", {"ext_proc": "buffered", "ext_authz": "authz",
+                                                                        "ext_authz_http": "authz-http"}[resolved])
+    http_filters(s, 1)  # renders: no refusal for a combination 'auto' chose
+
+
 @pytest.mark.parametrize(("gateway", "message"), [
-    ({"routing_filter": "ext_proxy"}, "routing_filter must be one of ext_proc, ext_authz"),
+    ({"routing_filter": "ext_proxy"}, "routing_filter must be one of auto, ext_proc, ext_authz, ext_authz_http"),
     ({"routing_filter": "ext_authz", "telemetry": False}, "routing_filter ext_authz needs the facts path"),
     ({"routing_filter": "ext_authz", "response_path": "observe"}, "routing_filter ext_authz needs the facts path"),
     ({"routing_filter": "ext_authz_http", "telemetry": False}, "routing_filter ext_authz_http needs the facts path"),
