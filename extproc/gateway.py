@@ -369,6 +369,9 @@ class GatewayProcesses:
             if self.num_replicas > 1 else (),
             "endpoints": tuple(self.endpoints), "failure_mode": self.gateway.failure_mode,
             "max_request_body_bytes": self.routing.max_body_bytes,
+            # A body the router parses in its worker is handed to the ext_proc filter: sent whole only there.
+            "authz_body_bytes": self.routing.inline_tokenize_bytes if self.routing.tokenizer
+            else self.routing.inline_parse_bytes,
             "num_fallbacks": min(self.routing.num_fallbacks, MAX_FALLBACKS),
             "report_served": self.gateway.report_served,
             "observe_responses": self.gateway.telemetry and self.response_path == "observe",

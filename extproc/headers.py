@@ -40,6 +40,9 @@ handoff route; on the router's answer, the request is handed to the ext_proc rou
 (a request flow control would hold, or a large body parsed off the router's loop: both may outlast the ext_authz
 timeout, which cannot be extended per request). Stripped from client requests; removed before the endpoint."""
 HANDOFF_VALUE = "ext_proc"
+PARTIAL_BODY_HEADER = "x-envoy-auth-partial-body"
+"""Envoy's ext_authz filter says with it (``true``) that the check carries only the first max_request_bytes of the
+body (with_request_body.allow_partial_message)."""
 TRANSPORTED_5XX = (500, 501, 502, 503, 504)
 """The 5xx refusals that travel as `transport_status`; Envoy's local reply mapping restores each. Another 5xx
 (none is raised today) travels as 500's."""

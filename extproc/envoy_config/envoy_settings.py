@@ -39,6 +39,12 @@ class EnvoySettings(Settings):
         "refused or dead replica retried on another) and sends each request's observing stream to the replica "
         "that routed it (the x-prefixroute-replica header it sets selects the route). Empty = extproc_address "
         "alone.")
+    authz_body_bytes: int = setting(
+        1024 * 1024, "Routed by ext_authz ('authz', 'authz-http'): the most of a request body the filter sends the "
+        "router whole; a larger body is sent in part (its first authz_body_bytes) and the router hands the request "
+        "to the ext_proc filter, which sends it whole (max_request_body_bytes bounds it there: 413 above). 1 MiB: "
+        "the router's inline_parse_bytes, above which it parses a body in its worker and so hands it off anyway; "
+        "the body then crosses to the router once in full, not twice.")
     extproc_authz_http_addresses: tuple[str, ...] = setting(
         (), "host:port of each replica's ext_authz HTTP port (the service's authz_http_port), in replica index order, "
         "for routing_processing 'authz-http'. Empty = each ext_proc address's host at port 9004.")

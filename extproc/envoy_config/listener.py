@@ -148,9 +148,8 @@ def authz_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
         failure_mode_allow=s.failure_mode == "open",
         status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
         clear_route_cache=True,
-        # The whole body as bytes (413 above the limit, as the ext_proc filter's buffer gives).
-        with_request_body=BufferSettings(max_request_bytes=s.max_request_body_bytes, allow_partial_message=False,
-                                         pack_as_bytes=True),
+        # The body as bytes, whole up to authz_body_bytes (above, its first part: the router hands it off).
+        with_request_body=authz_body(s, pack_as_bytes=True),
         stat_prefix="routing",
     )))
 HOP_BY_HOP_HEADERS = ("connection", "keep-alive", "proxy-connection", "te", "transfer-encoding", "upgrade", "expect")
@@ -193,10 +192,21 @@ def authz_http_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
         # Responses API lookups), but those of the client's connection.
         allowed_headers=ListStringMatcher(patterns=[StringMatcher(safe_regex=RegexMatcher(regex=".*"))]),
         disallowed_headers=exact(HOP_BY_HOP_HEADERS),
-        # The whole body, as the HTTP request's body (413 above the limit, as the ext_proc filter's buffer gives).
-        with_request_body=BufferSettings(max_request_bytes=s.max_request_body_bytes, allow_partial_message=False),
+        # The body as the HTTP request's body, whole up to authz_body_bytes (above, its first part: handed off).
+        with_request_body=authz_body(s),
         stat_prefix="routing",
     )))
+
+
+def authz_body(s: EnvoySettings, pack_as_bytes: bool = False) -> BufferSettings:
+    """What of a body an ext_authz check carries: the whole body up to authz_body_bytes; a larger one its first
+    authz_body_bytes, marked partial (``x-envoy-auth-partial-body: true``), which the router hands to the ext_proc
+    filter on the handoff route (that filter's buffer answers 413 above max_request_body_bytes). So a body the
+    router would parse in its worker anyway crosses to it once in full, not twice."""
+    if s.authz_body_bytes < 1:
+        raise ValueError(f"authz_body_bytes must be at least 1, got {s.authz_body_bytes}")
+    return BufferSettings(max_request_bytes=min(s.authz_body_bytes, s.max_request_body_bytes),
+                          allow_partial_message=True, pack_as_bytes=pack_as_bytes)
 
 
 def authz_http_retry_policy(num_replicas: int) -> CoreRetryPolicy | None:

@@ -292,3 +292,22 @@ def test_a_body_to_parse_off_the_loop_is_handed_to_the_ext_proc_filter(env) -> N
     assert rec["status"] == 200 and rec["error"] is None and rec["endpoints"], rec
     until(lambda: in_flight(gw) == 0, 5.0, message=lambda: f"in flight {in_flight(gw)}")
     assert metric_value(router_metrics(gw), "prefixroute_authz_picks_pending") == 0
+
+
+def test_a_body_above_what_the_check_carries_whole_is_handed_off_and_routed(env) -> None:
+    """A body over authz_body_bytes (1 MiB: what the router parses on its loop) reaches the check in part only
+    (x-envoy-auth-partial-body); the router hands it off at once and the ext_proc filter sends it whole: routed by
+    the pick, and whole (1.2 MB of JSON whitespace ahead of a small prompt: any part of it is not JSON, which the
+    router and the server would refuse)."""
+    _, gw, _ = env
+    s0 = envoy_stats(gw)
+    handed0 = metric_value(router_metrics(gw), "prefixroute_authz_handoffs_total", reason="parse")
+    prompt = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a padded request"}],
+                         "max_tokens": 4})
+    large = send(gw, "", raw_body=b"{" + b" " * 1_200_000 + prompt[1:].encode())
+    assert large.status == 200, large.body[:300]
+    assert client_usage(large)["prompt_tokens"] > 0
+    s1 = envoy_stats(gw)
+    assert s1.get("cluster.picked_endpoint_0.upstream_rq_total", 0) - s0.get(
+        "cluster.picked_endpoint_0.upstream_rq_total", 0) == 1
+    assert metric_value(router_metrics(gw), "prefixroute_authz_handoffs_total", reason="parse") == handed0 + 1

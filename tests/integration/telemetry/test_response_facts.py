@@ -141,7 +141,9 @@ def test_a_responses_stream_ttft_is_its_first_token_event(env) -> None:
 
 def test_a_pick_whose_facts_never_come_is_recorded_and_counted(tmp_path: Path) -> None:
     """Envoy's facts logger holds its records 60 s (as if it were down): the router records the request after its
-    2 s timeout with the error "response facts missing", and counts it."""
+    2 s timeout with the error "response facts missing", and counts it. Routed by ext_proc, whose stream's end
+    releases the pick; behind ext_authz the record is what releases it, and its loss is waited out longer
+    (test_authz_routing.py: test_a_pick_whose_facts_never_come_is_released_after_its_timeout)."""
     with ExitStack() as stack:
         rcv = start_receiver(tmp_path / "telemetry.db")
         stack.callback(rcv.stop)
@@ -149,7 +151,8 @@ def test_a_pick_whose_facts_never_come_is_recorded_and_counted(tmp_path: Path) -
         saved = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = rcv.otlp_url
         try:
-            gw = start_facts_gateway(stack, fleet.endpoints, tmp_path, facts_flush_interval_ms=60_000)
+            gw = start_facts_gateway(stack, fleet.endpoints, tmp_path, facts_flush_interval_ms=60_000,
+                                     routing_filter="ext_proc")
         finally:
             if saved is None:
                 os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)

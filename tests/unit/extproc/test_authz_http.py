@@ -194,6 +194,22 @@ async def test_a_decision_that_waits_answers_later_and_the_next_check_waits_its_
     assert len(facts.unary_picks) == 2
 
 
+async def test_a_partial_body_is_handed_off_at_once_and_refused_without_the_handoff_route(served) -> None:  # noqa: ANN001
+    """Envoy sends a body above its max_request_bytes in part: the router cannot route on it, so it hands the
+    request off without parsing it (no decision, no state); a configuration without the handoff route gets 413."""
+    router, facts, _, client, _ = served
+    partial = {"x-envoy-auth-partial-body": "true", "x-prefixroute-handoff": "ext_proc"}
+    status, headers, _ = await client.check(b'{"model": "m", "messages": [{"role": "us', headers=partial)
+    assert status == 200 and headers["x-prefixroute-handoff"] == "ext_proc"
+    assert DESTINATION_HEADER not in headers and router.routed == [] and len(facts.unary_picks) == 0
+    status, headers, body = await client.check(b'{"model": "m", "messages": [{"role": "us',
+                                               headers={"x-envoy-auth-partial-body": "true"})
+    assert status == 413 and json.loads(body)["error"]["code"] == 413 and router.routed == []
+    status, headers, _ = await client.check(b'{"model": "m"}', headers={"x-envoy-auth-partial-body": "false",
+                                                                        "x-prefixroute-handoff": "ext_proc"})
+    assert status == 200 and headers[DESTINATION_HEADER] == EPS[0]
+
+
 async def test_a_check_without_the_facts_header_is_released_at_once(served) -> None:  # noqa: ANN001
     router, facts, _, client, _ = served
     await client.send("POST", CHECK_PATH_PREFIX + "/v1/completions", b'{"model": "m"}')
