@@ -62,13 +62,7 @@ def gateway_clusters(s: EnvoySettings, replicas: Sequence[str], token_secret: Se
             # connections is ejected after two local-origin failures (its streams are retried elsewhere:
             # extproc_retry_policy) and stays out until a gRPC health check (every 0.25 s) finds it ready
             # again (extproc_health_check): a restarted replica listens only once it is ready to route.
-            grpc_fields |= {
-                "lb_policy": ClusterLbPolicy.LEAST_REQUEST,
-                "outlier_detection": OutlierDetection(
-                    split_external_local_origin_errors=True, consecutive_local_origin_failure=2,
-                    enforcing_consecutive_local_origin_failure=100, interval=duration(0.25),
-                    base_ejection_time=duration(10), max_ejection_time=duration(30), max_ejection_percent=100),
-                "health_checks": [extproc_health_check()]}
+            grpc_fields |= replica_balancing(extproc_health_check())
         clusters.append(strict_dns_cluster(EXTPROC_CLUSTER, replicas, 0.25, **grpc_fields))
         if len(replicas) > 1:
             clusters += [strict_dns_cluster(f"{EXTPROC_REPLICA_CLUSTER_PREFIX}{k}", [a], 0.25, **grpc_fields)
@@ -105,17 +99,22 @@ def authz_http_cluster(s: EnvoySettings, with_token: bool) -> Cluster:
                     http_protocol_options=Http1ProtocolOptions()),
                 http_filters=credential_filters(header=AUTHZ_TOKEN_HEADER) if with_token else []))}}
     if len(addresses) > 1:
-        fields |= {
-            "lb_policy": ClusterLbPolicy.LEAST_REQUEST,
-            "outlier_detection": OutlierDetection(
-                split_external_local_origin_errors=True, consecutive_local_origin_failure=2,
-                enforcing_consecutive_local_origin_failure=100, interval=duration(0.25),
-                base_ejection_time=duration(10), max_ejection_time=duration(30), max_ejection_percent=100),
-            "health_checks": [HealthCheck(timeout=duration(0.25), interval=duration(0.25),
-                                          no_traffic_interval=duration(0.25), unhealthy_threshold=1,
-                                          healthy_threshold=1,
-                                          http_health_check=HealthCheckHttpHealthCheck(path="/health"))]}
+        fields |= replica_balancing(HealthCheck(
+            timeout=duration(0.25), interval=duration(0.25), no_traffic_interval=duration(0.25),
+            unhealthy_threshold=1, healthy_threshold=1, http_health_check=HealthCheckHttpHealthCheck(path="/health")))
     return strict_dns_cluster(AUTHZ_HTTP_CLUSTER, addresses, 0.25, **fields)
+
+
+def replica_balancing(health_check: HealthCheck) -> dict[str, Any]:
+    """The cluster fields of several router replicas: least request, a replica that refuses connections ejected
+    after two local-origin failures, back once `health_check` finds it ready."""
+    return {
+        "lb_policy": ClusterLbPolicy.LEAST_REQUEST,
+        "outlier_detection": OutlierDetection(
+            split_external_local_origin_errors=True, consecutive_local_origin_failure=2,
+            enforcing_consecutive_local_origin_failure=100, interval=duration(0.25),
+            base_ejection_time=duration(10), max_ejection_time=duration(30), max_ejection_percent=100),
+        "health_checks": [health_check]}
 
 
 def extproc_health_check() -> HealthCheck:
