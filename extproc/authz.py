@@ -44,10 +44,10 @@ import grpc
 from prefixroute.extproc import wire
 from prefixroute.extproc.answers import header_option, immediate_response
 from prefixroute.extproc.headers import HANDOFF_HEADER, HANDOFF_VALUE, PARTIAL_BODY_HEADER, TRACEPARENT_HEADER
-from prefixroute.openai_errors import OpenAIError
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ExtProcServicer, ResponseCache, _RoutingStream
 from prefixroute.extproc.tracking import Tracked
+from prefixroute.openai_errors import OpenAIError
 from prefixroute.telemetry.tracecontext import parse_traceparent
 
 log = logging.getLogger(__name__)
@@ -189,14 +189,15 @@ class AuthzServicer:
               grpc_metadata: Callable[[], Any], handoff: bool = False) -> tuple[_RoutingStream, Any]:
         """Decide one check's request at once where it can: (its stream, the answer), where the answer may be
         `HANDOFF` (answer with `HANDOFF_HEADER`), or `_NEEDS_LOOKUP` / `_NEEDS_HOLD`, then awaited with `finish`;
-        `settle` turns the answer into the outcome. A body Envoy sent in part (PARTIAL_BODY_HEADER: above the
-        filter's max_request_bytes, which our configuration sets to what the router parses on its loop) is handed
-        off at once, with no state begun (the stream is None then); without the handoff route it is refused (413). Split so that a transport can answer a decision made at once
+        `settle` turns the answer into the outcome. Split so that a transport can answer a decision made at once
         without a coroutine (authz_http.py). `grpc_metadata`: the call's metadata pairs (the facts path's
         OBSERVED_METADATA, by the tracker). `handoff`: Envoy's configuration has the handoff route (the check
         carried HANDOFF_HEADER): a request flow control would hold, or a large body to parse off the loop, is
         handed to the ext_proc filter, whose answers may extend Envoy's wait; without it such a request is
-        routed at once, and a large body parsed within the check."""
+        routed at once, and a large body parsed within the check. A body Envoy sent in part (PARTIAL_BODY_HEADER:
+        above the filter's max_request_bytes, which our configuration sets to what the router parses on its loop)
+        is handed off at once with no state begun (the stream is None then); without the route it is refused
+        (413)."""
         partial = headers.get(PARTIAL_BODY_HEADER) == "true"
         if partial and handoff:  # a body above what Envoy sends whole: parsed off the loop, its whole by ext_proc
             self.picks.num_handoffs["parse"] += 1

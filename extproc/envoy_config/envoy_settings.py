@@ -106,9 +106,12 @@ class EnvoySettings(Settings):
         "request_attributes: Envoy 1.40 routes at the headers, before the router answers). 'authz' is correct too and "
         "routes by Envoy's ext_authz filter instead: one unary Check with the headers and whole body (one round trip, "
         "about half the router's gRPC CPU per request: bench-results/routing-authz/); it needs the facts path "
-        "(response_facts_lua: the facts record releases each pick) and does not hold requests past saturation. "
-        "'authz-http' is the same filter and decision over plain HTTP/1.1 to the service's authz_http_port "
-        "(extproc_authz_http_addresses) instead of gRPC: the fastest measured (bench-results/routing-authz-http/).")
+        "(response_facts_lua: the facts record releases each pick); a request to hold past saturation, or a large body, "
+        "is handed to the ext_proc filter on the handoff route. 'authz-http' is the same filter and decision over "
+        "plain HTTP/1.1 to the service's authz_http_port (extproc_authz_http_addresses) instead of gRPC: the fastest "
+        "measured (bench-results/routing-authz-http/), and what `prefixroute gateway` and `up` render by default "
+        "with telemetry on (their --routing-filter auto); this Envoy-only default stays 'buffered', which needs no "
+        "router setting.")
     allowed_paths: tuple[str, ...] = setting(
         DEFAULT_ALLOWED_PATHS,
         "Request paths (exact, case-sensitive, query string aside) the gateway routes to endpoints: the OpenAI "

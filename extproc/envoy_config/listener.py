@@ -45,7 +45,8 @@ from prefixroute.extproc.envoy_config.replies import local_reply_config
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.envoy_config.timing import timing_filter
 from prefixroute.extproc.facts_fields import OBSERVED_FACTS
-from prefixroute.extproc.headers import (AUTHZ_CHECK_PATH_PREFIX, HANDOFF_HEADER, HANDOFF_VALUE, LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES, OBSERVED_METADATA,
+from prefixroute.extproc.headers import (AUTHZ_CHECK_PATH_PREFIX, HANDOFF_HEADER, HANDOFF_VALUE,
+                                         LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES, OBSERVED_METADATA,
                                          REFUSED_HEADER, REPLICA_HEADER, SERVED_HEADER, TRACEPARENT_HEADER,
                                          route_headers)
 
@@ -53,8 +54,9 @@ ROUTER_FILTER = "envoy.filters.http.router"
 
 
 def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
-    """The HTTP filters in order: the routing ext_proc filter (our picker), the observing one (observability mode,
-    never waited on), the router."""
+    """The HTTP filters in order: the routing filter (our picker: ext_authz, then the ext_proc filter of the handoff
+    route; or the ext_proc filter alone), the observing one (observability mode, never waited on), the facts Lua
+    filter, the router."""
     http_filters: list[HttpFilter] = []
     if s.extproc_enabled and s.routing_processing in AUTHZ_PROCESSING:
         http_filters.append(authz_filter(s, num_replicas) if s.routing_processing == "authz"
