@@ -43,7 +43,8 @@ import grpc
 
 from prefixroute.extproc import wire
 from prefixroute.extproc.answers import header_option, immediate_response
-from prefixroute.extproc.headers import HANDOFF_HEADER, HANDOFF_VALUE, PARTIAL_BODY_HEADER, TRACEPARENT_HEADER
+from prefixroute.extproc.headers import (AUTHZ_BODY_BYTES_HEADER, HANDOFF_HEADER, HANDOFF_VALUE, PARTIAL_BODY_HEADER,
+                                         TRACEPARENT_HEADER)
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ExtProcServicer, ResponseCache, _RoutingStream
 from prefixroute.extproc.tracking import Tracked
@@ -186,7 +187,8 @@ class AuthzServicer:
         self.num_unreleasable = 0
 
     def start(self, headers: dict[str, str], method: str, path: str, body: Any,
-              grpc_metadata: Callable[[], Any], handoff: bool = False) -> tuple[_RoutingStream, Any]:
+              grpc_metadata: Callable[[], Any], handoff: bool = False,
+              body_cap: int | None = None) -> tuple[_RoutingStream, Any]:
         """Decide one check's request at once where it can: (its stream, the answer), where the answer may be
         `HANDOFF` (answer with `HANDOFF_HEADER`), or `_NEEDS_LOOKUP` / `_NEEDS_HOLD`, then awaited with `finish`;
         `settle` turns the answer into the outcome. Split so that a transport can answer a decision made at once
@@ -197,8 +199,9 @@ class AuthzServicer:
         routed at once, and a large body parsed within the check. A body Envoy sent in part (PARTIAL_BODY_HEADER:
         above the filter's max_request_bytes, which our configuration sets to what the router parses on its loop)
         is handed off at once with no state begun (the stream is None then); without the route it is refused
-        (413)."""
-        partial = headers.get(PARTIAL_BODY_HEADER) == "true"
+        (413). `body_cap`: that max_request_bytes when the check says it (AUTHZ_BODY_BYTES_HEADER): a body that
+        long is taken for a cut one too, since Envoy may mark it whole."""
+        partial = headers.get(PARTIAL_BODY_HEADER) == "true" or (body_cap is not None and len(body) >= body_cap)
         if partial and handoff:  # a body above what Envoy sends whole: parsed off the loop, its whole by ext_proc
             self.picks.num_handoffs["parse"] += 1
             return None, HANDOFF  # type: ignore[return-value]
@@ -262,9 +265,15 @@ class AuthzServicer:
         http = request.attributes.request.http
         headers = dict(http.headers)
         metadata = context.invocation_metadata()
-        handoff = any(k == HANDOFF_HEADER for k, _ in metadata or ())
+        handoff = False
+        body_cap = None
+        for k, v in metadata or ():
+            if k == HANDOFF_HEADER:
+                handoff = True
+            elif k == AUTHZ_BODY_BYTES_HEADER and v.isdigit():
+                body_cap = int(v)
         stream, resp = self.start(headers, headers.get(":method") or http.method, headers.get(":path") or http.path,
-                                  http.raw_body, lambda: metadata, handoff)
+                                  http.raw_body, lambda: metadata, handoff, body_cap)
         if resp is HANDOFF:
             return self.responses.handoff
         if resp is _NEEDS_LOOKUP or resp is _NEEDS_HOLD:

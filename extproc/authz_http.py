@@ -47,8 +47,8 @@ from typing import Any
 import httptools
 
 from prefixroute.extproc.authz import HANDOFF, AuthzServicer
-from prefixroute.extproc.headers import (AUTHZ_CHECK_PATH_PREFIX, AUTHZ_TOKEN_HEADER, HANDOFF_HEADER, HANDOFF_VALUE,
-                                         OBSERVED_METADATA, transport_status)
+from prefixroute.extproc.headers import (AUTHZ_BODY_BYTES_HEADER, AUTHZ_CHECK_PATH_PREFIX, AUTHZ_TOKEN_HEADER,
+                                         HANDOFF_HEADER, HANDOFF_VALUE, OBSERVED_METADATA, transport_status)
 from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ResponseCache
 from prefixroute.grpc_auth import bearer_matches
 from prefixroute.openai_errors import error_body
@@ -60,7 +60,8 @@ HEALTH_PATH = b"/health"
 TOKEN_HEADER = AUTHZ_TOKEN_HEADER
 _TOKEN = TOKEN_HEADER.encode()
 _HANDOFF = HANDOFF_HEADER.encode()
-_INTERNAL = {OBSERVED_METADATA.encode(), _TOKEN, _HANDOFF}
+_BODY_CAP = AUTHZ_BODY_BYTES_HEADER.encode()
+_INTERNAL = {OBSERVED_METADATA.encode(), _TOKEN, _HANDOFF, _BODY_CAP}
 _HANDOFF_ANSWER = f"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n{HANDOFF_HEADER}: {HANDOFF_VALUE}\r\n\r\n".encode()
 _MAX_CACHED = 4096
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 413: b"Payload Too Large", 500: b"Internal Error",
@@ -141,7 +142,7 @@ class AuthzHttpConnection(asyncio.Protocol):
     """One connection from Envoy's ext_authz HTTP client (module docstring)."""
 
     __slots__ = ("svc", "parser", "transport", "url", "headers", "body", "body_size", "token", "observed",
-                 "handoff", "busy", "pending", "task", "closed", "too_large")
+                 "handoff", "body_cap", "busy", "pending", "task", "closed", "too_large")
 
     def __init__(self, svc: AuthzHttpService) -> None:
         self.svc = svc
@@ -154,8 +155,9 @@ class AuthzHttpConnection(asyncio.Protocol):
         self.token: bytes | None = None
         self.observed: str | None = None
         self.handoff = False
+        self.body_cap: int | None = None
         self.busy = False
-        self.pending: list[tuple[bytes, bytes, dict[str, str], bytes, bytes | None, str | None, bool]] = []
+        self.pending: list[tuple[bytes, bytes, dict[str, str], bytes, bytes | None, str | None, bool, int | None]] = []
         self.task: asyncio.Task[None] | None = None
         self.closed = False
         self.too_large = False
@@ -187,6 +189,7 @@ class AuthzHttpConnection(asyncio.Protocol):
         self.token = None
         self.observed = None
         self.handoff = False
+        self.body_cap = None
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -198,6 +201,8 @@ class AuthzHttpConnection(asyncio.Protocol):
                 self.token = value
             elif key == _HANDOFF:
                 self.handoff = True
+            elif key == _BODY_CAP:
+                self.body_cap = int(value) if value.isdigit() else None
             else:
                 self.observed = value.decode("latin-1")
             return
@@ -223,15 +228,16 @@ class AuthzHttpConnection(asyncio.Protocol):
         if self.too_large or self.closed:
             return
         item = (self.parser.get_method(), self.url, self.headers, b"".join(self.body), self.token, self.observed,
-                self.handoff)
+                self.handoff, self.body_cap)
         if self.busy:
             self.pending.append(item)
         else:
             self._run(item)
 
     # the check
-    def _run(self, item: tuple[bytes, bytes, dict[str, str], bytes, bytes | None, str | None, bool]) -> None:
-        method, url, headers, body, token, observed, handoff = item
+    def _run(self, item: tuple[bytes, bytes, dict[str, str], bytes, bytes | None, str | None, bool, int | None]
+             ) -> None:
+        method, url, headers, body, token, observed, handoff, body_cap = item
         svc = self.svc
         prefix = CHECK_PATH_PREFIX.encode()
         if not url.startswith(prefix):
@@ -253,7 +259,7 @@ class AuthzHttpConnection(asyncio.Protocol):
             headers.setdefault(":authority", host)
         metadata = ((OBSERVED_METADATA, observed),) if observed is not None else ()
         try:
-            stream, resp = svc.authz.start(headers, m, path, body, lambda: metadata, handoff)
+            stream, resp = svc.authz.start(headers, m, path, body, lambda: metadata, handoff, body_cap)
             if resp is HANDOFF:
                 self._answer(_HANDOFF_ANSWER)
                 return

@@ -42,7 +42,11 @@ timeout, which cannot be extended per request). Stripped from client requests; r
 HANDOFF_VALUE = "ext_proc"
 PARTIAL_BODY_HEADER = "x-envoy-auth-partial-body"
 """Envoy's ext_authz filter says with it (``true``) that the check carries only the first max_request_bytes of the
-body (with_request_body.allow_partial_message)."""
+body (with_request_body.allow_partial_message). Not always: Envoy 1.40 says ``false`` when its buffer held exactly
+max_request_bytes as it sent the check (it compares the two lengths), so `AUTHZ_BODY_BYTES_HEADER` says the limit."""
+AUTHZ_BODY_BYTES_HEADER = "x-prefixroute-authz-body-bytes"
+"""On a check from our configuration: the ext_authz filter's max_request_bytes. A body that long may have been cut
+whatever PARTIAL_BODY_HEADER says, so the router hands it off (authz.py)."""
 TRANSPORTED_5XX = (500, 501, 502, 503, 504)
 """The 5xx refusals that travel as `transport_status`; Envoy's local reply mapping restores each. Another 5xx
 (none is raised today) travels as 500's."""

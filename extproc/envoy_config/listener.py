@@ -45,8 +45,9 @@ from prefixroute.extproc.envoy_config.replies import local_reply_config
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.envoy_config.timing import timing_filter
 from prefixroute.extproc.facts_fields import OBSERVED_FACTS
-from prefixroute.extproc.headers import (AUTHZ_CHECK_PATH_PREFIX, HANDOFF_HEADER, HANDOFF_VALUE,
-                                         LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES, OBSERVED_METADATA,
+from prefixroute.extproc.headers import (AUTHZ_BODY_BYTES_HEADER, AUTHZ_CHECK_PATH_PREFIX, HANDOFF_HEADER,
+                                         HANDOFF_VALUE, LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES,
+                                         OBSERVED_METADATA,
                                          REFUSED_HEADER, REPLICA_HEADER, SERVED_HEADER, TRACEPARENT_HEADER,
                                          route_headers)
 
@@ -145,7 +146,7 @@ def authz_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
             retry_policy=extproc_retry_policy(num_replicas),
             # The facts path is on, and the handoff route exists.
             initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS),
-                              HeaderValue(key=HANDOFF_HEADER, value=HANDOFF_VALUE)]),
+                              HeaderValue(key=HANDOFF_HEADER, value=HANDOFF_VALUE), authz_body_cap(s)]),
         transport_api_version=ApiVersion.V3,
         failure_mode_allow=s.failure_mode == "open",
         status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
@@ -178,7 +179,7 @@ def authz_http_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
             # they overwrite a client's copies.
             authorization_request=AuthorizationRequest(
                 headers_to_add=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS),
-                                HeaderValue(key=HANDOFF_HEADER, value=HANDOFF_VALUE)]),
+                                HeaderValue(key=HANDOFF_HEADER, value=HANDOFF_VALUE), authz_body_cap(s)]),
             authorization_response=AuthorizationResponse(
                 # Set on the request, overwriting (a client's copies are stripped before any filter anyway).
                 allowed_upstream_headers=exact([*route_headers(MAX_FALLBACKS), REPLICA_HEADER, TRACEPARENT_HEADER,
@@ -198,6 +199,12 @@ def authz_http_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
         with_request_body=authz_body(s),
         stat_prefix="routing",
     )))
+
+
+def authz_body_cap(s: EnvoySettings) -> HeaderValue:
+    """Tells the router the checks' max_request_bytes: Envoy 1.40 marks a body cut at exactly that length as whole
+    (x-envoy-auth-partial-body: false, when its buffer held exactly that much), so a body that long is handed off."""
+    return HeaderValue(key=AUTHZ_BODY_BYTES_HEADER, value=str(authz_body(s).max_request_bytes))
 
 
 def authz_body(s: EnvoySettings, pack_as_bytes: bool = False) -> BufferSettings:
