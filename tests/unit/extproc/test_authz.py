@@ -186,3 +186,22 @@ async def test_the_bearer_token_is_checked_on_every_check() -> None:
             assert _headers(ok)[DESTINATION_HEADER] == EPS[0]
     finally:
         await server.stop(None)
+
+
+async def test_a_check_hands_off_a_body_envoy_sent_in_part_or_cut_at_its_limit(authz) -> None:  # noqa: ANN001
+    """With the handoff route (our configuration says it in the call's metadata), a body Envoy marks partial, or
+    one as long as the limit the metadata names (Envoy 1.40 marks a body cut exactly there as whole), is answered
+    with the handoff header alone: no decision, no pick."""
+    router, facts, _, channel = authz
+    check = pb.authz_check_call(channel)
+    handoff_md = (*FACTS_MD, ("x-prefixroute-handoff", "ext_proc"), ("x-prefixroute-authz-body-bytes", "64"))
+    cut = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 8
+    partial = _check_request(cut)
+    partial.attributes.request.http.headers["x-envoy-auth-partial-body"] = "true"
+    at_limit = _check_request(cut + b"x" * (64 - len(cut)))
+    for req in (partial, at_limit):
+        resp = await check(req, metadata=handoff_md)
+        assert _headers(resp) == {"x-prefixroute-handoff": "ext_proc"}
+    assert router.routed == [] and len(facts.unary_picks) == 0 and router.released == []
+    whole = await check(_check_request(b'{"model": "m"}'), metadata=handoff_md)  # shorter than the limit
+    assert _headers(whole)[DESTINATION_HEADER] == EPS[0] and len(router.routed) == 1
