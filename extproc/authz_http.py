@@ -82,11 +82,8 @@ class AuthzHttpResponses:
             if len(self._cache) >= _MAX_CACHED:
                 self._cache.clear()
             routed = self._headers.routing_response(endpoints, False)
-            lines = [b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n"]
-            for option in routed.request_body.response.header_mutation.set_headers:
-                h = option.header
-                lines.append(h.key.encode("latin-1") + b": " + (h.raw_value or h.value.encode("latin-1")) + b"\r\n")
-            cached = self._cache[endpoints] = b"".join(lines)
+            cached = self._cache[endpoints] = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n" + _header_lines(
+                routed.request_body.response.header_mutation.set_headers)
         return cached
 
     def ok(self, endpoints: tuple[str, ...], traceparent: str | None) -> bytes:
@@ -99,11 +96,14 @@ def refusal(immediate: Any) -> bytes:
     """An ext_proc ImmediateResponse (answers.immediate_response: a refusal) as the check's HTTP answer."""
     ir = immediate.immediate_response
     body = ir.body if isinstance(ir.body, bytes) else ir.body.encode()
-    head = [b"HTTP/1.1 %d Refused\r\ncontent-length: %d\r\n" % (transport_status(ir.status.code), len(body))]
-    for option in ir.headers.set_headers:
-        h = option.header
-        head.append(h.key.encode("latin-1") + b": " + (h.raw_value or h.value.encode("latin-1")) + b"\r\n")
-    return b"".join(head) + b"\r\n" + body
+    return (b"HTTP/1.1 %d Refused\r\ncontent-length: %d\r\n" % (transport_status(ir.status.code), len(body))
+            + _header_lines(ir.headers.set_headers) + b"\r\n" + body)
+
+
+def _header_lines(options: Any) -> bytes:
+    """ext_proc header options (answers.header_option: the value in ``raw_value``) as HTTP/1.1 header lines."""
+    return b"".join(o.header.key.encode("latin-1") + b": " + (o.header.raw_value or o.header.value.encode("latin-1"))
+                    + b"\r\n" for o in options)
 
 
 def _plain(status: int, message: str, *, close: bool = False) -> bytes:
