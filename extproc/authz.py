@@ -188,7 +188,9 @@ class AuthzServicer:
 
     def start(self, headers: dict[str, str], method: str, path: str, body: Any,
               grpc_metadata: Callable[[], Any], handoff: bool = False,
-              body_cap: int | None = None) -> tuple[_RoutingStream, Any]:
+              body_cap: int | None = None,
+              early_answer: Callable[[tuple[str, ...], str | None], None] | None = None
+              ) -> tuple[_RoutingStream, Any]:
         """Decide one check's request at once where it can: (its stream, the answer), where the answer may be
         `HANDOFF` (answer with `HANDOFF_HEADER`), or `_NEEDS_LOOKUP` / `_NEEDS_HOLD`, then awaited with `finish`;
         `settle` turns the answer into the outcome. Split so that a transport can answer a decision made at once
@@ -200,7 +202,11 @@ class AuthzServicer:
         above the filter's max_request_bytes, which our configuration sets to what the router parses on its loop)
         is handed off at once with no state begun (the stream is None then); without the route it is refused
         (413). `body_cap`: that max_request_bytes when the check says it (AUTHZ_BODY_BYTES_HEADER): a body that
-        long is taken for a cut one too, since Envoy may mark it whole."""
+        long is taken for a cut one too, since Envoy may mark it whole. `early_answer`: called once with what
+        `settle` will return for a routed decision made at once, (endpoints, traceparent or None), as soon as
+        the decision is final and before the pick is recorded, counted and tracked (the HTTP check writes its
+        answer then: that work no longer delays Envoy); not called for a refusal, a handoff or an answer left to
+        `finish`."""
         partial = headers.get(PARTIAL_BODY_HEADER) == "true" or (body_cap is not None and len(body) >= body_cap)
         if partial and handoff:  # a body above what Envoy sends whole: parsed off the loop, its whole by ext_proc
             self.picks.num_handoffs["parse"] += 1
@@ -216,7 +222,12 @@ class AuthzServicer:
                                    "(with_request_body.max_request_bytes) and no handoff route to route it by")
             self.tracker.refused(st, err.status, err.message)
             return stream, immediate_response(err)
-        resp = stream._decide(method, path, body, False)
+        on_endpoints = None
+        if early_answer is not None:
+            # what `settle` answers: the traceparent only when a facts record will release the pick
+            tp = traceparent if traceparent is not None and st.facts else None
+            on_endpoints = lambda endpoints: early_answer(endpoints, tp)  # noqa: E731
+        resp = stream._decide(method, path, body, False, on_endpoints=on_endpoints)
         if handoff and (resp is _NEEDS_HOLD or (resp is _NEEDS_LOOKUP and stream.pending_lookup is not None
                                                 and stream.pending_lookup[4] is None)):
             reason = "hold" if resp is _NEEDS_HOLD else "parse"

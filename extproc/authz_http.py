@@ -13,7 +13,9 @@ Contract (Envoy's side is envoy_config/listener.py `authz_http_filter`):
 - ``POST|GET... /check<path>``: the check of one client request. Answers:
   - 200 with the routing headers (destination, fallbacks, replica, ``traceparent``): Envoy sets them on the request
     (``allowed_upstream_headers``) and routes again by them (``clear_route_cache``); the pick is held until the
-    request's facts record (authz.py `UnaryPicks`);
+    request's facts record (authz.py `UnaryPicks`). The 200 is written as soon as the decision is final, before the
+    pick is recorded, counted and tracked (`AuthzServicer.start`'s ``early_answer``): that work follows on the
+    loop before anything else runs, so it no longer delays Envoy; a failure in it costs no second answer;
   - a refusal (`OpenAIError`) with its status, JSON body, ``content-type``, ``x-prefixroute-refused`` and
     ``retry-after``, which Envoy returns to the client as is (``allowed_client_headers``). Envoy's HTTP client takes
     any 5xx from the authorization service for a failure of the service (then it fails the request open), so a 5xx
@@ -56,6 +58,7 @@ from prefixroute.openai_errors import error_body
 log = logging.getLogger(__name__)
 
 CHECK_PATH_PREFIX = AUTHZ_CHECK_PATH_PREFIX
+_CHECK_PREFIX = CHECK_PATH_PREFIX.encode()
 HEALTH_PATH = b"/health"
 TOKEN_HEADER = AUTHZ_TOKEN_HEADER
 _TOKEN = TOKEN_HEADER.encode()
@@ -142,7 +145,7 @@ class AuthzHttpConnection(asyncio.Protocol):
     """One connection from Envoy's ext_authz HTTP client (module docstring)."""
 
     __slots__ = ("svc", "parser", "transport", "url", "headers", "body", "body_size", "token", "observed",
-                 "handoff", "body_cap", "busy", "pending", "task", "closed", "too_large")
+                 "handoff", "body_cap", "busy", "pending", "task", "closed", "too_large", "answered", "early")
 
     def __init__(self, svc: AuthzHttpService) -> None:
         self.svc = svc
@@ -161,6 +164,8 @@ class AuthzHttpConnection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.closed = False
         self.too_large = False
+        self.answered = False  # the current check's answer went out at its decision (`_early`)
+        self.early = self._early  # bound once: passed to every check
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -239,7 +244,7 @@ class AuthzHttpConnection(asyncio.Protocol):
              ) -> None:
         method, url, headers, body, token, observed, handoff, body_cap = item
         svc = self.svc
-        prefix = CHECK_PATH_PREFIX.encode()
+        prefix = _CHECK_PREFIX
         if not url.startswith(prefix):
             if url == HEALTH_PATH:
                 self._answer(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n" if svc.ready()
@@ -258,8 +263,9 @@ class AuthzHttpConnection(asyncio.Protocol):
         if host is not None:
             headers.setdefault(":authority", host)
         metadata = ((OBSERVED_METADATA, observed),) if observed is not None else ()
+        self.answered = False
         try:
-            stream, resp = svc.authz.start(headers, m, path, body, lambda: metadata, handoff, body_cap)
+            stream, resp = svc.authz.start(headers, m, path, body, lambda: metadata, handoff, body_cap, self.early)
             if resp is HANDOFF:
                 self._answer(_HANDOFF_ANSWER)
                 return
@@ -267,9 +273,20 @@ class AuthzHttpConnection(asyncio.Protocol):
                 self.busy = True
                 self.task = asyncio.get_running_loop().create_task(self._finish(stream, resp))
                 return
-            self._answer(self._settled(stream, resp))
+            if self.answered:
+                # The answer went out when the decision was final; what is left is bookkeeping (the pick
+                # recorded, counted, tracked and held for its facts record), done before the loop runs on.
+                svc.authz.settle(stream, resp)
+                self._next()
+            else:
+                self._answer(self._settled(stream, resp))
         except Exception:  # noqa: BLE001 - a bug must cost one request (Envoy's failure mode), never the connection
             self._error()
+
+    def _early(self, endpoints: tuple[str, ...], traceparent: str | None) -> None:
+        """`AuthzServicer.start`'s early answer: the 200 `settle` would lead to, written now."""
+        self._write(self.svc.responses.ok(endpoints, traceparent))
+        self.answered = True
 
     async def _finish(self, stream: Any, resp: Any) -> None:
         try:
@@ -292,12 +309,20 @@ class AuthzHttpConnection(asyncio.Protocol):
 
     def _error(self) -> None:
         self.svc.num_errors += 1
+        if self.answered:  # routed already: only the bookkeeping after its answer failed (one answer per check)
+            log.exception("ext_authz (HTTP) check's bookkeeping failed after its answer; the request is routed")
+            self._next()
+            return
         log.exception("ext_authz (HTTP) check failed; Envoy's failure mode applies to the request")
         self._answer(_plain(500, "the router failed to decide; see its log"))
 
     def _answer(self, data: bytes) -> None:
-        self.busy = False
         self._write(data)
+        self._next()
+
+    def _next(self) -> None:
+        """The current check is answered: take the next one Envoy sent on this connection, if any."""
+        self.busy = False
         if self.pending and not self.closed:
             self._run(self.pending.pop(0))
 

@@ -211,7 +211,8 @@ class PoolRouter:
 
     def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | InferenceRequest,
               subset: Collection[str] | None = None, *, can_hold: bool = False, ticket: Any = None,
-              first_token_live: bool = True) -> Pick:
+              first_token_live: bool = True,
+              on_endpoints: Callable[[tuple[str, ...]], None] | None = None) -> Pick:
         """See the module docstring. `body`: the request body, or the `InferenceRequest` `parse_off_loop` made of
         it. `subset`: the gateway's subset hint (GIE's ``x-gateway-destination-endpoint-subset``): pick only
         among the endpoints whose address (``ip:port``, or a bare ``ip``: every port of it) it lists; 503 when
@@ -219,7 +220,9 @@ class PoolRouter:
         `hold` on `NeedsHold`); with flow control on and the fleet saturated, `NeedsHold` is raised. `ticket`:
         the request was held and released (`hold`'s ticket): routed now, and the gate told it is placed.
         `first_token_live`: False when a streamed response's first token will be reported only at the request's
-        end (the facts path), so flow control does not wait on it (`Pick.first_token_live`)."""
+        end (the facts path), so flow control does not wait on it (`Pick.first_token_live`). `on_endpoints`:
+        called with the pick's addresses (`Pick.endpoints`) as soon as the decision is final, before the pick is
+        recorded and counted (`RouterCore.route`'s ``on_decided``): the HTTP check answers Envoy then."""
         t0 = time.perf_counter()
         if type(body) is InferenceRequest:
             request = body
@@ -231,12 +234,12 @@ class PoolRouter:
         if flow is not None:
             if ticket is not None:
                 try:
-                    return self._route(request, subset, t0, ticket, first_token_live)
+                    return self._route(request, subset, t0, ticket, first_token_live, on_endpoints)
                 finally:
                     flow.placed(ticket)  # placed or refused: the next held request may go
             if can_hold and request.kind != "other" and not flow.admits_now():
                 raise NeedsHold(request)
-        return self._route(request, subset, t0, None, first_token_live)
+        return self._route(request, subset, t0, None, first_token_live, on_endpoints)
 
     async def hold(self, request: InferenceRequest, headers: Mapping[str, str]) -> Any:
         """After `route` raised `NeedsHold`: wait in the gateway queue (flow control). Returns the ticket to route
@@ -250,7 +253,8 @@ class PoolRouter:
         return self.flow.deadline_s(headers)
 
     def _route(self, request: InferenceRequest, subset: Collection[str] | None, t0: float, ticket: Any,
-               first_token_live: bool = True) -> Pick:
+               first_token_live: bool = True,
+               on_endpoints: Callable[[tuple[str, ...]], None] | None = None) -> Pick:
         pool = self.pool
         snapshot = pool.snapshot()
         if request.response_ref is not None:
@@ -258,7 +262,9 @@ class PoolRouter:
             self._set_known_prefix(request)
         if subset is not None:  # after pinning: the holder of a response id is looked up in the whole pool
             snapshot = self._subset(subset, snapshot)
-        decision = self.core.route(request, snapshot, pool.in_flight, self.clock())
+        decision = self.core.route(request, snapshot, pool.in_flight, self.clock(),
+                                   on_decided=None if on_endpoints is None
+                                   else lambda d: on_endpoints(self._addresses(d.endpoints)))
         decision_us = (time.perf_counter() - t0) * 1e6
         ids = decision.endpoints
         pick = Pick(self._addresses(ids), ids, request, decision, decision_us)

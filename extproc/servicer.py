@@ -74,11 +74,15 @@ from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Track
 from prefixroute.openai_errors import OpenAIError
 
 
+_NO_KW: dict[str, Any] = {}
+
+
 class RouterService(Protocol):
     """What the servicer needs from the router (implemented in service.py)."""
 
     def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Pick:
-        """Choose endpoints and count the pick as in flight. Raises `OpenAIError` to refuse."""
+        """Choose endpoints and count the pick as in flight. Raises `OpenAIError` to refuse. (The check over
+        HTTP also passes ``on_endpoints``, as `service.PoolRouter.route` takes it.)"""
 
     def served(self, pick: Pick, served_endpoint: str | None, status: int | None = None) -> None:
         """The response headers arrived; `served_endpoint` is Envoy's upstream host (None if unknown),
@@ -242,13 +246,16 @@ class _RoutingStream:
                 self.router.served(pick, served, int(status) if status and status.isdigit() else None)
         return _CONTINUE_RESPONSE_HEADERS
 
-    def _decide(self, method: str, path: str, body: Any, at_headers: bool, ticket: Any = None) -> Any:
+    def _decide(self, method: str, path: str, body: Any, at_headers: bool, ticket: Any = None,
+                on_endpoints: Callable[[tuple[str, ...]], None] | None = None) -> Any:
+        # `on_endpoints` only when given: routers of other shapes (GIE's, tests') take the four arguments
+        kw = _NO_KW if on_endpoints is None else {"on_endpoints": on_endpoints}
         try:
             if self.can_hold:
                 pick = self.router.route(method, path, self.headers, body, can_hold=ticket is None, ticket=ticket,
-                                         first_token_live=not self.st.facts or self.facts_first_token_live)
+                                         first_token_live=not self.st.facts or self.facts_first_token_live, **kw)
             else:
-                pick = self.router.route(method, path, self.headers, body)
+                pick = self.router.route(method, path, self.headers, body, **kw)
         except OpenAIError as err:
             self.tracker.refused(self.st, err.status, err.message)
             return immediate_response(err)

@@ -97,8 +97,13 @@ class RouterCore:
         self.num_caches_cleared = 0
 
     def route(self, request: InferenceRequest, endpoints: Sequence[EndpointState],
-              in_flight: Mapping[EndpointId, int], now_s: float | None = None) -> Decision:
+              in_flight: Mapping[EndpointId, int], now_s: float | None = None, *,
+              on_decided: Callable[[Decision], None] | None = None) -> Decision:
         """The decision for `request` given a pool snapshot and the in-flight counts; records the pick.
+        `on_decided`: called once with the decision `route` returns, as soon as it is final and before the pick
+        is recorded (so a caller can answer Envoy first: recording changes nothing the answer holds, and it is
+        done before `route` returns, hence before the event loop runs anything else); never called when `route`
+        raises; must not raise.
 
         Kind "other" (``/v1/models``, ...): the least-loaded healthy endpoints (any model), index untouched.
         The caller owns in-flight accounting (acquire the primary it actually uses). `now_s`: a monotonic clock
@@ -122,7 +127,10 @@ class RouterCore:
             if not healthy:
                 raise OpenAIError(503, "no healthy endpoint", retry_after_s=self.retry_after_s)
             order = pickers.least_load_order(healthy, in_flight, self.rng, k)
-            return Decision(endpoints=tuple(order), reason="load", policy=self.scheduler.policy.name)
+            decision = Decision(endpoints=tuple(order), reason="load", policy=self.scheduler.policy.name)
+            if on_decided is not None:
+                on_decided(decision)
+            return decision
         skey = request.session_key
         sessions = self.sessions if skey is not None else None
         session = None
@@ -141,6 +149,8 @@ class RouterCore:
                                   type_="NotFoundError")
             what = f"serving model `{clip(request.model)}`" if request.model else ""
             raise OpenAIError(503, f"no healthy endpoint {what}".strip(), retry_after_s=self.retry_after_s)
+        if on_decided is not None:
+            on_decided(decision)
         primary = decision.endpoints[0]
         self.apply_pick(primary, request.block_hashes,
                         session_id(request.tenant, skey) if sessions is not None else None, now_s)  # type: ignore[arg-type]

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import os
+import select
+import socket
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2_grpc import LogsServiceStub
@@ -42,8 +45,9 @@ class RecordingRouter:
         self.served_calls: list[str | None] = []
         self.released: list[object] = []
         self.parsed = asyncio.Event()
+        self.after_answer: Callable[[], None] | None = None  # runs where PoolRouter records the pick
 
-    def route(self, method: str, path: str, headers, body):  # noqa: ANN001, ANN201
+    def route(self, method: str, path: str, headers, body, on_endpoints=None):  # noqa: ANN001, ANN201
         from prefixroute.extproc.service import NeedsLookup
 
         if body == b"slow":
@@ -53,6 +57,10 @@ class RecordingRouter:
             raise OpenAIError(400, "bad", param="messages")
         if b"refuse-503" in body:
             raise OpenAIError(503, "no healthy endpoint", retry_after_s=2)
+        if on_endpoints is not None:  # as PoolRouter: once the decision is final, before its bookkeeping
+            on_endpoints(EPS)
+        if self.after_answer is not None:
+            self.after_answer()
         return make_pick(EPS)
 
     async def parse_off_loop(self, method: str, path: str, headers, body):  # noqa: ANN001, ANN201
@@ -166,6 +174,45 @@ async def test_a_check_routes_once_and_its_facts_record_releases_the_pick(served
     # The same connection serves the next check (keep-alive).
     status, headers, _ = await client.check(body)
     assert status == 200 and len(router.routed) == 2
+
+
+async def test_the_answer_leaves_before_the_picks_bookkeeping(served) -> None:  # noqa: ANN001
+    """The 200 is written once the decision is final: Envoy has it while the router still records, counts and
+    tracks the pick (the work after `on_endpoints`), so that work no longer adds to the request's latency."""
+    router, facts, _, client, _ = served
+    sock = client.writer.get_extra_info("socket")
+    seen: list[bytes] = []
+
+    def bookkeeping() -> None:  # runs on the event loop, where PoolRouter records the pick: the loop is blocked
+        # so the client's reader cannot run: peek at its socket directly (a duplicate, closed after)
+        with socket.socket(fileno=os.dup(sock.fileno())) as raw:
+            if select.select([raw], [], [], 2.0)[0]:
+                seen.append(raw.recv(65536, socket.MSG_PEEK))
+
+    router.after_answer = bookkeeping
+    status, headers, _ = await client.check(b'{"model": "m", "messages": []}')
+    assert status == 200 and headers[DESTINATION_HEADER] == EPS[0]
+    assert seen and seen[0].startswith(b"HTTP/1.1 200 OK") and headers["traceparent"].encode() in seen[0]
+    assert len(facts.unary_picks) == 1  # and the bookkeeping was done: the pick waits for its record
+
+
+async def test_a_failure_after_the_answer_costs_no_second_answer(served) -> None:  # noqa: ANN001
+    """A bug in the bookkeeping after an early answer is logged and counted; the check keeps its one 200 and
+    the connection serves the next check (a second answer would desynchronize Envoy's connection)."""
+    router, facts, _, client, _ = served
+
+    def broken() -> None:
+        raise RuntimeError("bookkeeping bug")
+
+    router.after_answer = broken
+    status, headers, _ = await client.check(b'{"model": "m", "messages": []}')
+    assert status == 200 and headers[DESTINATION_HEADER] == EPS[0]
+    router.after_answer = None
+    status, headers, _ = await client.check(b'{"model": "second", "messages": []}')
+    assert status == 200 and headers[DESTINATION_HEADER] == EPS[0]
+    assert [r[3] for r in router.routed][-1] == b'{"model": "second", "messages": []}'
+    await asyncio.sleep(0.05)
+    assert client.reader.at_eof() is False and len(client.reader._buffer) == 0  # noqa: SLF001 - nothing extra came
 
 
 async def test_refusals_are_answered_with_the_openai_body_and_hold_no_pick(served) -> None:  # noqa: ANN001

@@ -63,6 +63,23 @@ def test_route_records_the_pick_and_the_next_request_has_affinity():
     assert (again.reason, again.endpoints[0], again.predicted_hit_ratio) == ("affinity", first.endpoints[0], 1.0)
 
 
+def test_on_decided_sees_the_final_decision_before_the_pick_is_recorded():
+    core = RouterCore(S)
+    states = [EndpointState(A), EndpointState(B), EndpointState(C)]
+    seen = []
+
+    def on_decided(d):
+        seen.append((d, core.index.num_entries()))
+
+    d = core.route(chat(), states, {}, on_decided=on_decided)
+    assert seen == [(d, 0)] and core.index.num_entries(d.endpoints[0]) == d.total_blocks
+    other = core.route(parse_request("GET", "/v1/models", {}, b"", S), states, {}, on_decided=on_decided)
+    assert seen[-1][0] is other and len(seen) == 2
+    with pytest.raises(OpenAIError):  # a refusal is no decision
+        core.route(chat("nope"), [EndpointState(A, models=frozenset({"x"}))], {}, on_decided=on_decided)
+    assert len(seen) == 2
+
+
 def test_other_requests_go_to_the_least_loaded_healthy_endpoint_without_indexing():
     core = RouterCore(S)
     req = parse_request("GET", "/v1/models", {}, b"", S)
