@@ -357,6 +357,23 @@ def render_cpu(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines + [""]
 
 
+def render_paired(doc: Mapping[str, Any]) -> list[str]:
+    """The request-by-request TTFT comparison (results.paired_ttft), when the document has one."""
+    paired = doc.get("paired_ttft")
+    if not paired or not paired.get("runs"):
+        return []
+    ref = paired["reference"]
+    lines = [f"TTFT request by request against {ref} (the same requests; diff = the router's TTFT minus {ref}'s, "
+             "ms: a difference far below the spread of TTFTs shows here, as it does not in percentiles):", "",
+             "| router | requests both served | diff p25 | median | p75 | slower on | same endpoint |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, p in paired["runs"].items():
+        same = p.get("same_endpoint_ratio")
+        lines.append(f"| {name} | {p['num_requests']} | {p['p25_diff_ms']:+.2f} | {p['median_diff_ms']:+.2f} | "
+                     f"{p['p75_diff_ms']:+.2f} | {p['slower_ratio']:.0%} | {'-' if same is None else f'{same:.0%}'} |")
+    return lines + [""]
+
+
 def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
     """report.md: workload, upper bound, one table row per run, ratios vs random where present."""
     wl = doc["workload"]
@@ -391,6 +408,7 @@ def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
     lines += ["", "hit ratio = server-reported cached prompt tokens / prompt tokens; of MIN bound = of Belady's "
               "optimal eviction on one cache of the fleet's KV capacity; max share / fair = the "
               "busiest endpoint's share of requests over 1/num_endpoints; ratios < 1 are better than random.", ""]
+    lines += render_paired(doc)
     lines += render_bounds_by_router(runs, bounds)
     lines += render_cpu(runs)
     lines += render_agents(doc)

@@ -154,6 +154,49 @@ def agent_summary(results: Sequence[RequestResult], api: str) -> dict[str, Any]:
     }
 
 
+PerRequest = Mapping[int, tuple[float, str | None]]
+"""One run's successful requests by request index: (client TTFT ms, serving endpoint or None)."""
+
+
+def per_request(results: Sequence[RequestResult]) -> dict[int, tuple[float, str | None]]:
+    """`PerRequest` of a run's results: successful requests with a TTFT."""
+    return {r.index: (r.ttft_ms, r.endpoint) for r in results if r.ok and r.ttft_ms is not None}
+
+
+def paired_reference(routers: Sequence[str]) -> str | None:
+    """The run the others are paired with: sglang-router when it ran, else the first peer (a router that is
+    not ours), else None (no peer: nothing to pair with)."""
+    if "sglang-router" in routers:
+        return "sglang-router"
+    return next((r for r in routers if not r.startswith("prefixroute")), None)
+
+
+def paired_ttft(runs: Mapping[str, PerRequest], reference: str) -> dict[str, Any]:
+    """Each run's TTFT request by request against `reference`'s on the same request sequence, over the
+    requests both served: ``{"reference", "runs": {router: {num_requests, median_diff_ms, p25_diff_ms,
+    p75_diff_ms, slower_ratio, same_endpoint_ratio}}}``; a diff is the router's TTFT minus the reference's
+    (ms, > 0: slower), `slower_ratio` the share of requests with diff > 0, `same_endpoint_ratio` the share
+    served by the same endpoint (None when either run's endpoints are unknown). Pairing removes what the
+    request itself costs (its prompt, its place in the sequence), so a difference much smaller than the
+    spread of TTFTs shows, as comparing percentiles of two runs does not (issue 26: the router's hop)."""
+    ref = runs[reference]
+    out: dict[str, Any] = {}
+    for name, rows in runs.items():
+        if name == reference:
+            continue
+        common = sorted(set(rows) & set(ref))
+        if not common:
+            continue
+        diffs = np.asarray([rows[i][0] - ref[i][0] for i in common], dtype=np.float64)
+        known = [i for i in common if rows[i][1] is not None and ref[i][1] is not None]
+        p25, p50, p75 = (round(float(v), 3) for v in np.percentile(diffs, (25, 50, 75)))
+        out[name] = {"num_requests": len(common), "median_diff_ms": p50, "p25_diff_ms": p25, "p75_diff_ms": p75,
+                     "slower_ratio": round(float((diffs > 0).mean()), 4),
+                     "same_endpoint_ratio": (round(sum(rows[i][1] == ref[i][1] for i in known) / len(known), 4)
+                                             if known else None)}
+    return {"reference": reference, "runs": out}
+
+
 def results_document(workload: Mapping[str, Any], upper_bound_hit_ratio: float | None,
                      runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The whole results.json: ``{"workload", "upper_bound_hit_ratio", "runs"}``."""

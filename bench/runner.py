@@ -324,6 +324,7 @@ def cpu_by_role_ms(before: dict[int, tuple[str, float]], after: dict[int, tuple[
 class RunOutput:
     summary: dict[str, Any]
     ttfts_ms: list[float]
+    per_request: bench_results.PerRequest = dataclasses.field(default_factory=dict)
 
 
 def prior_gateway_args(fleet: FleetConfig) -> tuple[str, ...]:
@@ -398,7 +399,8 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         summary["endpoint_share"] = share
         fair = 1.0 / len(share) if share else 0.0
         summary["extra"]["max_share_over_fair"] = round(max(share.values()) / fair, 3) if share and fair else None
-    return RunOutput(summary, [r.ttft_ms for r in res if r.ok and r.ttft_ms is not None])
+    return RunOutput(summary, [r.ttft_ms for r in res if r.ok and r.ttft_ms is not None],
+                     bench_results.per_request(res))
 
 
 def run_bench(workload: Workload, upper_bound_hit_ratio: float | None, routers: Sequence[str], fleet: FleetConfig,
@@ -409,7 +411,7 @@ def run_bench(workload: Workload, upper_bound_hit_ratio: float | None, routers: 
         # Same ports for every run: endpoint ids (and so endpoint shares) compare across routers.
         fleet = dataclasses.replace(fleet, ports=distinct_free_ports(fleet.num_servers))
     fleet = resolve_kv_events(fleet)  # once: every router meets the same fleet
-    runs, ttfts, skipped = [], {}, {}
+    runs, ttfts, skipped, rows = [], {}, {}, {}
     for spec in specs:
         reason = unavailable_reason(spec, bool(fleet.kv_events))
         if reason:
@@ -424,9 +426,13 @@ def run_bench(workload: Workload, upper_bound_hit_ratio: float | None, routers: 
             continue
         runs.append(out.summary)
         ttfts[spec.name] = out.ttfts_ms
+        rows[spec.name] = out.per_request
     doc = bench_results.results_document(workload.describe(), upper_bound_hit_ratio, runs)
     doc["workload"]["num_servers"] = fleet.num_servers
     doc["workload"]["kv_events"] = bool(fleet.kv_events)
     if skipped:
         doc["skipped"] = skipped
+    reference = bench_results.paired_reference(list(rows))
+    if reference is not None and len(rows) > 1:
+        doc["paired_ttft"] = bench_results.paired_ttft(rows, reference)
     return doc, ttfts

@@ -164,3 +164,48 @@ def test_target_checks(prefix, sglang, expected):
     md = report.render_markdown(doc)
     assert "Issue 7 targets" in md and md.count("| NO |") == expected.count(False)
     assert f"| P50 TTFT at least 80% below random | {prefix['p50'] / 1000 - 1:+.0%} (" in md
+
+
+@pytest.mark.parametrize("routers,reference", [
+    (["prefixroute:prefix", "sglang-router", "vllm-router:random"], "sglang-router"),
+    (["prefixroute:prefix", "vllm-router:random", "sglang-router"], "sglang-router"),
+    (["prefixroute:prefix", "vllm-router:random"], "vllm-router:random"),
+    (["prefixroute:prefix", "prefixroute:random"], None),  # no peer: nothing to pair with
+])
+def test_paired_reference_is_the_best_peer_that_ran(routers, reference):
+    assert results.paired_reference(routers) == reference
+
+
+def test_paired_ttft_compares_the_same_requests_only():
+    ref = results.per_request([R(0, ttft=10.0, endpoint="a:1"), R(1, ttft=20.0, endpoint="b:2"),
+                               R(2, ttft=30.0, endpoint="a:1"), R(3, ttft=40.0, endpoint="b:2"),
+                               R(4, status=0, error="timeout", ttft=None)])
+    ours = results.per_request([R(0, ttft=11.0, endpoint="a:1"), R(1, ttft=21.5, endpoint="a:1"),
+                                R(2, ttft=29.0, endpoint="a:1"), R(4, ttft=5.0, endpoint="b:2"),
+                                R(3, status=500, error="http 500", ttft=39.0)])
+    doc = results.paired_ttft({"sglang-router": ref, "prefixroute:prefix": ours}, "sglang-router")
+    # both served 0, 1, 2 (3 failed here, 4 there): diffs +1.0, +1.5, -1.0
+    assert doc == {"reference": "sglang-router", "runs": {"prefixroute:prefix": {
+        "num_requests": 3, "median_diff_ms": 1.0, "p25_diff_ms": 0.0, "p75_diff_ms": 1.25,
+        "slower_ratio": round(2 / 3, 4), "same_endpoint_ratio": round(2 / 3, 4)}}}
+    unknown = results.per_request([R(0, ttft=12.0, endpoint=None)])
+    assert results.paired_ttft({"x": unknown, "r": ref}, "r")["runs"]["x"]["same_endpoint_ratio"] is None
+    assert results.paired_ttft({"x": {}, "r": ref}, "r")["runs"] == {}  # nothing in common: no row
+
+
+def test_the_pairing_is_in_the_document_and_the_report(tmp_path):
+    sg = results.summarize_run("sglang-router", [R(0, ttft=10), R(1, ttft=20)], ["a:1"])
+    pref = results.summarize_run("prefixroute:prefix", [R(0, ttft=12), R(1, ttft=21)], ["a:1"])
+    doc = results.results_document({"name": "tenants", "num_requests": 2}, 0.9, [pref, sg])
+    doc["paired_ttft"] = results.paired_ttft(
+        {"prefixroute:prefix": {0: (12.0, "a:1"), 1: (21.0, "a:1")}, "sglang-router": {0: (10.0, "a:1"),
+                                                                                       1: (20.0, "a:1")}},
+        "sglang-router")
+    validator = jsonschema.Draft202012Validator(results.schema())
+    validator.validate(json.loads(json.dumps(doc)))
+    md = report.render_markdown(doc)
+    assert "TTFT request by request against sglang-router" in md
+    row = next(line for line in md.splitlines() if line.startswith("| prefixroute:prefix | 2 | +"))
+    assert row == "| prefixroute:prefix | 2 | +1.25 | +1.50 | +1.75 | 100% | 100% |"
+    doc["paired_ttft"]["runs"]["prefixroute:prefix"]["slower_ratio"] = 1.5
+    assert not validator.is_valid(json.loads(json.dumps(doc)))
