@@ -10,6 +10,9 @@ hit after the first) sent one at a time, --gap-ms apart, over keep-alive connect
 - **gateway**: `prefixroute gateway` with its defaults (Envoy, the routing ext_proc, the facts path), as
   `prefixroute bench` starts it, plus any --gateway-args.
 
+With --peers (e.g. sglang-router), each peer router fronts the same server in the same rounds, and its hop (its
+TTFT - direct's) is printed beside ours.
+
 Each round sends --num-requests requests to each target and prints the median client TTFT of each and the
 differences: Envoy's hop (bare-envoy - direct) and the router's (gateway - bare-envoy). Only figures of the
 same round compare (this host's noise moves them between rounds). Unlike `prefixroute overhead-bench` (requests
@@ -17,6 +20,7 @@ back to back, a small JSON answer, Envoy's added latency over Envoy alone) this 
 streamed, with idle time between requests, as each of a few dozen requests per second per server meets it.
 
     .venv/bin/python scripts/hop_ttft.py --prompt-kb 16
+    .venv/bin/python scripts/hop_ttft.py --prompt-kb 12 --gap-ms 50 --peers sglang-router
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Another gateway measured in the same rounds, with these extra flags (comma-separated; "
                    "repeatable; with '=' since the value starts with a dash): e.g. "
                    "--compare-gateway-args=--routing-filter=ext_authz beside the default.")
+    p.add_argument("--peers", default="", help="Peer routers measured in the same rounds, comma-separated "
+                   "`prefixroute bench` router names (e.g. sglang-router): each one's hop is its TTFT - direct's.")
     p.add_argument("--log-dir", type=Path, default=None, help="Children's logs (default: a temporary folder).")
     return p.parse_args(argv)
 
@@ -101,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             router = dataclasses.replace(parse_router("prefixroute:prefix"), name=f"prefixroute:prefix-compare{i}")
             urls[f"gateway {args}"] = runner.start_router(group, stack, router, [endpoint], seed=1,
                                                           gateway_args=[x for x in args.split(",") if x]).base_url
+        peers = [x for x in a.peers.split(",") if x]
+        for name in peers:
+            urls[name] = runner.start_router(group, stack, parse_router(name), [endpoint], seed=1).base_url
         targets = tuple(urls)
         for url in urls.values():  # warm: the prompt cached, connections and the router's tables made
             asyncio.run(_ttfts(url, spec, model, 5, a.gap_ms / 1e3))
@@ -112,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                   + f"; Envoy's hop {med['bare-envoy'] - med['direct']:+.2f}, the router's "
                   f"{med['gateway'] - med['bare-envoy']:+.2f}"
                   + "".join(f", the router's with {name[8:]} {med[name] - med['bare-envoy']:+.2f}"
-                            for name in targets[len(TARGETS):]), flush=True)
+                            for name in targets[len(TARGETS):] if name not in peers)
+                  + "".join(f", {name}'s hop {med[name] - med['direct']:+.2f}" for name in peers), flush=True)
     return 0
 
 
