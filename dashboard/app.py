@@ -383,6 +383,10 @@ def _routing_panels(snap: dict) -> None:
     with c3:
         st.markdown(f"**Decision time** · p50 {T.format_us(summary['decision_us_p50'])} · "
                     f"p99 {T.format_us(summary['decision_us_p99'])}")
+        routing = [summary.get(f"routing_ms_{p}") for p in ("p50", "p99")]
+        if routing[0] is not None:  # Envoy's clock, on the facts path: what the whole routing hop added
+            st.caption(f"Routing delay (Envoy: request end to upstream start) · p50 "
+                       f"{T.format_us(routing[0] * 1000)} · p99 {T.format_us(routing[1] * 1000)}")
         frame = D.histogram_frame(snap["decision_hist"])
         if len(frame):
             _chart(C.histogram(frame, "decision time (µs)", "#b07aa1"), "decision_hist")
@@ -471,6 +475,7 @@ def requests_table(run_choice: str) -> None:
                              "predicted_hit_ratio": st.column_config.NumberColumn("hit (predicted)",
                                                                                   format="percent"),
                              "decision_us": st.column_config.NumberColumn("decision (µs)", format="%.0f"),
+                             "routing_ms": st.column_config.NumberColumn("routing delay (ms)", format="%.2f"),
                              "prompt_tokens": st.column_config.NumberColumn("prompt tokens", format="%d"),
                              "cached_tokens": st.column_config.NumberColumn("cached tokens", format="%d"),
                          })

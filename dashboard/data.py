@@ -397,7 +397,8 @@ def prediction_long(frame: pd.DataFrame) -> pd.DataFrame:
 RECENT_COLUMNS = ("time", "endpoint", "reason", "status", "ttft_ms", "timing_source", "router_ttft_ms",
                   "predicted_ttft_ms", "alternative_endpoint",
                   "alternative_ttft_ms", "gateway_wait_ms", "gateway_outcome", "latency_ms", "prompt_tokens",
-                  "cached_tokens", "hit_ratio", "predicted_hit_ratio", "decision_us", "policy", "model", "trace_id")
+                  "cached_tokens", "hit_ratio", "predicted_hit_ratio", "decision_us", "routing_ms", "policy", "model",
+                  "trace_id")
 
 
 def recent_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
@@ -418,6 +419,8 @@ def recent_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
                     "latency_ms": r.get("latency_ms"), "prompt_tokens": prompt, "cached_tokens": cached,
                     "hit_ratio": cached / prompt if prompt and cached is not None else None,
                     "predicted_hit_ratio": r.get("predicted_hit_ratio"), "decision_us": r.get("decision_us"),
+                    # Envoy's routing delay: the request's end to its upstream start (None: no facts record)
+                    "routing_ms": r.get("routing_ms"),
                     "policy": r.get("policy") or "", "model": r.get("model") or "", "trace_id": r["trace_id"]})
     frame = pd.DataFrame(out, columns=list(RECENT_COLUMNS))
     frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)

@@ -58,8 +58,8 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
 
-from prefixroute.extproc.facts_fields import (A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_RESPONSE_ID, A_START,
-                                              A_STATUS, A_TRACEPARENT, A_TTFT_US, A_UPSTREAM, A_USAGE, FACTS_MARK,
+from prefixroute.extproc.facts_fields import (A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_RESPONSE_ID,
+                                              A_ROUTING_US, A_START, A_STATUS, A_TRACEPARENT, A_TTFT_US, A_UPSTREAM, A_USAGE, FACTS_MARK,
                                               FIRST_TOKEN_METHOD, MAX_USAGE_CHARS, RESPONSE_ID_METHOD)
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.tracking import RequestTracker
@@ -86,6 +86,7 @@ class ResponseFacts:
     latency_ms: float | None
     usage: Usage | None
     response_id: str | None
+    routing_ms: float | None = None  # Envoy's routing delay (facts_fields.A_ROUTING_US)
 
 
 def _str_attrs(record: Any) -> dict[str, str]:
@@ -128,7 +129,7 @@ def facts_of(record: Any) -> ResponseFacts | None:
         span_id=tp.span_id, status=int(status) if status.isdigit() else None, upstream=_value(a.get(A_UPSTREAM)),
         streamed=(a.get(A_CONTENT_TYPE) or "").startswith("text/event-stream"),
         ttft_ms=_micros_ms(a.get(A_TTFT_US)), first_token_ms=first_token, latency_ms=latency, usage=usage,
-        response_id=response_id[:256] if response_id else None)
+        response_id=response_id[:256] if response_id else None, routing_ms=_micros_ms(a.get(A_ROUTING_US)))
 
 
 def facts_in(request: Any) -> Iterable[ResponseFacts]:
@@ -312,6 +313,7 @@ class FactsReceiver:
                 tracker.on_response_id is not None and pick.response_id != f.response_id:  # early: learned
             tracker.on_response_id(pick, f.response_id, st.served_addr)  # type: ignore[arg-type]
         latency = f.latency_ms if f.latency_ms is not None else rec.latency_ms
+        rec.routing_ms = f.routing_ms
         tracker.finish(st, latency if latency is not None else 0.0, f.usage, f.streamed)
         return True
 

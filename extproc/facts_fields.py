@@ -35,6 +35,7 @@ A_UPSTREAM = "upstream"
 A_CONTENT_TYPE = "ctype"
 A_TTFT_US = "ttft_us"
 A_DURATION_US = "duration_us"
+A_ROUTING_US = "routing_us"
 A_START = "start"
 A_FIRST_TOKEN_US = "first_token_us"
 A_USAGE = "usage"
@@ -51,6 +52,10 @@ FACTS_ATTRIBUTES: dict[str, str] = {
     # sent to the client (microseconds; "-" when a time point is missing).
     A_TTFT_US: "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
     A_DURATION_US: "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
+    # The routing delay: from the request's last byte received to its first byte sent upstream (the routing
+    # filter's round trip, a handoff's and the gateway queue's wait included); "-" when the upstream request
+    # began before the request ended (Envoy routed without waiting: no routing filter on the route).
+    A_ROUTING_US: "%COMMON_DURATION(DS_RX_END:US_TX_BEG:us)%",
     A_START: "%START_TIME(%s.%6f)%",
     A_FIRST_TOKEN_US: f"%DYNAMIC_METADATA({TIMING_NAMESPACE}:{FIRST_TOKEN_KEY})%",
     A_USAGE: f"%DYNAMIC_METADATA({FACTS_NAMESPACE}:{USAGE_KEY})%",

@@ -42,6 +42,8 @@ FIELD_ATTRIBUTES: dict[str, str] = {
     # Flow control (issue 24): the gateway queue's wait and outcome (records.py).
     "gateway_wait_ms": "prefixroute.gateway_wait_ms",
     "gateway_outcome": "prefixroute.gateway_outcome",
+    # Envoy's routing delay (records.py; issue 26).
+    "routing_ms": "prefixroute.routing_ms",
 }
 
 # Extra keys written for generic tooling (derived from the fields above).

@@ -9,7 +9,8 @@ OpenAI error format, a missing store -> 503, an unknown route -> 404):
     /api/endpoints?window_s=300                        -> StoreReader.endpoints
     /api/reasons?window_s=300[&bucket_s=5]             -> StoreReader.reasons
     /api/histogram?window_s=300&column=ttft_ms[&bin_width=10&num_bins=30] -> StoreReader.histogram
-                                                          (column=gateway_wait_ms: time held in the gateway queue)
+                                                          (column=gateway_wait_ms: time held in the gateway queue;
+                                                           column=routing_ms: Envoy's routing delay)
     /api/ttft_predictions?window_s=300                 -> StoreReader.ttft_predictions
     /api/requests?since_s=60                           -> StoreReader.iter_requests (oldest first), JSON array
     /api/recent?limit=100[&endpoint=host:port][&run_id=ID] -> StoreReader.recent_requests (newest first)
@@ -19,7 +20,8 @@ OpenAI error format, a missing store -> 503, an unknown route -> 404):
     /healthz                                           -> {"status": "ok"}
 
 Request rows (/api/requests, /api/recent, /api/request) carry every record column, among them
-``gateway_wait_ms`` and ``gateway_outcome`` (flow control: store_schema.py).
+``gateway_wait_ms`` and ``gateway_outcome`` (flow control: store_schema.py) and ``routing_ms`` (Envoy's routing
+delay).
 
 Every query route accepts ``now=`` (unix s) to query a fixed instant, like the reader methods.
 

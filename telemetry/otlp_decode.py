@@ -159,6 +159,7 @@ def span_to_row(span: Span, resource_attrs: Mapping[str, Any]) -> dict[str, Any]
         "path": _str(attrs.get(F["path"])),
         "gateway_wait_ms": _float(attrs.get(F["gateway_wait_ms"])),
         "gateway_outcome": _str(attrs.get(F["gateway_outcome"])),
+        "routing_ms": _float(attrs.get(F["routing_ms"])),
         "service_name": _str(resource_attrs.get("service.name")),
         "attrs": _attrs_json(resource_attrs, attrs),
         # The sender's own figures; Envoy's record may replace ttft_ms / latency_ms later (`join_envoy_timing`).

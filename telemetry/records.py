@@ -27,7 +27,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "trace_id", "span_id", "parent_span_id", "request_id", "start_time", "model", "tenant_hash", "policy",
     "reason", "endpoint", "endpoints", "matched_blocks", "total_blocks", "predicted_hit_ratio", "predicted_ttft_ms",
     "alternative_endpoint", "alternative_ttft_ms", "decision_us", "ttft_ms", "latency_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "stream", "status", "error",
-    "path", "index_source", "gateway_wait_ms", "gateway_outcome",
+    "path", "index_source", "gateway_wait_ms", "gateway_outcome", "routing_ms",
 )
 
 
@@ -83,6 +83,10 @@ class RequestRecord:
     # predicted_deadline, queue_full, evicted, no_endpoint); None when it was never held nor shed.
     gateway_wait_ms: float = 0.0
     gateway_outcome: str | None = None
+    # Envoy's clock (issue 26): from the request's last byte received to its first byte sent upstream, the
+    # routing filter's round trip (and any gateway queue wait, `gateway_wait_ms` of it); None without Envoy's
+    # facts record (the observing path) or when Envoy did not wait to route.
+    routing_ms: float | None = None
 
     @property
     def end_time(self) -> float:

@@ -23,7 +23,8 @@ from prefixroute.telemetry.store_schema import (COMPARABLE_PREDICTION_SQL, ERROR
                                                 REFUSED_SQL, USAGE_OK_SQL, StoreMissing)
 
 _BREAKDOWN_COLUMNS = ("endpoint", "reason", "policy", "model", "path", "status", "service_name", "gateway_outcome")
-_HISTOGRAM_COLUMNS = ("ttft_ms", "latency_ms", "decision_us", "gateway_wait_ms")
+_HISTOGRAM_COLUMNS = ("ttft_ms", "latency_ms", "decision_us", "gateway_wait_ms", "routing_ms")
+_SUMMARY_PERCENTILE_COLUMNS = ("ttft_ms", "latency_ms", "decision_us", "routing_ms")
 
 MAX_OVERLAP_S = 3600.0
 """Requests last at most minutes; rows that started this long before a window may still overlap it."""
@@ -148,19 +149,19 @@ class StoreReader(StoreQueries):
         window_s, num_requests, num_errors, error_ratio (5xx, resets, failures), num_refused, refused_ratio
         (4xx), requests_per_s, prompt_tokens, cached_tokens,
         completion_tokens, actual_hit_ratio, predicted_hit_ratio (None without usage), ttft_ms_p50/p90/p99,
-        latency_ms_p50/p90/p99, decision_us_p50/p90/p99 (None when no value), num_endpoints,
+        latency_ms_p50/p90/p99, decision_us_p50/p90/p99, routing_ms_p50/p90/p99 (Envoy's routing delay, rows
+        with one) (None when no value), num_endpoints,
         balance_ratio (max endpoint share / fair share 1/num_endpoints; 1.0 = perfectly even, None when
         no request), first_start_time, last_start_time.
         """
         w = self._window(window_s, now)
-        rows = self._rows(_aggregate_sql([], [], ("ttft_ms", "latency_ms", "decision_us")), w)
-        if rows:
-            out = _finish_agg(rows[0], window_s)
-        else:
-            out = _finish_agg({"num_requests": 0}, window_s)
-            for col in ("ttft_ms", "latency_ms", "decision_us"):
-                for name, _ in PERCENTILES:
-                    out[f"{col}_{name}"] = None
+        have = self.columns()  # a file no writer has upgraded yet lacks routing_ms: its percentiles are None
+        cols = tuple(c for c in _SUMMARY_PERCENTILE_COLUMNS if c in have)
+        rows = self._rows(_aggregate_sql([], [], cols), w)
+        out = _finish_agg(rows[0] if rows else {"num_requests": 0}, window_s)
+        for col in _SUMMARY_PERCENTILE_COLUMNS:
+            for name, _ in PERCENTILES:
+                out.setdefault(f"{col}_{name}", None)
         extra = self._conn.execute(
             """WITH e AS (SELECT endpoint, COUNT(*) AS n FROM requests WHERE start_time >= :t0 AND start_time <= :t1
                           AND endpoint IS NOT NULL GROUP BY endpoint)
@@ -236,8 +237,8 @@ class StoreReader(StoreQueries):
 
     def histogram(self, window_s: float, column: str = "ttft_ms", *, bin_width: float | None = None,
                   num_bins: int = 30, now: float | None = None) -> list[dict[str, Any]]:
-        """Distribution of `column` (ttft_ms, latency_ms, decision_us or gateway_wait_ms) over the window,
-        counted in SQL.
+        """Distribution of `column` (ttft_ms, latency_ms, decision_us, gateway_wait_ms or routing_ms) over the
+        window, counted in SQL.
 
         Rows {bin_start, bin_end, num_requests} for non-empty bins, ascending. Without `bin_width`
         the width is the window's max / num_bins rounded up to 1, 2 or 5 x 10^k.

@@ -36,6 +36,8 @@ Schema (table ``requests``; the record fields are those of `records.RequestRecor
                                                  in Envoy-only rows and rows stored before v6)
     gateway_outcome     TEXT                  -- why it left the queue: "released:REASON" / "shed:REASON"; NULL
                                                  when never held (records.py)
+    routing_ms          REAL                  -- Envoy's routing delay, last request byte to first upstream byte
+                                                 (records.py); NULL without a facts record and before v7
     UNIQUE (trace_id, span_id)                -- an OTLP retry re-sending a batch replaces, never duplicates
 
     indexes: requests_start_time (start_time), requests_endpoint_start (endpoint, start_time),
@@ -50,7 +52,8 @@ not overlap in time and a run's rows are the rows of its time span.
 Schema versions (meta ``schema_version``): 2 added predicted_ttft_ms, alternative_endpoint and
 alternative_ttft_ms; 3 added index_source; 4 added run_id and the runs table; 5 added router_ttft_ms,
 router_latency_ms and timing_source (issue 26: ttft_ms and latency_ms from Envoy's clock); 6 added
-gateway_wait_ms and gateway_outcome (issue 24: the gateway queue). Opening an older file with
+gateway_wait_ms and gateway_outcome (issue 24: the gateway queue); 7 added routing_ms (issue 26: the routing
+delay by Envoy's clock). Opening an older file with
 `TelemetryStore` adds the missing columns in place (ALTER TABLE ADD COLUMN: old rows read NULL, nothing is
 rewritten); a `StoreReader` on a file no writer has upgraded yet reads those columns as NULL.
 
@@ -77,7 +80,7 @@ from typing import Any
 
 from prefixroute.telemetry.records import RECORD_FIELDS, RequestRecord
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -113,6 +116,7 @@ CREATE TABLE IF NOT EXISTS requests (
     index_source TEXT,
     gateway_wait_ms REAL,
     gateway_outcome TEXT,
+    routing_ms REAL,
     service_name TEXT,
     attrs TEXT NOT NULL DEFAULT '{}',
     UNIQUE (trace_id, span_id)
@@ -128,7 +132,7 @@ CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, started_at REAL NOT NU
 ADDED_COLUMNS: tuple[tuple[str, str], ...] = (
     ("predicted_ttft_ms", "REAL"), ("alternative_endpoint", "TEXT"), ("alternative_ttft_ms", "REAL"),
     ("index_source", "TEXT"), ("run_id", "TEXT"), ("router_ttft_ms", "REAL"), ("router_latency_ms", "REAL"),
-    ("timing_source", "TEXT"), ("gateway_wait_ms", "REAL"), ("gateway_outcome", "TEXT"))
+    ("timing_source", "TEXT"), ("gateway_wait_ms", "REAL"), ("gateway_outcome", "TEXT"), ("routing_ms", "REAL"))
 
 TIMING_COLUMNS: tuple[str, ...] = ("router_ttft_ms", "router_latency_ms", "timing_source")
 """Columns of a row's timing provenance (v5): the router's own figures and whose clock ttft_ms/latency_ms are."""

@@ -14,7 +14,7 @@ def record(traceparent: str, **attrs: str) -> LogRecord:
     """A streamed chat response's record for the pick keyed by `traceparent`; `attrs` override its attributes."""
     values = {"prefixroute.facts": "1", "tp": traceparent, "status": "200", "upstream": "10.0.0.1:80",
               "ctype": "text/event-stream", "ttft_us": "12500", "duration_us": "80000", "start": "1700000000.000000",
-              "first_token_us": "-", "usage": CHAT_USAGE, "response_id": "-", **attrs}
+              "first_token_us": "-", "usage": CHAT_USAGE, "response_id": "-", "routing_us": "850", **attrs}
     return LogRecord(attributes=[KeyValue(key=k, value=AnyValue(string_value=v)) for k, v in values.items()])
 
 

@@ -66,6 +66,7 @@ def test_records_get_envoys_facts_usage_with_cached_tokens_and_a_first_token(env
     rcv, gw, fleet = env
     before = facts(gw, "matched")
     learned_before = metric_value(router_metrics(gw), "prefixroute_endpoint_ttft_observations_total")
+    delays_before = metric_value(router_metrics(gw), "prefixroute_routing_delay_seconds_count")
     sent = []
     conn = http.client.HTTPConnection(gw.url.split("//", 1)[1], timeout=30)
     for i in range(12):
@@ -80,12 +81,16 @@ def test_records_get_envoys_facts_usage_with_cached_tokens_and_a_first_token(env
         assert r["status"] == 200 and r["endpoint"] in fleet.endpoints
         assert (r["prompt_tokens"], r["cached_tokens"]) == (u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])
         assert r["ttft_ms"] is not None and 0 < r["ttft_ms"] <= r["latency_ms"] + 1e-6
+        # Envoy's routing delay: the routing filter's round trip, within the request's TTFT
+        assert r["routing_ms"] is not None and 0 < r["routing_ms"] < r["ttft_ms"], r
     assert any(got[s.trace_id]["cached_tokens"] > 0 for s in sent)
     until(lambda: facts(gw, "matched") >= before + 12, 5.0, message=lambda: "matched facts")
     # The time model learned from the streamed ones (first token + usage, both from Envoy's record).
     learned = metric_value(router_metrics(gw), "prefixroute_endpoint_ttft_observations_total")
     assert learned >= learned_before + 6, (learned_before, learned)
     assert facts(gw, "missing") == 0
+    delays = metric_value(router_metrics(gw), "prefixroute_routing_delay_seconds_count")
+    assert delays >= delays_before + 12, (delays_before, delays)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -72,7 +72,8 @@ def begin(t: RequestTracker, p=None):  # noqa: ANN001, ANN202
 def test_the_attribute_names_are_the_receivers() -> None:
     # One place for the names: the Envoy side's attributes are what `facts_of` reads.
     assert {k for k in FACTS_ATTRIBUTES} == {"prefixroute.facts", "tp", "status", "upstream", "ctype", "ttft_us",
-                                             "duration_us", "start", "first_token_us", "usage", "response_id"}
+                                             "duration_us", "start", "first_token_us", "usage", "response_id",
+                                             "routing_us"}
 
 
 def test_facts_of_decodes_envoys_record() -> None:
