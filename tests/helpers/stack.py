@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 
 from helpers.procs import free_ports
@@ -100,7 +101,7 @@ class LocalStack:
         self.num_servers = num_servers
         (self.gateway_port, self.telemetry_port, self.telemetry_http_port, self.extproc_port, self.admin_port,
          self.metrics_port) = free_ports(6)
-        self.server_ports = _contiguous_free(num_servers)
+        self.server_ports = _contiguous_free(num_servers, avoid=self.ports_named())
         self.log_dir = tmp_path / "logs"
         self.db = tmp_path / "telemetry.db"
         self.argv = [sys.executable, "-m", "prefixroute", "up", "--servers", str(num_servers), "--ports", "random",
@@ -117,9 +118,13 @@ class LocalStack:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
 
-    def ports(self) -> list[int]:
+    def ports_named(self) -> list[int]:
+        """The ports passed by flag (free, not yet bound: a range chosen after them must step around them)."""
         return [self.gateway_port, self.telemetry_port, self.telemetry_http_port, self.extproc_port,
-                self.admin_port, self.metrics_port, *self.server_ports]
+                self.admin_port, self.metrics_port]
+
+    def ports(self) -> list[int]:
+        return [*self.ports_named(), *self.server_ports]
 
     def __enter__(self) -> LocalStack:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -185,13 +190,15 @@ class LocalStack:
         return "\n".join(out)
 
 
-def _contiguous_free(n: int) -> list[int]:
+def _contiguous_free(n: int, avoid: Collection[int] = ()) -> list[int]:
+    """`n` adjacent ports free now and none of `avoid` (ports already handed out but not bound yet: a bind test
+    alone passes them, and `prefixroute up` then found its telemetry port inside the servers' range)."""
     import socket
 
     for _ in range(100):
         (base,) = free_ports(1)
-        ok = True
-        for p in range(base, base + n):
+        ok = not any(base <= p < base + n for p in avoid)
+        for p in range(base, base + n) if ok else ():
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", p))

@@ -57,17 +57,18 @@ def _up_cmd(tmp_path: Path, ports: list[int], *extra: str) -> list[str]:
             "--state-dir", str(tmp_path / "state"), "--model-server-time-scale", "0.2", *extra]
 
 
-def _contiguous_free_pair() -> int:
+def _contiguous_free_pair(avoid: tuple[int, ...] = ()) -> int:
+    """A port whose next one is free too, neither of them in `avoid` (ports handed out, not bound yet)."""
     for _ in range(50):
         (base,) = free_ports(1)
-        if not _listening(base + 1):
+        if base not in avoid and base + 1 not in avoid and not _listening(base + 1):
             return base
     raise RuntimeError("no two adjacent free ports")
 
 
 def test_up_serves_and_stops_clean(tmp_path):
     gw, tel, tel_http, dash = free_ports(4)
-    ms = _contiguous_free_pair()
+    ms = _contiguous_free_pair((gw, tel, tel_http, dash))
     ports = [gw, tel, tel_http, dash, ms]
     cwd = tmp_path / "cwd"  # where a user runs it: nothing may be written there
     cwd.mkdir()
@@ -140,7 +141,7 @@ def test_up_serves_and_stops_clean(tmp_path):
 
 def test_busy_port_is_named(tmp_path):
     gw, tel, tel_http, dash = free_ports(4)
-    ms = _contiguous_free_pair()
+    ms = _contiguous_free_pair((gw, tel, tel_http, dash))
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", gw))
         blocker.listen()
