@@ -66,7 +66,8 @@ class Up:
 def _ports(num_servers: int = 2) -> dict[str, int]:
     for _ in range(50):
         gw, tel, tel_http, dash, ms = free_ports(5)
-        if not any(listening(ms + i) for i in range(1, num_servers)):
+        taken = (gw, tel, tel_http, dash)  # handed out, not bound yet: the servers' range must step around them
+        if not any(listening(ms + i) or ms + i in taken for i in range(1, num_servers)):
             return {"gw": gw, "tel": tel, "tel_http": tel_http, "dash": dash, "ms": ms}
     raise RuntimeError("no adjacent free ports")
 
