@@ -11,6 +11,12 @@ would cost its whole prefill); any other request is *placed*, and the strategies
   model's load);
 - ``future``: where the victims' next uses are farthest (each victim priced 1 / requests until its next use):
   a placement that knows the future, so an estimate of the most any placement of new prefixes can give;
+- ``probation``: segments across servers, as SLRU segments one cache: server 0 takes every prefix seen for the
+  first time; a prefix seen before goes to the other servers (priced as ``victims``) even when server 0 holds it
+  (promotion: one more prefill, so the others keep only prefixes used twice or more). Four servers or more;
+- ``admission``: TinyLFU's admission rule across servers: a prefix the main servers (all but 0) do not hold goes
+  to the one its blocks would evict least from when its own use count is at least its victims' mean count, else
+  to server 0 (which also keeps the first-time prefixes it holds). Four servers or more;
 - ``static-top``: no placement at all but a bound of another kind: the fleet's capacity filled once with the
   prefixes used most in the whole sequence (hindsight counts), each hit after its first use; what perfect
   popularity knowledge would give a frequency-based (LFU-like) cache.
@@ -47,18 +53,27 @@ def _match(lru: collections.OrderedDict, hashes: Sequence[int]) -> int:
     return sum(1 for _ in itertools.takewhile(lru.__contains__, hashes))
 
 
+Route = Callable[[int, ub.RequestBlocks, list[collections.OrderedDict], list[int]], int]
+
+
 def replay(requests: Sequence[ub.RequestBlocks], num_servers: int, capacity_blocks: int, place: Choose,
-           observe: Callable[[ub.RequestBlocks], None] = lambda r: None) -> tuple[float, list[int]]:
+           observe: Callable[[ub.RequestBlocks], None] = lambda r: None,
+           route: Route | None = None) -> tuple[float, list[int]]:
     """(hit ratio, requests per server) of `requests` through `num_servers` LRU caches of `capacity_blocks`
     blocks, affinity first (module docstring), `place` for the rest; `observe` sees each request after its
-    choice. A request's blocks become the most recently used, its first block last (vLLM frees tail first)."""
+    choice. `route`, when given, chooses every request instead (from the caches and each one's leading blocks
+    held): a strategy that overrides affinity. A request's blocks become the most recently used, its first block
+    last (vLLM frees tail first)."""
     caches: list[collections.OrderedDict] = [collections.OrderedDict() for _ in range(num_servers)]
     counts = [0] * num_servers
     total = cached = 0
     for t, r in enumerate(requests):
         ms = [_match(c, r.hashes) for c in caches]
         best = max(ms)
-        i = ms.index(best) if best and best >= SIGNIFICANT_RATIO * len(r.hashes) else place(t, r, caches)
+        if route is not None:
+            i = route(t, r, caches, ms)
+        else:
+            i = ms.index(best) if best and best >= SIGNIFICANT_RATIO * len(r.hashes) else place(t, r, caches)
         observe(r)
         counts[i] += 1
         lru = caches[i]
@@ -99,6 +114,9 @@ def strategies(requests: Sequence[ub.RequestBlocks], num_servers: int, capacity_
             return float(np.minimum(sketch.estimate(v), REUSE_MAX_COUNT).sum()) if v else 0.0
         return min(range(num_servers), key=lambda j: (cost(j), (hash(key_of(r)) + j) % num_servers))
     out["victims"] = replay(requests, num_servers, capacity_blocks, by_value, lambda r: sketch.add(r.hashes))
+    if num_servers >= 4:
+        for name in ("probation", "admission"):
+            out[name] = _segmented(requests, num_servers, capacity_blocks, key_of, admission=name == "admission")
 
     uses: dict[int, list[int]] = collections.defaultdict(list)
     for t, r in enumerate(requests):
@@ -117,6 +135,45 @@ def strategies(requests: Sequence[ub.RequestBlocks], num_servers: int, capacity_
         return min(range(num_servers), key=cost)
     out["future"] = replay(requests, num_servers, capacity_blocks, by_future)
     return out
+
+
+def _segmented(requests: Sequence[ub.RequestBlocks], num_servers: int, capacity_blocks: int,
+               key_of: Callable[[ub.RequestBlocks], int], *, admission: bool) -> tuple[float, list[int]]:
+    """``probation`` (`admission` False) or ``admission`` (module docstring): server 0 the probation segment, the
+    others the main one, priced as ``victims`` with the same sketch; a prefix's use count is its key block's."""
+    sketch = FrequencySketch()
+    seen: collections.Counter[int] = collections.Counter()
+    main = range(1, num_servers)
+
+    def value(victims: list[int]) -> np.ndarray:
+        return np.minimum(sketch.estimate(victims), REUSE_MAX_COUNT)
+
+    def cheapest(r: ub.RequestBlocks, caches: list) -> int:
+        def cost(j: int) -> float:
+            v = _victims(caches[j], r, capacity_blocks)
+            return float(value(v).sum()) if v else 0.0
+        return min(main, key=lambda j: (cost(j), (hash(key_of(r)) + j) % num_servers))
+
+    def route(t: int, r: ub.RequestBlocks, caches: list, ms: list[int]) -> int:
+        significant = SIGNIFICANT_RATIO * len(r.hashes)
+        held = max(main, key=ms.__getitem__)
+        if ms[held] and ms[held] >= significant:
+            return held
+        uses = seen[key_of(r)]
+        on_probation = ms[0] and ms[0] >= significant
+        if not admission:
+            return cheapest(r, caches) if uses else 0
+        if on_probation and not uses:
+            return 0
+        j = cheapest(r, caches)
+        v = _victims(caches[j], r, capacity_blocks)
+        return j if not v or uses >= float(value(v).mean()) else 0
+
+    def observe(r: ub.RequestBlocks) -> None:
+        sketch.add(r.hashes)
+        seen[key_of(r)] += 1
+
+    return replay(requests, num_servers, capacity_blocks, lambda t, r, cs: 0, observe, route)
 
 
 def static_top(requests: Sequence[ub.RequestBlocks], capacity_blocks: int) -> float:
