@@ -157,13 +157,15 @@ def served_model(endpoint: str) -> str:
     return json.loads(body)["data"][0]["id"]
 
 
-_METRIC_RE = re.compile(r'^(vllm:request_success_total|vllm:prefix_cache_hits_total|vllm:prefix_cache_queries_total)'
+_METRIC_RE = re.compile(r'^(vllm:request_success_total|vllm:prefix_cache_hits_total|vllm:prefix_cache_queries_total|'
+                        r'vllm:external_prefix_cache_hits_total)'
                         r'(?:\{[^}]*\})?\s+([0-9.eE+-]+)$', re.M)
 
 
 def scrape_server_counters(endpoints: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Per endpoint: requests served and prefix-cache hit/query tokens from its /metrics (fresh servers, so
-    the totals are this run's). Missing figures are absent."""
+    """Per endpoint: requests served, prefix-cache hit/query tokens and, with a CPU offload tier, the tokens loaded
+    from it (``external_prefix_cache_hits``) from its /metrics (fresh servers, so the totals are this run's).
+    Missing figures are absent."""
     out: dict[str, dict[str, float]] = {}
     for ep in endpoints:
         status, body = http_get(f"http://{ep}/metrics")

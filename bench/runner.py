@@ -30,7 +30,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -190,7 +190,9 @@ def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterS
 
 
 _ROUTER_METRIC_RE = re.compile(r'^(prefixroute_prompt_tokens_total|prefixroute_predicted_hit_tokens_total|'
-                               r'prefixroute_actual_hit_tokens_total)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$', re.M)
+                               r'prefixroute_actual_hit_tokens_total|prefixroute_tier_predicted_prompt_tokens_total)'
+                               r'(?:\{[^}]*\})?\s+([0-9.eE+-]+)$', re.M)
+_TIER_METRIC_RE = re.compile(r'^prefixroute_predicted_tier_hit_tokens_total\{([^}]*)\}\s+([0-9.eE+-]+)$', re.M)
 # An index-source-per-endpoint series, whatever its exact name (`..._index_source...{endpoint=..,source=..} 1`).
 _SOURCE_METRIC_RE = re.compile(r'^prefixroute_\w*index_source\w*\{([^}]*)\}\s+([0-9.eE+-]+)$', re.M)
 _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -212,6 +214,13 @@ def parse_router_metrics(text: str) -> dict[str, Any]:
         "predicted_hit_ratio": round(sums.get("predicted_hit_tokens", 0.0) / prompt, 6) if prompt else None,
         "actual_hit_ratio": round(sums.get("actual_hit_tokens", 0.0) / prompt, 6) if prompt else None,
     }
+    tier_prompt = sums.get("tier_predicted_prompt_tokens", 0.0)
+    if tier_prompt:  # the hit prediction by KV tier (a tier-aware events index: lifecycle_listeners.py)
+        by_tier: dict[str, float] = {}
+        for m in _TIER_METRIC_RE.finditer(text):
+            tier = dict(_LABEL_RE.findall(m.group(1))).get("tier", "")
+            by_tier[tier] = by_tier.get(tier, 0.0) + float(m.group(2))
+        out["predicted_by_tier"] = {t: round(by_tier.get(t, 0.0) / tier_prompt, 6) for t in ("gpu", "cpu")}
     sources: dict[str, str] = {}
     for m in _SOURCE_METRIC_RE.finditer(text):
         labels = dict(_LABEL_RE.findall(m.group(1)))
@@ -395,12 +404,37 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         **({"agents": bench_results.agent_summary(res, spec.workload_api)}
            if any(r.responses is not None for r in requests) else {}),
     })
+    tiers = tiers_from_servers(summary["extra"], counters, router_metrics)
+    if tiers is not None:
+        summary["extra"]["hit_ratio_by_tier"] = tiers
     if share is not None:
         summary["endpoint_share"] = share
         fair = 1.0 / len(share) if share else 0.0
         summary["extra"]["max_share_over_fair"] = round(max(share.values()) / fair, 3) if share and fair else None
     return RunOutput(summary, [r.ttft_ms for r in res if r.ok and r.ttft_ms is not None],
                      bench_results.per_request(res))
+
+
+def tiers_from_servers(extra: Mapping[str, Any], counters: Mapping[str, Mapping[str, float]],
+                       router_metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Real processes: the hit ratio by KV tier of one run (``extra["hit_ratio_by_tier"]``, as the virtual fleet
+    writes it from each request's figures), from the servers' counters: CPU = tokens loaded from their host tier
+    (``vllm:external_prefix_cache_hits``) over the prompt tokens the client sent, GPU = the client's cached tokens
+    less those; ``predicted`` = the router's prediction by tier (its ``predicted_by_tier``), where it made one.
+    None when no server loaded anything from a host tier (no tier, or never used). A server counts a request's
+    external hits each time it schedules it (a preempted request twice), as vLLM does: under preemption the CPU
+    share reads high."""
+    cpu_tokens = sum(c.get("external_prefix_cache_hits", 0.0) for c in counters.values())
+    prompt = extra.get("prompt_tokens") or 0
+    if not cpu_tokens or not prompt:
+        return None
+    cpu = min(1.0, cpu_tokens / prompt)
+    out: dict[str, Any] = {"gpu": round(max(0.0, (extra.get("cached_tokens") or 0) / prompt - cpu), 6),
+                           "cpu": round(cpu, 6), "source": "server metrics"}
+    pred = (router_metrics or {}).get("predicted_by_tier")
+    if pred:
+        out["predicted"] = dict(pred)
+    return out
 
 
 def run_bench(workload: Workload, upper_bound_hit_ratio: float | None, routers: Sequence[str], fleet: FleetConfig,

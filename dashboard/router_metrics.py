@@ -25,7 +25,11 @@ class EndpointLive:
     queried_tokens: float | None = None
     gpu_hit_tokens: float | None = None
     cpu_hit_tokens: float | None = None
-
+    # the router's prediction by tier for the requests it routed there (since the router started): their prompt
+    # tokens, and how many it predicted the GPU and the CPU tier would serve (lifecycle_listeners.py)
+    predicted_prompt_tokens: float | None = None
+    predicted_gpu_tokens: float | None = None
+    predicted_cpu_tokens: float | None = None
 
 
 _ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
@@ -37,7 +41,10 @@ _ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
     "prefixroute_index_source_info": "index_source",  # the value is the `source` label
     "prefixroute_kv_events_state": "kv_events_state",  # the value is the `state` label
     "prefixroute_endpoint_prefix_cache_tokens": "prefix_cache",  # the `kind` label names the field
+    "prefixroute_tier_predicted_prompt_tokens": "predicted_prompt_tokens",
+    "prefixroute_predicted_tier_hit_tokens": "predicted_tier",  # the `tier` label names the field
 }
+_PREDICTED_TIERS = {"gpu": "predicted_gpu_tokens", "cpu": "predicted_cpu_tokens"}
 _CACHE_KINDS = {"queried": "queried_tokens", "gpu_hit": "gpu_hit_tokens", "cpu_hit": "cpu_hit_tokens"}
 MAX_LIVE_ENDPOINTS = 1024  # a fleet's worth; bounds what an odd metrics text can make the page draw
 
@@ -56,10 +63,11 @@ def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
                 continue
             for sample in fam.samples:
                 name = sample.labels.get("endpoint")
-                if not name or math.isnan(sample.value) or (name not in found and len(found) >= MAX_LIVE_ENDPOINTS):
+                if not name or sample.name.endswith("_created") or math.isnan(sample.value) or (name not in found and len(found) >= MAX_LIVE_ENDPOINTS):
                     continue
-                if field == "prefix_cache":
-                    kind = _CACHE_KINDS.get(sample.labels.get("kind", ""))
+                if field in ("prefix_cache", "predicted_tier"):
+                    kind = (_CACHE_KINDS.get(sample.labels.get("kind", "")) if field == "prefix_cache"
+                            else _PREDICTED_TIERS.get(sample.labels.get("tier", "")))
                     if kind is not None and sample.value >= 0:
                         found.setdefault(name, {})[kind] = sample.value
                     continue

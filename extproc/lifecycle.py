@@ -63,7 +63,7 @@ class Pick:
     __slots__ = ("endpoints", "endpoint_ids", "request", "decision", "decision_us", "counted", "phases",
                  "index_source", "ttft_s", "prompt_tokens", "cached_tokens", "response_id", "response_endpoint",
                  "peer_seq", "peer_pending", "peer_seq_any", "flow_wait_s", "flow_released_by",
-                 "first_token_live")
+                 "first_token_live", "predicted_tiers")
 
     def __init__(self, endpoints: tuple[str, ...], endpoint_ids: tuple[EndpointId, ...],
                  request: InferenceRequest, decision: Decision, decision_us: float) -> None:
@@ -90,6 +90,9 @@ class Pick:
         self.peer_seq: int | None = None  # set while the other replicas count this pick in flight (a Release due)
         self.peer_pending = False  # the other replicas count it pending (a Done due at the first token)
         self.peer_seq_any: int | None = None  # its number on the bus, kept after its Release (for its response id)
+        # (GPU, CPU) leading blocks at the primary as the tier-aware events index matched them (None: no such
+        # prediction; lifecycle_listeners.TierPredictionListener)
+        self.predicted_tiers: tuple[int, int] | None = None
 
     @property
     def released(self) -> bool:

@@ -9,6 +9,8 @@
   its rate learns from the first token and the usage);
 - `PeersListener`: the other replicas (extproc/peers: a pick, its first token, its end, a failover, a
   response id, what the time model learned).
+- `TierPredictionListener` (only with a tier-aware KV-events index): the router's hit prediction by tier
+  (GPU, CPU) against the usage the server reported, as counters for /metrics.
 
 Telemetry is not among them: it observes requests through the tracker (tracking.py), and nothing the router
 learns goes through it. Each listener keeps only what it owns; the per-request state is the `Pick`.
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from prefixroute.extproc.endpoints import Pool
+from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 from prefixroute.extproc.lifecycle import LifecycleListener, Pick
 from prefixroute.extproc.peers import codec
 from prefixroute.extproc.response_directory import ResponseDirectory, response_key
@@ -175,3 +178,70 @@ class PeersListener(LifecycleListener):
         if peers is not None and learner is not None:
             for o in learner.take_observations():
                 peers.publish(codec.Observed(*o))
+
+
+class TierPredictionListener(LifecycleListener):
+    """What the router predicted each tier would serve, in tokens, beside the prompt tokens of the same requests
+    (issue 25: the predicted hit ratio by tier, to hold against the servers' own counters by tier,
+    ``vllm:prefix_cache_hits`` and ``vllm:external_prefix_cache_hits``).
+
+    At the decision: the (GPU, CPU) leading blocks the tier-aware events index found at the primary in this
+    request's match (`TieredKVEventIndex.last_tiers`; `route` matches and the lifecycle's ``decided`` follows
+    in the same call, so the last match is this request's), when the primary is matched by its events. At the
+    usage: counted in the server's accounting (whole blocks of ``kv_block_tokens``, at most n - 1 of n prompt
+    tokens, the CPU blocks after the GPU ones) for requests served by their primary; a failed-over request's
+    prediction was for another endpoint and is left out, with its prompt tokens. `tokens`: endpoint -> [prompt
+    tokens, predicted GPU tokens, predicted CPU tokens], plain floats the metrics thread reads."""
+
+    def __init__(self, core: RouterCore, index: TieredKVEventIndex) -> None:
+        self.core = core
+        self.index = index
+        self.block_tokens = core.settings.kv_block_tokens
+        self.tokens: dict[EndpointId, list[float]] = {}
+
+    def on_decided(self, pick: Pick) -> None:
+        ep = pick.endpoint_ids[0]
+        if ep in self.core.sourced.event_endpoints:
+            pick.predicted_tiers = self.index.last_tiers(ep)
+
+    def on_usage(self, pick: Pick) -> None:
+        tiers, n = pick.predicted_tiers, pick.prompt_tokens
+        if tiers is None or not n or pick.counted != pick.endpoint_ids[0]:
+            return
+        bt = self.block_tokens
+        cap = (n - 1) // bt if n > 0 else 0
+        gpu = min(tiers[0], cap)
+        cpu = min(tiers[1], cap - gpu)
+        row = self.tokens.get(pick.counted)
+        if row is None:
+            row = self.tokens[pick.counted] = [0.0, 0.0, 0.0]
+        row[0] += n
+        row[1] += gpu * bt
+        row[2] += cpu * bt
+
+
+class TierPredictionCollector:
+    """prometheus_client collector of a `TierPredictionListener` (register it on the router's registry)."""
+
+    def __init__(self, listener: TierPredictionListener) -> None:
+        self.listener = listener
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):  # noqa: ANN201
+        from prometheus_client.core import CounterMetricFamily
+
+        prompt = CounterMetricFamily("prefixroute_tier_predicted_prompt_tokens", "Prompt tokens of the requests "
+                                     "whose hit the router predicted by KV tier (matched by the endpoint's KV "
+                                     "events, served by the primary, usage reported).", labels=["endpoint"])
+        hit = CounterMetricFamily("prefixroute_predicted_tier_hit_tokens", "Of those prompt tokens, how many the "
+                                  "router predicted the endpoint would serve from each KV tier (gpu; cpu: its "
+                                  "host-memory offload tier), in the server's accounting.",
+                                  labels=["endpoint", "tier"])
+        for ep, (n, gpu, cpu) in list(self.listener.tokens.items()):
+            prompt.add_metric([str(ep)], n)
+            hit.add_metric([str(ep), "gpu"], gpu)
+            hit.add_metric([str(ep), "cpu"], cpu)
+        yield prompt
+        yield hit

@@ -79,9 +79,10 @@ from typing import Any, Protocol
 
 from prefixroute.extproc.endpoints import Pool
 from prefixroute.extproc.flow.control import NeedsHold
+from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 from prefixroute.extproc.lifecycle import Lifecycle, LifecycleListener, Phase, Pick
 from prefixroute.extproc.lifecycle_listeners import (IndexListener, PeerPublisher, PeersListener, PoolListener,
-                                                     ResponsesListener, TimeModelListener)
+                                                     ResponsesListener, TierPredictionListener, TimeModelListener)
 from prefixroute.extproc.peers import codec
 from prefixroute.extproc.response_directory import NeedsLookup, ResponseDirectory, ResponseLookup
 from prefixroute.extproc.routing.request import InferenceRequest, clip, parse_request
@@ -152,6 +153,11 @@ class PoolRouter:
                          IndexListener(core), *([TimeModelListener(core.learner)] if core.learner else []),
                          self._peers):
             self.lifecycle.add(listener)
+        # The hit prediction by KV tier, for /metrics: only with a tier-aware events index.
+        self.tier_prediction = TierPredictionListener(core, core.event_index) \
+            if isinstance(core.event_index, TieredKVEventIndex) else None
+        if self.tier_prediction is not None:
+            self.lifecycle.add(self.tier_prediction)
         self.peer_pending_ttl_s = 30.0  # PeerSettings.pending_ttl_s, set with `peers`
         self.peer_in_flight_ttl_s = 660.0  # PeerSettings.in_flight_ttl_s
         self.peer_timeout_s = 5.0  # PeerSettings.peer_timeout_s

@@ -7,16 +7,19 @@ from __future__ import annotations
 import orjson
 from prometheus_client import generate_latest
 
+from types import SimpleNamespace
+
 from prefixroute.bench.sim_pool import SimulatedPool
 from prefixroute.dashboard import tiers_panel
 from prefixroute.dashboard.router_metrics import EndpointLive, parse_router_metrics
+from prefixroute.extproc.lifecycle_listeners import TierPredictionCollector, TierPredictionListener
 from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.server import ServerSettings
 from prefixroute.model_servers.virtual_fleet import SimRequest, VirtualFleet
 from prefixroute.telemetry.metrics import RouterMetrics
 
 
-def _run(spec: EngineSpec) -> dict[str, EndpointLive]:
+def _run(spec: EngineSpec, prediction: TierPredictionListener | None = None) -> dict[str, EndpointLive]:
     fleet = VirtualFleet(spec, num_servers=2)
     docs = ["alpha ", "bravo ", "charlie "]
 
@@ -27,6 +30,8 @@ def _run(spec: EngineSpec) -> dict[str, EndpointLive]:
     fleet.run([req(i) for i in range(12)], lambda r, f: int(r.request_id) % 3 // 2)  # docs 0, 1 -> 0; 2 -> 1
     pool = SimulatedPool(fleet)
     metrics = RouterMetrics(endpoint_states=pool.snapshot)
+    if prediction is not None:
+        metrics.registry.register(TierPredictionCollector(prediction))
     return parse_router_metrics(generate_latest(metrics.registry).decode())
 
 
@@ -46,3 +51,19 @@ def test_hit_ratio_by_tier_per_endpoint_from_the_servers_counters():
     plain = _run(EngineSpec.from_settings(ServerSettings(num_gpu_blocks=130)))
     assert not tiers_panel.has_tiers(tiers_panel.tier_frame(plain))
     assert tiers_panel.tier_frame({}).empty
+
+
+def test_the_routers_prediction_by_tier_sits_beside_what_each_server_served():
+    tiered = EngineSpec.from_settings(ServerSettings(num_gpu_blocks=130, kv_offloading_size=1.0))
+    plain_live = _run(tiered)
+    busy_name = tiers_panel.tier_frame(plain_live)["endpoint"].iloc[0]
+    core = SimpleNamespace(settings=SimpleNamespace(kv_block_tokens=16), sourced=SimpleNamespace(event_endpoints=()))
+    listener = TierPredictionListener(core, None)  # type: ignore[arg-type]
+    listener.tokens = {busy_name: [1000.0, 250.0, 500.0]}  # what its usages would have counted
+    frame = tiers_panel.tier_frame(_run(tiered, listener)).set_index("endpoint")
+    assert frame.loc[busy_name, "predicted GPU hit"] == 0.25 and frame.loc[busy_name, "predicted CPU-tier hit"] == 0.5
+    other = [e for e in frame.index if e != busy_name][0]
+    assert frame.loc[other, ["predicted GPU hit", "predicted CPU-tier hit"]].isna().all()  # predicted nothing there
+    # the served shares are the servers' own, unchanged by the prediction beside them
+    assert frame.loc[busy_name, "CPU-tier hit"] == tiers_panel.tier_frame(plain_live).set_index("endpoint").loc[
+        busy_name, "CPU-tier hit"]
