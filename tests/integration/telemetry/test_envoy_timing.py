@@ -185,7 +185,8 @@ def test_record_ttft_is_a_clients_within_2_ms_at_concurrency_8_with_demo_traffic
         assert abs(figures[label]["record_minus_client_p50"]) <= 2.0, (label, figures[label])
         assert abs(figures[label]["latency_record_minus_client_p50"]) <= 3.0, (label, figures[label])
     # At concurrency 8 on 2 shared cores even the raw client's own loop takes 0.4-0.8 ms to send and 0.9-1.4 ms to
-    # read (measured on the shared clock, printed): the 2 ms was met in 1 of 3 runs (docs/telemetry.md), so
-    # the test bounds what Envoy can be held to with room for that client.
+    # read (measured on the shared clock, printed): the 2 ms was met in 1 of 3 runs at first, in 6 of 6 on
+    # 2026-12-06 (-0.6 to -0.8 ms; docs/telemetry.md); the test bounds what Envoy can be held to with room for that
+    # client on a loaded CI machine.
     f = figures["raw, concurrency 8"]
     assert abs(f["record_minus_client_p50"]) <= 4.0 and abs(f["latency_record_minus_client_p50"]) <= 5.0, f
