@@ -36,6 +36,7 @@ from prefixroute.extproc.peers import codec
 from prefixroute.extproc.peers.bus import PeerBus
 from prefixroute.extproc.peers.server import nats_server_argv, nats_url
 from prefixroute.extproc.peers.settings import PeerSettings
+from prefixroute.extproc.server import new_event_loop
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.procs import free_port, tcp_open
 
@@ -140,7 +141,7 @@ async def _main(args: argparse.Namespace) -> None:
             lingers.insert(0, 0.0)
         per_request = 2 if args.messages == "pick-release" else 4
         what = "pick of 64 hashes + release" if per_request == 2 else "pick of 64 hashes, done, release, observed"
-        print(f"bench_peer_bus: {n} requests ({what}) every {args.interval_ms} ms, sink {args.sink}, "
+        print(f"bench_peer_bus: {n} requests ({what}) every {args.interval_ms} ms, sink {args.sink}, {args.loop}, "
               f"{args.rounds} rounds; CPU per request over a control loop without the bus")
         for r in range(args.rounds):
             control = (await _run(url, None, n, iv, args.messages, args.sink))[0]
@@ -169,7 +170,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--messages", choices=("pick-release", "gateway"), default="pick-release")
     ap.add_argument("--sink", choices=("count", "router"), default="count")
-    asyncio.run(_main(ap.parse_args()))
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="asyncio",
+                    help="The event loop: asyncio's (the figures in bench-results/) or uvloop, which the router's "
+                         "replicas run (extproc/server.py new_event_loop); uvloop's timers tick in whole "
+                         "milliseconds, so give it --interval-ms 1 or more.")
+    args = ap.parse_args()
+    loop = new_event_loop(args.loop == "uvloop")
+    try:
+        loop.run_until_complete(_main(args))
+    finally:
+        loop.close()
 
 
 if __name__ == "__main__":
