@@ -63,7 +63,8 @@ def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
                 continue
             for sample in fam.samples:
                 name = sample.labels.get("endpoint")
-                if not name or sample.name.endswith("_created") or math.isnan(sample.value) or (name not in found and len(found) >= MAX_LIVE_ENDPOINTS):
+                if not name or sample.name.endswith("_created") or math.isnan(sample.value) or (
+                        name not in found and len(found) >= MAX_LIVE_ENDPOINTS):
                     continue
                 if field in ("prefix_cache", "predicted_tier"):
                     kind = (_CACHE_KINDS.get(sample.labels.get("kind", "")) if field == "prefix_cache"
