@@ -396,7 +396,7 @@ def _router_flow(router: PoolRouter, pool: SimulatedPool, fleet: VirtualFleet, f
         p = parsed.get(req.request_id)
         if p is None:
             p = parsed[req.request_id] = parse_request("POST", req.path, req.headers, req.body, router.settings,
-                                                       router.hasher, None)
+                                                       router.hasher, None, router.text_cache)
         return p
 
     def loads() -> list:

@@ -39,6 +39,7 @@ from prefixroute.extproc.routing.request_prompt import CanonicalText
 from prefixroute.extproc.routing.request import (CHAT_PATH, COMPLETION_PATH, InferenceRequest, next_request_key,
                                                  parse_request)
 from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.text_hash_cache import TextHashCache
 from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.procs import die_with_parent, return_large_blocks
@@ -57,10 +58,11 @@ _HEADERS_USED = ("x-request-id", "content-encoding")  # plus the tenant and sess
 
 _worker_settings: RoutingSettings | None = None
 _worker_hasher: PromptHasher | None = None
+_worker_text_cache: TextHashCache | None = None
 
 
 def _init_worker(settings: RoutingSettings, parent: int) -> None:
-    global _worker_settings, _worker_hasher
+    global _worker_settings, _worker_hasher, _worker_text_cache
     # Dies with the router (a SIGKILLed router must leave no process behind; multiprocessing's resource tracker
     # then sees its last writer go and exits too), and yields the CPU to the router's event loop and Envoy:
     # parsing a large body is the work that may wait.
@@ -70,6 +72,7 @@ def _init_worker(settings: RoutingSettings, parent: int) -> None:
         os.nice(WORKER_NICE)
     _worker_settings = settings
     _worker_hasher = PromptHasher.from_settings(settings)
+    _worker_text_cache = TextHashCache.from_settings(settings)
 
 
 class _ChatLists(msgspec.Struct):
@@ -119,7 +122,8 @@ def _parse_in_worker(method: str, path: str, headers: dict[str, str], body: byte
     assert _worker_settings is not None
     try:
         precheck_lists(path, headers, body, _worker_settings)
-        return ("ok", parse_request(method, path, headers, body, _worker_settings, _worker_hasher, adapters))
+        return ("ok", parse_request(method, path, headers, body, _worker_settings, _worker_hasher, adapters,
+                                     _worker_text_cache))
     except OpenAIError as err:
         return ("error", err.status, err.message, err.param, err.type, err.retry_after_s)
 

@@ -87,6 +87,7 @@ from prefixroute.extproc.peers import codec
 from prefixroute.extproc.response_directory import NeedsLookup, ResponseDirectory, ResponseLookup
 from prefixroute.extproc.routing.request import InferenceRequest, clip, parse_request
 from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.text_hash_cache import TextHashCache
 from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.types import EndpointId, EndpointState
 from prefixroute.openai_errors import OpenAIError
@@ -134,6 +135,8 @@ class PoolRouter:
         self.settings = core.settings
         # Token mode (``--tokenizer``): built once; a tokenizer that cannot load fails startup (TokenizerLoadError).
         self.hasher = PromptHasher.from_settings(core.settings)
+        # Text blocks (text mode, and what token mode hashes by text) with repeated spans cached.
+        self.text_cache = TextHashCache.from_settings(core.settings)
         self._adapters = pool.adapters  # the pool's live set of LoRA adapter names (None: it lists none)
         self._addr: dict[EndpointId, str] = {}
         self._id_of_addr: dict[str, EndpointId] = {}
@@ -235,7 +238,8 @@ class PoolRouter:
         elif self.offload is not None and self.offload.heavy(path, body):
             raise NeedsParse()
         else:
-            request = parse_request(method, path, headers, body, self.settings, self.hasher, self._adapters)
+            request = parse_request(method, path, headers, body, self.settings, self.hasher, self._adapters,
+                                    self.text_cache)
         flow = self.flow
         if flow is not None:
             if ticket is not None:

@@ -8,7 +8,7 @@ fixed cost per entry and a number of entries; `plan` divides the budget between 
 | --- | --- | --- |
 | 1/8 | chat sessions (`sessions.SessionTable`) | `sessions.SESSION_ENTRY_BYTES` (keys are 16-byte digests) |
 | 1/8 | Responses directory (`extproc/response_directory.py`) | `RESPONSE_ID_ENTRY_BYTES` (ids are 16-byte digests) |
-| 1/4 | tokenizer caches (token mode: `tokens.PromptHasher`, counted in bytes) | the cached token ids and hash-chain states |
+| 1/4 | prompt-hashing caches: token mode's `tokens.PromptHasher` (counted in bytes; 7/8 of the share in token mode) and the text blocks' `text_hash_cache.TextHashCache` (the rest: all of it in text mode, 1/8 in token mode, where only requests hashed by text use it) | the cached token ids and hash-chain states; `text_hash_cache.SPAN_ENTRY_BYTES` per text span |
 | 1/4 | other replicas' pending picks and requests in flight (extproc/peers) | `peer_pick_bytes(blocks)` / `PEER_IN_FLIGHT_ENTRY_BYTES` |
 | 1/4 | headroom: requests in flight (held while they run, ~`IN_FLIGHT_REQUEST_BYTES` each), allocator slack | |
 
@@ -64,6 +64,7 @@ class MemoryPlan:
     max_sessions: int
     max_response_ids: int
     tokenizer_cache_bytes: int
+    text_hash_cache_bytes: int
     max_peer_picks: int
     max_peer_in_flight: int
     max_blocks_per_request: int  # hashes one request can carry (text or token blocks): what a peer pick may hold
@@ -72,6 +73,7 @@ class MemoryPlan:
         """One line for the log at start."""
         return (f"memory budget {self.budget_bytes // MIB} MiB: {self.max_sessions} sessions, "
                 f"{self.max_response_ids} response ids, tokenizer caches {self.tokenizer_cache_bytes // MIB} MiB, "
+                f"text hash cache up to {self.text_hash_cache_bytes // MIB} MiB, "
                 f"{self.max_peer_picks} peer picks, {self.max_peer_in_flight} peer requests in flight")
 
 
@@ -81,12 +83,15 @@ def plan(settings) -> MemoryPlan:  # noqa: ANN001 - RoutingSettings (import cycl
     budget = settings.memory_budget_mb * MIB
     blocks = max(settings.max_blocks, settings.max_token_blocks if settings.tokenizer else 0)
     peers = budget * PEERS_SHARE
+    hashing = int(budget * TOKENIZER_SHARE)
+    text_hashing = hashing // 8 if settings.tokenizer else hashing
     return MemoryPlan(
         budget_bytes=budget,
         max_sessions=settings.max_sessions or max(1, int(budget * SESSIONS_SHARE // SESSION_ENTRY_BYTES)),
         max_response_ids=settings.max_response_ids or max(1, int(budget * RESPONSE_IDS_SHARE
                                                                  // RESPONSE_ID_ENTRY_BYTES)),
-        tokenizer_cache_bytes=int(budget * TOKENIZER_SHARE),
+        tokenizer_cache_bytes=hashing - text_hashing,
+        text_hash_cache_bytes=text_hashing,
         max_peer_picks=max(1, int(peers * 7 / 8 // peer_pick_bytes(blocks))),
         max_peer_in_flight=max(1, int(peers / 8 // PEER_IN_FLIGHT_ENTRY_BYTES)),
         max_blocks_per_request=blocks,

@@ -50,6 +50,7 @@ from prefixroute.extproc.routing.request_fields import MAX_LOGPROBS, check_field
 from prefixroute.extproc.routing.request_prompt import (MAX_TOKEN_ID, CanonicalText, render_chat, render_completion,
                                                         render_tools, responses_chat_body)
 from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing.text_hash_cache import TextHashCache
 from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.types import BlockHash, RequestKind
 
@@ -135,13 +136,16 @@ def next_request_key() -> int:
 
 def parse_request(method: str, path: str, headers: Mapping[str, str], body: bytes,
                   settings: RoutingSettings, tokenizer: PromptHasher | None = None,
-                  adapters: Container[str] | None = None) -> InferenceRequest:
+                  adapters: Container[str] | None = None,
+                  text_cache: TextHashCache | None = None) -> InferenceRequest:
     """Understand one request. `headers` keys must be lower case (HTTP/2 and Envoy's ext_proc give them so).
 
     `tokenizer` (built once: ``PromptHasher.from_settings(settings)``) selects token mode (module docstring);
     None keeps text mode. `adapters`: the model names that are LoRA adapters (a set, or any container such as
     a live view of the pool's served adapters); a request for one is hashed with ``lora_name`` = its model, as
-    vLLM keys its blocks. None: every model is a base model.
+    vLLM keys its blocks. None: every model is a base model. `text_cache` (built once:
+    ``TextHashCache.from_settings(settings)``): text blocks with the spans seen before cached, the same hashes
+    as without it.
 
     Raises only `OpenAIError` (413, 405, 400; see module docstring). Paths other than the two completion APIs
     (query string ignored) give kind "other" with no hashes; their body is not parsed.
@@ -183,7 +187,10 @@ def parse_request(method: str, path: str, headers: Mapping[str, str], body: byte
                                     block_hashes=blocks.block_hashes, num_prompt_chars=canon.num_chars,
                                     request_id=request_id, num_prompt_tokens=blocks.num_prompt_tokens,
                                     session_key=session_key)
-    hashes = hash_blocks(canon.text(), seed_for(model, salt), settings.block_chars, settings.max_blocks)
+    if text_cache is not None:
+        hashes = text_cache.hash_blocks(canon.text(), seed_for(model, salt))
+    else:
+        hashes = hash_blocks(canon.text(), seed_for(model, salt), settings.block_chars, settings.max_blocks)
     return InferenceRequest(kind=kind, path=path, model=model, tenant=tenant, stream=bool(stream),
                             block_hashes=hashes, num_prompt_chars=canon.num_chars, request_id=request_id,
                             session_key=session_key, response_ref=response_ref)

@@ -85,7 +85,9 @@ class RoutingSettings(Settings):
         8192,
         "Text segments (a message, a system prompt) whose token ids and block hashes the router keeps (LRU), so "
         "a prompt whose prefix was seen before costs a few hash lookups instead of a tokenization. 8192 "
-        "segments of a few thousand tokens are some tens of MB.")
+        "segments of a few thousand tokens are some tens of MB. Text blocks (text mode, and requests token mode "
+        "hashes by text) are cached as 1 KiB spans of prompt text, as many (~900 bytes each: ~7 MB, 8 MiB of "
+        "distinct prompt text), so a repeated system prompt costs a lookup per KiB instead of a hash per block.")
     block_chars: int = setting(
         64,
         "Characters of canonical prompt text per router block. 64 = 16 tokens x ~4 characters per token, the "
@@ -175,12 +177,12 @@ class RoutingSettings(Settings):
     memory_budget_mb: int = setting(
         512,
         "Memory the router's tables filled by clients may take at most, worst case, beyond the process's own "
-        "~170 MB: an eighth for chat sessions, an eighth for Responses ids, a quarter for the tokenizer caches, "
-        "a quarter for other replicas' picks, a quarter left for requests in flight (routing/memory.py). Every "
-        "value a client sends that the router keeps is bounded first (identifiers at 256 characters, digests for "
-        "session and response ids), so a flood of unique large keys costs no more than this. 512 MiB: a small "
-        "share of a router host, and sizes the tables above what a replica needs at thousands of requests a "
-        "second.")
+        "~170 MB: an eighth for chat sessions, an eighth for Responses ids, a quarter for the prompt-hashing "
+        "caches (tokenizer, text spans), a quarter for other replicas' picks, a quarter left for requests in "
+        "flight (routing/memory.py). Every value a client sends that the router keeps is bounded first "
+        "(identifiers at 256 characters, digests for session and response ids), so a flood of unique large keys "
+        "costs no more than this. 512 MiB: a small share of a router host, and sizes the tables above what a "
+        "replica needs at thousands of requests a second.")
     max_messages: int = setting(
         4096,
         "Most messages (chat), input items (Responses) or prompts (completions) in one request; more gets 400 "

@@ -19,6 +19,8 @@ from prefixroute.extproc.routing.request import MAX_KEY_CHARS, bounded_key, pars
 from prefixroute.extproc.routing.scheduling.policies import PrefixPolicy
 from prefixroute.extproc.routing.sessions import SESSION_ENTRY_BYTES, SessionTable
 from prefixroute.extproc.routing.settings import RoutingSettings
+from prefixroute.extproc.routing import text_hash_cache
+from prefixroute.extproc.routing.text_hash_cache import TextHashCache
 from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.model_servers.tokenizer import SimTokenizer
 from prefixroute.types import EndpointId, EndpointState
@@ -152,8 +154,29 @@ def test_cached_and_uncached_token_blocks_agree_when_the_cache_is_tiny():
 def test_tables_are_sized_from_the_budget(budget_mb):
     p = memory.plan(RoutingSettings(memory_budget_mb=budget_mb, tokenizer="sim"))
     tables = (p.max_sessions * SESSION_ENTRY_BYTES + p.max_response_ids * memory.RESPONSE_ID_ENTRY_BYTES
-              + p.tokenizer_cache_bytes + p.max_peer_picks * memory.peer_pick_bytes(p.max_blocks_per_request)
+              + p.tokenizer_cache_bytes + p.text_hash_cache_bytes
+              + p.max_peer_picks * memory.peer_pick_bytes(p.max_blocks_per_request)
               + p.max_peer_in_flight * memory.PEER_IN_FLIGHT_ENTRY_BYTES)
     assert 0.7 * p.budget_bytes <= tables <= p.budget_bytes  # a quarter is headroom for requests in flight
     explicit = memory.plan(RoutingSettings(memory_budget_mb=budget_mb, max_sessions=10, max_response_ids=20))
     assert (explicit.max_sessions, explicit.max_response_ids) == (10, 20)
+
+
+def test_text_hash_cache_entries_cost_at_most_what_the_budget_assumes():
+    n = 2000
+    cache = TextHashCache(64, 1 << 30, n)
+    # Distinct texts of n spans, each span's hashes new: the cache ends holding n entries.
+    text = "".join(f"{i:08d}" * 128 for i in range(n))
+    grown = _grown(lambda: (cache.hash_blocks(text, 7), None)[1])
+    assert len(cache) == n
+    assert grown / n <= text_hash_cache.SPAN_ENTRY_BYTES, grown / n
+
+
+def test_text_hash_cache_is_sized_from_the_settings():
+    cache = TextHashCache.from_settings(RoutingSettings(tokenizer_cache_entries=100))
+    assert cache.max_entries == 100
+    small = memory.plan(RoutingSettings(memory_budget_mb=1))
+    assert TextHashCache.from_settings(RoutingSettings(memory_budget_mb=1)).max_entries == \
+        small.text_hash_cache_bytes // text_hash_cache.SPAN_ENTRY_BYTES
+    token_mode = memory.plan(RoutingSettings(tokenizer="sim"))
+    assert token_mode.text_hash_cache_bytes * 7 == token_mode.tokenizer_cache_bytes
