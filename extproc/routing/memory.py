@@ -8,7 +8,7 @@ fixed cost per entry and a number of entries; `plan` divides the budget between 
 | --- | --- | --- |
 | 1/8 | chat sessions (`sessions.SessionTable`) | `sessions.SESSION_ENTRY_BYTES` (keys are 16-byte digests) |
 | 1/8 | Responses directory (`extproc/response_directory.py`) | `RESPONSE_ID_ENTRY_BYTES` (ids are 16-byte digests) |
-| 1/4 | prompt-hashing caches: token mode's `tokens.PromptHasher` (counted in bytes; 7/8 of the share in token mode) and the text blocks' `text_hash_cache.TextHashCache` (the rest: all of it in text mode, 1/8 in token mode, where only requests hashed by text use it) | the cached token ids and hash-chain states; `text_hash_cache.SPAN_ENTRY_BYTES` per text span |
+| 1/4 | prompt hashing: `tokens.PromptHasher` (7/8; token mode) and `text_hash_cache.TextHashCache` (1/8; all in text mode) | token ids, chain states; `SPAN_ENTRY_BYTES` a span |
 | 1/4 | other replicas' pending picks and requests in flight (extproc/peers) | `peer_pick_bytes(blocks)` / `PEER_IN_FLIGHT_ENTRY_BYTES` |
 | 1/4 | headroom: requests in flight (held while they run, ~`IN_FLIGHT_REQUEST_BYTES` each), allocator slack | |
 

@@ -66,7 +66,8 @@ class TextHashCache:
         ``text_hash_cache_bytes``)."""
         from prefixroute.extproc.routing.memory import plan
 
-        entries = min(settings.tokenizer_cache_entries, max(1, plan(settings).text_hash_cache_bytes // SPAN_ENTRY_BYTES))
+        room = max(1, plan(settings).text_hash_cache_bytes // SPAN_ENTRY_BYTES)
+        entries = min(settings.tokenizer_cache_entries, room)
         return cls(settings.block_chars, settings.max_blocks, entries)
 
     def __len__(self) -> int:
@@ -83,44 +84,27 @@ class TextHashCache:
         end = n * bc
         prefix = text[:end]  # never read (or copy) beyond the hashed part
         span_chars = SPAN_BLOCKS * bc
-        spans = self._spans
-        get = spans.get
+        span_end = num_spans * span_chars
+        # One encode, then byte slices, for ASCII text (the keys' bytes); otherwise each span is encoded
+        # (surrogatepass: a lone surrogate must hash, not raise, as in hash_blocks).
+        data = prefix.encode("ascii") if prefix.isascii() else None
+        get = self._spans.get
         out: list[BlockHash] = []
         h = seed
-        i = 0
-        span_end = num_spans * span_chars
-        if prefix.isascii():
-            data = prefix.encode("ascii")  # one encode, then byte slices: the bytes per-block encoding gives
-            while i < span_end:
-                span = data[i:i + span_chars]
-                key = _xxh3(span, h)
-                hashes = get(key)
-                if hashes is None:
-                    hashes = tuple([h := _xxh3(span[j:j + bc], h) for j in range(0, span_chars, bc)])
-                    self._store(key, hashes)
-                else:
-                    self._touch(key)
-                    h = hashes[-1]
-                out.extend(hashes)
-                i += span_chars
-            out.extend([h := _xxh3(data[j:j + bc], h) for j in range(span_end, end, bc)])
-            return out
-        # surrogatepass: a lone surrogate in the text must hash, not raise (as hash_blocks does).
-        while i < span_end:
+        for i in range(0, span_end, span_chars):
             text_span = prefix[i:i + span_chars]
-            key = _xxh3(text_span.encode("utf-8", "surrogatepass"), h)
+            span = data[i:i + span_chars] if data is not None else text_span.encode("utf-8", "surrogatepass")
+            key = _xxh3(span, h)
             hashes = get(key)
             if hashes is None:
-                hashes = tuple([h := _xxh3(text_span[j:j + bc].encode("utf-8", "surrogatepass"), h)
-                                for j in range(0, span_chars, bc)])
+                hashes = tuple(_hash_blocks(text_span, h, bc, SPAN_BLOCKS))
                 self._store(key, hashes)
             else:
                 self._touch(key)
-                h = hashes[-1]
+            h = hashes[-1]
             out.extend(hashes)
-            i += span_chars
-        out.extend([h := _xxh3(prefix[j:j + bc].encode("utf-8", "surrogatepass"), h)
-                    for j in range(span_end, end, bc)])
+        if span_end < end:
+            out.extend(_hash_blocks(prefix[span_end:], h, bc, n - num_spans * SPAN_BLOCKS))
         return out
 
     def _store(self, key: int, hashes: tuple[BlockHash, ...]) -> None:
