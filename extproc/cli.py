@@ -42,6 +42,7 @@ from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.routing.sessions import SessionsCollector
+from prefixroute.extproc.routing.text_hash_cache import PromptHashCachesCollector
 from prefixroute.extproc.lifecycle_listeners import TierPredictionCollector
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.routing.tokens import PromptHasher, TokenizerLoadError
@@ -213,6 +214,8 @@ def _telemetry_for(router: PoolRouter, pool: EndpointPool, event_index: KVEventI
     telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
     if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
         telemetry.metrics.registry.register(SessionsCollector(core.sessions))
+    # The prompt-hashing caches' hits and misses (prefixroute_prompt_hash_cache_*).
+    telemetry.metrics.registry.register(PromptHashCachesCollector(router.text_cache, router.hasher))
     if router.tier_prediction is not None:  # the hit prediction by KV tier (prefixroute_predicted_tier_hit_tokens)
         telemetry.metrics.registry.register(TierPredictionCollector(router.tier_prediction))
     return telemetry, tracker

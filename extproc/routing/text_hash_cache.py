@@ -25,6 +25,7 @@ operation is one dict call, and an entry evicted between its lookup and its refr
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import xxhash
 
@@ -123,3 +124,35 @@ class TextHashCache:
             self._spans.move_to_end(key)
         except KeyError:  # evicted by a concurrent caller since its lookup: it is recomputed next time
             pass
+
+
+class PromptHashCachesCollector:
+    """prometheus_client collector of the prompt-hashing caches (register it on the router's registry): the text
+    spans' (`TextHashCache`) and, in token mode, the tokenizer's pieces (`tokens.PromptHasher`). Read by the
+    metrics thread: plain integers, a torn read costs at most one count."""
+
+    def __init__(self, text_cache: TextHashCache, hasher: Any = None) -> None:
+        self.text_cache = text_cache
+        self.hasher = hasher
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):  # noqa: ANN201
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        lookups = CounterMetricFamily("prefixroute_prompt_hash_cache_lookups", "Lookups in the prompt-hashing "
+                                      "caches by result: text_spans (1 KiB spans of prompt text whose block hashes "
+                                      "are kept), token_pieces (token mode: prompt pieces whose token ids are "
+                                      "kept). A miss hashes (or tokenizes) the text.", labels=["cache", "result"])
+        t = self.text_cache
+        lookups.add_metric(["text_spans", "hit"], t.num_span_hits)
+        lookups.add_metric(["text_spans", "miss"], t.num_span_misses)
+        if self.hasher is not None:
+            lookups.add_metric(["token_pieces", "hit"], self.hasher.num_piece_hits)
+            lookups.add_metric(["token_pieces", "miss"], self.hasher.num_piece_misses)
+        yield lookups
+        entries = GaugeMetricFamily("prefixroute_prompt_hash_cache_entries", "Text spans the text hash cache holds "
+                                    "(at most --tokenizer-cache-entries).", labels=["cache"])
+        entries.add_metric(["text_spans"], len(t))
+        yield entries

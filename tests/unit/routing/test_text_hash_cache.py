@@ -80,3 +80,35 @@ def test_parse_request_gives_the_same_request_with_the_cache():
                                                          {"role": "user", "content": f"question {turn} " * 30}]})
         assert parse_request(*POST, {}, body, settings, text_cache=cache) == parse_request(*POST, {}, body, settings)
     assert cache.num_span_hits > 0
+
+
+def test_the_caches_lookups_are_on_metrics():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from prefixroute.extproc.routing.text_hash_cache import PromptHashCachesCollector
+    from prefixroute.extproc.routing.tokens import PromptHasher
+
+    settings = RoutingSettings(tokenizer="sim")
+    cache, hasher = TextHashCache.from_settings(settings), PromptHasher.from_settings(settings)
+    registry = CollectorRegistry()
+    registry.register(PromptHashCachesCollector(cache, hasher))
+    for question in ("hi", "hello"):  # the second: the role pieces from the cache, the new question tokenized
+        body = orjson.dumps({"model": "m", "messages": [{"role": "system", "content": "Be brief. " * 400},
+                                                         {"role": "user", "content": question}]})
+        parse_request(*POST, {}, body, settings, hasher, None, cache)
+    cache.hash_blocks("x" * 64 * 32, SEED)
+    cache.hash_blocks("x" * 64 * 32, SEED)
+
+    def samples():
+        text = generate_latest(registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    got = samples()
+    lookups = "prefixroute_prompt_hash_cache_lookups_total"
+    assert got[(lookups, (("cache", "text_spans"), ("result", "miss")))] == 2
+    assert got[(lookups, (("cache", "text_spans"), ("result", "hit")))] == 2
+    assert got[(lookups, (("cache", "token_pieces"), ("result", "hit")))] >= 1
+    assert got[(lookups, (("cache", "token_pieces"), ("result", "miss")))] >= 1
+    assert got[("prefixroute_prompt_hash_cache_entries", (("cache", "text_spans"),))] == 2
