@@ -8,7 +8,7 @@ fixed cost per entry and a number of entries; `plan` divides the budget between 
 | --- | --- | --- |
 | 1/8 | chat sessions (`sessions.SessionTable`) | `sessions.SESSION_ENTRY_BYTES` (keys are 16-byte digests) |
 | 1/8 | Responses directory (`extproc/response_directory.py`) | `RESPONSE_ID_ENTRY_BYTES` (ids are 16-byte digests) |
-| 1/4 | prompt hashing: `tokens.PromptHasher` (7/8; token mode) and `text_hash_cache.TextHashCache` (1/8; all in text mode) | token ids, chain states; `SPAN_ENTRY_BYTES` a span |
+| 1/4 | prompt hashing: `tokens.PromptHasher` (7/8; token mode), `text_hash_cache.TextHashCache` (the rest, at most its entries) | token ids, chain states; `SPAN_ENTRY_BYTES` a span |
 | 1/4 | other replicas' pending picks and requests in flight (extproc/peers) | `peer_pick_bytes(blocks)` / `PEER_IN_FLIGHT_ENTRY_BYTES` |
 | 1/4 | headroom: requests in flight (held while they run, ~`IN_FLIGHT_REQUEST_BYTES` each), allocator slack | |
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from prefixroute.extproc.routing.sessions import SESSION_ENTRY_BYTES
+from prefixroute.extproc.routing.text_hash_cache import SPAN_ENTRY_BYTES
 
 MIB = 1024 * 1024
 
@@ -73,7 +74,7 @@ class MemoryPlan:
         """One line for the log at start."""
         return (f"memory budget {self.budget_bytes // MIB} MiB: {self.max_sessions} sessions, "
                 f"{self.max_response_ids} response ids, tokenizer caches {self.tokenizer_cache_bytes // MIB} MiB, "
-                f"text hash cache up to {self.text_hash_cache_bytes // MIB} MiB, "
+                f"text hash cache {self.text_hash_cache_bytes // MIB} MiB, "
                 f"{self.max_peer_picks} peer picks, {self.max_peer_in_flight} peer requests in flight")
 
 
@@ -84,14 +85,15 @@ def plan(settings) -> MemoryPlan:  # noqa: ANN001 - RoutingSettings (import cycl
     blocks = max(settings.max_blocks, settings.max_token_blocks if settings.tokenizer else 0)
     peers = budget * PEERS_SHARE
     hashing = int(budget * TOKENIZER_SHARE)
-    text_hashing = hashing // 8 if settings.tokenizer else hashing
+    text_share = hashing // 8 if settings.tokenizer else hashing
     return MemoryPlan(
         budget_bytes=budget,
         max_sessions=settings.max_sessions or max(1, int(budget * SESSIONS_SHARE // SESSION_ENTRY_BYTES)),
         max_response_ids=settings.max_response_ids or max(1, int(budget * RESPONSE_IDS_SHARE
                                                                  // RESPONSE_ID_ENTRY_BYTES)),
-        tokenizer_cache_bytes=hashing - text_hashing,
-        text_hash_cache_bytes=text_hashing,
+        tokenizer_cache_bytes=hashing - text_share,
+        # the text spans' share, or less when --tokenizer-cache-entries spans fill less (the rest is headroom)
+        text_hash_cache_bytes=min(text_share, settings.tokenizer_cache_entries * SPAN_ENTRY_BYTES),
         max_peer_picks=max(1, int(peers * 7 / 8 // peer_pick_bytes(blocks))),
         max_peer_in_flight=max(1, int(peers / 8 // PEER_IN_FLIGHT_ENTRY_BYTES)),
         max_blocks_per_request=blocks,

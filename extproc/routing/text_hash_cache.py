@@ -62,13 +62,12 @@ class TextHashCache:
 
     @classmethod
     def from_settings(cls, settings) -> "TextHashCache":  # noqa: ANN001 - RoutingSettings (import cycle)
-        """The cache of `RoutingSettings` (``block_chars``, ``max_blocks``): ``tokenizer_cache_entries`` spans at
-        most, and no more than its part of ``memory_budget_mb`` holds (routing/memory.py
-        ``text_hash_cache_bytes``)."""
+        """The cache of `RoutingSettings` (``block_chars``, ``max_blocks``): as many spans as its part of
+        ``memory_budget_mb`` holds (routing/memory.py ``text_hash_cache_bytes``: at most
+        ``tokenizer_cache_entries``)."""
         from prefixroute.extproc.routing.memory import plan
 
-        room = max(1, plan(settings).text_hash_cache_bytes // SPAN_ENTRY_BYTES)
-        entries = min(settings.tokenizer_cache_entries, room)
+        entries = max(1, plan(settings).text_hash_cache_bytes // SPAN_ENTRY_BYTES)
         return cls(settings.block_chars, settings.max_blocks, entries)
 
     def __len__(self) -> int:

@@ -178,5 +178,6 @@ def test_text_hash_cache_is_sized_from_the_settings():
     small = memory.plan(RoutingSettings(memory_budget_mb=1))
     assert TextHashCache.from_settings(RoutingSettings(memory_budget_mb=1)).max_entries == \
         small.text_hash_cache_bytes // text_hash_cache.SPAN_ENTRY_BYTES
-    token_mode = memory.plan(RoutingSettings(tokenizer="sim"))
+    token_mode = memory.plan(RoutingSettings(tokenizer="sim", memory_budget_mb=8))  # a share below the entries'
     assert token_mode.text_hash_cache_bytes * 7 == token_mode.tokenizer_cache_bytes
+    assert memory.plan(S).text_hash_cache_bytes == S.tokenizer_cache_entries * text_hash_cache.SPAN_ENTRY_BYTES
