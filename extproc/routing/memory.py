@@ -8,7 +8,7 @@ fixed cost per entry and a number of entries; `plan` divides the budget between 
 | --- | --- | --- |
 | 1/8 | chat sessions (`sessions.SessionTable`) | `sessions.SESSION_ENTRY_BYTES` (keys are 16-byte digests) |
 | 1/8 | Responses directory (`extproc/response_directory.py`) | `RESPONSE_ID_ENTRY_BYTES` (ids are 16-byte digests) |
-| 1/4 | prompt hashing: `tokens.PromptHasher` (7/8; token mode), `text_hash_cache.TextHashCache` (the rest, at most its entries) | token ids, chain states; `SPAN_ENTRY_BYTES` a span |
+| 1/4 | prompt hashing: `tokens.PromptHasher` (7/8; token mode), `text_hash_cache.TextHashCache` (the rest, at most its entries) | token ids, chain states; `TEXT_SPAN_ENTRY_BYTES` a span |
 | 1/4 | other replicas' pending picks and requests in flight (extproc/peers) | `peer_pick_bytes(blocks)` / `PEER_IN_FLIGHT_ENTRY_BYTES` |
 | 1/4 | headroom: requests in flight (held while they run, ~`IN_FLIGHT_REQUEST_BYTES` each), allocator slack | |
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 
 from prefixroute.extproc.routing.sessions import SESSION_ENTRY_BYTES
-from prefixroute.extproc.routing.text_hash_cache import SPAN_ENTRY_BYTES
 
 MIB = 1024 * 1024
 
@@ -37,6 +36,10 @@ PEER_PICK_BASE_BYTES = 700
 PEER_PICK_BLOCK_BYTES = 85
 """Another replica's pending pick costs the time model about PEER_PICK_BASE_BYTES plus PEER_PICK_BLOCK_BYTES per
 block hash (the hashes tuple and the pending-prefix counts), measured."""
+
+TEXT_SPAN_ENTRY_BYTES = 900
+"""Most bytes one span of the text hash cache costs (its key, a tuple of 16 block hashes, the LRU's links:
+extproc/routing/text_hash_cache.py), measured (tests/unit/routing/test_memory_bounds.py)."""
 
 PEER_IN_FLIGHT_ENTRY_BYTES = 400
 """One of another replica's requests counted in flight here (its key and endpoint), measured."""
@@ -93,7 +96,7 @@ def plan(settings) -> MemoryPlan:  # noqa: ANN001 - RoutingSettings (import cycl
                                                                  // RESPONSE_ID_ENTRY_BYTES)),
         tokenizer_cache_bytes=hashing - text_share,
         # the text spans' share, or less when --tokenizer-cache-entries spans fill less (the rest is headroom)
-        text_hash_cache_bytes=min(text_share, settings.tokenizer_cache_entries * SPAN_ENTRY_BYTES),
+        text_hash_cache_bytes=min(text_share, settings.tokenizer_cache_entries * TEXT_SPAN_ENTRY_BYTES),
         max_peer_picks=max(1, int(peers * 7 / 8 // peer_pick_bytes(blocks))),
         max_peer_in_flight=max(1, int(peers / 8 // PEER_IN_FLIGHT_ENTRY_BYTES)),
         max_blocks_per_request=blocks,

@@ -17,7 +17,7 @@ for every text and seed, cached or not (tests/unit/routing/test_text_hash_cache.
 bits: two different (state, span) pairs sharing one would return the other's hashes, with odds of ~2^-64 per
 pair; the prefix index already names each block by a 64-bit hash, so the cache adds no weaker link.
 
-Bounded: at most `max_entries` spans (least recently used first out), each ~`SPAN_ENTRY_BYTES`.
+Bounded: at most `max_entries` spans (least recently used first out), each ~`memory.TEXT_SPAN_ENTRY_BYTES`.
 Event-loop code: one caller at a time; a concurrent caller can only turn a hit into a miss (each cache
 operation is one dict call, and an entry evicted between its lookup and its refresh is tolerated).
 """
@@ -30,6 +30,8 @@ from typing import Any
 import xxhash
 
 from prefixroute.extproc.routing.hashing import hash_blocks as _hash_blocks
+from prefixroute.extproc.routing.memory import TEXT_SPAN_ENTRY_BYTES, plan
+from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.types import BlockHash
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -39,9 +41,6 @@ SPAN_BLOCKS = 16
 cached spans with another up to the last whole span of their common prefix (the blocks of the span where
 they part are hashed one by one, up to 15 calls more than for a prompt seen whole)."""
 
-SPAN_ENTRY_BYTES = 900
-"""Most bytes one cached span costs (its key, a tuple of 16 block hashes, the LRU's links), measured
-(tests/unit/routing/test_memory_bounds.py)."""
 
 
 class TextHashCache:
@@ -61,13 +60,11 @@ class TextHashCache:
         self.num_span_misses = 0
 
     @classmethod
-    def from_settings(cls, settings) -> "TextHashCache":  # noqa: ANN001 - RoutingSettings (import cycle)
+    def from_settings(cls, settings: RoutingSettings) -> "TextHashCache":
         """The cache of `RoutingSettings` (``block_chars``, ``max_blocks``): as many spans as its part of
         ``memory_budget_mb`` holds (routing/memory.py ``text_hash_cache_bytes``: at most
         ``tokenizer_cache_entries``)."""
-        from prefixroute.extproc.routing.memory import plan
-
-        entries = max(1, plan(settings).text_hash_cache_bytes // SPAN_ENTRY_BYTES)
+        entries = max(1, plan(settings).text_hash_cache_bytes // TEXT_SPAN_ENTRY_BYTES)
         return cls(settings.block_chars, settings.max_blocks, entries)
 
     def __len__(self) -> int:

@@ -19,7 +19,6 @@ from prefixroute.extproc.routing.request import MAX_KEY_CHARS, bounded_key, pars
 from prefixroute.extproc.routing.scheduling.policies import PrefixPolicy
 from prefixroute.extproc.routing.sessions import SESSION_ENTRY_BYTES, SessionTable
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.routing import text_hash_cache
 from prefixroute.extproc.routing.text_hash_cache import TextHashCache
 from prefixroute.extproc.routing.tokens import PromptHasher
 from prefixroute.model_servers.tokenizer import SimTokenizer
@@ -169,7 +168,7 @@ def test_text_hash_cache_entries_cost_at_most_what_the_budget_assumes():
     text = "".join(f"{i:08d}" * 128 for i in range(n))
     grown = _grown(lambda: (cache.hash_blocks(text, 7), None)[1])
     assert len(cache) == n
-    assert grown / n <= text_hash_cache.SPAN_ENTRY_BYTES, grown / n
+    assert grown / n <= memory.TEXT_SPAN_ENTRY_BYTES, grown / n
 
 
 def test_text_hash_cache_is_sized_from_the_settings():
@@ -177,7 +176,7 @@ def test_text_hash_cache_is_sized_from_the_settings():
     assert cache.max_entries == 100
     small = memory.plan(RoutingSettings(memory_budget_mb=1))
     assert TextHashCache.from_settings(RoutingSettings(memory_budget_mb=1)).max_entries == \
-        small.text_hash_cache_bytes // text_hash_cache.SPAN_ENTRY_BYTES
+        small.text_hash_cache_bytes // memory.TEXT_SPAN_ENTRY_BYTES
     token_mode = memory.plan(RoutingSettings(tokenizer="sim", memory_budget_mb=8))  # a share below the entries'
     assert token_mode.text_hash_cache_bytes * 7 == token_mode.tokenizer_cache_bytes
-    assert memory.plan(S).text_hash_cache_bytes == S.tokenizer_cache_entries * text_hash_cache.SPAN_ENTRY_BYTES
+    assert memory.plan(S).text_hash_cache_bytes == S.tokenizer_cache_entries * memory.TEXT_SPAN_ENTRY_BYTES
