@@ -25,7 +25,7 @@ operation is one dict call, and an entry evicted between its lookup and its refr
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -34,13 +34,15 @@ from prefixroute.extproc.routing.memory import TEXT_SPAN_ENTRY_BYTES, plan
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.types import BlockHash
 
+if TYPE_CHECKING:
+    from prefixroute.extproc.routing.tokens import PromptHasher
+
 _xxh3 = xxhash.xxh3_64_intdigest
 
 SPAN_BLOCKS = 16
 """Blocks per cached span. 16 x 64 characters = 1 KiB: a lookup replaces 16 hash calls, and a prompt shares
 cached spans with another up to the last whole span of their common prefix (the blocks of the span where
 they part are hashed one by one, up to 15 calls more than for a prompt seen whole)."""
-
 
 
 class TextHashCache:
@@ -127,7 +129,7 @@ class PromptHashCachesCollector:
     spans' (`TextHashCache`) and, in token mode, the tokenizer's pieces (`tokens.PromptHasher`). Read by the
     metrics thread: plain integers, a torn read costs at most one count."""
 
-    def __init__(self, text_cache: TextHashCache, hasher: Any = None) -> None:
+    def __init__(self, text_cache: TextHashCache, hasher: PromptHasher | None = None) -> None:
         self.text_cache = text_cache
         self.hasher = hasher
 
