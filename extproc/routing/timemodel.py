@@ -39,6 +39,7 @@ prior x MAX_RATE_RATIO]. Not thread-safe (one event loop, like the router).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from typing import NewType
 
@@ -83,6 +84,11 @@ MIN_MAX_BASE_S = 0.05
 window of saturated observations (long queues only) moved the intercept to 1.2 s and predicted an idle
 endpoint 60x slow (virtual sweep, 300 x 8k-token prompts at 100% load: prediction error 300%; 0.1 s: 190%;
 60 ms: 107%, routing unchanged)."""
+
+LOAD_WINDOW_S = 10.0
+"""`TimeModel.utilization` averages the work routed to an endpoint over ~10 s: several turns of each agent or
+chat at the think times they keep (0.5-3 s), so one burst does not make an endpoint look loaded for long, yet a
+busy endpoint's load is seen within a few seconds."""
 
 MAX_RATE_RATIO = 20.0
 """A learned rate stays within 20x of the prior either way: GPUs and models in one fleet differ by up to ~10x
@@ -245,18 +251,60 @@ class _PendingBlocks:
         return lo
 
 
+DECODE_S_WEIGHT = 1 / 64
+"""Weight of the newest request in `TimeModel.mean_decode_s`."""
+
+
+class _Load:
+    """One endpoint's recent prefill and decode seconds, each an exponentially decaying sum (time constant
+    ``window_s``): divided by the window, the prefill utilisation and the mean number of requests decoding."""
+
+    __slots__ = ("prefill", "decode", "t")
+
+    def __init__(self) -> None:
+        self.prefill = 0.0
+        self.decode = 0.0
+        self.t: float | None = None
+
+    def at(self, now_s: float, window_s: float) -> tuple[float, float]:
+        if self.t is None:
+            return 0.0, 0.0
+        dt = now_s - self.t
+        k = math.exp(-dt / window_s) / window_s if dt > 0 else 1.0 / window_s
+        return self.prefill * k, self.decode * k
+
+    def add(self, prefill_s: float, decode_s: float, now_s: float, window_s: float) -> None:
+        if self.t is not None and now_s > self.t:
+            k = math.exp(-(now_s - self.t) / window_s)
+            self.prefill *= k
+            self.decode *= k
+        if self.t is None or now_s > self.t:
+            self.t = now_s
+        self.prefill += prefill_s
+        self.decode += decode_s
+
+
 class TimeModel:
     """Per-endpoint rates and pending prefill (module docstring). Keys of pending requests are any hashable
     the caller chooses (the policy uses the request object's identity)."""
 
     def __init__(self, prior_tokens_per_s: float, prior_base_s: float = 0.015, *, decode_cost_tokens: float = 2.0,
-                 step_tokens: float = 8192.0, window: float = 64.0, prior_weight: float = 4.0) -> None:
+                 step_tokens: float = 8192.0, window: float = 64.0, prior_weight: float = 4.0,
+                 attention_tokens: float = 0.0, load_window_s: float = LOAD_WINDOW_S) -> None:
         if prior_tokens_per_s <= 0:
             raise ValueError("prior_tokens_per_s must be > 0")
+        if attention_tokens < 0 or not load_window_s > 0:
+            raise ValueError("attention_tokens must be >= 0 and load_window_s > 0")
         self.prior_tokens_per_s = prior_tokens_per_s
         self.prior_base_s = prior_base_s
         self.decode_cost_tokens = decode_cost_tokens
         self.step_tokens = step_tokens
+        self.attention_tokens = attention_tokens
+        # A cold chunk of step_tokens is `step_tokens` of work (what the prior rate was measured on): the
+        # attention of its tokens is inside that rate already.
+        self._work_norm = 1.0 / (1.0 + step_tokens * 0.5 / attention_tokens) if attention_tokens else 1.0
+        self._inv_attention = 1.0 / attention_tokens if attention_tokens else 0.0
+        self.load_window_s = load_window_s
         self.window = window
         self.prior_weight = prior_weight
         self._rates: dict[EndpointId, RateEstimate] = {}
@@ -280,6 +328,14 @@ class TimeModel:
         # first block hash -> endpoints with a pending request starting with it (count): `pending_matches`
         # looks only at those, not at every endpoint with something pending.
         self._first: dict[BlockHash, dict[EndpointId, int]] = {}
+        # Requests past their first token (decoding): key -> (endpoint, context tokens); per endpoint their
+        # count and context sum (`decode_context`), what each engine step spends on them.
+        self._decoding: dict[Hashable, tuple[EndpointId, float, float | None]] = {}
+        self._decode_ctx: dict[EndpointId, tuple[int, float]] = {}
+        self.decode_ctx: Mapping[EndpointId, tuple[int, float]] = self._decode_ctx
+        # endpoint -> its recent prefill and decode seconds (`utilization`, `decode_concurrency`).
+        self._loads: dict[EndpointId, _Load] = {}
+        self.mean_decode_s = 0.0  # exponential average of the requests' decode durations (first token to end)
 
     # --- rates ------------------------------------------------------------------------------------------------
     def estimate(self, endpoint: EndpointId) -> RateEstimate:
@@ -299,11 +355,13 @@ class TimeModel:
         return TokensPerSecond(self.priced(endpoint)[0])
 
     def observe(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float, ttft_s: float,
-                queued_tokens_at_pick: float, decoding_at_pick: int = 0) -> None:
+                queued_tokens_at_pick: float, decoding_at_pick: int = 0, decode_context_at_pick: float = 0.0) -> None:
         """A response from `endpoint`: its true prompt and cached tokens (usage), its TTFT, and the work the
-        model saw ahead of it at its pick (``queued`` tokens and ``decoding`` requests, as `predict` took them)."""
-        own = max(0.0, prompt_tokens - cached_tokens)
-        work = self.work_tokens(queued_tokens_at_pick, own, decoding_at_pick)
+        model saw ahead of it at its pick (``queued`` work and ``decoding`` requests at their mean context, as
+        `predict` took them)."""
+        cached = max(0.0, min(cached_tokens, prompt_tokens))
+        own = self.prefill_work(max(0.0, prompt_tokens - cached), cached)
+        work = self.work_tokens(queued_tokens_at_pick, own, decoding_at_pick, decode_context_at_pick)
         est = self.estimate(endpoint)
         est.observe(work, ttft_s)
         pooled = self._pooled
@@ -343,11 +401,12 @@ class TimeModel:
 
     def predict(self, endpoint: EndpointId, own_uncached_tokens: float, num_decoding: int = 0,
                 extra_queued_tokens: float = 0.0) -> Seconds:
-        """Predicted TTFT of a request needing `own_uncached_tokens` of prefill on `endpoint`, now: its pending
-        prefill (+ `extra_queued_tokens`) and `num_decoding` requests ahead of it. >= 0."""
+        """Predicted TTFT of a request needing `own_uncached_tokens` of prefill work on `endpoint`, now: its
+        pending prefill (+ `extra_queued_tokens`) and `num_decoding` requests ahead of it (at the mean context of
+        the requests decoding there). >= 0."""
         rate, base = self.priced(endpoint)
         work = self.work_tokens(self._tokens.get(endpoint, 0.0) + extra_queued_tokens, own_uncached_tokens,
-                                num_decoding)
+                                num_decoding, self.mean_decode_context(endpoint))
         return Seconds(base + work / rate)
 
     def predict_many(self, endpoints: Sequence[EndpointId], own_tokens: Sequence[float],
@@ -363,6 +422,7 @@ class TimeModel:
         get_tokens = self._tokens.get
         get_count = self._count.get
         get_in_flight = in_flight.get
+        get_ctx = self._decode_ctx.get
         queued_at = self.queued_at
         work_tokens = self.work_tokens
         out: list[tuple[float, float, int]] = []
@@ -374,14 +434,97 @@ class TimeModel:
             queued = get_tokens(ep, 0.0)
             if queued and now_s is not None:
                 queued = queued_at(ep, now_s)
-            out.append((base + work_tokens(queued, own, decoding) / rate, rate, decoding))
+            ctx = get_ctx(ep)
+            out.append((base + work_tokens(queued, own, decoding, ctx[1] / ctx[0] if ctx else 0.0) / rate, rate,
+                        decoding))
         return out
 
-    def work_tokens(self, queued_tokens: float, own_tokens: float, num_decoding: int) -> float:
+    def work_tokens(self, queued_tokens: float, own_tokens: float, num_decoding: int,
+                    decode_context_tokens: float = 0.0) -> float:
         """Prefill-token equivalents until a request's first token (module docstring): the prefill ahead and
-        its own, plus each decoding request's share of every step they take. >= 0."""
+        its own, plus each decoding request's share of every step they take (`decode_step_tokens` at
+        `decode_context_tokens` of context each). >= 0."""
         prefill = queued_tokens + own_tokens
-        return prefill + self.decode_cost_tokens * num_decoding * (1.0 + prefill / self.step_tokens)
+        return prefill + self.decode_step_tokens(num_decoding, decode_context_tokens) * (
+            1.0 + prefill / self.step_tokens)
+
+    def decode_step_tokens(self, num_decoding: int, context_tokens: float = 0.0) -> float:
+        """Prefill-token equivalents that `num_decoding` sequences of `context_tokens` each add to one engine
+        step: ``decode_cost_tokens`` each (weights, sampling) plus their attention over their context
+        (``context / attention_tokens``, as a prefill token's attention over that context costs). >= 0."""
+        return num_decoding * (self.decode_cost_tokens + context_tokens * self._inv_attention)
+
+    def prefill_work(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
+        """Prefill work, in tokens of a cold ``step_tokens`` chunk, of computing `new_tokens` on top of
+        `cached_tokens` already in the KV cache: each new token costs 1 + (tokens it attends to) /
+        ``attention_tokens`` (the context at which attention doubles a token's cost; the engines' step cost is
+        linear in new tokens plus new x context, model_servers/cost_model.py), normalised so a cold chunk of
+        ``step_tokens`` costs its length (the unit the rate is learned in). Without ``attention_tokens``,
+        `new_tokens`. >= 0."""
+        if new_tokens <= 0.0:
+            return 0.0
+        inv = self._inv_attention
+        if not inv:
+            return new_tokens
+        return new_tokens * (1.0 + (cached_tokens + new_tokens * 0.5) * inv) * self._work_norm
+
+    def mean_decode_context(self, endpoint: EndpointId) -> float:
+        """Mean context tokens of the requests decoding on `endpoint` (0 when none is known)."""
+        c = self._decode_ctx.get(endpoint)
+        return c[1] / c[0] if c else 0.0
+
+    # --- decoding requests and load ---------------------------------------------------------------------------
+    def add_decoding(self, key: Hashable, endpoint: EndpointId, context_tokens: float,
+                     since_s: float | None = None) -> None:
+        """`key` got its first token on `endpoint` (at `since_s`, when known): it decodes there with
+        `context_tokens` of context until `remove_decoding`. A key already decoding is moved."""
+        self.remove_decoding(key)
+        ctx = max(0.0, context_tokens)
+        self._decoding[key] = (endpoint, ctx, since_s)
+        n, total = self._decode_ctx.get(endpoint, (0, 0.0))
+        self._decode_ctx[endpoint] = (n + 1, total + ctx)
+
+    def remove_decoding(self, key: Hashable, now_s: float | None = None) -> bool:
+        """`key` ended (at `now_s`, when known): its context leaves its endpoint's decode batch, and the time it
+        spent decoding joins the endpoint's decode load (`decode_concurrency`). True if it was decoding."""
+        d = self._decoding.pop(key, None)
+        if d is None:
+            return False
+        ep, ctx, since_s = d
+        n, total = self._decode_ctx.get(ep, (1, ctx))
+        if n <= 1:
+            self._decode_ctx.pop(ep, None)
+        else:
+            self._decode_ctx[ep] = (n - 1, max(0.0, total - ctx))
+        if now_s is not None and since_s is not None and now_s >= since_s:
+            decode_s = now_s - since_s
+            self._load(ep).add(0.0, decode_s, now_s, self.load_window_s)
+            self.mean_decode_s += DECODE_S_WEIGHT * (decode_s - self.mean_decode_s) if self.mean_decode_s \
+                else decode_s
+        return True
+
+    def _load(self, endpoint: EndpointId) -> _Load:
+        load = self._loads.get(endpoint)
+        if load is None:
+            load = self._loads[endpoint] = _Load()
+        return load
+
+    def add_busy(self, endpoint: EndpointId, seconds: float, now_s: float) -> None:
+        """`seconds` of prefill were routed to `endpoint` at `now_s` (a pick's prefill work at its rate)."""
+        self._load(endpoint).add(seconds, 0.0, now_s, self.load_window_s)
+
+    def utilization(self, endpoint: EndpointId, now_s: float) -> float:
+        """`endpoint`'s recent prefill utilisation at `now_s`: the prefill seconds routed there per second,
+        exponentially weighted over ``load_window_s`` (0 when nothing was). >= 0; can pass 1 on an overloaded
+        endpoint (more work routed than it computes)."""
+        load = self._loads.get(endpoint)
+        return load.at(now_s, self.load_window_s)[0] if load is not None else 0.0
+
+    def decode_concurrency(self, endpoint: EndpointId, now_s: float) -> float:
+        """Requests decoding on `endpoint` on average lately: the decode seconds of the requests that ended there
+        per second, over ``load_window_s`` (Little's law). >= 0."""
+        load = self._loads.get(endpoint)
+        return load.at(now_s, self.load_window_s)[1] if load is not None else 0.0
 
     # --- pending requests -------------------------------------------------------------------------------------
     def pending_tokens(self, endpoint: EndpointId) -> Tokens:
@@ -503,7 +646,10 @@ class TimeModel:
             self._reprice()
         for key in [k for k, p in self._pending.items() if p.endpoint == endpoint]:
             self.remove_pending(key)
+        for key in [k for k, d in self._decoding.items() if d[0] == endpoint]:
+            self.remove_decoding(key)
         self._prefixes.pop(endpoint, None)
+        self._loads.pop(endpoint, None)
 
     def clear_prefixes(self, endpoint: EndpointId) -> None:
         """`endpoint`'s cache was cleared: its pending prefixes no longer promise a hit (the queue stays)."""

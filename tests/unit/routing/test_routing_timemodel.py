@@ -23,9 +23,10 @@ TPB = 16.0  # tokens per router block (64 chars / 4)
 
 
 def _settings(**kw) -> RoutingSettings:
-    """Work weight 0.5 (not the default 2) and a zero base: the tables' arithmetic in the comments below."""
+    """Work weight 0.5 (not the default 2), a zero base and every token priced alike (no attention term,
+    tested on its own below): the tables' arithmetic in the comments below."""
     return RoutingSettings(**{"policy": "prefix", "ttft_prior_tokens_per_s": RATE, "ttft_prior_base_s": 0.0,
-                              "rng_seed": 0, "ttft_work_weight": 0.5, **kw})
+                              "rng_seed": 0, "ttft_work_weight": 0.5, "attention_tokens": 0.0, **kw})
 
 
 def _req(prefix: int, num_blocks: int = 100, tail: int = 0, tokens: int | None = None) -> InferenceRequest:
@@ -327,7 +328,7 @@ def test_learning_uses_the_reported_cached_share_or_the_routers_estimate(prompt,
     eps = _states(A, B)
     _decide(p, r, eps, matches={A: 256})  # the whole hashed prefix held on A: estimated own prefill 16 tokens
     seen = []
-    p.model.observe = lambda ep, est, cached_est, ttft, queued, decoding: seen.append((ep, est, cached_est, ttft))
+    p.model.observe = lambda ep, est, cached_est, ttft, queued, decoding, *_: seen.append((ep, est, cached_est, ttft))
     d = _decide(p, _req(77, 1), eps)  # another request: its own pick is not the one reported below
     p.learner.on_first_token(r, d, 0.4)
     p.learner.on_usage(r, d, prompt, cached)
