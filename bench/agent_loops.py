@@ -3,8 +3,9 @@
 An agent's prompt is a tool preamble (a long system prompt describing the tools, shared by every agent of the
 same preamble), its task, then one (assistant, tool output) pair per earlier turn: every turn re-sends the
 whole context plus ``min_turn_tokens .. max_turn_tokens`` new tokens (the previous answer and the tool's
-output), up to ``max_context_tokens``; an agent whose next turn would pass it is done and a new agent takes its
-place (a fresh task after the same preamble). Between two turns of an agent the client waits for the previous
+output), up to its task's size (drawn between half and all of ``max_context_tokens``, so agents that start
+together do not end together); an agent whose next turn would pass it is done and a new agent takes its place
+(a fresh task after the same preamble). Between two turns of an agent the client waits for the previous
 answer, then `think_s` more (the tool running: ``min_think_s .. max_think_s``); `RequestSpec.think_s` carries it.
 Optionally, every ``fanout_every``-th turn of a top-level agent spawns ``fanout_width`` sub-agents, each starting
 from the parent's whole context plus a sub-task of its own and running ``subagent_turns`` turns beside its parent.
@@ -125,7 +126,8 @@ class _Agent:
     preamble: int
     messages: list[dict[str, str]]
     context_tokens: int
-    turns_left: int | None  # a sub-agent's remaining turns; None: a top-level agent (until max_context_tokens)
+    turns_left: int | None  # a sub-agent's remaining turns; None: a top-level agent (until its context_limit)
+    context_limit: int = 0  # a top-level agent is done past this context (its task's size)
     last_index: int | None = None
     last_output_tokens: int = 0
     turn: int = 0
@@ -154,7 +156,11 @@ def agent_loops(shape: AgentLoopShape, *, num_requests: int, seed: int = 0, name
         p = rng.randrange(shape.num_preambles)
         msgs = [{"role": "system", "content": preambles[p]},
                 {"role": "user", "content": block_text(seed, f"task{a}.", 0, shape.task_tokens)}]
-        push(t, _Agent(f"agent-{a}", p, msgs, shape.preamble_tokens + shape.task_tokens, None))
+        # Tasks differ in size: an agent is done somewhere between half and all of the largest context, so
+        # agents that start together do not all end together.
+        first = shape.preamble_tokens + shape.task_tokens
+        limit = int(rng.uniform(first + (shape.max_context_tokens - first) / 2, shape.max_context_tokens))
+        push(t, _Agent(f"agent-{a}", p, msgs, first, None, limit))
 
     # Agents join over one mean think time, as if the fleet had been serving them for a while.
     mean_think = (shape.min_think_s + shape.max_think_s) / 2.0
@@ -194,7 +200,8 @@ def agent_loops(shape: AgentLoopShape, *, num_requests: int, seed: int = 0, name
             agent.turns_left -= 1
             if agent.turns_left <= 0:
                 continue
-        if agent.context_tokens + shape.max_output_tokens + shape.max_turn_tokens > shape.max_context_tokens:
+        if agent.context_tokens + shape.max_output_tokens + shape.max_turn_tokens > \
+                (agent.context_limit or shape.max_context_tokens):
             if agent.turns_left is None:
                 new_agent(next_t)  # done: a new agent takes its place
             continue

@@ -84,6 +84,7 @@ class Conversation:
     num_turns: int
     last_s: float | None
     gap_s: float | None  # exponential average of the time between its turns (None: one turn seen)
+    num_tokens: float = 0.0  # its last turn's prompt tokens (the caller's estimate): what its endpoint holds
 
 
 @dataclasses.dataclass(slots=True)
@@ -182,11 +183,11 @@ class ConversationTable:
         return Outlook(turns, work, gap, conv, root, at, best_match)
 
     def record(self, block_hashes: Sequence[BlockHash], outlook: Outlook, endpoint: EndpointId,
-               turn_work: float, now_s: float | None) -> None:
-        """The request (with `outlook` from `outlook`) was routed to `endpoint`, its prefill work there being
-        `turn_work`: a continuation moves its conversation's tail to this request's last hash and counts a turn
-        for its root; a new branch starts a conversation and counts a branch. A request without hashes is not
-        recorded."""
+               turn_work: float, now_s: float | None, num_tokens: float = 0.0) -> None:
+        """The request (with `outlook` from `outlook`, `num_tokens` of prompt) was routed to `endpoint`, its prefill
+        work there being `turn_work`: a continuation moves its conversation's tail to this request's last hash
+        and counts a turn for its root; a new branch starts a conversation and counts a branch. A request
+        without hashes is not recorded."""
         if not block_hashes:
             return
         tail = block_hashes[tail_position(len(block_hashes), outlook.best_match)]
@@ -210,6 +211,7 @@ class ConversationTable:
             conv.endpoint = endpoint
             conv.num_turns += 1
             conv.last_s = now_s
+            conv.num_tokens = num_tokens
             self.num_continued += 1
         else:
             st = self._root(outlook.root)
@@ -218,7 +220,7 @@ class ConversationTable:
                 if x.branches >= STATS_HALF_AT:
                     x.branches *= 0.5
                     x.turns *= 0.5
-            conv = Conversation(endpoint, outlook.root, 1, now_s, None)
+            conv = Conversation(endpoint, outlook.root, 1, now_s, None, num_tokens)
             self.num_branches += 1
         convs[tail] = conv
         convs.move_to_end(tail)

@@ -256,32 +256,27 @@ DECODE_S_WEIGHT = 1 / 64
 
 
 class _Load:
-    """One endpoint's recent prefill and decode seconds, each an exponentially decaying sum (time constant
-    ``window_s``): divided by the window, the prefill utilisation and the mean number of requests decoding."""
+    """One endpoint's recent prefill seconds, an exponentially decaying sum (time constant ``window_s``): divided
+    by the window, its prefill utilisation."""
 
-    __slots__ = ("prefill", "decode", "t")
+    __slots__ = ("prefill", "t")
 
     def __init__(self) -> None:
         self.prefill = 0.0
-        self.decode = 0.0
         self.t: float | None = None
 
-    def at(self, now_s: float, window_s: float) -> tuple[float, float]:
+    def at(self, now_s: float, window_s: float) -> float:
         if self.t is None:
-            return 0.0, 0.0
+            return 0.0
         dt = now_s - self.t
-        k = math.exp(-dt / window_s) / window_s if dt > 0 else 1.0 / window_s
-        return self.prefill * k, self.decode * k
+        return self.prefill * (math.exp(-dt / window_s) if dt > 0 else 1.0) / window_s
 
-    def add(self, prefill_s: float, decode_s: float, now_s: float, window_s: float) -> None:
+    def add(self, prefill_s: float, now_s: float, window_s: float) -> None:
         if self.t is not None and now_s > self.t:
-            k = math.exp(-(now_s - self.t) / window_s)
-            self.prefill *= k
-            self.decode *= k
+            self.prefill *= math.exp(-(now_s - self.t) / window_s)
         if self.t is None or now_s > self.t:
             self.t = now_s
         self.prefill += prefill_s
-        self.decode += decode_s
 
 
 class TimeModel:
@@ -333,7 +328,7 @@ class TimeModel:
         self._decoding: dict[Hashable, tuple[EndpointId, float, float | None]] = {}
         self._decode_ctx: dict[EndpointId, tuple[int, float]] = {}
         self.decode_ctx: Mapping[EndpointId, tuple[int, float]] = self._decode_ctx
-        # endpoint -> its recent prefill and decode seconds (`utilization`, `decode_concurrency`).
+        # endpoint -> its recent prefill seconds (`utilization`).
         self._loads: dict[EndpointId, _Load] = {}
         self.mean_decode_s = 0.0  # exponential average of the requests' decode durations (first token to end)
 
@@ -486,7 +481,7 @@ class TimeModel:
 
     def remove_decoding(self, key: Hashable, now_s: float | None = None) -> bool:
         """`key` ended (at `now_s`, when known): its context leaves its endpoint's decode batch, and the time it
-        spent decoding joins the endpoint's decode load (`decode_concurrency`). True if it was decoding."""
+        spent decoding joins `mean_decode_s`. True if it was decoding."""
         d = self._decoding.pop(key, None)
         if d is None:
             return False
@@ -498,7 +493,6 @@ class TimeModel:
             self._decode_ctx[ep] = (n - 1, max(0.0, total - ctx))
         if now_s is not None and since_s is not None and now_s >= since_s:
             decode_s = now_s - since_s
-            self._load(ep).add(0.0, decode_s, now_s, self.load_window_s)
             self.mean_decode_s += DECODE_S_WEIGHT * (decode_s - self.mean_decode_s) if self.mean_decode_s \
                 else decode_s
         return True
@@ -511,20 +505,14 @@ class TimeModel:
 
     def add_busy(self, endpoint: EndpointId, seconds: float, now_s: float) -> None:
         """`seconds` of prefill were routed to `endpoint` at `now_s` (a pick's prefill work at its rate)."""
-        self._load(endpoint).add(seconds, 0.0, now_s, self.load_window_s)
+        self._load(endpoint).add(seconds, now_s, self.load_window_s)
 
     def utilization(self, endpoint: EndpointId, now_s: float) -> float:
         """`endpoint`'s recent prefill utilisation at `now_s`: the prefill seconds routed there per second,
         exponentially weighted over ``load_window_s`` (0 when nothing was). >= 0; can pass 1 on an overloaded
         endpoint (more work routed than it computes)."""
         load = self._loads.get(endpoint)
-        return load.at(now_s, self.load_window_s)[0] if load is not None else 0.0
-
-    def decode_concurrency(self, endpoint: EndpointId, now_s: float) -> float:
-        """Requests decoding on `endpoint` on average lately: the decode seconds of the requests that ended there
-        per second, over ``load_window_s`` (Little's law). >= 0."""
-        load = self._loads.get(endpoint)
-        return load.at(now_s, self.load_window_s)[1] if load is not None else 0.0
+        return load.at(now_s, self.load_window_s) if load is not None else 0.0
 
     # --- pending requests -------------------------------------------------------------------------------------
     def pending_tokens(self, endpoint: EndpointId) -> Tokens:

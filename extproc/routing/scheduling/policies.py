@@ -244,7 +244,7 @@ class PrefixPolicy(Policy):
             if conversations is not None else NO_OUTLOOK
         conv = outlook.conversation
         scored, insignificant = self.scorer.score(req, candidates, matches, inp.in_flight, inp.now_s,
-                                                  conv.endpoint if conv is not None else None)
+                                                  *((conv.endpoint, conv.num_tokens) if conv is not None else ()))
         if conversations is not None:
             scored = conversations.adjust(outlook, scored, inp.now_s)
         placement = self.placement
@@ -275,7 +275,7 @@ class PrefixPolicy(Policy):
         if placement is not None:
             placement.on_pick(req, order[0], inp.order)
         if conversations is not None:
-            conversations.record(req, outlook, primary, inp.now_s)
+            conversations.record(req, outlook, primary, inp.now_s, self.scorer.prompt_tokens(req)[0])
         self.learner.add_pick(req, order[0], primary[scorers.OWN_TOKENS], primary[scorers.NUM_DECODING],
                               primary[scorers.PREDICTED_S], inp.now_s, primary[scorers.OWN_WORK])
         return self._prefix_decision(req, order, matches, insignificant, primary, others, pend)

@@ -67,20 +67,24 @@ class TtftScorer:
 
     def score(self, request: InferenceRequest, candidates: Sequence[EndpointState],
               matches: Mapping[EndpointId, int], in_flight: Mapping[EndpointId, int],
-              now_s: float | None, holder: EndpointId | None = None) -> TtftScores:
+              now_s: float | None, holder: EndpointId | None = None, holder_tokens: float = 0.0) -> TtftScores:
         """`holder`: the endpoint that served the conversation this request continues (None: not known), the only
-        one credited with the prompt beyond the hashing cap."""
+        one credited with the prompt beyond the hashing cap, up to `holder_tokens` (its previous turn's prompt;
+        0: all of it but one block)."""
         prompt_tokens, tpb, cap = self.prompt_tokens(request)
         n_hashed = len(request.block_hashes)
         names = [s.endpoint for s in candidates]
         if matches:
             get_match = matches.get
             # Uncached prefill with m leading blocks held: a match of every hashed block of a prompt longer than
-            # the hashing cap counts the unhashed rest as cached too, less one block; when the conversation it
-            # continues is known to be elsewhere (it moved on from here), only its hashed blocks are.
+            # the hashing cap counts the unhashed rest as cached too, less one block; at the endpoint holding the
+            # conversation it continues, what its previous turn left uncached (the new turn); elsewhere, when
+            # that conversation is known to be elsewhere (it moved on from there), only its hashed blocks.
             whole = n_hashed >= cap
+            beyond = min(prompt_tokens, max(tpb, prompt_tokens - holder_tokens) if holder_tokens > 0.0 else tpb)
             own = [prompt_tokens if (m := get_match(ep, 0)) <= 0 else
-                   (min(prompt_tokens, tpb) if whole and m >= n_hashed and (holder is None or ep == holder)
+                   ((beyond if ep == holder else min(prompt_tokens, tpb))
+                    if whole and m >= n_hashed and (holder is None or ep == holder)
                     else max(0.0, prompt_tokens - m * tpb))
                    for ep in names]
         else:

@@ -239,4 +239,4 @@ def test_load_is_the_recent_work_per_second():
     assert m.utilization(A, 40.0) < 0.05 * m.utilization(A, 10.0)  # decays over the window
     m.add_decoding("r", A, 100.0, since_s=40.0)
     m.remove_decoding("r", now_s=42.0)  # 2 s decoding
-    assert m.decode_concurrency(A, 42.0) == pytest.approx(0.2) and m.mean_decode_s == pytest.approx(2.0)
+    assert m.mean_decode_s == pytest.approx(2.0)
