@@ -41,6 +41,7 @@ from prefixroute.extproc.flow.metrics import FlowCollector
 from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.service import PoolRouter
+from prefixroute.extproc.routing.conversations import ConversationsCollector
 from prefixroute.extproc.routing.sessions import SessionsCollector
 from prefixroute.extproc.routing.text_hash_cache import PromptHashCachesCollector
 from prefixroute.extproc.lifecycle_listeners import TierPredictionCollector
@@ -214,6 +215,10 @@ def _telemetry_for(router: PoolRouter, pool: EndpointPool, event_index: KVEventI
     telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
     if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
         telemetry.metrics.registry.register(SessionsCollector(core.sessions))
+    conversations = getattr(core.scheduler.policy, "conversations", None)
+    if conversations is not None:  # conversations and the load they are priced at (prefixroute_conversation*)
+        telemetry.metrics.registry.register(ConversationsCollector(
+            conversations.table, lambda: conversations.model.utilizations(router.clock())))
     # The prompt-hashing caches' hits and misses (prefixroute_prompt_hash_cache_*).
     telemetry.metrics.registry.register(PromptHashCachesCollector(router.text_cache, router.hasher))
     if router.tier_prediction is not None:  # the hit prediction by KV tier (prefixroute_predicted_tier_hit_tokens)

@@ -85,6 +85,7 @@ class Conversation:
     last_s: float | None
     gap_s: float | None  # exponential average of the time between its turns (None: one turn seen)
     num_tokens: float = 0.0  # its last turn's prompt tokens (the caller's estimate): what its endpoint holds
+    placed_by_load: bool = False  # its last turn went where the load term put it, not where the time model did
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,7 +126,7 @@ class ConversationTable:
     """Conversations by tail hash, and per-root statistics (module docstring)."""
 
     __slots__ = ("_convs", "_roots", "max_conversations", "max_roots", "_all", "num_branches", "num_continued",
-                 "num_ended")
+                 "num_ended", "num_placements", "num_placements_continued", "num_placements_ended")
 
     def __init__(self, max_conversations: int, max_roots: int) -> None:
         if max_conversations < 1 or max_roots < 1:
@@ -138,6 +139,11 @@ class ConversationTable:
         self.num_branches = 0
         self.num_continued = 0
         self.num_ended = 0
+        # Turns the load term placed (`record`'s placed_by_load), and of those, the ones whose conversation then
+        # continued (the placement paid off) or ended with that turn (it bought nothing: a recompute, maybe).
+        self.num_placements = 0
+        self.num_placements_continued = 0
+        self.num_placements_ended = 0
 
     def __len__(self) -> int:
         return len(self._convs)
@@ -183,11 +189,12 @@ class ConversationTable:
         return Outlook(turns, work, gap, conv, root, at, best_match)
 
     def record(self, block_hashes: Sequence[BlockHash], outlook: Outlook, endpoint: EndpointId,
-               turn_work: float, now_s: float | None, num_tokens: float = 0.0) -> None:
+               turn_work: float, now_s: float | None, num_tokens: float = 0.0, placed_by_load: bool = False) -> None:
         """The request (with `outlook` from `outlook`, `num_tokens` of prompt) was routed to `endpoint`, its prefill
         work there being `turn_work`: a continuation moves its conversation's tail to this request's last hash
         and counts a turn for its root; a new branch starts a conversation and counts a branch. A request
-        without hashes is not recorded."""
+        without hashes is not recorded. `placed_by_load`: the load term chose its endpoint over the time model's
+        (counted: right when the conversation then continues, wrong when it ends there)."""
         if not block_hashes:
             return
         tail = block_hashes[tail_position(len(block_hashes), outlook.best_match)]
@@ -208,10 +215,13 @@ class ConversationTable:
                 conv.gap_s = gap if conv.gap_s is None else conv.gap_s + 0.25 * (gap - conv.gap_s)
                 for x in (st, a):
                     x.gap_s = gap if not x.gap_s else x.gap_s + w * (gap - x.gap_s)
+            if conv.placed_by_load:
+                self.num_placements_continued += 1
             conv.endpoint = endpoint
             conv.num_turns += 1
             conv.last_s = now_s
             conv.num_tokens = num_tokens
+            conv.placed_by_load = placed_by_load
             self.num_continued += 1
         else:
             st = self._root(outlook.root)
@@ -220,8 +230,10 @@ class ConversationTable:
                 if x.branches >= STATS_HALF_AT:
                     x.branches *= 0.5
                     x.turns *= 0.5
-            conv = Conversation(endpoint, outlook.root, 1, now_s, None, num_tokens)
+            conv = Conversation(endpoint, outlook.root, 1, now_s, None, num_tokens, placed_by_load)
             self.num_branches += 1
+        if placed_by_load:
+            self.num_placements += 1
         convs[tail] = conv
         convs.move_to_end(tail)
         while len(convs) > self.max_conversations:
@@ -246,6 +258,8 @@ class ConversationTable:
 
     def _ended(self, conv: Conversation) -> None:
         self.num_ended += 1
+        if conv.placed_by_load:
+            self.num_placements_ended += 1
 
     def record_followup(self, root: BlockHash) -> None:
         """A turn continued a conversation the table cannot see (a Responses follow-up: its prompt lives on the
@@ -286,3 +300,47 @@ class ConversationTable:
         for c in list(self._convs.values()):
             out[c.endpoint] = out.get(c.endpoint, 0) + 1
         return out
+
+
+class ConversationsCollector:
+    """A prometheus_client collector of a `ConversationTable`'s figures and the endpoints' recent prefill
+    utilisation (`utilization()`: endpoint -> ratio, thread-safe). Read by the metrics thread: plain integers
+    and copies; a torn read costs at most one count."""
+
+    def __init__(self, table: ConversationTable, utilization) -> None:  # noqa: ANN001 - a callable
+        self.table = table
+        self.utilization = utilization
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):  # noqa: ANN201
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        t = self.table
+        by_endpoint = GaugeMetricFamily("prefixroute_conversations", "Conversations (requests extending an earlier "
+                                        "request's prompt) the router follows, by the endpoint of their last turn.",
+                                        labels=["endpoint"])
+        for ep, n in sorted(t.conversations_by_endpoint().items()):
+            by_endpoint.add_metric([str(ep)], n)
+        yield by_endpoint
+        turns = CounterMetricFamily("prefixroute_conversation_turns", "Routed requests by what they were to the "
+                                    "conversation table: branch (a new conversation), continued (a further turn).",
+                                    labels=["kind"])
+        turns.add_metric(["branch"], t.num_branches)
+        turns.add_metric(["continued"], t.num_continued)
+        yield turns
+        placed = CounterMetricFamily("prefixroute_conversation_placements", "Turns the conversation-load term sent "
+                                     "elsewhere than the time model alone would (placed), and of those the ones "
+                                     "whose conversation then continued, or ended with that turn (the recompute "
+                                     "it may have cost bought nothing).", labels=["outcome"])
+        placed.add_metric(["placed"], t.num_placements)
+        placed.add_metric(["continued"], t.num_placements_continued)
+        placed.add_metric(["ended"], t.num_placements_ended)
+        yield placed
+        load = GaugeMetricFamily("prefixroute_endpoint_prefill_utilization_ratio", "The router's estimate of the "
+                                 "endpoint's recent prefill utilisation: predicted prefill seconds routed there per "
+                                 "second, over ~10 s (what conversations are priced at).", labels=["endpoint"])
+        for ep, rho in sorted(self.utilization().items()):
+            load.add_metric([str(ep)], rho)
+        yield load

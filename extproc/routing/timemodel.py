@@ -90,6 +90,15 @@ LOAD_WINDOW_S = 10.0
 chat at the think times they keep (0.5-3 s), so one burst does not make an endpoint look loaded for long, yet a
 busy endpoint's load is seen within a few seconds."""
 
+IDLE_BASE_WEIGHT = 1 / 32
+IDLE_BASE_MARGIN = 1.25
+"""The base's bound also follows what the endpoint shows when nothing was queued ahead of a request (an *idle*
+observation: its TTFT is the base plus its own prefill): an exponential average (~32 of them) of such TTFTs less
+their own prefill at the fitted rate, times 1.25, when that is above the prior's bound. An engine whose every
+step carries a fixed cost far above a GPU's (a CPU server: ~150 ms a step with the tiny test model, against the
+prior's 15 ms) was held at the 60 ms bound and predicted at a third of its TTFT (real vLLM on CPU: 52.8 ms
+predicted, 155 ms measured); a saturated window has no idle observation and keeps the prior's bound."""
+
 MAX_RATE_RATIO = 20.0
 """A learned rate stays within 20x of the prior either way: GPUs and models in one fleet differ by up to ~10x
 (an 8B on an H200 prefills ~35k tokens/s, a 70B on TP4 ~13k, on one older GPU a few thousand), and a bound
@@ -118,6 +127,7 @@ class RateEstimate:
     _sxy: float = 0.0
     num_observations: int = 0
     _cache: tuple[float, float] | None = None
+    idle_base_s: float = 0.0  # average TTFT less own prefill of idle observations (0: none seen); see IDLE_BASE_*
 
     def __post_init__(self) -> None:
         half = self.prior_weight / 2.0
@@ -131,11 +141,17 @@ class RateEstimate:
         self._sxx += w * x * x
         self._sxy += w * x * y
 
-    def observe(self, work_tokens: float, ttft_s: float) -> None:
+    def observe(self, work_tokens: float, ttft_s: float, idle: bool = False) -> None:
         """One response: `work_tokens` of prefill were ahead of and including it at its pick, and its first
-        token came `ttft_s` after. Negative or non-finite inputs are ignored."""
+        token came `ttft_s` after; `idle`: nothing was queued ahead of it (its work is its own). Negative or
+        non-finite inputs are ignored."""
         if not (work_tokens >= 0.0 and ttft_s >= 0.0) or work_tokens == float("inf") or ttft_s == float("inf"):
             return
+        if idle:
+            rate = self._fit()[0]
+            b = max(0.0, ttft_s - work_tokens / rate)
+            self.idle_base_s = b if not self.idle_base_s else self.idle_base_s + IDLE_BASE_WEIGHT * (
+                b - self.idle_base_s)
         decay = 1.0 - 1.0 / self.window
         self._w *= decay
         self._sx *= decay
@@ -165,7 +181,8 @@ class RateEstimate:
         base = my - slope * mx
         # The bound scales with the learned slowness: an engine whose prefill is 6x slower than the prior's
         # has 6x longer steps too.
-        max_base = max(MAX_BASE_RATIO * self.prior_base_s * self.prior_rate * slope, MIN_MAX_BASE_S)
+        max_base = max(MAX_BASE_RATIO * self.prior_base_s * self.prior_rate * slope, MIN_MAX_BASE_S,
+                       IDLE_BASE_MARGIN * self.idle_base_s)
         if not 0.0 <= base <= max_base:
             # The intercept is outside what one engine step can be (a saturated window, where every
             # observation has a long queue, lets it absorb queueing): fix it at the bound and fit the slope
@@ -358,11 +375,12 @@ class TimeModel:
         own = self.prefill_work(max(0.0, prompt_tokens - cached), cached)
         work = self.work_tokens(queued_tokens_at_pick, own, decoding_at_pick, decode_context_at_pick)
         est = self.estimate(endpoint)
-        est.observe(work, ttft_s)
+        idle = queued_tokens_at_pick <= 0.0
+        est.observe(work, ttft_s, idle)
         pooled = self._pooled
         if self._in_class(est):
             pooled.window = self.window * max(1, len(self._rates))  # ~`window` responses of each endpoint
-            pooled.observe(work, ttft_s)
+            pooled.observe(work, ttft_s, idle)
         self._num_observed += 1
         if endpoint not in self.fits or self._num_observed % REPRICE_EVERY == 0:
             self._reprice()
@@ -506,6 +524,11 @@ class TimeModel:
     def add_busy(self, endpoint: EndpointId, seconds: float, now_s: float) -> None:
         """`seconds` of prefill were routed to `endpoint` at `now_s` (a pick's prefill work at its rate)."""
         self._load(endpoint).add(seconds, now_s, self.load_window_s)
+
+    def utilizations(self, now_s: float) -> dict[EndpointId, float]:
+        """`utilization` of every endpoint with load recorded (built from a copy: the metrics thread may call it
+        while the event loop routes)."""
+        return {ep: load.at(now_s, self.load_window_s) for ep, load in list(self._loads.items())}
 
     def utilization(self, endpoint: EndpointId, now_s: float) -> float:
         """`endpoint`'s recent prefill utilisation at `now_s`: the prefill seconds routed there per second,

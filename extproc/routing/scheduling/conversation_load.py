@@ -72,6 +72,7 @@ class ConversationLoad:
         self.table = table
         self.horizon_turns = horizon_turns
         self.num_adjusted = 0  # decisions whose order the term changed (the primary is not the time model's)
+        self._unloaded_best: EndpointId | None = None  # the time model's best of the last `adjust` it changed
 
     def outlook(self, request: InferenceRequest, best_match: int) -> Outlook:
         """The request's conversation and what it will bring (`ConversationTable.outlook`); none for a pinned
@@ -113,6 +114,7 @@ class ConversationLoad:
     def adjust(self, outlook: Outlook, scored: list[Scored], now_s: float | None) -> list[Scored]:
         """`scored` with each candidate's term added to its score, re-sorted (stable); unchanged when the term
         does not apply."""
+        self._unloaded_best = None
         costs = self.costs(outlook, [x[STATE].endpoint for x in scored], now_s, [x[OWN_WORK] for x in scored])
         if costs is None or not any(costs):
             return scored
@@ -120,6 +122,7 @@ class ConversationLoad:
         out.sort(key=_by_score)
         if out[0][STATE] is not scored[0][STATE]:
             self.num_adjusted += 1
+            self._unloaded_best = scored[0][STATE].endpoint
         return out
 
     def record(self, request: InferenceRequest, outlook: Outlook, primary: Scored, now_s: float | None,
@@ -132,4 +135,7 @@ class ConversationLoad:
         if request.response_ref is not None:
             self.table.record_followup(hashes[-1])
             return
-        self.table.record(hashes, outlook, primary[STATE].endpoint, primary[OWN_WORK], now_s, num_tokens)
+        ep = primary[STATE].endpoint
+        unloaded, self._unloaded_best = self._unloaded_best, None
+        self.table.record(hashes, outlook, ep, primary[OWN_WORK], now_s, num_tokens,
+                          unloaded is not None and ep != unloaded)
