@@ -90,14 +90,29 @@ LOAD_WINDOW_S = 10.0
 chat at the think times they keep (0.5-3 s), so one burst does not make an endpoint look loaded for long, yet a
 busy endpoint's load is seen within a few seconds."""
 
-IDLE_BASE_WEIGHT = 1 / 32
+ROBUST_CLIP_SCALES = 3.0
+ROBUST_AFTER = 8
+RESIDUAL_SCALE_STEP = 1 / 16
+"""After its first 8 responses, an estimate learns each TTFT clipped to its prediction +- 3 typical residuals (a
+running median of |TTFT - prediction|, steps of 1/16 of it): Huber's bound on least squares. TTFTs on a shared or
+overloaded host have a heavy tail (stalls of several times the typical response): least squares followed them
+and over-predicted the typical TTFT (a synthetic fleet with 10% of its responses 2-8x slower: median error 49%
+at the prior's own speed; clipped: 15%, tests/unit/routing/test_routing_timemodel.py). A real change of speed
+moves every residual, so the scale and the clip grow with it."""
+
+IDLE_BASE_STEP = 1 / 16
 IDLE_BASE_MARGIN = 1.25
 """The base's bound also follows what the endpoint shows when nothing was queued ahead of a request (an *idle*
-observation: its TTFT is the base plus its own prefill): an exponential average (~32 of them) of such TTFTs less
-their own prefill at the fitted rate, times 1.25, when that is above the prior's bound. An engine whose every
+observation: its TTFT is the base plus its own prefill): a running median of such TTFTs less their own prefill
+at the fitted rate (steps of 1/16 of it, so a few dozen idle responses find it and a host's occasional stall does
+not move it), times 1.25, when that is above the prior's bound. An engine whose every
 step carries a fixed cost far above a GPU's (a CPU server: ~150 ms a step with the tiny test model, against the
 prior's 15 ms) was held at the 60 ms bound and predicted at a third of its TTFT (real vLLM on CPU: 52.8 ms
 predicted, 155 ms measured); a saturated window has no idle observation and keeps the prior's bound."""
+
+IDLE_BASE_MIN_CV = 0.25
+"""...but only while the observations' work sizes spread (coefficient of variation >= 0.25): responses of one
+size cannot tell a slow rate from a large base."""
 
 MAX_RATE_RATIO = 20.0
 """A learned rate stays within 20x of the prior either way: GPUs and models in one fleet differ by up to ~10x
@@ -127,7 +142,13 @@ class RateEstimate:
     _sxy: float = 0.0
     num_observations: int = 0
     _cache: tuple[float, float] | None = None
-    idle_base_s: float = 0.0  # average TTFT less own prefill of idle observations (0: none seen); see IDLE_BASE_*
+    idle_base_s: float = 0.0  # running median of idle TTFTs less own prefill (0: none seen); see IDLE_BASE_*
+    residual_scale_s: float = 0.0  # running median of |TTFT - prediction| (0: none seen); see ROBUST_*
+    # The real observations' work: weight, sum, sum of squares (the same decay): whether their sizes spread enough
+    # to tell a base from a rate (`_spread`).
+    _rw: float = 0.0
+    _rx: float = 0.0
+    _rxx: float = 0.0
 
     def __post_init__(self) -> None:
         half = self.prior_weight / 2.0
@@ -147,11 +168,24 @@ class RateEstimate:
         non-finite inputs are ignored."""
         if not (work_tokens >= 0.0 and ttft_s >= 0.0) or work_tokens == float("inf") or ttft_s == float("inf"):
             return
+        rate, base = self._fit()
+        predicted = base + work_tokens / rate
+        residual = abs(ttft_s - predicted)
+        scale = self.residual_scale_s
+        if scale and self.num_observations >= ROBUST_AFTER:
+            # Clipped to the prediction +- ROBUST_CLIP_SCALES typical residuals: a stall of the host or the
+            # server (a TTFT of seconds now and then) moves the fit no more than a response that far off would,
+            # so the fit follows the typical response; a real change of speed moves every residual, hence the
+            # scale, and is learned at the pace of the window.
+            bound = ROBUST_CLIP_SCALES * scale
+            ttft_s = min(max(ttft_s, predicted - bound), predicted + bound)
+        self.residual_scale_s = residual if not scale else scale * (
+            1.0 + RESIDUAL_SCALE_STEP if residual > scale else 1.0 - RESIDUAL_SCALE_STEP)
         if idle:
-            rate = self._fit()[0]
             b = max(0.0, ttft_s - work_tokens / rate)
-            self.idle_base_s = b if not self.idle_base_s else self.idle_base_s + IDLE_BASE_WEIGHT * (
-                b - self.idle_base_s)
+            m = self.idle_base_s
+            # A running median (multiplicative steps): a host's stalls (seconds, now and then) must not move it.
+            self.idle_base_s = b if not m else m * (1.0 + IDLE_BASE_STEP if b > m else 1.0 - IDLE_BASE_STEP)
         decay = 1.0 - 1.0 / self.window
         self._w *= decay
         self._sx *= decay
@@ -159,6 +193,9 @@ class RateEstimate:
         self._sxx *= decay
         self._sxy *= decay
         self._add(work_tokens, ttft_s, 1.0)
+        self._rw = self._rw * decay + 1.0
+        self._rx = self._rx * decay + work_tokens
+        self._rxx = self._rxx * decay + work_tokens * work_tokens
         # The prior keeps a small floor of weight (in steady state ~prior_weight / window observations, ~0.06
         # by default): after many observations it still anchors a degenerate window (every observation at one
         # work size) instead of letting the slope go undefined, yet cannot bias a real spread of observations.
@@ -182,7 +219,7 @@ class RateEstimate:
         # The bound scales with the learned slowness: an engine whose prefill is 6x slower than the prior's
         # has 6x longer steps too.
         max_base = max(MAX_BASE_RATIO * self.prior_base_s * self.prior_rate * slope, MIN_MAX_BASE_S,
-                       IDLE_BASE_MARGIN * self.idle_base_s)
+                       IDLE_BASE_MARGIN * self.idle_base_s if self._spread() else 0.0)
         if not 0.0 <= base <= max_base:
             # The intercept is outside what one engine step can be (a saturated window, where every
             # observation has a long queue, lets it absorb queueing): fix it at the bound and fit the slope
@@ -193,6 +230,17 @@ class RateEstimate:
                 slope = min(max((self._sxy / w - base * mx) / sxx, 1.0 / hi), 1.0 / lo)
         self._cache = (1.0 / slope, base)
         return self._cache
+
+    def _spread(self) -> bool:
+        """Whether the observations' work sizes spread enough (coefficient of variation >= IDLE_BASE_MIN_CV) for
+        their intercept to say anything: TTFTs of one size cannot tell a slow rate from a large base, and
+        the prior's bound then keeps the base a GPU step's."""
+        w = self._rw
+        if w <= 0.0 or self._rx <= 0.0:
+            return False
+        mean = self._rx / w
+        var = self._rxx / w - mean * mean
+        return var > 0.0 and var >= (IDLE_BASE_MIN_CV * mean) ** 2
 
     @property
     def rate(self) -> TokensPerSecond:

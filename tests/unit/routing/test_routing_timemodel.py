@@ -426,16 +426,19 @@ def test_a_busy_endpoints_pending_blocks_stay_bounded():
     assert m.pending_match(A, _chain(-1, 8)) == 8 and m.pending_match(A, _chain(5, 64)) == 0
 
 
-@pytest.mark.parametrize("base_s,rate", [
-    (0.15, 256_000.0),  # a tiny model on a CPU server (real vLLM): every step ~150 ms, its tokens nearly free
-    (0.15, 51_200.0),
-    (0.4, 100_000.0),  # steps slower still
-    (0.075, 2_560.0),  # a GPU 5x slower than the prior's in everything
-    (0.003, 64_000.0),  # 5x faster
+@pytest.mark.parametrize("base_s,rate,stalls", [
+    (0.15, 256_000.0, 0.0),  # a tiny model on a CPU server (real vLLM): every step ~150 ms, its tokens nearly free
+    (0.15, 51_200.0, 0.0),
+    (0.4, 100_000.0, 0.0),  # steps slower still
+    (0.075, 2_560.0, 0.0),  # a GPU 5x slower than the prior's in everything
+    (0.003, 64_000.0, 0.0),  # 5x faster
+    (0.15, 256_000.0, 0.1),  # the CPU server on a busy host: 10% of its responses stalled 2-8x
+    (0.015, 12_800.0, 0.1),  # the prior's own speed, stalled as often
 ])
-def test_the_time_model_fits_a_fleet_unlike_its_prior(base_s, rate):
+def test_the_time_model_fits_a_fleet_unlike_its_prior(base_s, rate, stalls):
     """Finding of the real-vLLM run: the H200 prior's bounds held a CPU fleet's base at 60 ms and predicted a third of
-    its TTFT (52.8 ms against 155 ms, median error 62.6%). After 200 responses the median error is <= 25%."""
+    its TTFT (52.8 ms against 155 ms, median error 62.6%), and TTFTs on a busy host stall now and then (least
+    squares followed the stalls). After 200 responses the median error is <= 25%."""
     rng = random.Random(3)
     m = TimeModel(12_800.0, 0.015)
     errors = []
@@ -445,6 +448,8 @@ def test_the_time_model_fits_a_fleet_unlike_its_prior(base_s, rate):
         queued = 0.0 if rng.random() < 0.4 else rng.uniform(0.0, 3000.0)
         predicted = m.predict(ep, own, extra_queued_tokens=queued)
         actual = (base_s + (queued + own) / rate) * rng.uniform(0.9, 1.1)
+        if rng.random() < stalls:
+            actual *= rng.uniform(2.0, 8.0)
         if i >= 200:
             errors.append(abs(predicted - actual) / actual)
         m.observe(ep, own, 0.0, actual, queued)
