@@ -362,8 +362,8 @@ class TimeModel:
         self.attention_tokens = attention_tokens
         # A cold chunk of step_tokens is `step_tokens` of work (what the prior rate was measured on): the
         # attention of its tokens is inside that rate already.
-        self._work_norm = 1.0 / (1.0 + step_tokens * 0.5 / attention_tokens) if attention_tokens else 1.0
-        self._inv_attention = 1.0 / attention_tokens if attention_tokens else 0.0
+        self.work_norm = 1.0 / (1.0 + step_tokens * 0.5 / attention_tokens) if attention_tokens else 1.0
+        self.inv_attention = 1.0 / attention_tokens if attention_tokens else 0.0  # 0: attention not priced
         self.load_window_s = load_window_s
         self.window = window
         self.prior_weight = prior_weight
@@ -395,6 +395,7 @@ class TimeModel:
         self.decode_ctx: Mapping[EndpointId, tuple[int, float]] = self._decode_ctx
         # endpoint -> its recent prefill seconds (`utilization`).
         self._loads: dict[EndpointId, _Load] = {}
+        self.loads: Mapping[EndpointId, _Load] = self._loads  # read-only view (`ConversationLoad.costs` reads it)
         self.mean_decode_s = 0.0  # exponential average of the requests' decode durations (first token to end)
 
     # --- rates ------------------------------------------------------------------------------------------------
@@ -485,7 +486,8 @@ class TimeModel:
         get_in_flight = in_flight.get
         get_ctx = self._decode_ctx.get
         queued_at = self.queued_at
-        work_tokens = self.work_tokens
+        # `work_tokens` and `decode_step_tokens`, inlined (one call per candidate less on every decision).
+        cost, inv, inv_step = self.decode_cost_tokens, self.inv_attention, 1.0 / self.step_tokens
         out: list[tuple[float, float, int]] = []
         for ep, own in zip(endpoints, own_tokens):
             rate, base = get_fit(ep, prior)
@@ -495,9 +497,12 @@ class TimeModel:
             queued = get_tokens(ep, 0.0)
             if queued and now_s is not None:
                 queued = queued_at(ep, now_s)
-            ctx = get_ctx(ep)
-            out.append((base + work_tokens(queued, own, decoding, ctx[1] / ctx[0] if ctx else 0.0) / rate, rate,
-                        decoding))
+            prefill = queued + own
+            if decoding:
+                ctx = get_ctx(ep)
+                per_step = decoding * (cost + ctx[1] / ctx[0] * inv) if ctx else decoding * cost
+                prefill += per_step * (1.0 + prefill * inv_step)
+            out.append((base + prefill / rate, rate, decoding))
         return out
 
     def work_tokens(self, queued_tokens: float, own_tokens: float, num_decoding: int,
@@ -513,7 +518,7 @@ class TimeModel:
         """Prefill-token equivalents that `num_decoding` sequences of `context_tokens` each add to one engine
         step: ``decode_cost_tokens`` each (weights, sampling) plus their attention over their context
         (``context / attention_tokens``, as a prefill token's attention over that context costs). >= 0."""
-        return num_decoding * (self.decode_cost_tokens + context_tokens * self._inv_attention)
+        return num_decoding * (self.decode_cost_tokens + context_tokens * self.inv_attention)
 
     def prefill_work(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
         """Prefill work, in tokens of a cold ``step_tokens`` chunk, of computing `new_tokens` on top of
@@ -524,10 +529,10 @@ class TimeModel:
         `new_tokens`. >= 0."""
         if new_tokens <= 0.0:
             return 0.0
-        inv = self._inv_attention
+        inv = self.inv_attention
         if not inv:
             return new_tokens
-        return new_tokens * (1.0 + (cached_tokens + new_tokens * 0.5) * inv) * self._work_norm
+        return new_tokens * (1.0 + (cached_tokens + new_tokens * 0.5) * inv) * self.work_norm
 
     def mean_decode_context(self, endpoint: EndpointId) -> float:
         """Mean context tokens of the requests decoding on `endpoint` (0 when none is known)."""

@@ -36,10 +36,12 @@ recompute. One-off requests, and conversations on an idle fleet, are placed as b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from prefixroute.extproc.routing.conversations import ConversationTable, NO_OUTLOOK, Outlook
 from prefixroute.extproc.routing.request import InferenceRequest
+from prefixroute.extproc.routing.scheduling.pickers import TTFT_TIE_RATIO, TTFT_TIE_S
 from prefixroute.extproc.routing.scheduling.scorers import OWN_WORK, SCORE, STATE, Scored, _by_score
 from prefixroute.extproc.routing.timemodel import TimeModel
 from prefixroute.types import EndpointId
@@ -95,30 +97,55 @@ class ConversationLoad:
         here = conv.endpoint if conv is not None else None
         gap = conv.gap_s if conv is not None else None
         decode_s = model.mean_decode_s
-        out = []
         window = model.load_window_s
+        inv_window = 1.0 / window
+        turn_work = outlook.turn_work
+        # `TimeModel.priced` and `utilization`, inlined over local lookups: this runs for every candidate of
+        # every turn of a conversation.
+        get_fit, prior = model.fits.get, model.default_fit
+        get_load = model.loads.get
+        exp = math.exp
+        out = []
         for i, ep in enumerate(endpoints):
-            rate = model.priced(ep)[0]
-            turn_s = outlook.turn_work / rate
-            rho = model.utilization(ep, now_s)
+            rate = get_fit(ep, prior)[0]
+            turn_s = turn_work / rate
+            rho = 0.0
+            load = get_load(ep)
+            if load is not None and load.t is not None:
+                dt = now_s - load.t
+                rho = load.prefill * (exp(-dt * inv_window) if dt > 0.0 else 1.0) * inv_window
             if own_work is not None:
-                rho += own_work[i] / rate / window
+                rho += own_work[i] / rate * inv_window
             if ep == here and gap:  # its own turns are already part of the load there
                 rho -= turn_s / gap
             if rho <= 0.0:
                 out.append(0.0)
                 continue
-            out.append(turns * (turn_s * marginal_waiting(rho) + decode_s * (rho if rho < RHO_CAP else RHO_CAP)))
+            if rho > RHO_CAP:
+                rho = RHO_CAP
+            d = 1.0 - rho
+            out.append(turns * (turn_s * rho * (2.0 - rho) / (d * d) + decode_s * rho))
         return out
 
     def adjust(self, outlook: Outlook, scored: list[Scored], now_s: float | None) -> list[Scored]:
         """`scored` with each candidate's term added to its score, re-sorted (stable); unchanged when the term
         does not apply."""
         self._unloaded_best = None
-        costs = self.costs(outlook, [x[STATE].endpoint for x in scored], now_s, [x[OWN_WORK] for x in scored])
+        if outlook.future_turns < MIN_FUTURE_TURNS or now_s is None or outlook.turn_work <= 0.0:
+            return scored  # a one-off, or no clock: `costs` would say so, after building its lists
+        # `scored` is sorted by score and the term is >= 0: a candidate whose score alone is past the best
+        # score with its term so far (and the picker's tie margin) can neither win nor tie; it keeps its score
+        # (still behind the contenders, as a fallback), and the rest are not priced.
+        best = scored[0][SCORE] + self.costs(outlook, [scored[0][STATE].endpoint], now_s, [scored[0][OWN_WORK]])[0]
+        n = 1
+        while n < len(scored) and scored[n][SCORE] <= best * (1.0 + TTFT_TIE_RATIO) + TTFT_TIE_S:
+            n += 1
+        contenders = scored[:n]
+        costs = self.costs(outlook, [x[STATE].endpoint for x in contenders], now_s, [x[OWN_WORK] for x in contenders])
         if costs is None or not any(costs):
             return scored
-        out = [(x[SCORE] + c, *x[1:]) for x, c in zip(scored, costs)]
+        out = [(x[SCORE] + c, *x[1:]) for x, c in zip(contenders, costs)]
+        out.extend(scored[n:])
         out.sort(key=_by_score)
         if out[0][STATE] is not scored[0][STATE]:
             self.num_adjusted += 1

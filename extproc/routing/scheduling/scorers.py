@@ -89,10 +89,13 @@ class TtftScorer:
                    for ep in names]
         else:
             own = [prompt_tokens] * len(names)
-        # Tokens to prefill -> prefill work (attention over the cached part and the new part priced too).
-        work = self.model.prefill_work
-        own_work = [work(o, prompt_tokens - o) for o in own]
-        predicted = self.model.predict_many(names, own_work, in_flight, now_s)
+        # Tokens to prefill -> prefill work (`TimeModel.prefill_work`, inlined: one multiply per candidate): o new
+        # tokens on the prompt_tokens - o cached attend to prompt_tokens - o / 2 on average.
+        model = self.model
+        inv, norm = model.inv_attention, model.work_norm
+        own_work = [o * (1.0 + (prompt_tokens - 0.5 * o) * inv) * norm if o > 0.0 else 0.0 for o in own] if inv \
+            else own
+        predicted = model.predict_many(names, own_work, in_flight, now_s)
         sig = min(SIGNIFICANT_MATCH_RATIO * n_hashed, SIGNIFICANT_MATCH_TOKENS / tpb) if matches else 0.0
         insignificant = bool(matches) and max(matches.values()) < sig
         w = self._settings.ttft_work_weight
@@ -101,7 +104,7 @@ class TtftScorer:
         if insignificant:
             # Chosen as if cached nowhere: the matched candidates are scored at their whole prefill.
             at = [i for i, ep in enumerate(names) if matches.get(ep, 0)]
-            whole = work(prompt_tokens, 0.0)
+            whole = model.prefill_work(prompt_tokens, 0.0)
             cold = self.model.predict_many([names[i] for i in at], [whole] * len(at), in_flight, now_s)
             for i, (pred, rate, _) in zip(at, cold):
                 scored[i] = (pred + w * whole / rate, *scored[i][1:])
