@@ -2,25 +2,29 @@
 Pure: no I/O, no clock (times come from the caller).
 
 A conversation (a chat, an agent in a tool loop) re-sends its whole history each turn, so turn k+1's prompt
-extends turn k's: in chained block hashes, turn k's last hashed block appears at the same position in turn
-k+1's hashes. The table keys each conversation by that last hash, its *tail*; a request whose hashes hold a
-known tail continues that conversation (`find`), which then moves its tail to the request's last hash
-(`record`). A request that continues none starts one: a *branch* off the prefix it matched (its *root*: the last
-matched block of a shared system prompt or tool preamble, or no root when nothing matched).
+extends turn k's: in chained block hashes, turn k's blocks appear at the same positions in turn k+1's hashes.
+The table keys each conversation by one of its last turn's hashes, its *tail* (`tail_position`: two blocks before
+the last, past the chat template's seam); a request whose hashes hold a known tail continues that conversation
+(`find`), which then moves its tail into the request's hashes (`record`). A request that continues none starts
+one: a *branch* off the prefix it matched (its *root*: the last matched block of a shared system prompt or tool
+preamble, or no root when nothing matched).
 
-Per root the table learns how many more turns a branch brings (`Outlook.future_turns`: continuations seen per
-branch, counts halved as they grow so they follow a change of traffic) and what a turn costs (an exponential
-average of its continuations' prefill work). One-off requests off a shared system prompt (a question each) teach
-0 future turns; agents in tool loops teach dozens. That is what the prefix policy needs to place a conversation
-by the load it will bring (scheduling/conversation_load.py), not only by where its first request is cheapest.
+Per root the table learns how many more turns a conversation brings (`Outlook.future_turns`: continuations per
+conversation seen, counts halved as they grow so they follow a change of traffic) and what a turn costs (an
+exponential average of its continuations' prefill work). One-off requests off a shared system prompt (a question
+each) teach 0 future turns; agents in tool loops teach dozens. That is what the prefix policy needs to place a
+conversation by the load it will bring (scheduling/conversation_load.py), not only by where its first request
+is cheapest.
 
 Lookup cost: a continuation's previous tail lies at or just below its best match (the previous turn's blocks are
 cached, or pending, where it went: the match covers them), so `find` probes the hashes from a few blocks above
 the best match down to `MAX_PROBE_BLOCKS` below it: O(1) dict lookups per request, never a walk of the prompt.
 A conversation whose cached blocks were evicted is not found; its turn counts as a new branch.
 
-Bounds: at most ``max_conversations`` conversations (least recently continued out) and ``max_roots`` roots;
-`CONVERSATION_ENTRY_BYTES` / `ROOT_ENTRY_BYTES` each, measured. Not thread-safe (one event loop).
+Bounds: at most ``max_conversations`` conversations (least recently continued out; one not continued within
+`END_AFTER_GAPS` of its gaps has ended) and ``max_roots`` roots; `CONVERSATION_ENTRY_BYTES` / `ROOT_ENTRY_BYTES`
+each, measured. Keys are block hashes (8-byte ints) the router computed: nothing a client sends is kept. Not
+thread-safe (one event loop), except `conversations_by_endpoint` and the counters (read by the metrics thread).
 """
 
 from __future__ import annotations
