@@ -6,7 +6,9 @@ liked, and make the router render its metrics as often as it asked, on the route
 the GIL the event loop needs). This one serves the same answers (prometheus_client's WSGI app: any path but
 ``/favicon.ico``, ``name[]`` filters, gzip when asked, OPTIONS) within:
 
-- `MAX_CONNECTIONS` connections at once (one thread each; a connection beyond is closed at once, counted);
+- `MAX_CONNECTIONS` connections at once (one thread each); beyond, the connection that has been sending its request
+  the longest is closed to make room (a slow or stalled client cannot keep a scraper out: a scraper's request
+  arrives whole at once), and with none sending one the new connection is closed at once (counted);
 - one request per connection, whole within `REQUEST_TIMEOUT_S` of the accept, its request line and headers at most
   `MAX_HEAD_BYTES` and `MAX_HEADERS` lines (431 beyond), no body read (a GET has none; another method gets 405);
   the answer written within `REQUEST_TIMEOUT_S` too (a client that does not read is dropped);
@@ -75,6 +77,7 @@ class MetricsHttpServer:
         self._last: tuple[float, tuple[str, str, str], tuple[str, list[tuple[str, str]], bytes]] | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reading: dict[socket.socket, float] = {}  # connections still sending their request: since when
         self.num_active = 0
         self.num_refused_connections = 0
         self.num_refused_requests = 0
@@ -107,11 +110,22 @@ class MetricsHttpServer:
                 continue
             with self._lock:
                 full = self.num_active >= MAX_CONNECTIONS
+                evicted = None
                 if full:
                     self.num_refused_connections += 1
                     refused = self.num_refused_connections
-                else:
+                    if self._reading:  # make room: the one sending its request the longest goes
+                        evicted = min(self._reading, key=self._reading.__getitem__)
+                        del self._reading[evicted]
+                        full = False
+                if not full:
                     self.num_active += 1
+                    self._reading[conn] = time.monotonic()
+            if evicted is not None:
+                try:
+                    evicted.shutdown(socket.SHUT_RDWR)  # its thread's recv returns: it closes and leaves
+                except OSError:
+                    pass
             if full:
                 conn.close()
                 if refused in (1, 10, 100) or refused % 1000 == 0:
@@ -125,6 +139,9 @@ class MetricsHttpServer:
             deadline = time.monotonic() + REQUEST_TIMEOUT_S
             try:
                 method, target, headers = _read_head(conn, deadline)
+                with self._lock:
+                    if self._reading.pop(conn, None) is None:
+                        return  # evicted meanwhile
             except _Refused as exc:
                 with self._lock:
                     self.num_refused_requests += 1
@@ -141,6 +158,7 @@ class MetricsHttpServer:
         finally:
             conn.close()
             with self._lock:
+                self._reading.pop(conn, None)
                 self.num_active -= 1
 
     # -- answers -------------------------------------------------------------------------------------------------

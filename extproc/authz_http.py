@@ -254,14 +254,12 @@ def _since(conn: AuthzHttpConnection) -> float:
     return conn.since
 
 
-class _TooLarge(Exception):
-    """Raised from a parser callback to stop parsing a request over a header limit."""
+class _Stop(Exception):
+    """Raised from a parser callback to stop parsing (the reason is in `AuthzHttpConnection.stop`: the exception
+    itself is never kept, since its traceback holds the connection's frames)."""
 
 
-class _Refused(Exception):
-    """Raised from a parser callback to stop parsing a request whose token is wrong."""
-
-
+_STOP_TOKEN = "token"
 _IDLE, _HEAD, _BODY = 0, 1, 2
 """A connection's phase: between requests, in a request's line and headers, in its body."""
 
@@ -272,7 +270,7 @@ class AuthzHttpConnection(asyncio.Protocol):
     __slots__ = ("svc", "parser", "transport", "url", "headers", "repeated", "body", "body_size", "token",
                  "observed", "handoff", "body_cap", "busy", "pending", "task", "closed", "too_large", "answered",
                  "early", "is_trusted", "phase", "since", "head_bytes", "num_headers", "is_check", "loop",
-                 "reading_paused")
+                 "reading_paused", "stop")
 
     def __init__(self, svc: AuthzHttpService) -> None:
         self.svc = svc
@@ -302,6 +300,7 @@ class AuthzHttpConnection(asyncio.Protocol):
         self.num_headers = 0
         self.is_check = False
         self.reading_paused = False
+        self.stop: str | None = None  # why a callback stopped the parser: _STOP_TOKEN, or a 431's message
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -316,6 +315,14 @@ class AuthzHttpConnection(asyncio.Protocol):
         self.pending.clear()
         if self.task is not None:  # Envoy gave up (its timeout): the decision is not wanted any more
             self.task.cancel()
+        # The parser and this protocol refer to each other (its callbacks are bound methods here), and the parser
+        # holds what it was fed of an unfinished header: break the cycle so a closed connection is freed at once,
+        # not at the garbage collector's next full pass (the router collects rarely: cli.py's thresholds), which a
+        # flood of connections would otherwise outgrow by megabytes.
+        self.parser = None  # type: ignore[assignment]
+        self.early = None  # type: ignore[assignment]
+        self.body = []
+        self.headers = {}
 
     def pause_writing(self) -> None:  # a client that does not read its answers: read no more of its requests
         self._pause_reading()
@@ -350,12 +357,12 @@ class AuthzHttpConnection(asyncio.Protocol):
             self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            if isinstance(cause, _TooLarge):
-                self._too_large_headers(str(cause))
-            elif isinstance(cause, _Refused):
+        except httptools.HttpParserCallbackError:  # not bound: a kept exception would hold this frame in a cycle
+            stop, self.stop = self.stop, None
+            if stop == _STOP_TOKEN:
                 self._refuse_token()
+            elif stop is not None:
+                self._too_large_headers(stop)
             elif not self.closed:
                 self._write(_plain(400, "Malformed HTTP request", close=True), close=True)
             return
@@ -389,12 +396,14 @@ class AuthzHttpConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self.num_headers += 1
         if self.num_headers > MAX_HEADERS:
-            raise _TooLarge(f"More than {MAX_HEADERS} header lines.")
+            self.stop = f"More than {MAX_HEADERS} header lines."
+            raise _Stop
         key = name.lower()
         if key in _INTERNAL:
             if key == _TOKEN:
                 if not self.svc.token_ok(value):
-                    raise _Refused
+                    self.stop = _STOP_TOKEN
+                    raise _Stop
                 self.token = value
             elif key == _HANDOFF:
                 self.handoff = True
@@ -431,7 +440,8 @@ class AuthzHttpConnection(asyncio.Protocol):
             return  # /health and 404s: no token needed, and their body is never kept
         if self.svc.has_token and self.token is None:
             self.svc.token_ok(None)  # counted
-            raise _Refused
+            self.stop = _STOP_TOKEN
+            raise _Stop
         if not self.is_trusted:
             self.is_trusted = True
             self.svc.trusted(self)

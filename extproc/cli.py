@@ -26,8 +26,8 @@ from prefixroute.extproc.endpoints.discovery import DnsDiscovery, discovery_from
 from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_from_settings
 from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
-                                        start_authz_http, start_health_server, start_server)
+from prefixroute.extproc.server import (ExtprocSettings, check_exposure, new_event_loop, resolved_auth_token,
+                                        server_credentials, start_authz_http, start_health_server, start_server)
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.kv_events.link import KVEventsLink
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
@@ -254,6 +254,7 @@ def main(args: argparse.Namespace) -> int:
         PromptHasher.from_settings(routing)
         server_credentials(ext)
         resolved_auth_token(ext)
+        check_exposure(ext)  # an address others reach, with no way to tell Envoy from them: refused (exit 2)
     except (ValueError, OSError, TokenizerLoadError) as exc:
         print(f"prefixroute extproc: {exc}", file=sys.stderr)
         return 2
