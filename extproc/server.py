@@ -154,7 +154,9 @@ own header limit is 32 KiB by default, max_request_headers_kb), an ext_proc body
 request whose headers pass 1 MiB fails on this port (Envoy's failure mode), none of the gateway's defaults does."""
 
 GRPC_OPTIONS: dict[str, int | str] = {
-    # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
+    # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection. Not a memory bound
+    # worth having against a caller without the token: a lower cap only moves it to more connections (gRPC has no
+    # connection cap); its streams are refused at their metadata, and the stream window below is what each holds.
     "grpc.max_concurrent_streams": 100000,
     # Bodies arrive whole (BUFFERED) in one message: the body limit and MESSAGE_HEADROOM_BYTES (start_server sets
     # it from the router's max_body_bytes). gRPC refuses a longer message on its length prefix, before reading it.
