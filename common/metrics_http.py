@@ -172,7 +172,8 @@ class MetricsHttpServer:
                 ) -> tuple[int, list[tuple[str, str]], bytes]:
         path, _, query = target.partition("?")
         if method not in ("GET", "HEAD", "OPTIONS"):
-            return 405, [("Allow", "OPTIONS,GET")], f"# HTTP 405 Method Not Allowed: {method[:16]}; use OPTIONS or GET\n".encode()
+            return 405, [("Allow", "OPTIONS,GET")], (f"# HTTP 405 Method Not Allowed: {method[:16]}; use OPTIONS or "
+                                                     "GET\n").encode()
         if method == "OPTIONS" or path == "/favicon.ico":
             return self._call_app("GET" if method == "HEAD" else method, path, query, headers)
         key = (query, headers.get("accept", ""), headers.get("accept-encoding", ""))
