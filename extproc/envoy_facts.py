@@ -60,7 +60,8 @@ from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service
 
 from prefixroute.extproc.facts_fields import (A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_FLAGS,
                                               A_RESPONSE_ID, A_ROUTING_US, A_START, A_STATUS, A_TRACEPARENT, A_TTFT_US,
-                                              A_UPSTREAM, A_USAGE, CLIENT_CUT_FLAG, FACTS_MARK, FIRST_TOKEN_METHOD, MAX_USAGE_CHARS,
+                                              A_UPSTREAM, A_USAGE, CLIENT_CUT_FLAG,
+                                              FACTS_MARK, FIRST_TOKEN_METHOD, MAX_USAGE_CHARS,
                                               RESPONSE_ID_METHOD)
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.tracking import RequestTracker

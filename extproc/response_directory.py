@@ -18,8 +18,8 @@ reroutes it (service.py):
   http://<address>/v1/responses/{id}`` on every healthy endpoint at once, at most ``max_response_lookups``
   lookups in flight (beyond: 503 with Retry-After), each bounded by ``response_lookup_timeout_s``. The first
   endpoint that answers 200 wins and is remembered. Every endpoint answered 404: vLLM's own 404 naming the id
-  to its client (`responses_prompt.not_found`; its record withholds the id), remembered for `NEGATIVE_TTL_S` so a client retrying a dead id does not make
-  the whole fleet look it up again. Some endpoint failed or timed out and none had it: 503 with Retry-After
+  to its client (`responses_prompt.not_found`; its record withholds the id), remembered for
+  `NEGATIVE_TTL_S` so a client retrying a dead id does not make the whole fleet look it up again. Some endpoint failed or timed out and none had it: 503 with Retry-After
   (it may be on the one that did not answer). No 503 names the id: error texts reach records and dashboards,
   and a response id reads its response. Concurrent lookups of one id share one fan-out.
 

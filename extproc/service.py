@@ -35,12 +35,14 @@ Contract with the servicer (`servicer.RouterService`):
 - Responses API state (issue 14; extproc/response_directory.py): a request with ``response_ref`` (a follow-up's
   ``previous_response_id``, or the id of ``/v1/responses/{id}...``) is *pinned*: it is routed over a snapshot
   holding only the endpoint the directory names, so the decision lists that endpoint alone (no fallback, no
-  silent reroute). That endpoint unhealthy: 503 with Retry-After, naming no id (its store may come back with
-  it; an error text reaches records and dashboards, and a response id reads its response). An id the directory does not know: `route` raises `NeedsLookup` and the servicer awaits
+  silent reroute). That endpoint unhealthy: 503 with Retry-After, naming no id (its store may come
+  back with it; an error text reaches records and dashboards, and a response id reads its response). An id
+  the directory does not know: `route` raises `NeedsLookup` and the servicer awaits
   `resolve(response_id, headers)` (a bounded fan-out of ``GET /v1/responses/{id}``: 404 when no endpoint has
   it, 503 when some did not answer), then routes again. An endpoint that left the pool or restarted takes its
   ids with it (the directory follows the pool's snapshots), so its follow-ups get the 404 of the lookup.
-  `learn_response(pick, response_id)`: the observing stream saw `pick`'s response id (tracking.py).
+  `learn_response(pick, response_id)`: the observing stream (tracking.py) or Envoy's facts record saw `pick`'s
+  response id; a claim that does not fit (a second id for the pick, an id held at another endpoint) is refused.
 
 - Other replicas (issue 15; extproc/peers): with `peers` set (a `PeerPublisher`, the gateway's NATS bus), each
   pick with block hashes or queued prefill is published (`codec.Pick`: primary, block hashes, the policy's

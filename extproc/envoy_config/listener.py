@@ -46,7 +46,8 @@ from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.envoy_config.timing import timing_filter
 from prefixroute.extproc.facts_fields import OBSERVED_FACTS
 from prefixroute.extproc.headers import (AUTHZ_BODY_BYTES_HEADER, AUTHZ_CHECK_PATH_PREFIX, FAIRNESS_HEADER,
-                                         FLOW_HEADER_VALUE, HANDOFF_HEADER, HANDOFF_VALUE, SCHEDULING_HEADERS, LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES,
+                                         FLOW_HEADER_VALUE, HANDOFF_HEADER, HANDOFF_VALUE,
+                                         SCHEDULING_HEADERS, LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES,
                                          OBSERVED_METADATA,
                                          REFUSED_HEADER, REPLICA_HEADER, SERVED_HEADER, TRACEPARENT_HEADER,
                                          route_headers)

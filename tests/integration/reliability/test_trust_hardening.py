@@ -18,6 +18,7 @@ import statistics
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,8 +102,8 @@ class Flood:
 
     port: int
     num_threads: int
-    body: callable  # noqa: UP037 - (i) -> bytes
-    headers: callable = lambda i: {}  # noqa: E731
+    body: Callable[[int], bytes]
+    headers: Callable[[int], dict[str, str]] = lambda i: {}  # noqa: E731
     source: str = ATTACKER
     path: str = "/v1/chat/completions"
     statuses: list[int] = field(default_factory=list)
@@ -133,10 +134,12 @@ class Flood:
 
 def victim_ttfts(port: int, n: int, *, pause_s: float = 0.05,
                  headers: dict[str, str] | None = None) -> tuple[list[float], list[int]]:
-    """`n` streamed victim requests one after another: TTFT of each answered 200, and every status."""
+    """`n` streamed victim requests one after another: TTFT of each answered 200, and every status. Each may wait
+    5 s in the gateway queue (a starved victim is shed with 429 then, not waited for)."""
     ttfts, statuses = [], []
     for i in range(n):
-        status, ttft, _ = request(port, chat(f"victim question {i}: " + "context " * 40, stream=True), headers)
+        status, ttft, _ = request(port, chat(f"victim question {i}: " + "context " * 40, stream=True),
+                                  {"x-prefixroute-deadline-ms": "5000", **(headers or {})})
         statuses.append(status)
         if status == 200:
             ttfts.append(ttft)
