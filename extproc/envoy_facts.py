@@ -263,7 +263,10 @@ class FactsReceiver:
             return False
         if served is not None:
             st.served_addr = served  # Envoy's: a failover's id is the fallback's (the record's address agrees)
-        self.tracker.on_response_id(pick, response_id, st.served_addr)
+        if self.tracker.on_response_id(pick, response_id, st.served_addr) is False:
+            # A claim that does not fit (PoolRouter.learn_response: an id held at another endpoint): refused there.
+            self.early_id_counts["unmatched"] += 1
+            return False
         self.early_id_counts["learned"] += 1
         return True
 
