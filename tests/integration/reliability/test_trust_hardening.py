@@ -175,9 +175,11 @@ def test_a_forged_priority_or_rotating_fairness_ids_win_an_attacker_nothing(tmp_
         phases: dict[str, list[float]] = {}
         for name, headers in (
                 ("plain", lambda i: {}),
-                ("priority", lambda i: {"x-prefixroute-priority": "1000", "x-gateway-inference-objective": "critical"}),
+                ("priority", lambda i: {"x-prefixroute-priority": "1000",
+                                        "x-gateway-inference-objective": "critical"}),
                 ("rotating", lambda i: {"x-gateway-inference-fairness-id": f"flow-{i}-{random.random()}",
-                                        "x-prefixroute-tenant": f"t{i}"})):
+                                        "x-prefixroute-tenant": f"t{i}", "authorization": f"Bearer sk-{i}",
+                                        "x-forwarded-for": f"10.9.{i % 250}.{i % 199}"})):
             with Flood(port, 24, attacker_body, headers) as flood:
                 until(lambda: metric(metrics_text(gw), "prefixroute_flow_held_total") > 0, 30.0,
                       message="the attacker saturating the fleet")
@@ -198,8 +200,9 @@ def test_a_forged_priority_or_rotating_fairness_ids_win_an_attacker_nothing(tmp_
         assert "address:" not in text and "flow-" not in text  # no client's flow is named on /metrics
         plain = statistics.median(phases["plain"])
         for name in ("priority", "rotating"):
-            assert statistics.median(phases[name]) <= 1.2 * plain + 0.05, (name, phases[name], plain)
-        assert statistics.median(keyed) <= 1.2 * plain + 0.05
+            # 25 ms of slack: one scrape tick (50 ms) lands differently from phase to phase on a shared host
+            assert statistics.median(phases[name]) <= 1.2 * plain + 0.025, (name, phases[name], plain)
+        assert statistics.median(keyed) <= 1.2 * plain + 0.025
 
 
 # --- MED: whoever fills the queue wins -------------------------------------------------------------------------
