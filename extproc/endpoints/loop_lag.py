@@ -15,7 +15,8 @@ interval shows as the part of it after the sampler's due time: an under-estimate
 Invariants: recorded stalls are disjoint and in time order (the sampler records one at a time, each after the
 previous one ended); only those that ended within the last `window_s` are kept, so memory is bounded by
 ``window_s / interval_s`` entries. Pure bookkeeping in `record`/`stall_s` (any clock); `run` is the only I/O.
-Cost: one timer wake-up per `interval_s` on the loop (~10 us each: 0.02% of a core at 50 ms).
+Cost: one timer wake-up per `interval_s` on the loop: 23 ms of CPU per 10 s on uvloop (0.2% of a core),
+measured on this project's loaded 2-core host.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from collections.abc import Callable
 MIN_STALL_S = 0.002
 """Lateness below this is timer granularity (uvloop counts whole milliseconds), not a stall: not recorded."""
 SAMPLE_INTERVAL_S = 0.05
-"""The sampler's period: a stall is seen to within this much. 50 ms resolves the stalls that matter (a probe's
-timeout is 500 ms) for 20 wake-ups a second."""
+"""The sampler's period: a stall is seen to within this much (the part before the sampler's due time is missed).
+50 ms resolves the stalls that matter (a probe is discounted past 250 ms of them) for 20 wake-ups a second."""
 WINDOW_S = 60.0
 """How long recorded stalls are kept: longer than any probe or scrape-staleness judgement looks back."""
 RECENT_S = 10.0

@@ -26,6 +26,9 @@ import pytest
 
 from prefixroute.extproc.endpoints.pool import EndpointPool
 from prefixroute.extproc.endpoints.settings import PoolSettings
+from prefixroute.extproc.routing.request import parse_request
+from prefixroute.extproc.routing.router import RouterCore
+from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.types import EndpointState
 from helpers.waiting import until_async
 
@@ -184,6 +187,11 @@ async def test_all_endpoints_timing_out_at_once_are_routed_in_panic_mode(endpoin
         # (1 of 3 pass, under 50%), and from then on the timed-out ones are routed as if healthy.
         assert all(any(s.healthy for s in snap) for snap in seen)
         assert all(s.healthy and s.address for s in pool.snapshot())
+        # The router routes on (a pick, not 503 "no healthy endpoint").
+        core = RouterCore(RoutingSettings(rng_seed=0))
+        req = parse_request("POST", "/v1/chat/completions", {},
+                            b'{"model":"m","messages":[{"role":"user","content":"hello"}]}', core.settings)
+        assert core.route(req, pool.snapshot(), pool.in_flight).endpoints
         figures = pool.health_figures()
         assert sum(n for (_, cause), n in figures["ejections"].items() if cause == "timeout") == 3
         assert figures["num_panics"] == 1 and figures["panic"] == 1.0
