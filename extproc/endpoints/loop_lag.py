@@ -77,12 +77,14 @@ class LoopLag:
         return max(0.0, total)
 
     def max_lag_s(self, now_s: float | None = None) -> float:
-        """The worst stall that ended within `RECENT_S` (or is under way now), in seconds; 0 when none."""
+        """The worst stall that ended within `RECENT_S` (or is under way now), in seconds; 0 when none. Safe from
+        another thread (the metrics thread): it reads a copy of the stalls."""
         now = self._clock() if now_s is None else now_s
         worst = 0.0
-        if self._due is not None and now - self._due > MIN_STALL_S:
-            worst = now - self._due
-        for start, end in reversed(self._stalls):
+        due = self._due
+        if due is not None and now - due > MIN_STALL_S:
+            worst = now - due
+        for start, end in reversed(tuple(self._stalls)):  # tuple(): one C call, so no mutation midway
             if end < now - RECENT_S:
                 break
             worst = max(worst, end - start)
