@@ -127,7 +127,8 @@ class PoolSettings(Settings):
         if not 0 <= self.kv_events_port_offset < 65536 or not 0 <= self.kv_events_replay_port_offset < 65536:
             raise ValueError("kv_events_port_offset and kv_events_replay_port_offset must be in [0, 65535]")
         if not 0.0 <= self.healthy_panic_threshold_ratio <= 1.0:
-            raise ValueError(f"healthy_panic_threshold_ratio must be in [0, 1]; got {self.healthy_panic_threshold_ratio}")
+            raise ValueError("healthy_panic_threshold_ratio must be in [0, 1]; got "
+                             f"{self.healthy_panic_threshold_ratio}")
         if self.unhealthy_after_failures < 1:
             raise ValueError("unhealthy_after_failures must be >= 1")
         if self.max_connections_per_endpoint < 1:
