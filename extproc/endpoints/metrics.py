@@ -8,7 +8,10 @@
 - ``prefixroute_pool_panic``: 1 while the pool is in panic mode (too few endpoints pass their probes: the ones
   down only for timeouts are routed to as if healthy), ``prefixroute_pool_panic_seconds_total`` its time and
   ``prefixroute_pool_panics_total`` how often it began;
-- ``prefixroute_endpoint_panic_routed{endpoint}``: 1 while the endpoint is routed to only by panic mode;
+- ``prefixroute_endpoint_panic_routed{endpoint}``: 1 while the endpoint is routed to only by panic mode, and
+  ``prefixroute_pool_panic_picks_total`` the requests picked for such endpoints (what panic mode risked);
+- ``prefixroute_endpoint_discounted_probes_judged_total{next}``: probes discounted for lag, by the endpoint's next
+  counted probe (ok: the discount spared a healthy endpoint; failed: it may have delayed a real ejection);
 - ``prefixroute_router_loop_lag_seconds``: the router's event loop's worst stall of the last 10 s (what probes and
   scrape ages are judged against), ``prefixroute_router_loop_stall_seconds_total`` all its stalls;
 - ``prefixroute_endpoint_metrics_kept_for_lag_total``: scrapes whose figures outlived ``metrics_stale_after_s``
@@ -61,6 +64,15 @@ class PoolHealthCollector:
         for st in self.pool.snapshot():
             routed.add_metric([str(st.endpoint)], 1.0 if st.panic else 0.0)
         yield routed
+        yield CounterMetricFamily("prefixroute_pool_panic_picks", "Requests picked for an endpoint routed only "
+                                  "because the pool is in panic mode (its probes fail).", value=f["panic_picks"])
+        judged = CounterMetricFamily("prefixroute_endpoint_discounted_probes_judged", "Probes discounted for the "
+                                     "router's loop lag, by the endpoint's next counted probe: ok (the discount "
+                                     "spared a healthy endpoint) or failed (it may have delayed a real ejection).",
+                                     labels=["next"])
+        for nxt, n in sorted(f["discounted_judged"].items()):  # type: ignore[attr-defined]
+            judged.add_metric([nxt], n)
+        yield judged
         yield GaugeMetricFamily("prefixroute_router_loop_lag_seconds", "The router's event loop's worst stall of "
                                 "the last 10 s (probe timeouts and scrape ages are judged against its stalls).",
                                 value=f["loop_lag_s"])

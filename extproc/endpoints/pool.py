@@ -171,7 +171,7 @@ class _Watch:
     __slots__ = ("endpoint", "host", "port", "address", "healthy", "num_failures", "models", "models_fetched",
                  "metrics", "scraped_at_s", "fresh", "wake", "came_up", "resolved", "resolve_wake",
                  "num_lookup_failures", "tasks", "base_url", "suspect", "quiet_until_s", "restart_epoch",
-                 "ever_scraped", "ever_up", "down_cause", "kept_scrape_at_s")
+                 "ever_scraped", "ever_up", "down_cause", "kept_scrape_at_s", "num_discounted")
 
     def __init__(self, endpoint: EndpointId) -> None:
         self.endpoint = endpoint
@@ -203,6 +203,7 @@ class _Watch:
         self.ever_up = False  # passed a probe at its current address once (panic mode never routes to it before)
         self.down_cause: str | None = None  # while down: the outcome of its latest counted failure (or MOVED)
         self.kept_scrape_at_s: float | None = None  # the scrape whose figures were last kept for loop lag
+        self.num_discounted = 0  # probes discounted for lag since its last counted one (judged by the next)
 
 
 class EndpointPool:
@@ -239,6 +240,9 @@ class EndpointPool:
         self.num_probes: dict[tuple[EndpointId, str], int] = {}  # (endpoint, PROBE_OUTCOMES) -> probes
         self.num_ejections: dict[tuple[EndpointId, str], int] = {}  # (endpoint, EJECTION_CAUSES) -> times down
         self.num_metrics_kept_for_lag = 0  # scrapes whose figures outlived the staleness limit by loop stalls only
+        # Discounted probes judged by the endpoint's next counted probe: ("ok" right to discount, "failed" wrong)
+        self.num_discounted_judged: dict[str, int] = {"ok": 0, "failed": 0}
+        self.num_panic_picks = 0  # requests picked for an endpoint routed only by panic mode
         self._panic_since_s: float | None = None  # when the current panic began (None: not in panic)
         self._panic_s = 0.0  # time in panic mode before the current one
         self.num_panics = 0  # times panic mode began
@@ -270,6 +274,10 @@ class EndpointPool:
     def acquire(self, endpoint: EndpointId) -> None:
         """A request was sent to `endpoint` (call at the pick, or when the served endpoint is known)."""
         self._in_flight[endpoint] = self._in_flight.get(endpoint, 0) + 1
+        if self._panic_since_s is not None:  # (one attribute read outside panic mode)
+            i = self._pos.get(endpoint)
+            if i is not None and self._states[i].panic:
+                self.num_panic_picks += 1
 
     def release(self, endpoint: EndpointId) -> None:
         """A request to `endpoint` ended (response done, failed or cancelled). Never goes below zero."""
@@ -321,11 +329,14 @@ class EndpointPool:
     def health_figures(self) -> dict[str, object]:
         """What the pool got right and wrong, for /metrics (thread-safe copies): ``probes`` {(endpoint, outcome):
         n}, ``ejections`` {(endpoint, cause): n}, ``panic`` (0/1), ``panic_seconds``, ``num_panics``,
-        ``loop_lag_s`` (worst recent stall), ``loop_stall_s`` (all stalls), ``metrics_kept_for_lag``."""
+        ``loop_lag_s`` (worst recent stall), ``loop_stall_s`` (all stalls), ``metrics_kept_for_lag``,
+        ``discounted_judged`` {"ok": n, "failed": n} (discounted probes by the endpoint's next counted one: a
+        failure says the discount may have hidden a real one), ``panic_picks``."""
         return {"probes": self.num_probes.copy(), "ejections": self.num_ejections.copy(),
                 "panic": 1.0 if self.in_panic else 0.0, "panic_seconds": self.panic_seconds(),
                 "num_panics": self.num_panics, "loop_lag_s": self.lag.max_lag_s(),
-                "loop_stall_s": self.lag.total_stall_s, "metrics_kept_for_lag": self.num_metrics_kept_for_lag}
+                "loop_stall_s": self.lag.total_stall_s, "metrics_kept_for_lag": self.num_metrics_kept_for_lag,
+                "discounted_judged": self.num_discounted_judged.copy(), "panic_picks": self.num_panic_picks}
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -593,6 +604,11 @@ class EndpointPool:
                 outcome = DISCOUNTED  # the router's loop, not the endpoint, was late: no verdict
             key = (w.endpoint, outcome)
             self.num_probes[key] = self.num_probes.get(key, 0) + 1
+            if outcome == DISCOUNTED:
+                w.num_discounted += 1
+            elif w.num_discounted:  # the next verdict judges the discounts before it
+                self.num_discounted_judged["ok" if outcome == OK else "failed"] += w.num_discounted
+                w.num_discounted = 0
             if outcome == IDENTITY:
                 # Something answers on its port but is not the server started there: down now, whatever its
                 # health says, and not routed to until the real one answers again.

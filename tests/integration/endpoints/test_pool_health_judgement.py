@@ -24,6 +24,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from prometheus_client import CollectorRegistry, generate_latest
+
+from prefixroute.extproc.endpoints.metrics import PoolHealthCollector
 from prefixroute.extproc.endpoints.pool import EndpointPool
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.routing.request import parse_request
@@ -160,6 +163,9 @@ async def test_a_stalled_router_loop_ejects_no_healthy_endpoint(endpoints):
         discounted = sum(n for (_, outcome), n in figures["probes"].items() if outcome == "discounted_for_lag")
         assert discounted >= 3 and not figures["ejections"], figures
         assert figures["loop_stall_s"] >= 2.0 and figures["loop_lag_s"] >= 0.4, figures
+        # Each discounted probe is judged by the endpoint's next counted one: they answered, the discount was right.
+        await until_async(lambda: pool.health_figures()["discounted_judged"]["ok"] >= 3, 10)
+        assert pool.health_figures()["discounted_judged"]["failed"] == 0
         # The loop runs on time again: a server that now hangs is taken out by its timeouts as before.
         endpoints[0].health_delay_s = 1.0
         await until_async(lambda: not next(s for s in pool.snapshot() if s.endpoint == endpoints[0].endpoint).healthy,
@@ -191,8 +197,10 @@ async def test_all_endpoints_timing_out_at_once_are_routed_in_panic_mode(endpoin
         core = RouterCore(RoutingSettings(rng_seed=0))
         req = parse_request("POST", "/v1/chat/completions", {},
                             b'{"model":"m","messages":[{"role":"user","content":"hello"}]}', core.settings)
-        assert core.route(req, pool.snapshot(), pool.in_flight).endpoints
+        picked = core.route(req, pool.snapshot(), pool.in_flight).endpoints[0]
+        pool.acquire(picked)
         figures = pool.health_figures()
+        assert figures["panic_picks"] == 1
         assert sum(n for (_, cause), n in figures["ejections"].items() if cause == "timeout") == 3
         assert figures["num_panics"] == 1 and figures["panic"] == 1.0
         # One of them now refuses connections (it died): out of the panic set at once, the others stay routed.
@@ -206,6 +214,14 @@ async def test_all_endpoints_timing_out_at_once_are_routed_in_panic_mode(endpoin
         await until_async(lambda: not pool.in_panic, 10)
         assert [(s.healthy, s.panic) for s in pool.snapshot()] == [(True, False), (True, False), (False, False)]
         assert pool.health_figures()["panic_seconds"] > 0
+        # What /metrics shows of it (the router registers this collector).
+        registry = CollectorRegistry()
+        registry.register(PoolHealthCollector(pool))
+        text = generate_latest(registry).decode()
+        assert "prefixroute_pool_panic 0.0" in text and "prefixroute_pool_panics_total 1.0" in text
+        assert "prefixroute_pool_panic_picks_total 1.0" in text
+        assert f'prefixroute_endpoint_ejections_total{{cause="timeout",endpoint="{dead.endpoint}"}} 1.0' in text
+        assert f'prefixroute_endpoint_ejections_total{{cause="connection",endpoint="{dead.endpoint}"}}' not in text
 
 
 @pytest.mark.parametrize("how", ["refused", "http_503"])
