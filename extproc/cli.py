@@ -24,6 +24,7 @@ from prefixroute import settings
 from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver
 from prefixroute.extproc.envoy_facts import add_to_server as add_facts_service
 from prefixroute.extproc.endpoints.discovery import DnsDiscovery, discovery_from_settings
+from prefixroute.extproc.endpoints.metrics import PoolHealthCollector
 from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_from_settings
 from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
@@ -139,6 +140,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     bus = _peer_bus(router, telemetry, peer_settings)
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
+    pool.add_listener(events.on_pool_change)  # an endpoint failing its probes leaves `live` at once
     if bus is not None:
         await bus.start()  # connects in the background: NATS down at start is no reason not to serve
     if discovery is not None:
@@ -227,6 +229,8 @@ def _telemetry_for(router: PoolRouter, pool: EndpointPool, event_index: KVEventI
     telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
     if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
         telemetry.metrics.registry.register(SessionsCollector(core.sessions))
+    # The pool's health judgement: probes by outcome, ejections, panic mode, the loop's lag (prefixroute_pool_*, ...).
+    telemetry.metrics.registry.register(PoolHealthCollector(pool))
     # The prompt-hashing caches' hits and misses (prefixroute_prompt_hash_cache_*).
     telemetry.metrics.registry.register(PromptHashCachesCollector(router.text_cache, router.hasher))
     if router.tier_prediction is not None:  # the hit prediction by KV tier (prefixroute_predicted_tier_hit_tokens)
