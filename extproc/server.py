@@ -163,10 +163,11 @@ GRPC_OPTIONS: dict[str, int | str] = {
     "grpc.max_receive_message_length": DEFAULT_MAX_BODY_BYTES + MESSAGE_HEADROOM_BYTES,
     "grpc.so_reuseport": 0,
     # The stream window: what a caller may send on a stream before the server reads it, so also what a caller
-    # without the token can make the router hold per stream before its refusal (measured: 8 connections x 200
-    # streams of 8 MB unauthenticated took the process +1,080 MiB at 16 MiB, +80 MiB at 256 KiB). A larger
-    # message still flows: gRPC widens the window of a stream whose message is being read. Measured through Envoy,
-    # 64 KiB windows cost nothing beyond noise (bench-results/extproc-profile/), and BDP probing stays off.
+    # without the token can make the router hold per stream before its refusal (measured on a bare grpc.aio
+    # server: 8 connections x 200 unauthenticated streams of 8 MB took +1,080 MiB at 16 MiB, +80 MiB at 256 KiB;
+    # the router, 4 x 100 such calls: +3 MiB). A larger message still flows: gRPC widens the window of a stream
+    # whose message is being read. Through Envoy (overhead-bench --routing-filter ext_proc, this and a 16 MiB
+    # window in the same rounds) 256 KiB added no latency or CPU beyond noise at 4 and 64 KB; BDP probing stays off.
     "grpc.http2.lookahead_bytes": 256 * 1024,
     "grpc.http2.bdp_probe": 0,
     "grpc.optimization_target": "latency",
