@@ -108,6 +108,9 @@ def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Seq
     try:
         ns = parser.parse_args(["--port", str(port), "--ports", "random", "--endpoints", ",".join(endpoints), "--policy", spec.policy,
                                 "--extproc-replicas", str(spec.replicas),
+                                # The bench attributes each request to the endpoint that served it (a testbed's
+                                # private addresses: fine to show the bench's own client).
+                                "--expose-served-endpoint",
                                 *(["--routing-filter", spec.routing_filter] if spec.routing_filter else []), *gateway_args])
     except SystemExit:
         raise StartupError(f"bad --gateway-args {list(gateway_args)}") from None

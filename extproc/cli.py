@@ -22,14 +22,13 @@ from collections.abc import Callable
 
 from prefixroute import settings
 from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver
-from prefixroute.extproc.envoy_facts import add_to_server as add_facts_service
 from prefixroute.extproc.endpoints.discovery import DnsDiscovery, discovery_from_settings
 from prefixroute.extproc.endpoints.metrics import PoolHealthCollector
 from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_from_settings
 from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
-                                        start_authz_http, start_health_server, start_server)
+from prefixroute.extproc.server import (ExtprocSettings, check_exposure, new_event_loop, resolved_auth_token,
+                                        server_credentials, start_authz_http, start_health_server, start_server)
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.kv_events.link import KVEventsLink
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
@@ -162,8 +161,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         facts = FactsReceiver(tracker, router.served, early_first_token=ext.facts_first_token == "early")
         telemetry.metrics.registry.register(FactsCollector(facts))
         server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,
-                                          can_hold=router.flow is not None,
-                                          add_services=lambda srv: add_facts_service(srv, facts), facts=facts)
+                                          can_hold=router.flow is not None, facts=facts)
         health_server = await start_health_server(ext, ready)
         authz_http = await start_authz_http(server, ext, ready, routing.max_body_bytes)
         print(_ready_line(ext, routing, router, port, pool, telemetry, events, bool(addresses), bus, all_up,
@@ -274,6 +272,7 @@ def main(args: argparse.Namespace) -> int:
         PromptHasher.from_settings(routing)
         server_credentials(ext)
         resolved_auth_token(ext)
+        check_exposure(ext)  # an address others reach, with no way to tell Envoy from them: refused (exit 2)
     except (ValueError, OSError, TokenizerLoadError) as exc:
         print(f"prefixroute extproc: {exc}", file=sys.stderr)
         return 2

@@ -66,9 +66,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from prefixroute.metrics_http import start_metrics_http_server
 from prefixroute.types import Decision, EndpointState
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.series import FastCounter, FastHistogram
@@ -394,7 +395,7 @@ class RouterMetrics:
 
 
 def start_metrics_server(metrics: RouterMetrics, port: int, host: str = "127.0.0.1") -> Any:
-    """Serve /metrics for `metrics.registry` on a daemon thread; returns the http server
-    (``server.server_address[1]`` is the bound port when `port` is 0; ``server.shutdown()`` stops it)."""
-    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
-    return server
+    """Serve /metrics for `metrics.registry` on a daemon thread, within the bounds of metrics_http.py (connections,
+    sizes, time, renderings); returns the server (``server.server_address[1]`` is the bound port when `port` is 0;
+    ``server.shutdown()`` stops it)."""
+    return start_metrics_http_server(make_wsgi_app(metrics.registry), port, host)

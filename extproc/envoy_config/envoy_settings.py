@@ -84,6 +84,11 @@ class EnvoySettings(Settings):
     report_served: bool = setting(True, "Send response headers to ext_proc so it learns which endpoint served "
                                   "(passive failure detection; costs one more small gRPC message per request). With "
                                   "observe_responses the observing filter carries them, without blocking.")
+    expose_served_endpoint: bool = setting(
+        False, "Tell clients which endpoint served them: the response header x-gateway-destination-endpoint-served "
+        "(the endpoint's internal ip:port) reaches the client. Off: Envoy removes it from every response, as it "
+        "removes every other router-internal header whatever a server sends (docs/security.md); the router and "
+        "the facts path read it before that either way.")
     max_downstream_connections: int = setting(50000, "Client connections Envoy accepts at once; beyond it new "
                                               "ones are refused (bounds memory; far above what one picker "
                                               "process can route).")

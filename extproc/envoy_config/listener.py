@@ -42,6 +42,7 @@ from prefixroute.extproc.envoy_config.common import (AUTHZ_FILTER, AUTHZ_HTTP_CL
                                                      EXTPROC_CLUSTER, OBSERVE_FILTER, ROUTING_FILTER, address,
                                                      duration, set_header)
 from prefixroute.extproc.envoy_config.replies import local_reply_config
+from prefixroute.extproc.envoy_config.response_headers import response_headers_filter
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.envoy_config.timing import timing_filter
 from prefixroute.extproc.facts_fields import OBSERVED_FACTS
@@ -56,10 +57,11 @@ ROUTER_FILTER = "envoy.filters.http.router"
 
 
 def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
-    """The HTTP filters in order: the routing filter (our picker: ext_authz, then the ext_proc filter of the handoff
+    """The HTTP filters in order: the removal of router-internal response headers (response_headers.py: first, so
+    last on the way back), the routing filter (our picker: ext_authz, then the ext_proc filter of the handoff
     route; or the ext_proc filter alone), the observing one (observability mode, never waited on), the facts Lua
     filter, the router."""
-    http_filters: list[HttpFilter] = []
+    http_filters: list[HttpFilter] = [response_headers_filter(s)]
     if s.extproc_enabled and s.routing_processing in AUTHZ_PROCESSING:
         http_filters.append(authz_filter(s, num_replicas) if s.routing_processing == "authz"
                             else authz_http_filter(s, num_replicas))

@@ -81,7 +81,8 @@ class _Fleet:
         group = stack.enter_context(ProcessGroup(tmp_path, ready_timeout_s=20.0))
         self.servers = [_Server(group, f"s{i}", pub, block_size) for i, (pub, _) in enumerate(free_port_pairs(2))]
         self.gw = GatewayProcesses(
-            GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1"),
+            GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1",
+                        expose_served_endpoint=True),
             RoutingSettings(tokenizer="sim"),
             PoolSettings(endpoints=tuple(f"{s.endpoint}@tcp://127.0.0.1:{s.pub}" for s in self.servers)),
             log_dir=tmp_path)

@@ -54,7 +54,8 @@ def _up_cmd(tmp_path: Path, ports: list[int], *extra: str) -> list[str]:
     return [sys.executable, "-m", "prefixroute", "up", "--servers", "2", "--ports", "random", "--port", str(gw),
             "--telemetry-port", str(tel), "--telemetry-http-port", str(tel_http),
             "--dashboard-port", str(dash), "--model-server-base-port", str(ms),
-            "--state-dir", str(tmp_path / "state"), "--model-server-time-scale", "0.2", *extra]
+            "--state-dir", str(tmp_path / "state"), "--model-server-time-scale", "0.2", "--expose-served-endpoint",
+            *extra]
 
 
 def _contiguous_free_pair(avoid: tuple[int, ...] = ()) -> int:
