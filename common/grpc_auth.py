@@ -4,7 +4,8 @@ so their rules cannot drift apart.
 - Bearer token: every call must carry ``authorization: Bearer <token>`` (scheme case-insensitive). The token is
   compared in constant time (`bearer_matches`), so its bytes cannot be found one at a time from response
   times. A refused call is answered UNAUTHENTICATED by `BearerTokenInterceptor` before its handler runs and
-  before its request is parsed: the service behind it never sees it.
+  before its request is read (a unary call's refusal is served by a request-streaming handler, which never
+  reads the message): the service behind it never sees it.
 - TLS (`server_credentials`): a certificate chain and key; with a client CA, mutual TLS (a client without a
   certificate signed by it fails the handshake).
 - Tokens are given inline (an environment variable) or in a file (`read_token`), never on the command line
@@ -82,9 +83,12 @@ async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
 
-# No request deserializer: a refused request is never parsed. One per RPC shape, as gRPC requires.
-_DENY = {(False, False): grpc.unary_unary_rpc_method_handler(_deny),
-         (False, True): grpc.unary_stream_rpc_method_handler(_deny),
+# No request deserializer: a refused request is never parsed. A unary request's refusal is served by a
+# request-streaming handler (the same call on the wire), which runs on the call's metadata: gRPC would read a unary
+# handler's whole message (up to the server's max_receive_message_length) before calling it. A refused call's
+# message is therefore never read beyond what HTTP/2 flow control let the client send (the stream window).
+_DENY = {(False, False): grpc.stream_unary_rpc_method_handler(_deny),
+         (False, True): grpc.stream_stream_rpc_method_handler(_deny),
          (True, False): grpc.stream_unary_rpc_method_handler(_deny),
          (True, True): grpc.stream_stream_rpc_method_handler(_deny)}
 
