@@ -124,3 +124,14 @@ def test_router_tokens_equal_vllms_tokenize(fleet, model_dir, body):
     theirs = fleet[0].tokenize({"model": SERVED_MODEL, **body})
     assert whole == theirs
     assert pieces == theirs
+
+
+def test_the_gateway_exports_no_span_without_a_configured_endpoint(router):
+    """`prefixroute gateway` with telemetry on and no OTLP endpoint configured exports nothing (not to a
+    localhost:4317 it did not start) and logs no export failure."""
+    import os
+
+    assert not any(os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    log = (router.log_dir / "extproc.log").read_text(errors="replace")
+    assert "traces off: no OTLP endpoint configured" in log, log[-2000:]
+    assert "span export failed" not in log
