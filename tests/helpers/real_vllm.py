@@ -382,3 +382,12 @@ def document(i: int, words: int = 700) -> str:
              "write go see number way could people than first water been call who oil its now find long down day "
              "did get come made may part question answer rule group assistant system user document summary").split()
     return f"Document {i}: " + " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def until_ok(cond, timeout_s: float = 30.0, interval_s: float = 0.5) -> None:
+    """Wait for `cond()` to be true (a reset refused while a request still holds blocks, say)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not true within {timeout_s:.0f} s")
+        time.sleep(interval_s)
