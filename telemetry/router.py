@@ -26,7 +26,7 @@ from prefixroute.types import Decision
 from prefixroute.settings import Settings, setting
 from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
 from prefixroute.telemetry.recorder import (DEFAULT_MAX_EXPORT_BYTES, DEFAULT_RETRY_MAX_BYTES,
-                                             DEFAULT_RETRY_MAX_SPANS, TelemetryRecorder)
+                                             DEFAULT_RETRY_MAX_SPANS, OTLP_IMPORT_ERROR, TelemetryRecorder)
 from prefixroute.telemetry.records import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,12 @@ class RouterTelemetry:
         """Build the recorder and metrics and start /metrics. Raises OSError only when the metrics port
         cannot be bound (a configuration error worth failing startup for); a broken OTLP configuration
         logs and disables tracing instead."""
-        configured = cfg.otlp_endpoint or any(os.environ.get(k) for k in OTLP_ENDPOINT_VARIABLES)
+        # Unconfigured: off, unless the exporter cannot even be imported (the recorder then says that, the
+        # more fundamental reason).
+        unconfigured = (cfg.traces and OTLP_IMPORT_ERROR is None
+                        and not (cfg.otlp_endpoint or any(os.environ.get(k) for k in OTLP_ENDPOINT_VARIABLES)))
         try:
-            recorder = TelemetryRecorder(enabled=None if cfg.traces and configured else False,
+            recorder = TelemetryRecorder(enabled=None if cfg.traces and not unconfigured else False,
                                          endpoint=cfg.otlp_endpoint,
                                          retry_max_spans=cfg.otlp_retry_max_spans,
                                          retry_max_bytes=cfg.otlp_retry_max_bytes,
@@ -90,7 +93,7 @@ class RouterTelemetry:
         except Exception:  # e.g. a bad OTEL_EXPORTER_OTLP_COMPRESSION value
             log.exception("tracing disabled: could not build the OTLP exporter")
             recorder = TelemetryRecorder(enabled=False)
-        if cfg.traces and not configured:
+        if unconfigured:
             # The SDKs' default (http://localhost:4317) would send every request's span to whatever listens
             # there: on a shared host, another user's receiver; with none, a failed export per batch.
             recorder.disabled_reason = ("no OTLP endpoint configured (--otlp-endpoint or "
