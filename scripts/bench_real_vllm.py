@@ -7,7 +7,9 @@ servers at 32-token blocks with small KV caches (3,072 tokens each by default) p
 once for every router (a vLLM start takes a minute or two here). Before each router every server's prefix cache
 is reset (``/reset_prefix_cache``) and one tiny request is sent to each directly, so vLLM publishes its
 AllBlocksCleared and every router meets empty caches. The workload is the bench's capacity-pressure one
-(Zipf-popular prefixes whose working set exceeds the fleet's cache), closed loop. Routers are named as
+(Zipf-popular prefixes whose working set exceeds the fleet's cache), closed loop; its lengths are the
+simulated tokenizer's, ~3.4x as many of the tiny model's BPE tokens (the defaults, 200-400, give prompts of
+~900-1,400 tokens, under the servers' 2,048-token limit). Routers are named as
 `prefixroute bench --routers` names them; our gateway gets the model folder as ``--tokenizer`` and the
 servers' KV-event addresses, vllm-router:kv_aware the same addresses, the others the plain endpoints.
 Writes results.json (the bench's run summaries) and prints hit ratio and TTFT P50/P90 per router.
@@ -45,8 +47,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-tokens", type=int, default=3072)
     ap.add_argument("--num-requests", type=int, default=150)
     ap.add_argument("--num-groups", type=int, default=16)
-    ap.add_argument("--min-prefix-tokens", type=int, default=300)
-    ap.add_argument("--max-prefix-tokens", type=int, default=650)
+    ap.add_argument("--min-prefix-tokens", type=int, default=200)
+    ap.add_argument("--max-prefix-tokens", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--output-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
