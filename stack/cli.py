@@ -357,13 +357,17 @@ def _span(ports: tuple[int, ...] | list[int]) -> str:
     return ",".join(map(str, ps))
 
 
-def served_model(gateway_url: str, timeout_s: float = 10.0) -> str | None:
-    """The first model the gateway's ``/v1/models`` lists (what the endpoints serve: real servers name their own),
-    or None when it lists none within `timeout_s`."""
+def served_model(endpoints: tuple[str, ...], timeout_s: float = 10.0) -> str | None:
+    """The first model the first endpoint lists on its ``/v1/models`` (real servers name their own), or None
+    when none answers within `timeout_s`. Asked of the endpoint itself, not through the gateway: the gateway
+    would route and record it as a request of the run."""
+    if not endpoints:
+        return None
+    url = f"http://{endpoints[0].partition('@')[0]}/v1/models"
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(gateway_url.rstrip("/") + "/v1/models", timeout=2.0) as r:
+            with urllib.request.urlopen(url, timeout=2.0) as r:
                 return str(json.loads(r.read())["data"][0]["id"])
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             if time.monotonic() >= deadline:
@@ -398,7 +402,7 @@ def _summary(st: StackSettings, lay: Layout, gateway: GatewayProcesses, pool: Po
         f" (bearer token in {lay.log_dir}/telemetry.token)",
         f"  state       {lay.state_dir}   (store {lay.db}: `prefixroute telemetry dump --db {lay.db} --since 60`)",
         f"  traffic     {st.traffic} at {st.traffic_rate_rps:g} req/s" if st.traffic else
-        f"  traffic     none; try: {try_curl(gateway.url, served_model(gateway.url))}",
+        f"  traffic     none; try: {try_curl(gateway.url, served_model(pool.endpoints))}",
         f"  logs        {lay.log_dir}/<component>.log",
         "Ctrl-C stops everything.",
         "",
