@@ -58,9 +58,10 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
 
-from prefixroute.extproc.facts_fields import (A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_RESPONSE_ID,
-                                              A_ROUTING_US, A_START, A_STATUS, A_TRACEPARENT, A_TTFT_US, A_UPSTREAM,
-                                              A_USAGE, FACTS_MARK, FIRST_TOKEN_METHOD, MAX_USAGE_CHARS,
+from prefixroute.extproc.facts_fields import (A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_FLAGS,
+                                              A_RESPONSE_ID, A_ROUTING_US, A_START, A_STATUS, A_TRACEPARENT, A_TTFT_US,
+                                              A_UPSTREAM, A_USAGE, CLIENT_CUT_FLAG,
+                                              FACTS_MARK, FIRST_TOKEN_METHOD, MAX_USAGE_CHARS,
                                               RESPONSE_ID_METHOD)
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.tracking import RequestTracker
@@ -88,6 +89,7 @@ class ResponseFacts:
     usage: Usage | None
     response_id: str | None
     routing_ms: float | None = None  # Envoy's routing delay (facts_fields.A_ROUTING_US)
+    client_cut: bool = False  # the client closed its connection before the response ended (flag DC)
 
 
 def _str_attrs(record: Any) -> dict[str, str]:
@@ -130,7 +132,8 @@ def facts_of(record: Any) -> ResponseFacts | None:
         span_id=tp.span_id, status=int(status) if status.isdigit() else None, upstream=_value(a.get(A_UPSTREAM)),
         streamed=(a.get(A_CONTENT_TYPE) or "").startswith("text/event-stream"),
         ttft_ms=_micros_ms(a.get(A_TTFT_US)), first_token_ms=first_token, latency_ms=latency, usage=usage,
-        response_id=response_id[:256] if response_id else None, routing_ms=_micros_ms(a.get(A_ROUTING_US)))
+        response_id=response_id[:256] if response_id else None, routing_ms=_micros_ms(a.get(A_ROUTING_US)),
+        client_cut=CLIENT_CUT_FLAG in (a.get(A_FLAGS) or "").split(","))
 
 
 def facts_in(request: Any) -> Iterable[ResponseFacts]:
@@ -142,6 +145,10 @@ def facts_in(request: Any) -> Iterable[ResponseFacts]:
                 if f is not None:
                     yield f
 
+
+CLIENT_CUT_ERROR = "the client closed the connection before the response ended"
+"""A record's error when Envoy flagged it DC (facts_fields.CLIENT_CUT_FLAG): counted as a failed response, as a
+cut observing stream's "response incomplete" is."""
 
 EXPORT_SLICE_RECORDS = 8
 """Records applied between two yields to the event loop (`FactsReceiver.export_sliced`): ~0.2-0.4 ms of work at
@@ -256,7 +263,10 @@ class FactsReceiver:
             return False
         if served is not None:
             st.served_addr = served  # Envoy's: a failover's id is the fallback's (the record's address agrees)
-        self.tracker.on_response_id(pick, response_id, st.served_addr)
+        if self.tracker.on_response_id(pick, response_id, st.served_addr) is False:
+            # A claim that does not fit (PoolRouter.learn_response: an id held at another endpoint): refused there.
+            self.early_id_counts["unmatched"] += 1
+            return False
         self.early_id_counts["learned"] += 1
         return True
 
@@ -295,6 +305,9 @@ class FactsReceiver:
         rec = st.rec
         if f.status is not None:
             rec.status = f.status
+        if f.client_cut and rec.error is None:
+            # Its status is what its headers said (a stream's 200), but the client never got all of it.
+            rec.error = CLIENT_CUT_ERROR
         if f.upstream is not None:
             st.served_addr = f.upstream
         pick = st.pick

@@ -159,7 +159,8 @@ def _endpoint_families(states: Iterable[EndpointState]) -> Iterator[GaugeMetricF
     does not export is absent). These are the dashboard's live columns: it reads them here, from the
     router, and never opens a URL of its own choosing."""
     healthy = GaugeMetricFamily("prefixroute_endpoint_healthy", "1 when the endpoint is routable (probes "
-                                "pass), else 0.", labels=["endpoint"])
+                                "pass, or the pool's panic mode routes it: prefixroute_endpoint_panic_routed), "
+                                "else 0.", labels=["endpoint"])
     running = GaugeMetricFamily("prefixroute_endpoint_requests_running", "Requests running on the endpoint "
                                 "(scraped: vllm:num_requests_running / sglang:num_running_reqs).", labels=["endpoint"])
     waiting = GaugeMetricFamily("prefixroute_endpoint_requests_waiting", "Requests waiting on the endpoint "
@@ -245,8 +246,9 @@ def _index_families(info: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
                                "holds: events (its KV events), feedback (the router's picks corrected by cached "
                                "tokens), approximate (the router's picks), none.", labels=["endpoint", "source"])
     state = GaugeMetricFamily("prefixroute_kv_events_state", "1 for the state of the endpoint's KV events: live "
-                              "(matched by them), syncing, down, undecodable, block_size_mismatch, token_mismatch "
-                              "(all but live: matched by the router's own index, feedback).",
+                              "(matched by them), syncing, down, undecodable, block_size_mismatch, token_mismatch, "
+                              "unhealthy (the endpoint fails its health probes) (all but live: matched by the "
+                              "router's own index, feedback).",
                               labels=["endpoint", "state"])
     media = CounterMetricFamily("prefixroute_kv_events_other_media_blocks", "Blocks the endpoint's KV events "
                                 "stored or removed on a medium other than the GPU (CPU offload, disk; the CPU "
