@@ -81,8 +81,11 @@ def build_model(py: str, folder: Path) -> Path:
 
 
 def _port_free(port: int) -> bool:
+    """No socket listens on `port` (IPv4 loopback, or any address): TIME_WAIT leftovers do not count, as the
+    servers bind with SO_REUSEADDR."""
     for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::")):
         with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError:
