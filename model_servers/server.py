@@ -9,8 +9,9 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (stream and not), the
 /v1/responses, stream and not; GET /v1/responses/{id}; POST /v1/responses/{id}/cancel: vLLM's answers, the
 bounded in-process store of response_store.py), GET /v1/models, GET /health,
 POST /tokenize, GET /metrics, GET /version, POST /reset_prefix_cache (vLLM's: 200 when the prefix cache was
-emptied, 409 while requests hold blocks unless ``?reset_running_requests=true`` preempts them first; the
-gateway's path allowlist keeps it off the public API), SGLang-style probes (GET /server_info, /get_server_info,
+emptied, 409 while requests hold blocks unless ``?reset_running_requests=true`` preempts them first; its
+`AllBlocksCleared` event goes out with the next engine step, as vLLM's; the gateway's path allowlist keeps it off
+the public API), SGLang-style probes (GET /server_info, /get_server_info,
 /model_info, /get_model_info, /readiness). GET|POST /admin/faults (runtime fault injection) is served only on
 the separate admin listener (`admin_port`, off by default, loopback): the serving port answers every
 /admin/* path with a 404, so nothing a gateway forwards can change the server's faults.

@@ -412,7 +412,7 @@ def test_start_up_is_logged_at_info_by_default(tmp_path):
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "prefixroute", "model-server", "--port", "0", *FAST,
                                  "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq", '
-                                 '"endpoint": "tcp://127.0.0.1:0"}'],
+                                 '"endpoint": "tcp://[::ffff:127.0.0.1]:0"}'],
                                 stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             for line in proc.stdout:
