@@ -22,6 +22,7 @@ from prefixroute.extproc.flow.control import FlowControl, ReleaseReason, Verdict
 from prefixroute.extproc.flow.queue import QueuedRequest
 from prefixroute.extproc.flow.saturation import EndpointLoad, Saturation, SaturationDetector
 from prefixroute.extproc.flow.settings import Classifier, FlowSettings
+from prefixroute.extproc.tenants import Tenants
 from prefixroute.model_servers.virtual_fleet import SimRequest, VirtualFleet
 from prefixroute.openai_errors import OpenAIError
 
@@ -36,13 +37,13 @@ class FleetFlow:
     def __init__(self, fleet: VirtualFleet, route: Route, settings: FlowSettings, *,
                  loads: Callable[[], Sequence[EndpointLoad]], cost_of: Callable[[SimRequest], float],
                  group_of: Callable[[SimRequest], Hashable | None] = lambda req: None,
-                 tenant_header: str = "") -> None:
+                 tenants: Tenants | None = None) -> None:
         self.fleet = fleet
         self._route = route
         self.control = FlowControl(settings)
         self.detector = SaturationDetector(settings.saturation_queued_s, settings.saturation_waiting,
                                            settings.saturation_kv_usage_ratio)
-        self.classifier = Classifier(settings, tenant_header)
+        self.classifier = Classifier(settings, tenants)
         self.loads = loads
         self.cost_of = cost_of
         self.group_of = group_of

@@ -1,6 +1,6 @@
 """The routers a benchmark compares, by name: `parse_router` turns ``prefixroute:POLICY[@SOURCE][#N][+flow|-flow][+extproc|+authz|+authz-http]``,
-``sglang-router[:POLICY]`` or ``vllm-router[:POLICY]`` (each with an optional ``/chat`` or ``/responses``
-suffix) into a `RouterSpec`.
+``sglang-router[:POLICY]``, ``vllm-router[:POLICY]`` (``kv_aware``: fed the servers' KV events) or
+``smg[:POLICY]`` (each with an optional ``/chat`` or ``/responses`` suffix) into a `RouterSpec`.
 
 Shared by the real bench (bench/runner.py starts the router a spec names) and the virtual one
 (bench/virtual_run.py runs its policy on the virtual fleet); it imports neither, so they do not import each
@@ -15,14 +15,20 @@ import dataclasses
 from prefixroute.extproc.routing.settings import INDEX_SOURCES, POLICIES
 
 PEER_POLICIES = {"sglang-router": ("cache_aware", "round_robin", "random", "power_of_two"),
-                 "vllm-router": ("cache_aware", "round_robin", "random", "power_of_two", "consistent_hash")}
+                 "vllm-router": ("cache_aware", "kv_aware", "round_robin", "random", "power_of_two",
+                                 "consistent_hash"),
+                 "smg": ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "prefix_hash")}
+PEER_RELEASES = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17", "smg": "smg==1.13.0"}
+"""The release of each peer router the bench runs (and the report names): sglang-router and vllm-router from
+the ``[peers]`` extra; smg (the SGLang Model Gateway, which installs an ``smg`` script of its own that clashes
+with sglang-router's) in a venv of its own (bench/runner.py `peer_script`)."""
 
 PRIOR_ENV = ("PREFIXROUTE_TTFT_PRIOR_TOKENS_PER_S", "PREFIXROUTE_TTFT_PRIOR_BASE_S")
 
 
 @dataclasses.dataclass(frozen=True)
 class RouterSpec:
-    """A router to benchmark: ``kind`` prefixroute / sglang-router / vllm-router, its policy and, for our gateway,
+    """A router to benchmark: ``kind`` prefixroute / sglang-router / vllm-router / smg, its policy and, for our gateway,
     the prefix index's source (``--index-source``; "" = the gateway's default)."""
 
     name: str
@@ -54,7 +60,7 @@ API_SUFFIXES = ("chat", "responses")
 
 def default_api(kind: str) -> str:
     """Our gateway routes Responses requests (affinity to the endpoint holding the previous response); peers
-    forward /v1/responses without knowing it (sglang-router 0.3.2, vllm-router 0.1.17), so by default they get the
+    forward /v1/responses without knowing it (sglang-router 0.3.2, vllm-router 0.1.17, smg 1.13.0), so by default they get the
     chat equivalent of the same conversations, which they do route on."""
     return "responses" if kind == "prefixroute" else "chat"
 
@@ -99,5 +105,5 @@ def _parse_router_base(name: str) -> RouterSpec:
         if policy not in PEER_POLICIES[kind]:
             raise ValueError(f"router {name!r}: policy must be one of {', '.join(PEER_POLICIES[kind])}")
         return RouterSpec(name if ":" in name else kind, kind, policy)
-    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE][+flow|-flow][+extproc|+authz|+authz-http], sglang-router[:POLICY] or "
-                     f"vllm-router[:POLICY]")
+    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE][+flow|-flow][+extproc|+authz|+authz-http], sglang-router[:POLICY], "
+                     f"vllm-router[:POLICY] or smg[:POLICY]")

@@ -8,11 +8,14 @@ For every router, in order:
 4. scrape each server's ``/metrics`` (requests served, prefix-cache hits) as a cross-check, stop everything.
 
 Routers are named as `routers.parse_router` reads them. Peer routers (`sglang-router`, `vllm-router`) come from
-the optional ``[peers]`` extra; one that is not installed is skipped with a message in the report.
+the optional ``[peers]`` extra; one that is not installed is skipped with a message in the report. ``smg``
+(1.13.0) runs from a venv of its own, made on first use under ``~/.cache/prefixroute/peers`` (`peer_script`).
+vllm-router's ``kv_aware`` subscribes to the servers' KV events (`kv_event_source_args`).
 
 KV events (bench/fleet.py): when the fleet publishes them, our gateway gets ``--endpoints
 host:port@tcp://127.0.0.1:PUB`` and ``--tokenizer sim`` (it must tokenize as the servers do to match their
-blocks) and subscribes; peers get the plain endpoints. A router name ``prefixroute:POLICY@SOURCE`` passes
+blocks) and subscribes; vllm-router:kv_aware gets each server's publisher and replay socket; other peers get the
+plain endpoints. A router name ``prefixroute:POLICY@SOURCE`` passes
 ``--index-source SOURCE`` (events, feedback, approximate, auto); without ``@SOURCE`` the gateway's default
 (auto: events where published). Servers that cannot publish: the runs go on as before, and ``@events`` runs
 are skipped with the reason in the report. Every process is stopped on any failure, and on the `Stopped` that
@@ -28,6 +31,7 @@ import importlib.util
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +42,7 @@ from prefixroute.bench import client as bench_client
 from prefixroute.bench import results as bench_results
 from prefixroute.bench.fleet import (FleetConfig, KVEventsPlan, distinct_free_ports, resolve_kv_events,
                                      scrape_server_counters, served_model, start_fleet)
-from prefixroute.bench.routers import PRIOR_ENV, RouterSpec, parse_router
+from prefixroute.bench.routers import PEER_RELEASES, PRIOR_ENV, RouterSpec, parse_router
 from prefixroute.bench.virtual_run import engine_spec
 from prefixroute.bench.workload_spec import RequestSpec, Workload
 from prefixroute.extproc.flow.metrics import parse_flow_counts
@@ -57,6 +61,43 @@ def _venv_script(name: str) -> str | None:
     return str(here) if here.exists() else shutil.which(name)
 
 
+PEER_VENVS_ENV = "PREFIXROUTE_PEER_VENVS"
+SMG_ENV = "PREFIXROUTE_SMG"
+
+
+def peer_venvs_dir() -> Path:
+    """Where the bench keeps the venvs of peers that cannot share ours: ``$PREFIXROUTE_PEER_VENVS``, else
+    ``$XDG_CACHE_HOME/prefixroute/peers`` (``~/.cache/prefixroute/peers``)."""
+    if os.environ.get(PEER_VENVS_ENV):
+        return Path(os.environ[PEER_VENVS_ENV])
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "prefixroute" / "peers"
+
+
+def peer_script(kind: str, *, install: bool = False, log: Callable[[str], None] = print) -> str | None:
+    """The launcher script of a peer that lives in a venv of its own (smg: its ``smg`` script clashes with
+    sglang-router 0.3.2's in ours). ``$PREFIXROUTE_SMG`` (a path to an ``smg`` script) wins; else
+    ``<peer_venvs_dir>/smg-1.13.0/bin/smg``, created on first use when `install` (``python -m venv`` + ``pip
+    install smg==1.13.0``: pip's cache makes a repeat quick; its output in ``install.log`` there). None when
+    absent (or the install failed)."""
+    if kind != "smg":
+        raise ValueError(f"no venv of its own for {kind!r}")
+    if os.environ.get(SMG_ENV):
+        return os.environ[SMG_ENV] if os.access(os.environ[SMG_ENV], os.X_OK) else None
+    requirement = PEER_RELEASES[kind]
+    venv = peer_venvs_dir() / requirement.replace("==", "-")
+    script = venv / "bin" / "smg"
+    if script.exists() or not install:
+        return str(script) if script.exists() else None
+    log(f"installing {requirement} into {venv} (once; see {venv / 'install.log'})")
+    venv.mkdir(parents=True, exist_ok=True)
+    with open(venv / "install.log", "wb") as out:
+        ok = (subprocess.run([sys.executable, "-m", "venv", str(venv)], stdout=out, stderr=out).returncode == 0
+              and subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", requirement],
+                                 stdout=out, stderr=out).returncode == 0)
+    return str(script) if ok and script.exists() else None
+
+
 NO_EVENTS_REASON = ("the model servers do not publish KV events here (`prefixroute model-server --help` lists no "
                     "--kv-events-config), so an events-only index would match nothing")
 
@@ -70,6 +111,11 @@ def unavailable_reason(spec: RouterSpec, kv_events: bool = True) -> str | None:
         return "not installed: pip install 'prefixroute[peers]' (sglang-router==0.3.2)"
     if spec.kind == "vllm-router" and _venv_script("vllm-router") is None:
         return "not installed: pip install 'prefixroute[peers]' (vllm-router==0.1.17)"
+    if spec.kind == "vllm-router" and spec.policy == "kv_aware" and not kv_events:
+        return "kv_aware reads the servers' KV events, and this fleet publishes none"
+    if spec.kind == "smg" and peer_script("smg", install=True) is None:
+        return (f"{PEER_RELEASES['smg']} could not be installed into {peer_venvs_dir()} (see install.log there); "
+                f"or point ${SMG_ENV} at an smg script")
     return None
 
 
@@ -108,6 +154,9 @@ def _start_gateway(stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Seq
     try:
         ns = parser.parse_args(["--port", str(port), "--ports", "random", "--endpoints", ",".join(endpoints), "--policy", spec.policy,
                                 "--extproc-replicas", str(spec.replicas),
+                                # The bench attributes each request to the endpoint that served it (a testbed's
+                                # private addresses: fine to show the bench's own client).
+                                "--expose-served-endpoint",
                                 *(["--routing-filter", spec.routing_filter] if spec.routing_filter else []), *gateway_args])
     except SystemExit:
         raise StartupError(f"bad --gateway-args {list(gateway_args)}") from None
@@ -141,14 +190,33 @@ def _log_name(spec: RouterSpec) -> str:
     return spec.name.replace(":", "-").replace("@", "-").replace("/", "-").replace("#", "-")
 
 
+def kv_event_source_args(gateway_endpoints: Sequence[str], block_size: int, model: str) -> list[str]:
+    """vllm-router's ``kv_aware`` flags for endpoints in our ``--endpoints`` form (``host:port@tcp://H:P``): one
+    ``--kv-event-source http://host:port=tcp://H:P`` and ``--kv-event-replay-source ...=tcp://H:P+1`` (the
+    replay socket beside each publisher, as the bench's fleet and vLLM's example config place it) per worker,
+    the servers' block size and the model they serve (0.1.17 refuses static sources without it)."""
+    argv: list[str] = []
+    for spec in gateway_endpoints:
+        ep, at, address = spec.partition("@")
+        if not at:
+            raise ValueError(f"{spec!r}: no KV-event address (kv_aware needs the servers' events)")
+        host, _, port = address.rpartition(":")
+        argv += ["--kv-event-source", f"http://{ep}={address}",
+                 "--kv-event-replay-source", f"http://{ep}={host}:{int(port) + 1}"]
+    return [*argv, "--kv-event-block-size", str(block_size), "--kv-event-model", model]
+
+
 def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterSpec, endpoints: Sequence[str], *,
                  seed: int, gateway_args: Sequence[str] = (), startup_timeout_s: float = 60.0,
-                 gateway_endpoints: Sequence[str] | None = None) -> RouterHandle:
+                 gateway_endpoints: Sequence[str] | None = None, kv_block_size: int = 16,
+                 model: str = "") -> RouterHandle:
     """Start `spec` in front of `endpoints`; returns its handle once it routes to the fleet.
 
-    Ready means the router answers ``GET /v1/models`` with 200 (it has a healthy endpoint); sglang-router
-    additionally lists every worker healthy on ``/readiness``. `gateway_endpoints` (our gateway only) replaces
-    `endpoints` in its --endpoints, e.g. with their KV-event addresses; peers always get the plain `endpoints`.
+    Ready means the router answers ``GET /v1/models`` with 200 (it has a healthy endpoint); sglang-router and
+    smg additionally answer ``/readiness`` with 200 (every worker healthy; smg: at least one). `gateway_endpoints`
+    (our gateway's --endpoints, e.g. with their KV-event addresses) replaces `endpoints` for our gateway, and
+    gives vllm-router ``kv_aware`` its event sources (servers of `kv_block_size` tokens per block, serving
+    `model`); other peers get the plain `endpoints`.
     """
     port = free_port()
     base = f"http://{HOST}:{port}"
@@ -171,18 +239,32 @@ def start_router(group: ProcessGroup, stack: contextlib.ExitStack, spec: RouterS
 
         def ready() -> bool:
             return http_get(f"{base}/readiness")[0] == 200 and http_get(f"{base}/v1/models")[0] == 200
+    elif spec.kind == "smg":
+        # smg 1.13.0, the SGLang Model Gateway (its own venv: peer_script). Without a tokenizer (the servers'
+        # models are not on a hub it can reach) its cache_aware matches request text, as sglang-router's does.
+        argv = [peer_script("smg") or "smg", "launch", "--host", HOST, "--port", str(port), "--worker-urls", *urls,
+                "--policy", spec.policy, "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
+                "--disable-tokenizer-autoload", "--log-level", "warn"]
+        proc = group.start(name, argv, wait=False)
+
+        def ready() -> bool:
+            return http_get(f"{base}/readiness")[0] == 200 and http_get(f"{base}/v1/models")[0] == 200
     else:
         # Its Prometheus exporter's own port too (default 29000, which sglang-router's takes as well): a busy
         # default port makes it exit at start.
         argv = [_venv_script("vllm-router") or "vllm-router", "--host", HOST, "--port", str(port),
                 "--worker-urls", *urls, "--policy", spec.policy, "--prometheus-host", HOST,
                 "--prometheus-port", str(free_port())]
+        if spec.policy == "kv_aware":
+            if not gateway_endpoints:
+                raise StartupError(f"{spec.name}: kv_aware needs the servers' KV-event addresses")
+            argv += kv_event_source_args(gateway_endpoints, kv_block_size, model or served_model(endpoints[0]))
         proc = group.start(name, argv, wait=False)
 
         def ready() -> bool:
             return http_get(f"{base}/v1/models")[0] == 200
     proc.wait_ready(startup_timeout_s, ready=ready)
-    if spec.kind != "sglang-router":
+    if spec.kind not in ("sglang-router", "smg"):
         # Answering means one endpoint is healthy; every endpoint gets its first health probe within ~1 s of
         # start (gateway and vllm-router alike). Settle so the run starts with the whole fleet eligible.
         time.sleep(SETTLE_S)
@@ -350,6 +432,18 @@ def prior_gateway_args(fleet: FleetConfig) -> tuple[str, ...]:
     return (f"--ttft-prior-tokens-per-s={rate:.6g}", f"--ttft-prior-base-s={base:.6g}")
 
 
+def fleet_block_size(fleet: FleetConfig) -> int:
+    """The servers' KV block size: ``--block-size`` in the fleet's --server-args, else the simulated server's
+    default (16, vLLM's on CUDA)."""
+    args = list(fleet.server_args)
+    for i, a in enumerate(args):
+        if a.startswith("--block-size="):
+            return int(a.split("=", 1)[1])
+        if a == "--block-size" and i + 1 < len(args):
+            return int(args[i + 1])
+    return 16
+
+
 def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetConfig, log_dir: Path, *,
                seed: int, concurrency: int, max_connections: int, request_timeout_s: float, max_duration_s: float,
                gateway_args: Sequence[str] = (), progress: bool = True) -> RunOutput:
@@ -366,7 +460,8 @@ def run_router(spec: RouterSpec, requests: Sequence[RequestSpec], fleet: FleetCo
         model = served_model(endpoints[0])
         handle = start_router(group, stack, spec, endpoints, seed=seed, gateway_args=gateway_args,
                               startup_timeout_s=fleet.startup_timeout_s,
-                              gateway_endpoints=events.gateway_endpoints(endpoints) if events else None)
+                              gateway_endpoints=events.gateway_endpoints(endpoints) if events else None,
+                              kv_block_size=fleet_block_size(fleet), model=model)
         base = handle.base_url
         bar = bench_client.Progress(len(requests), label=f"{spec.name:<28}", enabled=progress)
         cpu0, procs0 = host_cpu_times(), process_cpu_s()

@@ -66,6 +66,7 @@ from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.lifecycle import LifecycleListener, Pick
 from prefixroute.extproc.routing.request import InferenceRequest, parse_request
 from prefixroute.extproc.service import PoolRouter
+from prefixroute.extproc.tenants import Tenants, TenantSettings
 from prefixroute.model_servers.profiles import EngineSpec
 from prefixroute.model_servers.server import ServerSettings
 from prefixroute.model_servers.virtual_fleet import SimRequest, SimResult, VirtualFleet
@@ -211,6 +212,12 @@ class _FleetRouting:
             fleet.publish_kv_events(lambda ep, events: collections.deque(apply_events(ep, events), maxlen=0))
         self.router = build_router(routing, pool, event_index=event_index, event_endpoints=fleet.endpoint_ids,
                                    clock=lambda: fleet.now_s)
+        # Who sent each request, as the gateway reads it: the operator's tenant settings (and environment).
+        flow_names = settings_mod.from_namespace(FlowSettings)
+        self.router.tenants = Tenants(settings_mod.from_namespace(TenantSettings), tenant_header=routing.tenant_header,
+                                      priority_header=flow_names.priority_header,
+                                      objective_header=flow_names.objective_header,
+                                      fairness_header=flow_names.fairness_header)
         if predictions is not None:
             self.router.add_listener(_TtftPredictions(predictions))
         self.event_index = event_index
@@ -402,8 +409,9 @@ def _router_flow(router: PoolRouter, pool: SimulatedPool, fleet: VirtualFleet, f
     def parse(req: SimRequest) -> InferenceRequest:
         p = parsed.get(req.request_id)
         if p is None:
-            p = parsed[req.request_id] = parse_request("POST", req.path, req.headers, req.body, router.settings,
-                                                       router.hasher, None, router.text_cache)
+            p = parsed[req.request_id] = parse_request("POST", req.path, router.tenants.parse_headers(req.headers),
+                                                       req.body, router.settings, router.hasher, None,
+                                                       router.text_cache)
         return p
 
     def loads() -> list:
@@ -412,7 +420,7 @@ def _router_flow(router: PoolRouter, pool: SimulatedPool, fleet: VirtualFleet, f
 
     def make(place: Route) -> FleetFlow:
         return FleetFlow(fleet, place, flow, loads=loads, cost_of=lambda req: view.cost_of(parse(req)),
-                         group_of=lambda req: view.group_of(parse(req)), tenant_header=router.settings.tenant_header)
+                         group_of=lambda req: view.group_of(parse(req)), tenants=router.tenants)
     return make
 
 

@@ -27,6 +27,7 @@ SECTIONS: list[tuple[str, str]] = [
     ("prefixroute.extproc.server", "ExtprocSettings"),
     ("prefixroute.extproc.routing.settings", "RoutingSettings"),
     ("prefixroute.extproc.flow.settings", "FlowSettings"),
+    ("prefixroute.extproc.tenants", "TenantSettings"),
     ("prefixroute.extproc.endpoints.settings", "PoolSettings"),
     ("prefixroute.telemetry.router", "RouterTelemetrySettings"),
     ("prefixroute.extproc.peers.settings", "PeerSettings"),

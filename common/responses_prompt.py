@@ -58,13 +58,15 @@ def _bad(message: str, param: str | None = None) -> OpenAIError:
 def not_found(response_id: str) -> OpenAIError:
     """vLLM's 404 for a response id its store does not hold (message, type and param as vLLM writes them)."""
     return OpenAIError(404, f"Response with id '{_clip(response_id)}' not found.", param="response_id",
-                       type_="invalid_request_error")
+                       type_="invalid_request_error", record_message="Response with id (withheld) not found.")
 
 
 def invalid_id(response_id: str) -> OpenAIError:
     """vLLM's 400 for a response id that does not begin with ``resp``."""
     return OpenAIError(400, f"Invalid 'response_id': '{_clip(response_id)}'. Expected an ID that begins with "
-                            f"'{RESPONSE_ID_PREFIX}'.", param="response_id", type_="invalid_request_error")
+                            f"'{RESPONSE_ID_PREFIX}'.", param="response_id", type_="invalid_request_error",
+                       record_message=f"Invalid 'response_id' (withheld). Expected an ID that begins with "
+                                      f"'{RESPONSE_ID_PREFIX}'.")
 
 
 def path_response_id(path: str) -> str | None:

@@ -53,6 +53,9 @@ class EndpointState:
     # Restarts the pool detected (process start time changed, or a cumulative counter went backwards): when it
     # changes, the endpoint's KV cache is empty and the router forgets what its prefix index believed there.
     restart_epoch: int = 0
+    # Routed although its health probes fail: the pool is in panic mode (too few endpoints pass their probes,
+    # so it routes as if the ones that only timed out were healthy; extproc/endpoints/pool.py). Implies healthy.
+    panic: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

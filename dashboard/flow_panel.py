@@ -1,6 +1,7 @@
 """The Live page's gateway-queue panel (flow control, issue 24): what the router holds now per priority class
-and fairness id, how many it held, released (by what freed capacity) and shed (by reason and status), the mean
-wait of held requests and the saturation signal, from the router's /metrics (`router_metrics.FlowLive`)."""
+and by how many flows (tenants or clients), how many it held, released (by what freed capacity) and shed (by
+reason and status), the mean wait of held requests and the saturation signal, from the router's /metrics
+(`router_metrics.FlowLive`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from prefixroute.dashboard.router_metrics import FlowLive
 
 
 def queue_frame(flow: FlowLive) -> pd.DataFrame:
-    """One row per (priority, fairness id) with requests held now, highest priority first."""
-    rows = [{"priority": p, "fairness id": t, "held now": int(n)} for (p, t), n in flow.queue.items()]
-    rows.sort(key=lambda r: (-_int(r["priority"]), r["fairness id"]))
-    return pd.DataFrame(rows, columns=["priority", "fairness id", "held now"])
+    """One row per priority class with requests held now and the flows holding them, highest priority first."""
+    rows = [{"priority": p, "flows": int(flow.flows.get(p, 0)), "held now": int(n)} for p, n in flow.queue.items()]
+    rows.sort(key=lambda r: -_int(r["priority"]))
+    return pd.DataFrame(rows, columns=["priority", "flows", "held now"])
 
 
 def counts_text(flow: FlowLive) -> str:

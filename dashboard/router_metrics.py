@@ -93,10 +93,12 @@ def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
 @dataclasses.dataclass(frozen=True)
 class FlowLive:
     """The router's gateway queue now (flow control, issue 24; its ``prefixroute_flow_*`` families): requests held
-    per (priority, fairness id), counts since the router started, the mean wait of held requests, and the
-    saturation signal (>= 1: no endpoint had room at the last decision)."""
+    per priority class and the flows (tenants or clients; the router names none) holding them, counts since the
+    router started, the mean wait of held requests, and the saturation signal (>= 1: no endpoint had room at the
+    last decision)."""
 
-    queue: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    queue: dict[str, float] = dataclasses.field(default_factory=dict)  # priority -> held now
+    flows: dict[str, float] = dataclasses.field(default_factory=dict)  # priority -> flows holding them
     num_held_total: float = 0.0
     num_admitted_total: float = 0.0
     released: dict[str, float] = dataclasses.field(default_factory=dict)  # reason -> count
@@ -121,7 +123,7 @@ def parse_flow_metrics(text: str) -> FlowLive | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     seen = False
-    f: dict[str, Any] = {"queue": {}, "released": {}, "shed": {}}
+    f: dict[str, Any] = {"queue": {}, "flows": {}, "released": {}, "shed": {}}
     try:
         for fam in text_string_to_metric_families(text):
             if not fam.name.startswith("prefixroute_flow_"):
@@ -131,8 +133,11 @@ def parse_flow_metrics(text: str) -> FlowLive | None:
                 if math.isnan(s.value):
                     continue
                 name, labels = s.name, s.labels
-                if name == "prefixroute_flow_queue_length" and len(f["queue"]) < MAX_LIVE_ENDPOINTS:
-                    f["queue"][(labels.get("priority", ""), labels.get("fairness_id", "")[:64])] = s.value
+                if name in ("prefixroute_flow_queue_length", "prefixroute_flow_queue_flows"):
+                    by_class = f["queue" if name == "prefixroute_flow_queue_length" else "flows"]
+                    if len(by_class) < MAX_LIVE_ENDPOINTS:
+                        key = labels.get("priority", "")[:16]
+                        by_class[key] = by_class.get(key, 0.0) + s.value
                 elif name == "prefixroute_flow_released_total":
                     f["released"][labels.get("reason", "")[:32]] = s.value
                 elif name == "prefixroute_flow_shed_total":

@@ -103,5 +103,5 @@ def immediate_response(err: OpenAIError) -> Any:
 def lookup_changed(response_id: str) -> OpenAIError:
     """The 503 of a follow-up whose response id was found, then forgotten at once (its endpoint left meanwhile):
     no second lookup round."""
-    return OpenAIError(503, f"the endpoint holding response '{response_id[:100]}' changed during its lookup; retry",
+    return OpenAIError(503, "the endpoint holding this response changed during its lookup; retry",
                        retry_after_s=1, param="previous_response_id")

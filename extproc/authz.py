@@ -27,7 +27,9 @@ Contract, beside the ext_proc servicer's (servicer.py), which this reuses for th
   discarded, the stream records the request). Only when the check says the route exists (HANDOFF_HEADER in its
   metadata, as our configuration sends); otherwise such a request is routed at once (no hold) and a large body
   parsed within the check.
-- The bearer token, when set, is checked on every call (UNAUTHENTICATED without it), as on ext_proc streams.
+- The bearer token, when set, is checked on every call (UNAUTHENTICATED without it), as on ext_proc streams, on
+  the call's metadata before its message is read (`add_to_server`: served as stream-unary, grpc_auth
+  .unary_after_auth); the message is read as bytes, bounded by the port's message limit, then decoded.
 
 Async safety: runs on the router's event loop (grpc.aio), like the servicer; nothing blocks.
 """
@@ -48,6 +50,7 @@ from prefixroute.extproc.headers import (AUTHZ_BODY_BYTES_HEADER, HANDOFF_HEADER
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ExtProcServicer, ResponseCache, _RoutingStream
 from prefixroute.extproc.tracking import Tracked
+from prefixroute.grpc_auth import CallAuth, unary_after_auth
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.telemetry.tracecontext import parse_traceparent
 
@@ -177,13 +180,11 @@ class UnaryPicks:
 class AuthzServicer:
     """Envoy ext_authz ``Check`` -> the router's decision (module docstring). Serve with `add_to_server`."""
 
-    def __init__(self, servicer: ExtProcServicer, picks: UnaryPicks, token_allows: Callable[[Any], bool] | None,
-                 replica_index: int | None = None) -> None:
+    def __init__(self, servicer: ExtProcServicer, picks: UnaryPicks, replica_index: int | None = None) -> None:
         self.servicer = servicer
         self.tracker = servicer.tracker
         self.picks = picks
         self.responses = AuthzResponses(replica_index)
-        self._allows = token_allows
         self.num_unreleasable = 0
 
     def start(self, headers: dict[str, str], method: str, path: str, body: Any,
@@ -271,8 +272,7 @@ class AuthzServicer:
         return pick.endpoints, traceparent
 
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802 (gRPC name)
-        if self._allows is not None and not self._allows(context.invocation_metadata()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        """One check; its caller was checked before its message was read (`add_to_server`)."""
         http = request.attributes.request.http
         headers = dict(http.headers)
         metadata = context.invocation_metadata()
@@ -297,9 +297,12 @@ class AuthzServicer:
         return self.responses.with_traceparent(endpoints, outcome)
 
 
-def add_to_server(server: grpc.aio.Server, check: Callable[..., Any]) -> None:
-    """Serve `check(request, context)` as envoy.service.auth.v3.Authorization/Check (unary; its answer is
-    CheckResponse wire bytes)."""
-    handler = grpc.unary_unary_rpc_method_handler(check, request_deserializer=wire.CheckRequest.FromString,
-                                                  response_serializer=wire.serialize)
+def add_to_server(server: grpc.aio.Server, check: Callable[..., Any], *, auth: CallAuth | None = None,
+                  max_message_bytes: int) -> None:
+    """Serve `check(request, context)` as envoy.service.auth.v3.Authorization/Check (unary for its callers; its
+    answer is CheckResponse wire bytes): the caller is checked by `auth` (None: no token configured) before its
+    message is read, a message over `max_message_bytes` refused before it is decoded (grpc_auth
+    .unary_after_auth)."""
+    handler = unary_after_auth(check, auth=auth, max_message_bytes=max_message_bytes,
+                               request_deserializer=wire.CheckRequest.FromString, response_serializer=wire.serialize)
     server.add_registered_method_handlers(wire.AUTHZ_SERVICE_NAME, {"Check": handler})

@@ -22,13 +22,13 @@ from collections.abc import Callable
 
 from prefixroute import settings
 from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver
-from prefixroute.extproc.envoy_facts import add_to_server as add_facts_service
 from prefixroute.extproc.endpoints.discovery import DnsDiscovery, discovery_from_settings
+from prefixroute.extproc.endpoints.metrics import PoolHealthCollector
 from prefixroute.extproc.endpoints.pool import EndpointPool, event_addresses_from_settings
 from prefixroute.extproc.endpoints.scrape import event_addresses
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.server import (ExtprocSettings, new_event_loop, resolved_auth_token, server_credentials,
-                                        start_authz_http, start_health_server, start_server)
+from prefixroute.extproc.server import (ExtprocSettings, check_exposure, new_event_loop, resolved_auth_token,
+                                        server_credentials, start_authz_http, start_health_server, start_server)
 from prefixroute.extproc.kv_events import KVEventIndex, KVEventsManager
 from prefixroute.extproc.kv_events.link import KVEventsLink
 from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
@@ -39,6 +39,7 @@ from prefixroute.extproc.factory import build_router, new_event_index, share_wit
 from prefixroute.extproc.flow.hold import build_flow
 from prefixroute.extproc.flow.metrics import FlowCollector
 from prefixroute.extproc.flow.settings import FlowSettings
+from prefixroute.extproc.tenants import Tenants, TenantSettings
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.service import PoolRouter
 from prefixroute.extproc.routing.conversations import ConversationsCollector
@@ -78,12 +79,23 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, RouterTelemetrySettings)
     settings.add_arguments(parser, PeerSettings)
     settings.add_arguments(parser, FlowSettings)
+    settings.add_arguments(parser, TenantSettings)
+
+
+def tenants_from_settings(tenant_settings: TenantSettings, routing: RoutingSettings, flow: FlowSettings) -> Tenants:
+    """Who sent each request (extproc/tenants.py), with each role's header as the settings name it. Raises
+    ValueError (or OSError) for a tenant table that cannot be read."""
+    return Tenants(tenant_settings, tenant_header=routing.tenant_header, priority_header=flow.priority_header,
+                   objective_header=flow.objective_header, fairness_header=flow.fairness_header)
 
 
 async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: PoolSettings,
                 stop: asyncio.Event, tele: RouterTelemetrySettings | None = None,
-                peer_settings: PeerSettings | None = None, flow_settings: FlowSettings | None = None) -> None:
-    """Run until `stop` is set. `peer_settings` with a url: share picks with the other replicas over NATS."""
+                peer_settings: PeerSettings | None = None, flow_settings: FlowSettings | None = None,
+                tenants: Tenants | None = None) -> None:
+    """Run until `stop` is set. `peer_settings` with a url: share picks with the other replicas over NATS.
+    `tenants`: where requests' tenant, priority and flow come from (default: no table, the fairness header
+    trusted alone)."""
     pool = EndpointPool(pool_settings)
     # --endpoints-dns: the first lookup round gives the starting membership; later rounds follow pods.
     static = pool.endpoints
@@ -106,6 +118,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     discovers_events = discovery is not None and use_events and pool_settings.kv_events_port_offset > 0
     event_index = new_event_index(routing) if addresses or discovers_events else None
     router = build_router(routing, pool, event_index=event_index)
+    flow = flow_settings or FlowSettings(flow_control=False)
+    router.tenants = tenants or tenants_from_settings(TenantSettings(), routing, flow)
     core = router.core
     log.info("%s", core.memory.describe())
     if routing.parse_workers:  # large bodies parsed off the event loop (issue 27)
@@ -119,14 +133,14 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                                   on_state=lambda ep, state: events.on_state(ep, state))
     events = KVEventsLink(core, manager, addresses, pool.snapshot)
     telemetry, tracker = _telemetry_for(router, pool, event_index, events, routing, tele)
-    flow = flow_settings or FlowSettings(flow_control=False)
     if flow.flow_control:  # hold, order and shed past saturation (extproc/flow; prefixroute_flow_* on /metrics)
         control = build_flow(router, flow, tick_s=pool_settings.scrape_interval_s,
-                             stale_after_s=pool_settings.metrics_stale_after_s, tenant_header=routing.tenant_header)
+                             stale_after_s=pool_settings.metrics_stale_after_s)
         telemetry.metrics.registry.register(FlowCollector(control))
     bus = _peer_bus(router, telemetry, peer_settings)
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
+    pool.add_listener(events.on_pool_change)  # an endpoint failing its probes leaves `live` at once
     if bus is not None:
         await bus.start()  # connects in the background: NATS down at start is no reason not to serve
     if discovery is not None:
@@ -148,8 +162,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         facts = FactsReceiver(tracker, router.served, early_first_token=ext.facts_first_token == "early")
         telemetry.metrics.registry.register(FactsCollector(facts))
         server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,
-                                          can_hold=router.flow is not None,
-                                          add_services=lambda srv: add_facts_service(srv, facts), facts=facts)
+                                          can_hold=router.flow is not None, facts=facts)
         health_server = await start_health_server(ext, ready)
         authz_http = await start_authz_http(server, ext, ready, routing.max_body_bytes)
         print(_ready_line(ext, routing, router, port, pool, telemetry, events, bool(addresses), bus, all_up,
@@ -219,6 +232,8 @@ def _telemetry_for(router: PoolRouter, pool: EndpointPool, event_index: KVEventI
     if conversations is not None:  # conversations and the load they are priced at (prefixroute_conversation*)
         telemetry.metrics.registry.register(ConversationsCollector(
             conversations.table, lambda: conversations.model.utilizations(router.clock())))
+    # The pool's health judgement: probes by outcome, ejections, panic mode, the loop's lag (prefixroute_pool_*, ...).
+    telemetry.metrics.registry.register(PoolHealthCollector(pool))
     # The prompt-hashing caches' hits and misses (prefixroute_prompt_hash_cache_*).
     telemetry.metrics.registry.register(PromptHashCachesCollector(router.text_cache, router.hasher))
     if router.tier_prediction is not None:  # the hit prediction by KV tier (prefixroute_predicted_tier_hit_tokens)
@@ -254,6 +269,7 @@ def main(args: argparse.Namespace) -> int:
         tele = settings.from_namespace(RouterTelemetrySettings, args)
         peer_settings = settings.from_namespace(PeerSettings, args)
         flow_settings = settings.from_namespace(FlowSettings, args)
+        tenants = tenants_from_settings(settings.from_namespace(TenantSettings, args), routing, flow_settings)
         # Validate endpoints, TLS files, the token and the tokenizer before starting anything (exit 2).
         EndpointPool(pool_settings)
         event_addresses_from_settings(pool_settings)
@@ -261,6 +277,7 @@ def main(args: argparse.Namespace) -> int:
         PromptHasher.from_settings(routing)
         server_credentials(ext)
         resolved_auth_token(ext)
+        check_exposure(ext)  # an address others reach, with no way to tell Envoy from them: refused (exit 2)
     except (ValueError, OSError, TokenizerLoadError) as exc:
         print(f"prefixroute extproc: {exc}", file=sys.stderr)
         return 2
@@ -270,7 +287,8 @@ def main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        loop.run_until_complete(serve(ext, routing, pool_settings, stop, tele, peer_settings, flow_settings))
+        loop.run_until_complete(serve(ext, routing, pool_settings, stop, tele, peer_settings, flow_settings,
+                                      tenants))
     except OSError as exc:
         print(f"prefixroute extproc: {exc}", file=sys.stderr)
         return 1

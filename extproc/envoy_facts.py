@@ -32,8 +32,9 @@ clock at arrival (as the observing stream times a first chunk) and reports it (`
 sees the prefill end when it happens (its picks are `Pick.first_token_live` with `early_first_token`); the facts
 record then reports no first token again (the record's TTFT still becomes Envoy's figure). A call that fails or
 never comes changes nothing else: the record reports the first token at the stream's end, as without it. Like the
-records, the call carries no secret of its own (Envoy adds the ext_proc bearer token; the service does not check
-it here): a forged call must guess a pending pick's span id (from the OS's CSPRNG). Counted in
+records, the call carries no secret of its own: Envoy adds the ext_proc bearer token to both (the cluster's
+credential injector), and the port checks it on the call's metadata before it reads the message (`add_to_server`);
+even with the token, a call must name a pending pick's span id (from the OS's CSPRNG) to change anything. Counted in
 ``prefixroute_facts_first_token_total{outcome}``: ``early`` (a pick took it), ``unmatched`` (no pending
 facts-path streamed pick: late, unknown or forged), ``ignored`` (`early_first_token` off).
 
@@ -42,6 +43,10 @@ Responses ids, early (`decode_early_report`): a Responses stream's first token r
 comes alone at once (`RESPONSE_ID_METHOD`); `FactsReceiver` learns it then (``on_response_id``), so a follow-up
 sent the moment its previous response ended is pinned, not found by the directory's lookup fan-out. The record's
 copy of the id is then not learned again. Counted in ``prefixroute_facts_early_response_id_total{outcome}``.
+
+Bounds (`add_to_server`): an Export message of at most `MAX_EXPORT_BYTES`, an early report of at most
+`MAX_EARLY_REPORT_BYTES`; a longer one is refused (RESOURCE_EXHAUSTED) before it is decoded, and a call without the
+token (when one is configured) before its message is read.
 
 Runs on the ext_proc event loop (grpc.aio), like the servicer; nothing blocks.
 """
@@ -56,14 +61,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 
-from prefixroute.extproc.facts_fields import (A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_RESPONSE_ID,
-                                              A_ROUTING_US, A_START, A_STATUS, A_TRACEPARENT, A_TTFT_US, A_UPSTREAM,
-                                              A_USAGE, FACTS_MARK, FIRST_TOKEN_METHOD, MAX_USAGE_CHARS,
+from prefixroute.extproc.facts_fields import (A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_FLAGS,
+                                              A_RESPONSE_ID, A_ROUTING_US, A_START, A_STATUS, A_TRACEPARENT, A_TTFT_US,
+                                              A_UPSTREAM, A_USAGE, CLIENT_CUT_FLAG,
+                                              FACTS_MARK, FIRST_TOKEN_METHOD, MAX_USAGE_CHARS,
                                               RESPONSE_ID_METHOD)
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.tracking import RequestTracker
+from prefixroute.grpc_auth import CallAuth, unary_after_auth
 from prefixroute.telemetry.tracecontext import parse_traceparent
 from prefixroute.telemetry.usage import Usage, last_usage_object
 
@@ -88,6 +95,7 @@ class ResponseFacts:
     usage: Usage | None
     response_id: str | None
     routing_ms: float | None = None  # Envoy's routing delay (facts_fields.A_ROUTING_US)
+    client_cut: bool = False  # the client closed its connection before the response ended (flag DC)
 
 
 def _str_attrs(record: Any) -> dict[str, str]:
@@ -130,7 +138,8 @@ def facts_of(record: Any) -> ResponseFacts | None:
         span_id=tp.span_id, status=int(status) if status.isdigit() else None, upstream=_value(a.get(A_UPSTREAM)),
         streamed=(a.get(A_CONTENT_TYPE) or "").startswith("text/event-stream"),
         ttft_ms=_micros_ms(a.get(A_TTFT_US)), first_token_ms=first_token, latency_ms=latency, usage=usage,
-        response_id=response_id[:256] if response_id else None, routing_ms=_micros_ms(a.get(A_ROUTING_US)))
+        response_id=response_id[:256] if response_id else None, routing_ms=_micros_ms(a.get(A_ROUTING_US)),
+        client_cut=CLIENT_CUT_FLAG in (a.get(A_FLAGS) or "").split(","))
 
 
 def facts_in(request: Any) -> Iterable[ResponseFacts]:
@@ -143,12 +152,22 @@ def facts_in(request: Any) -> Iterable[ResponseFacts]:
                     yield f
 
 
+CLIENT_CUT_ERROR = "the client closed the connection before the response ended"
+"""A record's error when Envoy flagged it DC (facts_fields.CLIENT_CUT_FLAG): counted as a failed response, as a
+cut observing stream's "response incomplete" is."""
+
 EXPORT_SLICE_RECORDS = 8
 """Records applied between two yields to the event loop (`FactsReceiver.export_sliced`): ~0.2-0.4 ms of work at
 64 KB prompts (a record with its pick's release), so a routing decision waits at most that long behind a batch."""
 MAX_EARLY_REPORT_BYTES = 128 + 1 + 128 + 1 + 64
 """Largest early report message: a traceparent (the Lua filter sends none over 128 bytes), a response id (at most
 128) and a served address (cut at 64), newline-separated."""
+MAX_EXPORT_BYTES = 1024 * 1024
+"""Largest facts batch (one ``ExportLogsServiceRequest``) the port decodes. Envoy's OTLP logger sends its buffer
+when it passes buffer_size_bytes (16 KiB, Envoy's default, which the facts logger keeps) or at each flush interval,
+and a record is at most a few KiB (usage cut at MAX_USAGE_CHARS, ids at 128): 64 times the largest batch Envoy
+sends. A longer message is refused (RESOURCE_EXHAUSTED) before it is decoded."""
+EXPORT_PATH = "/opentelemetry.proto.collector.logs.v1.LogsService/Export"
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +275,10 @@ class FactsReceiver:
             return False
         if served is not None:
             st.served_addr = served  # Envoy's: a failover's id is the fallback's (the record's address agrees)
-        self.tracker.on_response_id(pick, response_id, st.served_addr)
+        if self.tracker.on_response_id(pick, response_id, st.served_addr) is False:
+            # A claim that does not fit (PoolRouter.learn_response: an id held at another endpoint): refused there.
+            self.early_id_counts["unmatched"] += 1
+            return False
         self.early_id_counts["learned"] += 1
         return True
 
@@ -295,6 +317,9 @@ class FactsReceiver:
         rec = st.rec
         if f.status is not None:
             rec.status = f.status
+        if f.client_cut and rec.error is None:
+            # Its status is what its headers said (a stream's 200), but the client never got all of it.
+            rec.error = CLIENT_CUT_ERROR
         if f.upstream is not None:
             st.served_addr = f.upstream
         pick = st.pick
@@ -319,7 +344,7 @@ class FactsReceiver:
         return True
 
 
-class FactsLogsService(logs_service_pb2_grpc.LogsServiceServicer):
+class FactsLogsService:
     """OTLP ``LogsService.Export`` on the ext_proc port: Envoy's facts records. Answers at once (an empty
     response: every record accepted; a record that matches nothing is counted, not refused)."""
 
@@ -334,9 +359,11 @@ class FactsLogsService(logs_service_pb2_grpc.LogsServiceServicer):
         return logs_service_pb2.ExportLogsServiceResponse()
 
 
-def first_token_handler(receiver: FactsReceiver) -> grpc.GenericRpcHandler:
+def first_token_handler(receiver: FactsReceiver, auth: CallAuth | None = None) -> grpc.GenericRpcHandler:
     """`FIRST_TOKEN_METHOD` and `RESPONSE_ID_METHOD` (unary, raw bytes in and out): `receiver.first_token` and
-    `receiver.response_id`; each answers an empty message at once, whatever it found (Envoy reads no answer)."""
+    `receiver.response_id`; each answers an empty message at once, whatever it found (Envoy reads no answer).
+    The caller is checked (`auth`) before the message is read, and a message over `MAX_EARLY_REPORT_BYTES`
+    refused (grpc_auth.unary_after_auth)."""
 
     async def first_token(message: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
@@ -358,16 +385,20 @@ def first_token_handler(receiver: FactsReceiver) -> grpc.GenericRpcHandler:
     id_service, _, id_method = RESPONSE_ID_METHOD[1:].partition("/")
     assert id_service == service  # one generic handler serves both methods
     return grpc.method_handlers_generic_handler(service, {
-        method: grpc.unary_unary_rpc_method_handler(first_token, request_deserializer=None, response_serializer=None),
-        id_method: grpc.unary_unary_rpc_method_handler(response_id, request_deserializer=None,
-                                                       response_serializer=None)})
+        method: unary_after_auth(first_token, auth=auth, max_message_bytes=MAX_EARLY_REPORT_BYTES),
+        id_method: unary_after_auth(response_id, auth=auth, max_message_bytes=MAX_EARLY_REPORT_BYTES)})
 
 
-def add_to_server(server: grpc.aio.Server, receiver: FactsReceiver) -> None:
+def add_to_server(server: grpc.aio.Server, receiver: FactsReceiver, *, auth: CallAuth | None = None) -> None:
     """Serve `FactsLogsService` and the early first token report (`first_token_handler`) on `server` (before it
-    starts)."""
-    logs_service_pb2_grpc.add_LogsServiceServicer_to_server(FactsLogsService(receiver), server)
-    server.add_generic_rpc_handlers((first_token_handler(receiver),))
+    starts), each call checked by `auth` (None: no token configured) before its message is read, and bounded
+    (`MAX_EXPORT_BYTES`, `MAX_EARLY_REPORT_BYTES`) before it is decoded."""
+    service, _, method = EXPORT_PATH[1:].partition("/")
+    export = unary_after_auth(FactsLogsService(receiver).Export, auth=auth, max_message_bytes=MAX_EXPORT_BYTES,
+                              request_deserializer=logs_service_pb2.ExportLogsServiceRequest.FromString,
+                              response_serializer=logs_service_pb2.ExportLogsServiceResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {method: export}),
+                                     first_token_handler(receiver, auth)))
 
 
 class FactsCollector:

@@ -40,6 +40,10 @@ A_START = "start"
 A_FIRST_TOKEN_US = "first_token_us"
 A_USAGE = "usage"
 A_RESPONSE_ID = "response_id"
+A_FLAGS = "flags"
+CLIENT_CUT_FLAG = "DC"
+"""Envoy's response flag "downstream connection termination": the client closed its connection before the
+response ended (the status is still the one its headers carried, e.g. 200)."""
 
 FACTS_ATTRIBUTES: dict[str, str] = {
     FACTS_MARK: "1",
@@ -60,6 +64,8 @@ FACTS_ATTRIBUTES: dict[str, str] = {
     A_FIRST_TOKEN_US: f"%DYNAMIC_METADATA({TIMING_NAMESPACE}:{FIRST_TOKEN_KEY})%",
     A_USAGE: f"%DYNAMIC_METADATA({FACTS_NAMESPACE}:{USAGE_KEY})%",
     A_RESPONSE_ID: f"%DYNAMIC_METADATA({FACTS_NAMESPACE}:{RESPONSE_ID_KEY})%",
+    # Envoy's response flags ("-" for none): DC, the client cut the response short.
+    A_FLAGS: "%RESPONSE_FLAGS%",
 }
 """The facts record's attributes: short keys (they travel once per request), Envoy format strings as values."""
 

@@ -96,6 +96,10 @@ class GatewaySettings(Settings):
                                 "endpoints, 'closed' = OpenAI-format 503 (see envoy_config.py).")
     report_served: bool = setting(True, "Envoy tells the ext_proc service which endpoint served each request "
                                   "(passive failure detection; one more small gRPC message per request).")
+    expose_served_endpoint: bool = setting(
+        False, "Clients see which endpoint served them (the response header x-gateway-destination-endpoint-served, "
+        "the endpoint's internal ip:port); off, Envoy removes it with the other router-internal headers "
+        "(docs/security.md). For demos and benchmarks on a private network.")
     envoy_concurrency: int = setting(0, "Envoy worker threads; 0 = auto: one per two ext_proc replicas (a routed "
                                      "request costs Envoy ~0.6 ms of CPU and a replica ~1.5 ms, measured with "
                                      "overhead-bench), so 1 on a 2-core machine, leaving the rest to the Python "
@@ -374,6 +378,7 @@ class GatewayProcesses:
             else self.routing.inline_parse_bytes,
             "num_fallbacks": min(self.routing.num_fallbacks, MAX_FALLBACKS),
             "report_served": self.gateway.report_served,
+            "expose_served_endpoint": self.gateway.expose_served_endpoint,
             "observe_responses": self.gateway.telemetry and self.response_path == "observe",
             "response_facts_lua": self.gateway.telemetry and self.response_path == "facts",
             "facts_flush_interval_ms": self.gateway.facts_flush_interval_ms,

@@ -235,7 +235,7 @@ class GieStream:
         return True
 
     async def _refuse(self, write: Callable[[Any], Any], err: OpenAIError) -> None:
-        self.tracker.refused(self.st, err.status, err.message)
+        self.tracker.refused(self.st, err.status, err.record_message)
         await write(immediate_response(err))
 
     def _route(self, body: bytes) -> Any:

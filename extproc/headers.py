@@ -82,3 +82,19 @@ def fallback_header(k: int) -> str:
 def route_headers(num_fallbacks: int) -> tuple[str, ...]:
     """Headers the picker sets, in attempt order: the primary, then each fallback (0 <= num_fallbacks)."""
     return (DESTINATION_HEADER, *(fallback_header(k) for k in range(1, num_fallbacks + 1)))
+
+
+# Who a request is from (extproc/tenants.py). A client never sets these: prefixroute's Envoy configuration strips
+# every client copy at ingress (envoy_config/listener.py), except those an ingress in front is trusted to set
+# (EnvoySettings.trusted_ingress_headers), and sets the fairness header itself.
+PRIORITY_HEADER = "x-prefixroute-priority"
+TENANT_HEADER = "x-prefixroute-tenant"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+"""GIE's InferenceObjective name; its priority comes from the operator's table (objective_priorities) only."""
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+"""GIE's fairness id header: the request's flow in the gateway queue."""
+FLOW_HEADER_VALUE = "address:%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%"
+"""What prefixroute's Envoy sets `FAIRNESS_HEADER` to on every request (an Envoy format string): the client
+connection's peer address, which a client cannot choose per request (new connections are free to open, new
+addresses are not); removed before the request reaches an endpoint."""
+SCHEDULING_HEADERS = (PRIORITY_HEADER, TENANT_HEADER, OBJECTIVE_HEADER, FAIRNESS_HEADER)

@@ -6,7 +6,10 @@ endpoint that produced that response: it alone holds it, in its in-memory store 
 reroutes it (service.py):
 
 - `ResponseDirectory` remembers id -> endpoint, learned from the response id the observing stream sees in a
-  Responses response (tracking.py: the ``response.created`` event of a stream, the JSON body otherwise). It is
+  Responses response (tracking.py: the ``response.created`` event of a stream, the JSON body otherwise), or
+  Envoy's facts record (envoy_facts.py). A response id names one response, produced once: a report never rebinds
+  an id the directory holds at another endpoint (`learn` refuses it, `num_refused`), so a forged or replayed claim
+  cannot move someone's conversation; only a lookup, where the endpoint itself answers, may. It is
   bounded (``max_response_ids``, least recently used out) and each id expires ``response_id_ttl_s`` after it
   was learned or last used. Every id of an endpoint that left the pool or restarted (its ``restart_epoch``
   changed: its store died with the process) is forgotten at once (`sync`).
@@ -15,9 +18,10 @@ reroutes it (service.py):
   http://<address>/v1/responses/{id}`` on every healthy endpoint at once, at most ``max_response_lookups``
   lookups in flight (beyond: 503 with Retry-After), each bounded by ``response_lookup_timeout_s``. The first
   endpoint that answers 200 wins and is remembered. Every endpoint answered 404: vLLM's own 404 naming the id
-  (`responses_prompt.not_found`), remembered for `NEGATIVE_TTL_S` so a client retrying a dead id does not make
-  the whole fleet look it up again. Some endpoint failed or timed out and none had it: 503 with Retry-After
-  naming the id (it may be on the one that did not answer). Concurrent lookups of one id share one fan-out.
+  to its client (`responses_prompt.not_found`; its record withholds the id), remembered for
+  `NEGATIVE_TTL_S` so a client retrying a dead id does not make the whole fleet look it up again. Some endpoint failed or timed out and none had it: 503 with Retry-After
+  (it may be on the one that did not answer). No 503 names the id: error texts reach records and dashboards,
+  and a response id reads its response. Concurrent lookups of one id share one fan-out.
 
 `NeedsLookup` is what `PoolRouter.route` raises for an unknown id: the servicer awaits
 `PoolRouter.resolve` (this module's lookup), then routes again. The common path (a known id, or no id) stays
@@ -45,7 +49,6 @@ from typing import Any
 import aiohttp
 
 from prefixroute import responses_prompt
-from prefixroute.extproc.routing.request import clip
 from prefixroute.types import EndpointId, EndpointState
 from prefixroute.openai_errors import OpenAIError
 
@@ -83,7 +86,7 @@ class ResponseDirectory:
     """Bounded map response id -> endpoint that produced it (module docstring). `clock`: monotonic seconds."""
 
     __slots__ = ("max_ids", "ttl_s", "clock", "_ids", "_by_endpoint", "_missing", "_epochs", "_found", "_tokens",
-                 "num_learned", "num_hits", "num_expired", "num_evicted", "num_forgotten")
+                 "num_learned", "num_hits", "num_expired", "num_evicted", "num_forgotten", "num_refused")
 
     def __init__(self, max_ids: int, ttl_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
         if max_ids < 1 or ttl_s <= 0:
@@ -107,19 +110,32 @@ class ResponseDirectory:
         self.num_expired = 0
         self.num_evicted = 0
         self.num_forgotten = 0  # ids dropped because their endpoint left the pool or restarted
+        self.num_refused = 0  # reports naming a known id at another endpoint (never rebound)
 
     def __len__(self) -> int:
         return len(self._ids)
 
-    def learn(self, response_id: str, endpoint: EndpointId, *, by_lookup: bool = False) -> None:
-        """`endpoint` produced (or, per a lookup: `by_lookup`, holds) `response_id`. Refreshes its expiry; evicts
-        the least recently used id beyond `max_ids`. After a lookup the next `endpoint_of` of the id is not
-        counted in `num_hits` (it is the route the lookup was made for)."""
-        self.learn_key(response_key(response_id), endpoint, by_lookup=by_lookup)
+    def learn(self, response_id: str, endpoint: EndpointId, *, by_lookup: bool = False) -> bool:
+        """`endpoint` produced (or, per a lookup: `by_lookup`, holds) `response_id`: True when learned. Refreshes
+        its expiry; evicts the least recently used id beyond `max_ids`. After a lookup the next `endpoint_of` of
+        the id is not counted in `num_hits` (it is the route the lookup was made for). A report (not a lookup)
+        naming an id held at another endpoint is refused (False, `num_refused`): module docstring."""
+        return self.learn_key(response_key(response_id), endpoint, by_lookup=by_lookup)
 
-    def learn_key(self, response_id: ResponseKey, endpoint: EndpointId, *, by_lookup: bool = False) -> None:
+    def holder(self, response_id: str) -> EndpointId | None:
+        """The endpoint the directory holds `response_id` at (live: not expired), without touching it: no
+        refresh, no hit counted. None when unknown."""
+        entry = self._ids.get(response_key(response_id))
+        return entry[0] if entry is not None and entry[1] > self.clock() else None
+
+    def learn_key(self, response_id: ResponseKey, endpoint: EndpointId, *, by_lookup: bool = False) -> bool:
         """`learn` by `response_key`."""
         now = self.clock()
+        if not by_lookup:
+            held = self._ids.get(response_id)
+            if held is not None and held[0] != endpoint and held[1] > now:
+                self.num_refused += 1
+                return False
         self._missing.pop(response_id, None)
         if by_lookup:
             self._found.add(response_id)
@@ -138,6 +154,7 @@ class ResponseDirectory:
             self._tokens.pop(rid, None)
             self._drop_from_endpoint(rid, ep)
             self.num_evicted += 1
+        return True
 
     def apply_peer(self, key: ResponseKey, endpoint: EndpointId, prompt_tokens: int | None) -> bool:
         """Another replica learned that `endpoint` holds the response `key` names (and its request's prompt
@@ -150,8 +167,8 @@ class ResponseDirectory:
         known = self._ids.get(key)
         if known is not None and known[0] != endpoint:
             return False
-        if known is None:
-            self.learn_key(key, endpoint)
+        if known is None and not self.learn_key(key, endpoint):
+            return False
         if prompt_tokens:
             self._set_tokens(key, prompt_tokens)
         return True
@@ -299,15 +316,15 @@ class ResponseLookup:
                       headers: Mapping[str, str] | None = None) -> EndpointId:
         """The endpoint among `candidates` (``(endpoint, address)`` of the healthy endpoints) that holds
         `response_id`, now learned by the directory. Raises `OpenAIError`: 404 (vLLM's, when every candidate
-        answered 404), 503 with Retry-After naming the id (a candidate failed or timed out and none had it;
+        answered 404), 503 with Retry-After (a candidate failed or timed out and none had it;
         no candidate; or too many lookups in flight). `headers` go with each GET (the client's
         ``authorization``, for endpoints that require a key)."""
         task = self._in_flight.get(response_id)
         if task is None:
             if len(self._in_flight) >= self.max_in_flight:
                 self.num_refused += 1
-                raise OpenAIError(503, f"too many response lookups in flight; retry response '{clip(response_id)}' "
-                                       "later", retry_after_s=self.retry_after_s, param="previous_response_id")
+                raise OpenAIError(503, "too many response lookups in flight; retry later",
+                                  retry_after_s=self.retry_after_s, param="previous_response_id")
             # A task of its own, shared by every request for this id: a client that leaves does not cancel
             # the lookup the others wait on.
             task = asyncio.ensure_future(self._fan_out(response_id, candidates, headers or {}))
@@ -369,8 +386,9 @@ class ResponseLookup:
         raise responses_prompt.not_found(response_id)
 
     def _unavailable(self, response_id: str, why: str) -> OpenAIError:
-        return OpenAIError(503, f"Response with id '{clip(response_id)}' could not be located: "
-                                f"{why}; retry later", retry_after_s=self.retry_after_s, param="previous_response_id")
+        # No id in the text: it lands in records and dashboards, and a response id reads its response.
+        return OpenAIError(503, f"the response could not be located: {why}; retry later",
+                           retry_after_s=self.retry_after_s, param="previous_response_id")
 
     async def _http(self, address: str, response_id: str, headers: Mapping[str, str]) -> int:
         if self._session is None or self._session.closed:
@@ -404,6 +422,10 @@ def metrics_families(directory: ResponseDirectory, lookup: ResponseLookup) -> It
     dropped.add_metric(["evicted"], directory.num_evicted)
     dropped.add_metric(["endpoint"], directory.num_forgotten)
     yield dropped
+    yield CounterMetricFamily("prefixroute_response_id_claims_refused", "Reports naming a response id the router "
+                              "holds at another endpoint, or a second id for one response: refused (an id names "
+                              "one response, produced once; a forged or replayed claim moves no conversation).",
+                              value=directory.num_refused)
     lookups = CounterMetricFamily("prefixroute_response_lookups", "Lookups of unknown response ids on the "
                                   "endpoints, by outcome: found, not_found (404 everywhere), failed (503: an "
                                   "endpoint did not answer), refused (503: over --max-response-lookups).",

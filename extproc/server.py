@@ -1,14 +1,32 @@
 """The grpc.aio server hosting the ext_proc servicer, and its settings.
 
-Authentication (both optional, independent, and invisible to the servicer):
+What the port serves: ext_proc (``Process``), Envoy's facts (OTLP ``LogsService.Export`` and the early reports,
+envoy_facts.py), Envoy's ext_authz ``Check`` (authz.py) and the gRPC health check.
+
+Authentication (both optional, independent, and invisible to the servicers):
 - TLS: `tls_cert_file` + `tls_key_file` serve TLS; with `tls_client_ca_file` every client must present a
   certificate signed by that CA (mutual TLS: Envoy's ``extproc_tls_cert_file``), else the handshake fails.
-- Bearer token: with `auth_token` (or `auth_token_file`) set, every stream must carry gRPC metadata
-  ``authorization: Bearer <token>`` (Envoy's ``extproc_auth_token`` on both ext_proc filters); any other stream
-  is refused with UNAUTHENTICATED before it reaches the servicer, so it can neither route nor report. The check
-  is one metadata scan and a constant-time compare per stream, never per message, done by the stream handler
-  itself (`StreamAuth`; no grpc.aio interceptor, which would cost every call a round through its chain). The gRPC health check (``/grpc.health.v1.Health/Check``) is exempt: Envoy's
-health checker and kubelet probes carry no token, and it answers only serving / not serving.
+- Bearer token: with `auth_token` (or `auth_token_file`) set, every call but the health check must carry gRPC
+  metadata ``authorization: Bearer <token>`` (Envoy's ``extproc_auth_token``, on both ext_proc filters, the
+  ext_authz filter and the facts logger); any other call is refused with UNAUTHENTICATED on its metadata, before
+  its first message is read, so it can neither route nor report. The check is one metadata scan and a
+  constant-time compare per call, never per message, done by the handler itself (`StreamAuth` for ext_proc
+  streams, grpc_auth.unary_after_auth for the unary methods, which are served as stream-unary so that they run
+  before the message is read; no grpc.aio interceptor, which would cost every call a round through its chain).
+  The gRPC health check (``/grpc.health.v1.Health/Check``) is exempt: Envoy's health checker and kubelet probes
+  carry no token, and it answers only serving / not serving.
+- No token and no client CA on an address other than loopback: refused at start (`check_exposure`), unless
+  `allow_unauthenticated` says the network in front does the authenticating (a GIE gateway, which presents
+  neither, behind a NetworkPolicy: deploy/kubernetes/inferencepool.yaml). Loopback without a token is allowed
+  (a developer's own machine; `prefixroute gateway` and `up` always draw one).
+
+Bounds (what a caller can make the port hold; docs/security.md):
+- One message at most the body limit plus `MESSAGE_HEADROOM_BYTES` (``grpc.max_receive_message_length``; gRPC
+  refuses a longer one on its length prefix, RESOURCE_EXHAUSTED, before buffering it); per method less: a facts
+  batch `envoy_facts.MAX_EXPORT_BYTES`, an early report `envoy_facts.MAX_EARLY_REPORT_BYTES`, refused before
+  decoding.
+- What a caller sends before it is refused: at most the stream window (``grpc.http2.lookahead_bytes``, 256 KiB)
+  per stream, freed at the refusal.
 
 Protocols: one server speaks prefixroute's own ext_proc protocol and the Gateway API Inference Extension's,
 per stream (`protocol`; servicer.py, gie.py), so one picker serves our Envoy and a GIE gateway alike. The gRPC
@@ -19,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
@@ -26,14 +45,15 @@ from typing import Any, ClassVar
 import grpc
 
 from prefixroute import grpc_auth
-from prefixroute.extproc import wire
+from prefixroute.extproc import envoy_facts, wire
 from prefixroute.extproc.health import HealthServicer
 from prefixroute.extproc.authz import RELEASE_AFTER_S, AuthzServicer, UnaryPicks
 from prefixroute.extproc.authz import add_to_server as add_authz_to_server
-from prefixroute.extproc.authz_http import AuthzHttpService, server_ssl_context, start_authz_http_server
+from prefixroute.extproc.authz_http import (MAX_HEADER_BYTES, AuthzHttpService, server_ssl_context,
+                                            start_authz_http_server)
 from prefixroute.extproc.servicer import DEFAULT_MAX_BODY_BYTES, PROTOCOLS, ExtProcServicer, RouterService
 from prefixroute.extproc.tracking import NULL_TRACKER, Tracker
-from prefixroute.grpc_auth import bearer_matches, read_token
+from prefixroute.grpc_auth import CallAuth, read_token, unary_after_auth
 from prefixroute.settings import Settings, setting
 
 log = logging.getLogger(__name__)
@@ -65,6 +85,11 @@ class ExtprocSettings(Settings):
                               "command line (visible in ps). Empty = no token check.")
     auth_token_file: str = setting("", "File holding auth_token (surrounding whitespace ignored), instead of "
                                    "auth_token (giving both is an error).")
+    allow_unauthenticated: bool = setting(
+        False, "Serve on an address other than loopback with neither auth_token nor tls_client_ca_file (otherwise "
+        "refused at start: anyone who reaches the port could route and report). Only where the network in front "
+        "authenticates the callers, e.g. a GIE gateway, which presents neither, behind a NetworkPolicy "
+        "(deploy/kubernetes/inferencepool.yaml).")
     replica_index: int = setting(-1, "This process's index k among the ext_proc replicas behind one Envoy (0..N-1, the "
                                  "order of Envoy's extproc_replica_addresses): its routing responses set "
                                  "x-prefixroute-replica: k, so Envoy sends each request's observing stream to the "
@@ -98,6 +123,11 @@ class ExtprocSettings(Settings):
         "ext_authz_http; extproc/authz_http.py): the same decision as the gRPC Check, without gRPC (measured ~0.25 ms "
         "less added latency, and ~0.8 ms less after an idle gap). Same listen address, TLS files and bearer token "
         "as the gRPC port. -1 = not served; 0 = any free port (printed in the ready line).")
+    authz_http_max_header_kb: int = setting(
+        MAX_HEADER_BYTES // 1024, "authz_http_port: the most a check's request line and headers may take, in KiB "
+        "(431 and the connection closed above it, before the token is known). Envoy forwards a client's headers "
+        "up to its max_request_headers_kb (32 KiB in the gateway's configuration) plus ~1 KiB of its own: keep "
+        "this above that.")
     facts_first_token: str = setting(
         "early", "On the facts path (Envoy's facts records), when the router learns a streamed response's first "
         "token: 'early' = when it happens (the facts Lua filter's asynchronous report to this port: flow control "
@@ -111,59 +141,66 @@ class ExtprocSettings(Settings):
             raise ValueError(f"facts_first_token must be one of {', '.join(FACTS_FIRST_TOKEN)}; "
                              f"got {self.facts_first_token!r}")
         grpc_options(self.grpc_options)  # ValueError now, not at start
+        if self.authz_http_max_header_kb < 1:
+            raise ValueError(f"authz_http_max_header_kb must be at least 1, got {self.authz_http_max_header_kb}")
 
 
 FACTS_FIRST_TOKEN = ("early", "end")
 
+MESSAGE_HEADROOM_BYTES = 1024 * 1024
+"""What one gRPC message may carry beyond the request body limit (RoutingSettings.max_body_bytes, which the gateway
+also gives Envoy as max_request_body_bytes): an ext_authz Check holds the request's headers with its body (Envoy's
+own header limit is 32 KiB by default, max_request_headers_kb), an ext_proc body message a few bytes of framing. A
+request whose headers pass 1 MiB fails on this port (Envoy's failure mode), none of the gateway's defaults does."""
+
 GRPC_OPTIONS: dict[str, int | str] = {
-    # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection.
+    # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection. Not a memory bound
+    # worth having against a caller without the token: a lower cap only moves it to more connections (gRPC has no
+    # connection cap); its streams are refused at their metadata, and the stream window below is what each holds.
     "grpc.max_concurrent_streams": 100000,
-    # Bodies arrive whole (BUFFERED): gRPC's default 4 MiB cap would fail bodies Envoy already accepted
-    # (its own limit, max_request_body_bytes, is the one that answers 413).
-    "grpc.max_receive_message_length": -1,
+    # Bodies arrive whole (BUFFERED) in one message: the body limit and MESSAGE_HEADROOM_BYTES (start_server sets
+    # it from the router's max_body_bytes). gRPC refuses a longer message on its length prefix, before reading it.
+    "grpc.max_receive_message_length": DEFAULT_MAX_BODY_BYTES + MESSAGE_HEADROOM_BYTES,
     "grpc.so_reuseport": 0,
-    # Request bodies arrive as one message: a stream window above the largest body avoids flow-control
-    # round trips (the 64 KiB default stalls every 64 KB prompt), and makes BDP probing pointless.
-    "grpc.http2.lookahead_bytes": 16 * 1024 * 1024,
+    # The stream window: what a caller may send on a stream before the server reads it, so also what a caller
+    # without the token can make the router hold per stream before its refusal (measured on a bare grpc.aio
+    # server: 8 connections x 200 unauthenticated streams of 8 MB took +1,080 MiB at 16 MiB, +80 MiB at 256 KiB;
+    # the router, 4 x 100 such calls: +3 MiB). A larger message still flows: gRPC widens the window of a stream
+    # whose message is being read. Through Envoy (overhead-bench --routing-filter ext_proc, this and a 16 MiB
+    # window in the same rounds) 256 KiB added no latency or CPU beyond noise at 4 and 64 KB; BDP probing stays off.
+    "grpc.http2.lookahead_bytes": 256 * 1024,
     "grpc.http2.bdp_probe": 0,
     "grpc.optimization_target": "latency",
 }
 """The ext_proc server's gRPC channel arguments (ExtprocSettings.grpc_options overrides or adds to them)."""
 
 
-def grpc_options(overrides: tuple[str, ...]) -> list[tuple[str, int | str]]:
-    """`GRPC_OPTIONS` with `overrides` ("NAME=VALUE"; an integer VALUE as an int) applied; ValueError on an
-    entry without "=" or a NAME outside the ``grpc.`` namespace (a typo would be silently ignored by gRPC)."""
+def grpc_options(overrides: tuple[str, ...], max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+                 ) -> list[tuple[str, int | str]]:
+    """`GRPC_OPTIONS` for a body limit of `max_body_bytes`, with `overrides` ("NAME=VALUE"; an integer VALUE as an
+    int) applied; ValueError on an entry without "=", a NAME outside the ``grpc.`` namespace (a typo would be
+    silently ignored by gRPC), or an unbounded (-1 or 0) ``grpc.max_receive_message_length``."""
     options = dict(GRPC_OPTIONS)
+    options["grpc.max_receive_message_length"] = max_body_bytes + MESSAGE_HEADROOM_BYTES
     for entry in overrides:
         name, sep, value = entry.partition("=")
         name, value = name.strip(), value.strip()
         if not sep or not name.startswith("grpc.") or not value:
             raise ValueError(f"grpc_options: expected grpc.NAME=VALUE, got {entry!r}")
         options[name] = int(value) if value.lstrip("-").isdigit() else value
+    limit = options["grpc.max_receive_message_length"]
+    if not isinstance(limit, int) or limit <= 0:
+        raise ValueError(f"grpc_options: grpc.max_receive_message_length must be a positive byte count (what one "
+                         f"caller can make the router hold), got {limit!r}")
     return list(options.items())
 
 
-
-class StreamAuth:
-    """The bearer-token check of ext_proc streams, done in the stream handler itself: the same check as
-    `grpc_auth.BearerTokenInterceptor` (one metadata scan and a constant-time compare per stream; a refused
-    stream gets UNAUTHENTICATED before its first message is read, so it never reaches the servicer), without a
-    grpc.aio interceptor, which costs every call a coroutine round through the interceptor chain. The health
-    service is simply not wrapped (exempt)."""
-
-    def __init__(self, token: str, label: str = "ext_proc") -> None:
-        if not token:
-            raise ValueError("empty bearer token")
-        self._token = token.encode()
-        self._label = label
-        self.num_refused = 0
-
-    def allows(self, metadata: Any) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization":
-                return bearer_matches(value, self._token)
-        return False
+class StreamAuth(CallAuth):
+    """The bearer-token check of every call but the health check (grpc_auth.CallAuth), done in the handlers
+    themselves: ext_proc streams through `guard` (a refused stream gets UNAUTHENTICATED before its first message
+    is read, so it never reaches the servicer), the unary methods through grpc_auth.unary_after_auth. No grpc.aio
+    interceptor, which costs every call a coroutine round through the interceptor chain. The health service is
+    simply not wrapped (exempt)."""
 
     def guard(self, process: Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]) -> Callable[..., Any]:
         """`process` (a stream handler), refusing streams without the token."""
@@ -173,12 +210,32 @@ class StreamAuth:
             if allows(context.invocation_metadata()):
                 await process(request_iterator, context)
                 return
-            self.num_refused += 1
-            if self.num_refused in (1, 10, 100) or self.num_refused % 1000 == 0:
-                log.warning("%s: refused %d stream(s) without the right bearer token", self._label, self.num_refused)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            await self.refuse(context)
 
         return guarded
+
+
+def is_loopback(address: str) -> bool:
+    """True for a listen address only local processes reach: 127.0.0.0/8, ::1, localhost, a Unix socket."""
+    host = address.strip("[]")
+    if host in ("localhost", "::1") or host.startswith("unix:"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(s: ExtprocSettings) -> None:
+    """ValueError when the router would serve an address other than loopback with no way to tell its callers
+    apart (no token, no client CA) and `allow_unauthenticated` is off (module docstring)."""
+    if is_loopback(s.listen_address) or s.allow_unauthenticated:
+        return
+    if resolved_auth_token(s) is None and not s.tls_client_ca_file:
+        raise ValueError(f"listen_address {s.listen_address} is not loopback and neither auth_token(_file) nor "
+                         "tls_client_ca_file is set: anyone who reaches the port could route and report. Set a token "
+                         "(Envoy's extproc_auth_token_file), mutual TLS, or allow_unauthenticated where the network "
+                         "in front authenticates the callers (a NetworkPolicy).")
 
 
 def _always() -> bool:
@@ -204,25 +261,33 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     Telemetry: a `RequestTracker`, or the default `NULL_TRACKER` for none. TLS and the bearer token per `s`
     (module doc); ValueError/OSError when their settings or files are wrong. The gRPC health service
     (health.py) is served beside ext_proc, over `ready` (the picker can route), without the bearer token.
-    `max_body_bytes`: GIE streams' body limit (RoutingSettings.max_body_bytes). `can_hold`: the router holds
-    requests past saturation (flow control: `ExtProcServicer`). `add_services`: adds other services to the
-    server before it starts (Envoy's response facts receiver: envoy_facts.py). `facts`: that receiver
-    (envoy_facts.FactsReceiver); given, Envoy's ext_authz ``Check`` is served too (authz.py: a unary pick is
-    released by its facts record, so there is no ext_authz routing without them)."""
+    ValueError too when the address is exposed without authentication (`check_exposure`).
+    `max_body_bytes`: the body limit (RoutingSettings.max_body_bytes): GIE streams' limit, and with
+    `MESSAGE_HEADROOM_BYTES` the largest message the port reads. `can_hold`: the router holds requests past
+    saturation (flow control: `ExtProcServicer`). `add_services`: adds other services to the server before it
+    starts. `facts`: Envoy's response facts receiver (envoy_facts.FactsReceiver), served on the port behind the
+    token; given, Envoy's ext_authz ``Check`` is served too (authz.py: a unary pick is released by its facts
+    record, so there is no ext_authz routing without them)."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
-    server = grpc.aio.server(options=grpc_options(s.grpc_options))
+    check_exposure(s)
+    options = grpc_options(s.grpc_options, max_body_bytes)
+    server = grpc.aio.server(options=options)
     replica = s.replica_index if s.replica_index >= 0 else None
     servicer = ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
                                gie_fallback_list=s.gie_fallback_list, max_body_bytes=max_body_bytes,
                                can_hold=can_hold, facts_first_token_live=s.facts_first_token == "early")
+    auth = StreamAuth(token) if token else None
+    server.auth = auth  # type: ignore[attr-defined]  # its refusals, for tests and tools
     process = servicer.Process
-    wire.add_to_server(server, StreamAuth(token).guard(process) if token else process)
+    wire.add_to_server(server, auth.guard(process) if auth is not None else process)
     if facts is not None:
+        envoy_facts.add_to_server(server, facts, auth=auth)
         picks = UnaryPicks(router.release, tracker.routing_closed, s.authz_release_after_s)
         facts.unary_picks = picks
-        authz = AuthzServicer(servicer, picks, StreamAuth(token).allows if token else None, replica)
-        add_authz_to_server(server, authz.Check)
+        authz = AuthzServicer(servicer, picks, replica)
+        add_authz_to_server(server, authz.Check, auth=auth,
+                            max_message_bytes=dict(options)["grpc.max_receive_message_length"])  # type: ignore[arg-type]
         server.authz_servicer = authz  # type: ignore[attr-defined]  # the HTTP transport's decision (authz_http.py)
     wire.add_health_to_server(server, HealthServicer(ready).Check)
     if add_services is not None:
@@ -250,7 +315,8 @@ async def start_authz_http(server: grpc.aio.Server, s: ExtprocSettings, ready: C
     server_credentials(s)  # the same completeness checks as the gRPC port's
     ctx = server_ssl_context(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
     svc = AuthzHttpService(authz, token=resolved_auth_token(s), ready=ready, max_body_bytes=max_body_bytes,
-                           replica_index=s.replica_index if s.replica_index >= 0 else None)
+                           replica_index=s.replica_index if s.replica_index >= 0 else None,
+                           max_header_bytes=s.authz_http_max_header_kb * 1024)
     try:
         return await start_authz_http_server(svc, s.listen_address, s.authz_http_port, ctx)
     except OSError as exc:

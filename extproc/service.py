@@ -35,12 +35,14 @@ Contract with the servicer (`servicer.RouterService`):
 - Responses API state (issue 14; extproc/response_directory.py): a request with ``response_ref`` (a follow-up's
   ``previous_response_id``, or the id of ``/v1/responses/{id}...``) is *pinned*: it is routed over a snapshot
   holding only the endpoint the directory names, so the decision lists that endpoint alone (no fallback, no
-  silent reroute). That endpoint unhealthy: 503 with Retry-After naming the id (its store may come back with
-  it). An id the directory does not know: `route` raises `NeedsLookup` and the servicer awaits
+  silent reroute). That endpoint unhealthy: 503 with Retry-After, naming no id (its store may come
+  back with it; an error text reaches records and dashboards, and a response id reads its response). An id
+  the directory does not know: `route` raises `NeedsLookup` and the servicer awaits
   `resolve(response_id, headers)` (a bounded fan-out of ``GET /v1/responses/{id}``: 404 when no endpoint has
   it, 503 when some did not answer), then routes again. An endpoint that left the pool or restarted takes its
   ids with it (the directory follows the pool's snapshots), so its follow-ups get the 404 of the lookup.
-  `learn_response(pick, response_id)`: the observing stream saw `pick`'s response id (tracking.py).
+  `learn_response(pick, response_id)`: the observing stream (tracking.py) or Envoy's facts record saw `pick`'s
+  response id; a claim that does not fit (a second id for the pick, an id held at another endpoint) is refused.
 
 - Other replicas (issue 15; extproc/peers): with `peers` set (a `PeerPublisher`, the gateway's NATS bus), each
   pick with block hashes or queued prefill is published (`codec.Pick`: primary, block hashes, the policy's
@@ -85,10 +87,11 @@ from prefixroute.extproc.lifecycle_listeners import (IndexListener, PeerPublishe
                                                      ResponsesListener, TierPredictionListener, TimeModelListener)
 from prefixroute.extproc.peers import codec
 from prefixroute.extproc.response_directory import NeedsLookup, ResponseDirectory, ResponseLookup
-from prefixroute.extproc.routing.request import InferenceRequest, clip, parse_request
+from prefixroute.extproc.routing.request import InferenceRequest, parse_request
 from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.text_hash_cache import TextHashCache
 from prefixroute.extproc.routing.tokens import PromptHasher
+from prefixroute.extproc.tenants import Tenants
 from prefixroute.types import EndpointId, EndpointState
 from prefixroute.openai_errors import OpenAIError
 from prefixroute import responses_prompt
@@ -178,6 +181,10 @@ class PoolRouter:
         self.offload = None
         # Flow control (extproc/flow/hold.py): None = every request is routed at once.
         self.flow: FlowPort | None = None
+        # Who sent each request (extproc/tenants.py): its tenant salts its hashes and sessions; a client's own
+        # tenant header counts only where the operator trusts an ingress to set it. Replaced by the caller with
+        # the operator's settings (cli.py); the default trusts no tenant header and has no table.
+        self.tenants = Tenants(tenant_header=s.tenant_header)
         pool.add_listener(self._on_pool_change)
 
     @property
@@ -238,8 +245,8 @@ class PoolRouter:
         elif self.offload is not None and self.offload.heavy(path, body):
             raise NeedsParse()
         else:
-            request = parse_request(method, path, headers, body, self.settings, self.hasher, self._adapters,
-                                    self.text_cache)
+            request = parse_request(method, path, self.tenants.parse_headers(headers), body, self.settings,
+                                    self.hasher, self._adapters, self.text_cache)
         flow = self.flow
         if flow is not None:
             if ticket is not None:
@@ -290,7 +297,9 @@ class PoolRouter:
                              body: bytes) -> InferenceRequest:
         """After `route` raised `NeedsParse`: `body` parsed in a worker (raises its `OpenAIError`), for `route`."""
         assert self.offload is not None
-        return await self.offload.parse(method, path, headers, body, self._adapters)
+        tenants = self.tenants
+        return await self.offload.parse(method, path, tenants.parse_headers(headers), body, self._adapters,
+                                        client=tenants.resolve(headers).flow)
 
     # --- other replicas (extproc/peers: PeerBus calls these on the event loop) ----------------------------
     def apply_peer_batch(self, origin: tuple[str, int], messages: Sequence[codec.Message], now_s: float) -> None:
@@ -453,8 +462,9 @@ class PoolRouter:
             self.responses.forget_endpoint(ep)
             raise responses_prompt.not_found(response_id)
         if not state.healthy or state.address is None:
-            raise OpenAIError(503, f"the endpoint holding response '{clip(response_id)}' is unavailable; retry "
-                                   "later", retry_after_s=self.core.retry_after_s, param="previous_response_id")
+            # No id in the text: it lands in records and dashboards, and a response id reads its response.
+            raise OpenAIError(503, "the endpoint holding this response is unavailable; retry later",
+                              retry_after_s=self.core.retry_after_s, param="previous_response_id")
         return [state]
 
     async def resolve(self, response_id: str, headers: Mapping[str, str]) -> EndpointId:
@@ -465,14 +475,27 @@ class PoolRouter:
         auth = headers.get("authorization")
         return await self.lookup.resolve(response_id, candidates, {"authorization": auth} if auth else None)
 
-    def learn_response(self, pick: Pick, response_id: str, served: str | None = None) -> None:
-        """`pick`'s response carries `response_id` (the observing stream read it): the endpoint that served it
-        holds it. `served`: Envoy's served address when known; as in `served`, only an endpoint of this pick
-        counts (else the primary, or the fallback a counted failover report named)."""
+    def learn_response(self, pick: Pick, response_id: str, served: str | None = None) -> bool:
+        """`pick`'s response carries `response_id` (the observing stream or Envoy's facts record read it): the
+        endpoint that served it holds it. `served`: Envoy's served address when known; as in `served`, only an
+        endpoint of this pick counts (else the primary, or the fallback a counted failover report named). True
+        when learned. A claim that does not fit is refused and counted (the directory's ``num_refused``): a second,
+        different id for the same pick (a response has one), or an id the directory holds at another endpoint
+        (an id is produced once: whoever names someone else's id learns nothing, and the conversation stays
+        where it is)."""
         ep = self._id_of_addr.get(served) if served else None
         if ep is None or ep not in pick.endpoint_ids:
             ep = pick.counted
+        responses = self.responses
+        if pick.response_id is not None and pick.response_id != response_id:
+            responses.num_refused += 1
+            return False
+        holder = responses.holder(response_id)
+        if holder is not None and holder != ep:
+            responses.num_refused += 1
+            return False
         self.lifecycle.response_id(pick, response_id, ep)
+        return True
 
     def served(self, pick: Pick, served: str | None, status: int | None = None) -> None:
         """The served-endpoint report for `pick` (module docstring: the trust rule); `status`: the response's

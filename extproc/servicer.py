@@ -257,7 +257,7 @@ class _RoutingStream:
             else:
                 pick = self.router.route(method, path, self.headers, body, **kw)
         except OpenAIError as err:
-            self.tracker.refused(self.st, err.status, err.message)
+            self.tracker.refused(self.st, err.status, err.record_message)
             return immediate_response(err)
         except NeedsHold as need:
             self.pending_hold = (method, path, need.request, at_headers)
@@ -286,7 +286,7 @@ class _RoutingStream:
             else:
                 await self.router.resolve(response_id, self.headers)
         except OpenAIError as err:
-            self.tracker.refused(self.st, err.status, err.message)
+            self.tracker.refused(self.st, err.status, err.record_message)
             return immediate_response(err)
         resp = self._decide(method, path, body, at_headers)
         if resp is _NEEDS_LOOKUP and response_id is None and self.pending_lookup is not None \
@@ -295,7 +295,7 @@ class _RoutingStream:
         if resp is _NEEDS_LOOKUP:  # found, then forgotten at once (its endpoint left meanwhile): no second round
             self.pending_lookup = None
             err = lookup_changed(response_id)
-            self.tracker.refused(self.st, err.status, err.message)
+            self.tracker.refused(self.st, err.status, err.record_message)
             return immediate_response(err)
         return resp
 
@@ -316,7 +316,7 @@ class _RoutingStream:
         try:
             ticket = await self.router.hold(request, self.headers)
         except OpenAIError as err:
-            self.tracker.refused(self.st, err.status, err.message, *gateway_outcome(err))
+            self.tracker.refused(self.st, err.status, err.record_message, *gateway_outcome(err))
             return immediate_response(err)
         return self._decide(method, path, request, at_headers, ticket)
 

@@ -28,9 +28,13 @@ KV events (vLLM's, see kv_events.py; on when the core is built with `on_kv_event
 registers become `BlockStored` events (one per contiguous run of newly stored blocks of a request: its
 hashes in chain order, the parent hash, those blocks' token ids, `lora_name`/`lora_id` of an adapter request,
 and vLLM's per-block extra keys: the adapter name on every block, the cache_salt on block 0), evictions
-`BlockRemoved`, a prefix-cache reset `AllBlocksCleared`. Each `plan_step` (and `finish_decode_run`,
-`reset_prefix_cache`) that changed the cache hands its events, in order, to `on_kv_events` as one list (one
-`EventBatch`). Off, the only cost is one attribute test per registration and per step.
+`BlockRemoved`, a prefix-cache reset `AllBlocksCleared`. Each `plan_step` (and `finish_decode_run`) that
+changed the cache hands its events, in order, to `on_kv_events` as one list (one `EventBatch`). A reset's
+`AllBlocksCleared` is queued, not published: it goes out with the next engine step's batch, first in it, as
+vLLM's (its ``BlockPool.reset_prefix_cache`` queues it and the scheduler publishes a step's events when the
+step's output is processed; an idle server publishes nothing until its next request). Until then subscribers
+still hold the cleared blocks: the stale window a router must live with. Off, the only cost is one attribute
+test per registration and per step.
 
 CPU tier (``EngineConfig.num_cpu_blocks`` > 0: vLLM's ``--kv-offloading-size``, see cpu_tier.py): hashes the GPU
 evicts go to the host tier; a request admitted with a GPU prefix hit of k blocks then loads the next blocks of
@@ -352,8 +356,8 @@ class EngineCore:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's prefix-cache reset: drop every cached hash, only when no block is held (False otherwise).
         `reset_running_requests` first preempts every running request (they go back to the waiting queue
-        and recompute), as vLLM's ``reset_prefix_cache(reset_running_requests=True)`` does. Publishes
-        `AllBlocksCleared` when events are on."""
+        and recompute), as vLLM's ``reset_prefix_cache(reset_running_requests=True)`` does. With events on,
+        `AllBlocksCleared` is queued for the next step's batch (module docstring), not published here."""
         if reset_running_requests and self.running:
             running, self.running = self.running, []
             for req in reversed(running):  # appendleft in reverse keeps their admission order
@@ -362,7 +366,6 @@ class EngineCore:
         if ok and self.tier is not None:
             self.cache.evicted.clear()  # type: ignore[union-attr]
             self.tier.clear()
-        self._flush_kv_events()
         return ok
 
     def _preempt(self, req: EngineRequest) -> None:
@@ -411,7 +414,8 @@ class EngineCore:
             i += 1
         if not preempted:
             budget, n_sum, attn, kv = self._admit_waiting(scheduled, budget, n_sum, attn, kv)
-        self._flush_kv_events()
+        if scheduled or running or self.waiting:  # vLLM's engine does not step without requests
+            self._flush_kv_events()
         if not scheduled:
             return None
         duration = self._step_cost(n_sum, attn, kv, len(scheduled)) * self._time_scale
@@ -530,7 +534,7 @@ class EngineCore:
             assert got is not None  # checked in plan_decode_run
             for (_, idx), blk in zip(needs, got):
                 running[idx].blocks.append(blk)
-            self._flush_kv_events()
+        self._flush_kv_events()
         st = self.stats
         st.num_steps += num_steps
         st.busy_s += num_steps * run.first_s + run.slope_s * num_steps * (num_steps - 1) * 0.5

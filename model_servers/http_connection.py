@@ -6,6 +6,7 @@ that do not read (sinks.py writes through it). What the connection needs of its 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import Protocol
 
@@ -40,6 +41,9 @@ class ConnectionOwner(Protocol):
     """Requests given up per reason (`SLOW_CLIENT_REASONS`)."""
     common_headers: bytes
     """Header lines every response carries (``x-prefixroute-server-id``)."""
+    received_traceparents: collections.deque[bytes]
+    """The W3C ``traceparent`` of the latest requests that carried one (bounded; GET /admin/traceparents on the
+    admin listener): what a test reads to see the context reached the server. Never echoed to the client."""
     closing: bool
     refusing: bool
 
@@ -187,6 +191,8 @@ class HttpConnection(asyncio.Protocol):
     def _run(self, item: tuple[bytes, bytes, bytes, bytes | None, bool, bytes | None, bytes | None]) -> None:
         method, url, body, self.cur_traceparent, self.cur_keep_alive, encoding, self.cur_challenge = item
         self.busy = True
+        if self.cur_traceparent is not None and not self.admin:
+            self.app.received_traceparents.append(self.cur_traceparent)
         if body and encoding is not None and encoding.strip().lower() not in (b"identity", b""):
             # decoding it ourselves would be a decompression-bomb surface; vLLM does not decode either
             self.respond(415, error_body(415, f"Unsupported Content-Encoding "
@@ -197,10 +203,10 @@ class HttpConnection(asyncio.Protocol):
 
     # responses
     def _head(self, status: int, extra: bytes) -> bytes:
-        tp = self.cur_traceparent
+        # No request header is echoed: the router-drawn traceparent (its span id keys the facts records) must never
+        # reach a client (received_traceparents keeps it for the admin listener instead).
         return b"".join((b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b"Error")), extra,
                          self.app.common_headers,
-                         b"x-prefixroute-traceparent: " + tp + b"\r\n" if tp else b"",
                          b"" if self.cur_keep_alive else b"connection: close\r\n", b"\r\n"))
 
     def respond(self, status: int, body: bytes, content_type: bytes = b"application/json",

@@ -171,7 +171,8 @@ class KVCache:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash, like vLLM's ``BlockPool.reset_prefix_cache``: only when no block is held
-        (returns False and changes nothing otherwise); records `AllBlocksCleared`."""
+        (returns False and changes nothing otherwise); records `AllBlocksCleared` (published with the engine's
+        next step: engine.py)."""
         if self.num_held:
             return False
         self.cached = {}

@@ -14,12 +14,16 @@ Transport, as vLLM's publisher:
   ``(topic, seq, payload)`` whose seq >= start_seq, then ``(b"", END_SEQ, b"")`` (vLLM >= 0.26's frames); the
   buffer holds the last ``buffer_steps`` batches;
 - bind or connect: an endpoint containing ``*`` or ``::``, or an ``ipc://`` / ``inproc://`` one, is bound;
-  any other is connected to (vLLM's "bind stable, connect volatile" rule), except -- this simulator's one
-  deviation -- a loopback address (``tcp://127.0.0.1:5557``, ``tcp://localhost:5557``, ``tcp://[::1]:5557``),
-  which is bound: the router connects to each endpoint's publisher, and every internal port of the local
-  stack binds loopback only (vLLM itself can bind loopback only on a free port, ``tcp://127.0.0.1:*``).
-  ``tcp://*:5557`` binds every interface (the bound address is printed at startup, see server.serve). The
-  replay socket is always bound.
+  any other is connected to (vLLM's "bind stable, connect volatile" rule: vLLM 0.32's
+  ``ZmqEventPublisher._is_bind_endpoint``). Loopback only, in a form real vLLM binds:
+  ``tcp://[::ffff:127.0.0.1]:5557`` (an IPv4-mapped address: it holds ``::``, and ZMQ binds it on 127.0.0.1,
+  where the router connects as ``tcp://127.0.0.1:5557``); `config_json`, the local stack and the bench use
+  it. ``tcp://[::1]:5557`` does not bind in ZMQ (IPv6 is off on its sockets: "No such device"), in vLLM or
+  here: refused at startup with that reason. This simulator's one deviation, kept for configurations written
+  for it: ``tcp://127.0.0.1:5557`` and ``tcp://localhost:5557`` are bound too (vLLM would connect to them,
+  and a router would receive nothing), with a WARNING naming the form vLLM binds. ``tcp://*:5557`` binds
+  every interface (the bound address is printed at startup, see server.serve). The replay socket is always
+  bound.
 
 Threading: the engine loop calls `ZmqEventPublisher.publish` (assign a sequence number, put on a queue; never
 touches ZMQ, never blocks). One daemon thread owns both sockets: it encodes, sends, buffers and answers replay
@@ -121,17 +125,29 @@ def parse_config(text: str) -> KVEventsConfig | None:
         raise ValueError("--kv-events-config: 'endpoint' must not be empty")
     if cfg.replay_endpoint == "":
         raise ValueError("--kv-events-config: 'replay_endpoint' must be null or an address, not empty")
+    for key, value in (("endpoint", cfg.endpoint), ("replay_endpoint", cfg.replay_endpoint)):
+        if value and value.startswith("tcp://[::1]:"):
+            raise ValueError(f"--kv-events-config: {key!r} {value!r} does not bind: ZMQ sockets have IPv6 off, so "
+                             f"vLLM fails on it as well; for loopback use 'tcp://{LOOPBACK_HOST}:PORT' (vLLM binds "
+                             "it on 127.0.0.1)")
     return cfg
 
 
-_LOOPBACK_PREFIXES = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")
+_LOOPBACK_PREFIXES = ("tcp://127.", "tcp://localhost:")
+LOOPBACK_HOST = "[::ffff:127.0.0.1]"
+"""Loopback as real vLLM binds it (module docstring): the host of `config_json`'s addresses."""
+
+
+def vllm_binds(endpoint: str) -> bool:
+    """vLLM's own rule (0.32's ``ZmqEventPublisher._is_bind_endpoint``): bind an endpoint with a wildcard
+    (``*``, ``::``) or a local transport, connect to any other."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def binds(endpoint: str) -> bool:
-    """vLLM's rule: bind an endpoint with a wildcard (``*``, ``::``) or a local transport, connect otherwise;
-    and (this simulator only, module docstring) bind a loopback address."""
-    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-            or endpoint.startswith(_LOOPBACK_PREFIXES))
+    """What this simulator does: vLLM's rule (`vllm_binds`), and (its one deviation, module docstring) an IPv4
+    loopback address is bound too."""
+    return vllm_binds(endpoint) or endpoint.startswith(_LOOPBACK_PREFIXES)
 
 
 _STOP = object()
@@ -166,6 +182,11 @@ class ZmqEventPublisher:
             self._pub.set_hwm(cfg.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
             if binds(cfg.endpoint):
+                if not vllm_binds(cfg.endpoint):
+                    port = cfg.endpoint.rpartition(":")[2]
+                    log.warning("KV events: binding %s, but vLLM would connect to it (it binds only addresses "
+                                "with '*' or '::') and a router would receive nothing from a real server; "
+                                "tcp://%s:%s binds loopback in both", cfg.endpoint, LOOPBACK_HOST, port)
                 self._pub.bind(cfg.endpoint)
             else:
                 self._pub.connect(cfg.endpoint)
@@ -288,10 +309,11 @@ def materialize(events: list[Any]) -> list[Any]:
     return events
 
 
-def config_json(pub_port: int, replay_port: int | None = None, *, host: str = "127.0.0.1",
+def config_json(pub_port: int, replay_port: int | None = None, *, host: str = LOOPBACK_HOST,
                 topic: str = "kv-events") -> str:
     """A ``--kv-events-config`` (vLLM's KVEventsConfig JSON) publishing on `host`:`pub_port` and answering replays
-    on `replay_port` (None: pub_port + 1). Loopback by default: this simulator binds it (`binds`)."""
+    on `replay_port` (None: pub_port + 1). Loopback by default, in the form real vLLM binds as well as this
+    simulator (`LOOPBACK_HOST`): the same JSON starts either; a router connects to ``tcp://127.0.0.1:PORT``."""
     replay = pub_port + 1 if replay_port is None else replay_port
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{host}:{pub_port}",
                        "replay_endpoint": f"tcp://{host}:{replay}", "topic": topic}, separators=(",", ":"))

@@ -9,15 +9,17 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (stream and not), the
 /v1/responses, stream and not; GET /v1/responses/{id}; POST /v1/responses/{id}/cancel: vLLM's answers, the
 bounded in-process store of response_store.py), GET /v1/models, GET /health,
 POST /tokenize, GET /metrics, GET /version, POST /reset_prefix_cache (vLLM's: 200 when the prefix cache was
-emptied, 409 while requests hold blocks unless ``?reset_running_requests=true`` preempts them first; the
-gateway's path allowlist keeps it off the public API), SGLang-style probes (GET /server_info, /get_server_info,
+emptied, 409 while requests hold blocks unless ``?reset_running_requests=true`` preempts them first; its
+`AllBlocksCleared` event goes out with the next engine step, as vLLM's; the gateway's path allowlist keeps it off
+the public API), SGLang-style probes (GET /server_info, /get_server_info,
 /model_info, /get_model_info, /readiness). GET|POST /admin/faults (runtime fault injection) is served only on
 the separate admin listener (`admin_port`, off by default, loopback): the serving port answers every
 /admin/* path with a 404, so nothing a gateway forwards can change the server's faults.
 With ``--kv-events-config`` the engine publishes vLLM's KV events over ZMQ (kv_events_publisher.py); the bound addresses
 are printed as ``KV_EVENTS <addr>`` (and ``KV_EVENTS_REPLAY <addr>``) before ``READY``.
-Every response carries ``x-prefixroute-server-id``; a request's W3C ``traceparent`` is echoed in
-``x-prefixroute-traceparent``.
+Every response carries ``x-prefixroute-server-id``; no request header is echoed (a request's W3C ``traceparent``
+is the router's, and its span id keys the gateway's facts records): the latest 256 received are listed by
+GET /admin/traceparents on the admin listener.
 
 Failure behaviours (chosen, tested):
 - malformed HTTP: 400 and close; body over `max_body_bytes`: 413 and close; unknown path 404; wrong
@@ -49,6 +51,7 @@ sinks.py (how tokens reach the client); this one the server (`ModelServer`: life
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -115,6 +118,7 @@ class ModelServer:
         self.closing = False
         sid = self.server_id.encode()
         self.common_headers = b"x-prefixroute-server-id: " + sid + b"\r\n"
+        self.received_traceparents: collections.deque[bytes] = collections.deque(maxlen=RECEIVED_TRACEPARENTS)
         # The launcher's per-run identity key (prefixroute.identity), by environment only: "" = no proof given.
         self.identity_key = identity.resolve_key()
 
@@ -426,12 +430,17 @@ class ModelServer:
                 return
         conn.respond(200, self._faults_json(refusing=self.refusing))
 
+    def h_traceparents(self, conn: HttpConnection, body: bytes) -> None:
+        conn.respond(200, orjson.dumps([tp.decode("latin-1") for tp in self.received_traceparents]))
+
     def _faults_json(self, *, refusing: bool) -> bytes:
         return orjson.dumps({"fail_ratio": self.fail_ratio, "extra_latency_ms": self.extra_latency_s * 1000,
                              "refuse_connections": refusing})
 
 
 _GENERATE = {b"/v1/chat/completions", b"/v1/completions"}
+RECEIVED_TRACEPARENTS = 256
+"""How many received traceparents the admin listener lists (the latest)."""
 _GET, _POST, _BOTH = (b"GET",), (b"POST",), (b"GET", b"POST")
 _ROUTES = {
     b"/health": (_GET, ModelServer.h_health),
@@ -449,6 +458,7 @@ _ROUTES = {
 }
 _ADMIN_ROUTES = {
     b"/admin/faults": (_BOTH, ModelServer.h_faults),
+    b"/admin/traceparents": (_GET, ModelServer.h_traceparents),
     b"/health": (_GET, ModelServer.h_health),
 }
 

@@ -99,9 +99,11 @@ class ServerSettings(Settings):
         "", "KV-cache events, as vLLM's --kv-events-config JSON: e.g. '{\"enable_kv_cache_events\": true, "
             "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
             "\"topic\": \"kv-events\"}' (also buffer_steps 10000, hwm 100000, max_queue_size 100000: vLLM's keys "
-            "and defaults; an unknown key is a startup error). An endpoint with '*' is bound ('tcp://*:P' on "
-            "every interface, 'tcp://127.0.0.1:*' on loopback at a free port, printed as KV_EVENTS), any other "
-            "is connected to, like vLLM. Empty = no events (vLLM's default).")
+            "and defaults; an unknown key is a startup error). An endpoint with '*' or '::' is bound, any other "
+            "is connected to, like vLLM: 'tcp://*:P' binds every interface, 'tcp://[::ffff:127.0.0.1]:P' "
+            "loopback (as real vLLM binds it; 'tcp://[::1]:P' does not bind in ZMQ), 'tcp://127.0.0.1:*' "
+            "loopback at a free port, printed as KV_EVENTS (a plain 'tcp://127.0.0.1:P' is bound here with a "
+            "warning: vLLM connects to it). Empty = no events (vLLM's default).")
 
     def __post_init__(self) -> None:
         kv_events_publisher.parse_config(self.kv_events_config)  # a bad config fails at startup, with its reason

@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import secrets
 import signal
 import socket
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import ClassVar, NoReturn
 
@@ -355,6 +357,31 @@ def _span(ports: tuple[int, ...] | list[int]) -> str:
     return ",".join(map(str, ps))
 
 
+def served_model(endpoints: tuple[str, ...], timeout_s: float = 10.0) -> str | None:
+    """The first model the first endpoint lists on its ``/v1/models`` (real servers name their own), or None
+    when none answers within `timeout_s`. Asked of the endpoint itself, not through the gateway: the gateway
+    would route and record it as a request of the run."""
+    if not endpoints:
+        return None
+    url = f"http://{endpoints[0].partition('@')[0]}/v1/models"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as r:
+                return str(json.loads(r.read())["data"][0]["id"])
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.5)
+
+
+def try_curl(gateway_url: str, model: str | None) -> str:
+    """A curl line for one chat request through the gateway, to `model` (a placeholder when unknown)."""
+    body = json.dumps({"model": model or "MODEL (see /v1/models)",
+                       "messages": [{"role": "user", "content": "hello"}]})
+    return f"curl {gateway_url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'"
+
+
 def _summary(st: StackSettings, lay: Layout, gateway: GatewayProcesses, pool: PoolSettings, simulated: bool) -> None:
     """What `up` prints once everything serves: every URL and port, the state folder and the run id."""
     eps = ", ".join(pool.endpoints) if pool.endpoints else pool.endpoints_file
@@ -375,9 +402,7 @@ def _summary(st: StackSettings, lay: Layout, gateway: GatewayProcesses, pool: Po
         f" (bearer token in {lay.log_dir}/telemetry.token)",
         f"  state       {lay.state_dir}   (store {lay.db}: `prefixroute telemetry dump --db {lay.db} --since 60`)",
         f"  traffic     {st.traffic} at {st.traffic_rate_rps:g} req/s" if st.traffic else
-        f"  traffic     none; try: curl {gateway.url}/v1/chat/completions -H 'content-type: application/json' "
-        "-d '{\"model\": \"meta-llama/Llama-3.1-8B-Instruct\", \"messages\": [{\"role\": \"user\", "
-        "\"content\": \"hello\"}]}'",
+        f"  traffic     none; try: {try_curl(gateway.url, served_model(pool.endpoints))}",
         f"  logs        {lay.log_dir}/<component>.log",
         "Ctrl-C stops everything.",
         "",

@@ -93,8 +93,10 @@ class HttpStoreClient(StoreQueries):
                 return []
             raise
 
-    def iter_requests(self, since_s: float, *, now: float | None = None) -> Iterator[dict[str, Any]]:
-        yield from self._get("/api/requests", since_s=since_s, now=now)
+    def iter_requests(self, since_s: float, *, now: float | None = None,
+                      limit: int | None = None) -> Iterator[dict[str, Any]]:
+        """At most `limit` rows (the receiver's default and most: http_api.MAX_ROWS), oldest first."""
+        yield from self._get("/api/requests", since_s=since_s, now=now, limit=limit)
 
     def request(self, trace_id: str, span_id: str | None = None) -> dict[str, Any] | None:
         return self._get("/api/request", trace_id=trace_id, span_id=span_id)

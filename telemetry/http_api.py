@@ -12,7 +12,10 @@ OpenAI error format, a missing store -> 503, an unknown route -> 404):
                                                           (column=gateway_wait_ms: time held in the gateway queue;
                                                            column=routing_ms: Envoy's routing delay)
     /api/ttft_predictions?window_s=300                 -> StoreReader.ttft_predictions
-    /api/requests?since_s=60                           -> StoreReader.iter_requests (oldest first), JSON array
+    /api/requests?since_s=60[&limit=10000]             -> StoreReader.iter_requests (oldest first), JSON array of
+                                                          at most limit rows (1..MAX_ROWS): a window holding more
+                                                          is cut (read the rest with a later now= or shorter
+                                                          since_s), so no query holds the receiver's memory
     /api/recent?limit=100[&endpoint=host:port][&run_id=ID] -> StoreReader.recent_requests (newest first)
     /api/runs                                          -> StoreReader.runs (newest first)
     /api/request?trace_id=HEX(required)[&span_id=HEX]  -> StoreReader.request (404 when absent)
@@ -47,6 +50,19 @@ from prefixroute.telemetry.store_reader import StoreReader
 from prefixroute.telemetry.store_schema import StoreMissing
 
 log = logging.getLogger(__name__)
+
+
+MAX_ROWS = 10_000
+"""Most request rows one query returns (/api/requests, /api/recent): ~10-20 MB of JSON, built in memory per
+query. A window of a busy fleet holds far more (1,000 req/s: 60,000 a minute), and an unbounded answer made one
+caller hold the receiver's memory."""
+
+
+def _limit(q: dict[str, list[str]], default: int) -> int:
+    limit = _num(q, "limit", default, kind=int)
+    if limit < 1 or limit > MAX_ROWS:
+        raise _BadRequest(f"limit must be in 1..{MAX_ROWS}", "limit")
+    return limit
 
 
 class _BadRequest(ValueError):
@@ -97,11 +113,10 @@ def query(reader: StoreReader, path: str, q: dict[str, list[str]]) -> Any:
     if path == "/api/ttft_predictions":
         return reader.ttft_predictions(window_s, now=now)
     if path == "/api/requests":
-        return list(reader.iter_requests(_num(q, "since_s", 60.0), now=now))
+        return list(reader.iter_requests(_num(q, "since_s", 60.0), now=now,
+                                         limit=_limit(q, MAX_ROWS)))
     if path == "/api/recent":
-        limit = _num(q, "limit", 100, kind=int)
-        if limit < 1 or limit > 10000:
-            raise _BadRequest("limit must be in 1..10000", "limit")
+        limit = _limit(q, 100)
         return reader.recent_requests(limit, endpoint=(q.get("endpoint") or [None])[-1],
                                       run_id=(q.get("run_id") or [None])[-1])
     if path == "/api/runs":

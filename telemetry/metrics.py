@@ -66,9 +66,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from prefixroute.metrics_http import start_metrics_http_server
 from prefixroute.types import Decision, EndpointState
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.series import FastCounter, FastHistogram
@@ -159,7 +160,8 @@ def _endpoint_families(states: Iterable[EndpointState]) -> Iterator[GaugeMetricF
     does not export is absent). These are the dashboard's live columns: it reads them here, from the
     router, and never opens a URL of its own choosing."""
     healthy = GaugeMetricFamily("prefixroute_endpoint_healthy", "1 when the endpoint is routable (probes "
-                                "pass), else 0.", labels=["endpoint"])
+                                "pass, or the pool's panic mode routes it: prefixroute_endpoint_panic_routed), "
+                                "else 0.", labels=["endpoint"])
     running = GaugeMetricFamily("prefixroute_endpoint_requests_running", "Requests running on the endpoint "
                                 "(scraped: vllm:num_requests_running / sglang:num_running_reqs).", labels=["endpoint"])
     waiting = GaugeMetricFamily("prefixroute_endpoint_requests_waiting", "Requests waiting on the endpoint "
@@ -245,8 +247,9 @@ def _index_families(info: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
                                "holds: events (its KV events), feedback (the router's picks corrected by cached "
                                "tokens), approximate (the router's picks), none.", labels=["endpoint", "source"])
     state = GaugeMetricFamily("prefixroute_kv_events_state", "1 for the state of the endpoint's KV events: live "
-                              "(matched by them), syncing, down, undecodable, block_size_mismatch, token_mismatch "
-                              "(all but live: matched by the router's own index, feedback).",
+                              "(matched by them), syncing, down, undecodable, block_size_mismatch, token_mismatch, "
+                              "unhealthy (the endpoint fails its health probes) (all but live: matched by the "
+                              "router's own index, feedback).",
                               labels=["endpoint", "state"])
     media = CounterMetricFamily("prefixroute_kv_events_other_media_blocks", "Blocks the endpoint's KV events "
                                 "stored or removed on a medium other than the GPU (CPU offload, disk; the CPU "
@@ -392,7 +395,7 @@ class RouterMetrics:
 
 
 def start_metrics_server(metrics: RouterMetrics, port: int, host: str = "127.0.0.1") -> Any:
-    """Serve /metrics for `metrics.registry` on a daemon thread; returns the http server
-    (``server.server_address[1]`` is the bound port when `port` is 0; ``server.shutdown()`` stops it)."""
-    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
-    return server
+    """Serve /metrics for `metrics.registry` on a daemon thread, within the bounds of metrics_http.py (connections,
+    sizes, time, renderings); returns the server (``server.server_address[1]`` is the bound port when `port` is 0;
+    ``server.shutdown()`` stops it)."""
+    return start_metrics_http_server(make_wsgi_app(metrics.registry), port, host)

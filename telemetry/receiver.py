@@ -360,7 +360,10 @@ class Receiver:
                                              on_refused=self.stats.count_unauthenticated)] if self.auth_token else []
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", 1 << 20)])  # answers are tiny
+            ("grpc.max_send_message_length", 1 << 20),  # answers are tiny
+            # What a caller refused on its metadata may have sent by then is one stream window: a fixed 256 KiB
+            # (BDP probing would grow it to several MiB per stream on loopback).
+            ("grpc.http2.lookahead_bytes", 256 * 1024), ("grpc.http2.bdp_probe", 0)])
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(self.writer, self.stats), server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(MetricsService(self.stats), server)
         logs_service_pb2_grpc.add_LogsServiceServicer_to_server(LogsService(self.stats, self.writer), server)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -25,10 +26,13 @@ from prefixroute.types import Decision
 from prefixroute.settings import Settings, setting
 from prefixroute.telemetry.metrics import RouterMetrics, start_metrics_server
 from prefixroute.telemetry.recorder import (DEFAULT_MAX_EXPORT_BYTES, DEFAULT_RETRY_MAX_BYTES,
-                                             DEFAULT_RETRY_MAX_SPANS, TelemetryRecorder)
+                                             DEFAULT_RETRY_MAX_SPANS, OTLP_IMPORT_ERROR, TelemetryRecorder)
 from prefixroute.telemetry.records import RequestRecord
 
 log = logging.getLogger(__name__)
+
+OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+"""Where the OpenTelemetry SDKs read the span endpoint; with neither (nor --otlp-endpoint) the router exports none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +46,10 @@ class RouterTelemetrySettings(Settings):
     traces: bool = setting(True, "Export one OTLP span per routed request (also off with OTEL_SDK_DISABLED=true "
                                  "or OTEL_TRACES_EXPORTER=none).")
     otlp_endpoint: str | None = setting(None, "OTLP/gRPC endpoint for the spans, e.g. http://127.0.0.1:4317; "
-                                              "unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT "
-                                              "/ http://localhost:4317, as every OpenTelemetry SDK does. "
+                                              "unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT; "
+                                              "none of the three set: no span is exported (traces off, said in the "
+                                              "ready line), never to a localhost:4317 this process did not start "
+                                              "(`prefixroute up` sets its own receiver's). "
                                               "https:// for TLS (OTEL_EXPORTER_OTLP_CERTIFICATE: the CA; "
                                               "_CLIENT_CERTIFICATE / _CLIENT_KEY: mTLS; _HEADERS: "
                                               "authorization=Bearer%20TOKEN).")
@@ -74,14 +80,24 @@ class RouterTelemetry:
         """Build the recorder and metrics and start /metrics. Raises OSError only when the metrics port
         cannot be bound (a configuration error worth failing startup for); a broken OTLP configuration
         logs and disables tracing instead."""
+        # Unconfigured: off, unless the exporter cannot even be imported (the recorder then says that, the
+        # more fundamental reason).
+        unconfigured = (cfg.traces and OTLP_IMPORT_ERROR is None
+                        and not (cfg.otlp_endpoint or any(os.environ.get(k) for k in OTLP_ENDPOINT_VARIABLES)))
         try:
-            recorder = TelemetryRecorder(enabled=None if cfg.traces else False, endpoint=cfg.otlp_endpoint,
+            recorder = TelemetryRecorder(enabled=None if cfg.traces and not unconfigured else False,
+                                         endpoint=cfg.otlp_endpoint,
                                          retry_max_spans=cfg.otlp_retry_max_spans,
                                          retry_max_bytes=cfg.otlp_retry_max_bytes,
                                          max_export_bytes=cfg.otlp_max_export_bytes)
         except Exception:  # e.g. a bad OTEL_EXPORTER_OTLP_COMPRESSION value
             log.exception("tracing disabled: could not build the OTLP exporter")
             recorder = TelemetryRecorder(enabled=False)
+        if unconfigured:
+            # The SDKs' default (http://localhost:4317) would send every request's span to whatever listens
+            # there: on a shared host, another user's receiver; with none, a failed export per batch.
+            recorder.disabled_reason = ("no OTLP endpoint configured (--otlp-endpoint or "
+                                        "OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)")
         metrics = RouterMetrics(in_flight=in_flight, index_size=index_size, endpoint_states=endpoint_states,
                                 recorder=recorder, time_model=time_model, index_info=index_info)
         server = None

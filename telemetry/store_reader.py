@@ -82,7 +82,8 @@ class StoreQueries(Protocol):
     def recent_requests(self, limit: int = 100, *, endpoint: str | None = None,
                         run_id: str | None = None) -> list[dict[str, Any]]: ...
 
-    def iter_requests(self, since_s: float, *, now: float | None = None) -> Iterator[dict[str, Any]]: ...
+    def iter_requests(self, since_s: float, *, now: float | None = None,
+                      limit: int | None = None) -> Iterator[dict[str, Any]]: ...
 
     def request(self, trace_id: str, span_id: str | None = None) -> dict[str, Any] | None: ...
 
@@ -278,11 +279,14 @@ class StoreReader(StoreQueries):
         return [_record_row(r) for r in self._conn.execute(
             f"SELECT {self._record_select()} FROM requests {where} ORDER BY start_time DESC, id DESC LIMIT ?", params)]
 
-    def iter_requests(self, since_s: float, *, now: float | None = None) -> Iterator[dict[str, Any]]:
-        """Requests that started in the last `since_s` seconds, oldest first (streamed, for `dump`)."""
+    def iter_requests(self, since_s: float, *, now: float | None = None,
+                      limit: int | None = None) -> Iterator[dict[str, Any]]:
+        """Requests that started in the last `since_s` seconds, oldest first (streamed, for `dump`); at most
+        `limit` of them (None: all)."""
         w = self._window(since_s, now)
+        cut = "" if limit is None else f" LIMIT {int(limit)}"
         for r in self._conn.execute(f"SELECT {self._record_select()} FROM requests WHERE start_time >= :t0 "
-                                    f"AND start_time <= :t1 ORDER BY start_time, id", w):
+                                    f"AND start_time <= :t1 ORDER BY start_time, id{cut}", w):
             yield _record_row(r)
 
     def request(self, trace_id: str, span_id: str | None = None) -> dict[str, Any] | None:

@@ -24,7 +24,9 @@ class Pool(Protocol):
     - `snapshot()` is O(1) and returns a tuple of immutable `EndpointState` in the configured order; it is
       replaced whole when something changes and is the same object until then (the scheduler memoises per
       snapshot identity). Load figures may be up to one scrape interval old, like a live scrape's.
-    - A healthy state always has an ``address``; only healthy endpoints are routed to.
+    - A healthy state always has an ``address``; only healthy endpoints are routed to. A healthy state with
+      ``panic`` set fails its probes and is routed only because the pool is in panic mode (too few endpoints
+      pass theirs: the live pool's `healthy_panic_threshold_ratio`); a pool without panic mode never sets it.
     - Listeners (`add_listener`) are called with the new snapshot on every *structural* change (membership,
       health, models, KV capacity, address), never on a load-figure-only change.
     - `in_flight` counts the router's own picks: `acquire` at the pick, `release` when the response ends;

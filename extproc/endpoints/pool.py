@@ -14,7 +14,23 @@ delays another:
   must not take a working fleet down: probes still check it answers).
 - probe: ``GET /health`` every ``probe_interval_s``; ``unhealthy_after_failures`` consecutive failures -> down,
   one success -> up. An endpoint starts down and comes up on its first successful probe (so nothing is routed
-  to an endpoint never seen alive); call `wait_ready` before serving.
+  to an endpoint never seen alive); call `wait_ready` before serving. Each probe has one outcome
+  (`PROBE_OUTCOMES`, counted per endpoint): ``ok``; ``connection`` (refused, reset, closed: the process is gone),
+  ``status`` (an answer other than 200) and ``identity`` (module `prefixroute.identity`) are the server's own
+  word and count at once; ``timeout`` counts only when the router's event loop ran on time: a probe that timed
+  out while the loop itself stalled for `LAG_DISCOUNT_RATIO` of ``probe_timeout_s`` or more (`LoopLag`, sampled
+  in this loop) is ``discounted_for_lag`` and changes nothing, neither a failure nor a success (the answer may
+  be sitting unread in the socket: a starved router must not eject the servers it could not listen to).
+  Probes stay on this loop, measured (scripts/bench_probe_thread.py): a probe thread with a loop of its own kept
+  its verdicts through Python-bound stalls of the main loop (18 in 6 s, against none), but made a busy main
+  loop's timer lateness worse (p99 +2.5 to +11 ms in 3 of 4 alternations), and while the loop stalls that long
+  its decisions miss Envoy's message timeout and fail open to round robin, which no verdict reaches.
+- panic mode (Envoy's ``healthy_panic_threshold``): while fewer than ``healthy_panic_threshold_ratio`` of the
+  endpoints pass their probes and at least one endpoint is *down for timeouts* (was up at its address, and its
+  latest counted failure is a timeout), every such endpoint is published healthy with ``EndpointState.panic``
+  set, so routing goes on as if it were healthy. An endpoint whose latest failure is a refused connection, a
+  reset, an HTTP error or an identity failure stays out (routing there cannot help), and so does one never seen
+  alive (so a starting pool is never in panic). Entering and leaving it are logged; its time is counted.
 - passive failures (`report_failure`, from the gateway's served-endpoint reports) are a *suspicion*, never
   trusted alone: anyone who reaches the ext_proc port can forge one. The report probes the endpoint at once
   (a confirming probe); a failed confirming probe marks it down at once (no second failure needed) and
@@ -26,12 +42,17 @@ delays another:
   there become routable). A failed fetch keeps the previous list; never fetched = empty = unknown = any model.
 - scrape: ``GET /metrics`` every ``scrape_interval_s`` while up, parsed by `scrape.parse_metrics` (only the
   needed lines). Figures older than ``metrics_stale_after_s`` are published as None (a sweep expires them even
-  when no scrape lands).
+  when no scrape lands); the age counted leaves out the time the router's loop was stalled since the scrape
+  (the same `LoopLag`): figures the router had no chance to refresh are not the endpoint's fault.
 - restarts: each scrape is compared with the endpoint's previous one (`scrape.restart_reason`: process start
   time changed, or a cumulative counter went backwards). A restart increments the endpoint's
   ``EndpointState.restart_epoch`` and is a structural change, so listeners learn of it (the router then drops
   that endpoint's prefix-index entries: its KV cache is empty). The pool only reports; it keeps no routing
   state.
+
+Counted for /metrics (`health_figures`, read by `PoolHealthCollector` from the metrics thread): probes by
+outcome, endpoints marked down by cause (`EJECTION_CAUSES`), panic mode's time and entries, the loop's lag,
+scraped figures kept because the loop stalled.
 
 Reading is O(1): `snapshot()` returns a tuple of immutable `EndpointState` that is replaced whole whenever a
 lookup, probe, model fetch or scrape changes something. Listeners (`add_listener`) are called with the new
@@ -55,6 +76,7 @@ import aiohttp
 
 from prefixroute import identity
 from prefixroute.extproc.endpoints import Listener
+from prefixroute.extproc.endpoints.loop_lag import LoopLag
 from prefixroute.extproc.endpoints.scrape import (ScrapedMetrics, event_addresses, parse_adapters, parse_endpoint_list, parse_metrics, parse_models,
                                                   read_endpoints_file, restart_reason)
 from prefixroute.extproc.endpoints.settings import PoolSettings
@@ -65,6 +87,21 @@ log = logging.getLogger(__name__)
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 """``(host, port) -> IP address strings``, best first; raises OSError when the name does not resolve."""
 _FETCH_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+OK, TIMEOUT, CONNECTION, STATUS, IDENTITY, DISCOUNTED = ("ok", "timeout", "connection", "status", "identity",
+                                                         "discounted_for_lag")
+PROBE_OUTCOMES = (OK, TIMEOUT, CONNECTION, STATUS, IDENTITY, DISCOUNTED)
+"""What one health probe found (module docstring): ok; timeout; connection (refused, reset, closed); status (an
+answer other than 200); identity (the answer did not prove the endpoint's identity); discounted_for_lag (timed
+out while the router's loop stalled: no verdict)."""
+MOVED = "moved"
+EJECTION_CAUSES = (TIMEOUT, CONNECTION, STATUS, IDENTITY, MOVED)
+"""Why an endpoint was marked down: its failing probes' outcome, or moved (its name resolved elsewhere: down until
+the new address answers)."""
+LAG_DISCOUNT_RATIO = 0.5
+"""A timed-out probe counts against the endpoint only when the router's loop stalled for less than this fraction
+of ``probe_timeout_s`` during it: the server then had at least half the timeout of the router's attention (a
+healthy one answers in milliseconds) and did not answer."""
 
 
 def format_address(ip: str, port: int) -> str:
@@ -134,7 +171,7 @@ class _Watch:
     __slots__ = ("endpoint", "host", "port", "address", "healthy", "num_failures", "models", "models_fetched",
                  "metrics", "scraped_at_s", "fresh", "wake", "came_up", "resolved", "resolve_wake",
                  "num_lookup_failures", "tasks", "base_url", "suspect", "quiet_until_s", "restart_epoch",
-                 "ever_scraped")
+                 "ever_scraped", "ever_up", "down_cause", "kept_scrape_at_s", "num_discounted")
 
     def __init__(self, endpoint: EndpointId) -> None:
         self.endpoint = endpoint
@@ -163,17 +200,25 @@ class _Watch:
         self.quiet_until_s = 0.0  # reports before this (clock) are ignored: the last one was not confirmed
         self.restart_epoch = 0  # restarts detected by the scrapes (published in EndpointState)
         self.ever_scraped = False  # `metrics` holds a real scrape (the baseline for restart detection)
+        self.ever_up = False  # passed a probe at its current address once (panic mode never routes to it before)
+        self.down_cause: str | None = None  # while down: the outcome of its latest counted failure (or MOVED)
+        self.kept_scrape_at_s: float | None = None  # the scrape whose figures were last kept for loop lag
+        self.num_discounted = 0  # probes discounted for lag since its last counted one (judged by the next)
 
 
 class EndpointPool:
     """Health, models, metrics and in-flight counts of a set of endpoints. See the module docstring."""
 
     def __init__(self, settings: PoolSettings, endpoints: Sequence[str] | None = None, *,
-                 clock: Callable[[], float] = time.monotonic, resolver: Resolver = resolve_host) -> None:
-        """`resolver` looks host names up (default: the loop's getaddrinfo; tests inject their own)."""
+                 clock: Callable[[], float] = time.monotonic, resolver: Resolver = resolve_host,
+                 lag: LoopLag | None = None) -> None:
+        """`resolver` looks host names up (default: the loop's getaddrinfo; tests inject their own). `lag`: the
+        loop's stalls (default: a `LoopLag` on `clock`, sampled from `start` to `close`)."""
         self.settings = settings
         self._clock = clock
         self._resolver = resolver
+        self.lag = lag if lag is not None else LoopLag(clock=clock)
+        self._lag_task: asyncio.Task[None] | None = None
         ids = parse_endpoint_list(endpoints) if endpoints is not None else endpoints_from_settings(settings)
         self._order: list[EndpointId] = list(ids)
         self._watches: dict[EndpointId, _Watch] = {}
@@ -191,6 +236,16 @@ class EndpointPool:
         self._identity_key = identity.resolve_key(settings.endpoint_identity_key_file)
         self.num_ignored_failure_reports = 0  # reports dropped: endpoint already down, confirming, or quiet
         self.num_restarts = 0  # restarts detected (all endpoints)
+        # Health figures (`health_figures`): plain dicts, copied whole by the metrics thread.
+        self.num_probes: dict[tuple[EndpointId, str], int] = {}  # (endpoint, PROBE_OUTCOMES) -> probes
+        self.num_ejections: dict[tuple[EndpointId, str], int] = {}  # (endpoint, EJECTION_CAUSES) -> times down
+        self.num_metrics_kept_for_lag = 0  # scrapes whose figures outlived the staleness limit by loop stalls only
+        # Discounted probes judged by the endpoint's next counted probe: ("ok" right to discount, "failed" wrong)
+        self.num_discounted_judged: dict[str, int] = {"ok": 0, "failed": 0}
+        self.num_panic_picks = 0  # requests picked for an endpoint routed only by panic mode
+        self._panic_since_s: float | None = None  # when the current panic began (None: not in panic)
+        self._panic_s = 0.0  # time in panic mode before the current one
+        self.num_panics = 0  # times panic mode began
         self._session: aiohttp.ClientSession | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
@@ -219,6 +274,10 @@ class EndpointPool:
     def acquire(self, endpoint: EndpointId) -> None:
         """A request was sent to `endpoint` (call at the pick, or when the served endpoint is known)."""
         self._in_flight[endpoint] = self._in_flight.get(endpoint, 0) + 1
+        if self._panic_since_s is not None:  # (one attribute read outside panic mode)
+            i = self._pos.get(endpoint)
+            if i is not None and self._states[i].panic:
+                self.num_panic_picks += 1
 
     def release(self, endpoint: EndpointId) -> None:
         """A request to `endpoint` ended (response done, failed or cancelled). Never goes below zero."""
@@ -257,6 +316,28 @@ class EndpointPool:
         return max(self.settings.metrics_stale_after_s,
                    10 * self.scrape_interval_s if self.scrape_interval_s > self.settings.scrape_interval_s else 0.0)
 
+    @property
+    def in_panic(self) -> bool:
+        """Panic mode is on (module docstring)."""
+        return self._panic_since_s is not None
+
+    def panic_seconds(self) -> float:
+        """Time spent in panic mode since the pool was made, the current stretch included."""
+        since = self._panic_since_s
+        return self._panic_s + (self._clock() - since if since is not None else 0.0)
+
+    def health_figures(self) -> dict[str, object]:
+        """What the pool got right and wrong, for /metrics (thread-safe copies): ``probes`` {(endpoint, outcome):
+        n}, ``ejections`` {(endpoint, cause): n}, ``panic`` (0/1), ``panic_seconds``, ``num_panics``,
+        ``loop_lag_s`` (worst recent stall), ``loop_stall_s`` (all stalls), ``metrics_kept_for_lag``,
+        ``discounted_judged`` {"ok": n, "failed": n} (discounted probes by the endpoint's next counted one: a
+        failure says the discount may have hidden a real one), ``panic_picks``."""
+        return {"probes": self.num_probes.copy(), "ejections": self.num_ejections.copy(),
+                "panic": 1.0 if self.in_panic else 0.0, "panic_seconds": self.panic_seconds(),
+                "num_panics": self.num_panics, "loop_lag_s": self.lag.max_lag_s(),
+                "loop_stall_s": self.lag.total_stall_s, "metrics_kept_for_lag": self.num_metrics_kept_for_lag,
+                "discounted_judged": self.num_discounted_judged.copy(), "panic_picks": self.num_panic_picks}
+
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Open the HTTP session and start watching every endpoint (returns at once; see `wait_ready`)."""
@@ -266,6 +347,7 @@ class EndpointPool:
                                          keepalive_timeout=60, use_dns_cache=True)
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                               skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        self._lag_task = asyncio.create_task(self.lag.run(), name="pool-loop-lag")
         for ep in self._order:
             self._start_watch(ep)
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="pool-stale-sweep")
@@ -276,6 +358,8 @@ class EndpointPool:
         tasks = [t for w in self._watches.values() for t in w.tasks]
         if self._sweeper is not None:
             tasks.append(self._sweeper)
+        if self._lag_task is not None:
+            tasks.append(self._lag_task)
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -324,6 +408,7 @@ class EndpointPool:
             for ep in new:
                 if ep not in self._watches:
                     self._start_watch(ep)
+        self._update_panic()
         self._publish(structural=True)
 
     # --- internals -------------------------------------------------------------------------------------------
@@ -336,23 +421,88 @@ class EndpointPool:
         if w.address is None:
             w.tasks.append(asyncio.create_task(self._resolve_loop(w), name=f"resolve {ep}"))
 
+    def _panic_eligible(self, w: _Watch) -> bool:
+        """Routed in panic mode: seen alive at its address, down only because its probes timed out."""
+        return not w.healthy and w.ever_up and w.down_cause == TIMEOUT and w.address is not None
+
+    def _fresh(self, w: _Watch, now: float) -> bool:
+        """Its scraped figures are current: at most ``metrics_stale_after_s`` old, not counting the time the
+        loop stalled since that scrape (module docstring)."""
+        at = w.scraped_at_s
+        if at is None:
+            return False
+        limit = self.metrics_stale_after_s
+        if now - at <= limit:
+            return True
+        if now - at - self.lag.stall_s(at, now) > limit:
+            return False
+        if w.kept_scrape_at_s != at:
+            w.kept_scrape_at_s = at
+            self.num_metrics_kept_for_lag += 1
+        return True
+
     def _state(self, ep: EndpointId, now: float) -> EndpointState:
         w = self._watches.get(ep)
         if w is None:
             return EndpointState(ep, healthy=False, address=literal_address(ep))
         m = w.metrics
-        fresh = w.scraped_at_s is not None and now - w.scraped_at_s <= self.metrics_stale_after_s
+        fresh = self._fresh(w, now)
         w.fresh = fresh
+        panic = self._panic_since_s is not None and self._panic_eligible(w)  # (the pool's contract: healthy)
+        healthy = w.healthy or panic
         if not fresh:
-            return EndpointState(ep, healthy=w.healthy, models=w.models, num_gpu_blocks=m.num_gpu_blocks,
+            return EndpointState(ep, healthy=healthy, models=w.models, num_gpu_blocks=m.num_gpu_blocks,
                                  block_size=m.block_size, num_cpu_blocks=m.num_cpu_blocks, scraped_at_s=w.scraped_at_s,
-                                 address=w.address,
-                                 restart_epoch=w.restart_epoch)
-        return EndpointState(ep, healthy=w.healthy, models=w.models, num_requests_running=m.num_requests_running,
+                                 address=w.address, restart_epoch=w.restart_epoch, panic=panic)
+        return EndpointState(ep, healthy=healthy, models=w.models, num_requests_running=m.num_requests_running,
                              num_requests_waiting=m.num_requests_waiting, kv_cache_usage_ratio=m.kv_cache_usage_ratio,
                              num_gpu_blocks=m.num_gpu_blocks, block_size=m.block_size, num_cpu_blocks=m.num_cpu_blocks,
                              prefix_cache_tokens=m.prefix_cache_tokens, scraped_at_s=w.scraped_at_s, address=w.address,
-                             restart_epoch=w.restart_epoch)
+                             restart_epoch=w.restart_epoch, panic=panic)
+
+    def _update_panic(self) -> bool:
+        """Enter or leave panic mode from the probe verdicts (module docstring); whether it changed."""
+        ratio = self.settings.healthy_panic_threshold_ratio
+        n = len(self._order)
+        num_up = sum(1 for w in self._watches.values() if w.healthy)
+        routed = sum(1 for w in self._watches.values() if self._panic_eligible(w))
+        panic = ratio > 0 and num_up < ratio * n and routed > 0
+        if panic == (self._panic_since_s is not None):
+            return False
+        now = self._clock()
+        if panic:
+            self._panic_since_s = now
+            self.num_panics += 1
+            log.warning("endpoint pool in panic mode: %d of %d endpoints pass their probes (below %.0f%%); routing "
+                        "as if the %d that only timed out were healthy", num_up, n, ratio * 100, routed)
+        else:
+            since, self._panic_since_s = self._panic_since_s, None
+            self._panic_s += now - since  # type: ignore[operator]
+            log.warning("endpoint pool out of panic mode: %d of %d endpoints pass their probes (%.1f s in panic)",
+                        num_up, n, now - since)  # type: ignore[operator]
+        return True
+
+    def _set_health(self, w: _Watch, healthy: bool, cause: str | None = None) -> None:
+        """Mark `w` up, or down for `cause` (counted), and publish: the whole snapshot when panic mode began
+        or ended, else `w`'s state."""
+        w.healthy = healthy
+        if healthy:
+            w.ever_up = True
+            w.down_cause = None
+        else:
+            w.down_cause = cause
+            if cause is not None:
+                key = (w.endpoint, cause)
+                self.num_ejections[key] = self.num_ejections.get(key, 0) + 1
+        self._health_changed(w)
+
+    def _health_changed(self, w: _Watch) -> None:
+        """`w`'s health or down cause changed: publish the whole snapshot when panic mode began or ended (every
+        timed-out endpoint's routing changes), else `w`'s state."""
+        if self._update_panic():
+            self._publish(structural=True)
+        else:
+            self._publish(w, structural=True)
 
     def _publish(self, w: _Watch | None = None, *, structural: bool) -> None:
         """Replace the snapshot: rebuild `w`'s state only (a scrape landed: O(1) Python work plus a C-speed
@@ -383,18 +533,27 @@ class EndpointPool:
                                      allow_redirects=False) as resp:
             return resp.status, await resp.read()
 
-    async def _probe_health(self, w: _Watch, timeout_s: float) -> tuple[bool, bool]:
-        """GET /health: (answered 200, proved its identity). Without an identity key every 200 proves it;
-        with one, only an answer to a fresh challenge made with the key does (prefixroute.identity)."""
+    async def _probe_health(self, w: _Watch, timeout_s: float) -> str:
+        """GET /health: its outcome (`PROBE_OUTCOMES`, but never ``discounted_for_lag``: the caller judges the
+        lag). Without an identity key every 200 is ok; with one, only an answer to a fresh challenge made with
+        the key is (prefixroute.identity), any other 200 is ``identity``."""
         assert self._session is not None
         key = self._identity_key
         challenge = identity.new_challenge() if key else ""
-        async with self._session.get(w.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                     allow_redirects=False,
-                                     headers={identity.CHALLENGE_HEADER: challenge} if key else None) as resp:
-            await resp.read()
-            ok = resp.status == 200
-            return ok, ok and (not key or identity.verify(key, challenge, resp.headers.get(identity.PROOF_HEADER)))
+        try:
+            async with self._session.get(w.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                         allow_redirects=False,
+                                         headers={identity.CHALLENGE_HEADER: challenge} if key else None) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    return STATUS
+                if key and not identity.verify(key, challenge, resp.headers.get(identity.PROOF_HEADER)):
+                    return IDENTITY
+                return OK
+        except asyncio.TimeoutError:  # (aiohttp's connect and read timeouts are TimeoutErrors too)
+            return TIMEOUT
+        except (aiohttp.ClientError, OSError):  # refused, reset, closed mid-answer, malformed answer
+            return CONNECTION
 
     async def _resolve_loop(self, w: _Watch) -> None:
         st = self.settings
@@ -424,9 +583,13 @@ class EndpointPool:
             w.resolved.set()
         else:
             log.warning("endpoint %s moved from %s to %s", w.endpoint, old, w.address)
-        w.healthy = False  # not routed to until the new address answers a probe: probe it now
+        w.ever_up = False  # not routed to until the new address answers a probe (not even in panic mode)
         w.wake.set()
-        self._publish(w, structural=True)
+        if w.healthy:
+            self._set_health(w, False, MOVED)
+        else:
+            w.down_cause = MOVED
+            self._health_changed(w)
 
     async def _probe_loop(self, w: _Watch) -> None:
         st = self.settings
@@ -435,14 +598,20 @@ class EndpointPool:
             w.wake.clear()  # before probing: a wake-up requested during the probe then triggers another one
             url = w.base_url
             confirming = w.suspect  # only a probe started after the report may confirm or clear it
-            try:
-                ok, proved = await self._probe_health(w, st.probe_timeout_s)
-            except _FETCH_ERRORS:
-                ok = proved = False
-            if ok and not proved:
-                # Something answers on its port but is not the server started there (issue 27): down now,
-                # whatever its health says, and not routed to until the real one answers again.
-                ok = False
+            started = self._clock()
+            outcome = await self._probe_health(w, st.probe_timeout_s)
+            if outcome == TIMEOUT and self.lag.stall_s(started) >= LAG_DISCOUNT_RATIO * st.probe_timeout_s:
+                outcome = DISCOUNTED  # the router's loop, not the endpoint, was late: no verdict
+            key = (w.endpoint, outcome)
+            self.num_probes[key] = self.num_probes.get(key, 0) + 1
+            if outcome == DISCOUNTED:
+                w.num_discounted += 1
+            elif w.num_discounted:  # the next verdict judges the discounts before it
+                self.num_discounted_judged["ok" if outcome == OK else "failed"] += w.num_discounted
+                w.num_discounted = 0
+            if outcome == IDENTITY:
+                # Something answers on its port but is not the server started there: down now, whatever its
+                # health says, and not routed to until the real one answers again.
                 w.num_failures = max(w.num_failures, st.unhealthy_after_failures - 1)
                 self.num_identity_failures += 1
                 if w.healthy or self.num_identity_failures in (1, 10, 100) or self.num_identity_failures % 1000 == 0:
@@ -453,7 +622,7 @@ class EndpointPool:
                 continue  # the endpoint moved during the probe: probe the new address
             if confirming:
                 w.suspect = False
-            if ok:
+            if outcome == OK:
                 w.num_failures = 0
                 if confirming:
                     # Alive: the report was wrong (forged, or a one-off reset). Reports are ignored for a while.
@@ -461,26 +630,35 @@ class EndpointPool:
                     w.quiet_until_s = self._clock() + st.failure_probe_delay_s
                     log.info("endpoint %s answers its probe: passive failure report not confirmed", w.endpoint)
                 if not w.healthy:
-                    w.healthy = True
                     log.info("endpoint %s is up", w.endpoint)
-                    self._publish(w, structural=True)
+                    self._set_health(w, True)
                     w.came_up.set()
+            elif outcome == DISCOUNTED:
+                # Neither a failure nor a success; a report it was confirming is dropped unconfirmed (the next
+                # real failure Envoy sees reports again).
+                if self.num_probes[key] in (1, 10, 100) or self.num_probes[key] % 1000 == 0:
+                    log.info("endpoint %s: a probe timed out while the router's event loop stalled (%.2f s); not "
+                             "counted against it (%d such probes so far)", w.endpoint,
+                             self.lag.stall_s(started), self.num_probes[key])
             else:
                 w.num_failures += 1
                 if confirming and w.healthy:
                     # Confirmed: down now, look the name up again (it may have moved), re-probe soon.
                     w.num_failures = max(w.num_failures, st.unhealthy_after_failures)
-                    w.healthy = False
                     w.resolve_wake.set()
-                    log.warning("endpoint %s marked down after a passive failure (confirmed by a failed probe)",
-                                w.endpoint)
-                    self._publish(w, structural=True)
+                    log.warning("endpoint %s marked down after a passive failure (confirmed by a failed probe: %s)",
+                                w.endpoint, outcome)
+                    self._set_health(w, False, outcome)
                     await _wait(w.wake, st.failure_probe_delay_s)
                     continue
                 if w.healthy and w.num_failures >= st.unhealthy_after_failures:
-                    w.healthy = False
-                    log.warning("endpoint %s is down after %d failed probes", w.endpoint, w.num_failures)
-                    self._publish(w, structural=True)
+                    log.warning("endpoint %s is down after %d failed probes (%s)", w.endpoint, w.num_failures,
+                                outcome)
+                    self._set_health(w, False, outcome)
+                elif not w.healthy and w.down_cause != outcome:
+                    # Still down, for another reason now (a hung server that died leaves panic mode's set).
+                    w.down_cause = outcome
+                    self._health_changed(w)
             await _wait(w.wake, st.probe_interval_s)
 
     async def _models_loop(self, w: _Watch) -> None:

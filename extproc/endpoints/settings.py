@@ -61,11 +61,21 @@ class PoolSettings(Settings):
         "~2 s (with unhealthy_after_failures=2) for ~1 request/s of probe load; passive failures act at once.")
     probe_timeout_s: float = setting(
         0.5,
-        "Timeout of one health probe; a model server answers /health in milliseconds unless it is stuck.")
+        "Timeout of one health probe; a model server answers /health in milliseconds unless it is stuck. A "
+        "probe that times out while the router's own event loop stalled for half of this or more is not "
+        "counted against the endpoint (the answer may be waiting unread; prefixroute_endpoint_probes_total"
+        "{outcome=\"discounted_for_lag\"}).")
     unhealthy_after_failures: int = setting(
         2,
         "Consecutive failed probes that mark an endpoint down (one success marks it up again). 2 rides out "
         "one lost probe without flapping.")
+    healthy_panic_threshold_ratio: float = setting(
+        0.5,
+        "Panic mode, as Envoy's healthy_panic_threshold (default 50%): when fewer than this fraction of the "
+        "endpoints pass their health probes, the endpoints that are down only because their probes timed out "
+        "are routed to as if healthy (refused connections, resets, HTTP errors and failed identity checks "
+        "still keep an endpoint out). Most of a fleet timing out at once is more likely the router's host or "
+        "network than that many servers hanging together; answering 503 to everything would be worse. 0 = off.")
     failure_probe_delay_s: float = setting(
         0.25,
         "A passive failure (connection refused/reset reported by the gateway) probes the endpoint at once; a "
@@ -116,6 +126,9 @@ class PoolSettings(Settings):
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
         if not 0 <= self.kv_events_port_offset < 65536 or not 0 <= self.kv_events_replay_port_offset < 65536:
             raise ValueError("kv_events_port_offset and kv_events_replay_port_offset must be in [0, 65535]")
+        if not 0.0 <= self.healthy_panic_threshold_ratio <= 1.0:
+            raise ValueError("healthy_panic_threshold_ratio must be in [0, 1]; got "
+                             f"{self.healthy_panic_threshold_ratio}")
         if self.unhealthy_after_failures < 1:
             raise ValueError("unhealthy_after_failures must be >= 1")
         if self.max_connections_per_endpoint < 1:

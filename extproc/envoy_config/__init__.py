@@ -52,7 +52,9 @@ Endpoint selection and failover (Gateway API Inference Extension endpoint-picker
   response that started streaming is never retried.
 - Envoy adds `x-gateway-destination-endpoint-served: %UPSTREAM_HOST%` to every routed response; the
   picker sees it (through the observing filter, or response headers SEND on the picker's filter when
-  that one is off) and reports the primary as failed when another endpoint served.
+  that one is off) and reports the primary as failed when another endpoint served. The client does not: a
+  header mutation filter first in the chain removes it and every other router-internal header from every
+  response, whatever the server sent (response_headers.py; `expose_served_endpoint` keeps this one).
 - SECURITY: a client can never choose the address: early header mutation removes the routing headers
   before any filter runs, the picker only writes addresses from its endpoint pool, and the ORIGINAL_DST
   route is reachable only with the picker's header.
@@ -88,7 +90,7 @@ directly (its HTTP server decodes `%2F` before routing), so the client gets the 
 has no such route and answers 404 `{"detail": "Not Found"}`; checked with its own router and error handlers).
 
 Errors: `local_reply_config` rewrites every reply Envoy composes itself (codec errors 400/501, a path that
-cannot be normalised 400, 403, 404, 408 timeouts, 413, 426 HTTP/1.0, 431, 502, 503 (no healthy endpoint, none
+cannot be normalised 400, 403, 404, 408 timeouts, 413, 426 any version but HTTP/1.1, 431, 502, 503 (no healthy endpoint, none
 reachable), 504, any other status) into the OpenAI error format (`{"error": {...}}`, `content-type:
 application/json`): a sentence saying what happened and what to do, with Envoy's short reason token in
 parentheses for the operator. A CEL filter spares the router's own ImmediateResponse

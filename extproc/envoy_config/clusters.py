@@ -11,6 +11,7 @@ from envoy_data_plane.envoy.config.cluster.v3 import (CircuitBreakers, CircuitBr
                                                       ClusterCustomClusterType, ClusterDiscoveryType, ClusterLbPolicy,
                                                       ClusterOriginalDstLbConfig, OutlierDetection)
 from envoy_data_plane.envoy.config.core.v3 import Http2ProtocolOptions, RoutingPriority
+from envoy_data_plane.envoy.config.core.v3 import HttpProtocolOptions as CoreHttpProtocolOptions
 from envoy_data_plane.envoy.config.core.v3 import (HealthCheck, HealthCheckGrpcHealthCheck, HealthCheckHttpHealthCheck,
                                                    Http1ProtocolOptions)
 from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
@@ -27,6 +28,11 @@ from prefixroute.extproc.envoy_config.common import (AUTHZ_HTTP_CLUSTER, EXTPROC
                                                      authz_http_addresses, duration)
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.headers import AUTHZ_TOKEN_HEADER, route_headers
+
+AUTHZ_HTTP_IDLE_TIMEOUT_S = 60.0
+"""Envoy closes a connection to a replica's check port after this long without a check: half the router's idle
+timeout for trusted connections (extproc/authz_http.py IDLE_TIMEOUT_S), so the router never closes one Envoy may be
+sending a check on (which would fail that request over to Envoy's failure mode). Envoy's default is an hour."""
 
 
 def gateway_clusters(s: EnvoySettings, replicas: Sequence[str], token_secret: Secret | None,
@@ -85,8 +91,8 @@ def gateway_clusters(s: EnvoySettings, replicas: Sequence[str], token_secret: Se
 
 
 def authz_http_cluster(s: EnvoySettings, with_token: bool) -> Cluster:
-    """The replicas' ext_authz HTTP ports (routing_processing 'authz-http'): HTTP/1.1 kept-alive connections, the
-    token in its own header (the check's ``authorization`` is the client's), the same TLS as the gRPC cluster; with
+    """The replicas' ext_authz HTTP ports (routing_processing 'authz-http'): HTTP/1.1 kept-alive connections (closed
+    after `AUTHZ_HTTP_IDLE_TIMEOUT_S` idle), the token in its own header (the check's ``authorization`` is the client's), the same TLS as the gRPC cluster; with
     several replicas the same balancing and ejection, and an HTTP health check of each one's /health (200 while it
     can route)."""
     addresses = authz_http_addresses(s)
@@ -95,6 +101,8 @@ def authz_http_cluster(s: EnvoySettings, with_token: bool) -> Cluster:
         **({"transport_socket": tls_socket} if tls_socket is not None else {}),
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": ProtoAny.pack(HttpProtocolOptions(
+                common_http_protocol_options=CoreHttpProtocolOptions(
+                    idle_timeout=duration(AUTHZ_HTTP_IDLE_TIMEOUT_S)),
                 explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
                     http_protocol_options=Http1ProtocolOptions()),
                 http_filters=credential_filters(header=AUTHZ_TOKEN_HEADER) if with_token else []))}}

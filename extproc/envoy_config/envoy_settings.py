@@ -84,6 +84,11 @@ class EnvoySettings(Settings):
     report_served: bool = setting(True, "Send response headers to ext_proc so it learns which endpoint served "
                                   "(passive failure detection; costs one more small gRPC message per request). With "
                                   "observe_responses the observing filter carries them, without blocking.")
+    expose_served_endpoint: bool = setting(
+        False, "Tell clients which endpoint served them: the response header x-gateway-destination-endpoint-served "
+        "(the endpoint's internal ip:port) reaches the client. Off: Envoy removes it from every response, as it "
+        "removes every other router-internal header whatever a server sends (docs/security.md); the router and "
+        "the facts path read it before that either way.")
     max_downstream_connections: int = setting(50000, "Client connections Envoy accepts at once; beyond it new "
                                               "ones are refused (bounds memory; far above what one picker "
                                               "process can route).")
@@ -144,6 +149,13 @@ class EnvoySettings(Settings):
         "connections that never send a byte: request_headers_timeout_s starts at the first byte). Never "
         "applies while a response streams. 30 s: far above SDK reuse gaps (the OpenAI SDK's httpx keeps idle "
         "connections 5 s), short enough that idle sockets do not pile up. 0 disables.")
+    trusted_ingress_headers: tuple[str, ...] = setting(
+        (), "Scheduling headers (x-prefixroute-priority, x-prefixroute-tenant, x-gateway-inference-objective, "
+        "x-gateway-inference-fairness-id) an ingress in front of this gateway sets and this gateway keeps; every "
+        "other client copy of them is stripped at ingress, so a client cannot choose its own priority, tenant or "
+        "flow. Empty (the default): all four stripped, and the fairness header set to the client's address. "
+        "List only headers your ingress sets on every request (or strips), and trust them in the router too "
+        "(extproc --trusted-headers).")
     max_request_headers_kb: int = setting(
         32, "Largest request header block in KiB; larger gets an OpenAI-format 431. OpenAI clients send under 2 KiB "
         "(a long bearer JWT is ~1-8 KiB); 32 KiB (Envoy's default is 60) halves what a header flood holds per "

@@ -40,13 +40,15 @@ from envoy_data_plane.google.protobuf import Any as ProtoAny
 
 from prefixroute.extproc.envoy_config.common import (AUTHZ_FILTER, AUTHZ_HTTP_CLUSTER, AUTHZ_PROCESSING,
                                                      EXTPROC_CLUSTER, OBSERVE_FILTER, ROUTING_FILTER, address,
-                                                     duration)
+                                                     duration, set_header)
 from prefixroute.extproc.envoy_config.replies import local_reply_config
+from prefixroute.extproc.envoy_config.response_headers import response_headers_filter
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.envoy_config.timing import timing_filter
 from prefixroute.extproc.facts_fields import OBSERVED_FACTS
-from prefixroute.extproc.headers import (AUTHZ_BODY_BYTES_HEADER, AUTHZ_CHECK_PATH_PREFIX, HANDOFF_HEADER,
-                                         HANDOFF_VALUE, LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES,
+from prefixroute.extproc.headers import (AUTHZ_BODY_BYTES_HEADER, AUTHZ_CHECK_PATH_PREFIX, FAIRNESS_HEADER,
+                                         FLOW_HEADER_VALUE, HANDOFF_HEADER, HANDOFF_VALUE,
+                                         SCHEDULING_HEADERS, LB_METADATA_NAMESPACE, MAX_FALLBACKS, OBSERVE_ATTRIBUTES,
                                          OBSERVED_METADATA,
                                          REFUSED_HEADER, REPLICA_HEADER, SERVED_HEADER, TRACEPARENT_HEADER,
                                          route_headers)
@@ -55,10 +57,11 @@ ROUTER_FILTER = "envoy.filters.http.router"
 
 
 def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
-    """The HTTP filters in order: the routing filter (our picker: ext_authz, then the ext_proc filter of the handoff
+    """The HTTP filters in order: the removal of router-internal response headers (response_headers.py: first, so
+    last on the way back), the routing filter (our picker: ext_authz, then the ext_proc filter of the handoff
     route; or the ext_proc filter alone), the observing one (observability mode, never waited on), the facts Lua
     filter, the router."""
-    http_filters: list[HttpFilter] = []
+    http_filters: list[HttpFilter] = [response_headers_filter(s)]
     if s.extproc_enabled and s.routing_processing in AUTHZ_PROCESSING:
         http_filters.append(authz_filter(s, num_replicas) if s.routing_processing == "authz"
                             else authz_http_filter(s, num_replicas))
@@ -271,7 +274,8 @@ def routing_processing(s: EnvoySettings) -> dict[str, object]:
 def connection_manager(s: EnvoySettings, routes: list[Route], filters: list[HttpFilter],
                        access_log: list[AccessLog]) -> HttpConnectionManager:
     """The gateway's HTTP connection manager: client-supplied routing headers stripped before any filter runs (a
-    client never picks an address), `routes` on the normalised path, `filters`, Envoy's replies in OpenAI format."""
+    client never picks an address), and its scheduling headers (`scheduling_mutations`), `routes` on the
+    normalised path, `filters`, Envoy's replies in OpenAI format."""
     stripped = [*route_headers(MAX_FALLBACKS), SERVED_HEADER, REPLICA_HEADER, HANDOFF_HEADER,
                 "x-envoy-original-dst-host"]
     return HttpConnectionManager(
@@ -280,7 +284,8 @@ def connection_manager(s: EnvoySettings, routes: list[Route], filters: list[Http
         codec_type=HttpConnectionManagerCodecType.AUTO,
         early_header_mutation_extensions=[TypedExtensionConfig(
             name="envoy.http.early_header_mutation.header_mutation",
-            typed_config=ProtoAny.pack(EarlyHeaderMutation(mutations=[HeaderMutation(remove=h) for h in stripped])))],
+            typed_config=ProtoAny.pack(EarlyHeaderMutation(mutations=[
+                *(HeaderMutation(remove=h) for h in stripped), *scheduling_mutations(s)])))],
         route_config=RouteConfiguration(name="gateway", virtual_hosts=[VirtualHost(
             name="inference", domains=["*"], routes=routes,
             # What a BUFFERED ext_proc body may grow to (413 above it), apart from the small per-connection
@@ -308,6 +313,22 @@ def connection_manager(s: EnvoySettings, routes: list[Route], filters: list[Http
             max_concurrent_streams=100, initial_stream_window_size=64 * 1024,
             initial_connection_window_size=1024 * 1024),
     )
+
+
+def scheduling_mutations(s: EnvoySettings) -> list[HeaderMutation]:
+    """A client never sets its own scheduling class (extproc/tenants.py): its copies of the priority, tenant,
+    objective and fairness headers are removed before any filter runs, but those an ingress in front sets
+    (`trusted_ingress_headers`); the fairness header is then set to the client connection's peer address
+    (`FLOW_HEADER_VALUE`), so the router's fairness holds per client, whatever ids a client sends."""
+    kept = {h.lower() for h in s.trusted_ingress_headers}
+    unknown = kept - set(SCHEDULING_HEADERS)
+    if unknown:
+        raise ValueError(f"trusted_ingress_headers: {', '.join(sorted(unknown))} is no scheduling header; "
+                         f"expected any of {', '.join(SCHEDULING_HEADERS)}")
+    out = [HeaderMutation(remove=h) for h in SCHEDULING_HEADERS if h not in kept]
+    if FAIRNESS_HEADER not in kept:
+        out.append(HeaderMutation(append=set_header(FAIRNESS_HEADER, FLOW_HEADER_VALUE)))
+    return out
 
 
 def gateway_listener(s: EnvoySettings, hcm: HttpConnectionManager) -> Listener:

@@ -107,7 +107,10 @@ def local_reply_config(s: EnvoySettings) -> LocalReplyConfig:
         mapper(404, "No such path on this gateway (%RESPONSE_CODE_DETAILS%)."),
         mapper(408, "The request did not arrive in time (%RESPONSE_CODE_DETAILS%)."),
         mapper(413, f"Request body too large: the limit is {s.max_request_body_bytes} bytes."),
-        mapper(426, "HTTP/1.0 is not supported: use HTTP/1.1 or HTTP/2."),
+        # Envoy answers 426 to every request line whose version is not HTTP/1.1 (1.0, 0.9, and 1.2 or 2.0 sent as
+        # HTTP/1 text alike: one reason token, low_version), so the sentence names none of them.
+        mapper(426, "Unsupported HTTP version: this gateway serves HTTP/1.1 and HTTP/2 only (an HTTP/2 request is "
+                    "a binary connection, never an HTTP/2.0 request line)."),
         mapper(431, f"Request headers too large: the limit is {s.max_request_headers_kb} KiB."),
         mapper(501, "Not implemented (%RESPONSE_CODE_DETAILS%)."),
         mapper(502, "Bad response from the endpoint (%RESPONSE_FLAGS%)."),

@@ -26,7 +26,8 @@ from prefixroute.extproc.envoy_config.common import (AUTHZ_FILTER, AUTHZ_PROCESS
                                                      UNAVAILABLE_STATEFUL_ROUTE, duration, error_json, set_header)
 from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.envoy_config.timing import TIMING_FILTER
-from prefixroute.extproc.headers import DESTINATION_HEADER, HANDOFF_HEADER, REPLICA_HEADER, SERVED_HEADER
+from prefixroute.extproc.headers import (DESTINATION_HEADER, FAIRNESS_HEADER, HANDOFF_HEADER, REPLICA_HEADER,
+                                         SERVED_HEADER)
 from prefixroute.responses_prompt import RESPONSES_PATH, RESPONSES_PREFIX
 
 # Characters an allowlisted path may hold: RFC 3986 pchar without '%' (an escaped form never matches a
@@ -94,7 +95,9 @@ def picked_route(s: EnvoySettings, match: RouteMatch, replica: int | None = None
         route=RouteAction(cluster=PICKED_CLUSTER, timeout=duration(s.upstream_timeout_s),
                           retry_policy=retry_policy(s, s.num_fallbacks)),
         response_headers_to_add=_served_header(),
+        # The client's address (the fairness header our listener sets) is the router's, not the endpoint's.
         request_headers_to_remove=[*([REPLICA_HEADER] if replica is not None else []),
+                                   *([] if FAIRNESS_HEADER in s.trusted_ingress_headers else [FAIRNESS_HEADER]),
                                    *([HANDOFF_HEADER] if s.routing_processing in AUTHZ_PROCESSING else [])],
         typed_per_filter_config=per_filter,
     )

@@ -4,8 +4,11 @@ the live router (`gate.FlowGate`, asyncio) and the virtual fleet run the same co
 
 - `offer`: below saturation a request is admitted at once (never held while an endpoint could start it); past
   it, it is held, unless no endpoint is healthy (503), its predicted wait exceeds its deadline (429; judged
-  only once the drain rate is measured over `MIN_PREDICT_RELEASES` releases), or the
-  queue is full in count or bytes and holds nothing of a lower priority class to evict (429).
+  only once the drain rate is measured over `MIN_PREDICT_RELEASES` releases), or the queue is full in count or
+  bytes and holds nothing it would give up for it (429). A full queue gives up, newest first, requests of a
+  lower priority class, then of its own class those of a tenant holding more than the newcomer's tenant would
+  (`FlowQueue.lowest`: the tenant holding the most): whoever fills the queue loses its newest requests, a
+  newcomer with fewer held keeps its place.
 - `release`: while some endpoint has room, the next held request in the queue's order (`queue.FlowQueue`).
 - `expire` / `drop`: a held request whose deadline passed is shed (429, or 503 when no endpoint is healthy); one
   whose client left is dropped.
@@ -59,7 +62,7 @@ class ShedReason(str, enum.Enum):
     DEADLINE = "deadline"  # its deadline passed while held
     PREDICTED_DEADLINE = "predicted_deadline"  # at arrival, the drain rate said it would wait past its deadline
     QUEUE_FULL = "queue_full"
-    EVICTED = "evicted"  # held, then pushed out of a full queue by a request of a higher class
+    EVICTED = "evicted"  # held, then pushed out of a full queue (a higher class, or a tenant holding less)
 
 
 class ReleaseReason(str, enum.Enum):
@@ -181,7 +184,8 @@ class FlowControl:
             ShedReason.DEADLINE: "the fleet is saturated and this request waited past its deadline in the queue",
             ShedReason.PREDICTED_DEADLINE: "the fleet is saturated and this request would wait past its deadline",
             ShedReason.QUEUE_FULL: "the fleet is saturated and the gateway queue is full",
-            ShedReason.EVICTED: "the fleet is saturated and requests of a higher priority took this one's place",
+            ShedReason.EVICTED: "the fleet is saturated and the gateway queue is full: a request of a higher "
+                                "priority, or of a tenant holding fewer requests, took this one's place",
         }[reason]
         self.stats.shed[(reason.value, status)] += 1
         return Shed(status, message, reason, self.retry_after_s(now_s))
@@ -200,13 +204,17 @@ class FlowControl:
             return Offer(Verdict.SHED, self.shed_error(reason, saturation, now_s), reason)
         evicted: list[QueuedRequest] = []
         s = self.settings
-        while len(self.queue) + 1 > s.max_queued_requests or self.queue.num_bytes + entry.num_bytes > s.max_queued_bytes:
-            victim = self.queue.lowest()
-            if victim is None or victim.priority >= entry.priority:
+        queue = self.queue
+        while len(queue) + 1 > s.max_queued_requests or queue.num_bytes + entry.num_bytes > s.max_queued_bytes:
+            victim = queue.lowest()
+            if victim is None or victim.priority > entry.priority or (
+                    victim.priority == entry.priority and (
+                        victim.tenant == entry.tenant or queue.num_queued_of(victim.priority, victim.tenant)
+                        <= queue.num_queued_of(entry.priority, entry.tenant) + 1)):
                 reason = ShedReason.QUEUE_FULL
                 # The victims already taken out stay out: they are answered like the rest of the evicted.
                 return Offer(Verdict.SHED, self.shed_error(reason, saturation, now_s), reason, evicted)
-            self.queue.remove(victim)
+            queue.remove(victim)
             evicted.append(victim)
         if not len(self.queue):
             # A busy period starts: the rate of the last one (its span running to now, through the idle spell

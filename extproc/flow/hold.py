@@ -96,10 +96,11 @@ class FlowListener(LifecycleListener):
             self.gate.pump(ReleaseReason.RELEASE)
 
 
-def build_flow(router, settings, *, tick_s: float, stale_after_s: float, tenant_header: str = ""):  # noqa: ANN001, ANN201
+def build_flow(router, settings, *, tick_s: float, stale_after_s: float):  # noqa: ANN001, ANN201
     """Flow control for `router` (a `PoolRouter`) per `settings` (`FlowSettings`): sets ``router.flow``, adds
-    the capacity listener, and returns the `FlowControl` (for /metrics). `tick_s`: the pool's scrape interval;
-    `stale_after_s`: its metrics_stale_after_s."""
+    the capacity listener, and returns the `FlowControl` (for /metrics). Requests are classified by what
+    ``router.tenants`` trusts (extproc/tenants.py). `tick_s`: the pool's scrape interval; `stale_after_s`: its
+    metrics_stale_after_s."""
     from .control import FlowControl
     from .saturation import SaturationDetector
 
@@ -108,6 +109,6 @@ def build_flow(router, settings, *, tick_s: float, stale_after_s: float, tenant_
     detector = SaturationDetector(settings.saturation_queued_s, settings.saturation_waiting,
                                   settings.saturation_kv_usage_ratio)
     gate = FlowGate(control, detector, view.loads, recost=view.cost_of)
-    router.flow = FlowHold(gate, Classifier(settings, tenant_header), view, tick_s=tick_s)
+    router.flow = FlowHold(gate, Classifier(settings, router.tenants), view, tick_s=tick_s)
     router.add_listener(FlowListener(gate))
     return control

@@ -1,6 +1,8 @@
 """Flow control's figures on the router's /metrics (issue 24). Names:
 
-- ``prefixroute_flow_queue_length{priority,fairness_id}``: requests held now, by class and tenant;
+- ``prefixroute_flow_queue_length{priority}``: requests held now, by class; ``prefixroute_flow_queue_flows{priority}``:
+  how many flows (fairness ids) hold them. No flow's name is a label: a flow is a tenant, or a client's address,
+  and /metrics must not show one tenant another's (nor grow a series per client);
 - ``prefixroute_flow_held_total``, ``prefixroute_flow_admitted_total``: requests held, and admitted at once;
 - ``prefixroute_flow_held_by_bound_total{bound}``: requests held, by the detector's bound that held them
   (queued_s: the time model's predicted queueing; num_waiting / kv_usage: the servers' scraped figures);
@@ -25,6 +27,7 @@ from typing import Any
 from .control import WAIT_BUCKETS_S, FlowControl
 
 QUEUE_LENGTH = "prefixroute_flow_queue_length"
+QUEUE_FLOWS = "prefixroute_flow_queue_flows"
 HELD = "prefixroute_flow_held"
 HELD_BY_BOUND = "prefixroute_flow_held_by_bound"
 ADMITTED = "prefixroute_flow_admitted"
@@ -40,11 +43,20 @@ def metrics_families(control: FlowControl) -> Iterable[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     stats = control.stats
-    lengths = GaugeMetricFamily(QUEUE_LENGTH, "Requests held in the gateway queue now, by priority class and "
-                                "fairness id.", labels=["priority", "fairness_id"])
-    for (priority, tenant), n in sorted(control.queue.lengths().items()):
-        lengths.add_metric([str(priority), tenant], n)
+    lengths = GaugeMetricFamily(QUEUE_LENGTH, "Requests held in the gateway queue now, by priority class.",
+                                labels=["priority"])
+    flows = GaugeMetricFamily(QUEUE_FLOWS, "Flows (tenants, or clients by address) with requests held in the "
+                              "gateway queue now, by priority class.", labels=["priority"])
+    by_class: dict[int, list[int]] = {}
+    for (priority, _), n in control.queue.lengths().items():
+        held = by_class.setdefault(priority, [0, 0])
+        held[0] += n
+        held[1] += 1
+    for priority, (n, num_flows) in sorted(by_class.items()):
+        lengths.add_metric([str(priority)], n)
+        flows.add_metric([str(priority)], num_flows)
     yield lengths
+    yield flows
     yield GaugeMetricFamily(QUEUE_BYTES, "Request body bytes held in the gateway queue now.",
                             value=control.queue.num_bytes)
     yield CounterMetricFamily(HELD, "Requests held in the gateway queue (the fleet was saturated).",

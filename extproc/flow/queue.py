@@ -17,7 +17,9 @@ Order of `pop`:
    ``max_wait_ratio`` x the class's average wait (an exponentially weighted mean of the waits of the requests
    released from it), and at least ``min_aging_s``: no request waits more than a bounded multiple of the average.
 
-Bounds: ``len(queue)`` and ``queue.num_bytes`` are what the caller checks against its limits (`FlowControl`).
+Bounds: ``len(queue)`` and ``queue.num_bytes`` are what the caller checks against its limits (`FlowControl`);
+when they are reached, `lowest` names the request to give up first: the newest of the tenant holding the most in
+the lowest class, so a full queue sheds from whoever fills it, not from a newcomer.
 
 Invariants: every queued entry is in exactly one tenant's heap and age list; ``len`` and ``num_bytes`` are the
 count and the byte sum of the queued entries; a removed or popped entry is never returned again; `pop` on an
@@ -65,7 +67,7 @@ class QueuedRequest:
 
 
 class _Tenant:
-    __slots__ = ("name", "heap", "ages", "vtime", "num_queued")
+    __slots__ = ("name", "heap", "ages", "vtime", "num_queued", "num_bytes")
 
     def __init__(self, name: str, vtime: float) -> None:
         self.name = name
@@ -75,6 +77,7 @@ class _Tenant:
         self.ages: deque[QueuedRequest] = deque()  # enqueue order; entries no longer queued skipped
         self.vtime = vtime
         self.num_queued = 0
+        self.num_bytes = 0
 
     def _trim(self) -> None:
         while self.heap and not (self.heap[0][3].queued and self.heap[0][0] == self.heap[0][3].cost_s):
@@ -156,6 +159,7 @@ class FlowQueue:
         heapq.heappush(tenant.heap, (entry.cost_s, entry.seq, next(_ROWS), entry))
         tenant.ages.append(entry)
         tenant.num_queued += 1
+        tenant.num_bytes += entry.num_bytes
         cls.num_queued += 1
         self._count += 1
         self.num_bytes += entry.num_bytes
@@ -202,6 +206,7 @@ class FlowQueue:
         cls = self._classes[entry.priority]
         tenant = cls.tenants[entry.tenant]
         tenant.num_queued -= 1
+        tenant.num_bytes -= entry.num_bytes
         cls.num_queued -= 1
         self._count -= 1
         self.num_bytes -= entry.num_bytes
@@ -234,19 +239,23 @@ class FlowQueue:
         return list(self._groups.get(group, ()))
 
     def lowest(self) -> QueuedRequest | None:
-        """The request to evict first when the queue is full: of the lowest priority class, the most recently
-        queued (it has waited least), or None when empty."""
+        """The request to evict first when the queue is full: in the lowest priority class, the most recently
+        queued request of the tenant holding the most there (by count, then bytes, then name: deterministic), or
+        None when empty. O(tenants of that class)."""
         if not self._count:
             return None
         cls = self._classes[min(p for p, c in self._classes.items() if c.num_queued)]
-        newest: QueuedRequest | None = None
-        for tenant in cls.tenants.values():
-            for e in reversed(tenant.ages):
-                if e.queued:
-                    if newest is None or e.seq > newest.seq:
-                        newest = e
-                    break
-        return newest
+        largest = max(cls.tenants.values(), key=lambda t: (t.num_queued, t.num_bytes, t.name))
+        for e in reversed(largest.ages):
+            if e.queued:
+                return e
+        return None  # unreachable: a tenant in its class holds a queued entry
+
+    def num_queued_of(self, priority: int, tenant: str) -> int:
+        """Requests `tenant` holds in class `priority`."""
+        cls = self._classes.get(priority)
+        t = cls.tenants.get(tenant) if cls is not None else None
+        return t.num_queued if t is not None else 0
 
     def num_ahead(self, priority: int, cost_s: float) -> int:
         """Queued requests that would go before a new one of `priority` and `cost_s` if no tenant or aging rule

@@ -7,9 +7,11 @@ import math
 from collections.abc import Mapping
 from typing import ClassVar
 
+from prefixroute.extproc.headers import FAIRNESS_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER
+from prefixroute.extproc.tenants import DEFAULT_FLOW, Tenants
 from prefixroute.settings import Settings, setting
 
-DEFAULT_FAIRNESS_ID = "default-flow"
+DEFAULT_FAIRNESS_ID = DEFAULT_FLOW
 """A request without a fairness id is of this flow (GIE's name for it)."""
 
 
@@ -69,21 +71,25 @@ class FlowSettings(Settings):
         "x-prefixroute-deadline-ms",
         "Request header (lower case): most milliseconds this request may wait in the gateway queue.")
     priority_header: str = setting(
-        "x-prefixroute-priority",
-        "Request header (lower case): the request's priority, an integer (higher first; < 0 sheddable first, as "
-        "GIE's InferenceObjective priority; default 0). Takes precedence over objective_header.")
+        PRIORITY_HEADER,
+        "Request header (lower case) set by a trusted ingress: the request's priority, an integer (higher first; "
+        "< 0 sheddable first, as GIE's InferenceObjective priority; default 0). Read only with 'priority' in "
+        "trusted_headers (a client's own copy sets nothing); takes precedence over the tenant table and "
+        "objective_header.")
     objective_header: str = setting(
-        "x-gateway-inference-objective",
+        OBJECTIVE_HEADER,
         "Request header (lower case) naming the request's InferenceObjective (GIE's header); its priority is "
-        "looked up in objective_priorities (unknown names: 0).")
+        "looked up in objective_priorities (unknown names: 0). Read only with 'objective' in trusted_headers.")
     objective_priorities: tuple[str, ...] = setting(
         (),
         "InferenceObjective priorities, name=priority pairs separated by commas (e.g. "
         "critical=100,standard=0,batch=-1): the spec.priority of the pool's InferenceObjectives.")
     fairness_header: str = setting(
-        "x-gateway-inference-fairness-id",
+        FAIRNESS_HEADER,
         "Request header (lower case) naming the request's flow for fairness across tenants (GIE's fairness id "
-        "header); without it the routing tenant header, else one default flow.")
+        "header), read with 'fairness' in trusted_headers (the default: prefixroute's Envoy sets it to the "
+        "client's address, whatever the client sent). A request of a tenant (the tenant table, or a trusted "
+        "tenant header) is its tenant's flow instead; without either, one default flow.")
     max_wait_ratio: float = setting(
         4.0,
         "Aging: the oldest held request of a tenant goes first once it has waited this many times the average "
@@ -131,39 +137,31 @@ class FlowClass:
 
 
 class Classifier:
-    """Maps request headers (lower-case names) to a `FlowClass`. A malformed priority or deadline is ignored
-    (the default applies): a client's typo must not turn into a 400 from a part that only orders work."""
+    """Maps request headers (lower-case names) to a `FlowClass`, believing only what `tenants` trusts
+    (extproc/tenants.py: the operator's table and the headers a trusted ingress sets; a client's own priority,
+    tenant or fairness header sets nothing). Priority: a trusted priority header, else the tenant's in the table,
+    else a trusted objective's in objective_priorities, else 0. A malformed deadline is ignored (the default
+    applies): a client's typo must not turn into a 400 from a part that only orders work."""
 
-    def __init__(self, settings: FlowSettings, tenant_header: str = "") -> None:
+    def __init__(self, settings: FlowSettings, tenants: Tenants | None = None) -> None:
         self.settings = settings
-        self.tenant_header = tenant_header
+        self.tenants = tenants if tenants is not None else Tenants(
+            priority_header=settings.priority_header, objective_header=settings.objective_header,
+            fairness_header=settings.fairness_header)
         self._objectives = settings.objectives()
 
     def classify(self, headers: Mapping[str, str]) -> FlowClass:
         s = self.settings
-        priority = 0
-        raw = headers.get(s.priority_header) if s.priority_header else None
-        parsed = _int(raw)
-        if parsed is not None:
-            priority = parsed
-        elif s.objective_header and (objective := headers.get(s.objective_header)):
-            priority = self._objectives.get(objective.strip(), 0)
-        fairness = (headers.get(s.fairness_header) if s.fairness_header else None) or (
-            headers.get(self.tenant_header) if self.tenant_header else None) or DEFAULT_FAIRNESS_ID
+        client = self.tenants.resolve(headers)
+        priority = client.priority
+        if priority is None:
+            objective = self.tenants.objective(headers)
+            priority = self._objectives.get(objective, 0) if objective else 0
         deadline_s = s.deadline_s
         ms = _float(headers.get(s.deadline_header)) if s.deadline_header else None
         if ms is not None and ms > 0:
             deadline_s = min(ms / 1000.0, s.max_deadline_s)
-        return FlowClass(priority, fairness.strip()[:256] or DEFAULT_FAIRNESS_ID, deadline_s)
-
-
-def _int(raw: str | None) -> int | None:
-    if raw is None:
-        return None
-    try:
-        return int(raw.strip())
-    except ValueError:
-        return None
+        return FlowClass(priority, client.flow, deadline_s)
 
 
 def _float(raw: str | None) -> float | None:

@@ -16,13 +16,25 @@ is. Its *events state* says why:
                      divisor of it (a multiple is split into router blocks, a divisor such as SGLang's 1-token
                      pages merged into them: `KVEventIndex` module docstring)
 ``token_mismatch``   16 requests routed there over 10 s or more, and none found its blocks stored there
+``unhealthy``        the endpoint fails its health probes (down, or routed only by the pool's panic mode) while
+                     its events would otherwise be trusted (``live`` or ``syncing``): a publisher can outlive its
+                     server (vLLM's EngineCore keeps its ZMQ socket after its API server is killed), so a silent
+                     stream from a dead server must not pass for a quiet live one
 ==================== ========================================================================================
+
+An ``unhealthy`` endpoint keeps its events-index entries (not matched meanwhile) and its subscription: when it
+passes its probes again it is ``live`` at once if its subscriber stayed live, its entries intact. A server that
+came back as a new process is caught as before: its publisher's new connection is replayed and checked against
+the last batch applied (``publisher_restart``, ``reconnect_gap``: cleared and rebuilt), and the pool's restart
+detection drops the router's own entries. Replay or clear on its return was the other choice: a replay repeats
+what the subscriber already checks on every reconnect, and clearing would throw away the cache of a server that
+was only unreachable for a while.
 
 Where it shows: ``prefixroute_index_source_info{endpoint, source}`` (events / feedback) and
 ``prefixroute_kv_events_state{endpoint, state}`` on /metrics, the ready line (``index events x3 (2 live, 1
 undecodable) + feedback``) and the dashboard's endpoint table (``events``, ``events (undecodable)``, ...). A
 state other than live/syncing is logged once when it begins (an ERROR for undecodable and the mismatches, a
-WARNING for down) and once when it ends.
+WARNING for down and unhealthy) and once when it ends.
 
 Timing: a subscriber reports its state changes at once (`on_state`: the endpoint leaves ``events`` within
 milliseconds of the second undecodable batch); the periodic `check` (every `CHECK_INTERVAL_S`) refreshes the
@@ -55,7 +67,7 @@ DOWN_GRACE_S = 2.0
 """A subscriber not yet connected is logged as down only once it stays so this long: at start its replay can
 finish a moment before its connection is reported (down, then live, within a millisecond: a normal start, not a
 warning). One that was live is logged at once."""
-EVENT_STATES = ("live", "syncing", "down", "undecodable", "block_size_mismatch", "token_mismatch")
+EVENT_STATES = ("live", "syncing", "down", "undecodable", "block_size_mismatch", "token_mismatch", "unhealthy")
 _ERROR_STATES = ("undecodable", "block_size_mismatch", "token_mismatch")
 
 
@@ -98,6 +110,14 @@ class KVEventsLink:
             self.manager.sync(addresses)
         self.check()
 
+    def on_pool_change(self, snapshot: object) -> None:
+        """The pool's health changed (a pool listener): re-decide at once, so an endpoint that fails its probes
+        leaves ``live`` within the probe that took it down, not at the next periodic check."""
+        try:
+            self.check()
+        except Exception:  # noqa: BLE001 - a listener must not stop the pool
+            log.exception("KV events check failed")
+
     def on_state(self, endpoint: str, state: str) -> None:
         """A subscriber's state changed: re-decide at once (the manager's ``on_state`` hook)."""
         try:
@@ -136,8 +156,11 @@ class KVEventsLink:
             except Exception:  # noqa: BLE001 - the check must never stop
                 log.exception("KV events check failed")
 
-    def _state_of(self, ep: str, st: Any, now: float) -> tuple[str, str]:
+    def _state_of(self, ep: str, st: Any, now: float, unhealthy: bool = False) -> tuple[str, str]:
         state, detail = st.state, st.state_detail
+        if unhealthy and state in ("live", "syncing"):
+            return "unhealthy", ("the endpoint fails its health probes: its events are not trusted until it passes "
+                                 "them again (a publisher can outlive its server)")
         index = self.core.event_index
         if state == "live" and index is not None:
             n = index.tokens_unverified(ep, now, min_requests=TOKEN_MISMATCH_MIN_REQUESTS,
@@ -153,7 +176,9 @@ class KVEventsLink:
         """Route by events for the ``live`` endpoints only; log state changes; refresh `info`."""
         stats = self.manager.stats() if self.manager is not None else {}
         now = self._clock()
-        states = {ep: self._state_of(ep, st, now) for ep, st in stats.items()}
+        down = ({str(s.endpoint) for s in self.snapshot() if not s.healthy or s.panic}
+                if self.snapshot is not None else set())
+        states = {ep: self._state_of(ep, st, now, ep in down) for ep, st in stats.items()}
         for ep, (state, detail) in states.items():
             old = self.states.get(ep, ("syncing", ""))[0]
             pub = self.addresses.get(ep, ("?", None))[0]
@@ -175,7 +200,10 @@ class KVEventsLink:
                 # (undecodable and block_size_mismatch are logged by the subscriber, with the bytes it saw)
                 log.error("KV events of %s (%s): %s%s; its prefix matches come from the router's own index "
                           "(feedback) until they can be trusted", ep, pub, state, f": {detail}" if detail else "")
-            elif state == "live" and (old in _ERROR_STATES or was_down):
+            elif state == "unhealthy" and old == "live":
+                log.warning("KV events of %s (%s): unhealthy: the endpoint fails its health probes; its events "
+                            "are not trusted until it passes them again", ep, pub)
+            elif state == "live" and (old in _ERROR_STATES or old == "unhealthy" or was_down):
                 log.warning("KV events of %s (%s): %s -> live: matching by its events again", ep, pub,
                             "down" if was_down else old)
         self.states = states

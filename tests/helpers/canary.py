@@ -6,7 +6,8 @@ looks enough like a model server for the ext_proc pool to route to it (``/health
 Every other request gets 200 with a small JSON body naming the path and the body size it received. Request
 headers change that: ``x-canary-delay-s: S`` answers after S seconds; ``x-canary-garbage`` answers bytes that are
 not HTTP; ``x-canary-stream-bytes: N`` answers an SSE-like chunked response of N bytes, written as fast as the
-client side lets it (for backpressure tests; `stream_bytes_sent` counts what left).
+client side lets it (for backpressure tests; `stream_bytes_sent` counts what left); ``x-canary-echo`` answers with
+every header it received echoed back and `PLANTED` (a server that leaks whatever it is sent, and worse).
 Contract: `Canary()` serves on return; `close()` stops it.
 """
 
@@ -18,6 +19,15 @@ import threading
 from dataclasses import dataclass
 
 from helpers.fleet import MODEL
+
+
+PLANTED = {"x-gateway-destination-endpoint": "10.9.9.9:8000", "x-gateway-destination-endpoint-served": "10.9.9.9:8000",
+           "x-prefixroute-fallback-endpoint-1": "10.9.9.8:8000", "x-prefixroute-replica": "0",
+           "x-prefixroute-traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+           "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+           "x-prefixroute-handoff": "ext_proc", "x-prefixroute-router-token": "Bearer planted",
+           "x-envoy-original-dst-host": "10.9.9.9:8000"}
+"""Router-internal headers an echoing canary adds to its answer (``x-canary-echo``), as a careless server might."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,11 @@ class Canary:
                 if "x-canary-stream-bytes" in headers:
                     await self._stream(writer, int(headers["x-canary-stream-bytes"]))
                     return
+                extra = b""
+                if "x-canary-echo" in headers:
+                    echoed = {k: v for k, v in headers.items()
+                              if k not in ("content-length", "transfer-encoding", "connection", "host")}
+                    extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in {**PLANTED, **echoed}.items())
                 path = target.split("?")[0]
                 if path == "/v1/models":
                     out = {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 131072}]}
@@ -100,8 +115,8 @@ class Canary:
                 else:
                     out = {"path": target, "body_bytes": len(body)}
                 data = b"" if out is None else json.dumps(out).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (
-                    b"application/json" if out is not None else b"text/plain", len(data), data))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s" % (
+                    b"application/json" if out is not None else b"text/plain", len(data), extra, data))
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, ValueError, asyncio.CancelledError):
             pass

@@ -25,22 +25,39 @@ class Fleet:
     """Simulated model servers, keyed by endpoint; server i of a fleet started with prefix P has id Pi."""
 
     servers: dict[str, ManagedProcess] = field(default_factory=dict)  # "127.0.0.1:port" -> process
+    admin_urls: dict[str, str] = field(default_factory=dict)  # endpoint -> its admin listener (start_fleet admin)
+
+    def received_traceparents(self) -> list[str]:
+        """Every traceparent the servers received lately (their admin listeners' /admin/traceparents)."""
+        out: list[str] = []
+        for url in self.admin_urls.values():
+            with urllib.request.urlopen(url + "/admin/traceparents", timeout=5) as r:  # noqa: S310 - loopback
+                out += json.loads(r.read())
+        return out
 
     @property
     def endpoints(self) -> list[str]:
         return list(self.servers)
 
 
-def start_fleet(stack: ExitStack, n: int, log_dir: Path, prefix: str = "s", *extra_args: str) -> Fleet:
+def start_fleet(stack: ExitStack, n: int, log_dir: Path, prefix: str = "s", *extra_args: str,
+                admin: bool = False) -> Fleet:
     """Start `n` simulated servers (time_scale 0.02: fast tests) in parallel, all ready on return; `stack`
-    stops them on exit. Server i logs to `log_dir`/`prefix`i.log."""
+    stops them on exit. Server i logs to `log_dir`/`prefix`i.log. `admin`: each with its admin listener
+    (`Fleet.admin_urls`)."""
     group = stack.enter_context(ProcessGroup(log_dir, ready_timeout_s=20.0))
     fleet = Fleet()
     for i in range(n):
         port = free_port()
+        admin_args: tuple[str, ...] = ()
+        if admin:
+            admin_port = free_port()
+            fleet.admin_urls[f"127.0.0.1:{port}"] = f"http://127.0.0.1:{admin_port}"
+            admin_args = ("--admin-port", str(admin_port))
         fleet.servers[f"127.0.0.1:{port}"] = group.start(
             f"{prefix}{i}", prefixroute_argv("model-server", "--port", str(port), "--id", f"{prefix}{i}",
-                                             "--time-scale", "0.02", "--shutdown-grace-s", "0.2", *extra_args),
+                                             "--time-scale", "0.02", "--shutdown-grace-s", "0.2", *admin_args,
+                                             *extra_args),
             ready=lambda port=port: http_ok(f"http://127.0.0.1:{port}/health", timeout_s=1.0), wait=False)
     group.wait_ready()
     return fleet
@@ -54,7 +71,7 @@ def start_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, *, fail
     gw = GatewayProcesses(
         GatewaySettings(**{"port": free_port(), "ports": "random", "extproc_replicas": 1,  # type: ignore[arg-type]
                            "listen_address": "127.0.0.1", "failure_mode": failure_mode, "envoy_log_level": "info",
-                           **gateway}),
+                           "expose_served_endpoint": True, **gateway}),
         RoutingSettings(max_body_bytes=MAX_BODY_BYTES),
         PoolSettings(endpoints=tuple(endpoints), **(pool_overrides or {})),
         log_dir=log_dir, extra_extproc_args=extra_extproc_args)

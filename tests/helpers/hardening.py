@@ -29,8 +29,8 @@ def gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, *, replicas: 
             routing: RoutingSettings | None = None, envoy_overrides: dict | None = None,
             **gateway_settings) -> GatewayProcesses:  # noqa: ANN003
     gw = GatewayProcesses(
-        GatewaySettings(port=free_port(), ports="random", extproc_replicas=replicas, listen_address="127.0.0.1",
-                        **gateway_settings),
+        GatewaySettings(**{"port": free_port(), "ports": "random", "extproc_replicas": replicas,  # type: ignore[arg-type]
+                           "listen_address": "127.0.0.1", "expose_served_endpoint": True, **gateway_settings}),
         routing or RoutingSettings(), PoolSettings(endpoints=tuple(endpoints)), log_dir=log_dir, peers=PeerSettings(),
         envoy_overrides=envoy_overrides)
     stack.enter_context(gw)

@@ -110,7 +110,7 @@ class LocalStack:
                      "--extproc-port", str(self.extproc_port), "--admin-port", str(self.admin_port),
                      "--metrics-port", str(self.metrics_port), "--model-server-base-port", str(self.server_ports[0]),
                      "--log-dir", str(self.log_dir), "--db", str(self.db),
-                     "--model-server-time-scale", str(time_scale), *extra]
+                     "--model-server-time-scale", str(time_scale), "--expose-served-endpoint", *extra]
         self.proc: subprocess.Popen | None = None
         self.output: list[str] = []
 

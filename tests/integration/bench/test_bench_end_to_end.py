@@ -83,3 +83,29 @@ def test_sglang_router_in_front_of_the_same_fleet(tmp_path):
     assert out.summary["requests"] == 8 and out.summary["errors"] == 0
     assert out.summary["hit_ratio"] > 0
     assert sum(out.summary["endpoint_share"].values()) == pytest.approx(1.0)
+
+
+def _small_peer_run(tmp_path, name: str):
+    wl = workloads.apply_arrivals(workloads.shared_prompts(num_requests=8, num_groups=2, prefix_tokens=128,
+                                                           question_tokens=8, output_tokens=4), "closed")
+    fleet = FleetConfig(2, "llama-3.1-8b-h200", ("--time-scale", "0.2"), startup_timeout_s=30)
+    return runner.run_router(parse_router(name), wl.requests, fleet, tmp_path, seed=0, concurrency=4,
+                             max_connections=16, request_timeout_s=20, max_duration_s=30, progress=False)
+
+
+@pytest.mark.timeout(90)
+def test_vllm_router_kv_aware_is_fed_the_servers_kv_events(tmp_path):
+    """vllm-router 0.1.17's kv_aware policy, given each server's publisher and replay socket and the fleet's
+    block size and model: it subscribes to every server and routes the run."""
+    out = _small_peer_run(tmp_path, "vllm-router:kv_aware")
+    assert out.summary["requests"] == 8 and out.summary["errors"] == 0 and out.summary["hit_ratio"] > 0
+    log = next((tmp_path / "vllm-router-kv_aware").glob("router-*.log")).read_text(errors="replace")
+    assert log.count("kv_index subscriber for http://127.0.0.1:") == 2, log[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_smg_in_front_of_the_same_fleet(tmp_path):
+    """smg 1.13.0 (the SGLang Model Gateway) from its own venv (made on first use: a pip install), cache_aware."""
+    assert runner.unavailable_reason(parse_router("smg")) is None
+    out = _small_peer_run(tmp_path, "smg")
+    assert out.summary["requests"] == 8 and out.summary["errors"] == 0 and out.summary["hit_ratio"] > 0

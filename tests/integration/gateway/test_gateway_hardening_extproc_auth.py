@@ -47,7 +47,7 @@ def canary() -> Iterator[Canary]:
 
 
 def start_gateway(stack: ExitStack, canary: Canary, log_dir: Path, **gateway: object) -> GatewayProcesses:
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1", envoy_log_level="info",
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1", envoy_log_level="info", expose_served_endpoint=True,
                                           **gateway),
                           RoutingSettings(), PoolSettings(endpoints=(canary.endpoint,)), log_dir=log_dir)
     stack.enter_context(gw)
@@ -127,7 +127,7 @@ def test_gateway_draws_a_token_per_run_and_a_stream_without_it_is_refused(
 
 
 def test_gateway_tokens_differ_between_runs(stack: ExitStack, log_dir: Path, canary: Canary) -> None:
-    with GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1"), RoutingSettings(),
+    with GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1", expose_served_endpoint=True), RoutingSettings(),
                           PoolSettings(endpoints=(canary.endpoint,)), log_dir=log_dir / "a") as first:
         token = first.auth_token
     second = start_gateway(stack, canary, log_dir / "b")

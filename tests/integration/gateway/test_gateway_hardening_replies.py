@@ -39,8 +39,10 @@ ENVOY_REPLIES = {
     "path that cannot be normalised": (request("GET", "/v1/models/a%00b"), 400, "cannot be normalised"),
     "unknown transfer-encoding": (b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ntransfer-encoding: gzip\r\n\r\n",
                                   501, "transfer_encoding"),
-    "HTTP/1.0": (b"GET /v1/models HTTP/1.0\r\n\r\n", 426, "HTTP/1.0"),
-    "HTTP/0.9": (b"GET /v1/models\r\n\r\n", 426, "HTTP/1.0"),
+    "HTTP/1.0": (b"GET /v1/models HTTP/1.0\r\n\r\n", 426, "HTTP/1.1 and HTTP/2 only"),
+    "HTTP/0.9": (b"GET /v1/models\r\n\r\n", 426, "HTTP/1.1 and HTTP/2 only"),
+    # Envoy takes any other version for a low one too: the sentence must not call it HTTP/1.0.
+    "HTTP/2.0 request line": (b"GET /v1/models HTTP/2.0\r\nhost: g\r\n\r\n", 426, "HTTP/1.1 and HTTP/2 only"),
     "headers too large": (request("GET", "/v1/models", headers={"x-big": "a" * 40 * 1024}), 431, "KiB"),
     "too many header bytes in many headers": (
         request("GET", "/v1/models", headers={f"x-h{i}": "b" * 1000 for i in range(40)}), 431, "KiB"),

@@ -65,7 +65,7 @@ def _prompts(num_prefixes: int, per_prefix: int, tag: str) -> list[str]:
 
 def test_two_replicas_observe_their_own_picks_and_share_them_through_nats(stack: ExitStack, log_dir: Path) -> None:
     fleet = start_fleet(stack, 2, log_dir, prefix="r")
-    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=2),
+    gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=2, expose_served_endpoint=True),
                           RoutingSettings(), PoolSettings(endpoints=tuple(fleet.endpoints)), log_dir=log_dir)
     stack.callback(gw.stop)
     gw.start()

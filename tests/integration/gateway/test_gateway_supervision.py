@@ -46,7 +46,8 @@ def test_gateway_keeps_serving_fail_open_while_ext_proc_restarts_and_restarts_en
     stack.callback(out.close)
     proc = subprocess.Popen(
         prefixroute_cmd("gateway", "--port", str(port), "--ports", "random", "--endpoints", ",".join(fleet.endpoints),
-                        "--metrics-port", str(metrics_port), "--policy", "round-robin", "--no-telemetry"),
+                        "--metrics-port", str(metrics_port), "--policy", "round-robin", "--no-telemetry",
+                        "--expose-served-endpoint"),
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=marked_env(marker))
     stack.callback(kill_marked, marker)
 

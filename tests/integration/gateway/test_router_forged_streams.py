@@ -30,6 +30,7 @@ from prefixroute.extproc import wire
 from prefixroute.extproc.headers import DESTINATION_HEADER, SERVED_HEADER, TRACEPARENT_HEADER, fallback_header
 
 from helpers.fleet import MODEL, start_fleet, start_gateway
+from helpers.procs import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -129,8 +130,11 @@ class Attacker:
                 await asyncio.sleep(0.002)  # the attack's pace
 
 
-def test_forged_streams_mark_no_endpoint_down_and_victims_stay_on_their_endpoint(stack: ExitStack,
-                                                                                  log_dir: Path) -> None:
+def test_forged_streams_mark_no_endpoint_down_and_victims_stay_on_their_endpoint(stack: ExitStack, log_dir: Path,
+                                                                                  monkeypatch) -> None:
+    # Traces on (an OTLP endpoint configured; nothing needs to listen there): the router then gives each pick
+    # a traceparent, the key of the observing streams this attack forges. Without an endpoint traces are off.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{free_port()}")
     fleet = start_fleet(stack, 4, log_dir, prefix="v")
     # The victim's requests come one at a time, so the time model keeps them on the holder: its prefix moves
     # only if its endpoint is marked down (the attack's aim).

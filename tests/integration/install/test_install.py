@@ -102,7 +102,8 @@ def _chat_through_gateway(venv: Venv, log_dir: Path) -> tuple[int, str, list[str
             endpoints.append(f"127.0.0.1:{port}")
         port = free_port()
         stack.enter_context(start_process(
-            [*prefixroute, "gateway", "--port", str(port), "--ports", "random", "--endpoints", ",".join(endpoints)],
+            [*prefixroute, "gateway", "--port", str(port), "--ports", "random", "--endpoints", ",".join(endpoints),
+             "--expose-served-endpoint"],
             ready_url=f"http://127.0.0.1:{port}/v1/models", log_dir=log_dir, name="gateway", env=_env(),
             timeout_s=60))
         body = json.dumps({"model": MODEL, "max_tokens": 2,

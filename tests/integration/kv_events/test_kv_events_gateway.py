@@ -81,7 +81,8 @@ class _Fleet:
         group = stack.enter_context(ProcessGroup(tmp_path, ready_timeout_s=20.0))
         self.servers = [_Server(group, f"s{i}", pub, block_size) for i, (pub, _) in enumerate(free_port_pairs(2))]
         self.gw = GatewayProcesses(
-            GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1"),
+            GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1",
+                        expose_served_endpoint=True),
             RoutingSettings(tokenizer="sim"),
             PoolSettings(endpoints=tuple(f"{s.endpoint}@tcp://127.0.0.1:{s.pub}" for s in self.servers)),
             log_dir=tmp_path)
@@ -94,6 +95,9 @@ class _Fleet:
         if label is None:
             return {dict(k)["endpoint"]: v for k, v in samples.items()}
         return {dict(k)["endpoint"]: dict(k)[label] for k, v in samples.items() if v}
+
+    def total_index_clears(self) -> float:
+        return sum(_samples(_get(self.metrics_url), "prefixroute_kv_events_index_clears_total").values())
 
     def router_blocks(self) -> dict[str, object]:
         return self.by_endpoint("prefixroute_kv_event_index_blocks")
@@ -193,3 +197,30 @@ def test_servers_at_1_token_pages_are_merged_by_a_router_at_16(tmp_path):
     boundary, and the pages are merged into the router's blocks (the router credits whole 16-token blocks, a
     server every token: at most 15 tokens less per request)."""
     _follows_servers_at(tmp_path, 1)
+
+
+def test_a_cache_reset_reaches_the_router_with_the_servers_next_step(tmp_path):
+    """A server's /reset_prefix_cache empties its cache at once, but its AllBlocksCleared goes out with its next
+    engine step, as vLLM's: in between the router still holds the cleared blocks (the stale window). A request
+    routed there meanwhile finds nothing cached, and the step that serves it clears the index, which then
+    follows the server's blocks again; the document is back in cache for the next request."""
+    with ExitStack() as stack:
+        fleet = _Fleet(stack, tmp_path)
+        until(lambda: set(fleet.by_endpoint("prefixroute_kv_events_state", "state").values()) == {"live"}, 10)
+        home, _, _ = _chat(fleet.gw.url, 0, 0)
+        until(fleet.in_sync, 10, message=lambda: fleet.router_blocks())
+        victim = next(s for s in fleet.servers if s.endpoint == home)
+        held = fleet.router_blocks()[home]
+        req = urllib.request.Request(f"http://{victim.endpoint}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 200
+        assert victim.cached_blocks() == 0
+        time.sleep(2.0)  # the router's figures follow its index within ~1 s
+        assert fleet.router_blocks()[home] == held > 0  # nothing published yet: the stale window
+        assert fleet.total_index_clears() == 0
+        served, prompt, cached = _chat(fleet.gw.url, 0, 1)  # the router still believes the document is there
+        assert served == home and cached == 0 and prompt > 0
+        until(lambda: fleet.total_index_clears() == 1, 10)
+        until(fleet.in_sync, 10, message=lambda: (fleet.router_blocks(), [s.cached_blocks() for s in fleet.servers]))
+        served, prompt, cached = _chat(fleet.gw.url, 0, 2)
+        assert served == home and cached > 0.8 * prompt

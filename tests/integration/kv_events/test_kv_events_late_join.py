@@ -88,7 +88,8 @@ def _run(tmp_path, stack: ExitStack, release_src=None) -> None:
         stack.enter_context(bridge)
         specs.append(f"{ep}@tcp://127.0.0.1:{bridge_pub}")
     gw = stack.enter_context(GatewayProcesses(
-        GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1"),
+        GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1",
+                        expose_served_endpoint=True),
         RoutingSettings(tokenizer="sim"), PoolSettings(endpoints=tuple(specs)), log_dir=tmp_path))
     metrics_url = f"http://127.0.0.1:{gw.metrics_port}/metrics"
 

@@ -54,7 +54,8 @@ def _up_cmd(tmp_path: Path, ports: list[int], *extra: str) -> list[str]:
     return [sys.executable, "-m", "prefixroute", "up", "--servers", "2", "--ports", "random", "--port", str(gw),
             "--telemetry-port", str(tel), "--telemetry-http-port", str(tel_http),
             "--dashboard-port", str(dash), "--model-server-base-port", str(ms),
-            "--state-dir", str(tmp_path / "state"), "--model-server-time-scale", "0.2", *extra]
+            "--state-dir", str(tmp_path / "state"), "--model-server-time-scale", "0.2", "--expose-served-endpoint",
+            *extra]
 
 
 def _contiguous_free_pair(avoid: tuple[int, ...] = ()) -> int:
@@ -158,3 +159,43 @@ def _logs(tmp_path: Path) -> str:
     for f in sorted((tmp_path / "state" / "logs").glob("*.log")):
         out.append(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-20:]))
     return "\n".join(out)
+
+
+def test_up_in_front_of_existing_endpoints_prints_a_curl_for_the_model_they_serve(tmp_path):
+    """`up --endpoints` (servers it does not start, no demo load) suggests a curl whose model is the one the
+    endpoints list in /v1/models, not the simulated servers' default name; that request succeeds as printed."""
+    from helpers.procs import prefixroute_cmd, start_process
+
+    gw, tel, tel_http, dash, ms = free_ports(5)
+    with start_process(prefixroute_cmd("model-server", "--port", str(ms), "--id", "elsewhere", "--time-scale", "0.05",
+                                       "--served-model-name", "org/served-elsewhere"),
+                       ready_url=f"http://127.0.0.1:{ms}/health", log_dir=tmp_path):
+        cmd = [sys.executable, "-m", "prefixroute", "up", "--endpoints", f"127.0.0.1:{ms}", "--ports", "random",
+               "--port", str(gw), "--telemetry-port", str(tel), "--telemetry-http-port", str(tel_http),
+               "--dashboard-port", str(dash), "--no-dashboard", "--state-dir", str(tmp_path / "state")]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out_lines: list[str] = []
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                out_lines.append(line)
+                if line.startswith("Ctrl-C stops everything"):
+                    break
+            summary = "".join(out_lines)
+            m = re.search(r"try: curl (\S+) -H 'content-type: application/json' -d '(.*)'$", summary, re.M)
+            assert m, summary + _logs(tmp_path)
+            body = json.loads(m.group(2))
+            assert body["model"] == "org/served-elsewhere", body
+            req = urllib.request.Request(m.group(1), data=json.dumps({**body, "max_tokens": 2}).encode(),
+                                         headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                assert r.status == 200 and json.loads(r.read())["model"] == "org/served-elsewhere"
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=20)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)

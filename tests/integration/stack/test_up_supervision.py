@@ -34,7 +34,7 @@ class Up:
                 "--telemetry-port", str(ports["tel"]), "--telemetry-http-port", str(ports["tel_http"]),
                 "--dashboard-port", str(ports["dash"]), "--model-server-base-port", str(ports["ms"]),
                 "--log-dir", str(tmp_path / "logs"), "--db", str(tmp_path / "telemetry.db"),
-                "--model-server-time-scale", "0.1", "--policy", "round-robin", *extra]
+                "--model-server-time-scale", "0.1", "--policy", "round-robin", "--expose-served-endpoint", *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True, env=marked_env(self.marker))
         self.lines: list[str] = []

@@ -22,7 +22,7 @@ import pytest
 
 from prefixroute.extproc.gateway import GatewayProcesses
 from prefixroute.telemetry.tracecontext import parse_traceparent
-from helpers.fleet import MODEL, start_fleet, start_gateway
+from helpers.fleet import MODEL, Fleet, start_fleet, start_gateway
 from helpers.procs import environ_set, free_port
 from helpers.receiver import ReceiverProc, start_receiver
 from helpers.waiting import until
@@ -38,21 +38,22 @@ def span_attrs(db: Path, trace_id: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ReceiverProc, GatewayProcesses, list[str]]]:
-    """Receiver + 3 servers + gateway whose ext_proc child finds the receiver through OTEL_* variables."""
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ReceiverProc, GatewayProcesses, list[str], Fleet]]:
+    """Receiver + 3 servers (with their admin listeners) + gateway whose ext_proc child finds the receiver through
+    OTEL_* variables."""
     tmp = tmp_path_factory.mktemp("gateway-telemetry")
     with ExitStack() as stack:
         rcv = start_receiver(tmp / "telemetry.db")
         stack.callback(rcv.stop)
-        fleet = start_fleet(stack, 3, tmp)
+        fleet = start_fleet(stack, 3, tmp, admin=True)
         # inherited by the ext_proc child
         with environ_set({"OTEL_EXPORTER_OTLP_ENDPOINT": rcv.otlp_url, "OTEL_BSP_SCHEDULE_DELAY": "100"}):
             gw = start_gateway(stack, fleet.endpoints, tmp)
-        yield rcv, gw, fleet.endpoints
+        yield rcv, gw, fleet.endpoints, fleet
 
 
 def test_user_check_50_requests_give_50_records_matching_the_clients(env) -> None:
-    rcv, gw, endpoints = env
+    rcv, gw, endpoints, fleet = env
     sent: list[Sent] = []
     conn = http.client.HTTPConnection(gw.url.split("//", 1)[1], timeout=30)
     for i in range(50):
@@ -80,14 +81,17 @@ def test_user_check_50_requests_give_50_records_matching_the_clients(env) -> Non
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_span_attributes_and_context_propagation_to_the_model_server(env, stream: bool) -> None:
-    rcv, gw, endpoints = env
+    rcv, gw, endpoints, fleet = env
     s = send(gw, f"attributes {stream} " + "lorem ipsum dolor sit amet " * 40, stream=stream, max_tokens=8)
     assert s.status == 200
     rec = wait_records(rcv, [s.trace_id])[s.trace_id]
-    # The model server echoes the traceparent it received: same trace, parent = the router's span.
-    echoed = parse_traceparent(s.headers["x-prefixroute-traceparent"])
-    assert echoed is not None and echoed.trace_id == s.trace_id == rec["trace_id"]
-    assert echoed.span_id == rec["span_id"] != s.client_span_id
+    # The model server received the router's traceparent: same trace, parent = the router's span; the client never
+    # sees it (the span id keys the facts records).
+    (received,) = [tp for tp in map(parse_traceparent, fleet.received_traceparents())
+                   if tp is not None and tp.trace_id == s.trace_id]
+    assert received.trace_id == s.trace_id == rec["trace_id"]
+    assert received.span_id == rec["span_id"] != s.client_span_id
+    assert not any(rec["span_id"] in v for v in s.headers.values())
     attrs = span_attrs(rcv.db, s.trace_id)
     assert attrs["gen_ai.request.model"] == MODEL
     assert attrs["gen_ai.usage.input_tokens"] == client_usage(s)["prompt_tokens"]
@@ -110,7 +114,7 @@ def test_span_attributes_and_context_propagation_to_the_model_server(env, stream
 # usually before the service has read them, so it is recorded only when the service wins that race.
 @pytest.mark.parametrize(("case", "status"), [("bad_json", 400), ("unknown_model", 404), ("wrong_method", 405)])
 def test_errors_answered_by_the_router_are_recorded_without_an_endpoint(env, case: str, status: int) -> None:
-    rcv, gw, _ = env
+    rcv, gw, _, _ = env
     s = send(gw, "error case", model="no-such-model" if case == "unknown_model" else MODEL,
              raw_body=b"{not json" if case == "bad_json" else None, method="PUT" if case == "wrong_method" else "POST")
     assert s.status == status
@@ -137,7 +141,7 @@ def metric_total(samples: dict[str, float], prefix: str) -> float:
 
 
 def test_metrics_endpoint(env) -> None:
-    rcv, gw, _ = env
+    rcv, gw, _, _ = env
     before = metric_samples(gw)
     # One prompt three times: the first computes its prefix, the next two find it cached where it went.
     prompt = "metrics " + "alpha beta gamma " * 50
@@ -216,7 +220,7 @@ class _BlackHole:
 
 @pytest.mark.parametrize("exporter", ["down", "hung"])
 def test_exporter_down_or_hung_never_delays_or_fails_requests(env, tmp_path: Path, exporter: str) -> None:
-    _, up_gw, endpoints = env
+    _, up_gw, endpoints, _ = env
     with ExitStack() as stack:
         if exporter == "down":
             otlp = f"http://127.0.0.1:{free_port()}"  # nothing listens
@@ -242,7 +246,7 @@ def test_the_time_model_learns_from_streamed_responses_through_the_gateway(env) 
     """The observing stream reports each streamed response's first token and usage to the router: its time
     model learns one observation per streamed response (a non-streamed one has no first token to learn from),
     and its queue of pending prefill drains."""
-    rcv, gw, _ = env
+    rcv, gw, _, _ = env
     before = metric_samples(gw)
     sent = [send(gw, f"learn {i} " + "delta epsilon zeta " * 60, stream=i < 4, max_tokens=4) for i in range(6)]
     assert all(s.status == 200 for s in sent)

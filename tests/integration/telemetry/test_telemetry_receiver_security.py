@@ -199,3 +199,54 @@ def test_bad_security_settings_exit_2(tmp_path, argv, message):
     res = subprocess.run([sys.executable, "-m", "prefixroute", "telemetry", "--port", "0", "--http-port", "-1",
                           "--db", str(tmp_path / "t.db"), *argv], capture_output=True, text=True, timeout=30)
     assert res.returncode == 2 and message in res.stderr
+
+
+FLOOD_CODE = """
+import grpc, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", -1)])
+call = ch.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+msg = b"\\0" * (15 << 20)
+futures = [call.future(msg, timeout=60) for _ in range(n)]
+codes = set()
+for f in futures:
+    try:
+        f.result(); codes.add("OK")
+    except grpc.RpcError as e:
+        codes.add(e.code().name)
+print(sorted(codes))
+"""
+
+
+def _rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_calls_without_the_token_are_refused_before_their_message_is_read(tmp_path):
+    """4 senders x 8 calls of 15 MiB (under the receiver's 16 MiB message limit) without the token, at once: each
+    is refused on its metadata, so at most its stream window is ever read (a refusal by a unary handler reads
+    the whole message first: +400 MiB and more)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    r = start_receiver(tmp_path / "telemetry.db", "--auth-token-file", str(token_file))
+    try:
+        pid = r.proc.pid
+        before, peak = _rss_mib(pid), 0.0
+        senders = [subprocess.Popen([sys.executable, "-c", FLOOD_CODE, str(r.otlp_port), "8"],
+                                    stdout=subprocess.PIPE, text=True) for _ in range(4)]
+        while any(s.poll() is None for s in senders):
+            peak = max(peak, _rss_mib(pid))
+            time.sleep(0.02)
+        outs = [s.communicate(timeout=60)[0].strip() for s in senders]
+        grown = peak - before
+        print(f"4 x 8 unauthenticated 15 MiB exports: {outs[0]}, receiver RSS peak +{grown:.1f} MiB")
+        assert all(o == "['UNAUTHENTICATED']" for o in outs), outs
+        assert grown < 48, grown
+        # The receiver still serves a caller with the token.
+        assert export(grpc.insecure_channel(f"127.0.0.1:{r.otlp_port}"),
+                      (("authorization", f"Bearer {TOKEN}"),)) == grpc.StatusCode.OK
+    finally:
+        r.stop()

@@ -145,7 +145,9 @@ def test_kv_events_plan_gives_each_server_a_pair_and_the_gateway_their_addresses
         flag, value = plan.server_args(k)
         assert flag == "--kv-events-config"
         assert json.loads(value) == {"enable_kv_cache_events": True, "publisher": "zmq",
-                                     "endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": f"tcp://127.0.0.1:{port + 1}",
+                                     # loopback in the form real vLLM binds too (it connects to 127.0.0.1)
+                                     "endpoint": f"tcp://[::ffff:127.0.0.1]:{port}",
+                                     "replay_endpoint": f"tcp://[::ffff:127.0.0.1]:{port + 1}",
                                      "topic": "kv-events"}
     eps = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
     assert plan.gateway_endpoints(eps) == [f"{e}@tcp://127.0.0.1:{p}" for e, p in zip(eps, plan.pub_ports)]
@@ -174,7 +176,7 @@ def test_start_fleet_passes_the_event_flags_to_each_server(monkeypatch, tmp_path
     assert eps == ["127.0.0.1:9001", "127.0.0.1:9002"]
     for (argv, ports), pub, http_port in zip(started, (20001, 20011), (9001, 9002)):
         i = argv.index("--kv-events-config")
-        assert json.loads(argv[i + 1])["endpoint"] == f"tcp://127.0.0.1:{pub}"
+        assert json.loads(argv[i + 1])["endpoint"] == f"tcp://[::ffff:127.0.0.1]:{pub}"
         assert argv[-1] == "--time-scale=0"  # the user's flags come last
         assert ports == (http_port, pub, pub + 1)  # checked free before the server starts
     started.clear()

@@ -209,3 +209,24 @@ def test_the_pairing_is_in_the_document_and_the_report(tmp_path):
     assert row == "| prefixroute:prefix | 2 | +1.25 | +1.50 | +1.75 | 100% | 100% |"
     doc["paired_ttft"]["runs"]["prefixroute:prefix"]["slower_ratio"] = 1.5
     assert not validator.is_valid(json.loads(json.dumps(doc)))
+
+
+def test_the_newest_peers_parse_and_kv_aware_gets_the_event_sources():
+    from prefixroute.bench.routers import PEER_RELEASES, parse_router
+    from prefixroute.bench.runner import kv_event_source_args
+
+    assert parse_router("smg").kind == "smg" and parse_router("smg").policy == "cache_aware"
+    assert parse_router("smg:round_robin/chat").workload_api == "chat"
+    assert parse_router("vllm-router:kv_aware").policy == "kv_aware"
+    assert parse_router("sglang-router").policy == "cache_aware"
+    assert PEER_RELEASES == {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17",
+                             "smg": "smg==1.13.0"}
+    with pytest.raises(ValueError):
+        parse_router("smg:kv_aware")
+    assert kv_event_source_args(["127.0.0.1:8001@tcp://127.0.0.1:5557", "127.0.0.1:8002@tcp://127.0.0.1:5559"],
+                                32, "m") == [
+        "--kv-event-source", "http://127.0.0.1:8001=tcp://127.0.0.1:5557",
+        "--kv-event-replay-source", "http://127.0.0.1:8001=tcp://127.0.0.1:5558",
+        "--kv-event-source", "http://127.0.0.1:8002=tcp://127.0.0.1:5559",
+        "--kv-event-replay-source", "http://127.0.0.1:8002=tcp://127.0.0.1:5560",
+        "--kv-event-block-size", "32", "--kv-event-model", "m"]

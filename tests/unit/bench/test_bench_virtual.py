@@ -263,9 +263,11 @@ def test_the_router_parses_the_bytes_and_headers_a_live_client_sends(recording):
     assert router.settings is router.core.settings  # one settings object parses and routes
 
 
-def test_tenant_header_reaches_the_router_and_keeps_tenants_apart(recording):
+def test_tenant_header_reaches_the_router_and_keeps_tenants_apart(recording, monkeypatch):
     # Two tenants send the same prompt: the tenant header salts the router's hashes (the server's cache is not
     # salted by a header, as vLLM's is not), so the prefix index never matches one tenant's prefix for the other.
+    # The header counts only where the operator trusts an ingress to set it (extproc/tenants.py), as here.
+    monkeypatch.setenv("PREFIXROUTE_TRUSTED_HEADERS", "tenant,fairness")
     wl = workloads.apply_arrivals(workloads.shared_prompts(num_requests=40, num_groups=1, prefix_tokens=512,
                                                            question_tokens=16, output_tokens=4, seed=3),
                                   "poisson", rate_rps=5.0, seed=3)

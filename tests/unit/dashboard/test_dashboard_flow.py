@@ -28,7 +28,8 @@ def _text(fc: FlowControl) -> str:
 def _control() -> FlowControl:
     fc = FlowControl(FlowSettings(max_queued_requests=3))
     for key, priority, tenant in (("a", 5, "team-a"), ("b", 0, "team-b"), ("c", 0, "team-b"), ("d", 0, "x")):
-        fc.offer(QueuedRequest(key, priority, tenant, 1.0, 10, 0.0, 30.0), SATURATED, 0.0)
+        for _ in fc.offer(QueuedRequest(key, priority, tenant, 1.0, 10, 0.0, 30.0), SATURATED, 0.0).evicted:
+            fc.evicted_error(SATURATED, 0.0)  # what the gate answers an evicted request
     fc.release(Saturation(0.5, 2, 1), 2.0, ReleaseReason.SCRAPE)
     return fc
 
@@ -36,14 +37,15 @@ def _control() -> FlowControl:
 def test_the_panel_reads_what_the_router_exports() -> None:
     flow = parse_flow_metrics(_text(_control()))
     assert flow is not None
-    assert flow.queue == {("0", "team-b"): 2.0} and flow.num_held == 2
-    assert flow.released == {"scrape": 1.0} and flow.shed == {("queue_full", "429"): 1.0}
-    assert (flow.num_held_total, flow.mean_wait_s) == (3.0, 2.0)
+    # "d" of flow x found the queue full: team-b held the most, so its newest ("c") gave up its place
+    assert flow.queue == {"0": 2.0} and flow.flows == {"0": 2.0} and flow.num_held == 2
+    assert flow.released == {"scrape": 1.0} and flow.shed == {("evicted", "429"): 1.0}
+    assert (flow.num_held_total, flow.mean_wait_s) == (4.0, 2.0)
     assert flow.saturation == 0.5
     frame = flow_panel.queue_frame(flow)
-    assert frame.to_dict("records") == [{"priority": "0", "fairness id": "team-b", "held now": 2}]
+    assert frame.to_dict("records") == [{"priority": "0", "flows": 2, "held now": 2}]
     text = flow_panel.counts_text(flow)
-    assert "3 held" in text and "scrape 1" in text and "queue_full (429) 1" in text
+    assert "4 held" in text and "scrape 1" in text and "evicted (429) 1" in text
 
 
 def test_no_flow_families_no_panel_and_saturation_words() -> None:

@@ -71,7 +71,8 @@ def test_command_parses_with_the_real_cli(name):
 
 def test_only_the_gateway_and_the_dashboard_are_published_on_the_host():
     published = {name: svc["ports"] for name, svc in SERVICES.items() if svc.get("ports")}
-    assert published == {"envoy": ["8080:8080"], "dashboard": ["8501:8501"]}
+    # The dashboard has no login: the host's loopback only (main published it on every interface).
+    assert published == {"envoy": ["8080:8080"], "dashboard": ["127.0.0.1:8501:8501"]}
     assert not any(svc.get("network_mode") == "host" for svc in SERVICES.values())
 
 

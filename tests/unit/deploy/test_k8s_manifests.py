@@ -54,7 +54,8 @@ def test_the_manifests_hold_what_a_deployment_needs():
         ("Deployment", "prefixroute-nats"), ("Service", "prefixroute-nats"), ("ConfigMap", "prefixroute-nats"),
         ("ConfigMap", "prefixroute-gateway"), ("Deployment", "prefixroute-gateway"),
         ("Service", "prefixroute-gateway"), ("InferencePool", "prefixroute"),
-        ("Deployment", "prefixroute-epp"), ("Service", "prefixroute-epp")}
+        ("Deployment", "prefixroute-epp"), ("Service", "prefixroute-epp"),
+        ("NetworkPolicy", "prefixroute-extproc"), ("NetworkPolicy", "prefixroute-epp")}
 
 
 @pytest.mark.parametrize("doc", [d for _, _, d in DOCS], ids=[f"{f}#{i}-{d['kind']}" for f, i, d in DOCS])
@@ -103,6 +104,10 @@ BROKEN = {
                            lambda d: d["spec"].__setitem__("targetPortNumber", 8000)),
     "pool-wrong-api-version": ("InferencePool", "prefixroute",
                                lambda d: d.__setitem__("apiVersion", "inference.networking.k8s.io/v2")),
+    "network-policy-ingress-typo": ("NetworkPolicy", "prefixroute-extproc",
+                                    lambda d: d["spec"].__setitem__("ingres", d["spec"].pop("ingress"))),
+    "network-policy-port-a-list": ("NetworkPolicy", "prefixroute-extproc",
+                                   lambda d: d["spec"]["ingress"][0]["ports"][0].__setitem__("port", [9002])),
 }
 
 
@@ -362,3 +367,72 @@ def test_a_wrong_pod_index_path_would_be_caught():
     ref["valueFrom"]["fieldRef"]["fieldPath"] = "metadata.labels['statefulset.kubernetes.io/pod-name']"
     with pytest.raises(AssertionError):
         _pod_env(container, "prefixroute-extproc-0", 0)
+
+
+# --- who may reach the router ---------------------------------------------------------------------------------
+def _matches(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels only: what these manifests use) against a pod's labels."""
+    assert set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _pod_labels(workload_name: str) -> dict:
+    return _workload(workload_name)["spec"]["template"]["metadata"]["labels"]
+
+
+def _reachable(policy: dict, container: dict, labels: dict, namespace_labels: dict | None = None) -> set[int]:
+    """The container ports a pod with `labels` (in the policy's namespace when `namespace_labels` is None, else in
+    a namespace with those labels) may reach under `policy` (NetworkPolicy semantics for these shapes: a peer with
+    only a podSelector is the policy's namespace, with namespaceSelector {} any namespace)."""
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    out: set[int] = set()
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule["from"]:
+            assert set(peer) <= {"podSelector", "namespaceSelector"} and "podSelector" in peer, peer
+            if "namespaceSelector" in peer:
+                if not _matches(peer["namespaceSelector"], namespace_labels or {}):
+                    continue
+            elif namespace_labels is not None:
+                continue
+            if _matches(peer["podSelector"], labels):
+                out |= {named[p["port"]] if isinstance(p["port"], str) else p["port"] for p in rule["ports"]}
+    return out
+
+
+GATEWAY_PORTS = {9002, 9004}
+SCRAPER = {"prefixroute.io/metrics-scraper": "true", "app.kubernetes.io/name": "prometheus"}
+
+
+def test_only_the_gateway_and_the_metrics_scraper_reach_the_router():
+    """The router's NetworkPolicy selects the replica pods and lets the gateway's pods reach the routing ports,
+    a labelled scraper the metrics port, and nobody else anything (another of our pods, any other pod)."""
+    policy = _one("NetworkPolicy", "prefixroute-extproc")
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert _matches(policy["spec"]["podSelector"], _pod_labels("prefixroute-extproc"))
+    extproc = _container("prefixroute-extproc", "extproc")
+    ports = {p["containerPort"] for p in extproc["ports"]}
+    assert ports == GATEWAY_PORTS | {9464}
+    assert _reachable(policy, extproc, _pod_labels("prefixroute-gateway")) == GATEWAY_PORTS
+    assert _reachable(policy, extproc, SCRAPER, {"kubernetes.io/metadata.name": "monitoring"}) == {9464}
+    for other in ("prefixroute-model-server", "prefixroute-nats", "prefixroute-epp", "prefixroute-extproc"):
+        assert _reachable(policy, extproc, _pod_labels(other)) == set(), other
+    assert _reachable(policy, extproc, {"app": "anything"}, {"kubernetes.io/metadata.name": "other"}) == set()
+    # The gateway's pods from another namespace are not the gateway.
+    assert _reachable(policy, extproc, _pod_labels("prefixroute-gateway"), {"name": "other"}) == set()
+
+
+def test_only_the_inference_gateway_and_the_scraper_reach_the_picker():
+    """The GIE picker serves its gateway without a token (GIE sends none): its NetworkPolicy is what keeps others
+    out, so it must exist and say so, and the picker must ask for unauthenticated serving explicitly (the router
+    refuses a non-loopback address without a token or client CA otherwise)."""
+    policy = _one("NetworkPolicy", "prefixroute-epp")
+    assert _matches(policy["spec"]["podSelector"], _pod_labels("prefixroute-epp"))
+    epp = _container("prefixroute-epp", "epp")
+    assert "--allow-unauthenticated" in epp["args"] and "--auth-token-file" not in epp["args"]
+    gateway = {"prefixroute.io/inference-gateway": "true"}
+    assert _reachable(policy, epp, gateway, {"kubernetes.io/metadata.name": "gateways"}) == {9002}
+    assert _reachable(policy, epp, SCRAPER, {"kubernetes.io/metadata.name": "monitoring"}) == {9090}
+    for other in ("prefixroute-model-server", "prefixroute-nats", "prefixroute-extproc", "prefixroute-gateway"):
+        assert _reachable(policy, epp, _pod_labels(other)) == set(), other
+    # Our own gateway's replicas (extproc.yaml) keep their token: only the picker is unauthenticated.
+    assert "--allow-unauthenticated" not in _container("prefixroute-extproc", "extproc")["args"]

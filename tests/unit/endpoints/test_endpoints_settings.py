@@ -67,3 +67,11 @@ def test_scrape_budget_stretches_interval_and_staleness(num_endpoints, interval_
     pool = EndpointPool(PoolSettings(), [f"10.0.0.{i % 250}:{8000 + i}" for i in range(num_endpoints)])
     assert pool.scrape_interval_s == pytest.approx(interval_s)
     assert pool.metrics_stale_after_s == pytest.approx(stale_s)
+
+
+def test_the_panic_threshold_is_a_ratio_and_zero_turns_it_off():
+    assert PoolSettings().healthy_panic_threshold_ratio == 0.5  # Envoy's healthy_panic_threshold default, 50%
+    assert from_cli(["--healthy-panic-threshold-ratio", "0"]).healthy_panic_threshold_ratio == 0.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="healthy_panic_threshold_ratio"):
+            PoolSettings(healthy_panic_threshold_ratio=bad)

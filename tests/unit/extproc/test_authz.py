@@ -20,7 +20,6 @@ from prefixroute.extproc import wire as pb
 from prefixroute.extproc.authz import AuthzResponses, UnaryPicks, denied
 from prefixroute.extproc.answers import immediate_response
 from prefixroute.extproc.envoy_facts import FactsReceiver
-from prefixroute.extproc.envoy_facts import add_to_server as add_facts_service
 from prefixroute.extproc.facts_fields import OBSERVED_FACTS
 from prefixroute.extproc.headers import DESTINATION_HEADER, MAX_FALLBACKS, OBSERVED_METADATA, fallback_header
 from prefixroute.extproc.server import ExtprocSettings, start_server
@@ -121,7 +120,7 @@ async def authz() -> AsyncIterator[tuple[RecordingRouter, FactsReceiver, list[Re
                              obs_grace_s=0.05, propagate=False)
     facts = FactsReceiver(tracker, router.served)
     server, port = await start_server(router, ExtprocSettings(port=0, listen_address="127.0.0.1"), tracker,
-                                      facts=facts, add_services=lambda srv: add_facts_service(srv, facts))
+                                      facts=facts)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield router, facts, records, channel

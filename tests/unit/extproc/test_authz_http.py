@@ -23,7 +23,6 @@ from prefixroute.extproc.answers import immediate_response
 from prefixroute.extproc.authz_http import (CHECK_PATH_PREFIX, TOKEN_HEADER, AuthzHttpResponses, refusal,
                                             transport_status)
 from prefixroute.extproc.envoy_facts import FactsReceiver
-from prefixroute.extproc.envoy_facts import add_to_server as add_facts_service
 from prefixroute.extproc.facts_fields import OBSERVED_FACTS
 from prefixroute.extproc.headers import DESTINATION_HEADER, MAX_FALLBACKS, OBSERVED_METADATA, fallback_header
 from prefixroute.extproc.server import ExtprocSettings, start_authz_http, start_server
@@ -138,8 +137,7 @@ async def served() -> AsyncIterator[tuple[RecordingRouter, FactsReceiver, list[R
                              obs_grace_s=0.05, propagate=False)
     facts = FactsReceiver(tracker, router.served)
     s = ExtprocSettings(port=0, listen_address="127.0.0.1", authz_http_port=0)
-    server, port = await start_server(router, s, tracker, facts=facts,
-                                      add_services=lambda srv: add_facts_service(srv, facts))
+    server, port = await start_server(router, s, tracker, facts=facts)
     started = await start_authz_http(server, s, lambda: True, 1 << 20)
     assert started is not None
     http_server, http_port = started
@@ -294,12 +292,16 @@ async def test_the_token_the_body_limit_and_tls_completeness() -> None:
     assert started is not None
     http_server, http_port = started
     try:
+        for token in (None, "Bearer wrong"):
+            client = Client(*await asyncio.open_connection("127.0.0.1", http_port))
+            status, headers, body = await client.check(b'{"model": "m"}',
+                                                       headers={TOKEN_HEADER: token} if token else None)
+            # 500: Envoy's failure mode applies (as a gRPC UNAUTHENTICATED would), never a client-facing 401; the
+            # connection is closed, the rest of the request unread.
+            assert status == 500 and b"bearer token" in body and router.routed == []
+            assert headers.get("connection") == "close" and await client.reader.read() == b""
+            client.writer.close()
         client = Client(*await asyncio.open_connection("127.0.0.1", http_port))
-        status, _, body = await client.check(b'{"model": "m"}')
-        # 500: Envoy's failure mode applies (as a gRPC UNAUTHENTICATED would), never a client-facing 401.
-        assert status == 500 and b"bearer token" in body and router.routed == []
-        status, _, _ = await client.check(b'{"model": "m"}', headers={TOKEN_HEADER: "Bearer wrong"})
-        assert status == 500 and router.routed == []
         status, headers, _ = await client.check(b'{"model": "m"}', headers={TOKEN_HEADER: "Bearer s3cret"})
         assert status == 200 and headers[DESTINATION_HEADER] == EPS[0]
         await client.send("GET", "/health")  # no token needed; not ready here

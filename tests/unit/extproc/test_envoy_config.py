@@ -15,6 +15,7 @@ from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import Processin
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (HttpConnectionManager,
                                                                                           HttpFilter)
 
+from prefixroute.extproc.envoy_config.response_headers import RESPONSE_HEADERS_FILTER
 from prefixroute.extproc.envoy_config import (DESTINATION_HEADER, MAX_FALLBACKS, OBSERVE_FILTER, PICKED_CLUSTER,
                                               POOL_CLUSTER, SERVED_HEADER, UNAVAILABLE_CLUSTER, EnvoySettings, build_config,
                                               fallback_header, render, route_headers)
@@ -36,7 +37,10 @@ def _routes(cfg) -> list[Route]:
 
 
 def _filters(cfg) -> list[HttpFilter]:
-    return _hcm(cfg).http_filters
+    """The HTTP filters after the one that removes internal response headers (response_headers.py, always first)."""
+    filters = _hcm(cfg).http_filters
+    assert filters[0].name == RESPONSE_HEADERS_FILTER
+    return filters[1:]
 
 
 def _ext_proc(f: HttpFilter) -> ExternalProcessor:

@@ -17,6 +17,7 @@ from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v
     HttpConnectionManager, HttpConnectionManagerPathWithEscapedSlashesAction)
 from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import SubjectAltNameMatcherSanType
 
+from prefixroute.extproc.envoy_config.response_headers import RESPONSE_HEADERS_FILTER
 from prefixroute import cli
 from prefixroute.extproc.envoy_config import (DEFAULT_ALLOWED_PATH_PREFIXES, DEFAULT_ALLOWED_PATHS, ENVOY_OWN_REPLY,
                                               EXTPROC_CLUSTER, OBSERVE_FILTER, ROUTING_FILTER, EnvoySettings,
@@ -57,7 +58,9 @@ def test_only_allowlisted_paths_reach_a_cluster(overrides: dict) -> None:
     # Last: everything else gets a 404 direct response, and neither ext_proc filter runs for it.
     last = routes[-1]
     assert last.match.prefix == "/" and last.direct_response.status == 404
-    filters = [f.name for f in _hcm(cfg).http_filters if f.name != "envoy.filters.http.router"]
+    # (the removal of internal response headers runs on every route, Envoy's own answers too)
+    filters = [f.name for f in _hcm(cfg).http_filters
+               if f.name not in ("envoy.filters.http.router", RESPONSE_HEADERS_FILTER)]
     assert set(last.typed_per_filter_config) == set(filters)
     assert all(v.unpack().disabled for v in last.typed_per_filter_config.values())
     # CONNECT (matched only by connect_matcher routes) is answered by Envoy too, never by a cluster.
@@ -132,7 +135,8 @@ def test_every_local_reply_mapper_spares_router_and_direct_replies() -> None:
 
 
 def _filters(cfg) -> dict[str, ExternalProcessor]:  # noqa: ANN001
-    return {f.name: f.typed_config.unpack() for f in _hcm(cfg).http_filters if f.name != "envoy.filters.http.router"}
+    return {f.name: f.typed_config.unpack() for f in _hcm(cfg).http_filters
+            if f.name not in ("envoy.filters.http.router", RESPONSE_HEADERS_FILTER)}
 
 
 @pytest.mark.parametrize("observe", [True, False])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from prefixroute.extproc.envoy_config.response_headers import RESPONSE_HEADERS_FILTER
 from prefixroute.extproc.envoy_config import EnvoySettings, build_config
 from prefixroute.extproc.envoy_config.common import OBSERVE_FILTER, ROUTING_FILTER
 from prefixroute.extproc.envoy_config.facts import RESPONSE_FACTS_LUA, facts_access_logs
@@ -22,8 +23,9 @@ FACTS = {"observe_responses": False, "response_facts_lua": True}
 
 def test_the_facts_filter_replaces_the_observing_one_and_runs_last_before_the_router() -> None:
     names = [f.name for f in http_filters(EnvoySettings(**FACTS), 1)]
-    assert names == [ROUTING_FILTER, TIMING_FILTER, ROUTER_FILTER] and OBSERVE_FILTER not in names
-    routing = http_filters(EnvoySettings(**FACTS), 1)[0]
+    assert names == [RESPONSE_HEADERS_FILTER, ROUTING_FILTER, TIMING_FILTER, ROUTER_FILTER]
+    assert OBSERVE_FILTER not in names
+    routing = http_filters(EnvoySettings(**FACTS), 1)[1]
     text = str(routing.typed_config.value)
     assert OBSERVED_METADATA in text and OBSERVED_FACTS in text  # the service waits for a record, not a stream
 
@@ -58,7 +60,7 @@ def test_one_facts_logger_per_replica_to_its_own_port_with_the_flush_in_common_c
 
 def test_the_routing_filter_skips_response_headers_on_the_facts_path() -> None:
     # The served endpoint comes in the record: no blocking response-headers round trip.
-    routing = http_filters(EnvoySettings(**FACTS, report_served=True), 1)[0].to_json()
+    routing = http_filters(EnvoySettings(**FACTS, report_served=True), 1)[1].to_json()
     assert "SEND" not in routing.split("responseHeaderMode", 1)[1][:20]
 
 
@@ -126,7 +128,7 @@ def test_the_ext_authz_routing_filter_renders_envoys_ext_authz_and_ext_proc_for_
     assert s.routing_processing == processing and s.response_facts_lua
     names = [f.name for f in http_filters(s, 1)]
     # ext_authz first; the ext_proc routing filter after it, for the handoff route alone.
-    assert names[:2] == ["envoy.filters.http.ext_authz", "envoy.filters.http.ext_proc"]
+    assert names[:3] == [RESPONSE_HEADERS_FILTER, "envoy.filters.http.ext_authz", "envoy.filters.http.ext_proc"]
     routes = gateway_routes(s, allowed_path_matches(s), 1, names)
     by_name = {r.name: r for r in routes}
     handoff = by_name["handoff /v1/chat/completions"]

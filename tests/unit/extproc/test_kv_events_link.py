@@ -154,3 +154,25 @@ def test_a_start_up_race_is_no_warning_but_losing_a_live_publisher_is_one_at_onc
         link.check()
     assert any("down -> live: matching by its events again" in r.getMessage() and B in r.getMessage()
                for r in caplog.records)
+
+
+def test_an_endpoint_failing_its_probes_is_unhealthy_not_live_and_live_again_when_back(caplog):
+    """A publisher can outlive its server (vLLM's EngineCore after its API server is killed): the pool's verdict
+    overrides a live or syncing subscriber; a down one says so itself. Panic-routed counts as failing."""
+    snap = [EndpointState(A, healthy=False), EndpointState(B, healthy=False), EndpointState(C, panic=True)]
+    core, mgr, link, clock = _link(snap)
+    with caplog.at_level(logging.WARNING, logger="prefixroute.extproc"):
+        link.check()  # A was never live: no warning yet
+        assert {ep: link.info[ep]["events_state"] for ep in (A, B, C)} == {A: "unhealthy", B: "down",
+                                                                            C: "unhealthy"}
+        assert core.index_sources([A, B, C]) == {A: "feedback", B: "feedback", C: "feedback"}
+        assert "fails its health probes" in str(link.info[A]["events_detail"])
+        snap[0] = EndpointState(A)
+        link.on_pool_change(snap)
+        assert link.info[A]["events_state"] == "live" and core.index_sources([A])[A] == "events"
+        snap[0] = EndpointState(A, healthy=False)
+        link.on_pool_change(snap)
+        link.check()
+    assert link.info[A]["events_state"] == "unhealthy" and core.index_sources([A])[A] == "feedback"
+    said = [r.getMessage() for r in caplog.records if A in r.getMessage()]
+    assert len([m for m in said if "unhealthy: the endpoint fails its health probes" in m]) == 1, said

@@ -76,11 +76,19 @@ def test_endpoint_removed_or_restarted_forgets_its_ids() -> None:
     assert d.endpoint_of("resp_a") == A
 
 
-def test_relearn_moves_an_id() -> None:
-    d = ResponseDirectory(10, 60.0, clock=Clock())
-    d.learn("resp_1", A)
-    d.learn("resp_1", B)
+def test_a_report_never_rebinds_a_known_id_a_lookup_may() -> None:
+    # A response id names one response, produced once: a second report naming it at another endpoint (a forged
+    # facts record, a replay) is refused and counted; the endpoint that holds it keeps it. (main: the second
+    # report moved the id, and the conversation's next turn went to an endpoint without it: 404 for an hour.)
+    clock = Clock()
+    d = ResponseDirectory(10, 60.0, clock=clock)
+    assert d.learn("resp_1", A) and d.learn("resp_1", A)  # the same claim again: fine
+    assert not d.learn("resp_1", B)
+    assert d.endpoint_of("resp_1") == A and d.num_refused == 1 and d.holder("resp_1") == A
+    assert d.learn("resp_1", B, by_lookup=True)  # a lookup asked the endpoints: the holder answered 200
     assert d.forget_endpoint(A) == 0 and d.endpoint_of("resp_1") == B
+    clock.t += 61.0  # expired: a new claim is a new id's
+    assert d.holder("resp_1") is None and d.learn("resp_1", A) and d.endpoint_of("resp_1") == A
 
 
 def test_negative_cache_expires_and_learning_clears_it() -> None:

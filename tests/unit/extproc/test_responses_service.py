@@ -101,14 +101,16 @@ def test_a_known_id_pins_to_its_healthy_endpoint_without_fallbacks() -> None:
     assert sum(pool.in_flight.values()) == 0
 
 
-def test_an_unhealthy_holder_is_a_503_naming_the_id_with_retry_after() -> None:
+def test_an_unhealthy_holder_is_a_503_with_retry_after_naming_no_id() -> None:
     router, pool = make_router()
     router.responses.learn(RID, EPS[0])
     pool.set((ScriptedPool.state(EPS[0], healthy=False), *(ScriptedPool.state(ep) for ep in EPS[1:])))
     with pytest.raises(OpenAIError) as info:
         router.route(*POST, {}, follow_up())
-    assert info.value.status == 503 and RID in info.value.message and info.value.retry_after_s
-    assert info.value.param == "previous_response_id"
+    # No id in the text: it reaches records and the dashboard (main named it: anyone reading the dashboard
+    # could read the conversation back through the gateway).
+    assert info.value.status == 503 and RID not in info.value.message and info.value.retry_after_s
+    assert RID not in info.value.record_message and info.value.param == "previous_response_id"
     assert sum(pool.in_flight.values()) == 0  # nothing was picked
     # It comes back healthy with the same process (same restart epoch): its store is intact, pin again.
     pool.set(tuple(ScriptedPool.state(ep) for ep in EPS))

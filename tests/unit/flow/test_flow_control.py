@@ -15,6 +15,7 @@ from prefixroute.extproc.flow.control import (
 from prefixroute.extproc.flow.queue import QueuedRequest
 from prefixroute.extproc.flow.saturation import EndpointLoad, Saturation, SaturationDetector
 from prefixroute.extproc.flow.settings import DEFAULT_FAIRNESS_ID, Classifier, FlowSettings
+from prefixroute.extproc.tenants import Tenants, TenantSettings
 from prefixroute.types import EndpointId
 
 E1, E2 = EndpointId("a:1"), EndpointId("b:1")
@@ -80,6 +81,33 @@ def test_full_queue_sheds_with_429_or_evicts_a_lower_class() -> None:
     assert o.verdict is Verdict.SHED and o.error.status == 429 and o.reason is ShedReason.QUEUE_FULL
     assert b"RateLimitError" in o.error.body() and o.error.retry_after_s >= 1
     assert fc.stats.shed[("queue_full", 429)] == 1
+
+
+def test_a_full_queue_sheds_from_the_tenant_holding_the_most_not_the_newcomer() -> None:
+    # The case at bound 12: an attacker fills the queue; each victim arriving takes the place of the
+    # attacker's newest request (main shed the victim: 21 of 50 victim requests 429 "queue full").
+    fc = FlowControl(FlowSettings(max_queued_requests=12))
+    for i in range(12):
+        assert fc.offer(_entry(f"a{i}", tenant="attacker"), SATURATED, 0.0).verdict is Verdict.HOLD
+    for i in range(6):
+        o = fc.offer(_entry(f"v{i}", tenant="victim"), SATURATED, 0.1)
+        assert o.verdict is Verdict.HOLD and [e.key for e in o.evicted] == [f"a{11 - i}"]
+    # Now each holds 6: the attacker's next request and the victim's next are both shed (neither holds less).
+    assert fc.offer(_entry("a-next", tenant="attacker"), SATURATED, 0.2).reason is ShedReason.QUEUE_FULL
+    assert fc.offer(_entry("v-next", tenant="victim"), SATURATED, 0.2).reason is ShedReason.QUEUE_FULL
+    # A third tenant still gets in, at the expense of one of the two largest (the same count: the last in
+    # name order, deterministic).
+    o = fc.offer(_entry("c0", tenant="carol"), SATURATED, 0.3)
+    assert o.verdict is Verdict.HOLD and [e.key for e in o.evicted] == ["v5"]
+    assert fc.queue.num_queued_of(0, "attacker") == 6 and fc.queue.num_queued_of(0, "victim") == 5
+
+
+def test_a_full_queue_never_gives_a_higher_class_for_a_lower_one() -> None:
+    fc = FlowControl(FlowSettings(max_queued_requests=2))
+    assert fc.offer(_entry("h1", tenant="x", priority=5), SATURATED, 0.0).verdict is Verdict.HOLD
+    assert fc.offer(_entry("h2", tenant="x", priority=5), SATURATED, 0.0).verdict is Verdict.HOLD
+    o = fc.offer(_entry("low", tenant="y", priority=0), SATURATED, 0.0)  # y holds less, but of a lower class
+    assert o.verdict is Verdict.SHED and o.evicted == []
 
 
 def test_full_queue_in_bytes() -> None:
@@ -172,24 +200,40 @@ def test_drop_leaves_the_queue() -> None:
     assert len(fc.queue) == 0 and fc.stats.num_dropped == 1 and fc.expire(SATURATED, 100.0) == []
 
 
+FORGED = {"x-prefixroute-priority": "1000", "x-gateway-inference-objective": "critical",
+          "x-prefixroute-tenant": "b"}
+
+
 @pytest.mark.parametrize(("headers", "priority", "fairness", "deadline"), [
     ({}, 0, DEFAULT_FAIRNESS_ID, 30.0),
-    ({"x-prefixroute-priority": "7"}, 7, DEFAULT_FAIRNESS_ID, 30.0),
-    ({"x-prefixroute-priority": "nope"}, 0, DEFAULT_FAIRNESS_ID, 30.0),  # malformed: default, no 400
-    ({"x-gateway-inference-objective": "batch"}, -1, DEFAULT_FAIRNESS_ID, 30.0),
-    ({"x-gateway-inference-objective": "unknown"}, 0, DEFAULT_FAIRNESS_ID, 30.0),
-    ({"x-gateway-inference-objective": "batch", "x-prefixroute-priority": "3"}, 3, DEFAULT_FAIRNESS_ID, 30.0),
-    ({"x-gateway-inference-fairness-id": "team-a", "x-prefixroute-tenant": "b"}, 0, "team-a", 30.0),
-    ({"x-prefixroute-tenant": "b"}, 0, "b", 30.0),
+    # By default a client's own priority, objective and tenant headers set nothing (its gateway strips them
+    # anyway): the fairness header alone is believed, which prefixroute's Envoy sets to the client's address.
+    (FORGED, 0, DEFAULT_FAIRNESS_ID, 30.0),
+    ({**FORGED, "x-gateway-inference-fairness-id": "address:10.0.0.7"}, 0, "address:10.0.0.7", 30.0),
     ({"x-prefixroute-deadline-ms": "2500"}, 0, DEFAULT_FAIRNESS_ID, 2.5),
     ({"x-prefixroute-deadline-ms": "-5"}, 0, DEFAULT_FAIRNESS_ID, 30.0),
     ({"x-prefixroute-deadline-ms": "3600000"}, 0, DEFAULT_FAIRNESS_ID, 60.0),  # capped: Envoy waits no longer
     ({"x-prefixroute-deadline-ms": "inf"}, 0, DEFAULT_FAIRNESS_ID, 30.0),
 ])
-def test_classifier(headers, priority, fairness, deadline) -> None:
-    c = Classifier(FlowSettings(objective_priorities=("critical=100", "batch=-1")),
-                   tenant_header="x-prefixroute-tenant").classify(headers)
+def test_classifier_believes_no_client_header(headers, priority, fairness, deadline) -> None:
+    c = Classifier(FlowSettings(objective_priorities=("critical=100", "batch=-1"))).classify(headers)
     assert (c.priority, c.fairness_id, c.deadline_s) == (priority, fairness, deadline)
+
+
+@pytest.mark.parametrize(("headers", "priority", "fairness"), [
+    ({}, 0, DEFAULT_FAIRNESS_ID),
+    ({"x-prefixroute-priority": "7"}, 7, DEFAULT_FAIRNESS_ID),
+    ({"x-prefixroute-priority": "nope"}, 0, DEFAULT_FAIRNESS_ID),  # malformed: default, no 400
+    ({"x-gateway-inference-objective": "batch"}, -1, DEFAULT_FAIRNESS_ID),
+    ({"x-gateway-inference-objective": "unknown"}, 0, DEFAULT_FAIRNESS_ID),  # only the operator's table maps
+    ({"x-gateway-inference-objective": "batch", "x-prefixroute-priority": "3"}, 3, DEFAULT_FAIRNESS_ID),
+    ({"x-gateway-inference-fairness-id": "team-a"}, 0, "team-a"),
+    ({"x-gateway-inference-fairness-id": "team-a", "x-prefixroute-tenant": "b"}, 0, "tenant:b"),  # tenant's flow
+])
+def test_classifier_behind_a_trusted_ingress(headers, priority, fairness) -> None:
+    tenants = Tenants(TenantSettings(trusted_headers=("tenant", "priority", "objective", "fairness")))
+    c = Classifier(FlowSettings(objective_priorities=("critical=100", "batch=-1")), tenants).classify(headers)
+    assert (c.priority, c.fairness_id) == (priority, fairness)
 
 
 @pytest.mark.parametrize("kw", [
@@ -215,8 +259,10 @@ def test_metrics_show_queue_per_class_and_tenant_wait_released_shed_and_saturati
     registry = CollectorRegistry()
     registry.register(FlowCollector(fc))
     text = generate_latest(registry).decode()
-    assert 'prefixroute_flow_queue_length{fairness_id="y",priority="0"} 2.0' in text
-    assert 'prefixroute_flow_queue_length{fairness_id="x"' not in text  # released: its row is gone
+    assert 'prefixroute_flow_queue_length{priority="0"} 2.0' in text
+    assert 'prefixroute_flow_queue_flows{priority="0"} 1.0' in text
+    assert 'prefixroute_flow_queue_length{priority="1"}' not in text  # released: its row is gone
+    assert "fairness_id" not in text and '"y"' not in text  # no flow's name: another tenant's is not shown
     assert 'prefixroute_flow_released_total{reason="first_token"} 1.0' in text
     assert 'prefixroute_flow_shed_total{code="429",reason="queue_full"} 1.0' in text
     assert 'prefixroute_flow_wait_seconds_bucket{le="0.25"} 0.0' in text

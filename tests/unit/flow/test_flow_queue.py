@@ -100,6 +100,18 @@ def test_lowest_is_the_newest_of_the_lowest_class() -> None:
     assert q.num_ahead(0, 1.0) == 1 and q.num_queued_at_or_above(-1) == 3
 
 
+def test_lowest_is_the_newest_of_the_tenant_holding_the_most() -> None:
+    q = FlowQueue()
+    for key, tenant in (("b1", "big"), ("s1", "small"), ("b2", "big"), ("b3", "big"), ("s2", "small")):
+        q.push(_q(key, tenant=tenant))
+    assert q.lowest().key == "b3"  # not s2, the newest overall: "big" holds 3, "small" 2
+    assert (q.num_queued_of(0, "big"), q.num_queued_of(0, "small"), q.num_queued_of(0, "none")) == (3, 2, 0)
+    q.remove(q.lowest())  # b3: both hold 2, the tie goes by name (deterministic): "small"
+    assert q.lowest().key == "s2"
+    q.remove(q.lowest())  # s2: "big" holds the most again
+    assert q.lowest().key == "b2"
+
+
 def test_a_queued_entry_cannot_be_pushed_twice() -> None:
     q = FlowQueue()
     e = _q("a")

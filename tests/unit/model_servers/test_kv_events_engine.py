@@ -116,8 +116,9 @@ def run_workload(seed: int, *, num_blocks: int = 96, num_requests: int = 120, de
         if x < 0.03 and live:
             core.abort_request(live[rng.randrange(len(live))])
         elif x < 0.06:
+            n = rep.num_batches
             core.reset_prefix_cache(reset_running_requests=rng.random() < 0.5)
-            assert rep.held == set(cache.cached)
+            assert rep.num_batches == n  # queued for the next step's batch, as vLLM's
         if decode_runs and (run := core.plan_decode_run()) is not None:
             k = rng.randint(1, run.num_steps)
             t = run.end_s(k)
@@ -194,9 +195,10 @@ def test_reset_refused_while_held_then_forced():
     assert core.reset_prefix_cache() is False and len(batches) == n and core.cache.cached
     assert core.reset_prefix_cache(reset_running_requests=True) is True
     assert core.cache.cached == {} and core.cache.num_held == 0 and r.status == 0  # back to waiting
-    assert isinstance(batches[-1][-1], AllBlocksCleared)
+    assert len(batches) == n  # AllBlocksCleared waits for the next step
     while (plan := core.plan_step()) is not None:  # the preempted request recomputes and finishes
         core.finish_step(plan, 0.0)
+    assert isinstance(batches[n][0], AllBlocksCleared)
     assert r.finished
 
 
@@ -206,3 +208,25 @@ def test_events_off_records_nothing():
     while (plan := core.plan_step()) is not None:
         core.finish_step(plan, 0.0)
     assert core.cache.events is None and core.cache.take_events() == []
+
+
+def test_reset_publishes_all_blocks_cleared_with_the_next_step_as_vllm():
+    """vLLM queues AllBlocksCleared at the reset and publishes it with the next engine step's events (first in
+    that batch); an idle server publishes nothing until its next request. Subscribers hold the cleared blocks
+    until then."""
+    batches: list[list] = []
+    core = make_core(100, 4096, 4, batches.append)
+    first = EngineRequest("a", np.arange(100), 2, block_size=16, root=1)
+    core.add_request(first)
+    while (plan := core.plan_step()) is not None:
+        core.finish_step(plan, 0.0)
+    n = len(batches)
+    assert core.reset_prefix_cache() is True and core.cache.cached == {}
+    assert core.plan_step() is None  # an idle step: still nothing to publish
+    assert len(batches) == n
+    nxt = EngineRequest("b", np.arange(1000, 1100), 2, block_size=16, root=1)
+    core.add_request(nxt)
+    core.finish_step(core.plan_step(), 0.0)
+    assert len(batches) == n + 1
+    kinds = [type(ev).__name__ for ev in batches[n]]
+    assert kinds[0] == "AllBlocksCleared" and "BlockStored" in kinds[1:], kinds

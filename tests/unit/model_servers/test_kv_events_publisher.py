@@ -3,9 +3,11 @@ tests/integration/model_servers/test_kv_events_publisher_zmq.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from prefixroute.model_servers.kv_events_publisher import KVEventsConfig, binds, parse_config
+from prefixroute.model_servers.kv_events_publisher import KVEventsConfig, binds, config_json, parse_config, vllm_binds
 from prefixroute.model_servers.server import ServerSettings
 
 
@@ -41,5 +43,24 @@ def test_config_errors_name_the_problem(text, needle):
 def test_bind_or_connect_like_vllm():
     assert binds("tcp://*:5557") and binds("tcp://127.0.0.1:*") and binds("ipc:///tmp/x") and binds("tcp://[::]:1")
     assert not binds("tcp://router.local:5557") and not binds("tcp://10.0.0.7:5557")
-    # The simulator's one deviation: a loopback address is bound (the local stack binds loopback only).
-    assert binds("tcp://127.0.0.1:5557") and binds("tcp://localhost:5557") and binds("tcp://[::1]:5557")
+    assert binds("tcp://[::ffff:127.0.0.1]:5557") and vllm_binds("tcp://[::ffff:127.0.0.1]:5557")
+    # The simulator's one deviation: an IPv4 loopback address is bound (vLLM connects to it).
+    assert binds("tcp://127.0.0.1:5557") and binds("tcp://localhost:5557")
+    assert not vllm_binds("tcp://127.0.0.1:5557") and not vllm_binds("tcp://localhost:5557")
+
+
+def test_default_addresses_bind_in_real_vllm():
+    """The addresses the stack, the bench and the docs give the servers must bind in real vLLM too, whose rule
+    is "'*' or '::' in the endpoint" (vLLM 0.32's ZmqEventPublisher._is_bind_endpoint; checked against the
+    release itself in tests/engines_real/): a plain tcp://127.0.0.1:P makes vLLM connect, so a router
+    connecting there receives nothing."""
+    cfg = json.loads(config_json(5557))
+    for key in ("endpoint", "replay_endpoint"):
+        assert "*" in cfg[key] or "::" in cfg[key], cfg[key]
+    assert cfg["endpoint"] == "tcp://[::ffff:127.0.0.1]:5557" and cfg["replay_endpoint"].endswith(":5558")
+
+
+def test_ipv6_loopback_is_refused_with_the_form_that_binds():
+    with pytest.raises(ValueError) as exc:
+        parse_config('{"enable_kv_cache_events": true, "endpoint": "tcp://[::1]:5557"}')
+    assert "tcp://[::ffff:127.0.0.1]:PORT" in str(exc.value)

@@ -33,3 +33,31 @@ def test_settings_reachable_by_flag(flag):
     p = argparse.ArgumentParser()
     settings.add_arguments(p, RouterTelemetrySettings)
     assert flag in p.format_help()
+
+
+@pytest.mark.parametrize("variable", [None, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"])
+def test_spans_go_only_to_an_endpoint_the_user_configured(monkeypatch, variable):
+    """No --otlp-endpoint and no OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT: no export at all (the SDKs' default,
+    localhost:4317, may be another user's receiver on a shared host), and the ready line says why."""
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SDK_DISABLED",
+                 "OTEL_TRACES_EXPORTER"):
+        monkeypatch.delenv(name, raising=False)
+    if variable:
+        monkeypatch.setenv(variable, "http://127.0.0.1:1")
+    t = RouterTelemetry.from_settings(RouterTelemetrySettings(metrics_port=-1))
+    try:
+        assert t.recorder.enabled is bool(variable)
+        assert (t.recorder.disabled_reason is None) is bool(variable)
+        if not variable:
+            assert "no OTLP endpoint configured" in t.recorder.disabled_reason
+    finally:
+        t.close(0.1)
+    explicit = RouterTelemetry.from_settings(RouterTelemetrySettings(metrics_port=-1,
+                                                                     otlp_endpoint="http://127.0.0.1:1"))
+    try:
+        assert explicit.recorder.enabled and explicit.recorder.disabled_reason is None
+    finally:
+        explicit.close(0.1)
+    off = RouterTelemetry.from_settings(RouterTelemetrySettings(metrics_port=-1, traces=False))
+    assert not off.recorder.enabled and off.recorder.disabled_reason is None
+    off.close(0.1)

