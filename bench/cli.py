@@ -79,7 +79,8 @@ def build_workload(s: BenchSettings) -> Workload:
                                      pressure_zipf_s=s.pressure_zipf_s, num_agents=s.num_agents,
                                      agent_num_apps=s.agent_num_apps, agent_max_active=s.agent_max_active,
                                      agent_tool_output_tokens=(tool_min, tool_max),
-                                     agent_instructions_tokens=s.agent_instructions_tokens)
+                                     agent_instructions_tokens=s.agent_instructions_tokens,
+                                     agent_loop_args=s.agent_loop_args)
     arrival = s.arrival if s.arrival != "auto" else ("trace" if s.trace else "poisson")
     if arrival not in ("trace", "poisson", "closed"):
         raise ValueError(f"--arrival must be auto, trace, poisson or closed; got {s.arrival!r}")

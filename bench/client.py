@@ -8,7 +8,7 @@ server's ``x-prefixroute-server-id``) and the HTTP status / error.
 
 Sending: one aiohttp session with keep-alive and a connection limit. Open loop (requests with
 ``arrival_s``): each request is sent at its arrival time, never earlier than the end of its
-``after_index`` request. Closed loop (no arrival times): `concurrency` workers take requests in order.
+``after_index`` request plus its ``think_s``. Closed loop (no arrival times): `concurrency` workers take requests in order.
 Bounds: `max_requests` (first N of the sequence) and `max_duration_s` (no request starts after it;
 requests still in flight then are cancelled and recorded as errors ``deadline``).
 
@@ -361,6 +361,7 @@ class _Replay:
     progress: Progress | None
     done_events: dict[int, asyncio.Event]
     results: dict[int, RequestResult] = dataclasses.field(default_factory=dict)
+    ended_at: dict[int, float] = dataclasses.field(default_factory=dict)  # request index -> perf_counter at its end
 
     async def one(self, spec: RequestSpec) -> None:
         """Send `spec` once its `after_index` request is done (unless the deadline passed meanwhile) and record it;
@@ -368,6 +369,14 @@ class _Replay:
         dep = spec.after_index
         if dep is not None and dep in self.done_events:
             await self.done_events[dep].wait()
+            if spec.think_s > 0:  # the agent's tool runs after its previous answer
+                ready = self.ended_at.get(dep, time.perf_counter()) + spec.think_s
+                if ready > self.deadline:
+                    self.done_events[spec.index].set()
+                    return
+                delay = ready - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
         if time.perf_counter() >= self.deadline:
             self.done_events[spec.index].set()
             return
@@ -386,6 +395,7 @@ class _Replay:
         if spec.arrival_s is not None and spec.after_index is None:
             res.send_lag_ms = (res.start_s - spec.arrival_s) * 1000.0
         self.results[spec.index] = res
+        self.ended_at[spec.index] = time.perf_counter()
         self.done_events[spec.index].set()
         if self.progress:
             self.progress.update(res.ok)

@@ -19,11 +19,14 @@ class BenchSettings(Settings):
 
     # --- what to send
     workload: str = setting("shared-prompts", "Synthetic workload: shared-prompts, multi-turn, documents, mix, "
-                            "capacity-pressure, agents or tenants (ignored with --trace). shared-prompts is issue "
-                            "7's headline workload; capacity-pressure (a working set about twice the fleet's KV "
-                            "cache) issue 13's; agents (tool-calling agents over the Responses API, the chat "
-                            "equivalent for routers that speak chat) issue 14's; tenants (Zipf-popular tenants' "
-                            "system prompts + multi-turn sessions: mostly short cache hits) issue 26's.")
+                            "capacity-pressure, agents, tenants or an agent-loops one (ignored with --trace). "
+                            "shared-prompts: many long system prompts (the headline figures); capacity-pressure: a "
+                            "working set about twice the fleet's KV cache; agents: tool-calling agents over the "
+                            "Responses API (the chat equivalent for routers that speak chat); tenants: Zipf-popular "
+                            "tenants' system prompts + multi-turn sessions, mostly short cache hits; agent-loops "
+                            "(and its shapes -short-preamble, -long-preamble, -few, -many, -apps, -fanout): agents "
+                            "re-sending a growing context behind a shared tool preamble, with think times "
+                            "(--agent-loop-args).")
     trace: str = setting("", "Mooncake-format JSONL trace to replay instead of a synthetic workload "
                          "(timestamp ms, input_length, output_length, hash_ids per 512-token block).")
     trace_block_tokens: int = setting(512, "Tokens per hash id in the trace (Mooncake: 512; other traces of "
@@ -69,6 +72,12 @@ class BenchSettings(Settings):
     agent_instructions_tokens: int = setting(3000, "agents: tokens of each app's instructions. ~3,000 as coding "
                                              "agents' system prompts; a miss then costs ~0.2 s of prefill on the "
                                              "70B profile.")
+    agent_loop_args: tuple[str, ...] = setting((), "agent-loops workloads (agent-loops, agent-loops-short-preamble, "
+                                               "-long-preamble, -few, -many, -apps, -fanout: bench/agent_loops.py): "
+                                               "KEY=VALUE changes of the named shape, comma-separated, e.g. "
+                                               "'num_agents=48,max_think_s=5' (keys: the fields of AgentLoopShape). "
+                                               "Requests = --num-requests turns; arrivals as --arrival, each "
+                                               "follow-up at least its think time after its previous turn ends.")
     num_documents: int = setting(32, "documents: number of documents (Zipf popularity, s=1.1).")
     document_tokens: int = setting(4096, "documents: tokens per document.")
     pressure_num_groups: int = setting(128, "capacity-pressure: distinct long shared prefixes (documents, system "

@@ -22,7 +22,8 @@ never fail, so no failover), health probes (every server is up from the start, a
 
 Arrivals, as the live client (`bench/client.py`) sends them:
 - open loop (trace or Poisson times): a request arrives at its time, but never before its ``after_index``
-  request (the previous turn of its session) has finished: it is then sent the moment that turn ends;
+  request (the previous turn of its session) has finished, plus its ``think_s``: it is then sent that long
+  after that turn ends;
 - closed loop (no times): ``concurrency`` clients each take the next request in index order, wait for its
   ``after_index`` request if that is still running, send it, and take the next one when it finishes.
 Both use the fleet's ``on_finish`` callback; a refused request (router or server 4xx) finishes at once.
@@ -127,6 +128,7 @@ class _Arrivals:
         self.closed = any(r.arrival_s is None for r in workload.requests)
         self.concurrency = max(1, concurrency)
         deps = {str(r.index): str(r.after_index) for r in workload.requests if r.after_index is not None}
+        self.think_s = {str(r.index): r.think_s for r in workload.requests if r.think_s > 0}
         ids = {s.request_id for s in sims}
         self.after = {k: v for k, v in deps.items() if v in ids}  # one outside the workload never blocks
         self.sims = [dataclasses.replace(s) for s in sims]
@@ -169,6 +171,11 @@ class _Arrivals:
         if self.closed:
             for s in out:
                 s.arrival_s = fleet.now_s
+        for s in out:  # a think time after the previous turn (an agent's tool) delays the follow-up
+            think = self.think_s.get(s.request_id)
+            if think and s.arrival_s < fleet.now_s + think:
+                s.arrival_s = fleet.now_s + think
+        if self.closed:
             out = out + self._next_for_client(fleet.now_s)
         return out
 

@@ -30,7 +30,9 @@ class RequestSpec:
     /v1/completions) is set. `arrival_s` is seconds from the start of the run, None under closed-loop
     arrivals. `group_id` names the shared prefix the request belongs to (prompt group, document,
     session or first trace block) for analysis; `after_index` is the index of a request that must
-    finish before this one is sent (previous turn of a session).
+    finish before this one is sent (previous turn of a session); `think_s` is how long after that request ends the
+    client waits before sending this one (an agent's tool call running), so a follow-up goes at its arrival
+    time or `think_s` after its previous turn, whichever is later.
 
     Tool-calling requests (the ``agents`` workload) also carry `tools` (chat form: ``{"type": "function",
     "function": {...}}``) and `tool_choice`, sent with `messages` on /v1/chat/completions, and `responses`: the
@@ -49,6 +51,7 @@ class RequestSpec:
     session_id: str | None = None
     turn: int = 0
     after_index: int | None = None
+    think_s: float = 0.0
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: str | None = None
     responses: dict[str, Any] | None = None

@@ -3,7 +3,8 @@
 A workload (bench/workload_spec.py) is a tuple of `RequestSpec` in send order plus the parameters that made
 it. The same parameters and seed always give byte-identical requests, so every router in a bench run sees
 the same sequence. Nothing here does I/O. The synthetic workloads are here (shared-prompts, multi-turn,
-documents, mix, capacity-pressure, tenants); agents in bench/agents_workload.py; trace replays in bench/traces.py.
+documents, mix, capacity-pressure, tenants); agents in bench/agents_workload.py; the agent-loops family in
+bench/agent_loops.py; trace replays in bench/traces.py.
 Their text is bench/synthetic_text.py's: requests share a text prefix exactly when they share leading
 blocks.
 
@@ -26,13 +27,15 @@ import random
 from collections.abc import Iterator
 from typing import Literal
 
+from prefixroute.bench.agent_loops import SHAPES as AGENT_LOOP_SHAPES, agent_loops
 from prefixroute.bench.agents_workload import agents
 from prefixroute.bench.synthetic_text import block_text
 from prefixroute.bench.workload_spec import RequestSpec, Workload, check_positive
 
 ArrivalKind = Literal["trace", "poisson", "closed"]
 
-WORKLOAD_NAMES = ("shared-prompts", "multi-turn", "documents", "mix", "capacity-pressure", "agents", "tenants")
+WORKLOAD_NAMES = ("shared-prompts", "multi-turn", "documents", "mix", "capacity-pressure", "agents", "tenants",
+                  *AGENT_LOOP_SHAPES)
 
 
 def shared_prompts(*, num_groups: int = 8, prefix_tokens: int = 2048, question_tokens: int = 64,
@@ -318,10 +321,15 @@ def make_workload(name: str, *, num_requests: int, seed: int, output_tokens: int
                   pressure_min_prefix_tokens: int = 2048, pressure_max_prefix_tokens: int = 8192,
                   pressure_zipf_s: float = 0.8, num_agents: int = 32, agent_instructions_tokens: int = 3000,
                   agent_num_apps: int = 4, agent_max_active: int = 0,
-                  agent_tool_output_tokens: tuple[int, int] = (150, 400)) -> Workload:
+                  agent_tool_output_tokens: tuple[int, int] = (150, 400),
+                  agent_loop_args: str | tuple[str, ...] = ()) -> Workload:
     """Build a synthetic workload by name (one of WORKLOAD_NAMES) from the CLI's knobs (the pressure_* ones,
     with capacity_pressure's defaults, apply to capacity-pressure only; num_agents and agent_* to agents, which
-    also takes num_turns and output_tokens)."""
+    also takes num_turns and output_tokens; agent_loop_args, ``key=value`` changes of the shape, to the
+    agent-loops workloads, which take num_requests and their own output lengths)."""
+    if name in AGENT_LOOP_SHAPES:
+        return agent_loops(AGENT_LOOP_SHAPES[name].with_args(agent_loop_args), num_requests=num_requests, seed=seed,
+                           name=name)
     if name == "shared-prompts":
         return shared_prompts(num_groups=num_groups, prefix_tokens=prefix_tokens, question_tokens=question_tokens,
                               num_requests=num_requests, output_tokens=output_tokens, seed=seed)

@@ -346,7 +346,9 @@ def _endpoint_panels(snap: dict, live: dict[str, EndpointLive], shares: D.Shares
     st.caption("Hit: actual (server-reported cached / prompt tokens); predicted: the router's estimate. "
                "In-flight: time-averaged requests in flight over the charted span (from the stored start/end "
                "times). Healthy, running, waiting, KV usage: live, from the router's endpoint pool (its "
-               "/metrics). Index: where the router learns what the endpoint caches (events: its KV events; feedback: "
+               "/metrics). Conversations: requests extending an earlier prompt that the router follows there; "
+               "prefill load: its estimate of the endpoint's recent prefill utilisation, what a conversation's "
+               "further turns are priced at (an endpoint under ~0.3 takes new conversations). Index: where the router learns what the endpoint caches (events: its KV events; feedback: "
                "its own picks corrected by the cached tokens responses report; approximate: its picks alone). "
                "Errors: 5xx and failed requests; refused: 4xx."
                + ("  \n" + _sentence("; ".join(notes)) if notes else ""))

@@ -287,7 +287,8 @@ def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping
 
     Columns (most telling first): endpoint, num_requests, share_ratio, actual_hit_ratio, predicted_hit_ratio,
     index_source (text: events / events (STATE) for an events endpoint whose events are not used now, e.g.
-    events (undecodable), events (down): it is matched by feedback meanwhile / feedback / approximate), mean_in_flight, healthy (1/0), running, waiting, kv_cache_usage_ratio, ttft_ms_p50, ttft_ms_p99,
+    events (undecodable), events (down): it is matched by feedback meanwhile / feedback / approximate), mean_in_flight, healthy (1/0), running, waiting, kv_cache_usage_ratio, conversations (whose last turn went
+    there), prefill_load_ratio (the router's estimate of its recent prefill utilisation), ttft_ms_p50, ttft_ms_p99,
     requests_per_s, num_errors, num_refused.
     """
     mean_in_flight = mean_in_flight or {}
@@ -303,14 +304,15 @@ def endpoint_frame(rows: Sequence[Mapping[str, Any]], *, mean_in_flight: Mapping
                     "healthy": None if lv.healthy is None else float(lv.healthy),
                     "running": lv.num_requests_running, "waiting": lv.num_requests_waiting,
                     "kv_cache_usage_ratio": lv.kv_cache_usage_ratio,
+                    "conversations": lv.num_conversations, "prefill_load_ratio": lv.prefill_utilization_ratio,
                     "actual_hit_ratio": r.get("actual_hit_ratio"), "predicted_hit_ratio": r.get("predicted_hit_ratio"),
                     "index_source": _index_source_text(lv),
                     "ttft_ms_p50": r.get("ttft_ms_p50"), "ttft_ms_p99": r.get("ttft_ms_p99"),
                     "num_errors": r.get("num_errors", 0), "num_refused": r.get("num_refused", 0)})
     cols = ["endpoint", "num_requests", "share_ratio", "actual_hit_ratio", "predicted_hit_ratio", "index_source",
             "mean_in_flight",
-            "healthy", "running", "waiting", "kv_cache_usage_ratio", "ttft_ms_p50", "ttft_ms_p99", "requests_per_s",
-            "num_errors", "num_refused"]
+            "healthy", "running", "waiting", "kv_cache_usage_ratio", "conversations", "prefill_load_ratio",
+            "ttft_ms_p50", "ttft_ms_p99", "requests_per_s", "num_errors", "num_refused"]
     frame = pd.DataFrame(out, columns=cols)
     # Unknown figures as NaN (rendered blank), not None objects (rendered "None").
     return frame.astype({c: "float64" for c in cols

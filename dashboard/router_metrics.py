@@ -30,6 +30,10 @@ class EndpointLive:
     predicted_prompt_tokens: float | None = None
     predicted_gpu_tokens: float | None = None
     predicted_cpu_tokens: float | None = None
+    # conversations whose last turn went there, and the router's estimate of its recent prefill utilisation
+    # (what the prefix policy prices a conversation's further turns at; routing/conversations.py)
+    num_conversations: float | None = None
+    prefill_utilization_ratio: float | None = None
 
 
 _ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
@@ -43,6 +47,8 @@ _ROUTER_GAUGES = {  # gauge (telemetry/metrics.py) -> EndpointLive field
     "prefixroute_endpoint_prefix_cache_tokens": "prefix_cache",  # the `kind` label names the field
     "prefixroute_tier_predicted_prompt_tokens": "predicted_prompt_tokens",
     "prefixroute_predicted_tier_hit_tokens": "predicted_tier",  # the `tier` label names the field
+    "prefixroute_conversations": "num_conversations",
+    "prefixroute_endpoint_prefill_utilization_ratio": "prefill_utilization_ratio",
 }
 _PREDICTED_TIERS = {"gpu": "predicted_gpu_tokens", "cpu": "predicted_cpu_tokens"}
 _CACHE_KINDS = {"queried": "queried_tokens", "gpu_hit": "gpu_hit_tokens", "cpu_hit": "cpu_hit_tokens"}

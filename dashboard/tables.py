@@ -52,6 +52,10 @@ LIVE_TABLE_COLUMNS: tuple[TableColumn, ...] = (
     ("waiting", "waiting", lambda v: f"{v:.0f}"),
     # One decimal: 500 blocks in use of 70,000 read 0.7 %, not 0 %.
     ("kv_cache_usage_ratio", "KV usage", lambda v: format_ratio(v, 1)),
+    # The load conversations are placed by (routing/conversations.py): how many the router follows there, and
+    # its estimate of the endpoint's recent prefill utilisation.
+    ("conversations", "conversations", lambda v: f"{v:.0f}"),
+    ("prefill_load_ratio", "prefill load", format_ratio),
     ("index_source", "index", str),
 )
 _ALWAYS_SHOWN = ("endpoint", "num_requests", "num_errors", "num_refused")

@@ -42,6 +42,7 @@ from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.tenants import Tenants, TenantSettings
 from prefixroute.extproc.tracking import RequestTracker
 from prefixroute.extproc.service import PoolRouter
+from prefixroute.extproc.routing.conversations import ConversationsCollector
 from prefixroute.extproc.routing.sessions import SessionsCollector
 from prefixroute.extproc.routing.text_hash_cache import PromptHashCachesCollector
 from prefixroute.extproc.lifecycle_listeners import TierPredictionCollector
@@ -227,6 +228,10 @@ def _telemetry_for(router: PoolRouter, pool: EndpointPool, event_index: KVEventI
     telemetry.metrics.registry.register(ResponsesCollector(router.responses, router.lookup))
     if core.sessions is not None:  # chat sessions (prefixroute_sessions*), when the policy keeps them
         telemetry.metrics.registry.register(SessionsCollector(core.sessions))
+    conversations = getattr(core.scheduler.policy, "conversations", None)
+    if conversations is not None:  # conversations and the load they are priced at (prefixroute_conversation*)
+        telemetry.metrics.registry.register(ConversationsCollector(
+            conversations.table, lambda: conversations.model.utilizations(router.clock())))
     # The pool's health judgement: probes by outcome, ejections, panic mode, the loop's lag (prefixroute_pool_*, ...).
     telemetry.metrics.registry.register(PoolHealthCollector(pool))
     # The prompt-hashing caches' hits and misses (prefixroute_prompt_hash_cache_*).

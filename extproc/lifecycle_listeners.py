@@ -95,8 +95,9 @@ class TimeModelListener(LifecycleListener):
     """The prefix policy's time model (`ttft_learner.TtftLearner`; registered only for a policy that has one):
     the pick leaves the pending queue at its first token or release; the rate learns from (TTFT, usage)."""
 
-    def __init__(self, learner: TtftLearner) -> None:
+    def __init__(self, learner: TtftLearner, clock: Callable[[], float] | None = None) -> None:
         self.learner = learner
+        self.clock = clock  # the router's monotonic clock (the picks'): a release's time, for the decode load
 
     def on_first_token(self, pick: Pick) -> None:
         self.learner.on_first_token(pick.request, pick.decision, pick.ttft_s)  # type: ignore[arg-type]
@@ -105,7 +106,7 @@ class TimeModelListener(LifecycleListener):
         self.learner.on_usage(pick.request, pick.decision, pick.prompt_tokens, pick.cached_tokens)
 
     def on_released(self, pick: Pick) -> None:
-        self.learner.on_release(pick.request, pick.decision)
+        self.learner.on_release(pick.request, pick.decision, self.clock() if self.clock is not None else None)
 
 
 class PeersListener(LifecycleListener):

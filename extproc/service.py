@@ -156,7 +156,7 @@ class PoolRouter:
         self.lifecycle = Lifecycle()
         self._peers = PeersListener(core)
         for listener in (PoolListener(pool), ResponsesListener(self.responses, self._set_known_prefix),
-                         IndexListener(core), *([TimeModelListener(core.learner)] if core.learner else []),
+                         IndexListener(core), *([TimeModelListener(core.learner, clock)] if core.learner else []),
                          self._peers):
             self.lifecycle.add(listener)
         # The hit prediction by KV tier, for /metrics: only with a tier-aware events index.

@@ -10,7 +10,8 @@ fixed cost per entry and a number of entries; `plan` divides the budget between 
 | 1/8 | Responses directory (`extproc/response_directory.py`) | `RESPONSE_ID_ENTRY_BYTES` (ids are 16-byte digests) |
 | 1/4 | prompt hashing: `tokens.PromptHasher` (7/8; token mode), `text_hash_cache.TextHashCache` (the rest, at most its entries) | token ids, chain states; `TEXT_SPAN_ENTRY_BYTES` a span |
 | 1/4 | other replicas' pending picks and requests in flight (extproc/peers) | `peer_pick_bytes(blocks)` / `PEER_IN_FLIGHT_ENTRY_BYTES` |
-| 1/4 | headroom: requests in flight (held while they run, ~`IN_FLIGHT_REQUEST_BYTES` each), allocator slack | |
+| 1/16 | conversations recognised by prefix chain (`conversations.ConversationTable`) | `conversations.CONVERSATION_ENTRY_BYTES` |
+| 3/16 | headroom: requests in flight (held while they run, ~`IN_FLIGHT_REQUEST_BYTES` each), allocator slack | |
 
 Every client-supplied value a table keeps is bounded before it gets there (request.py `MAX_KEY_CHARS`, digests
 for session and response ids), so the per-entry figures are worst cases, measured with tracemalloc
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from prefixroute.extproc.routing.conversations import CONVERSATION_ENTRY_BYTES, ROOT_ENTRY_BYTES
 from prefixroute.extproc.routing.sessions import SESSION_ENTRY_BYTES
 
 MIB = 1024 * 1024
@@ -53,6 +55,10 @@ SESSIONS_SHARE = 1 / 8
 RESPONSE_IDS_SHARE = 1 / 8
 TOKENIZER_SHARE = 1 / 4
 PEERS_SHARE = 1 / 4
+CONVERSATIONS_SHARE = 1 / 16
+ROOTS_PER_CONVERSATION = 1 / 16
+"""Roots (shared prefixes conversations branch off) kept per conversation kept: far more conversations than
+distinct system prompts or tool preambles."""
 
 
 def peer_pick_bytes(num_blocks: int) -> int:
@@ -72,13 +78,16 @@ class MemoryPlan:
     max_peer_picks: int
     max_peer_in_flight: int
     max_blocks_per_request: int  # hashes one request can carry (text or token blocks): what a peer pick may hold
+    max_conversations: int = 1
+    max_roots: int = 1
 
     def describe(self) -> str:
         """One line for the log at start."""
         return (f"memory budget {self.budget_bytes // MIB} MiB: {self.max_sessions} sessions, "
                 f"{self.max_response_ids} response ids, tokenizer caches {self.tokenizer_cache_bytes // MIB} MiB, "
                 f"text hash cache {self.text_hash_cache_bytes // MIB} MiB, "
-                f"{self.max_peer_picks} peer picks, {self.max_peer_in_flight} peer requests in flight")
+                f"{self.max_peer_picks} peer picks, {self.max_peer_in_flight} peer requests in flight, "
+                f"{self.max_conversations} conversations")
 
 
 def plan(settings) -> MemoryPlan:  # noqa: ANN001 - RoutingSettings (import cycle)
@@ -100,4 +109,7 @@ def plan(settings) -> MemoryPlan:  # noqa: ANN001 - RoutingSettings (import cycl
         max_peer_picks=max(1, int(peers * 7 / 8 // peer_pick_bytes(blocks))),
         max_peer_in_flight=max(1, int(peers / 8 // PEER_IN_FLIGHT_ENTRY_BYTES)),
         max_blocks_per_request=blocks,
+        max_conversations=(conv := max(1, int(budget * CONVERSATIONS_SHARE
+                                              // (CONVERSATION_ENTRY_BYTES + ROOT_ENTRY_BYTES * ROOTS_PER_CONVERSATION)))),
+        max_roots=max(1, int(conv * ROOTS_PER_CONVERSATION)),
     )

@@ -108,6 +108,22 @@ class RoutingSettings(Settings):
         "step costs (../shared/calibration, model_servers/cost_model.py) one decode sequence adds ~0.1 ms to a "
         "step: 1.3 tokens' worth of prefill for the 70B on TP4, 2.7 for the 8B. 64 (the round-1 figure, per "
         "request rather than per step) priced a busy holder 20x too dear and scattered documents and sessions.")
+    attention_tokens: float = setting(
+        32768.0,
+        "Time model: the context (tokens) at which attention doubles what a prefill token costs. A prefill of n "
+        "new tokens on c cached is priced n x (1 + (c + n/2) / this), and each decoding request adds its context / "
+        "this to every engine step (the engines' step cost is linear in new tokens and in new tokens x context: "
+        "model_servers/cost_model.py). 32768: Llama 3.1 70B on H200s (the calibration: 28k for small steps, 36k "
+        "for full chunks), so 700 new tokens on a 25k-token context cost 1.7x 700 cold ones; the 8B is ~16k. "
+        "0 = context not priced (every token the same).")
+    conversation_horizon_turns: float = setting(
+        32.0,
+        "Conversations (chats, agents in tool loops: a request that extends an earlier one's prompt) are placed by "
+        "the load they will bring: each candidate's score adds the waiting their expected further turns (learned "
+        "per shared prefix: 0 for one-off questions) would add there at its recent utilisation "
+        "(scheduling/conversation_load.py). This caps the turns counted: 32 covers an agent's life of a few "
+        "dozen turns, while a utilisation estimate of a few seconds says little about minutes ahead. 0 = off "
+        "(place each request by its own predicted TTFT only).")
     ttft_step_tokens: float = setting(
         8192.0,
         "Time model: tokens an engine step computes at most (vLLM's max_num_batched_tokens: a prefill longer "
@@ -323,7 +339,7 @@ class RoutingSettings(Settings):
         if self.placement_window_requests < 1:
             raise ValueError(f"placement_window_requests must be >= 1; got {self.placement_window_requests}")
         for name in ("ttft_prior_base_s", "ttft_work_weight", "decode_cost_tokens", "placement_victim_weight",
-                     "placement_replica_weight"):
+                     "placement_replica_weight", "attention_tokens", "conversation_horizon_turns"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
 

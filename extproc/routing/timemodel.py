@@ -39,6 +39,7 @@ prior x MAX_RATE_RATIO]. Not thread-safe (one event loop, like the router).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from typing import NewType
 
@@ -84,6 +85,35 @@ window of saturated observations (long queues only) moved the intercept to 1.2 s
 endpoint 60x slow (virtual sweep, 300 x 8k-token prompts at 100% load: prediction error 300%; 0.1 s: 190%;
 60 ms: 107%, routing unchanged)."""
 
+LOAD_WINDOW_S = 10.0
+"""`TimeModel.utilization` averages the work routed to an endpoint over ~10 s: several turns of each agent or
+chat at the think times they keep (0.5-3 s), so one burst does not make an endpoint look loaded for long, yet a
+busy endpoint's load is seen within a few seconds."""
+
+ROBUST_CLIP_SCALES = 3.0
+ROBUST_AFTER = 8
+RESIDUAL_SCALE_STEP = 1 / 16
+"""After its first 8 responses, an estimate learns each TTFT clipped to its prediction +- 3 typical residuals (a
+running median of |TTFT - prediction|, steps of 1/16 of it): Huber's bound on least squares. TTFTs on a shared or
+overloaded host have a heavy tail (stalls of several times the typical response): least squares followed them
+and over-predicted the typical TTFT (a synthetic fleet with 10% of its responses 2-8x slower: median error 49%
+at the prior's own speed; clipped: 15%, tests/unit/routing/test_routing_timemodel.py). A real change of speed
+moves every residual, so the scale and the clip grow with it."""
+
+IDLE_BASE_STEP = 1 / 16
+IDLE_BASE_MARGIN = 1.25
+"""The base's bound also follows what the endpoint shows when nothing was queued ahead of a request (an *idle*
+observation: its TTFT is the base plus its own prefill): a running median of such TTFTs less their own prefill
+at the fitted rate (steps of 1/16 of it, so a few dozen idle responses find it and a host's occasional stall does
+not move it), times 1.25, when that is above the prior's bound. An engine whose every
+step carries a fixed cost far above a GPU's (a CPU server: ~150 ms a step with the tiny test model, against the
+prior's 15 ms) was held at the 60 ms bound and predicted at a third of its TTFT (real vLLM on CPU: 52.8 ms
+predicted, 155 ms measured); a saturated window has no idle observation and keeps the prior's bound."""
+
+IDLE_BASE_MIN_CV = 0.25
+"""...but only while the observations' work sizes spread (coefficient of variation >= 0.25): responses of one
+size cannot tell a slow rate from a large base."""
+
 MAX_RATE_RATIO = 20.0
 """A learned rate stays within 20x of the prior either way: GPUs and models in one fleet differ by up to ~10x
 (an 8B on an H200 prefills ~35k tokens/s, a 70B on TP4 ~13k, on one older GPU a few thousand), and a bound
@@ -112,6 +142,13 @@ class RateEstimate:
     _sxy: float = 0.0
     num_observations: int = 0
     _cache: tuple[float, float] | None = None
+    idle_base_s: float = 0.0  # running median of idle TTFTs less own prefill (0: none seen); see IDLE_BASE_*
+    residual_scale_s: float = 0.0  # running median of |TTFT - prediction| (0: none seen); see ROBUST_*
+    # The real observations' work: weight, sum, sum of squares (the same decay): whether their sizes spread enough
+    # to tell a base from a rate (`_spread`).
+    _rw: float = 0.0
+    _rx: float = 0.0
+    _rxx: float = 0.0
 
     def __post_init__(self) -> None:
         half = self.prior_weight / 2.0
@@ -125,11 +162,30 @@ class RateEstimate:
         self._sxx += w * x * x
         self._sxy += w * x * y
 
-    def observe(self, work_tokens: float, ttft_s: float) -> None:
+    def observe(self, work_tokens: float, ttft_s: float, idle: bool = False) -> None:
         """One response: `work_tokens` of prefill were ahead of and including it at its pick, and its first
-        token came `ttft_s` after. Negative or non-finite inputs are ignored."""
+        token came `ttft_s` after; `idle`: nothing was queued ahead of it (its work is its own). Negative or
+        non-finite inputs are ignored."""
         if not (work_tokens >= 0.0 and ttft_s >= 0.0) or work_tokens == float("inf") or ttft_s == float("inf"):
             return
+        rate, base = self._fit()
+        predicted = base + work_tokens / rate
+        residual = abs(ttft_s - predicted)
+        scale = self.residual_scale_s
+        if scale and self.num_observations >= ROBUST_AFTER:
+            # Clipped to the prediction +- ROBUST_CLIP_SCALES typical residuals: a stall of the host or the
+            # server (a TTFT of seconds now and then) moves the fit no more than a response that far off would,
+            # so the fit follows the typical response; a real change of speed moves every residual, hence the
+            # scale, and is learned at the pace of the window.
+            bound = ROBUST_CLIP_SCALES * scale
+            ttft_s = min(max(ttft_s, predicted - bound), predicted + bound)
+        self.residual_scale_s = residual if not scale else scale * (
+            1.0 + RESIDUAL_SCALE_STEP if residual > scale else 1.0 - RESIDUAL_SCALE_STEP)
+        if idle:
+            b = max(0.0, ttft_s - work_tokens / rate)
+            m = self.idle_base_s
+            # A running median (multiplicative steps): a host's stalls (seconds, now and then) must not move it.
+            self.idle_base_s = b if not m else m * (1.0 + IDLE_BASE_STEP if b > m else 1.0 - IDLE_BASE_STEP)
         decay = 1.0 - 1.0 / self.window
         self._w *= decay
         self._sx *= decay
@@ -137,6 +193,9 @@ class RateEstimate:
         self._sxx *= decay
         self._sxy *= decay
         self._add(work_tokens, ttft_s, 1.0)
+        self._rw = self._rw * decay + 1.0
+        self._rx = self._rx * decay + work_tokens
+        self._rxx = self._rxx * decay + work_tokens * work_tokens
         # The prior keeps a small floor of weight (in steady state ~prior_weight / window observations, ~0.06
         # by default): after many observations it still anchors a degenerate window (every observation at one
         # work size) instead of letting the slope go undefined, yet cannot bias a real spread of observations.
@@ -159,7 +218,8 @@ class RateEstimate:
         base = my - slope * mx
         # The bound scales with the learned slowness: an engine whose prefill is 6x slower than the prior's
         # has 6x longer steps too.
-        max_base = max(MAX_BASE_RATIO * self.prior_base_s * self.prior_rate * slope, MIN_MAX_BASE_S)
+        max_base = max(MAX_BASE_RATIO * self.prior_base_s * self.prior_rate * slope, MIN_MAX_BASE_S,
+                       IDLE_BASE_MARGIN * self.idle_base_s if self._spread() else 0.0)
         if not 0.0 <= base <= max_base:
             # The intercept is outside what one engine step can be (a saturated window, where every
             # observation has a long queue, lets it absorb queueing): fix it at the bound and fit the slope
@@ -170,6 +230,17 @@ class RateEstimate:
                 slope = min(max((self._sxy / w - base * mx) / sxx, 1.0 / hi), 1.0 / lo)
         self._cache = (1.0 / slope, base)
         return self._cache
+
+    def _spread(self) -> bool:
+        """Whether the observations' work sizes spread enough (coefficient of variation >= IDLE_BASE_MIN_CV) for
+        their intercept to say anything: TTFTs of one size cannot tell a slow rate from a large base, and
+        the prior's bound then keeps the base a GPU step's."""
+        w = self._rw
+        if w <= 0.0 or self._rx <= 0.0:
+            return False
+        mean = self._rx / w
+        var = self._rxx / w - mean * mean
+        return var > 0.0 and var >= (IDLE_BASE_MIN_CV * mean) ** 2
 
     @property
     def rate(self) -> TokensPerSecond:
@@ -245,18 +316,55 @@ class _PendingBlocks:
         return lo
 
 
+DECODE_S_WEIGHT = 1 / 64
+"""Weight of the newest request in `TimeModel.mean_decode_s`."""
+
+
+class _Load:
+    """One endpoint's recent prefill seconds, an exponentially decaying sum (time constant ``window_s``): divided
+    by the window, its prefill utilisation."""
+
+    __slots__ = ("prefill", "t")
+
+    def __init__(self) -> None:
+        self.prefill = 0.0
+        self.t: float | None = None
+
+    def at(self, now_s: float, window_s: float) -> float:
+        if self.t is None:
+            return 0.0
+        dt = now_s - self.t
+        return self.prefill * (math.exp(-dt / window_s) if dt > 0 else 1.0) / window_s
+
+    def add(self, prefill_s: float, now_s: float, window_s: float) -> None:
+        if self.t is not None and now_s > self.t:
+            self.prefill *= math.exp(-(now_s - self.t) / window_s)
+        if self.t is None or now_s > self.t:
+            self.t = now_s
+        self.prefill += prefill_s
+
+
 class TimeModel:
     """Per-endpoint rates and pending prefill (module docstring). Keys of pending requests are any hashable
     the caller chooses (the policy uses the request object's identity)."""
 
     def __init__(self, prior_tokens_per_s: float, prior_base_s: float = 0.015, *, decode_cost_tokens: float = 2.0,
-                 step_tokens: float = 8192.0, window: float = 64.0, prior_weight: float = 4.0) -> None:
+                 step_tokens: float = 8192.0, window: float = 64.0, prior_weight: float = 4.0,
+                 attention_tokens: float = 0.0, load_window_s: float = LOAD_WINDOW_S) -> None:
         if prior_tokens_per_s <= 0:
             raise ValueError("prior_tokens_per_s must be > 0")
+        if attention_tokens < 0 or not load_window_s > 0:
+            raise ValueError("attention_tokens must be >= 0 and load_window_s > 0")
         self.prior_tokens_per_s = prior_tokens_per_s
         self.prior_base_s = prior_base_s
         self.decode_cost_tokens = decode_cost_tokens
         self.step_tokens = step_tokens
+        self.attention_tokens = attention_tokens
+        # A cold chunk of step_tokens is `step_tokens` of work (what the prior rate was measured on): the
+        # attention of its tokens is inside that rate already.
+        self.work_norm = 1.0 / (1.0 + step_tokens * 0.5 / attention_tokens) if attention_tokens else 1.0
+        self.inv_attention = 1.0 / attention_tokens if attention_tokens else 0.0  # 0: attention not priced
+        self.load_window_s = load_window_s
         self.window = window
         self.prior_weight = prior_weight
         self._rates: dict[EndpointId, RateEstimate] = {}
@@ -280,6 +388,15 @@ class TimeModel:
         # first block hash -> endpoints with a pending request starting with it (count): `pending_matches`
         # looks only at those, not at every endpoint with something pending.
         self._first: dict[BlockHash, dict[EndpointId, int]] = {}
+        # Requests past their first token (decoding): key -> (endpoint, context tokens); per endpoint their
+        # count and context sum (`decode_context`), what each engine step spends on them.
+        self._decoding: dict[Hashable, tuple[EndpointId, float, float | None]] = {}
+        self._decode_ctx: dict[EndpointId, tuple[int, float]] = {}
+        self.decode_ctx: Mapping[EndpointId, tuple[int, float]] = self._decode_ctx
+        # endpoint -> its recent prefill seconds (`utilization`).
+        self._loads: dict[EndpointId, _Load] = {}
+        self.loads: Mapping[EndpointId, _Load] = self._loads  # read-only view (`ConversationLoad.costs` reads it)
+        self.mean_decode_s = 0.0  # exponential average of the requests' decode durations (first token to end)
 
     # --- rates ------------------------------------------------------------------------------------------------
     def estimate(self, endpoint: EndpointId) -> RateEstimate:
@@ -299,17 +416,20 @@ class TimeModel:
         return TokensPerSecond(self.priced(endpoint)[0])
 
     def observe(self, endpoint: EndpointId, prompt_tokens: float, cached_tokens: float, ttft_s: float,
-                queued_tokens_at_pick: float, decoding_at_pick: int = 0) -> None:
+                queued_tokens_at_pick: float, decoding_at_pick: int = 0, decode_context_at_pick: float = 0.0) -> None:
         """A response from `endpoint`: its true prompt and cached tokens (usage), its TTFT, and the work the
-        model saw ahead of it at its pick (``queued`` tokens and ``decoding`` requests, as `predict` took them)."""
-        own = max(0.0, prompt_tokens - cached_tokens)
-        work = self.work_tokens(queued_tokens_at_pick, own, decoding_at_pick)
+        model saw ahead of it at its pick (``queued`` work and ``decoding`` requests at their mean context, as
+        `predict` took them)."""
+        cached = max(0.0, min(cached_tokens, prompt_tokens))
+        own = self.prefill_work(max(0.0, prompt_tokens - cached), cached)
+        work = self.work_tokens(queued_tokens_at_pick, own, decoding_at_pick, decode_context_at_pick)
         est = self.estimate(endpoint)
-        est.observe(work, ttft_s)
+        idle = queued_tokens_at_pick <= 0.0
+        est.observe(work, ttft_s, idle)
         pooled = self._pooled
         if self._in_class(est):
             pooled.window = self.window * max(1, len(self._rates))  # ~`window` responses of each endpoint
-            pooled.observe(work, ttft_s)
+            pooled.observe(work, ttft_s, idle)
         self._num_observed += 1
         if endpoint not in self.fits or self._num_observed % REPRICE_EVERY == 0:
             self._reprice()
@@ -343,11 +463,12 @@ class TimeModel:
 
     def predict(self, endpoint: EndpointId, own_uncached_tokens: float, num_decoding: int = 0,
                 extra_queued_tokens: float = 0.0) -> Seconds:
-        """Predicted TTFT of a request needing `own_uncached_tokens` of prefill on `endpoint`, now: its pending
-        prefill (+ `extra_queued_tokens`) and `num_decoding` requests ahead of it. >= 0."""
+        """Predicted TTFT of a request needing `own_uncached_tokens` of prefill work on `endpoint`, now: its
+        pending prefill (+ `extra_queued_tokens`) and `num_decoding` requests ahead of it (at the mean context of
+        the requests decoding there). >= 0."""
         rate, base = self.priced(endpoint)
         work = self.work_tokens(self._tokens.get(endpoint, 0.0) + extra_queued_tokens, own_uncached_tokens,
-                                num_decoding)
+                                num_decoding, self.mean_decode_context(endpoint))
         return Seconds(base + work / rate)
 
     def predict_many(self, endpoints: Sequence[EndpointId], own_tokens: Sequence[float],
@@ -363,8 +484,10 @@ class TimeModel:
         get_tokens = self._tokens.get
         get_count = self._count.get
         get_in_flight = in_flight.get
+        get_ctx = self._decode_ctx.get
         queued_at = self.queued_at
-        work_tokens = self.work_tokens
+        # `work_tokens` and `decode_step_tokens`, inlined (one call per candidate less on every decision).
+        cost, inv, inv_step = self.decode_cost_tokens, self.inv_attention, 1.0 / self.step_tokens
         out: list[tuple[float, float, int]] = []
         for ep, own in zip(endpoints, own_tokens):
             rate, base = get_fit(ep, prior)
@@ -374,14 +497,98 @@ class TimeModel:
             queued = get_tokens(ep, 0.0)
             if queued and now_s is not None:
                 queued = queued_at(ep, now_s)
-            out.append((base + work_tokens(queued, own, decoding) / rate, rate, decoding))
+            prefill = queued + own
+            if decoding:
+                ctx = get_ctx(ep)
+                per_step = decoding * (cost + ctx[1] / ctx[0] * inv) if ctx else decoding * cost
+                prefill += per_step * (1.0 + prefill * inv_step)
+            out.append((base + prefill / rate, rate, decoding))
         return out
 
-    def work_tokens(self, queued_tokens: float, own_tokens: float, num_decoding: int) -> float:
+    def work_tokens(self, queued_tokens: float, own_tokens: float, num_decoding: int,
+                    decode_context_tokens: float = 0.0) -> float:
         """Prefill-token equivalents until a request's first token (module docstring): the prefill ahead and
-        its own, plus each decoding request's share of every step they take. >= 0."""
+        its own, plus each decoding request's share of every step they take (`decode_step_tokens` at
+        `decode_context_tokens` of context each). >= 0."""
         prefill = queued_tokens + own_tokens
-        return prefill + self.decode_cost_tokens * num_decoding * (1.0 + prefill / self.step_tokens)
+        return prefill + self.decode_step_tokens(num_decoding, decode_context_tokens) * (
+            1.0 + prefill / self.step_tokens)
+
+    def decode_step_tokens(self, num_decoding: int, context_tokens: float = 0.0) -> float:
+        """Prefill-token equivalents that `num_decoding` sequences of `context_tokens` each add to one engine
+        step: ``decode_cost_tokens`` each (weights, sampling) plus their attention over their context
+        (``context / attention_tokens``, as a prefill token's attention over that context costs). >= 0."""
+        return num_decoding * (self.decode_cost_tokens + context_tokens * self.inv_attention)
+
+    def prefill_work(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
+        """Prefill work, in tokens of a cold ``step_tokens`` chunk, of computing `new_tokens` on top of
+        `cached_tokens` already in the KV cache: each new token costs 1 + (tokens it attends to) /
+        ``attention_tokens`` (the context at which attention doubles a token's cost; the engines' step cost is
+        linear in new tokens plus new x context, model_servers/cost_model.py), normalised so a cold chunk of
+        ``step_tokens`` costs its length (the unit the rate is learned in). Without ``attention_tokens``,
+        `new_tokens`. >= 0."""
+        if new_tokens <= 0.0:
+            return 0.0
+        inv = self.inv_attention
+        if not inv:
+            return new_tokens
+        return new_tokens * (1.0 + (cached_tokens + new_tokens * 0.5) * inv) * self.work_norm
+
+    def mean_decode_context(self, endpoint: EndpointId) -> float:
+        """Mean context tokens of the requests decoding on `endpoint` (0 when none is known)."""
+        c = self._decode_ctx.get(endpoint)
+        return c[1] / c[0] if c else 0.0
+
+    # --- decoding requests and load ---------------------------------------------------------------------------
+    def add_decoding(self, key: Hashable, endpoint: EndpointId, context_tokens: float,
+                     since_s: float | None = None) -> None:
+        """`key` got its first token on `endpoint` (at `since_s`, when known): it decodes there with
+        `context_tokens` of context until `remove_decoding`. A key already decoding is moved."""
+        self.remove_decoding(key)
+        ctx = max(0.0, context_tokens)
+        self._decoding[key] = (endpoint, ctx, since_s)
+        n, total = self._decode_ctx.get(endpoint, (0, 0.0))
+        self._decode_ctx[endpoint] = (n + 1, total + ctx)
+
+    def remove_decoding(self, key: Hashable, now_s: float | None = None) -> bool:
+        """`key` ended (at `now_s`, when known): its context leaves its endpoint's decode batch, and the time it
+        spent decoding joins `mean_decode_s`. True if it was decoding."""
+        d = self._decoding.pop(key, None)
+        if d is None:
+            return False
+        ep, ctx, since_s = d
+        n, total = self._decode_ctx.get(ep, (1, ctx))
+        if n <= 1:
+            self._decode_ctx.pop(ep, None)
+        else:
+            self._decode_ctx[ep] = (n - 1, max(0.0, total - ctx))
+        if now_s is not None and since_s is not None and now_s >= since_s:
+            decode_s = now_s - since_s
+            self.mean_decode_s += DECODE_S_WEIGHT * (decode_s - self.mean_decode_s) if self.mean_decode_s \
+                else decode_s
+        return True
+
+    def _load(self, endpoint: EndpointId) -> _Load:
+        load = self._loads.get(endpoint)
+        if load is None:
+            load = self._loads[endpoint] = _Load()
+        return load
+
+    def add_busy(self, endpoint: EndpointId, seconds: float, now_s: float) -> None:
+        """`seconds` of prefill were routed to `endpoint` at `now_s` (a pick's prefill work at its rate)."""
+        self._load(endpoint).add(seconds, now_s, self.load_window_s)
+
+    def utilizations(self, now_s: float) -> dict[EndpointId, float]:
+        """`utilization` of every endpoint with load recorded (built from a copy: the metrics thread may call it
+        while the event loop routes)."""
+        return {ep: load.at(now_s, self.load_window_s) for ep, load in list(self._loads.items())}
+
+    def utilization(self, endpoint: EndpointId, now_s: float) -> float:
+        """`endpoint`'s recent prefill utilisation at `now_s`: the prefill seconds routed there per second,
+        exponentially weighted over ``load_window_s`` (0 when nothing was). >= 0; can pass 1 on an overloaded
+        endpoint (more work routed than it computes)."""
+        load = self._loads.get(endpoint)
+        return load.at(now_s, self.load_window_s) if load is not None else 0.0
 
     # --- pending requests -------------------------------------------------------------------------------------
     def pending_tokens(self, endpoint: EndpointId) -> Tokens:
@@ -503,7 +710,10 @@ class TimeModel:
             self._reprice()
         for key in [k for k, p in self._pending.items() if p.endpoint == endpoint]:
             self.remove_pending(key)
+        for key in [k for k, d in self._decoding.items() if d[0] == endpoint]:
+            self.remove_decoding(key)
         self._prefixes.pop(endpoint, None)
+        self._loads.pop(endpoint, None)
 
     def clear_prefixes(self, endpoint: EndpointId) -> None:
         """`endpoint`'s cache was cleared: its pending prefixes no longer promise a hit (the queue stays)."""

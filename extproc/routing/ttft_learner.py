@@ -45,7 +45,10 @@ class _TtftPick:
     queued_tokens: float
     num_decoding: int
     predicted_s: float
-    own_tokens: float
+    own_tokens: float  # its uncached prefill tokens at the endpoint (the router's estimate)
+    own_work: float  # their prefill work (`TimeModel.prefill_work`): what it queued there
+    decode_context: float  # mean context of the requests decoding on the endpoint at the pick (tokens)
+    picked_s: float | None  # the caller's clock at the pick (None: no clock)
 
 
 class TtftLearner:
@@ -57,7 +60,8 @@ class TtftLearner:
         self.track_prefill = track_prefill
         self.model = TimeModel(settings.ttft_prior_tokens_per_s, settings.ttft_prior_base_s,
                                decode_cost_tokens=settings.decode_cost_tokens,
-                               step_tokens=settings.ttft_step_tokens, window=settings.ttft_rate_window)
+                               step_tokens=settings.ttft_step_tokens, window=settings.ttft_rate_window,
+                               attention_tokens=settings.attention_tokens)
         self._tpc = 1.0 / settings.chars_per_token
         # Keyed by `InferenceRequest.key` (unique, never reused): entries are a few small numbers each, so the
         # tables cost ~200 bytes per request whatever the client sent.
@@ -74,19 +78,26 @@ class TtftLearner:
         self._peer_expiry: collections.OrderedDict[tuple, float] = collections.OrderedDict()
 
     def add_pick(self, request: InferenceRequest, endpoint: EndpointId, own_tokens: float, num_decoding: int,
-                 predicted_s: float, now_s: float | None) -> None:
-        """`request` was picked for `endpoint` with `own_tokens` of uncached prefill, `num_decoding` requests
-        decoding there and a predicted TTFT of `predicted_s`: it joins the pending queue (with `track_prefill`)."""
+                 predicted_s: float, now_s: float | None, own_work: float | None = None) -> None:
+        """`request` was picked for `endpoint` with `own_tokens` of uncached prefill (`own_work` of prefill work:
+        `TimeModel.prefill_work`; None: the tokens), `num_decoding` requests decoding there and a predicted TTFT
+        of `predicted_s`: it joins the pending queue (with `track_prefill`) and the endpoint's recent load."""
         if not self.track_prefill:
             return
         key = request.key
-        queued = self.model.add_pending(key, endpoint, own_tokens, request.block_hashes, now_s)
+        model = self.model
+        work = own_tokens if own_work is None else own_work
+        queued = model.add_pending(key, endpoint, work, request.block_hashes, now_s)
+        if now_s is not None:
+            model.add_busy(endpoint, work / model.priced(endpoint)[0], now_s)
         self._picks[key] = _TtftPick(request.num_prompt_chars, endpoint, queued, num_decoding, predicted_s,
-                                     own_tokens)
+                                     own_tokens, work, model.mean_decode_context(endpoint), now_s)
 
     def pending_tokens_of(self, request: InferenceRequest) -> float | None:
+        """The prefill work `request` queued on its endpoint (what another replica queues for it), None once it
+        left the queue."""
         p = self._picks.get(request.key)
-        return p.own_tokens if p is not None else None
+        return p.own_work if p is not None else None
 
     def apply_peer_pick(self, key: tuple, endpoint: EndpointId, pending_tokens: float,
                         block_hashes: Sequence[BlockHash], now_s: float, expires_s: float) -> None:
@@ -147,7 +158,12 @@ class TtftLearner:
         given) or at `on_usage` (the pick waits there, at most MAX_AWAITING_USAGE of them)."""
         key = request.key
         p = self._picks.pop(key, None)
-        if p is None:
+        if p is not None:
+            # Decoding from now on, until its release: its context joins the endpoint's batch.
+            self.model.add_decoding(key, p.endpoint, float(prompt_tokens) if prompt_tokens else
+                                    p.num_prompt_chars * self._tpc,
+                                    p.picked_s + ttft_s if p.picked_s is not None else None)
+        else:
             p = self._released.pop(key, None)  # the routing stream closed first (a short response)
             if p is None:
                 return
@@ -177,7 +193,7 @@ class TtftLearner:
             cached = est * (1.0 - share)
         else:
             cached = est - p.own_tokens
-        self.model.observe(p.endpoint, est, cached, ttft_s, p.queued_tokens, p.num_decoding)
+        self.model.observe(p.endpoint, est, cached, ttft_s, p.queued_tokens, p.num_decoding, p.decode_context)
         self.predictions.append((p.predicted_s, ttft_s))
         out = self._observed_out
         if len(out) < MAX_AWAITING_USAGE:  # bounded when no one takes them
@@ -194,11 +210,13 @@ class TtftLearner:
                                ttft_s: float, queued_tokens: float, num_decoding: int) -> None:
         self.model.observe(endpoint, prompt_tokens, cached_tokens, ttft_s, queued_tokens, num_decoding)
 
-    def on_release(self, request: InferenceRequest, decision: Decision) -> None:
-        """The request ended: if no first token was reported, it leaves the queue, and its pick waits (at most
+    def on_release(self, request: InferenceRequest, decision: Decision, now_s: float | None = None) -> None:
+        """The request ended (at `now_s`, the clock of the picks, when known: its decode time then counts in its
+        endpoint's decode load): if no first token was reported, it leaves the queue, and its pick waits (at most
         MAX_AWAITING_USAGE of them) for a first token that may still come: the observing stream reports in
         no fixed order with the routing stream's end. A pick awaiting its usage report keeps waiting too."""
         key = request.key
+        self.model.remove_decoding(key, now_s)
         p = self._picks.pop(key, None)
         if p is not None:
             self.model.remove_pending(key)

@@ -127,8 +127,8 @@ endpoint that happens to look fastest took every cold prefix of an idle fleet (1
 in the shared-prompts sweep); within 5% placement stays rendezvous and affinity stays with the holder."""
 
 
-Scored = tuple[float, float, EndpointState, float, int]
-"""A scored candidate (`scorers.Scored`: score, predicted TTFT s, state, own tokens, decoding); the pickers
+Scored = tuple[float, float, EndpointState, float, int, float]
+"""A scored candidate (`scorers.Scored`: score, predicted TTFT s, state, own tokens, decoding, own work); the pickers
 read its score [0] and its state [2]."""
 
 

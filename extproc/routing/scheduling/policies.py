@@ -26,7 +26,10 @@ from typing import ClassVar
 
 import numpy as np
 
+from prefixroute.extproc.routing import memory
+from prefixroute.extproc.routing.conversations import NO_OUTLOOK, ConversationTable
 from prefixroute.extproc.routing.hashing import seed_for
+from prefixroute.extproc.routing.scheduling.conversation_load import ConversationLoad
 from prefixroute.extproc.routing.scheduling.placement import EvictionOrder, Placement
 from prefixroute.extproc.routing.request import InferenceRequest
 from prefixroute.extproc.routing.scheduling import filters, pickers, scorers
@@ -217,6 +220,11 @@ class PrefixPolicy(Policy):
         self._scan_offset = 0  # where the next sampling window of a large pool starts (`decide`)
         # Placement under cache pressure (routing/scheduling/placement.py), when a placement setting is on.
         self.placement = Placement(settings, self.model) if Placement.enabled(settings) else None
+        # Conversations placed by the load they will bring (scheduling/conversation_load.py), unless off.
+        plan = memory.plan(settings)
+        self.conversations = ConversationLoad(self.model, ConversationTable(plan.max_conversations, plan.max_roots),
+                                              settings.conversation_horizon_turns) \
+            if settings.conversation_horizon_turns > 0 else None
 
     def decide(self, inp: PolicyInput) -> Decision:
         """A composition (GIE's Filter -> Scorer -> Picker): the matches merged with the time model's pending
@@ -231,7 +239,14 @@ class PrefixPolicy(Policy):
         limit_n = self._settings.max_scored_endpoints
         top, candidates = self._sample(inp, matches) if limit_n and len(inp.eligible) > limit_n else \
             (None, inp.eligible)
-        scored, insignificant = self.scorer.score(req, candidates, matches, inp.in_flight, inp.now_s)
+        conversations = self.conversations
+        outlook = conversations.outlook(req, max(matches.values()) if matches else 0) \
+            if conversations is not None else NO_OUTLOOK
+        conv = outlook.conversation
+        scored, insignificant = self.scorer.score(req, candidates, matches, inp.in_flight, inp.now_s,
+                                                  *((conv.endpoint, conv.num_tokens) if conv is not None else ()))
+        if conversations is not None:
+            scored = conversations.adjust(outlook, scored, inp.now_s)
         placement = self.placement
         if placement is not None:
             scored = placement.adjust(req, scored, {} if insignificant else matches, inp.order)
@@ -259,8 +274,10 @@ class PrefixPolicy(Policy):
         order = [primary[scorers.STATE].endpoint, *(x[scorers.STATE].endpoint for x in others[:self._k - 1])]
         if placement is not None:
             placement.on_pick(req, order[0], inp.order)
+        if conversations is not None:
+            conversations.record(req, outlook, primary, inp.now_s, self.scorer.prompt_tokens(req)[0])
         self.learner.add_pick(req, order[0], primary[scorers.OWN_TOKENS], primary[scorers.NUM_DECODING],
-                              primary[scorers.PREDICTED_S], inp.now_s)
+                              primary[scorers.PREDICTED_S], inp.now_s, primary[scorers.OWN_WORK])
         return self._prefix_decision(req, order, matches, insignificant, primary, others, pend)
 
     def _with_pending(self, inp: PolicyInput, pend: Mapping[EndpointId, int]) -> dict[EndpointId, int]:

@@ -32,11 +32,12 @@ ever served one, and its few blocks of saved prefill pulled every new document o
 (capacity pressure, 4 x 8B: request shares 4/13/95/188 of 300, hit ratio 0.30; with the rule 0.42)."""
 
 
-Scored = tuple[float, float, EndpointState, float, int]
+Scored = tuple[float, float, EndpointState, float, int, float]
 """One candidate's figures (`TtftScorer.score`), a plain tuple (a named one costs ~10x to build, per candidate
 per decision): score, predicted TTFT s, the endpoint's state, its own uncached prefill tokens, decoding
-requests there. Read with the index names below."""
-SCORE, PREDICTED_S, STATE, OWN_TOKENS, NUM_DECODING = range(5)
+requests there, and the prefill work of those tokens (`TimeModel.prefill_work`: what the time model queues).
+Read with the index names below."""
+SCORE, PREDICTED_S, STATE, OWN_TOKENS, NUM_DECODING, OWN_WORK = range(6)
 
 
 TtftScores = tuple[list[Scored], bool]
@@ -66,31 +67,46 @@ class TtftScorer:
 
     def score(self, request: InferenceRequest, candidates: Sequence[EndpointState],
               matches: Mapping[EndpointId, int], in_flight: Mapping[EndpointId, int],
-              now_s: float | None) -> TtftScores:
+              now_s: float | None, holder: EndpointId | None = None, holder_tokens: float = 0.0) -> TtftScores:
+        """`holder`: the endpoint that served the conversation this request continues (None: not known), the only
+        one credited with the prompt beyond the hashing cap, up to `holder_tokens` (its previous turn's prompt;
+        0: all of it but one block)."""
         prompt_tokens, tpb, cap = self.prompt_tokens(request)
         n_hashed = len(request.block_hashes)
         names = [s.endpoint for s in candidates]
         if matches:
             get_match = matches.get
             # Uncached prefill with m leading blocks held: a match of every hashed block of a prompt longer than
-            # the hashing cap counts the unhashed rest as cached too, less one block.
+            # the hashing cap counts the unhashed rest as cached too, less one block; at the endpoint holding the
+            # conversation it continues, what its previous turn left uncached (the new turn); elsewhere, when
+            # that conversation is known to be elsewhere (it moved on from there), only its hashed blocks.
             whole = n_hashed >= cap
+            beyond = min(prompt_tokens, max(tpb, prompt_tokens - holder_tokens) if holder_tokens > 0.0 else tpb)
             own = [prompt_tokens if (m := get_match(ep, 0)) <= 0 else
-                   (min(prompt_tokens, tpb) if whole and m >= n_hashed else max(0.0, prompt_tokens - m * tpb))
+                   ((beyond if ep == holder else min(prompt_tokens, tpb))
+                    if whole and m >= n_hashed and (holder is None or ep == holder)
+                    else max(0.0, prompt_tokens - m * tpb))
                    for ep in names]
         else:
             own = [prompt_tokens] * len(names)
-        predicted = self.model.predict_many(names, own, in_flight, now_s)
+        # Tokens to prefill -> prefill work (`TimeModel.prefill_work`, inlined: one multiply per candidate): o new
+        # tokens on the prompt_tokens - o cached attend to prompt_tokens - o / 2 on average.
+        model = self.model
+        inv, norm = model.inv_attention, model.work_norm
+        own_work = [o * (1.0 + (prompt_tokens - 0.5 * o) * inv) * norm if o > 0.0 else 0.0 for o in own] if inv \
+            else own
+        predicted = model.predict_many(names, own_work, in_flight, now_s)
         sig = min(SIGNIFICANT_MATCH_RATIO * n_hashed, SIGNIFICANT_MATCH_TOKENS / tpb) if matches else 0.0
         insignificant = bool(matches) and max(matches.values()) < sig
         w = self._settings.ttft_work_weight
-        scored: list[Scored] = [(pred + w * o / rate, pred, s, o, dec)
-                                for (pred, rate, dec), s, o in zip(predicted, candidates, own)]
+        scored: list[Scored] = [(pred + w * ow / rate, pred, s, o, dec, ow)
+                                for (pred, rate, dec), s, o, ow in zip(predicted, candidates, own, own_work)]
         if insignificant:
             # Chosen as if cached nowhere: the matched candidates are scored at their whole prefill.
             at = [i for i, ep in enumerate(names) if matches.get(ep, 0)]
-            cold = self.model.predict_many([names[i] for i in at], [prompt_tokens] * len(at), in_flight, now_s)
+            whole = model.prefill_work(prompt_tokens, 0.0)
+            cold = self.model.predict_many([names[i] for i in at], [whole] * len(at), in_flight, now_s)
             for i, (pred, rate, _) in zip(at, cold):
-                scored[i] = (pred + w * prompt_tokens / rate, *scored[i][1:])
+                scored[i] = (pred + w * whole / rate, *scored[i][1:])
         scored.sort(key=_by_score)
         return scored, insignificant

@@ -74,6 +74,29 @@ def test_next_turn_waits_for_the_previous_one(group):
             assert by_index[spec.index].cached_tokens >= prev.prompt_tokens // 16 * 16 - 16
 
 
+def test_an_agent_turn_waits_its_think_time_after_the_previous_one(group):
+    """agent-loops: a follow-up goes at its arrival time or `think_s` after its previous turn ends, whichever is
+    later (the agent's tool running)."""
+    from prefixroute.bench.agent_loops import AgentLoopShape, agent_loops
+
+    (ep,) = start_fleet(group, FleetConfig(1, server_args=FAST))
+    shape = AgentLoopShape(num_agents=2, preamble_tokens=64, task_tokens=16, min_turn_tokens=20, max_turn_tokens=40,
+                           max_context_tokens=4096, min_think_s=0.3, max_think_s=0.5, min_output_tokens=4,
+                           max_output_tokens=8)
+    wl = agent_loops(shape, num_requests=8, seed=2)
+    wl = Workload(wl.name, wl.params, tuple(dataclasses.replace(r, arrival_s=0.0) for r in wl.requests))
+    res = asyncio.run(client.run_workload(f"http://{ep}", wl.requests, model=served_model(ep)))
+    assert all(r.ok for r in res), [r.error for r in res]
+    by_index = {r.index: r for r in res}
+    waited = 0
+    for spec in wl.requests:
+        if spec.after_index is not None:
+            prev = by_index[spec.after_index]
+            assert by_index[spec.index].start_s >= prev.start_s + prev.e2e_ms / 1000.0 + spec.think_s - 0.005
+            waited += 1
+    assert waited == 6
+
+
 def test_connection_refused_is_an_error_not_a_crash():
     port = free_port()  # nothing listens there
     wl = workloads.shared_prompts(num_requests=3, prefix_tokens=4, question_tokens=2)

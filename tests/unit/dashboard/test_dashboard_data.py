@@ -168,6 +168,26 @@ def test_endpoint_frame_has_a_row_per_fleet_endpoint_and_none_for_the_unrouted()
     assert list(T.endpoint_table(D.endpoint_frame(rows), T.LIVE_TABLE_COLUMNS).columns) == ["endpoint"]
 
 
+def test_live_table_shows_each_endpoints_conversations_and_prefill_load():
+    """The router's conversation metrics (routing/conversations.py) read into the live table beside running
+    sequences and KV usage: what the conversation-load term balances."""
+    from prefixroute.extproc.routing.conversations import ConversationsCollector, ConversationTable
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    table = ConversationTable(100, 10)
+    for i, ep in enumerate(["a:1", "a:1", "b:2"]):
+        hashes = [10 * i + 1, 10 * i + 2, 10 * i + 3]
+        table.record(hashes, table.outlook(hashes, 0), ep, 100.0, 0.0)
+    reg = CollectorRegistry()
+    reg.register(ConversationsCollector(table, lambda: {"a:1": 0.42, "b:2": 0.05}))
+    live = RM.parse_router_metrics(generate_latest(reg).decode())
+    assert live["a:1"].num_conversations == 2 and live["b:2"].prefill_utilization_ratio == pytest.approx(0.05)
+    f = D.endpoint_frame([{"endpoint": "a:1", "num_requests": 3}], live=live)
+    shown = T.endpoint_table(f, T.LIVE_TABLE_COLUMNS)
+    assert list(shown["conversations"]) == ["2", "1"]
+    assert list(shown["prefill load"]) == ["42.0\u00a0%", "5.0\u00a0%"]
+
+
 def test_unrouted_sentence_says_what_they_were():
     s = D.endpoint_shares([{"endpoint": "a", "num_requests": 90},
                            {"endpoint": None, "num_requests": 10, "num_refused": 7, "num_errors": 3}])

@@ -14,6 +14,8 @@ import pytest
 
 from helpers.peers import POST, replica
 from prefixroute.extproc.response_directory import ResponseDirectory
+from prefixroute.extproc.routing.conversations import (CONVERSATION_ENTRY_BYTES, ROOT_ENTRY_BYTES, NO_OUTLOOK,
+                                                      ConversationTable)
 from prefixroute.extproc.routing import memory
 from prefixroute.extproc.routing.request import MAX_KEY_CHARS, bounded_key, parse_request
 from prefixroute.extproc.routing.scheduling.policies import PrefixPolicy
@@ -155,10 +157,38 @@ def test_tables_are_sized_from_the_budget(budget_mb):
     tables = (p.max_sessions * SESSION_ENTRY_BYTES + p.max_response_ids * memory.RESPONSE_ID_ENTRY_BYTES
               + p.tokenizer_cache_bytes + p.text_hash_cache_bytes
               + p.max_peer_picks * memory.peer_pick_bytes(p.max_blocks_per_request)
-              + p.max_peer_in_flight * memory.PEER_IN_FLIGHT_ENTRY_BYTES)
-    assert 0.7 * p.budget_bytes <= tables <= p.budget_bytes  # a quarter is headroom for requests in flight
+              + p.max_peer_in_flight * memory.PEER_IN_FLIGHT_ENTRY_BYTES
+              + p.max_conversations * CONVERSATION_ENTRY_BYTES + p.max_roots * ROOT_ENTRY_BYTES)
+    assert 0.7 * p.budget_bytes <= tables <= p.budget_bytes  # 3/16 is headroom for requests in flight
     explicit = memory.plan(RoutingSettings(memory_budget_mb=budget_mb, max_sessions=10, max_response_ids=20))
     assert (explicit.max_sessions, explicit.max_response_ids) == (10, 20)
+
+
+def test_conversation_entries_cost_at_most_what_the_budget_assumes():
+    n = 5000
+    table = ConversationTable(max_conversations=n, max_roots=n)
+    eps = [EndpointId(f"10.0.0.{i}:8000") for i in range(4)]
+
+    def fill():
+        for i in range(n):  # every request a new branch off its own root: the most roots per conversation
+            hashes = [2**62 + i, 2**61 + i, 2**60 + i, 2**59 + i]
+            table.record(hashes, table.outlook(hashes, 1), eps[i % 4], 100.0, i * 1e-4)
+        return table
+
+    per = _grown(fill) / n
+    assert len(table) == n
+    assert per <= CONVERSATION_ENTRY_BYTES + ROOT_ENTRY_BYTES, per
+    plain = ConversationTable(max_conversations=n, max_roots=4)
+
+    def fill_plain():
+        for i in range(n):  # branches off no root: conversations alone
+            hashes = [2**62 + i, 2**61 + i, 2**60 + i, 2**59 + i]
+            plain.record(hashes, plain.outlook(hashes, 0), eps[i % 4], 100.0, i * 1e-4)
+        return plain
+
+    per = _grown(fill_plain) / n
+    assert len(plain) == n and per <= CONVERSATION_ENTRY_BYTES, per
+    assert NO_OUTLOOK.future_turns == 0.0
 
 
 def test_text_hash_cache_entries_cost_at_most_what_the_budget_assumes():
