@@ -358,7 +358,9 @@ def start_router(stack, servers: list[VllmServer], model: Path, log_dir: Path, *
     log_dir.mkdir(parents=True, exist_ok=True)
     gw = GatewayProcesses(
         GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1",
-                        telemetry=telemetry, ready_timeout_s=60.0),
+                        telemetry=telemetry, ready_timeout_s=60.0,
+                        # The tests read which server answered from the header an operator may opt into.
+                        expose_served_endpoint=True),
         RoutingSettings(tokenizer=str(model), policy=policy, index_source=index_source, **routing),
         PoolSettings(endpoints=tuple(s.spec for s in servers)), log_dir=log_dir)
     stack.enter_context(gw)
