@@ -40,8 +40,9 @@ delays another:
   meanwhile Envoy's fallbacks serve the requests still sent there.
 - models: ``GET /v1/models`` when the endpoint comes up and every ``models_interval_s`` (LoRA adapters listed
   there become routable). A failed fetch keeps the previous list; never fetched = empty = unknown = any model.
-- scrape: ``GET /metrics`` every ``scrape_interval_s`` while up, parsed by `scrape.parse_metrics` (only the
-  needed lines). Figures older than ``metrics_stale_after_s`` are published as None (a sweep expires them even
+- scrape: ``GET /metrics`` every ``scrape_interval_s`` while up (less often for an endpoint whose scrapes take
+  more than ``max_scrape_time_ratio`` of that: `endpoint_scrape_interval_s`), parsed by `scrape.parse_metrics`
+  (only the needed lines). Figures older than ``metrics_stale_after_s`` are published as None (a sweep expires them even
   when no scrape lands); the age counted leaves out the time the router's loop was stalled since the scrape
   (the same `LoopLag`): figures the router had no chance to refresh are not the endpoint's fault.
 - restarts: each scrape is compared with the endpoint's previous one (`scrape.restart_reason`: process start
@@ -63,11 +64,13 @@ every scrape.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ipaddress
 import logging
 import random
 import socket
+import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -171,7 +174,8 @@ class _Watch:
     __slots__ = ("endpoint", "host", "port", "address", "healthy", "num_failures", "models", "models_fetched",
                  "metrics", "scraped_at_s", "fresh", "wake", "came_up", "resolved", "resolve_wake",
                  "num_lookup_failures", "tasks", "base_url", "suspect", "quiet_until_s", "restart_epoch",
-                 "ever_scraped", "ever_up", "down_cause", "kept_scrape_at_s", "num_discounted")
+                 "ever_scraped", "ever_up", "down_cause", "kept_scrape_at_s", "num_discounted",
+                 "scrape_costs_s")
 
     def __init__(self, endpoint: EndpointId) -> None:
         self.endpoint = endpoint
@@ -204,6 +208,8 @@ class _Watch:
         self.down_cause: str | None = None  # while down: the outcome of its latest counted failure (or MOVED)
         self.kept_scrape_at_s: float | None = None  # the scrape whose figures were last kept for loop lag
         self.num_discounted = 0  # probes discounted for lag since its last counted one (judged by the next)
+        # Its latest scrapes' round trips, the router's loop stalls left out (their median is the scrape's cost).
+        self.scrape_costs_s: collections.deque[float] = collections.deque(maxlen=5)
 
 
 class EndpointPool:
@@ -698,6 +704,8 @@ class EndpointPool:
             if w.healthy:
                 try:
                     status, body = await self._get(w, "/metrics", st.scrape_timeout_s)
+                    t1 = self._clock()
+                    w.scrape_costs_s.append(max(0.0, t1 - t0 - self.lag.stall_s(t0, t1)))
                     if status == 200:
                         m = parse_metrics(body)
                         structural = (m.num_gpu_blocks, m.block_size) != (w.metrics.num_gpu_blocks,
@@ -714,7 +722,23 @@ class EndpointPool:
                         self._publish(w, structural=structural)
                 except _FETCH_ERRORS as exc:
                     log.debug("scrape of %s failed: %s", w.endpoint, exc)
-            await asyncio.sleep(max(0.0, self.scrape_interval_s - (self._clock() - t0)))
+            await asyncio.sleep(max(0.0, self.endpoint_scrape_interval_s(w.endpoint) - (self._clock() - t0)))
+
+    def endpoint_scrape_interval_s(self, ep: EndpointId) -> float:
+        """The scrape interval of one endpoint: the pool's (`scrape_interval_s`), lengthened while its scrapes
+        take more than ``max_scrape_time_ratio`` of that time, never beyond half the staleness limit (so its
+        figures never expire between two scrapes that land). A scrape's cost is the median round trip of its
+        latest five, so one slow answer (or a stall of the router the loop-lag sampler under-counts) moves
+        nothing."""
+        interval = self.scrape_interval_s
+        ratio = self.settings.max_scrape_time_ratio
+        w = self._watches.get(ep)
+        if w is None or ratio <= 0.0 or not w.scrape_costs_s:
+            return interval
+        cost_s = statistics.median(w.scrape_costs_s)
+        if cost_s <= interval * ratio:
+            return interval
+        return max(interval, min(cost_s / ratio, self.metrics_stale_after_s / 2))
 
     async def _sweep_loop(self) -> None:
         """Expire stale metrics even when no scrape lands (a hung endpoint must not keep old load figures)."""
