@@ -49,8 +49,11 @@ def distinct_free_ports(n: int) -> tuple[int, ...]:
 
 # --------------------------------------------------------------------------------------------- KV events
 
-KV_EVENTS_TOPIC = "kv-events"
-"""Topic the bench's servers publish under (vLLM's example config); the gateway subscribes to every topic."""
+KV_EVENTS_TOPIC = ""
+"""Topic the bench's servers publish under: vLLM's default, the empty topic. vllm-router 0.1.17's ``kv_aware``
+takes its static ``--kv-event-source`` publishers on the empty topic only (its CLI has no topic flag, and its
+subscriber drops every message whose topic frame is not exactly that), so any other topic leaves it without events
+and routing as if blind; our gateway subscribes to every topic, so it reads either."""
 
 
 @functools.cache

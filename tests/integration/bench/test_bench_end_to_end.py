@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
 import sys
+import time
+import urllib.request
 
 import jsonschema
 import pytest
 
 from prefixroute.bench import report, results, runner, workloads
-from prefixroute.bench.fleet import FleetConfig
+from prefixroute.bench.fleet import (FleetConfig, KVEventsPlan, resolve_kv_events, scrape_server_counters,
+                                     served_model, start_fleet)
 from prefixroute.bench.routers import parse_router
+from prefixroute.procs import ProcessGroup
 
 pytestmark = pytest.mark.integration
 
@@ -101,6 +106,41 @@ def test_vllm_router_kv_aware_is_fed_the_servers_kv_events(tmp_path):
     assert out.summary["requests"] == 8 and out.summary["errors"] == 0 and out.summary["hit_ratio"] > 0
     log = next((tmp_path / "vllm-router-kv_aware").glob("router-*.log")).read_text(errors="replace")
     assert log.count("kv_index subscriber for http://127.0.0.1:") == 2, log[-3000:]
+
+
+def _chat(base_url: str, model: str, content: str) -> int:
+    body = json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": content}]})
+    req = urllib.request.Request(f"{base_url}/v1/chat/completions", body.encode(),
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=20) as resp:
+        return resp.status
+
+
+@pytest.mark.timeout(90)
+def test_vllm_router_kv_aware_routes_to_the_server_whose_events_hold_the_prompt(tmp_path):
+    """kv_aware credits only the blocks its servers' events report: a prompt first sent straight to one server of
+    three goes, through the router, to that server. Blind (no events received, as when the fleet publishes on a
+    topic vllm-router 0.1.17 does not take) it falls back to load and picks a server without regard to the cache,
+    so the four prompts below would all land on their warm servers with a chance of about 1 in 81."""
+    fleet = resolve_kv_events(FleetConfig(3, "llama-3.1-8b-h200", ("--time-scale", "0.2"), startup_timeout_s=30))
+    assert fleet.kv_events
+    events = KVEventsPlan.allocate(3)
+    with ProcessGroup(tmp_path / "logs") as group, contextlib.ExitStack() as stack:
+        endpoints = start_fleet(group, fleet, events)
+        model = served_model(endpoints[0])
+        handle = runner.start_router(group, stack, parse_router("vllm-router:kv_aware"), endpoints, seed=0,
+                                     startup_timeout_s=30, gateway_endpoints=events.gateway_endpoints(endpoints),
+                                     kv_block_size=runner.fleet_block_size(fleet), model=model)
+        for k, warm in enumerate((1, 2, 0, 2)):
+            prompt = " ".join(f"doc{k}-word{i}" for i in range(400))  # ~1,000 tokens: dozens of full blocks
+            assert _chat(f"http://{endpoints[warm]}", model, prompt) == 200
+            time.sleep(0.5)  # its BlockStored event reaches the router
+            before = scrape_server_counters(endpoints)
+            assert _chat(handle.base_url, model, prompt) == 200
+            after = scrape_server_counters(endpoints)
+            served = [ep for ep in endpoints
+                      if after[ep].get("request_success", 0) > before[ep].get("request_success", 0)]
+            assert served == [endpoints[warm]], (k, served, endpoints)
 
 
 @pytest.mark.timeout(300)

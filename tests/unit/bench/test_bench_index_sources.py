@@ -148,7 +148,8 @@ def test_kv_events_plan_gives_each_server_a_pair_and_the_gateway_their_addresses
                                      # loopback in the form real vLLM binds too (it connects to 127.0.0.1)
                                      "endpoint": f"tcp://[::ffff:127.0.0.1]:{port}",
                                      "replay_endpoint": f"tcp://[::ffff:127.0.0.1]:{port + 1}",
-                                     "topic": "kv-events"}
+                                     # vLLM's default topic: the only one vllm-router 0.1.17's kv_aware receives
+                                     "topic": ""}
     eps = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
     assert plan.gateway_endpoints(eps) == [f"{e}@tcp://127.0.0.1:{p}" for e, p in zip(eps, plan.pub_ports)]
     # Later free ports never land on a replay port the plan reserved.
