@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from prefixroute.extproc.flow.control import (
-    MAX_RETRY_AFTER_S, MIN_PREDICT_RELEASES, DrainRate, FlowControl, ReleaseReason, ShedReason, Verdict,
+    MAX_RETRY_AFTER_S, MIN_PREDICT_RELEASES, MIN_PREDICTIONS, DrainRate, FlowControl, ReleaseReason, ShedReason, Verdict,
 )
 from prefixroute.extproc.flow.queue import QueuedRequest
 from prefixroute.extproc.flow.saturation import EndpointLoad, Saturation, SaturationDetector
@@ -143,6 +143,14 @@ def test_predicted_deadline_sheds_at_arrival_only_when_the_drain_says_so() -> No
     n = MIN_PREDICT_RELEASES
     fc = _draining(n)
     assert fc.drain.per_s(n - 1.0) == pytest.approx(1.0)
+    # not before the predicted waits have been checked right (test_flow_slow_router.py): held, counted
+    assert fc.offer(_entry("early", at=n - 1.0, cost=1.0, deadline=2.0), SATURATED, n - 1.0).verdict is \
+        Verdict.HOLD
+    assert fc.stats.predicted_late["held"] == 1
+    for i in range(MIN_PREDICTIONS):
+        checked = _entry(("checked", i))
+        fc.predictions.predict(checked, 4.0)
+        fc.predictions.check(checked, 4.0)
     # 10 of equal cost ahead at 1/s: 2 s is too short, but a cheap one goes first and makes it
     assert fc.offer(_entry("late", at=n - 1.0, cost=1.0, deadline=2.0), SATURATED, n - 1.0).reason is \
         ShedReason.PREDICTED_DEADLINE
