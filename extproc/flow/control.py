@@ -10,7 +10,10 @@ the live router (`gate.FlowGate`, asyncio) and the virtual fleet run the same co
   lower priority class, then of its own class those of a tenant holding more than the newcomer's tenant would
   (`FlowQueue.lowest`: the tenant holding the most): whoever fills the queue loses its newest requests, a
   newcomer with fewer held keeps its place.
-- `release`: while some endpoint has room, the next held request in the queue's order (`queue.FlowQueue`).
+- `release`: while some endpoint has room, the next held request in the queue's order (`queue.FlowQueue`), its
+  aging bounded by the time first come, first served would take to release what is held (held requests / the
+  drain rate): shortest-first may pass over the oldest request only that long, so the queue buys the median
+  without pushing the same requests back past what the engines' own first-come queues would make them wait.
 - `expire` / `drop`: a held request whose deadline passed is shed (429, or 503 when no endpoint is healthy); one
   whose client left is dropped.
 
@@ -318,7 +321,10 @@ class FlowControl:
         self.stats.saturation_signal = saturation.signal
         if saturation.saturated or not len(self.queue):
             return None
-        entry = self.queue.pop(now_s)
+        # Aging's bound: the time first come, first served would take to release what is held now, once the drain
+        # rate is measured. Shortest-first never keeps the oldest request longer than that.
+        rate = self.drain.per_s(now_s) if len(self.drain) >= MIN_PREDICT_RELEASES else None
+        entry = self.queue.pop(now_s, len(self.queue) / rate if rate else None)
         if entry is None:
             return None
         self.drain.record(now_s)

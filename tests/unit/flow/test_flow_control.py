@@ -325,3 +325,22 @@ def test_the_drain_rate_restarts_when_the_queue_empties() -> None:
     for t in (1000.5, 1001.0, 1001.5):
         fc.release(ROOM, t, ReleaseReason.FIRST_TOKEN)
     assert fc.drain.per_s(1001.5) == pytest.approx(2.0)  # the new burst's own rate
+
+
+def test_release_bounds_aging_by_the_drain_rate() -> None:
+    """Past `MIN_PREDICT_RELEASES` releases the oldest held request goes first once it waited longer than
+    first come, first served would take to release what is held (held / drain rate), whatever the average."""
+    fc = FlowControl(FlowSettings(max_wait_ratio=4.0, aging_min_s=1.0))
+    n = MIN_PREDICT_RELEASES
+    for k in range(n + 1):
+        fc.offer(_entry(("d", k), cost=0.1, at=0.0), SATURATED, 0.0)
+    for t in range(1, n + 1):  # one release a second: waits of 1..16 s make a large average
+        fc.release(ROOM, float(t), ReleaseReason.RELEASE)
+    now = float(n)
+    fc.offer(_entry("dear", cost=5.0, at=now), SATURATED, now)
+    for i in range(3):
+        fc.offer(_entry(("cheap", i), cost=0.1, at=now), SATURATED, now)
+    assert fc.release(ROOM, now + 6.0, ReleaseReason.RELEASE).key == ("d", n)  # the oldest, aged either way
+    # 4 held at ~0.8/s: arrival order would release them within ~5 s; "dear" has waited 6 s (4 x the average
+    # would let it wait ~20 s)
+    assert fc.release(ROOM, now + 6.0, ReleaseReason.RELEASE).key == "dear"
