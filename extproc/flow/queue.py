@@ -16,10 +16,9 @@ Order of `pop`:
 4. **Aging**: the oldest request of the tenant goes first instead once it has waited more than
    ``max_wait_ratio`` x the class's average wait (an exponentially weighted mean of the waits of the requests
    released from it), or more than ``fifo_wait_s`` when the caller gives it (`pop`: how long first come, first
-   served would take to release what is held now), whichever is less, and at least ``min_aging_s``. The average
-   alone bounds no tail past saturation: the waits of aged requests raise the average, which raises the bound
-   (virtual fleet, 288 prompts of 8k tokens at 110% of capacity: P99 TTFT 21.1 s with the average alone,
-   14.7 s with the first-come bound, 14.4 s with no queue).
+   served would take to release what is held now; `FlowControl` gives it under deadline pressure), whichever is
+   less, and at least ``min_aging_s``. The average alone bounds no tail past saturation: the waits of aged
+   requests raise the average, which raises the bound.
 
 Bounds: ``len(queue)`` and ``queue.num_bytes`` are what the caller checks against its limits (`FlowControl`);
 when they are reached, `lowest` names the request to give up first: the newest of the tenant holding the most in

@@ -328,9 +328,15 @@ def test_the_drain_rate_restarts_when_the_queue_empties() -> None:
 
 
 def test_release_bounds_aging_by_the_drain_rate() -> None:
-    """Past `MIN_PREDICT_RELEASES` releases the oldest held request goes first once it waited longer than
-    first come, first served would take to release what is held (held / drain rate), whatever the average."""
-    fc = FlowControl(FlowSettings(max_wait_ratio=4.0, aging_min_s=1.0))
+    """Past `MIN_PREDICT_RELEASES` releases, under deadline pressure, the oldest held request goes first once it
+    waited longer than first come, first served would take to release what is held (held / drain rate), whatever
+    the average; without deadline pressure the average alone ages it."""
+    assert _aged_release(deadline_s=8.0) == "dear"  # ~5 s to release in arrival order >= half of 8 s
+    assert _aged_release(deadline_s=30.0) == ("cheap", 0)  # no deadline pressure: shortest first, the average
+
+
+def _aged_release(deadline_s: float):
+    fc = FlowControl(FlowSettings(max_wait_ratio=4.0, aging_min_s=1.0, deadline_s=deadline_s))
     n = MIN_PREDICT_RELEASES
     for k in range(n + 1):
         fc.offer(_entry(("d", k), cost=0.1, at=0.0), SATURATED, 0.0)
@@ -343,4 +349,4 @@ def test_release_bounds_aging_by_the_drain_rate() -> None:
     assert fc.release(ROOM, now + 6.0, ReleaseReason.RELEASE).key == ("d", n)  # the oldest, aged either way
     # 4 held at ~0.8/s: arrival order would release them within ~5 s; "dear" has waited 6 s (4 x the average
     # would let it wait ~20 s)
-    assert fc.release(ROOM, now + 6.0, ReleaseReason.RELEASE).key == "dear"
+    return fc.release(ROOM, now + 6.0, ReleaseReason.RELEASE).key
