@@ -173,10 +173,11 @@ def _counts_text(counts: Mapping[str, int]) -> str:
 
 
 def render_flow_counts(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The gateway queue's counters of each real run of ours with flow control (the router's /metrics scraped at
-    the end: `runner.parse_router_metrics`'s ``flow``); no lines when none has them."""
-    return flow_count_lines([(r["router"], ((r.get("extra") or {}).get("router_metrics") or {}).get("flow"))
-                             for r in runs])
+    """The gateway queue's counters of each run of ours with flow control (a real run: the router's /metrics
+    scraped at the end, `runner.parse_router_metrics`'s ``flow``; a virtual run: the queue's own, ``extra.flow``);
+    no lines when none has them."""
+    return flow_count_lines([(r["router"], ((r.get("extra") or {}).get("router_metrics") or {}).get("flow")
+                              or (r.get("extra") or {}).get("flow")) for r in runs])
 
 
 def flow_count_lines(rows: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[str]:
@@ -185,7 +186,8 @@ def flow_count_lines(rows: Sequence[tuple[str, Mapping[str, Any] | None]]) -> li
     rows = [(name, f) for name, f in rows if f]
     if not rows:
         return []
-    lines = ["Gateway queue (flow control; the router's /metrics at the end of the run):", "",
+    lines = ["Gateway queue (flow control; a real run: the router's /metrics at its end; a virtual run: the queue's "
+             "own counters):", "",
              "| router | admitted at once | held | released (by event) | shed (by reason) | held by bound | dropped | "
              "predicted late (by decision) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

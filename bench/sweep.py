@@ -192,9 +192,12 @@ def run_virtual_sweep(workload: Workload, routers: Sequence[str], *, num_servers
         for name, model in policies.items():
             t0 = time.perf_counter()
             predictions: list[tuple[str, float, float]] = []
+            counts: dict = {}
             res, endpoints, _ = model.simulate(wl, num_servers=num_servers, spec=spec, seed=seed, sims=sims,
-                                               endpoint_ids=endpoint_ids, predictions=predictions)
+                                               endpoint_ids=endpoint_ids, predictions=predictions, flow_counts=counts)
             entry = _entry(bench_results.summarize_run(name, res, endpoints))
+            if counts:
+                entry["flow"] = counts
             entry["slo_met_ratio"] = slo_met_ratio(res, SLO_COLD_PREFILLS * cap.cold_prefill_s * 1000.0)
             entry.update(virtual_run.judge_sheds(res, lambda queued: dataclasses.replace(
                 model, flow=model.flow if queued else None,

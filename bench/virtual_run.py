@@ -61,6 +61,7 @@ from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.factory import build_router, new_event_index, uses_kv_events
+from prefixroute.extproc.flow.metrics import flow_counts as metrics_flow_counts
 from prefixroute.extproc.flow.router import RouterView
 from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.lifecycle import LifecycleListener, Pick
@@ -276,7 +277,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
                     routing: RoutingSettings | None = None, pool_settings: PoolSettings | None = None,
                     endpoint_ids: Sequence[str] | None = None,
                     predictions: list[tuple[str, float, float]] | None = None, index_source: str = "",
-                    flow: FlowSettings | None = None, shed: bool = True,
+                    flow: FlowSettings | None = None, shed: bool = True, flow_counts: dict | None = None,
                     ) -> tuple[list[RequestResult], list[str], float]:
     """Route `workload` with one of our policies through `PoolRouter` (or with a ``sim:`` model of another
     router, see `SIM_ROUTERS`) on a fresh virtual fleet of `spec` (default: `engine_spec()`).
@@ -293,7 +294,9 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     default. `flow`: flow control in front of the router (the live gateway's queue, bench/flow_virtual.py: our
     policies judge saturation with the router's own view, the oracle with its true one); None: off
     (``sim:oracle+flow`` turns it on with the defaults). ``shed=False``: the flow queue never sheds for a
-    deadline (`FleetFlow`), the counterfactual `false_sheds` judges a run's sheds against.
+    deadline (`FleetFlow`), the counterfactual `false_sheds` judges a run's sheds against. `flow_counts`, when
+    given and flow control ran, receives its counters (`extproc.flow.metrics.flow_counts`: held, released, shed
+    by reason, predicted-late arrivals shed or held), as a live run's /metrics gives them.
     """
     spec = spec or engine_spec()
     fleet = VirtualFleet(spec, num_servers, endpoint_ids=endpoint_ids)
@@ -329,6 +332,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     t0 = time.process_time()
     sim_results = fleet.run(arrivals.initial(), route, on_finish=on_finish, on_step=on_step)
     cpu_s = time.process_time() - t0
+    if flow_counts is not None and flow_view is not None:
+        flow_counts.update(metrics_flow_counts(gate.control.stats))
     by_id = {r.request_id: r for r in sim_results}
     out = [_request_result(req, by_id.get(str(req.index))) for req in workload.requests]
     for r in out if tier_pred else ():
@@ -481,19 +486,21 @@ def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers
             log(f"skipping {router.name}: {skipped[router.name]}")
             continue
         t0 = time.perf_counter()
+        counts: dict = {}
         res, endpoints, cpu_s = simulate_policy(workload, router.policy, num_servers=num_servers, spec=spec,
                                                 seed=seed, sims=sims, concurrency=concurrency or 16,
                                                 endpoint_ids=endpoint_ids, index_source=router.index_source,
-                                                flow=flow_settings_for(router))
+                                                flow=flow_settings_for(router), flow_counts=counts)
         wall_s = time.perf_counter() - t0
         log(f"{router.name}: simulated {len(res)} requests on {num_servers} servers in {wall_s:.1f}s")
         judged = judge_sheds(res, lambda queued: simulate_policy(
-            workload, router.policy if queued else unqueued_policy(router.policy), num_servers=num_servers, spec=spec, seed=seed, sims=sims,
+            workload, router.policy if queued else unqueued_policy(router.policy), num_servers=num_servers,
+            spec=spec, seed=seed, sims=sims,
             concurrency=concurrency or 16, endpoint_ids=endpoint_ids, index_source=router.index_source,
             flow=flow_settings_for(router) if queued else None, shed=False)[0])
         runs.append(bench_results.summarize_run(router.name, res, endpoints, extra={
             "policy": router.policy, "virtual": True, "sim_cpu_s": round(cpu_s, 3), "wall_s": round(wall_s, 3),
-            "itl_definition": "per-request mean inter-token time", **judged}))
+            "itl_definition": "per-request mean inter-token time", **judged, **({"flow": counts} if counts else {})}))
         ttfts[router.name] = [r.ttft_ms for r in res if r.ok and r.ttft_ms is not None]
     doc = bench_results.results_document(workload.describe(), upper_bound_hit_ratio, runs)
     cfg = spec.config

@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .control import WAIT_BUCKETS_S, FlowControl
+from .control import WAIT_BUCKETS_S, FlowControl, FlowStats
 
 QUEUE_LENGTH = "prefixroute_flow_queue_length"
 QUEUE_FLOWS = "prefixroute_flow_queue_flows"
@@ -124,6 +124,18 @@ def parse_flow_counts(text: str) -> dict[str, Any] | None:
         key = dict(_LABEL_RE.findall(m.group(2) or "")).get(label, "")
         out[name][key] = out[name].get(key, 0) + value
     return out if found else None
+
+
+def flow_counts(stats: FlowStats) -> dict[str, Any]:
+    """`stats` in `parse_flow_counts`'s shape (shed summed over status codes): what a bench run reports, live
+    (scraped) or virtual (read from the queue itself)."""
+    shed: dict[str, int] = {}
+    for (reason, _status), n in stats.shed.items():
+        shed[reason] = shed.get(reason, 0) + n
+    return {"num_held": stats.num_held, "num_admitted": stats.num_admitted, "num_dropped": stats.num_dropped,
+            "released": dict(stats.released), "shed": shed, "held_by_bound": dict(stats.held_by_bound),
+            "predicted_late": {"held": stats.predicted_late.get("held", 0),
+                               "shed": stats.predicted_late.get("shed", 0)}}
 
 
 class FlowCollector:

@@ -12,8 +12,9 @@ from prefixroute.extproc.flow.settings import FlowSettings
 def R(index: int, *, ttft_s: float | None = 1.0, status: int = 200, start_s: float = 0.0) -> RequestResult:
     if status != 200:
         return RequestResult(index=index, start_s=start_s, status=status, error=f"http {status}: shed")
-    return RequestResult(index=index, start_s=start_s, status=200, ttft_ms=ttft_s * 1000.0, e2e_ms=ttft_s * 1000.0 + 500,
-                         prompt_tokens=100, completion_tokens=5, cached_tokens=0, endpoint="a:1")
+    return RequestResult(index=index, start_s=start_s, status=200, ttft_ms=ttft_s * 1000.0,
+                         e2e_ms=ttft_s * 1000.0 + 500, prompt_tokens=100, completion_tokens=5, cached_tokens=0,
+                         endpoint="a:1")
 
 
 def test_goodput_counts_requests_within_the_deadline_and_sheds_as_missed() -> None:
@@ -92,3 +93,22 @@ def test_the_virtual_counterfactual_replays_the_same_requests_without_sheds() ->
     assert judged["num_false_unqueued"] == sum(1 for r in shed_run if results.is_shed(r)
                                                and results.met_deadline(plain[r.index]))
     assert virtual_run.judge_sheds(unshed, lambda queued: 1 / 0) == {}  # nothing shed: no replay
+
+
+def test_a_virtual_run_reports_the_queues_counters() -> None:
+    """Held, shed by reason and predicted-late arrivals of the queue itself, in the run's document and report."""
+    wl = wl_mod.shared_prompts(num_groups=24, prefix_tokens=4096, question_tokens=64, num_requests=200,
+                               output_tokens=32, seed=0)
+    wl = wl_mod.apply_arrivals(wl, "poisson", rate_rps=40.0, seed=0)
+    spec = virtual_run.engine_spec("", ["--time-scale=1.8"])
+    counts: dict = {}
+    res, _, _ = virtual_run.simulate_policy(wl, "prefix", num_servers=2, spec=spec, flow=FlowSettings(deadline_s=0.5),
+                                            flow_counts=counts)
+    assert counts["num_held"] > 0 and sum(counts["shed"].values()) == sum(results.is_shed(r) for r in res)
+    assert set(counts["predicted_late"]) == {"held", "shed"}
+    run = results.summarize_run("prefixroute:prefix+flow", res, extra={"flow": counts})
+    md = report.render_markdown(results.results_document({"name": "x"}, 0.5, [run]))
+    assert "Gateway queue" in md and "predicted late (by decision)" in md
+    none: dict = {}
+    virtual_run.simulate_policy(wl, "prefix", num_servers=2, spec=spec, flow_counts=none)
+    assert none == {}  # flow control off: no counters
