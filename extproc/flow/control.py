@@ -200,9 +200,6 @@ class WaitPredictions:
             return False
         return statistics.median(self._ratios) >= 1.0 - PREDICTION_TOLERANCE
 
-    def median_ratio(self) -> float | None:
-        return statistics.median(self._ratios) if self._ratios else None
-
 
 @dataclasses.dataclass(slots=True)
 class FlowStats:
