@@ -32,13 +32,16 @@ Route = Callable[[SimRequest, VirtualFleet], "int | str"]
 class FleetFlow:
     """Flow control in front of `route` on `fleet` (module docstring). ``loads()``: each endpoint's load now;
     ``cost_of(req)``: its predicted service seconds (its cheapest prefill); ``group_of(req)``: a key shared by
-    requests of one prefix (held members are re-costed when one is placed), or None."""
+    requests of one prefix (held members are re-costed when one is placed), or None. ``shed=False``: the
+    counterfactual of a run's sheds (bench/results.py `false_sheds`): nothing is shed for its deadline, at
+    arrival or while held (a held request waits until released); a full queue still sheds."""
 
     def __init__(self, fleet: VirtualFleet, route: Route, settings: FlowSettings, *,
                  loads: Callable[[], Sequence[EndpointLoad]], cost_of: Callable[[SimRequest], float],
                  group_of: Callable[[SimRequest], Hashable | None] = lambda req: None,
-                 tenants: Tenants | None = None) -> None:
+                 tenants: Tenants | None = None, shed: bool = True) -> None:
         self.fleet = fleet
+        self.shed = shed
         self._route = route
         self.control = FlowControl(settings)
         self.detector = SaturationDetector(settings.saturation_queued_s, settings.saturation_waiting,
@@ -62,8 +65,9 @@ class FleetFlow:
             if self._held:
                 self.pump(ReleaseReason.ARRIVAL)  # held ones go first: they came earlier
             return self._place(req)
+        deadline_s = now + flow.deadline_s if self.shed else float("inf")
         entry = QueuedRequest(req.request_id, flow.priority, flow.fairness_id, self.cost_of(req), len(req.body),
-                              now, now + flow.deadline_s, self.group_of(req))
+                              now, deadline_s, self.group_of(req))
         offer = self.control.offer(entry, saturation, now)
         for victim in offer.evicted:
             self._shed(victim, self.control.evicted_error(saturation, now))
@@ -71,7 +75,8 @@ class FleetFlow:
             assert offer.error is not None
             raise offer.error
         self._held[req.request_id] = req
-        fleet.call_at(entry.deadline_s, self._expire)
+        if self.shed:
+            fleet.call_at(entry.deadline_s, self._expire)
         return None
 
     def _place(self, req: SimRequest) -> int | str:

@@ -141,15 +141,43 @@ def index_source_checks(doc: Mapping[str, Any], policy: str = "prefix") -> list[
     return out
 
 
+GOODPUT_NOTE = (
+    "goodput = requests served with their first token within the deadline, per second of the run (a shed or "
+    "failed request misses it); met deadline = their share of all requests; shed = requests refused for load "
+    "(429/503) and, on the virtual fleet, how many of them were false: they met their deadline when the same "
+    "requests were replayed with the queue holding but never shedding (and, second figure, with no gateway "
+    "queue at all).")
+
+
+def goodput_text(extra: Mapping[str, Any]) -> str:
+    """'RPS | RATIO (deadline D s)' of a run's ``extra.goodput`` (two table cells); '- | -' without one."""
+    g = extra.get("goodput")
+    if not g:
+        return "- | -"
+    ratio = "-" if g["met_ratio"] is None else f"{g['met_ratio']:.1%}"
+    return f"{g['rps']:.2f} | {ratio} (<= {g['deadline_s']:g} s)"
+
+
+def shed_text(extra: Mapping[str, Any]) -> str:
+    """A run's sheds, with the false ones when they were judged: '12 (false 0)'; '0' when none."""
+    n = extra.get("num_shed", 0)
+    fs = extra.get("false_sheds")
+    if not fs:
+        return str(n)
+    unqueued = f", {fs['num_false_unqueued']} with no queue" if "num_false_unqueued" in fs else ""
+    return f"{n} (false {fs['num_false']}{unqueued})"
+
+
 def _counts_text(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v) or "-"
 
 
 def render_flow_counts(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The gateway queue's counters of each real run of ours with flow control (the router's /metrics scraped at
-    the end: `runner.parse_router_metrics`'s ``flow``); no lines when none has them."""
-    return flow_count_lines([(r["router"], ((r.get("extra") or {}).get("router_metrics") or {}).get("flow"))
-                             for r in runs])
+    """The gateway queue's counters of each run of ours with flow control (a real run: the router's /metrics
+    scraped at the end, `runner.parse_router_metrics`'s ``flow``; a virtual run: the queue's own, ``extra.flow``);
+    no lines when none has them."""
+    return flow_count_lines([(r["router"], ((r.get("extra") or {}).get("router_metrics") or {}).get("flow")
+                              or (r.get("extra") or {}).get("flow")) for r in runs])
 
 
 def flow_count_lines(rows: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[str]:
@@ -158,13 +186,17 @@ def flow_count_lines(rows: Sequence[tuple[str, Mapping[str, Any] | None]]) -> li
     rows = [(name, f) for name, f in rows if f]
     if not rows:
         return []
-    lines = ["Gateway queue (flow control; the router's /metrics at the end of the run):", "",
-             "| router | admitted at once | held | released (by event) | shed (by reason) | held by bound | dropped |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["Gateway queue (flow control; a real run: the router's /metrics at its end; a virtual run: the queue's "
+             "own counters):", "",
+             "| router | admitted at once | held | released (by event) | shed (by reason) | held by bound | dropped | "
+             "predicted late (by decision) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, f in rows:
         lines.append(f"| {name} | {f['num_admitted']} | {f['num_held']} | {_counts_text(f['released'])} | "
-                     f"{_counts_text(f['shed'])} | {_counts_text(f['held_by_bound'])} | {f['num_dropped']} |")
-    return lines + [""]
+                     f"{_counts_text(f['shed'])} | {_counts_text(f['held_by_bound'])} | {f['num_dropped']} | "
+                     f"{_counts_text(f.get('predicted_late') or {})} |")
+    return lines + ["", "predicted late = arrivals whose predicted wait passed their deadline: shed (the prediction "
+                    "had been right on recent requests) or held (it had not).", ""]
 
 
 def _agents(run: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -390,9 +422,9 @@ def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
               f"Upper bound (one infinite cache): hit ratio {_fmt(ub, 3)}", ""]
     lines += render_bounds(bounds)
     lines.append("| router | requests | errors | hit ratio | of upper bound | of MIN bound | TTFT p50 ms | p90 | p99 | "
-                 "ITL p50 ms | p99 | E2E p50 ms | p99 | req/s | max share / fair | TTFT p50 vs random | "
-                 "TTFT p90 vs random |")
-    lines.append("| --- " * 17 + "|")
+                 "ITL p50 ms | p99 | E2E p50 ms | p99 | req/s | goodput req/s | met deadline | shed | "
+                 "max share / fair | TTFT p50 vs random | TTFT p90 vs random |")
+    lines.append("| --- " * 20 + "|")
     for r in runs:
         t, i, e = r["ttft_ms"], r["itl_ms"], r["e2e_ms"]
         hr = r["hit_ratio"]
@@ -404,10 +436,12 @@ def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
         lines.append(f"| {r['router']} | {r['requests']} | {r['errors']} | {_fmt(hr, 3)} | {of_ub} | {of_min} | "
                      f"{_fmt(t['p50'])} | {_fmt(t['p90'])} | {_fmt(t['p99'])} | {_fmt(i['p50'], 2)} | "
                      f"{_fmt(i['p99'], 2)} | {_fmt(e['p50'])} | {_fmt(e['p99'])} | {_fmt(r['throughput_rps'], 2)} | "
+                     f"{goodput_text(r.get('extra') or {})} | {shed_text(r.get('extra') or {})} | "
                      f"{_fmt(max_share, 2)} | {vs50} | {vs90} |")
     lines += ["", "hit ratio = server-reported cached prompt tokens / prompt tokens; of MIN bound = of Belady's "
               "optimal eviction on one cache of the fleet's KV capacity; max share / fair = the "
-              "busiest endpoint's share of requests over 1/num_endpoints; ratios < 1 are better than random.", ""]
+              "busiest endpoint's share of requests over 1/num_endpoints; ratios < 1 are better than random.",
+              "", GOODPUT_NOTE, ""]
     lines += render_paired(doc)
     lines += render_bounds_by_router(runs, bounds)
     lines += render_cpu(runs)

@@ -9,6 +9,12 @@ Definitions (pure functions, no I/O):
 - ``endpoint_share`` = successful requests served by an endpoint / successful requests with a known
   endpoint; every configured endpoint is listed (0.0 if it served nothing), unknown ones are added.
 - ``errors`` counts every recorded failure (HTTP status != 200, stream error, timeout, deadline).
+- a request *met its deadline* when it was served (200) with a TTFT at most the deadline (`DEADLINE_S`: flow
+  control's default deadline_s, the same for every router of a run, ours or a peer); a shed or failed request
+  missed it. ``extra.goodput`` = {``deadline_s``, ``num_met``, ``met_ratio`` = num_met / requests, ``rps`` =
+  num_met / (last finish of a served request - first start of any request)}.
+- a *false shed* (`false_sheds`, virtual fleet only, where the counterfactual is known): a request shed (429 or
+  503) that met its deadline in a replay of the same request sequence on the same fleet with shedding off.
 
 The run dict has exactly the keys of issue 7 plus ``extra`` (additional figures: token totals, duration,
 max share over fair share, error kinds), so consumers of the issue's shape are unaffected.
@@ -23,6 +29,10 @@ from typing import Any
 import numpy as np
 
 from prefixroute.bench.client import RequestResult
+
+DEADLINE_S = 30.0
+"""The deadline goodput judges against: flow control's default deadline_s (a request is shed past it), so a
+router without a gateway queue is judged by the deadline our queue sheds by."""
 
 RUN_KEYS = ("router", "requests", "errors", "hit_ratio", "ttft_ms", "itl_ms", "e2e_ms", "throughput_rps",
             "endpoint_share")
@@ -61,6 +71,46 @@ def endpoint_share(results: Sequence[RequestResult], endpoints: Sequence[str] = 
     return {e: round(counts.get(e, 0) / total, 6) if total else 0.0 for e in names}
 
 
+def is_shed(r: RequestResult) -> bool:
+    """The router (or server) refused the request for load: 429 (queue, deadline) or 503 (no endpoint)."""
+    return r.status in (429, 503)
+
+
+def met_deadline(r: RequestResult, deadline_s: float = DEADLINE_S) -> bool:
+    """Served, with its first token within `deadline_s` of its start (module doc)."""
+    return r.ok and r.ttft_ms is not None and r.ttft_ms <= deadline_s * 1000.0
+
+
+def goodput(results: Sequence[RequestResult], deadline_s: float = DEADLINE_S) -> dict[str, Any]:
+    """``{deadline_s, num_met, met_ratio, rps}`` (module doc); ratio None and rps 0 with no results."""
+    met = sum(1 for r in results if met_deadline(r, deadline_s))
+    ends = [r.start_s + r.e2e_ms / 1000.0 for r in results if r.ok and r.e2e_ms is not None]
+    span = max(ends) - min(r.start_s for r in results) if ends else 0.0
+    return {"deadline_s": deadline_s, "num_met": met,
+            "met_ratio": round(met / len(results), 4) if results else None,
+            "rps": round(met / span, 3) if span > 0 else 0.0}
+
+
+def false_sheds(results: Sequence[RequestResult], unshed: Sequence[RequestResult],
+                deadline_s: float = DEADLINE_S, unqueued: Sequence[RequestResult] | None = None) -> dict[str, Any]:
+    """Sheds of `results` judged against `unshed`, the same request sequence replayed with shedding off
+    (matched by request index): ``{num_shed, num_false, false_ratio}``, a false shed being one that met its
+    deadline there (`met_deadline`); ``false_ratio`` = num_false / num_shed (None with no sheds). Also
+    ``num_needed``: sheds that missed their deadline there too (the shed saved the client a late answer). With
+    `unqueued` (the same requests with no gateway queue at all, each sent to an engine at once),
+    ``num_false_unqueued``: the sheds that met their deadline there."""
+    other = {r.index: r for r in unshed}
+    shed = [r for r in results if is_shed(r)]
+    false = sum(1 for r in shed if r.index in other and met_deadline(other[r.index], deadline_s))
+    out = {"num_shed": len(shed), "num_false": false, "num_needed": len(shed) - false,
+           "false_ratio": round(false / len(shed), 4) if shed else None}
+    if unqueued is not None:
+        plain = {r.index: r for r in unqueued}
+        out["num_false_unqueued"] = sum(1 for r in shed if r.index in plain and met_deadline(plain[r.index],
+                                                                                           deadline_s))
+    return out
+
+
 BLOCK_TOKENS = 16
 """The servers' KV block size (the tier prediction's unit)."""
 
@@ -90,8 +140,8 @@ def hit_ratio_by_tier(ok: Sequence[RequestResult]) -> dict[str, Any]:
 
 
 def summarize_run(router: str, results: Sequence[RequestResult], endpoints: Sequence[str] = (),
-                  extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """One entry of results.json ``runs`` (see module doc for every definition)."""
+                  extra: Mapping[str, Any] | None = None, deadline_s: float = DEADLINE_S) -> dict[str, Any]:
+    """One entry of results.json ``runs`` (see module doc for every definition; `deadline_s` is goodput's)."""
     ok = [r for r in results if r.ok]
     share = endpoint_share(results, endpoints)
     fair = 1.0 / len(share) if share else 0.0
@@ -114,6 +164,8 @@ def summarize_run(router: str, results: Sequence[RequestResult], endpoints: Sequ
             "duration_s": round(max(finishes) - min(r.start_s for r in results), 3) if finishes else 0.0,
             "max_share_over_fair": round(max(share.values()) / fair, 3) if share and fair else None,
             "error_kinds": dict(error_kinds),
+            "num_shed": sum(1 for r in results if is_shed(r)),
+            "goodput": goodput(results, deadline_s),
             # How late the client sent open-loop requests (large = the client, not the router, was the limit).
             "send_lag_ms": percentiles([r.send_lag_ms for r in results if r.send_lag_ms is not None], (50, 99)),
             **hit_ratio_by_tier(ok),

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from prefixroute.bench.report import flow_count_lines, render_bounds, render_bounds_by_router, write_files
+from prefixroute.bench.report import (GOODPUT_NOTE, flow_count_lines, goodput_text, render_bounds,
+                                      render_bounds_by_router, shed_text, write_files)
 from prefixroute.bench.sweep import PREDICTION_DEFINITION, seconds_text
 
 PLOT_FILES = ("ttft_vs_load.png", "hit_ratio_vs_load.png")
@@ -52,7 +53,8 @@ def render_report(doc: Mapping[str, Any], command: str = "") -> str:
               f"Upper bound (one infinite cache): hit ratio {doc['upper_bound_hit_ratio']:.3f}", ""]
     gaps = any("gap_to_oracle" in e for p in doc["points"] for e in p["runs"].values())
     preds = any("prediction_mape" in e for p in doc["points"] for e in p["runs"].values())
-    head = ["load", "rate req/s", "router", "TTFT p50 s", "p90 s", "p99 s", "hit ratio", "max share/fair", "errors"]
+    head = ["load", "rate req/s", "router", "TTFT p50 s", "p90 s", "p99 s", "hit ratio", "goodput req/s",
+            "met deadline", "shed", "max share/fair", "errors"]
     if gaps:
         head += ["gap p50", "gap p90", "gap p99"]
     if preds:
@@ -70,7 +72,8 @@ def render_report(doc: Mapping[str, Any], command: str = "") -> str:
             hr = "-" if e["hit_ratio"] is None else f"{e['hit_ratio']:.3f}"
             share = "-" if e.get("max_share_over_fair") is None else f"{e['max_share_over_fair']:.2f}"
             row = [f"{p['load_percent']:g}%", f"{p['rate_rps']:.2f}", name, seconds_text(t.get("p50")),
-                   seconds_text(t.get("p90")), seconds_text(t.get("p99")), hr, share, str(e["errors"])]
+                   seconds_text(t.get("p90")), seconds_text(t.get("p99")), hr, *goodput_text(e).split(" | "),
+                   shed_text(e), share, str(e["errors"])]
             if gaps:
                 g = e.get("gap_to_oracle") or {}
                 row += [pct(g.get("p50")), pct(g.get("p90")), pct(g.get("p99"))]
@@ -82,7 +85,7 @@ def render_report(doc: Mapping[str, Any], command: str = "") -> str:
                 row += [f"{seconds_text(v.get('p50'))} / {seconds_text(v.get('p99'))}" if v else "-",
                         "-" if e.get("host_cpu_busy_ratio") is None else f"{e['host_cpu_busy_ratio']:.0%}"]
             lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
+    lines += ["", GOODPUT_NOTE, ""]
     lines += flow_count_lines([(f"{p['load_percent']:g}% {name}", e.get("flow"))
                                for p in doc["points"] for name, e in p["runs"].items()])
     lines += _bounds_lines(doc)

@@ -61,6 +61,7 @@ from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.kv_events.tiers import TieredKVEventIndex
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.factory import build_router, new_event_index, uses_kv_events
+from prefixroute.extproc.flow.metrics import flow_counts as metrics_flow_counts
 from prefixroute.extproc.flow.router import RouterView
 from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.lifecycle import LifecycleListener, Pick
@@ -276,7 +277,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
                     routing: RoutingSettings | None = None, pool_settings: PoolSettings | None = None,
                     endpoint_ids: Sequence[str] | None = None,
                     predictions: list[tuple[str, float, float]] | None = None, index_source: str = "",
-                    flow: FlowSettings | None = None) -> tuple[list[RequestResult], list[str], float]:
+                    flow: FlowSettings | None = None, shed: bool = True, flow_counts: dict | None = None,
+                    ) -> tuple[list[RequestResult], list[str], float]:
     """Route `workload` with one of our policies through `PoolRouter` (or with a ``sim:`` model of another
     router, see `SIM_ROUTERS`) on a fresh virtual fleet of `spec` (default: `engine_spec()`).
 
@@ -291,7 +293,10 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     `index_source` (a router name's ``@SOURCE``) sets the default routing's prefix-index source; "" = its
     default. `flow`: flow control in front of the router (the live gateway's queue, bench/flow_virtual.py: our
     policies judge saturation with the router's own view, the oracle with its true one); None: off
-    (``sim:oracle+flow`` turns it on with the defaults).
+    (``sim:oracle+flow`` turns it on with the defaults). ``shed=False``: the flow queue never sheds for a
+    deadline (`FleetFlow`), the counterfactual `false_sheds` judges a run's sheds against. `flow_counts`, when
+    given and flow control ran, receives its counters (`extproc.flow.metrics.flow_counts`: held, released, shed
+    by reason, predicted-late arrivals shed or held), as a live run's /metrics gives them.
     """
     spec = spec or engine_spec()
     fleet = VirtualFleet(spec, num_servers, endpoint_ids=endpoint_ids)
@@ -303,7 +308,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         flow = FlowSettings()
     flow_view: Callable[[Route], FleetFlow] | None = None
     if policy.startswith("sim:"):
-        route, release, flow_view = _sim_routing(policy, fleet, pool, flow)
+        route, release, flow_view = _sim_routing(policy, fleet, pool, flow, shed)
     else:
         if routing is None:
             routing = _default_routing(policy, spec, seed, index_source)
@@ -312,7 +317,7 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
         tier_pred = driver.tier_pred
         if flow is not None:
             flow_view = _router_flow(driver.router, pool, fleet, flow, driver.parsed,
-                                     lambda now_s: driver.deliver_first_tokens())
+                                     lambda now_s: driver.deliver_first_tokens(), shed)
 
     on_step = None
     if flow_view is not None:
@@ -327,6 +332,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     t0 = time.process_time()
     sim_results = fleet.run(arrivals.initial(), route, on_finish=on_finish, on_step=on_step)
     cpu_s = time.process_time() - t0
+    if flow_counts is not None and flow_view is not None:
+        flow_counts.update(metrics_flow_counts(gate.control.stats))
     by_id = {r.request_id: r for r in sim_results}
     out = [_request_result(req, by_id.get(str(req.index))) for req in workload.requests]
     for r in out if tier_pred else ():
@@ -334,8 +341,8 @@ def simulate_policy(workload: Workload, policy: str, *, num_servers: int, spec: 
     return out, list(fleet.endpoint_ids), cpu_s
 
 
-def _sim_routing(policy: str, fleet: VirtualFleet, pool: SimulatedPool, flow: FlowSettings | None
-                 ) -> tuple[Route, Callable[[SimResult], None], Callable[[Route], FleetFlow] | None]:
+def _sim_routing(policy: str, fleet: VirtualFleet, pool: SimulatedPool, flow: FlowSettings | None,
+                 shed: bool = True) -> tuple[Route, Callable[[SimResult], None], Callable[[Route], FleetFlow] | None]:
     """The fleet's route and release callbacks for a ``sim:`` model of another router (`SIM_ROUTERS`), and
     the oracle's flow view when `flow` is on (its true queues and prices; None for the other models)."""
     if policy not in SIM_ROUTERS:
@@ -357,7 +364,7 @@ def _sim_routing(policy: str, fleet: VirtualFleet, pool: SimulatedPool, flow: Fl
 
             def flow_view(place: Route) -> FleetFlow:
                 return FleetFlow(fleet, place, oracle_flow, loads=view.loads, cost_of=view.cost_of,
-                                 group_of=view.group_of)
+                                 group_of=view.group_of, shed=shed)
     else:
         model = SIM_ROUTERS[policy](fleet.endpoint_ids)
 
@@ -400,7 +407,7 @@ def flow_settings_for(router: RouterSpec) -> FlowSettings | None:
 
 def _router_flow(router: PoolRouter, pool: SimulatedPool, fleet: VirtualFleet, flow: FlowSettings,
                  parsed: dict[str, InferenceRequest], deliver_first_tokens: Callable[[float], None],
-                 ) -> Callable[[Route], FleetFlow]:
+                 shed: bool = True) -> Callable[[Route], FleetFlow]:
     """Flow control in front of our router on the fleet: saturation and costs from the router's own view
     (`RouterView`: its time model, index and scrapes, first tokens delivered first, as a live router hears them
     as they come), held requests parsed once (`parsed`, which the route function takes them from)."""
@@ -420,7 +427,7 @@ def _router_flow(router: PoolRouter, pool: SimulatedPool, fleet: VirtualFleet, f
 
     def make(place: Route) -> FleetFlow:
         return FleetFlow(fleet, place, flow, loads=loads, cost_of=lambda req: view.cost_of(parse(req)),
-                         group_of=lambda req: view.group_of(parse(req)), tenants=router.tenants)
+                         group_of=lambda req: view.group_of(parse(req)), tenants=router.tenants, shed=shed)
     return make
 
 
@@ -440,6 +447,21 @@ def _request_result(req: RequestSpec, r: SimResult | None) -> RequestResult:
                          itl_ms=[mean_gap_ms] * (n - 1) if mean_gap_ms else [], e2e_ms=r.e2e_s * 1000.0,
                          prompt_tokens=r.prompt_tokens, completion_tokens=n, cached_tokens=r.cached_tokens,
                          cpu_cached_tokens=r.cpu_cached_tokens)
+
+
+def unqueued_policy(policy: str) -> str:
+    """The policy a run without the gateway queue uses: ``sim:oracle+flow`` -> ``sim:oracle``; others as is."""
+    return policy.removesuffix("+flow") if policy in FLOW_SIM_ROUTERS else policy
+
+
+def judge_sheds(results: Sequence[RequestResult], replay: Callable[[bool], list[RequestResult]]
+                ) -> dict[str, dict]:
+    """``{"false_sheds": bench_results.false_sheds(...)}`` when `results` shed any request, judged against
+    ``replay(True)`` (the same run, its queue holding but never shedding for a deadline) and ``replay(False)``
+    (the same requests with no gateway queue), run only then; {} when nothing was shed."""
+    if not any(bench_results.is_shed(r) for r in results):
+        return {}
+    return {"false_sheds": bench_results.false_sheds(results, replay(True), unqueued=replay(False))}
 
 
 def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers: Sequence[str], *,
@@ -464,15 +486,21 @@ def run_virtual(workload: Workload, upper_bound_hit_ratio: float | None, routers
             log(f"skipping {router.name}: {skipped[router.name]}")
             continue
         t0 = time.perf_counter()
+        counts: dict = {}
         res, endpoints, cpu_s = simulate_policy(workload, router.policy, num_servers=num_servers, spec=spec,
                                                 seed=seed, sims=sims, concurrency=concurrency or 16,
                                                 endpoint_ids=endpoint_ids, index_source=router.index_source,
-                                                flow=flow_settings_for(router))
+                                                flow=flow_settings_for(router), flow_counts=counts)
         wall_s = time.perf_counter() - t0
         log(f"{router.name}: simulated {len(res)} requests on {num_servers} servers in {wall_s:.1f}s")
+        judged = judge_sheds(res, lambda queued: simulate_policy(
+            workload, router.policy if queued else unqueued_policy(router.policy), num_servers=num_servers,
+            spec=spec, seed=seed, sims=sims,
+            concurrency=concurrency or 16, endpoint_ids=endpoint_ids, index_source=router.index_source,
+            flow=flow_settings_for(router) if queued else None, shed=False)[0])
         runs.append(bench_results.summarize_run(router.name, res, endpoints, extra={
             "policy": router.policy, "virtual": True, "sim_cpu_s": round(cpu_s, 3), "wall_s": round(wall_s, 3),
-            "itl_definition": "per-request mean inter-token time"}))
+            "itl_definition": "per-request mean inter-token time", **judged, **({"flow": counts} if counts else {})}))
         ttfts[router.name] = [r.ttft_ms for r in res if r.ok and r.ttft_ms is not None]
     doc = bench_results.results_document(workload.describe(), upper_bound_hit_ratio, runs)
     cfg = spec.config

@@ -105,7 +105,9 @@ def build_flow(router, settings, *, tick_s: float, stale_after_s: float):  # noq
     from .saturation import SaturationDetector
 
     view = RouterView(router, stale_after_s=stale_after_s, drain=settings.saturation_drain)
-    control = FlowControl(settings)
+    # The drain rate leaves out the router's own loop stalls (the gate's clock is the loop's: monotonic, as
+    # the pool's lag sampler's).
+    control = FlowControl(settings, stall_s=view.stall_s)
     detector = SaturationDetector(settings.saturation_queued_s, settings.saturation_waiting,
                                   settings.saturation_kv_usage_ratio)
     gate = FlowGate(control, detector, view.loads, recost=view.cost_of)

@@ -10,6 +10,9 @@
   (first_token, release, scrape, arrival);
 - ``prefixroute_flow_shed_total{reason,code}``: requests answered 429/503, by reason (deadline,
   predicted_deadline, queue_full, evicted, no_endpoint);
+- ``prefixroute_flow_predicted_late_total{decision}``: arrivals whose predicted wait passed their deadline, by
+  what was done: ``shed`` (the prediction had been right on recent requests) or ``held`` (it had not: held, and
+  shed only if the deadline really passes);
 - ``prefixroute_flow_dropped_total``: held requests whose client left;
 - ``prefixroute_flow_wait_seconds``: histogram of the time held requests waited (released or shed);
 - ``prefixroute_flow_saturation``: the detector's last signal (>= 1 saturated; inf: no healthy endpoint);
@@ -24,7 +27,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .control import WAIT_BUCKETS_S, FlowControl
+from .control import WAIT_BUCKETS_S, FlowControl, FlowStats
 
 QUEUE_LENGTH = "prefixroute_flow_queue_length"
 QUEUE_FLOWS = "prefixroute_flow_queue_flows"
@@ -34,6 +37,7 @@ ADMITTED = "prefixroute_flow_admitted"
 RELEASED = "prefixroute_flow_released"
 SHED = "prefixroute_flow_shed"
 DROPPED = "prefixroute_flow_dropped"
+PREDICTED_LATE = "prefixroute_flow_predicted_late"
 WAIT = "prefixroute_flow_wait_seconds"
 SATURATION = "prefixroute_flow_saturation"
 QUEUE_BYTES = "prefixroute_flow_queue_bytes"
@@ -79,6 +83,12 @@ def metrics_families(control: FlowControl) -> Iterable[Any]:
     for (reason, status), n in sorted(dict(stats.shed).items()):
         shed.add_metric([reason, str(status)], n)
     yield shed
+    late = CounterMetricFamily(PREDICTED_LATE, "Arrivals predicted to wait past their deadline, by decision: shed "
+                               "(the prediction was right on recent requests) or held (it was not).",
+                               labels=["decision"])
+    for decision in ("shed", "held"):
+        late.add_metric([decision], stats.predicted_late.get(decision, 0))
+    yield late
     yield CounterMetricFamily(DROPPED, "Held requests whose client left before release.", value=stats.num_dropped)
     # observe_wait counts a wait in every bucket it fits under: the counts are already cumulative
     buckets = [(str(bound), n) for bound, n in zip(WAIT_BUCKETS_S, list(stats.wait_buckets))]
@@ -90,10 +100,11 @@ def metrics_families(control: FlowControl) -> Iterable[Any]:
                             value=stats.saturation_signal)
 
 
-_COUNTER_RE = re.compile(r'^prefixroute_flow_(held|held_by_bound|admitted|released|shed|dropped)_total'
+_COUNTER_RE = re.compile(r'^prefixroute_flow_(held|held_by_bound|admitted|released|shed|dropped|predicted_late)'
+                         r'_total'
                          r'(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.M)
 _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-_LABEL_OF = {"held_by_bound": "bound", "released": "reason", "shed": "reason"}
+_LABEL_OF = {"held_by_bound": "bound", "released": "reason", "shed": "reason", "predicted_late": "decision"}
 
 
 def parse_flow_counts(text: str) -> dict[str, Any] | None:
@@ -101,7 +112,7 @@ def parse_flow_counts(text: str) -> dict[str, Any] | None:
     ``num_admitted``, ``num_dropped``, ``released`` / ``shed`` (reason -> count; shed summed over codes) and
     ``held_by_bound`` (bound -> count). None when the text has no flow counter (flow control off)."""
     out: dict[str, Any] = {"num_held": 0, "num_admitted": 0, "num_dropped": 0, "released": {}, "shed": {},
-                           "held_by_bound": {}}
+                           "held_by_bound": {}, "predicted_late": {}}
     found = False
     for m in _COUNTER_RE.finditer(text):
         found = True
@@ -113,6 +124,18 @@ def parse_flow_counts(text: str) -> dict[str, Any] | None:
         key = dict(_LABEL_RE.findall(m.group(2) or "")).get(label, "")
         out[name][key] = out[name].get(key, 0) + value
     return out if found else None
+
+
+def flow_counts(stats: FlowStats) -> dict[str, Any]:
+    """`stats` in `parse_flow_counts`'s shape (shed summed over status codes): what a bench run reports, live
+    (scraped) or virtual (read from the queue itself)."""
+    shed: dict[str, int] = {}
+    for (reason, _status), n in stats.shed.items():
+        shed[reason] = shed.get(reason, 0) + n
+    return {"num_held": stats.num_held, "num_admitted": stats.num_admitted, "num_dropped": stats.num_dropped,
+            "released": dict(stats.released), "shed": shed, "held_by_bound": dict(stats.held_by_bound),
+            "predicted_late": {"held": stats.predicted_late.get("held", 0),
+                               "shed": stats.predicted_late.get("shed", 0)}}
 
 
 class FlowCollector:

@@ -15,7 +15,10 @@ Order of `pop`:
    cheap requests (what cuts the median) start first.
 4. **Aging**: the oldest request of the tenant goes first instead once it has waited more than
    ``max_wait_ratio`` x the class's average wait (an exponentially weighted mean of the waits of the requests
-   released from it), and at least ``min_aging_s``: no request waits more than a bounded multiple of the average.
+   released from it), or more than ``fifo_wait_s`` when the caller gives it (`pop`: how long first come, first
+   served would take to release what is held now; `FlowControl` gives it under deadline pressure), whichever is
+   less, and at least ``min_aging_s``. The average alone bounds no tail past saturation: the waits of aged
+   requests raise the average, which raises the bound.
 
 Bounds: ``len(queue)`` and ``queue.num_bytes`` are what the caller checks against its limits (`FlowControl`);
 when they are reached, `lowest` names the request to give up first: the newest of the tenant holding the most in
@@ -166,23 +169,28 @@ class FlowQueue:
         if entry.group is not None:
             self._groups.setdefault(entry.group, set()).add(entry)
 
-    def peek(self, now_s: float) -> QueuedRequest | None:
+    def peek(self, now_s: float, fifo_wait_s: float | None = None) -> QueuedRequest | None:
         """The entry `pop` would return at `now_s`, left queued."""
         if not self._count:
             return None
         cls = self._classes[max(p for p, c in self._classes.items() if c.num_queued)]
-        return self._choose(cls, cls.next_tenant(), now_s)
+        return self._choose(cls, cls.next_tenant(), now_s, fifo_wait_s)
 
-    def _choose(self, cls: _Class, tenant: _Tenant, now_s: float) -> QueuedRequest:
+    def _choose(self, cls: _Class, tenant: _Tenant, now_s: float, fifo_wait_s: float | None) -> QueuedRequest:
         oldest = tenant.oldest()
-        if oldest.waited_s(now_s) > max(self.max_wait_ratio * cls.average_wait_s, self.min_aging_s):
+        bound = self.max_wait_ratio * cls.average_wait_s
+        if fifo_wait_s is not None:
+            bound = min(bound, fifo_wait_s)
+        if oldest.waited_s(now_s) > max(bound, self.min_aging_s):
             return oldest
         return tenant.cheapest()
 
-    def pop(self, now_s: float) -> QueuedRequest | None:
+    def pop(self, now_s: float, fifo_wait_s: float | None = None) -> QueuedRequest | None:
         """Remove and return the next request to release (module docstring), or None when empty. Its wait
-        enters its class's average and its tenant is charged its cost in virtual time."""
-        entry = self.peek(now_s)
+        enters its class's average and its tenant is charged its cost in virtual time. `fifo_wait_s`: how long
+        first come, first served would take to release what is held now (the drain rate's figure); the oldest
+        goes first once it has waited that long, whatever the average (None: the average alone)."""
+        entry = self.peek(now_s, fifo_wait_s)
         if entry is None:
             return None
         cls = self._classes[entry.priority]

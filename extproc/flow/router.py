@@ -80,17 +80,23 @@ class RouterView:
             self.streamed = StreamedPrefill(learner)
             router.add_listener(self.streamed)
         self.stale_after_s = stale_after_s
+        # The router's own loop stalls (the pool's `LoopLag`, as its health judgements use): a scrape is not
+        # stale for the time the router could not read the next one. None for a pool without one (simulated).
+        lag = getattr(router.pool, "lag", None)
+        self.stall_s = lag.stall_s if lag is not None else None
 
     def loads(self) -> list[EndpointLoad]:
         r = self.router
         return endpoint_loads(r.pool.snapshot(), r.pool.in_flight, self.model, r.clock(),
-                              stale_after_s=self.stale_after_s, drain=self.drain, streamed=self._streamed())
+                              stale_after_s=self.stale_after_s, drain=self.drain, streamed=self._streamed(),
+                              stall_s=self.stall_s)
 
     def room_ratio(self, detector: SaturationDetector) -> float | None:
         """`view.first_room_ratio` over the router's pool now: < 1 when some endpoint has room, else None."""
         r = self.router
         return first_room_ratio(r.pool.snapshot(), r.pool.in_flight, self.model, r.clock(), detector,
-                                stale_after_s=self.stale_after_s, drain=self.drain, streamed=self._streamed())
+                                stale_after_s=self.stale_after_s, drain=self.drain, streamed=self._streamed(),
+                                stall_s=self.stall_s)
 
     def _streamed(self) -> dict | None:
         return self.streamed.tokens if self.streamed is not None else None

@@ -5,7 +5,7 @@ in-flight counts. Pure functions over those objects; they change nothing (one ev
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prefixroute.extproc.routing.timemodel import TimeModel
 from prefixroute.types import EndpointId, EndpointState
@@ -33,20 +33,37 @@ def queued_s_of(model: TimeModel, ep: EndpointId, n: int, now_s: float, drain: b
     return model.work_tokens(queued, 0.0, decoding) / rate
 
 
+StallS = Callable[[float, float], float]
+"""``stall_s(since_s, now_s)``: seconds of that interval the router's own event loop was stalled (the pool's
+`LoopLag.stall_s`)."""
+
+
+def is_fresh(scraped_at_s: float | None, now_s: float, stale_after_s: float, stall_s: StallS | None) -> bool:
+    """A scrape is fresh while at most `stale_after_s` old, not counting the time the router's loop stalled
+    since (`stall_s`; the pool's own rule): a scrape the router had no chance to refresh is not stale."""
+    if scraped_at_s is None:
+        return False
+    age = now_s - scraped_at_s
+    if age <= stale_after_s:
+        return True
+    return stall_s is not None and age - stall_s(scraped_at_s, now_s) <= stale_after_s
+
+
 def endpoint_loads(snapshot: Sequence[EndpointState], in_flight: Mapping[EndpointId, int], model: TimeModel | None,
                    now_s: float, *, stale_after_s: float, drain: bool = False,
-                   streamed: Mapping[EndpointId, float] | None = None) -> list[EndpointLoad]:
+                   streamed: Mapping[EndpointId, float] | None = None,
+                   stall_s: StallS | None = None) -> list[EndpointLoad]:
     """One `EndpointLoad` per endpoint of `snapshot`: ``queued_s`` is the time model's work ahead of a new
     request there (`queued_s_of`; 0 without a time model: a baseline policy is held by the scrapes alone); the
-    scraped waiting count and KV usage only while the scrape is at most `stale_after_s` old (`now_s` and
-    ``scraped_at_s`` on one clock)."""
+    scraped waiting count and KV usage only while the scrape is fresh (`is_fresh`: `now_s` and ``scraped_at_s``
+    on one clock, the router's loop stalls left out of its age)."""
     out = []
     get = in_flight.get
     for s in snapshot:
         ep = s.endpoint
         n = get(ep, 0)
         queued_s = queued_s_of(model, ep, n, now_s, drain, streamed) if model is not None else 0.0
-        fresh = s.scraped_at_s is not None and now_s - s.scraped_at_s <= stale_after_s
+        fresh = is_fresh(s.scraped_at_s, now_s, stale_after_s, stall_s)
         out.append(EndpointLoad(ep, queued_s, s.num_requests_waiting if fresh else None,
                                 s.kv_cache_usage_ratio if fresh else None, s.healthy, n))
     return out
@@ -72,7 +89,8 @@ def cheapest_prefill_s(model: TimeModel | None, prompt_tokens: float, tokens_per
 def first_room_ratio(snapshot: Sequence[EndpointState], in_flight: Mapping[EndpointId, int],
                      model: TimeModel | None, now_s: float, detector: SaturationDetector, *,
                      stale_after_s: float, drain: bool = False,
-                     streamed: Mapping[EndpointId, float] | None = None) -> float | None:
+                     streamed: Mapping[EndpointId, float] | None = None,
+                     stall_s: StallS | None = None) -> float | None:
     """The load ratio (< 1) of the first healthy endpoint of `snapshot` with room, or None when none has room:
     `endpoint_loads` + `SaturationDetector.detect`'s answer to "saturated?", stopping at the first endpoint with
     room, so a decision below saturation costs one or a few endpoints' figures, not the pool's."""
@@ -83,7 +101,7 @@ def first_room_ratio(snapshot: Sequence[EndpointState], in_flight: Mapping[Endpo
         ep = s.endpoint
         n = get(ep, 0)
         queued_s = queued_s_of(model, ep, n, now_s, drain, streamed) if model is not None and n else 0.0
-        fresh = s.scraped_at_s is not None and now_s - s.scraped_at_s <= stale_after_s
+        fresh = is_fresh(s.scraped_at_s, now_s, stale_after_s, stall_s)
         r = detector.load_ratio(EndpointLoad(ep, queued_s, s.num_requests_waiting if fresh else None,
                                              s.kv_cache_usage_ratio if fresh else None, True, n))
         if r < 1.0:

@@ -37,7 +37,8 @@ def test_the_bench_scrape_keeps_held_released_and_shed_counts_and_the_report_sho
     text = _text(_replica()) + "\n" + _text(_replica())  # two replicas' /metrics add up
     got = runner.parse_router_metrics(text)["flow"]
     assert got == {"num_held": 4, "num_admitted": 2, "num_dropped": 0, "released": {"first_token": 2},
-                   "shed": {"queue_full": 2}, "held_by_bound": {"queued_s": 4}}
+                   "shed": {"queue_full": 2}, "held_by_bound": {"queued_s": 4},
+                   "predicted_late": {"held": 0, "shed": 0}}
     assert parse_flow_counts("prefixroute_prompt_tokens_total 5\n") is None  # flow control off: nothing
     assert "flow" not in runner.parse_router_metrics("prefixroute_prompt_tokens_total 5\n")
     runs = [{"router": "prefixroute:prefix+flow", "extra": {"router_metrics": {"flow": got}}},

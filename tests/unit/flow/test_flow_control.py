@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from prefixroute.extproc.flow.control import (
-    MAX_RETRY_AFTER_S, MIN_PREDICT_RELEASES, DrainRate, FlowControl, ReleaseReason, ShedReason, Verdict,
+    MAX_RETRY_AFTER_S, MIN_PREDICT_RELEASES, MIN_PREDICTIONS, DrainRate, FlowControl, ReleaseReason, ShedReason, Verdict,
 )
 from prefixroute.extproc.flow.queue import QueuedRequest
 from prefixroute.extproc.flow.saturation import EndpointLoad, Saturation, SaturationDetector
@@ -143,6 +143,14 @@ def test_predicted_deadline_sheds_at_arrival_only_when_the_drain_says_so() -> No
     n = MIN_PREDICT_RELEASES
     fc = _draining(n)
     assert fc.drain.per_s(n - 1.0) == pytest.approx(1.0)
+    # not before the predicted waits have been checked right (test_flow_slow_router.py): held, counted
+    assert fc.offer(_entry("early", at=n - 1.0, cost=1.0, deadline=2.0), SATURATED, n - 1.0).verdict is \
+        Verdict.HOLD
+    assert fc.stats.predicted_late["held"] == 1
+    for i in range(MIN_PREDICTIONS):
+        checked = _entry(("checked", i))
+        fc.predictions.predict(checked, 4.0)
+        fc.predictions.check(checked, 4.0)
     # 10 of equal cost ahead at 1/s: 2 s is too short, but a cheap one goes first and makes it
     assert fc.offer(_entry("late", at=n - 1.0, cost=1.0, deadline=2.0), SATURATED, n - 1.0).reason is \
         ShedReason.PREDICTED_DEADLINE
@@ -317,3 +325,28 @@ def test_the_drain_rate_restarts_when_the_queue_empties() -> None:
     for t in (1000.5, 1001.0, 1001.5):
         fc.release(ROOM, t, ReleaseReason.FIRST_TOKEN)
     assert fc.drain.per_s(1001.5) == pytest.approx(2.0)  # the new burst's own rate
+
+
+def test_release_bounds_aging_by_the_drain_rate() -> None:
+    """Past `MIN_PREDICT_RELEASES` releases, under deadline pressure, the oldest held request goes first once it
+    waited longer than first come, first served would take to release what is held (held / drain rate), whatever
+    the average; without deadline pressure the average alone ages it."""
+    assert _aged_release(deadline_s=8.0) == "dear"  # ~5 s to release in arrival order >= half of 8 s
+    assert _aged_release(deadline_s=30.0) == ("cheap", 0)  # no deadline pressure: shortest first, the average
+
+
+def _aged_release(deadline_s: float):
+    fc = FlowControl(FlowSettings(max_wait_ratio=4.0, aging_min_s=1.0, deadline_s=deadline_s))
+    n = MIN_PREDICT_RELEASES
+    for k in range(n + 1):
+        fc.offer(_entry(("d", k), cost=0.1, at=0.0), SATURATED, 0.0)
+    for t in range(1, n + 1):  # one release a second: waits of 1..16 s make a large average
+        fc.release(ROOM, float(t), ReleaseReason.RELEASE)
+    now = float(n)
+    fc.offer(_entry("dear", cost=5.0, at=now), SATURATED, now)
+    for i in range(3):
+        fc.offer(_entry(("cheap", i), cost=0.1, at=now), SATURATED, now)
+    assert fc.release(ROOM, now + 6.0, ReleaseReason.RELEASE).key == ("d", n)  # the oldest, aged either way
+    # 4 held at ~0.8/s: arrival order would release them within ~5 s; "dear" has waited 6 s (4 x the average
+    # would let it wait ~20 s)
+    return fc.release(ROOM, now + 6.0, ReleaseReason.RELEASE).key

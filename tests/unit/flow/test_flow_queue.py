@@ -79,6 +79,24 @@ def test_aging_releases_the_oldest_once_it_waited_past_the_bound() -> None:
     assert q.pop(1.5).key == "long"  # waited 1.5 s > max(2 x average (~0.025 s), 1 s)
 
 
+def test_aging_is_bounded_by_the_first_come_drain_time_whatever_the_average() -> None:
+    """A large average wait (aged requests raise it) would let shortest-first pass over the oldest for 4 x 20 s;
+    the first-come bound (what releasing in arrival order would take now) releases it once it waited that long."""
+    q = FlowQueue(max_wait_ratio=4.0, min_aging_s=1.0)
+    for i in range(40):
+        q.push(_q(("old", i), cost=0.1, at=0.0))
+    for _ in range(39):  # an average wait of about 17 s (the class stays non-empty: it keeps its average)
+        q.pop(20.0)
+    q.push(_q("long", cost=10.0, at=20.0))
+    for i in range(5):
+        q.push(_q(f"short{i}", cost=0.1, at=20.0))
+    assert q.pop(20.0).key == ("old", 39)
+    assert q.pop(26.0).key == "short0"  # 6 s < 4 x ~17 s: shortest first on the average alone
+    assert q.pop(26.0, fifo_wait_s=8.0).key == "short1"  # not waited the first-come bound yet
+    assert q.pop(29.0, fifo_wait_s=8.0).key == "long"  # 9 s > the 8 s it would take in arrival order
+    assert q.pop(29.0, fifo_wait_s=0.1).key == "short2"  # the 1 s floor still applies (now short2 is oldest)
+
+
 def test_remove_and_update_cost() -> None:
     q = FlowQueue(min_aging_s=100.0)
     a, b, c = _q("a", 1.0, group="g"), _q("b", 2.0, group="g"), _q("c", 1.5)
