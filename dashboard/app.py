@@ -544,12 +544,15 @@ def benchmarks_page() -> None:
                 f"--out {cfg.bench_dir}/shared-prompts", language="bash")
         st.button("Reload", key="bench_reload")
         return
-    results = []
+    results, skipped = [], []
     for p in paths:
         try:
             results.append(_load_bench(p, os.path.getmtime(p)))
         except (OSError, ValueError) as exc:
-            st.warning(f"Skipped {p}: {exc}")
+            skipped.append((p, exc if isinstance(exc, ValueError) else ValueError(f"{p}: {exc}")))
+    if skipped:  # said once, small: the committed sweeps are not errors
+        with st.expander(BR.skipped_summary(skipped)):
+            st.caption("  \n".join(str(exc) for _, exc in skipped))
     if not results:
         return
     labels = [r.label for r in results]
