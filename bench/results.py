@@ -10,8 +10,8 @@ Definitions (pure functions, no I/O):
   endpoint; every configured endpoint is listed (0.0 if it served nothing), unknown ones are added.
 - ``errors`` counts every recorded failure (HTTP status != 200, stream error, timeout, deadline).
 
-The run dict has exactly the keys of issue 7 plus ``extra`` (additional figures: token totals, duration,
-max share over fair share, error kinds), so consumers of the issue's shape are unaffected.
+The run dict has exactly the keys below plus ``extra`` (additional figures: token totals, duration,
+max share over fair share, error kinds), so consumers of this shape are unaffected.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def paired_ttft(runs: Mapping[str, PerRequest], reference: str) -> dict[str, Any
     (ms, > 0: slower), `slower_ratio` the share of requests with diff > 0, `same_endpoint_ratio` the share
     served by the same endpoint (None when either run's endpoints are unknown). Pairing removes what the
     request itself costs (its prompt, its place in the sequence), so a difference much smaller than the
-    spread of TTFTs shows, as comparing percentiles of two runs does not (issue 26: the router's hop)."""
+    spread of TTFTs shows, as comparing percentiles of two runs does not (the router's hop)."""
     ref = runs[reference]
     out: dict[str, Any] = {}
     for name, rows in runs.items():

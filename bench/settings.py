@@ -93,7 +93,7 @@ class BenchSettings(Settings):
                                        "server's KV cache so the fleet holds this fraction of the shared working "
                                        "set (blocks two requests or more reference), i.e. --num-gpu-blocks = "
                                        "ratio x shared / --servers, added to --server-args and printed. 0.5: half, "
-                                       "as issue 13's benchmark; 0 = leave the profile's capacity.")
+                                       "as the index-source benchmark in docs/benchmarks.md; 0 = leave the profile's capacity.")
     arrival: str = setting("auto", "Arrival process: trace (trace timestamps), poisson (at --rate-rps), closed "
                            "(--concurrency requests in flight) or auto (trace for --trace, else poisson).")
     rate_rps: float = setting(8.0, "Poisson rate in requests/s. 8 req/s of the default shared-prompts on 4 "

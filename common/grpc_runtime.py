@@ -1,4 +1,4 @@
-"""gRPC's C-core settings that prefixroute's processes start with (issue 26: the ext_proc's CPU per request).
+"""gRPC's C-core settings that prefixroute's processes start with (the ext_proc's CPU per request).
 
 gRPC reads ``GRPC_EXPERIMENTS`` once, when `grpc` is first imported; setting it later does nothing (measured:
 a server that sets it after ``import grpc`` costs what one without it does). So `apply_grpc_defaults` runs in the

@@ -11,7 +11,7 @@ launcher and the test helpers.
 - Restarts of crashed members, and liveness probes: supervisor.py (`Supervisor`, `RestartPolicy`).
 - Ports held for a child across its restarts (`held_listener`, `reset_pending`) and checked free before it
   starts (`check_ports_free`); free ports and loopback probes: ports.py (its names are importable from here).
-- Logs are private (issue 27): each child's log is created mode 0600 (an existing one is tightened to it),
+- Logs are private: each child's log is created mode 0600 (an existing one is tightened to it),
   in a folder created mode 0700: debug logs may hold request headers.
 - Children die with their parent: on Linux every child gets PR_SET_PDEATHSIG = SIGKILL
   (`parent_death_preexec`), so a launcher killed with SIGKILL leaves no process behind and no port busy.
@@ -119,7 +119,7 @@ def return_large_blocks(threshold_bytes: int = 1 << 20) -> bool:
     """Make this process's allocator (glibc malloc) serve every allocation of `threshold_bytes` or more with its
     own mmap, returned to the system when freed, and trim the heap above that much free memory. By default
     glibc raises its mmap threshold up to 32 MiB after large frees, so a burst of multi-megabyte request bodies
-    leaves their memory in the heap and the RSS high for good (issue 27: +69 MiB after 40 bodies of 7 MiB that
+    leaves their memory in the heap and the RSS high for good (+69 MiB after 40 bodies of 7 MiB that
     the router had already freed). False where unavailable (not glibc)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -131,7 +131,7 @@ def return_large_blocks(threshold_bytes: int = 1 << 20) -> bool:
 
 def held_listener(port: int, host: str = LOOPBACK, backlog: int = 1024) -> socket.socket:
     """A listening TCP socket on host:`port`, inheritable, for a child to serve on (``pass_fds``): the launcher
-    keeps it open while the child restarts, so the port is never free for another process to take (issue 27: a
+    keeps it open while the child restarts, so the port is never free for another process to take (a
     local user bound a crashed model server's port 0.48 s after its death and was sent its requests). Connections
     that arrive while the child is down wait in the backlog for the restarted one. `PortBusy` when taken."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -13,10 +13,10 @@ ext_proc authentication, secure by default: each `start()` draws a random bearer
 (`extproc_auth`) and gives it to both children, to the ext_proc service by environment
 (``PREFIXROUTE_EXTPROC_AUTH_TOKEN``, never on its command line) and to Envoy as a secret file
 (``extproc.token``, mode 0600 in the private 0700 gateway folder) that Envoy reads itself: the rendered
-configuration names the file, never the token, and Envoy's /config_dump and logs never show it (issue 27). With
+configuration names the file, never the token, and Envoy's /config_dump and logs never show it. With
 the ``extproc_tls_*`` files the two also speak mutual TLS (one CA signs both certificates).
 
-Issue 27 (the host is shared with other users):
+On a host shared with other users:
 - Envoy's admin interface is off by default (`envoy_admin`); "unix" serves it on ``envoy-admin.sock`` in the
   gateway folder (0600 in 0700: its owner only), "loopback" on 127.0.0.1:`admin_port` with read-only paths.
 - Readiness and liveness go through the gateway's own listener (Envoy's health route, `HEALTH_PATH`): the

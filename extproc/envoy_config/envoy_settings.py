@@ -100,7 +100,7 @@ class EnvoySettings(Settings):
                                       "of ext_proc CPU per chunk). Off by default: response_facts_lua takes the same "
                                       "facts in Envoy, once per request. Use one or the other.")
     routing_processing: str = setting(
-        "buffered", "How the routing ext_proc filter sends a request (issue 26; every option Envoy 1.40 offers, "
+        "buffered", "How the routing ext_proc filter sends a request (every option Envoy 1.40 offers, "
         "measured and checked in bench-results/routing-modes/): 'buffered' (request headers, answered at once, then "
         "the whole body: two round trips, correct for any body up to max_request_body_bytes and any upload speed). "
         "The others exist to measure them and are not correct as a gateway: 'buffered-partial' (BUFFERED_PARTIAL: "
