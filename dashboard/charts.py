@@ -178,7 +178,7 @@ def reasons(frame: pd.DataFrame) -> alt.Chart:
 
 
 REASON_COLORS = {"affinity": "#59a14f", "cold": "#76b7b2", "spill": "#f28e2b", "failover": "#e15759",
-                 "load": "#4e79a7", "policy": "#b07aa1", "(none)": "#bab0ac"}
+                 "load": "#4e79a7", "policy": "#b07aa1", "no decision": "#bab0ac"}
 
 
 def reasons_over_time(frame: pd.DataFrame) -> alt.Chart:
