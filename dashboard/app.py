@@ -389,7 +389,7 @@ def _routing_panels(snap: dict) -> None:
                "spill (its prefix is cached elsewhere, sent to a less loaded endpoint); load (placed by load: no "
                "prefix to match, or a partial holder); failover (retried after an endpoint failed); policy (a "
                "policy that does not match prefixes); unrouted (only the gateway's record arrived: the router was "
-               "down or restarting); no decision (refused before any routing decision: bad input, shed, no ready "
+               "down or restarting); none (no routing decision: refused before one, for bad input, shedding or no ready "
                "endpoint).")
     with c3:
         st.markdown(f"**Decision time** · p50 {T.format_us(summary['decision_us_p50'])} · "
@@ -427,10 +427,12 @@ def prediction_panel(result: dict | None, colors: dict[str, str]) -> None:
         fleet = result["fleet"]
         frame = D.prediction_frame(result)
         k = st.columns(4)
-        k[0].metric("TTFT prediction error (median)", T.format_ratio(fleet.get("ape_ratio_p50")),
-                    help="Median absolute percentage error |actual - predicted| / actual over the requests scored.")
+        k[0].metric("TTFT error (median)", T.format_ratio(fleet.get("ape_ratio_p50")),
+                    help="How far the router's predicted TTFT was from the measured one: median absolute "
+                         "percentage error |actual - predicted| / actual over the requests scored.")
         k[1].metric("Predicted TTFT p50", T.format_ms(fleet.get("predicted_ttft_ms_p50")))
-        k[2].metric("Actual TTFT p50 (same requests)", T.format_ms(fleet.get("actual_ttft_ms_p50")))
+        k[2].metric("Actual TTFT p50", T.format_ms(fleet.get("actual_ttft_ms_p50")),
+                    help="Measured, over the same requests as the predicted p50.")
         k[3].metric("Requests with a prediction", f"{state.num_compared:,}",
                     delta=f"of {state.num_predicted:,} predicted", delta_color="off", delta_arrow="off",
                     help="Scored here: requests whose decision predicted a TTFT and that succeeded on the endpoint "
@@ -486,7 +488,7 @@ def requests_table(run_choice: str) -> None:
                              "predicted_ttft_ms": st.column_config.NumberColumn("predicted TTFT (ms)",
                                                                                 format="%.1f"),
                              "alternative_endpoint": st.column_config.TextColumn(
-                                 "alternative", help="The best other endpoint the decision scored, and its "
+                                 "alternative", width="medium", help="The best other endpoint the decision scored, and its "
                                  "predicted TTFT in the next column."),
                              "alternative_ttft_ms": st.column_config.NumberColumn("alternative TTFT (ms)",
                                                                                   format="%.1f"),

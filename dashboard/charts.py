@@ -15,7 +15,8 @@ import pandas as pd
 from prefixroute.dashboard.data import ERROR_COLOR, HIT_KIND_DASH, PERCENTILE_COLORS
 
 HEIGHT = 260
-_TIME_AXIS = alt.Axis(format="%H:%M:%S", labelOverlap=True, labelAngle=0, tickCount=6, title="time (UTC)")
+_TIME_AXIS = alt.Axis(format="%H:%M:%S", labelOverlap=True, labelAngle=0, tickCount=6, title="time (UTC)",
+                       labelBound=True)  # a tick label near the right edge is hidden, not cut by the chart
 
 
 def bar_height(num_bars: int, per_bar_px: int = 36) -> int:
@@ -178,7 +179,7 @@ def reasons(frame: pd.DataFrame) -> alt.Chart:
 
 
 REASON_COLORS = {"affinity": "#59a14f", "cold": "#76b7b2", "spill": "#f28e2b", "failover": "#e15759",
-                 "load": "#4e79a7", "policy": "#b07aa1", "no decision": "#bab0ac"}
+                 "load": "#4e79a7", "policy": "#b07aa1", "none": "#bab0ac"}
 
 
 def reasons_over_time(frame: pd.DataFrame) -> alt.Chart:
@@ -189,7 +190,7 @@ def reasons_over_time(frame: pd.DataFrame) -> alt.Chart:
     return (alt.Chart(frame, height=HEIGHT).mark_bar()
             .encode(x=_x_time(),
                     y=alt.Y("share_ratio:Q", axis=_pct_axis("share"), stack="normalize"),
-                    color=alt.Color("reason:N", scale=alt.Scale(domain=domain, range=rng), legend=_legend(None, 4)),
+                    color=alt.Color("reason:N", scale=alt.Scale(domain=domain, range=rng), legend=_legend(None, 3)),
                     tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), "reason:N", "num_requests:Q"]))
 
 

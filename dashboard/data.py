@@ -216,7 +216,7 @@ def segments(frame: pd.DataFrame, bucket_s: float | None, keys: Sequence[str]) -
     return frame
 
 
-NO_DECISION = "no decision"
+NO_DECISION = "none"
 """The reason shown for requests stored without a routing decision (refused before one: bad input, shed, no
 ready endpoint)."""
 

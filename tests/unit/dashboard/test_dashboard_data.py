@@ -336,4 +336,4 @@ def test_the_bucket_still_filling_is_left_out_of_the_hit_rate_lines():
 def test_requests_without_a_decision_are_named_so():
     frame = D.reasons_frame([{"reason": None, "num_requests": 3, "share_ratio": 0.375},
                               {"reason": "affinity", "num_requests": 5, "share_ratio": 0.625}])
-    assert set(frame["reason"]) == {"no decision", "affinity"}
+    assert set(frame["reason"]) == {"none", "affinity"}
