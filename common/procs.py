@@ -67,7 +67,8 @@ def check_ports_free(ports: Iterable[tuple[str, int] | tuple[str, int, str]]) ->
     pass. With a flag (the setting that chose the port, e.g. ``--port``) the message says how to move it."""
     for name, port, *flag in ports:
         if port > 0 and port_in_use(port):
-            how = (f"choose another with {flag[0]}, or draw free ports with --ports random" if flag
+            how = (f"choose another with {flag[0]}, or draw free ports with --ports random (a second "
+                   f"`prefixroute up` on this host: --ports random --state-dir DIR)" if flag
                    else "choose another port")
             raise PortBusy(f"{name}: port {port} is already in use (stop what holds it, e.g. "
                            f"`ss -ltnp 'sport = :{port}'`, or {how})")

@@ -71,7 +71,8 @@ class GatewaySettings(Settings):
     ports: str = setting("fixed", "How ports are chosen: 'fixed' = every port setting as given (the documented "
                          "defaults, so scripts, dashboards and firewall rules can rely on them; a port in use is an "
                          "error naming it and its flag); 'random' = every port setting still at its default is drawn "
-                         "free instead (several stacks on one host, tests). A port set to 0 is always drawn free.")
+                         "free instead (several stacks on one host, tests; a second `prefixroute up` also needs its own "
+                         "--state-dir). A port set to 0 is always drawn free.")
     envoy_admin: str = setting("off", "Envoy's admin interface: off (none: nothing on the host can reconfigure or "
                                "stop Envoy, or read its configuration), unix (every admin path, on the Unix socket "
                                "envoy-admin.sock in the private gateway folder: only this user), or loopback "
