@@ -131,7 +131,9 @@ class BenchSettings(Settings):
     request_timeout_s: float = setting(300.0, "Per-request timeout.")
     max_connections: int = setting(1024, "Client connection limit (keep-alive pool); above any sane concurrency "
                                    "so open-loop arrivals are not throttled by the client.")
-    out: str = setting("bench-out", "Output folder: results.json, report.md, *.png, logs/.")
+    out: str = setting("", "Output folder: results.json, report.md, *.png, logs/. Empty: a new folder "
+                           "<state folder>/bench/<time>-<workload> (never the current folder; printed at the "
+                           "start; the dashboard's Benchmarks page reads it).")
     progress: bool = setting(True, "Progress bar on stderr.")
     overhead: bool = setting(False, "Afterwards, also measure the router's own overhead (`prefixroute "
                              "overhead-bench`: Envoy with vs without ext_proc) into DIR/overhead.txt.")

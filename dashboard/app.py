@@ -558,12 +558,13 @@ def _load_bench(path: str, mtime_s: float) -> BR.BenchResult:  # mtime in the ke
 
 def benchmarks_page() -> None:
     st.title("Benchmarks")
-    paths = BR.find_bench_results(cfg.bench_dir)
+    roots = BR.bench_roots(cfg.bench_dir)
+    paths = [p for root in roots for p in BR.find_bench_results(root)]
     if not paths:
-        st.info(f"**No benchmark results in `{cfg.bench_dir}`.** Run one (it writes `results.json` there), then "
-                f"press Reload:", icon=":material/bar_chart:")
-        st.code(f"prefixroute bench --workload shared-prompts --routers prefixroute:random,prefixroute:prefix "
-                f"--out {cfg.bench_dir}/shared-prompts", language="bash")
+        st.info(f"**No benchmark results in {' or '.join(f'`{r}`' for r in roots)}.** Run one (it writes "
+                f"`results.json` under `{roots[-1]}`), then press Reload:", icon=":material/bar_chart:")
+        st.code("prefixroute bench --workload shared-prompts --routers prefixroute:random,prefixroute:prefix",
+                language="bash")
         st.button("Reload", key="bench_reload")
         return
     results, skipped = [], []

@@ -29,6 +29,15 @@ class BenchResult:
         return run_dir if run_dir == name else f"{run_dir} · {name}"
 
 
+def bench_roots(bench_dir: str | os.PathLike) -> list[str]:
+    """The folders the Benchmarks page searches: `bench_dir` (--bench-dir), then the state folder's bench/, where
+    `prefixroute bench` writes without --out; once each."""
+    from prefixroute.state import state_dir
+
+    roots = [os.path.abspath(os.fspath(bench_dir)), str(state_dir() / "bench")]
+    return list(dict.fromkeys(roots))
+
+
 def find_bench_results(bench_dir: str | os.PathLike, max_depth: int = 3) -> list[str]:
     """`results.json` files under `bench_dir` (itself included, at most `max_depth` levels down),
     newest first. A missing directory gives []."""

@@ -146,6 +146,14 @@ def test_benchmarks_page_with_and_without_results(tmp_path, monkeypatch):
     assert [e.label for e in at.expander] == [
         "Not charted here: 3 load sweeps (their report.md has the tables), 1 not in the `prefixroute bench` format."]
     assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) == 2
+    # A run of `prefixroute bench` without --out (the state folder's bench/) is listed too.
+    mine = tmp_path / "state" / "bench" / "20261207-120000-shared-prompts"
+    mine.mkdir(parents=True)
+    (mine / "results.json").write_text(json.dumps({"workload": {"name": "shared-prompts"}, "runs": [
+        {"router": "prefixroute:prefix", "hit_ratio": 0.5, "ttft_ms": {"p50": 1, "p90": 2, "p99": 3}}]}))
+    at.run()
+    assert not at.exception
+    assert any("20261207-120000-shared-prompts" in o for o in at.selectbox[0].options)
 
 
 def test_benchmarks_page_reads_the_committed_results_without_warnings(monkeypatch, tmp_path):
