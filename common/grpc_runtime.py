@@ -15,7 +15,7 @@ bidirectional stream, 2 round trips per request, the routing stream's shape): 43
 server CPU per request; `prefixroute overhead-bench --extproc-variants grpc-event-engine-listener` measures it
 in the router (docs/benchmarks.md). Servers only: gRPC clients (the OTLP exporter, health checks) are unchanged.
 If a later grpcio drops the experiment, gRPC logs ``Unknown experiment`` at start and runs its default;
-tests/unit/core/test_grpc_runtime.py fails on such a grpcio, so the setting is reviewed, not left dead.
+tests/integration/core/test_grpc_runtime.py fails on such a grpcio, so the setting is reviewed, not left dead.
 """
 
 from __future__ import annotations
