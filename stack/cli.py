@@ -52,7 +52,8 @@ from typing import ClassVar, NoReturn
 from prefixroute import identity, settings
 from prefixroute.bench.workloads import WORKLOAD_NAMES
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.gateway import PORT_MODES, GatewayProcesses, GatewaySettings, resolve_replicas
+from prefixroute.extproc.gateway import (PORT_MODES, GatewayProcesses, GatewaySettings, admin_label,
+                                         resolve_replicas)
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.model_servers.kv_events_publisher import config_json
@@ -398,7 +399,7 @@ def _summary(st: StackSettings, lay: Layout, gateway: GatewayProcesses, pool: Po
         f"  gateway     {gateway.url}   (OpenAI API: POST {gateway.url}/v1/chat/completions)",
         f"  endpoints   {eps}" + (f"   ({st.servers} simulated {st.profile}{events})" if simulated else ""),
         f"  router      {gateway.num_replicas} ext_proc replica(s) on 127.0.0.1:{_span(gateway.extproc_ports)}"
-        f"{peers}, Envoy admin 127.0.0.1:{gateway.admin_port}",
+        f"{peers}, Envoy admin {admin_label(gateway)}",
         f"  policy      {gateway.routing.policy}   (router metrics: {metrics})",
         f"  dashboard   http://127.0.0.1:{lay.dashboard_port}" if st.dashboard else "  dashboard   (off)",
         f"  telemetry   OTLP grpc://127.0.0.1:{lay.telemetry_port}, query API http://127.0.0.1:{lay.telemetry_http_port}"

@@ -88,6 +88,7 @@ def test_up_serves_and_stops_clean(tmp_path):
         summary = "".join(out_lines)
         assert "prefixroute is up" in summary, summary + _logs(tmp_path)
         assert f"http://127.0.0.1:{gw}" in summary and f"http://127.0.0.1:{dash}" in summary
+        assert "Envoy admin off" in summary  # off by default: no port (it said 127.0.0.1:0)
         run_id = re.search(r"prefixroute is up \(run (\S+)\)", summary).group(1)
 
         body = json.dumps({"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 4,
