@@ -1,4 +1,4 @@
-"""The ``agents`` workload (issue 14): tool-calling agents over the Responses API, each request also in its
+"""The ``agents`` workload: tool-calling agents over the Responses API, each request also in its
 exact chat equivalent (`agents`)."""
 
 from __future__ import annotations

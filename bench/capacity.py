@@ -1,4 +1,4 @@
-"""The capacity of a fleet for a workload: the 100% of a load sweep (issue 12), `find_capacity`.
+"""The capacity of a fleet for a workload: the 100% of a load sweep, `find_capacity`.
 
 The highest Poisson rate at which ``sim:oracle`` (the virtual fleet's router that sees every server's true cache
 and queue) keeps the median *queueing* of the workload's requests at or under one cold prefill of its typical

@@ -2,8 +2,7 @@
 
 Examples::
 
-    prefixroute bench --workload shared-prompts --routers prefixroute:random,prefixroute:prefix --servers 4 \\
-        --out bench-out
+    prefixroute bench --workload shared-prompts --routers prefixroute:random,prefixroute:prefix --servers 4
     prefixroute bench --trace trace.jsonl --trace-stop 300 --trace-time-scale 0.5 --max-output-tokens 64 --out out
     prefixroute bench --virtual --trace trace.jsonl --servers 64 --out out-virtual
     prefixroute bench --virtual --workload shared-prompts --num-groups 300 --sweep-load-percents 20,40,60,80,100,120 \
@@ -11,7 +10,7 @@ Examples::
     prefixroute bench --workload shared-prompts --num-groups 100 --num-requests 400 --sweep-load-percents 40,80,110 \
         --routers prefixroute:random,prefixroute:prefix,sglang-router --server-args=--time-scale=1.6 --out sweep-real
 
-Output: DIR/results.json, DIR/report.md, DIR/ttft_cdf.png, DIR/hit_ratio.png, DIR/endpoint_share.png and
+Output (DIR: --out, else a new folder under the state folder's bench/, printed): DIR/results.json, DIR/report.md, DIR/ttft_cdf.png, DIR/hit_ratio.png, DIR/endpoint_share.png and
 DIR/logs/ (one log per process). A load sweep (`prefixroute.bench.sweep`) writes DIR/results.json (the sweep
 document), DIR/report.md, DIR/ttft_vs_load.png, DIR/hit_ratio_vs_load.png and, on real processes,
 DIR/points/PCT/ (each point's run document and logs). Exit code 0 when every requested router ran, 1 when one was skipped or
@@ -30,6 +29,7 @@ import dataclasses
 import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -149,6 +149,9 @@ def _main(args: argparse.Namespace) -> int:
                  f"of the shared working set on {s.servers} servers; set --server-args=--num-gpu-blocks=N to choose)")
             if s.virtual or sweep:
                 spec = virtual_run.engine_spec(s.profile, s.server_args, allow_unsimulated=not s.virtual)
+        if not s.out:
+            s = dataclasses.replace(s, out=str(default_out_dir(wl.name)))
+        _log(f"writing results to {s.out}")
     except (ValueError, OSError) as exc:
         _log(f"prefixroute bench: error: {exc}")
         return 2
@@ -191,6 +194,16 @@ def _main(args: argparse.Namespace) -> int:
         _log(f"every request failed for: {', '.join(failed)} (see {out / 'logs'})")
     # A peer router skipped by --virtual is expected; one that is missing or failed in a real run is not.
     return 1 if (doc.get("skipped") and not s.virtual) or failed or not doc["runs"] or not overhead_ok else 0
+
+
+def default_out_dir(name: str, now: float | None = None) -> Path:
+    """Where a run without --out writes: ``<state folder>/bench/<UTC time>-<workload>``, a new folder per run
+    (never the current folder, which may be a checkout; `prefixroute.state`)."""
+    from prefixroute.state import state_dir
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(name).name) or "run"
+    return state_dir() / "bench" / f"{stamp}-{safe}"
 
 
 def pressure_server_args(s: BenchSettings, wl: Workload) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """Decision replay: record every pick the router makes over a fixed, seeded workload, and check that a changed
 router still makes exactly those picks. Not a benchmark and not a test: a tool for refactors of the routing
-code (issue 23: "routing decisions unchanged").
+code ("routing decisions unchanged").
 
     python -m prefixroute.bench.decision_replay record FILE   # on the code to compare against
     python -m prefixroute.bench.decision_replay check FILE    # on the changed code: "N identical, M differ"

@@ -1,5 +1,5 @@
 """The floor of a Python ext_proc: the least a grpc.aio (uvloop) server can do per routed request, for
-`prefixroute overhead-bench --extproc-variants floor` (issue 26: how much of the ext_proc's CPU per request is
+`prefixroute overhead-bench --extproc-variants floor` (how much of the ext_proc's CPU per request is
 the router's own work, and how much any Python gRPC server on this stack pays).
 
 Per routing stream it does what Envoy needs and nothing else: the request headers message answered CONTINUE,

@@ -1,4 +1,4 @@
-"""Flow control on the virtual fleet (issue 24): the live router's `FlowControl` (extproc/flow/control.py) on a
+"""Flow control on the virtual fleet: the live router's `FlowControl` (extproc/flow/control.py) on a
 `VirtualFleet`'s clock, so ``--virtual`` sweeps and the oracle run the same queue as the gateway.
 
 `FleetFlow` wraps a router's route function. At each arrival it reads the router's `loads()` (what its

@@ -35,7 +35,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-model-report", action="store_true", help="Print the cost-model fit and exit.")
     parser.add_argument("--only", choices=("cpu", "fleet"), help="Run one measurement only.")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="Server profile.")
-    parser.add_argument("--prompt-tokens", type=int, default=4096, help="Prompt size (the issue's 4k).")
+    parser.add_argument("--prompt-tokens", type=int, default=4096, help="Prompt size, tokens.")
     parser.add_argument("--output-tokens", type=int, default=64, help="Tokens generated per request.")
     parser.add_argument("--cpu-requests", type=int, default=2000,
                         help="Requests for the CPU measurement (many: /proc CPU time has 10 ms ticks).")

@@ -89,7 +89,7 @@ class OverheadBenchSettings(Settings):
                                   "file reaches it over TLS; this departure, for measuring only, tells the "
                                   "protocol's cost from TLS's): a row 'gie-plain'.")
     variants: tuple[str, ...] = setting((), "Also measure these variants of the routed gateway in the same rounds "
-                                        "(issue 26): 'observe' (the observing ext_proc filter instead of the facts "
+                                        ": 'observe' (the observing ext_proc filter instead of the facts "
                                         "path: the gateway before 2026-12-05), 'records' (that, with Envoy's request "
                                         "records, no Lua filter), 'timing' (that, with records and the first-token "
                                         "Lua filter: `up` before the facts path), 'lua-facts' (no observing ext_proc filter: a Lua "
@@ -105,7 +105,7 @@ class OverheadBenchSettings(Settings):
                                         "'extproc-facts' (routed by the ext_proc filter). 'facts' and the routed "
                                         "configuration take the gateway's default routing filter (--routing-filter "
                                         "auto). Records go to a closed local port.")
-    # --- ext_proc process variants (issue 26 part 3: the hot path's settings, measured in the same rounds) ---
+    # --- ext_proc process variants (the hot path's settings, measured in the same rounds) ---
     extproc_variants: tuple[str, ...] = setting((), "Also measure routed gateways whose ext_proc process runs with "
                                                 "other settings, in the same rounds: a name of EXTPROC_VARIANTS "
                                                 "('asyncio': no uvloop; 'grpc-throughput': gRPC's throughput "
@@ -146,10 +146,10 @@ VARIANTS = {
     "lua-facts": {"records": True, "response_facts_lua": True, "observe_responses": False, "report_served": False},
     "no-observe": {"observe_responses": False, "response_facts_lua": False, "report_served": False},
 }
-# Issue 26 part 1, the facts path as `prefixroute up` runs it (records on, facts Lua + facts logger to the ext_proc
+# The facts path as `prefixroute up` runs it (records on, facts Lua + facts logger to the ext_proc
 # replica, no observing filter); compare with "timing" (records + the observing filter: `up` before it).
 VARIANTS["facts"] = {"records": True, "response_facts_lua": True, "observe_responses": False}
-# Issue 26 part 2, the routing filter's processing options on Envoy 1.40 (listener.routing_processing; measured and
+# The routing filter's processing options on Envoy 1.40 (listener.routing_processing; measured and
 # checked in bench-results/routing-modes/): each against "routed" ('buffered', the default) in the same rounds;
 # "routing-buffered" is the default again under another name (an A/A control: the rounds' noise and order bias).
 VARIANTS.update({f"routing-{mode}": {"routing_processing": mode} for mode in
@@ -440,7 +440,7 @@ def _start_configurations(s: OverheadBenchSettings, started: contextlib.ExitStac
 
 
 PROJECTED_REPLICAS = (2, 4, 8)
-"""Replica counts the --replicas projection is printed for (issue 26: what 8 would give on a larger machine)."""
+"""Replica counts the --replicas projection is printed for (what 8 would give on a larger machine)."""
 
 
 @dataclasses.dataclass(frozen=True)

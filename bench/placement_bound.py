@@ -1,5 +1,5 @@
 """What placement alone can do under cache pressure: a request sequence through S per-server LRU caches, each
-request's new blocks placed by a strategy, no queues and no time (issue 25, part 3).
+request's new blocks placed by a strategy, no queues and no time.
 
 The servers evict by LRU; a router decides only *where* each request goes. A request whose prompt a server
 holds for at least `SIGNIFICANT_RATIO` of its blocks goes to the server holding most of it (affinity: moving it

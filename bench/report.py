@@ -45,7 +45,7 @@ def baseline_run(runs: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
 
 
 def target_checks(doc: Mapping[str, Any], ours: str = "prefixroute:prefix") -> list[tuple[str, str, bool]]:
-    """Issue 7's targets for `ours`, as (target, measured, met). Only the targets this document can judge:
+    """The design targets for `ours`, as (target, measured, met). Only the targets this document can judge:
     vs random (P50 TTFT at least 80% lower, hit ratio above 90% of the upper bound, no endpoint above 1.5x its
     fair share) and vs sglang-router (hit ratio and P90 TTFT at least as good)."""
     runs = {r["router"]: r for r in doc["runs"]}
@@ -77,11 +77,11 @@ def target_checks(doc: Mapping[str, Any], ours: str = "prefixroute:prefix") -> l
 
 
 PRECISE_HIT_GAIN = 1.25
-"""Issue 13: the events-driven index's hit ratio at least 1.25x approximate's and sglang-router's."""
+"""Design target: the events-driven index's hit ratio at least 1.25x approximate's and sglang-router's."""
 PRECISE_P90_RATIO = 0.8
-"""Issue 13: its P90 TTFT at most 0.8x both of theirs."""
+"""Design target: its P90 TTFT at most 0.8x both of theirs."""
 PREDICTION_TOLERANCE = 0.03
-"""Issue 13: the router's predicted hit ratio within 3 points of the actual one."""
+"""Design target: the router's predicted hit ratio within 3 points of the actual one."""
 
 
 def _find_run(runs: Mapping[str, Mapping[str, Any]], *names: str) -> Mapping[str, Any] | None:
@@ -89,7 +89,7 @@ def _find_run(runs: Mapping[str, Mapping[str, Any]], *names: str) -> Mapping[str
 
 
 def index_source_checks(doc: Mapping[str, Any], policy: str = "prefix") -> list[tuple[str, str, bool]]:
-    """Issue 13's targets, as (target, measured, met), for the runs this document has: the events-driven index
+    """The index sources' design targets, as (target, measured, met), for the runs this document has: the events-driven index
     (``prefixroute:POLICY@events``, else ``prefixroute:POLICY`` when the fleet published events: the gateway's
     auto source then uses them) against ``@approximate`` and sglang-router (hit ratio >= 1.25x, P90 TTFT <= 0.8x
     each), ``@feedback`` between approximate and events (hit ratio and P90), and every run of ours that reports
@@ -215,13 +215,13 @@ def agent_baselines(runs: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any
 
 
 AGENT_TTFT_RATIO = 0.2
-"""Issue 14: P50 TTFT per turn at least 80% below random."""
+"""Design target: P50 TTFT per turn at least 80% below random."""
 AGENT_BOUND_RATIO = 0.95
-"""Issue 14: hit ratio within 5% of the upper bound."""
+"""Design target: hit ratio within 5% of the upper bound."""
 
 
 def agent_checks(doc: Mapping[str, Any], ours: str = "prefixroute:prefix") -> list[tuple[str, str, bool]]:
-    """Issue 14's targets for `ours` (the agents workload), as (target, measured, met): every follow-up served
+    """The design targets for `ours` (the agents workload), as (target, measured, met): every follow-up served
     (none "not found"), the random Responses baseline failing follow-ups (shown, judged against ~1/N served),
     P50 TTFT of every turn at most 0.2x random's (the chat-form random run, which sends every turn), hit ratio
     at least 95% of the infinite-cache bound."""
@@ -265,7 +265,7 @@ def agent_checks(doc: Mapping[str, Any], ours: str = "prefixroute:prefix") -> li
 def render_agents(doc: Mapping[str, Any]) -> list[str]:
     """The agents workload's section of report.md (and of the printed table): per router the API it was sent,
     follow-up success, TTFT overall and P50 per turn, hit ratio against the bound, ratios against random; then
-    issue 14's targets. Empty for other workloads."""
+    the design targets. Empty for other workloads."""
     runs = [r for r in doc["runs"] if _agents(r) is not None]
     if not runs:
         return []
@@ -299,7 +299,7 @@ def render_agents(doc: Mapping[str, Any]) -> list[str]:
               "failed (a Responses follow-up needs the previous response id). TTFT over successful requests.", ""]
     checks = agent_checks(doc)
     if checks:
-        lines += ["Issue 14 targets for prefixroute:prefix (agents):", "", "| target | measured | met |",
+        lines += ["Design targets for prefixroute:prefix (agents):", "", "| target | measured | met |",
                   "| --- | --- | --- |"]
         lines += [f"| {t} | {m} | {'yes' if ok else 'NO'} |" for t, m, ok in checks] + [""]
     return lines
@@ -462,13 +462,13 @@ def render_markdown(doc: Mapping[str, Any], command: str = "") -> str:
             lines.append(f"| {r['router']} | {src} | {_fmt(pred, 3)} | {_fmt(act, 3)} | {diff} |")
         lines.append("")
     lines += render_flow_counts(runs)
-    checks13 = index_source_checks(doc)
-    if checks13:
-        lines += ["Issue 13 targets (index sources):", "", "| target | measured | met |", "| --- | --- | --- |"]
-        lines += [f"| {t} | {m} | {'yes' if ok else 'NO'} |" for t, m, ok in checks13] + [""]
+    checks_index = index_source_checks(doc)
+    if checks_index:
+        lines += ["Design targets (index sources):", "", "| target | measured | met |", "| --- | --- | --- |"]
+        lines += [f"| {t} | {m} | {'yes' if ok else 'NO'} |" for t, m, ok in checks_index] + [""]
     checks = target_checks(doc)
     if checks:
-        lines += ["Issue 7 targets for prefixroute:prefix (the 80%-below-random target applies at a load where "
+        lines += ["Design targets for prefixroute:prefix (the 80%-below-random target applies at a load where "
                   "random routing queues):", "", "| target | measured | met |", "| --- | --- | --- |"]
         lines += [f"| {t} | {m} | {'yes' if ok else 'NO'} |" for t, m, ok in checks] + [""]
     skipped = doc.get("skipped") or {}

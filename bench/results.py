@@ -16,8 +16,8 @@ Definitions (pure functions, no I/O):
 - a *false shed* (`false_sheds`, virtual fleet only, where the counterfactual is known): a request shed (429 or
   503) that met its deadline in a replay of the same request sequence on the same fleet with shedding off.
 
-The run dict has exactly the keys of issue 7 plus ``extra`` (additional figures: token totals, duration,
-max share over fair share, error kinds), so consumers of the issue's shape are unaffected.
+The run dict has exactly the keys below plus ``extra`` (additional figures: token totals, duration,
+max share over fair share, error kinds), so consumers of this shape are unaffected.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def paired_ttft(runs: Mapping[str, PerRequest], reference: str) -> dict[str, Any
     (ms, > 0: slower), `slower_ratio` the share of requests with diff > 0, `same_endpoint_ratio` the share
     served by the same endpoint (None when either run's endpoints are unknown). Pairing removes what the
     request itself costs (its prompt, its place in the sequence), so a difference much smaller than the
-    spread of TTFTs shows, as comparing percentiles of two runs does not (issue 26: the router's hop)."""
+    spread of TTFTs shows, as comparing percentiles of two runs does not (the router's hop)."""
     ref = runs[reference]
     out: dict[str, Any] = {}
     for name, rows in runs.items():

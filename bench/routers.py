@@ -39,12 +39,12 @@ class RouterSpec:
     """Our gateway's ext_proc replicas (``#N`` in the name; 1 by default, whatever the machine's cores, so runs on
     different machines compare)."""
     flow: bool | None = None
-    """Our gateway's flow control (issue 24): ``+flow`` on, ``-flow`` off, None (no suffix) the gateway's
+    """Our gateway's flow control: ``+flow`` on, ``-flow`` off, None (no suffix) the gateway's
     default (on)."""
     routing_filter: str = ""
     """Our gateway's routing filter (``--routing-filter``): "ext_proc" (``+extproc``), "ext_authz" (``+authz``:
     Envoy's ext_authz filter, one unary gRPC Check per request), "ext_authz_http" (``+authz-http``: the same over
-    HTTP), "" = the gateway's default (auto: ext_authz_http with telemetry on) (issue 26)."""
+    HTTP), "" = the gateway's default (auto: ext_authz_http with telemetry on)."""
     api: str = ""
     """The API a workload with a Responses form (agents) is sent in: "responses" or "chat"; "" = the router's
     default (`default_api`)."""

@@ -122,7 +122,7 @@ def unavailable_reason(spec: RouterSpec, kv_events: bool = True) -> str | None:
 def gateway_event_args(spec: RouterSpec, kv_events: bool) -> tuple[str, ...]:
     """Flags our gateway gets for `spec`: ``--index-source`` when the name sets one, and ``--tokenizer sim`` (the
     simulated servers' own tokenizer: requests hash to the servers' token blocks, and cached-token feedback
-    compares like with like) for every source but approximate, which keeps round 1's text-block hashing.
+    compares like with like) for every source but approximate, which keeps its text-block hashing.
     `kv_events`: the fleet publishes (unused here: without events auto is feedback, on token blocks too)."""
     del kv_events
     out: list[str] = []
@@ -310,7 +310,7 @@ def parse_router_metrics(text: str) -> dict[str, Any]:
             sources[labels.get("endpoint", "")] = labels["source"]
     if sources:
         out["index_source_by_endpoint"] = sources
-    flow = parse_flow_counts(text)  # flow control's held / released / shed counts (issue 24), when it ran
+    flow = parse_flow_counts(text)  # flow control's held / released / shed counts, when it ran
     if flow is not None:
         out["flow"] = flow
     return out

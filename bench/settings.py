@@ -93,7 +93,7 @@ class BenchSettings(Settings):
                                        "server's KV cache so the fleet holds this fraction of the shared working "
                                        "set (blocks two requests or more reference), i.e. --num-gpu-blocks = "
                                        "ratio x shared / --servers, added to --server-args and printed. 0.5: half, "
-                                       "as issue 13's benchmark; 0 = leave the profile's capacity.")
+                                       "as the index-source benchmark in docs/benchmarks.md; 0 = leave the profile's capacity.")
     arrival: str = setting("auto", "Arrival process: trace (trace timestamps), poisson (at --rate-rps), closed "
                            "(--concurrency requests in flight) or auto (trace for --trace, else poisson).")
     rate_rps: float = setting(8.0, "Poisson rate in requests/s. 8 req/s of the default shared-prompts on 4 "
@@ -131,7 +131,9 @@ class BenchSettings(Settings):
     request_timeout_s: float = setting(300.0, "Per-request timeout.")
     max_connections: int = setting(1024, "Client connection limit (keep-alive pool); above any sane concurrency "
                                    "so open-loop arrivals are not throttled by the client.")
-    out: str = setting("bench-out", "Output folder: results.json, report.md, *.png, logs/.")
+    out: str = setting("", "Output folder: results.json, report.md, *.png, logs/. Empty: a new folder "
+                           "<state folder>/bench/<time>-<workload> (never the current folder; printed at the "
+                           "start; the dashboard's Benchmarks page reads it).")
     progress: bool = setting(True, "Progress bar on stderr.")
     overhead: bool = setting(False, "Afterwards, also measure the router's own overhead (`prefixroute "
                              "overhead-bench`: Envoy with vs without ext_proc) into DIR/overhead.txt.")

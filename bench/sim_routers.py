@@ -79,7 +79,7 @@ class SglangCacheAwareModel:
 
 
 class OracleModel:
-    """A router no real one can be (issue 12's "limit"): it sees each simulated server's true state. For each
+    """A router no real one can be ("limit"): it sees each simulated server's true state. For each
     server: the true prefix-cache hit (`VirtualFleet.cached_prefix_tokens`) or the blocks it shares with a
     request still prefilling there (it will be cached first), whichever is longer; the true prefill tokens left
     of the requests there that have no first token yet; the decoding requests. It prices them with the

@@ -1,4 +1,4 @@
-"""Load sweeps (issue 12): the arrival rate as a share of the fleet's capacity, every router per load point.
+"""Load sweeps: the arrival rate as a share of the fleet's capacity, every router per load point.
 
 `prefixroute bench --sweep-load-percents 40,80,110 [--virtual] ...`:
 
@@ -52,7 +52,7 @@ VIRTUAL_SWEEP_NUM_REQUESTS = 1500
 slowest requests, not one outlier."""
 PREDICTION_WARMUP_PER_ENDPOINT = 200
 """The time model's prediction error counts each endpoint's first tokens after its first this many (the rates
-it learns online have settled by then: issue 12's target)."""
+it learns online have settled by then)."""
 REAL_RUN_OVERHEAD_S = 10.0
 """A real run's cost beyond its requests until one run measured it: fresh servers and router start, settle, the
 last responses, scrape and stop."""
@@ -69,7 +69,7 @@ PREDICTION_DEFINITION = (
 def default_routers(virtual: bool) -> tuple[str, ...]:
     """A sweep's routers when --routers is left at the bench's default. Virtual: every policy of ours (least to
     most informed, as the bench's default), then the ``sim:`` models (the oracle last: every gap's reference).
-    Real: random (the no-information baseline), the default policy and sglang-router (issue 12's real sweep)."""
+    Real: random (the no-information baseline), the default policy and sglang-router (the real sweep in docs/benchmarks.md)."""
     if virtual:
         sims = sorted(SIM_ROUTERS, key=lambda n: n == "sim:oracle")
         return (*(r for r in DEFAULT_ROUTERS if r.startswith("prefixroute:")), *sims)
@@ -124,7 +124,7 @@ def slo_met_ratio(results: Sequence[Any], slo_ms: float) -> float | None:
 
 def _add_gaps(runs: Mapping[str, dict], reference: str = "sim:oracle") -> None:
     """Each run's gap per percentile to `reference` (``gap_to_oracle``) and, when it ran, to the oracle behind
-    the gateway queue (``gap_to_oracle_flow``: the reference for routers with flow control, issue 24)."""
+    the gateway queue (``gap_to_oracle_flow``: the reference for routers with flow control)."""
     for ref_name, key in ((reference, "gap_to_oracle"), ("sim:oracle+flow", "gap_to_oracle_flow")):
         ref = runs.get(ref_name)
         if not ref:

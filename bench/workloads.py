@@ -231,7 +231,7 @@ def tenants(*, num_tenants: int = 24, min_system_tokens: int = 1024, max_system_
             zipf_s: float = 1.1, mean_turns: float = 3.0, max_turns: int = 8, question_tokens: int = 96,
             output_tokens: int = 32, num_requests: int = 300, max_active_sessions: int = 16,
             seed: int = 0) -> Workload:
-    """A multi-tenant chat service (issue 26's "tenants" request set, rebuilt: its exact sequence is not
+    """A multi-tenant chat service (the "tenants" request set, rebuilt: its exact sequence is not
     ours): T tenants, each with its own system prompt of min..max_system_tokens (uniform, seeded) and a
     popularity of 1/(rank + 1)^zipf_s (ranks shuffled against the lengths: a few tenants carry most traffic);
     users open sessions of a tenant drawn by popularity, each of 1..max_turns turns (geometric, mean

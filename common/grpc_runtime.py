@@ -1,4 +1,4 @@
-"""gRPC's C-core settings that prefixroute's processes start with (issue 26: the ext_proc's CPU per request).
+"""gRPC's C-core settings that prefixroute's processes start with (the ext_proc's CPU per request).
 
 gRPC reads ``GRPC_EXPERIMENTS`` once, when `grpc` is first imported; setting it later does nothing (measured:
 a server that sets it after ``import grpc`` costs what one without it does). So `apply_grpc_defaults` runs in the
@@ -15,7 +15,7 @@ bidirectional stream, 2 round trips per request, the routing stream's shape): 43
 server CPU per request; `prefixroute overhead-bench --extproc-variants grpc-event-engine-listener` measures it
 in the router (docs/benchmarks.md). Servers only: gRPC clients (the OTLP exporter, health checks) are unchanged.
 If a later grpcio drops the experiment, gRPC logs ``Unknown experiment`` at start and runs its default;
-tests/unit/core/test_grpc_runtime.py fails on such a grpcio, so the setting is reviewed, not left dead.
+tests/integration/core/test_grpc_runtime.py fails on such a grpcio, so the setting is reviewed, not left dead.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Endpoint identity: a per-run secret proves that the process on an endpoint's port is the model server the
-launcher started there (issue 27: after a model server crashed, another local user bound its port 0.48 s later
+launcher started there (after a model server crashed, another local user bound its port 0.48 s later
 and the router sent it requests, prompts included, because it passed the health probe).
 
 Challenge and response, so the secret never travels: the router's health probe sends a fresh random

@@ -11,7 +11,7 @@ launcher and the test helpers.
 - Restarts of crashed members, and liveness probes: supervisor.py (`Supervisor`, `RestartPolicy`).
 - Ports held for a child across its restarts (`held_listener`, `reset_pending`) and checked free before it
   starts (`check_ports_free`); free ports and loopback probes: ports.py (its names are importable from here).
-- Logs are private (issue 27): each child's log is created mode 0600 (an existing one is tightened to it),
+- Logs are private: each child's log is created mode 0600 (an existing one is tightened to it),
   in a folder created mode 0700: debug logs may hold request headers.
 - Children die with their parent: on Linux every child gets PR_SET_PDEATHSIG = SIGKILL
   (`parent_death_preexec`), so a launcher killed with SIGKILL leaves no process behind and no port busy.
@@ -67,7 +67,8 @@ def check_ports_free(ports: Iterable[tuple[str, int] | tuple[str, int, str]]) ->
     pass. With a flag (the setting that chose the port, e.g. ``--port``) the message says how to move it."""
     for name, port, *flag in ports:
         if port > 0 and port_in_use(port):
-            how = (f"choose another with {flag[0]}, or draw free ports with --ports random" if flag
+            how = (f"choose another with {flag[0]}, or draw free ports with --ports random (a second "
+                   f"`prefixroute up` on this host: --ports random --state-dir DIR)" if flag
                    else "choose another port")
             raise PortBusy(f"{name}: port {port} is already in use (stop what holds it, e.g. "
                            f"`ss -ltnp 'sport = :{port}'`, or {how})")
@@ -119,7 +120,7 @@ def return_large_blocks(threshold_bytes: int = 1 << 20) -> bool:
     """Make this process's allocator (glibc malloc) serve every allocation of `threshold_bytes` or more with its
     own mmap, returned to the system when freed, and trim the heap above that much free memory. By default
     glibc raises its mmap threshold up to 32 MiB after large frees, so a burst of multi-megabyte request bodies
-    leaves their memory in the heap and the RSS high for good (issue 27: +69 MiB after 40 bodies of 7 MiB that
+    leaves their memory in the heap and the RSS high for good (+69 MiB after 40 bodies of 7 MiB that
     the router had already freed). False where unavailable (not glibc)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -131,7 +132,7 @@ def return_large_blocks(threshold_bytes: int = 1 << 20) -> bool:
 
 def held_listener(port: int, host: str = LOOPBACK, backlog: int = 1024) -> socket.socket:
     """A listening TCP socket on host:`port`, inheritable, for a child to serve on (``pass_fds``): the launcher
-    keeps it open while the child restarts, so the port is never free for another process to take (issue 27: a
+    keeps it open while the child restarts, so the port is never free for another process to take (a
     local user bound a crashed model server's port 0.48 s after its death and was sent its requests). Connections
     that arrive while the child is down wait in the backlog for the restarted one. `PortBusy` when taken."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

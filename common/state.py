@@ -12,12 +12,18 @@ path is taken from the current directory. The folder holds:
 `prefixroute up --state-dir DIR` moves all of it; `--db` and `--log-dir` move one part. `ensure_dir` creates
 a folder owner-only (0700): the logs name the endpoints and the token file is a secret.
 
+One state folder serves one running stack: `claim_state` takes an exclusive lock on ``<state dir>/stack.lock`` for
+as long as `prefixroute up` runs (the kernel drops it when the process ends, however it ends), and a second
+`up` on the same folder is refused with `StateInUse`, naming the running one and ``--state-dir``: two stacks
+would otherwise share telemetry.db, append to the same logs and overwrite each other's telemetry.token.
+
 `new_run_id()` names one run of the stack (one `prefixroute up`, or one receiver started alone): every request
 the receiver stores carries it, so the dashboard can show the current run apart from earlier ones.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import time
@@ -25,6 +31,7 @@ from pathlib import Path
 
 STATE_DIR_ENV = "PREFIXROUTE_STATE_DIR"
 DB_NAME = "telemetry.db"
+LOCK_NAME = "stack.lock"
 LOGS_NAME = "logs"
 
 
@@ -62,3 +69,27 @@ def new_run_id(now: float | None = None) -> str:
     by start time, and two runs started in the same second still differ."""
     t = time.gmtime(time.time() if now is None else now)
     return time.strftime("%Y%m%d-%H%M%S", t) + "-" + secrets.token_hex(2)
+
+
+class StateInUse(RuntimeError):
+    """Another running stack holds the state folder's lock (see the module docstring)."""
+
+
+def claim_state(folder: str | os.PathLike, owner: str) -> int:
+    """Lock `folder`/stack.lock for this process and write `owner` (who holds it, for the refusal a second stack
+    gets) into it; returns the lock's file descriptor (closed at exit, or by the caller). Raises `StateInUse`,
+    saying who holds it and how to run beside it, when another live process holds it. Creates `folder` (0700)."""
+    path = ensure_dir(folder) / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "another process"
+        os.close(fd)
+        raise StateInUse(f"the state folder {path.parent} is in use by another running stack ({holder}); two "
+                         f"stacks would share its telemetry.db, logs and telemetry.token. Give this one its own: "
+                         f"--state-dir DIR (or PREFIXROUTE_STATE_DIR=DIR), e.g. --state-dir "
+                         f"{path.parent}-2") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, owner.encode("utf-8"), 0)
+    return fd

@@ -4,7 +4,7 @@ gives up, like Kubernetes' CrashLoopBackOff), waiting for each restarted child's
 up again, and says so on stderr. No thread: the launcher's loop calls `Supervisor.poll` a few times a second. A
 child stopped on purpose (`stop`, `kill`, `stop_all`) is never restarted.
 
-Liveness (issue 27): a member may have a `live` probe (`ManagedProcess.live`, e.g. Envoy's health route through
+Liveness: a member may have a `live` probe (`ManagedProcess.live`, e.g. Envoy's health route through
 its own listener); the supervisor runs it every `RestartPolicy.live_interval_s` while the member is up and restarts
 a member that fails it `live_failures` times in a row: a process that runs but no longer serves (Envoy after an
 admin ``/drain_listeners``) is treated as crashed.

@@ -269,18 +269,21 @@ def _hit_rate_panels(snap: dict, colors: dict[str, str]) -> None:
     c1, c2 = st.columns(2)
     with c1:
         st.markdown("**Fleet: actual vs predicted**")
-        frame = D.fleet_hit_frame(snap["ts"], snap["bucket_s"])
+        frame = D.fleet_hit_frame(D.complete_buckets(snap["ts"], snap["bucket_s"], snap["now"]), snap["bucket_s"])
         if len(frame):
             _chart(C.fleet_hit(frame), "hit_fleet")
         else:
             _empty_note("no request reported token usage")
     with c2:
         st.markdown("**Per endpoint** (solid: actual, dashed: predicted)")
-        frame = D.endpoint_hit_frame(snap["ts_ep"], snap["bucket_s"])
+        frame = D.endpoint_hit_frame(D.complete_buckets(snap["ts_ep"], snap["bucket_s"], snap["now"]),
+                                     snap["bucket_s"])
         if len(frame):
             _chart(C.endpoint_hit(frame, colors), "hit_endpoint")
         else:
             _empty_note("no request reported token usage")
+    st.caption(f"Per {snap['bucket_s']:g} s bucket, up to the last complete one (the bucket still filling is left "
+               "out: its few requests are not a rate).")
 
 
 def _latency_panels(snap: dict) -> None:
@@ -382,6 +385,12 @@ def _routing_panels(snap: dict) -> None:
     with c2:
         st.markdown("**Reasons over time**")
         _chart(C.reasons_over_time(D.reasons_time_frame(snap["reason_ts"])), "reasons_time")
+    st.caption("Reasons: affinity (sent where most of its prefix is cached); cold (no endpoint holds its prefix); "
+               "spill (its prefix is cached elsewhere, sent to a less loaded endpoint); load (placed by load: no "
+               "prefix to match, or a partial holder); failover (retried after an endpoint failed); policy (a "
+               "policy that does not match prefixes); unrouted (only the gateway's record arrived: the router was "
+               "down or restarting); none (no routing decision: refused before one, for bad input, shedding or no ready "
+               "endpoint).")
     with c3:
         st.markdown(f"**Decision time** · p50 {T.format_us(summary['decision_us_p50'])} · "
                     f"p99 {T.format_us(summary['decision_us_p99'])}")
@@ -418,14 +427,17 @@ def prediction_panel(result: dict | None, colors: dict[str, str]) -> None:
         fleet = result["fleet"]
         frame = D.prediction_frame(result)
         k = st.columns(4)
-        k[0].metric("TTFT prediction error (median)", T.format_ratio(fleet.get("ape_ratio_p50")),
-                    help="Median absolute percentage error |actual - predicted| / actual over the requests scored.")
+        k[0].metric("TTFT error (median)", T.format_ratio(fleet.get("ape_ratio_p50")),
+                    help="How far the router's predicted TTFT was from the measured one: median absolute "
+                         "percentage error |actual - predicted| / actual over the requests scored.")
         k[1].metric("Predicted TTFT p50", T.format_ms(fleet.get("predicted_ttft_ms_p50")))
-        k[2].metric("Actual TTFT p50 (same requests)", T.format_ms(fleet.get("actual_ttft_ms_p50")))
+        k[2].metric("Actual TTFT p50", T.format_ms(fleet.get("actual_ttft_ms_p50")),
+                    help="Measured, over the same requests as the predicted p50.")
         k[3].metric("Requests with a prediction", f"{state.num_compared:,}",
                     delta=f"of {state.num_predicted:,} predicted", delta_color="off", delta_arrow="off",
-                    help="Scored: succeeded on the primary the prediction was for. The others failed, were "
-                         "refused or were served by a fallback.")
+                    help="Scored here: requests whose decision predicted a TTFT and that succeeded on the endpoint "
+                         "the prediction was for. Of all the decisions that carried a prediction (the second "
+                         "figure), the others failed, were refused or were served by a fallback endpoint.")
         c1, c2 = st.columns(2)
         with c1:
             st.markdown("**Median TTFT per endpoint** (filled: actual, outlined: predicted)")
@@ -462,12 +474,22 @@ def requests_table(run_choice: str) -> None:
     event = st.dataframe(frame, key=key, hide_index=True, on_select="rerun", selection_mode="single-row",
                          height=420, column_config={
                              "time": st.column_config.DatetimeColumn("time (UTC)", format="HH:mm:ss.SSS"),
-                             "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.1f"),
-                             "timing_source": st.column_config.TextColumn("TTFT clock"),
-                             "router_ttft_ms": st.column_config.NumberColumn("router's TTFT (ms)", format="%.1f"),
+                             "ttft_ms": st.column_config.NumberColumn(
+                                 "TTFT (ms)", format="%.1f", help="Time to first token, by the clock in the next "
+                                 "column."),
+                             "timing_source": st.column_config.TextColumn(
+                                 "TTFT clock", help="Whose clock measured TTFT and latency: envoy (the gateway's "
+                                 "record of the request: first token byte from the server) or router (no gateway "
+                                 "record arrived: the router's own timing)."),
+                             "router_ttft_ms": st.column_config.NumberColumn(
+                                 "router's TTFT (ms)", format="%.1f", help="The router's own measurement (when its "
+                                 "event loop saw the first token; tens of ms late under load). Equal to TTFT when "
+                                 "the clock is router."),
                              "predicted_ttft_ms": st.column_config.NumberColumn("predicted TTFT (ms)",
                                                                                 format="%.1f"),
-                             "alternative_endpoint": st.column_config.TextColumn("alternative"),
+                             "alternative_endpoint": st.column_config.TextColumn(
+                                 "alternative", width="medium", help="The best other endpoint the decision scored, and its "
+                                 "predicted TTFT in the next column."),
                              "alternative_ttft_ms": st.column_config.NumberColumn("alternative TTFT (ms)",
                                                                                   format="%.1f"),
                              "gateway_wait_ms": st.column_config.NumberColumn("gateway wait (ms)", format="%.1f"),
@@ -536,20 +558,24 @@ def _load_bench(path: str, mtime_s: float) -> BR.BenchResult:  # mtime in the ke
 
 def benchmarks_page() -> None:
     st.title("Benchmarks")
-    paths = BR.find_bench_results(cfg.bench_dir)
+    roots = BR.bench_roots(cfg.bench_dir)
+    paths = [p for root in roots for p in BR.find_bench_results(root)]
     if not paths:
-        st.info(f"**No benchmark results in `{cfg.bench_dir}`.** Run one (it writes `results.json` there), then "
-                f"press Reload:", icon=":material/bar_chart:")
-        st.code(f"prefixroute bench --workload shared-prompts --routers prefixroute:random,prefixroute:prefix "
-                f"--out {cfg.bench_dir}/shared-prompts", language="bash")
+        st.info(f"**No benchmark results in {' or '.join(f'`{r}`' for r in roots)}.** Run one (it writes "
+                f"`results.json` under `{roots[-1]}`), then press Reload:", icon=":material/bar_chart:")
+        st.code("prefixroute bench --workload shared-prompts --routers prefixroute:random,prefixroute:prefix",
+                language="bash")
         st.button("Reload", key="bench_reload")
         return
-    results = []
+    results, skipped = [], []
     for p in paths:
         try:
             results.append(_load_bench(p, os.path.getmtime(p)))
         except (OSError, ValueError) as exc:
-            st.warning(f"Skipped {p}: {exc}")
+            skipped.append((p, exc if isinstance(exc, ValueError) else ValueError(f"{p}: {exc}")))
+    if skipped:  # said once, small: the committed sweeps are not errors
+        with st.expander(BR.skipped_summary(skipped)):
+            st.caption("  \n".join(str(exc) for _, exc in skipped))
     if not results:
         return
     labels = [r.label for r in results]

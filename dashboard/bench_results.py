@@ -29,6 +29,15 @@ class BenchResult:
         return run_dir if run_dir == name else f"{run_dir} · {name}"
 
 
+def bench_roots(bench_dir: str | os.PathLike) -> list[str]:
+    """The folders the Benchmarks page searches: `bench_dir` (--bench-dir), then the state folder's bench/, where
+    `prefixroute bench` writes without --out; once each."""
+    from prefixroute.state import state_dir
+
+    roots = [os.path.abspath(os.fspath(bench_dir)), str(state_dir() / "bench")]
+    return list(dict.fromkeys(roots))
+
+
 def find_bench_results(bench_dir: str | os.PathLike, max_depth: int = 3) -> list[str]:
     """`results.json` files under `bench_dir` (itself included, at most `max_depth` levels down),
     newest first. A missing directory gives []."""
@@ -45,18 +54,37 @@ def find_bench_results(bench_dir: str | os.PathLike, max_depth: int = 3) -> list
     return sorted(found, key=lambda p: (-os.path.getmtime(p), p))
 
 
+class NotChartable(ValueError):
+    """A readable results.json of another kind (a load sweep: `prefixroute bench sweep`), which this page does not
+    chart; its report.md beside it has the tables."""
+
+
 def load_bench_result(path: str) -> BenchResult:
-    """Parse one results.json; raises ValueError with the reason when it is not the bench format."""
+    """Parse one results.json; raises NotChartable for a sweep's results and ValueError with the reason when it
+    is not the bench format."""
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
+    if isinstance(doc, dict) and doc.get("kind") == "sweep":
+        raise NotChartable(f"{path}: a load sweep (its report.md has the tables)")
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
         raise ValueError(f"{path}: no \"runs\" list (not a `prefixroute bench` results.json)")
     runs = [r for r in doc["runs"] if isinstance(r, dict) and r.get("router")]
     workload = doc.get("workload") if isinstance(doc.get("workload"), dict) else {}
     return BenchResult(path, os.path.getmtime(path), workload, doc.get("upper_bound_hit_ratio"), runs)
+
+
+def skipped_summary(skipped: list[tuple[str, ValueError]]) -> str:
+    """One short line for the files the page does not chart: how many are load sweeps, how many unreadable."""
+    num_sweeps = sum(isinstance(exc, NotChartable) for _, exc in skipped)
+    parts = []
+    if num_sweeps:
+        parts.append(f"{num_sweeps} load sweep{'s' * (num_sweeps != 1)} (their report.md has the tables)")
+    if len(skipped) - num_sweeps:
+        parts.append(f"{len(skipped) - num_sweeps} not in the `prefixroute bench` format")
+    return "Not charted here: " + ", ".join(parts) + "." if parts else ""
 
 
 def bench_frame(result: BenchResult) -> pd.DataFrame:

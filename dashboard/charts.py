@@ -15,7 +15,8 @@ import pandas as pd
 from prefixroute.dashboard.data import ERROR_COLOR, HIT_KIND_DASH, PERCENTILE_COLORS
 
 HEIGHT = 260
-_TIME_AXIS = alt.Axis(format="%H:%M:%S", labelOverlap=True, labelAngle=0, tickCount=6, title="time (UTC)")
+_TIME_AXIS = alt.Axis(format="%H:%M:%S", labelOverlap=True, labelAngle=0, tickCount=6, title="time (UTC)",
+                       labelBound=True)  # a tick label near the right edge is hidden, not cut by the chart
 
 
 def bar_height(num_bars: int, per_bar_px: int = 36) -> int:
@@ -138,14 +139,18 @@ def endpoint_share(frame: pd.DataFrame, colors: Mapping[str, str], fair_share_ra
     return alt.layer(bars, rule, text)
 
 
-def endpoint_hit_bars(frame: pd.DataFrame, colors: Mapping[str, str]) -> alt.Chart:
-    """Per endpoint over the window: actual hit rate (solid bar) and predicted (outlined bar) side by side."""
+def endpoint_hit_bars(frame: pd.DataFrame, colors: Mapping[str, str]) -> alt.LayerChart:
+    """Per endpoint over the window: actual hit rate (solid bar) and predicted (outlined bar) side by side, each
+    with its value."""
     long = frame.melt(id_vars=["endpoint"], value_vars=["actual_hit_ratio", "predicted_hit_ratio"],
                       var_name="kind", value_name="hit_ratio").dropna(subset=["hit_ratio"])
     long["kind"] = long["kind"].str.replace("_hit_ratio", "", regex=False)
-    return (alt.Chart(long).mark_bar(strokeWidth=1.5)
-            .encode(y=alt.Y("endpoint:N", title=None, sort=list(colors), axis=alt.Axis(labelLimit=220)),
-                    yOffset=alt.YOffset("kind:N", sort=["actual", "predicted"]),
+    # Each bar's value at its end, inside the chart (at least 14% along, so a short bar's label stays readable).
+    long["label_x"] = long["hit_ratio"].clip(lower=0.14)
+    y = alt.Y("endpoint:N", title=None, sort=list(colors), axis=alt.Axis(labelLimit=220))
+    y_offset = alt.YOffset("kind:N", sort=["actual", "predicted"])
+    bars = (alt.Chart(long).mark_bar(strokeWidth=1.5)
+            .encode(y=y, yOffset=y_offset,
                     x=alt.X("hit_ratio:Q", axis=_pct_axis("hit rate"), scale=alt.Scale(domain=[0, 1])),
                     color=alt.Color("endpoint:N", scale=endpoint_scale(colors), legend=None),
                     fillOpacity=alt.FillOpacity("kind:N", scale=alt.Scale(domain=["actual", "predicted"],
@@ -153,6 +158,10 @@ def endpoint_hit_bars(frame: pd.DataFrame, colors: Mapping[str, str]) -> alt.Cha
                                                 legend=alt.Legend(orient="top", title=None)),
                     stroke=alt.Color("endpoint:N", scale=endpoint_scale(colors), legend=None),
                     tooltip=["endpoint:N", "kind:N", alt.Tooltip("hit_ratio:Q", format=".1%")]))
+    values = (alt.Chart(long).mark_text(align="right", dx=-3, fontSize=11, color="#222")
+              .encode(y=y, yOffset=y_offset, x=alt.X("label_x:Q", scale=alt.Scale(domain=[0, 1])),
+                      text=alt.Text("hit_ratio:Q", format=".0%")))
+    return alt.layer(bars, values)
 
 
 def prediction_bars(frame_long: pd.DataFrame, colors: Mapping[str, str]) -> alt.Chart:
@@ -178,7 +187,7 @@ def reasons(frame: pd.DataFrame) -> alt.Chart:
 
 
 REASON_COLORS = {"affinity": "#59a14f", "cold": "#76b7b2", "spill": "#f28e2b", "failover": "#e15759",
-                 "load": "#4e79a7", "policy": "#b07aa1", "(none)": "#bab0ac"}
+                 "load": "#4e79a7", "policy": "#b07aa1", "none": "#bab0ac"}
 
 
 def reasons_over_time(frame: pd.DataFrame) -> alt.Chart:
@@ -189,7 +198,7 @@ def reasons_over_time(frame: pd.DataFrame) -> alt.Chart:
     return (alt.Chart(frame, height=HEIGHT).mark_bar()
             .encode(x=_x_time(),
                     y=alt.Y("share_ratio:Q", axis=_pct_axis("share"), stack="normalize"),
-                    color=alt.Color("reason:N", scale=alt.Scale(domain=domain, range=rng), legend=_legend(None, 4)),
+                    color=alt.Color("reason:N", scale=alt.Scale(domain=domain, range=rng), legend=_legend(None, 3)),
                     tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), "reason:N", "num_requests:Q"]))
 
 

@@ -47,7 +47,8 @@ class DashboardSettings(Settings):
     host: str = setting("127.0.0.1", "Address the dashboard listens on (loopback: nothing is exposed unless asked).")
     port: int = setting(8501, "Dashboard HTTP port (Streamlit's usual port).")
     bench_dir: str = setting("bench-results", "Directory searched (3 levels deep) for `prefixroute bench` "
-                                             "results.json files for the Benchmarks page.")
+                                             "results.json files for the Benchmarks page, besides the state "
+                                             "folder's bench/ (where `prefixroute bench` writes without --out).")
     refresh_s: float = setting(2.0, "Seconds between live refreshes (2 s: live to the eye, and each refresh "
                                     "costs a few milliseconds of SQL even at thousands of requests per minute).")
     window_s: float = setting(300.0, "Initial time window in seconds (5 min: enough requests for stable p99s, "

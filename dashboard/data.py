@@ -216,6 +216,22 @@ def segments(frame: pd.DataFrame, bucket_s: float | None, keys: Sequence[str]) -
     return frame
 
 
+NO_DECISION = "none"
+"""The reason shown for requests stored without a routing decision (refused before one: bad input, shed, no
+ready endpoint)."""
+
+
+def complete_buckets(rows: Sequence[Mapping[str, Any]], bucket_s: float | None, now: float | None
+                     ) -> list[Mapping[str, Any]]:
+    """`rows` (timeseries rows with bucket_start) without the newest bucket while it is still filling (it ends
+    after `now`): a few seconds of a bucket hold a handful of requests, often cold ones, and drew an endpoint's hit
+    rate at 0% at the right edge. Kept when it is the only bucket (a run that just began has nothing else)."""
+    if not rows or not bucket_s or now is None:
+        return list(rows)
+    done = [r for r in rows if r["bucket_start"] + bucket_s <= now]
+    return done or list(rows)
+
+
 def fleet_hit_frame(timeseries: Sequence[Mapping[str, Any]], bucket_s: float | None = None) -> pd.DataFrame:
     """Long frame time, kind (actual|predicted), hit_ratio, segment from fleet-wide `timeseries` rows
     (buckets without usage are dropped: no tokens, no ratio; `segments` breaks the line there)."""
@@ -334,15 +350,15 @@ def unrouted_sentence(shares: Shares, num_requests: int) -> str:
 
 
 def reasons_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    """Frame reason, num_requests, share_ratio (most first), None reason shown as '(none)'."""
-    frame = pd.DataFrame([{"reason": r.get("reason") or "(none)", "num_requests": r["num_requests"],
+    """Frame reason, num_requests, share_ratio (most first), None reason shown as NO_DECISION."""
+    frame = pd.DataFrame([{"reason": r.get("reason") or NO_DECISION, "num_requests": r["num_requests"],
                            "share_ratio": r["share_ratio"]} for r in rows],
                          columns=["reason", "num_requests", "share_ratio"])
     return frame
 
 
 def reasons_time_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    frame = pd.DataFrame([{"bucket_start": r["bucket_start"], "reason": r.get("reason") or "(none)",
+    frame = pd.DataFrame([{"bucket_start": r["bucket_start"], "reason": r.get("reason") or NO_DECISION,
                            "num_requests": r["num_requests"], "share_ratio": r["share_ratio"]} for r in rows],
                          columns=["bucket_start", "reason", "num_requests", "share_ratio"])
     return _to_time(frame)

@@ -1,4 +1,4 @@
-"""The Live page's gateway-queue panel (flow control, issue 24): what the router holds now per priority class
+"""The Live page's gateway-queue panel (flow control): what the router holds now per priority class
 and by how many flows (tenants or clients), how many it held, released (by what freed capacity) and shed (by
 reason and status), the mean wait of held requests and the saturation signal, from the router's /metrics
 (`router_metrics.FlowLive`)."""

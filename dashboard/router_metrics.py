@@ -21,7 +21,7 @@ class EndpointLive:
     kv_events_connected: bool | None = None  # for an events endpoint: its subscriber receives
     kv_events_state: str | None = None  # for an events endpoint: live, syncing, down, undecodable, ... (link.py)
     # the server's own prefix-cache counters (prompt tokens since it started): queried, found on the GPU, loaded
-    # from its CPU tier (issue 25: the hit ratio by tier)
+    # from its CPU tier (the hit ratio by tier)
     queried_tokens: float | None = None
     gpu_hit_tokens: float | None = None
     cpu_hit_tokens: float | None = None
@@ -92,7 +92,7 @@ def parse_router_metrics(text: str) -> dict[str, EndpointLive]:
 
 @dataclasses.dataclass(frozen=True)
 class FlowLive:
-    """The router's gateway queue now (flow control, issue 24; its ``prefixroute_flow_*`` families): requests held
+    """The router's gateway queue now (flow control; its ``prefixroute_flow_*`` families): requests held
     per priority class and the flows (tenants or clients; the router names none) holding them, counts since the
     router started, the mean wait of held requests, and the saturation signal (>= 1: no endpoint had room at the
     last decision)."""

@@ -1,4 +1,4 @@
-"""The Live page's KV-tier panel (issue 25): each endpoint's hit ratio by tier -- prompt tokens found on its GPU,
+"""The Live page's KV-tier panel: each endpoint's hit ratio by tier -- prompt tokens found on its GPU,
 loaded from its host-memory (CPU) tier, computed -- from the server's own prefix-cache counters as the router's
 pool last scraped them (``prefixroute_endpoint_prefix_cache_tokens_total{endpoint,kind}``, read through the
 router's /metrics like the other live columns: `router_metrics.EndpointLive`). The counters run since each

@@ -1,4 +1,4 @@
-"""The router behind Envoy's ext_authz filter: one unary ``Authorization.Check`` per request (issue 26, part 2).
+"""The router behind Envoy's ext_authz filter: one unary ``Authorization.Check`` per request.
 
 Envoy's ext_authz filter, with ``with_request_body`` (whole body, ``pack_as_bytes``), buffers the request and
 sends its headers and body in one ``CheckRequest``; the ``OkHttpResponse`` sets the routing headers and

@@ -1,4 +1,4 @@
-"""The router behind Envoy's ext_authz filter over plain HTTP/1.1 (routing_processing 'authz-http'; issue 26).
+"""The router behind Envoy's ext_authz filter over plain HTTP/1.1 (routing_processing 'authz-http').
 
 The same decision as the gRPC ``Check`` (authz.py: `AuthzServicer.start/finish/settle`), carried by Envoy's HTTP
 authorization service instead of gRPC: Envoy sends each request's method, path (under `CHECK_PATH_PREFIX`),

@@ -122,7 +122,7 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     router.tenants = tenants or tenants_from_settings(TenantSettings(), routing, flow)
     core = router.core
     log.info("%s", core.memory.describe())
-    if routing.parse_workers:  # large bodies parsed off the event loop (issue 27)
+    if routing.parse_workers:  # large bodies parsed off the event loop
         router.offload = ParseOffload(routing)
         router.offload.start()
     manager = None

@@ -13,10 +13,10 @@ ext_proc authentication, secure by default: each `start()` draws a random bearer
 (`extproc_auth`) and gives it to both children, to the ext_proc service by environment
 (``PREFIXROUTE_EXTPROC_AUTH_TOKEN``, never on its command line) and to Envoy as a secret file
 (``extproc.token``, mode 0600 in the private 0700 gateway folder) that Envoy reads itself: the rendered
-configuration names the file, never the token, and Envoy's /config_dump and logs never show it (issue 27). With
+configuration names the file, never the token, and Envoy's /config_dump and logs never show it. With
 the ``extproc_tls_*`` files the two also speak mutual TLS (one CA signs both certificates).
 
-Issue 27 (the host is shared with other users):
+On a host shared with other users:
 - Envoy's admin interface is off by default (`envoy_admin`); "unix" serves it on ``envoy-admin.sock`` in the
   gateway folder (0600 in 0700: its owner only), "loopback" on 127.0.0.1:`admin_port` with read-only paths.
 - Readiness and liveness go through the gateway's own listener (Envoy's health route, `HEALTH_PATH`): the
@@ -71,7 +71,8 @@ class GatewaySettings(Settings):
     ports: str = setting("fixed", "How ports are chosen: 'fixed' = every port setting as given (the documented "
                          "defaults, so scripts, dashboards and firewall rules can rely on them; a port in use is an "
                          "error naming it and its flag); 'random' = every port setting still at its default is drawn "
-                         "free instead (several stacks on one host, tests). A port set to 0 is always drawn free.")
+                         "free instead (several stacks on one host, tests; a second `prefixroute up` also needs its own "
+                         "--state-dir). A port set to 0 is always drawn free.")
     envoy_admin: str = setting("off", "Envoy's admin interface: off (none: nothing on the host can reconfigure or "
                                "stop Envoy, or read its configuration), unix (every admin path, on the Unix socket "
                                "envoy-admin.sock in the private gateway folder: only this user), or loopback "
@@ -127,7 +128,13 @@ class GatewaySettings(Settings):
         "held until the response ends) or 'auto' = ext_authz_http on the facts path (telemetry on, response_path "
         "facts or auto), else ext_proc. Both ext_authz filters need the facts path (each request's facts record "
         "releases its pick) and hand a request to hold past saturation, or a large body to parse, to the ext_proc "
-        "filter on a route of its own (whose answers may extend Envoy's wait).")
+        "filter on a route of its own (whose answers may extend Envoy's wait). envoy-config's names for the same "
+        "filters (authz-http, authz, buffered) are accepted too.")
+
+    def __post_init__(self) -> None:
+        canonical = ROUTING_FILTER_ALIASES.get(self.routing_filter)  # one name per filter (ROUTING_FILTERS)
+        if canonical is not None:
+            object.__setattr__(self, "routing_filter", canonical)
     authz_http_port: int = setting(
         9004, "With routing_filter ext_authz_http: the port on 127.0.0.1 where the ext_proc service answers Envoy's "
         "ext_authz checks over HTTP (0 = any free port); replica k's is authz_http_port + k.")
@@ -151,6 +158,8 @@ class GatewaySettings(Settings):
 
 RESPONSE_PATHS = ("facts", "observe", "auto")
 ROUTING_FILTERS = ("auto", "ext_proc", "ext_authz", "ext_authz_http")
+ROUTING_FILTER_ALIASES = {"authz-http": "ext_authz_http", "authz": "ext_authz", "buffered": "ext_proc"}
+"""`envoy-config --routing-processing`'s names for the same filters, accepted by --routing-filter too."""
 _ROUTING_PROCESSING = {"ext_authz": "authz", "ext_authz_http": "authz-http"}
 """routing_filter -> EnvoySettings.routing_processing (ext_proc: Envoy's default, 'buffered')."""
 MAX_EXTPROC_REPLICAS = 16
@@ -587,10 +596,14 @@ def ready_line(procs: GatewayProcesses) -> str:
                " ".join(f"http://127.0.0.1:{p}/metrics" for p in procs.metrics_ports))
     replicas = (f"ext_proc 127.0.0.1:{ports}" if n == 1 else
                 f"{n} ext_proc replicas 127.0.0.1:{ports}, peers " + (procs.peers_url or "off"))
-    admin = {"off": "off", "unix": f"unix:{procs.admin_socket}",
-             "loopback": f"http://127.0.0.1:{procs.admin_port} (read-only)"}[procs.gateway.envoy_admin]
     return (f"prefixroute gateway ready: {procs.url} -> {len(procs.endpoints)} endpoints ({replicas}, "
-            f"Envoy admin {admin}, metrics {metrics})")
+            f"Envoy admin {admin_label(procs)}, metrics {metrics})")
+
+
+def admin_label(procs: GatewayProcesses) -> str:
+    """Where Envoy's admin interface is, as the ready lines say it: off, its Unix socket or its loopback URL."""
+    return {"off": "off", "unix": f"unix:{procs.admin_socket}",
+            "loopback": f"http://127.0.0.1:{procs.admin_port} (read-only)"}[procs.gateway.envoy_admin]
 
 
 SUPERVISE_INTERVAL_S = 0.1

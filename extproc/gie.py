@@ -260,7 +260,7 @@ class GieStream:
                     pick = self._route(routed)
                     break
                 except NeedsLookup as need:
-                    if need.response_id is None:  # a large body (issue 27): parsed off the event loop, then
+                    if need.response_id is None:  # a large body: parsed off the event loop, then
                         # routed as the parsed request (service.NeedsParse; parse_offload.py)
                         headers = self.headers
                         routed = await self.router.parse_off_loop(headers.get(":method", "POST"),

@@ -183,7 +183,7 @@ class PeersListener(LifecycleListener):
 
 class TierPredictionListener(LifecycleListener):
     """What the router predicted each tier would serve, in tokens, beside the prompt tokens of the same requests
-    (issue 25: the predicted hit ratio by tier, to hold against the servers' own counters by tier,
+    (the predicted hit ratio by tier, to hold against the servers' own counters by tier,
     ``vllm:prefix_cache_hits`` and ``vllm:external_prefix_cache_hits``).
 
     At the decision: the (GPU, CPU) leading blocks the tier-aware events index found at the primary in this

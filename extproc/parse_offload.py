@@ -1,4 +1,4 @@
-"""`ParseOffload`: parsing of large request bodies in worker processes, off the router's event loop (issue 27).
+"""`ParseOffload`: parsing of large request bodies in worker processes, off the router's event loop.
 
 A replica is one event loop: a request body that takes long to parse (JSON of 200,000 one-character messages,
 a multi-megabyte prompt rendered through a chat template and tokenized) would hold every other request on the

@@ -10,7 +10,7 @@ Contract with the servicer (`servicer.RouterService`):
   before the one that served, are reported failed to the pool, the prefix is recorded on the endpoint that
   really holds it, and the in-flight count moves to that endpoint.
 
-  Trust rule (issue 11: whoever reaches the ext_proc port can open streams, so a report may be forged):
+  Trust rule (whoever reaches the ext_proc port can open streams, so a report may be forged):
   a report counts only when it names one of *this pick's fallbacks* (Envoy's retries can produce nothing
   else), and only the first report of a pick counts; any other address (an endpoint outside the pick, "-"
   on Envoy's local replies, a fail-open host) is ignored and counted in `num_ignored_reports`. Even a
@@ -32,7 +32,7 @@ Contract with the servicer (`servicer.RouterService`):
   after `first_token`, before or after `release` (two streams, no order between them). The prefix policy
   learns the endpoint's rate from it.
 
-- Responses API state (issue 14; extproc/response_directory.py): a request with ``response_ref`` (a follow-up's
+- Responses API state (extproc/response_directory.py): a request with ``response_ref`` (a follow-up's
   ``previous_response_id``, or the id of ``/v1/responses/{id}...``) is *pinned*: it is routed over a snapshot
   holding only the endpoint the directory names, so the decision lists that endpoint alone (no fallback, no
   silent reroute). That endpoint unhealthy: 503 with Retry-After, naming no id (its store may come
@@ -44,7 +44,7 @@ Contract with the servicer (`servicer.RouterService`):
   `learn_response(pick, response_id)`: the observing stream (tracking.py) or Envoy's facts record saw `pick`'s
   response id; a claim that does not fit (a second id for the pick, an id held at another endpoint) is refused.
 
-- Other replicas (issue 15; extproc/peers): with `peers` set (a `PeerPublisher`, the gateway's NATS bus), each
+- Other replicas (extproc/peers): with `peers` set (a `PeerPublisher`, the gateway's NATS bus), each
   pick with block hashes or queued prefill is published (`codec.Pick`: primary, block hashes, the policy's
   pending prefill, the session), its first token (`codec.Done`), its end (`codec.Release`), a failover (`codec.Failover`), each learned response id (`codec.Response`, again with
   its prompt tokens at `usage`) and what the policy learned from each response (`codec.Observed`: every
@@ -53,11 +53,11 @@ Contract with the servicer (`servicer.RouterService`):
   pool's in-flight figures are the fleet's), `expire_peers` drops their stale state (TTLs, a silent replica).
   Publishing never awaits.
 
-- Large bodies (issue 27; extproc/parse_offload.py): with `offload` set, a body its `heavy` names is not
+- Large bodies (extproc/parse_offload.py): with `offload` set, a body its `heavy` names is not
   parsed here: `route` raises `NeedsParse` (a `NeedsLookup` without an id), the servicer awaits
   `parse_off_loop` (a worker process parses it), then calls `route` again with the parsed
   `InferenceRequest` in place of the body.
-- Trust in other replicas (issue 27): a peer's message changes this replica's state only within what that
+- Trust in other replicas: a peer's message changes this replica's state only within what that
   peer could know: a response id only for the endpoint its own pick went to (and never over an id this
   replica knows elsewhere), a failover only for a pick of its in flight here, at most
   `PeerSettings.max_in_flight_per_peer` of its requests counted in flight, figures in range

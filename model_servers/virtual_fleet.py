@@ -22,7 +22,7 @@ the 400/404 refusals), so the engine sees what a server would. API for benchmark
     results[0].ttft_s, .e2e_s, .prompt_tokens, .cached_tokens, .completion_tokens, .server, .endpoint, .status
 
 `route` may also return an `EndpointId` string, or raise `OpenAIError` to refuse the request (a router's
-4xx/5xx: no server sees it), or return None to hold it (a gateway queue, issue 24): the router later calls
+4xx/5xx: no server sees it), or return None to hold it (a gateway queue): the router later calls
 `fleet.dispatch(request_id, target)` or `fleet.refuse(request_id, error)` from a timer, ``on_step`` or
 ``on_finish``; its TTFT then counts the wait from its arrival. `run(..., on_step=fn)` calls ``fn(fleet, i)``
 after each step (or decode run) of engine i ends: where a router learns that capacity freed. A request the server refuses (`SimRequest.error`) is routed, then answered with

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What does a Python gRPC server cost per routed request, whatever it does? (issue 26: the ext_proc's floor.)
+"""What does a Python gRPC server cost per routed request, whatever it does? (the ext_proc's floor.)
 
     .venv/bin/python scripts/bench_grpc_servers.py 2000 [aio,uvloop,uvloop-rw,uvloop-spin,sync,grpclib] [GAP_MS]
 

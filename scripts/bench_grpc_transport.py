@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Would a Unix socket between Envoy and the ext_proc cut the hop? grpc.aio bidi streams over TCP loopback and
-over a Unix socket, alternating, 3 rounds (issue 26: "a Unix-socket ext_proc was not tried").
+over a Unix socket, alternating, 3 rounds ("a Unix-socket ext_proc was not tried").
 
     .venv/bin/python scripts/bench_grpc_transport.py 2000
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Does ingesting CPU-tier KV events delay routing decisions? (issue 25: p99 decision time within 10% of the
+"""Does ingesting CPU-tier KV events delay routing decisions? (p99 decision time within 10% of the
 GPU-only run.)
 
 One asyncio loop (uvloop when installed, as the router runs) holds a `TieredKVEventIndex` of `--endpoints`

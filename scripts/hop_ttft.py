@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What each hop adds to a streamed request's TTFT, one request at a time (issue 26: the hop behind the P50 gap).
+"""What each hop adds to a streamed request's TTFT, one request at a time (the hop behind the P50 gap).
 
 One simulated model server; the same streamed chat request (a --prompt-kb KB system prompt, a full prefix-cache
 hit after the first) sent one at a time, --gap-ms apart, over keep-alive connections, in turn:

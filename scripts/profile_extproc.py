@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-request CPU profile of the ext_proc process (issue 26 part 3), by layer.
+"""Per-request CPU profile of the ext_proc process, by layer.
 
 Starts the gateway stack as `prefixroute overhead-bench` does (fast upstream, Envoy + `prefixroute extproc`
 with the real router, telemetry on unless --no-telemetry), warms it, then drives --num-requests sequential

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The router's own work per request, in process: no gRPC, no Envoy (issue 26 part 3).
+"""The router's own work per request, in process: no gRPC, no Envoy.
 
 `scripts/profile_extproc.py` measures the live ext_proc process, where grpcio's C core, the event loop and the
 router's Python share one profile and the machine's noise. This script takes the router's part alone: the same

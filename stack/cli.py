@@ -52,14 +52,15 @@ from typing import ClassVar, NoReturn
 from prefixroute import identity, settings
 from prefixroute.bench.workloads import WORKLOAD_NAMES
 from prefixroute.extproc.endpoints.settings import PoolSettings
-from prefixroute.extproc.gateway import PORT_MODES, GatewayProcesses, GatewaySettings, resolve_replicas
+from prefixroute.extproc.gateway import (PORT_MODES, GatewayProcesses, GatewaySettings, admin_label,
+                                         resolve_replicas)
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.model_servers.kv_events_publisher import config_json
 from prefixroute.procs import (PortBusy, ProcessGroup, Stopped, check_ports_free, free_port, free_ports, held_listener,
                                http_ok, port_in_use, prefixroute_argv, reset_pending, stop_on_signals)
 from prefixroute.settings import Settings, setting
-from prefixroute.state import DB_NAME, LOGS_NAME, ensure_dir, new_run_id, state_dir
+from prefixroute.state import DB_NAME, LOGS_NAME, claim_state, ensure_dir, new_run_id, state_dir
 from prefixroute.supervisor import RestartPolicy, Supervisor
 
 
@@ -93,7 +94,8 @@ class StackSettings(Settings):
                                        "4317/4318; 0 = a free port).")
     state_dir: str = setting("", "Folder for what the stack keeps between runs: the request store (telemetry.db) "
                              "and the logs (logs/). Empty: $PREFIXROUTE_STATE_DIR, else $XDG_STATE_HOME/prefixroute, "
-                             "else ~/.local/state/prefixroute; never the current folder.")
+                             "else ~/.local/state/prefixroute; never the current folder. One running stack per "
+                             "folder: a second `up` on it is refused (give it its own --state-dir).")
     db: str = setting("", "SQLite file of the request store; empty: telemetry.db in the state folder. Each start "
                       "is a new run in it (a run id on every request): the dashboard shows the current run, earlier "
                       "ones on request.")
@@ -235,6 +237,8 @@ def _run(st: StackSettings, gw: GatewaySettings, routing: RoutingSettings, pool_
         gateway = GatewayProcesses(gw, routing, pool, log_dir=lay.log_dir, group=group, peers=peers,
                                    records_to=(f"127.0.0.1:{lay.telemetry_port}", telemetry_token))
         check_ports_free([*gateway.fixed_listeners(), *lay.listeners(st.dashboard)])
+        # One stack per state folder (held until this process ends): a second is refused, naming --state-dir.
+        claim_state(lay.state_dir, f"pid {os.getpid()}, run {lay.run_id}, API on port {gw.port}")
         print(f"prefixroute up: starting run {lay.run_id} (state in {lay.state_dir})", flush=True)
         ensure_dir(lay.log_dir)
         ensure_dir(lay.db.parent)
@@ -395,7 +399,7 @@ def _summary(st: StackSettings, lay: Layout, gateway: GatewayProcesses, pool: Po
         f"  gateway     {gateway.url}   (OpenAI API: POST {gateway.url}/v1/chat/completions)",
         f"  endpoints   {eps}" + (f"   ({st.servers} simulated {st.profile}{events})" if simulated else ""),
         f"  router      {gateway.num_replicas} ext_proc replica(s) on 127.0.0.1:{_span(gateway.extproc_ports)}"
-        f"{peers}, Envoy admin 127.0.0.1:{gateway.admin_port}",
+        f"{peers}, Envoy admin {admin_label(gateway)}",
         f"  policy      {gateway.routing.policy}   (router metrics: {metrics})",
         f"  dashboard   http://127.0.0.1:{lay.dashboard_port}" if st.dashboard else "  dashboard   (off)",
         f"  telemetry   OTLP grpc://127.0.0.1:{lay.telemetry_port}, query API http://127.0.0.1:{lay.telemetry_http_port}"

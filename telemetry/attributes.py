@@ -39,10 +39,10 @@ FIELD_ATTRIBUTES: dict[str, str] = {
     "status": "http.response.status_code",
     "error": "error.type",
     "path": "url.path",
-    # Flow control (issue 24): the gateway queue's wait and outcome (records.py).
+    # Flow control: the gateway queue's wait and outcome (records.py).
     "gateway_wait_ms": "prefixroute.gateway_wait_ms",
     "gateway_outcome": "prefixroute.gateway_outcome",
-    # Envoy's routing delay (records.py; issue 26).
+    # Envoy's routing delay (records.py).
     "routing_ms": "prefixroute.routing_ms",
 }
 

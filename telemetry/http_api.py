@@ -177,7 +177,7 @@ class StoreApiHandler(BaseHTTPRequestHandler):
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         # http.server's own errors (an unsupported method: 501, a malformed request line: 400, a header
-        # block too large: 431) in the API's JSON error format, not its HTML page (issue 27).
+        # block too large: 431) in the API's JSON error format, not its HTML page.
         self.close_connection = True
         status = code if code in (400, 404, 405, 408, 414, 431, 501, 505) else 400
         text = message or self.responses.get(code, ("error",))[0]

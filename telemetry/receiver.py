@@ -9,11 +9,11 @@ OpenTelemetry SDK or Collector can export to it:
 - Metrics and logs: accepted and counted, not stored (the router's metrics are scraped from its
   Prometheus endpoint; logs have no place in the store). Answering OK keeps senders from retrying.
   Except Envoy's records of requests (a log record with ``prefixroute.envoy_record``; envoy_config.py
-  `records_otlp_address`, issue 27): each is held `envoy_record_hold_s` and stored as the request's record
+  `records_otlp_address`): each is held `envoy_record_hold_s` and stored as the request's record
   (reason "unrouted", service "envoy") only if the router's own record of the same ``x-request-id`` did not
   arrive meanwhile: requests that ran while the router was down, or was killed, keep a record.
 
-Timing (issue 26): when both records of a request arrive, in either order, the stored row's ``ttft_ms`` and
+Timing: when both records of a request arrive, in either order, the stored row's ``ttft_ms`` and
 ``latency_ms`` are Envoy's (its clock: the first upstream body byte holding a token, the last byte sent;
 envoy_config/timing.py), ``timing_source`` "envoy", and the router's own figures (taken when its event loop got to
 the observing stream's messages: tens of ms late under load) stay in ``router_ttft_ms`` / ``router_latency_ms``.

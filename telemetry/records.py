@@ -78,12 +78,12 @@ class RequestRecord:
     status: int = 0
     error: str | None = None  # short failure or refusal description (upstream reset, 5xx or 4xx message, ...)
     path: str = ""  # request path, e.g. /v1/chat/completions
-    # Flow control (issue 24): how long the request was held in the gateway queue (0: never held) and why it
+    # Flow control: how long the request was held in the gateway queue (0: never held) and why it
     # left it: "released:REASON" (first_token, release, scrape, arrival) or "shed:REASON" (deadline,
     # predicted_deadline, queue_full, evicted, no_endpoint); None when it was never held nor shed.
     gateway_wait_ms: float = 0.0
     gateway_outcome: str | None = None
-    # Envoy's clock (issue 26): from the request's last byte received to its first byte sent upstream, the
+    # Envoy's clock: from the request's last byte received to its first byte sent upstream, the
     # routing filter's round trip (and any gateway queue wait, `gateway_wait_ms` of it); None without Envoy's
     # facts record (the observing path) or when Envoy did not wait to route.
     routing_ms: float | None = None

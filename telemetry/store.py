@@ -52,7 +52,7 @@ class TelemetryStore:
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             os.makedirs(parent, mode=0o700, exist_ok=True)
-        # Private (issue 27): the records hold what the query API serves only with its token (paths, tenants'
+        # Private: the records hold what the query API serves only with its token (paths, tenants'
         # hashes, models, timings). The file and its WAL and shared-memory companions are created 0600 (SQLite
         # gives its companions the main file's mode) and an existing file is tightened to 0600.
         if self.path != ":memory:":

@@ -51,8 +51,8 @@ not overlap in time and a run's rows are the rows of its time span.
 
 Schema versions (meta ``schema_version``): 2 added predicted_ttft_ms, alternative_endpoint and
 alternative_ttft_ms; 3 added index_source; 4 added run_id and the runs table; 5 added router_ttft_ms,
-router_latency_ms and timing_source (issue 26: ttft_ms and latency_ms from Envoy's clock); 6 added
-gateway_wait_ms and gateway_outcome (issue 24: the gateway queue); 7 added routing_ms (issue 26: the routing
+router_latency_ms and timing_source (ttft_ms and latency_ms from Envoy's clock); 6 added
+gateway_wait_ms and gateway_outcome (the gateway queue); 7 added routing_ms (the routing
 delay by Envoy's clock). Opening an older file with
 `TelemetryStore` adds the missing columns in place (ALTER TABLE ADD COLUMN: old rows read NULL, nothing is
 rewritten); a `StoreReader` on a file no writer has upgraded yet reads those columns as NULL.

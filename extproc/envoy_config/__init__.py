@@ -76,7 +76,7 @@ and ``/v1/responses/...``) always fail closed: a follow-up (``previous_response_
 the endpoint that produced it, so round-robin would answer most of them with a false "not found" (5 of 8 on 4
 endpoints, measured) where a 503 with ``Retry-After`` tells the client the truth.
 
-What the gateway serves (issue 11): only the allowlist (`allowed_paths` exact, `allowed_path_prefixes`):
+What the gateway serves: only the allowlist (`allowed_paths` exact, `allowed_path_prefixes`):
 each allowlisted path has its picked route and its ext_proc-down route; every other path matches the last
 route, an OpenAI-format 404 answered by Envoy with both ext_proc filters disabled on it (the router never
 sees it). CONNECT matches only a connect_matcher route: one exists, so Envoy refuses CONNECT itself (403
@@ -107,7 +107,7 @@ service certificate and its SAN, and presents its own for mutual TLS) and a bear
 a generic secret: from `extproc_auth_token_file`, read by Envoy itself, so the rendered file holds only its
 path; or inline) injected by a credential_injector upstream filter on the ext_proc clusters, never gRPC
 initial metadata: Envoy redacts secrets from /config_dump, and checked with Envoy 1.40 neither /config_dump
-nor its log at any level (debug and trace included) shows the token (issue 27: the admin port printed it).
+nor its log at any level (debug and trace included) shows the token (the admin port printed it).
 
 Envoy's admin interface (`admin_mode`): "loopback" binds 127.0.0.1:`admin_port` and serves only read-only
 paths (`ADMIN_READ_ONLY_PATHS`: no /config_dump, /logging, /quitquitquit, /drain_listeners, /runtime_modify,

@@ -12,6 +12,11 @@ DEFAULT_ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/respons
 DEFAULT_ALLOWED_PATH_PREFIXES = ("/v1/responses/", "/v1/models/")
 
 
+ROUTING_PROCESSING_ALIASES = {"ext_authz_http": "authz-http", "ext_authz": "authz", "ext_proc": "buffered"}
+"""The routing filters' names (as `prefixroute gateway --routing-filter` and the docs say them) accepted for
+`EnvoySettings.routing_processing`, and the processing option each stands for."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvoySettings(Settings):
     ENV_PREFIX: ClassVar[str] = "PREFIXROUTE_ENVOY_"
@@ -100,23 +105,33 @@ class EnvoySettings(Settings):
                                       "of ext_proc CPU per chunk). Off by default: response_facts_lua takes the same "
                                       "facts in Envoy, once per request. Use one or the other.")
     routing_processing: str = setting(
-        "buffered", "How the routing ext_proc filter sends a request (issue 26; every option Envoy 1.40 offers, "
-        "measured and checked in bench-results/routing-modes/): 'buffered' (request headers, answered at once, then "
-        "the whole body: two round trips, correct for any body up to max_request_body_bytes and any upload speed). "
-        "The others exist to measure them and are not correct as a gateway: 'buffered-partial' (BUFFERED_PARTIAL: "
-        "a body above the buffer limit is routed on its first part instead of refused), 'full-duplex' (body "
-        "FULL_DUPLEX_STREAMED, served by the GIE protocol: no fallback or replica headers, a slow upload fails "
-        "over), 'streamed-early' (body STREAMED with send_body_without_waiting_for_header_response: routed on the "
-        "first chunk), 'skip-headers' (request headers SKIP, body BUFFERED, path and headers asked as "
-        "request_attributes: Envoy 1.40 routes at the headers, before the router answers). 'authz' is correct too and "
-        "routes by Envoy's ext_authz filter instead: one unary Check with the headers and whole body (one round trip, "
-        "about half the router's gRPC CPU per request: bench-results/routing-authz/); it needs the facts path "
-        "(response_facts_lua: the facts record releases each pick); a request to hold past saturation, or a large body, "
-        "is handed to the ext_proc filter on the handoff route. 'authz-http' is the same filter and decision over "
-        "plain HTTP/1.1 to the service's authz_http_port (extproc_authz_http_addresses) instead of gRPC: the fastest "
-        "measured (bench-results/routing-authz-http/), and what `prefixroute gateway` and `up` render by default "
-        "with telemetry on (their --routing-filter auto); this Envoy-only default stays 'buffered', which needs no "
-        "router setting.")
+        "buffered",
+        "Envoy's routing filter and how it sends a request (every option Envoy 1.40 offers, measured and checked in "
+        "bench-results/routing-modes/): 'buffered' (also 'ext_proc': the ext_proc filter; request headers, answered "
+        "at once, then the whole body: two round trips, correct for any body up to max_request_body_bytes and any "
+        "upload speed). The others exist to measure them and are not correct as a gateway: 'buffered-partial' "
+        "(BUFFERED_PARTIAL: a body above the buffer limit is routed on its first part instead of refused), "
+        "'full-duplex' (body FULL_DUPLEX_STREAMED, served by the GIE protocol: no fallback or replica headers, a "
+        "slow upload fails over), 'streamed-early' (body STREAMED with "
+        "send_body_without_waiting_for_header_response: routed on the first chunk), 'skip-headers' (request headers "
+        "SKIP, body BUFFERED, path and headers asked as request_attributes: Envoy 1.40 routes at the headers, "
+        "before the router answers). 'ext_authz' (also 'authz') is correct too and routes by Envoy's ext_authz "
+        "filter instead: one unary Check with the headers and whole body (one round trip, about half the router's "
+        "gRPC CPU per request: bench-results/routing-authz/); it needs the facts path (response_facts_lua: the "
+        "facts record releases each pick); a request to hold past saturation, or a large body, is handed to the "
+        "ext_proc filter on the handoff route. 'ext_authz_http' (also 'authz-http') is the same filter and decision "
+        "over plain HTTP/1.1 to the service's authz_http_port (extproc_authz_http_addresses) instead of gRPC: the "
+        "fastest measured (bench-results/routing-authz-http/), and what `prefixroute gateway` and `up` render by "
+        "default with telemetry on (their --routing-filter auto); this Envoy-only default stays 'buffered', which "
+        "needs no router setting.")
+
+    def __post_init__(self) -> None:
+        # One name per routing filter, as `gateway --routing-filter` says them: ext_authz_http, ext_authz,
+        # ext_proc; the older processing names stay accepted (see ROUTING_PROCESSING_ALIASES).
+        canonical = ROUTING_PROCESSING_ALIASES.get(self.routing_processing)
+        if canonical is not None:
+            object.__setattr__(self, "routing_processing", canonical)
+
     allowed_paths: tuple[str, ...] = setting(
         DEFAULT_ALLOWED_PATHS,
         "Request paths (exact, case-sensitive, query string aside) the gateway routes to endpoints: the OpenAI "

@@ -31,7 +31,7 @@ timing ones (TTFT and duration from Envoy's clock) are described in timing.py.""
 
 
 def records_access_log(s: EnvoySettings) -> tuple[list[AccessLog], Cluster | None, Secret | None]:
-    """Envoy's own record of every routed request, as OTLP logs to `records_otlp_address` (issue 27: requests in
+    """Envoy's own record of every routed request, as OTLP logs to `records_otlp_address` (requests in
     flight when the router died had no record). Not for Envoy's health route and the paths it refuses itself."""
     if not s.records_otlp_address:
         return [], None, None

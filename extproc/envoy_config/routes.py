@@ -53,7 +53,7 @@ def gateway_routes(s: EnvoySettings, allowed: Sequence[RouteMatch], num_replicas
                         route=RouteAction(cluster=POOL_CLUSTER, timeout=duration(s.upstream_timeout_s)),
                         response_headers_to_add=_served_header()) for m in allowed]
     if s.health_path:
-        # Answered by Envoy alone, so it says whether the listener serves (issue 27); no allowlisted path is it.
+        # Answered by Envoy alone, so it says whether the listener serves; no allowlisted path is it.
         routes.append(direct_route("gateway_health", RouteMatch(path=s.health_path), 200,
                                    orjson.dumps({"status": "ok"}).decode(), ext_proc_filters))
     routes += [
@@ -132,7 +132,7 @@ def unpicked_route(s: EnvoySettings, match: RouteMatch) -> Route:
     # These routes are what Envoy matches at request headers, before the picker set its header, so their
     # body limit is what the ext_proc filter may buffer. A direct-response route takes no body limit (only
     # a route with an action does): its requests were buffered to the connection's 32 KiB and a 33 KB
-    # Responses body got Envoy's 413 (issue 27). So they route to a cluster without endpoints, and the
+    # Responses body got Envoy's 413. So they route to a cluster without endpoints, and the
     # 503 that Envoy then answers gets its message from the local reply mapper of its route (UNAVAILABLE_*).
     if stateful:  # module docstring: the Responses API fails closed whatever failure_mode says
         return Route(name=f"{UNAVAILABLE_STATEFUL_ROUTE} {match_text(match)}", match=match,

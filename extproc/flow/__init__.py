@@ -1,4 +1,4 @@
-"""Flow control at the gateway (issue 24): hold, order and shed requests past saturation.
+"""Flow control at the gateway: hold, order and shed requests past saturation.
 
 - `saturation`: can some endpoint start a request soon (time model queueing, scraped waiting and KV usage)?
 - `queue`: held requests in release order: priority class, tenant fairness, shortest predicted prefill, aging.

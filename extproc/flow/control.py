@@ -1,4 +1,4 @@
-"""Flow control's decisions (issue 24): admit, hold, release, shed. Pure and synchronous: the caller passes the
+"""Flow control's decisions: admit, hold, release, shed. Pure and synchronous: the caller passes the
 time (``now_s``: the router's loop time, or a simulation's virtual time) and the detector's `Saturation`, so
 the live router (`gate.FlowGate`, asyncio) and the virtual fleet run the same code.
 

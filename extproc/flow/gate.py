@@ -1,4 +1,4 @@
-"""The live gate (issue 24): `FlowControl` on an asyncio event loop. A held request is an asyncio future and a
+"""The live gate: `FlowControl` on an asyncio event loop. A held request is an asyncio future and a
 deadline timer, so it costs no CPU while it waits (nothing polls); it is released by a capacity event.
 
     ticket = await gate.admit(key, flow_class, cost_s=..., num_bytes=...)   # raises Shed (429/503)

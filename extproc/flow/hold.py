@@ -1,4 +1,4 @@
-"""Flow control in the live router (issue 24): `FlowHold` is what the router service asks (`PoolRouter.flow`)
+"""Flow control in the live router: `FlowHold` is what the router service asks (`PoolRouter.flow`)
 and `FlowListener` what tells it that capacity freed.
 
 - `admits_now()`: True below saturation (the request is routed at once, as without flow control; held ones, if

@@ -1,4 +1,4 @@
-"""Flow control's figures on the router's /metrics (issue 24). Names:
+"""Flow control's figures on the router's /metrics. Names:
 
 - ``prefixroute_flow_queue_length{priority}``: requests held now, by class; ``prefixroute_flow_queue_flows{priority}``:
   how many flows (fairness ids) hold them. No flow's name is a label: a flow is a tenant, or a client's address,

@@ -1,4 +1,4 @@
-"""The gateway queue (issue 24): held requests ordered by priority class, tenant fairness and predicted service
+"""The gateway queue: held requests ordered by priority class, tenant fairness and predicted service
 time, with aging. Pure: no I/O, no clock of its own (the caller passes ``now_s``, any monotonic clock: the
 router's loop time or a simulation's virtual time). Not thread-safe (one event loop, like the router).
 

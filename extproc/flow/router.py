@@ -1,4 +1,4 @@
-"""Flow control's view of the live router (issue 24): `RouterView` reads a `PoolRouter`'s pool, in-flight counts,
+"""Flow control's view of the live router: `RouterView` reads a `PoolRouter`'s pool, in-flight counts,
 time model and prefix index (through `view`), so the gate and the virtual fleet judge saturation and order
 held requests with what the router itself knows. Reads only; one event loop, like the router.
 

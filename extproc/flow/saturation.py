@@ -1,4 +1,4 @@
-"""The saturation detector (issue 24): can some endpoint start a request soon? Pure: the caller hands it one
+"""The saturation detector: can some endpoint start a request soon? Pure: the caller hands it one
 `EndpointLoad` per endpoint of the pool, built from the time model and the last scrape.
 
 An endpoint has room when all of its known signals are under their bounds:

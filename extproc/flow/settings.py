@@ -1,4 +1,4 @@
-"""Settings of flow control at the gateway (issue 24), and how a request's headers map to its class."""
+"""Settings of flow control at the gateway, and how a request's headers map to its class."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What flow control reads of the router (issue 24): each endpoint's load for the saturation detector, and a
+"""What flow control reads of the router: each endpoint's load for the saturation detector, and a
 request's predicted service for the queue's order, from the time model, the pool's last scrapes and the router's
 in-flight counts. Pure functions over those objects; they change nothing (one event loop, like the router).
 """

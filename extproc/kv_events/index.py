@@ -67,7 +67,7 @@ Mismatch detectors (cheap, read by the KV-events link to stop trusting an endpoi
   ``min_requests`` requests routed there (over at least ``min_age_s``) verified it is reported. Verification
   restarts with the endpoint's entries (`clear_endpoint`).
 
-For a tier-aware index built on the same events (issue 25): `router_hash_of` gives the router hash of a server
+For a tier-aware index built on the same events: `router_hash_of` gives the router hash of a server
 hash this endpoint holds on the GPU (a CPU/STORAGE event's ``parent_block_hash`` names its GPU ancestor), and the
 subscriber passes every decoded batch, all media and placeholders included, to its ``on_batch`` hook.
 

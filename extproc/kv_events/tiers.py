@@ -1,4 +1,4 @@
-"""A tier-aware KV-events index: each endpoint's blocks per medium, GPU and CPU (issue 25).
+"""A tier-aware KV-events index: each endpoint's blocks per medium, GPU and CPU.
 
 `TieredKVEventIndex` is the precise index (`KVEventIndex`: GPU blocks keyed by the router's token-block hashes)
 plus, per endpoint, the blocks its host-memory tier holds: vLLM's native offloading (``--kv-offloading-size``)

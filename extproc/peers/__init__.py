@@ -1,4 +1,4 @@
-"""Replicas sharing routing state through NATS (issue 15; docs/operating.md: Several replicas: what they share).
+"""Replicas sharing routing state through NATS (docs/operating.md: Several replicas: what they share).
 
 - `settings.PeerSettings`: ``--peers-url`` (empty: route alone), ``--replica-id``, subjects, TTLs, bounds.
 - `codec`: the messages (pick, done, failover, response) and their msgpack batches.

@@ -23,7 +23,7 @@ at start: the replica routes alone meanwhile); after it, nats-py reconnects by i
 ever blocks or fails a request. A replica that restarts starts empty and learns from the picks made after it
 connects (nothing is replayed: the servers' caches and KV events hold the truth, picks age out in seconds).
 
-Security (issue 27): with a bus key every message is signed (`codec.seal`) and verified (`codec.open_sealed`);
+Security: with a bus key every message is signed (`codec.seal`) and verified (`codec.open_sealed`);
 a message that does not verify, does not decode, or is not newer than the last batch taken from its sender
 (`codec.Batch.seq`: a replayed batch) is dropped and counted ``kind="invalid"``. With an auth token the
 connection refuses a server that does not require authentication, before the token is sent (the token is a

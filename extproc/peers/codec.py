@@ -6,11 +6,11 @@ picks confused with the old ones' pending state). A pick is named by (replica, i
 
 Compatibility: structs are array-like (positional) and tagged by an int; new fields go at the end with
 defaults, so an older replica reading a newer message ignores nothing it needs (msgspec fills defaults for
-missing trailing fields; extra trailing fields are rejected, so upgrade readers first). Issue 27 changed the
+missing trailing fields; extra trailing fields are rejected, so upgrade readers first). A later version changed the
 format (sessions and response ids by digest, the batch's own sequence number): replicas of one gateway are
 upgraded together; in Kubernetes a rolling update counts the other version's batches as invalid until done.
 
-Bounds (issue 27): every field a batch carries has a size limit the decoder enforces (`MAX_*`), so one
+Bounds: every field a batch carries has a size limit the decoder enforces (`MAX_*`), so one
 message costs a receiver a bounded amount whatever a sender put in it, and no client value travels raw: a
 session is its `sessions.session_id` digest, a response id its `responses.response_key` digest (ids are
 capabilities: whoever knows one can read the response).

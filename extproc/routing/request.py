@@ -112,7 +112,7 @@ class InferenceRequest:
     num_prompt_chars: int = 0
     num_prompt_tokens: int | None = None  # exact prompt tokens when the router tokenizes (token blocks), else None
     request_id: str | None = None
-    # Conversation state (issue 14). `session_key`: the chat session this request continues (RoutingSettings.
+    # Conversation state. `session_key`: the chat session this request continues (RoutingSettings.
     # session_key names its source), None without one. `response_ref`: the Responses API response this
     # request needs (the body's previous_response_id, or the {id} of GET /v1/responses/{id}...): only the
     # endpoint that produced it holds it, so such a request is pinned there, never rerouted.

@@ -85,7 +85,7 @@ class RouterCore:
         # The prefix policy's time model and the picks it waits on (None for the baselines): the router
         # service's lifecycle listener tells it each pick's first token, usage and release.
         self.learner = self.scheduler.learner
-        # Chat sessions (issue 14): only for a policy that uses them (prefix; `Policy.uses_sessions`).
+        # Chat sessions: only for a policy that uses them (prefix; `Policy.uses_sessions`).
         self.memory = memory.plan(settings)
         self.sessions: SessionTable | None = SessionTable(self.memory.max_sessions, settings.session_ttl_s) \
             if self.scheduler.policy.uses_sessions and settings.session_key != "off" else None

@@ -1,5 +1,5 @@
 """`SessionTable`: which endpoint served each chat session's last turn, and how much of that turn's prompt it
-holds (issue 14, item 3). Pure: no I/O, no clock (times come from the caller, as `RouterCore.route`'s `now_s`).
+holds. Pure: no I/O, no clock (times come from the caller, as `RouterCore.route`'s `now_s`).
 
 A session is named by the request's session key (`InferenceRequest.session_key`, parsed per
 ``RoutingSettings.session_key``) salted by its tenant (`InferenceRequest.tenant`): two tenants sending the same

@@ -25,7 +25,7 @@ INDEX_SOURCES: dict[str, str] = {
     "auto": "KV events for endpoints that publish them, cached-token feedback for the others; default",
     "events": "only the servers' KV events (endpoints without an event address match nothing)",
     "feedback": "the router's own picks, corrected by each response's usage.prompt_tokens_details.cached_tokens",
-    "approximate": "the router's own picks and an LRU sized from the servers' KV capacity (round 1)",
+    "approximate": "the router's own picks and an LRU sized from the servers' KV capacity (the first index, kept for comparison)",
 }
 """Where the prefix index learns what each endpoint holds, name -> note for the help text."""
 
@@ -267,7 +267,7 @@ class RoutingSettings(Settings):
         "Time model: the score is predicted TTFT + this x the seconds of prefill the request adds to the "
         "endpoint. Added prefill delays the requests that arrive behind it there (about rho / (1 - rho) of them "
         "at utilisation rho: 1 at 50%, 4 at 80%), which the request's own TTFT does not see; 0 = pure least "
-        "predicted TTFT, which leaves a prefix holder whenever it ties and replays the spill loop of issue 12. "
+        "predicted TTFT, which leaves a prefix holder whenever it ties and replays a spill loop (hot prefixes moved off their holder and back). "
         "2: in the virtual sweeps (4 x 70B; shared-prompts of 300 x 8k-token prompts, and mix) 0.5 spilled hot "
         "prefixes (hit ratio -0.01 to -0.02) and lost 10-60% of P50 at 80-100% load; 2 to 8 were alike on "
         "shared-prompts, and 4 traded P90/P99 for P50 on mix.")

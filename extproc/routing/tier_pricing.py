@@ -1,4 +1,4 @@
-"""What a prefix held in an endpoint's host-memory (CPU) KV tier is worth to the time model (issue 25).
+"""What a prefix held in an endpoint's host-memory (CPU) KV tier is worth to the time model.
 
 A block the endpoint holds on the GPU costs nothing to reuse; a block it does not hold costs its prefill; a block
 in the CPU tier (vLLM's native offloading: ``--kv-offloading-size``) costs its host-to-device load, which is

@@ -1,4 +1,4 @@
-"""A time model of each endpoint: predicted time-to-first-token (TTFT) of a request there (issue 12). Pure: no
+"""A time model of each endpoint: predicted time-to-first-token (TTFT) of a request there. Pure: no
 I/O, no clock; the caller says when a request was picked, got its first token or ended.
 
 For a request and a candidate endpoint::

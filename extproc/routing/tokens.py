@@ -16,7 +16,7 @@ tokenized and hashed. Limitation: a prompt without special tokens (a plain compl
 two such prompts sharing only a leading part of it share no cached work (their hashes still share the common
 blocks).
 
-Memory (issue 27): both caches are bounded in bytes as well as entries (``tokenizer_cache_entries``, and a
+Memory: both caches are bounded in bytes as well as entries (``tokenizer_cache_entries``, and a
 quarter of ``memory_budget_mb``, routing/memory.py, split between them): each entry is charged what it holds
 (token ids; a state's own block hashes and tail), and a state names its parent by key, not by reference, so
 an evicted state is really freed (a state whose ancestors were evicted is a miss). A piece too large for an

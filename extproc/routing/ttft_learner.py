@@ -1,5 +1,5 @@
 """`TtftLearner`: what the prefix policy's time model learns from routed requests, and the requests it is
-waiting to hear from (issue 23: the policy only decides; this is the state between a request's pick and its
+waiting to hear from (the policy only decides; this is the state between a request's pick and its
 end). Pure: no I/O, no clock (times come from the caller).
 
 At a pick (`add_pick`, from `PrefixPolicy.decide` with `track_prefill`) the request's uncached prefill joins its

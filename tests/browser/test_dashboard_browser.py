@@ -6,8 +6,8 @@ appears, and new traffic shows up by the live refresh without a page reload. The
 other and with the fleet (one balance figure in the tile and the header, the fair share over the real
 endpoints, requests refused by the router shown as unrouted, not as an endpoint; KV usage with a decimal from
 the router's real /metrics), and nothing is cut off at 1,280 px or at 1,920 px: every KPI label and value and
-every cell of the endpoint table shows its whole text (measured in the DOM: no element's content wider than
-its box), and the table fits its column. The "Predicted vs actual
+every cell of the endpoint and prediction tables shows its whole text (measured in the DOM: no element's content
+wider than its box), no chart label is shortened with an ellipsis, and the table fits its column. The "Predicted vs actual
 TTFT" panel first says plainly that no decision carries a prediction (the run's first requests are
 routed as by a policy without a time model), then, once requests with predictions arrive, shows per
 endpoint the medians and the error computed from the dump. A full-page screenshot
@@ -143,7 +143,7 @@ def test_dashboard_shows_a_real_run_in_chromium(tmp_path):
         port = free_port()
         stack.enter_context(start_process(
             prefixroute_cmd("dashboard", "--db", str(fleet.db), "--port", str(port), "--refresh-s", "1",
-                            "--router-metrics-url", metrics_url),
+                            "--router-metrics-url", metrics_url, "--bench-dir", str(REPO / "bench-results")),
             ready_url=f"http://127.0.0.1:{port}/_stcore/health", timeout_s=60, log_dir=tmp_path / "logs",
             name="dashboard"))
         expected_hit, rows = dump_hit_ratio(fleet.db)
@@ -198,6 +198,9 @@ def _check_page(browser, fleet: RealFleet, port: int, expected_hit: float, serve
     assert fleet.num_sent > before
     assert page.evaluate("window.__prefixroute_marker") == 42
     _check_prediction_panel(page, fleet)
+    for width in (1280, 1920):  # the prediction panel's tiles and table too
+        _check_nothing_cut_off(page, width)
+    page.set_viewport_size({"width": 1500, "height": 2500})
     time.sleep(1.0)  # let the refreshed charts settle before the picture
     shot = artifacts_dir() / "dashboard-live.png"
     page.screenshot(path=str(shot), full_page=True)
@@ -217,6 +220,22 @@ def _check_page(browser, fleet: RealFleet, port: int, expected_hit: float, serve
     attrs_text = page.locator('[data-testid="stJson"]').nth(1).inner_text()
     assert "prefixroute.reason" in attrs_text and "gen_ai.request.model" in attrs_text
     page.screenshot(path=str(artifacts_dir() / "dashboard-request.png"), full_page=True)
+    _check_benchmarks_page(page)
+
+
+def _check_benchmarks_page(page) -> None:
+    """The Benchmarks page over the project's own bench-results/: its charts drawn, no warning box, what it does not
+    chart said in one line, nothing cut off at either width."""
+    page.get_by_text("Benchmarks", exact=True).click()
+    page.wait_for_function("document.querySelectorAll('.st-key-chart-bench_hit svg .role-mark path').length > 0",
+                           timeout=30_000)
+    assert page.locator('[data-testid="stAlert"]').count() == 0
+    assert page.locator('[data-testid="stExpander"]').count() <= 1
+    for width in (1280, 1920):
+        page.set_viewport_size({"width": width, "height": 1200})
+        page.wait_for_timeout(1000)
+        assert page.evaluate(_CUT_OFF_JS) == [], width
+    page.screenshot(path=str(artifacts_dir() / "dashboard-benchmarks.png"), full_page=True)
 
 
 NUM_REFUSED = 5
@@ -272,7 +291,8 @@ _CUT_OFF_JS = """() => {
   const out = [];
   const sel = ['[data-testid="stMetric"]', '[data-testid="stMetric"] *', '.st-key-endpoint-table',
                '.st-key-endpoint-table *', '.st-key-endpoint-live-table', '.st-key-endpoint-live-table *',
-               '[data-testid="stSidebar"] [data-baseweb="select"] *'].join(', ');
+               '[data-testid="stSidebar"] [data-baseweb="select"] *', '.st-key-ttft-predictions table',
+               '.st-key-ttft-predictions table *'].join(', ');
   for (const el of document.querySelectorAll(sel)) {
     if (!el.clientWidth || !el.innerText || !el.innerText.trim()) continue;
     if (el.scrollWidth > el.clientWidth + 1)
@@ -284,10 +304,14 @@ _CUT_OFF_JS = """() => {
   for (const svg of document.querySelectorAll('[data-testid="stMain"] svg.marks')) {
     const box = svg.getBoundingClientRect();
     for (const t of svg.querySelectorAll('text')) {
+      if (getComputedStyle(t).opacity === '0') continue;  // hidden by the axis (labelOverlap, labelBound)
       const r = t.getBoundingClientRect();
       if (r.width && t.textContent.trim() && (r.left < box.left - 3 || r.right > box.right + 3))
         out.push(`chart text "${t.textContent.trim().slice(0, 40)}" ${Math.round(r.left - box.left)}..`
                  + `${Math.round(r.right - box.left)} outside 0..${Math.round(box.width)}`);
+      // Vega shortens a label longer than its labelLimit with an ellipsis (a legend's 4th label was cut so).
+      if (t.textContent.trim().endsWith('\u2026'))
+        out.push(`chart text "${t.textContent.trim().slice(0, 40)}" shortened`);
     }
   }
   return out;

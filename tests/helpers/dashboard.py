@@ -27,6 +27,7 @@ def dashboard_env(monkeypatch, tmp_path):
                 "TELEMETRY_TOKEN"):
         monkeypatch.delenv(f"PREFIXROUTE_DASHBOARD_{var}", raising=False)
     monkeypatch.setenv("PREFIXROUTE_DASHBOARD_BENCH_DIR", str(tmp_path / "bench"))
+    monkeypatch.setenv("PREFIXROUTE_STATE_DIR", str(tmp_path / "state"))  # its bench/ is searched too
 
 
 def app_records(n: int, *, age_s: tuple[float, float] = (1, 200), seed: int = 0) -> list[RequestRecord]:

@@ -1,4 +1,4 @@
-"""Placement under cache pressure (issue 25, part 3): where a request's *new* blocks go, priced by what they evict.
+"""Placement under cache pressure: where a request's *new* blocks go, priced by what they evict.
 
 The servers evict by LRU whatever the router does; what the router controls is where each request's uncached
 blocks are written, hence which blocks they push out. Two costs, one scorer each (`VictimScorer`,

@@ -8,7 +8,7 @@ each endpoint (routing/timemodel.py: its pending prefill queue, its decoding loa
 plus a charge for the prefill work a request adds for the requests behind it; ties go to the longest match,
 then to rendezvous order on the prefix key. See `PrefixPolicy`.
 
-Why the time model and not request counts (issue 12): the earlier `prefix` policy balanced on in-flight
+Why the time model and not request counts: the earlier `prefix` policy balanced on in-flight
 counts and recent shares of picks and priced load in prompt tokens. Near saturation a prefix holder looked
 "over", the request moved and prefilled 8k tokens from scratch elsewhere, which made that endpoint busy in
 turn: a feedback loop that lost 7.7x to sglang-router's P50 TTFT on many 8k-token system prompts. Priced in

@@ -81,6 +81,6 @@ def test_bench_agents_ours_serves_every_follow_up_random_loses_them(tmp_path):
         # Random over 4 endpoints: a follow-up finds its previous response with probability 1/4.
         assert rnd["not_found"] >= 3 and rnd["follow_up_success_ratio"] < 0.75
     md = (out / "report.md").read_text()
-    assert "Issue 14 targets" in md and "| prefixroute:prefix | responses |" in md
+    assert "Design targets for prefixroute:prefix (agents)" in md and "| prefixroute:prefix | responses |" in md
     assert report.agent_checks(doc)[0][2] is True
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -88,6 +88,7 @@ def test_up_serves_and_stops_clean(tmp_path):
         summary = "".join(out_lines)
         assert "prefixroute is up" in summary, summary + _logs(tmp_path)
         assert f"http://127.0.0.1:{gw}" in summary and f"http://127.0.0.1:{dash}" in summary
+        assert "Envoy admin off" in summary  # off by default: no port (it said 127.0.0.1:0)
         run_id = re.search(r"prefixroute is up \(run (\S+)\)", summary).group(1)
 
         body = json.dumps({"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 4,
@@ -122,6 +123,16 @@ def test_up_serves_and_stops_clean(tmp_path):
         alarming = {name: [ln for ln in text.splitlines() if re.search(r"\b(WARNING|ERROR|CRITICAL)\b|\]\[(warning|error|critical)\]", ln)]
                     for name, text in said.items()}
         assert not any(alarming.values()), alarming
+
+        # A second stack on the same state folder (its own ports) is refused before it starts anything: it
+        # would share the store, append to the logs and overwrite the token.
+        token = (logs / "telemetry.token").read_text()
+        second = subprocess.run(_up_cmd(tmp_path, [*free_ports(4), _contiguous_free_pair(tuple(ports))]),
+                                capture_output=True, text=True, timeout=60, cwd=cwd)
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert "is in use by another running stack" in second.stderr and "--state-dir" in second.stderr
+        assert f"API on port {gw}" in second.stderr
+        assert (logs / "telemetry.token").read_text() == token
 
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)

@@ -259,7 +259,7 @@ def test_report_agents_section_and_targets():
     assert all(ok for _, ok in checks.values()), checks
     assert any("not found" in m for m, _ in checks.values())
     md = report.render_markdown(doc)
-    assert "Issue 14 targets" in md and "| sglang-router:random/responses | responses | 1 / 4 |" in md
+    assert "Design targets for prefixroute:prefix (agents)" in md and "| sglang-router:random/responses | responses | 1 / 4 |" in md
     assert "0.05x" in md  # turn P50 against the chat random run
     # A follow-up lost by ours fails the first target.
     lost = ours[:5] + [_res(5, 2, ok=False, not_found=True)]

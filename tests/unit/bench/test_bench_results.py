@@ -162,7 +162,7 @@ def test_target_checks(prefix, sglang, expected):
     checks = report.target_checks(doc)
     assert [ok for _, _, ok in checks] == expected
     md = report.render_markdown(doc)
-    assert "Issue 7 targets" in md and md.count("| NO |") == expected.count(False)
+    assert "Design targets for prefixroute:prefix (the" in md and md.count("| NO |") == expected.count(False)
     assert f"| P50 TTFT at least 80% below random | {prefix['p50'] / 1000 - 1:+.0%} (" in md
 
 

@@ -134,6 +134,39 @@ def test_benchmarks_page_with_and_without_results(tmp_path, monkeypatch):
     assert list(frame["router"]) == ["prefixroute:random", "prefixroute:prefix", "sglang-router:cache_aware"]
     assert list(frame["hit_ratio"]) == [0.31, 0.88, 0.8]
     assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) == 2
+    # Load sweeps and foreign files beside it: no warning box each, one small line saying what is not charted.
+    for i in range(3):
+        sweep = tmp_path / "bench" / f"sweep{i}"
+        sweep.mkdir()
+        (sweep / "results.json").write_text(json.dumps({"kind": "sweep", "points": [], "routers": []}))
+    (tmp_path / "bench" / "other").mkdir()
+    (tmp_path / "bench" / "other" / "results.json").write_text("{}")
+    at.run()
+    assert not at.exception and not at.warning and not at.error
+    assert [e.label for e in at.expander] == [
+        "Not charted here: 3 load sweeps (their report.md has the tables), 1 not in the `prefixroute bench` format."]
+    assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) == 2
+    # A run of `prefixroute bench` without --out (the state folder's bench/) is listed too.
+    mine = tmp_path / "state" / "bench" / "20261207-120000-shared-prompts"
+    mine.mkdir(parents=True)
+    (mine / "results.json").write_text(json.dumps({"workload": {"name": "shared-prompts"}, "runs": [
+        {"router": "prefixroute:prefix", "hit_ratio": 0.5, "ttft_ms": {"p50": 1, "p90": 2, "p99": 3}}]}))
+    at.run()
+    assert not at.exception
+    assert any("20261207-120000-shared-prompts" in o for o in at.selectbox[0].options)
+
+
+def test_benchmarks_page_reads_the_committed_results_without_warnings(monkeypatch, tmp_path):
+    """The project's own bench-results/ folder: every file is either charted or counted in one small line."""
+    db = tmp_path / "t.db"
+    TelemetryStore(db).close()
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_DB", str(db))
+    monkeypatch.setenv("PREFIXROUTE_DASHBOARD_BENCH_DIR", str(Path(__file__).resolve().parents[3] / "bench-results"))
+    at = run_app()
+    at.sidebar.radio(key="page").set_value("Benchmarks").run()
+    assert not at.exception and not at.warning and not at.error
+    assert len(at.expander) <= 1 and "not in the `prefixroute bench` format" not in texts(at)
+    assert len(at.get("arrow_vega_lite_chart")) + len(at.get("vega_lite_chart")) == 2
 
 
 def test_refusals_are_shown_apart_from_errors(tmp_path, monkeypatch):

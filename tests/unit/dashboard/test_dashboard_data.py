@@ -320,3 +320,20 @@ def test_the_index_column_shows_why_an_events_endpoint_is_not_matched_by_its_eve
     assert dict(zip(frame["endpoint"], frame["index_source"])) == {
         "a:1": "events", "b:1": "events (undecodable)", "c:1": "events (block size mismatch)",
         "d:1": "events (down)", "e:1": "feedback"}
+
+
+def test_the_bucket_still_filling_is_left_out_of_the_hit_rate_lines():
+    """The newest bucket, a few seconds old, held one cold request per endpoint and drew a 0% hit rate."""
+    rows = [{"bucket_start": 100.0, "endpoint": "a", "actual_hit_ratio": 0.8, "predicted_hit_ratio": 0.7},
+            {"bucket_start": 110.0, "endpoint": "a", "actual_hit_ratio": 0.0, "predicted_hit_ratio": 0.0}]
+    assert D.complete_buckets(rows, 10.0, now=115.0) == rows[:1]
+    assert D.complete_buckets(rows, 10.0, now=120.0) == rows  # complete: kept
+    assert D.complete_buckets(rows[1:], 10.0, now=115.0) == rows[1:]  # the only bucket: kept
+    frame = D.endpoint_hit_frame(D.complete_buckets(rows, 10.0, now=115.0), 10.0)
+    assert list(frame["hit_ratio"]) == [0.8, 0.7]
+
+
+def test_requests_without_a_decision_are_named_so():
+    frame = D.reasons_frame([{"reason": None, "num_requests": 3, "share_ratio": 0.375},
+                              {"reason": "affinity", "num_requests": 5, "share_ratio": 0.625}])
+    assert set(frame["reason"]) == {"none", "affinity"}

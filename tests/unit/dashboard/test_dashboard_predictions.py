@@ -88,5 +88,5 @@ def test_panel_says_so_plainly_when_no_request_has_a_prediction(tmp_path, monkey
     info = "\n".join(i.value for i in at.info)
     assert "No TTFT predictions in the last 5 min" in info and "no time model" in info
     assert not [t for t in at.table if "predicted p50" in t.value.columns]
-    assert "TTFT prediction error (median)" not in [m.label for m in at.metric]
+    assert "TTFT error (median)" not in [m.label for m in at.metric]
     assert metric(at, "TTFT p50")  # the rest of the page is drawn as before

@@ -28,6 +28,8 @@ from helpers.picks import make_pick
 from helpers.waiting import until_async
 from prefixroute.extproc.lifecycle import Pick
 
+pytestmark = pytest.mark.integration  # loopback servers or child processes: not a unit test
+
 
 class RecordingRouter:
     """Routes to a fixed list, refuses bodies containing "refuse", records every call."""

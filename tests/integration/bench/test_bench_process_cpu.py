@@ -7,7 +7,11 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from prefixroute.bench import report, runner
+
+pytestmark = pytest.mark.integration  # loopback servers or child processes: not a unit test
 
 # A child that names a router role in its argv and starts a worker whose argv names none; both spin for a while.
 _SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(5)\n"

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
 
 from prefixroute.bench.floor_extproc import serve
 from prefixroute.extproc import wire
 from prefixroute.extproc.headers import DESTINATION_HEADER
 from prefixroute.procs import free_port, tcp_open
+
+pytestmark = pytest.mark.integration  # loopback servers or child processes: not a unit test
 
 
 async def test_floor_answers_a_routing_stream_health_and_records():

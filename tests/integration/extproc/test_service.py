@@ -20,6 +20,8 @@ from prefixroute.extproc.routing.router import RouterCore
 from prefixroute.extproc.routing.settings import RoutingSettings
 from helpers.waiting import until_async
 
+pytestmark = pytest.mark.integration  # loopback servers or child processes: not a unit test
+
 MODEL = "m"
 FAST = PoolSettings(resolve_interval_s=0.05, probe_interval_s=0.05, failure_probe_delay_s=0.05)
 

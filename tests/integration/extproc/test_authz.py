@@ -28,6 +28,8 @@ from prefixroute.openai_errors import OpenAIError
 from prefixroute.telemetry.records import RequestRecord
 from prefixroute.telemetry.tracecontext import parse_traceparent
 
+pytestmark = pytest.mark.integration  # loopback servers or child processes: not a unit test
+
 EPS = ("10.0.0.1:8000", "10.0.0.2:8000")
 
 

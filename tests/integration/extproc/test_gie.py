@@ -30,6 +30,8 @@ from helpers.picks import make_pick
 from helpers.waiting import until_async
 from prefixroute.extproc.lifecycle import Pick
 
+pytestmark = pytest.mark.integration  # loopback servers or child processes: not a unit test
+
 EPS = ("10.0.0.1:8000", "10.0.0.2:8000")
 POST = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
 FULL_DUPLEX = pb.ProtocolConfiguration(request_body_mode=pb.FULL_DUPLEX_STREAMED,

@@ -28,6 +28,8 @@ from prefixroute.openai_errors import OpenAIError
 from helpers.extproc_calls import exchange as _exchange
 from helpers.peers import StaticPool
 
+pytestmark = pytest.mark.integration  # loopback servers or child processes: not a unit test
+
 MODEL = "m"
 EPS = tuple(EndpointId(f"10.0.0.{i}:8000") for i in range(1, 4))
 RID = "resp_" + "a" * 32

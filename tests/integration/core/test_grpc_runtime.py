@@ -14,6 +14,8 @@ import pytest
 from prefixroute.grpc_runtime import (GRPC_EXPERIMENTS_DEFAULT, GRPC_EXPERIMENTS_ENV, apply_grpc_defaults,
                                       grpc_child_env)
 
+pytestmark = pytest.mark.integration  # loopback servers or child processes: not a unit test
+
 
 @pytest.mark.parametrize("before, after, changed", [
     (None, GRPC_EXPERIMENTS_DEFAULT, True),
