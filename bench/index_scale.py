@@ -195,20 +195,27 @@ def _events(n: int, blocks: int, args: argparse.Namespace) -> dict:
     gc.disable()
     t0 = time.perf_counter()
     k = 0
-    while time.perf_counter() - t0 < args.ingest_s:
+    stretch = []  # loop time held between two yields (decode included): what a decision can wait behind
+    t1 = t0
+    while t1 - t0 < args.ingest_s:
         ep = ep_ids[k % n]
         batch = decode_batch(ring[pos[ep] % RING])
         pos[ep] += 1
         for m in index.apply_events(ep, batch.events, chunk):
             num_blocks += m
+            t2 = time.perf_counter()
+            stretch.append((t2 - t1) * 1e6)
+            t1 = t2
         k += 1
-    dt = time.perf_counter() - t0
+    dt = t1 - t0
     gc.enable()
     counters = [index.counters(ep) for ep in ep_ids]
     out["ingest_check"] = {f: sum(getattr(c, f) for c in counters) for f in
                            ("num_stored_blocks", "num_removed_blocks", "num_unknown_removed_blocks", "num_orphan_blocks")}
     out["ingest_blocks_per_s"] = round(num_blocks / dt)
     out["ingest_batches_per_s"] = round(k / dt)
+    out["ingest_stretch_p50_us"] = round(_pct(stretch, 0.5), 1)
+    out["ingest_stretch_p99_us"] = round(_pct(stretch, 0.99), 1)
     out.update(_under_events(core, eps, in_flight, request, shared_hashes, own_chains, ring, pos, index, args))
     return out
 
@@ -306,18 +313,36 @@ def _under_events(core, eps, in_flight, request, shared, own_chains, ring, pos, 
         await asyncio.gather(decide(), *([ingest()] if name == "events" else []))
 
     from prefixroute.kv_events_wire import decode_batch as decode_batch_
+    # The router's collector settings (extproc/cli.py): what exists at start-up is frozen, young objects are
+    # collected less often. The longest collection of each phase is reported: a pause every decision then waiting.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 100)
+    gc_max_ms = {"idle": 0.0, "events": 0.0}
+    gc_start = [0.0]
+    current = ["idle"]
+
+    def on_gc(stage: str, info: dict) -> None:
+        if stage == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_max_ms[current[0]] = max(gc_max_ms[current[0]], (time.perf_counter() - gc_start[0]) * 1e3)
+
+    gc.callbacks.append(on_gc)
     loop = loop_factory()
     try:
         for _ in range(args.rounds):
             for name in ("idle", "events"):
-                gc.collect()
+                current[0] = name
                 loop.run_until_complete(phase(name))
     finally:
         loop.close()
+        gc.callbacks.remove(on_gc)
     kept = applied["batches"] / max(1e-9, applied["seconds"]) / offered_per_s
     return {"offered_batches_per_s": round(offered_per_s), "kept_up_ratio": round(min(kept, 9.99), 3),
             "idle_p50_us": round(_pct(lat["idle"], 0.5), 1), "idle_p99_us": round(_pct(lat["idle"], 0.99), 1),
             "events_p50_us": round(_pct(lat["events"], 0.5), 1), "events_p99_us": round(_pct(lat["events"], 0.99), 1),
+            "idle_gc_max_ms": round(gc_max_ms["idle"], 1), "events_gc_max_ms": round(gc_max_ms["events"], 1),
             "p99_ratio_events_over_idle": round(_pct(lat["events"], 0.99) / _pct(lat["idle"], 0.99), 2)}
 
 
