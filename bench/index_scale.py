@@ -38,6 +38,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -143,7 +144,8 @@ def _events(n: int, blocks: int, args: argparse.Namespace) -> dict:
     tok_bytes = token_bytes(tokens)
 
     def stored(salt: str, server: list[int], num_blocks: int = CHAIN_BLOCKS) -> BlockStored:
-        return BlockStored(server, None, tokens[:num_blocks * BS], BS, None, "GPU", cache_salt=salt)
+        # vLLM's form: the salt is the first block's last extra key.
+        return BlockStored(server, None, tokens[:num_blocks * BS], BS, None, "GPU", extra_keys=[[salt]])
 
     def router_hashes(salt: str) -> list[int]:
         return hash_token_blocks(tok_bytes, BS, token_seed_for(None, salt))
@@ -220,27 +222,32 @@ def _events(n: int, blocks: int, args: argparse.Namespace) -> dict:
     return out
 
 
-def _queries(shared, own_chains, rng: random.Random, num: int) -> list[list[int]]:
-    """Prompt block hashes: 40% a shared chain (whole or a leading part), 40% an endpoint's own chain, 20% cold."""
+def _queries(shared, own_chains, rng: random.Random, num: int, kinds: list[str] | None = None) -> list[list[int]]:
+    """Prompt block hashes: 40% a shared chain (whole or a leading part), 40% an endpoint's own chain, 20% cold
+    (each query's kind appended to `kinds` when given)."""
     own = [c for chains in own_chains.values() for c in chains]
     out = []
     for _ in range(num):
         r = rng.random()
         n = rng.choice((CHAIN_BLOCKS, CHAIN_BLOCKS // 2, CHAIN_BLOCKS + 16))
         if r < 0.4:
-            base = shared[rng.randrange(len(shared))].tolist()
+            kind, base = "shared", shared[rng.randrange(len(shared))].tolist()
         elif r < 0.8:
-            base = own[rng.randrange(len(own))].tolist()
+            kind, base = "own", own[rng.randrange(len(own))].tolist()
         else:
-            base = [rng.getrandbits(63)]
+            kind, base = "cold", [rng.getrandbits(63)]
         base = base[:n]
         out.append(base + [rng.getrandbits(63) for _ in range(n - len(base))])
+        if kinds is not None:
+            kinds.append(kind)
     return out
 
 
 def _decisions(core, eps, in_flight, shared, own_chains, request, entries, rss, fill_s, n, blocks, args) -> dict:
     rng = random.Random(3)
-    queries = [request(q) for q in _queries(shared, own_chains, rng, args.decisions)]
+    kinds: list[str] = []
+    queries = [request(q) for q in _queries(shared, own_chains, rng, args.decisions, kinds)]
+    holders = [len(core.sourced.match(q.block_hashes)) for q in queries]  # before routing records anything
     for q in queries[:50]:  # warm the scheduler's memo tables
         core.route(q, eps, in_flight)
     lat = []
@@ -254,7 +261,12 @@ def _decisions(core, eps, in_flight, shared, own_chains, request, entries, rss, 
         gc.enable()
     return {"endpoints": n, "blocks_per_endpoint": blocks, "entries": entries, "rss_growth_mb": round(rss / 2**20),
             "bytes_per_entry": round(rss / max(1, entries), 1), "fill_s": round(fill_s, 1),
-            "decision_p50_us": round(_pct(lat, 0.5), 1), "decision_p99_us": round(_pct(lat, 0.99), 1)}
+            "decision_p50_us": round(_pct(lat, 0.5), 1), "decision_p99_us": round(_pct(lat, 0.99), 1),
+            "by_query": {k: {"num": sum(1 for x in kinds if x == k),
+                             "mean_holders": round(statistics.fmean(h for h, x in zip(holders, kinds) if x == k), 2),
+                             "p50_us": round(_pct([t for t, x in zip(lat, kinds) if x == k], 0.5), 1),
+                             "p99_us": round(_pct([t for t, x in zip(lat, kinds) if x == k], 0.99), 1)}
+                         for k in ("shared", "own", "cold")}}
 
 
 def _under_events(core, eps, in_flight, request, shared, own_chains, ring, pos, index, args) -> dict:
