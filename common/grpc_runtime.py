@@ -27,17 +27,26 @@ from collections.abc import MutableMapping
 GRPC_EXPERIMENTS_ENV = "GRPC_EXPERIMENTS"
 GRPC_EXPERIMENTS_DEFAULT = "-event_engine_listener"
 """gRPC experiments prefixroute's processes start with when the user set none (module docstring: why)."""
+GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
+GRPC_FORK_SUPPORT_DEFAULT = "false"
+"""gRPC's fork handlers off unless the user set them: prefixroute's processes start children only by fork + exec
+(`subprocess`, multiprocessing's "spawn"), never a forked child that goes on using gRPC, and with the handlers on
+grpcio 1.80-1.85 restarts its epoll poller in the child between fork and exec, where ``close_fds`` has closed its
+epoll descriptor: the child aborts before exec ("epoll_wait error: Bad file descriptor", status -6; grpc/grpc
+#43055). Seen here as model servers, Envoy and the dashboard dying at start when their launcher held gRPC
+channels."""
 
 
 def apply_grpc_defaults(environ: MutableMapping[str, str] | None = None) -> bool:
     """Set ``GRPC_EXPERIMENTS`` to `GRPC_EXPERIMENTS_DEFAULT` in `environ` (default: this process's) unless it is
-    set; True when it set it. For this process's own environment, only while `grpc` is not yet imported (else
+    set; True when it set it. ``GRPC_ENABLE_FORK_SUPPORT`` likewise to `GRPC_FORK_SUPPORT_DEFAULT`. For this process's own environment, only while `grpc` is not yet imported (else
     False and nothing set: the variable would claim a setting the process does not run with); the children it
     starts afterwards inherit it."""
     env = os.environ if environ is None else environ
-    if GRPC_EXPERIMENTS_ENV in env:
-        return False
     if environ is None and "grpc" in sys.modules:
+        return False
+    env.setdefault(GRPC_FORK_SUPPORT_ENV, GRPC_FORK_SUPPORT_DEFAULT)
+    if GRPC_EXPERIMENTS_ENV in env:
         return False
     env[GRPC_EXPERIMENTS_ENV] = GRPC_EXPERIMENTS_DEFAULT
     return True
@@ -48,4 +57,5 @@ def grpc_child_env() -> dict[str, str]:
     this process's ``GRPC_EXPERIMENTS`` when set, else `GRPC_EXPERIMENTS_DEFAULT`. So a launcher that imported
     grpc before `apply_grpc_defaults` could run (a test, an embedding program) starts its children as the
     console script does."""
-    return {GRPC_EXPERIMENTS_ENV: os.environ.get(GRPC_EXPERIMENTS_ENV, GRPC_EXPERIMENTS_DEFAULT)}
+    return {GRPC_EXPERIMENTS_ENV: os.environ.get(GRPC_EXPERIMENTS_ENV, GRPC_EXPERIMENTS_DEFAULT),
+            GRPC_FORK_SUPPORT_ENV: os.environ.get(GRPC_FORK_SUPPORT_ENV, GRPC_FORK_SUPPORT_DEFAULT)}
