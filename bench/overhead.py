@@ -73,9 +73,8 @@ class OverheadBenchSettings(Settings):
                                         "embedded NATS.")
     routing_filter: str = setting("auto", "The routed gateways' routing filter (gateway --routing-filter): 'auto' "
                                   "(the gateway's default: ext_proc), "
-                                  "'ext_proc', 'ext_authz' (Envoy's ext_authz filter, one unary gRPC Check per "
-                                  "request) or 'ext_authz_http' (the same over HTTP); with --replicas 1,2 it says "
-                                  "how each scales.")
+                                  "'ext_proc' or 'ext_authz_http' (Envoy's ext_authz filter over HTTP); with "
+                                  "--replicas 1,2 it says how each scales.")
     peers: bool = setting(True, "Replicas share their picks through the embedded NATS (the gateway default); "
                           "--no-peers measures them sharing nothing (the bus's own cost).")
     report_served: bool = setting(True, "Routed configuration sends response headers to ext_proc (the gateway "
@@ -97,11 +96,10 @@ class OverheadBenchSettings(Settings):
                                         "facts path as `up` runs it), 'no-observe' "
                                         "(the routing filter alone, no facts: the floor), 'routing-buffered' (the default again: "
                                         "an A/A control), 'routing-buffered-partial', 'routing-full-duplex', "
-                                        "'routing-streamed-early', 'routing-skip-headers', 'routing-authz' (the "
-                                        "routing filter's other processing modes: EnvoySettings.routing_processing; "
-                                        "'authz' is Envoy's ext_authz filter), 'authz-facts' ('facts' routed by "
-                                        "ext_authz), 'routing-authz-http' and 'authz-http-facts' (the same "
-                                        "over HTTP: gateway --routing-filter ext_authz_http), 'routing-extproc' and "
+                                        "'routing-streamed-early', 'routing-skip-headers' (the "
+                                        "routing filter's other processing modes: EnvoySettings.routing_processing), "
+                                        "'routing-authz-http' and 'authz-http-facts' (routed by Envoy's ext_authz "
+                                        "filter over HTTP: gateway --routing-filter ext_authz_http), 'routing-extproc' and "
                                         "'extproc-facts' (routed by the ext_proc filter). 'facts' and the routed "
                                         "configuration take the gateway's default routing filter (--routing-filter "
                                         "auto). Records go to a closed local port.")
@@ -153,9 +151,7 @@ VARIANTS["facts"] = {"records": True, "response_facts_lua": True, "observe_respo
 # checked in bench-results/routing-modes/): each against "routed" ('buffered', the default) in the same rounds;
 # "routing-buffered" is the default again under another name (an A/A control: the rounds' noise and order bias).
 VARIANTS.update({f"routing-{mode}": {"routing_processing": mode} for mode in
-                 ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers", "authz")})
-# The same with Envoy's request records on, as `prefixroute up` runs it (VARIANTS["facts"]), routed by ext_authz.
-VARIANTS["authz-facts"] = {**VARIANTS["facts"], "routing_processing": "authz"}
+                 ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers")})
 # ext_authz over HTTP (authz_http.py): a gateway setting, since the router then serves a port of its own.
 VARIANTS["routing-authz-http"] = {"routing_filter": "ext_authz_http"}
 VARIANTS["authz-http-facts"] = {**VARIANTS["facts"], "routing_filter": "ext_authz_http"}

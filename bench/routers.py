@@ -1,4 +1,4 @@
-"""The routers a benchmark compares, by name: `parse_router` turns ``prefixroute:POLICY[@SOURCE][#N][+flow|-flow][+extproc|+authz|+authz-http]``,
+"""The routers a benchmark compares, by name: `parse_router` turns ``prefixroute:POLICY[@SOURCE][#N][+flow|-flow][+extproc|+authz-http]``,
 ``sglang-router[:POLICY]``, ``vllm-router[:POLICY]`` (``kv_aware``: fed the servers' KV events) or
 ``smg[:POLICY]`` (each with an optional ``/chat`` or ``/responses`` suffix) into a `RouterSpec`.
 
@@ -42,9 +42,8 @@ class RouterSpec:
     """Our gateway's flow control: ``+flow`` on, ``-flow`` off, None (no suffix) the gateway's
     default (on)."""
     routing_filter: str = ""
-    """Our gateway's routing filter (``--routing-filter``): "ext_proc" (``+extproc``), "ext_authz" (``+authz``:
-    Envoy's ext_authz filter, one unary gRPC Check per request), "ext_authz_http" (``+authz-http``: the same over
-    HTTP), "" = the gateway's default (auto: ext_proc)."""
+    """Our gateway's routing filter (``--routing-filter``): "ext_proc" (``+extproc``), "ext_authz_http"
+    (``+authz-http``: Envoy's ext_authz filter over HTTP), "" = the gateway's default (auto: ext_proc)."""
     api: str = ""
     """The API a workload with a Responses form (agents) is sent in: "responses" or "chat"; "" = the router's
     default (`default_api`)."""
@@ -66,9 +65,9 @@ def default_api(kind: str) -> str:
 
 
 def parse_router(name: str) -> RouterSpec:
-    """``prefixroute:POLICY[@SOURCE][#REPLICAS][+flow|-flow][+extproc|+authz|+authz-http]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16
+    """``prefixroute:POLICY[@SOURCE][#REPLICAS][+flow|-flow][+extproc|+authz-http]`` (SOURCE one of INDEX_SOURCES; REPLICAS 1-16
     ext_proc replicas sharing their picks through an embedded NATS; +flow / -flow: flow control on / off, else the
-    gateway's default; +extproc / +authz / +authz-http: routed by Envoy's ext_proc filter, or its ext_authz filter over gRPC / HTTP, instead of the gateway's default, auto), ``sglang-router[:POLICY]``,
+    gateway's default; +extproc / +authz-http: routed by Envoy's ext_proc filter, or its ext_authz filter over HTTP, instead of the gateway's default, auto), ``sglang-router[:POLICY]``,
     ``vllm-router[:POLICY]``, each with an optional ``/chat`` or ``/responses`` suffix (the API of the agents
     workload, `RouterSpec.api`; the suffix stays in the name); ValueError otherwise."""
     base, slash, api = name.strip().partition("/")
@@ -83,7 +82,7 @@ def _parse_router_base(name: str) -> RouterSpec:
     if kind == "prefixroute":
         flow = None
         routing_filter = ""
-        for suffix, filt in (("+authz-http", "ext_authz_http"), ("+authz", "ext_authz"), ("+extproc", "ext_proc")):
+        for suffix, filt in (("+authz-http", "ext_authz_http"), ("+extproc", "ext_proc")):
             if policy.endswith(suffix):
                 policy, routing_filter = policy.removesuffix(suffix), filt
                 break
@@ -105,5 +104,5 @@ def _parse_router_base(name: str) -> RouterSpec:
         if policy not in PEER_POLICIES[kind]:
             raise ValueError(f"router {name!r}: policy must be one of {', '.join(PEER_POLICIES[kind])}")
         return RouterSpec(name if ":" in name else kind, kind, policy)
-    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE][+flow|-flow][+extproc|+authz|+authz-http], sglang-router[:POLICY], "
+    raise ValueError(f"unknown router {name!r}; use prefixroute:POLICY[@SOURCE][+flow|-flow][+extproc|+authz-http], sglang-router[:POLICY], "
                      f"vllm-router[:POLICY] or smg[:POLICY]")

@@ -1,37 +1,33 @@
-"""The router behind Envoy's ext_authz filter: one unary ``Authorization.Check`` per request.
+"""The decision behind Envoy's ext_authz filter over HTTP (authz_http.py): one check per request, answered at once.
 
-Envoy's ext_authz filter, with ``with_request_body`` (whole body, ``pack_as_bytes``), buffers the request and
-sends its headers and body in one ``CheckRequest``; the ``OkHttpResponse`` sets the routing headers and
-``clear_route_cache`` makes Envoy route again by them. One message each way and a call that ends at once, against
-the ext_proc routing stream's two round trips (headers answered CONTINUE, then the body) and a stream held open
-until the response ends: on a bare gRPC server half the CPU per request and ~0.3 ms less added latency
-(bench-results/routing-authz/). Chosen by ``EnvoySettings.routing_processing = 'authz'``; the router serves both
-services on its port whatever Envoy is configured with.
+Envoy's ext_authz filter, with ``with_request_body``, buffers the request and sends its headers and whole body in
+one check; the answer's routing headers are set on the request and ``clear_route_cache`` makes Envoy route again
+by them. One exchange each way and nothing held open, against the ext_proc routing stream's two round trips and a
+stream held until the response ends (bench-results/routing-authz-http/, bench-results/extproc-default/).
+Chosen by ``--routing-filter ext_authz_http`` (an option: the default is the ext_proc filter). Envoy's ext_authz
+over gRPC was measured too and removed: the HTTP check cost less in every figure (bench-results/routing-authz/).
 
 Contract, beside the ext_proc servicer's (servicer.py), which this reuses for the decision itself (the same
 `_RoutingStream._decide`, lookups, holds and telemetry calls):
 
-- A routed request gets ``ok_response`` with the headers the ext_proc answer sets (destination, fallbacks,
-  replica, ``traceparent``), pre-built per endpoint list; a refusal (`OpenAIError`) gets ``denied_response`` with
-  its status, JSON body, ``content-type`` and ``retry-after``, as the ext_proc ImmediateResponse has them.
-- Nothing tells a unary call when the response ends, so a pick is released by the request's facts record (the
-  facts path, envoy_facts.py: Envoy sends it at the end of every HTTP stream, reset or not), which also closes its
+- `AuthzServicer.start` decides at once where it can; `finish` awaits a lookup or a parse; `settle` turns the
+  answer into the outcome: (endpoints, traceparent) when routed, the refusal otherwise. The transport builds its
+  own answer from that (authz_http.py).
+- Nothing tells a check when the response ends, so a pick is released by the request's facts record (the facts
+  path, envoy_facts.py: Envoy sends it at the end of every HTTP stream, reset or not), which also closes its
   telemetry record. A pick whose record never comes (the facts logger down, a record lost) is released
   `release_after_s` after its decision and its record emitted with "response facts missing": until then the
-  endpoint's in-flight count holds it. The Envoy configuration refuses 'authz' without the facts path.
+  endpoint's in-flight count holds it. The Envoy configuration refuses ext_authz without the facts path.
 - Envoy's ext_authz timeout is one figure per filter (the ext_proc filter's message timeout, 0.5 s): it cannot be
   extended per request as ext_proc's ``override_message_timeout`` is. So a request that may wait longer, one flow
   control would hold or a large body parsed off the loop, is handed off: answered with ``x-prefixroute-handoff:
   ext_proc`` alone, which Envoy's handoff route matches, where the ext_proc routing filter runs and the router
   decides again on its stream, extending Envoy's wait as it needs (`AuthzServicer.start`; the check's own state is
-  discarded, the stream records the request). Only when the check says the route exists (HANDOFF_HEADER in its
-  metadata, as our configuration sends); otherwise such a request is routed at once (no hold) and a large body
-  parsed within the check.
-- The bearer token, when set, is checked on every call (UNAUTHENTICATED without it), as on ext_proc streams, on
-  the call's metadata before its message is read (`add_to_server`: served as stream-unary, grpc_auth
-  .unary_after_auth); the message is read as bytes, bounded by the port's message limit, then decoded.
+  discarded, the stream records the request). Only when the check says the route exists (HANDOFF_HEADER, as our
+  configuration sends); otherwise such a request is routed at once (no hold) and a large body parsed within the
+  check.
 
-Async safety: runs on the router's event loop (grpc.aio), like the servicer; nothing blocks.
+Async safety: runs on the router's event loop, like the servicer; nothing blocks.
 """
 
 from __future__ import annotations
@@ -41,16 +37,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
-from prefixroute.extproc import wire
-from prefixroute.extproc.answers import header_option, immediate_response
-from prefixroute.extproc.headers import (AUTHZ_BODY_BYTES_HEADER, HANDOFF_HEADER, HANDOFF_VALUE, PARTIAL_BODY_HEADER,
-                                         TRACEPARENT_HEADER)
+from prefixroute.extproc.answers import immediate_response
+from prefixroute.extproc.headers import PARTIAL_BODY_HEADER
 from prefixroute.extproc.lifecycle import Pick
-from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ExtProcServicer, ResponseCache, _RoutingStream
+from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ExtProcServicer, _RoutingStream
 from prefixroute.extproc.tracking import Tracked
-from prefixroute.grpc_auth import CallAuth, unary_after_auth
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.telemetry.tracecontext import parse_traceparent
 
@@ -62,66 +53,6 @@ RELEASE_AFTER_S = 660.0
 cannot outlast it through our Envoy configuration, so only a lost record waits this long."""
 HANDOFF = object()
 """`AuthzServicer.start`'s answer for a request handed to the ext_proc filter."""
-_PERMISSION_DENIED = 7  # google.rpc.Code: the CheckResponse status of a refusal (Envoy answers its HTTP status)
-
-_MAX_CACHED = 4096
-
-
-class AuthzResponses:
-    """Pre-built ``CheckResponse`` wire bytes per endpoint list: the ext_proc answer's headers (ResponseCache), in
-    an ``ok_response``. `with_traceparent` appends the per-request ``traceparent`` at the byte level (protobuf
-    merges concatenated messages: the header joins ``ok_response.headers``), so nothing is built per request."""
-
-    def __init__(self, replica_index: int | None = None) -> None:
-        self._headers = ResponseCache(replica_index)
-        self._cache: dict[tuple[str, ...], bytes] = {}
-        self._around: dict[int, tuple[bytes, bytes]] = {}
-        self.handoff = wire.CheckResponse(status=wire.Status(code=0), ok_response=wire.OkHttpResponse(
-            headers=_as_values([header_option(HANDOFF_HEADER, HANDOFF_VALUE)]))).SerializeToString()
-        """The answer that hands a request to the ext_proc filter (`AuthzServicer.start`)."""
-
-    def ok(self, endpoints: tuple[str, ...]) -> bytes:
-        cached = self._cache.get(endpoints)
-        if cached is None:
-            if len(self._cache) >= _MAX_CACHED:
-                self._cache.clear()
-            routed = self._headers.routing_response(endpoints, False)
-            headers = _as_values(routed.request_body.response.header_mutation.set_headers)
-            cached = self._cache[endpoints] = wire.CheckResponse(
-                status=wire.Status(code=0), ok_response=wire.OkHttpResponse(headers=headers)).SerializeToString()
-        return cached
-
-    def with_traceparent(self, endpoints: tuple[str, ...], traceparent: str) -> bytes:
-        value = traceparent.encode("latin-1")
-        around = self._around.get(len(value))
-        if around is None:
-            marker = b"\0" * len(value)
-            whole = wire.CheckResponse(ok_response=wire.OkHttpResponse(
-                headers=_as_values([header_option(TRACEPARENT_HEADER, "\0" * len(value))]))).SerializeToString()
-            at = whole.index(marker)  # the value's first byte: no other run of zero bytes that long precedes it
-            around = self._around[len(value)] = (whole[:at], whole[at + len(value):])
-        return self.ok(endpoints) + around[0] + value + around[1]
-
-
-def _as_values(options: Any) -> list[Any]:
-    """Header options with the value in ``HeaderValue.value``: the field Envoy 1.40's ext_authz reads (its ext_proc
-    takes ``raw_value``, which the shared answers set)."""
-    return [wire.HeaderValueOption(header=wire.HeaderValue(key=o.header.key, value=o.header.raw_value.decode(
-        "latin-1") if o.header.raw_value else o.header.value), append_action=o.append_action) for o in options]
-
-
-def denied(immediate: Any) -> bytes:
-    """An ext_proc ImmediateResponse answer (answers.immediate_response: a refusal) as a ``denied_response``."""
-    ir = immediate.immediate_response
-    body = ir.body
-    return wire.CheckResponse(
-        status=wire.Status(code=_PERMISSION_DENIED, message=ir.details),
-        denied_response=wire.DeniedHttpResponse(status=wire.HttpStatus(code=ir.status.code),
-                                                headers=_as_values(ir.headers.set_headers),
-                                                body=body.decode() if isinstance(body, bytes) else body),
-    ).SerializeToString()
-
-
 class UnaryPicks:
     """Picks made by a unary Check, each until its facts record closes it or `release_after_s` passes (module
     docstring), keyed by the router span id of its ``traceparent`` (what the record carries). One timer for all:
@@ -178,13 +109,12 @@ class UnaryPicks:
 
 
 class AuthzServicer:
-    """Envoy ext_authz ``Check`` -> the router's decision (module docstring). Serve with `add_to_server`."""
+    """One ext_authz check -> the router's decision (module docstring); authz_http.py carries it."""
 
-    def __init__(self, servicer: ExtProcServicer, picks: UnaryPicks, replica_index: int | None = None) -> None:
+    def __init__(self, servicer: ExtProcServicer, picks: UnaryPicks) -> None:
         self.servicer = servicer
         self.tracker = servicer.tracker
         self.picks = picks
-        self.responses = AuthzResponses(replica_index)
         self.num_unreleasable = 0
 
     def start(self, headers: dict[str, str], method: str, path: str, body: Any,
@@ -270,39 +200,3 @@ class AuthzServicer:
         # tracker's bound, which has none) read back from the traceparent the tracker drew.
         self.picks.add(st.key or parse_traceparent(traceparent).span_id, st, pick)  # type: ignore[union-attr]
         return pick.endpoints, traceparent
-
-    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> bytes:  # noqa: N802 (gRPC name)
-        """One check; its caller was checked before its message was read (`add_to_server`)."""
-        http = request.attributes.request.http
-        headers = dict(http.headers)
-        metadata = context.invocation_metadata()
-        handoff = False
-        body_cap = None
-        for k, v in metadata or ():
-            if k == HANDOFF_HEADER:
-                handoff = True
-            elif k == AUTHZ_BODY_BYTES_HEADER and v.isdigit():
-                body_cap = int(v)
-        stream, resp = self.start(headers, headers.get(":method") or http.method, headers.get(":path") or http.path,
-                                  http.raw_body, lambda: metadata, handoff, body_cap)
-        if resp is HANDOFF:
-            return self.responses.handoff
-        if resp is _NEEDS_LOOKUP or resp is _NEEDS_HOLD:
-            resp = await self.finish(stream, resp)
-        endpoints, outcome = self.settle(stream, resp)
-        if endpoints is None:
-            return denied(outcome)
-        if outcome is None:
-            return self.responses.ok(endpoints)
-        return self.responses.with_traceparent(endpoints, outcome)
-
-
-def add_to_server(server: grpc.aio.Server, check: Callable[..., Any], *, auth: CallAuth | None = None,
-                  max_message_bytes: int) -> None:
-    """Serve `check(request, context)` as envoy.service.auth.v3.Authorization/Check (unary for its callers; its
-    answer is CheckResponse wire bytes): the caller is checked by `auth` (None: no token configured) before its
-    message is read, a message over `max_message_bytes` refused before it is decoded (grpc_auth
-    .unary_after_auth)."""
-    handler = unary_after_auth(check, auth=auth, max_message_bytes=max_message_bytes,
-                               request_deserializer=wire.CheckRequest.FromString, response_serializer=wire.serialize)
-    server.add_registered_method_handlers(wire.AUTHZ_SERVICE_NAME, {"Check": handler})

@@ -53,6 +53,7 @@ from prefixroute.supervisor import RestartPolicy, Supervisor
 from prefixroute.extproc.endpoints.pool import endpoints_from_settings
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.envoy_config import EnvoySettings, render
+from prefixroute.extproc.envoy_config.listener import GRPC_AUTHZ_REMOVED
 from prefixroute.extproc.peers.server import nats_config, nats_server_argv, nats_url
 from prefixroute.extproc.peers.settings import PeerSettings, default_replica_id
 from prefixroute.extproc.headers import MAX_FALLBACKS
@@ -128,10 +129,9 @@ class GatewaySettings(Settings):
         "parse workers on the same stream), 'ext_authz_http' (Envoy's external authorization filter over plain "
         "HTTP/1.1 to the router's authz_http_port: one check with the headers and whole body; less added latency "
         "and router CPU per request, bench-results/routing-authz-http/, but a request to hold or a large body is "
-        "handed to the ext_proc filter on a route of its own and decided twice), 'ext_authz' (the same filter over "
-        "gRPC: one unary Check) or 'auto' = ext_proc. Both ext_authz filters need the facts path (each request's "
-        "facts record releases its pick). envoy-config's names for the same filters (authz-http, authz, buffered) "
-        "are accepted too.")
+        "handed to the ext_proc filter on a route of its own and decided twice; it needs the facts path, whose "
+        "records release its picks) or 'auto' = ext_proc. envoy-config's names for the same filters (authz-http, "
+        "buffered) are accepted too.")
 
     def __post_init__(self) -> None:
         canonical = ROUTING_FILTER_ALIASES.get(self.routing_filter)  # one name per filter (ROUTING_FILTERS)
@@ -159,10 +159,10 @@ class GatewaySettings(Settings):
 
 
 RESPONSE_PATHS = ("facts", "observe", "auto")
-ROUTING_FILTERS = ("auto", "ext_proc", "ext_authz", "ext_authz_http")
-ROUTING_FILTER_ALIASES = {"authz-http": "ext_authz_http", "authz": "ext_authz", "buffered": "ext_proc"}
+ROUTING_FILTERS = ("auto", "ext_proc", "ext_authz_http")
+ROUTING_FILTER_ALIASES = {"authz-http": "ext_authz_http", "buffered": "ext_proc"}
 """`envoy-config --routing-processing`'s names for the same filters, accepted by --routing-filter too."""
-_ROUTING_PROCESSING = {"ext_authz": "authz", "ext_authz_http": "authz-http"}
+_ROUTING_PROCESSING = {"ext_authz_http": "authz-http"}
 """routing_filter -> EnvoySettings.routing_processing (ext_proc: Envoy's default, 'buffered')."""
 MAX_EXTPROC_REPLICAS = 16
 HEALTH_PATH = "/healthz"
@@ -306,8 +306,9 @@ class GatewayProcesses:
         self.records_to = records_to
         self.response_path  # noqa: B018 (validates the setting before anything starts)
         if gateway.routing_filter not in ROUTING_FILTERS:
+            removed = GRPC_AUTHZ_REMOVED if gateway.routing_filter in ("ext_authz", "authz") else ""
             raise ValueError(f"routing_filter must be one of {', '.join(ROUTING_FILTERS)}, got "
-                             f"{gateway.routing_filter!r}")
+                             f"{gateway.routing_filter!r}{removed}")
         self.envoy_overrides = envoy_overrides or {}
         self.routing_filter = self._resolved_routing_filter()
         """`routing_filter` with 'auto' resolved."""

@@ -1,17 +1,18 @@
 """The grpc.aio server hosting the ext_proc servicer, and its settings.
 
 What the port serves: ext_proc (``Process``), Envoy's facts (OTLP ``LogsService.Export`` and the early reports,
-envoy_facts.py), Envoy's ext_authz ``Check`` (authz.py) and the gRPC health check.
+envoy_facts.py) and the gRPC health check. Envoy's ext_authz over HTTP, an option, has a port of its own
+(authz_http.py: `start_authz_http`).
 
 Authentication (both optional, independent, and invisible to the servicers):
 - TLS: `tls_cert_file` + `tls_key_file` serve TLS; with `tls_client_ca_file` every client must present a
   certificate signed by that CA (mutual TLS: Envoy's ``extproc_tls_cert_file``), else the handshake fails.
 - Bearer token: with `auth_token` (or `auth_token_file`) set, every call but the health check must carry gRPC
-  metadata ``authorization: Bearer <token>`` (Envoy's ``extproc_auth_token``, on both ext_proc filters, the
-  ext_authz filter and the facts logger); any other call is refused with UNAUTHENTICATED on its metadata, before
+  metadata ``authorization: Bearer <token>`` (Envoy's ``extproc_auth_token``, on both ext_proc filters and the
+  facts logger); any other call is refused with UNAUTHENTICATED on its metadata, before
   its first message is read, so it can neither route nor report. The check is one metadata scan and a
   constant-time compare per call, never per message, done by the handler itself (`StreamAuth` for ext_proc
-  streams, grpc_auth.unary_after_auth for the unary methods, which are served as stream-unary so that they run
+  streams, grpc_auth.unary_after_auth for the unary methods (the facts), served as stream-unary so that they run
   before the message is read; no grpc.aio interceptor, which would cost every call a round through its chain).
   The gRPC health check (``/grpc.health.v1.Health/Check``) is exempt: Envoy's health checker and kubelet probes
   carry no token, and it answers only serving / not serving.
@@ -48,12 +49,11 @@ from prefixroute import grpc_auth
 from prefixroute.extproc import envoy_facts, wire
 from prefixroute.extproc.health import HealthServicer
 from prefixroute.extproc.authz import RELEASE_AFTER_S, AuthzServicer, UnaryPicks
-from prefixroute.extproc.authz import add_to_server as add_authz_to_server
 from prefixroute.extproc.authz_http import (MAX_HEADER_BYTES, AuthzHttpService, server_ssl_context,
                                             start_authz_http_server)
 from prefixroute.extproc.servicer import DEFAULT_MAX_BODY_BYTES, PROTOCOLS, ExtProcServicer, RouterService
 from prefixroute.extproc.tracking import NULL_TRACKER, Tracker
-from prefixroute.grpc_auth import CallAuth, read_token, unary_after_auth
+from prefixroute.grpc_auth import CallAuth, read_token
 from prefixroute.settings import Settings, setting
 
 log = logging.getLogger(__name__)
@@ -114,14 +114,15 @@ class ExtprocSettings(Settings):
                                "grpc probes, which speak neither TLS nor bearer tokens (9003 in GIE's charts). "
                                "-1 = only on the ext_proc port (where Envoy's health check calls it).")
     authz_release_after_s: float = setting(
-        RELEASE_AFTER_S, "When Envoy routes by ext_authz (gateway --routing-filter ext_authz): the longest a pick "
+        RELEASE_AFTER_S, "When Envoy routes by ext_authz (gateway --routing-filter ext_authz_http): the longest a pick "
         "waits for its facts record, which releases it, before it is released anyway and counted in "
         "prefixroute_authz_picks_expired_total (660 s: Envoy's 600 s whole-response timeout and a margin, so only a "
         "lost record waits this long).")
     authz_http_port: int = setting(
         -1, "Also serve Envoy's ext_authz filter over plain HTTP/1.1 on this port (gateway --routing-filter "
-        "ext_authz_http; extproc/authz_http.py): the same decision as the gRPC Check, without gRPC (measured ~0.25 ms "
-        "less added latency, and ~0.8 ms less after an idle gap). Same listen address, TLS files and bearer token "
+        "ext_authz_http; extproc/authz_http.py): the same decision as the ext_proc stream's in one HTTP exchange "
+        "(measured ~0.5 ms less added latency, and ~0.7-1.0 ms less after an idle gap: "
+        "bench-results/extproc-default/). Same listen address, TLS files and bearer token "
         "as the gRPC port. -1 = not served; 0 = any free port (printed in the ready line).")
     authz_http_max_header_kb: int = setting(
         MAX_HEADER_BYTES // 1024, "authz_http_port: the most a check's request line and headers may take, in KiB "
@@ -149,9 +150,8 @@ FACTS_FIRST_TOKEN = ("early", "end")
 
 MESSAGE_HEADROOM_BYTES = 1024 * 1024
 """What one gRPC message may carry beyond the request body limit (RoutingSettings.max_body_bytes, which the gateway
-also gives Envoy as max_request_body_bytes): an ext_authz Check holds the request's headers with its body (Envoy's
-own header limit is 32 KiB by default, max_request_headers_kb), an ext_proc body message a few bytes of framing. A
-request whose headers pass 1 MiB fails on this port (Envoy's failure mode), none of the gateway's defaults does."""
+also gives Envoy as max_request_body_bytes): an ext_proc body message carries a few bytes of framing, a GIE stream's
+messages the request's headers beside it."""
 
 GRPC_OPTIONS: dict[str, int | str] = {
     # Many concurrent HTTP requests = many concurrent streams on Envoy's one HTTP/2 connection. Not a memory bound
@@ -198,8 +198,9 @@ def grpc_options(overrides: tuple[str, ...], max_body_bytes: int = DEFAULT_MAX_B
 class StreamAuth(CallAuth):
     """The bearer-token check of every call but the health check (grpc_auth.CallAuth), done in the handlers
     themselves: ext_proc streams through `guard` (a refused stream gets UNAUTHENTICATED before its first message
-    is read, so it never reaches the servicer), the unary methods through grpc_auth.unary_after_auth. No grpc.aio
-    interceptor, which costs every call a coroutine round through the interceptor chain. The health service is
+    is read, so it never reaches the servicer), the unary methods (the facts) through
+    grpc_auth.unary_after_auth. No grpc.aio interceptor, which costs every call a coroutine round through the
+    interceptor chain. The health service is
     simply not wrapped (exempt)."""
 
     def guard(self, process: Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]) -> Callable[..., Any]:
@@ -266,8 +267,8 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     `MESSAGE_HEADROOM_BYTES` the largest message the port reads. `can_hold`: the router holds requests past
     saturation (flow control: `ExtProcServicer`). `add_services`: adds other services to the server before it
     starts. `facts`: Envoy's response facts receiver (envoy_facts.FactsReceiver), served on the port behind the
-    token; given, Envoy's ext_authz ``Check`` is served too (authz.py: a unary pick is released by its facts
-    record, so there is no ext_authz routing without them)."""
+    token; given, the ext_authz decision is built too (`server.authz_servicer`, authz.py: a check's pick is
+    released by its facts record, so there is no ext_authz routing without them), for `start_authz_http`."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
     check_exposure(s)
@@ -285,9 +286,7 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
         envoy_facts.add_to_server(server, facts, auth=auth)
         picks = UnaryPicks(router.release, tracker.routing_closed, s.authz_release_after_s)
         facts.unary_picks = picks
-        authz = AuthzServicer(servicer, picks, replica)
-        add_authz_to_server(server, authz.Check, auth=auth,
-                            max_message_bytes=dict(options)["grpc.max_receive_message_length"])  # type: ignore[arg-type]
+        authz = AuthzServicer(servicer, picks)
         server.authz_servicer = authz  # type: ignore[attr-defined]  # the HTTP transport's decision (authz_http.py)
     wire.add_health_to_server(server, HealthServicer(ready).Check)
     if add_services is not None:

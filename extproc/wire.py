@@ -85,18 +85,6 @@ SERVICE_NAME: str = _SERVICE.full_name
 PROCESS_METHOD: str = _SERVICE.methods_by_name["Process"].name
 PROCESS_PATH = f"/{SERVICE_NAME}/{PROCESS_METHOD}"
 
-_AUTH = "envoy.service.auth.v3"
-CheckRequest = _message(f"{_AUTH}.CheckRequest")
-AttributeContext = _message(f"{_AUTH}.AttributeContext")
-CheckResponse = _message(f"{_AUTH}.CheckResponse")
-OkHttpResponse = _message(f"{_AUTH}.OkHttpResponse")
-DeniedHttpResponse = _message(f"{_AUTH}.DeniedHttpResponse")
-Status = _message("google.rpc.Status")
-AUTHZ_SERVICE_NAME: str = POOL.FindServiceByName(f"{_AUTH}.Authorization").full_name
-AUTHZ_CHECK_PATH = f"/{AUTHZ_SERVICE_NAME}/Check"
-"""Envoy's external authorization service (extproc/proto/auth_v3.proto): the routing filter when Envoy routes by
-ext_authz (authz.py)."""
-
 HealthCheckRequest = _message("grpc.health.v1.HealthCheckRequest")
 HealthCheckResponse = _message("grpc.health.v1.HealthCheckResponse")
 HEALTH_SERVICE_NAME: str = POOL.FindServiceByName("grpc.health.v1.Health").full_name
@@ -154,9 +142,3 @@ def process_call(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamMultiCallabl
     """The client side of Process on `channel`: calling it opens one stream."""
     return channel.stream_stream(PROCESS_PATH, request_serializer=ProcessingRequest.SerializeToString,
                                  response_deserializer=ProcessingResponse.FromString)
-
-
-def authz_check_call(channel: grpc.aio.Channel) -> grpc.aio.UnaryUnaryMultiCallable:
-    """The client side of Authorization/Check on `channel` (tests, tools)."""
-    return channel.unary_unary(AUTHZ_CHECK_PATH, request_serializer=CheckRequest.SerializeToString,
-                               response_deserializer=CheckResponse.FromString)

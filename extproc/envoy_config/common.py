@@ -25,8 +25,8 @@ UNAVAILABLE_CLOSED_ROUTE = "extproc_unavailable_fail_closed"
 OBSERVE_FILTER = "prefixroute.observe_responses"
 ROUTING_FILTER = "envoy.filters.http.ext_proc"
 AUTHZ_FILTER = "envoy.filters.http.ext_authz"
-"""The routing filter when it is Envoy's ext_authz (EnvoySettings.routing_processing 'authz' or 'authz-http')."""
-AUTHZ_PROCESSING = ("authz", "authz-http")
+"""The routing filter when it is Envoy's ext_authz (EnvoySettings.routing_processing 'authz-http')."""
+AUTHZ_PROCESSING = ("authz-http",)
 """The routing_processing modes that route by Envoy's ext_authz filter (with the ext_proc filter on the handoff
 route)."""
 AUTHZ_HTTP_CLUSTER = "prefixroute_authz_http"

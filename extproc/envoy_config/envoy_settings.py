@@ -12,7 +12,7 @@ DEFAULT_ALLOWED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/respons
 DEFAULT_ALLOWED_PATH_PREFIXES = ("/v1/responses/", "/v1/models/")
 
 
-ROUTING_PROCESSING_ALIASES = {"ext_authz_http": "authz-http", "ext_authz": "authz", "ext_proc": "buffered"}
+ROUTING_PROCESSING_ALIASES = {"ext_authz_http": "authz-http", "ext_proc": "buffered"}
 """The routing filters' names (as `prefixroute gateway --routing-filter` and the docs say them) accepted for
 `EnvoySettings.routing_processing`, and the processing option each stands for."""
 
@@ -45,7 +45,7 @@ class EnvoySettings(Settings):
         "that routed it (the x-prefixroute-replica header it sets selects the route). Empty = extproc_address "
         "alone.")
     authz_body_bytes: int = setting(
-        1024 * 1024, "Routed by ext_authz ('authz', 'authz-http'): the most of a request body the filter sends the "
+        1024 * 1024, "Routed by ext_authz ('authz-http'): the most of a request body the filter sends the "
         "router whole; a larger body is sent in part (its first authz_body_bytes) and the router hands the request "
         "to the ext_proc filter, which sends it whole (max_request_body_bytes bounds it there: 413 above). 1 MiB: "
         "the router's inline_parse_bytes, above which it parses a body in its worker and so hands it off anyway; "
@@ -115,18 +115,17 @@ class EnvoySettings(Settings):
         "slow upload fails over), 'streamed-early' (body STREAMED with "
         "send_body_without_waiting_for_header_response: routed on the first chunk), 'skip-headers' (request headers "
         "SKIP, body BUFFERED, path and headers asked as request_attributes: Envoy 1.40 routes at the headers, "
-        "before the router answers). 'ext_authz' (also 'authz') is correct too and routes by Envoy's ext_authz "
-        "filter instead: one unary Check with the headers and whole body (one round trip, about half the router's "
-        "gRPC CPU per request: bench-results/routing-authz/); it needs the facts path (response_facts_lua: the "
-        "facts record releases each pick); a request to hold past saturation, or a large body, is handed to the "
-        "ext_proc filter on the handoff route. 'ext_authz_http' (also 'authz-http') is the same filter and decision "
-        "over plain HTTP/1.1 to the service's authz_http_port (extproc_authz_http_addresses) instead of gRPC: the "
-        "fastest measured (bench-results/routing-authz-http/), an option of `prefixroute gateway` and `up` "
-        "(--routing-filter ext_authz_http); the default, here and there, is 'buffered': Envoy's ext_proc filter.")
+        "before the router answers). 'ext_authz_http' (also 'authz-http') is correct too and routes by Envoy's "
+        "ext_authz filter over plain HTTP/1.1 to the service's authz_http_port (extproc_authz_http_addresses): one "
+        "check with the headers and whole body, the least added latency measured (bench-results/routing-authz-http/, "
+        "extproc-default/); it needs the facts path (response_facts_lua: the facts record releases each pick); a "
+        "request to hold past saturation, or a large body, is handed to the ext_proc filter on the handoff route. An "
+        "option of `prefixroute gateway` and `up` (--routing-filter ext_authz_http); the default, here and there, is "
+        "'buffered': Envoy's ext_proc filter. (Envoy's ext_authz over gRPC was measured and left out: the HTTP check "
+        "costs less in every figure, bench-results/routing-authz/.)")
 
     def __post_init__(self) -> None:
-        # One name per routing filter, as `gateway --routing-filter` says them: ext_authz_http, ext_authz,
-        # ext_proc; the older processing names stay accepted (see ROUTING_PROCESSING_ALIASES).
+        # One name per routing filter, as `gateway --routing-filter` says them: ext_authz_http, ext_proc; the older processing names stay accepted (see ROUTING_PROCESSING_ALIASES).
         canonical = ROUTING_PROCESSING_ALIASES.get(self.routing_processing)
         if canonical is not None:
             object.__setattr__(self, "routing_processing", canonical)

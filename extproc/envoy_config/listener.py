@@ -63,8 +63,7 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
     filter, the router."""
     http_filters: list[HttpFilter] = [response_headers_filter(s)]
     if s.extproc_enabled and s.routing_processing in AUTHZ_PROCESSING:
-        http_filters.append(authz_filter(s, num_replicas) if s.routing_processing == "authz"
-                            else authz_http_filter(s, num_replicas))
+        http_filters.append(authz_http_filter(s, num_replicas))
         # The handoff route's routing filter (disabled on every other route): a request the router would hold, or
         # a large body it parses off its loop, is handed to it (authz.py), since only its answers extend Envoy's
         # wait.
@@ -103,10 +102,9 @@ def http_filters(s: EnvoySettings, num_replicas: int) -> list[HttpFilter]:
     return http_filters
 
 
-ROUTING_PROCESSING = ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers", "authz",
-                      "authz-http")
-"""`EnvoySettings.routing_processing` choices; 'buffered' (ext_proc), 'authz' and 'authz-http' (ext_authz over gRPC
-or HTTP) are correct as a gateway (bench-results/routing-modes/, routing-authz/, routing-authz-http/)."""
+ROUTING_PROCESSING = ("buffered", "buffered-partial", "full-duplex", "streamed-early", "skip-headers", "authz-http")
+"""`EnvoySettings.routing_processing` choices; 'buffered' (ext_proc) and 'authz-http' (ext_authz over HTTP) are
+correct as a gateway (bench-results/routing-modes/, routing-authz-http/)."""
 
 
 def extproc_routing_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
@@ -133,31 +131,11 @@ def extproc_routing_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
     )))
 
 
-def authz_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
-    """The routing filter as Envoy's ext_authz (routing_processing 'authz', extproc/authz.py): one unary Check per
-    request with its headers and whole body, answered with the routing headers; ``clear_route_cache`` routes it
-    again by them. Only with the facts path: the facts record is what releases a unary pick."""
-    if not s.response_facts_lua:
-        raise ValueError("routing_processing 'authz' needs the facts path (response_facts_lua): a request's facts "
-                         "record is what ends its pick when Envoy routes by ext_authz")
-    return HttpFilter(name=AUTHZ_FILTER, typed_config=ProtoAny.pack(ExtAuthz(
-        grpc_service=GrpcService(
-            envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
-            # The ext_proc filter's answer timeout: what could take longer (a hold, a large body's parse) is
-            # handed off to that filter (authz.py), whose answers extend it.
-            timeout=duration(s.extproc_message_timeout_ms / 1000),
-            retry_policy=extproc_retry_policy(num_replicas),
-            # The facts path is on, and the handoff route exists.
-            initial_metadata=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS),
-                              HeaderValue(key=HANDOFF_HEADER, value=HANDOFF_VALUE), authz_body_cap(s)]),
-        transport_api_version=ApiVersion.V3,
-        failure_mode_allow=s.failure_mode == "open",
-        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
-        clear_route_cache=True,
-        # The body as bytes, whole up to authz_body_bytes (above, its first part: the router hands it off).
-        with_request_body=authz_body(s, pack_as_bytes=True),
-        stat_prefix="routing",
-    )))
+GRPC_AUTHZ_REMOVED = (" (Envoy's ext_authz over gRPC is no longer offered: 'authz-http' is the same filter and "
+                      "decision over HTTP, and cost less in every measured figure)")
+"""Said to whoever still names the gRPC ext_authz filter."""
+
+
 HOP_BY_HOP_HEADERS = ("connection", "keep-alive", "proxy-connection", "te", "transfer-encoding", "upgrade", "expect")
 """Client headers a check over HTTP must not carry: they describe the client's connection, not the request (the
 check has its own length and framing)."""
@@ -174,12 +152,12 @@ def authz_http_filter(s: EnvoySettings, num_replicas: int) -> HttpFilter:
     exact = (lambda names: ListStringMatcher(patterns=[StringMatcher(exact=n) for n in names]))
     return HttpFilter(name=AUTHZ_FILTER, typed_config=ProtoAny.pack(ExtAuthz(
         http_service=HttpService(
-            # As the gRPC filter's: the ext_proc filter's answer timeout (holds and large bodies are handed off).
+            # The ext_proc filter's answer timeout (what could take longer, a hold or a large body's parse, is
+            # handed off to that filter, whose answers extend it).
             server_uri=HttpUri(uri=f"http://{AUTHZ_HTTP_CLUSTER}", cluster=AUTHZ_HTTP_CLUSTER,
                                timeout=duration(s.extproc_message_timeout_ms / 1000)),
             path_prefix=AUTHZ_CHECK_PATH_PREFIX,
-            # Say the facts path is on and the handoff route exists (the gRPC filter's initial metadata);
-            # they overwrite a client's copies.
+            # Say the facts path is on and the handoff route exists; they overwrite a client's copies.
             authorization_request=AuthorizationRequest(
                 headers_to_add=[HeaderValue(key=OBSERVED_METADATA, value=OBSERVED_FACTS),
                                 HeaderValue(key=HANDOFF_HEADER, value=HANDOFF_VALUE), authz_body_cap(s)]),
@@ -210,7 +188,7 @@ def authz_body_cap(s: EnvoySettings) -> HeaderValue:
     return HeaderValue(key=AUTHZ_BODY_BYTES_HEADER, value=str(authz_body(s).max_request_bytes))
 
 
-def authz_body(s: EnvoySettings, pack_as_bytes: bool = False) -> BufferSettings:
+def authz_body(s: EnvoySettings) -> BufferSettings:
     """What of a body an ext_authz check carries: the whole body up to authz_body_bytes; a larger one its first
     authz_body_bytes, marked partial (``x-envoy-auth-partial-body: true``), which the router hands to the ext_proc
     filter on the handoff route (that filter's buffer answers 413 above max_request_body_bytes). So a body the
@@ -218,7 +196,7 @@ def authz_body(s: EnvoySettings, pack_as_bytes: bool = False) -> BufferSettings:
     if s.authz_body_bytes < 1:
         raise ValueError(f"authz_body_bytes must be at least 1, got {s.authz_body_bytes}")
     return BufferSettings(max_request_bytes=min(s.authz_body_bytes, s.max_request_body_bytes),
-                          allow_partial_message=True, pack_as_bytes=pack_as_bytes)
+                          allow_partial_message=True)
 
 
 def authz_http_retry_policy(num_replicas: int) -> CoreRetryPolicy | None:
@@ -244,7 +222,7 @@ def routing_processing(s: EnvoySettings) -> dict[str, object]:
     them: Envoy takes `mode_override` only from the answer to the headers message, so it cannot save that trip."""
     if s.routing_processing not in ROUTING_PROCESSING or s.routing_processing in AUTHZ_PROCESSING:
         raise ValueError(f"routing_processing must be one of {', '.join(ROUTING_PROCESSING)}; "
-                         f"got {s.routing_processing!r}")
+                         f"got {s.routing_processing!r}{GRPC_AUTHZ_REMOVED if s.routing_processing in ('authz', 'ext_authz') else ''}")
     mode = s.routing_processing
     body = {"buffered": BodySendMode.BUFFERED, "buffered-partial": BodySendMode.BUFFERED_PARTIAL,
             "full-duplex": BodySendMode.FULL_DUPLEX_STREAMED, "streamed-early": BodySendMode.STREAMED,

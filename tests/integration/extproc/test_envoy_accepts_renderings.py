@@ -41,11 +41,8 @@ COMBINATIONS = {
     # The routing filter's other processing options (measured, not correct as a gateway: bench-results/routing-modes/).
     **{f"routing-{mode}": {"routing_processing": mode}
        for mode in ("buffered-partial", "full-duplex", "streamed-early", "skip-headers")},
-    # The routing filter as Envoy's ext_authz (correct as a gateway: bench-results/routing-authz/).
-    "routing-authz": {"routing_processing": "authz"},
-    "routing-authz-replicas-records": {"routing_processing": "authz", "records_otlp_address": "127.0.0.1:4317",
-                                       "extproc_replica_addresses": ("127.0.0.1:50051", "127.0.0.1:50052")},
-    # The same over HTTP (bench-results/routing-authz-http/): one replica, then two with the token, TLS and records.
+    # The routing filter as Envoy's ext_authz over HTTP (correct as a gateway: bench-results/routing-authz-http/): one
+    # replica, then two with the token, TLS and records.
     "routing-authz-http": {"routing_processing": "authz-http"},
     "routing-authz-http-replicas-records": {
         "routing_processing": "authz-http", "records_otlp_address": "127.0.0.1:4317", "failure_mode": "closed",
@@ -64,8 +61,7 @@ def test_real_envoy_accepts_the_rendering(tmp_path: Path, overrides: dict) -> No
 
 
 @pytest.mark.parametrize("name", ["default", "fail-closed", "four-fallbacks", "no-extproc", "observe",
-                                  "no-facts-no-report-served", "no-retry-on-reset-no-timeout", "routing-authz",
-                                  "routing-authz-http"])
+                                  "no-facts-no-report-served", "no-retry-on-reset-no-timeout", "routing-authz-http"])
 def test_real_envoy_runs_exactly_the_built_bootstrap(tmp_path: Path, name: str) -> None:
     # What proves the serialisation (PyYAML's quoting, Envoy's YAML typing, the proto3 JSON mapping) changes
     # nothing: the running Envoy's own dump of its bootstrap, parsed back into the typed message, equals it.

@@ -1,8 +1,7 @@
-"""Routing by Envoy's ext_authz filter (`prefixroute gateway --routing-filter ext_authz|ext_authz_http`, issue 26 part
-2): real Envoy 1.40 with its ext_authz filter in place of the routing ext_proc filter, real `prefixroute extproc`
-serving ``envoy.service.auth.v3.Authorization/Check`` beside ext_proc (gRPC) or its checks over HTTP/1.1 on a port of
-their own (authz_http.py), the facts path, simulated model servers and a real `prefixroute telemetry` receiver.
-Every test runs with both transports.
+"""Routing by Envoy's ext_authz filter (`prefixroute gateway --routing-filter ext_authz_http`): real Envoy 1.40 with
+its ext_authz filter in place of the routing ext_proc filter, real `prefixroute extproc` answering its checks over
+HTTP/1.1 on a port of its own (authz_http.py), the facts path, simulated model servers and a real `prefixroute
+telemetry` receiver.
 
 What must hold: Envoy sends every request where the router picked (its picked route, not the fail-open round
 robin), a follow-up of a conversation goes where its prefix is cached, each pick is released by its facts record
@@ -39,7 +38,7 @@ pytestmark = pytest.mark.integration
 SERVER_ID = "x-prefixroute-server-id"
 
 
-FILTERS = ("ext_authz", "ext_authz_http")
+FILTERS = ("ext_authz_http",)
 
 
 def start_authz_gateway(stack: ExitStack, endpoints: list[str], log_dir: Path, routing_filter: str, **gateway: object
@@ -82,11 +81,8 @@ def test_the_routing_filter_is_ext_authz_with_the_whole_body(env, routing_filter
     _, gw, _ = env
     text = gw.config_path.read_text()  # type: ignore[union-attr]
     assert "envoy.filters.http.ext_authz" in text and "with_request_body" in text
-    if routing_filter == "ext_authz":
-        assert "pack_as_bytes: true" in text and "http_service" not in text
-    else:
-        assert "http_service" in text and "grpc_service:\n              envoy_grpc" not in text
-        assert "path_prefix: /check" in text and "pack_as_bytes" not in text
+    assert "http_service" in text and "grpc_service:\n              envoy_grpc" not in text
+    assert "path_prefix: /check" in text and "pack_as_bytes" not in text
     # The ext_proc routing filter is there for the handoff route alone (disabled on every other route).
     assert "name: handoff /v1/chat/completions" in text and "prefixroute.facts" in text
 

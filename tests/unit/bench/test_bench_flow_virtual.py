@@ -98,9 +98,7 @@ def test_router_names_say_whether_flow_control_runs(name, flow, policy, source, 
 
 @pytest.mark.parametrize(("name", "routing_filter", "flow", "policy"), [
     ("prefixroute:prefix", "", None, "prefix"),
-    ("prefixroute:prefix+authz", "ext_authz", None, "prefix"),
-    ("prefixroute:prefix-flow+authz", "ext_authz", False, "prefix"),
-    ("prefixroute:prefix@events#2+flow+authz", "ext_authz", True, "prefix"),
+    ("prefixroute:prefix@events#2+flow+authz-http", "ext_authz_http", True, "prefix"),
     ("prefixroute:prefix+authz-http", "ext_authz_http", None, "prefix"),
     ("prefixroute:prefix-flow+authz-http", "ext_authz_http", False, "prefix"),
     ("prefixroute:prefix+extproc", "ext_proc", None, "prefix"),

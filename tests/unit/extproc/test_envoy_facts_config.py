@@ -96,23 +96,23 @@ def test_an_unknown_response_path_is_refused_before_anything_starts() -> None:
     ({"routing_filter": "ext_proc"}, {}, "ext_proc"),
     ({"routing_filter": "ext_authz_http"}, {}, "ext_authz_http"),
     ({"routing_filter": "ext_authz_http", "telemetry": False}, {}, "ext_authz_http"),
-    ({"routing_filter": "ext_authz"}, {}, "ext_authz"),
 ])
-def test_the_auto_routing_filter_is_ext_proc(gateway: dict, overrides: dict,
-                                                                          resolved: str) -> None:
+def test_the_auto_routing_filter_is_ext_proc(gateway: dict, overrides: dict, resolved: str) -> None:
     gw = GatewayProcesses(GatewaySettings(**gateway), RoutingSettings(), PoolSettings(endpoints=("127.0.0.1:9",)),
                           envoy_overrides=overrides)
     assert gw.routing_filter == resolved
     gw.authz_http_ports = [9104] if resolved == "ext_authz_http" else []
     s = gw.envoy_settings()
-    assert s.routing_processing == overrides.get("routing_processing", {"ext_proc": "buffered", "ext_authz": "authz",
+    assert s.routing_processing == overrides.get("routing_processing", {"ext_proc": "buffered",
                                                                         "ext_authz_http": "authz-http"}[resolved])
     http_filters(s, 1)  # renders: no refusal for a combination 'auto' chose
 
 
 @pytest.mark.parametrize(("gateway", "message"), [
-    ({"routing_filter": "ext_proxy"}, "routing_filter must be one of auto, ext_proc, ext_authz, ext_authz_http"),
-    ({"routing_filter": "ext_authz", "response_path": "observe"}, "routing_filter ext_authz needs the facts path"),
+    ({"routing_filter": "ext_proxy"}, "routing_filter must be one of auto, ext_proc, ext_authz_http, got 'ext_proxy'$"),
+    # Envoy's ext_authz over gRPC is no longer offered: who names it is told what to use instead.
+    ({"routing_filter": "ext_authz"}, r"got 'ext_authz' \(Envoy's ext_authz over gRPC is no longer offered: 'authz-http'"),
+    ({"routing_filter": "authz"}, r"got 'authz' \(Envoy's ext_authz over gRPC is no longer offered"),
     ({"routing_filter": "ext_authz_http", "response_path": "observe"},
      "routing_filter ext_authz_http needs the facts path"),
 ])
@@ -121,7 +121,7 @@ def test_a_routing_filter_that_cannot_work_is_refused_before_anything_starts(gat
         GatewayProcesses(GatewaySettings(**gateway), RoutingSettings(), PoolSettings(endpoints=("127.0.0.1:9",)))
 
 
-@pytest.mark.parametrize(("routing_filter", "processing"), [("ext_authz", "authz"), ("ext_authz_http", "authz-http")])
+@pytest.mark.parametrize(("routing_filter", "processing"), [("ext_authz_http", "authz-http")])
 def test_the_ext_authz_routing_filter_renders_envoys_ext_authz_and_ext_proc_for_the_handoff_route(
         routing_filter: str, processing: str) -> None:
     gw = GatewayProcesses(GatewaySettings(routing_filter=routing_filter), RoutingSettings(),
@@ -146,8 +146,6 @@ def test_the_ext_authz_routing_filter_renders_envoys_ext_authz_and_ext_proc_for_
     order = [r.name for r in routes]
     assert order.index("picked_endpoint /v1/chat/completions") < order.index("handoff /v1/chat/completions") < \
         order.index("extproc_unavailable_round_robin /v1/chat/completions")
-    if processing == "authz-http":
-        assert s.extproc_authz_http_addresses == ("127.0.0.1:9104",)
-    for mode in ("authz", "authz-http"):  # the Envoy setting alone, without facts
-        with pytest.raises(ValueError, match="needs the facts path"):
-            http_filters(EnvoySettings(routing_processing=mode, response_facts_lua=False), 1)
+    assert s.extproc_authz_http_addresses == ("127.0.0.1:9104",)
+    with pytest.raises(ValueError, match="needs the facts path"):  # the Envoy setting alone, without facts
+        http_filters(EnvoySettings(routing_processing=processing, response_facts_lua=False), 1)

@@ -166,20 +166,9 @@ def _files(protos: list[descriptor_pb2.FileDescriptorProto]) -> list:
 def test_built_descriptors_cover_the_envoy_packages_the_health_service_and_the_services():
     packages = {f.package for f in _files(_file_protos())}
     assert packages == {"envoy.service.ext_proc.v3", "envoy.config.core.v3", "envoy.type.v3",
-                        "envoy.extensions.filters.http.ext_proc.v3", "envoy.service.auth.v3", "google.rpc",
-                        "grpc.health.v1", "google.protobuf"}
+                        "envoy.extensions.filters.http.ext_proc.v3", "grpc.health.v1", "google.protobuf"}
     assert wire.PROCESS_PATH == "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-    assert wire.AUTHZ_CHECK_PATH == "/envoy.service.auth.v3.Authorization/Check"
     assert wire.HEALTH_CHECK_PATH == "/grpc.health.v1.Health/Check"
-
-
-def test_the_ext_authz_status_is_googles_rpc_status():
-    """google.rpc.Status (the CheckResponse's status; not an Envoy package, so not in `envoy_mismatches`) against
-    the definition envoy-data-plane ships."""
-    problems: list[str] = []
-    status = next(f for f in _files(_file_protos()) if f.package == "google.rpc").message_types_by_name["Status"]
-    _check_message(status, problems)
-    assert problems == []
 
 
 def _shape(descriptor) -> dict:  # noqa: ANN001 - a message, enum or service descriptor
