@@ -160,7 +160,8 @@ def essential_help(parser: argparse.ArgumentParser, essential: Collection[str]) 
                         help="show every setting, grouped by settings class, and exit")
     for a in hidden:
         a.help = argparse.SUPPRESS
-    hint = f"{len(hidden)} more settings: {HELP_ALL}; all of them: {REFERENCE_DOC}"
+    more = f"{len(hidden)} more setting" + ("" if len(hidden) == 1 else "s")
+    hint = f"{more}: {HELP_ALL}; all of them: {REFERENCE_DOC}"
     parser.epilog = f"{epilog} {hint}" if epilog else hint
 
 
