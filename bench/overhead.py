@@ -72,7 +72,7 @@ class OverheadBenchSettings(Settings):
                                         "replicas against one, same run); replicas share picks through an "
                                         "embedded NATS.")
     routing_filter: str = setting("auto", "The routed gateways' routing filter (gateway --routing-filter): 'auto' "
-                                  "(the gateway's default: ext_authz_http with telemetry on, else ext_proc), "
+                                  "(the gateway's default: ext_proc), "
                                   "'ext_proc', 'ext_authz' (Envoy's ext_authz filter, one unary gRPC Check per "
                                   "request) or 'ext_authz_http' (the same over HTTP); with --replicas 1,2 it says "
                                   "how each scales.")
@@ -159,7 +159,7 @@ VARIANTS["authz-facts"] = {**VARIANTS["facts"], "routing_processing": "authz"}
 # ext_authz over HTTP (authz_http.py): a gateway setting, since the router then serves a port of its own.
 VARIANTS["routing-authz-http"] = {"routing_filter": "ext_authz_http"}
 VARIANTS["authz-http-facts"] = {**VARIANTS["facts"], "routing_filter": "ext_authz_http"}
-# The ext_proc routing filter, the gateway's default before ext_authz_http (with telemetry on).
+# The ext_proc routing filter, the gateway's default (auto), named.
 VARIANTS["routing-extproc"] = {"routing_filter": "ext_proc"}
 VARIANTS["extproc-facts"] = {**VARIANTS["facts"], "routing_filter": "ext_proc"}
 """Routed gateway variants (--variants): Envoy settings over the routed configuration's; "records" sends Envoy's

@@ -44,7 +44,7 @@ class RouterSpec:
     routing_filter: str = ""
     """Our gateway's routing filter (``--routing-filter``): "ext_proc" (``+extproc``), "ext_authz" (``+authz``:
     Envoy's ext_authz filter, one unary gRPC Check per request), "ext_authz_http" (``+authz-http``: the same over
-    HTTP), "" = the gateway's default (auto: ext_authz_http with telemetry on)."""
+    HTTP), "" = the gateway's default (auto: ext_proc)."""
     api: str = ""
     """The API a workload with a Responses form (agents) is sent in: "responses" or "chat"; "" = the router's
     default (`default_api`)."""

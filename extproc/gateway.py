@@ -109,27 +109,29 @@ class GatewaySettings(Settings):
     metrics_port: int = setting(9464, "Port of the ext_proc service's Prometheus /metrics on 127.0.0.1 (9464: the "
                                 "OpenTelemetry Prometheus exporter's port; 0 = any free port; -1 disables it); "
                                 "replica k's is metrics_port + k.")
-    telemetry: bool = setting(True, "Per-request telemetry: the observing Envoy filter (gateway TTFT, latency, "
-                              "usage) and OTLP span export (per the OTEL_* variables, inherited by the ext_proc "
-                              "child); false omits both (metrics of decisions remain).")
+    telemetry: bool = setting(True, "Per-request telemetry: each replica's OTLP span per routed request (per the "
+                              "OTEL_* variables, inherited by the ext_proc child); false exports none. The router's "
+                              "learning does not depend on it: each response's facts still reach the replica that "
+                              "routed it by response_path (time model, index feedback, Responses ids, flow "
+                              "control), and /metrics stays.")
     response_path: str = setting(
         "auto", "How the router learns each response's facts (first token time, usage with cached tokens, served "
-        "endpoint, Responses id), with telemetry on: 'facts' = Envoy takes them (a Lua filter) and sends one OTLP "
+        "endpoint, Responses id), with or without telemetry: 'facts' = Envoy takes them (a Lua filter) and sends one OTLP "
         "record per request to the ext_proc replica, nothing per body chunk crosses gRPC, and they arrive at the "
         "stream's end plus facts_flush_interval_ms; 'observe' = the observing ext_proc filter streams every response "
         "chunk to the router (facts at the first token, ~95 us of ext_proc CPU per chunk); 'auto' = facts (kept "
         "as a name: it once meant observe without Envoy's request records). GIE mode keeps its own protocol.")
     routing_filter: str = setting(
-        "auto", "Envoy's filter that asks the router where a request goes: 'ext_authz_http' (Envoy's external "
-        "authorization filter over plain HTTP/1.1 to the router's authz_http_port: one check with the headers and "
-        "whole body, no gRPC on the request path; the least added latency and router CPU measured, "
-        "bench-results/routing-authz-http/), 'ext_authz' (the same filter over gRPC: one unary Check), 'ext_proc' "
-        "(the external processing filter: the request headers, answered at once, then the whole body, on a stream "
-        "held until the response ends) or 'auto' = ext_authz_http on the facts path (telemetry on, response_path "
-        "facts or auto), else ext_proc. Both ext_authz filters need the facts path (each request's facts record "
-        "releases its pick) and hand a request to hold past saturation, or a large body to parse, to the ext_proc "
-        "filter on a route of its own (whose answers may extend Envoy's wait). envoy-config's names for the same "
-        "filters (authz-http, authz, buffered) are accepted too.")
+        "auto", "Envoy's filter that asks the router where a request goes: 'ext_proc' (Envoy's external processing "
+        "filter to the router's gRPC service: the request headers, answered at once, then the whole body, on a "
+        "stream held until the response ends; it holds a request past saturation and hands a large body to the "
+        "parse workers on the same stream), 'ext_authz_http' (Envoy's external authorization filter over plain "
+        "HTTP/1.1 to the router's authz_http_port: one check with the headers and whole body; less added latency "
+        "and router CPU per request, bench-results/routing-authz-http/, but a request to hold or a large body is "
+        "handed to the ext_proc filter on a route of its own and decided twice), 'ext_authz' (the same filter over "
+        "gRPC: one unary Check) or 'auto' = ext_proc. Both ext_authz filters need the facts path (each request's "
+        "facts record releases its pick). envoy-config's names for the same filters (authz-http, authz, buffered) "
+        "are accepted too.")
 
     def __post_init__(self) -> None:
         canonical = ROUTING_FILTER_ALIASES.get(self.routing_filter)  # one name per filter (ROUTING_FILTERS)
@@ -309,8 +311,8 @@ class GatewayProcesses:
         self.envoy_overrides = envoy_overrides or {}
         self.routing_filter = self._resolved_routing_filter()
         """`routing_filter` with 'auto' resolved."""
-        if self.routing_filter in _ROUTING_PROCESSING and not (gateway.telemetry and self.response_path == "facts"):
-            raise ValueError(f"routing_filter {self.routing_filter} needs the facts path (telemetry on, response_path facts or "
+        if self.routing_filter in _ROUTING_PROCESSING and self.response_path != "facts":
+            raise ValueError(f"routing_filter {self.routing_filter} needs the facts path (response_path facts or "
                              "auto): each request's facts record is what releases its pick")
         self.routing = routing
         self.pool = pool
@@ -342,15 +344,10 @@ class GatewayProcesses:
         self._peer_env: dict[str, str] = {}  # the embedded NATS's token and the bus key, for the replicas
 
     def _resolved_routing_filter(self) -> str:
-        """'auto': ext_authz_http when the request's facts come by the facts path (and no Envoy override chose
-        another routing filter or response path: overhead-bench's variants), else ext_proc."""
+        """'auto' is ext_proc: Envoy's external processing filter to the router's gRPC service, as the design
+        names it; the ext_authz filters are the operator's choice."""
         chosen = self.gateway.routing_filter
-        if chosen != "auto":
-            return chosen
-        o = self.envoy_overrides
-        facts = (self.gateway.telemetry and self.response_path == "facts" and o.get("response_facts_lua", True)
-                 and not o.get("observe_responses", False) and "routing_processing" not in o)
-        return "ext_authz_http" if facts else "ext_proc"
+        return "ext_proc" if chosen == "auto" else chosen
 
     @property
     def response_path(self) -> str:
@@ -388,8 +385,10 @@ class GatewayProcesses:
             "num_fallbacks": min(self.routing.num_fallbacks, MAX_FALLBACKS),
             "report_served": self.gateway.report_served,
             "expose_served_endpoint": self.gateway.expose_served_endpoint,
-            "observe_responses": self.gateway.telemetry and self.response_path == "observe",
-            "response_facts_lua": self.gateway.telemetry and self.response_path == "facts",
+            # The response path is how the router learns (first tokens, usage, served endpoint, Responses ids):
+            # on whether or not telemetry exports anything.
+            "observe_responses": self.response_path == "observe",
+            "response_facts_lua": self.response_path == "facts",
             "facts_flush_interval_ms": self.gateway.facts_flush_interval_ms,
             **({"routing_processing": _ROUTING_PROCESSING[self.routing_filter]}
                if self.routing_filter in _ROUTING_PROCESSING else {}),
@@ -407,7 +406,7 @@ class GatewayProcesses:
         one it honours (envoy_config/facts.py): Envoy warns of it at every start (component ``misc``, which logs
         deprecated options). A clean start logs no warning, so that component logs errors only then, unless the
         operator asked for debug or trace."""
-        quiet = self.response_path == "facts" and self.gateway.telemetry
+        quiet = self.response_path == "facts"
         return ["--component-log-level", "misc:error"] if quiet and self.gateway.envoy_log_level in (
             "info", "warning") else []
 

@@ -121,9 +121,8 @@ class EnvoySettings(Settings):
         "facts record releases each pick); a request to hold past saturation, or a large body, is handed to the "
         "ext_proc filter on the handoff route. 'ext_authz_http' (also 'authz-http') is the same filter and decision "
         "over plain HTTP/1.1 to the service's authz_http_port (extproc_authz_http_addresses) instead of gRPC: the "
-        "fastest measured (bench-results/routing-authz-http/), and what `prefixroute gateway` and `up` render by "
-        "default with telemetry on (their --routing-filter auto); this Envoy-only default stays 'buffered', which "
-        "needs no router setting.")
+        "fastest measured (bench-results/routing-authz-http/), an option of `prefixroute gateway` and `up` "
+        "(--routing-filter ext_authz_http); the default, here and there, is 'buffered': Envoy's ext_proc filter.")
 
     def __post_init__(self) -> None:
         # One name per routing filter, as `gateway --routing-filter` says them: ext_authz_http, ext_authz,

@@ -340,15 +340,16 @@ def prompt_tokens_of(endpoints: list[str]) -> dict[str, float]:
     return prompt_tokens(Fleet(servers=dict.fromkeys(endpoints)))  # type: ignore[arg-type]
 
 
-def test_without_telemetry_follow_ups_find_their_ids_by_lookup(rig: tuple[Fleet, GatewayProcesses, Path],
-                                                              tmp_path: Path) -> None:
+def test_without_telemetry_follow_ups_find_their_ids_from_the_facts(rig: tuple[Fleet, GatewayProcesses, Path],
+                                                                   tmp_path: Path) -> None:
+    """Telemetry off exports no span, but each response's facts still reach the router: the directory learns every
+    Responses id from them, and no follow-up needs a lookup."""
     fleet, _, _ = rig
     gw = GatewayProcesses(GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, telemetry=False),
                           RoutingSettings(), PoolSettings(endpoints=tuple(fleet.endpoints)), log_dir=tmp_path)
     with gw:
-        # No observing filter in Envoy's configuration: nothing but the lookups can learn an id.
         text = gw.config_path.read_text()  # type: ignore[union-attr]
-        assert "prefixroute.observe_responses" not in text and "prefixroute.facts" not in text
+        assert "prefixroute.facts" in text and "prefixroute.observe_responses" not in text
         c = client(gw)
         convs = [Conversation(100 + k, stream=k % 2 == 0) for k in range(4)]
         for _ in range(3):
@@ -359,8 +360,7 @@ def test_without_telemetry_follow_ups_find_their_ids_by_lookup(rig: tuple[Fleet,
         assert all(t.cached_tokens > 0 for _, t in follow_ups)
         m = lookups(gw)
         print(f"telemetry off: {len(follow_ups)} follow-ups, lookups {m}")
-        # Nothing observes the responses: each follow-up's id was found by one fan-out.
-        assert m["found"] == len(follow_ups) and m["hits"] == 0 and m["not_found"] == m["failed"] == 0
+        assert m["hits"] == len(follow_ups) and m["found"] == m["not_found"] == m["failed"] == 0
 
 
 def test_demo_traffic_agents_run_over_the_responses_api_through_the_gateway(

@@ -125,11 +125,12 @@ def ms(xs: list[float], q: float) -> float:
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcesses]:
-    """`prefixroute gateway` as `up` runs it (a drawn token, the HTTP check, the facts path) over two servers."""
+    """`prefixroute gateway` with every router port open (a drawn token, the HTTP check option, the facts path) over
+    two servers."""
     tmp = tmp_path_factory.mktemp("ports")
     with ExitStack() as stack:
         fleet = start_fleet(stack, 2, tmp)
-        g = gateway(stack, fleet.endpoints, tmp)
+        g = gateway(stack, fleet.endpoints, tmp, routing_filter="ext_authz_http")
         assert g.auth_token and g.authz_http_ports and g.metrics_port > 0
         yield g
 

@@ -284,7 +284,7 @@ def test_a_body_of_token_id_lists_is_parsed_off_the_loop(tmp_path: Path) -> None
     assert lists.count(b"{") == 1 and 600_000 < len(lists) < 1 << 20
     with ExitStack() as stack:
         fleet = start_fleet(stack, 1, tmp_path)
-        gw = start_gateway(stack, fleet.endpoints, tmp_path)
+        gw = start_gateway(stack, fleet.endpoints, tmp_path, routing_filter="ext_authz_http")
         port = gw.gateway.port
         assert request(port, chat("warm"))[0] == 200
         before = metric(metrics_text(gw), "prefixroute_authz_handoffs_total", reason="parse")
@@ -355,7 +355,7 @@ def test_a_claim_that_does_not_fit_moves_no_conversation_and_no_record_shows_an_
         stack.callback(lambda: (recv.terminate(), recv.wait(10)))
         until(lambda: http_get(f"http://127.0.0.1:{hport}/healthz")[0] == 200, 20.0, message="the receiver up")
         fleet = start_fleet(stack, 2, tmp_path)
-        gw = start_gateway(stack, fleet.endpoints, tmp_path, env={
+        gw = start_gateway(stack, fleet.endpoints, tmp_path, routing_filter="ext_authz_http", env={
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{tport}",
             "OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer%20{token}"})
         port = gw.gateway.port

@@ -399,7 +399,7 @@ def _reachable(policy: dict, container: dict, labels: dict, namespace_labels: di
     return out
 
 
-GATEWAY_PORTS = {9002, 9004}
+GATEWAY_PORTS = {9002}
 SCRAPER = {"prefixroute.io/metrics-scraper": "true", "app.kubernetes.io/name": "prometheus"}
 
 

@@ -74,9 +74,10 @@ def test_response_path_resolves(path: str, records: bool, expected: str) -> None
     s = gw.envoy_settings()
     assert gw.response_path == expected
     assert (s.response_facts_lua, s.observe_responses) == (expected == "facts", expected == "observe")
+    # Telemetry off exports no span, but the router still learns each response's facts by the same path.
     off = GatewayProcesses(GatewaySettings(response_path=path, telemetry=False), RoutingSettings(),
                            PoolSettings(endpoints=("127.0.0.1:9",))).envoy_settings()
-    assert not off.response_facts_lua and not off.observe_responses
+    assert (off.response_facts_lua, off.observe_responses) == (expected == "facts", expected == "observe")
 
 
 def test_an_unknown_response_path_is_refused_before_anything_starts() -> None:
@@ -86,16 +87,18 @@ def test_an_unknown_response_path_is_refused_before_anything_starts() -> None:
 
 
 @pytest.mark.parametrize(("gateway", "overrides", "resolved"), [
-    ({}, {}, "ext_authz_http"),  # the default: telemetry on, the facts path
+    ({}, {}, "ext_proc"),  # the default: the design's ext_proc filter
     ({"telemetry": False}, {}, "ext_proc"),
     ({"response_path": "observe"}, {}, "ext_proc"),
     ({}, {"response_facts_lua": False}, "ext_proc"),  # overhead-bench's variants: Envoy's own response path
     ({}, {"observe_responses": True, "response_facts_lua": False}, "ext_proc"),
     ({}, {"routing_processing": "skip-headers"}, "ext_proc"),
     ({"routing_filter": "ext_proc"}, {}, "ext_proc"),
+    ({"routing_filter": "ext_authz_http"}, {}, "ext_authz_http"),
+    ({"routing_filter": "ext_authz_http", "telemetry": False}, {}, "ext_authz_http"),
     ({"routing_filter": "ext_authz"}, {}, "ext_authz"),
 ])
-def test_the_auto_routing_filter_is_ext_authz_over_http_on_the_facts_path(gateway: dict, overrides: dict,
+def test_the_auto_routing_filter_is_ext_proc(gateway: dict, overrides: dict,
                                                                           resolved: str) -> None:
     gw = GatewayProcesses(GatewaySettings(**gateway), RoutingSettings(), PoolSettings(endpoints=("127.0.0.1:9",)),
                           envoy_overrides=overrides)
@@ -109,9 +112,9 @@ def test_the_auto_routing_filter_is_ext_authz_over_http_on_the_facts_path(gatewa
 
 @pytest.mark.parametrize(("gateway", "message"), [
     ({"routing_filter": "ext_proxy"}, "routing_filter must be one of auto, ext_proc, ext_authz, ext_authz_http"),
-    ({"routing_filter": "ext_authz", "telemetry": False}, "routing_filter ext_authz needs the facts path"),
     ({"routing_filter": "ext_authz", "response_path": "observe"}, "routing_filter ext_authz needs the facts path"),
-    ({"routing_filter": "ext_authz_http", "telemetry": False}, "routing_filter ext_authz_http needs the facts path"),
+    ({"routing_filter": "ext_authz_http", "response_path": "observe"},
+     "routing_filter ext_authz_http needs the facts path"),
 ])
 def test_a_routing_filter_that_cannot_work_is_refused_before_anything_starts(gateway: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
