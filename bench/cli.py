@@ -44,8 +44,19 @@ if TYPE_CHECKING:  # the engine model is imported when a virtual run or a sweep 
     from prefixroute.model_servers.profiles import EngineSpec
 
 
+HELP_ESSENTIALS = (
+    "workload", "num_requests", "output_tokens", "seed",  # a synthetic workload (its shape: --help-all)
+    "trace", "trace_time_scale", "max_output_tokens",  # or a trace
+    "arrival", "rate_rps", "concurrency", "sweep_load_percents",  # how requests arrive
+    "routers", "servers", "profile", "server_args", "gateway_args", "virtual",  # what runs them
+    "max_duration_s", "out", "overhead",
+)
+"""The settings `prefixroute bench --help` lists; --help-all lists all of them."""
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings_mod.add_arguments(parser, BenchSettings)
+    settings_mod.essential_help(parser, HELP_ESSENTIALS)
 
 
 def build_workload(s: BenchSettings) -> Workload:

@@ -5,7 +5,9 @@ field's help text in ``field(metadata={"help": ...})``. From that single declara
 
 - `add_arguments` adds ``--field-name`` flags to an argparse parser,
 - `from_namespace` builds the instance with precedence CLI flag > env var > default,
-- `render_markdown` writes the configuration reference (docs/configuration.md) so docs cannot drift.
+- `render_markdown` writes the configuration reference (docs/configuration.md) so docs cannot drift,
+- `essential_help` keeps a command's default ``--help`` to the flags its user needs first; ``--help-all`` lists
+  every one.
 
 The env var of a field is ``{ENV_PREFIX}{FIELD_NAME}`` upper-cased, e.g. ``PREFIXROUTE_EXTPROC_PORT``.
 Supported field types: str, int, float, bool, Optional[...] of those, tuple[str, ...] (comma-separated).
@@ -16,9 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, ClassVar, TypeVar
 
 S = TypeVar("S", bound="Settings")
@@ -108,6 +111,76 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Settings]) -> None:
         else:
             group.add_argument(flag_name(f), dest=f.name, default=None, metavar=f.name.upper(),
                                type=lambda s, _tp=tp, _n=flag_name(f): _argparse_value(_tp, s, _n), help=help_text)
+
+
+MAX_DEFAULT_HELP_FLAGS = 25
+"""Most flags a command's default ``--help`` lists, ``--help-all`` included (``-h`` aside): about one screen, what
+a person reads through before starting a command. The rest are one ``--help-all`` away."""
+
+HELP_ALL = "--help-all"
+REFERENCE_DOC = "docs/configuration.md"
+"""The configuration reference, every setting of every command (relative to the repository root)."""
+
+
+class _HelpAll(argparse.Action):
+    """``--help-all``: print the help with every flag, grouped by settings class, and exit. Holds the help texts
+    `essential_help` took out of the default help (`hidden`) and the parser's own epilog."""
+
+    def __init__(self, option_strings: list[str], dest: str, hidden: dict[argparse.Action, str],
+                 epilog: str | None, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+        self.hidden = hidden
+        self.epilog = epilog
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser._print_message(format_help_all(parser), sys.stdout)
+        parser.exit()
+
+
+def essential_help(parser: argparse.ArgumentParser, essential: Collection[str]) -> None:
+    """List only the `essential` arguments (by dest: a settings field's name, or another argument's dest) in the
+    parser's default ``--help``, ending with a line that says how many more there are and where; add
+    ``--help-all``, which lists every flag grouped by settings class. Call it last in a `configure_parser`.
+
+    Invariants: every flag still parses, with its env var and default (only the help listing changes); the
+    default help lists at most MAX_DEFAULT_HELP_FLAGS flags. Raises ValueError for a name the parser has no
+    argument for, or a set too large for that bound."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.help is not argparse.SUPPRESS
+               and not isinstance(a, argparse._HelpAction)}
+    unknown = sorted(set(essential) - set(actions))
+    if unknown:
+        raise ValueError(f"essential_help: {parser.prog} has no argument {', '.join(unknown)}")
+    if len(set(essential)) + 1 > MAX_DEFAULT_HELP_FLAGS:
+        raise ValueError(f"essential_help: {parser.prog} would list {len(set(essential)) + 1} flags by default "
+                         f"(--help-all included), over {MAX_DEFAULT_HELP_FLAGS}")
+    hidden = {a: a.help for name, a in actions.items() if name not in essential}
+    epilog = parser.epilog
+    parser.add_argument(HELP_ALL, action=_HelpAll, hidden=hidden, epilog=epilog,
+                        help="show every setting, grouped by settings class, and exit")
+    for a in hidden:
+        a.help = argparse.SUPPRESS
+    more = f"{len(hidden)} more setting" + ("" if len(hidden) == 1 else "s")
+    hint = f"{more}: {HELP_ALL}; all of them: {REFERENCE_DOC}"
+    parser.epilog = f"{epilog} {hint}" if epilog else hint
+
+
+def format_help_all(parser: argparse.ArgumentParser) -> str:
+    """The parser's help with every flag, as ``--help-all`` prints it (its default help where `essential_help`
+    hid nothing)."""
+    help_all = next((a for a in parser._actions if isinstance(a, _HelpAll)), None)
+    if help_all is None:
+        return parser.format_help()
+    epilog = parser.epilog
+    try:
+        for a, text in help_all.hidden.items():
+            a.help = text
+        parser.epilog = help_all.epilog
+        return parser.format_help()
+    finally:
+        for a in help_all.hidden:
+            a.help = argparse.SUPPRESS
+        parser.epilog = epilog
 
 
 def _argparse_value(tp: Any, raw: str, name: str) -> Any:

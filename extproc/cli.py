@@ -72,6 +72,18 @@ def readiness(pool: EndpointPool, routing: RoutingSettings, events: KVEventsLink
     return ready
 
 
+HELP_ESSENTIALS = (
+    "port", "listen_address", "protocol", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file",
+    "allow_unauthenticated", "health_port",  # where Envoy reaches it, and who may
+    "policy", "index_source", "tokenizer",  # how it routes
+    "endpoints", "endpoints_file", "endpoints_dns", "kv_events_port_offset",  # where the model servers are
+    "metrics_port", "metrics_host", "traces", "otlp_endpoint",  # telemetry
+    "url", "flow_control", "tenants_file",  # --peers-url (other replicas), the queue, tenants
+)
+"""The settings `prefixroute extproc --help` lists (a router run behind an Envoy of one's own); --help-all
+lists all of them."""
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, ExtprocSettings)
     settings.add_arguments(parser, RoutingSettings)
@@ -80,6 +92,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, PeerSettings)
     settings.add_arguments(parser, FlowSettings)
     settings.add_arguments(parser, TenantSettings)
+    settings.essential_help(parser, HELP_ESSENTIALS)
 
 
 def tenants_from_settings(tenant_settings: TenantSettings, routing: RoutingSettings, flow: FlowSettings) -> Tenants:

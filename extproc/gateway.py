@@ -610,11 +610,22 @@ SUPERVISE_INTERVAL_S = 0.1
 """How often `prefixroute gateway` checks its two children (a crash is noticed within 0.1 s)."""
 
 
+HELP_ESSENTIALS = (
+    "port", "listen_address", "ports", "extproc_port", "extproc_replicas", "envoy_admin", "envoy_log_level",
+    "failure_mode", "routing_filter", "extproc_auth", "telemetry", "metrics_port",  # the gateway
+    "policy", "index_source", "tokenizer",  # how it routes
+    "endpoints", "endpoints_file", "endpoints_dns", "kv_events_port_offset",  # where the model servers are
+    "url",  # --peers-url: an outside NATS for the replicas
+)
+"""The settings `prefixroute gateway --help` lists; --help-all lists all of them."""
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, GatewaySettings)
     settings.add_arguments(parser, RoutingSettings)
     settings.add_arguments(parser, PoolSettings)
     settings.add_arguments(parser, PeerSettings)
+    settings.essential_help(parser, HELP_ESSENTIALS)
 
 
 def main(args: argparse.Namespace) -> int:

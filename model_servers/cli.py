@@ -13,8 +13,20 @@ from prefixroute import settings
 from prefixroute.model_servers.server import ServerSettings, serve
 
 
+HELP_ESSENTIALS = (
+    "host", "port", "id", "log_level",
+    "profile", "served_model_name", "lora_modules", "time_scale", "default_max_tokens",  # the model and GPU
+    "num_gpu_blocks", "block_size", "kv_offloading_size", "max_num_seqs", "max_num_batched_tokens",
+    "max_model_len",  # vLLM's engine flags
+    "kv_events_config",  # KV events (the bench's fleet reads this --help to learn that the servers publish)
+    "fail_ratio", "extra_latency_ms", "admin_port",  # fault injection
+)
+"""The settings `prefixroute model-server --help` lists; --help-all lists all of them."""
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, ServerSettings)
+    settings.essential_help(parser, HELP_ESSENTIALS)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -115,12 +115,23 @@ class StackSettings(Settings):
                              f"got {self.traffic!r}")
 
 
+HELP_ESSENTIALS = (
+    "servers", "profile", "model_server_time_scale", "kv_events", "traffic", "traffic_rate_rps",  # the fleet, load
+    "state_dir", "dashboard", "dashboard_port", "log_level",  # what it keeps and shows
+    "port", "listen_address", "ports", "extproc_replicas", "routing_filter", "telemetry", "metrics_port",  # gateway
+    "policy", "index_source", "tokenizer",  # how it routes
+    "endpoints",  # real model servers instead of simulated ones
+)
+"""The settings `prefixroute up --help` lists; --help-all lists all of them."""
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, StackSettings)
     settings.add_arguments(parser, GatewaySettings)
     settings.add_arguments(parser, RoutingSettings)
     settings.add_arguments(parser, PoolSettings)
     settings.add_arguments(parser, PeerSettings)
+    settings.essential_help(parser, HELP_ESSENTIALS)
 
 
 SUPERVISE_INTERVAL_S = 0.1

@@ -229,9 +229,22 @@ def render(s: EnvoySettings | None = None) -> str:
     return "".join(f"# {line}".rstrip() + "\n" for line in HEADER.splitlines()) + body
 
 
+HELP_ESSENTIALS = (
+    "out", "gateway_port", "listen_address", "admin_mode", "admin_port",  # where Envoy listens
+    "extproc_address", "extproc_replica_addresses", "routing_processing", "failure_mode",
+    "extproc_message_timeout_ms",  # the router
+    "extproc_auth_token_file", "extproc_tls_ca_file", "extproc_tls_cert_file", "extproc_tls_key_file",
+    "extproc_tls_server_name",  # how Envoy proves itself to the router, and the router to it
+    "endpoints", "num_fallbacks", "upstream_timeout_s",  # the model servers
+    "trusted_ingress_headers", "records_otlp_address",
+)
+"""The settings `prefixroute envoy-config --help` lists; --help-all lists all of them."""
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="Write to this file instead of stdout.")
     settings.add_arguments(parser, EnvoySettings)
+    settings.essential_help(parser, HELP_ESSENTIALS)
 
 
 def main(args: argparse.Namespace) -> int:
