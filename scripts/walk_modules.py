@@ -98,7 +98,7 @@ from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.extproc.server import ExtprocSettings, new_event_loop
 from prefixroute.extproc.tenants import TenantSettings
-from prefixroute.procs import ManagedProcess, free_port, http_ok, prefixroute_argv, tcp_open
+from prefixroute.procs import ManagedProcess, free_port, http_ok, prefixroute_argv
 from prefixroute.telemetry.router import RouterTelemetrySettings
 
 PACKAGE = "prefixroute"
@@ -648,6 +648,8 @@ async def walk(transports: tuple[str, ...] = TRANSPORTS, *, endpoint: str | None
     if unknown:
         raise ValueError(f"unknown transport(s) {', '.join(sorted(unknown))}; choose from {', '.join(TRANSPORTS)}")
     server = None
+    if endpoint is not None and not http_ok(f"http://{endpoint}/health", timeout_s=2.0):
+        raise OSError(f"no model server answers at http://{endpoint}/health")
     logs = tempfile.TemporaryDirectory(prefix="walk-modules-")
     if endpoint is None:
         port = free_port()
@@ -663,6 +665,7 @@ async def walk(transports: tuple[str, ...] = TRANSPORTS, *, endpoint: str | None
     printed = io.StringIO()
     walks: dict[str, Walk] = {}
     gc_threshold = gc.get_threshold()  # `serve` tunes the collector for the process: undone after
+    router: asyncio.Task[None] | None = None
     try:
         if server is not None:
             await asyncio.get_running_loop().run_in_executor(None, server.wait_ready, 60.0)
@@ -700,6 +703,9 @@ async def walk(transports: tuple[str, ...] = TRANSPORTS, *, endpoint: str | None
             await router
     finally:
         stop.set()
+        if router is not None and not router.done():  # stopped by an error above: let it close its ports
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(router, 10.0)
         if server is not None:
             server.stop(grace_s=2.0)
         logs.cleanup()
@@ -754,13 +760,14 @@ def report(result: dict[str, Any]) -> str:
     for name, w in walks.items():
         if name == "default path":
             continue
-        out.append(f"{name} ({w.num_windows} traced windows): {sequence(w)}")
-        out.append(f"  modules: {', '.join(short(m) for m in w.modules)}")
+        out.append(f"{name} (traced windows: {w.num_windows})")
+        out.append(f"  entries ({w.num_entries}): {sequence(w)}")
+        out.append(f"  modules ({w.num_modules}): {', '.join(short(m) for m in w.modules)}")
         if w.resumptions:
-            out.append(f"  resumptions (not entries): " + ", ".join(
+            out.append("  resumptions (not entries): " + ", ".join(
                 f"{short(m)} x{n}" for m, n in Counter(r.module for r in w.resumptions).most_common()))
         if w.background:
-            out.append(f"  background in the window (not counted): "
+            out.append("  background in the windows (not counted): "
                        f"{', '.join(f'{short(m)} x{n}' for m, n in w.background.most_common())}")
         out.append("")
     out.append("Marks: * re-entry (module entered before in this walk), ! a transport entered from below.")
@@ -781,6 +788,9 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.set_event_loop(loop)
     try:
         result = loop.run_until_complete(walk(tuple(args.transport or TRANSPORTS), endpoint=args.endpoint))
+    except (OSError, TimeoutError, aiohttp.ClientError) as exc:
+        print(f"walk_modules: {exc}", file=sys.stderr)
+        return 1
     finally:
         loop.close()
     if args.json:
