@@ -9,21 +9,21 @@ a small client sends the router the messages Envoy sends, on the router's own po
 upstream request (the chat is sent to the endpoint the router picked and its SSE answer read), so the response
 side gets the server's real chunks. Per transport, one streamed chat (``stream: true``, usage included):
 
-- ``ext_proc``: Envoy's ext_proc routing filter as our configuration runs it on the facts path (the default): a
+- ``ext_proc``: Envoy's ext_proc routing filter as our configuration runs it on the facts path (the default routing
+  filter, on the default response path): a
   stream with the facts metadata; the request headers (answered CONTINUE), the whole body (BUFFERED: the decision);
   the response headers are not sent (SKIP on the facts path); the stream ends when the response has ended (the
   pick's release).
-- ``authz_http``: Envoy's ext_authz filter over HTTP/1.1 (extproc/authz_http.py; the default routing filter), one
-  check on a kept-alive connection, as Envoy sends it (facts and handoff headers, the body cap).
-- ``authz_grpc``: Envoy's ext_authz filter over gRPC (extproc/authz.py), one ``Authorization.Check``.
+- ``authz_http``: Envoy's ext_authz filter over HTTP/1.1 (extproc/authz_http.py; an option), one check on a
+  kept-alive connection, as Envoy sends it (facts and handoff headers, the body cap).
 - ``gie``: the Gateway API Inference Extension's protocol (extproc/gie.py) on one stream, request and response
   bodies FULL_DUPLEX_STREAMED: request headers, the body, then the response headers and every response chunk as the
   server sent them, the last with end of stream.
-- ``facts``: the facts path's two calls that close a request routed by ``authz_http`` (envoy_facts.py): the early
+- ``facts``: the facts path's two calls that close a request routed by ``ext_proc`` (envoy_facts.py): the early
   first token report, sent when the first chunk arrives, and Envoy's facts record (an OTLP log record with the
   status, timing and the usage the Lua filter takes from the stream's tail), sent after the stream's end.
 
-The requests routed by ``ext_proc`` and ``authz_grpc`` are closed by their facts too, untraced. Before each traced
+The requests routed by ``ext_proc`` and ``authz_http`` are closed by their facts too, untraced in their own rows. Before each traced
 request, one untraced request of the same transport warms the router (imports, caches, pre-built answers); each
 request has its own user question after a shared system prompt, so the traced one is a typical next chat, not a
 repeat of a cached prompt.
@@ -102,15 +102,15 @@ from prefixroute.procs import ManagedProcess, free_port, http_ok, prefixroute_ar
 from prefixroute.telemetry.router import RouterTelemetrySettings
 
 PACKAGE = "prefixroute"
-TRANSPORTS = ("ext_proc", "authz_http", "authz_grpc", "gie", "facts")
+TRANSPORTS = ("ext_proc", "authz_http", "gie", "facts")
 """What `walk` can drive, in the order it runs them (module docstring)."""
-DEFAULT_PATH = ("authz_http", "facts")
-"""The transports one request meets on the default path (`prefixroute gateway`: ext_authz over HTTP, then the
-facts path); their walks together are the ``default path`` row."""
+DEFAULT_PATH = ("ext_proc", "facts")
+"""The transports one request meets on the default path (`prefixroute gateway`: the ext_proc routing stream, then
+the facts path); their walks together are the ``default path`` row."""
 TRANSPORT_MODULES = frozenset(f"{PACKAGE}.{m}" for m in (
     "extproc.servicer", "extproc.authz", "extproc.authz_http", "extproc.gie", "extproc.envoy_facts",
     "extproc.health", "extproc.server",
-    # The bearer-token wrapper gRPC calls every unary handler through (authz Check, the facts calls): the
+    # The bearer-token wrapper gRPC calls every unary handler through (the facts calls): the
     # transport's own layer, above the handler.
     "grpc_auth"))
 """The transport modules: a call into one of these from a repository module outside them is a call from below."""
@@ -410,7 +410,6 @@ class Gateway:
     def __init__(self, channel: grpc.aio.Channel, authz_http_port: int, http: aiohttp.ClientSession) -> None:
         self.channel = channel
         self.process = wire.process_call(channel)
-        self.check = wire.authz_check_call(channel)
         self.first_token = channel.unary_unary(FIRST_TOKEN_METHOD, request_serializer=None, response_deserializer=None)
         self.export = channel.unary_unary(EXPORT_PATH, request_serializer=ExportLogsServiceRequest.SerializeToString,
                                           response_deserializer=ExportLogsServiceResponse.FromString)
@@ -474,10 +473,11 @@ class Gateway:
 
     # -- the transports' requests: each returns the router's answer; `walk` given: traced into it
 
-    async def ext_proc(self, body: bytes, tracer: ModuleTracer | None, walk: Walk | None) -> Answer:
+    async def ext_proc(self, body: bytes, tracer: ModuleTracer | None, walk: Walk | None,
+                       facts_walk: Walk | None = None) -> Answer:
         """Our ext_proc routing filter on the facts path (module docstring), traced from the stream's first message
         to its end; Envoy's early first token report (while the stream waits) and the facts record (after it)
-        are not the stream's walk."""
+        are not the stream's walk: traced into `facts_walk` when given."""
         headers = request_headers(body)
         first = wire.ProcessingRequest(request_headers=wire.HttpHeaders(headers=_header_map(headers)))
         first.protocol_config.CopyFrom(wire.ProtocolConfiguration(request_body_mode=_body_mode("BUFFERED"),
@@ -496,12 +496,17 @@ class Gateway:
             assert answer.traceparent is not None, "the router gave no traceparent: the facts path is off"
             early = answer.traceparent.encode()
             # Envoy's upstream request, and its Lua filter's early report at the first chunk.
-            up = await self.upstream(answer, body, headers, on_first_chunk=lambda: self.first_token(early, timeout=5))
+            async def first_token() -> None:
+                with _traced(tracer, facts_walk):
+                    await self.first_token(early, timeout=5)
+
+            up = await self.upstream(answer, body, headers, on_first_chunk=first_token)
             # The HTTP stream ended: Envoy closes the routing stream (the pick's release).
             await call.done_writing()
             assert await call.read() is grpc.aio.EOF
             assert await call.code() == grpc.StatusCode.OK
-        await self.export(self.facts_record(answer.traceparent, answer.endpoint, up), timeout=5)
+        with _traced(tracer, facts_walk):
+            await self.export(self.facts_record(answer.traceparent, answer.endpoint, up), timeout=5)
         return answer
 
     async def authz_http(self, body: bytes, tracer: ModuleTracer | None, walk: Walk | None,
@@ -527,22 +532,6 @@ class Gateway:
         assert status_line.split()[1] == "200", head
         answer = Answer(answered[DESTINATION_HEADER], answered.get(TRACEPARENT_HEADER))
         await self.facts(answer, body, headers, tracer if facts_walk is not None else None, facts_walk)
-        return answer
-
-    async def authz_grpc(self, body: bytes, tracer: ModuleTracer | None, walk: Walk | None) -> Answer:
-        """One gRPC ``Authorization.Check`` with the metadata our configuration sends, then the facts, untraced."""
-        headers = request_headers(body)
-        request = wire.CheckRequest(attributes=wire.AttributeContext(request=wire.AttributeContext.Request(
-            http=wire.AttributeContext.HttpRequest(method="POST", path=headers[":path"], headers=headers,
-                                                   raw_body=body))))
-        metadata = ((OBSERVED_METADATA, OBSERVED_FACTS), (HANDOFF_HEADER, HANDOFF_VALUE),
-                    (AUTHZ_BODY_BYTES_HEADER, str(self.body_cap)))
-        with _traced(tracer, walk):
-            resp = await self.check(request, metadata=metadata, timeout=5)
-        assert resp.WhichOneof("http_response") == "ok_response", resp
-        set_headers = {o.header.key: o.header.value for o in resp.ok_response.headers}
-        answer = Answer(set_headers[DESTINATION_HEADER], set_headers.get(TRACEPARENT_HEADER))
-        await self.facts(answer, body, headers, None, None)
         return answer
 
     async def gie(self, body: bytes, tracer: ModuleTracer | None, walk: Walk | None) -> Answer:
@@ -684,7 +673,7 @@ async def walk(transports: tuple[str, ...] = TRANSPORTS, *, endpoint: str | None
                     question = 0
                     try:
                         for transport in [t for t in TRANSPORTS if t in transports]:
-                            drive = gateway.authz_http if transport == "facts" else getattr(gateway, transport)
+                            drive = gateway.ext_proc if transport == "facts" else getattr(gateway, transport)
                             for traced in (False, True):
                                 question += 1
                                 body = chat_body(model, question)
@@ -712,7 +701,7 @@ async def walk(transports: tuple[str, ...] = TRANSPORTS, *, endpoint: str | None
         gc.unfreeze()
         gc.set_threshold(*gc_threshold)
     if all(t in walks for t in DEFAULT_PATH):
-        walks["default path"] = walks["authz_http"].joined(walks["facts"], "default path")
+        walks["default path"] = walks["ext_proc"].joined(walks["facts"], "default path")
     ready = next((line for line in printed.getvalue().splitlines() if line.startswith(extproc_cli.READY_PREFIX)), "")
     return {"walks": walks, "ready_line": ready, "endpoint": endpoint}
 
@@ -728,10 +717,9 @@ COLUMNS = (("transport", None), ("modules", "num_modules"), ("entries", "num_ent
 WHAT_WALKS = {
     "ext_proc": "routing stream: request headers, whole body, stream end",
     "authz_http": "one ext_authz check over HTTP/1.1",
-    "authz_grpc": "one ext_authz Check over gRPC",
     "gie": "one stream: request, response headers, every response chunk",
-    "facts": "early first token report + facts record (closing the authz_http request)",
-    "default path": "authz_http + facts: one request's whole walk",
+    "facts": "early first token report + facts record (closing the ext_proc request)",
+    "default path": "ext_proc + facts: one request's whole walk",
 }
 
 

@@ -49,14 +49,14 @@ async def test_the_walk_of_an_ext_proc_stream_enters_the_router_core() -> None:
 
 
 def test_the_command_prints_json_per_transport() -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--transport", "authz_http", "--transport", "facts", "--json"],
+    out = subprocess.run([sys.executable, str(SCRIPT), "--transport", "ext_proc", "--transport", "facts", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     walks = json.loads(out.stdout)["walks"]
-    assert list(walks) == ["authz_http", "facts", "default path"]
+    assert list(walks) == ["ext_proc", "facts", "default path"]
     for name, w in walks.items():
         assert w["num_modules"] > 0 and w["num_entries"] == len(w["sequence"]), name
-    assert "extproc.authz_http" in walks["authz_http"]["modules"]
+    assert "extproc.servicer" in walks["ext_proc"]["modules"]
     assert "extproc.envoy_facts" in walks["facts"]["modules"]
     both = walks["default path"]
-    assert both["num_entries"] == walks["authz_http"]["num_entries"] + walks["facts"]["num_entries"]
+    assert both["num_entries"] == walks["ext_proc"]["num_entries"] + walks["facts"]["num_entries"]
