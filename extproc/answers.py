@@ -105,3 +105,9 @@ def lookup_changed(response_id: str) -> OpenAIError:
     no second lookup round."""
     return OpenAIError(503, "the endpoint holding this response changed during its lookup; retry",
                        retry_after_s=1, param="previous_response_id")
+
+
+MAX_CACHED_ANSWERS = 4096
+"""Distinct endpoint lists each transport keeps its answers pre-built for; beyond it the cache is reset (a rebuild
+is cheap). A fleet of N endpoints with F fallbacks has at most N x (N-1)^F lists in use; 4096 covers 16 endpoints
+with two fallbacks."""

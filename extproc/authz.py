@@ -8,7 +8,7 @@ Chosen by ``--routing-filter ext_authz_http`` (an option: the default is the ext
 over gRPC was measured too and removed: the HTTP check cost less in every figure (bench-results/routing-authz/).
 
 Contract, beside the ext_proc servicer's (servicer.py), which this reuses for the decision itself (the same
-`_RoutingStream._decide`, lookups, holds and telemetry calls):
+`Exchange`: decision, lookups, holds and telemetry calls):
 
 - `AuthzServicer.start` decides at once where it can; `finish` awaits a lookup or a parse; `settle` turns the
   answer into the outcome: (endpoints, traceparent) when routed, the refusal otherwise. The transport builds its
@@ -40,7 +40,8 @@ from typing import Any
 from prefixroute.extproc.answers import immediate_response
 from prefixroute.extproc.headers import PARTIAL_BODY_HEADER
 from prefixroute.extproc.lifecycle import Pick
-from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ExtProcServicer, _RoutingStream
+from prefixroute.extproc.exchange import WAIT_HOLD, WAIT_PARSE, Exchange, Outcome, Refused, Wait
+from prefixroute.extproc.servicer import ExtProcServicer
 from prefixroute.extproc.tracking import Tracked
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.telemetry.tracecontext import parse_traceparent
@@ -121,17 +122,17 @@ class AuthzServicer:
               grpc_metadata: Callable[[], Any], handoff: bool = False,
               body_cap: int | None = None,
               early_answer: Callable[[tuple[str, ...], str | None], None] | None = None
-              ) -> tuple[_RoutingStream, Any]:
-        """Decide one check's request at once where it can: (its stream, the answer), where the answer may be
-        `HANDOFF` (answer with `HANDOFF_HEADER`), or `_NEEDS_LOOKUP` / `_NEEDS_HOLD`, then awaited with `finish`;
-        `settle` turns the answer into the outcome. Split so that a transport can answer a decision made at once
-        without a coroutine (authz_http.py). `grpc_metadata`: the call's metadata pairs (the facts path's
+              ) -> tuple[Exchange | None, Any]:
+        """Decide one check's request at once where it can: (its exchange, the outcome), where the outcome may be
+        `HANDOFF` (answer with `HANDOFF_HEADER`), or a `Wait`, then awaited with `finish`; `settle` turns the
+        outcome into the answer's terms. Split so that a transport can answer a decision made at once without a
+        coroutine (authz_http.py). `grpc_metadata`: the check's metadata pairs (the facts path's
         OBSERVED_METADATA, by the tracker). `handoff`: Envoy's configuration has the handoff route (the check
         carried HANDOFF_HEADER): a request flow control would hold, or a large body to parse off the loop, is
         handed to the ext_proc filter, whose answers may extend Envoy's wait; without it such a request is
         routed at once, and a large body parsed within the check. A body Envoy sent in part (PARTIAL_BODY_HEADER:
         above the filter's max_request_bytes, which our configuration sets to what the router parses on its loop)
-        is handed off at once with no state begun (the stream is None then); without the route it is refused
+        is handed off at once with no state begun (the exchange is None then); without the route it is refused
         (413). `body_cap`: that max_request_bytes when the check says it (AUTHZ_BODY_BYTES_HEADER): a body that
         long is taken for a cut one too, since Envoy may mark it whole. `early_answer`: called once with what
         `settle` will return for a routed decision made at once, (endpoints, traceparent or None), as soon as
@@ -141,57 +142,52 @@ class AuthzServicer:
         partial = headers.get(PARTIAL_BODY_HEADER) == "true" or (body_cap is not None and len(body) >= body_cap)
         if partial and handoff:  # a body above what Envoy sends whole: parsed off the loop, its whole by ext_proc
             self.picks.num_handoffs["parse"] += 1
-            return None, HANDOFF  # type: ignore[return-value]
-        stream = _RoutingStream(self.servicer, grpc_metadata)
-        stream.can_hold = handoff and stream.can_hold
-        stream.headers = headers
-        st, traceparent = self.tracker.begin(headers, grpc_metadata)
-        stream.st = st
-        stream.traceparent = traceparent
+            return None, HANDOFF
+        servicer = self.servicer
+        ex = Exchange(servicer.router, self.tracker, can_hold=handoff and servicer.can_hold,
+                      first_token_live=servicer.facts_first_token_live)
+        ex.begin(headers, grpc_metadata)
         if partial:  # another project's configuration: no way to see the whole body
-            err = OpenAIError(413, "Request body larger than the gateway's ext_authz filter sends whole "
-                                   "(with_request_body.max_request_bytes) and no handoff route to route it by")
-            self.tracker.refused(st, err.status, err.message)
-            return stream, immediate_response(err)
+            return ex, ex.refuse(OpenAIError(413, "Request body larger than the gateway's ext_authz filter sends "
+                                                  "whole (with_request_body.max_request_bytes) and no handoff route "
+                                                  "to route it by"))
         on_endpoints = None
         if early_answer is not None:
             # what `settle` answers: the traceparent only when a facts record will release the pick
-            tp = traceparent if traceparent is not None and st.facts else None
+            tp = ex.traceparent if ex.traceparent is not None and ex.st.facts else None
             on_endpoints = lambda endpoints: early_answer(endpoints, tp)  # noqa: E731
-        resp = stream._decide(method, path, body, False, on_endpoints=on_endpoints)
-        if handoff and (resp is _NEEDS_HOLD or (resp is _NEEDS_LOOKUP and stream.pending_lookup is not None
-                                                and stream.pending_lookup[4] is None)):
-            reason = "hold" if resp is _NEEDS_HOLD else "parse"
-            self.picks.num_handoffs[reason] += 1
-            stream.pending_hold = stream.pending_lookup = None
-            self.tracker.discard(st)  # the ext_proc stream records it
-            return stream, HANDOFF
-        return stream, resp
+        out = ex.decide(method, path, body, on_endpoints=on_endpoints)
+        if handoff and (out is WAIT_HOLD or out is WAIT_PARSE):
+            self.picks.num_handoffs[out.reason] += 1
+            ex.abandon()
+            self.tracker.discard(ex.st)  # the ext_proc stream records it
+            return ex, HANDOFF
+        return ex, out
 
     @staticmethod
-    async def finish(stream: _RoutingStream, resp: Any) -> Any:
-        """The answer of a decision `start` could not make at once (a response-id lookup, a parse off the loop)."""
-        if resp is _NEEDS_LOOKUP:
-            resp = await stream.lookup()
-        if resp is _NEEDS_HOLD:
-            resp = await stream.hold()
-        return resp
+    async def finish(ex: Exchange, out: Outcome) -> Outcome:
+        """The outcome of a decision `start` could not make at once (a response-id lookup, a parse off the loop,
+        a hold)."""
+        while out.__class__ is Wait:
+            out = await ex.resume(out)  # type: ignore[arg-type]
+        return out
 
-    def settle(self, stream: _RoutingStream, resp: Any) -> tuple[tuple[str, ...] | None, Any]:
+    def settle(self, ex: Exchange, out: Outcome) -> tuple[tuple[str, ...] | None, Any]:
         """The outcome of a decided check: (endpoints, traceparent: str or None) when routed, the pick then held
         until its facts record (or released now, off the facts path); (None, the ext_proc ImmediateResponse of
         the refusal) when refused."""
-        pick = stream.pick
-        st = stream.st
-        if pick is None:  # refused: the router answered
+        st = ex.st
+        if out.__class__ is Refused:  # the router answered
             self.tracker.routing_closed(st)
-            return None, resp
-        traceparent = stream.traceparent
+            return None, immediate_response(out.error)  # type: ignore[union-attr]
+        pick = ex.pick
+        assert pick is not None, out
+        traceparent = ex.traceparent
         if traceparent is None or not st.facts:
             # Envoy sent no facts metadata (a configuration other than ours): no record will close this pick.
             self.num_unreleasable += 1
             if self.num_unreleasable in (1, 100) or self.num_unreleasable % 10_000 == 0:
-                log.warning("ext_authz Check without the facts path (no records): %d pick(s) released at their "
+                log.warning("ext_authz check without the facts path (no records): %d pick(s) released at their "
                             "decision, so endpoints' in-flight counts miss them", self.num_unreleasable)
             self.servicer.router.release(pick)
             self.tracker.routing_closed(st)

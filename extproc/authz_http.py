@@ -72,7 +72,9 @@ import httptools
 from prefixroute.extproc.authz import HANDOFF, AuthzServicer
 from prefixroute.extproc.headers import (AUTHZ_BODY_BYTES_HEADER, AUTHZ_CHECK_PATH_PREFIX, AUTHZ_TOKEN_HEADER,
                                          HANDOFF_HEADER, HANDOFF_VALUE, OBSERVED_METADATA, transport_status)
-from prefixroute.extproc.servicer import _NEEDS_HOLD, _NEEDS_LOOKUP, ResponseCache
+from prefixroute.extproc.answers import MAX_CACHED_ANSWERS
+from prefixroute.extproc.exchange import Wait
+from prefixroute.extproc.servicer import ResponseCache
 from prefixroute.grpc_auth import bearer_matches
 from prefixroute.openai_errors import error_body
 
@@ -87,7 +89,6 @@ _HANDOFF = HANDOFF_HEADER.encode()
 _BODY_CAP = AUTHZ_BODY_BYTES_HEADER.encode()
 _INTERNAL = {OBSERVED_METADATA.encode(), _TOKEN, _HANDOFF, _BODY_CAP}
 _HANDOFF_ANSWER = f"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n{HANDOFF_HEADER}: {HANDOFF_VALUE}\r\n\r\n".encode()
-_MAX_CACHED = 4096
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 413: b"Payload Too Large",
             431: b"Request Header Fields Too Large", 500: b"Internal Error", 503: b"Service Unavailable"}
 
@@ -130,7 +131,7 @@ class AuthzHttpResponses:
     def head(self, endpoints: tuple[str, ...]) -> bytes:
         cached = self._cache.get(endpoints)
         if cached is None:
-            if len(self._cache) >= _MAX_CACHED:
+            if len(self._cache) >= MAX_CACHED_ANSWERS:
                 self._cache.clear()
             routed = self._headers.routing_response(endpoints, False)
             cached = self._cache[endpoints] = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n" + _header_lines(
@@ -522,7 +523,7 @@ class AuthzHttpConnection(asyncio.Protocol):
             if resp is HANDOFF:
                 self._answer(_HANDOFF_ANSWER)
                 return
-            if resp is _NEEDS_LOOKUP or resp is _NEEDS_HOLD:
+            if resp.__class__ is Wait:
                 self.busy = True
                 self.task = asyncio.get_running_loop().create_task(self._finish(stream, resp))
                 return

@@ -55,10 +55,10 @@ from typing import Any
 
 from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc import wire
-from prefixroute.extproc.answers import header_option, immediate_response, lookup_changed, with_traceparent
+from prefixroute.extproc.answers import MAX_CACHED_ANSWERS, header_option, immediate_response, with_traceparent
+from prefixroute.extproc.exchange import Exchange, Refused, Wait, route_kw
 from prefixroute.extproc.headers import (DESTINATION_HEADER, LB_METADATA_NAMESPACE, SERVED_HEADER, SUBSET_KEY,
                                          SUBSET_NAMESPACE)
-from prefixroute.extproc.response_directory import NeedsLookup
 from prefixroute.extproc.tracking import UNTRACKED, Tracked
 from prefixroute.openai_errors import OpenAIError
 
@@ -70,7 +70,6 @@ _CONTINUE_RESPONSE_HEADERS = wire.ProcessingResponse(response_headers=wire.Heade
 _CONTINUE_RESPONSE_BODY = wire.ProcessingResponse(response_body=wire.BodyResponse())
 _CONTINUE_REQUEST_TRAILERS = wire.ProcessingResponse(request_trailers=wire.TrailersResponse())
 _CONTINUE_RESPONSE_TRAILERS = wire.ProcessingResponse(response_trailers=wire.TrailersResponse())
-_MAX_CACHED = 4096
 
 
 class GieResponses:
@@ -84,7 +83,7 @@ class GieResponses:
         value = ",".join(endpoints) if self.fallback_list else endpoints[0]
         resp = self._cache.get(value)
         if resp is None:
-            if len(self._cache) >= _MAX_CACHED:
+            if len(self._cache) >= MAX_CACHED_ANSWERS:
                 self._cache.clear()
             md = wire.Struct()
             # Header and metadata carry the same value: the protocol forbids them to disagree.
@@ -147,7 +146,7 @@ class GieStream:
 
     __slots__ = ("router", "tracker", "responses", "grpc_metadata", "max_body_bytes", "response_full_duplex",
                  "headers", "chunks", "num_body_bytes", "body_seen", "subset", "pick", "st", "obs", "traceparent",
-                 "served_reported")
+                 "served_reported", "ex")
 
     def __init__(self, router: Any, tracker: Any, responses: GieResponses, grpc_metadata: Callable[[], Any],
                  max_body_bytes: int, response_full_duplex: bool) -> None:
@@ -167,6 +166,7 @@ class GieStream:
         self.obs: Tracked | None = None
         self.traceparent: str | None = None
         self.served_reported = False
+        self.ex = Exchange(router, tracker)  # GIE streams are routed at once: no hold
 
     async def run(self, req: Any, read: Callable[[], Any], write: Callable[[Any], Any], eof: Any) -> None:
         """Serve the stream whose first message is `req`; returns when it ends or after an ImmediateResponse."""
@@ -224,7 +224,9 @@ class GieStream:
     async def _request_headers(self, req: Any, write: Callable[[Any], Any]) -> bool:
         rh = req.request_headers
         self.headers = headers = wire.header_dict(rh.headers.headers)
-        self.st, self.traceparent = self.tracker.begin(headers, self.grpc_metadata)
+        ex = self.ex
+        ex.begin(headers, self.grpc_metadata)
+        self.st, self.traceparent = ex.st, ex.traceparent
         self.subset = subset_hint(req)
         cl = headers.get("content-length")
         if cl and cl.isdigit() and int(cl) > self.max_body_bytes:
@@ -238,13 +240,6 @@ class GieStream:
         self.tracker.refused(self.st, err.status, err.record_message)
         await write(immediate_response(err))
 
-    def _route(self, body: bytes) -> Any:
-        headers = self.headers
-        method, path = headers.get(":method", "POST"), headers.get(":path", "/")
-        if self.subset is not None:
-            return self.router.route(method, path, headers, body, subset=self.subset)
-        return self.router.route(method, path, headers, body)
-
     async def _decide(self, write: Callable[[Any], Any], end_of_stream: bool) -> bool:
         """Route on the whole body, then answer the headers and echo the body, if any body message came, its last
         chunk with `end_of_stream` (module docstring). False when the request was refused (the stream is then
@@ -252,34 +247,19 @@ class GieStream:
         chunks = self.chunks
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.chunks = []
-        try:
-            routed: Any = body
-            looked_up = None
-            while True:
-                try:
-                    pick = self._route(routed)
-                    break
-                except NeedsLookup as need:
-                    if need.response_id is None:  # a large body: parsed off the event loop, then
-                        # routed as the parsed request (service.NeedsParse; parse_offload.py)
-                        headers = self.headers
-                        routed = await self.router.parse_off_loop(headers.get(":method", "POST"),
-                                                                  headers.get(":path", "/"), headers, body)
-                    elif looked_up is not None:  # found, then forgotten at once (its endpoint left meanwhile)
-                        raise lookup_changed(need.response_id) from None
-                    else:
-                        await self.router.resolve(need.response_id, self.headers)
-                        looked_up = need.response_id
-        except OpenAIError as err:
-            await self._refuse(write, err)
+        headers = self.headers
+        ex = self.ex
+        out = ex.decide(headers.get(":method", "POST"), headers.get(":path", "/"), body, **route_kw(self.subset))
+        while out.__class__ is Wait:  # a large body parsed off the event loop, a response id looked up
+            out = await ex.resume(out)  # type: ignore[arg-type]
+        if out.__class__ is Refused:  # recorded by the exchange
+            await write(immediate_response(out.error))  # type: ignore[union-attr]
             return False
-        self.pick = pick
+        self.pick = pick = out.pick  # type: ignore[union-attr]
         resp = self.responses.routing_response(pick.endpoints)
         if self.traceparent is not None:
             resp = with_traceparent(resp, True, self.traceparent)
-        tracker = self.tracker
-        tracker.decided(self.st, pick)
-        self.obs = tracker.inline(self.st)
+        self.obs = self.tracker.inline(self.st)
         await write(resp)
         if self.body_seen:
             for answer in body_chunks(body, end_of_stream):

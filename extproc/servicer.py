@@ -56,52 +56,23 @@ Async safety: all calls happen on the event loop thread; the RouterService needs
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
 from prefixroute.extproc import wire
-from prefixroute.extproc.answers import header_option, immediate_response, lookup_changed, with_traceparent  # noqa: F401
+from prefixroute.extproc.answers import MAX_CACHED_ANSWERS, header_option, immediate_response, with_traceparent
+from prefixroute.extproc.exchange import (WAIT_HOLD, WAIT_PARSE, Exchange, Outcome, Refused, Routed,  # noqa: F401
+                                          RouterService, Wait)
 from prefixroute.extproc.gie import GieResponses, GieStream
 from prefixroute.extproc.headers import (DESTINATION_HEADER, EXT_PROC_ATTRIBUTES_KEY, LB_METADATA_NAMESPACE,
                                          MAX_FALLBACKS, OBSERVE_ATTRIBUTES, REFUSED_HEADER, REPLICA_HEADER,
                                          SERVED_HEADER, fallback_header)
-from prefixroute.extproc.lifecycle import Pick
-from prefixroute.extproc.flow.control import NeedsHold, gateway_outcome
-from prefixroute.extproc.response_directory import NeedsLookup
-from prefixroute.extproc.tracking import NULL_TRACKER, UNTRACKED, Tracked, Tracker
-from prefixroute.openai_errors import OpenAIError
+from prefixroute.extproc.tracking import NULL_TRACKER, Tracked, Tracker
 
 
 _NO_KW: dict[str, Any] = {}
-
-
-class RouterService(Protocol):
-    """What the servicer needs from the router (implemented in service.py)."""
-
-    def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Pick:
-        """Choose endpoints and count the pick as in flight. Raises `OpenAIError` to refuse. (The check over
-        HTTP also passes ``on_endpoints``, as `service.PoolRouter.route` takes it.)"""
-
-    def served(self, pick: Pick, served_endpoint: str | None, status: int | None = None) -> None:
-        """The response headers arrived; `served_endpoint` is Envoy's upstream host (None if unknown),
-        `status` the response's HTTP status (None if unknown)."""
-
-    def release(self, pick: Pick) -> None:
-        """The request ended (success, error, reset); called exactly once per pick."""
-
-    async def resolve(self, response_id: str, headers: Mapping[str, str]) -> Any:
-        """After `route` raised `NeedsLookup`: locate `response_id` (raises `OpenAIError` 404/503). Only
-        routers that raise `NeedsLookup` are asked."""
-
-    async def hold(self, request: Any, headers: Mapping[str, str]) -> Any:
-        """After `route(..., can_hold=True)` raised `NeedsHold` (flow control): wait in the gateway queue; returns
-        the ticket to route with (``route(..., ticket=...)``) or raises its shed answer (`OpenAIError`). Only
-        asked when the servicer was built with ``can_hold``."""
-
-    def hold_deadline_s(self, headers: Mapping[str, str]) -> float:
-        """The longest a request with these headers may be held (Envoy is asked to wait that long for it)."""
 
 
 _CONTINUE_REQUEST_HEADERS = wire.ProcessingResponse(request_headers=wire.HeadersResponse())
@@ -127,10 +98,6 @@ def _warn_partial_body() -> None:
                     "Extension's FULL_DUPLEX_STREAMED) needs --protocol gie; decisions on a partial body fail")
 
 
-_NEEDS_LOOKUP = object()
-"""A routing handler's answer when the decision waits for a response-id lookup (`_RoutingStream.lookup`)."""
-_NEEDS_HOLD = object()
-"""A routing handler's answer when the request waits in the gateway queue (flow control: `_RoutingStream.hold`)."""
 HOLD_MARGIN_S = 2.0
 """Envoy waits a held request's deadline plus this for its answer: the shed answer itself must get through."""
 PARSE_EXTENSION_S = 5.0
@@ -148,7 +115,6 @@ def _parse_extension() -> Any:
     return msg
 
 
-_MAX_CACHED = 4096  # distinct endpoint lists kept pre-built; beyond it the cache is reset (cheap rebuild)
 
 PROTOCOLS = ("auto", "prefixroute", "gie")
 """Routing stream protocols: "prefixroute" (our own Envoy configuration: request body BUFFERED, an observing
@@ -175,7 +141,7 @@ class ResponseCache:
         key = (endpoints, at_headers)
         resp = self._cache.get(key)
         if resp is None:
-            if len(self._cache) >= _MAX_CACHED:
+            if len(self._cache) >= MAX_CACHED_ANSWERS:
                 self._cache.clear()
             resp = self._cache[key] = self._build(endpoints, at_headers)
         return resp
@@ -199,132 +165,70 @@ class ResponseCache:
         return wire.ProcessingResponse(request_body=wire.BodyResponse(response=common), dynamic_metadata=md)
 
 
-class _RoutingStream:
-    """One routing stream's state; each handler answers one ProcessingRequest kind (module docstring)."""
+class RoutingStream:
+    """The ext_proc routing stream as a transport: each handler turns one ProcessingRequest kind into calls of the
+    request's `Exchange`, and its outcome into the answer (`answer`; a `Wait` is returned as it is, for `Process`
+    to resume)."""
 
-    __slots__ = ("router", "tracker", "responses", "grpc_metadata", "headers", "pick", "st", "traceparent",
-                 "pending_lookup", "can_hold", "pending_hold", "facts_first_token_live")
+    __slots__ = ("ex", "responses", "grpc_metadata", "at_headers")
 
     def __init__(self, servicer: ExtProcServicer, grpc_metadata: Callable[[], Any]) -> None:
-        self.router = servicer.router
-        self.tracker = servicer.tracker
+        self.ex = Exchange(servicer.router, servicer.tracker, can_hold=servicer.can_hold,
+                           first_token_live=servicer.facts_first_token_live)
         self.responses = servicer.responses
         self.grpc_metadata = grpc_metadata
-        self.headers: dict[str, str] = {}
-        self.pick: Pick | None = None
-        self.st: Tracked = UNTRACKED
-        self.traceparent: str | None = None
-        self.pending_lookup: tuple[str, str, bytes, bool, str] | None = None
-        self.can_hold = servicer.can_hold
-        self.facts_first_token_live = servicer.facts_first_token_live
-        self.pending_hold: tuple[str, str, Any, bool] | None = None
+        self.at_headers = False  # decided at the request headers (a request without a body)
 
     def request_headers(self, req: Any) -> Any:
         rh = req.request_headers
-        self.headers = headers = wire.header_dict(rh.headers.headers)
-        self.st, self.traceparent = self.tracker.begin(headers, self.grpc_metadata)
+        headers = wire.header_dict(rh.headers.headers)
+        ex = self.ex
+        ex.begin(headers, self.grpc_metadata)
         if rh.end_of_stream:
-            return self._decide(headers.get(":method", "GET"), headers.get(":path", "/"), b"", True)
+            self.at_headers = True
+            return self.answer(ex.decide(headers.get(":method", "GET"), headers.get(":path", "/"), b""))
         return _CONTINUE_REQUEST_HEADERS
 
     def request_body(self, req: Any) -> Any:
-        if self.pick is not None:  # already decided (does not happen with BUFFERED)
+        ex = self.ex
+        if ex.pick is not None:  # already decided (does not happen with BUFFERED)
             return _CONTINUE_REQUEST_BODY
-        headers = self.headers
+        headers = ex.headers
         rb = req.request_body
         if not rb.end_of_stream:  # BUFFERED sends a whole body; this is likely a chunk (see _warn_partial_body)
             _warn_partial_body()
-        return self._decide(headers.get(":method", "POST"), headers.get(":path", "/"), rb.body, False)
+        return self.answer(ex.decide(headers.get(":method", "POST"), headers.get(":path", "/"), rb.body))
 
     def response_headers(self, req: Any) -> Any:
-        pick = self.pick
-        if pick is not None:
+        if self.ex.pick is not None:
             hs = req.response_headers.headers.headers
-            served = wire.header_value(hs, SERVED_HEADER)
-            if self.tracker.routing_response_headers(self.st, hs, served):
-                status = wire.header_value(hs, ":status")
-                self.router.served(pick, served, int(status) if status and status.isdigit() else None)
+            self.ex.served(wire.header_value(hs, SERVED_HEADER), hs, wire.header_value(hs, ":status"))
         return _CONTINUE_RESPONSE_HEADERS
 
-    def _decide(self, method: str, path: str, body: Any, at_headers: bool, ticket: Any = None,
-                on_endpoints: Callable[[tuple[str, ...]], None] | None = None) -> Any:
-        # `on_endpoints` only when given: routers of other shapes (GIE's, tests') take the four arguments
-        kw = _NO_KW if on_endpoints is None else {"on_endpoints": on_endpoints}
-        try:
-            if self.can_hold:
-                pick = self.router.route(method, path, self.headers, body, can_hold=ticket is None, ticket=ticket,
-                                         first_token_live=not self.st.facts or self.facts_first_token_live, **kw)
-            else:
-                pick = self.router.route(method, path, self.headers, body, **kw)
-        except OpenAIError as err:
-            self.tracker.refused(self.st, err.status, err.record_message)
-            return immediate_response(err)
-        except NeedsHold as need:
-            self.pending_hold = (method, path, need.request, at_headers)
-            return _NEEDS_HOLD
-        except NeedsLookup as need:
-            self.pending_lookup = (method, path, body, at_headers, need.response_id)
-            return _NEEDS_LOOKUP
-        self.pick = pick
-        resp = self.responses.routing_response(pick.endpoints, at_headers)
-        if self.traceparent is not None:
-            resp = with_traceparent(resp, at_headers, self.traceparent)
-        self.tracker.decided(self.st, pick)
-        return resp
-
-
-    async def lookup(self) -> Any:
-        """Answer a decision that waits for a response-id lookup (`_decide` returned `_NEEDS_LOOKUP`), or for
-        its body to be parsed off the event loop (`service.NeedsParse`: response id None), then maybe both."""
-        assert self.pending_lookup is not None
-        method, path, body, at_headers, response_id = self.pending_lookup
-        self.pending_lookup = None
-        try:
-            if response_id is None:  # a large body: parsed in a worker process (parse_offload.py); `route`
-                # then takes the parsed request in place of the body (so only the small result is kept)
-                body = await self.router.parse_off_loop(method, path, self.headers, body)
-            else:
-                await self.router.resolve(response_id, self.headers)
-        except OpenAIError as err:
-            self.tracker.refused(self.st, err.status, err.record_message)
-            return immediate_response(err)
-        resp = self._decide(method, path, body, at_headers)
-        if resp is _NEEDS_LOOKUP and response_id is None and self.pending_lookup is not None \
-                and self.pending_lookup[4] is not None:
-            return await self.lookup()  # parsed; now its response id needs a lookup
-        if resp is _NEEDS_LOOKUP:  # found, then forgotten at once (its endpoint left meanwhile): no second round
-            self.pending_lookup = None
-            err = lookup_changed(response_id)
-            self.tracker.refused(self.st, err.status, err.record_message)
-            return immediate_response(err)
-        return resp
-
+    def answer(self, out: Outcome) -> Any:
+        """The ext_proc answer of an outcome: the pre-built routing answer (with the request's traceparent), the
+        refusal's ImmediateResponse, or the `Wait` itself."""
+        cls = out.__class__
+        if cls is Routed:
+            resp = self.responses.routing_response(out.pick.endpoints, self.at_headers)  # type: ignore[union-attr]
+            traceparent = self.ex.traceparent
+            return resp if traceparent is None else with_traceparent(resp, self.at_headers, traceparent)
+        if cls is Refused:
+            return immediate_response(out.error)  # type: ignore[union-attr]
+        return out
 
     def extend_timeout(self) -> Any:
         """The message that asks Envoy to wait for a held request's answer (its deadline and a margin)."""
         msg = wire.ProcessingResponse()
         msg.override_message_timeout.FromMilliseconds(
-            int((self.router.hold_deadline_s(self.headers) + HOLD_MARGIN_S) * 1000))
+            int((self.ex.router.hold_deadline_s(self.ex.headers) + HOLD_MARGIN_S) * 1000))
         return msg
 
-    async def hold(self) -> Any:
-        """Answer a decision that waits in the gateway queue (`_decide` returned `_NEEDS_HOLD`): route it when it
-        is released, or answer its 429/503. A client that leaves cancels the wait (its request leaves the queue)."""
-        assert self.pending_hold is not None
-        method, path, request, at_headers = self.pending_hold
-        self.pending_hold = None
-        try:
-            ticket = await self.router.hold(request, self.headers)
-        except OpenAIError as err:
-            self.tracker.refused(self.st, err.status, err.record_message, *gateway_outcome(err))
-            return immediate_response(err)
-        return self._decide(method, path, request, at_headers, ticket)
 
-
-_ROUTING_HANDLERS: dict[str | None, Callable[[_RoutingStream, Any], Any]] = {
-    "request_headers": _RoutingStream.request_headers,
-    "request_body": _RoutingStream.request_body,
-    "response_headers": _RoutingStream.response_headers,
+_ROUTING_HANDLERS: dict[str | None, Callable[[RoutingStream, Any], Any]] = {
+    "request_headers": RoutingStream.request_headers,
+    "request_body": RoutingStream.request_body,
+    "response_headers": RoutingStream.response_headers,
     "request_trailers": lambda stream, req: _CONTINUE_REQUEST_TRAILERS,
     "response_trailers": lambda stream, req: _CONTINUE_RESPONSE_TRAILERS,
     "response_body": lambda stream, req: _CONTINUE_RESPONSE_BODY,
@@ -413,26 +317,26 @@ class ExtProcServicer:
             await GieStream(self.router, self.tracker, self.gie_responses, context.invocation_metadata,
                             self.max_body_bytes, full_duplex).run(req, read, write, eof)
             return
-        stream = _RoutingStream(self, context.invocation_metadata)
+        stream = RoutingStream(self, context.invocation_metadata)
+        ex = stream.ex
         handlers = _ROUTING_HANDLERS
         try:
             while req is not eof:
                 handler = handlers.get(req.WhichOneof("request"))
                 if handler is not None:
                     resp = handler(stream, req)
-                    if resp is _NEEDS_LOOKUP:
-                        if stream.pending_lookup[4] is None:  # parsed off the loop: may pass Envoy's timeout
+                    while resp.__class__ is Wait:
+                        if resp is WAIT_PARSE:  # parsed off the loop: may pass Envoy's timeout
                             await write(_parse_extension())
-                        resp = await stream.lookup()
-                    if resp is _NEEDS_HOLD:
-                        await write(stream.extend_timeout())
-                        resp = await stream.hold()
+                        elif resp is WAIT_HOLD:
+                            await write(stream.extend_timeout())
+                        resp = stream.answer(await ex.resume(resp))
                     await write(resp)
                 req = await read()
         finally:
-            if stream.pick is not None:
-                self.router.release(stream.pick)
-            self.tracker.routing_closed(stream.st)
+            if ex.pick is not None:
+                self.router.release(ex.pick)
+            self.tracker.routing_closed(ex.st)
 
     async def _observe(self, first: Any, read: Any, eof: Any) -> None:
         """An observing stream (observability mode): read everything, answer nothing.

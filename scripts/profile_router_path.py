@@ -54,7 +54,7 @@ from prefixroute.extproc.factory import build_router
 from prefixroute.extproc.facts_fields import FACTS_MARK, OBSERVED_FACTS
 from prefixroute.extproc.headers import OBSERVED_METADATA
 from prefixroute.extproc.routing.settings import RoutingSettings
-from prefixroute.extproc.servicer import ExtProcServicer, _RoutingStream
+from prefixroute.extproc.servicer import ExtProcServicer, RoutingStream
 from prefixroute.procs import free_port, stop_group
 from prefixroute.telemetry.router import RouterTelemetrySettings
 
@@ -117,13 +117,14 @@ async def _rig(endpoint: str, prompt_kb: int) -> Rig:
     traceparents: list[str] = []
 
     def route_one() -> None:
-        stream = _RoutingStream(servicer, lambda: metadata)
+        stream = RoutingStream(servicer, lambda: metadata)
         wire.serialize(stream.request_headers(parse(head_msg)))
         wire.serialize(stream.request_body(parse(body_msg)))
-        if stream.pick is not None:
-            router.release(stream.pick)
-        tracker.routing_closed(stream.st)
-        traceparents.append(stream.traceparent or "")
+        ex = stream.ex
+        if ex.pick is not None:
+            router.release(ex.pick)
+        tracker.routing_closed(ex.st)
+        traceparents.append(ex.traceparent or "")
 
     def facts_bytes(num: int) -> list[bytes]:
         out = [_facts_record(tp, endpoint) for tp in traceparents[-num:]]

@@ -351,19 +351,19 @@ class _CapturingRouter:
 
 @pytest.mark.parametrize("early", [True, False])
 def test_facts_path_picks_are_first_token_live_with_the_early_report(early: bool) -> None:
-    from prefixroute.extproc.servicer import ExtProcServicer, _RoutingStream
+    from prefixroute.extproc.servicer import ExtProcServicer, RoutingStream
     from prefixroute.extproc.tracking import UNTRACKED
 
     t, *_ = early_rig()
     router = _CapturingRouter()
     servicer = ExtProcServicer(router, t, can_hold=True, facts_first_token_live=early)  # type: ignore[arg-type]
     for facts in (True, False):
-        stream = _RoutingStream(servicer, lambda: [])
+        ex = RoutingStream(servicer, lambda: []).ex
         if facts:
-            stream.st, _ = begin_early(t)
-        assert stream.st.facts == facts and (facts or stream.st is UNTRACKED)
+            ex.st, _ = begin_early(t)
+        assert ex.st.facts == facts and (facts or ex.st is UNTRACKED)
         with pytest.raises(_Routed):
-            stream._decide("POST", "/v1/chat/completions", b"{}", True)
+            ex.decide("POST", "/v1/chat/completions", b"{}")
     # On the facts path a pick's first token is live only with the early report; off it, always.
     assert router.live == [early, True]
 

@@ -1,0 +1,201 @@
+"""One request's exchange with the router, whatever transport carried it.
+
+A transport (the ext_proc routing stream in servicer.py, GIE's stream in gie.py, the ext_authz check over HTTP in
+authz.py / authz_http.py) translates its wire to these calls and the outcomes back to its wire; nothing here knows
+a wire format or calls a transport.
+
+Contract:
+
+- `begin(headers, grpc_metadata)` once, before anything else: the request's record begins (the tracker).
+- `decide(method, path, body)` routes the request and says how it ended: `Routed` (the pick is made, counted in
+  the endpoint's in-flight figures and tracked), `Refused` (an OpenAI-format error, already recorded), or `Wait`
+  (the decision waits: a response-id `lookup`, a `parse` of a large body off the event loop, or a `hold` in the
+  gateway queue past saturation). A transport answers `Wait` by awaiting `resume` until the outcome is `Routed`
+  or `Refused` (a parse may be followed by a lookup or a hold: each its own `Wait`, so the transport can ask its
+  gateway to wait longer first), or by `abandon`ing it (the ext_authz check hands such a request to the ext_proc
+  filter).
+- At most one pick per exchange (`pick`); releasing it is the transport's end of the request (the stream's end,
+  or the facts record for a check).
+
+Invariants: `decide` and `resume` never raise for a request the router refuses (they return `Refused`); every
+`Refused` has been recorded with the tracker once; a `Wait` keeps exactly what `resume` needs, and nothing after.
+
+Async safety: the event loop's thread only, like every transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from prefixroute.extproc.answers import lookup_changed
+from prefixroute.extproc.flow.control import NeedsHold, gateway_outcome
+from prefixroute.extproc.lifecycle import Pick
+from prefixroute.extproc.response_directory import NeedsLookup
+from prefixroute.extproc.tracking import UNTRACKED, Tracked, Tracker
+from prefixroute.openai_errors import OpenAIError
+
+_NO_KW: dict[str, Any] = {}
+
+
+class RouterService(Protocol):
+    """What an exchange needs from the router (implemented in service.py: `PoolRouter`)."""
+
+    def route(self, method: str, path: str, headers: Mapping[str, str], body: Any, subset: Any = None, *,
+              can_hold: bool = False, ticket: Any = None, first_token_live: bool = True,
+              on_endpoints: Callable[[tuple[str, ...]], None] | None = None) -> Pick:
+        """Choose endpoints and count the pick as in flight. Raises `OpenAIError` to refuse, `NeedsLookup` for a
+        response id to locate or a large body to parse first (`parse_off_loop`), `NeedsHold` (only with
+        `can_hold`) for a request to wait in the gateway queue. `body`: the request body, or what
+        `parse_off_loop` made of it. `subset`: GIE's subset hint. `ticket`: a held request's release.
+        `on_endpoints`: called with the endpoints as soon as they are final (the HTTP check's early answer)."""
+
+    def served(self, pick: Pick, served_endpoint: str | None, status: int | None = None) -> None:
+        """The response headers arrived; `served_endpoint` is Envoy's upstream host (None if unknown),
+        `status` the response's HTTP status (None if unknown)."""
+
+    def release(self, pick: Pick) -> None:
+        """The request ended (success, error, reset); called exactly once per pick."""
+
+    async def parse_off_loop(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Any:
+        """After `route` raised `NeedsLookup` without a response id: parse a large body in a worker process
+        (raises `OpenAIError` 400/413/503); its result is `route`'s body next."""
+
+    async def resolve(self, response_id: str, headers: Mapping[str, str]) -> Any:
+        """After `route` raised `NeedsLookup`: locate `response_id` (raises `OpenAIError` 404/503). Only
+        routers that raise `NeedsLookup` are asked."""
+
+    async def hold(self, request: Any, headers: Mapping[str, str]) -> Any:
+        """After `route(..., can_hold=True)` raised `NeedsHold` (flow control): wait in the gateway queue; returns
+        the ticket to route with (``route(..., ticket=...)``) or raises its shed answer (`OpenAIError`). Only
+        asked when the servicer was built with ``can_hold``."""
+
+    def hold_deadline_s(self, headers: Mapping[str, str]) -> float:
+        """The longest a request with these headers may be held (Envoy is asked to wait that long for it)."""
+
+
+class Routed:
+    """The request goes to `pick.endpoints` (primary first, then the fallbacks)."""
+
+    __slots__ = ("pick",)
+
+    def __init__(self, pick: Pick) -> None:
+        self.pick = pick
+
+
+class Refused:
+    """The router answers the request itself with `error` (already recorded)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: OpenAIError) -> None:
+        self.error = error
+
+
+class Wait:
+    """The decision waits: `reason` is "lookup" (a response id's endpoint), "parse" (a large body, off the event
+    loop) or "hold" (the gateway queue past saturation). `resume` ends it."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+Outcome = Routed | Refused | Wait
+WAIT_LOOKUP, WAIT_PARSE, WAIT_HOLD = Wait("lookup"), Wait("parse"), Wait("hold")
+
+
+class Exchange:
+    """One request's state between its transport and the router (module docstring)."""
+
+    __slots__ = ("router", "tracker", "headers", "pick", "st", "traceparent", "can_hold", "first_token_live",
+                 "_pending")
+
+    def __init__(self, router: RouterService, tracker: Tracker, *, can_hold: bool = False,
+                 first_token_live: bool = True) -> None:
+        """`can_hold`: the router holds requests past saturation (flow control). `first_token_live`: on the facts
+        path, the router hears a streamed response's first token when it happens (Envoy's early report)."""
+        self.router = router
+        self.tracker = tracker
+        self.headers: dict[str, str] = {}
+        self.pick: Pick | None = None
+        self.st: Tracked = UNTRACKED
+        self.traceparent: str | None = None
+        self.can_hold = can_hold
+        self.first_token_live = first_token_live
+        self._pending: tuple[Any, ...] | None = None  # what `resume` needs: (method, path, body or request, id)
+
+    def begin(self, headers: dict[str, str], grpc_metadata: Callable[[], Any]) -> None:
+        self.headers = headers
+        self.st, self.traceparent = self.tracker.begin(headers, grpc_metadata)
+
+    def decide(self, method: str, path: str, body: Any, ticket: Any = None,
+               on_endpoints: Callable[[tuple[str, ...]], None] | None = None, **route_kw: Any) -> Outcome:
+        """Route once (module docstring). `ticket`: the gateway queue's release of a held request.
+        `on_endpoints`: called with the endpoints as soon as they are final, before the pick's bookkeeping (the
+        HTTP check writes its answer then). `route_kw`: the router's other arguments (GIE's subset hint)."""
+        kw = route_kw if on_endpoints is None else {**route_kw, "on_endpoints": on_endpoints}
+        try:
+            if self.can_hold:
+                pick = self.router.route(method, path, self.headers, body, can_hold=ticket is None, ticket=ticket,
+                                         first_token_live=not self.st.facts or self.first_token_live, **kw)
+            else:
+                pick = self.router.route(method, path, self.headers, body, **kw)
+        except OpenAIError as err:
+            return self.refuse(err)
+        except NeedsHold as need:
+            self._pending = (method, path, need.request, None)
+            return WAIT_HOLD
+        except NeedsLookup as need:
+            self._pending = (method, path, body, need.response_id)
+            return WAIT_PARSE if need.response_id is None else WAIT_LOOKUP
+        self.pick = pick
+        self.tracker.decided(self.st, pick)
+        return Routed(pick)
+
+    async def resume(self, wait: Wait) -> Outcome:
+        """End a `Wait`: the lookup, the parse or the hold, then the decision again. A parse may end in another
+        `Wait` (its request's response id to look up, or a hold), which the transport resumes in turn; a lookup
+        whose endpoint left at once is refused (no second round); a held request, released, is decided."""
+        assert self._pending is not None, "resume without a Wait"
+        method, path, body, response_id = self._pending
+        self._pending = None
+        if wait.reason == "hold":
+            try:
+                ticket = await self.router.hold(body, self.headers)
+            except OpenAIError as err:
+                return self.refuse(err, *gateway_outcome(err))
+            return self.decide(method, path, body, ticket)
+        try:
+            if response_id is None:  # a large body, parsed in a worker: `route` then takes the parsed request
+                body = await self.router.parse_off_loop(method, path, self.headers, body)
+            else:
+                await self.router.resolve(response_id, self.headers)
+        except OpenAIError as err:
+            return self.refuse(err)
+        out = self.decide(method, path, body)
+        if out is WAIT_LOOKUP and response_id is not None:
+            self._pending = None  # found, then forgotten at once (its endpoint left meanwhile): no second round
+            return self.refuse(lookup_changed(response_id))
+        return out
+
+    def abandon(self) -> None:
+        """Drop a `Wait` without resuming it (the request is handed to another transport, which decides again)."""
+        self._pending = None
+
+    def refuse(self, err: OpenAIError, *outcome: Any) -> Refused:
+        """The router answers `err` itself: recorded once (`outcome`: the gateway queue's words for a shed)."""
+        self.tracker.refused(self.st, err.status, err.record_message, *outcome)
+        return Refused(err)
+
+    def served(self, served: str | None, headers: Any, status: str | None) -> None:
+        """The response's headers came (the served endpoint, its status): passive failure detection."""
+        pick = self.pick
+        if pick is not None and self.tracker.routing_response_headers(self.st, headers, served):
+            self.router.served(pick, served, int(status) if status and status.isdigit() else None)
+
+
+def route_kw(subset: Any) -> dict[str, Any]:
+    """The router's keyword arguments for a GIE subset hint (none without one)."""
+    return _NO_KW if subset is None else {"subset": subset}
