@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare-gateway-args", action="append", default=[], metavar="ARGS",
                    help="Another gateway measured in the same rounds, with these extra flags (comma-separated; "
                    "repeatable; with '=' since the value starts with a dash): e.g. "
-                   "--compare-gateway-args=--routing-filter=ext_authz beside the default.")
+                   "--compare-gateway-args=--routing-filter=ext_authz_http beside the default.")
     p.add_argument("--peers", default="", help="Peer routers measured in the same rounds, comma-separated "
                    "`prefixroute bench` router names (e.g. sglang-router): each one's hop is its TTFT - direct's.")
     p.add_argument("--log-dir", type=Path, default=None, help="Children's logs (default: a temporary folder).")

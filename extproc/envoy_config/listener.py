@@ -221,8 +221,9 @@ def routing_processing(s: EnvoySettings) -> dict[str, object]:
     large bodies, slow uploads and failover (bench-results/routing-modes/README.md). Mode override is not among
     them: Envoy takes `mode_override` only from the answer to the headers message, so it cannot save that trip."""
     if s.routing_processing not in ROUTING_PROCESSING or s.routing_processing in AUTHZ_PROCESSING:
+        removed = GRPC_AUTHZ_REMOVED if s.routing_processing in ("authz", "ext_authz") else ""
         raise ValueError(f"routing_processing must be one of {', '.join(ROUTING_PROCESSING)}; "
-                         f"got {s.routing_processing!r}{GRPC_AUTHZ_REMOVED if s.routing_processing in ('authz', 'ext_authz') else ''}")
+                         f"got {s.routing_processing!r}{removed}")
     mode = s.routing_processing
     body = {"buffered": BodySendMode.BUFFERED, "buffered-partial": BodySendMode.BUFFERED_PARTIAL,
             "full-duplex": BodySendMode.FULL_DUPLEX_STREAMED, "streamed-early": BodySendMode.STREAMED,

@@ -34,14 +34,15 @@ def test_the_hop_script_measures_each_target_in_every_round(tmp_path: Path) -> N
 
 @pytest.mark.timeout(150)
 def test_a_second_gateway_is_measured_in_the_same_rounds(tmp_path: Path) -> None:
-    """--compare-gateway-args: the gateway routed by ext_authz beside the default, its hop on the same line."""
+    """--compare-gateway-args: the gateway routed by the HTTP check beside the default, its hop on the same line."""
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "hop_ttft.py"), "--prompt-kb", "4",
                           "--num-requests", "6", "--num-rounds", "1", "--log-dir", str(tmp_path),
-                          "--compare-gateway-args=--routing-filter=ext_authz"],
+                          "--compare-gateway-args=--routing-filter=ext_authz_http"],
                          capture_output=True, text=True, timeout=140)
     assert out.returncode == 0, out.stderr[-2000:]
-    (line,) = re.findall(r"round 0: .*, gateway --routing-filter=ext_authz ([\d.]+); .*the router's "
-                         r"([+-][\d.]+), the router's with --routing-filter=ext_authz ([+-][\d.]+)$", out.stdout, re.M)
+    (line,) = re.findall(r"round 0: .*, gateway --routing-filter=ext_authz_http ([\d.]+); .*the router's "
+                         r"([+-][\d.]+), the router's with --routing-filter=ext_authz_http ([+-][\d.]+)$",
+                         out.stdout, re.M)
     bare = float(re.search(r"bare-envoy ([\d.]+)", out.stdout).group(1))  # type: ignore[union-attr]
     assert float(line[2]) == pytest.approx(float(line[0]) - bare, abs=0.011)
     # Two gateways started, each with its own router.
