@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 
 from prefixroute import settings
+from prefixroute.extproc.authz import UnaryPicks
 from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver
 from prefixroute.extproc.endpoints.discovery import DnsDiscovery, discovery_from_settings
 from prefixroute.extproc.endpoints.metrics import PoolHealthCollector
@@ -172,7 +173,11 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         gc.freeze()
         gc.set_threshold(20_000, 20, 100)
         ready = readiness(pool, routing, events)
-        facts = FactsReceiver(tracker, router.served, early_first_token=ext.facts_first_token == "early")
+        # The HTTP check's picks end with their facts records; with ext_proc alone every pick ends with its stream.
+        picks = (UnaryPicks(router.release, tracker.routing_closed, ext.authz_release_after_s)
+                 if ext.authz_http_port >= 0 else None)
+        facts = FactsReceiver(tracker, router.served, early_first_token=ext.facts_first_token == "early",
+                              unary_picks=picks)
         telemetry.metrics.registry.register(FactsCollector(facts))
         server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,
                                           can_hold=router.flow is not None, facts=facts)

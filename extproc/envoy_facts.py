@@ -216,7 +216,10 @@ class FactsReceiver:
     ``ignored`` and the first token comes with the facts record."""
 
     def __init__(self, tracker: RequestTracker, served: Callable[[Pick, str | None, int | None], None], *,
-                 early_first_token: bool = True) -> None:
+                 early_first_token: bool = True, unary_picks: Any = None) -> None:
+        """`unary_picks`: authz.UnaryPicks, when Envoy may route by its ext_authz check (the router serves the HTTP
+        check): each record (matched or not) closes its pick there, after `apply` reported it; its figures are on
+        /metrics. None: every pick ends with its routing stream, and records close nothing more."""
         self.tracker = tracker
         self.served = served
         self.early_first_token = early_first_token
@@ -224,9 +227,7 @@ class FactsReceiver:
         self.num_unmatched = 0
         self.first_token_counts = dict.fromkeys(FIRST_TOKEN_OUTCOMES, 0)
         self.early_id_counts = dict.fromkeys(EARLY_ID_OUTCOMES, 0)
-        # authz.UnaryPicks, when Envoy may route by ext_authz: each record (matched or not) closes its pick there,
-        # after `apply` reported it; its figures are on /metrics. Set once before serving.
-        self.unary_picks: Any = None
+        self.unary_picks = unary_picks
 
     def counts(self) -> dict[str, int]:
         """Records per outcome (`OUTCOMES`), for ``prefixroute_response_facts_total``."""
@@ -432,7 +433,7 @@ class FactsCollector:
         if picks is not None:
             from prometheus_client.core import GaugeMetricFamily
             yield GaugeMetricFamily("prefixroute_authz_picks_pending", "Picks made by Envoy's ext_authz Check "
-                                    "(routing_processing 'authz' or 'authz-http') waiting for their facts record, which releases "
+                                    "over HTTP (routing_processing 'authz-http') waiting for their facts record, which releases "
                                     "them", value=len(picks))
             yield CounterMetricFamily("prefixroute_authz_picks_expired", "ext_authz picks released without their "
                                       "facts record, release_after_s after their decision (the record was lost)",

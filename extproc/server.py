@@ -48,7 +48,7 @@ import grpc
 from prefixroute import grpc_auth
 from prefixroute.extproc import envoy_facts, wire
 from prefixroute.extproc.health import HealthServicer
-from prefixroute.extproc.authz import RELEASE_AFTER_S, AuthzServicer, UnaryPicks
+from prefixroute.extproc.authz import RELEASE_AFTER_S, AuthzServicer
 from prefixroute.extproc.authz_http import (MAX_HEADER_BYTES, AuthzHttpService, server_ssl_context,
                                             start_authz_http_server)
 from prefixroute.extproc.servicer import DEFAULT_MAX_BODY_BYTES, PROTOCOLS, ExtProcServicer, RouterService
@@ -267,8 +267,9 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     `MESSAGE_HEADROOM_BYTES` the largest message the port reads. `can_hold`: the router holds requests past
     saturation (flow control: `ExtProcServicer`). `add_services`: adds other services to the server before it
     starts. `facts`: Envoy's response facts receiver (envoy_facts.FactsReceiver), served on the port behind the
-    token; given, the ext_authz decision is built too (`server.authz_servicer`, authz.py: a check's pick is
-    released by its facts record, so there is no ext_authz routing without them), for `start_authz_http`."""
+    token; given with its ext_authz pick table (`FactsReceiver.unary_picks`), the ext_authz decision is built too
+    (`server.authz_servicer`, authz.py: a check's pick is released by its facts record, so there is no ext_authz
+    routing without them), for `start_authz_http`."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
     check_exposure(s)
@@ -284,10 +285,8 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     wire.add_to_server(server, auth.guard(process) if auth is not None else process)
     if facts is not None:
         envoy_facts.add_to_server(server, facts, auth=auth)
-        picks = UnaryPicks(router.release, tracker.routing_closed, s.authz_release_after_s)
-        facts.unary_picks = picks
-        authz = AuthzServicer(servicer, picks)
-        server.authz_servicer = authz  # type: ignore[attr-defined]  # the HTTP transport's decision (authz_http.py)
+        if facts.unary_picks is not None:  # the HTTP check's decision (authz_http.py), its picks released by facts
+            server.authz_servicer = AuthzServicer(servicer, facts.unary_picks)  # type: ignore[attr-defined]
     wire.add_health_to_server(server, HealthServicer(ready).Check)
     if add_services is not None:
         add_services(server)
@@ -309,8 +308,8 @@ async def start_authz_http(server: grpc.aio.Server, s: ExtprocSettings, ready: C
         return None
     authz = getattr(server, "authz_servicer", None)
     if authz is None:
-        raise ValueError("authz_http_port needs the facts receiver (the ext_authz picks are released by facts "
-                         "records)")
+        raise ValueError("authz_http_port needs the facts receiver with its pick table (the ext_authz picks are "
+                         "released by facts records)")
     server_credentials(s)  # the same completeness checks as the gRPC port's
     ctx = server_ssl_context(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
     svc = AuthzHttpService(authz, token=resolved_auth_token(s), ready=ready, max_body_bytes=max_body_bytes,

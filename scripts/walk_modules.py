@@ -601,7 +601,8 @@ def _traced(tracer: ModuleTracer | None, walk: Walk | None, *, one_task: bool = 
 
 def extproc_argv(port: int, authz_http_port: int, endpoint: str) -> list[str]:
     """The ``prefixroute extproc`` arguments the gateway launcher gives one replica (extproc/gateway.py) on
-    loopback ports of its own; everything else at its default."""
+    loopback ports of its own; everything else at its default. `authz_http_port` -1: no HTTP check (the gateway's
+    default, Envoy's ext_proc filter), as the launcher runs it unless the HTTP check is chosen."""
     return ["--port", str(port), "--listen-address", "127.0.0.1", "--metrics-port", "-1",
             "--authz-http-port", str(authz_http_port), "--endpoints", endpoint]
 
@@ -648,7 +649,8 @@ async def walk(transports: tuple[str, ...] = TRANSPORTS, *, endpoint: str | None
             log_path=Path(logs.name) / "model-server.log",
             ready=lambda: http_ok(f"http://{endpoint}/health", timeout_s=1.0), ports=(port,))
         server.spawn()
-    grpc_port, http_port = free_port(), free_port()
+    # The HTTP check's port only when it is walked: without it the router runs as the default gateway runs it.
+    grpc_port, http_port = free_port(), (free_port() if "authz_http" in transports else -1)
     ext, routing, pool, tele, peers, flow, tenants = parse_extproc(extproc_argv(grpc_port, http_port, endpoint))
     stop = asyncio.Event()
     printed = io.StringIO()
