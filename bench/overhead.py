@@ -79,8 +79,9 @@ class OverheadBenchSettings(Settings):
                           "--no-peers measures them sharing nothing (the bus's own cost).")
     report_served: bool = setting(True, "Routed configuration sends response headers to ext_proc (the gateway "
                                   "default); --no-report-served measures without that message.")
-    telemetry: bool = setting(True, "Routed configuration with per-request telemetry (the gateway default: "
-                              "the facts path + span export); --no-telemetry measures routing alone.")
+    telemetry: bool = setting(True, "Routed configuration with per-request spans exported (the gateway default); "
+                              "--no-telemetry measures it without them (the facts path stays: the router learns "
+                              "from it either way).")
     gie: bool = setting(False, "Also measure GIE mode in the same rounds: GIE's reference Envoy configuration (bodies "
                         "FULL_DUPLEX_STREAMED, the picker over TLS) in front of a picker in GIE mode; its added latency "
                         "and req/s beside the routed configuration's.")
