@@ -432,7 +432,7 @@ class FactsCollector:
         picks = r.unary_picks
         if picks is not None:
             from prometheus_client.core import GaugeMetricFamily
-            yield GaugeMetricFamily("prefixroute_authz_picks_pending", "Picks made by Envoy's ext_authz Check "
+            yield GaugeMetricFamily("prefixroute_authz_picks_pending", "Picks made by Envoy's ext_authz check "
                                     "over HTTP (routing_processing 'authz-http') waiting for their facts record, which releases "
                                     "them", value=len(picks))
             yield CounterMetricFamily("prefixroute_authz_picks_expired", "ext_authz picks released without their "
