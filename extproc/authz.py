@@ -52,6 +52,10 @@ RELEASE_AFTER_S = 660.0
 """Longest a unary pick waits for its facts record before it is released anyway: Envoy's whole-response timeout
 (EnvoySettings.upstream_timeout_s, 600 s) and a margin for the record's flush and a retry's connect. A response
 cannot outlast it through our Envoy configuration, so only a lost record waits this long."""
+STREAM_END_RELEASE_AFTER_S = 5.0
+"""Longest a pick whose ext_proc routing stream has ended waits for its facts record (`ended_picks`): Envoy sends the
+record within its flush interval (facts_flush_interval_ms, 50 ms) of the stream's end; 5 s covers a loaded host, and
+a lost record holds an endpoint's in-flight count no longer than that."""
 HANDOFF = object()
 """`AuthzServicer.start`'s answer for a request handed to the ext_proc filter."""
 class UnaryPicks:

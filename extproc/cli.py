@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 
 from prefixroute import settings
-from prefixroute.extproc.authz import UnaryPicks
+from prefixroute.extproc.authz import STREAM_END_RELEASE_AFTER_S, UnaryPicks
 from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver
 from prefixroute.extproc.endpoints.discovery import DnsDiscovery, discovery_from_settings
 from prefixroute.extproc.endpoints.metrics import PoolHealthCollector
@@ -177,7 +177,8 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         picks = (UnaryPicks(router.release, tracker.routing_closed, ext.authz_release_after_s)
                  if ext.authz_http_port >= 0 else None)
         facts = FactsReceiver(tracker, router.served, early_first_token=ext.facts_first_token == "early",
-                              unary_picks=picks)
+                              unary_picks=picks, ended_picks=UnaryPicks(router.release, tracker.routing_closed,
+                                                                        STREAM_END_RELEASE_AFTER_S))
         telemetry.metrics.registry.register(FactsCollector(facts))
         server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,
                                           can_hold=router.flow is not None, facts=facts)

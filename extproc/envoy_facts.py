@@ -216,10 +216,12 @@ class FactsReceiver:
     ``ignored`` and the first token comes with the facts record."""
 
     def __init__(self, tracker: RequestTracker, served: Callable[[Pick, str | None, int | None], None], *,
-                 early_first_token: bool = True, unary_picks: Any = None) -> None:
+                 early_first_token: bool = True, unary_picks: Any = None, ended_picks: Any = None) -> None:
         """`unary_picks`: authz.UnaryPicks, when Envoy may route by its ext_authz check (the router serves the HTTP
         check): each record (matched or not) closes its pick there, after `apply` reported it; its figures are on
-        /metrics. None: every pick ends with its routing stream, and records close nothing more."""
+        /metrics. `ended_picks`: the same for picks whose ext_proc routing stream ended before their record came
+        (servicer.py): the record, not the stream's end, is their end, so what it brings (the first token of a
+        short stream, its usage) is learned before the pick is released. None: records close nothing."""
         self.tracker = tracker
         self.served = served
         self.early_first_token = early_first_token
@@ -228,6 +230,7 @@ class FactsReceiver:
         self.first_token_counts = dict.fromkeys(FIRST_TOKEN_OUTCOMES, 0)
         self.early_id_counts = dict.fromkeys(EARLY_ID_OUTCOMES, 0)
         self.unary_picks = unary_picks
+        self.ended_picks = ended_picks
 
     def counts(self) -> dict[str, int]:
         """Records per outcome (`OUTCOMES`), for ``prefixroute_response_facts_total``."""
@@ -305,6 +308,9 @@ class FactsReceiver:
             picks = self.unary_picks
             if picks is not None:  # a unary pick (ext_authz, authz.py): its record is its end
                 picks.close(f.span_id)
+            ended = self.ended_picks
+            if ended is not None:  # an ext_proc pick whose stream ended first (servicer.py)
+                ended.close(f.span_id)
 
     def apply(self, f: ResponseFacts) -> bool:
         """Report `f` for its pick; False (counted unmatched) when no pending facts-path pick has its key."""
@@ -429,6 +435,12 @@ class FactsCollector:
             for outcome, n in counts.items():
                 family.add_metric([outcome], n)
             yield family
+        ended = r.ended_picks
+        if ended is not None:
+            yield CounterMetricFamily("prefixroute_facts_picks_expired", "Picks whose routing stream ended and "
+                                      "whose facts record never came, released after the stream's end plus 5 s "
+                                      "(authz.STREAM_END_RELEASE_AFTER_S): the record was lost",
+                                      value=ended.num_expired)
         picks = r.unary_picks
         if picks is not None:
             from prometheus_client.core import GaugeMetricFamily

@@ -278,7 +278,8 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     replica = s.replica_index if s.replica_index >= 0 else None
     servicer = ExtProcServicer(router, tracker, replica_index=replica, protocol=s.protocol,
                                gie_fallback_list=s.gie_fallback_list, max_body_bytes=max_body_bytes,
-                               can_hold=can_hold, facts_first_token_live=s.facts_first_token == "early")
+                               can_hold=can_hold, facts_first_token_live=s.facts_first_token == "early",
+                               ended_picks=facts.ended_picks if facts is not None else None)
     auth = StreamAuth(token) if token else None
     server.auth = auth  # type: ignore[attr-defined]  # its refusals, for tests and tools
     process = servicer.Process

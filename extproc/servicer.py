@@ -280,13 +280,16 @@ class ExtProcServicer:
     def __init__(self, router: RouterService, tracker: Tracker = NULL_TRACKER, *,
                  replica_index: int | None = None, protocol: str = "auto", gie_fallback_list: bool = False,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, can_hold: bool = False,
-                 facts_first_token_live: bool = True) -> None:
+                 facts_first_token_live: bool = True, ended_picks: Any = None) -> None:
         """`replica_index`: see `ResponseCache` (one of several replicas behind one Envoy). `protocol`: which
         protocol each routing stream speaks (PROTOCOLS: "auto" reads it from the stream's first message).
         `gie_fallback_list`, `max_body_bytes`: GIE streams' destination list and body limit (gie.py).
         `can_hold`: the router holds requests past saturation (flow control; our own protocol's streams only:
         GIE streams are routed at once). `facts_first_token_live`: a streamed pick on the facts path reports its
-        first token when it happens (Envoy's early report, envoy_facts.py), not only at its end."""
+        first token when it happens (Envoy's early report, envoy_facts.py), not only at its end. `ended_picks`
+        (authz.UnaryPicks, the facts receiver's): where a pick on the facts path waits for its facts record when
+        its stream ends first (a short response: the record, sent after the stream's end, carries its first token
+        and usage, which the time model learns only from a pick not yet released); None: released at the end."""
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
         self.router = router
@@ -298,6 +301,7 @@ class ExtProcServicer:
         self._gie_auto = protocol == "auto"
         self.can_hold = can_hold
         self.facts_first_token_live = facts_first_token_live
+        self.ended_picks = ended_picks
 
     async def Process(self, request_iterator: AsyncIterator[Any],  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> None:
@@ -334,9 +338,14 @@ class ExtProcServicer:
                     await write(resp)
                 req = await read()
         finally:
-            if ex.pick is not None:
-                self.router.release(ex.pick)
-            self.tracker.routing_closed(ex.st)
+            pick, st = ex.pick, ex.st
+            ended = self.ended_picks
+            if pick is not None and ended is not None and st.facts and not st.obs_done and st.key:
+                ended.add(st.key, st, pick)  # released by its facts record (or its expiry), which closes st too
+            else:
+                if pick is not None:
+                    self.router.release(pick)
+                self.tracker.routing_closed(st)
 
     async def _observe(self, first: Any, read: Any, eof: Any) -> None:
         """An observing stream (observability mode): read everything, answer nothing.
