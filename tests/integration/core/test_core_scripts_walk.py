@@ -36,7 +36,7 @@ def _load_script() -> Any:
 
 async def test_the_walk_of_an_ext_proc_stream_enters_the_router_core() -> None:
     wm = _load_script()
-    result = await wm.walk(("ext_proc",))
+    result = await wm.walk(("ext_proc", "facts"))
     walk = result["walks"]["ext_proc"]
     assert result["ready_line"].startswith("prefixroute extproc ready on ")
     assert set(CORE) <= set(walk.modules), walk.modules
@@ -44,8 +44,11 @@ async def test_the_walk_of_an_ext_proc_stream_enters_the_router_core() -> None:
     assert walk.num_modules >= len(CORE) and walk.num_entries > walk.num_modules
     assert walk.num_reentries == walk.num_entries - walk.num_modules > 0
     assert walk.num_windows == 1 and walk.num_calls >= walk.num_entries
-    # The release at the stream's end is part of the walk: the pick reaches the pool again.
-    assert [e.function for e in walk.entries if e.module == "prefixroute.extproc.endpoints.pool"][-1] == "release"
+    # On the facts path the stream ends before its facts record, which releases the pick: the pool's release is in
+    # the facts' walk, after the stream's acquire.
+    assert [e.function for e in walk.entries if e.module == "prefixroute.extproc.endpoints.pool"][-1] == "acquire"
+    facts = result["walks"]["facts"]
+    assert [e.function for e in facts.entries if e.module == "prefixroute.extproc.endpoints.pool"][-1] == "release"
 
 
 def test_the_command_prints_json_per_transport() -> None:
