@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import gzip
 import heapq
+import inspect
 import json
 import os
 import random
@@ -65,11 +66,19 @@ SERVICE_SOURCES = ("approximate", "feedback")
 
 
 # --- the one place that builds a router (follow the code's factory here) -----------------------------------------
-def _build_router(routing: RoutingSettings, pool: ReplayPool, clock: Callable[[], float]) -> PoolRouter:
+def _build_router(routing: RoutingSettings, pool: ReplayPool, clock: Callable[[], float],
+                  publisher: Any = None) -> PoolRouter:
+    """The router, its picks published to `publisher` (a scenario's stand-in for the other replicas)."""
     if build_router is None:  # code from before the one factory (extproc/factory.py): what it wired
         from prefixroute.extproc.routing.router import RouterCore
-        return PoolRouter(RouterCore(routing, track_prefill=True), pool, clock=clock)
-    return build_router(routing, pool, clock=clock)
+        router = PoolRouter(RouterCore(routing, track_prefill=True), pool, clock=clock)
+    elif "peers" in inspect.signature(build_router).parameters:
+        return build_router(routing, pool, clock=clock, peers=None if publisher is None else lambda _: publisher)
+    else:  # code from before the factory built the router complete
+        router = build_router(routing, pool, clock=clock)
+    if publisher is not None:
+        router.peers = publisher  # type: ignore[misc]  # older code's way
+    return router
 
 
 class ReplayPool:
@@ -160,9 +169,8 @@ class ServiceDriver:
         self.rng = random.Random(seed)
         self.now_s = 0.0
         self.pool = ReplayPool([f"10.1.{i // 200}.{i % 200}:8000" for i in range(num_endpoints)])
-        self.router = _build_router(routing, self.pool, lambda: self.now_s)
         self.publisher = _Publisher()
-        self.router.peers = self.publisher
+        self.router = _build_router(routing, self.pool, lambda: self.now_s, self.publisher)
         self.events: list[tuple[float, int, str, int]] = []  # (time, seq, what, pick number)
         self.live: dict[int, _Live] = {}
         self.seq = 0

@@ -211,14 +211,13 @@ class _FleetRouting:
             event_index = new_event_index(routing)
             apply_events = event_index.apply_events
             fleet.publish_kv_events(lambda ep, events: collections.deque(apply_events(ep, events), maxlen=0))
-        self.router = build_router(routing, pool, event_index=event_index, event_endpoints=fleet.endpoint_ids,
-                                   clock=lambda: fleet.now_s)
         # Who sent each request, as the gateway reads it: the operator's tenant settings (and environment).
         flow_names = settings_mod.from_namespace(FlowSettings)
-        self.router.tenants = Tenants(settings_mod.from_namespace(TenantSettings), tenant_header=routing.tenant_header,
-                                      priority_header=flow_names.priority_header,
-                                      objective_header=flow_names.objective_header,
-                                      fairness_header=flow_names.fairness_header)
+        tenants = Tenants(settings_mod.from_namespace(TenantSettings), tenant_header=routing.tenant_header,
+                          priority_header=flow_names.priority_header, objective_header=flow_names.objective_header,
+                          fairness_header=flow_names.fairness_header)
+        self.router = build_router(routing, pool, event_index=event_index, event_endpoints=fleet.endpoint_ids,
+                                   clock=lambda: fleet.now_s, tenants=tenants)
         if predictions is not None:
             self.router.add_listener(_TtftPredictions(predictions))
         self.event_index = event_index

@@ -40,9 +40,8 @@ from typing import Any
 from prefixroute.extproc.answers import immediate_response
 from prefixroute.extproc.headers import PARTIAL_BODY_HEADER
 from prefixroute.extproc.lifecycle import Pick
-from prefixroute.extproc.exchange import WAIT_HOLD, WAIT_PARSE, Exchange, Outcome, Refused, Wait
-from prefixroute.extproc.servicer import ExtProcServicer
-from prefixroute.extproc.tracking import Tracked
+from prefixroute.extproc.exchange import WAIT_HOLD, WAIT_PARSE, Exchange, Outcome, Refused, RouterService, Wait
+from prefixroute.extproc.tracking import Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
 from prefixroute.telemetry.tracecontext import parse_traceparent
 
@@ -116,10 +115,16 @@ class UnaryPicks:
 class AuthzServicer:
     """One ext_authz check -> the router's decision (module docstring); authz_http.py carries it."""
 
-    def __init__(self, servicer: ExtProcServicer, picks: UnaryPicks) -> None:
-        self.servicer = servicer
-        self.tracker = servicer.tracker
+    def __init__(self, router: RouterService, tracker: Tracker, picks: UnaryPicks, *, can_hold: bool = False,
+                 first_token_live: bool = True) -> None:
+        """`picks`: the facts receiver's table of unary picks (each released by its facts record); `can_hold`:
+        the router holds requests past saturation (flow control), handed to the ext_proc filter when Envoy has
+        the handoff route; `first_token_live`: the facts path's early first token reports are on."""
+        self.router = router
+        self.tracker = tracker
         self.picks = picks
+        self.can_hold = can_hold
+        self.first_token_live = first_token_live
         self.num_unreleasable = 0
 
     def start(self, headers: dict[str, str], method: str, path: str, body: Any,
@@ -147,9 +152,8 @@ class AuthzServicer:
         if partial and handoff:  # a body above what Envoy sends whole: parsed off the loop, its whole by ext_proc
             self.picks.num_handoffs["parse"] += 1
             return None, HANDOFF
-        servicer = self.servicer
-        ex = Exchange(servicer.router, self.tracker, can_hold=handoff and servicer.can_hold,
-                      first_token_live=servicer.facts_first_token_live)
+        ex = Exchange(self.router, self.tracker, can_hold=handoff and self.can_hold,
+                      first_token_live=self.first_token_live)
         ex.begin(headers, grpc_metadata)
         if partial:  # another project's configuration: no way to see the whole body
             return ex, ex.refuse(OpenAIError(413, "Request body larger than the gateway's ext_authz filter sends "
@@ -193,7 +197,7 @@ class AuthzServicer:
             if self.num_unreleasable in (1, 100) or self.num_unreleasable % 10_000 == 0:
                 log.warning("ext_authz check without the facts path (no records): %d pick(s) released at their "
                             "decision, so endpoints' in-flight counts miss them", self.num_unreleasable)
-            self.servicer.router.release(pick)
+            self.router.release(pick)
             self.tracker.routing_closed(st)
             return pick.endpoints, None
         # The record is keyed by the router span of this traceparent: the state's key, or (a state past the

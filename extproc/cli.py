@@ -36,8 +36,7 @@ from prefixroute.extproc.peers.bus import PeerBus, PeersCollector
 from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.parse_offload import ParseOffload
 from prefixroute.extproc.response_directory import ResponsesCollector
-from prefixroute.extproc.factory import build_router, new_event_index, share_with_peers, uses_kv_events
-from prefixroute.extproc.flow.hold import build_flow
+from prefixroute.extproc.factory import build_router, new_event_index, uses_kv_events
 from prefixroute.extproc.flow.metrics import FlowCollector
 from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.tenants import Tenants, TenantSettings
@@ -131,14 +130,20 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
     addresses = addresses_of(list(pool.endpoints))
     discovers_events = discovery is not None and use_events and pool_settings.kv_events_port_offset > 0
     event_index = new_event_index(routing) if addresses or discovers_events else None
-    router = build_router(routing, pool, event_index=event_index)
     flow = flow_settings or FlowSettings(flow_control=False)
-    router.tenants = tenants or tenants_from_settings(TenantSettings(), routing, flow)
+    # Large bodies parsed off the event loop; flow control holds, orders and sheds past saturation
+    # (extproc/flow; prefixroute_flow_* on /metrics); the bus shares picks with the other replicas.
+    offload = ParseOffload(routing) if routing.parse_workers else None
+    share = peer_settings is not None and bool(peer_settings.url)
+    router = build_router(routing, pool, event_index=event_index,
+                          tenants=tenants or tenants_from_settings(TenantSettings(), routing, flow),
+                          offload=offload, flow=flow, flow_tick_s=pool_settings.scrape_interval_s,
+                          flow_stale_after_s=pool_settings.metrics_stale_after_s,
+                          peers=(lambda r: PeerBus(peer_settings, r)) if share else None, peer_settings=peer_settings)
     core = router.core
     log.info("%s", core.memory.describe())
-    if routing.parse_workers:  # large bodies parsed off the event loop
-        router.offload = ParseOffload(routing)
-        router.offload.start()
+    if offload is not None:
+        offload.start()
     manager = None
     if event_index is not None:
         manager = KVEventsManager(event_index, topic=pool_settings.kv_events_topic,
@@ -147,11 +152,9 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                                   on_state=lambda ep, state: events.on_state(ep, state))
     events = KVEventsLink(core, manager, addresses, pool.snapshot)
     telemetry, tracker = _telemetry_for(router, pool, event_index, events, routing, tele)
-    if flow.flow_control:  # hold, order and shed past saturation (extproc/flow; prefixroute_flow_* on /metrics)
-        control = build_flow(router, flow, tick_s=pool_settings.scrape_interval_s,
-                             stale_after_s=pool_settings.metrics_stale_after_s)
-        telemetry.metrics.registry.register(FlowCollector(control))
-    bus = _peer_bus(router, telemetry, peer_settings)
+    if router.flow is not None:
+        telemetry.metrics.registry.register(FlowCollector(router.flow.gate.control))
+    bus = _peer_bus(router, telemetry)
     await pool.start()
     events.start([str(ep) for ep in pool.endpoints])
     pool.add_listener(events.on_pool_change)  # an endpoint failing its probes leaves `live` at once
@@ -180,10 +183,12 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
                               unary_picks=picks, ended_picks=UnaryPicks(router.release, tracker.routing_closed,
                                                                         STREAM_END_RELEASE_AFTER_S))
         telemetry.metrics.registry.register(FactsCollector(facts))
+        can_hold = router.flow is not None
         server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,
-                                          can_hold=router.flow is not None, facts=facts)
+                                          can_hold=can_hold, facts=facts)
         health_server = await start_health_server(ext, ready)
-        authz_http = await start_authz_http(server, ext, ready, routing.max_body_bytes)
+        authz_http = await start_authz_http(router, ext, tracker, facts=facts, ready=ready,
+                                            max_body_bytes=routing.max_body_bytes, can_hold=can_hold)
         print(_ready_line(ext, routing, router, port, pool, telemetry, events, bool(addresses), bus, all_up,
                           authz_http[1] if authz_http is not None else None), flush=True)
         await stop.wait()
@@ -212,12 +217,11 @@ async def _shutdown(router: PoolRouter, pool: EndpointPool, events: KVEventsLink
     await asyncio.get_running_loop().run_in_executor(None, telemetry.close, 2.0)
 
 
-def _peer_bus(router: PoolRouter, telemetry: RouterTelemetry, peer_settings: PeerSettings | None) -> PeerBus | None:
-    """The replica's bus to the others (NATS), with its figures on /metrics; None without a url."""
-    if peer_settings is None or not peer_settings.url:
+def _peer_bus(router: PoolRouter, telemetry: RouterTelemetry) -> PeerBus | None:
+    """The replica's bus to the others (NATS), with its figures on /metrics; None when it routes alone."""
+    bus = router.peers
+    if not isinstance(bus, PeerBus):
         return None
-    bus = PeerBus(peer_settings, router)
-    share_with_peers(router, bus, peer_settings)
     learner = router.core.learner
     telemetry.metrics.registry.register(PeersCollector(bus, learner.num_peer_picks if learner else lambda: 0,
                                                        router.num_peer_in_flight,

@@ -63,7 +63,7 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 
-from prefixroute.extproc.facts_fields import (A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_FLAGS,
+from prefixroute.extproc.facts_fields import (A_COMPLETE, A_CONTENT_TYPE, A_DURATION_US, A_FIRST_TOKEN_US, A_FLAGS,
                                               A_RESPONSE_ID, A_ROUTING_US, A_START, A_STATUS, A_TRACEPARENT, A_TTFT_US,
                                               A_UPSTREAM, A_USAGE, CLIENT_CUT_FLAG,
                                               FACTS_MARK, FIRST_TOKEN_METHOD, MAX_USAGE_CHARS,
@@ -139,7 +139,7 @@ def facts_of(record: Any) -> ResponseFacts | None:
         streamed=(a.get(A_CONTENT_TYPE) or "").startswith("text/event-stream"),
         ttft_ms=_micros_ms(a.get(A_TTFT_US)), first_token_ms=first_token, latency_ms=latency, usage=usage,
         response_id=response_id[:256] if response_id else None, routing_ms=_micros_ms(a.get(A_ROUTING_US)),
-        client_cut=CLIENT_CUT_FLAG in (a.get(A_FLAGS) or "").split(","))
+        client_cut=CLIENT_CUT_FLAG in (a.get(A_FLAGS) or "").split(",") and a.get(A_COMPLETE) != "1")
 
 
 def facts_in(request: Any) -> Iterable[ResponseFacts]:

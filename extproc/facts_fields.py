@@ -19,6 +19,10 @@ FIRST_TOKEN_KEY = "first_token_us"
 telemetry records read it too (envoy_config/timing.py)."""
 USAGE_KEY = "usage"
 """The response's last ``"usage": {...}`` object as text (at most `MAX_USAGE_CHARS`), from its last bytes."""
+COMPLETE_KEY = "complete"
+"""``"1"`` once the response's own end passed the filter (a chat or completions stream's ``data: [DONE]``, a
+Responses stream's terminal event, which carries its usage): a client that closes then has its whole answer, even
+if Envoy had not yet seen the upstream's end of stream (Envoy then flags DC, `CLIENT_CUT_FLAG`)."""
 RESPONSE_ID_KEY = "response_id"
 """The first ``"id": "resp..."`` of a response (Responses API), from its first `MAX_ID_SCAN_BYTES`."""
 MAX_USAGE_CHARS = 1024
@@ -41,9 +45,12 @@ A_FIRST_TOKEN_US = "first_token_us"
 A_USAGE = "usage"
 A_RESPONSE_ID = "response_id"
 A_FLAGS = "flags"
+A_COMPLETE = "complete"
 CLIENT_CUT_FLAG = "DC"
 """Envoy's response flag "downstream connection termination": the client closed its connection before the
-response ended (the status is still the one its headers carried, e.g. 200)."""
+response ended (the status is still the one its headers carried, e.g. 200). Not a cut when the record says the
+response was complete (`COMPLETE_KEY`): the OpenAI SDK closes its connection at a stream's ``[DONE]``, which may
+reach the client before Envoy reads the upstream's end of stream."""
 
 FACTS_ATTRIBUTES: dict[str, str] = {
     FACTS_MARK: "1",
@@ -64,8 +71,9 @@ FACTS_ATTRIBUTES: dict[str, str] = {
     A_FIRST_TOKEN_US: f"%DYNAMIC_METADATA({TIMING_NAMESPACE}:{FIRST_TOKEN_KEY})%",
     A_USAGE: f"%DYNAMIC_METADATA({FACTS_NAMESPACE}:{USAGE_KEY})%",
     A_RESPONSE_ID: f"%DYNAMIC_METADATA({FACTS_NAMESPACE}:{RESPONSE_ID_KEY})%",
-    # Envoy's response flags ("-" for none): DC, the client cut the response short.
+    # Envoy's response flags ("-" for none): DC, the client cut the response short (unless it was complete).
     A_FLAGS: "%RESPONSE_FLAGS%",
+    A_COMPLETE: f"%DYNAMIC_METADATA({FACTS_NAMESPACE}:{COMPLETE_KEY})%",
 }
 """The facts record's attributes: short keys (they travel once per request), Envoy format strings as values."""
 

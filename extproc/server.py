@@ -267,9 +267,7 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     `MESSAGE_HEADROOM_BYTES` the largest message the port reads. `can_hold`: the router holds requests past
     saturation (flow control: `ExtProcServicer`). `add_services`: adds other services to the server before it
     starts. `facts`: Envoy's response facts receiver (envoy_facts.FactsReceiver), served on the port behind the
-    token; given with its ext_authz pick table (`FactsReceiver.unary_picks`), the ext_authz decision is built too
-    (`server.authz_servicer`, authz.py: a check's pick is released by its facts record, so there is no ext_authz
-    routing without them), for `start_authz_http`."""
+    token."""
     token = resolved_auth_token(s)
     credentials = server_credentials(s)
     check_exposure(s)
@@ -281,13 +279,10 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
                                can_hold=can_hold, facts_first_token_live=s.facts_first_token == "early",
                                ended_picks=facts.ended_picks if facts is not None else None)
     auth = StreamAuth(token) if token else None
-    server.auth = auth  # type: ignore[attr-defined]  # its refusals, for tests and tools
     process = servicer.Process
     wire.add_to_server(server, auth.guard(process) if auth is not None else process)
     if facts is not None:
         envoy_facts.add_to_server(server, facts, auth=auth)
-        if facts.unary_picks is not None:  # the HTTP check's decision (authz_http.py), its picks released by facts
-            server.authz_servicer = AuthzServicer(servicer, facts.unary_picks)  # type: ignore[attr-defined]
     wire.add_health_to_server(server, HealthServicer(ready).Check)
     if add_services is not None:
         add_services(server)
@@ -300,17 +295,22 @@ async def start_server(router: RouterService, s: ExtprocSettings, tracker: Track
     return server, bound
 
 
-async def start_authz_http(server: grpc.aio.Server, s: ExtprocSettings, ready: Callable[[], bool],
-                           max_body_bytes: int) -> tuple[asyncio.Server, int] | None:
-    """Envoy's ext_authz over HTTP on `s.authz_http_port` (None when -1), deciding with the gRPC server's
-    `AuthzServicer` (`start_server` with facts), with the same token and TLS files. OSError when the port cannot
-    be bound; ValueError when there is no authz servicer (no facts receiver) or the TLS files are incomplete."""
+async def start_authz_http(router: RouterService, s: ExtprocSettings, tracker: Tracker, *, facts: Any,
+                           ready: Callable[[], bool], max_body_bytes: int, can_hold: bool = False
+                           ) -> tuple[asyncio.Server, int] | None:
+    """Envoy's ext_authz over HTTP on `s.authz_http_port` (None when -1): each check decided by `router` (an
+    `AuthzServicer`, authz.py), tracked by `tracker`, its pick released by its facts record (`facts`, the
+    `FactsReceiver` served by `start_server`, with its table of unary picks), with the same token and TLS files
+    as the gRPC port. `can_hold`: as `start_server`'s. OSError when the port cannot be bound; ValueError when
+    there is no facts receiver with its pick table (there is no ext_authz routing without it) or the TLS files
+    are incomplete."""
     if s.authz_http_port < 0:
         return None
-    authz = getattr(server, "authz_servicer", None)
-    if authz is None:
+    if facts is None or facts.unary_picks is None:
         raise ValueError("authz_http_port needs the facts receiver with its pick table (the ext_authz picks are "
                          "released by facts records)")
+    authz = AuthzServicer(router, tracker, facts.unary_picks, can_hold=can_hold,
+                          first_token_live=s.facts_first_token == "early")
     server_credentials(s)  # the same completeness checks as the gRPC port's
     ctx = server_ssl_context(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
     svc = AuthzHttpService(authz, token=resolved_auth_token(s), ready=ready, max_body_bytes=max_body_bytes,

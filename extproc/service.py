@@ -86,6 +86,7 @@ from prefixroute.extproc.lifecycle import Lifecycle, LifecycleListener, Phase, P
 from prefixroute.extproc.lifecycle_listeners import (IndexListener, PeerPublisher, PeersListener, PoolListener,
                                                      ResponsesListener, TierPredictionListener, TimeModelListener)
 from prefixroute.extproc.peers import codec
+from prefixroute.extproc.peers.settings import PeerSettings
 from prefixroute.extproc.response_directory import NeedsLookup, ResponseDirectory, ResponseLookup
 from prefixroute.extproc.routing.request import InferenceRequest, parse_request
 from prefixroute.extproc.routing.router import RouterCore
@@ -130,8 +131,18 @@ class PoolRouter:
     """RouterCore + a `Pool` behind the servicer's `RouterService` interface (see module docstring). Requests
     are parsed with the core's own settings (``core.settings``): one settings object parses and routes."""
 
-    def __init__(self, core: RouterCore, pool: Pool, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock`: monotonic seconds for the time model (a simulation passes its virtual clock)."""
+    def __init__(self, core: RouterCore, pool: Pool, *, clock: Callable[[], float] = time.monotonic,
+                 tenants: Tenants | None = None, offload: Any = None,
+                 flow: Callable[[PoolRouter], FlowPort] | None = None,
+                 peers: Callable[[PoolRouter], PeerPublisher] | None = None,
+                 peer_settings: PeerSettings | None = None) -> None:
+        """Built complete, by `factory.build_router` (the one wiring place). `clock`: monotonic seconds for the
+        time model (a simulation passes its virtual clock). `tenants`: who sent each request (extproc/tenants.py;
+        default: no table, no tenant header trusted). `offload`: large bodies parsed off the loop
+        (extproc/parse_offload.py; None: every body here). `flow`: builds flow control's port for this router
+        (extproc/flow/hold.py, `flow_for`; None: every request is routed at once). `peers`: builds the
+        publisher of this router's picks to the other replicas (extproc/peers; None: it routes alone), applied
+        within `peer_settings`' limits."""
         self.core = core
         self.clock = clock
         self.pool = pool
@@ -164,9 +175,10 @@ class PoolRouter:
             if isinstance(core.event_index, TieredKVEventIndex) else None
         if self.tier_prediction is not None:
             self.lifecycle.add(self.tier_prediction)
-        self.peer_pending_ttl_s = 30.0  # PeerSettings.pending_ttl_s, set with `peers`
-        self.peer_in_flight_ttl_s = 660.0  # PeerSettings.in_flight_ttl_s
-        self.peer_timeout_s = 5.0  # PeerSettings.peer_timeout_s
+        ps = peer_settings or PeerSettings()
+        self.peer_pending_ttl_s = ps.pending_ttl_s
+        self.peer_in_flight_ttl_s = ps.in_flight_ttl_s
+        self.peer_timeout_s = ps.peer_timeout_s
         # Other replicas' requests in flight here: (replica, incarnation, seq) -> [endpoint, expiry], oldest
         # first; counted in the pool's in-flight counts (so every replica prices the fleet's load), and when
         # each origin was last heard from.
@@ -175,27 +187,22 @@ class PoolRouter:
         self._peer_counts: dict[tuple[str, int], int] = {}  # origin -> its requests counted in flight here
         self._peer_recent: dict[tuple, EndpointId] = {}  # ended peer picks -> endpoint, oldest first
         self.max_peer_in_flight = core.memory.max_peer_in_flight
-        self.max_in_flight_per_peer = 4096  # PeerSettings.max_in_flight_per_peer, set with `peers`
+        self.max_in_flight_per_peer = ps.max_in_flight_per_peer
         self.num_ignored_peer_messages = 0
-        # Large bodies parsed off the loop (extproc/parse_offload.py): None = every body here.
-        self.offload = None
-        # Flow control (extproc/flow/hold.py): None = every request is routed at once.
-        self.flow: FlowPort | None = None
-        # Who sent each request (extproc/tenants.py): its tenant salts its hashes and sessions; a client's own
-        # tenant header counts only where the operator trusts an ingress to set it. Replaced by the caller with
-        # the operator's settings (cli.py); the default trusts no tenant header and has no table.
-        self.tenants = Tenants(tenant_header=s.tenant_header)
+        self.offload = offload
+        # Its tenant salts a request's hashes and sessions; a client's own tenant header counts only where the
+        # operator trusts an ingress to set it.
+        self.tenants = tenants if tenants is not None else Tenants(tenant_header=s.tenant_header)
         pool.add_listener(self._on_pool_change)
+        # Last: both are built over the router they serve (its pool, its time model, its listeners).
+        self.flow: FlowPort | None = flow(self) if flow is not None else None
+        self._peers.publisher = peers(self) if peers is not None else None
 
     @property
     def peers(self) -> PeerPublisher | None:
         """Where picks are published to the other replicas (extproc/peers); None (the default): this replica
         routes alone (no message, no cost)."""
         return self._peers.publisher
-
-    @peers.setter
-    def peers(self, publisher: PeerPublisher | None) -> None:
-        self._peers.publisher = publisher
 
     def add_listener(self, listener: LifecycleListener) -> None:
         """Register another lifecycle listener (extproc/lifecycle.py), told after the router's own."""

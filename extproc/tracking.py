@@ -528,8 +528,11 @@ class RequestTracker:
         return False
 
     def obs_closed(self, st: Tracked) -> None:
-        """The observing stream ended (EOF or cancel) without end of stream: the response was cut short."""
-        if not st.obs_done:
+        """The observing stream ended (EOF or cancel) without end of stream: the response was cut short, unless
+        its own end had passed (`StreamUsageTail.ended`: the client closed at ``[DONE]``), which finishes it."""
+        if not st.obs_done and st.tail is not None and st.tail.ended():
+            self._obs_finished(st, time.perf_counter())
+        elif not st.obs_done:
             st.obs_done = True
             if st.rec.error is None:
                 st.rec.error = "response incomplete"

@@ -87,6 +87,13 @@ class StreamUsageTail:
         if len(self._buf) > 2 * self._max:  # trim rarely: amortised O(1) per byte
             del self._buf[: len(self._buf) - self._max]
 
+    def ended(self) -> bool:
+        """Whether the stream's own end is in the tail: a chat or completions stream's ``data: [DONE]``, or a
+        Responses stream's terminal event. A client that closes then had its whole answer (the OpenAI SDK closes
+        at ``[DONE]``, often before Envoy has read the server's end of stream)."""
+        buf = self._buf
+        return buf[-32:].rstrip().endswith(b"data: [DONE]") or any(e in buf for e in _TERMINAL_EVENTS)
+
     def usage(self) -> Usage | None:
         """Usage of the last ``data:`` event with a usage object, None when there is none."""
         for line in reversed(bytes(self._buf).splitlines()):
@@ -105,6 +112,7 @@ class StreamUsageTail:
         return _last_usage_object(bytes(self._buf))
 
 
+_TERMINAL_EVENTS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
 _USAGE_KEY = b'"usage":'
 _DECODER = json.JSONDecoder()  # stateless once built; building one costs more than decoding a usage object
 

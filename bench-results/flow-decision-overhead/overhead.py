@@ -4,7 +4,6 @@ import time, statistics, asyncio, orjson
 from prefixroute.bench.sim_pool import SimulatedPool
 from prefixroute.extproc.endpoints.settings import PoolSettings
 from prefixroute.extproc.factory import build_router
-from prefixroute.extproc.flow.hold import build_flow
 from prefixroute.extproc.flow.settings import FlowSettings
 from prefixroute.extproc.routing.settings import RoutingSettings
 from prefixroute.model_servers.virtual_fleet import VirtualFleet
@@ -12,9 +11,8 @@ from prefixroute.model_servers.virtual_fleet import VirtualFleet
 def run(n, flow):
     fleet = VirtualFleet(num_servers=n)
     pool = SimulatedPool(fleet, PoolSettings(), seed=0)
-    router = build_router(RoutingSettings(policy="prefix", rng_seed=0), pool, clock=lambda: fleet.now_s)
-    if flow:
-        build_flow(router, FlowSettings(), tick_s=0.05, stale_after_s=1.0)
+    router = build_router(RoutingSettings(policy="prefix", rng_seed=0), pool, clock=lambda: fleet.now_s,
+                          flow=FlowSettings() if flow else None, flow_tick_s=0.05, flow_stale_after_s=1.0)
     bodies = [orjson.dumps({"messages": [{"role": "system", "content": f"system {i % 50} " * 300},
                                          {"role": "user", "content": f"q{i}"}]}) for i in range(2000)]
     h = {"content-type": "application/json"}

@@ -5,10 +5,15 @@
   writes into dynamic metadata: a Responses API stream's first token event time (`FIRST_TOKEN_KEY`, as the
   first-token filter of timing.py does), the response id (first ``"id":"resp..."`` of a JSON body or of an
   ``event:`` stream, within its first 64 KiB; chat streams are not searched) and the response's last
-  ``"usage": {...}`` object as text (from the last `TAIL_BYTES` kept while chunks pass: a stream's final usage
-  event, or the end of a JSON body). Per chunk: one copy of the chunk (kept until the kept bytes outgrow 8 KiB,
-  then cut to the last 4 KiB: no per-chunk concatenation, measured to cost ~0.3 ms of Envoy CPU on a 32-token
-  stream).
+  ``"usage": {...}`` object as text: written as soon as a chunk carrying one passes (completed by the next chunk
+  when cut at a chunk's end), and again at the body's end from the last `TAIL_BYTES` kept while chunks pass (a
+  stream's final usage event, or the end of a JSON body). It also marks a response whose own end passed
+  (`COMPLETE_KEY`: a stream's ``data: [DONE]``, a Responses stream's usage-carrying terminal event). Both matter
+  when the client closes at its stream's end: the OpenAI SDK closes its connection at ``[DONE]``, often before
+  Envoy reads the upstream's end of stream; the body's end then never comes to this filter, and Envoy flags the
+  record DC although the client had its whole answer. Per chunk: one copy of the chunk (kept until the kept bytes
+  outgrow 8 KiB, then cut to the last 4 KiB: no per-chunk concatenation, measured to cost ~0.3 ms of Envoy CPU on
+  a 32-token stream) and plain searches for ``"usage"`` and ``[DONE]``.
 - The early first token report (facts_fields.py, `FIRST_TOKEN_METHOD`): the same filter keeps the request's
   traceparent (set by the routing filter before it) in dynamic metadata, and at a stream's first token (a chat
   stream's first chunk, a Responses stream's first token event) makes one asynchronous ``httpCall`` (Envoy does not
@@ -49,7 +54,7 @@ from prefixroute.extproc.envoy_config.envoy_settings import EnvoySettings
 from prefixroute.extproc.facts_fields import (FACTS_ATTRIBUTES, FACTS_LOG_NAME, FACTS_NAMESPACE, FIRST_TOKEN_KEY,
                                               FIRST_TOKEN_METHOD, FIRST_TOKEN_TIMEOUT_MS, MAX_ID_SCAN_BYTES,
                                               MAX_USAGE_CHARS, RESPONSE_ID_KEY, RESPONSE_ID_METHOD, TAIL_BYTES,
-                                              TIMING_NAMESPACE, TRACEPARENT_KEY, USAGE_KEY)
+                                              TIMING_NAMESPACE, TRACEPARENT_KEY, USAGE_KEY, COMPLETE_KEY)
 from prefixroute.extproc.headers import SERVED_HEADER
 
 RESPONSE_FACTS_LUA = f"""
@@ -88,6 +93,18 @@ local function early_reporter(h)
   end
 end
 
+-- Where the last ``"usage": {{`` of `text` starts, or nil.
+local function last_usage(text)
+  local at = nil
+  local from = 1
+  while true do
+    local s = string.find(text, '"usage"%s*:%s*{{', from)
+    if s == nil then return at end
+    at = s
+    from = s + 1
+  end
+end
+
 function envoy_on_response(h)
   -- Fetched at each use: a stream info object does not outlive a yield (the next body chunk).
   local function set(ns, key, value)
@@ -101,10 +118,13 @@ function envoy_on_response(h)
   local found = nil   -- the response id, once found
   local first = true
   local events = nil  -- a Responses stream before its first token event: the last bytes seen
+  local event_stream = false  -- a Responses stream (its first line is an event line)
   local head = nil    -- the first bytes, while the response id is searched for
   local scanned = 0
   -- The last bytes, as the chunks themselves: joined only when they outgrow twice the tail (O(chunk) per chunk).
   local parts, nparts, size = {{}}, 0, 0
+  -- A usage object seen in the chunk that just passed (cut at that chunk's end): completed by the next chunk.
+  local usage = nil
   for chunk in h:bodyChunks() do
     local n = chunk:length()
     if n > 0 then
@@ -112,7 +132,7 @@ function envoy_on_response(h)
       if first then
         first = false
         local ev = string.sub(text, 1, 6) == "event:"
-        if sse and ev then events = "" end
+        if sse and ev then events = "" event_stream = true end
         if ev or not sse then head = "" end
         -- A chat stream's first chunk is its first token (as on the observing stream): report it now.
         if report ~= nil and events == nil then
@@ -152,6 +172,26 @@ function envoy_on_response(h)
           events = string.sub(t, -24)
         end
       end
+      -- The usage, as soon as it passes: a client that has its answer may close before Envoy sees the stream's
+      -- end (the OpenAI SDK closes at a stream's [DONE]), and then the loop below never ends.
+      if usage ~= nil then
+        set("{FACTS_NAMESPACE}", "{USAGE_KEY}", string.sub(usage .. text, 1, {MAX_USAGE_CHARS}))
+        usage = nil
+      end
+      if string.find(text, '"usage"', 1, true) ~= nil then
+        local at = last_usage(text)
+        if at ~= nil then
+          usage = string.sub(text, at, at + {MAX_USAGE_CHARS - 1})
+          set("{FACTS_NAMESPACE}", "{USAGE_KEY}", usage)
+          -- A Responses stream's usage comes in its terminal event: the client has the whole answer.
+          if event_stream then
+            set("{FACTS_NAMESPACE}", "{COMPLETE_KEY}", "1")
+          end
+        end
+      end
+      if sse and string.find(text, "data: [DONE]", 1, true) ~= nil then
+        set("{FACTS_NAMESPACE}", "{COMPLETE_KEY}", "1")
+      end
       nparts = nparts + 1
       parts[nparts] = text
       size = size + n
@@ -165,14 +205,7 @@ function envoy_on_response(h)
   end
   local tail = string.sub(table.concat(parts, "", 1, nparts), -{TAIL_BYTES})
   -- The last usage object of the tail (a stream's final usage event; the end of a JSON body).
-  local at = nil
-  local from = 1
-  while true do
-    local s = string.find(tail, '"usage"%s*:%s*{{', from)
-    if s == nil then break end
-    at = s
-    from = s + 1
-  end
+  local at = last_usage(tail)
   if at ~= nil then
     set("{FACTS_NAMESPACE}", "{USAGE_KEY}", string.sub(tail, at, at + {MAX_USAGE_CHARS - 1}))
   end

@@ -96,21 +96,24 @@ class FlowListener(LifecycleListener):
             self.gate.pump(ReleaseReason.RELEASE)
 
 
-def build_flow(router, settings, *, tick_s: float, stale_after_s: float):  # noqa: ANN001, ANN201
-    """Flow control for `router` (a `PoolRouter`) per `settings` (`FlowSettings`): sets ``router.flow``, adds
-    the capacity listener, and returns the `FlowControl` (for /metrics). Requests are classified by what
-    ``router.tenants`` trusts (extproc/tenants.py). `tick_s`: the pool's scrape interval; `stale_after_s`: its
-    metrics_stale_after_s."""
+def flow_for(settings, *, tick_s: float, stale_after_s: float):  # noqa: ANN001, ANN201
+    """What builds flow control for a router (`PoolRouter`'s ``flow`` argument, given by `factory.build_router`)
+    per `settings` (`FlowSettings`): called with the router at the end of its construction, it adds the capacity
+    listener and returns the router's `FlowHold` (its `FlowControl`, for /metrics: ``hold.gate.control``).
+    Requests are classified by what ``router.tenants`` trusts (extproc/tenants.py). `tick_s`: the pool's scrape
+    interval; `stale_after_s`: its metrics_stale_after_s."""
     from .control import FlowControl
     from .saturation import SaturationDetector
 
-    view = RouterView(router, stale_after_s=stale_after_s, drain=settings.saturation_drain)
-    # The drain rate leaves out the router's own loop stalls (the gate's clock is the loop's: monotonic, as
-    # the pool's lag sampler's).
-    control = FlowControl(settings, stall_s=view.stall_s)
-    detector = SaturationDetector(settings.saturation_queued_s, settings.saturation_waiting,
-                                  settings.saturation_kv_usage_ratio)
-    gate = FlowGate(control, detector, view.loads, recost=view.cost_of)
-    router.flow = FlowHold(gate, Classifier(settings, router.tenants), view, tick_s=tick_s)
-    router.add_listener(FlowListener(gate))
-    return control
+    def build(router) -> FlowHold:  # noqa: ANN001
+        view = RouterView(router, stale_after_s=stale_after_s, drain=settings.saturation_drain)
+        # The drain rate leaves out the router's own loop stalls (the gate's clock is the loop's: monotonic, as
+        # the pool's lag sampler's).
+        control = FlowControl(settings, stall_s=view.stall_s)
+        detector = SaturationDetector(settings.saturation_queued_s, settings.saturation_waiting,
+                                      settings.saturation_kv_usage_ratio)
+        gate = FlowGate(control, detector, view.loads, recost=view.cost_of)
+        router.add_listener(FlowListener(gate))
+        return FlowHold(gate, Classifier(settings, router.tenants), view, tick_s=tick_s)
+
+    return build

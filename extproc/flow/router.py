@@ -73,7 +73,7 @@ class RouterView:
         learner = router.core.learner
         # The prefix policy's time model; a baseline policy has none (held on the servers' scrapes alone).
         self.model: TimeModel | None = learner.model if learner is not None else None
-        # Registered before flow control's own listener (build_flow), so a first token has left it when the gate
+        # Registered before flow control's own listener (`flow_for`), so a first token has left it when the gate
         # is pumped on that first token.
         self.streamed: StreamedPrefill | None = None
         if learner is not None and not drain:

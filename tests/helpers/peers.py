@@ -62,9 +62,10 @@ class Clock:
         return self.t
 
 
-def replica(settings: RoutingSettings | None = None, clock: Clock | None = None) -> PoolRouter:
+def replica(settings: RoutingSettings | None = None, clock: Clock | None = None, **wiring) -> PoolRouter:
+    """A router over `StaticPool`; `wiring`: PoolRouter's own arguments (peers, offload, tenants, ...)."""
     s = settings or RoutingSettings(rng_seed=7, num_fallbacks=1)
-    return PoolRouter(RouterCore(s, track_prefill=True), StaticPool(), clock=clock or Clock())
+    return PoolRouter(RouterCore(s, track_prefill=True), StaticPool(), clock=clock or Clock(), **wiring)
 
 
 def chat(system: str, user: str) -> bytes:

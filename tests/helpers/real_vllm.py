@@ -361,11 +361,7 @@ def start_router(stack, servers: list[VllmServer], model: Path, log_dir: Path, *
         GatewaySettings(port=free_port(), ports="random", extproc_replicas=1, listen_address="127.0.0.1",
                         telemetry=telemetry, ready_timeout_s=60.0,
                         # The tests read which server answered from the header an operator may opt into.
-                        expose_served_endpoint=True,
-                        # Routed by the HTTP check, not the default ext_proc filter: under ext_proc the usage
-                        # check (test_real_vllm_api) missed one streamed response's cached tokens in about half
-                        # the runs, every facts record matched; not yet understood, and kept visible here.
-                        routing_filter="ext_authz_http"),
+                        expose_served_endpoint=True),
         RoutingSettings(tokenizer=str(model), policy=policy, index_source=index_source, **routing),
         PoolSettings(endpoints=tuple(s.spec for s in servers)), log_dir=log_dir)
     stack.enter_context(gw)

@@ -141,7 +141,7 @@ async def served() -> AsyncIterator[tuple[RecordingRouter, FactsReceiver, list[R
     facts = FactsReceiver(tracker, router.served, unary_picks=UnaryPicks(router.release, tracker.routing_closed))
     s = ExtprocSettings(port=0, listen_address="127.0.0.1", authz_http_port=0)
     server, port = await start_server(router, s, tracker, facts=facts)
-    started = await start_authz_http(server, s, lambda: True, 1 << 20)
+    started = await start_authz_http(router, s, tracker, facts=facts, ready=lambda: True, max_body_bytes=1 << 20)
     assert started is not None
     http_server, http_port = started
     client = Client(*await asyncio.open_connection("127.0.0.1", http_port))
@@ -290,9 +290,9 @@ async def test_the_token_the_body_limit_and_tls_completeness() -> None:
     router = RecordingRouter()
     tracker = RequestTracker(lambda d, us: None, lambda r: None, lambda a: None, propagate=False)
     s = ExtprocSettings(port=0, listen_address="127.0.0.1", auth_token="s3cret", authz_http_port=0)
-    server, _ = await start_server(router, s, tracker, facts=FactsReceiver(
-        tracker, router.served, unary_picks=UnaryPicks(router.release, tracker.routing_closed)))
-    started = await start_authz_http(server, s, lambda: False, 64)
+    facts = FactsReceiver(tracker, router.served, unary_picks=UnaryPicks(router.release, tracker.routing_closed))
+    server, _ = await start_server(router, s, tracker, facts=facts)
+    started = await start_authz_http(router, s, tracker, facts=facts, ready=lambda: False, max_body_bytes=64)
     assert started is not None
     http_server, http_port = started
     try:
@@ -317,8 +317,7 @@ async def test_the_token_the_body_limit_and_tls_completeness() -> None:
         http_server.close()
         await server.stop(None)
     with pytest.raises(ValueError, match="facts receiver"):
-        server2, _ = await start_server(router, s, tracker)
-        try:
-            await start_authz_http(server2, s, lambda: True, 64)
-        finally:
-            await server2.stop(None)
+        await start_authz_http(router, s, tracker, facts=None, ready=lambda: True, max_body_bytes=64)
+    with pytest.raises(ValueError, match="facts receiver"):  # a receiver without the check's pick table
+        await start_authz_http(router, s, tracker, facts=FactsReceiver(tracker, router.served), ready=lambda: True,
+                               max_body_bytes=64)

@@ -47,9 +47,9 @@ def _metrics(bus: PeerBus) -> str:
 async def _pair(url: str):
     routers, buses = [], []
     for name in ("r1", "r2"):
-        r = replica()
-        bus = PeerBus(PeerSettings(url=url, replica_id=name, reconnect_wait_s=0.1), r, clock=r.clock)
-        r.peers = bus
+        r = replica(peers=lambda r: PeerBus(PeerSettings(url=url, replica_id=name, reconnect_wait_s=0.1), r,
+                                            clock=r.clock))
+        bus = r.peers
         await bus.start()
         routers.append(r)
         buses.append(bus)
@@ -129,9 +129,9 @@ async def test_a_linger_sends_several_requests_in_one_nats_message_and_nothing_e
     routers = []
     try:
         for name in ("r1", "r2"):
-            r = replica()
-            bus = PeerBus(PeerSettings(url=nats_url(port), replica_id=name, linger_ms=100.0), r, clock=r.clock)
-            r.peers = bus
+            r = replica(peers=lambda r, name=name: PeerBus(PeerSettings(url=nats_url(port), replica_id=name,
+                                                                       linger_ms=100.0), r, clock=r.clock))
+            bus = r.peers
             await bus.start()
             routers.append(r)
             buses.append(bus)

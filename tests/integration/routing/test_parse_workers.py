@@ -56,8 +56,7 @@ def test_the_router_hands_large_bodies_to_the_worker_and_routes_what_it_parsed()
     from prefixroute.extproc.service import NeedsParse
 
     async def run():
-        r = replica(BIG)
-        r.offload = ParseOffload(BIG)
+        r = replica(BIG, offload=ParseOffload(BIG))
         r.offload.start()
         await r.offload.wait_ready()
         try:

@@ -73,7 +73,7 @@ def test_the_attribute_names_are_the_receivers() -> None:
     # One place for the names: the Envoy side's attributes are what `facts_of` reads.
     assert {k for k in FACTS_ATTRIBUTES} == {"prefixroute.facts", "tp", "status", "upstream", "ctype", "ttft_us",
                                              "duration_us", "start", "first_token_us", "usage", "response_id",
-                                             "routing_us", "flags"}
+                                             "routing_us", "flags", "complete"}
 
 
 def test_facts_of_decodes_envoys_record() -> None:

@@ -52,13 +52,11 @@ def _requests():
     return [(SYSTEMS[i % 3], DOCS[i % 12] + f" q{i}") for i in range(36)]
 
 
-def _route_all(routers, share: bool):
-    """Route `_requests` round-robin over `routers`; with `share`, each pick's messages reach the others
-    before the next request (as the bus does within a tick or two). Every 5th pick gets its first token."""
-    wires = [Wire((f"r{k}", k)) for k in range(len(routers))]
-    if share:
-        for r, w in zip(routers, wires):
-            r.peers = w
+def _route_all(num_replicas: int, share: bool):
+    """Route `_requests` round-robin over `num_replicas` replicas; with `share`, each pick's messages reach the
+    others before the next request (as the bus does within a tick or two). Every 5th pick gets its first token."""
+    wires = [Wire((f"r{k}", k)) for k in range(num_replicas)]
+    routers = [replica(peers=(lambda _, w=w: w) if share else None) for w in wires]
     out = []
     for i, (system, doc) in enumerate(_requests()):
         k = i % len(routers)
@@ -74,17 +72,16 @@ def _route_all(routers, share: bool):
 
 
 def test_two_replicas_sharing_route_as_one():
-    alone = _route_all([replica()], share=True)
-    shared = _route_all([replica(), replica()], share=True)
+    alone = _route_all(1, share=True)
+    shared = _route_all(2, share=True)
     assert shared == alone
-    unshared = _route_all([replica(), replica()], share=False)
+    unshared = _route_all(2, share=False)
     assert unshared != alone  # the control: without the messages the replicas disagree
 
 
 def test_applied_pick_gives_the_same_index_and_pending_state():
-    a, b = replica(), replica()
     wire = Wire(("a", 1))
-    a.peers = wire
+    a, b = replica(peers=lambda _: wire), replica()
     pick = a.route(*POST, {}, chat(SYSTEMS[0], DOCS[0]))
     wire.deliver(b)
     hashes = pick.request.block_hashes
@@ -100,9 +97,8 @@ def test_applied_pick_gives_the_same_index_and_pending_state():
 
 
 def test_rate_observations_are_shared_so_every_replica_prices_endpoints_alike():
-    a, b = replica(), replica()
     wire = Wire(("a", 1))
-    a.peers = wire
+    a, b = replica(peers=lambda _: wire), replica()
     for i, ttft_s in enumerate((0.9, 1.4, 0.7, 2.2, 1.1, 1.8)):
         pick = a.route(*POST, {}, chat(SYSTEMS[i % 3], DOCS[i] + f" slow {i}"))
         a.first_token(pick, ttft_s)
@@ -121,10 +117,9 @@ def test_rate_observations_are_shared_so_every_replica_prices_endpoints_alike():
 
 def test_done_ends_the_peer_pending_and_ttl_expires_a_lost_one():
     clock = Clock()
-    a, b = replica(), replica(clock=clock)
-    b.peer_pending_ttl_s = 30.0
     wire = Wire(("a", 1))
-    a.peers = wire
+    a, b = replica(peers=lambda _: wire), replica(clock=clock)
+    b.peer_pending_ttl_s = 30.0
     first = a.route(*POST, {}, chat(SYSTEMS[0], DOCS[0]))
     second = a.route(*POST, {}, chat(SYSTEMS[1], DOCS[1]))
     wire.deliver(b)
@@ -159,9 +154,8 @@ def test_done_ends_the_peer_pending_and_ttl_expires_a_lost_one():
 
 
 def test_sessions_failover_and_response_ids_are_shared():
-    a, b = replica(), replica()
     wire = Wire(("a", 1))
-    a.peers = wire
+    a, b = replica(peers=lambda _: wire), replica()
     headers = {"x-session-id": "conv-1"}
     pick = a.route(*POST, headers, chat(SYSTEMS[0], DOCS[0]))
     served = pick.endpoints[1]  # the primary refused: the fallback served
@@ -187,9 +181,8 @@ def test_unknown_endpoint_is_ignored():
 
 def test_a_policy_without_a_queue_shares_index_only():
     s = RoutingSettings(rng_seed=7, policy="consistent-hash")
-    a, b = replica(s), replica(s)
     wire = Wire(("a", 1))
-    a.peers = wire
+    a, b = replica(s, peers=lambda _: wire), replica(s)
     pick = a.route(*POST, {}, chat(SYSTEMS[0], DOCS[0]))
     assert [m.pending_tokens for m in wire.messages] == [None]
     wire.deliver(b)
@@ -210,9 +203,8 @@ def test_peer_settings_validation():
 
 # --- issue 27: bounds, signatures, and claims only within what a peer could know -----------------------------
 def test_nothing_a_client_sent_travels_raw():
-    a = replica()
     wire = Wire(("a", 1))
-    a.peers = wire
+    a = replica(peers=lambda _: wire)
     secret = "conv-" + "x" * 5000
     pick = a.route(*POST, {"x-session-id": secret}, chat(SYSTEMS[0], DOCS[0]))
     a.learn_response(pick, "resp_secret_1")
@@ -252,9 +244,8 @@ def test_sealed_messages_verify_only_under_their_key_and_subject():
 
 
 def test_a_response_claim_counts_only_for_its_picks_endpoint_and_never_overwrites():
-    a, b = replica(), replica()
     wire = Wire(("a", 1))
-    a.peers = wire
+    a, b = replica(peers=lambda _: wire), replica()
     pick = a.route(*POST, {}, chat(SYSTEMS[0], DOCS[0]))
     wire.deliver(b)
     ep, other = pick.endpoint_ids[0], next(e for e in b.pool.endpoints if e != pick.endpoint_ids[0])

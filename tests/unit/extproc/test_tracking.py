@@ -136,6 +136,18 @@ async def test_observing_stream_cut_short_records_an_error(sink) -> None:
     assert [(r.status, r.error) for r in out] == [(200, "response incomplete")]
 
 
+async def test_observing_stream_closed_after_done_is_a_whole_response(sink) -> None:
+    # The OpenAI SDK closes its connection at [DONE], often before Envoy reads the server's end of stream: the
+    # observing stream then closes without end of stream, but the client had the whole answer, usage included.
+    t, out, _ = sink
+    st, _, obs = _start(t)
+    t.obs_response_headers(obs, _hv({":status": "200", "content-type": "text/event-stream"}), False, SERVED_HEADER)
+    t.obs_body(obs, _sse({"choices": [], "usage": USAGE}), False)
+    t.obs_closed(obs)
+    t.routing_closed(st)
+    assert [(r.status, r.error, r.cached_tokens) for r in out] == [(200, None, 64)]
+
+
 @pytest.mark.parametrize("headers", [{}, {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"},
                                      {"traceparent": "garbage"}])
 async def test_unknown_or_missing_key_is_not_tracked(sink, headers: dict) -> None:

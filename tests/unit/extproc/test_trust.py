@@ -109,10 +109,7 @@ EPS = (EndpointId("10.0.0.1:8000"), EndpointId("10.0.0.2:8000"))
 
 
 def _router(tenants: Tenants | None = None) -> PoolRouter:
-    router = PoolRouter(RouterCore(RoutingSettings(num_fallbacks=1)), StaticPool(EPS))
-    if tenants is not None:
-        router.tenants = tenants
-    return router
+    return PoolRouter(RouterCore(RoutingSettings(num_fallbacks=1)), StaticPool(EPS), tenants=tenants)
 
 
 CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "the same long prompt " * 100}]})
@@ -180,6 +177,9 @@ async def test_a_stream_the_client_cut_is_recorded_as_cut() -> None:
     tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
     assert facts_of(record(tp, flags="DC")).client_cut and facts_of(record(tp, flags="UF,DC")).client_cut
     assert not facts_of(record(tp, flags="-")).client_cut and not facts_of(record(tp)).client_cut
+    # The response's own end had passed Envoy's facts filter ([DONE]): the client had its whole answer.
+    assert not facts_of(record(tp, flags="DC", complete="1")).client_cut
+    assert facts_of(record(tp, flags="DC", complete="-")).client_cut
     router = _router()
     out = []
     t = RequestTracker(lambda d, us: None, out.append, router.endpoint_of, on_first_token=router.first_token,

@@ -87,3 +87,18 @@ def test_vllm_032_usage_with_created_cache_tokens():
     assert last_usage_object(usage) == Usage(624, 3, 608)
     cold = usage.replace(b'"cached_tokens":608,"created_cache_tokens":0', b'"cached_tokens":0,"created_cache_tokens":608')
     assert usage_from_body(b"{" + cold + b"}") == Usage(624, 3, 0)
+
+
+def test_a_stream_tail_knows_when_the_streams_own_end_passed() -> None:
+    chat = StreamUsageTail()
+    chat.feed(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
+    assert not chat.ended()
+    chat.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\ndata: [DO')
+    assert not chat.ended()  # cut inside the marker: not yet
+    chat.feed(b'NE]\n\n')
+    assert chat.ended()
+    responses = StreamUsageTail()
+    responses.feed(b'event: response.output_text.delta\ndata: {"delta":"hi"}\n\n')
+    assert not responses.ended()
+    responses.feed(b'event: response.completed\ndata: {"response":{"usage":{"input_tokens":3}}}\n\n')
+    assert responses.ended()
