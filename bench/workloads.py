@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Iterator
 from typing import Literal
 
 from prefixroute.bench.agent_loops import SHAPES as AGENT_LOOP_SHAPES, agent_loops
@@ -358,8 +357,3 @@ def make_workload(name: str, *, num_requests: int, seed: int, output_tokens: int
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
 
 
-def iter_prompt_texts(workload: Workload) -> Iterator[str]:
-    """Concatenated message contents per request (for hashing/analysis without a chat template)."""
-    for r in workload.requests:
-        yield r.prompt if r.prompt is not None else "".join(m["content"] for m in r.messages or ()
-                                                             if isinstance(m.get("content"), str))

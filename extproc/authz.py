@@ -16,7 +16,7 @@ Contract, beside the ext_proc servicer's (servicer.py), which this reuses for th
 - Nothing tells a check when the response ends, so a pick is released by the request's facts record (the facts
   path, envoy_facts.py: Envoy sends it at the end of every HTTP stream, reset or not), which also closes its
   telemetry record. A pick whose record never comes (the facts logger down, a record lost) is released
-  `release_after_s` after its decision and its record emitted with "response facts missing": until then the
+  `release_after_s` (exchange.py `FactsWaits`) after its decision and its record emitted with "response facts missing": until then the
   endpoint's in-flight count holds it. The Envoy configuration refuses ext_authz without the facts path.
 - Envoy's ext_authz timeout is one figure per filter (the ext_proc filter's message timeout, 0.5 s): it cannot be
   extended per request as ext_proc's ``override_message_timeout`` is. So a request that may wait longer, one flow
@@ -32,90 +32,25 @@ Async safety: runs on the router's event loop, like the servicer; nothing blocks
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from prefixroute.extproc.answers import immediate_response
 from prefixroute.extproc.headers import PARTIAL_BODY_HEADER
-from prefixroute.extproc.lifecycle import Pick
-from prefixroute.extproc.exchange import WAIT_HOLD, WAIT_PARSE, Exchange, Outcome, Refused, RouterService, Wait
-from prefixroute.extproc.tracking import Tracked, Tracker
+from prefixroute.extproc.exchange import (WAIT_HOLD, WAIT_PARSE, Exchange, FactsWaits, Outcome, Refused,
+                                          RouterService, Wait)
+from prefixroute.extproc.tracking import Tracker
 from prefixroute.openai_errors import OpenAIError
-from prefixroute.telemetry.tracecontext import parse_traceparent
 
 log = logging.getLogger(__name__)
 
-RELEASE_AFTER_S = 660.0
-"""Longest a unary pick waits for its facts record before it is released anyway: Envoy's whole-response timeout
-(EnvoySettings.upstream_timeout_s, 600 s) and a margin for the record's flush and a retry's connect. A response
-cannot outlast it through our Envoy configuration, so only a lost record waits this long."""
-STREAM_END_RELEASE_AFTER_S = 5.0
-"""Longest a pick whose ext_proc routing stream has ended waits for its facts record (`ended_picks`): Envoy sends the
-record within its flush interval (facts_flush_interval_ms, 50 ms) of the stream's end; 5 s covers a loaded host, and
-a lost record holds an endpoint's in-flight count no longer than that."""
 HANDOFF = object()
 """`AuthzServicer.start`'s answer for a request handed to the ext_proc filter."""
-class UnaryPicks:
-    """Picks made by a unary Check, each until its facts record closes it or `release_after_s` passes (module
-    docstring), keyed by the router span id of its ``traceparent`` (what the record carries). One timer for all:
-    one timeout, so insertion order is deadline order. Not thread-safe: the event loop's thread only."""
-
-    def __init__(self, release: Callable[[Pick], None], closed: Callable[[Tracked], None],
-                 release_after_s: float = RELEASE_AFTER_S) -> None:
-        self._release = release
-        self._closed = closed
-        self.release_after_s = release_after_s
-        self._pending: dict[str, tuple[float, Tracked, Pick]] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.num_expired = 0
-        self.num_handoffs = {"hold": 0, "parse": 0}
-        """Checks handed to the ext_proc filter, by reason (`AuthzServicer.start`): counted here, beside the picks,
-        for /metrics."""
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def add(self, span_id: str, st: Tracked, pick: Pick) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.release_after_s
-        self._pending[span_id] = (deadline, st, pick)
-        if self._timer is None or self._loop is not loop:
-            self._loop = loop
-            self._timer = loop.call_at(deadline, self._sweep)
-
-    def close(self, span_id: str | None) -> bool:
-        """The facts record of `span_id` came: release its pick and close its record. False when none waits."""
-        entry = self._pending.pop(span_id, None) if span_id is not None else None
-        if entry is None:
-            return False
-        _, st, pick = entry
-        self._release(pick)
-        self._closed(st)
-        return True
-
-    def _sweep(self) -> None:
-        self._timer = None
-        loop = asyncio.get_running_loop()
-        now = loop.time() + 0.001
-        pending = self._pending
-        while pending:
-            span_id, (deadline, st, pick) = next(iter(pending.items()))
-            if deadline > now:
-                self._timer = loop.call_at(deadline, self._sweep)
-                return
-            del pending[span_id]
-            self.num_expired += 1
-            self._release(pick)
-            self._closed(st)  # no record: the tracker says "response facts missing" after its grace
-
-
 class AuthzServicer:
     """One ext_authz check -> the router's decision (module docstring); authz_http.py carries it."""
 
-    def __init__(self, router: RouterService, tracker: Tracker, picks: UnaryPicks, *, can_hold: bool = False,
+    def __init__(self, router: RouterService, tracker: Tracker, picks: FactsWaits, *, can_hold: bool = False,
                  first_token_live: bool = True) -> None:
         """`picks`: the facts receiver's table of unary picks (each released by its facts record); `can_hold`:
         the router holds requests past saturation (flow control), handed to the ext_proc filter when Envoy has
@@ -197,10 +132,7 @@ class AuthzServicer:
             if self.num_unreleasable in (1, 100) or self.num_unreleasable % 10_000 == 0:
                 log.warning("ext_authz check without the facts path (no records): %d pick(s) released at their "
                             "decision, so endpoints' in-flight counts miss them", self.num_unreleasable)
-            self.router.release(pick)
-            self.tracker.routing_closed(st)
+            ex.end(None)
             return pick.endpoints, None
-        # The record is keyed by the router span of this traceparent: the state's key, or (a state past the
-        # tracker's bound, which has none) read back from the traceparent the tracker drew.
-        self.picks.add(st.key or parse_traceparent(traceparent).span_id, st, pick)  # type: ignore[union-attr]
+        ex.end(self.picks)  # nothing tells a check when its response ends: its facts record releases the pick
         return pick.endpoints, traceparent

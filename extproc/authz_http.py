@@ -13,7 +13,7 @@ Contract (Envoy's side is envoy_config/listener.py `authz_http_filter`):
 - ``POST|GET... /check<path>``: the check of one client request. Answers:
   - 200 with the routing headers (destination, fallbacks, replica, ``traceparent``): Envoy sets them on the request
     (``allowed_upstream_headers``) and routes again by them (``clear_route_cache``); the pick is held until the
-    request's facts record (authz.py `UnaryPicks`). The 200 is written as soon as the decision is final, before the
+    request's facts record (exchange.py `FactsWaits`). The 200 is written as soon as the decision is final, before the
     pick is recorded, counted and tracked (`AuthzServicer.start`'s ``early_answer``): that work follows on the
     loop before anything else runs, so it no longer delays Envoy; a failure in it costs no second answer;
   - a refusal (`OpenAIError`) with its status, JSON body, ``content-type``, ``x-prefixroute-refused`` and

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 
 from prefixroute import settings
-from prefixroute.extproc.authz import STREAM_END_RELEASE_AFTER_S, UnaryPicks
+from prefixroute.extproc.exchange import STREAM_END_RELEASE_AFTER_S, FactsWaits
 from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver
 from prefixroute.extproc.endpoints.discovery import DnsDiscovery, discovery_from_settings
 from prefixroute.extproc.endpoints.metrics import PoolHealthCollector
@@ -177,10 +177,10 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         gc.set_threshold(20_000, 20, 100)
         ready = readiness(pool, routing, events)
         # The HTTP check's picks end with their facts records; with ext_proc alone every pick ends with its stream.
-        picks = (UnaryPicks(router.release, tracker.routing_closed, ext.authz_release_after_s)
+        picks = (FactsWaits(router.release, tracker.routing_closed, ext.authz_release_after_s)
                  if ext.authz_http_port >= 0 else None)
         facts = FactsReceiver(tracker, router.served, early_first_token=ext.facts_first_token == "early",
-                              unary_picks=picks, ended_picks=UnaryPicks(router.release, tracker.routing_closed,
+                              unary_picks=picks, ended_picks=FactsWaits(router.release, tracker.routing_closed,
                                                                         STREAM_END_RELEASE_AFTER_S))
         telemetry.metrics.registry.register(FactsCollector(facts))
         can_hold = router.flow is not None

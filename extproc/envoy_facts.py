@@ -217,7 +217,7 @@ class FactsReceiver:
 
     def __init__(self, tracker: RequestTracker, served: Callable[[Pick, str | None, int | None], None], *,
                  early_first_token: bool = True, unary_picks: Any = None, ended_picks: Any = None) -> None:
-        """`unary_picks`: authz.UnaryPicks, when Envoy may route by its ext_authz check (the router serves the HTTP
+        """`unary_picks`: exchange.FactsWaits, when Envoy may route by its ext_authz check (the router serves the HTTP
         check): each record (matched or not) closes its pick there, after `apply` reported it; its figures are on
         /metrics. `ended_picks`: the same for picks whose ext_proc routing stream ended before their record came
         (servicer.py): the record, not the stream's end, is their end, so what it brings (the first token of a
@@ -439,7 +439,7 @@ class FactsCollector:
         if ended is not None:
             yield CounterMetricFamily("prefixroute_facts_picks_expired", "Picks whose routing stream ended and "
                                       "whose facts record never came, released after the stream's end plus 5 s "
-                                      "(authz.STREAM_END_RELEASE_AFTER_S): the record was lost",
+                                      "(exchange.STREAM_END_RELEASE_AFTER_S): the record was lost",
                                       value=ended.num_expired)
         picks = r.unary_picks
         if picks is not None:

@@ -14,8 +14,9 @@ Contract:
   or `Refused` (a parse may be followed by a lookup or a hold: each its own `Wait`, so the transport can ask its
   gateway to wait longer first), or by `abandon`ing it (the ext_authz check hands such a request to the ext_proc
   filter).
-- At most one pick per exchange (`pick`); releasing it is the transport's end of the request (the stream's end,
-  or the facts record for a check).
+- At most one pick per exchange (`pick`), released in one place: `end`, the transport's end of the request (the
+  stream's end; a check's decision), at once or, on the facts path, when its facts record comes (`FactsWaits`,
+  closed by the facts receiver) or its wait expires.
 
 Invariants: `decide` and `resume` never raise for a request the router refuses (they return `Refused`); every
 `Refused` has been recorded with the tracker once; a `Wait` keeps exactly what `resume` needs, and nothing after.
@@ -25,6 +26,7 @@ Async safety: the event loop's thread only, like every transport.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -34,8 +36,15 @@ from prefixroute.extproc.lifecycle import Pick
 from prefixroute.extproc.response_directory import NeedsLookup
 from prefixroute.extproc.tracking import UNTRACKED, Tracked, Tracker
 from prefixroute.openai_errors import OpenAIError
+from prefixroute.telemetry.tracecontext import parse_traceparent
 
 _NO_KW: dict[str, Any] = {}
+
+
+def _span_of(traceparent: str | None) -> str | None:
+    """The router span id of `traceparent` (a state past the tracker's bound has no key of its own)."""
+    tp = parse_traceparent(traceparent) if traceparent is not None else None
+    return tp.span_id if tp is not None else None
 
 
 class RouterService(Protocol):
@@ -105,6 +114,71 @@ class Wait:
 Outcome = Routed | Refused | Wait
 WAIT_LOOKUP, WAIT_PARSE, WAIT_HOLD = Wait("lookup"), Wait("parse"), Wait("hold")
 
+RELEASE_AFTER_S = 660.0
+"""Longest a pick made by a check (ext_authz) waits for its facts record before it is released anyway: Envoy's whole-response timeout
+(EnvoySettings.upstream_timeout_s, 600 s) and a margin for the record's flush and a retry's connect. A response
+cannot outlast it through our Envoy configuration, so only a lost record waits this long."""
+STREAM_END_RELEASE_AFTER_S = 5.0
+"""Longest a pick whose ext_proc routing stream has ended waits for its facts record (`FactsReceiver.ended_picks`): Envoy sends the
+record within its flush interval (facts_flush_interval_ms, 50 ms) of the stream's end; 5 s covers a loaded host, and
+a lost record holds an endpoint's in-flight count no longer than that."""
+
+
+class FactsWaits:
+    """Picks waiting for their facts record (`Exchange.end`), each until the record closes it (the facts receiver,
+    envoy_facts.py) or `release_after_s` passes, keyed by the router span id of its ``traceparent`` (what the record
+    carries). One timer for all: one timeout, so insertion order is deadline order. Not thread-safe: the event
+    loop's thread only."""
+
+    def __init__(self, release: Callable[[Pick], None], closed: Callable[[Tracked], None],
+                 release_after_s: float = RELEASE_AFTER_S) -> None:
+        self._release = release
+        self._closed = closed
+        self.release_after_s = release_after_s
+        self._pending: dict[str, tuple[float, Tracked, Pick]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.num_expired = 0
+        self.num_handoffs = {"hold": 0, "parse": 0}
+        """Checks handed to the ext_proc filter, by reason (authz.py `AuthzServicer.start`): counted here, beside
+        the picks, for /metrics."""
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, span_id: str, st: Tracked, pick: Pick) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.release_after_s
+        self._pending[span_id] = (deadline, st, pick)
+        if self._timer is None or self._loop is not loop:
+            self._loop = loop
+            self._timer = loop.call_at(deadline, self._sweep)
+
+    def close(self, span_id: str | None) -> bool:
+        """The facts record of `span_id` came: release its pick and close its record. False when none waits."""
+        entry = self._pending.pop(span_id, None) if span_id is not None else None
+        if entry is None:
+            return False
+        _, st, pick = entry
+        self._release(pick)
+        self._closed(st)
+        return True
+
+    def _sweep(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time() + 0.001
+        pending = self._pending
+        while pending:
+            span_id, (deadline, st, pick) = next(iter(pending.items()))
+            if deadline > now:
+                self._timer = loop.call_at(deadline, self._sweep)
+                return
+            del pending[span_id]
+            self.num_expired += 1
+            self._release(pick)
+            self._closed(st)  # no record: the tracker says "response facts missing" after its grace
+
 
 class Exchange:
     """One request's state between its transport and the router (module docstring)."""
@@ -129,6 +203,20 @@ class Exchange:
     def begin(self, headers: dict[str, str], grpc_metadata: Callable[[], Any]) -> None:
         self.headers = headers
         self.st, self.traceparent = self.tracker.begin(headers, grpc_metadata)
+
+    def end(self, waits: FactsWaits | None) -> None:
+        """The transport's end of the request: the one place a pick is released. On the facts path with `waits`
+        (a stream that ended before its facts record, or a check, which never hears its response end) the pick
+        waits there until its record comes, so what the record brings (a short stream's first token, its usage)
+        is learned before the release; otherwise it is released now. Either way the record is closed once."""
+        pick, st = self.pick, self.st
+        key = st.key or (_span_of(self.traceparent) if pick is not None and waits is not None else None)
+        if pick is not None and waits is not None and st.facts and not st.obs_done and key:
+            waits.add(key, st, pick)  # released by its facts record (or its expiry), which closes st too
+            return
+        if pick is not None:
+            self.router.release(pick)
+        self.tracker.routing_closed(st)
 
     def decide(self, method: str, path: str, body: Any, ticket: Any = None,
                on_endpoints: Callable[[tuple[str, ...]], None] | None = None, **route_kw: Any) -> Outcome:

@@ -217,9 +217,7 @@ class GieStream:
         finally:
             if self.obs is not None:
                 self.tracker.obs_closed(self.obs)
-            if self.pick is not None:
-                self.router.release(self.pick)
-            self.tracker.routing_closed(self.st)
+            self.ex.end(None)  # GIE's stream carries the response: its end is the response's
 
     async def _request_headers(self, req: Any, write: Callable[[Any], Any]) -> bool:
         rh = req.request_headers

@@ -48,9 +48,10 @@ import grpc
 from prefixroute import grpc_auth
 from prefixroute.extproc import envoy_facts, wire
 from prefixroute.extproc.health import HealthServicer
-from prefixroute.extproc.authz import RELEASE_AFTER_S, AuthzServicer
+from prefixroute.extproc.authz import AuthzServicer
 from prefixroute.extproc.authz_http import (MAX_HEADER_BYTES, AuthzHttpService, server_ssl_context,
                                             start_authz_http_server)
+from prefixroute.extproc.exchange import RELEASE_AFTER_S
 from prefixroute.extproc.servicer import DEFAULT_MAX_BODY_BYTES, PROTOCOLS, ExtProcServicer, RouterService
 from prefixroute.extproc.tracking import NULL_TRACKER, Tracker
 from prefixroute.grpc_auth import CallAuth, read_token

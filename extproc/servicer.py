@@ -287,7 +287,7 @@ class ExtProcServicer:
         `can_hold`: the router holds requests past saturation (flow control; our own protocol's streams only:
         GIE streams are routed at once). `facts_first_token_live`: a streamed pick on the facts path reports its
         first token when it happens (Envoy's early report, envoy_facts.py), not only at its end. `ended_picks`
-        (authz.UnaryPicks, the facts receiver's): where a pick on the facts path waits for its facts record when
+        (exchange.FactsWaits, the facts receiver's): where a pick on the facts path waits for its facts record when
         its stream ends first (a short response: the record, sent after the stream's end, carries its first token
         and usage, which the time model learns only from a pick not yet released); None: released at the end."""
         if protocol not in PROTOCOLS:
@@ -338,14 +338,7 @@ class ExtProcServicer:
                     await write(resp)
                 req = await read()
         finally:
-            pick, st = ex.pick, ex.st
-            ended = self.ended_picks
-            if pick is not None and ended is not None and st.facts and not st.obs_done and st.key:
-                ended.add(st.key, st, pick)  # released by its facts record (or its expiry), which closes st too
-            else:
-                if pick is not None:
-                    self.router.release(pick)
-                self.tracker.routing_closed(st)
+            ex.end(self.ended_picks)
 
     async def _observe(self, first: Any, read: Any, eof: Any) -> None:
         """An observing stream (observability mode): read everything, answer nothing.

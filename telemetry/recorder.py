@@ -483,10 +483,3 @@ class TelemetryRecorder:
                 "retry_bytes": self._retry_bytes, "dropped_by_reason": dict(self.dropped_by_reason)}
 
 
-def make_recorder(**kwargs: Any) -> TelemetryRecorder:
-    """A recorder from the environment; never raises (a broken config logs and yields a disabled recorder)."""
-    try:
-        return TelemetryRecorder(**kwargs)
-    except Exception:
-        log.exception("telemetry disabled: could not build the OTLP exporter")
-        return TelemetryRecorder(enabled=False)

@@ -284,12 +284,3 @@ class FlowQueue:
         copied whole first (one C call under the GIL), so a concurrent change cannot break the iteration."""
         return {(p, name): t.num_queued for p, c in list(self._classes.items())
                 for name, t in list(c.tenants.items())}
-
-    def oldest_wait_s(self, now_s: float) -> float:
-        """How long the longest-waiting queued request has waited (0 when empty)."""
-        best = 0.0
-        for cls in self._classes.values():
-            for t in cls.tenants.values():
-                if t.num_queued:
-                    best = max(best, t.oldest().waited_s(now_s))
-        return best

@@ -156,9 +156,6 @@ class TieredKVEventIndex(KVEventIndex):
         cs = self._cpu.get(endpoint)
         return dataclasses.replace(cs.counters) if cs else TierCounters()
 
-    def cpu_holds(self, endpoint: EndpointId, block_hash: BlockHash) -> bool:
-        cs = self._cpu.get(endpoint)
-        return cs is not None and block_hash in cs.held
 
     # --- updates -------------------------------------------------------------------------------------------
     def _apply(self, endpoint: EndpointId, st: Any, events: list[Any], chunk_blocks: int) -> Iterator[int]:

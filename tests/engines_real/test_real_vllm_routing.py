@@ -95,7 +95,8 @@ def test_time_model_learns_this_fleets_level_after_200_requests(router, fleet):
     """The router's TTFT predictions start from H200 step costs (a prior that predicts about a third of these CPU
     servers' TTFT: measured over predicted, summed, 3.3-3.6 when nothing is learned, measured with a router that
     learned nothing); after 200 responses the next 100 are predicted nearer the fleet's level: that ratio at most
-    3.0 and at least 0.4 (learning routers measured 1.97-2.68 on this host, loaded by its three CPU servers).
+    3.2 and at least 0.4 (learning routers measured 1.30-2.99 on this host, loaded by its three CPU servers, under
+    either routing filter: the spread is the host's, not the filter's).
 
     Not asserted, printed: the share within 25% and the median error. On this 2-core host three CPU servers share
     the cores and a request's TTFT varies with the other servers' work, which no router sees: the best constant
@@ -143,4 +144,4 @@ def test_time_model_learns_this_fleets_level_after_200_requests(router, fleet):
     print(f"TTFT predictions within 25%: {within:.0f} of {total:.0f}; measured / predicted TTFT: "
           f"{level:.2f}; at most -50%: {at_most('-0.5'):.0f}, at most +100%: {at_most('1.0'):.0f}")
     assert total >= 90, total
-    assert 0.4 <= level <= 3.0, level
+    assert 0.4 <= level <= 3.2, level

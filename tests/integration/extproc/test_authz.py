@@ -1,4 +1,4 @@
-"""The ext_authz decision's pick table (extproc/authz.py `UnaryPicks`): each pick a check made is released once,
+"""The ext_authz decision's pick table (extproc/exchange.py `FactsWaits`): each pick a check made is released once,
 by its facts record or after `release_after_s`. The checks themselves, over HTTP, are in test_authz_http.py."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import asyncio
 import pytest
 
 from helpers.waiting import until_async
-from prefixroute.extproc.authz import UnaryPicks
+from prefixroute.extproc.exchange import FactsWaits
 
 pytestmark = pytest.mark.integration  # runs on an event loop's timers: not a unit test
 
 
 async def test_unary_picks_are_released_once_by_their_record_or_their_timeout() -> None:
     released, closed = [], []
-    picks = UnaryPicks(released.append, closed.append, release_after_s=0.2)
+    picks = FactsWaits(released.append, closed.append, release_after_s=0.2)
     picks.add("s1", "st1", "p1")  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
     picks.add("s2", "st2", "p2")  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from helpers.waiting import until_async
 from prefixroute.extproc.answers import immediate_response
 from prefixroute.extproc.authz_http import (CHECK_PATH_PREFIX, TOKEN_HEADER, AuthzHttpResponses, refusal,
                                             transport_status)
-from prefixroute.extproc.authz import UnaryPicks
+from prefixroute.extproc.exchange import FactsWaits
 from prefixroute.extproc.envoy_facts import FactsReceiver
 from prefixroute.extproc.facts_fields import OBSERVED_FACTS
 from prefixroute.extproc.headers import DESTINATION_HEADER, MAX_FALLBACKS, OBSERVED_METADATA, fallback_header
@@ -138,7 +138,7 @@ async def served() -> AsyncIterator[tuple[RecordingRouter, FactsReceiver, list[R
     records: list[RequestRecord] = []
     tracker = RequestTracker(lambda d, us: None, records.append, {EPS[0]: "a:1", EPS[1]: "b:2"}.get,
                              obs_grace_s=0.05, propagate=False)
-    facts = FactsReceiver(tracker, router.served, unary_picks=UnaryPicks(router.release, tracker.routing_closed))
+    facts = FactsReceiver(tracker, router.served, unary_picks=FactsWaits(router.release, tracker.routing_closed))
     s = ExtprocSettings(port=0, listen_address="127.0.0.1", authz_http_port=0)
     server, port = await start_server(router, s, tracker, facts=facts)
     started = await start_authz_http(router, s, tracker, facts=facts, ready=lambda: True, max_body_bytes=1 << 20)
@@ -290,7 +290,7 @@ async def test_the_token_the_body_limit_and_tls_completeness() -> None:
     router = RecordingRouter()
     tracker = RequestTracker(lambda d, us: None, lambda r: None, lambda a: None, propagate=False)
     s = ExtprocSettings(port=0, listen_address="127.0.0.1", auth_token="s3cret", authz_http_port=0)
-    facts = FactsReceiver(tracker, router.served, unary_picks=UnaryPicks(router.release, tracker.routing_closed))
+    facts = FactsReceiver(tracker, router.served, unary_picks=FactsWaits(router.release, tracker.routing_closed))
     server, _ = await start_server(router, s, tracker, facts=facts)
     started = await start_authz_http(router, s, tracker, facts=facts, ready=lambda: False, max_body_bytes=64)
     assert started is not None
