@@ -183,8 +183,11 @@ function envoy_on_response(h)
         if at ~= nil then
           usage = string.sub(text, at, at + {MAX_USAGE_CHARS - 1})
           set("{FACTS_NAMESPACE}", "{USAGE_KEY}", usage)
-          -- A Responses stream's usage comes in its terminal event: the client has the whole answer.
-          if event_stream then
+          -- A Responses stream's usage comes in its terminal event (written whole, so in this chunk with its event
+          -- line): the client has the whole answer.
+          if event_stream and (string.find(text, "event: response.completed", 1, true) ~= nil or
+              string.find(text, "event: response.incomplete", 1, true) ~= nil or
+              string.find(text, "event: response.failed", 1, true) ~= nil) then
             set("{FACTS_NAMESPACE}", "{COMPLETE_KEY}", "1")
           end
         end

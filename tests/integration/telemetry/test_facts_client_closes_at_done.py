@@ -4,7 +4,8 @@ read the model server's end of stream: real Envoy with the facts path (the defau
 end open for a while after ``[DONE]`` (the race a real vLLM server loses now and then, made certain).
 
 What must hold: the response's usage is still learned (its cached tokens counted, as the server reported them),
-and the record is not an error: the client had its whole answer. A client that closes before ``[DONE]`` is still
+and the record is not an error: the client had its whole answer. The same for a Responses stream closed at its
+``response.completed`` event. A client that closes before ``[DONE]`` is still
 recorded as cut short, with no usage (so the test can tell the two apart).
 
 The observing stream (``response_path observe``, an option) finishes such a response too when its ``[DONE]`` chunk
@@ -39,6 +40,9 @@ pytestmark = pytest.mark.integration
 CACHED_TOKENS = 64
 USAGE = {"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
          "prompt_tokens_details": {"cached_tokens": CACHED_TOKENS}}
+RESPONSE_ID = "resp_held_end"
+RESPONSES_USAGE = {"input_tokens": 100, "output_tokens": 2, "total_tokens": 102,
+                   "input_tokens_details": {"cached_tokens": CACHED_TOKENS}}
 END_HELD_S = 1.0  # how long the stand-in holds its stream's end after [DONE]
 BEFORE_DONE_S = 0.5  # and how long between its first token and its usage + [DONE]
 
@@ -70,13 +74,22 @@ class HeldEndServer:
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                     self.wfile.flush()
 
-                token = {"id": "c", "object": "chat.completion.chunk",
-                         "choices": [{"index": 0, "delta": {"content": "hi"}}]}
-                chunk(b"data: " + json.dumps(token).encode() + b"\n\n")
-                time.sleep(BEFORE_DONE_S)
-                last = {"id": "c", "object": "chat.completion.chunk", "choices": [], "usage": USAGE}
-                chunk(b"data: " + json.dumps(last).encode() + b"\n\n")
-                chunk(b"data: [DONE]\n\n")
+                if self.path.startswith("/v1/responses"):  # the Responses API: events, the last with usage
+                    created = {"type": "response.created", "response": {"id": RESPONSE_ID, "usage": None}}
+                    chunk(b"event: response.created\ndata: " + json.dumps(created).encode() + b"\n\n")
+                    chunk(b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+                          b'"delta":"hi"}\n\n')
+                    time.sleep(BEFORE_DONE_S)
+                    done = {"type": "response.completed", "response": {"id": RESPONSE_ID, "usage": RESPONSES_USAGE}}
+                    chunk(b"event: response.completed\ndata: " + json.dumps(done).encode() + b"\n\n")
+                else:
+                    token = {"id": "c", "object": "chat.completion.chunk",
+                             "choices": [{"index": 0, "delta": {"content": "hi"}}]}
+                    chunk(b"data: " + json.dumps(token).encode() + b"\n\n")
+                    time.sleep(BEFORE_DONE_S)
+                    last = {"id": "c", "object": "chat.completion.chunk", "choices": [], "usage": USAGE}
+                    chunk(b"data: " + json.dumps(last).encode() + b"\n\n")
+                    chunk(b"data: [DONE]\n\n")
                 time.sleep(END_HELD_S)
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
@@ -108,15 +121,20 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ReceiverProc
         yield rcv, gw
 
 
-def stream_and_close(gw: GatewayProcesses, *, until_marker: bytes) -> str:
-    """Send a streamed chat over a raw socket, read until `until_marker` arrived, close the connection at once;
-    the request's trace id."""
+def stream_and_close(gw: GatewayProcesses, *, until_marker: bytes, responses: bool = False) -> str:
+    """Send a streamed chat (or a Responses stream) over a raw socket, read until `until_marker` arrived, close the
+    connection at once; the request's trace id."""
     trace_id = new_trace_id()
-    body = json.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": True},
-                       "messages": [{"role": "user", "content": "hello " * 20}]}).encode()
+    if responses:
+        path = b"/v1/responses"
+        body = json.dumps({"model": "m", "stream": True, "input": "hello " * 20}).encode()
+    else:
+        path = b"/v1/chat/completions"
+        body = json.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": True},
+                           "messages": [{"role": "user", "content": "hello " * 20}]}).encode()
     host, port = gw.url.split("//", 1)[1].split(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+    sock.sendall(b"POST " + path + b" HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
                  b"traceparent: " + format_traceparent(trace_id, new_span_id()).encode() +
                  b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
     got = b""
@@ -129,10 +147,12 @@ def stream_and_close(gw: GatewayProcesses, *, until_marker: bytes) -> str:
     return trace_id
 
 
-def test_a_client_closing_at_done_has_its_usage_learned_and_no_error(env) -> None:
+@pytest.mark.parametrize("responses", [False, True], ids=["chat", "responses"])
+def test_a_client_closing_at_done_has_its_usage_learned_and_no_error(env, responses: bool) -> None:
     rcv, gw = env
     before = metric_value(router_metrics(gw), "prefixroute_actual_hit_tokens_total")
-    trace_id = stream_and_close(gw, until_marker=b"data: [DONE]")
+    trace_id = stream_and_close(gw, until_marker=b'"type": "response.completed"' if responses else b"data: [DONE]",
+                                responses=responses)
     rec = wait_records(rcv, [trace_id])[trace_id]
     assert rec["error"] is None, rec
     assert (rec["prompt_tokens"], rec["cached_tokens"]) == (USAGE["prompt_tokens"], CACHED_TOKENS), rec
