@@ -16,8 +16,9 @@ Contract, beside the ext_proc servicer's (servicer.py), which this reuses for th
 - Nothing tells a check when the response ends, so a pick is released by the request's facts record (the facts
   path, envoy_facts.py: Envoy sends it at the end of every HTTP stream, reset or not), which also closes its
   telemetry record. A pick whose record never comes (the facts logger down, a record lost) is released
-  `release_after_s` (exchange.py `FactsWaits`) after its decision and its record emitted with "response facts missing": until then the
-  endpoint's in-flight count holds it. The Envoy configuration refuses ext_authz without the facts path.
+  `release_after_s` (exchange.py `FactsWaits`) after its decision and its record emitted with "response facts
+  missing": until then the endpoint's in-flight count holds it. The Envoy configuration refuses ext_authz without
+  the facts path.
 - Envoy's ext_authz timeout is one figure per filter (the ext_proc filter's message timeout, 0.5 s): it cannot be
   extended per request as ext_proc's ``override_message_timeout`` is. So a request that may wait longer, one flow
   control would hold or a large body parsed off the loop, is handed off: answered with ``x-prefixroute-handoff:

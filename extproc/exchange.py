@@ -115,13 +115,13 @@ Outcome = Routed | Refused | Wait
 WAIT_LOOKUP, WAIT_PARSE, WAIT_HOLD = Wait("lookup"), Wait("parse"), Wait("hold")
 
 RELEASE_AFTER_S = 660.0
-"""Longest a pick made by a check (ext_authz) waits for its facts record before it is released anyway: Envoy's whole-response timeout
-(EnvoySettings.upstream_timeout_s, 600 s) and a margin for the record's flush and a retry's connect. A response
-cannot outlast it through our Envoy configuration, so only a lost record waits this long."""
+"""Longest a pick made by a check (ext_authz) waits for its facts record before it is released anyway: Envoy's
+whole-response timeout (EnvoySettings.upstream_timeout_s, 600 s) and a margin for the record's flush and a retry's
+connect. A response cannot outlast it through our Envoy configuration, so only a lost record waits this long."""
 STREAM_END_RELEASE_AFTER_S = 5.0
-"""Longest a pick whose ext_proc routing stream has ended waits for its facts record (`FactsReceiver.ended_picks`): Envoy sends the
-record within its flush interval (facts_flush_interval_ms, 50 ms) of the stream's end; 5 s covers a loaded host, and
-a lost record holds an endpoint's in-flight count no longer than that."""
+"""Longest a pick whose ext_proc routing stream has ended waits for its facts record (`FactsReceiver.ended_picks`):
+Envoy sends the record within its flush interval (facts_flush_interval_ms, 50 ms) of the stream's end; 5 s covers a
+loaded host, and a lost record holds an endpoint's in-flight count no longer than that."""
 
 
 class FactsWaits:
