@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 
 from prefixroute import settings
-from prefixroute.extproc.exchange import STREAM_END_RELEASE_AFTER_S, FactsWaits
+from prefixroute.extproc.exchange import RECORDS_MISSING_BACKOFF_S, STREAM_END_RELEASE_AFTER_S, FactsWaits
 from prefixroute.extproc.envoy_facts import FactsCollector, FactsReceiver
 from prefixroute.extproc.endpoints.discovery import DnsDiscovery, discovery_from_settings
 from prefixroute.extproc.endpoints.metrics import PoolHealthCollector
@@ -180,8 +180,9 @@ async def serve(ext: ExtprocSettings, routing: RoutingSettings, pool_settings: P
         picks = (FactsWaits(router.release, tracker.routing_closed, ext.authz_release_after_s)
                  if ext.authz_http_port >= 0 else None)
         facts = FactsReceiver(tracker, router.served, early_first_token=ext.facts_first_token == "early",
-                              unary_picks=picks, ended_picks=FactsWaits(router.release, tracker.routing_closed,
-                                                                        STREAM_END_RELEASE_AFTER_S))
+                              unary_picks=picks, ended_picks=FactsWaits(
+                                  router.release, tracker.routing_closed, STREAM_END_RELEASE_AFTER_S,
+                                  missing_backoff_s=RECORDS_MISSING_BACKOFF_S))
         telemetry.metrics.registry.register(FactsCollector(facts))
         can_hold = router.flow is not None
         server, port = await start_server(router, ext, tracker, ready=ready, max_body_bytes=routing.max_body_bytes,

@@ -122,6 +122,11 @@ STREAM_END_RELEASE_AFTER_S = 5.0
 """Longest a pick whose ext_proc routing stream has ended waits for its facts record (`FactsReceiver.ended_picks`):
 Envoy sends the record within its flush interval (facts_flush_interval_ms, 50 ms) of the stream's end; 5 s covers a
 loaded host, and a lost record holds an endpoint's in-flight count no longer than that."""
+RECORDS_MISSING_BACKOFF_S = 30.0
+"""After a pick that could end without its record (a stream that ended first) waited in vain, picks are released at
+their stream's end for this long (`FactsWaits.accepts`): with the facts logger down every pick would otherwise hold
+its endpoint's in-flight count `STREAM_END_RELEASE_AFTER_S` past its end (at 24 requests/s, ~120 phantom requests
+the picker and flow control read as load); one wait in 35 s tries the records again."""
 
 
 class FactsWaits:
@@ -131,7 +136,10 @@ class FactsWaits:
     loop's thread only."""
 
     def __init__(self, release: Callable[[Pick], None], closed: Callable[[Tracked], None],
-                 release_after_s: float = RELEASE_AFTER_S) -> None:
+                 release_after_s: float = RELEASE_AFTER_S, *, missing_backoff_s: float | None = None) -> None:
+        """`missing_backoff_s`: for picks that have another end (a stream's), how long after one expired here
+        (its record lost) picks are not taken (`accepts`), so they are released at that end while records go
+        missing (RECORDS_MISSING_BACKOFF_S); None: always taken (a check's pick has no other end)."""
         self._release = release
         self._closed = closed
         self.release_after_s = release_after_s
@@ -139,12 +147,20 @@ class FactsWaits:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.num_expired = 0
+        self.missing_backoff_s = missing_backoff_s
+        self._expired_at: float | None = None  # the loop's time of the last expiry
         self.num_handoffs = {"hold": 0, "parse": 0}
         """Checks handed to the ext_proc filter, by reason (authz.py `AuthzServicer.start`): counted here, beside
         the picks, for /metrics."""
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def accepts(self) -> bool:
+        """Whether a pick should wait here for its record: always, but within `missing_backoff_s` of an expiry."""
+        if self.missing_backoff_s is None or self._expired_at is None or self._loop is None:
+            return True
+        return self._loop.time() - self._expired_at >= self.missing_backoff_s
 
     def add(self, span_id: str, st: Tracked, pick: Pick) -> None:
         loop = asyncio.get_running_loop()
@@ -176,6 +192,7 @@ class FactsWaits:
                 return
             del pending[span_id]
             self.num_expired += 1
+            self._expired_at = now
             self._release(pick)
             self._closed(st)  # no record: the tracker says "response facts missing" after its grace
 
@@ -211,7 +228,7 @@ class Exchange:
         is learned before the release; otherwise it is released now. Either way the record is closed once."""
         pick, st = self.pick, self.st
         key = st.key or (_span_of(self.traceparent) if pick is not None and waits is not None else None)
-        if pick is not None and waits is not None and st.facts and not st.obs_done and key:
+        if pick is not None and waits is not None and st.facts and not st.obs_done and key and waits.accepts():
             waits.add(key, st, pick)  # released by its facts record (or its expiry), which closes st too
             return
         if pick is not None:
