@@ -16,7 +16,9 @@ machine's load, so two suites differ only by what changed between them.
 Per point (a set, or a set at one load): each router's hit ratio less the baseline's, its TTFT P50 / P90 / P99 over
 the baseline's, its met-deadline share and sheds. Per router: the mean hit-ratio difference, the geometric means
 of the TTFT ratios, the summed met-deadline difference, and how many points it lost (P90 or P99 over 1.05x the
-baseline's, or a hit ratio 0.005 under it): what it gets wrong counts beside what it gets right.
+baseline's, or a hit ratio 0.005 under it): what it gets wrong counts beside what it gets right. The same
+aggregate against each other router of the runs too (ours with its queue against ours without it: what the queue
+itself gains and loses, the rule a default-on mechanism is held to).
 """
 
 from __future__ import annotations
@@ -215,16 +217,26 @@ def run_suite(out: Path, *, trace: str | None, routers: Sequence[str], baseline:
 
 def collect(out: Path, baseline: str, *, env: Mapping[str, str] | None = None, trace: str | None = None,
             ) -> dict[str, Any]:
-    """The suite document of the sets found in `out` (in `SETS` order), written to out/suite.json."""
-    points: list[Point] = []
-    for s in SETS:
-        path = out / s.name / "results.json"
-        if path.exists():
-            points += points_of(s.name, json.loads(path.read_text()), baseline)
+    """The suite document of the sets found in `out` (in `SETS` order), written to out/suite.json. Beside the
+    aggregate against `baseline`, ``aggregate_by_baseline`` holds each router's aggregate against every other
+    router of the runs (e.g. ours with its queue against ours without: what the queue itself gains or loses)."""
+    docs = {s.name: json.loads(p.read_text()) for s in SETS if (p := out / s.name / "results.json").exists()}
+    points = [p for name, d in docs.items() for p in points_of(name, d, baseline)]
+    routers = list(dict.fromkeys(name for d in docs.values() for _, name, _ in _runs(d)))
+    by_baseline = {}
+    for other in routers:
+        if other != baseline:
+            pts = [p for name, d in docs.items() for p in points_of(name, d, other) if p.router != baseline]
+            if pts:
+                by_baseline[other] = aggregate(pts)
     doc = {"baseline": baseline, "env": dict(env or {}), "trace": trace,
-           "points": [dataclasses.asdict(p) for p in points], "aggregate": aggregate(points)}
+           "points": [dataclasses.asdict(p) for p in points], "aggregate": aggregate(points),
+           "aggregate_by_baseline": by_baseline}
     (out / "suite.json").write_text(json.dumps(doc, indent=1))
-    (out / "report.md").write_text(render(points, doc["aggregate"], baseline) + "\n")
+    report = render(points, doc["aggregate"], baseline)
+    for other, agg in by_baseline.items():
+        report += f"\n\nAgainst {other} (same points):\n\n" + render_aggregate({"": agg})
+    (out / "report.md").write_text(report + "\n")
     return doc
 
 

@@ -124,7 +124,7 @@ class FlowQueue:
     """Held requests in release order (module docstring). ``max_wait_ratio`` >= 1 and ``min_aging_s`` >= 0
     bound how long the shortest-first order may pass over the oldest request."""
 
-    def __init__(self, *, max_wait_ratio: float = 4.0, min_aging_s: float = 1.0) -> None:
+    def __init__(self, *, max_wait_ratio: float = 2.0, min_aging_s: float = 1.0) -> None:
         if max_wait_ratio < 1.0:
             raise ValueError("max_wait_ratio must be >= 1")
         if min_aging_s < 0.0:

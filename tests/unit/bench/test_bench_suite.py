@@ -105,3 +105,18 @@ def test_bad_command_lines_exit_2_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         suite.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_collect_also_judges_each_router_against_the_others(tmp_path):
+    """Ours with its queue against ours without it: what the queue itself gains and loses, beside the baseline."""
+    name = suite.SETS[0].name
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "results.json").write_text(json.dumps(_single(
+        _run("ours+q", 0.5, 1, 1, 3), _run("ours-q", 0.5, 2, 1, 1), _run(BASE, 0.5, 1, 1, 1))))
+    doc = suite.collect(tmp_path, BASE)
+    against = doc["aggregate_by_baseline"]
+    assert set(against) == {"ours+q", "ours-q"}  # never the baseline against itself
+    assert against["ours-q"]["ours+q"]["ttft_p50_ratio"] == pytest.approx(0.5)
+    assert against["ours-q"]["ours+q"]["num_lost"] == 1  # P99 3x its own router without the queue
+    assert against["ours+q"]["ours-q"]["ttft_p99_ratio"] == pytest.approx(1 / 3, abs=1e-3)
+    assert "Against ours-q (same points)" in (tmp_path / "report.md").read_text()
