@@ -14,9 +14,11 @@ the same request sequence. The virtual fleet runs in simulated time: a set's fig
 machine's load, so two suites differ only by what changed between them.
 
 Per point (a set, or a set at one load): each router's hit ratio less the baseline's, its TTFT P50 / P90 / P99 over
-the baseline's, its met-deadline share and sheds. Per router: the mean hit-ratio difference, the geometric means
-of the TTFT ratios, the summed met-deadline difference, and how many points it lost (P90 or P99 over 1.05x the
-baseline's, or a hit ratio 0.005 under it): what it gets wrong counts beside what it gets right. The same
+the baseline's, its met-deadline share and sheds (with how many were false: the request met its deadline when the
+same sequence was replayed with the queue holding but never shedding, and with no queue). Per router: the mean
+hit-ratio difference, the geometric means of the TTFT ratios, the summed met-deadline difference, the sheds and
+false sheds, and how many points it lost (P90 or P99 over 1.05x the baseline's, or a hit ratio 0.005 under it):
+what it gets wrong counts beside what it gets right. The same
 aggregate against each other router of the runs too (ours with its queue against ours without it: what the queue
 itself gains and loses, the rule a default-on mechanism is held to).
 """
@@ -93,6 +95,10 @@ class Point:
     base_hit_ratio: float
     base_ttft_s: tuple[float, float, float]
     base_met_ratio: float
+    # Of `num_shed`, those that met their deadline when the same requests were replayed with the queue holding but
+    # never shedding, and with no gateway queue at all (the virtual fleet's counterfactuals; 0 when not judged).
+    num_false_shed: int = 0
+    num_false_shed_unqueued: int = 0
 
     @property
     def ttft_ratios(self) -> tuple[float, float, float]:
@@ -115,12 +121,14 @@ def _runs(doc: Mapping[str, Any]) -> Iterator[tuple[str, str, Mapping[str, Any]]
             yield "", run["router"], run
 
 
-def _figures(run: Mapping[str, Any]) -> tuple[float, tuple[float, float, float], float, int]:
+def _figures(run: Mapping[str, Any]) -> tuple[float, tuple[float, float, float], float, tuple[int, int, int]]:
     extra = run.get("extra", run)  # a sweep's run carries its figures at its top level
     t = run["ttft_ms"]
     goodput = extra.get("goodput") or {}
+    judged = extra.get("false_sheds") or {}
     return (run["hit_ratio"] or 0.0, (t["p50"] / 1000.0, t["p90"] / 1000.0, t["p99"] / 1000.0),
-            goodput.get("met_ratio", 0.0), extra.get("num_shed", 0))
+            goodput.get("met_ratio", 0.0),
+            (extra.get("num_shed", 0), judged.get("num_false", 0), judged.get("num_false_unqueued", 0)))
 
 
 def points_of(set_name: str, doc: Mapping[str, Any], baseline: str) -> list[Point]:
@@ -133,9 +141,9 @@ def points_of(set_name: str, doc: Mapping[str, Any], baseline: str) -> list[Poin
     for load, name, run in _runs(doc):
         if name == baseline or load not in base:
             continue
-        hit, ttft, met, shed = _figures(run)
+        hit, ttft, met, (shed, false, false_unqueued) = _figures(run)
         bhit, bttft, bmet, _ = base[load]
-        out.append(Point(set_name, load, name, hit, ttft, met, shed, bhit, bttft, bmet))
+        out.append(Point(set_name, load, name, hit, ttft, met, shed, bhit, bttft, bmet, false, false_unqueued))
     return out
 
 
@@ -155,22 +163,29 @@ def aggregate(points: Sequence[Point]) -> dict[str, dict[str, float]]:
             "ttft_p99_ratio": round(math.exp(logs[2]), 3),
             "met_ratio_diff_sum": round(sum(p.met_ratio - p.base_met_ratio for p in ps), 3),
             "num_shed": sum(p.num_shed for p in ps),
+            "num_false_shed": sum(p.num_false_shed for p in ps),
+            "num_false_shed_unqueued": sum(p.num_false_shed_unqueued for p in ps),
             "num_lost": sum(p.lost for p in ps),
         }
     return out
+
+
+def _sheds(num: int, false: int, false_unqueued: int) -> str:
+    return f"{num} ({false} / {false_unqueued})" if num else "0"
 
 
 def render(points: Sequence[Point], agg: Mapping[str, Mapping[str, float]], baseline: str) -> str:
     lines = [f"Against {baseline} at the same point: hit = hit ratio less its; TTFT = P50 / P90 / P99 over its; "
              f"met = share of requests with a first token within the deadline (its in brackets); "
              f"lost = P90 or P99 over {LOST_RATIO}x, or hit {LOST_HIT} under.", "",
-             "| set | load | router | hit (diff) | TTFT p50 / p90 / p99 s | ratios | met (baseline) | shed | lost |",
+             "| set | load | router | hit (diff) | TTFT p50 / p90 / p99 s | ratios | met (baseline) | shed (false / false "
+             "with no queue) | lost |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in points:
         r = p.ttft_ratios
         lines.append(f"| {p.set_name} | {p.load} | {p.router} | {p.hit_ratio:.4f} ({p.hit_ratio - p.base_hit_ratio:+.4f})"
                      f" | {p.ttft_s[0]:.3f} / {p.ttft_s[1]:.3f} / {p.ttft_s[2]:.3f} | {r[0]:.2f} / {r[1]:.2f} / "
-                     f"{r[2]:.2f} | {p.met_ratio:.3f} ({p.base_met_ratio:.3f}) | {p.num_shed} | "
+                     f"{r[2]:.2f} | {p.met_ratio:.3f} ({p.base_met_ratio:.3f}) | {_sheds(p.num_shed, p.num_false_shed, p.num_false_shed_unqueued)} | "
                      f"{'yes' if p.lost else ''} |")
     lines += ["", render_aggregate({"": agg})]
     return "\n".join(lines)
@@ -179,12 +194,13 @@ def render(points: Sequence[Point], agg: Mapping[str, Mapping[str, float]], base
 def render_aggregate(aggs: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
     """One line per (suite, router): `aggs` maps a suite's label to its `aggregate`."""
     lines = ["| suite | router | points | mean hit diff | TTFT p50 / p90 / p99 (geomean ratio) | met diff (sum) "
-             "| sheds | lost points |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| sheds (false / false with no queue) | lost points |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, agg in aggs.items():
         for router, a in agg.items():
             lines.append(f"| {label} | {router} | {a['points']} | {a['mean_hit_diff']:+.4f} | {a['ttft_p50_ratio']:.3f} / "
                          f"{a['ttft_p90_ratio']:.3f} / {a['ttft_p99_ratio']:.3f} | {a['met_ratio_diff_sum']:+.3f} | "
-                         f"{a['num_shed']} | {a['num_lost']} |")
+                         f"{_sheds(a['num_shed'], a.get('num_false_shed', 0), a.get('num_false_shed_unqueued', 0))} | "
+                         f"{a['num_lost']} |")
     return "\n".join(lines)
 
 

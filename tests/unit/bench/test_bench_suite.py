@@ -120,3 +120,17 @@ def test_collect_also_judges_each_router_against_the_others(tmp_path):
     assert against["ours-q"]["ours+q"]["num_lost"] == 1  # P99 3x its own router without the queue
     assert against["ours+q"]["ours-q"]["ttft_p99_ratio"] == pytest.approx(1 / 3, abs=1e-3)
     assert "Against ours-q (same points)" in (tmp_path / "report.md").read_text()
+
+
+def test_false_sheds_are_counted_per_point_and_summed(tmp_path):
+    """A shed the virtual fleet judged false (the request met its deadline in the replay without shedding, or with
+    no queue at all) is counted beside the sheds, per point and per router."""
+    run = _run("ours", 0.5, 1, 1, 1, shed=10)
+    run["extra"]["false_sheds"] = {"num_shed": 10, "num_false": 2, "num_false_unqueued": 7}
+    doc = _sweep({250: [run, _run(BASE, 0.5, 1, 1, 1)], 300: [dict(run), _run(BASE, 0.5, 1, 1, 1)]})
+    pts = suite.points_of("sp", doc, BASE)
+    assert [(p.num_shed, p.num_false_shed, p.num_false_shed_unqueued) for p in pts] == [(10, 2, 7)] * 2
+    agg = suite.aggregate(pts)["ours"]
+    assert (agg["num_shed"], agg["num_false_shed"], agg["num_false_shed_unqueued"]) == (20, 4, 14)
+    text = suite.render(pts, {"ours": agg}, BASE)
+    assert "| 10 (2 / 7) |" in text and "| 20 (4 / 14) |" in text
