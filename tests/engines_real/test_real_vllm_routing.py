@@ -55,12 +55,17 @@ def test_feedback_mode_learns_from_cached_tokens(fleet, model_dir, real_dir, exi
                                 telemetry=True)
     assert set(fb.by_endpoint("prefixroute_index_source_info", "source").values()) == {"feedback"}
     assert not fb.states() or set(fb.states().values()) <= {"off"}
-    docs = [real_vllm.document(200 + i) for i in range(3)]
+    docs = [real_vllm.document(200 + i) for i in range(6)]
     first = [real_vllm.chat(fb.url, d, "one") for d in docs]
     second = [real_vllm.chat(fb.url, d, "two") for d in docs]
     assert all(status == 200 for status, _, _ in first + second)
-    for (_, _, a), (_, body, b) in zip(first, second):
-        assert a == b, (a, b)  # the router remembered where it sent each prefix
+    stayed = [(a, body) for (_, _, a), (_, body, b) in zip(first, second) if a == b]
+    # The router remembered where it sent each prefix. One move is allowed: the prefix policy leaves a holder that
+    # it predicts slower by more than the prefill saved, and on this loaded host one slow response of a CPU server
+    # can make it so for a ~700-token prompt (one of 3 moved in one CI run). A router that forgot the prefixes
+    # keeps 5 of 6 by chance with probability ~2% (each second request lands on its first's endpoint 1 time in 3).
+    assert len(stayed) >= 5, [(a, b) for (_, _, a), (_, _, b) in zip(first, second)]
+    for _, body in stayed:
         u = body["usage"]
         assert u["prompt_tokens_details"]["cached_tokens"] > 0.8 * u["prompt_tokens"], u
 
