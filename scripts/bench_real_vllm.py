@@ -69,9 +69,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / "work"
     model_dir = real_vllm.build_model(py, work / "tiny-llama")
-    wl = workloads.apply_arrivals(workloads.capacity_pressure(
-        num_groups=args.num_groups, min_prefix_tokens=args.min_prefix_tokens, max_prefix_tokens=args.max_prefix_tokens,
-        question_tokens=16, num_requests=args.num_requests, output_tokens=args.output_tokens, seed=args.seed), "closed")
+    wl = _workload(args, args.num_requests, args.seed)
     servers = [real_vllm.VllmServer(py, model_dir, f"s{i}", port, kv_cache_tokens=args.kv_cache_tokens,
                                     log_dir=work / "logs")
                for i, port in enumerate(real_vllm.fixed_port_runs(args.servers))]
@@ -86,8 +84,9 @@ def main() -> int:
         endpoints = [s.endpoint for s in servers]
         if args.warmup_requests > 0:
             t0 = time.monotonic()
-            asyncio.run(_warm_up(servers, args))
-            print(f"warmed up with {args.warmup_requests} requests in {time.monotonic() - t0:.0f} s", flush=True)
+            num_ok = asyncio.run(_warm_up(servers, args))
+            print(f"warmed up with {args.warmup_requests} requests ({num_ok} answered 200) in "
+                  f"{time.monotonic() - t0:.0f} s", flush=True)
         seen: dict[str, int] = {}
         for name in args.routers.split(","):
             spec = parse_router(name)
@@ -141,18 +140,24 @@ def main() -> int:
     return 0
 
 
-async def _warm_up(servers: list, args: argparse.Namespace) -> None:
-    """The same kind of requests (another seed) straight to every server at the run's concurrency, then each
-    server's prefix cache reset by the caller's per-router reset: the servers meet the first router warm."""
-    wl = workloads.apply_arrivals(workloads.capacity_pressure(
+def _workload(args: argparse.Namespace, num_requests: int, seed: int) -> workloads.Workload:
+    """The bench's capacity-pressure requests of this run's shape, closed loop."""
+    return workloads.apply_arrivals(workloads.capacity_pressure(
         num_groups=args.num_groups, min_prefix_tokens=args.min_prefix_tokens, max_prefix_tokens=args.max_prefix_tokens,
-        question_tokens=16, num_requests=args.warmup_requests, output_tokens=args.output_tokens,
-        seed=args.seed + 1_000_003), "closed")
+        question_tokens=16, num_requests=num_requests, output_tokens=args.output_tokens, seed=seed), "closed")
+
+
+async def _warm_up(servers: list, args: argparse.Namespace) -> int:
+    """Requests of the run's shape (another seed) straight to the servers, an equal share each, at least the run's
+    concurrency in all; the caller's per-router reset then empties their caches, so the first router meets them
+    warm. Returns how many were answered 200."""
+    wl = _workload(args, args.warmup_requests, args.seed + 1_000_003)
     n = len(servers)
     per_server = max(1, -(-args.concurrency // n))
-    await asyncio.gather(*(bench_client.run_workload(
+    results = await asyncio.gather(*(bench_client.run_workload(
         s.url, wl.requests[i::n], model=real_vllm.SERVED_MODEL, concurrency=per_server, timeout_s=120,
         max_duration_s=600, api="chat") for i, s in enumerate(servers)))
+    return sum(r.ok for rs in results for r in rs)
 
 
 def _process_cpu_s() -> dict[int, tuple[str, float]]:
